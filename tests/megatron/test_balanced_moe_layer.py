@@ -1,0 +1,94 @@
+"""UltraEP inside megatron-core's real MoELayer, on 4 gloo CPU ranks (EP=4), skewed routing.
+
+The reference is megatron-core's own MoELayer (``--moe-balancer none``) with the same weights and
+tokens: the balanced layer must give the same outputs and the same gradients of every parameter and
+input (to float-summation order), while the per-rank load its experts actually receive is balanced.
+"""
+
+import pytest
+import torch
+
+from gloo_launch import WORKERS, launch_gloo_ranks
+
+WORLD = 4
+NUM_SLOTS = 1
+EXPERT_NUMEL = 2 * 32 * 48  # fc1 [48, 32] + fc2 [32, 48]
+RTOL = 1e-5
+SCENARIOS = ("single", "pipelined", "recompute", "eplb", "eplb-exact")
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("balanced_layer")
+    launch_gloo_ranks(WORKERS / "balanced_moe_layer.py", WORLD,
+                      ["--out-dir", out, "--num-slots", NUM_SLOTS], timeout_s=400)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+def assert_close(actual, expected, what):
+    scale = expected.abs().max().clamp_min(1e-12)
+    err = (actual - expected).abs().max() / scale
+    assert err <= RTOL, f"{what}: max error {err:.3g} relative to max |ref|"
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_same_outputs_and_gradients_as_megatron(ranks, scenario):
+    for rank, result in enumerate(ranks):
+        balanced, reference = result[f"{scenario}/balanced"], result[f"{scenario}/none"]
+        for mb, (a, b) in enumerate(zip(balanced["out"], reference["out"])):
+            assert_close(a, b, f"rank {rank} microbatch {mb} output")
+        for mb, (a, b) in enumerate(zip(balanced["dx"], reference["dx"])):
+            assert_close(a, b, f"rank {rank} microbatch {mb} input grad")
+        assert_close(balanced["router_grad"], reference["router_grad"], f"rank {rank} router grad")
+        for expert, grads in reference["expert_grads"].items():
+            for name, a, b in zip(("fc1", "fc2"), balanced["expert_grads"][expert], grads):
+                assert_close(a, b, f"rank {rank} expert {expert} {name} grad")
+
+
+def test_negative_control_detects_a_wrong_gradient(ranks):
+    """The comparison above is sharp: dropping one replica's reduced gradient would fail it."""
+    result = ranks[0]["single/balanced"]
+    grads = result["expert_grads"]
+    hot = min(grads)  # expert 0, the hottest, replicated
+    fc1 = grads[hot][0]
+    with pytest.raises(AssertionError):
+        assert_close(fc1 * 0.7, ranks[0]["single/none"]["expert_grads"][hot][0], "scaled")
+
+
+@pytest.mark.parametrize("scenario", ["single", "pipelined", "recompute"])
+def test_ultraep_balances_the_received_load(ranks, scenario):
+    rows = torch.tensor([r[f"{scenario}/balanced"]["received_rows"] for r in ranks], dtype=torch.float)
+    skewed = torch.tensor([r[f"{scenario}/none"]["received_rows"] for r in ranks], dtype=torch.float)
+    # [ranks, microbatches] -> per-microbatch max/mean across ranks
+    before = (skewed.max(0).values / skewed.mean(0))
+    after = (rows.max(0).values / rows.mean(0))
+    assert before.min() > 2.0, f"the test's routing is not skewed: {before}"
+    assert after.max() <= 1.05, f"post-balancing imbalance {after} > 1.05 (before {before})"
+    # Replicas were really created and used.
+    stats = ranks[0][f"{scenario}/balanced"]["stats"][1]
+    assert stats["replicas"] >= 1
+    replica_rows = rows.sum() - skewed.sum()
+    assert replica_rows == 0, "balancing moves tokens, never adds or drops any"
+
+
+def test_eplb_baselines_do_not_balance_as_well(ranks):
+    ultraep = ranks[0]["pipelined/balanced"]["stats"][1]["imbalance_after"]
+    for name in ("eplb", "eplb-exact"):
+        rows = torch.tensor([r[f"{name}/balanced"]["received_rows"] for r in ranks], dtype=torch.float)
+        after = (rows.max(0).values / rows.mean(0)).mean()
+        assert after > ultraep, f"{name} balanced better than ultraep ({after} vs {ultraep})"
+
+
+def test_ring_is_released_after_backward(ranks):
+    for result in ranks:
+        pipelined = result["pipelined/balanced"]
+        assert pipelined["ring_live_before_backward"] == 3  # three microbatches in flight
+        assert pipelined["ring_live_after_backward"] == 0
+        assert result["recompute/balanced"]["ring_live_after_backward"] == 0
+
+
+def test_replica_buffers_are_num_slots_experts(ranks):
+    for result in ranks:
+        assert result["single/balanced"]["replica_buffer_numel"] == NUM_SLOTS * EXPERT_NUMEL

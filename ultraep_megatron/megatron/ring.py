@@ -1,0 +1,143 @@
+"""Virtual-layer-ID ring buffer: carries each MoE invocation's balancing plan from its forward to its
+backward (paper §7).
+
+Every in-flight MoE invocation, i.e. one (MoE layer, microbatch) pair whose backward has not run yet,
+holds one slot of the ring. Its id (the *virtual layer id*) is saved in the autograd context of the
+replica-expert function, so the backward finds the forward's plan without knowing the pipeline
+schedule. With pipeline parallelism several microbatches of the same layer are in flight at once, so
+the ring is sized from the schedule: ``moe_layers_on_this_rank * max_inflight_microbatches``.
+
+A full ring is an error, never a silent reuse: a live slot overwritten would make a backward use the
+wrong plan and silently corrupt gradients.
+
+Activation recompute replays the forward of a layer inside the backward. The first (checkpointed,
+no-grad) forward parks its id in a per-layer FIFO; the replay pops it and reuses the stored plan
+instead of solving again. Per layer, replays happen in the order the forwards ran (pipeline schedules
+run backward passes of a stage's microbatches in forward order), which the FIFO relies on; the replay
+also checks that the recomputed routing equals the stored one and raises if not.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Deque, Dict, List, Optional
+
+
+class RingFullError(RuntimeError):
+    """Raised when an MoE forward needs a ring slot while every slot is still live."""
+
+
+@dataclass
+class RingEntry:
+    """The state one in-flight MoE invocation carries to its backward.
+
+    Attributes:
+        layer: the MoE layer's global layer number.
+        generation: bumped on every reuse of the slot, so a stale id is detected.
+        payload: whatever the balancer stored (plan, load, slot contents).
+    """
+
+    layer: int
+    generation: int
+    payload: Any
+
+
+@dataclass
+class VirtualLayerRing:
+    """Fixed-capacity table of in-flight MoE invocations, indexed by virtual layer id.
+
+    Args:
+        capacity: number of slots; see ``ring_capacity``.
+    """
+
+    capacity: int
+    _entries: List[Optional[RingEntry]] = field(init=False)
+    _generations: List[int] = field(init=False)
+    _next: int = field(init=False, default=0)
+    _recompute_fifo: Dict[int, Deque[int]] = field(init=False, default_factory=dict)
+    high_water: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        if self.capacity < 1:
+            raise ValueError(f"ring capacity must be >= 1, got {self.capacity}")
+        self._entries = [None] * self.capacity
+        self._generations = [0] * self.capacity
+
+    @property
+    def live(self) -> int:
+        """Number of slots currently holding an in-flight invocation."""
+        return sum(e is not None for e in self._entries)
+
+    def acquire(self, layer: int, payload: Any) -> int:
+        """Store ``payload`` for a new invocation of ``layer``; return its virtual layer id."""
+        for step in range(self.capacity):
+            slot = (self._next + step) % self.capacity
+            if self._entries[slot] is None:
+                self._generations[slot] += 1
+                self._entries[slot] = RingEntry(layer, self._generations[slot], payload)
+                self._next = (slot + 1) % self.capacity
+                self.high_water = max(self.high_water, self.live)
+                return slot * (1 << 32) + self._generations[slot]
+        layers = sorted({e.layer for e in self._entries if e is not None})
+        raise RingFullError(
+            f"UltraEP virtual-layer ring is full ({self.capacity} in-flight MoE invocations, layers "
+            f"{layers}): more microbatches are in flight than the pipeline schedule allows, or forward "
+            "passes ran in training mode without a backward. Raise the ring size with "
+            "--moe-balancer-ring-size, or run forward-only passes with model.eval()."
+        )
+
+    def _slot(self, vid: int) -> RingEntry:
+        slot, generation = divmod(vid, 1 << 32)
+        entry = self._entries[slot] if 0 <= slot < self.capacity else None
+        if entry is None or entry.generation != generation:
+            raise KeyError(f"virtual layer id {vid} is not live (released or overwritten)")
+        return entry
+
+    def get(self, vid: int) -> Any:
+        """The payload stored under ``vid``."""
+        return self._slot(vid).payload
+
+    def release(self, vid: int) -> None:
+        """Free the slot of ``vid`` (after its backward)."""
+        self._slot(vid)
+        self._entries[vid >> 32] = None
+
+    # Activation recompute -------------------------------------------------------------------
+    def park_for_recompute(self, layer: int, vid: int) -> None:
+        """Remember that ``vid``'s forward ran without autograd and will be replayed."""
+        self._recompute_fifo.setdefault(layer, deque()).append(vid)
+
+    def pop_for_recompute(self, layer: int) -> int:
+        """The id of the oldest parked forward of ``layer``, for its replay."""
+        fifo = self._recompute_fifo.get(layer)
+        if not fifo:
+            raise RuntimeError(
+                f"MoE layer {layer} is being recomputed but no checkpointed forward of it is pending"
+            )
+        return fifo.popleft()
+
+    def clear(self) -> None:
+        """Drop every entry (e.g. after an aborted iteration)."""
+        self._entries = [None] * self.capacity
+        self._recompute_fifo.clear()
+
+
+def max_inflight_microbatches(
+    pp_size: int, pp_rank: int, num_microbatches: int, vpp_size: Optional[int] = None
+) -> int:
+    """Most forward passes of one model chunk whose backward has not run yet, per pipeline schedule.
+
+    1F1B: stage ``pp_rank`` runs ``pp_size - pp_rank - 1`` warm-up forwards plus one steady-state
+    forward before its first backward, so ``pp_size - pp_rank`` microbatches are in flight.
+    Interleaved (``vpp_size`` chunks per stage): Megatron's warm-up is
+    ``(pp_size - pp_rank - 1) * 2 + (vpp_size - 1) * pp_size`` forwards over all chunks; one chunk
+    sees at most that many plus one of them, bounded by ``num_microbatches``. We bound per chunk by
+    the whole count, which over-provisions by at most a factor ``vpp_size`` (slots are small).
+    """
+    if pp_size <= 1:
+        return 1
+    if vpp_size is None or vpp_size <= 1:
+        return min(pp_size - pp_rank, num_microbatches)
+    warmup = (pp_size - pp_rank - 1) * 2 + (vpp_size - 1) * pp_size
+    return min(warmup + 1, num_microbatches)

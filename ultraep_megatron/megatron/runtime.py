@@ -1,0 +1,352 @@
+"""Per-process UltraEP state shared by every balanced MoE layer: the balancer choice, the redundant
+slot buffers (shared across layers, §4.1), the virtual-layer ring (§7), the weight/gradient movement
+and the per-layer telemetry of the current iteration.
+
+This module holds no megatron import at module level: layers hand it plain tensors and process groups.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ultraep_megatron import planner
+from ultraep_megatron.planner import baselines
+from ultraep_megatron.megatron.ring import VirtualLayerRing
+
+BALANCERS = ("none", "ultraep", "eplb", "eplb-exact")
+
+
+@dataclass(frozen=True)
+class BalancerConfig:
+    """What ``--moe-balancer*`` selected.
+
+    Attributes:
+        name: ``ultraep`` (exact-load quota planner), ``eplb-exact`` (EPLB's replication rule on the
+            exact load, the paper's EPLB++), ``eplb`` (EPLB's rule on historical load, re-planned every
+            ``eplb_interval`` microbatches from the last ``eplb_window`` microbatches of the layer).
+        num_slots: redundant expert slots per EP rank.
+        min_quota: smallest token quota a replica may carry (planner's ``min_quota``; ``None``: 1 % of
+            the mean rank load).
+        eplb_window / eplb_interval: EPLB history, in microbatches of the layer.
+        ring_size: override of the virtual-layer ring capacity (default: from the pipeline schedule).
+    """
+
+    name: str = "ultraep"
+    num_slots: int = 1
+    min_quota: Optional[int] = None
+    eplb_window: int = 16
+    eplb_interval: int = 16
+    ring_size: Optional[int] = None
+
+    def __post_init__(self):
+        if self.name not in BALANCERS[1:]:
+            raise ValueError(f"--moe-balancer: unknown balancer {self.name!r}; choose from {BALANCERS}")
+        if self.num_slots < 0:
+            raise ValueError(f"--moe-balancer-num-slots must be >= 0, got {self.num_slots}")
+        if self.min_quota is not None and self.min_quota < 1:
+            raise ValueError(f"--moe-balancer-min-quota must be >= 1, got {self.min_quota}")
+        if self.eplb_window < 1 or self.eplb_interval < 1:
+            raise ValueError("--moe-balancer-eplb-window and --moe-balancer-eplb-interval must be >= 1")
+        if self.ring_size is not None and self.ring_size < 1:
+            raise ValueError(f"--moe-balancer-ring-size must be >= 1, got {self.ring_size}")
+
+    def build(self, num_experts: int, ep_size: int) -> "LayerBalancer":
+        """A fresh per-layer balancer (EPLB keeps per-layer history)."""
+        return LayerBalancer(self, num_experts, ep_size)
+
+
+class LayerBalancer:
+    """Turns one microbatch's exact load ``[R, E]`` into a ``planner.Plan`` for one MoE layer."""
+
+    def __init__(self, config: BalancerConfig, num_experts: int, ep_size: int):
+        self.config = config
+        self.num_experts, self.ep_size = num_experts, ep_size
+        self._history: List[torch.Tensor] = []
+        self._placement: Optional[torch.Tensor] = None  # EPLB: slot_expert [R, S] in force
+        self._calls = 0
+
+    def plan(self, load: torch.Tensor) -> "planner.Plan":
+        """load: int64 [R, E] -> Plan (deterministic: every EP rank gets the same)."""
+        cfg = self.config
+        if cfg.name == "ultraep":
+            return planner.solve(load, cfg.num_slots, min_quota=cfg.min_quota)
+        if cfg.name == "eplb-exact":
+            return baselines.eplb_exact(load, cfg.num_slots)
+        # eplb: placement from history, refreshed every `eplb_interval` microbatches; the current
+        # load is spread round-robin over the instances of that placement.
+        if self._placement is None or self._calls % cfg.eplb_interval == 0:
+            history = torch.stack(self._history[-cfg.eplb_window :]) if self._history else load.unsqueeze(0)
+            self._placement = baselines.eplb(history, cfg.num_slots).slot_expert
+        self._calls += 1
+        self._history.append(load.clone())
+        del self._history[: -cfg.eplb_window]
+        return baselines.round_robin(load, self._placement)
+
+
+@dataclass
+class InvocationState:
+    """One MoE invocation's plan and the all-to-all metadata derived from it.
+
+    Attributes:
+        plan: the balancing plan.
+        load: int64 [R, E], the exact load it was solved on.
+        physical_counts: int64 [R_src, R * P], tokens each source sends to each physical slot.
+        replica_tokens_per_slot: tokens this rank's redundant slots receive, length ``num_slots``.
+        vid: virtual layer id in the ring, ``None`` when no backward will follow (eval).
+    """
+
+    plan: "planner.Plan"
+    load: torch.Tensor
+    physical_counts: torch.Tensor
+    replica_tokens_per_slot: List[int]
+    vid: Optional[int] = None
+
+
+class ReplicaSlots:
+    """The redundant-slot buffers of this rank, shared by every MoE layer (§4.1, Fig. 7).
+
+    ``weight`` [num_slots, expert_numel] in the expert parameter dtype and ``grad`` [num_slots,
+    expert_numel] in fp32. They are plain tensors, never ``nn.Parameter``: not in DDP buckets, the
+    optimizer or checkpoints. ``holder`` names the invocation whose replicas ``weight`` holds now.
+    """
+
+    def __init__(self, num_slots: int, param_shapes: Sequence[Tuple[str, Tuple[int, ...]]], dtype, device):
+        self.num_slots = num_slots
+        self.param_shapes = list(param_shapes)
+        self.numel = sum(int(torch.Size(s).numel()) for _, s in self.param_shapes)
+        self.weight = torch.zeros(num_slots, self.numel, dtype=dtype, device=device)
+        self.grad = torch.zeros(num_slots, self.numel, dtype=torch.float32, device=device)
+        self.holder: Optional[object] = None
+
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size() + self.grad.numel() * 4
+
+    def _split(self, flat: torch.Tensor) -> List[torch.Tensor]:
+        out, start = [], 0
+        for _, shape in self.param_shapes:
+            n = int(torch.Size(shape).numel())
+            out.append(flat[start : start + n].view(shape))
+            start += n
+        return out
+
+    def weight_views(self, param_shapes=None) -> List[List[torch.Tensor]]:
+        """Per slot, the expert's parameters as views into ``weight``."""
+        return [self._split(self.weight[s]) for s in range(self.num_slots)]
+
+    def accumulate_grad(self, slot: int, grads: Sequence[Optional[torch.Tensor]]) -> None:
+        for view, g in zip(self._split(self.grad[slot]), grads):
+            if g is not None:
+                view.add_(g.float())
+
+
+class Runtime:
+    """Process-wide UltraEP state; one per training process (see ``get_runtime``)."""
+
+    def __init__(self):
+        self.layers: Dict[int, object] = {}
+        self.slots: Optional[ReplicaSlots] = None
+        self.ring: Optional[VirtualLayerRing] = None
+        self.stats: Dict[int, Dict[str, float]] = {}
+        self.transfer_seconds = 0.0
+        self.plan_seconds = 0.0
+
+    # -- setup ---------------------------------------------------------------------------------
+    def register_layer(self, layer) -> None:
+        if layer.layer_number in self.layers and self.layers[layer.layer_number] is not layer:
+            # A rebuilt model (e.g. a second test in one process) starts from scratch.
+            self.__init__()
+        self.layers[layer.layer_number] = layer
+        param = next(layer.experts.local_experts[0].parameters())
+        shapes, num_slots = layer.expert_param_shapes, layer.balancer_config.num_slots
+        if self.slots is None:
+            self.slots = ReplicaSlots(num_slots, shapes, param.dtype, param.device)
+        elif self.slots.param_shapes != shapes or self.slots.num_slots != num_slots:
+            raise ValueError("UltraEP shares replica slots across MoE layers: all must have the same expert shape")
+        self.ring = None  # sized lazily, once the model (and the schedule) is known
+
+    def _ensure_ring(self, layer) -> VirtualLayerRing:
+        if self.ring is None:
+            size = layer.balancer_config.ring_size or len(self.layers) * _schedule_inflight()
+            self.ring = VirtualLayerRing(size)
+        return self.ring
+
+    # -- forward -------------------------------------------------------------------------------
+    def plan(self, layer, load: torch.Tensor, *, training: bool, grad_enabled: bool) -> InvocationState:
+        """Solve the plan of one invocation and, in training, park it in the ring."""
+        t0 = time.perf_counter()
+        plan = layer.balancer.plan(load)
+        plan_time = time.perf_counter() - t0
+        self.plan_seconds += plan_time
+        state = self._state(layer, plan, load)
+        if training:
+            ring = self._ensure_ring(layer)
+            state.vid = ring.acquire(layer.layer_number, state)
+            if not grad_enabled:  # checkpointed forward: replayed in the backward
+                ring.park_for_recompute(layer.layer_number, state.vid)
+        self._record(layer, load, plan, plan_time)
+        return state
+
+    def replay_state(self, layer_number: int, local_load: torch.Tensor, ep_rank: int) -> InvocationState:
+        """The stored state of a checkpointed forward, for its activation-recompute replay."""
+        vid = self.ring.pop_for_recompute(layer_number)
+        state: InvocationState = self.ring.get(vid)
+        if not torch.equal(state.load[ep_rank], local_load):
+            raise RuntimeError(
+                f"MoE layer {layer_number}: recomputed routing differs from the checkpointed forward; "
+                "recompute must be deterministic (same RNG state, same inputs)"
+            )
+        return state
+
+    def _state(self, layer, plan, load) -> InvocationState:
+        L = layer.num_local_experts
+        counts = plan.physical_split  # [R_src, R * P]
+        rank, P = layer.token_dispatcher.ep_rank, layer.token_dispatcher.slots_per_rank
+        replica = counts[:, rank * P + L : (rank + 1) * P].sum(dim=0).tolist()
+        return InvocationState(plan=plan, load=load, physical_counts=counts, replica_tokens_per_slot=replica)
+
+    def state(self, vid: int) -> InvocationState:
+        return self.ring.get(vid)
+
+    def release(self, vid: Optional[int]) -> None:
+        if vid is not None:
+            self.ring.release(vid)
+
+    def assign_tokens(self, plan, rank: int, topk_ids: torch.Tensor) -> torch.Tensor:
+        return planner.assign_tokens(plan, rank, topk_ids)
+
+    # -- weights and gradients ------------------------------------------------------------------
+    def materialize(self, layer, state: InvocationState) -> None:
+        """Copy every replicated main expert into its hosts' redundant slots (skip if already there)."""
+        if self.slots.holder is state or self.slots.num_slots == 0:
+            return
+        t0 = time.perf_counter()
+        _direct_distribute(layer, state.plan.slot_expert, self.slots.weight)
+        self.transfer_seconds += time.perf_counter() - t0
+        self.slots.holder = state
+
+    def reduce_replica_grads(self, layer, state: InvocationState) -> List[Optional[torch.Tensor]]:
+        """Reduce the replica gradient buffer into the main experts; return grads for main params.
+
+        Under Megatron DDP the sums go straight into ``param.main_grad`` (fp32) and ``None`` is
+        returned for that parameter; otherwise they are returned as the parameter's gradient.
+        """
+        t0 = time.perf_counter()
+        sums = _direct_reduce(layer, state.plan.slot_expert, self.slots.grad)  # local expert -> flat fp32
+        self.slots.grad.zero_()
+        self.transfer_seconds += time.perf_counter() - t0
+        grads: List[Optional[torch.Tensor]] = []
+        for j, expert in enumerate(layer.experts.local_experts):
+            flat = sums.get(j)
+            views = self.slots._split(flat) if flat is not None else [None] * len(layer.expert_param_shapes)
+            for p, g in zip(expert.parameters(), views):
+                if g is None:
+                    grads.append(None)
+                elif getattr(p, "main_grad", None) is not None:
+                    p.main_grad.add_(g)
+                    grads.append(None)
+                else:
+                    grads.append(g.to(p.dtype))
+        return grads
+
+    # -- telemetry --------------------------------------------------------------------------------
+    def _record(self, layer, load, plan, plan_time) -> None:
+        m = planner.metrics(load, plan)
+        entry = self.stats.setdefault(layer.layer_number, {"count": 0})
+        entry["count"] += 1
+        for key in ("imbalance_before", "imbalance_after", "replicas", "max_fanout", "inflight_ratio"):
+            entry[key] = entry.get(key, 0.0) + float(m[key])
+        entry["plan_ms"] = entry.get("plan_ms", 0.0) + plan_time * 1e3
+
+    def pop_stats(self) -> Dict[int, Dict[str, float]]:
+        """Per-layer averages over the microbatches since the last call."""
+        out = {
+            layer: {k: v / s["count"] for k, v in s.items() if k != "count"}
+            for layer, s in sorted(self.stats.items())
+        }
+        self.stats = {}
+        return out
+
+
+def _schedule_inflight() -> int:
+    """Max in-flight microbatches per MoE layer on this rank, from Megatron's pipeline state."""
+    try:
+        from megatron.core import parallel_state as ps
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+        from ultraep_megatron.megatron.ring import max_inflight_microbatches
+
+        return max_inflight_microbatches(
+            ps.get_pipeline_model_parallel_world_size(),
+            ps.get_pipeline_model_parallel_rank(),
+            get_num_microbatches(),
+            ps.get_virtual_pipeline_model_parallel_world_size(),
+        )
+    except Exception:  # outside Megatron's training loop (a bare MoE layer): one microbatch
+        return 1
+
+
+def _pack_expert(expert) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in expert.parameters()])
+
+
+def _direct_distribute(layer, slot_expert: torch.Tensor, buffer: torch.Tensor) -> None:
+    """Home rank -> replica hosts, one p2p message per replica (fallback without the data plane)."""
+    group = layer.token_dispatcher.ep_group
+    rank, L = layer.token_dispatcher.ep_rank, layer.num_local_experts
+    ops = []
+    for t, i in (slot_expert >= 0).nonzero().tolist():
+        e = int(slot_expert[t, i])
+        home = e // L
+        if home == t:
+            raise ValueError(f"slot plan puts a replica of expert {e} on its home rank {t}")
+        if rank == home:
+            ops.append(dist.P2POp(dist.isend, _pack_expert(layer.experts.local_experts[e - home * L]),
+                                  dist.get_global_rank(group, t), group))
+        if rank == t:
+            ops.append(dist.P2POp(dist.irecv, buffer[i], dist.get_global_rank(group, home), group))
+    if ops:
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+
+
+def _direct_reduce(layer, slot_expert: torch.Tensor, grad: torch.Tensor) -> Dict[int, torch.Tensor]:
+    """Replica hosts -> home; the home sums in slot order (rank, slot ascending): deterministic."""
+    group = layer.token_dispatcher.ep_group
+    rank, L = layer.token_dispatcher.ep_rank, layer.num_local_experts
+    ops, incoming = [], []
+    for t, i in (slot_expert >= 0).nonzero().tolist():
+        e = int(slot_expert[t, i])
+        home = e // L
+        if rank == t:
+            ops.append(dist.P2POp(dist.isend, grad[i], dist.get_global_rank(group, home), group))
+        if rank == home:
+            buf = torch.empty_like(grad[i])
+            ops.append(dist.P2POp(dist.irecv, buf, dist.get_global_rank(group, t), group))
+            incoming.append((e - home * L, buf))
+    if ops:
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+    sums: Dict[int, torch.Tensor] = {}
+    for j, buf in incoming:
+        sums[j] = sums[j] + buf if j in sums else buf
+    return sums
+
+
+_RUNTIME: Optional[Runtime] = None
+
+
+def get_runtime() -> Runtime:
+    global _RUNTIME
+    if _RUNTIME is None:
+        _RUNTIME = Runtime()
+    return _RUNTIME
+
+
+def reset_runtime() -> None:
+    global _RUNTIME
+    _RUNTIME = None
