@@ -33,6 +33,7 @@ from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
+from ultraep_megatron.megatron.arguments import unsupported_moe_settings
 from ultraep_megatron.megatron.runtime import BalancerConfig, InvocationState, get_runtime
 
 
@@ -101,6 +102,7 @@ class BalancedAlltoAllDispatcher(MoEAlltoAllTokenDispatcher):
         plan = state.plan
 
         # Reroute: logical (token, expert) pairs -> physical slots, exact per the plan's split.
+        t0 = time.perf_counter()
         token_ids, expert_ids = routing_map.nonzero(as_tuple=True)
         num_tokens = routing_map.size(0)
         if token_ids.numel() != num_tokens * topk:
@@ -116,6 +118,7 @@ class BalancedAlltoAllDispatcher(MoEAlltoAllTokenDispatcher):
         # Differentiable in the router's probabilities: gather, then scatter into physical columns.
         physical_probs = torch.zeros(num_tokens, num_physical, dtype=probs.dtype, device=probs.device)
         physical_probs = physical_probs.scatter(1, physical_ids, probs.gather(1, topk_ids))
+        runtime.reroute_seconds += time.perf_counter() - t0
 
         # Forward weight distribution into the shared replica slots (before the token dispatch).
         runtime.materialize(layer, state)
@@ -219,6 +222,9 @@ class BalancedMoELayer(MoELayer):
 
     def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, *,
                  balancer_config: BalancerConfig, **kwargs):
+        problems = unsupported_moe_settings(config)
+        if problems:
+            raise ValueError(f"--moe-balancer {balancer_config.name}: " + "; ".join(problems))
         super().__init__(config, submodules=submodules, layer_number=layer_number,
                          pg_collection=pg_collection, **kwargs)
         if pg_collection is None:

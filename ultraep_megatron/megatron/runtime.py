@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 
 from ultraep_megatron import planner
+from ultraep_megatron.dataplane import ReplicaBuffer, TransferSchedule, expert_views
 from ultraep_megatron.planner import baselines
 from ultraep_megatron.megatron.ring import VirtualLayerRing
 
@@ -97,6 +97,8 @@ class InvocationState:
         load: int64 [R, E], the exact load it was solved on.
         physical_counts: int64 [R_src, R * P], tokens each source sends to each physical slot.
         replica_tokens_per_slot: tokens this rank's redundant slots receive, length ``num_slots``.
+        schedule: the data plane's transfer schedule for the plan's replicas (forward distribution,
+            backward re-materialization and gradient reduction all use it).
         vid: virtual layer id in the ring, ``None`` when no backward will follow (eval).
     """
 
@@ -104,67 +106,31 @@ class InvocationState:
     load: torch.Tensor
     physical_counts: torch.Tensor
     replica_tokens_per_slot: List[int]
+    schedule: Optional[TransferSchedule] = None
     vid: Optional[int] = None
-
-
-class ReplicaSlots:
-    """The redundant-slot buffers of this rank, shared by every MoE layer (§4.1, Fig. 7).
-
-    ``weight`` [num_slots, expert_numel] in the expert parameter dtype and ``grad`` [num_slots,
-    expert_numel] in fp32. They are plain tensors, never ``nn.Parameter``: not in DDP buckets, the
-    optimizer or checkpoints. ``holder`` names the invocation whose replicas ``weight`` holds now.
-    """
-
-    def __init__(self, num_slots: int, param_shapes: Sequence[Tuple[str, Tuple[int, ...]]], dtype, device):
-        self.num_slots = num_slots
-        self.param_shapes = list(param_shapes)
-        self.numel = sum(int(torch.Size(s).numel()) for _, s in self.param_shapes)
-        self.weight = torch.zeros(num_slots, self.numel, dtype=dtype, device=device)
-        self.grad = torch.zeros(num_slots, self.numel, dtype=torch.float32, device=device)
-        self.holder: Optional[object] = None
-
-    def nbytes(self) -> int:
-        return self.weight.numel() * self.weight.element_size() + self.grad.numel() * 4
-
-    def _split(self, flat: torch.Tensor) -> List[torch.Tensor]:
-        out, start = [], 0
-        for _, shape in self.param_shapes:
-            n = int(torch.Size(shape).numel())
-            out.append(flat[start : start + n].view(shape))
-            start += n
-        return out
-
-    def weight_views(self, param_shapes=None) -> List[List[torch.Tensor]]:
-        """Per slot, the expert's parameters as views into ``weight``."""
-        return [self._split(self.weight[s]) for s in range(self.num_slots)]
-
-    def accumulate_grad(self, slot: int, grads: Sequence[Optional[torch.Tensor]]) -> None:
-        for view, g in zip(self._split(self.grad[slot]), grads):
-            if g is not None:
-                view.add_(g.float())
 
 
 class Runtime:
     """Process-wide UltraEP state; one per training process (see ``get_runtime``)."""
 
     def __init__(self):
-        self.layers: Dict[int, object] = {}
-        self.slots: Optional[ReplicaSlots] = None
+        self.layers: List[object] = []  # balanced MoE layers built in this process
+        self.slots: Optional[ReplicaSlots] = None  # shared by every MoE layer of this process
         self.ring: Optional[VirtualLayerRing] = None
         self.stats: Dict[int, Dict[str, float]] = {}
+        # Cumulative wall time of the balancing overheads, for benchmarks and the training log.
         self.transfer_seconds = 0.0
         self.plan_seconds = 0.0
+        self.reroute_seconds = 0.0
 
     # -- setup ---------------------------------------------------------------------------------
     def register_layer(self, layer) -> None:
-        if layer.layer_number in self.layers and self.layers[layer.layer_number] is not layer:
-            # A rebuilt model (e.g. a second test in one process) starts from scratch.
-            self.__init__()
-        self.layers[layer.layer_number] = layer
+        self.layers.append(layer)
         param = next(layer.experts.local_experts[0].parameters())
         shapes, num_slots = layer.expert_param_shapes, layer.balancer_config.num_slots
         if self.slots is None:
-            self.slots = ReplicaSlots(num_slots, shapes, param.dtype, param.device)
+            self.slots = ReplicaSlots(num_slots, shapes, param.dtype, param.device,
+                                      group=layer.token_dispatcher.ep_group)
         elif self.slots.param_shapes != shapes or self.slots.num_slots != num_slots:
             raise ValueError("UltraEP shares replica slots across MoE layers: all must have the same expert shape")
         self.ring = None  # sized lazily, once the model (and the schedule) is known
@@ -207,7 +173,9 @@ class Runtime:
         counts = plan.physical_split  # [R_src, R * P]
         rank, P = layer.token_dispatcher.ep_rank, layer.token_dispatcher.slots_per_rank
         replica = counts[:, rank * P + L : (rank + 1) * P].sum(dim=0).tolist()
-        return InvocationState(plan=plan, load=load, physical_counts=counts, replica_tokens_per_slot=replica)
+        schedule = self.slots.schedule(plan.slot_expert, plan.num_experts) if self.slots.num_slots else None
+        return InvocationState(plan=plan, load=load, physical_counts=counts,
+                               replica_tokens_per_slot=replica, schedule=schedule)
 
     def state(self, vid: int) -> InvocationState:
         return self.ring.get(vid)
@@ -221,11 +189,15 @@ class Runtime:
 
     # -- weights and gradients ------------------------------------------------------------------
     def materialize(self, layer, state: InvocationState) -> None:
-        """Copy every replicated main expert into its hosts' redundant slots (skip if already there)."""
-        if self.slots.holder is state or self.slots.num_slots == 0:
+        """Copy every replicated main expert into its hosts' redundant slots (skip if already there).
+
+        Every EP rank runs the same sequence of MoE invocations, so they all skip or all transfer.
+        """
+        if self.slots.holder is state or state.schedule is None:
             return
         t0 = time.perf_counter()
-        _direct_distribute(layer, state.plan.slot_expert, self.slots.weight)
+        main = [list(expert.parameters()) for expert in layer.experts.local_experts]
+        self.slots.distribute_weights(state.schedule, main)
         self.transfer_seconds += time.perf_counter() - t0
         self.slots.holder = state
 
@@ -235,23 +207,20 @@ class Runtime:
         Under Megatron DDP the sums go straight into ``param.main_grad`` (fp32) and ``None`` is
         returned for that parameter; otherwise they are returned as the parameter's gradient.
         """
+        params = [list(expert.parameters()) for expert in layer.experts.local_experts]
+        if state.schedule is None:
+            return [None] * sum(len(p) for p in params)
         t0 = time.perf_counter()
-        sums = _direct_reduce(layer, state.plan.slot_expert, self.slots.grad)  # local expert -> flat fp32
-        self.slots.grad.zero_()
+        use_main_grad = all(getattr(p, "main_grad", None) is not None for ps in params for p in ps)
+        if use_main_grad:
+            targets = [[p.main_grad for p in ps] for ps in params]
+        else:
+            targets = [[torch.zeros_like(p, dtype=torch.float32) for p in ps] for ps in params]
+        self.slots.reduce_gradients(state.schedule, targets)
         self.transfer_seconds += time.perf_counter() - t0
-        grads: List[Optional[torch.Tensor]] = []
-        for j, expert in enumerate(layer.experts.local_experts):
-            flat = sums.get(j)
-            views = self.slots._split(flat) if flat is not None else [None] * len(layer.expert_param_shapes)
-            for p, g in zip(expert.parameters(), views):
-                if g is None:
-                    grads.append(None)
-                elif getattr(p, "main_grad", None) is not None:
-                    p.main_grad.add_(g)
-                    grads.append(None)
-                else:
-                    grads.append(g.to(p.dtype))
-        return grads
+        if use_main_grad:
+            return [None] * sum(len(p) for p in params)
+        return [g.to(p.dtype) for ps, gs in zip(params, targets) for p, g in zip(ps, gs)]
 
     # -- telemetry --------------------------------------------------------------------------------
     def _record(self, layer, load, plan, plan_time) -> None:
@@ -290,51 +259,33 @@ def _schedule_inflight() -> int:
         return 1
 
 
-def _pack_expert(expert) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in expert.parameters()])
+class ReplicaSlots(ReplicaBuffer):
+    """The data plane's replica buffer, with the views the expert compute needs.
 
+    ``replica_weights`` [num_slots, expert_numel] (expert dtype) and ``replica_grads`` [num_slots,
+    expert_numel] (fp32): plain tensors, never ``nn.Parameter`` (not in DDP buckets, the optimizer or
+    checkpoints), one pair per process whatever the number of MoE layers (§4.1). ``holder`` is the
+    invocation whose replicas ``replica_weights`` holds now.
+    """
 
-def _direct_distribute(layer, slot_expert: torch.Tensor, buffer: torch.Tensor) -> None:
-    """Home rank -> replica hosts, one p2p message per replica (fallback without the data plane)."""
-    group = layer.token_dispatcher.ep_group
-    rank, L = layer.token_dispatcher.ep_rank, layer.num_local_experts
-    ops = []
-    for t, i in (slot_expert >= 0).nonzero().tolist():
-        e = int(slot_expert[t, i])
-        home = e // L
-        if home == t:
-            raise ValueError(f"slot plan puts a replica of expert {e} on its home rank {t}")
-        if rank == home:
-            ops.append(dist.P2POp(dist.isend, _pack_expert(layer.experts.local_experts[e - home * L]),
-                                  dist.get_global_rank(group, t), group))
-        if rank == t:
-            ops.append(dist.P2POp(dist.irecv, buffer[i], dist.get_global_rank(group, home), group))
-    if ops:
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
+    def __init__(self, num_slots, param_shapes, dtype, device, *, group):
+        super().__init__(num_slots, [shape for _, shape in param_shapes], dtype, device=device, group=group)
+        self.param_shapes = list(param_shapes)
+        self.holder: Optional[object] = None
 
+    def nbytes(self) -> int:
+        w, g = self.replica_weights, self.replica_grads
+        return w.numel() * w.element_size() + g.numel() * g.element_size()
 
-def _direct_reduce(layer, slot_expert: torch.Tensor, grad: torch.Tensor) -> Dict[int, torch.Tensor]:
-    """Replica hosts -> home; the home sums in slot order (rank, slot ascending): deterministic."""
-    group = layer.token_dispatcher.ep_group
-    rank, L = layer.token_dispatcher.ep_rank, layer.num_local_experts
-    ops, incoming = [], []
-    for t, i in (slot_expert >= 0).nonzero().tolist():
-        e = int(slot_expert[t, i])
-        home = e // L
-        if rank == t:
-            ops.append(dist.P2POp(dist.isend, grad[i], dist.get_global_rank(group, home), group))
-        if rank == home:
-            buf = torch.empty_like(grad[i])
-            ops.append(dist.P2POp(dist.irecv, buf, dist.get_global_rank(group, t), group))
-            incoming.append((e - home * L, buf))
-    if ops:
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
-    sums: Dict[int, torch.Tensor] = {}
-    for j, buf in incoming:
-        sums[j] = sums[j] + buf if j in sums else buf
-    return sums
+    def weight_views(self) -> List[List[torch.Tensor]]:
+        """Per slot, the expert's parameters as views into ``replica_weights``."""
+        return [expert_views(self.replica_weights[s], self.expert_shapes) for s in range(self.num_slots)]
+
+    def accumulate_grad(self, slot: int, grads: Sequence[Optional[torch.Tensor]]) -> None:
+        """Add one replica's weight gradients into its row of ``replica_grads``."""
+        for view, g in zip(expert_views(self.replica_grads[slot], self.expert_shapes), grads):
+            if g is not None:
+                view.add_(g.float())
 
 
 _RUNTIME: Optional[Runtime] = None

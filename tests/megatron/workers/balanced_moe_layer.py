@@ -135,7 +135,7 @@ def run(layer, weights, rank, microbatches: int) -> dict:
         "ring_live_after_backward": get_runtime().ring.live if getattr(layer, "balancer_config", None) else 0,
         "stats": stats,
         "received_rows": received_rows,
-        "replica_buffer_numel": (get_runtime().slots.weight.numel()
+        "replica_buffer_numel": (get_runtime().slots.replica_weights.numel()
                                  if getattr(layer, "balancer_config", None) else 0),
     }
 
