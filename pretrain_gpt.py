@@ -35,7 +35,9 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.enums import ModelType
 from megatron.core.rerun_state_machine import get_rerun_state_machine
-from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank
+from megatron.core.utils import (
+    get_attr_wrapped_model, get_batch_on_this_cp_rank, get_batch_on_this_tp_rank,
+)
 from megatron.training import get_args, get_tokenizer, pretrain, print_rank_0
 from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
 from megatron.training.arguments import parse_and_validate_args
@@ -102,8 +104,9 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 def forward_step(data_iterator, model):
     """Forward one micro-batch; returns the per-token losses and the function reducing them."""
+    # The model chunk may be wrapped (DDP, Float16Module): ask the innermost module.
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(
-        data_iterator, vp_stage=getattr(model, "vp_stage", None))
+        data_iterator, vp_stage=get_attr_wrapped_model(model, "vp_stage"))
     output_tensor = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
     return output_tensor, partial(loss_func, loss_mask)
 
