@@ -37,6 +37,10 @@ def _add_moe_balancer_args(parser: argparse.ArgumentParser) -> argparse.Argument
                        help='Capacity of the virtual-layer ring (in-flight MoE invocations per '
                        'rank). Default: MoE layers on the rank x the pipeline schedule\'s '
                        'in-flight microbatches.')
+    group.add_argument('--moe-balancer-trace-dir', type=str, default=None,
+                       help='Record the exact expert load [EP ranks, experts] of every '
+                       'iteration, microbatch and MoE layer to one trace file per EP group in '
+                       'this directory (see docs/traces.md; replay with tools/replay_trace.py).')
     return parser
 
 
@@ -73,6 +77,7 @@ def balancer_config_from_args(args: argparse.Namespace):
         eplb_window=args.moe_balancer_eplb_window,
         eplb_interval=args.moe_balancer_eplb_interval,
         ring_size=args.moe_balancer_ring_size,
+        trace_dir=args.moe_balancer_trace_dir,
     )
 
 
@@ -85,6 +90,10 @@ def validate_ultraep_args(args: argparse.Namespace) -> None:
     if args.moe_balancer not in MOE_BALANCERS:
         raise ValueError(f"--moe-balancer must be one of {MOE_BALANCERS}, got {args.moe_balancer!r}")
     if args.moe_balancer == 'none':
+        if getattr(args, 'moe_balancer_trace_dir', None):
+            raise ValueError("--moe-balancer-trace-dir records the load the balanced dispatcher "
+                             "gathers: use it with --moe-balancer ultraep, eplb or eplb-exact "
+                             "(balancing never changes the routing it records)")
         return
     name = f"--moe-balancer {args.moe_balancer}"
 

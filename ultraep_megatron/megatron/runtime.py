@@ -7,6 +7,7 @@ This module holds no megatron import at module level: layers hand it plain tenso
 
 from __future__ import annotations
 
+import atexit
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -34,6 +35,8 @@ class BalancerConfig:
             the mean rank load).
         eplb_window / eplb_interval: EPLB history, in microbatches of the layer.
         ring_size: override of the virtual-layer ring capacity (default: from the pipeline schedule).
+        trace_dir: if set, EP rank 0 of every EP group appends each microbatch's exact load
+            ``[R, E]`` per MoE layer to ``ultraep_megatron.traces`` files there.
     """
 
     name: str = "ultraep"
@@ -42,6 +45,7 @@ class BalancerConfig:
     eplb_window: int = 16
     eplb_interval: int = 16
     ring_size: Optional[int] = None
+    trace_dir: Optional[str] = None
 
     def __post_init__(self):
         if self.name not in BALANCERS[1:]:
@@ -118,6 +122,11 @@ class Runtime:
         self.slots: Optional[ReplicaSlots] = None  # shared by every MoE layer of this process
         self.ring: Optional[VirtualLayerRing] = None
         self.stats: Dict[int, Dict[str, float]] = {}
+        # Load-trace recording (--moe-balancer-trace-dir): iteration being recorded, microbatch
+        # counters per layer within it, and the writer (EP rank 0 of each group only).
+        self.iteration: Optional[int] = None
+        self._microbatch: Dict[int, int] = {}
+        self._trace = None
         # Cumulative wall time of the balancing overheads, for benchmarks and the training log.
         self.transfer_seconds = 0.0
         self.plan_seconds = 0.0
@@ -155,7 +164,52 @@ class Runtime:
             if not grad_enabled:  # checkpointed forward: replayed in the backward
                 ring.park_for_recompute(layer.layer_number, state.vid)
         self._record(layer, load, plan, plan_time)
+        if training and layer.balancer_config.trace_dir:
+            self._trace_append(layer, load)
         return state
+
+    # -- load traces -----------------------------------------------------------------------------
+    def _trace_append(self, layer, load: torch.Tensor) -> None:
+        dispatcher = layer.token_dispatcher
+        if self.iteration is None:
+            self.iteration = _megatron_iteration() + 1
+        microbatch = self._microbatch.get(layer.layer_number, 0)
+        self._microbatch[layer.layer_number] = microbatch + 1
+        if dispatcher.ep_rank != 0:
+            return
+        if self._trace is None:
+            import torch.distributed as dist
+
+            from ultraep_megatron.traces import TraceWriter, trace_path
+
+            group_id = dist.get_global_rank(dispatcher.ep_group, 0) if dist.is_initialized() else 0
+            cfg = layer.config
+            meta = {
+                "balancer": layer.balancer_config.name,
+                "num_slots": layer.balancer_config.num_slots,
+                "hidden_size": cfg.hidden_size,
+                "moe_ffn_hidden_size": cfg.moe_ffn_hidden_size,
+                "swiglu": bool(cfg.gated_linear_unit),
+                "topk": cfg.moe_router_topk,
+                "num_layers": cfg.num_layers,
+                "first_global_rank": group_id,
+            }
+            path = trace_path(layer.balancer_config.trace_dir, group_id)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._trace = TraceWriter(path, num_ranks=load.shape[0], num_experts=load.shape[1], meta=meta)
+        self._trace.append(self.iteration, microbatch, layer.layer_number, load)
+
+    def end_iteration(self, iteration: int) -> None:
+        """Called once per training iteration (after the optimizer step): commit the trace."""
+        if self._trace is not None:
+            self._trace.flush_iteration(self.iteration if self.iteration is not None else iteration)
+        self.iteration = iteration + 1
+        self._microbatch.clear()
+
+    def close(self) -> None:
+        if self._trace is not None:
+            self._trace.close()
+            self._trace = None
 
     def replay_state(self, layer_number: int, local_load: torch.Tensor, ep_rank: int) -> InvocationState:
         """The stored state of a checkpointed forward, for its activation-recompute replay."""
@@ -241,6 +295,16 @@ class Runtime:
         return out
 
 
+def _megatron_iteration() -> int:
+    """The iteration Megatron's training loop starts from (0, or the resumed checkpoint's)."""
+    try:
+        from megatron.training.global_vars import get_args
+
+        return int(get_args().iteration)
+    except Exception:
+        return 0
+
+
 def _schedule_inflight() -> int:
     """Max in-flight microbatches per MoE layer on this rank, from Megatron's pipeline state."""
     try:
@@ -295,9 +359,12 @@ def get_runtime() -> Runtime:
     global _RUNTIME
     if _RUNTIME is None:
         _RUNTIME = Runtime()
+        atexit.register(_RUNTIME.close)  # commit a trace's last records on a clean exit
     return _RUNTIME
 
 
 def reset_runtime() -> None:
     global _RUNTIME
+    if _RUNTIME is not None:
+        _RUNTIME.close()
     _RUNTIME = None

@@ -221,6 +221,9 @@ class _TrainingLogHook:
         args = get_args()
         balancer_stats = None
         if self.balanced:
+            from ultraep_megatron.megatron.runtime import get_runtime
+
+            get_runtime().end_iteration(iteration)
             balancer_stats = reduce_balancer_stats(args.num_layers + (args.mtp_num_layers or 0),
                                                    dst_rank=last_rank)
         if torch.distributed.get_rank() != last_rank:

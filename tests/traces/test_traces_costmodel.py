@@ -1,0 +1,169 @@
+"""The cost model, checked against hand calculations on tiny loads with round-number hardware,
+the hardware-derived quota floor, slot memory, and the slot recommendation rule."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from ultraep_megatron import costmodel as cm
+from ultraep_megatron.planner import plan_from_split
+
+# Round numbers: one (token, expert) pair of compute = 1 ms; reading an expert's weights from HBM
+# = 1 ms (so an instance costs max(tokens, 1) ms); one token on the wire = 1 ms; one expert's
+# weights on the wire = 16 ms. Expert: h=4, f=8, 2 matrices -> 64 weights, 128 bytes, 128 FLOPs/token.
+SHAPE = cm.ExpertShape(hidden_size=4, ffn_hidden_size=8, gated=False, param_bytes=2, grad_bytes=4, activation_bytes=2)
+HW = cm.Hardware(scale_up_gbps=8e-6, peak_tflops=1.28e-7, hbm_tbps=1.28e-7)
+MS = 1e-3
+
+LOAD_A = torch.tensor([[1, 1, 4, 2], [4, 0, 2, 2]], dtype=torch.int64)  # rank loads 6 / 10
+LOAD_B = torch.tensor([[5, 1, 0, 2], [3, 0, 4, 1]], dtype=torch.int64)  # rank loads 9 / 7
+
+
+def test_shape_and_hardware_units():
+    assert (SHAPE.numel, SHAPE.weight_bytes, SHAPE.fwd_flops_per_token, SHAPE.token_bytes) == (64, 128, 128, 8)
+    assert cm.ExpertShape(4096, 1536).numel == 3 * 4096 * 1536
+    assert HW.flops_per_s == pytest.approx(128e3) and HW.link_bytes_per_s == pytest.approx(8e3)
+    assert HW.hbm_bytes_per_s == pytest.approx(128e3)
+    with pytest.raises(ValueError, match="efficiency"):
+        cm.Hardware(compute_efficiency=1.5)
+    with pytest.raises(ValueError, match="hidden_size"):
+        cm.ExpertShape(0, 8)
+
+
+def test_identity_plan_cost_by_hand():
+    c = cm.layer_cost(LOAD_A, cm.identity_plan(LOAD_A), SHAPE, HW)
+    # compute: rank 0 hosts e0 (5 tokens), e1 (1): 5 + max(1, 1) = 6; rank 1: e2 (6) + e3 (4) = 10.
+    assert c["moe_fwd"] == pytest.approx(10 * MS) and c["moe_bwd"] == pytest.approx(20 * MS)
+    # remote tokens: src0 -> rank1: 4 + 2 = 6; src1 -> rank0: 4 + 0 = 4; max(send, recv) = 6.
+    assert c["a2a_fwd"] == pytest.approx(12 * MS) and c["a2a_bwd"] == pytest.approx(12 * MS)
+    assert c["wdist"] == c["wdist_direct"] == c["wdist_relay"] == c["plan"] == c["bwd_exposed"] == 0
+    assert c["fwd"] == pytest.approx(22 * MS) and c["bwd"] == pytest.approx(32 * MS)
+    assert c["total"] == pytest.approx(54 * MS)
+
+
+def test_hbm_floor_makes_a_one_token_instance_cost_a_weight_read():
+    load = torch.tensor([[1, 0], [0, 0]], dtype=torch.int64)  # R=2, E=2
+    assert cm.layer_cost(load, cm.identity_plan(load), SHAPE, HW)["moe_fwd"] == pytest.approx(1 * MS)
+    slow_hbm = cm.Hardware(scale_up_gbps=8e-6, peak_tflops=1.28e-7, hbm_tbps=1.28e-8)  # weights: 10 ms
+    assert cm.layer_cost(load, cm.identity_plan(load), SHAPE, slow_hbm)["moe_fwd"] == pytest.approx(10 * MS)
+
+
+def test_replica_plan_cost_by_hand():
+    # Replica of expert 2 (home rank 1) on rank 0; quotas give 8 / 8.
+    split = torch.zeros((2, 4, 2), dtype=torch.int64)
+    split[0, 0, 0], split[0, 1, 0], split[0, 2, 0], split[0, 2, 1], split[0, 3, 1] = 1, 1, 2, 2, 2
+    split[1, 0, 0], split[1, 2, 1], split[1, 3, 1] = 4, 2, 2
+    plan = plan_from_split(torch.tensor([[2], [-1]]), split)
+    c = cm.layer_cost(LOAD_A, plan, SHAPE, HW, plan_seconds=0.5 * MS)
+    assert c["moe_fwd"] == pytest.approx(8 * MS)  # rank 0: 5 + 1 + 2, rank 1: 4 + 4
+    assert c["a2a_fwd"] == pytest.approx(8 * MS)  # every rank sends and receives 4 remote tokens
+    assert c["wdist_direct"] == c["wdist_relay"] == c["wdist"] == pytest.approx(16 * MS)
+    # backward: weights again + fp32 gradients back = 16 * (1 + 4/2) = 48 ms vs 16 ms of compute.
+    assert c["bwd_replica"] == pytest.approx(48 * MS) and c["bwd_exposed"] == pytest.approx(32 * MS)
+    assert c["fwd"] == pytest.approx((0.5 + 16 + 8 + 8) * MS)
+    assert c["bwd"] == pytest.approx((8 + 16 + 32) * MS)
+    assert c["total_excl_plan"] == pytest.approx(c["total"] - 0.5 * MS)
+
+
+def test_relay_lowers_the_hot_sender():
+    # Expert 0 (home rank 0) replicated on all 7 other ranks, no token on the replicas.
+    R = E = 8
+    load = torch.zeros((R, E), dtype=torch.int64)
+    load[:, 0] = 10
+    slot_expert = torch.tensor([[-1]] + [[0]] * 7)
+    split = torch.zeros((R, E, R), dtype=torch.int64)
+    split[:, 0, 0] = 10
+    plan = plan_from_split(slot_expert, split)
+    c = cm.layer_cost(load, plan, SHAPE, HW)
+    # direct: the home sends 7 copies; relay: round(sqrt(7)) = 3 relays, each forwarding <= 2.
+    assert c["wdist_direct"] == pytest.approx(7 * 16 * MS)
+    assert c["wdist_relay"] == pytest.approx(3 * 16 * MS)
+    assert cm.layer_cost(load, plan, SHAPE, HW, relay=False)["wdist"] == pytest.approx(7 * 16 * MS)
+
+
+def test_ideal_cost_by_hand():
+    c = cm.ideal_cost(LOAD_A, SHAPE, HW)
+    # 16 pairs over 4 experts: 4 each, 2 per rank -> 8 ms; uniform dispatch: every source sends
+    # 8 * 1/2 = 4 remote tokens, every rank receives 8 * 1/2 = 4.
+    assert c["moe_fwd"] == pytest.approx(8 * MS) and c["a2a_fwd"] == pytest.approx(8 * MS)
+    assert c["total"] == pytest.approx((8 + 8 + 8 + 16) * MS)
+    m = cm.ideal_metrics(LOAD_A)
+    assert m["imbalance_after"] == 1.0 and m["imbalance_before"] == pytest.approx(10 / 8)
+    assert m["inflight_ratio"] == 0.5 and m["replicas"] == 0
+
+
+def test_cost_summary_runs_ep_groups_side_by_side():
+    # Two EP groups; invocation (1, 0, 1): group 0 has A (none 54 ms), group 1 has B; (2, 0, 1): B, B.
+    b_none = cm.layer_cost(LOAD_B, cm.identity_plan(LOAD_B), SHAPE, HW)["total"]
+    # B by hand: compute max(5+1+... rank0: 8 + 1 = 9, rank1: 4 + 3 = 7) = 9; remote: src0 -> 2, src1 -> 3,
+    # recv: rank0 3, rank1 2 -> 3 ms one way.
+    assert b_none == pytest.approx((6 + 9 + 6 + 18) * MS)
+    records = [(0, 1, 0, 1, LOAD_A), (1, 1, 0, 1, LOAD_B), (0, 2, 0, 1, LOAD_B), (1, 2, 0, 1, LOAD_B)]
+    result = cm.replay(records, [cm.BalancerSpec("none"), cm.BalancerSpec("ideal")], shape=SHAPE, hardware=HW)
+    summary = cm.cost_summary(result)
+    none_steps = [54 * MS, 39 * MS]  # max over the groups of each invocation
+    ideal_steps = [40 * MS, 40 * MS]
+    assert summary["none"]["total_ms"] == pytest.approx(np.mean(none_steps) * 1e3)
+    assert summary["ideal"]["speedup_vs_none"] == pytest.approx(sum(none_steps) / sum(ideal_steps))
+    assert summary["none"]["frac_ideal"] == pytest.approx(sum(ideal_steps) / sum(none_steps))
+    only_second = cm.cost_summary(result, result.keys["iteration"] == 2)
+    assert only_second["ideal"]["speedup_vs_none"] == pytest.approx(39 / 40)
+
+
+def test_min_quota_from_hardware_matches_harmoeny_threshold():
+    paper = cm.Hardware()
+    # q > F * d / (2 * B * k): 2250e12 * 2 / (2 * 900e9) = 2500 for inference, / 3 with backward.
+    assert cm.min_quota_from_hardware(cm.DEFAULT_SHAPE, paper, training=False) == 2500
+    assert cm.min_quota_from_hardware(cm.DEFAULT_SHAPE, paper, training=True) == 834
+    # Independent of the expert's size, and the defining inequality holds at q but not at q - 1.
+    for shape in (cm.ExpertShape(7168, 2048), cm.ExpertShape(1024, 512, gated=False)):
+        for training, k in ((True, 3), (False, 1)):
+            q = cm.min_quota_from_hardware(shape, paper, training=training)
+            transfer = shape.weight_bytes / paper.link_bytes_per_s
+            saved = lambda n: n * k * shape.fwd_flops_per_token / paper.flops_per_s  # noqa: E731
+            assert saved(q) >= transfer * (1 - 1e-12) and saved(q - 1) < transfer
+            assert q == math.ceil(paper.flops_per_s * shape.param_bytes / (2 * paper.link_bytes_per_s * k) - 1e-9)
+    slower_link = cm.Hardware(scale_up_gbps=450)
+    assert cm.min_quota_from_hardware(cm.DEFAULT_SHAPE, slower_link, training=False) == 5000
+
+
+def test_slot_memory():
+    shape = cm.ExpertShape(4096, 1536)  # 18.9M weights
+    assert cm.slot_memory_bytes(shape, 2) == 2 * 3 * 4096 * 1536 * (2 + 4)
+    assert cm.slot_memory_bytes(shape, 2, num_layers=92) == 92 * cm.slot_memory_bytes(shape, 2)
+    assert cm.slot_memory_bytes(shape, 0) == 0
+
+
+def _row(slots, speedup, quota=None, memory=None, balancer="ultraep"):
+    return {"balancer": balancer, "num_slots": slots, "min_quota": quota, "speedup_vs_none": speedup,
+            "frac_ideal": speedup / 2, "memory_bytes": memory if memory is not None else slots * 100,
+            "imbalance_mean": 1.0}
+
+
+def test_advise_slots_rule():
+    rows = [_row(0, 1.0), _row(1, 1.5), _row(1, 1.45, quota=64), _row(2, 1.6), _row(2, 1.6, quota=128),
+            _row(3, 1.603), _row(4, 1.9), _row(2, 9.9, balancer="eplb-exact")]
+    advice = cm.advise_slots(rows, tolerance=0.01, min_gain_per_slot=0.005)
+    # 0->1 (+0.5/slot), 1->2 (+0.1), 2->3 (+0.003 < 0.005): stop; best worthwhile 1.6 -> 2 slots,
+    # and of the two equal floors at 2 slots the larger one (fewer replicas).
+    assert (advice["num_slots"], advice["min_quota"]) == (2, 128)
+    assert advice["benefit_per_slot"] == pytest.approx({1: 0.5, 2: 0.3, 3: 0.603 / 3, 4: 0.9 / 4})
+    assert cm.advise_slots(rows, tolerance=0.1)["num_slots"] == 1  # 1.5 is within 10 % of 1.6
+    assert cm.advise_slots(rows, min_gain_per_slot=0.001)["num_slots"] == 4  # the later jump counts
+    assert cm.advise_slots(rows, memory_budget_bytes=150)["num_slots"] == 1
+    with pytest.raises(ValueError, match="no ultraep row"):
+        cm.advise_slots(rows, memory_budget_bytes=-1)
+
+
+def test_shape_from_meta():
+    shape, source = cm.ExpertShape.from_meta({"hidden_size": 64, "moe_ffn_hidden_size": 32, "swiglu": False})
+    assert (shape.hidden_size, shape.ffn_hidden_size, shape.gated, source) == (64, 32, False, "trace meta")
+    shape, source = cm.ExpertShape.from_meta({"hidden_size": 64, "ffn_hidden_size": 32}, hidden_size=128, grad_bytes=2)
+    assert (shape.hidden_size, shape.ffn_hidden_size, shape.gated, shape.grad_bytes) == (128, 32, True, 2)
+    assert source == "flags and trace meta"
+    shape, source = cm.ExpertShape.from_meta({})
+    assert shape == cm.DEFAULT_SHAPE and source.startswith("default")
