@@ -1,0 +1,231 @@
+"""Multi-rank data-plane cases, run inside each rank of a gloo world (see test_dataplane_exec.py).
+
+Every rank regenerates every expert's tensors from seeds, so expectations are computed independently
+of the schedule: a replica must equal its expert's generated weights, a main gradient must equal its
+generated gradient plus the generated gradients of the slots that host the expert.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from _dataplane_plans import random_plan
+from ultraep_megatron.dataplane import (
+    ReplicaBuffer,
+    build_schedule,
+    distribute_weights,
+    reduce_gradients,
+)
+
+SHAPES = [(6, 10), (10, 3)]  # like linear_fc1 [ffn*2, hidden] and linear_fc2 [hidden, ffn]; 90 elements
+NUMEL = 90
+SENTINEL = -777.0
+
+
+def expert_weights(seed: int, expert: int, dtype=torch.float32) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed * 100_003 + expert)
+    return [torch.randn(s, generator=gen).to(dtype) for s in SHAPES]
+
+
+def main_grad(seed: int, expert: int, integer: bool, dtype=torch.float32) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed * 100_003 + 50_000 + expert)
+    if integer:
+        return [torch.randint(-8, 9, s, generator=gen).to(dtype) for s in SHAPES]
+    return [torch.randn(s, generator=gen).to(dtype) for s in SHAPES]
+
+
+def replica_grad(seed: int, rank: int, slot: int, integer: bool) -> torch.Tensor:
+    """fp32 ``[NUMEL]`` gradient that rank ``rank`` computed in slot ``slot``."""
+    gen = torch.Generator().manual_seed(seed * 100_003 + 70_000 + rank * 64 + slot)
+    if integer:
+        return torch.randint(-8, 9, (NUMEL,), generator=gen).float()
+    return torch.randn(NUMEL, generator=gen)
+
+
+def flat(tensors) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def run_distribution(rank, slot_expert, num_experts, seed, sched, dtype=torch.float32, twice=False) -> list[str]:
+    per_rank = num_experts // slot_expert.shape[0]
+    main = [expert_weights(seed, rank * per_rank + i, dtype) for i in range(per_rank)]
+    replica = torch.full((slot_expert.shape[1], NUMEL), SENTINEL, dtype=dtype)
+    distribute_weights(sched, main, replica)
+    if twice:  # backward re-materialization after later layers overwrote the shared buffer
+        replica.normal_()
+        replica[slot_expert[rank] < 0] = SENTINEL
+        distribute_weights(sched, main, replica)
+    failures = []
+    for s, e in enumerate(slot_expert[rank].tolist()):
+        if e < 0:
+            if not bool((replica[s] == SENTINEL).all()):
+                failures.append(f"empty slot {s} was written")
+        elif not torch.equal(replica[s], flat(expert_weights(seed, e, dtype))):
+            failures.append(f"slot {s} (expert {e}) differs from its main expert")
+    for i in range(per_rank):  # the sender's main weights are untouched
+        if not all(torch.equal(a, b) for a, b in zip(main[i], expert_weights(seed, rank * per_rank + i, dtype))):
+            failures.append(f"main expert {rank * per_rank + i} was modified")
+    return failures
+
+
+def reduced_grads(rank, slot_expert, num_experts, seed, sched, integer, main_dtype=torch.float32):
+    """Run one reduction; return (main grads after, replica buffer after)."""
+    per_rank = num_experts // slot_expert.shape[0]
+    mains = [main_grad(seed, rank * per_rank + i, integer, main_dtype) for i in range(per_rank)]
+    replica = torch.stack([replica_grad(seed, rank, s, integer) for s in range(slot_expert.shape[1])])
+    replica[slot_expert[rank] < 0] = 0
+    reduce_gradients(sched, mains, replica)
+    return mains, replica
+
+
+def expected_grad(rank, slot_expert, num_experts, seed, local_index, integer) -> torch.Tensor:
+    """fp64 ``[NUMEL]``: main gradient plus every hosting slot's gradient (independent sum)."""
+    per_rank = num_experts // slot_expert.shape[0]
+    e = rank * per_rank + local_index
+    total = flat(main_grad(seed, e, integer)).double()
+    for r, row in enumerate(slot_expert.tolist()):
+        for s, x in enumerate(row):
+            if x == e:
+                total += replica_grad(seed, r, s, integer).double()
+    return total
+
+
+def run_reduction(rank, slot_expert, num_experts, seed, sched) -> list[str]:
+    failures = []
+    per_rank = num_experts // slot_expert.shape[0]
+    # Integer-valued gradients: every order of additions is exact, so the sum must match bitwise.
+    for main_dtype in (torch.float32, torch.bfloat16):
+        mains, replica = reduced_grads(rank, slot_expert, num_experts, seed, sched, True, main_dtype)
+        if not bool((replica == 0).all()):
+            failures.append("replica gradient buffer not zeroed")
+        for i in range(per_rank):
+            want = expected_grad(rank, slot_expert, num_experts, seed, i, True).to(main_dtype)
+            if not torch.equal(flat(mains[i]), want):
+                failures.append(f"{main_dtype} main grad of local expert {i} != main + sum of replicas")
+    # Random gradients: close to the fp64 sum, and bit-identical across two runs.
+    first, _ = reduced_grads(rank, slot_expert, num_experts, seed + 1, sched, False)
+    second, _ = reduced_grads(rank, slot_expert, num_experts, seed + 1, sched, False)
+    for i in range(per_rank):
+        want = expected_grad(rank, slot_expert, num_experts, seed + 1, i, False).float()
+        if not torch.allclose(flat(first[i]), want, rtol=1e-5, atol=1e-5):
+            failures.append(f"random main grad of local expert {i} not close to the fp64 sum")
+        if not torch.equal(flat(first[i]), flat(second[i])):
+            failures.append(f"reduction of local expert {i} not bit-identical across runs")
+    return failures
+
+
+def plan_cases(world_size: int) -> list[dict]:
+    """(plan, schedule options) combinations; every rank builds the same list."""
+    num_experts = 2 * world_size
+    slots = 3
+    cases = []
+    # Two hot experts on different homes: ranks are relays of one tree and leaves of the other.
+    two_hot = (1, num_experts - 2)
+    for seed, (hot, local) in enumerate([(1, False), (world_size + 1, True), (None, False), (two_hot, False)]):
+        plan = random_plan(world_size, num_experts, slots, seed=seed, hot_expert=hot, local_replica=local)
+        for relay, chunk in [("off", 13), ("always", 13), ("adaptive", 13), ("always", 1000), ("off", 30)]:
+            threshold = 2 if world_size == 4 else 3
+            cases.append(dict(name=f"plan{seed}-{relay}-chunk{chunk}", plan=plan, seed=seed, relay=relay,
+                              chunk=chunk, threshold=threshold, hot=hot is not None))
+    cases.append(dict(name="empty-plan", plan=torch.full((world_size, slots), -1, dtype=torch.int64), seed=9,
+                      relay="adaptive", chunk=13, threshold=2, hot=False))
+    return cases
+
+
+def check_bad_inputs(rank, world_size) -> list[str]:
+    """Each bad call must raise ValueError on every rank before communicating."""
+    num_experts = 2 * world_size
+    plan = random_plan(world_size, num_experts, 2, seed=5, hot_expert=0)
+    sched = build_schedule(plan, num_experts, NUMEL, chunk_numel=13, relay="always", relay_threshold=2)
+    main = [expert_weights(5, rank * 2 + i) for i in range(2)]
+    good = torch.zeros(2, NUMEL)
+    wrong_world = build_schedule(torch.full((world_size // 2, 2), -1, dtype=torch.int64), world_size, NUMEL)
+    bad_calls = {
+        "slots": lambda: distribute_weights(sched, main, torch.zeros(3, NUMEL)),
+        "numel": lambda: distribute_weights(sched, main, torch.zeros(2, NUMEL + 1)),
+        "dtype": lambda: distribute_weights(sched, main, torch.zeros(2, NUMEL, dtype=torch.bfloat16)),
+        "experts": lambda: distribute_weights(sched, main[:1], good),
+        "shapes": lambda: distribute_weights(sched, [main[0], [main[1][0]]], good),
+        "world": lambda: distribute_weights(wrong_world, main, good),
+        "grad-int": lambda: reduce_gradients(sched, main, torch.zeros(2, NUMEL, dtype=torch.int32)),
+        "grad-none": lambda: reduce_gradients(sched, [main[0], [None, None]], good),
+        "noncontig": lambda: distribute_weights(sched, main, torch.zeros(NUMEL, 2).t()),
+    }
+    failures = []
+    for name, call in bad_calls.items():
+        try:
+            call()
+            failures.append(f"bad input '{name}' was accepted")
+        except ValueError:
+            pass
+    # The group is still usable and nothing stray is in flight: a valid transfer succeeds.
+    failures += run_distribution(rank, plan, num_experts, 5, sched)
+    return failures
+
+
+def check_replica_buffer(rank, world_size) -> list[str]:
+    """Integration-style use: bf16 weights as separate parameters, fp32 main_grad views into a bucket."""
+    hidden, ffn = 4, 3
+    shapes = [(2 * ffn, hidden), (hidden, ffn)]
+    num_experts = 2 * world_size
+    plan = random_plan(world_size, num_experts, 2, seed=11, hot_expert=num_experts - 1, local_replica=True)
+    buffer = ReplicaBuffer(2, shapes, torch.bfloat16, chunk_numel=5, relay="always", relay_threshold=2)
+    sched = buffer.schedule(plan, num_experts)
+
+    def weights(e):
+        gen = torch.Generator().manual_seed(900 + e)
+        return [torch.randn(s, generator=gen).bfloat16() for s in shapes]
+
+    main = [[torch.nn.Parameter(w) for w in weights(rank * 2 + i)] for i in range(2)]  # requires grad
+    buffer.distribute_weights(sched, main)
+    failures = []
+    if buffer.replica_weights.requires_grad:
+        failures.append("replica_weights started tracking autograd")
+    for s, e in enumerate(plan[rank].tolist()):
+        if e >= 0 and not all(torch.equal(v, w) for v, w in zip(buffer.weight_views(s), weights(e))):
+            failures.append(f"ReplicaBuffer slot {s} != expert {e}")
+    # Main grads: views into one flat fp32 bucket, as Megatron DDP's param.main_grad.
+    bucket = torch.zeros(2 * 2 * ffn * hidden * 2)
+    views, offset = [], 0
+    for _ in range(2):
+        expert = []
+        for s in shapes:
+            n = torch.Size(s).numel()
+            expert.append(bucket[offset : offset + n].view(s))
+            offset += n
+        views.append(expert)
+    bucket.fill_(float(rank))
+    for s, e in enumerate(plan[rank].tolist()):
+        if e >= 0:
+            for v in buffer.grad_views(s):
+                v.fill_(1.0)
+    buffer.reduce_gradients(sched, views)
+    for i in range(2):
+        e = rank * 2 + i
+        hosts = int((plan == e).sum())
+        if not bool((flat(views[i]) == rank + hosts).all()):
+            failures.append(f"main_grad of expert {e} != {rank} + {hosts}")
+    if not bool((buffer.replica_grads == 0).all()):
+        failures.append("ReplicaBuffer.replica_grads not zeroed")
+    return failures
+
+
+def run_all(rank: int, world_size: int) -> dict[str, list[str]]:
+    """Entry point per rank: case name -> failures seen by this rank."""
+    results = {}
+    for case in plan_cases(world_size):
+        sched = build_schedule(case["plan"], 2 * world_size, NUMEL, chunk_numel=case["chunk"],
+                               relay=case["relay"], relay_threshold=case["threshold"])
+        failures = run_distribution(rank, case["plan"], 2 * world_size, case["seed"], sched, twice=True)
+        failures += run_distribution(rank, case["plan"], 2 * world_size, case["seed"], sched, dtype=torch.bfloat16)
+        failures += run_reduction(rank, case["plan"], 2 * world_size, case["seed"], sched)
+        if case["relay"] == "off" and sched.uses_relay:
+            failures.append("relay='off' built a relay tree")
+        if case["relay"] == "always" and case["hot"] and not sched.uses_relay:
+            failures.append("relay='always' built no tree for the hot expert")
+        results[case["name"]] = failures
+    results["bad-inputs"] = check_bad_inputs(rank, world_size)
+    results["replica-buffer"] = check_replica_buffer(rank, world_size)
+    dist.barrier()
+    return results

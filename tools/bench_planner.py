@@ -1,0 +1,201 @@
+"""Planner benchmark: balancing quality and solve time on power-law loads (UltraEP Fig. 15/Table 4).
+
+    python tools/bench_planner.py              # full table (markdown) + solve-time summary
+    python tools/bench_planner.py --quick      # one seed, fewer settings
+
+For every setting (R ranks, E experts, S slots per rank, target initial rank imbalance) and seed it
+draws a Zipf load (``planner.synthetic.zipf_load``: top-8, 4096 tokens per rank) and plans it with
+``ultraep`` (``planner.solve``), ``eplb++`` (``baselines.eplb_exact``) and ``none``; it also runs
+``alg1``, a plain transcription of the paper's Algorithm 1 (largest-slack greedy) with
+u_min = 1, its most favourable setting, for its threshold only (with UltraEP's default 1 % floor it
+fails on small remainders and averages 1.25). Columns (means over seeds):
+
+    init       measured initial imbalance (max/mean rank load)
+    imb        imbalance after reroute;  tau/LB: ultraep's threshold over ceil(total / R)
+    rep        replicas (filled redundant slots; EPLB fills all R*S it can)
+    fan        max instances of one expert;  infl: in-flight token ratio
+    us         median solve time per call in microseconds (wall clock, this process, one thread)
+
+Timing runs one thread (torch/numba single-threaded, OMP_NUM_THREADS=1). On a shared machine wall
+times are noisy: the summary also gives CPU time (thread_time) for the R=64, E=256, S=2 case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from ultraep_megatron.planner import metrics, solve  # noqa: E402
+from ultraep_megatron.planner.baselines import eplb_exact, none  # noqa: E402
+from ultraep_megatron.planner.synthetic import zipf_load  # noqa: E402
+
+SHAPES = [(32, 128), (32, 160), (32, 256), (40, 160), (64, 128), (64, 256)]
+SLOTS = [1, 2, 4]
+IMBALANCES = [1.3, 2.0, 3.0, 4.0]
+
+
+def algorithm1_threshold(load: torch.Tensor, num_slots: int, min_quota: int) -> int:
+    """Max rank load of the paper's Algorithm 1 (SolveReplication), transcribed as written:
+    binary search on tau; overloaded ranks by descending excess, their experts by descending load,
+    each transfer to the admissible rank with the largest slack, stop when a transfer is below
+    min_quota. Returns the final threshold (quotas only; no reroute needed for the metric)."""
+    R, E = load.shape
+    G = E // R
+    lam = load.sum(0).tolist()
+    ell = [sum(lam[r * G:(r + 1) * G]) for r in range(R)]
+    lo, hi = -(-sum(ell) // R), max(ell)
+
+    def feasible(tau: int) -> bool:
+        exc = [max(x - tau, 0) for x in ell]
+        slk = [max(tau - x, 0) for x in ell]
+        free = [num_slots] * R
+        hosts = [set() for _ in range(E)]
+        for r in sorted(range(R), key=lambda r: -exc[r]):
+            if exc[r] == 0:
+                break
+            for e in sorted(range(r * G, (r + 1) * G), key=lambda e: -lam[e]):
+                cap = lam[e]
+                while exc[r] > 0 and cap > 0:
+                    admissible = [t for t in range(R) if t != r and slk[t] > 0
+                                  and (t in hosts[e] or free[t] > 0)]
+                    if not admissible:
+                        break
+                    t = max(admissible, key=lambda x: slk[x])
+                    delta = min(exc[r], slk[t], cap)
+                    if delta < min_quota:
+                        break
+                    if t not in hosts[e]:
+                        hosts[e].add(t)
+                        free[t] -= 1
+                    exc[r] -= delta
+                    slk[t] -= delta
+                    cap -= delta
+        return sum(exc) == 0
+
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if feasible(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return hi
+
+
+def median_time_us(fn, repeats: int) -> float:
+    fn()  # warm (compile / caches)
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter_ns()
+        fn()
+        samples.append(time.perf_counter_ns() - t0)
+    return statistics.median(samples) / 1e3
+
+
+def run_setting(R: int, E: int, S: int, imbalance: float, seeds: list[int], repeats: int) -> dict:
+    rows = []
+    for seed in seeds:
+        load = zipf_load(R, E, imbalance, seed=seed)
+        mean = load.sum().item() / R
+        ultra, eplbpp, identity = solve(load, S), eplb_exact(load, S), none(load, S)
+        mu, me, mn = metrics(load, ultra), metrics(load, eplbpp), metrics(load, identity)
+        alg1 = algorithm1_threshold(load, S, 1)
+        exact_floor = metrics(load, solve(load, S, min_quota=1))
+        rows.append({
+            "init": mu["imbalance_before"],
+            "u_imb": mu["imbalance_after"], "u_gap": mu["threshold"] / mu["lower_bound"],
+            "u_rep": mu["replicas"], "u_fan": mu["max_fanout"], "u_infl": mu["inflight_ratio"],
+            "u_us": median_time_us(lambda: solve(load, S), repeats),
+            "a_imb": alg1 / mean,
+            "u1_imb": exact_floor["imbalance_after"], "u1_rep": exact_floor["replicas"],
+            "e_imb": me["imbalance_after"], "e_rep": me["replicas"], "e_fan": me["max_fanout"],
+            "e_infl": me["inflight_ratio"],
+            "e_us": median_time_us(lambda: eplb_exact(load, S), max(3, repeats // 50)),
+            "n_infl": mn["inflight_ratio"],
+        })
+    return {k: statistics.fmean(r[k] for r in rows) for k in rows[0]}
+
+
+def cpu_time_summary(repeats: int) -> str:
+    """Median wall and CPU time of solve for R=64, E=256, S=2 over several loads."""
+    wall, cpu = [], []
+    for imbalance in IMBALANCES:
+        for seed in range(3):
+            load = zipf_load(64, 256, imbalance, seed=100 + seed)
+            solve(load, 2)
+            for _ in range(repeats):
+                w0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+                solve(load, 2)
+                cpu.append(time.thread_time_ns() - c0)
+                wall.append(time.perf_counter_ns() - w0)
+    wall_us, cpu_us = statistics.median(wall) / 1e3, statistics.median(cpu) / 1e3
+    p10_us = sorted(wall)[len(wall) // 10] / 1e3
+    return (f"solve R=64 E=256 S=2 over {len(wall)} calls: median wall {wall_us:.1f} us, "
+            f"median CPU {cpu_us:.1f} us, p10 wall {p10_us:.1f} us")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="one seed, S in {1, 2}, R=64 only")
+    parser.add_argument("--seeds", type=int, default=3, help="loads per setting")
+    parser.add_argument("--repeats", type=int, default=200, help="timed solve calls per load")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    shapes, slots, seeds = SHAPES, SLOTS, list(range(args.seeds))
+    if args.quick:
+        shapes, slots, seeds = [s for s in SHAPES if s[0] == 64], [1, 2], [0]
+
+    solve(zipf_load(8, 16, 2.0), 1)  # compile or load the numba cache before timing
+    header = ("| R | E | S | init | ultraep imb | tau/LB | rep | fan | infl | us "
+              "| alg1 imb | eplb++ imb | rep | fan | infl | us | none infl |")
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    totals = []
+    for R, E in shapes:
+        for S in slots:
+            for imbalance in IMBALANCES:
+                m = run_setting(R, E, S, imbalance, seeds, args.repeats)
+                totals.append((S, m))
+                print(f"| {R} | {E} | {S} | {m['init']:.2f} | {m['u_imb']:.4f} | {m['u_gap']:.4f} "
+                      f"| {m['u_rep']:.1f} | {m['u_fan']:.1f} | {m['u_infl']:.3f} | {m['u_us']:.0f} "
+                      f"| {m['a_imb']:.3f} | {m['e_imb']:.3f} | {m['e_rep']:.1f} | {m['e_fan']:.1f} "
+                      f"| {m['e_infl']:.3f} | {m['e_us']:.0f} | {m['n_infl']:.3f} |", flush=True)
+    ms = [m for _, m in totals]
+
+    def avg(key):
+        return statistics.fmean(m[key] for m in ms)
+
+    def worst(key):
+        return max(m[key] for m in ms)
+
+    print()
+    print(f"averages over {len(ms)} settings x {len(seeds)} seeds:")
+    print(f"  imbalance after: ultraep {avg('u_imb'):.4f} (worst {worst('u_imb'):.4f}), "
+          f"alg1 {avg('a_imb'):.4f} (worst {worst('a_imb'):.4f}), "
+          f"eplb++ {avg('e_imb'):.4f} (worst {worst('e_imb'):.4f})")
+    print(f"  threshold / lower bound: mean {avg('u_gap'):.4f}, worst {worst('u_gap'):.4f}")
+    print(f"  ultraep with min_quota=1 (no floor): imbalance {avg('u1_imb'):.4f} "
+          f"(worst {worst('u1_imb'):.4f}), replicas {avg('u1_rep'):.1f}")
+    per_slots = ", ".join(
+        f"S={s}: {statistics.fmean(m['u_rep'] / m['e_rep'] for S, m in totals if S == s):.2f}"
+        for s in slots)
+    print(f"  replicas: ultraep {avg('u_rep'):.1f}, eplb++ {avg('e_rep'):.1f} "
+          f"(ratio of means {avg('u_rep') / avg('e_rep'):.2f}; mean ratio by slots: {per_slots})")
+    print(f"  max fan-out: ultraep {avg('u_fan'):.1f}, eplb++ {avg('e_fan'):.1f}")
+    print(f"  in-flight ratio: ultraep {avg('u_infl'):.3f}, eplb++ {avg('e_infl'):.3f}, "
+          f"none {avg('n_infl'):.3f}")
+    print(f"  solve time (median us): ultraep {avg('u_us'):.0f}, "
+          f"eplb++ {avg('e_us'):.0f} (Python baseline)")
+    print("  " + cpu_time_summary(args.repeats))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,24 @@
+"""Expert-state data plane: replica weight distribution and replica-gradient reduction.
+
+Builds on torch.distributed point-to-point operations only (gloo on CPU, NCCL on GPUs); never imports
+Megatron. See docs/dataplane.md.
+
+    schedule = build_schedule(plan.slot_expert, num_experts, expert_numel)   # pure, same on all ranks
+    distribute_weights(schedule, main_weights, replica_weights, group)       # home -> replica slots
+    reduce_gradients(schedule, main_grads, replica_grads, group)             # replicas -> home, zero
+"""
+
+from .engine import ReplicaBuffer, distribute_weights, expert_views, pack_experts, reduce_gradients
+from .schedule import RELAY_MODES, TransferSchedule, build_schedule, validate_slot_expert
+
+__all__ = [
+    "RELAY_MODES",
+    "ReplicaBuffer",
+    "TransferSchedule",
+    "build_schedule",
+    "distribute_weights",
+    "expert_views",
+    "pack_experts",
+    "reduce_gradients",
+    "validate_slot_expert",
+]

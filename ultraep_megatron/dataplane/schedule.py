@@ -1,0 +1,329 @@
+"""Transfer planning for expert replication: who sends which expert chunk to whom.
+
+A replication plan is ``slot_expert`` (int64 ``[R, num_slots]``; entry ``e >= 0`` means rank ``r``
+hosts a replica of logical expert ``e`` in redundant slot ``s``, ``-1`` an empty slot). Expert ``e``
+lives (its *main* copy) on home rank ``e // (E // R)``.
+
+This module turns a plan into a :class:`TransferSchedule`, a rank-independent description of every
+point-to-point transfer. It is pure computation (no ``torch.distributed``): every rank derives the
+same schedule from the same plan, so execution needs no extra synchronization.
+
+Schedule model (weight direction; gradients flow along the same edges reversed):
+
+* Every remote replica receives its expert exactly once, over one *edge* ``src -> dst``.
+* A *direct* expert: the home sends to every replica host (hop 1).
+* A *relayed* expert (§6.2 of the UltraEP paper): the home sends to a small relay set
+  (hop 1, frontier ``round(sqrt(n))`` for ``n`` remote replicas); each relay is itself a replica host
+  and forwards to its leaves (hop 2) from its own replica slot.
+* Each edge moves the expert in chunks of ``chunk_numel`` consecutive elements. A hop-2 edge sends
+  chunk ``c`` one round after the hop-1 edge delivered it (chunk streaming, no whole-expert barrier).
+* A replica placed on its expert's own home rank is filled by a local copy (no edge).
+
+Relay trees are load-aware: per-rank send volumes under the direct schedule are tracked, relays are
+the expert's replica hosts with the least send volume, and each leaf is attached to the relay that
+stays least loaded. In ``"adaptive"`` mode a tree is built only where it lowers the send volume of a
+current bottleneck rank without creating a new bottleneck, and kept only if the max per-rank send
+volume would be higher without it: relay is either absent or strictly lowers the max.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["TransferSchedule", "build_schedule", "validate_slot_expert", "RELAY_MODES"]
+
+RELAY_MODES = ("off", "adaptive", "always")
+
+# Defaults; see docs/dataplane.md. 1M elements = 2 MiB in bf16, 4 MiB in fp32.
+DEFAULT_CHUNK_NUMEL = 1 << 20
+# An expert is relay-eligible when it has more than this many remote replicas.
+DEFAULT_RELAY_THRESHOLD = 3
+
+
+def validate_slot_expert(slot_expert: torch.Tensor, num_experts: int) -> None:
+    """Check a plan's slot table; raise ValueError on anything malformed.
+
+    Args:
+        slot_expert: int64 ``[R, num_slots]``, entries in ``[-1, num_experts)``.
+        num_experts: E, a positive multiple of R.
+
+    Only rank-independent facts are checked, so every rank raises identically.
+    """
+    if not isinstance(slot_expert, torch.Tensor):
+        raise ValueError(f"slot_expert must be a torch.Tensor, got {type(slot_expert).__name__}")
+    if slot_expert.dtype != torch.int64:
+        raise ValueError(f"slot_expert must be int64, got {slot_expert.dtype}")
+    if slot_expert.dim() != 2:
+        raise ValueError(f"slot_expert must be 2-D [num_ranks, num_slots], got shape {tuple(slot_expert.shape)}")
+    num_ranks, num_slots = slot_expert.shape
+    if num_ranks < 1:
+        raise ValueError("slot_expert must have at least one rank row")
+    if not isinstance(num_experts, int) or num_experts < 1 or num_experts % num_ranks != 0:
+        raise ValueError(f"num_experts ({num_experts}) must be a positive multiple of the number of ranks ({num_ranks})")
+    if slot_expert.numel() == 0:
+        return
+    lo, hi = int(slot_expert.min()), int(slot_expert.max())
+    if lo < -1 or hi >= num_experts:
+        raise ValueError(f"slot_expert entries must lie in [-1, {num_experts}), found range [{lo}, {hi}]")
+    # No logical expert twice on one rank (the planner's no-duplicate constraint): a duplicate would
+    # make the receive side ambiguous and double-count its gradient.
+    sorted_rows, _ = slot_expert.sort(dim=1)
+    duplicate = (sorted_rows[:, 1:] == sorted_rows[:, :-1]) & (sorted_rows[:, 1:] >= 0)
+    if duplicate.any():
+        rank, col = (int(v) for v in duplicate.nonzero()[0])
+        raise ValueError(f"rank {rank} hosts expert {int(sorted_rows[rank, col + 1])} in more than one slot")
+
+
+@dataclass(frozen=True, eq=False)
+class TransferSchedule:
+    """Rank-independent transfer schedule of one replication plan (the handle passed to execution).
+
+    Edge tensors all have shape ``[N]`` (``N`` = number of remote replicas) and are in canonical order,
+    sorted by ``(expert, hop, src, dst)``; both endpoints of every edge issue its chunks in this order.
+
+    Attributes:
+        slot_expert: int64 ``[R, num_slots]`` (a CPU copy of the plan).
+        num_experts: E.
+        expert_numel: elements of one expert's flattened state.
+        chunk_numel: elements per chunk (the last chunk of an expert may be shorter).
+        edge_expert: int64 ``[N]`` logical expert moved by the edge.
+        edge_src: int64 ``[N]`` sender in the weight direction (home for hop 1, a relay for hop 2).
+        edge_src_slot: int64 ``[N]`` sender's replica slot for hop 2, ``-1`` for hop 1 (main expert).
+        edge_dst: int64 ``[N]`` receiver in the weight direction.
+        edge_dst_slot: int64 ``[N]`` receiver's replica slot.
+        edge_hop: int64 ``[N]`` 1 (from home) or 2 (from a relay).
+        local_expert: int64 ``[L]`` experts with a replica on their own home rank.
+        local_rank: int64 ``[L]`` that home rank.
+        local_slot: int64 ``[L]`` the replica slot there.
+        relayed_experts: int64 ``[K]`` experts distributed through a relay tree.
+    """
+
+    slot_expert: torch.Tensor
+    num_experts: int
+    expert_numel: int
+    chunk_numel: int
+    edge_expert: torch.Tensor
+    edge_src: torch.Tensor
+    edge_src_slot: torch.Tensor
+    edge_dst: torch.Tensor
+    edge_dst_slot: torch.Tensor
+    edge_hop: torch.Tensor
+    local_expert: torch.Tensor
+    local_rank: torch.Tensor
+    local_slot: torch.Tensor
+    relayed_experts: torch.Tensor
+    _rank_cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def num_ranks(self) -> int:
+        return self.slot_expert.shape[0]
+
+    @property
+    def num_slots(self) -> int:
+        return self.slot_expert.shape[1]
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.num_experts // self.num_ranks
+
+    @property
+    def num_chunks(self) -> int:
+        """Chunks per expert: ``ceil(expert_numel / chunk_numel)``."""
+        return -(-self.expert_numel // self.chunk_numel)
+
+    @property
+    def num_edges(self) -> int:
+        return self.edge_expert.numel()
+
+    @property
+    def uses_relay(self) -> bool:
+        return bool((self.edge_hop == 2).any())
+
+    @property
+    def num_rounds(self) -> int:
+        """Communication rounds: one per chunk, plus one when a second hop exists (pipeline tail)."""
+        if self.num_edges == 0:
+            return 0
+        return self.num_chunks + (1 if self.uses_relay else 0)
+
+    def home_rank(self, expert: torch.Tensor | int):
+        """Home rank(s) of logical expert(s)."""
+        return expert // self.experts_per_rank
+
+    def chunk_range(self, chunk: int) -> tuple[int, int]:
+        """``[start, end)`` element range of chunk ``chunk`` within an expert."""
+        start = chunk * self.chunk_numel
+        return start, min(start + self.chunk_numel, self.expert_numel)
+
+    def send_volume(self) -> torch.Tensor:
+        """Elements each rank sends in weight distribution, int64 ``[R]``.
+
+        By symmetry this is also what each rank *receives* in gradient reduction (same edges
+        reversed), so it measures the fan-in bottleneck there too.
+        """
+        counts = torch.bincount(self.edge_src, minlength=self.num_ranks)
+        return counts * self.expert_numel
+
+    def recv_volume(self) -> torch.Tensor:
+        """Elements each rank receives in weight distribution, int64 ``[R]`` (at most num_slots experts)."""
+        return torch.bincount(self.edge_dst, minlength=self.num_ranks) * self.expert_numel
+
+    def edge_depth(self) -> torch.Tensor:
+        """Depth of each edge's tree, int64 ``[N]``: 2 for relayed experts, 1 for direct ones."""
+        relayed = torch.zeros(self.num_experts, dtype=torch.bool)
+        relayed[self.relayed_experts] = True
+        return torch.where(relayed[self.edge_expert], 2, 1)
+
+
+def _frontier_size(num_replicas: int) -> int:
+    """Relay frontier ≈ sqrt(n): balances the source's fan-out against each relay's."""
+    return max(1, int(math.floor(math.sqrt(num_replicas) + 0.5)))
+
+
+def _relay_tree(
+    hosts: list[int], home: int, volume: list[int]
+) -> tuple[list[int], dict[int, int], list[int]]:
+    """Choose relays and attach leaves for one expert, load-aware.
+
+    Args:
+        hosts: remote replica host ranks of the expert, ascending.
+        home: its home rank.
+        volume: current per-rank send volume in experts (length R); not modified.
+
+    Returns:
+        ``(relays, parent_of_leaf, new_volume)``.
+    """
+    n = len(hosts)
+    frontier = _frontier_size(n)
+    relays = sorted(sorted(hosts, key=lambda r: (volume[r], r))[:frontier])
+    new_volume = list(volume)
+    new_volume[home] -= n - frontier
+    parent_of_leaf: dict[int, int] = {}
+    for leaf in hosts:
+        if leaf in relays:
+            continue
+        # The relay whose send volume stays smallest after taking this leaf (ties: lower rank).
+        best = min(relays, key=lambda r: (new_volume[r] + 1, r))
+        new_volume[best] += 1
+        parent_of_leaf[leaf] = best
+    return relays, parent_of_leaf, new_volume
+
+
+def build_schedule(
+    slot_expert: torch.Tensor,
+    num_experts: int,
+    expert_numel: int,
+    *,
+    chunk_numel: int = DEFAULT_CHUNK_NUMEL,
+    relay: str = "adaptive",
+    relay_threshold: int = DEFAULT_RELAY_THRESHOLD,
+) -> TransferSchedule:
+    """Compile a replication plan into a transfer schedule.
+
+    Args:
+        slot_expert: int64 ``[R, num_slots]``, ``-1`` = empty slot (any device; copied to CPU).
+        num_experts: E, a multiple of R; expert ``e``'s home rank is ``e // (E // R)``.
+        expert_numel: elements in one expert's flattened state (weights or gradients).
+        chunk_numel: elements per transfer chunk.
+        relay: ``"off"`` (direct only), ``"adaptive"`` (relay trees only where they lower the
+            bottleneck rank's send volume) or ``"always"`` (every eligible expert, for testing).
+        relay_threshold: an expert is relay-eligible when it has more than this many remote replicas.
+
+    Returns:
+        The :class:`TransferSchedule`, identical on every rank for the same inputs.
+    """
+    validate_slot_expert(slot_expert, num_experts)
+    if not isinstance(expert_numel, int) or expert_numel < 1:
+        raise ValueError(f"expert_numel must be a positive int, got {expert_numel!r}")
+    if not isinstance(chunk_numel, int) or chunk_numel < 1:
+        raise ValueError(f"chunk_numel must be a positive int, got {chunk_numel!r}")
+    if relay not in RELAY_MODES:
+        raise ValueError(f"relay must be one of {RELAY_MODES}, got {relay!r}")
+    if not isinstance(relay_threshold, int) or relay_threshold < 1:
+        raise ValueError(f"relay_threshold must be an int >= 1, got {relay_threshold!r}")
+
+    slot_expert = slot_expert.detach().to("cpu", copy=True)
+    num_ranks, num_slots = slot_expert.shape
+    experts_per_rank = num_experts // num_ranks
+
+    host_rank = torch.arange(num_ranks).unsqueeze(1).expand(num_ranks, num_slots)
+    slot_index = torch.arange(num_slots).unsqueeze(0).expand(num_ranks, num_slots)
+    occupied = slot_expert >= 0
+    rep_expert = slot_expert[occupied]
+    rep_rank = host_rank[occupied]
+    rep_slot = slot_index[occupied]
+    rep_home = rep_expert // experts_per_rank
+    is_local = rep_rank == rep_home
+    local_expert, local_rank, local_slot = rep_expert[is_local], rep_rank[is_local], rep_slot[is_local]
+    rep_expert, rep_rank, rep_slot, rep_home = (t[~is_local] for t in (rep_expert, rep_rank, rep_slot, rep_home))
+
+    # Remote replica hosts per expert, ascending rank (rows of slot_expert are visited in rank order).
+    hosts_of: dict[int, list[tuple[int, int]]] = {}
+    for e, r, s in zip(rep_expert.tolist(), rep_rank.tolist(), rep_slot.tolist()):
+        hosts_of.setdefault(e, []).append((r, s))
+
+    # Direct-schedule send volume per rank, in experts.
+    volume = torch.bincount(rep_home, minlength=num_ranks).tolist()
+
+    parent: dict[int, dict[int, int]] = {}  # expert -> {leaf: relay}, relayed experts only
+    if relay != "off":
+        candidates = {e for e, hs in hosts_of.items() if len(hs) > relay_threshold}
+        while candidates:
+            # Hottest source first: the expert whose home currently sends the most.
+            e = max(candidates, key=lambda x: (volume[x // experts_per_rank], len(hosts_of[x]), -x))
+            candidates.discard(e)
+            home = e // experts_per_rank
+            old_home_volume = volume[home]
+            if relay == "adaptive" and old_home_volume < max(volume):
+                # The bottleneck rank has no eligible expert left; relaying elsewhere cannot lower the max.
+                break
+            hosts = [r for r, _ in hosts_of[e]]
+            relays, parent_of_leaf, new_volume = _relay_tree(hosts, home, volume)
+            if relay == "adaptive" and max(new_volume[r] for r in [home, *relays]) >= old_home_volume:
+                continue  # would not lower the bottleneck
+            volume = new_volume
+            parent[e] = parent_of_leaf
+        if relay == "adaptive":
+            # A tree that lowered one of several tied bottleneck ranks is useless if another of them
+            # could not be lowered: drop (latest first) every tree whose removal keeps the final max.
+            final_max = max(volume)
+            for e in reversed(list(parent)):
+                home, tree = e // experts_per_rank, parent[e]
+                if volume[home] + len(tree) <= final_max:
+                    volume[home] += len(tree)
+                    for relay_rank in tree.values():
+                        volume[relay_rank] -= 1
+                    del parent[e]
+
+    slot_of = {(e, r): s for e, hs in hosts_of.items() for r, s in hs}
+    rows = []  # (expert, hop, src, dst, src_slot, dst_slot)
+    for e, hs in hosts_of.items():
+        home = e // experts_per_rank
+        tree = parent.get(e)
+        for r, s in hs:
+            if tree is None or r not in tree:
+                rows.append((e, 1, home, r, -1, s))
+            else:
+                relay_rank = tree[r]
+                rows.append((e, 2, relay_rank, r, slot_of[(e, relay_rank)], s))
+    rows.sort(key=lambda row: row[:4])
+    edges = torch.tensor(rows, dtype=torch.int64).reshape(-1, 6)
+    return TransferSchedule(
+        slot_expert=slot_expert,
+        num_experts=num_experts,
+        expert_numel=expert_numel,
+        chunk_numel=chunk_numel,
+        edge_expert=edges[:, 0].contiguous(),
+        edge_hop=edges[:, 1].contiguous(),
+        edge_src=edges[:, 2].contiguous(),
+        edge_dst=edges[:, 3].contiguous(),
+        edge_src_slot=edges[:, 4].contiguous(),
+        edge_dst_slot=edges[:, 5].contiguous(),
+        local_expert=local_expert.contiguous(),
+        local_rank=local_rank.contiguous(),
+        local_slot=local_slot.contiguous(),
+        relayed_experts=torch.tensor(sorted(parent), dtype=torch.int64),
+    )

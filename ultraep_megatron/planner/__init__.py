@@ -1,0 +1,230 @@
+"""UltraEP's quota-driven planner: exact post-gating load -> replication plan + token reroute.
+
+Pure functions on tensors (no Megatron, no torch.distributed). Every rank of an EP group calls
+``solve`` on the same gathered load and gets the same plan bit for bit, with no communication.
+
+    plan = solve(load, num_slots)                # load int64 [R, E]
+    physical_ids = assign_tokens(plan, rank, topk_ids)   # [T, k] logical -> physical slots
+
+See ``docs/planner.md`` for the algorithm, ``min_quota`` and the benchmark.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+import torch
+
+from . import _compiled, reference
+from .plan import (
+    Plan,
+    plan_from_split,
+    tokens_received_per_local_slot,
+    tokens_sent_per_physical_slot,
+)
+
+__all__ = [
+    "Plan",
+    "solve",
+    "assign_tokens",
+    "metrics",
+    "default_min_quota",
+    "validate_load",
+    "plan_from_split",
+    "tokens_sent_per_physical_slot",
+    "tokens_received_per_local_slot",
+    "baselines",
+    "synthetic",
+]
+
+# Default quota floor: 1 % of the mean per-rank load. A replica costs a weight transfer (and a
+# gradient reduction in backward) whatever it carries; one carrying less than 1 % of a rank's
+# work is not worth it, and forbidding it also keeps the replica count down (docs/planner.md).
+DEFAULT_MIN_QUOTA_DIVISOR = 100
+
+
+def validate_load(load: torch.Tensor, name: str = "load") -> tuple[int, int]:
+    """Check ``load`` is an int64 [R, E] tensor with E % R == 0; return (R, E).
+
+    Negative values are checked by the caller (in the compiled pass for ``solve``)."""
+    if not isinstance(load, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(load).__name__}")
+    if load.dtype != torch.int64:
+        raise ValueError(f"{name} must be int64, got {load.dtype}")
+    if load.dim() != 2:
+        raise ValueError(f"{name} must be [R, E], got shape {tuple(load.shape)}")
+    R, E = load.shape
+    if R == 0 or E == 0 or E % R != 0:
+        raise ValueError(f"{name} has R={R} ranks and E={E} experts; need R >= 1 and E % R == 0")
+    return R, E
+
+
+def default_min_quota(total_load: int, num_ranks: int) -> int:
+    """``max(1, ceil(total_load / (100 * num_ranks)))``: 1 % of the mean rank load, at least 1."""
+    return max(1, -(-int(total_load) // (DEFAULT_MIN_QUOTA_DIVISOR * num_ranks)))
+
+
+def solve(load: torch.Tensor, num_slots: int, *, min_quota: int | None = None,
+          implementation: Literal["compiled", "reference"] = "compiled") -> Plan:
+    """Replication and reroute plan for the exact load of one MoE layer.
+
+    Args:
+        load: int64 [R, E]; ``load[s, e]`` = (token, expert) pairs on source rank s routed to
+            logical expert e. Expert e's main instance lives on rank ``e // (E // R)``.
+        num_slots: S, redundant slots per rank (>= 0).
+        min_quota: every replica (a filled redundant slot) carries at least this many tokens
+            (>= 1). ``None``: ``default_min_quota`` = 1 % of the mean rank load. Main instances
+            are exempt (0 .. their expert's load). The floor never makes a plan infeasible: a rank
+            whose last bit of excess is below it sheds ``min_quota`` tokens anyway and ends below
+            the threshold (docs/planner.md).
+        implementation: "compiled" (numba, the default) or "reference" (plain Python, slow;
+            returns the same plan bit for bit).
+
+    Returns:
+        A ``Plan`` whose tensors live on ``load``'s device.
+    """
+    R, E = validate_load(load)
+    if isinstance(num_slots, bool) or not isinstance(num_slots, (int, np.integer)) or num_slots < 0:
+        raise ValueError(f"num_slots must be an int >= 0, got {num_slots!r}")
+    if min_quota is not None and (isinstance(min_quota, bool)
+                                  or not isinstance(min_quota, (int, np.integer)) or min_quota < 1):
+        raise ValueError(f"min_quota must be an int >= 1 or None, got {min_quota!r}")
+    device = load.device
+    array = load.detach()
+    if device.type != "cpu":
+        array = array.cpu()
+    array = array.numpy()
+    if not array.flags.c_contiguous:
+        array = np.ascontiguousarray(array)
+
+    if implementation == "compiled":
+        # min_quota 0: the kernel derives the default from the total it computes anyway.
+        status, slot_expert, quota, physical_split, threshold = _compiled.solve_arrays(
+            array, int(num_slots), 0 if min_quota is None else int(min_quota),
+            DEFAULT_MIN_QUOTA_DIVISOR)
+        if status == _compiled.NEGATIVE_LOAD:
+            raise ValueError("load has negative entries")
+    elif implementation == "reference":
+        if (array < 0).any():
+            raise ValueError("load has negative entries")
+        if min_quota is None:
+            min_quota = default_min_quota(int(array.sum()), R)
+        slot_expert, quota, physical_split, threshold = reference.solve_arrays(
+            array, int(num_slots), int(min_quota))
+    else:
+        raise ValueError(
+            f"implementation must be 'compiled' or 'reference', got {implementation!r}")
+
+    slot_expert, quota, physical_split = (torch.from_numpy(slot_expert), torch.from_numpy(quota),
+                                          torch.from_numpy(physical_split))
+    if device.type != "cpu":
+        slot_expert, quota, physical_split = (slot_expert.to(device), quota.to(device),
+                                              physical_split.to(device))
+    return Plan(slot_expert, quota, physical_split, int(threshold))
+
+
+def assign_tokens(plan: Plan, rank: int, topk_ids: torch.Tensor) -> torch.Tensor:
+    """Physical slot of every (token, expert) pair of source ``rank``, realizing the plan exactly.
+
+    The j-th pair (in row-major order of ``topk_ids``) routed to expert e goes to the first
+    instance of e, in rank order, whose cumulative count ``split[rank, e, :].cumsum()`` exceeds
+    j (the cumulative-quota lookup of UltraEP §5.2). On CPU one compiled O(T*k + E*R) pass; on
+    other devices the vectorized torch form (stable sort by expert + one searchsorted), which
+    gives the same ids.
+
+    Args:
+        plan: the plan solved for the load these ids produced.
+        rank: the source rank, 0 <= rank < R.
+        topk_ids: int64 [T, k] logical expert ids from the router.
+
+    Returns:
+        int64 [T, k] physical slot ids ``t * (G + S) + j``, on ``topk_ids``' device.
+
+    Raises:
+        ValueError: bad shapes/ids, or if the ids' per-expert counts differ from the plan's load
+            for ``rank`` (the plan was made for another load).
+    """
+    R, E = plan.num_ranks, plan.num_experts
+    if (not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype != torch.int64
+            or topk_ids.dim() != 2):
+        raise ValueError("topk_ids must be an int64 [T, k] tensor")
+    if not 0 <= rank < R:
+        raise ValueError(f"rank must be in [0, {R}), got {rank}")
+    if topk_ids.device.type != "cpu":
+        return _assign_tokens_vectorized(plan, rank, topk_ids)
+    # CPU: one compiled pass (a sort + searchsorted over T*k pairs costs ~1 ms on CPU).
+    flat = topk_ids.reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    status, physical = _compiled.assign_arrays(
+        flat.numpy(), plan.physical_split[rank].cpu().numpy(), plan.instance_slot.cpu().numpy())
+    if status == _compiled.OUT_OF_RANGE:
+        raise ValueError(f"topk_ids must lie in [0, {E})")
+    if status == _compiled.MISMATCH:
+        raise ValueError(f"topk_ids of rank {rank} do not match the load the plan was solved for")
+    return torch.from_numpy(physical).view(topk_ids.shape)
+
+
+def _assign_tokens_vectorized(plan: Plan, rank: int, topk_ids: torch.Tensor) -> torch.Tensor:
+    """``assign_tokens`` with torch ops only (any device): a stable sort by expert, then one
+    searchsorted into the cumulative (expert, instance) counts. Same result as the compiled pass."""
+    E = plan.num_experts
+    flat = topk_ids.reshape(-1)
+    device = flat.device
+    inst = plan.instance_slot.to(device)  # [E, R]
+    counts = plan.physical_split[rank].to(device)[inst.clamp(min=0)] * (inst >= 0)  # [E, R]
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= E):
+        raise ValueError(f"topk_ids must lie in [0, {E})")
+    if not torch.equal(torch.bincount(flat, minlength=E), counts.sum(1)):
+        raise ValueError(f"topk_ids of rank {rank} do not match the load the plan was solved for")
+    order = torch.sort(flat, stable=True).indices
+    # After the stable sort, pair i is the (i - start_e)-th pair of its expert e, so its
+    # position in the flattened (expert, instance) cumulative counts is just i.
+    instance = torch.searchsorted(counts.reshape(-1).cumsum(0),
+                                  torch.arange(flat.numel(), device=device), right=True)
+    physical = torch.empty_like(flat)
+    physical[order] = inst.reshape(-1)[instance]
+    return physical.view_as(topk_ids)
+
+
+def metrics(load: torch.Tensor, plan: Plan) -> dict:
+    """Balancing metrics of ``plan`` on ``load`` [R, E].
+
+    Returns a dict of Python scalars:
+        imbalance_before / imbalance_after: max / mean per-rank load before and after reroute
+            (1.0 for an all-zero load);
+        threshold: the plan's max rank load; lower_bound: ceil(total / R);
+        replicas: filled redundant slots; max_fanout: most instances of one expert (main
+            included); max_replicas_per_home: most replicas of one rank's main experts (what that
+            rank must send in weight distribution, UltraEP eq. 5);
+        inflight_ratio: share of tokens whose destination rank is not their source rank;
+        min_replica_quota: smallest quota of a replica (None without replicas).
+    """
+    R, E = validate_load(load)
+    if plan.num_ranks != R or plan.num_experts != E:
+        raise ValueError("plan and load have different shapes")
+    G, L = E // R, plan.physical_slots_per_rank
+    total = int(load.sum())
+    mean = total / R
+    before = load.sum(0).view(R, G).sum(1)
+    after = plan.quota.sum(0)
+    filled = plan.slot_expert >= 0
+    replicated = plan.slot_expert[filled]
+    per_expert = torch.bincount(replicated, minlength=E)
+    local = sum(int(plan.physical_split[s, s * L:(s + 1) * L].sum()) for s in range(R))
+    replica_quota = plan.quota[replicated, filled.nonzero()[:, 0]]
+    return {
+        "imbalance_before": float(before.max()) / mean if total else 1.0,
+        "imbalance_after": float(after.max()) / mean if total else 1.0,
+        "threshold": int(plan.threshold),
+        "lower_bound": -(-total // R),
+        "replicas": int(filled.sum()),
+        "max_fanout": 1 + int(per_expert.max()) if E else 1,
+        "max_replicas_per_home": int(per_expert.view(R, G).sum(1).max()),
+        "inflight_ratio": 1.0 - local / total if total else 0.0,
+        "min_replica_quota": int(replica_quota.min()) if replica_quota.numel() else None,
+    }
+
+
+from . import baselines, synthetic  # noqa: E402  (they import validate_load from here)

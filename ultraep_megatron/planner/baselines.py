@@ -1,0 +1,146 @@
+"""Baseline plans UltraEP is compared with (paper §8.1), on the same fixed slot layout.
+
+- ``none``: the identity plan, every token to its expert's main instance.
+- ``eplb(history, S)``: DeepSeek EPLB's replication rule on historical load — repeatedly give one
+  more replica to the expert with the largest load per instance — with the replicas packed into the
+  redundant slots (main experts never move), then round-robin reroute.
+- ``eplb_exact(load, S)``: the paper's EPLB++, the same rule on the exact current load.
+
+Not on the hot path: plain numpy/torch, no compiled code.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+import torch
+
+from . import validate_load
+from .plan import Plan, plan_from_split
+
+__all__ = ["none", "eplb", "eplb_exact", "eplb_slots", "round_robin"]
+
+
+def none(load: torch.Tensor, num_slots: int) -> Plan:
+    """Identity plan for ``load`` [R, E]: no replicas, all tokens to the main instances."""
+    R, _ = validate_load(load)
+    _check_slots(num_slots)
+    return round_robin(load, torch.full((R, num_slots), -1, dtype=torch.int64, device=load.device))
+
+
+def eplb_slots(expert_load: torch.Tensor, num_ranks: int, num_slots: int) -> torch.Tensor:
+    """EPLB's replica choice packed into the fixed slot layout.
+
+    Args:
+        expert_load: [E] load per logical expert (any numeric dtype).
+        num_ranks, num_slots: R and S.
+
+    Returns:
+        slot_expert int64 [R, S] (-1 where a replica could not be placed).
+
+    Replication: R * S times, add an instance to the expert with the largest load per instance
+    (ties: lower expert id), never beyond one instance per rank. Packing: replicas by descending
+    load per instance (ties: lower expert id) go to the rank with the least estimated load (each
+    instance carrying load / instances; ties: lower rank) that has a free slot and no instance of
+    the expert yet. A replica that fits nowhere is dropped (only when the no-duplicate rule and
+    full slots leave no choice).
+    """
+    lam = [float(x) for x in expert_load.detach().cpu().tolist()]
+    E, R, S = len(lam), num_ranks, num_slots
+    G = E // R
+    counts = [1] * E
+    heap = [(-lam[e], e) for e in range(E)]
+    heapq.heapify(heap)
+    for _ in range(R * S):
+        while heap and counts[heap[0][1]] >= R:
+            heapq.heappop(heap)
+        if not heap:
+            break
+        _, e = heapq.heappop(heap)
+        counts[e] += 1
+        heapq.heappush(heap, (-lam[e] / counts[e], e))
+
+    per_instance = np.array([lam[e] / counts[e] for e in range(E)])
+    estimate = per_instance.reshape(R, G).sum(1)  # main instances
+    free = np.full(R, S)
+    holds = np.zeros((E, R), bool)
+    holds[np.arange(E), np.arange(E) // G] = True
+    slot_expert = np.full((R, S), -1, np.int64)
+    replicas = sorted((e for e in range(E) for _ in range(counts[e] - 1)),
+                      key=lambda e: (-per_instance[e], e))
+    for e in replicas:
+        allowed = (free > 0) & ~holds[e]
+        if not allowed.any():
+            continue
+        t = int(np.flatnonzero(allowed)[np.argmin(estimate[allowed])])  # first minimum
+        slot_expert[t, S - free[t]] = e
+        free[t] -= 1
+        holds[e, t] = True
+        estimate[t] += per_instance[e]
+    return torch.from_numpy(slot_expert).to(expert_load.device)
+
+
+def round_robin(load: torch.Tensor, slot_expert: torch.Tensor) -> Plan:
+    """Plan that spreads each source's tokens of an expert round-robin over its instances.
+
+    ``load`` [R, E], ``slot_expert`` [R, S]. Instances of e are ordered main first, then replicas
+    by rank; source s's j-th token of e goes to instance ``(s + j) % n_e`` (so remainders land on
+    different instances for different sources). No locality preference, as in EPLB.
+    """
+    R, E = validate_load(load)
+    if bool((load < 0).any()):
+        raise ValueError("load has negative entries")
+    G = E // R
+    device = load.device
+    if slot_expert.dim() != 2 or slot_expert.shape[0] != R:
+        raise ValueError(f"slot_expert must be [R={R}, S], got {tuple(slot_expert.shape)}")
+    hosts = [[e // G] for e in range(E)]
+    for t, row in enumerate(slot_expert.tolist()):
+        for e in row:
+            if e >= 0:
+                hosts[e].append(t)
+    M = max(len(h) for h in hosts)
+    host_rank = torch.full((E, M), R, dtype=torch.int64)  # R: padding column, dropped below
+    for e, h in enumerate(hosts):
+        host_rank[e, :len(h)] = torch.tensor([h[0]] + sorted(h[1:]))
+    host_rank = host_rank.to(device)
+    n = torch.tensor([len(h) for h in hosts], dtype=torch.int64, device=device)  # [E]
+    base, rem = load // n, load % n  # [R, E]
+    i = torch.arange(M, device=device).view(1, 1, M)
+    s = torch.arange(R, device=device).view(R, 1, 1)
+    amount = base.unsqueeze(2) + (((i - s) % n.view(1, E, 1)) < rem.unsqueeze(2)).long()
+    amount = amount * (i < n.view(1, E, 1))  # [R, E, M]
+    split = torch.zeros((R, E, R + 1), dtype=torch.int64, device=device)
+    split.scatter_add_(2, host_rank.unsqueeze(0).expand(R, E, M), amount)
+    return plan_from_split(slot_expert.to(device), split[:, :, :R])
+
+
+def eplb(history: torch.Tensor, num_slots: int, *, load: torch.Tensor | None = None) -> Plan:
+    """DeepSeek EPLB on historical load.
+
+    Args:
+        history: int64 [H, R, E] loads of H past microbatches, or [R, E] already summed. The
+            replicas are chosen from its per-expert total.
+        num_slots: S.
+        load: [R, E] the load to reroute over that placement (round-robin); default: the summed
+            history itself.
+    """
+    if isinstance(history, torch.Tensor) and history.dim() == 3:
+        history = history.sum(0)
+    R, _ = validate_load(history, "history")
+    _check_slots(num_slots)
+    if bool((history < 0).any()):
+        raise ValueError("history has negative entries")
+    slot_expert = eplb_slots(history.sum(0), R, num_slots)
+    return round_robin(history if load is None else load, slot_expert)
+
+
+def eplb_exact(load: torch.Tensor, num_slots: int) -> Plan:
+    """The paper's EPLB++: EPLB's rule on the exact current load, round-robin reroute."""
+    return eplb(load, num_slots, load=load)
+
+
+def _check_slots(num_slots) -> None:
+    if isinstance(num_slots, bool) or not isinstance(num_slots, (int, np.integer)) or num_slots < 0:
+        raise ValueError(f"num_slots must be an int >= 0, got {num_slots!r}")
