@@ -10,7 +10,12 @@ at runtime and from outside the wheel (no file of site-packages is edited):
   memory statistics, ``current_device``) get their CPU meaning;
 * Megatron's own CUDA-only assumptions (its ``is_available()`` assert, the model-parallel
   and RNG-tracker set-up it skips when ``device_count() == 0``, split sizes for
-  ``all_to_all_single``, tensor type strings, fusion warm-up) are patched one by one.
+  ``all_to_all_single``, tensor type strings, fusion warm-up) are patched one by one;
+* the CUDA generator *is* the CPU generator (CPU dropout draws from it), so Megatron's RNG
+  tracker swaps its named states in and out of the CPU generator, and building the data
+  iterators must not draw from it (else a resumed run would diverge);
+* resuming megatron's DistributedOptimizer around torch's Adam (no Apex/TE on a CPU) keeps each
+  parameter's Adam step.
 
 Every patch carries a one-line reason (see :data:`PATCHES` after activation) and is applied
 only when ``torch.cuda.is_available()`` is False. It is a development and CI backend: the
@@ -25,6 +30,10 @@ Usage::
 
     from ultraep_megatron.megatron import cpu_backend
     cpu_backend.activate()          # before building Megatron models; idempotent
+
+Limit: Python backward functions see the device mapping when the backward pass starts with
+``Tensor.backward`` or ``torch.autograd.backward`` (what Megatron's schedules call), not with
+``torch.autograd.grad``.
 """
 
 from __future__ import annotations

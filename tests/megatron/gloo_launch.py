@@ -1,0 +1,96 @@
+"""Launch N CPU ranks over gloo with torchrun, for tests that run real megatron-core.
+
+Each rank is a fresh Python process running a script (a worker under ``workers/`` or the
+repository's ``pretrain_gpt.py``), so a test never shares megatron's global state with pytest.
+Workers hand results back through files in a directory the test owns.
+
+Usage::
+
+    from gloo_launch import REPO_ROOT, launch_gloo_ranks
+    launch_gloo_ranks(WORKERS / "moe_layer_ep.py", nproc=4, args=["--out-dir", str(tmp_path)])
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Sequence
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+WORKERS = Path(__file__).resolve().parent / "workers"
+#: The interpreter for ranks: $ULTRAEP_PYTHON if set, else the one running the tests.
+PYTHON = os.environ.get("ULTRAEP_PYTHON", sys.executable)
+
+
+def gloo_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for CPU ranks: one thread each (two threads per rank on two cores ran 5x
+    slower), the repository importable, wandb offline."""
+    env = dict(os.environ)
+    env.update(
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")])),
+        WANDB_MODE="offline",
+        PYTHONUNBUFFERED="1",
+        # torchrun's c10d/gloo bind to loopback only.
+        MASTER_ADDR="127.0.0.1",
+        GLOO_SOCKET_IFNAME=env.get("GLOO_SOCKET_IFNAME", "lo"),
+    )
+    if extra:
+        env.update(extra)
+    return env
+
+
+def launch_gloo_ranks(
+    script: str | Path,
+    nproc: int,
+    args: Sequence[str] = (),
+    *,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 600.0,
+    log_path: str | Path | None = None,
+) -> str:
+    """Run ``script`` on ``nproc`` local ranks with torchrun; return the combined output.
+
+    Args:
+        script: Python file every rank runs.
+        nproc: number of ranks (processes), each a gloo rank on the CPU.
+        args: command-line arguments for the script.
+        env: extra environment variables.
+        timeout_s: wall-clock limit; the job is killed past it.
+        log_path: if given, the combined stdout/stderr is also written there.
+
+    Returns:
+        The combined stdout and stderr of all ranks.
+
+    Raises:
+        ValueError: for nproc < 1.
+        RuntimeError: when the job fails or times out (with the tail of its output).
+    """
+    if nproc < 1:
+        raise ValueError(f"nproc must be >= 1, got {nproc}")
+    command = [
+        PYTHON, "-m", "torch.distributed.run",
+        "--standalone", f"--nproc-per-node={nproc}",
+        str(script), *map(str, args),
+    ]
+    try:
+        completed = subprocess.run(
+            command, cwd=REPO_ROOT, env=gloo_env(env), capture_output=True, text=True,
+            timeout=timeout_s,
+        )
+    except subprocess.TimeoutExpired as error:
+        output = (error.stdout or "") + (error.stderr or "")
+        if isinstance(output, bytes):
+            output = output.decode(errors="replace")
+        raise RuntimeError(f"{script} timed out after {timeout_s} s:\n{output[-6000:]}") from error
+    output = completed.stdout + completed.stderr
+    if log_path is not None:
+        Path(log_path).write_text(output)
+    if completed.returncode != 0:
+        raise RuntimeError(
+            f"{script} on {nproc} ranks exited with {completed.returncode}:\n{output[-8000:]}"
+        )
+    return output
