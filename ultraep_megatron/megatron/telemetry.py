@@ -196,6 +196,7 @@ class _TrainingLogHook:
                  balanced: bool = False):
         self.original, self.tracker, self.metrics_path = original, tracker, metrics_path
         self.balanced = balanced
+        self.dashboard = None  # dashboards.Dashboard, set by install()
         self._last_time = time.perf_counter()
 
     def __call__(self, loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
@@ -246,6 +247,9 @@ class _TrainingLogHook:
             print(_format_console(iteration, imbalance), flush=True)
         if balancer_stats and iteration % args.log_interval == 0:
             print(_format_balancer_console(iteration, balancer_stats), flush=True)
+        # Dashboards (dashboards.py): all-layer summaries, heatmap image, model FLOPs.
+        extra = (self.dashboard.after_iteration(iteration, imbalance, balancer_stats, writer,
+                                                wandb_writer) if self.dashboard else {})
         if self.metrics_path:
             record = {
                 "iteration": int(iteration),
@@ -257,6 +261,7 @@ class _TrainingLogHook:
             }
             if balancer_stats is not None:
                 record["balancer"] = {str(layer): v for layer, v in balancer_stats.items()}
+            record.update(extra)
             with open(self.metrics_path, "a") as handle:
                 handle.write(json.dumps(record) + "\n")
 
@@ -293,3 +298,6 @@ def install(model_cfg: Any, args: Any) -> None:
     if not isinstance(training.training_log, _TrainingLogHook):
         training.training_log = _TrainingLogHook(training.training_log, tracker, args.metrics_jsonl,
                                                  balanced)
+        from ultraep_megatron.megatron.dashboards import Dashboard
+
+        training.training_log.dashboard = Dashboard(args)

@@ -1,0 +1,116 @@
+# Shared launch conventions of the rack-scale recipes (sourced, not run). In the style of
+# Megatron-LM's examples/: one bash array per argument group, torchrun on every node.
+#
+# Environment (all optional; MASTER_ADDR is needed as soon as there is more than one node):
+#   MASTER_ADDR, MASTER_PORT   rendezvous host/port (default localhost:6000)
+#   NNODES, NODE_RANK          nodes in the job and this node's index (defaults: the recipe's
+#                              layout; $SLURM_NODEID or 0); GPUS_PER_NODE (default 4: a GB200/
+#                              GB300 compute tray; 16 trays in use per 64-GPU rack)
+#   PRETRAIN_SCRIPT            pretrain_gpt.py to run (default: this repository's; a Megatron-LM
+#                              checkout patched with patches/ works the same)
+#   ULTRAEP_PYTHON             python with torch + megatron-core + ultraep_megatron
+#   DATA_PATH                  Megatron --data-path (a blend "w1 p1 w2 p2" or one prefix); unset:
+#                              --mock-data with a NullTokenizer of the model's vocabulary size
+#   TOKENIZER_MODEL            HuggingFace tokenizer (default: the model's hub id)
+#   CHECKPOINT_DIR             --load and --save directory (unset: neither)
+#   SAVE_CHECKPOINTS           0: load from CHECKPOINT_DIR but never save (the resume experiment)
+#   MOE_BALANCER               default --moe-balancer (default ultraep); extra arguments win
+#   WANDB_PROJECT, WANDB_EXP_NAME, WANDB_SAVE_DIR, TENSORBOARD_DIR, METRICS_JSONL
+#   GLOBAL_BATCH_SIZE, MICRO_BATCH_SIZE, SEQ_LENGTH, TRAIN_ITERS
+#
+# A recipe sets RECIPE_NAME, DEFAULT_NNODES, HF_TOKENIZER, VOCAB_SIZE, VOCAB_DIVISOR and its
+# MODEL_ARGS / MOE_ARGS / PARALLEL_ARGS arrays, then calls `ultraep_launch "$@"`.
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+
+ultraep_launch() {
+    local python=${ULTRAEP_PYTHON:-$(command -v python3 || command -v python)}
+    local script=${PRETRAIN_SCRIPT:-$REPO/pretrain_gpt.py}
+    local gpus_per_node=${GPUS_PER_NODE:-4}
+    local nnodes=${NNODES:-$DEFAULT_NNODES}
+
+    export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
+    export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+
+    local distributed_args=(
+        --nproc-per-node "$gpus_per_node"
+        --nnodes "$nnodes"
+        --node-rank "${NODE_RANK:-${SLURM_NODEID:-0}}"
+        --master-addr "${MASTER_ADDR:-localhost}"
+        --master-port "${MASTER_PORT:-6000}"
+    )
+
+    # GPU training defaults shared by every recipe (bf16, Transformer Engine layers, the
+    # distributed optimizer with overlapped gradient reduction).
+    local system_args=(
+        --transformer-impl transformer_engine
+        --bf16
+        --use-distributed-optimizer
+        --overlap-grad-reduce
+        --overlap-param-gather
+        --distributed-timeout-minutes 60
+        --attention-dropout 0.0
+        --hidden-dropout 0.0
+        --init-method-std 0.02
+        --clip-grad 1.0
+        --weight-decay 0.1
+        --adam-beta1 0.9
+        --adam-beta2 0.95
+        --lr 3.0e-4
+        --min-lr 3.0e-5
+        --lr-decay-style cosine
+        --lr-warmup-iters 100
+        --micro-batch-size "${MICRO_BATCH_SIZE:-1}"
+        --global-batch-size "${GLOBAL_BATCH_SIZE:-5120}"
+        --seq-length "${SEQ_LENGTH:-4096}"
+        --train-iters "${TRAIN_ITERS:-4500}"
+        --seed 1234
+    )
+
+    local data_args
+    if [[ -n "${DATA_PATH:-}" ]]; then
+        # --vocab-size is what NullTokenizer uses; a HuggingFace tokenizer brings its own and
+        # pads it to a multiple of VOCAB_DIVISOR, i.e. to the model's embedding size.
+        data_args=(
+            --data-path $DATA_PATH
+            --split 99,1,0
+            --tokenizer-type HuggingFaceTokenizer
+            --tokenizer-model "${TOKENIZER_MODEL:-$HF_TOKENIZER}"
+            --make-vocab-size-divisible-by "$VOCAB_DIVISOR"
+            --vocab-size "$VOCAB_SIZE"
+        )
+    else
+        data_args=(
+            --mock-data
+            --tokenizer-type NullTokenizer
+            --make-vocab-size-divisible-by "$VOCAB_DIVISOR"
+            --vocab-size "$VOCAB_SIZE"
+        )
+    fi
+
+    local checkpoint_args=()
+    if [[ -n "${CHECKPOINT_DIR:-}" ]]; then
+        checkpoint_args+=(--load "$CHECKPOINT_DIR" --ckpt-format torch_dist --auto-detect-ckpt-format)
+        if [[ "${SAVE_CHECKPOINTS:-1}" != 0 ]]; then
+            checkpoint_args+=(--save "$CHECKPOINT_DIR" --save-interval "${SAVE_INTERVAL:-500}")
+        fi
+    fi
+
+    local logging_args=(
+        --log-interval 1
+        --log-throughput
+        --eval-interval 1000
+        --eval-iters 0
+        --wandb-project "${WANDB_PROJECT:-ultraep}"
+        --wandb-exp-name "${WANDB_EXP_NAME:-$RECIPE_NAME}"
+    )
+    [[ -n "${WANDB_SAVE_DIR:-}" ]] && logging_args+=(--wandb-save-dir "$WANDB_SAVE_DIR")
+    [[ -n "${TENSORBOARD_DIR:-}" ]] && logging_args+=(--tensorboard-dir "$TENSORBOARD_DIR")
+    [[ -n "${METRICS_JSONL:-}" ]] && logging_args+=(--metrics-jsonl "$METRICS_JSONL")
+
+    local balancer_args=(--moe-balancer "${MOE_BALANCER:-ultraep}")
+
+    exec "$python" -m torch.distributed.run "${distributed_args[@]}" "$script" \
+        "${MODEL_ARGS[@]}" "${MOE_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${system_args[@]}" \
+        "${data_args[@]}" "${checkpoint_args[@]}" "${logging_args[@]}" "${balancer_args[@]}" "$@"
+}

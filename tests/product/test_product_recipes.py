@@ -1,0 +1,177 @@
+"""Every recipe passes tools/check_recipe.py: Megatron's own argument validation for the full world
+size, EP groups inside one 64-GPU rack, the published model shapes, and a per-rank memory
+estimate that agrees with Megatron's own estimator and reproduces the paper's §4.1 slot figures.
+
+Reference values are independent of the checker: the models' published configs and parameter
+counts, Table 3 of the paper (parallel layout, slots), §4.1 (36 MB / 72 MB per slot of
+Qwen3-235B against 3.3 GB / 6.6 GB without cross-layer reuse) and
+``megatron.training.theoretical_memory_usage.compute_weight_and_optimizer_memory``.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tools"))
+
+import check_recipe  # noqa: E402
+
+RECIPES = REPO / "recipes"
+GIB, MIB = 1024 ** 3, 1024 ** 2
+
+# Table 3 (+ §8.1): world size, EP, PP, expert-DP, redundant slots per rank.
+LAYOUT = {
+    "glm45_air_106b_a12b_ep64_dp2.sh": (128, 64, 1, 2, 2),
+    "qwen3_235b_a22b_ep64_dp4.sh": (256, 64, 1, 4, 2),
+    "deepseek_v3_671b_a37b_ep64_pp4.sh": (256, 64, 4, 1, 2),
+    "refmoe_288b_a16b_ep32_pp4_dp20.sh": (2560, 32, 4, 20, 4),
+    "tiny_cpu.sh": (4, 4, 1, 1, None),
+}
+
+# Published configs (HF config.json of zai-org/GLM-4.5-Air, Qwen/Qwen3-235B-A22B,
+# deepseek-ai/DeepSeek-V3; the paper for RefMoE): layers, first dense layers, hidden, query heads,
+# experts, top-k, expert FFN, shared-expert FFN, router score function, load-balancing type and
+# weight (§8.1), expert bias.
+SHAPES = {
+    "glm45_air_106b_a12b_ep64_dp2.sh":
+        (46, 1, 4096, 96, 128, 8, 1408, 1408, "sigmoid", "aux_loss", 1e-2, False),
+    "qwen3_235b_a22b_ep64_dp4.sh":
+        (94, 0, 4096, 64, 128, 8, 1536, None, "softmax", "aux_loss", 1e-2, False),
+    "deepseek_v3_671b_a37b_ep64_pp4.sh":
+        (61, 3, 7168, 128, 256, 8, 2048, 2048, "sigmoid", "seq_aux_loss", 1e-4, True),
+    "refmoe_288b_a16b_ep32_pp4_dp20.sh":
+        (46, 1, None, None, 256, 8, None, None, "sigmoid", "seq_aux_loss", 1e-4, True),
+}
+
+# Published sizes in parameters: (total, active).
+PUBLISHED = {
+    "glm45_air_106b_a12b_ep64_dp2.sh": (106e9, 12e9),
+    "qwen3_235b_a22b_ep64_dp4.sh": (235e9, 22e9),
+    "deepseek_v3_671b_a37b_ep64_pp4.sh": (671e9, 37e9),
+    "refmoe_288b_a16b_ep32_pp4_dp20.sh": (288e9, 16e9),
+}
+
+
+@pytest.fixture(scope="module")
+def reports():
+    """{recipe file name: RecipeReport} for every recipe, checked once."""
+    return {name: check_recipe.check_launch(check_recipe.capture_launch(RECIPES / name))
+            for name in LAYOUT}
+
+
+def test_every_launch_recipe_is_covered():
+    """A new recipe must be added here (record_trace_kjv.sh prepares a dataset and is a data
+    recording job of the tiny model, not a layout recipe; common.sh is sourced)."""
+    recipes = {p.name for p in RECIPES.glob("*.sh")} - {"common.sh", "record_trace_kjv.sh"}
+    assert recipes == set(LAYOUT)
+
+
+@pytest.mark.parametrize("name", list(LAYOUT))
+def test_recipe_passes_checker_with_table3_layout(reports, name):
+    report = reports[name]
+    world, ep, pp, edp, slots = LAYOUT[name]
+    a = report.args
+    assert report.launch.world_size == world == a.world_size
+    assert (a.expert_model_parallel_size, a.pipeline_model_parallel_size) == (ep, pp)
+    assert a.world_size // (ep * pp * (a.expert_tensor_parallel_size or 1)) == edp
+    assert a.moe_balancer == ("ultraep" if slots else "none")
+    if slots:
+        assert a.moe_balancer_num_slots == slots
+    assert report.problems() == []
+    # Independently of the checker's own test: each EP group lies in one rack of 64, each PP
+    # group's stages in distinct racks.
+    layout = report.layout
+    assert sorted(r for g in layout.ep_groups for r in g) == list(range(world))
+    assert all(len(g) == ep and len({r // 64 for r in g}) == 1 for g in layout.ep_groups)
+    assert all(len({r // 64 for r in g}) == pp for g in layout.pp_groups)
+    text = check_recipe.format_report(report)
+    assert "EP groups inside one rack: yes" in text and "passed" in text
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_recipe_has_the_published_model_shape(reports, name):
+    a = reports[name].args
+    layers, dense, hidden, heads, experts, topk, ffn, shared, score, lb, coeff, bias = SHAPES[name]
+    pattern = a.moe_layer_freq if isinstance(a.moe_layer_freq, list) else [1] * a.num_layers
+    assert a.num_layers == layers and pattern == [0] * dense + [1] * (layers - dense)
+    assert (a.num_experts, a.moe_router_topk) == (experts, topk)
+    if hidden is not None:
+        assert (a.hidden_size, a.num_attention_heads, a.moe_ffn_hidden_size) == (hidden, heads, ffn)
+        assert a.moe_shared_expert_intermediate_size == shared
+    assert (a.moe_router_score_function, a.moe_router_load_balancing_type) == (score, lb)
+    assert a.moe_aux_loss_coeff == coeff and a.moe_router_enable_expert_bias == bias
+    if bias:
+        assert a.moe_router_bias_update_rate == 1e-3
+    assert a.bf16 and a.transformer_impl == "transformer_engine"
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_parameter_counts_match_the_published_sizes(reports, name):
+    total, active = PUBLISHED[name]
+    memory = reports[name].memory
+    assert abs(memory.total_params / total - 1) < 0.02, memory.total_params
+    # Vendors count active parameters with or without the embeddings: accept both conventions.
+    assert 0.95 * active < memory.active_params < 1.15 * active, memory.active_params
+
+
+@pytest.mark.parametrize("name", ["glm45_air_106b_a12b_ep64_dp2.sh", "qwen3_235b_a22b_ep64_dp4.sh"])
+def test_memory_estimate_agrees_with_megatrons_estimator(reports, name):
+    """PP=1 recipes: a rank holds the whole non-expert model and 1/EP of the experts, which is
+    what Megatron's estimator calls the most loaded shard (it counts neither QKV bias nor MTP
+    projections, hence the small tolerance)."""
+    from megatron.training.theoretical_memory_usage import compute_weight_and_optimizer_memory
+
+    report = reports[name]
+    expected = compute_weight_and_optimizer_memory(copy.copy(report.args))
+    assert abs(report.memory.stages[0].model_states / expected - 1) < 0.005
+
+
+def test_qwen3_slot_memory_reproduces_paper_section_4_1(reports):
+    """§4.1: one redundant slot of Qwen3-235B is ~36 MB weights + ~72 MB fp32 gradients per rank
+    with cross-layer reuse, against 3.3 GB + 6.6 GB without."""
+    report = reports["qwen3_235b_a22b_ep64_dp4.sh"]
+    stage = report.memory.stages[0]
+    assert abs(stage.slot_weight_bytes / (36 * MIB) - 1) < 0.10
+    assert abs(stage.slot_grad_bytes / (72 * MIB) - 1) < 0.10
+    assert abs(stage.slot_weight_bytes * stage.moe_layers / (3.3 * GIB) - 1) < 0.10
+    assert abs(stage.slot_grad_bytes * stage.moe_layers / (6.6 * GIB) - 1) < 0.10
+    assert stage.slots_with_reuse == 2 * (stage.slot_weight_bytes + stage.slot_grad_bytes)
+    text = check_recipe.format_report(report)
+    assert "36.0 MiB weights + 72.0 MiB fp32 grads" in text and "3.30 GiB + 6.61 GiB" in text
+
+
+def test_pipeline_stages_follow_the_recipe_split(reports):
+    """DeepSeek-V3: 15/16/16/14 decoder layers; the first three (dense) on stage 0; MTP on the
+    last stage (its MoE layer counts there)."""
+    stages = reports["deepseek_v3_671b_a37b_ep64_pp4.sh"].memory.stages
+    assert [len(s.layers) for s in stages] == [15, 16, 16, 14]
+    assert [s.moe_layers for s in stages] == [12, 16, 16, 15]
+    # Every stage holds 256/64 = 4 experts of each of its MoE layers.
+    expert = 3 * 7168 * 2048
+    assert [s.expert_params for s in stages] == [4 * expert * m for m in (12, 16, 16, 15)]
+
+
+def test_checker_rejects_an_ep_group_larger_than_a_rack(reports):
+    report = reports["qwen3_235b_a22b_ep64_dp4.sh"]
+    layout = check_recipe.rank_layout(report.args, gpus_per_node=4, rack_size=32)
+    assert any("spans racks" in p for p in layout.problems())
+
+
+def test_checker_reports_megatron_and_ultraep_rejections(capsys):
+    tiny = check_recipe.capture_launch(RECIPES / "tiny_cpu.sh")
+    with pytest.raises(check_recipe.RecipeError, match="num_experts|divisible|expert"):
+        check_recipe.check_launch(check_recipe.Launch(4, 1, "pretrain_gpt.py",
+                                                      [*tiny.args, "--num-experts", "6"]))
+    with pytest.raises(check_recipe.RecipeError, match="alltoall"):
+        check_recipe.check_launch(check_recipe.Launch(4, 1, "pretrain_gpt.py", [
+            *tiny.args, "--moe-balancer", "ultraep", "--moe-token-dispatcher-type", "allgather"]))
+    # The command line: exit status 1 and the reason, for a bare-argument check.
+    assert check_recipe.main(["--world-size", "4", "--", *tiny.args, "--num-experts", "6"]) == 1
+    assert "FAILED" in capsys.readouterr().out
+    assert check_recipe.main([str(RECIPES / "tiny_cpu.sh")]) == 0
+    assert "1/1 recipe(s) passed" in capsys.readouterr().out

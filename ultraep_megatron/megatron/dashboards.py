@@ -1,0 +1,377 @@
+"""Dashboards of a balanced MoE training run: what people look at rather than read.
+
+Telemetry (``telemetry.py``) already writes one scalar per MoE layer and iteration to Megatron's
+tensorboard and wandb writers (``moe/load_imbalance/layer_NN`` and, for balanced runs,
+``ultraep/{imbalance_before,imbalance_after,replicas,max_fanout,inflight_ratio,plan_ms}/layer_NN``;
+wandb groups them by the metric path). On the last rank, after those, :class:`Dashboard` adds:
+
+* ``ultraep/summary/imbalance_{before,after}_{mean,max}``: the same figures over all MoE layers,
+  one line each instead of one per layer;
+* an imbalance heatmap, MoE layer x iteration, before and after balancing (matplotlib), logged
+  to wandb as the image ``ultraep/imbalance_heatmap`` and written next to the checkpoint
+  (``<--save>/ultraep_imbalance_iter_NNNNNNN.png`` with its data in ``.npz``) whenever Megatron
+  saves one, and at the last iteration;
+* the model FLOPs of the iteration by Megatron's own formula
+  (``megatron.training.training.num_floating_point_operations``), returned for the
+  ``--metrics-jsonl`` record so that TFLOP/s/GPU can be recomputed at full precision.
+
+:func:`read_wandb_history` reads a wandb run's history back from its offline ``.wandb`` file
+(no sync, no network) -- for tests and for looking at offline runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import struct
+import zlib
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Optional
+
+#: wandb image key of the heatmap.
+HEATMAP_METRIC = "ultraep/imbalance_heatmap"
+#: Prefix of the all-layer summaries.
+SUMMARY_PREFIX = "ultraep/summary"
+#: File name stem of heatmaps written next to checkpoints.
+HEATMAP_STEM = "ultraep_imbalance_iter_"
+
+
+class ImbalanceHistory:
+    """Per-layer imbalance of the most recent iterations, before and after balancing.
+
+    Args:
+        max_iterations: iterations kept (older ones are dropped, so a long run's memory stays
+            bounded and its heatmap shows the recent window).
+    """
+
+    def __init__(self, max_iterations: int = 2000):
+        if max_iterations < 1:
+            raise ValueError(f"max_iterations must be >= 1, got {max_iterations}")
+        self.max_iterations = max_iterations
+        # iteration -> (before {layer: value}, after {layer: value} or None)
+        self._rows: "OrderedDict[int, tuple[dict[int, float], Optional[dict[int, float]]]]" = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def add(self, iteration: int, before: Mapping[int, float],
+            after: Optional[Mapping[int, float]] = None) -> None:
+        """Record one iteration: {1-based layer: max/mean rank load} before (router) and after
+        balancing (``None`` for an unbalanced run)."""
+        self._rows[int(iteration)] = (dict(before), None if after is None else dict(after))
+        self._rows.move_to_end(int(iteration))
+        while len(self._rows) > self.max_iterations:
+            self._rows.popitem(last=False)
+
+    def matrices(self):
+        """The history as arrays.
+
+        Returns:
+            (iterations [T] int64, layers [L] int64, before [L, T] float64, after [L, T] float64
+            or None when no iteration was balanced); NaN where a layer has no figure.
+        """
+        import numpy as np
+
+        iterations = np.array(list(self._rows), dtype=np.int64)
+        layers = sorted({layer for before, after in self._rows.values()
+                         for layer in list(before) + list(after or {})})
+        row = {layer: i for i, layer in enumerate(layers)}
+        before = np.full((len(layers), len(iterations)), np.nan)
+        balanced = any(after is not None for _, after in self._rows.values())
+        after_m = np.full_like(before, np.nan) if balanced else None
+        for t, (b, a) in enumerate(self._rows.values()):
+            for layer, value in b.items():
+                before[row[layer], t] = value
+            for layer, value in (a or {}).items():
+                after_m[row[layer], t] = value
+        return iterations, np.array(layers, dtype=np.int64), before, after_m
+
+
+def render_heatmap(iterations, layers, before, after, path: str | Path, title: str = "") -> Path:
+    """Draw the layer x iteration imbalance heatmap(s) to ``path`` (PNG).
+
+    Args:
+        iterations: [T] iteration numbers (columns).
+        layers: [L] 1-based MoE layer numbers (rows).
+        before: [L, T] max/mean per-EP-rank load from the router.
+        after: [L, T] the same after balancing, or None for an unbalanced run.
+        path: output file.
+        title: figure title.
+
+    Returns:
+        ``path``.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.ticker import MaxNLocator
+
+    panels = [("before balancing (router)", before)] + ([("after balancing", after)]
+                                                        if after is not None else [])
+    finite = np.concatenate([m[np.isfinite(m)] for _, m in panels]) if before.size else np.ones(1)
+    vmax = max(float(finite.max()) if finite.size else 1.0, 1.05)
+    width = min(6.5 + 0.03 * len(iterations), 14.0)
+    height = min(1.6 + 0.15 * len(layers), 5.0)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(width, height * len(panels)), squeeze=False,
+                             constrained_layout=True)
+    extent = [iterations[0] - 0.5, iterations[-1] + 0.5, layers[-1] + 0.5, layers[0] - 0.5] \
+        if len(iterations) and len(layers) else None
+    image = None
+    for ax, (name, matrix) in zip(axes[:, 0], panels):
+        image = ax.imshow(matrix, aspect="auto", interpolation="nearest", cmap="magma_r",
+                          vmin=1.0, vmax=vmax, extent=extent)
+        ax.set_title(name, fontsize=10)
+        ax.set_ylabel("MoE layer")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    axes[-1, 0].set_xlabel("iteration")
+    fig.colorbar(image, ax=axes[:, 0].tolist(), label="max / mean tokens per EP rank")
+    if title:
+        fig.suptitle(title, fontsize=9)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def layer_summary(values: Mapping[int, float]) -> tuple[float, float]:
+    """(mean, max) over layers of {layer: value}; NaN for no layers."""
+    if not values:
+        return math.nan, math.nan
+    data = list(values.values())
+    return sum(data) / len(data), max(data)
+
+
+class Dashboard:
+    """Per-iteration dashboard figures of one training run (lives on the logging rank).
+
+    Args:
+        args: Megatron's arguments (``--save``/``--save-interval``, ``--train-iters``,
+            ``--exit-interval``, ``--tensorboard-dir``, ``--wandb-save-dir``).
+        max_iterations: iterations the heatmap keeps.
+    """
+
+    def __init__(self, args: Any, max_iterations: int = 2000):
+        self.args = args
+        self.history = ImbalanceHistory(max_iterations)
+        self._flops: Optional[float] = None
+        self._batch_size: Optional[int] = None
+        self._warned = False
+
+    # -- what telemetry calls ------------------------------------------------------------------
+
+    def after_iteration(self, iteration: int, imbalance: Mapping[int, float],
+                        balancer_stats: Optional[Mapping[int, Mapping[str, float]]],
+                        writer: Any = None, wandb_writer: Any = None) -> dict:
+        """Log the summaries (and, when due, the heatmap) for ``iteration``.
+
+        Args:
+            iteration: Megatron's iteration number.
+            imbalance: {layer: max/mean rank load} from the router (telemetry's figure).
+            balancer_stats: {layer: {metric: value}} of the balanced layers, or None.
+            writer, wandb_writer: Megatron's tensorboard / wandb writers (None when off).
+
+        Returns:
+            Extra fields for the iteration's ``--metrics-jsonl`` record: ``flops_per_iteration``
+            (Megatron's model-FLOPs count of the global batch) and ``world_size``.
+        """
+        after = None
+        if balancer_stats:
+            after = {layer: float(v["imbalance_after"]) for layer, v in balancer_stats.items()}
+            # The balancer's own pre-balancing figure wherever the router hook has none.
+            before = {layer: float(v["imbalance_before"]) for layer, v in balancer_stats.items()}
+            before.update(imbalance)
+        else:
+            before = dict(imbalance)
+        if before:
+            self.history.add(iteration, before, after)
+            scalars = {}
+            scalars[f"{SUMMARY_PREFIX}/imbalance_before_mean"], \
+                scalars[f"{SUMMARY_PREFIX}/imbalance_before_max"] = layer_summary(before)
+            if after is not None:
+                scalars[f"{SUMMARY_PREFIX}/imbalance_after_mean"], \
+                    scalars[f"{SUMMARY_PREFIX}/imbalance_after_max"] = layer_summary(after)
+            for name, value in scalars.items():
+                if writer:
+                    writer.add_scalar(name, value, iteration)
+                if wandb_writer:
+                    wandb_writer.log({name: value}, iteration)
+        if len(self.history) and self.heatmap_due(iteration):
+            self._guarded(self.write_heatmap, iteration, wandb_writer)
+        return {"flops_per_iteration": self.flops_per_iteration(),
+                "world_size": int(self.args.world_size)}
+
+    # -- pieces --------------------------------------------------------------------------------
+
+    def heatmap_due(self, iteration: int) -> bool:
+        """At every checkpoint save and at the run's last iteration."""
+        a = self.args
+        saving = bool(getattr(a, "save", None)) and bool(getattr(a, "save_interval", None)) \
+            and iteration % a.save_interval == 0
+        exit_interval = getattr(a, "exit_interval", None)
+        last = iteration == getattr(a, "train_iters", None) or bool(
+            exit_interval and iteration % exit_interval == 0)
+        return saving or last
+
+    def heatmap_dir(self) -> Optional[Path]:
+        """Where heatmap files go: next to the checkpoints, else the tensorboard / wandb dir."""
+        for name in ("save", "tensorboard_dir", "wandb_save_dir"):
+            value = getattr(self.args, name, None)
+            if value:
+                return Path(value)
+        return None
+
+    def write_heatmap(self, iteration: int, wandb_writer: Any = None) -> Optional[Path]:
+        """Render the heatmap of the kept iterations; write PNG + NPZ and log the image."""
+        import numpy as np
+
+        iterations, layers, before, after = self.history.matrices()
+        directory = self.heatmap_dir()
+        if directory is None and not wandb_writer:
+            return None
+        title = (f"expert-load imbalance per MoE layer, iterations {iterations[0]}-{iterations[-1]}\n"
+                 f"--moe-balancer {getattr(self.args, 'moe_balancer', 'none')}")
+        if directory is not None:
+            path = directory / f"{HEATMAP_STEM}{iteration:07d}.png"
+        else:
+            import tempfile
+
+            path = Path(tempfile.mkdtemp(prefix="ultraep_heatmap_")) / f"{HEATMAP_STEM}{iteration:07d}.png"
+        render_heatmap(iterations, layers, before, after, path, title)
+        arrays = {"iterations": iterations, "layers": layers, "imbalance_before": before}
+        if after is not None:
+            arrays["imbalance_after"] = after
+        np.savez(path.with_suffix(".npz"), **arrays)
+        if wandb_writer:
+            import wandb
+
+            wandb_writer.log({HEATMAP_METRIC: wandb.Image(str(path), caption=title)}, iteration)
+        return path
+
+    def flops_per_iteration(self) -> Optional[float]:
+        """Megatron's model FLOPs of the current global batch (cached per batch size)."""
+        try:
+            from megatron.core.num_microbatches_calculator import get_current_global_batch_size
+            from megatron.training.training import num_floating_point_operations
+
+            batch_size = get_current_global_batch_size()
+            if batch_size != self._batch_size:
+                # The formula normalizes a few args in place: give it a copy.
+                self._flops = float(num_floating_point_operations(copy.copy(self.args), batch_size))
+                self._batch_size = batch_size
+        except Exception as error:  # never stop training over a figure
+            self._warn(f"model FLOPs unavailable: {error!r}")
+            return None
+        return self._flops
+
+    def _guarded(self, function, *args):
+        try:
+            return function(*args)
+        except Exception as error:  # never stop training over a plot; say so once
+            self._warn(f"imbalance heatmap failed: {error!r}")
+            return None
+
+    def _warn(self, message: str) -> None:
+        if not self._warned:
+            print(f" [ultraep dashboards] WARNING: {message}", flush=True)
+            self._warned = True
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading a wandb run offline
+# ----------------------------------------------------------------------------------------------
+
+# wandb's transaction log (``run-<id>.wandb``): a 7-byte file header, then LevelDB-log-style
+# 32 KiB blocks of records, each a 7-byte header (crc32, length, type) and a chunk of a
+# serialized ``wandb_internal_pb2.Record``; a record split over blocks is FIRST/MIDDLE/LAST.
+_WANDB_HEADER = struct.Struct("<4sHB")
+_WANDB_IDENT, _WANDB_MAGIC = b":W&B", 0xBEE1
+_BLOCK = 32 * 1024
+_CHUNK = struct.Struct("<IHB")
+_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
+
+
+def wandb_run_file(run: str | Path) -> Path:
+    """The ``run-*.wandb`` file of a run directory (``offline-run-*``/``run-*``), a wandb save
+    dir holding one run (``<dir>/wandb/latest-run``), or the file itself."""
+    run = Path(run)
+    if run.is_file():
+        return run
+    for candidate in (run, run / "latest-run", run / "wandb" / "latest-run"):
+        files = sorted(candidate.glob("run-*.wandb")) if candidate.is_dir() else []
+        if len(files) == 1:
+            return files[0]
+    raise FileNotFoundError(f"no single wandb run file (run-*.wandb) under {run}")
+
+
+def iter_wandb_records(run: str | Path) -> Iterator[Any]:
+    """Every ``wandb_internal_pb2.Record`` of a run file, in order.
+
+    Raises:
+        ValueError: on a file that is not a wandb run log, or a chunk failing its checksum.
+    """
+    from wandb.proto import wandb_internal_pb2
+
+    data = wandb_run_file(run).read_bytes()
+    if len(data) < _WANDB_HEADER.size:
+        raise ValueError("wandb run file too short for its header")
+    ident, magic, _ = _WANDB_HEADER.unpack_from(data, 0)
+    if ident != _WANDB_IDENT or magic != _WANDB_MAGIC:
+        raise ValueError(f"not a wandb run file (header {ident!r}, {magic:#x})")
+    pos, pending = _WANDB_HEADER.size, b""
+    while pos + _CHUNK.size <= len(data):
+        left = _BLOCK - pos % _BLOCK
+        if left < _CHUNK.size:  # block trailer
+            pos += left
+            continue
+        crc, length, kind = _CHUNK.unpack_from(data, pos)
+        if kind == 0 and length == 0:  # zero padding at the end of a block / of the file
+            pos += left
+            continue
+        chunk = data[pos + _CHUNK.size: pos + _CHUNK.size + length]
+        if len(chunk) < length:
+            break  # a record still being written
+        if zlib.crc32(chunk, zlib.crc32(bytes([kind]))) & 0xFFFFFFFF != crc:
+            raise ValueError(f"wandb run file: bad checksum at byte {pos}")
+        pos += _CHUNK.size + length
+        if kind in (_FULL, _FIRST):
+            pending = chunk
+        elif kind in (_MIDDLE, _LAST):
+            pending += chunk
+        else:
+            raise ValueError(f"wandb run file: unknown chunk type {kind} at byte {pos}")
+        if kind in (_FULL, _LAST):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            yield record
+
+
+def read_wandb_history(run: str | Path) -> list[dict]:
+    """The run's history rows (what ``wandb.log`` wrote), oldest first.
+
+    Returns:
+        One dict per logged step: ``_step`` and every key logged at it, values decoded from
+        JSON; an image is wandb's media dict (``_type`` ``image-file``, ``path`` relative to
+        the run's ``files/`` directory, ``sha256``, ``width``, ``height``, ``caption``).
+    """
+    import json
+
+    rows: dict[int, dict] = {}
+    for record in iter_wandb_records(run):
+        if record.WhichOneof("record_type") != "history":
+            continue
+        row: dict = {}
+        for item in record.history.item:
+            path = [item.key] if item.key else list(item.nested_key)
+            target = row
+            for part in path[:-1]:  # media (images) arrive as one item per field
+                target = target.setdefault(part, {})
+            target[path[-1]] = json.loads(item.value_json)
+        step = int(row.get("_step", record.history.step.num))
+        rows.setdefault(step, {}).update(row)
+        rows[step]["_step"] = step
+    return [rows[step] for step in sorted(rows)]
