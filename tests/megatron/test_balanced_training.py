@@ -54,8 +54,9 @@ def run(root, layout, balancer):
     run_dir = root / f"{layout}_{balancer}"
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics = run_dir / "metrics.jsonl"
+    trace = ["--moe-balancer-trace-dir", str(run_dir / "trace")] if balancer != "none" else []
     launch_gloo_ranks(WORKERS / "pretrain_grad_dump.py", WORLD,
-                      [*layout_args(layout, balancer), "--metrics-jsonl", str(metrics)],
+                      [*layout_args(layout, balancer), "--metrics-jsonl", str(metrics), *trace],
                       env={"ULTRAEP_GRAD_DUMP_DIR": str(run_dir / "grads")},
                       timeout_s=600, log_path=run_dir / "log")
     records = read_metrics(metrics)
@@ -126,3 +127,27 @@ def test_replicas_used_and_load_balanced(runs):
         # The before-figure the balancer saw equals the router-side telemetry of the same run.
         for layer, v in stats.items():
             assert math.isclose(v["imbalance_before"], record["load_imbalance"][layer], rel_tol=1e-9)
+
+
+def test_trace_records_every_microbatch_once(get_runs, tmp_path_factory):
+    """--moe-balancer-trace-dir on the EP=4 run (MoE recompute: each forward runs twice): one
+    record per (iteration, microbatch, layer), whose loads reproduce the router-side imbalance."""
+    from ultraep_megatron.megatron.telemetry import load_imbalance, per_rank_load
+    from ultraep_megatron.traces import find_trace_files, read_trace
+
+    layout, _, (bal, _) = get_runs("ep4")
+    trace_dir = next(p for p in tmp_path_factory.getbasetemp().rglob("ep4_ultraep/trace"))
+    files = find_trace_files(trace_dir)
+    assert len(files) == 1, "EP=4 on 4 ranks is one EP group"
+    trace = read_trace(files[0])
+    assert trace.status == "closed"
+    keys = list(zip(trace.iteration.tolist(), trace.microbatch.tolist(), trace.layer.tolist()))
+    assert len(keys) == len(set(keys)), "a microbatch recorded twice (recompute replay?)"
+    # global batch 16 / (micro batch 2 x data parallel 4) = 2 microbatches per iteration
+    assert set(keys) == {(i, m, layer) for i in range(1, ITERS + 1) for m in (0, 1) for layer in (1, 2)}
+    for record in bal:
+        for layer, value in record["load_imbalance"].items():
+            rows = (trace.iteration == record["iteration"]) & (trace.layer == int(layer))
+            expert_tokens = trace.load[rows].sum(dim=(0, 1)).double().unsqueeze(0)  # [1, E]
+            imbalance = float(load_imbalance(per_rank_load(expert_tokens, WORLD))[0])
+            assert math.isclose(imbalance, value, rel_tol=1e-9), (record["iteration"], layer)
