@@ -126,7 +126,7 @@ class BalancedAlltoAllDispatcher(MoEAlltoAllTokenDispatcher):
 
     def preprocess(self, routing_map: torch.Tensor) -> torch.Tensor:
         """All-to-all metadata from the plan (no communication): splits and per-slot token counts."""
-        counts = self.state.physical_counts  # [R_src, R * P] tokens from each source to each slot
+        counts = self.state.plan.physical_split  # [R_src, R * P] tokens from each source to each slot
         rank, per_rank = self.ep_rank, self.slots_per_rank
         mine = slice(rank * per_rank, (rank + 1) * per_rank)
         self.num_out_tokens = routing_map.size(0) * self.config.moe_router_topk

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import atexit
 import time
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -99,7 +99,6 @@ class InvocationState:
     Attributes:
         plan: the balancing plan.
         load: int64 [R, E], the exact load it was solved on.
-        physical_counts: int64 [R_src, R * P], tokens each source sends to each physical slot.
         replica_tokens_per_slot: tokens this rank's redundant slots receive, length ``num_slots``.
         schedule: the data plane's transfer schedule for the plan's replicas (forward distribution,
             backward re-materialization and gradient reduction all use it).
@@ -108,7 +107,6 @@ class InvocationState:
 
     plan: "planner.Plan"
     load: torch.Tensor
-    physical_counts: torch.Tensor
     replica_tokens_per_slot: List[int]
     schedule: Optional[TransferSchedule] = None
     vid: Optional[int] = None
@@ -224,12 +222,11 @@ class Runtime:
 
     def _state(self, layer, plan, load) -> InvocationState:
         L = layer.num_local_experts
-        counts = plan.physical_split  # [R_src, R * P]
         rank, P = layer.token_dispatcher.ep_rank, layer.token_dispatcher.slots_per_rank
-        replica = counts[:, rank * P + L : (rank + 1) * P].sum(dim=0).tolist()
+        # plan.physical_split [R_src, R * P]: tokens each source sends to each physical slot.
+        replica = plan.physical_split[:, rank * P + L : (rank + 1) * P].sum(dim=0).tolist()
         schedule = self.slots.schedule(plan.slot_expert, plan.num_experts) if self.slots.num_slots else None
-        return InvocationState(plan=plan, load=load, physical_counts=counts,
-                               replica_tokens_per_slot=replica, schedule=schedule)
+        return InvocationState(plan=plan, load=load, replica_tokens_per_slot=replica, schedule=schedule)
 
     def state(self, vid: int) -> InvocationState:
         return self.ring.get(vid)
