@@ -33,56 +33,19 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ultraep_megatron.dataplane import build_schedule, distribute_weights, reduce_gradients  # noqa: E402
+from ultraep_megatron.planner import solve  # noqa: E402
+from ultraep_megatron.planner.synthetic import zipf_topk_load  # noqa: E402
 
 
 def zipf_loads(num_ranks: int, num_experts: int, *, exponent: float, seed: int,
                tokens_per_rank: int = 4096, top_k: int = 8) -> torch.Tensor:
-    """Per-rank token counts per expert, int64 ``[R, E]``: Zipf popularity, top-k distinct experts per token."""
-    gen = torch.Generator().manual_seed(seed)
-    order = torch.randperm(num_experts, generator=gen)
-    popularity = torch.empty(num_experts)
-    popularity[order] = 1.0 / torch.arange(1, num_experts + 1, dtype=torch.float64).pow(exponent).float()
-    loads = torch.zeros(num_ranks, num_experts, dtype=torch.int64)
-    for r in range(num_ranks):
-        p = popularity * torch.empty(num_experts).uniform_(0.8, 1.2, generator=gen)
-        # Gumbel top-k = sampling top_k distinct experts without replacement, proportional to p.
-        gumbel = -(-torch.rand(tokens_per_rank, num_experts, generator=gen).log()).log()
-        picks = (p.log() + gumbel).topk(top_k, dim=1).indices
-        loads[r] = torch.bincount(picks.flatten(), minlength=num_experts)
-    return loads
-
-
-def eplb_like_slots(load: torch.Tensor, num_slots: int) -> torch.Tensor:
-    """Replicate the expert with the highest per-instance load into all ``R * num_slots`` slots, place
-    replicas heaviest-first on the least-loaded admissible rank. Returns int64 ``[R, num_slots]``."""
-    num_ranks, num_experts = load.shape
-    home = torch.arange(num_experts) // (num_experts // num_ranks)
-    expert_load = load.sum(0).double()
-    instances = torch.ones(num_experts, dtype=torch.float64)
-    for _ in range(num_ranks * num_slots):
-        instances[torch.argmax(expert_load / instances)] += 1
-    share = expert_load / instances
-    rank_load = torch.zeros(num_ranks, dtype=torch.float64).index_add_(0, home, share)
-    slot_expert = torch.full((num_ranks, num_slots), -1, dtype=torch.int64)
-    free = torch.full((num_ranks,), num_slots)
-    replicas = [(float(share[e]), e) for e in range(num_experts) for _ in range(int(instances[e]) - 1)]
-    for weight, e in sorted(replicas, key=lambda x: (-x[0], x[1])):
-        admissible = (free > 0) & ~(slot_expert == e).any(1)
-        admissible[home[e]] = False
-        if admissible.any():
-            target = int(torch.where(admissible, rank_load, torch.inf).argmin())
-            slot_expert[target, num_slots - int(free[target])] = e
-            free[target] -= 1
-            rank_load[target] += weight
-    return slot_expert
+    """Per-rank token counts per expert, int64 ``[R, E]`` (``planner.synthetic.zipf_topk_load``)."""
+    return zipf_topk_load(num_ranks, num_experts, tokens_per_rank=tokens_per_rank, top_k=top_k,
+                          exponent=exponent, seed=seed)
 
 
 def make_plan(load: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, str]:
-    """``slot_expert`` from the UltraEP planner when available, else the EPLB-like filler."""
-    try:
-        from ultraep_megatron.planner import solve
-    except ImportError:
-        return eplb_like_slots(load, num_slots), "eplb-like filler"
+    """``slot_expert`` from the UltraEP planner."""
     return solve(load, num_slots).slot_expert, "ultraep_megatron.planner.solve"
 
 

@@ -11,59 +11,18 @@ import functools
 
 import torch
 
+from ultraep_megatron.planner.synthetic import fill_slots_eplb_like, zipf_topk_load
+
 
 @functools.lru_cache(maxsize=32)  # shared by tests that plan the same loads; callers must not modify
 def zipf_loads(num_ranks: int, num_experts: int, *, tokens_per_rank: int = 4096, top_k: int = 8,
                exponent: float = 1.0, seed: int = 0) -> torch.Tensor:
-    """Per-rank token counts routed to each expert, int64 ``[R, E]``.
-
-    Expert popularity follows Zipf(``exponent``) over a random expert order; each token picks ``top_k``
-    distinct experts; each rank's popularity is jittered so ranks differ.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    order = torch.randperm(num_experts, generator=gen)
-    popularity = torch.empty(num_experts)
-    popularity[order] = 1.0 / torch.arange(1, num_experts + 1, dtype=torch.float64).pow(exponent).float()
-    loads = torch.zeros(num_ranks, num_experts, dtype=torch.int64)
-    for r in range(num_ranks):
-        p = popularity * torch.empty(num_experts).uniform_(0.8, 1.2, generator=gen)
-        # Gumbel top-k = sampling top_k distinct experts without replacement, proportional to p.
-        gumbel = -(-torch.rand(tokens_per_rank, num_experts, generator=gen).log()).log()
-        picks = (p.log() + gumbel).topk(top_k, dim=1).indices
-        loads[r] = torch.bincount(picks.flatten(), minlength=num_experts)
-    return loads
+    """``planner.synthetic.zipf_topk_load``, cached."""
+    return zipf_topk_load(num_ranks, num_experts, tokens_per_rank=tokens_per_rank, top_k=top_k,
+                          exponent=exponent, seed=seed)
 
 
-def eplb_like_slots(load: torch.Tensor, num_slots: int) -> torch.Tensor:
-    """Fill every rank's redundant slots EPLB-style; return ``slot_expert`` int64 ``[R, num_slots]``.
-
-    Replicate the expert with the highest per-instance load until all ``R * num_slots`` slots are
-    spoken for, then place replicas (heaviest first) on the least-loaded rank that has a free slot,
-    is not the home and does not host that expert yet. Main experts stay on their home ranks.
-    """
-    num_ranks, num_experts = load.shape
-    per_rank = num_experts // num_ranks
-    expert_load = load.sum(0).double()
-    instances = torch.ones(num_experts, dtype=torch.float64)
-    for _ in range(num_ranks * num_slots):
-        instances[torch.argmax(expert_load / instances)] += 1
-    share = expert_load / instances
-    home = torch.arange(num_experts) // per_rank
-    rank_load = torch.zeros(num_ranks, dtype=torch.float64).index_add_(0, home, share)
-    slot_expert = torch.full((num_ranks, num_slots), -1, dtype=torch.int64)
-    free = torch.full((num_ranks,), num_slots)
-    replicas = [(float(share[e]), e) for e in range(num_experts) for _ in range(int(instances[e]) - 1)]
-    for weight, e in sorted(replicas, key=lambda x: (-x[0], x[1])):
-        hosting = (slot_expert == e).any(1)
-        admissible = (free > 0) & ~hosting
-        admissible[home[e]] = False
-        if not admissible.any():
-            continue
-        target = int(torch.where(admissible, rank_load, torch.inf).argmin())
-        slot_expert[target, num_slots - int(free[target])] = e
-        free[target] -= 1
-        rank_load[target] += weight
-    return slot_expert
+eplb_like_slots = fill_slots_eplb_like
 
 
 def random_plan(num_ranks: int, num_experts: int, num_slots: int, *, seed: int,

@@ -212,7 +212,8 @@ def metrics(load: torch.Tensor, plan: Plan) -> dict:
     filled = plan.slot_expert >= 0
     replicated = plan.slot_expert[filled]
     per_expert = torch.bincount(replicated, minlength=E)
-    local = sum(int(plan.physical_split[s, s * L:(s + 1) * L].sum()) for s in range(R))
+    # Tokens that stay on their source rank: the diagonal blocks of physical_split [R, R * L].
+    local = int(plan.physical_split.view(R, R, L).diagonal(dim1=0, dim2=1).sum())
     replica_quota = plan.quota[replicated, filled.nonzero()[:, 0]]
     return {
         "imbalance_before": float(before.max()) / mean if total else 1.0,
