@@ -82,8 +82,16 @@ def build(cfg, balancer: str | None, force_balanced: bool):
     return layer
 
 
-def measure(cfg, layer) -> tuple[float, int]:
-    """Median seconds per forward+backward over the group (max over ranks), and the busiest rank's rows."""
+def measure(cfg, layer) -> tuple[float, float, float, float]:
+    """Per forward+backward, medians over the timed iterations:
+
+    (wall seconds of the group (max over ranks), busiest rank's CPU seconds, mean rank CPU seconds,
+    max/mean rows received by the ranks' experts).
+
+    CPU seconds are the main thread's (``time.thread_time``): compute only, not time spent waiting
+    in gloo or descheduled, so their max over ranks is the critical path a rank with a dedicated
+    device would see even when this VM's cores are shared with other work.
+    """
     rank = torch.distributed.get_rank()
     gen = torch.Generator().manual_seed(rank)
     x = torch.randn(cfg.tokens_per_rank, 1, cfg.hidden_size, generator=gen)
@@ -95,17 +103,23 @@ def measure(cfg, layer) -> tuple[float, int]:
         return compute(h, p)
 
     layer.routed_experts_compute = counting
-    times = []
+    times, cpu_max, cpu_mean = [], [], []
+    world = torch.distributed.get_world_size()
     for i in range(cfg.warmup + cfg.iters):
         xi = x.clone().requires_grad_(True)
         torch.distributed.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         out, _ = layer(xi)
         out.sum().backward()
+        cpu = time.thread_time() - c0
         t = torch.tensor([time.perf_counter() - t0])
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        cpus = [torch.zeros(1) for _ in range(world)]
+        torch.distributed.all_gather(cpus, torch.tensor([cpu]))
         if i >= cfg.warmup:
             times.append(float(t))
+            cpu_max.append(float(torch.cat(cpus).max()))
+            cpu_mean.append(float(torch.cat(cpus).mean()))
         if i == cfg.warmup - 1:  # overhead counters cover the timed iterations only
             from ultraep_megatron.megatron.runtime import get_runtime
 
@@ -115,7 +129,8 @@ def measure(cfg, layer) -> tuple[float, int]:
     gathered = [torch.zeros(1) for _ in range(torch.distributed.get_world_size())]
     torch.distributed.all_gather(gathered, received)
     loads = torch.cat(gathered)
-    return sorted(times)[len(times) // 2], float(loads.max() / loads.mean())
+    median = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
+    return median(times), median(cpu_max), median(cpu_mean), float(loads.max() / loads.mean())
 
 
 def worker(cfg):
@@ -131,23 +146,27 @@ def worker(cfg):
     for name, balancer, force in (("none", None, False), ("ultraep", "ultraep", False),
                                   ("eplb-exact", "eplb-exact", False), ("force-balanced", None, True)):
         layer = build(cfg, balancer, force)
-        seconds, imbalance = measure(cfg, layer)
+        seconds, cpu_max, cpu_mean, imbalance = measure(cfg, layer)
         overhead = ""
         if balancer is not None:
             rt = get_runtime()
             n = cfg.iters
             overhead = (f"plan {rt.plan_seconds / n * 1e3:.2f} ms, transfers {rt.transfer_seconds / n * 1e3:.2f} ms, "
                         f"reroute {rt.reroute_seconds / n * 1e3:.2f} ms")
-        rows.append((name, seconds, tokens / seconds, imbalance, overhead))
+        rows.append((name, seconds, tokens / seconds, cpu_max, cpu_mean, imbalance, overhead))
     if rank == 0:
-        ideal = rows[-1][2]
+        ideal, ideal_cpu = rows[-1][2], rows[-1][3]
         print(f"\nMoE layer fwd+bwd, EP={cfg.ep_size} (gloo, 1 thread/rank), E={cfg.num_experts}, top-{cfg.topk}, "
               f"hidden {cfg.hidden_size}, ffn {cfg.ffn_hidden_size}, {cfg.tokens_per_rank} tokens/rank, "
               f"{cfg.num_slots} slot(s)/rank, router bias std {cfg.router_bias_std}")
-        print(f"| {'balancer':<15} | {'ms/iter':>8} | {'tokens/s':>9} | {'x force-balanced':>16} | {'rank imbalance':>14} | balancing overhead per timed iteration")
-        print(f"|{'-' * 17}|{'-' * 10}|{'-' * 11}|{'-' * 18}|{'-' * 16}|---")
-        for name, seconds, tps, imbalance, overhead in rows:
-            print(f"| {name:<15} | {seconds * 1e3:8.1f} | {tps:9.0f} | {tps / ideal:16.2f} | {imbalance:14.2f} | {overhead}")
+        print("wall: slowest rank's wall time; CPU: main-thread compute time of the busiest rank (the "
+              "critical path with a device per rank) and its x force-balanced (lower busiest-rank CPU = higher)")
+        print(f"| {'balancer':<15} | {'wall ms':>8} | {'tokens/s':>9} | {'wall x f-b':>10} | {'busiest CPU ms':>14} "
+              f"| {'mean CPU ms':>11} | {'CPU x f-b':>9} | {'rank imbalance':>14} | balancing overhead per timed iteration")
+        print(f"|{'-' * 17}|{'-' * 10}|{'-' * 11}|{'-' * 12}|{'-' * 16}|{'-' * 13}|{'-' * 11}|{'-' * 16}|---")
+        for name, seconds, tps, cpu_max, cpu_mean, imbalance, overhead in rows:
+            print(f"| {name:<15} | {seconds * 1e3:8.1f} | {tps:9.0f} | {tps / ideal:10.2f} | {cpu_max * 1e3:14.1f} "
+                  f"| {cpu_mean * 1e3:11.1f} | {ideal_cpu / cpu_max:9.2f} | {imbalance:14.2f} | {overhead}")
     torch.distributed.destroy_process_group()
 
 

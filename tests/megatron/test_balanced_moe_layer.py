@@ -14,7 +14,7 @@ WORLD = 4
 NUM_SLOTS = 1
 EXPERT_NUMEL = 2 * 32 * 48  # fc1 [48, 32] + fc2 [32, 48]
 RTOL = 1e-5
-SCENARIOS = ("single", "pipelined", "recompute", "eplb", "eplb-exact")
+SCENARIOS = ("single", "pipelined", "recompute", "eplb", "eplb-exact", "flex", "grouped")
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +57,7 @@ def test_negative_control_detects_a_wrong_gradient(ranks):
         assert_close(fc1 * 0.7, ranks[0]["single/none"]["expert_grads"][hot][0], "scaled")
 
 
-@pytest.mark.parametrize("scenario", ["single", "pipelined", "recompute"])
+@pytest.mark.parametrize("scenario", ["single", "pipelined", "recompute", "flex", "grouped"])
 def test_ultraep_balances_the_received_load(ranks, scenario):
     rows = torch.tensor([r[f"{scenario}/balanced"]["received_rows"] for r in ranks], dtype=torch.float)
     skewed = torch.tensor([r[f"{scenario}/none"]["received_rows"] for r in ranks], dtype=torch.float)
@@ -92,3 +92,35 @@ def test_ring_is_released_after_backward(ranks):
 def test_replica_buffers_are_num_slots_experts(ranks):
     for result in ranks:
         assert result["single/balanced"]["replica_buffer_numel"] == NUM_SLOTS * EXPERT_NUMEL
+
+
+def test_replica_backward_does_not_recompute_the_replica_forward(ranks):
+    """Replica weights are re-materialized for the backward; replica activations are saved, so
+    the replica experts run once per microbatch, and again only in a recompute replay."""
+    for rank, result in enumerate(ranks):
+        for scenario, microbatches in (("single", 1), ("pipelined", 3), ("flex", 3), ("grouped", 3)):
+            calls = result[f"{scenario}/balanced"]["replica_calls"]
+            assert calls["backward"] == 0, f"rank {rank} {scenario}: replica forward recomputed {calls}"
+            assert calls["forward"] <= microbatches
+        # MoE activation recompute: one no-grad pass and one replay per microbatch, both counted.
+        calls = result["recompute/balanced"]["replica_calls"]
+        assert calls["backward"] == calls["forward"], calls
+    hosts = sum(r["pipelined/balanced"]["replica_calls"]["forward"] > 0 for r in ranks)
+    assert hosts >= 1, "no rank ran a replica: the test routing does not exercise the replicas"
+
+
+def test_flex_scenario_ran_megatrons_deepep_path(ranks):
+    """The flex scenario really went through the balanced flex dispatcher and megatron's DeepEP
+    manager (over the gloo stand-in), and its reference through megatron's all-to-all."""
+    for result in ranks:
+        assert result["flex/balanced"]["dispatcher_class"] == "BalancedFlexDispatcher"
+        assert result["flex/balanced"]["manager_class"] == "_DeepepManager"
+        assert result["flex/none"]["dispatcher_class"] == "MoEAlltoAllTokenDispatcher"
+
+
+def test_grouped_scenario_ran_grouped_experts(ranks):
+    """Main experts and the reference are megatron's TEGroupedMLP (grouped-GEMM experts)."""
+    for result in ranks:
+        assert result["grouped/balanced"]["experts_class"] == "TEGroupedMLP"
+        assert result["grouped/none"]["experts_class"] == "TEGroupedMLP"
+        assert result["grouped/balanced"]["replica_buffer_numel"] == NUM_SLOTS * EXPERT_NUMEL

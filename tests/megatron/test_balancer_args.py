@@ -27,6 +27,13 @@ CASES = {
     "unknown_balancer": (["--moe-balancer", "magic"], "--moe-balancer"),
     "capacity_factor": ([*ULTRAEP, "--moe-expert-capacity-factor", "1.0"], "--moe-expert-capacity-factor"),
     "allgather": ([*ULTRAEP, "--moe-token-dispatcher-type", "allgather"], "--moe-token-dispatcher-type"),
+    # DeepEP / HybridEP are GPU-only: on this machine the flex dispatcher must be refused cleanly.
+    "flex_without_deepep": ([*ULTRAEP, "--moe-token-dispatcher-type", "flex",
+                             "--moe-flex-dispatcher-backend", "deepep"],
+                            "--moe-flex-dispatcher-backend deepep"),
+    "flex_ncclep": ([*ULTRAEP, "--moe-token-dispatcher-type", "flex",
+                     "--moe-flex-dispatcher-backend", "ncclep"], "--moe-flex-dispatcher-backend ncclep"),
+    "te_op_fuser": ([*ULTRAEP, "--use-transformer-engine-op-fuser"], "--use-transformer-engine-op-fuser"),
     "trace_without_balancer": (["--moe-balancer-trace-dir", "/tmp/x"], "--moe-balancer-trace-dir"),
     "dense_model": (None, "--num-experts"),
 }

@@ -123,18 +123,26 @@ def unsupported_moe_settings(config) -> list[str]:
     TransformerConfig (the attribute names are the same)."""
     problems = []
     get = lambda name, default=None: getattr(config, name, default)  # noqa: E731
-    if get('moe_token_dispatcher_type') != 'alltoall':
-        problems.append(f"--moe-token-dispatcher-type {get('moe_token_dispatcher_type')} is not "
-                        "supported; use alltoall (the flex/DeepEP dispatcher is not integrated yet)")
+    dispatcher = get('moe_token_dispatcher_type')
+    if dispatcher == 'flex':
+        # GPU-only (DeepEP / HybridEP); the check is whether megatron's bindings import.
+        from ultraep_megatron.megatron.balanced_moe import flex_backend_problem
+
+        problem = flex_backend_problem(config)
+        if problem:
+            problems.append(problem)
+    elif dispatcher != 'alltoall':
+        problems.append(f"--moe-token-dispatcher-type {dispatcher} is not supported; use alltoall "
+                        "(or flex with DeepEP/HybridEP on GPUs)")
     if get('moe_expert_capacity_factor') is not None or get('moe_pad_expert_input_to_capacity'):
         problems.append("token dropping (--moe-expert-capacity-factor / "
                         "--moe-pad-expert-input-to-capacity) is not supported: balancing "
                         "needs dropless routing")
     if (get('expert_tensor_parallel_size') or 1) > 1:
         problems.append("--expert-tensor-parallel-size > 1 is not supported")
-    if get('moe_grouped_gemm'):
-        problems.append("--moe-grouped-gemm is not supported yet (replica slots run the "
-                        "SequentialMLP expert)")
+    if get('use_transformer_engine_op_fuser'):
+        problems.append("--use-transformer-engine-op-fuser is not supported (its fused grouped MLP "
+                        "has no per-expert weights to replicate)")
     if get('moe_router_padding_for_quantization'):
         problems.append("--moe-router-padding-for-quantization is not supported")
     if get('overlap_moe_expert_parallel_comm') or get('delay_wgrad_compute') or \

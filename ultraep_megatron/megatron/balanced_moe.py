@@ -27,13 +27,17 @@ import time
 from typing import List, Optional, Sequence
 
 import torch
-from torch.func import functional_call
 
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer.moe.moe_layer import MoELayer
-from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+from megatron.core.transformer.moe import token_dispatcher as token_dispatcher_module
+from megatron.core.transformer.moe.token_dispatcher import (
+    MoEAlltoAllTokenDispatcher,
+    MoEFlexTokenDispatcher,
+)
 
 from ultraep_megatron.megatron.arguments import unsupported_moe_settings
+from ultraep_megatron.megatron.expert_slots import expert_param_names, expert_params, run_replica_experts
 from ultraep_megatron.megatron.runtime import BalancerConfig, InvocationState, get_runtime
 
 
@@ -42,51 +46,50 @@ def _in_backward_pass() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-class BalancedAlltoAllDispatcher(MoEAlltoAllTokenDispatcher):
-    """All-to-all dispatcher over physical slots, driven by a per-microbatch balancing plan.
+class _PhysicalSlotRouting:
+    """What both balanced dispatchers add to megatron's: physical-slot geometry, the exact load of
+    the EP group, the plan, and the logical -> physical rewrite of the routing.
 
-    Args:
-        num_local_experts: main experts per EP rank, ``L = E // R``.
-        local_expert_indices: the logical ids of this rank's main experts.
-        config: the model's TransformerConfig (logical ``num_moe_experts``).
-        pg_collection: Megatron's process groups.
-        layer: the owning MoELayer (for its layer number and balancer).
+    Physical slot ``r * P + j`` is rank ``r``'s main expert ``j`` for ``j < L = E // R`` and its
+    redundant slot ``j - L`` otherwise (``P = L + num_slots``). The parent dispatcher is built over
+    ``R * P`` "experts", ``P`` of them local, so its permutation and communication run unchanged.
     """
 
-    def __init__(self, num_local_experts, local_expert_indices, config, pg_collection, layer):
-        ep_size = pg_collection.ep.size()
-        num_slots = layer.balancer_config.num_slots
+    def _physical_init(self, num_local_experts, config, pg_collection, layer):
+        """(num_local, local_indices, config) to build the parent dispatcher over physical slots."""
+        ep_size, ep_rank = pg_collection.ep.size(), pg_collection.ep.rank()
         self.num_logical_experts = config.num_moe_experts
         self.num_main_local = num_local_experts
-        self.num_slots = num_slots
-        self.slots_per_rank = num_local_experts + num_slots
-        ep_rank = pg_collection.ep.rank()
-        # The parent sees R * P physical "experts"; its own config copy carries that count.
+        self.num_slots = layer.balancer_config.num_slots
+        self.slots_per_rank = num_local_experts + self.num_slots
         physical_config = copy.copy(config)
         physical_config.num_moe_experts = ep_size * self.slots_per_rank
-        super().__init__(
-            self.slots_per_rank,
-            [ep_rank * self.slots_per_rank + j for j in range(self.slots_per_rank)],
-            config=physical_config,
-            pg_collection=pg_collection,
-        )
+        local = [ep_rank * self.slots_per_rank + j for j in range(self.slots_per_rank)]
         self._layer = layer
         self.state: Optional[InvocationState] = None
+        return self.slots_per_rank, local, physical_config
 
-    # -- planning -------------------------------------------------------------------------------
     def _gather_load(self, routing_map: torch.Tensor) -> torch.Tensor:
         """[T, E] bool -> [R, E] int64: exact per-source load of the whole EP group."""
         local = routing_map.sum(dim=0).long()
         if self.ep_size == 1:
             return local.unsqueeze(0)
-        # Same exchange megatron's dispatcher makes for its splits; with expert-TP 1 the tp_ep group is
-        # the EP group, in EP-rank order.
+        # With expert-TP 1 the tp_ep group is the EP group, in EP-rank order. The all-to-all
+        # dispatcher makes this exchange anyway for its splits (its ``preprocess`` then reuses it).
         return gather_from_sequence_parallel_region(local, group=self.tp_ep_group).view(
             self.ep_size, self.num_logical_experts
         )
 
-    def dispatch_preprocess(self, hidden_states, routing_map, probs):
-        """Plan on the exact load, distribute replica weights, reroute to physical slots, permute."""
+    def _plan_and_reroute(self, routing_map: torch.Tensor, probs: torch.Tensor):
+        """Plan on the exact load, distribute replica weights, rewrite the routing to physical slots.
+
+        Args:
+            routing_map: [T, E] bool, exactly ``topk`` experts per token (dropless).
+            probs: [T, E] router probabilities (differentiable).
+
+        Returns:
+            (physical_map [T, R * P] bool, physical_probs [T, R * P], differentiable in ``probs``).
+        """
         layer = self._layer
         runtime = get_runtime()
         topk = self.config.moe_router_topk
@@ -99,7 +102,6 @@ class BalancedAlltoAllDispatcher(MoEAlltoAllTokenDispatcher):
             load = self._gather_load(routing_map)
             state = runtime.plan(layer, load, training=layer.training, grad_enabled=torch.is_grad_enabled())
         self.state = state
-        plan = state.plan
 
         # Reroute: logical (token, expert) pairs -> physical slots, exact per the plan's split.
         t0 = time.perf_counter()
@@ -111,7 +113,7 @@ class BalancedAlltoAllDispatcher(MoEAlltoAllTokenDispatcher):
                 f"got {token_ids.numel()} pairs for {num_tokens} tokens, top-{topk}"
             )
         topk_ids = expert_ids.view(num_tokens, topk)
-        physical_ids = runtime.assign_tokens(plan, self.ep_rank, topk_ids)
+        physical_ids = runtime.assign_tokens(state.plan, self.ep_rank, topk_ids)
         num_physical = self.ep_size * self.slots_per_rank
         physical_map = torch.zeros(num_tokens, num_physical, dtype=torch.bool, device=routing_map.device)
         physical_map.scatter_(1, physical_ids, True)
@@ -122,6 +124,28 @@ class BalancedAlltoAllDispatcher(MoEAlltoAllTokenDispatcher):
 
         # Forward weight distribution into the shared replica slots (before the token dispatch).
         runtime.materialize(layer, state)
+        return physical_map, physical_probs
+
+
+class BalancedAlltoAllDispatcher(_PhysicalSlotRouting, MoEAlltoAllTokenDispatcher):
+    """megatron's all-to-all dispatcher over physical slots, driven by a per-microbatch plan.
+
+    Args:
+        num_local_experts: main experts per EP rank, ``L = E // R``.
+        local_expert_indices: the logical ids of this rank's main experts.
+        config: the model's TransformerConfig (logical ``num_moe_experts``).
+        pg_collection: Megatron's process groups.
+        layer: the owning MoELayer (for its layer number and balancer).
+    """
+
+    def __init__(self, num_local_experts, local_expert_indices, config, pg_collection, layer):
+        num_physical_local, physical_indices, physical_config = self._physical_init(
+            num_local_experts, config, pg_collection, layer)
+        super().__init__(num_physical_local, physical_indices, config=physical_config,
+                         pg_collection=pg_collection)
+
+    def dispatch_preprocess(self, hidden_states, routing_map, probs):
+        physical_map, physical_probs = self._plan_and_reroute(routing_map, probs)
         return super().dispatch_preprocess(hidden_states, physical_map, physical_probs)
 
     def preprocess(self, routing_map: torch.Tensor) -> torch.Tensor:
@@ -144,73 +168,141 @@ class BalancedAlltoAllDispatcher(MoEAlltoAllTokenDispatcher):
         return counts[:, mine].sum(dim=0)
 
 
+class BalancedFlexDispatcher(_PhysicalSlotRouting, MoEFlexTokenDispatcher):
+    """megatron's flex dispatcher (DeepEP / HybridEP fused all-to-all) over physical slots.
+
+    Small by design: the fused kernels route on top-k indices, so handing them the physical routing
+    is all it takes; they compute their own layout (one small all-gather of the load is added for
+    the plan). GPU-only: :func:`flex_backend_problem` says why it cannot run where it cannot.
+    """
+
+    def __init__(self, num_local_experts, local_expert_indices, config, pg_collection, layer):
+        problem = flex_backend_problem(config)
+        if problem:
+            raise ValueError(f"--moe-balancer {layer.balancer_config.name}: {problem}")
+        num_physical_local, physical_indices, physical_config = self._physical_init(
+            num_local_experts, config, pg_collection, layer)
+        super().__init__(num_physical_local, physical_indices, config=physical_config,
+                         pg_collection=pg_collection)
+
+    def dispatch_preprocess(self, hidden_states, routing_map, probs):
+        physical_map, physical_probs = self._plan_and_reroute(routing_map, probs)
+        return super().dispatch_preprocess(hidden_states, physical_map, physical_probs)
+
+
+def flex_backend_problem(config) -> Optional[str]:
+    """Why megatron's flex dispatcher cannot run with ``config`` here (``None`` if it can).
+
+    The check is megatron's own: its DeepEP / HybridEP bindings are importable (they need CUDA).
+    """
+    backend = getattr(config, "moe_flex_dispatcher_backend", None)
+    if backend == "deepep":
+        available = getattr(token_dispatcher_module, "fused_dispatch", None) is not None
+        package = "DeepEP (deep_ep)"
+    elif backend == "hybridep":
+        available = getattr(token_dispatcher_module, "hybrid_ep_dispatch", None) is not None
+        package = "HybridEP (deep_ep's hybrid_ep)"
+    else:
+        return (f"--moe-flex-dispatcher-backend {backend} is not supported with a balancer; "
+                "use deepep or hybridep")
+    if not available:
+        return (f"--moe-token-dispatcher-type flex with --moe-flex-dispatcher-backend {backend} "
+                f"needs {package}, which is not installed (it needs CUDA); use "
+                "--moe-token-dispatcher-type alltoall")
+    return None
+
+
+def balanced_dispatcher_class(config):
+    """The balanced dispatcher for ``--moe-token-dispatcher-type``."""
+    if config.moe_token_dispatcher_type == "flex":
+        return BalancedFlexDispatcher
+    return BalancedAlltoAllDispatcher
+
+
 class _ReplicaExperts(torch.autograd.Function):
     """Expert compute of the redundant slots, with re-materialization and gradient reduction.
 
     Inputs: ``(layer, state, tokens [N, H], probs [N], *main_params)``; ``tokens`` are this rank's
     replica tokens sorted by slot. ``main_params`` (every local main expert's parameters, expert-major)
     are inputs only so that their gradient accumulation waits for this backward.
+
+    The forward keeps its own small autograd graph over leaf views of the shared replica buffer.
+    Tensors that graph saves from the buffer (the replica weights) are stored as (offset, shape,
+    stride) of the buffer instead of being kept alive (saved-tensor hooks), because later layers
+    overwrite the buffer; the backward re-materializes this layer's replicas into it first (§4.2,
+    Fig. 9) and then differentiates the saved graph, so no replica activation is recomputed.
     """
 
     @staticmethod
     def forward(ctx, layer, state, tokens, probs, *main_params):
         # Only the virtual layer id crosses to the backward; the ring owns the state until then.
         ctx.layer, ctx.vid = layer, state.vid
-        ctx.save_for_backward(tokens, probs)
-        weights = get_runtime().slots.weight_views()
-        return _run_replicas(layer, weights, tokens, probs, state.replica_tokens_per_slot)
+        ctx.graph = None
+        if tokens.shape[0] == 0:
+            return tokens.new_zeros(0, layer.config.hidden_size)
+        slots = get_runtime().slots
+        leaves = [[w.detach().requires_grad_() for w in slot] for slot in slots.weight_views()]
+        tokens_ = tokens.detach().requires_grad_(ctx.needs_input_grad[2])
+        probs_ = probs.detach().requires_grad_(ctx.needs_input_grad[3])
+        buffer = slots.replica_weights
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
+            _buffer_packer(buffer), _buffer_unpacker(buffer, state)
+        ):
+            out = layer.run_replicas(leaves, tokens_, probs_, state.replica_tokens_per_slot)
+        ctx.graph = (out, tokens_, probs_, leaves)
+        return out.detach()
 
     @staticmethod
     def backward(ctx, grad_output):
         layer, vid = ctx.layer, ctx.vid
         runtime = get_runtime()
         state = runtime.state(vid)
-        tokens, probs = ctx.saved_tensors
-        runtime.materialize(layer, state)  # the shared buffer may hold a later layer's replicas
         slots = runtime.slots
-        leaf_weights = [[w.detach().requires_grad_() for w in slot] for slot in slots.weight_views()]
-        tokens_ = tokens.detach().requires_grad_(ctx.needs_input_grad[2])
-        probs_ = probs.detach().requires_grad_(ctx.needs_input_grad[3])
-        grad_tokens = torch.zeros_like(tokens) if ctx.needs_input_grad[2] else None
-        grad_probs = torch.zeros_like(probs) if ctx.needs_input_grad[3] else None
-        slot_grads = [None] * sum(len(slot) for slot in leaf_weights)
-        if tokens.shape[0] > 0:
-            # Recompute this rank's replica experts with the re-materialized weights.
-            with torch.enable_grad():
-                out = _run_replicas(layer, leaf_weights, tokens_, probs_, state.replica_tokens_per_slot)
-                inputs = [t for t in (tokens_, probs_) if t.requires_grad]
-                inputs += [w for slot in leaf_weights for w in slot]
-                grads = list(torch.autograd.grad(out, inputs, grad_output, allow_unused=True))
+        grad_tokens = grad_probs = None
+        # Collective on the EP group, so every rank re-materializes, with replica tokens or not: the
+        # shared buffer may hold a later layer's replicas by now.
+        runtime.materialize(layer, state)
+        if ctx.graph is not None:
+            out, tokens_, probs_, leaves = ctx.graph
+            ctx.graph = None
+            inputs = [t for t in (tokens_, probs_) if t.requires_grad] + [w for slot in leaves for w in slot]
+            grads = list(torch.autograd.grad(out, inputs, grad_output, allow_unused=True))
             if tokens_.requires_grad:
                 grad_tokens = grads.pop(0)
             if probs_.requires_grad:
                 grad_probs = grads.pop(0)
-            slot_grads = grads
-        # Replica weight gradients into the shared fp32 buffer, then reduce into the main experts.
-        per_slot = len(layer.expert_param_shapes)
-        for s in range(slots.num_slots):
-            slots.accumulate_grad(s, slot_grads[s * per_slot : (s + 1) * per_slot])
+            # Replica weight gradients into the shared fp32 buffer.
+            per_slot = len(layer.expert_param_shapes)
+            for s in range(slots.num_slots):
+                slots.accumulate_grad(s, grads[s * per_slot : (s + 1) * per_slot])
+        # ... then reduced into the owning main experts (all EP ranks take part, tokens or not).
         main_param_grads = runtime.reduce_replica_grads(layer, state)
         runtime.release(vid)
         return (None, None, grad_tokens, grad_probs, *main_param_grads)
 
 
-def _run_replicas(layer, slot_weights, tokens, probs, tokens_per_slot: Sequence[int]):
-    """Apply each redundant slot's expert (weights ``slot_weights[s]``) to its chunk of tokens."""
-    template = layer.experts.local_experts[0]
-    names = [name for name, _ in layer.expert_param_shapes]
-    outputs: List[torch.Tensor] = []
-    start = 0
-    for s, count in enumerate(tokens_per_slot):
-        if count == 0:
-            continue
-        params = dict(zip(names, slot_weights[s]))
-        out, _ = functional_call(template, params, (tokens[start : start + count], probs[start : start + count]))
-        outputs.append(out)
-        start += count
-    if not outputs:
-        return tokens.new_zeros(0, layer.config.hidden_size)
-    return torch.cat(outputs, dim=0)
+def _buffer_packer(buffer: torch.Tensor):
+    """Saved-tensor pack hook: a view of ``buffer`` is saved as its geometry, not its storage."""
+    storage = buffer.untyped_storage().data_ptr()
+
+    def pack(tensor):
+        if tensor.untyped_storage().data_ptr() == storage:
+            return ("replica-buffer", tensor.storage_offset(), tuple(tensor.shape), tensor.stride())
+        return tensor
+
+    return pack
+
+
+def _buffer_unpacker(buffer: torch.Tensor, state: InvocationState):
+    def unpack(saved):
+        if isinstance(saved, tuple):
+            if get_runtime().slots.holder is not state:
+                raise RuntimeError("UltraEP: replica weights used in a backward before re-materialization")
+            _, offset, shape, stride = saved
+            return buffer.as_strided(shape, stride, offset)
+        return saved
+
+    return unpack
 
 
 class BalancedMoELayer(MoELayer):
@@ -225,26 +317,40 @@ class BalancedMoELayer(MoELayer):
         problems = unsupported_moe_settings(config)
         if problems:
             raise ValueError(f"--moe-balancer {balancer_config.name}: " + "; ".join(problems))
-        super().__init__(config, submodules=submodules, layer_number=layer_number,
-                         pg_collection=pg_collection, **kwargs)
         if pg_collection is None:
             from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
             pg_collection = get_default_pg_collection()
+        super().__init__(config, submodules=submodules, layer_number=layer_number,
+                         pg_collection=pg_collection, **kwargs)
         self.balancer_config = balancer_config
-        self.token_dispatcher = BalancedAlltoAllDispatcher(
+        self.balancer_pg_collection = pg_collection
+        self.token_dispatcher = balanced_dispatcher_class(config)(
             self.num_local_experts, self.local_expert_indices, config, pg_collection, self
         )
-        template = self.experts.local_experts[0]
-        # (name, shape) of one expert's parameters; every local expert has the same.
-        self.expert_param_shapes = [(n, tuple(p.shape)) for n, p in template.named_parameters()]
+        # [local expert][k] parameter names; every expert's k-th parameter has the same shape.
+        self.expert_param_names = expert_param_names(self.experts, self.num_local_experts)
+        first = [self.experts.get_parameter(n) for n in self.expert_param_names[0]]
+        self.expert_param_shapes = [(n, tuple(p.shape)) for n, p in zip(self.expert_param_names[0], first)]
         self.balancer = balancer_config.build(self.num_local_experts * pg_collection.ep.size(),
                                               pg_collection.ep.size())
         get_runtime().register_layer(self)
+        # Built now, not at the first forward: by then the training loop has hung process-group
+        # handles on the config, which the experts' constructor cannot deep-copy.
+        get_runtime().replica_experts(self)
+
+    def main_expert_param_lists(self) -> List[List[torch.Tensor]]:
+        """``[local expert][k]`` parameters, ``k`` in ``expert_param_shapes`` order."""
+        return expert_params(self.experts, self.expert_param_names)
 
     def main_expert_params(self) -> List[torch.Tensor]:
         """Every local main expert's parameters, expert-major, in ``expert_param_shapes`` order."""
-        return [p for expert in self.experts.local_experts for p in expert.parameters()]
+        return [p for per_expert in self.main_expert_param_lists() for p in per_expert]
+
+    def run_replicas(self, slot_weights, tokens, probs, tokens_per_slot: Sequence[int]) -> torch.Tensor:
+        """Redundant slots' expert compute: [N, H] tokens sorted by slot -> [N, H] outputs."""
+        module, names = get_runtime().replica_experts(self)
+        return run_replica_experts(module, names, slot_weights, tokens, tokens_per_slot, probs)
 
     def routed_experts_compute(self, hidden_states, probs):
         dispatched, tokens_per_slot, permuted_probs = self.token_dispatcher.dispatch_postprocess(
@@ -255,8 +361,15 @@ class BalancedMoELayer(MoELayer):
         main_out, mlp_bias = self.experts(
             dispatched[:num_main], tokens_per_slot[: self.num_local_experts], permuted_probs[:num_main]
         )
-        replica_out = _ReplicaExperts.apply(
-            self, state, dispatched[num_main:], permuted_probs[num_main:], *self.main_expert_params()
-        )
+        replica_tokens, replica_probs = dispatched[num_main:], permuted_probs[num_main:]
+        if torch.is_grad_enabled():
+            replica_out = _ReplicaExperts.apply(
+                self, state, replica_tokens, replica_probs, *self.main_expert_params()
+            )
+        elif replica_tokens.shape[0] > 0:  # eval, or the no-grad first pass of activation recompute
+            replica_out = self.run_replicas(get_runtime().slots.weight_views(), replica_tokens,
+                                            replica_probs, state.replica_tokens_per_slot)
+        else:
+            replica_out = replica_tokens.new_zeros(0, self.config.hidden_size)
         output = torch.cat([main_out, replica_out], dim=0)
         return self.token_dispatcher.combine_preprocess(output), mlp_bias

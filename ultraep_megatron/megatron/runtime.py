@@ -119,6 +119,8 @@ class Runtime:
         self.layers: List[object] = []  # balanced MoE layers built in this process
         self.slots: Optional[ReplicaSlots] = None  # shared by every MoE layer of this process
         self.ring: Optional[VirtualLayerRing] = None
+        # (experts module, parameter names) that computes the redundant slots; built on first use.
+        self._replica_experts = None
         self.stats: Dict[int, Dict[str, float]] = {}
         # Load-trace recording (--moe-balancer-trace-dir): iteration being recorded, microbatch
         # counters per layer within it, and the writer (EP rank 0 of each group only).
@@ -133,7 +135,7 @@ class Runtime:
     # -- setup ---------------------------------------------------------------------------------
     def register_layer(self, layer) -> None:
         self.layers.append(layer)
-        param = next(layer.experts.local_experts[0].parameters())
+        param = layer.main_expert_param_lists()[0][0]
         shapes, num_slots = layer.expert_param_shapes, layer.balancer_config.num_slots
         if self.slots is None:
             self.slots = ReplicaSlots(num_slots, shapes, param.dtype, param.device,
@@ -141,6 +143,15 @@ class Runtime:
         elif self.slots.param_shapes != shapes or self.slots.num_slots != num_slots:
             raise ValueError("UltraEP shares replica slots across MoE layers: all must have the same expert shape")
         self.ring = None  # sized lazily, once the model (and the schedule) is known
+
+    def replica_experts(self, layer):
+        """The storage-less experts module of ``layer``'s class that runs the redundant slots, and
+        its per-slot parameter names (one for all layers, like the buffers)."""
+        if self._replica_experts is None and self.slots.num_slots > 0:
+            from ultraep_megatron.megatron.expert_slots import build_replica_experts
+
+            self._replica_experts = build_replica_experts(layer, self.slots.num_slots)
+        return self._replica_experts
 
     def _ensure_ring(self, layer) -> VirtualLayerRing:
         if self.ring is None:
@@ -247,8 +258,7 @@ class Runtime:
         if self.slots.holder is state or state.schedule is None:
             return
         t0 = time.perf_counter()
-        main = [list(expert.parameters()) for expert in layer.experts.local_experts]
-        self.slots.distribute_weights(state.schedule, main)
+        self.slots.distribute_weights(state.schedule, layer.main_expert_param_lists())
         self.transfer_seconds += time.perf_counter() - t0
         self.slots.holder = state
 
@@ -258,7 +268,7 @@ class Runtime:
         Under Megatron DDP the sums go straight into ``param.main_grad`` (fp32) and ``None`` is
         returned for that parameter; otherwise they are returned as the parameter's gradient.
         """
-        params = [list(expert.parameters()) for expert in layer.experts.local_experts]
+        params = layer.main_expert_param_lists()
         if state.schedule is None:
             return [None] * sum(len(p) for p in params)
         t0 = time.perf_counter()

@@ -8,7 +8,12 @@ experts' router rows) so the balancer must replicate. Scenarios, each saved to
 * ``pipelined``: three microbatches forwarded before any backward, backwards in forward order
   (what 1F1B does on a stage), so three plans are in flight in the ring at once;
 * ``recompute``: MoE activation recompute (``recompute_modules=['moe']``);
-* ``eplb`` / ``eplb-exact``: the baselines through the same dispatcher.
+* ``eplb`` / ``eplb-exact``: the baselines through the same dispatcher;
+* ``grouped``: ``TEGroupedMLP`` experts (``--moe-grouped-gemm``) with ``torch_grouped_linear`` in
+  Transformer Engine's place, against megatron's MoELayer with the same grouped experts;
+* ``flex``: the balanced flex dispatcher (``--moe-token-dispatcher-type flex``, DeepEP backend) over
+  megatron's real ``_DeepepManager``, with ``deepep_gloo`` standing in for DeepEP's CUDA kernels;
+  three microbatches in flight, against megatron's all-to-all MoELayer.
 
 Run:  torchrun --standalone --nproc-per-node 4 balanced_moe_layer.py --out-dir DIR
 """
@@ -16,6 +21,7 @@ Run:  torchrun --standalone --nproc-per-node 4 balanced_moe_layer.py --out-dir D
 import argparse
 import functools
 import os
+import sys
 
 import torch
 
@@ -46,7 +52,8 @@ def rank_inputs(rank: int, microbatch: int) -> tuple[torch.Tensor, torch.Tensor]
     return x, torch.randn(SEQ, BATCH, HIDDEN, generator=gen)
 
 
-def build_layer(ep_size: int, balancer: str | None, num_slots: int, recompute: bool):
+def build_layer(ep_size: int, balancer: str | None, num_slots: int, recompute: bool,
+                dispatcher: str = "alltoall", grouped: bool = False):
     from megatron.core import parallel_state
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -64,11 +71,18 @@ def build_layer(ep_size: int, balancer: str | None, num_slots: int, recompute: b
     config = TransformerConfig(
         num_layers=1, hidden_size=HIDDEN, ffn_hidden_size=FFN, moe_ffn_hidden_size=FFN,
         num_attention_heads=4, num_moe_experts=NUM_EXPERTS, moe_router_topk=TOPK,
-        moe_token_dispatcher_type="alltoall", expert_model_parallel_size=ep_size,
+        moe_token_dispatcher_type=dispatcher, expert_model_parallel_size=ep_size,
+        moe_flex_dispatcher_backend="deepep",
         moe_aux_loss_coeff=0.0, add_bias_linear=False, use_cpu_initialization=True,
         bias_dropout_fusion=False, gradient_accumulation_fusion=False, **extra,
     )
-    builder = get_moe_module_spec(use_te=False, num_experts=NUM_EXPERTS, moe_grouped_gemm=False)
+    if grouped:  # TEGroupedMLP experts, a pure-torch grouped linear in Transformer Engine's place
+        import torch_grouped_linear
+
+        builder = torch_grouped_linear.grouped_moe_layer_spec()
+        config.moe_grouped_gemm = True
+    else:
+        builder = get_moe_module_spec(use_te=False, num_experts=NUM_EXPERTS, moe_grouped_gemm=False)
     if balancer is not None:
         builder = functools.partial(
             BalancedMoELayer, submodules=builder.keywords["submodules"],
@@ -86,9 +100,18 @@ def load_weights(layer, weights):
         router = weights["router"].clone()
         layer.router.weight.copy_(router)
         for local, expert_index in enumerate(layer.local_expert_indices):
-            mlp = layer.experts.local_experts[local]
-            mlp.linear_fc1.weight.copy_(weights["fc1"][expert_index])
-            mlp.linear_fc2.weight.copy_(weights["fc2"][expert_index])
+            fc1, fc2 = expert_weights(layer, local)
+            fc1.copy_(weights["fc1"][expert_index])
+            fc2.copy_(weights["fc2"][expert_index])
+
+
+def expert_weights(layer, local: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fc1, fc2) weights of local expert ``local``, for SequentialMLP or TEGroupedMLP experts."""
+    experts = layer.experts
+    if hasattr(experts, "local_experts"):
+        mlp = experts.local_experts[local]
+        return mlp.linear_fc1.weight, mlp.linear_fc2.weight
+    return getattr(experts.linear_fc1, f"weight{local}"), getattr(experts.linear_fc2, f"weight{local}")
 
 
 def skew(x: torch.Tensor, weights) -> torch.Tensor:
@@ -102,17 +125,31 @@ def run(layer, weights, rank, microbatches: int) -> dict:
 
     layer.zero_grad(set_to_none=True)
     layer.train()
-    # Rows each rank's experts receive after the token all-to-all: the real per-rank load,
-    # observed independently of the planner's own bookkeeping.
+    # (token, expert) rows each rank's experts get after the dispatch: the real per-rank load,
+    # observed independently of the planner's own bookkeeping. Counted after megatron's
+    # dispatch_postprocess, which expands a token received once (DeepEP sends a token once per rank)
+    # into one row per local expert.
     received_rows = []
-    compute = layer.routed_experts_compute
+    postprocess = layer.token_dispatcher.dispatch_postprocess
 
-    def counting_compute(hidden_states, probs):
+    def counting_postprocess(hidden_states, probs):
+        rows, tokens_per_expert, permuted_probs = postprocess(hidden_states, probs)
         if not torch._C._current_graph_task_id() != -1:  # count first forwards, not recompute replays
-            received_rows.append(hidden_states.shape[0])
-        return compute(hidden_states, probs)
+            received_rows.append(rows.shape[0])
+        return rows, tokens_per_expert, permuted_probs
 
-    layer.routed_experts_compute = counting_compute
+    layer.token_dispatcher.dispatch_postprocess = counting_postprocess
+    # Replica expert compute, split into first forwards and calls made inside a backward (a replica
+    # backward that recomputed its forward, or an activation-recompute replay, would show there).
+    replica_calls = {"forward": 0, "backward": 0}
+    if getattr(layer, "balancer_config", None):
+        run_replicas = layer.run_replicas
+
+        def counting_replicas(*args):
+            replica_calls["backward" if torch._C._current_graph_task_id() != -1 else "forward"] += 1
+            return run_replicas(*args)
+
+        layer.run_replicas = counting_replicas
     xs, outs, ups = [], [], []
     for mb in range(microbatches):
         x, up = rank_inputs(rank, mb)
@@ -128,13 +165,14 @@ def run(layer, weights, rank, microbatches: int) -> dict:
         "dx": [x.grad.detach().clone() for x in xs],
         "router_grad": layer.router.weight.grad.detach().clone(),
         "expert_grads": {
-            int(idx): (mlp.linear_fc1.weight.grad.detach().clone(), mlp.linear_fc2.weight.grad.detach().clone())
-            for idx, mlp in zip(layer.local_expert_indices, layer.experts.local_experts)
+            int(idx): tuple(w.grad.detach().clone() for w in expert_weights(layer, local))
+            for local, idx in enumerate(layer.local_expert_indices)
         },
         "ring_live_before_backward": ring_live,
         "ring_live_after_backward": get_runtime().ring.live if getattr(layer, "balancer_config", None) else 0,
         "stats": stats,
         "received_rows": received_rows,
+        "replica_calls": replica_calls,
         "replica_buffer_numel": (get_runtime().slots.replica_weights.numel()
                                  if getattr(layer, "balancer_config", None) else 0),
     }
@@ -148,6 +186,12 @@ def main():
 
     cpu_backend.activate()
     torch.distributed.init_process_group("gloo")
+    # DeepEP's fused kernels are CUDA-only; its gloo stand-in lets megatron's flex path run here
+    # (and torch_grouped_linear stands in for Transformer Engine's grouped GEMM).
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    import deepep_gloo
+
+    deepep_gloo.install()
     from megatron.core import parallel_state
 
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -159,13 +203,22 @@ def main():
         "recompute": dict(microbatches=2, recompute=True, balancer="ultraep"),
         "eplb": dict(microbatches=3, recompute=False, balancer="eplb"),
         "eplb-exact": dict(microbatches=1, recompute=False, balancer="eplb-exact"),
+        "flex": dict(microbatches=3, recompute=False, balancer="ultraep", dispatcher="flex"),
+        "grouped": dict(microbatches=3, recompute=False, balancer="ultraep", grouped=True),
     }
     for name, sc in scenarios.items():
         for which in ("none", sc["balancer"]):
-            layer = build_layer(world, None if which == "none" else which, cli.num_slots, sc["recompute"])
+            # The reference is always megatron's own all-to-all MoELayer.
+            dispatcher = sc.get("dispatcher", "alltoall") if which != "none" else "alltoall"
+            layer = build_layer(world, None if which == "none" else which, cli.num_slots, sc["recompute"],
+                                dispatcher, sc.get("grouped", False))
             load_weights(layer, weights)
-            results[f"{name}/{'none' if which == 'none' else 'balanced'}"] = run(
-                layer, weights, rank, sc["microbatches"])
+            key = f"{name}/{'none' if which == 'none' else 'balanced'}"
+            results[key] = run(layer, weights, rank, sc["microbatches"])
+            results[key]["dispatcher_class"] = type(layer.token_dispatcher).__name__
+            manager = getattr(layer.token_dispatcher, "_comm_manager", None)
+            results[key]["manager_class"] = type(manager).__name__ if manager is not None else None
+            results[key]["experts_class"] = type(layer.experts).__name__
     results["local_expert_indices"] = list(range(rank * NUM_EXPERTS // world, (rank + 1) * NUM_EXPERTS // world))
     torch.save(results, os.path.join(cli.out_dir, f"rank{rank}.pt"))
     parallel_state.destroy_model_parallel()

@@ -1,0 +1,371 @@
+"""megatron-core's TEGroupedMLP over the pure-torch grouped linears vs megatron's SequentialMLP.
+
+Both MoELayers (top-2 of 8 experts, fp32, one gloo CPU rank) get the same router and expert weights
+and tokens; the grouped one must give the same outputs, input gradients, router gradients and
+per-expert weight (and bias) gradients, for SwiGLU and GELU experts with and without linear biases.
+Expert 7 is starved by the router so the empty-expert path is covered. Also checked: parameter
+attributes megatron's DDP/optimizer read match SequentialMLP's (EP=1 and an EP=2 config), and a
+distributed checkpoint saved from the SequentialMLP layer loads into the grouped one.
+
+This file is also the worker: the fixture runs it under torchrun (1 rank), since the CPU backend
+patches torch for the life of a process and must stay out of the pytest process.
+Run directly:  torchrun --standalone --nproc-per-node 1 test_torch_grouped_linear.py --out F
+"""
+
+import argparse
+from pathlib import Path
+
+import pytest
+import torch
+
+NUM_EXPERTS = 8
+HIDDEN = 32
+FFN = 24
+TOPK = 2
+SEQ, BATCH = 16, 2
+STARVED_EXPERT = 7
+RTOL = 1e-5
+# name -> (gated_linear_unit, activation, add_bias_linear)
+SCENARIOS = {
+    "swiglu": (True, "silu", False),
+    "swiglu-bias": (True, "silu", True),
+    "gelu": (False, "gelu", False),
+    "gelu-bias": (False, "gelu", True),
+}
+ATTRIBUTES = ("allreduce", "tensor_model_parallel", "partition_dim", "sequence_parallel")
+
+
+# ----------------------------------------------------------------------------- worker (torchrun)
+
+def make_config(glu: bool, activation: str, bias: bool, grouped: bool, ep_size: int = 1):
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=1, hidden_size=HIDDEN, ffn_hidden_size=FFN, moe_ffn_hidden_size=FFN,
+        num_attention_heads=4, num_moe_experts=NUM_EXPERTS, moe_router_topk=TOPK,
+        moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.0,
+        expert_model_parallel_size=ep_size, moe_grouped_gemm=grouped,
+        gated_linear_unit=glu, activation_func=getattr(F, activation), add_bias_linear=bias,
+        use_cpu_initialization=True, params_dtype=torch.float32,
+        # CPU workarounds: the fused kernels are CUDA/compile paths, and TEGroupedMLP refuses
+        # bias_dropout_fusion together with add_bias_linear.
+        bias_dropout_fusion=False, bias_activation_fusion=False, gradient_accumulation_fusion=False,
+    )
+
+
+def build_layer(config, grouped: bool):
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from torch_grouped_linear import grouped_moe_layer_spec
+
+    spec = (grouped_moe_layer_spec() if grouped else
+            get_moe_module_spec(use_te=False, num_experts=NUM_EXPERTS, moe_grouped_gemm=False))
+    layer = spec(config=config, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    layer.set_layer_number(1)
+    if not grouped and config.add_bias_linear:
+        # Megatron 0.19.2 workaround: at EP=1/TP=1 an expert RowParallelLinear returns the
+        # identity all-reduce's output as-is (a custom-Function view) and MLP.forward then adds
+        # the prob-scaled bias in place, which autograd forbids. Take the EP>1 path instead
+        # (no TP reduction: the same values at TP=1).
+        for mlp in layer.experts.local_experts:
+            mlp.linear_fc2.explicit_expert_comm = True
+    return layer
+
+
+def global_weights(glu: bool, bias: bool, seed: int) -> dict[str, torch.Tensor]:
+    """router [E, H] (+ bias [E]); fc1 [E, F1, H], fc2 [E, H, F] (+ biases [E, F1], [E, H]);
+    F1 = 2F with GLU. Expert STARVED_EXPERT's router row is very negative on feature 0, which
+    every token has large and positive, so it receives no token."""
+    gen = torch.Generator().manual_seed(seed)
+    fc1_rows = 2 * FFN if glu else FFN
+    weights = {
+        "router.weight": torch.randn(NUM_EXPERTS, HIDDEN, generator=gen) * 0.5,
+        "fc1.weight": torch.randn(NUM_EXPERTS, fc1_rows, HIDDEN, generator=gen) * HIDDEN ** -0.5,
+        "fc2.weight": torch.randn(NUM_EXPERTS, HIDDEN, FFN, generator=gen) * FFN ** -0.5,
+    }
+    weights["router.weight"][STARVED_EXPERT, 0] = -20.0
+    if bias:
+        weights["router.bias"] = torch.randn(NUM_EXPERTS, generator=gen) * 0.1
+        weights["fc1.bias"] = torch.randn(NUM_EXPERTS, fc1_rows, generator=gen) * 0.3
+        weights["fc2.bias"] = torch.randn(NUM_EXPERTS, HIDDEN, generator=gen) * 0.3
+    return weights
+
+
+def expert_params(layer, grouped: bool) -> dict[str, list[torch.Tensor]]:
+    """'fc1.weight' etc. -> the E per-expert parameters, in global expert order (EP=1)."""
+    params = {}
+    for linear in ("fc1", "fc2"):
+        for kind in ("weight", "bias"):
+            if grouped:
+                module = getattr(layer.experts, f"linear_{linear}")
+                found = [getattr(module, f"{kind}{e}", None) for e in range(NUM_EXPERTS)]
+            else:
+                found = [getattr(getattr(mlp, f"linear_{linear}"), kind)
+                         for mlp in layer.experts.local_experts]
+            if found[0] is not None:
+                params[f"{linear}.{kind}"] = found
+    return params
+
+
+def load_weights(layer, grouped: bool, weights, expert_order=None):
+    """Copy global weights in; expert_order[e] names whose weights expert e gets (default e)."""
+    order = list(range(NUM_EXPERTS)) if expert_order is None else expert_order
+    with torch.no_grad():
+        layer.router.weight.copy_(weights["router.weight"])
+        if "router.bias" in weights:
+            layer.router.bias.copy_(weights["router.bias"])
+        for name, params in expert_params(layer, grouped).items():
+            for e, param in enumerate(params):
+                param.copy_(weights[name][order[e]])
+
+
+def inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens [SEQ, BATCH, H] (feature 0 set to 3 to starve one expert) and an upstream grad."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(SEQ, BATCH, HIDDEN, generator=gen)
+    x[..., 0] = 3.0
+    return x, torch.randn(SEQ, BATCH, HIDDEN, generator=gen)
+
+
+def forward_backward(layer, grouped: bool, x, upstream) -> dict:
+    layer.zero_grad(set_to_none=True)
+    layer.train()
+    x = x.clone().requires_grad_(True)
+    out, mlp_bias = layer(x)
+    assert mlp_bias is None
+    (out * upstream).sum().backward()
+    layer.experts.backward_dw()  # protocol call; grads are already complete
+    return {
+        "out": out.detach().clone(),
+        "dx": x.grad.detach().clone(),
+        "router_grads": {n: p.grad.detach().clone() for n, p in layer.router.named_parameters()},
+        "expert_grads": {name: torch.stack([p.grad.detach().clone() for p in params])
+                         for name, params in expert_params(layer, grouped).items()},
+    }
+
+
+def attributes(param) -> tuple:
+    """The parameter attributes megatron's DDP / optimizer / grad-norm read (megatron defaults)."""
+    defaults = {"allreduce": True, "tensor_model_parallel": False, "partition_dim": -1,
+                "sequence_parallel": False}
+    return tuple(getattr(param, a, defaults[a]) for a in ATTRIBUTES)
+
+
+def ep2_attributes() -> dict:
+    """Attributes of megatron's expert Column/RowParallelLinear vs the grouped linears under an
+    EP=2 config (built directly: one rank cannot host EP=2 parallel state)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    from torch_grouped_linear import TorchColumnGroupedLinear, TorchRowGroupedLinear
+
+    config = make_config(False, "gelu", True, grouped=True, ep_size=2)
+    pg = ProcessGroupCollection.use_mpu_process_groups()
+    common = dict(config=config, init_method=config.init_method, bias=True, is_expert=True,
+                  tp_comm_buffer_name=None)
+    column = ColumnParallelLinear(HIDDEN, FFN, gather_output=False, skip_bias_add=True,
+                                  tp_group=pg.expt_tp, **common)
+    row = RowParallelLinear(FFN, HIDDEN, input_is_parallel=True, skip_bias_add=True,
+                            tp_group=pg.expt_tp, **common)
+    grouped_column = TorchColumnGroupedLinear(2, HIDDEN, FFN, skip_bias_add=False,
+                                              pg_collection=pg, **common)
+    grouped_row = TorchRowGroupedLinear(2, FFN, HIDDEN, skip_bias_add=True,
+                                        pg_collection=pg, **common)
+    return {
+        "reference": {f"{n}.{k}": attributes(getattr(m, k))
+                      for n, m in (("fc1", column), ("fc2", row)) for k in ("weight", "bias")},
+        "grouped": {f"{n}.{k}": attributes(getattr(m, f"{k}1"))
+                    for n, m in (("fc1", grouped_column), ("fc2", grouped_row))
+                    for k in ("weight", "bias")},
+    }
+
+
+def init_statistics() -> dict:
+    """Per-expert weight std of fresh grouped linears, megatron's CPU and device-style init."""
+    import dataclasses
+
+    from torch_grouped_linear import TorchColumnGroupedLinear, TorchRowGroupedLinear
+
+    stats = {}
+    for cpu_init in (True, False):
+        config = dataclasses.replace(make_config(False, "gelu", False, grouped=True),
+                                     use_cpu_initialization=cpu_init)
+        common = dict(config=config, bias=False, skip_bias_add=False, is_expert=True,
+                      tp_comm_buffer_name=None, pg_collection=None)
+        fc1 = TorchColumnGroupedLinear(NUM_EXPERTS, HIDDEN, 4 * FFN,
+                                       init_method=config.init_method, **common)
+        fc2 = TorchRowGroupedLinear(NUM_EXPERTS, 4 * FFN, HIDDEN,
+                                    init_method=config.output_layer_init_method, **common)
+        for name, module in (("fc1", fc1), ("fc2", fc2)):
+            weights = torch.stack([w.detach() for w in module.weights()])
+            stats[f"{'cpu' if cpu_init else 'device'}/{name}"] = {
+                "std": weights.flatten(1).std(dim=1),
+                "distinct": len({w.sum().item() for w in weights}),
+            }
+    stats["init_method_std"] = make_config(False, "gelu", False, True).init_method_std
+    return stats
+
+
+def checkpoint_round_trip(seq_layer, grouped_layer, directory: Path) -> dict:
+    """Save the SequentialMLP layer as a distributed checkpoint, load it into the grouped layer."""
+    import queue
+
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    # Speed workaround: a synchronous save only needs an in-process results queue; megatron's
+    # default is a spawn-context Manager, a child process that re-imports this file (~3 s).
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+    directory.mkdir()
+    dist_checkpointing.save(seq_layer.sharded_state_dict(prefix="mlp."), str(directory))
+    target = grouped_layer.sharded_state_dict(prefix="mlp.")
+    params = {key: sharded.data for key, sharded in target.items()}
+    loaded = dist_checkpointing.load(target, str(directory))
+    with torch.no_grad():
+        for key, value in loaded.items():
+            # Plain ShardedTensors load in place; factory-merged ones (SwiGLU fc1) come back new.
+            if isinstance(value, torch.Tensor) and value.data_ptr() != params[key].data_ptr():
+                params[key].copy_(value)
+    return {name: torch.stack([p.detach().clone() for p in params])
+            for name, params in expert_params(grouped_layer, True).items()}
+
+
+def worker(out_file: Path) -> None:
+    from ultraep_megatron.megatron import cpu_backend
+
+    cpu_backend.activate()
+    torch.distributed.init_process_group("gloo")
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    parallel_state.initialize_model_parallel()
+    model_parallel_cuda_manual_seed(123)
+    results = {}
+    for seed, (name, (glu, activation, bias)) in enumerate(SCENARIOS.items()):
+        weights = global_weights(glu, bias, seed)
+        x, upstream = inputs(100 + seed)
+        layers = {}
+        for grouped in (False, True):
+            layers[grouped] = build_layer(make_config(glu, activation, bias, grouped), grouped)
+            load_weights(layers[grouped], grouped, weights)
+            results[f"{name}/{'grouped' if grouped else 'sequential'}"] = forward_backward(
+                layers[grouped], grouped, x, upstream)
+        results[f"{name}/attributes"] = {
+            kind: {n: attributes(p[1]) for n, p in expert_params(layers[grouped], grouped).items()}
+            for kind, grouped in (("sequential", False), ("grouped", True))
+        }
+        if name == "swiglu":
+            # Negative control: expert e computes with expert (e+1)'s weights.
+            permuted = build_layer(make_config(glu, activation, bias, True), True)
+            shifted = [(e + 1) % NUM_EXPERTS for e in range(NUM_EXPERTS)]
+            load_weights(permuted, True, weights, shifted)
+            results["permuted"] = forward_backward(permuted, True, x, upstream)
+        if name in ("swiglu-bias", "gelu"):
+            fresh = build_layer(make_config(glu, activation, bias, True), True)
+            results[f"{name}/checkpoint"] = {
+                "before": {n: torch.stack([p.detach().clone() for p in ps])
+                           for n, ps in expert_params(fresh, True).items()},
+                "after": checkpoint_round_trip(layers[False], fresh,
+                                               out_file.parent / f"ckpt-{name}"),
+                "expected": {n: w for n, w in weights.items() if not n.startswith("router")},
+            }
+    results["ep2/attributes"] = ep2_attributes()
+    results["init"] = init_statistics()
+    torch.save(results, out_file)
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- tests (pytest)
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    from gloo_launch import launch_gloo_ranks
+
+    out = tmp_path_factory.mktemp("torch_grouped_linear") / "results.pt"
+    launch_gloo_ranks(Path(__file__), 1, ["--out", out], timeout_s=180)
+    return torch.load(out, weights_only=False)
+
+
+def assert_close(actual, expected, what):
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    scale = expected.abs().max().clamp_min(1e-12)
+    err = (actual - expected).abs().max() / scale
+    assert err <= RTOL, f"{what}: max error {err:.3g} relative to max |ref|"
+
+
+def assert_same_results(actual, expected):
+    assert_close(actual["out"], expected["out"], "output")
+    assert_close(actual["dx"], expected["dx"], "input grad")
+    assert actual["router_grads"].keys() == expected["router_grads"].keys()
+    for name, grad in expected["router_grads"].items():
+        assert_close(actual["router_grads"][name], grad, f"router {name} grad")
+    assert actual["expert_grads"].keys() == expected["expert_grads"].keys()
+    for name, grads in expected["expert_grads"].items():
+        for e in range(NUM_EXPERTS):
+            assert_close(actual["expert_grads"][name][e], grads[e], f"expert {e} {name} grad")
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_grouped_experts_match_sequential_mlp(results, scenario):
+    reference, grouped = results[f"{scenario}/sequential"], results[f"{scenario}/grouped"]
+    expected_params = {"fc1.weight", "fc2.weight"} | (
+        {"fc1.bias", "fc2.bias"} if SCENARIOS[scenario][2] else set())
+    assert set(reference["expert_grads"]) == expected_params
+    assert_same_results(grouped, reference)
+    # Every expert but the starved one got tokens, so the gradients are not trivially zero.
+    fc1 = reference["expert_grads"]["fc1.weight"]
+    for e in range(NUM_EXPERTS):
+        assert (fc1[e].abs().max() == 0) == (e == STARVED_EXPERT), f"expert {e} token presence"
+    assert grouped["expert_grads"]["fc1.weight"][STARVED_EXPERT].abs().max() == 0
+
+
+def test_negative_control_permuted_experts_fail_the_comparison(results):
+    with pytest.raises(AssertionError):
+        assert_same_results(results["permuted"], results["swiglu/sequential"])
+    with pytest.raises(AssertionError):
+        assert_close(results["permuted"]["out"], results["swiglu/sequential"]["out"], "output")
+
+
+@pytest.mark.parametrize("scenario", ["swiglu-bias", "gelu-bias"])
+def test_parameter_attributes_match_sequential_mlp(results, scenario):
+    attrs = results[f"{scenario}/attributes"]
+    assert attrs["grouped"] == attrs["sequential"]
+    # EP=1, TP=1: expert grads reduce with the dense params; column params are TP-partitioned.
+    assert attrs["grouped"]["fc1.weight"] == (True, True, 0, False)
+    assert attrs["grouped"]["fc2.weight"] == (True, True, 1, False)
+
+
+def test_parameter_attributes_under_expert_parallelism(results):
+    attrs = results["ep2/attributes"]
+    assert attrs["grouped"] == attrs["reference"]
+    assert all(a[0] is False for a in attrs["grouped"].values()), "expert-DP reduction expected"
+
+
+@pytest.mark.parametrize("kind", ["cpu", "device"])
+def test_weights_initialised_like_megatron_linears(results, kind):
+    """fc1 draws N(0, sigma), fc2 megatron's output-layer init N(0, sigma / sqrt(2 num_layers))."""
+    sigma = results["init"]["init_method_std"]
+    for name, expected in (("fc1", sigma), ("fc2", sigma / 2 ** 0.5)):
+        stats = results["init"][f"{kind}/{name}"]
+        assert stats["distinct"] == NUM_EXPERTS, f"{kind} {name}: experts share weights"
+        ratio = stats["std"] / expected
+        assert ((ratio > 0.9) & (ratio < 1.1)).all(), f"{kind} {name}: std/expected {ratio}"
+
+
+@pytest.mark.parametrize("scenario", ["swiglu-bias", "gelu"])
+def test_sequential_checkpoint_loads_into_grouped_experts(results, scenario):
+    ckpt = results[f"{scenario}/checkpoint"]
+    assert ckpt["after"].keys() == ckpt["expected"].keys()
+    for name, expected in ckpt["expected"].items():
+        assert not torch.allclose(ckpt["before"][name], expected), f"{name} already equal"
+        assert torch.equal(ckpt["after"][name], expected), f"{name} not loaded per expert"
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True, type=Path)
+    worker(parser.parse_args().out)

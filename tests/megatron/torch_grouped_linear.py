@@ -1,0 +1,343 @@
+"""Pure-torch grouped linears for megatron-core's ``TEGroupedMLP`` (tests without TE).
+
+``TEGroupedMLP`` is megatron-core's grouped-GEMM expert class; its ``linear_fc1`` / ``linear_fc2``
+are normally Transformer Engine's ``GroupedLinear`` (through megatron's
+``TEColumnParallelGroupedLinear`` / ``TERowParallelGroupedLinear``), which needs a CUDA build of TE.
+The classes here are drop-in replacements that follow the ``GroupedLinearFc1Builder`` /
+``GroupedLinearFc2Builder`` protocols of ``megatron/core/transformer/moe/experts.py`` and keep TE's
+parameter layout, so code that reads or swaps expert weights sees what it would see with TE:
+
+* one parameter per local expert, ``weight{i}`` of shape [out, in] (the TP partition), and
+  ``bias{i}`` of shape [out] when ``bias=True``; no ``_extra_state`` (no FP8 metadata);
+* the attributes megatron's DDP / optimizer / grad-norm read, set by megatron's own
+  ``_set_expert_parameter_attributes`` exactly as for the TE wrappers: ``allreduce`` (False
+  when the parameter is reduced over the expert-DP group), ``tensor_model_parallel``,
+  ``partition_dim``, ``partition_stride``; row-parallel biases also get ``sequence_parallel=False``
+  (TE's value once megatron makes expert TP communication explicit);
+* weights initialised as megatron's ``ColumnParallelLinear`` / ``RowParallelLinear`` do
+  (``use_cpu_initialization``: a full [out, in] master weight per expert, init_method, then this
+  TP rank's slice; otherwise the rank's slice under the expert-parallel RNG tracker); biases zero;
+* ``sharded_state_dict`` that maps local expert ``i`` to global expert ``ep_rank * G + i`` as the
+  TE wrapper does, so distributed checkpoints interchange with ``SequentialMLP``'s.
+
+Forward is :func:`grouped_matmul`, a loop of per-expert matmuls over the token chunks
+(``torch.split`` by ``tokens_per_expert``; no CUDA grouped-GEMM path); autograd computes every
+weight gradient during the normal backward, so ``backward_dw`` has nothing to do and
+delayed-wgrad configs are refused.
+
+Usage (megatron's MoELayer with grouped experts)::
+
+    spec = grouped_moe_layer_spec()                 # partial(MoELayer, submodules=...)
+    layer = spec(config=config, pg_collection=pg_collection)   # config.moe_grouped_gemm=True
+    layer.experts.linear_fc1.weight3                # expert 3's fc1 weight, [F or 2F, H]
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+from megatron.core.extensions.transformer_engine import _set_expert_parameter_attributes
+from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.models.gpt.moe_module_specs import _build_shared_experts
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel.layers import (
+    _initialize_affine_weight_cpu,
+    _initialize_affine_weight_gpu,
+    set_tensor_model_parallel_attributes,
+)
+from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import (
+    ensure_metadata_has_dp_cp_group,
+    make_sharded_tensors_for_checkpoint,
+)
+from megatron.core.utils import divide, get_pg_rank, get_pg_size
+
+__all__ = [
+    "grouped_matmul",
+    "TorchGroupedLinear",
+    "TorchColumnGroupedLinear",
+    "TorchRowGroupedLinear",
+    "grouped_mlp_submodules",
+    "grouped_experts_builder",
+    "grouped_moe_layer_spec",
+]
+
+
+def grouped_matmul(
+    rows: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    tokens_per_expert: Sequence[int],
+    biases: Optional[Sequence[torch.Tensor]] = None,
+) -> torch.Tensor:
+    """Rows of expert i times ``weights[i].T`` (plus ``biases[i]``), experts' rows contiguous.
+
+    Args:
+        rows: [T, in] rows sorted by expert.
+        weights: G tensors [out, in].
+        tokens_per_expert: G ints summing to T.
+        biases: None or G tensors [out].
+
+    Returns:
+        [T, out]; differentiable in rows, weights and biases (an expert with no rows gets
+        zero gradients).
+    """
+    num_biases = len(weights) if biases is None else len(biases)
+    if not len(weights) == len(tokens_per_expert) == num_biases:
+        raise ValueError(f"{len(tokens_per_expert)} token counts, {len(weights)} weights and "
+                         f"{None if biases is None else len(biases)} biases must agree")
+    if sum(tokens_per_expert) != rows.shape[0]:
+        raise ValueError(f"tokens_per_expert sums to {sum(tokens_per_expert)}, "
+                         f"but there are {rows.shape[0]} rows")
+    chunks = torch.split(rows, list(tokens_per_expert))
+    if biases is None:
+        outs = [chunk @ weight.t() for chunk, weight in zip(chunks, weights)]
+    else:
+        outs = [torch.addmm(bias, chunk, weight.t())
+                for chunk, weight, bias in zip(chunks, weights, biases)]
+    return torch.cat(outs)
+
+
+class TorchGroupedLinear(torch.nn.Module):
+    """``G`` linears ``y_i = x_i @ weight{i}.T (+ bias{i})`` over contiguous chunks of tokens.
+
+    Args:
+        num_gemms: G, the number of local experts.
+        input_size: full input width (``in``, before TP partitioning).
+        output_size: full output width (``out``, before TP partitioning).
+        parallel_mode: ``"column"`` (out split over expert-TP) or ``"row"`` (in split).
+        config: megatron TransformerConfig (``params_dtype``, ``use_cpu_initialization``,
+            ``perform_initialization``, ``expert_model_parallel_size``, ...).
+        init_method: in-place initialiser for a full [out, in] weight.
+        bias: create ``bias{i}`` [out_partition] per expert (zero-initialised).
+        skip_bias_add: return the biases instead of adding them (``forward`` then returns
+            ``(out, [bias0, ..., bias{G-1}])``, which ``TEGroupedMLP._apply_bias`` scales by the
+            router probabilities); otherwise they are added inside and ``None`` is returned.
+        is_expert: must be True (grouped linears only exist for experts, as in TE's wrapper).
+        tp_comm_buffer_name, name: accepted for protocol compatibility; unused.
+        pg_collection: process groups (``expt_tp``, ``ep``, ``expt_dp``); megatron's mpu groups
+            when None.
+
+    Parameters: ``weight{i}`` [out_p, in_p] and optionally ``bias{i}`` [out_p], where out_p / in_p
+    are the widths after expert-TP partitioning.
+
+    Raises:
+        ValueError: for an unsupported configuration (non-expert use, FP8/FP4, fused gradient
+            accumulation, delayed wgrad, single grouped weight/bias parameters).
+    """
+
+    def __init__(
+        self,
+        num_gemms: int,
+        input_size: int,
+        output_size: int,
+        *,
+        parallel_mode: str,
+        config: TransformerConfig,
+        init_method: Callable[[torch.Tensor], None],
+        bias: bool,
+        skip_bias_add: bool,
+        is_expert: bool,
+        tp_comm_buffer_name: Optional[str] = None,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+        name: Optional[str] = None,
+    ):
+        super().__init__()
+        if parallel_mode not in ("column", "row"):
+            raise ValueError(f"parallel_mode must be 'column' or 'row', got {parallel_mode!r}")
+        if not is_expert:
+            raise ValueError("TorchGroupedLinear only supports experts (is_expert=True)")
+        if num_gemms < 1:
+            raise ValueError(f"num_gemms must be >= 1, got {num_gemms}")
+        unsupported = [
+            flag
+            for flag in (
+                "fp8", "fp4", "gradient_accumulation_fusion", "delay_wgrad_compute",
+                "overlap_dispatch_backward_with_experts_wgrad", "moe_single_grouped_weight",
+                "moe_single_grouped_bias",
+            )
+            if getattr(config, flag, None)
+        ]
+        if unsupported:
+            raise ValueError(f"TorchGroupedLinear does not support config flags {unsupported}")
+
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+        self._pg_collection = pg_collection
+        self._tp_group = pg_collection.expt_tp
+        tp_size, tp_rank = get_pg_size(self._tp_group), get_pg_rank(self._tp_group)
+
+        self.config = config
+        self.parallel_mode = parallel_mode
+        self.num_gemms = num_gemms
+        # TE's attribute names, which megatron code reads on grouped linears.
+        self.in_features = divide(input_size, tp_size) if parallel_mode == "row" else input_size
+        self.out_features = (divide(output_size, tp_size) if parallel_mode == "column"
+                             else output_size)
+        self.use_bias = bias
+        self.te_return_bias = bias and skip_bias_add
+        self.delay_wgrad_compute = False
+        # Expert params go to the expert-DP grad buckets when EP > 1 or expert TP differs from TP.
+        use_expert_pgs = (
+            config.expert_model_parallel_size > 1
+            or config.expert_tensor_parallel_size != config.tensor_model_parallel_size
+        )
+        partition_dim = 0 if parallel_mode == "column" else 1
+        device = None if config.use_cpu_initialization else torch.cuda.current_device()
+
+        for i in range(num_gemms):
+            weight = torch.nn.Parameter(
+                torch.empty(self.out_features, self.in_features, dtype=config.params_dtype,
+                            device=device)
+            )
+            if not config.perform_initialization:
+                set_tensor_model_parallel_attributes(weight, True, partition_dim, 1)
+            elif config.use_cpu_initialization:
+                _initialize_affine_weight_cpu(
+                    weight, output_size, input_size,
+                    self.out_features if parallel_mode == "column" else self.in_features,
+                    partition_dim, init_method, params_dtype=config.params_dtype,
+                    rank=tp_rank, world_size=tp_size,
+                )
+            else:
+                _initialize_affine_weight_gpu(weight, init_method, partition_dim, is_expert=True)
+            self.register_parameter(f"weight{i}", weight)
+            if bias:
+                bias_param = torch.nn.Parameter(
+                    torch.zeros(self.out_features, dtype=config.params_dtype, device=device)
+                )
+                if parallel_mode == "row":
+                    bias_param.sequence_parallel = False
+                self.register_parameter(f"bias{i}", bias_param)
+        # Megatron's own marking of TE grouped-linear params (allreduce / TP partitioning).
+        _set_expert_parameter_attributes(self, parallel_mode, use_expert_pgs)
+
+    def weights(self) -> list[torch.Tensor]:
+        """The G expert weights, each [out_p, in_p]."""
+        return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+
+    def biases(self) -> Optional[list[torch.Tensor]]:
+        """The G expert biases, each [out_p], or None without bias."""
+        return [getattr(self, f"bias{i}") for i in range(self.num_gemms)] if self.use_bias else None
+
+    def forward(
+        self, x: torch.Tensor, tokens_per_expert: list[int]
+    ) -> tuple[torch.Tensor, Optional[list[torch.Tensor]]]:
+        """Apply expert i's linear to the i-th chunk of rows.
+
+        Args:
+            x: [T, in_p] (or [..., in_p]) tokens sorted by local expert.
+            tokens_per_expert: G ints summing to T, rows of each expert in order.
+
+        Returns:
+            (out [T, out_p] (leading dims as x), biases): biases is the list of G [out_p] bias
+            parameters when ``skip_bias_add`` and bias, else None (added inside or absent).
+        """
+        tokens_per_expert = [int(n) for n in tokens_per_expert]
+        if len(tokens_per_expert) != self.num_gemms:
+            raise ValueError(
+                f"tokens_per_expert has {len(tokens_per_expert)} entries, expected {self.num_gemms}"
+            )
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"x has width {x.shape[-1]}, expected {self.in_features}")
+        rows = x.reshape(-1, self.in_features)
+        biases = self.biases()
+        out = grouped_matmul(rows, self.weights(), tokens_per_expert,
+                             None if self.te_return_bias else biases)
+        return out.view(*x.shape[:-1], self.out_features), (biases if self.te_return_bias else None)
+
+    def backward_dw(self) -> None:
+        """No deferred weight gradients: autograd computed them during backward."""
+
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None
+    ) -> dict:
+        """Per-expert ShardedTensors keyed like TE's grouped wrapper (``{prefix}weight{i}``).
+
+        Local expert i is global expert ``ep_rank * G + i`` along a new leading expert axis, with
+        TP sharding on dim 0 (column: weight and bias) or dim 1 (row: weight only), so the
+        checkpoint keys and layouts match ``SequentialMLP``'s.
+        """
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        singleton_local_shards = metadata.get("singleton_local_shards", False)
+        ep_group = self._pg_collection.ep
+        num_global_experts = get_pg_size(ep_group) * self.num_gemms
+        first_global_expert = get_pg_rank(ep_group) * self.num_gemms
+        tp_axis = {"weight": 0 if self.parallel_mode == "column" else 1}
+        if self.parallel_mode == "column":
+            tp_axis["bias"] = 0
+        sharded = {}
+        for i in range(self.num_gemms):
+            global_expert = first_global_expert + i
+            local = {f"{i}.weight": getattr(self, f"weight{i}")}
+            if self.use_bias:
+                local[f"{i}.bias"] = getattr(self, f"bias{i}")
+            if singleton_local_shards:
+                expert_prefix, offsets = f"{global_expert}.{prefix}", sharded_offsets
+            else:
+                expert_prefix = prefix
+                offsets = (*sharded_offsets,
+                           (len(sharded_offsets), global_expert, num_global_experts))
+            sub = make_sharded_tensors_for_checkpoint(
+                local, "", {f"{i}.{k}": axis for k, axis in tp_axis.items()}, offsets,
+                tp_group=self._tp_group, dp_cp_group=metadata["dp_cp_group"],
+            )
+            replace_prefix_for_sharding(sub, f"{i}.", expert_prefix)
+            for kind in ("weight", "bias") if self.use_bias else ("weight",):
+                sharded[f"{prefix}{kind}{i}"] = sub[f"{i}.{kind}"]
+        # Replicas of an expert live across expert-DP, not DP.
+        edp_rank = get_pg_rank(self._pg_collection.expt_dp)
+        for tensor in sharded.values():
+            tensor.replica_id = (*tensor.replica_id[:2], edp_rank)
+        return sharded
+
+    def extra_repr(self) -> str:
+        return (f"{self.parallel_mode}: {self.num_gemms} x [in={self.in_features}, "
+                f"out={self.out_features}], bias={self.use_bias}")
+
+
+class TorchColumnGroupedLinear(TorchGroupedLinear):
+    """``linear_fc1`` builder: column-parallel (out split over expert-TP); TorchGroupedLinear."""
+
+    def __init__(self, num_gemms: int, input_size: int, output_size: int, **kwargs):
+        super().__init__(num_gemms, input_size, output_size, parallel_mode="column", **kwargs)
+
+
+class TorchRowGroupedLinear(TorchGroupedLinear):
+    """``linear_fc2`` builder: row-parallel (in split over expert-TP); see TorchGroupedLinear."""
+
+    def __init__(self, num_gemms: int, input_size: int, output_size: int, **kwargs):
+        super().__init__(num_gemms, input_size, output_size, parallel_mode="row", **kwargs)
+
+
+def grouped_mlp_submodules() -> GroupedMLPSubmodules:
+    """``TEGroupedMLP`` submodules with the torch grouped linears (activation from the config)."""
+    return GroupedMLPSubmodules(linear_fc1=TorchColumnGroupedLinear,
+                                linear_fc2=TorchRowGroupedLinear)
+
+
+def grouped_experts_builder() -> Callable[..., TEGroupedMLP]:
+    """``MoESubmodules.experts`` builder: ``TEGroupedMLP`` over the torch grouped linears."""
+    return functools.partial(TEGroupedMLP, submodules=grouped_mlp_submodules())
+
+
+def grouped_moe_layer_spec() -> Callable[..., MoELayer]:
+    """``partial(MoELayer, submodules=...)`` like ``get_moe_module_spec(use_te=False)`` but with
+    grouped experts (shared experts, if configured, use megatron's local linears)."""
+    local = LocalSpecProvider()
+    shared_mlp = MLPSubmodules(linear_fc1=local.column_parallel_linear(),
+                               linear_fc2=local.row_parallel_linear(),
+                               activation_func=local.activation_func())
+    return functools.partial(
+        MoELayer,
+        submodules=MoESubmodules(
+            experts=grouped_experts_builder(),
+            shared_experts=functools.partial(_build_shared_experts, submodules=shared_mlp),
+        ),
+    )
