@@ -219,24 +219,83 @@ def balanced_dispatcher_class(config):
     return BalancedAlltoAllDispatcher
 
 
-class _ReplicaExperts(torch.autograd.Function):
-    """Expert compute of the redundant slots, with re-materialization and gradient reduction.
+# The backward of one balanced MoE invocation, in the order autograd runs it (§4.2, Fig. 9):
+#
+#   combine all-to-all backward
+#   _Rematerialize      collective: this invocation's replicas back into the shared weight buffer
+#   main experts' backward  |  _ReplicaExperts (local only: replica grads into the fp32 buffer)
+#   _ReduceReplicaGrads collective: replica grads into the home ranks' main-expert gradients
+#   dispatch all-to-all backward
+#
+# Both collectives sit next to the layer's all-to-alls, where every EP rank arrives together; none
+# sits between one rank's replica compute and another's main-expert compute, which would make the
+# ranks wait on each other's compute inside the layer.
 
-    Inputs: ``(layer, state, tokens [N, H], probs [N], *main_params)``; ``tokens`` are this rank's
-    replica tokens sorted by slot. ``main_params`` (every local main expert's parameters, expert-major)
-    are inputs only so that their gradient accumulation waits for this backward.
+
+def _invocation_state(ctx) -> InvocationState:
+    """The forward's state: from the virtual-layer ring (training) or kept in ``ctx`` (no ring)."""
+    return get_runtime().state(ctx.vid) if ctx.vid is not None else ctx.state
+
+
+def _keep_state(ctx, layer, state: InvocationState) -> None:
+    # Only the virtual layer id crosses to the backward when there is one; the ring owns the state.
+    ctx.layer, ctx.vid = layer, state.vid
+    ctx.state = state if state.vid is None else None
+
+
+class _Rematerialize(torch.autograd.Function):
+    """Identity on the experts' output ``[N, H]``; its backward, the first of the experts', copies
+    this invocation's replicated main experts back into the shared buffer (later layers
+    overwrote it). Collective on the EP group: every rank takes part, with replicas or not."""
+
+    @staticmethod
+    def forward(ctx, layer, state, expert_output):
+        _keep_state(ctx, layer, state)
+        return expert_output.view_as(expert_output)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        get_runtime().materialize(ctx.layer, _invocation_state(ctx))
+        return None, None, grad_output
+
+
+class _ReduceReplicaGrads(torch.autograd.Function):
+    """Identity on the dispatched tokens ``[N, H]``; its backward, the last of the experts', reduces
+    the replica gradient buffer into the main experts (collective on the EP group).
+
+    ``main_params`` (every local main expert's parameter, expert-major) are inputs so that their
+    gradient accumulation, and so Megatron DDP's hook that hands ``main_grad`` to the (possibly
+    overlapped) bucket reduction, waits for this backward.
+    """
+
+    @staticmethod
+    def forward(ctx, layer, state, dispatched, *main_params):
+        _keep_state(ctx, layer, state)
+        return dispatched.view_as(dispatched)
+
+    @staticmethod
+    def backward(ctx, grad_dispatched):
+        runtime = get_runtime()
+        main_param_grads = runtime.reduce_replica_grads(ctx.layer, _invocation_state(ctx))
+        runtime.release(ctx.vid)
+        return (None, None, grad_dispatched, *main_param_grads)
+
+
+class _ReplicaExperts(torch.autograd.Function):
+    """Expert compute of this rank's redundant slots: ``tokens [N, H]`` (sorted by slot) and their
+    ``probs [N]`` -> ``[N, H]``; the backward writes replica weight gradients into the shared fp32
+    buffer (no communication).
 
     The forward keeps its own small autograd graph over leaf views of the shared replica buffer.
     Tensors that graph saves from the buffer (the replica weights) are stored as (offset, shape,
     stride) of the buffer instead of being kept alive (saved-tensor hooks), because later layers
-    overwrite the buffer; the backward re-materializes this layer's replicas into it first (§4.2,
-    Fig. 9) and then differentiates the saved graph, so no replica activation is recomputed.
+    overwrite the buffer; ``_Rematerialize`` has restored it by the time this backward runs, which
+    differentiates the saved graph, so no replica activation is recomputed.
     """
 
     @staticmethod
-    def forward(ctx, layer, state, tokens, probs, *main_params):
-        # Only the virtual layer id crosses to the backward; the ring owns the state until then.
-        ctx.layer, ctx.vid = layer, state.vid
+    def forward(ctx, layer, state, tokens, probs):
+        _keep_state(ctx, layer, state)
         ctx.graph = None
         if tokens.shape[0] == 0:
             return tokens.new_zeros(0, layer.config.hidden_size)
@@ -254,14 +313,7 @@ class _ReplicaExperts(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        layer, vid = ctx.layer, ctx.vid
-        runtime = get_runtime()
-        state = runtime.state(vid)
-        slots = runtime.slots
         grad_tokens = grad_probs = None
-        # Collective on the EP group, so every rank re-materializes, with replica tokens or not: the
-        # shared buffer may hold a later layer's replicas by now.
-        runtime.materialize(layer, state)
         if ctx.graph is not None:
             out, tokens_, probs_, leaves = ctx.graph
             ctx.graph = None
@@ -271,14 +323,11 @@ class _ReplicaExperts(torch.autograd.Function):
                 grad_tokens = grads.pop(0)
             if probs_.requires_grad:
                 grad_probs = grads.pop(0)
-            # Replica weight gradients into the shared fp32 buffer.
-            per_slot = len(layer.expert_param_shapes)
+            slots = get_runtime().slots
+            per_slot = len(ctx.layer.expert_param_shapes)
             for s in range(slots.num_slots):
                 slots.accumulate_grad(s, grads[s * per_slot : (s + 1) * per_slot])
-        # ... then reduced into the owning main experts (all EP ranks take part, tokens or not).
-        main_param_grads = runtime.reduce_replica_grads(layer, state)
-        runtime.release(vid)
-        return (None, None, grad_tokens, grad_probs, *main_param_grads)
+        return None, None, grad_tokens, grad_probs
 
 
 def _buffer_packer(buffer: torch.Tensor):
@@ -357,19 +406,22 @@ class BalancedMoELayer(MoELayer):
             hidden_states, probs
         )
         state = self.token_dispatcher.state
+        track = torch.is_grad_enabled()  # a backward will follow: re-materialize and reduce in it
+        if track:
+            dispatched = _ReduceReplicaGrads.apply(self, state, dispatched, *self.main_expert_params())
         num_main = int(tokens_per_slot[: self.num_local_experts].sum())
         main_out, mlp_bias = self.experts(
             dispatched[:num_main], tokens_per_slot[: self.num_local_experts], permuted_probs[:num_main]
         )
         replica_tokens, replica_probs = dispatched[num_main:], permuted_probs[num_main:]
-        if torch.is_grad_enabled():
-            replica_out = _ReplicaExperts.apply(
-                self, state, replica_tokens, replica_probs, *self.main_expert_params()
-            )
+        if track:
+            replica_out = _ReplicaExperts.apply(self, state, replica_tokens, replica_probs)
         elif replica_tokens.shape[0] > 0:  # eval, or the no-grad first pass of activation recompute
             replica_out = self.run_replicas(get_runtime().slots.weight_views(), replica_tokens,
                                             replica_probs, state.replica_tokens_per_slot)
         else:
             replica_out = replica_tokens.new_zeros(0, self.config.hidden_size)
         output = torch.cat([main_out, replica_out], dim=0)
+        if track:
+            output = _Rematerialize.apply(self, state, output)
         return self.token_dispatcher.combine_preprocess(output), mlp_bias
