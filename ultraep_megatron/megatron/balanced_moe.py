@@ -55,8 +55,9 @@ class _PhysicalSlotRouting:
     ``R * P`` "experts", ``P`` of them local, so its permutation and communication run unchanged.
     """
 
-    def _physical_init(self, num_local_experts, config, pg_collection, layer):
-        """(num_local, local_indices, config) to build the parent dispatcher over physical slots."""
+    def __init__(self, num_local_experts, local_expert_indices, config, pg_collection, layer):
+        """Args: as megatron's dispatcher (logical ``num_local_experts = E // R`` and expert ids,
+        the model's config), plus the owning ``layer`` (its layer number and balancer)."""
         ep_size, ep_rank = pg_collection.ep.size(), pg_collection.ep.rank()
         self.num_logical_experts = config.num_moe_experts
         self.num_main_local = num_local_experts
@@ -67,7 +68,11 @@ class _PhysicalSlotRouting:
         local = [ep_rank * self.slots_per_rank + j for j in range(self.slots_per_rank)]
         self._layer = layer
         self.state: Optional[InvocationState] = None
-        return self.slots_per_rank, local, physical_config
+        super().__init__(self.slots_per_rank, local, config=physical_config, pg_collection=pg_collection)
+
+    def dispatch_preprocess(self, hidden_states, routing_map, probs):
+        physical_map, physical_probs = self._plan_and_reroute(routing_map, probs)
+        return super().dispatch_preprocess(hidden_states, physical_map, physical_probs)
 
     def _gather_load(self, routing_map: torch.Tensor) -> torch.Tensor:
         """[T, E] bool -> [R, E] int64: exact per-source load of the whole EP group."""
@@ -129,24 +134,7 @@ class _PhysicalSlotRouting:
 
 class BalancedAlltoAllDispatcher(_PhysicalSlotRouting, MoEAlltoAllTokenDispatcher):
     """megatron's all-to-all dispatcher over physical slots, driven by a per-microbatch plan.
-
-    Args:
-        num_local_experts: main experts per EP rank, ``L = E // R``.
-        local_expert_indices: the logical ids of this rank's main experts.
-        config: the model's TransformerConfig (logical ``num_moe_experts``).
-        pg_collection: Megatron's process groups.
-        layer: the owning MoELayer (for its layer number and balancer).
-    """
-
-    def __init__(self, num_local_experts, local_expert_indices, config, pg_collection, layer):
-        num_physical_local, physical_indices, physical_config = self._physical_init(
-            num_local_experts, config, pg_collection, layer)
-        super().__init__(num_physical_local, physical_indices, config=physical_config,
-                         pg_collection=pg_collection)
-
-    def dispatch_preprocess(self, hidden_states, routing_map, probs):
-        physical_map, physical_probs = self._plan_and_reroute(routing_map, probs)
-        return super().dispatch_preprocess(hidden_states, physical_map, physical_probs)
+    Its ``preprocess`` takes every split from the plan instead of a second exchange."""
 
     def preprocess(self, routing_map: torch.Tensor) -> torch.Tensor:
         """All-to-all metadata from the plan (no communication): splits and per-slot token counts."""
@@ -180,14 +168,7 @@ class BalancedFlexDispatcher(_PhysicalSlotRouting, MoEFlexTokenDispatcher):
         problem = flex_backend_problem(config)
         if problem:
             raise ValueError(f"--moe-balancer {layer.balancer_config.name}: {problem}")
-        num_physical_local, physical_indices, physical_config = self._physical_init(
-            num_local_experts, config, pg_collection, layer)
-        super().__init__(num_physical_local, physical_indices, config=physical_config,
-                         pg_collection=pg_collection)
-
-    def dispatch_preprocess(self, hidden_states, routing_map, probs):
-        physical_map, physical_probs = self._plan_and_reroute(routing_map, probs)
-        return super().dispatch_preprocess(hidden_states, physical_map, physical_probs)
+        super().__init__(num_local_experts, local_expert_indices, config, pg_collection, layer)
 
 
 def flex_backend_problem(config) -> Optional[str]:

@@ -25,24 +25,12 @@ from ultraep_megatron.megatron import cpu_backend
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import deepep_gloo  # noqa: E402  (tests/megatron is not a package)
-
-NUM_EXPERTS = 8
-HIDDEN = 32
-FFN = 48
-TOPK = 2
-SEQ, BATCH = 16, 2
-HOT_EXPERTS = (0, 1)  # both on EP rank 0 at EP=4: many tokens pick two experts of one rank
+# The same layer, weights and skew as the balanced-layer worker (this script's folder is on sys.path).
+from balanced_moe_layer import (  # noqa: E402
+    BATCH, HIDDEN, HOT_EXPERTS, NUM_EXPERTS, SEQ, TOPK, build_layer, expert_weights, global_weights,
+    load_weights,
+)
 UNIT_TOKENS, UNIT_HIDDEN = 24, 5
-
-
-def global_weights() -> dict[str, torch.Tensor]:
-    """Shapes: router [E, H], fc1 [E, F, H], fc2 [E, H, F]."""
-    gen = torch.Generator().manual_seed(4321)
-    return {
-        "router": torch.randn(NUM_EXPERTS, HIDDEN, generator=gen) * 0.5,
-        "fc1": torch.randn(NUM_EXPERTS, FFN, HIDDEN, generator=gen) * HIDDEN ** -0.5,
-        "fc2": torch.randn(NUM_EXPERTS, HIDDEN, FFN, generator=gen) * FFN ** -0.5,
-    }
 
 
 def rank_inputs(rank: int, weights) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,40 +79,6 @@ def unit_dispatch(rank: int, group) -> dict:
     }
 
 
-def build_layer(ep_size: int, dispatcher: str):
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
-    from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(expert_model_parallel_size=ep_size)
-    model_parallel_cuda_manual_seed(123)
-    flex = dict(moe_flex_dispatcher_backend="deepep") if dispatcher == "flex" else {}
-    config = TransformerConfig(
-        num_layers=1, hidden_size=HIDDEN, ffn_hidden_size=FFN, moe_ffn_hidden_size=FFN,
-        num_attention_heads=4, num_moe_experts=NUM_EXPERTS, moe_router_topk=TOPK,
-        moe_token_dispatcher_type=dispatcher, expert_model_parallel_size=ep_size,
-        moe_aux_loss_coeff=0.0, add_bias_linear=False, use_cpu_initialization=True,
-        bias_dropout_fusion=False, gradient_accumulation_fusion=False, **flex,
-    )
-    builder = get_moe_module_spec(use_te=False, num_experts=NUM_EXPERTS, moe_grouped_gemm=False)
-    layer = builder(config=config, pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
-                    is_mtp_layer=False)
-    layer.set_layer_number(1)
-    return layer
-
-
-def load_weights(layer, weights):
-    with torch.no_grad():
-        layer.router.weight.copy_(weights["router"])
-        for local, expert_index in enumerate(layer.local_expert_indices):
-            mlp = layer.experts.local_experts[local]
-            mlp.linear_fc1.weight.copy_(weights["fc1"][expert_index])
-            mlp.linear_fc2.weight.copy_(weights["fc2"][expert_index])
-
-
 def run(layer, weights, rank) -> dict:
     layer.zero_grad(set_to_none=True)
     layer.train()
@@ -139,9 +93,8 @@ def run(layer, weights, rank) -> dict:
         "router_grad": (torch.zeros_like(layer.router.weight) if router_grad is None
                         else router_grad.detach().clone()),
         "expert_grads": {
-            int(idx): (mlp.linear_fc1.weight.grad.detach().clone(),
-                       mlp.linear_fc2.weight.grad.detach().clone())
-            for idx, mlp in zip(layer.local_expert_indices, layer.experts.local_experts)
+            int(idx): tuple(w.grad.detach().clone() for w in expert_weights(layer, local))
+            for local, idx in enumerate(layer.local_expert_indices)
         },
     }
 
@@ -182,7 +135,7 @@ def main():
             token_dispatcher.fused_dispatch = recording_dispatch(dispatch_log)
         if name == "flex-detached-probs":
             token_dispatcher.fused_dispatch = dispatch_with_detached_probs
-        layer = build_layer(world, dispatcher)
+        layer = build_layer(world, None, 0, False, dispatcher)
         load_weights(layer, weights)
         results[name] = run(layer, weights, rank)
         if dispatcher == "flex":

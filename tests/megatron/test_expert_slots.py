@@ -1,0 +1,66 @@
+"""Per-expert parameter layouts of megatron's experts modules (``expert_slots.expert_param_names``).
+
+Real megatron modules are covered end to end by test_balanced_moe_layer.py (SequentialMLP and
+TEGroupedMLP); here the layout rules themselves, on small stand-in modules with the same names.
+"""
+
+import pytest
+import torch
+
+from ultraep_megatron.megatron.expert_slots import expert_param_names, expert_params
+
+
+class Grouped(torch.nn.Module):
+    """TEGroupedMLP's naming: ``linear_fc{1,2}.weight{j}`` / ``bias{j}``."""
+
+    def __init__(self, num_experts, bias):
+        super().__init__()
+        self.linear_fc1, self.linear_fc2 = torch.nn.Module(), torch.nn.Module()
+        for j in range(num_experts):
+            self.linear_fc1.register_parameter(f"weight{j}", torch.nn.Parameter(torch.full((6, 4), float(j))))
+            self.linear_fc2.register_parameter(f"weight{j}", torch.nn.Parameter(torch.full((4, 3), float(j))))
+            if bias:
+                self.linear_fc1.register_parameter(f"bias{j}", torch.nn.Parameter(torch.full((6,), float(j))))
+
+
+class Sequential(torch.nn.Module):
+    """SequentialMLP's naming: ``local_experts.{j}.linear_fc{1,2}.weight``."""
+
+    def __init__(self, num_experts):
+        super().__init__()
+        self.local_experts = torch.nn.ModuleList()
+        for j in range(num_experts):
+            mlp = torch.nn.Module()
+            mlp.linear_fc1 = torch.nn.Linear(4, 6, bias=False)
+            mlp.linear_fc2 = torch.nn.Linear(3, 4, bias=False)
+            torch.nn.init.constant_(mlp.linear_fc1.weight, j)
+            torch.nn.init.constant_(mlp.linear_fc2.weight, j)
+            self.local_experts.append(mlp)
+
+
+@pytest.mark.parametrize("module", [Grouped(3, bias=False), Grouped(3, bias=True), Sequential(3)],
+                         ids=["grouped", "grouped-bias", "sequential"])
+def test_every_parameter_belongs_to_exactly_one_expert(module):
+    names = expert_param_names(module, 3)
+    params = expert_params(module, names)
+    flat = [n for per_expert in names for n in per_expert]
+    assert sorted(flat) == sorted(n for n, _ in module.named_parameters())
+    for j, per_expert in enumerate(params):
+        # Each expert's tensors are its own (filled with its index), in one order for all experts.
+        assert all(bool((p == j).all()) for p in per_expert)
+        assert [tuple(p.shape) for p in per_expert] == [tuple(p.shape) for p in params[0]]
+
+
+def test_a_fused_layout_is_refused_with_the_class_name():
+    class FusedGroupedMLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1_weight = torch.nn.Parameter(torch.zeros(3, 6, 4))  # all experts in one tensor
+
+    with pytest.raises(ValueError, match="FusedGroupedMLP"):
+        expert_param_names(FusedGroupedMLP(), 3)
+
+
+def test_wrong_expert_count_is_refused():
+    with pytest.raises(ValueError):
+        expert_param_names(Grouped(3, bias=False), 2)  # weight2 would belong to no expert
