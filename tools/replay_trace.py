@@ -300,6 +300,16 @@ def _pick_layers(layers: Sequence[int], count: int) -> list[int]:
     return [layers[i] for i in sorted(set(idx))]
 
 
+def _save_figure(fig, path: Path) -> Path:
+    """Lay out, write (110 dpi) and close ``fig``; return ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_replay(result: cm.ReplayResult, main_keys: Sequence[str], plot_dir: Path,
                 heatmap_layers: Optional[Sequence[int]] = None) -> list[Path]:
     """PNG files: imbalance over time per layer, load heatmaps, EPLB staleness. Returns the paths."""
@@ -332,11 +342,7 @@ def plot_replay(result: cm.ReplayResult, main_keys: Sequence[str], plot_dir: Pat
         ax.set_xlabel("microbatch (trace order)")
     axes.flat[0].legend(fontsize=7)
     fig.suptitle("Per-layer rank imbalance over time, before and after balancing (replayed)")
-    fig.tight_layout()
-    path = plot_dir / "imbalance_over_time.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(path)
+    written.append(_save_figure(fig, plot_dir / "imbalance_over_time.png"))
 
     if result.expert_load is not None:
         for layer in heatmap_layers or _pick_layers(result.layers, 3):
@@ -361,11 +367,7 @@ def plot_replay(result: cm.ReplayResult, main_keys: Sequence[str], plot_dir: Pat
                 ax.set_ylabel(ylabel)
                 fig.colorbar(im, ax=ax)
             fig.suptitle(f"Layer {layer}: load heatmaps")
-            fig.tight_layout()
-            path = plot_dir / f"load_heatmap_layer{layer}.png"
-            fig.savefig(path, dpi=110)
-            plt.close(fig)
-            written.append(path)
+            written.append(_save_figure(fig, plot_dir / f"load_heatmap_layer{layer}.png"))
 
     stale = [r for r in cm.staleness_summary(result) if r["key"] not in main_keys]
     if stale:
@@ -384,11 +386,7 @@ def plot_replay(result: cm.ReplayResult, main_keys: Sequence[str], plot_dir: Pat
         ax.set_ylabel("rank imbalance after")
         ax.set_title("How stale history hurts EPLB (replayed)")
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = plot_dir / "eplb_staleness.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        written.append(_save_figure(fig, plot_dir / "eplb_staleness.png"))
 
     if result.costs is not None:
         fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(result.layers) + 3), 3.8))
@@ -401,11 +399,7 @@ def plot_replay(result: cm.ReplayResult, main_keys: Sequence[str], plot_dir: Pat
         ax.set_ylabel("ms per invocation (fwd+bwd)")
         ax.set_title(f"{ESTIMATE}: MoE layer time per balancer (cost model)")
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = plot_dir / "estimated_layer_time.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        written.append(_save_figure(fig, plot_dir / "estimated_layer_time.png"))
     return written
 
 

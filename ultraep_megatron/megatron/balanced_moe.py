@@ -36,6 +36,7 @@ from megatron.core.transformer.moe.token_dispatcher import (
     MoEFlexTokenDispatcher,
 )
 
+from ultraep_megatron import planner
 from ultraep_megatron.megatron.arguments import unsupported_moe_settings
 from ultraep_megatron.megatron.expert_slots import expert_param_names, expert_params, run_replica_experts
 from ultraep_megatron.megatron.runtime import BalancerConfig, InvocationState, get_runtime
@@ -60,7 +61,6 @@ class _PhysicalSlotRouting:
         the model's config), plus the owning ``layer`` (its layer number and balancer)."""
         ep_size, ep_rank = pg_collection.ep.size(), pg_collection.ep.rank()
         self.num_logical_experts = config.num_moe_experts
-        self.num_main_local = num_local_experts
         self.num_slots = layer.balancer_config.num_slots
         self.slots_per_rank = num_local_experts + self.num_slots
         physical_config = copy.copy(config)
@@ -118,7 +118,7 @@ class _PhysicalSlotRouting:
                 f"got {token_ids.numel()} pairs for {num_tokens} tokens, top-{topk}"
             )
         topk_ids = expert_ids.view(num_tokens, topk)
-        physical_ids = runtime.assign_tokens(state.plan, self.ep_rank, topk_ids)
+        physical_ids = planner.assign_tokens(state.plan, self.ep_rank, topk_ids)
         num_physical = self.ep_size * self.slots_per_rank
         physical_map = torch.zeros(num_tokens, num_physical, dtype=torch.bool, device=routing_map.device)
         physical_map.scatter_(1, physical_ids, True)
@@ -390,7 +390,7 @@ class BalancedMoELayer(MoELayer):
         track = torch.is_grad_enabled()  # a backward will follow: re-materialize and reduce in it
         if track:
             dispatched = _ReduceReplicaGrads.apply(self, state, dispatched, *self.main_expert_params())
-        num_main = int(tokens_per_slot[: self.num_local_experts].sum())
+        num_main = state.main_tokens  # from the plan: no device-to-host read of tokens_per_slot
         main_out, mlp_bias = self.experts(
             dispatched[:num_main], tokens_per_slot[: self.num_local_experts], permuted_probs[:num_main]
         )

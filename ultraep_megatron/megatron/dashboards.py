@@ -138,6 +138,19 @@ def render_heatmap(iterations, layers, before, after, path: str | Path, title: s
     return path
 
 
+def log_scalars(scalars: Mapping[str, float], iteration: int, writer: Any = None,
+                wandb_writer: Any = None) -> None:
+    """Write ``scalars`` to Megatron's tensorboard writer and, as one step, its wandb writer
+    (either may be ``None`` when that logger is off)."""
+    if not scalars:
+        return
+    if writer:
+        for name, value in scalars.items():
+            writer.add_scalar(name, value, iteration)
+    if wandb_writer:
+        wandb_writer.log(dict(scalars), iteration)
+
+
 def layer_summary(values: Mapping[int, float]) -> tuple[float, float]:
     """(mean, max) over layers of {layer: value}; NaN for no layers."""
     if not values:
@@ -195,11 +208,7 @@ class Dashboard:
             if after is not None:
                 scalars[f"{SUMMARY_PREFIX}/imbalance_after_mean"], \
                     scalars[f"{SUMMARY_PREFIX}/imbalance_after_max"] = layer_summary(after)
-            for name, value in scalars.items():
-                if writer:
-                    writer.add_scalar(name, value, iteration)
-                if wandb_writer:
-                    wandb_writer.log({name: value}, iteration)
+            log_scalars(scalars, iteration, writer, wandb_writer)
         if len(self.history) and self.heatmap_due(iteration):
             self._guarded(self.write_heatmap, iteration, wandb_writer)
         return {"flops_per_iteration": self.flops_per_iteration(),

@@ -99,7 +99,8 @@ class InvocationState:
     Attributes:
         plan: the balancing plan.
         load: int64 [R, E], the exact load it was solved on.
-        replica_tokens_per_slot: tokens this rank's redundant slots receive, length ``num_slots``.
+        main_tokens: (token, expert) rows this rank's main experts receive.
+        replica_tokens_per_slot: rows this rank's redundant slots receive, length ``num_slots``.
         schedule: the data plane's transfer schedule for the plan's replicas (forward distribution,
             backward re-materialization and gradient reduction all use it).
         vid: virtual layer id in the ring, ``None`` when no backward will follow (eval).
@@ -107,6 +108,7 @@ class InvocationState:
 
     plan: "planner.Plan"
     load: torch.Tensor
+    main_tokens: int
     replica_tokens_per_slot: List[int]
     schedule: Optional[TransferSchedule] = None
     vid: Optional[int] = None
@@ -235,9 +237,10 @@ class Runtime:
         L = layer.num_local_experts
         rank, P = layer.token_dispatcher.ep_rank, layer.token_dispatcher.slots_per_rank
         # plan.physical_split [R_src, R * P]: tokens each source sends to each physical slot.
-        replica = plan.physical_split[:, rank * P + L : (rank + 1) * P].sum(dim=0).tolist()
+        received = plan.physical_split[:, rank * P : (rank + 1) * P].sum(dim=0)
         schedule = self.slots.schedule(plan.slot_expert, plan.num_experts) if self.slots.num_slots else None
-        return InvocationState(plan=plan, load=load, replica_tokens_per_slot=replica, schedule=schedule)
+        return InvocationState(plan=plan, load=load, main_tokens=int(received[:L].sum()),
+                               replica_tokens_per_slot=received[L:].tolist(), schedule=schedule)
 
     def state(self, vid: int) -> InvocationState:
         return self.ring.get(vid)
@@ -245,9 +248,6 @@ class Runtime:
     def release(self, vid: Optional[int]) -> None:
         if vid is not None:
             self.ring.release(vid)
-
-    def assign_tokens(self, plan, rank: int, topk_ids: torch.Tensor) -> torch.Tensor:
-        return planner.assign_tokens(plan, rank, topk_ids)
 
     # -- weights and gradients ------------------------------------------------------------------
     def materialize(self, layer, state: InvocationState) -> None:
@@ -343,10 +343,6 @@ class ReplicaSlots(ReplicaBuffer):
         super().__init__(num_slots, [shape for _, shape in param_shapes], dtype, device=device, group=group)
         self.param_shapes = list(param_shapes)
         self.holder: Optional[object] = None
-
-    def nbytes(self) -> int:
-        w, g = self.replica_weights, self.replica_grads
-        return w.numel() * w.element_size() + g.numel() * g.element_size()
 
     def weight_views(self) -> List[List[torch.Tensor]]:
         """Per slot, the expert's parameters as views into ``replica_weights``."""

@@ -229,20 +229,13 @@ class _TrainingLogHook:
                                                    dst_rank=last_rank)
         if torch.distributed.get_rank() != last_rank:
             return
+        from ultraep_megatron.megatron.dashboards import log_scalars
+
         writer, wandb_writer = get_tensorboard_writer(), get_wandb_writer()
-        for layer, value in imbalance.items():
-            name = f"{METRIC_PREFIX}/layer_{layer:02d}"
-            if writer:
-                writer.add_scalar(name, value, iteration)
-            if wandb_writer:
-                wandb_writer.log({name: value}, iteration)
-        for layer, values in (balancer_stats or {}).items():
-            for metric, value in values.items():
-                name = f"ultraep/{metric}/layer_{layer:02d}"
-                if writer:
-                    writer.add_scalar(name, value, iteration)
-                if wandb_writer:
-                    wandb_writer.log({name: value}, iteration)
+        scalars = {f"{METRIC_PREFIX}/layer_{layer:02d}": value for layer, value in imbalance.items()}
+        scalars.update({f"ultraep/{metric}/layer_{layer:02d}": value
+                        for layer, values in (balancer_stats or {}).items() for metric, value in values.items()})
+        log_scalars(scalars, iteration, writer, wandb_writer)
         if imbalance and iteration % args.log_interval == 0:
             print(_format_console(iteration, imbalance), flush=True)
         if balancer_stats and iteration % args.log_interval == 0:
