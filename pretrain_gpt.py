@@ -45,7 +45,7 @@ from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_l
 
 from ultraep_megatron.megatron import telemetry
 from ultraep_megatron.megatron.arguments import (
-    add_ultraep_args, balancer_config_from_args, validate_ultraep_args,
+    add_ultraep_args, balancing_context_from_args, validate_ultraep_args,
 )
 from ultraep_megatron.megatron.layer_spec import moe_balanced_layer_spec
 
@@ -162,16 +162,19 @@ def main() -> None:
                                    args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
     validate_ultraep_args(args)
     model_cfg = gpt_config_from_args(args)
-    # Megatron's default layer spec, with the MoE layers chosen by --moe-balancer.
-    model_cfg.transformer_layer_spec = partial(moe_balanced_layer_spec,
-                                               balancer_config=balancer_config_from_args(args))
-    telemetry.install(model_cfg, args)
+    # The model's balancing context (None for --moe-balancer none), handed to its balanced MoE
+    # layers through Megatron's default layer spec.
+    balancing = balancing_context_from_args(args)
+    model_cfg.transformer_layer_spec = partial(moe_balanced_layer_spec, balancing=balancing)
+    telemetry.install(model_cfg, args, balancing)
     pretrain(
         pretrain_cfg_container_from_args(args, model_cfg),
         train_valid_test_datasets_provider,
         ModelType.encoder_or_decoder,
         forward_step,
     )
+    if balancing is not None:
+        balancing.close()
     report_peak_memory()
 
 

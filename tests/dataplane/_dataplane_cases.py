@@ -211,6 +211,85 @@ def check_replica_buffer(rank, world_size) -> list[str]:
     return failures
 
 
+def check_handles(rank, world_size) -> list[str]:
+    """The asynchronous API: transfers started, overlapped with other work and waited later (in any
+    order) give bit-identical replicas and reductions; a reduction touches the main gradients only
+    in ``wait()``; an empty plan's handle works; bad inputs raise before any communication."""
+    num_experts = 2 * world_size
+    failures = []
+    relayed = random_plan(world_size, num_experts, 3, seed=21, hot_expert=1)
+    direct = random_plan(world_size, num_experts, 3, seed=22, hot_expert=None, local_replica=True)
+    empty = torch.full((world_size, 3), -1, dtype=torch.int64)
+    scheds = {
+        "relayed": (relayed, build_schedule(relayed, num_experts, NUMEL, chunk_numel=13, relay="always",
+                                            relay_threshold=2)),
+        "direct": (direct, build_schedule(direct, num_experts, NUMEL, chunk_numel=13, relay="off")),
+        "empty": (empty, build_schedule(empty, num_experts, NUMEL)),
+    }
+    if not scheds["relayed"][1].uses_relay:
+        failures.append("the relayed plan built no relay tree")
+    main = {name: [expert_weights(30 + i, rank * 2 + j) for j in range(2)] for i, name in enumerate(scheds)}
+
+    # Distributions of three plans in flight together, waited in reverse order, other work between.
+    replicas = {name: torch.full((3, NUMEL), SENTINEL) for name in scheds}
+    handles = {name: distribute_weights(sched, main[name], replicas[name], async_op=True)
+               for name, (_, sched) in scheds.items()}
+    torch.randn(64, 64).matmul(torch.randn(64, 64)).sum()  # the caller's own work meanwhile
+    for name in reversed(list(scheds)):
+        handles[name].wait()
+        handles[name].wait()  # a second wait is a no-op
+        if not handles[name].done:
+            failures.append(f"{name}: handle not done after wait()")
+    for i, (name, (plan, sched)) in enumerate(scheds.items()):
+        synchronous = torch.full((3, NUMEL), SENTINEL)
+        distribute_weights(sched, main[name], synchronous)
+        if not torch.equal(replicas[name], synchronous):
+            failures.append(f"{name}: asynchronous distribution differs from the synchronous one")
+        for slot, e in enumerate(plan[rank].tolist()):
+            if e >= 0 and not torch.equal(replicas[name][slot], flat(expert_weights(30 + i, e))):
+                failures.append(f"{name}: slot {slot} != expert {e}")
+
+    # Reductions in flight together; the main gradients stay untouched until wait().
+    for name, (plan, sched) in scheds.items():
+        mains, replica = [], []
+        for trial in range(2):
+            per_rank = [main_grad(40, rank * 2 + j, False) for j in range(2)]
+            grads = torch.stack([replica_grad(40, rank, s, False) for s in range(3)])
+            grads[plan[rank] < 0] = 0
+            mains.append(per_rank), replica.append(grads)
+        before = [flat(m).clone() for m in mains[0]]
+        handle = reduce_gradients(sched, mains[0], replica[0], async_op=True,
+                                  start_after=handles[name])  # already done: start_after is a no-op
+        if not all(torch.equal(flat(m), b) for m, b in zip(mains[0], before)):
+            failures.append(f"{name}: an asynchronous reduction wrote the main grads before wait()")
+        reduce_gradients(sched, mains[1], replica[1])  # synchronous, same inputs, in flight with the first
+        handle.wait()
+        if not all(torch.equal(flat(a), flat(b)) for a, b in zip(mains[0], mains[1])):
+            failures.append(f"{name}: asynchronous reduction not bit-identical to the synchronous one")
+        if not (bool((replica[0] == 0).all()) and bool((replica[1] == 0).all())):
+            failures.append(f"{name}: replica gradients not zeroed")
+    # start_after orders a transfer after another one (which is then complete).
+    first = distribute_weights(scheds["relayed"][1], main["relayed"], torch.zeros(3, NUMEL), async_op=True)
+    second = reduce_gradients(scheds["relayed"][1], [main_grad(41, rank * 2 + j, True) for j in range(2)],
+                              torch.zeros(3, NUMEL), async_op=True, start_after=first)
+    if not first.done:
+        failures.append("start_after did not complete the earlier transfer first")
+    second.wait()
+    # Bad inputs raise before any communication, also asynchronously; the group stays usable.
+    sched = scheds["relayed"][1]
+    for what, call in {
+        "slots": lambda: distribute_weights(sched, main["relayed"], torch.zeros(2, NUMEL), async_op=True),
+        "experts": lambda: reduce_gradients(sched, main["relayed"][:1], torch.zeros(3, NUMEL), async_op=True),
+    }.items():
+        try:
+            call()
+            failures.append(f"bad input '{what}' was accepted by the asynchronous API")
+        except ValueError:
+            pass
+    failures += run_distribution(rank, relayed, num_experts, 21, sched)
+    return failures
+
+
 def run_all(rank: int, world_size: int) -> dict[str, list[str]]:
     """Entry point per rank: case name -> failures seen by this rank."""
     results = {}
@@ -227,5 +306,6 @@ def run_all(rank: int, world_size: int) -> dict[str, list[str]]:
         results[case["name"]] = failures
     results["bad-inputs"] = check_bad_inputs(rank, world_size)
     results["replica-buffer"] = check_replica_buffer(rank, world_size)
+    results["handles"] = check_handles(rank, world_size)
     dist.barrier()
     return results

@@ -8,25 +8,40 @@ schedule, which every rank built from the same plan; no extra synchronization is
 * :func:`reduce_gradients`: add every replica's gradient into its main expert's gradient, then zero the
   replica gradient buffer.
 
-Rounds. Communication runs in ``schedule.num_rounds`` rounds, one ``batch_isend_irecv`` per round
-per rank. In weight distribution, an edge of hop ``h`` moves chunk ``c`` in round ``c + h - 1``: the
-home streams chunk ``c`` to relays in round ``c`` and a relay forwards it in round ``c + 1``, right
-after waiting on that chunk's receive (chunk streaming; no whole-expert barrier). Every op of a round
-has its data ready when the round is issued, so a round never waits on a later round: this keeps the
-schedule deadlock-free on NCCL too, where a batch is one kernel that must complete as a whole.
-Gradient reduction runs the same edges reversed: leaves send chunk ``c`` to their relay in round
-``c``, the relay adds them into its own replica gradient and sends the partial sum to the home in
-round ``c + 1``; direct replicas send chunk ``c`` in round ``c``.
+Handles. Both can run asynchronously (``async_op=True``) and return a :class:`TransferHandle`,
+like DeepEP's buffer API: the caller keeps computing and calls ``handle.wait()`` where it needs the
+result; ``start_after`` orders a transfer after an earlier one. Where the transfer runs depends on
+the backend, never its result (bit-identical either way):
 
-Deterministic reduction. Gradients are accumulated in ``promote_types(main_grad, replica_grad)`` and
-cast back once. Per element the addition order is fixed by the plan: at a relay,
-``((own + leaf_1) + leaf_2) + ...``; at the home, ``((main + local_replica) + child_1) + child_2 ...``
-with leaves and children in ascending rank order (children are relays for a relayed expert).
+* CUDA tensors over NCCL: everything is issued at once on a communication stream of its own, which
+  first waits for the caller's stream; a relay's forward of a chunk waits on that chunk's receive
+  through stream order, never on the host. ``wait()`` makes the caller's stream wait for an event.
+* anything else (gloo on the CPU): the operations are issued at once, except rounds in which a relay
+  forwards data it must first receive; the host issues those inside ``wait()``.
+
+Rounds. Direct edges move a whole expert in one operation in round 0. Experts streamed through a relay
+tree are chunked: in weight distribution, an edge of hop ``h`` moves chunk ``c`` in round
+``c + h - 1`` (the home streams chunk ``c`` to relays in round ``c``, a relay forwards it in round
+``c + 1`` once it has arrived; no whole-expert barrier). Every op of a round has its data ready when
+the round is issued, so a round never waits on a later round: deadlock-free on NCCL too, where a batch
+is one kernel that must complete as a whole. Gradient reduction runs the same edges reversed: leaves
+send chunk ``c`` to their relay in round ``c``, the relay adds them into its own replica gradient and
+sends the partial sum to the home in round ``c + 1``; direct replicas send in round 0.
+
+Deterministic reduction. The home receives its children's gradients into staging rows (one per
+incoming edge) while the transfer is in flight, and folds them into the main gradients in
+``wait()``, on the caller's stream, so the fold is ordered after the caller's own writes to those
+gradients (the main experts' weight gradients). Gradients are accumulated in
+``promote_types(main_grad, replica_grad)`` and cast back once. Per element the addition order is
+fixed by the plan: at a relay, ``((own + leaf_1) + leaf_2) + ...``; at the home,
+``((main + local_replica) + child_1) + child_2 ...`` with leaves and children in ascending rank order
+(children are relays for a relayed expert).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -34,11 +49,13 @@ import torch.distributed as dist
 from .schedule import (
     DEFAULT_CHUNK_NUMEL,
     DEFAULT_RELAY_THRESHOLD,
+    Edge,
     TransferSchedule,
     build_schedule,
 )
 
 __all__ = [
+    "TransferHandle",
     "distribute_weights",
     "reduce_gradients",
     "pack_experts",
@@ -171,18 +188,162 @@ def _launch(ops: list[dist.P2POp]) -> list[_WaitOnce]:
     return works
 
 
-def _rank_edges(schedule: TransferSchedule, rank: int) -> list[tuple[int, ...]]:
-    """This rank's edges in canonical order as ``(index, expert, hop, depth, src, dst, src_slot, dst_slot)``.
+class TransferHandle:
+    """One weight distribution or gradient reduction in flight.
 
-    Cached on the schedule: the forward, the backward re-distribution and the reduction reuse it.
+    Returned by :func:`distribute_weights` and :func:`reduce_gradients` with ``async_op=True``.
+    ``wait()`` completes the transfer for the caller (see the module docstring for what that means
+    per backend); a second ``wait()`` is a no-op.
+
+    Attributes:
+        host_seconds: time the calling thread spent issuing and waiting for this transfer. On the
+            CPU (gloo) this is the transfer time the caller could not hide; on CUDA it is the host's
+            issue cost only.
     """
-    key = ("edges", rank)
-    if key not in schedule._rank_cache:
-        idx = ((schedule.edge_src == rank) | (schedule.edge_dst == rank)).nonzero().flatten()
-        cols = [idx, schedule.edge_expert[idx], schedule.edge_hop[idx], schedule.edge_depth()[idx],
-                schedule.edge_src[idx], schedule.edge_dst[idx], schedule.edge_src_slot[idx], schedule.edge_dst_slot[idx]]
-        schedule._rank_cache[key] = list(zip(*(c.tolist() for c in cols)))
-    return schedule._rank_cache[key]
+
+    def __init__(self, program: Iterator[list], works: list, *, stream_ordered: bool,
+                 comm_stream=None, finish: Callable[[], None] | None = None, keep=()):
+        self._program: Iterator[list] | None = program
+        self._works = works
+        self._stream_ordered = stream_ordered
+        self._comm_stream = comm_stream
+        self._finish = finish
+        self._keep = keep  # tensors the operations in flight read or write
+        self._event = None
+        self._done = False
+        self.host_seconds = 0.0
+
+    @property
+    def done(self) -> bool:
+        """True once ``wait()`` returned."""
+        return self._done
+
+    @torch.no_grad()
+    def _issue(self) -> None:
+        """Issue operations until one must wait for a receive (gloo) or all are issued (CUDA)."""
+        t0 = time.perf_counter()
+        if self._stream_ordered:
+            with torch.cuda.stream(self._comm_stream):
+                for dependencies in self._program:
+                    for work in dependencies:  # NCCL: the comm stream waits, the host does not
+                        work.wait()
+                for work in self._works:
+                    work.wait()
+                self._event = self._comm_stream.record_event()
+            self._program = None
+        else:
+            self._pending = next(self._program, None)
+            if self._pending is None:
+                self._program = None
+        self.host_seconds += time.perf_counter() - t0
+
+    @torch.no_grad()
+    def wait(self) -> None:
+        """Complete the transfer: the replica weights (distribution) or the main gradients and the
+        zeroed replica gradients (reduction) are ready for the caller's next operation."""
+        if self._done:
+            return
+        t0 = time.perf_counter()
+        if self._stream_ordered:
+            torch.cuda.current_stream().wait_event(self._event)
+            for tensor in self._keep:  # read by the fold below, on the caller's stream
+                if isinstance(tensor, torch.Tensor):
+                    tensor.record_stream(torch.cuda.current_stream())
+        else:
+            while self._program is not None:
+                for work in self._pending:  # the host waits, then issues what depended on it
+                    work.wait()
+                self._pending = next(self._program, None)
+                if self._pending is None:
+                    self._program = None
+            for work in self._works:
+                work.wait()
+        if self._finish is not None:
+            self._finish()
+        self._done = True
+        self._keep = self._works = self._finish = None
+        self.host_seconds += time.perf_counter() - t0
+
+
+def _start(program: Iterator[list], works: list, *, device: torch.device, group, comm_stream,
+           start_after: "TransferHandle | None", async_op: bool, finish=None, keep=()):
+    """Run ``program`` (a generator issuing rounds into ``works`` and yielding the receives it must
+    wait for) as a transfer; return its handle when ``async_op``, else wait for it."""
+    if start_after is not None:
+        start_after.wait()
+    stream_ordered = device.type == "cuda" and dist.get_backend(group) == "nccl"
+    if stream_ordered:
+        comm_stream = comm_stream if comm_stream is not None else torch.cuda.current_stream()
+        comm_stream.wait_stream(torch.cuda.current_stream())  # see the caller's latest weights/grads
+    handle = TransferHandle(program, works, stream_ordered=stream_ordered, comm_stream=comm_stream,
+                            finish=finish, keep=keep)
+    handle._issue()
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
+# Gloo matches point-to-point messages by (peer, tag). Transfers in flight together (waited in any
+# order, so a relay's later rounds may be issued after another transfer's) must not share tags:
+# the tag carries the transfer's sequence number on its group, which every rank advances in step
+# (every rank takes part in every transfer). NCCL ignores tags and matches by issue order.
+_TAG_BITS = 20
+_SEQUENCES = 1 << (31 - _TAG_BITS)  # tags stay within a C int
+_next_sequence: dict[int, int] = {}  # id(process group) -> next transfer's sequence number
+
+
+def _take_sequence(group, schedule: TransferSchedule) -> int:
+    if schedule.num_edges * schedule.num_chunks >= 1 << _TAG_BITS:
+        raise ValueError(f"a schedule of {schedule.num_edges} edges x {schedule.num_chunks} chunks needs "
+                         f"more than 2**{_TAG_BITS} message tags; raise the chunk size")
+    key = id(group if group is not None else dist.group.WORLD)
+    sequence = _next_sequence.get(key, 0)
+    _next_sequence[key] = (sequence + 1) % _SEQUENCES
+    return sequence
+
+
+def _tag(schedule: TransferSchedule, sequence: int, edge: Edge, chunk: int) -> int:
+    """Unique among the transfers in flight on a group."""
+    return (sequence << _TAG_BITS) | (edge.index * schedule.num_chunks + chunk)
+
+
+def _distribution_rounds(schedule: TransferSchedule, rank: int, sequence: int, packed: torch.Tensor | None,
+                         row_of: dict[int, int], replica_weights: torch.Tensor, group, works: list):
+    """Issue the distribution's rounds into ``works``; yields the receives a relay must have before
+    it forwards their chunks."""
+    edges = schedule.rank_edges(rank)
+    inbound = {edge.expert: edge.index for edge in edges if edge.hop == 1 and edge.dst == rank}
+    arrived: dict[tuple[int, int], _WaitOnce] = {}  # (edge index, chunk) -> receive, relays only
+    for round_ in range(schedule.num_rounds):
+        ops, received, dependencies = [], [], []
+        for edge in edges:
+            chunks = schedule.edge_chunks(edge.depth)
+            chunk = round_ - (edge.hop - 1)
+            if not 0 <= chunk < len(chunks):
+                continue
+            start, end = chunks[chunk]
+            if edge.src == rank:
+                if edge.hop == 1:
+                    buf = packed[row_of[edge.expert], start:end]
+                else:  # stream: forward the chunk as soon as it has arrived from the home
+                    dependencies.append(arrived[(inbound[edge.expert], chunk)])
+                    buf = replica_weights[edge.src_slot, start:end]
+                ops.append(dist.P2POp(dist.isend, buf, group=group, group_peer=edge.dst,
+                                      tag=_tag(schedule, sequence, edge, chunk)))
+                received.append(None)
+            else:
+                buf = replica_weights[edge.dst_slot, start:end]
+                ops.append(dist.P2POp(dist.irecv, buf, group=group, group_peer=edge.src,
+                                      tag=_tag(schedule, sequence, edge, chunk)))
+                received.append((edge.index, chunk))
+        if dependencies:
+            yield dependencies
+        round_works = _launch(ops)
+        for key, work in zip(received, round_works):
+            if key is not None:
+                arrived[key] = work
+        works.extend(round_works)
 
 
 @torch.no_grad()  # pure data movement: parameters may require grad, the buffers never track it
@@ -191,7 +352,11 @@ def distribute_weights(
     main_weights: ExpertTensors,
     replica_weights: torch.Tensor,
     group: dist.ProcessGroup | None = None,
-) -> None:
+    *,
+    async_op: bool = False,
+    start_after: TransferHandle | None = None,
+    comm_stream=None,
+) -> TransferHandle | None:
     """Copy every replicated main expert into its replica slots (bit-identical). Collective.
 
     Args:
@@ -200,7 +365,14 @@ def distribute_weights(
             ``[linear_fc1.weight, linear_fc2.weight]``), in local-expert order.
         replica_weights: ``[num_slots, expert_numel]`` contiguous, same dtype as ``main_weights``;
             slots hosting a replica are overwritten, other slots are left alone.
-        group: the expert-parallel process group (default: the world).
+        group: the process group of the EP ranks (default: the world).
+        async_op: return a :class:`TransferHandle` instead of waiting. The main weights and the
+            slots being written must not be modified, nor the slots read, before ``wait()``.
+        start_after: a transfer this one must follow (it is waited for first).
+        comm_stream: CUDA stream for NCCL transfers (default: the current stream, no overlap).
+
+    Raises:
+        ValueError: on inputs that do not match the schedule, before any communication.
     """
     rank, world_size = _group_rank(group)
     _check_schedule(schedule, world_size)
@@ -209,51 +381,25 @@ def distribute_weights(
     if dtype != replica_weights.dtype:
         raise ValueError(f"main_weights are {dtype} but replica_weights is {replica_weights.dtype}; a copy must not cast")
 
-    edges = _rank_edges(schedule, rank)
+    edges = schedule.rank_edges(rank)
+    local = schedule.local_copies(rank)
     first_local = rank * schedule.experts_per_rank
-    local_here = (schedule.local_rank == rank).nonzero().flatten().tolist()
-    sent_from_main = sorted(
-        {e for _, e, hop, _, src, *_ in edges if hop == 1 and src == rank}
-        | {int(schedule.local_expert[i]) for i in local_here}
-    )
-    row_of = {e: i for i, e in enumerate(sent_from_main)}
-    packed = pack_experts([main_weights[e - first_local] for e in sent_from_main]) if sent_from_main else None
-    for i in local_here:
-        replica_weights[int(schedule.local_slot[i])].copy_(packed[row_of[int(schedule.local_expert[i])]])
+    sent = sorted({e.expert for e in edges if e.hop == 1 and e.src == rank} | {e for e, _ in local})
+    row_of = {e: i for i, e in enumerate(sent)}
+    works: list = []
+    sequence = _take_sequence(group, schedule)
 
-    num_chunks = schedule.num_chunks
-    incoming_edge = {e: idx for idx, e, hop, _, _, dst, *_ in edges if hop == 1 and dst == rank}
-    arrived: dict[tuple[int, int], object] = {}  # (edge, chunk) -> recv work, for chunks this rank relays
-    works_all = []
-    for round_ in range(schedule.num_rounds):
-        ops = []
-        relay_input_keys = []
-        for idx, e, hop, _, src, dst, src_slot, dst_slot in edges:
-            chunk = round_ - (hop - 1)
-            if not 0 <= chunk < num_chunks:
-                continue
-            start, end = schedule.chunk_range(chunk)
-            tag = idx * num_chunks + chunk
-            if src == rank:
-                if hop == 1:
-                    buf = packed[row_of[e], start:end]
-                else:
-                    # Stream: forward this chunk as soon as it has arrived from the home.
-                    arrived[(incoming_edge[e], chunk)].wait()
-                    buf = replica_weights[src_slot, start:end]
-                ops.append(dist.P2POp(dist.isend, buf, group=group, group_peer=dst, tag=tag))
-                relay_input_keys.append(None)
-            else:
-                buf = replica_weights[dst_slot, start:end]
-                ops.append(dist.P2POp(dist.irecv, buf, group=group, group_peer=src, tag=tag))
-                relay_input_keys.append((idx, chunk))
-        works = _launch(ops)
-        for key, work in zip(relay_input_keys, works):
-            if key is not None:
-                arrived[key] = work
-        works_all.extend(works)
-    for work in works_all:
-        work.wait()
+    def program():
+        # Packed on the transfer's stream: a snapshot of the main weights as the caller left them.
+        packed = pack_experts([main_weights[e - first_local] for e in sent]) if sent else None
+        for e, slot in local:
+            replica_weights[slot].copy_(packed[row_of[e]])
+        keep.append(packed)
+        yield from _distribution_rounds(schedule, rank, sequence, packed, row_of, replica_weights, group, works)
+
+    keep: list = [replica_weights]
+    return _start(program(), works, device=replica_weights.device, group=group,
+                  comm_stream=comm_stream, start_after=start_after, async_op=async_op, keep=keep)
 
 
 @torch.no_grad()  # pure data movement: parameters may require grad, the buffers never track it
@@ -262,7 +408,11 @@ def reduce_gradients(
     main_grads: ExpertTensors,
     replica_grads: torch.Tensor,
     group: dist.ProcessGroup | None = None,
-) -> None:
+    *,
+    async_op: bool = False,
+    start_after: TransferHandle | None = None,
+    comm_stream=None,
+) -> TransferHandle | None:
     """Add every replica's gradient into its main expert's gradient, then zero ``replica_grads``. Collective.
 
     Args:
@@ -270,11 +420,19 @@ def reduce_gradients(
         main_grads: this rank's ``E // R`` main-expert gradients (e.g. ``param.main_grad`` fp32 views
             or ``param.grad``), each a sequence of tensors, same layout as the main weights.
         replica_grads: ``[num_slots, expert_numel]`` contiguous floating tensor (typically fp32);
-            communicated in its own dtype, all of it zeroed on return.
-        group: the expert-parallel process group (default: the world).
+            communicated in its own dtype, all of it zeroed once the reduction completes.
+        group: the process group of the EP ranks (default: the world).
+        async_op: return a :class:`TransferHandle` instead of waiting. The main gradients are read
+            and written only inside ``wait()`` (on the caller's stream), so the caller may keep
+            writing them until then; ``replica_grads`` must not be touched before ``wait()``.
+        start_after: a transfer this one must follow (it is waited for first).
+        comm_stream: CUDA stream for NCCL transfers (default: the current stream, no overlap).
 
     The sum is accumulated in ``promote_types(main dtype, replica dtype)`` in the fixed order given in
-    the module docstring, so it is bit-identical across runs of the same plan.
+    the module docstring, so it is bit-identical across runs of the same plan, synchronous or not.
+
+    Raises:
+        ValueError: on inputs that do not match the schedule, before any communication.
     """
     rank, world_size = _group_rank(group)
     _check_schedule(schedule, world_size)
@@ -286,86 +444,87 @@ def reduce_gradients(
         raise ValueError(f"main_grads must be floating point, got {main_dtype}")
     acc_dtype = torch.promote_types(main_dtype, replica_grads.dtype)
 
-    edges = _rank_edges(schedule, rank)
+    edges = schedule.rank_edges(rank)
+    local = schedule.local_copies(rank)
     first_local = rank * schedule.experts_per_rank
-    local_here = sorted(
-        (int(schedule.local_expert[i]), int(schedule.local_slot[i]))
-        for i in (schedule.local_rank == rank).nonzero().flatten().tolist()
-    )
-    reduced_here = sorted({e for _, e, hop, _, src, *_ in edges if hop == 1 and src == rank} | {e for e, _ in local_here})
-    row_of = {e: i for i, e in enumerate(reduced_here)}
-    acc = pack_experts([main_grads[e - first_local] for e in reduced_here], acc_dtype) if reduced_here else None
-    for e, slot in local_here:
-        acc[row_of[e]] += replica_grads[slot].to(acc_dtype)
+    # Children's gradients (direct replicas' or relays' partial sums) this rank receives as a home.
+    children = [edge for edge in edges if edge.hop == 1 and edge.src == rank]
+    staging_row = {edge.index: row for row, edge in enumerate(children)}
+    reduced_here = sorted({edge.expert for edge in children} | {e for e, _ in local})
+    works: list = []
+    sequence = _take_sequence(group, schedule)
+    staging = torch.empty(len(children), schedule.expert_numel if children else 0,
+                          dtype=replica_grads.dtype, device=replica_grads.device)
 
-    num_chunks = schedule.num_chunks
-    # Receives of the last round issued, as (work, staged chunk, target), split by consumer.
-    relay_pending: list[tuple] = []
-    home_pending: list[tuple] = []
-    works_all = []
-
-    def fold(pending: list[tuple]) -> None:
-        for work, staged, target in pending:  # canonical edge order = ascending sender rank
-            work.wait()
-            target += staged.to(target.dtype) if staged.dtype != target.dtype else staged
-
-    for round_ in range(schedule.num_rounds + 1):
-        # Relays add their leaves' chunks of the previous round before forwarding the partial sums.
-        fold(relay_pending)
-        relay_pending = []
-        previous_home, home_pending = home_pending, []
-        if round_ < schedule.num_rounds:
-            ops = []
-            consumers = []
-            # Gradient direction: a tree of depth 2 sends leaf chunks in round c, partial sums in c + 1.
+    def program():
+        pending: list[tuple] = []  # a relay's receives of the last round: (work, staged, own chunk)
+        for round_ in range(schedule.num_rounds):
+            if pending:  # a relay adds its leaves' chunks before forwarding the partial sums
+                yield [work for work, _, _ in pending]
+                for _, staged, own in pending:  # canonical order = ascending leaf rank
+                    own += staged
+                pending = []
             active = []
-            for idx, e, hop, depth, src, dst, src_slot, dst_slot in edges:
-                chunk = round_ - (depth - hop)
-                if 0 <= chunk < num_chunks:
-                    start, end = schedule.chunk_range(chunk)
-                    active.append((idx, e, hop, src, dst, src_slot, dst_slot, chunk, start, end))
-            recv_numel = sum(end - start for (_, _, _, src, _, _, _, _, start, end) in active if src == rank)
-            # Fresh staging per round: at most two rounds of receives are alive at a time.
-            staging = torch.empty(recv_numel, dtype=replica_grads.dtype, device=replica_grads.device)
-            offset = 0
-            for idx, e, hop, src, dst, src_slot, dst_slot, chunk, start, end in active:
-                tag = idx * num_chunks + chunk
-                if dst == rank:  # gradient flows dst -> src
-                    buf = replica_grads[dst_slot, start:end]
-                    ops.append(dist.P2POp(dist.isend, buf, group=group, group_peer=src, tag=tag))
-                    consumers.append(None)
-                else:
-                    buf = staging[offset : offset + end - start]
+            for edge in edges:
+                chunks = schedule.edge_chunks(edge.depth)
+                chunk = round_ - (edge.depth - edge.hop)
+                if 0 <= chunk < len(chunks):
+                    active.append((edge, chunk, *chunks[chunk]))
+            relay_numel = sum(end - start for edge, _, start, end in active if edge.src == rank and edge.hop == 2)
+            relay_staging = torch.empty(relay_numel, dtype=replica_grads.dtype, device=replica_grads.device)
+            ops, targets, offset = [], [], 0
+            for edge, chunk, start, end in active:
+                tag = _tag(schedule, sequence, edge, chunk)
+                if edge.dst == rank:  # gradients flow dst -> src
+                    ops.append(dist.P2POp(dist.isend, replica_grads[edge.dst_slot, start:end],
+                                          group=group, group_peer=edge.src, tag=tag))
+                    targets.append(None)
+                elif edge.hop == 2:  # a leaf's gradient for this relay's own replica gradient
+                    staged = relay_staging[offset : offset + end - start]
                     offset += end - start
-                    ops.append(dist.P2POp(dist.irecv, buf, group=group, group_peer=dst, tag=tag))
-                    if hop == 2:  # a leaf's gradient into this relay's own replica gradient
-                        consumers.append((relay_pending, replica_grads[src_slot, start:end]))
-                    else:  # a child's gradient (or partial sum) into the main gradient
-                        consumers.append((home_pending, acc[row_of[e], start:end]))
-            works = _launch(ops)
-            for consumer, op, work in zip(consumers, ops, works):
-                if consumer is not None:
-                    consumer[0].append((work, op.tensor, consumer[1]))
-            works_all.extend(works)
-        # The home folds the previous round's chunks while this round is in flight.
-        fold(previous_home)
-    for work in works_all:
-        work.wait()
-    if reduced_here:
-        _unpack_into([main_grads[e - first_local] for e in reduced_here], acc)
-    replica_grads.zero_()
+                    ops.append(dist.P2POp(dist.irecv, staged, group=group, group_peer=edge.dst, tag=tag))
+                    targets.append((staged, replica_grads[edge.src_slot, start:end]))
+                else:  # a child's gradient, folded into the main gradient in wait()
+                    staged = staging[staging_row[edge.index], start:end]
+                    ops.append(dist.P2POp(dist.irecv, staged, group=group, group_peer=edge.dst, tag=tag))
+                    targets.append(None)
+            round_works = _launch(ops)
+            pending = [(work, *target) for work, target in zip(round_works, targets) if target is not None]
+            works.extend(round_works)
+
+    def fold_into_main_grads():
+        if reduced_here:
+            row_of = {e: i for i, e in enumerate(reduced_here)}
+            acc = pack_experts([main_grads[e - first_local] for e in reduced_here], acc_dtype)
+            for e, slot in local:
+                acc[row_of[e]] += replica_grads[slot].to(acc_dtype)
+            for row, edge in enumerate(children):  # canonical order: ascending child per expert
+                acc[row_of[edge.expert]] += staging[row].to(acc_dtype)
+            _unpack_into([main_grads[e - first_local] for e in reduced_here], acc)
+        replica_grads.zero_()
+
+    return _start(program(), works, device=replica_grads.device, group=group,
+                  comm_stream=comm_stream, start_after=start_after, async_op=async_op,
+                  finish=fold_into_main_grads, keep=(staging, replica_grads))
 
 
 class ReplicaBuffer:
     """Replica state shared by all MoE layers of a model, plus the transfers that fill and drain it.
 
     Owns ``replica_weights`` ``[num_slots, expert_numel]`` (weight dtype) and ``replica_grads``
-    ``[num_slots, expert_numel]`` (grad dtype, zero between uses). Typical use per MoE layer::
+    ``[num_slots, expert_numel]`` (grad dtype, zero between uses), and on CUDA the stream its
+    transfers run on. Typical use per MoE layer::
 
-        schedule = buffer.schedule(plan.slot_expert, num_experts)      # once per plan (the handle)
-        buffer.distribute_weights(schedule, local_expert_weights)      # forward (and backward again)
-        ...                                                            # replica compute
-        buffer.reduce_gradients(schedule, local_expert_main_grads)     # backward
+        schedule = buffer.schedule(plan.slot_expert, num_experts)            # once per plan
+        handle = buffer.distribute_weights(schedule, main_weights, async_op=True)   # forward
+        ...                                                                  # other work
+        handle.wait(); ...                                                   # replica compute
+        buffer.reduce_gradients(schedule, main_grads)                        # backward
+
+    Building it is collective over ``group``: it runs one small all-reduce there, so that the
+    group's communicator exists before the first batched point-to-point call (NCCL requires every
+    rank of a lazily created communicator to take part in the first batched P2P call, which a
+    schedule does not guarantee: ranks without edges skip a round).
     """
 
     def __init__(
@@ -393,6 +552,10 @@ class ReplicaBuffer:
         self.relay_threshold = relay_threshold
         self.replica_weights = torch.zeros(num_slots, self.expert_numel, dtype=weight_dtype, device=device)
         self.replica_grads = torch.zeros(num_slots, self.expert_numel, dtype=grad_dtype, device=device)
+        on_cuda = self.replica_weights.is_cuda
+        self.comm_stream = torch.cuda.Stream(device=self.replica_weights.device) if on_cuda else None
+        if dist.is_initialized():
+            dist.all_reduce(torch.zeros(1, device=self.replica_weights.device), group=group)
 
     @property
     def num_slots(self) -> int:
@@ -411,13 +574,21 @@ class ReplicaBuffer:
             relay_threshold=self.relay_threshold,
         )
 
-    def distribute_weights(self, schedule: TransferSchedule, main_weights: ExpertTensors) -> None:
+    def distribute_weights(self, schedule: TransferSchedule, main_weights: ExpertTensors, *,
+                           async_op: bool = False,
+                           start_after: TransferHandle | None = None) -> TransferHandle | None:
         """Fill the replica slots from the main experts; see :func:`distribute_weights`."""
-        distribute_weights(schedule, main_weights, self.replica_weights, self.group)
+        return distribute_weights(schedule, main_weights, self.replica_weights, self.group,
+                                  async_op=async_op, start_after=start_after,
+                                  comm_stream=self.comm_stream)
 
-    def reduce_gradients(self, schedule: TransferSchedule, main_grads: ExpertTensors) -> None:
+    def reduce_gradients(self, schedule: TransferSchedule, main_grads: ExpertTensors, *,
+                         async_op: bool = False,
+                         start_after: TransferHandle | None = None) -> TransferHandle | None:
         """Reduce replica gradients into the main gradients and zero them; see :func:`reduce_gradients`."""
-        reduce_gradients(schedule, main_grads, self.replica_grads, self.group)
+        return reduce_gradients(schedule, main_grads, self.replica_grads, self.group,
+                                async_op=async_op, start_after=start_after,
+                                comm_stream=self.comm_stream)
 
     def weight_views(self, slot: int) -> list[torch.Tensor]:
         """Views of replica slot ``slot`` shaped like one expert's tensors."""

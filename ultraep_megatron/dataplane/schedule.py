@@ -30,10 +30,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
-__all__ = ["TransferSchedule", "build_schedule", "validate_slot_expert", "RELAY_MODES"]
+__all__ = ["Edge", "TransferSchedule", "build_schedule", "validate_slot_expert", "RELAY_MODES"]
 
 RELAY_MODES = ("off", "adaptive", "always")
 
@@ -77,6 +78,23 @@ def validate_slot_expert(slot_expert: torch.Tensor, num_experts: int) -> None:
         raise ValueError(f"rank {rank} hosts expert {int(sorted_rows[rank, col + 1])} in more than one slot")
 
 
+class Edge(NamedTuple):
+    """One replica edge of a schedule, as seen by the ranks it connects (weight direction).
+
+    ``index`` is its position in canonical order; ``depth`` is 2 when its expert streams through a
+    relay tree (then it moves in chunks), 1 otherwise; ``src_slot`` is -1 for a home's main expert.
+    """
+
+    index: int
+    expert: int
+    hop: int
+    depth: int
+    src: int
+    dst: int
+    src_slot: int
+    dst_slot: int
+
+
 @dataclass(frozen=True, eq=False)
 class TransferSchedule:
     """Rank-independent transfer schedule of one replication plan (the handle passed to execution).
@@ -115,7 +133,7 @@ class TransferSchedule:
     local_rank: torch.Tensor
     local_slot: torch.Tensor
     relayed_experts: torch.Tensor
-    _rank_cache: dict = field(default_factory=dict, repr=False, compare=False)
+    _rank_edges: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_ranks(self) -> int:
@@ -144,10 +162,12 @@ class TransferSchedule:
 
     @property
     def num_rounds(self) -> int:
-        """Communication rounds: one per chunk, plus one when a second hop exists (pipeline tail)."""
+        """Communication rounds. Direct edges move whole experts in round 0; only experts streamed
+        through a relay are chunked, chunk ``c`` crossing its first hop in round ``c`` and its second
+        in round ``c + 1`` (so ``num_chunks + 1`` rounds when a relay tree exists)."""
         if self.num_edges == 0:
             return 0
-        return self.num_chunks + (1 if self.uses_relay else 0)
+        return self.num_chunks + 1 if self.uses_relay else 1
 
     def home_rank(self, expert: torch.Tensor | int):
         """Home rank(s) of logical expert(s)."""
@@ -176,6 +196,30 @@ class TransferSchedule:
         relayed = torch.zeros(self.num_experts, dtype=torch.bool)
         relayed[self.relayed_experts] = True
         return torch.where(relayed[self.edge_expert], 2, 1)
+
+    def edge_chunks(self, depth: int) -> list[tuple[int, int]]:
+        """``[start, end)`` element ranges an edge of a tree of ``depth`` moves, in round order:
+        the whole expert at once for a direct edge (depth 1), ``num_chunks`` chunks when streamed
+        through a relay (depth 2)."""
+        if depth == 1:
+            return [(0, self.expert_numel)]
+        return [self.chunk_range(c) for c in range(self.num_chunks)]
+
+    def rank_edges(self, rank: int) -> list["Edge"]:
+        """The edges ``rank`` sends or receives, in canonical order (computed once per rank)."""
+        if rank not in self._rank_edges:
+            mine = ((self.edge_src == rank) | (self.edge_dst == rank)).nonzero().flatten()
+            columns = [mine, self.edge_expert[mine], self.edge_hop[mine], self.edge_depth()[mine],
+                       self.edge_src[mine], self.edge_dst[mine], self.edge_src_slot[mine],
+                       self.edge_dst_slot[mine]]
+            self._rank_edges[rank] = [Edge(*row) for row in zip(*(c.tolist() for c in columns))]
+        return self._rank_edges[rank]
+
+    def local_copies(self, rank: int) -> list[tuple[int, int]]:
+        """``(expert, replica slot)`` of the replicas ``rank`` hosts of its own main experts,
+        ascending expert (no communication: a copy on the home rank)."""
+        here = self.local_rank == rank
+        return sorted(zip(self.local_expert[here].tolist(), self.local_slot[here].tolist()))
 
 
 def _frontier_size(num_replicas: int) -> int:

@@ -41,6 +41,14 @@ def _add_moe_balancer_args(parser: argparse.ArgumentParser) -> argparse.Argument
                        help='Record the exact expert load [EP ranks, experts] of every '
                        'iteration, microbatch and MoE layer to one trace file per EP group in '
                        'this directory (see docs/traces.md; replay with tools/replay_trace.py).')
+    group.add_argument('--moe-balancer-check-plans', action='store_true',
+                       help='Check in every MoE layer that the routing matches the load its plan was '
+                       'solved for (also in activation-recompute replays). Reads device memory on '
+                       'the host in every layer: for debugging only.')
+    group.add_argument('--moe-balancer-no-overlap', action='store_false',
+                       dest='moe_balancer_overlap',
+                       help='Wait for each replica weight/gradient transfer where it is issued instead '
+                       'of overlapping it with the layer\'s other work (to measure what overlap hides).')
     return parser
 
 
@@ -79,6 +87,17 @@ def balancer_config_from_args(args: argparse.Namespace):
         ring_size=args.moe_balancer_ring_size,
         trace_dir=args.moe_balancer_trace_dir,
     )
+
+
+def balancing_context_from_args(args: argparse.Namespace):
+    """The model's ``BalancingContext`` for ``--moe-balancer*``; ``None`` for ``none``."""
+    config = balancer_config_from_args(args)
+    if config is None:
+        return None
+    from ultraep_megatron.megatron.context import BalancingContext
+
+    return BalancingContext(config, overlap=args.moe_balancer_overlap,
+                            check_plans=args.moe_balancer_check_plans)
 
 
 def validate_ultraep_args(args: argparse.Namespace) -> None:
@@ -149,6 +168,13 @@ def unsupported_moe_settings(config) -> list[str]:
             get('overlap_dispatch_backward_with_experts_wgrad'):
         problems.append("--overlap-moe-expert-parallel-comm / --delay-wgrad-compute are not "
                         "supported")
+    if get('fp8') or get('fp4'):
+        # The redundant slots of every layer run one shared experts module; Transformer Engine
+        # caches a module's low-precision weight casts and scales across calls, so a layer's
+        # replica could run on another layer's cast weights.
+        problems.append("--fp8-format / --fp4-format are not supported: the replica experts share one module "
+                        "across layers and Transformer Engine would reuse its cached low-precision "
+                        "weights between them; train in bf16")
     if get('moe_latent_size'):
         problems.append("--moe-latent-size is not supported")
     cuda_graph = get('cuda_graph_impl') or 'none'

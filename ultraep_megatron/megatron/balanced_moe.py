@@ -3,21 +3,41 @@ re-materialization and replica-gradient reduction in the backward (paper §4.1, 
 
 How it plugs in (no fork of megatron-core):
 
-* ``BalancedMoELayer`` subclasses ``MoELayer`` and is installed through the layer spec. The local main
-  experts stay megatron-core's own ``SequentialMLP`` (parameter names and checkpoint keys unchanged).
-* ``BalancedAlltoAllDispatcher`` subclasses ``MoEAlltoAllTokenDispatcher`` and works in *physical-slot
-  space*: every EP rank owns ``P = E/R + num_slots`` physical slots (its main experts, then its
-  redundant slots), so the parent's permutation / all-to-all / chunk-sort machinery runs unchanged on
-  ``R * P`` "experts". It gathers the exact per-rank load (the exchange Megatron already makes), lets
-  the balancer plan on every rank identically, rewrites the routing map from logical experts to
-  physical slots and derives every split of the token all-to-all from the plan, with no further
-  communication.
-* Replica slots compute with the same expert module (``torch.func.functional_call`` on the shared
-  replica weight buffer) inside ``_ReplicaExperts``, an autograd function whose inputs include the main
-  expert parameters. Its backward re-materializes the replica weights, computes their gradients into
-  the shared fp32 gradient buffer and reduces them into the owning main experts' gradients. Since it
-  is an input edge of those parameters, autograd runs it before their gradient-accumulation node, i.e.
-  before Megatron DDP's hook hands ``main_grad`` to the (possibly overlapped) gradient reduction.
+* ``BalancedMoELayer`` subclasses ``MoELayer`` and is installed through the layer spec with the
+  model's ``BalancingContext``. The local main experts stay megatron-core's own experts module
+  (parameter names and checkpoint keys unchanged).
+* The balanced dispatchers subclass megatron's and work in *physical-slot space*: every EP rank owns
+  ``G + S`` physical slots (its G main experts, then its S redundant slots), so the parent's
+  permutation / all-to-all / chunk-sort machinery runs unchanged on ``R * (G + S)`` "experts".
+
+One invocation (a layer on a microbatch), forward:
+
+1. ``plan``: the exact load ``[R, E]`` is gathered (the exchange megatron's dispatcher makes for its
+   splits) and crosses to the host once, into pinned memory; the host waits for it at that one
+   point. Plan, transfer schedule, all-to-all splits, per-slot counts and telemetry are computed on
+   the host (``context.Invocation``); megatron's dispatcher gets host splits, so it copies nothing.
+2. the layer starts the weight distribution into the shared redundant slots, asynchronously;
+3. reroute on the device: the reroute table (one non-blocking upload from pinned memory) maps each
+   (token, expert) pair to its physical slot; megatron permutes and dispatches the tokens;
+4. the main experts compute; the replica experts wait for the weights, then compute;
+5. combine.
+
+The backward, in the order autograd runs it::
+
+    _Rematerialize       (at the layer's output) starts copying this invocation's replicas back into
+                         the shared weight buffer, which later layers overwrote
+    combine, its all-to-all and unpermute backward      (overlap the re-materialization)
+    _ReplicaExperts      waits for the weights; replica gradients into the shared fp32 buffer; starts
+                         their reduction towards the home ranks
+    main experts' backward                              (overlaps the reduction)
+    _ReduceReplicaGrads  completes the reduction into the main experts' gradients; releases the ring
+                         slot. It is an identity on the dispatched tokens whose inputs include the
+                         main parameters, so it runs after the main experts' backward and before
+                         their gradient accumulation (Megatron DDP's hook then sees complete grads)
+    dispatch all-to-all backward
+
+Every transfer is collective on the EP group and every rank issues them in the same order; a rank
+with nothing to send or receive still takes part.
 """
 
 from __future__ import annotations
@@ -26,6 +46,7 @@ import copy
 import time
 from typing import List, Optional, Sequence
 
+import numpy as np
 import torch
 
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
@@ -36,10 +57,9 @@ from megatron.core.transformer.moe.token_dispatcher import (
     MoEFlexTokenDispatcher,
 )
 
-from ultraep_megatron import planner
 from ultraep_megatron.megatron.arguments import unsupported_moe_settings
+from ultraep_megatron.megatron.context import BalancingContext, Invocation
 from ultraep_megatron.megatron.expert_slots import expert_param_names, expert_params, run_replica_experts
-from ultraep_megatron.megatron.runtime import BalancerConfig, InvocationState, get_runtime
 
 
 def _in_backward_pass() -> bool:
@@ -47,36 +67,67 @@ def _in_backward_pass() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def _copy_to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """The one device-to-host copy of an invocation: into pinned memory, non-blocking, then one wait
+    on an event (megatron's dispatcher waits for its token counts the same way)."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    copied.synchronize()
+    return host
+
+
 class _PhysicalSlotRouting:
     """What both balanced dispatchers add to megatron's: physical-slot geometry, the exact load of
-    the EP group, the plan, and the logical -> physical rewrite of the routing.
+    the EP group, the invocation's plan, and the logical -> physical rewrite of the routing.
 
-    Physical slot ``r * P + j`` is rank ``r``'s main expert ``j`` for ``j < L = E // R`` and its
-    redundant slot ``j - L`` otherwise (``P = L + num_slots``). The parent dispatcher is built over
-    ``R * P`` "experts", ``P`` of them local, so its permutation and communication run unchanged.
+    Physical slot ``r * (G + S) + j`` is rank ``r``'s main expert ``j`` for ``j < G = E // R`` and its
+    redundant slot ``j - G`` otherwise. The parent dispatcher is built over ``R * (G + S)``
+    "experts", ``G + S`` of them local, so its permutation and communication run unchanged.
     """
 
     def __init__(self, num_local_experts, local_expert_indices, config, pg_collection, layer):
-        """Args: as megatron's dispatcher (logical ``num_local_experts = E // R`` and expert ids,
-        the model's config), plus the owning ``layer`` (its layer number and balancer)."""
+        """Args: as megatron's dispatcher (logical ``num_local_experts = G`` and expert ids, the
+        model's config), plus the owning ``layer`` (its layer number, balancer and context)."""
         ep_size, ep_rank = pg_collection.ep.size(), pg_collection.ep.rank()
         self.num_logical_experts = config.num_moe_experts
         self.num_slots = layer.balancer_config.num_slots
-        self.slots_per_rank = num_local_experts + self.num_slots
+        self.slots_per_rank = num_local_experts + self.num_slots  # G + S physical slots
         physical_config = copy.copy(config)
         physical_config.num_moe_experts = ep_size * self.slots_per_rank
         local = [ep_rank * self.slots_per_rank + j for j in range(self.slots_per_rank)]
         self._layer = layer
-        self.state: Optional[InvocationState] = None
+        self.invocation: Optional[Invocation] = None
         super().__init__(self.slots_per_rank, local, config=physical_config, pg_collection=pg_collection)
 
-    def dispatch_preprocess(self, hidden_states, routing_map, probs):
-        physical_map, physical_probs = self._plan_and_reroute(routing_map, probs)
-        return super().dispatch_preprocess(hidden_states, physical_map, physical_probs)
+    def plan(self, routing_map: torch.Tensor) -> Invocation:
+        """This invocation's plan, from the exact load of the EP group (the one host wait), or the
+        stored plan when this is an activation-recompute replay.
+
+        Args:
+            routing_map: [T, E] bool, exactly ``topk`` experts per token (dropless).
+        """
+        layer = self._layer
+        balancing: BalancingContext = layer.balancing
+        if routing_map.dtype != torch.bool or routing_map.dim() != 2:
+            raise ValueError("expected a [tokens, experts] bool routing map")
+        if _in_backward_pass():
+            invocation = balancing.replay(layer.layer_number)
+            if balancing.check_plans and not torch.equal(routing_map.sum(dim=0).cpu(),
+                                                         invocation.load[self.ep_rank]):
+                raise RuntimeError(f"MoE layer {layer.layer_number}: recomputed routing differs from the "
+                                   "checkpointed forward; recompute must be deterministic")
+        else:
+            load = _copy_to_host(self._gather_load(routing_map))
+            invocation = balancing.plan(layer, load, self.ep_rank, training=layer.training,
+                                        grad_enabled=torch.is_grad_enabled())
+        self.invocation = invocation
+        return invocation
 
     def _gather_load(self, routing_map: torch.Tensor) -> torch.Tensor:
-        """[T, E] bool -> [R, E] int64: exact per-source load of the whole EP group."""
-        local = routing_map.sum(dim=0).long()
+        """[T, E] bool -> [R, E] int64 on the device: exact per-source load of the whole EP group."""
+        local = routing_map.sum(dim=0)
         if self.ep_size == 1:
             return local.unsqueeze(0)
         # With expert-TP 1 the tp_ep group is the EP group, in EP-rank order. The all-to-all
@@ -85,75 +136,69 @@ class _PhysicalSlotRouting:
             self.ep_size, self.num_logical_experts
         )
 
-    def _plan_and_reroute(self, routing_map: torch.Tensor, probs: torch.Tensor):
-        """Plan on the exact load, distribute replica weights, rewrite the routing to physical slots.
+    def dispatch_preprocess(self, hidden_states, routing_map, probs):
+        physical_map, physical_probs = self._reroute(routing_map, probs)
+        return super().dispatch_preprocess(hidden_states, physical_map, physical_probs)
+
+    def _reroute(self, routing_map: torch.Tensor, probs: torch.Tensor):
+        """Rewrite the routing from logical experts to physical slots, exactly per the plan. Device
+        work only: no host read, fixed shapes.
+
+        The plan gives each (expert, instance) a quota of this rank's pairs; pairs of an expert are
+        taken in token order (the order megatron's permutation sorts them in), so the pair at
+        position ``i`` of the expert-major order goes to the instance whose running quota total
+        first exceeds ``i``.
 
         Args:
-            routing_map: [T, E] bool, exactly ``topk`` experts per token (dropless).
+            routing_map: [T, E] bool, exactly ``topk`` experts per token.
             probs: [T, E] router probabilities (differentiable).
 
         Returns:
-            (physical_map [T, R * P] bool, physical_probs [T, R * P], differentiable in ``probs``).
+            (physical_map [T, R * (G + S)] bool, physical_probs [T, R * (G + S)], differentiable in
+            ``probs``).
         """
-        layer = self._layer
-        runtime = get_runtime()
-        topk = self.config.moe_router_topk
-        if routing_map.dtype != torch.bool or routing_map.dim() != 2:
-            raise ValueError("expected a [tokens, experts] bool routing map")
-        if _in_backward_pass():
-            # Activation-recompute replay: reuse the plan of the checkpointed forward.
-            state = runtime.replay_state(layer.layer_number, routing_map.sum(dim=0).long(), self.ep_rank)
-        else:
-            load = self._gather_load(routing_map)
-            state = runtime.plan(layer, load, training=layer.training, grad_enabled=torch.is_grad_enabled())
-        self.state = state
-
-        # Reroute: logical (token, expert) pairs -> physical slots, exact per the plan's split.
         t0 = time.perf_counter()
-        token_ids, expert_ids = routing_map.nonzero(as_tuple=True)
+        invocation, balancing = self.invocation, self._layer.balancing
         num_tokens = routing_map.size(0)
-        if token_ids.numel() != num_tokens * topk:
-            raise ValueError(
-                "UltraEP needs exactly moe_router_topk experts per token (dropless routing); "
-                f"got {token_ids.numel()} pairs for {num_tokens} tokens, top-{topk}"
-            )
-        topk_ids = expert_ids.view(num_tokens, topk)
-        physical_ids = planner.assign_tokens(state.plan, self.ep_rank, topk_ids)
+        num_pairs = num_tokens * self.config.moe_router_topk
+        device = routing_map.device
+        if balancing.check_plans and not torch.equal(routing_map.sum(dim=0).cpu(),
+                                                     invocation.load[self.ep_rank]):
+            raise RuntimeError(f"MoE layer {self._layer.layer_number}: the routing differs from the "
+                               "load its plan was solved for (or is not exactly top-k per token)")
+        table = invocation.reroute_table.to(device, non_blocking=True)
+        # Positions e * T + t of the pairs, expert-major and token-ascending.
+        pairs = routing_map.T.reshape(-1).argsort(descending=True, stable=True)[:num_pairs]
+        instance = torch.searchsorted(table[0], torch.arange(num_pairs, device=device), right=True)
+        slot = table[1][instance]
+        token, expert = pairs % num_tokens, pairs // num_tokens
         num_physical = self.ep_size * self.slots_per_rank
-        physical_map = torch.zeros(num_tokens, num_physical, dtype=torch.bool, device=routing_map.device)
-        physical_map.scatter_(1, physical_ids, True)
-        # Differentiable in the router's probabilities: gather, then scatter into physical columns.
-        physical_probs = torch.zeros(num_tokens, num_physical, dtype=probs.dtype, device=probs.device)
-        physical_probs = physical_probs.scatter(1, physical_ids, probs.gather(1, topk_ids))
-        runtime.reroute_seconds += time.perf_counter() - t0
-
-        # Forward weight distribution into the shared replica slots (before the token dispatch).
-        runtime.materialize(layer, state)
+        physical_map = torch.zeros(num_tokens, num_physical, dtype=torch.bool, device=device)
+        physical_map[token, slot] = True
+        physical_probs = torch.zeros(num_tokens, num_physical, dtype=probs.dtype, device=device)
+        physical_probs = physical_probs.index_put((token, slot), probs[token, expert])
+        balancing.overheads.reroute_seconds += time.perf_counter() - t0
         return physical_map, physical_probs
 
 
 class BalancedAlltoAllDispatcher(_PhysicalSlotRouting, MoEAlltoAllTokenDispatcher):
     """megatron's all-to-all dispatcher over physical slots, driven by a per-microbatch plan.
-    Its ``preprocess`` takes every split from the plan instead of a second exchange."""
+    Its ``preprocess`` takes every split from the invocation's host metadata: no communication, no
+    device-to-host copy, no host wait (megatron's own sync point stays unset)."""
 
     def preprocess(self, routing_map: torch.Tensor) -> torch.Tensor:
-        """All-to-all metadata from the plan (no communication): splits and per-slot token counts."""
-        counts = self.state.plan.physical_split  # [R_src, R * P] tokens from each source to each slot
-        rank, per_rank = self.ep_rank, self.slots_per_rank
-        mine = slice(rank * per_rank, (rank + 1) * per_rank)
+        """All-to-all metadata from the plan: splits and per-slot row counts, on the host."""
+        invocation = self.invocation
         self.num_out_tokens = routing_map.size(0) * self.config.moe_router_topk
         if self.ep_size > 1:
-            self.input_splits = counts[rank].view(self.ep_size, per_rank).sum(dim=1)
-            self.output_splits = counts[:, mine].sum(dim=1)
-            self.output_splits_tp = self.output_splits.sum().view(1)
-            self._maybe_update_cuda_sync_point("before_ep_alltoall")
-        else:
-            self._maybe_update_cuda_sync_point("before_finish")
-        # [R_src, P]: tokens each source sends to each of this rank's slots.
-        self.num_global_tokens_per_local_expert = counts[:, mine].contiguous()
-        if not self.config.moe_permute_fusion:
-            self._maybe_update_cuda_sync_point("before_permutation_2")
-        return counts[:, mine].sum(dim=0)
+            self.input_splits = invocation.input_splits
+            self.output_splits = invocation.output_splits
+            self.output_splits_tp = np.array([invocation.output_splits.sum()])
+        # [R_src, G + S]; megatron's fused chunk sort reads it on the device.
+        rows = invocation.rows_per_source_slot
+        self.num_global_tokens_per_local_expert = (
+            rows.to(routing_map.device, non_blocking=True) if self.config.moe_permute_fusion else rows)
+        return invocation.rows_per_slot
 
 
 class BalancedFlexDispatcher(_PhysicalSlotRouting, MoEFlexTokenDispatcher):
@@ -200,49 +245,43 @@ def balanced_dispatcher_class(config):
     return BalancedAlltoAllDispatcher
 
 
-# The backward of one balanced MoE invocation, in the order autograd runs it (§4.2, Fig. 9):
-#
-#   combine all-to-all backward
-#   _Rematerialize      collective: this invocation's replicas back into the shared weight buffer
-#   main experts' backward  |  _ReplicaExperts (local only: replica grads into the fp32 buffer)
-#   _ReduceReplicaGrads collective: replica grads into the home ranks' main-expert gradients
-#   dispatch all-to-all backward
-#
-# Both collectives sit next to the layer's all-to-alls, where every EP rank arrives together; none
-# sits between one rank's replica compute and another's main-expert compute, which would make the
-# ranks wait on each other's compute inside the layer.
+def balanced_dispatcher_class(config):
+    """The balanced dispatcher for ``--moe-token-dispatcher-type``."""
+    if config.moe_token_dispatcher_type == "flex":
+        return BalancedFlexDispatcher
+    return BalancedAlltoAllDispatcher
 
 
-def _invocation_state(ctx) -> InvocationState:
-    """The forward's state: from the virtual-layer ring (training) or kept in ``ctx`` (no ring)."""
-    return get_runtime().state(ctx.vid) if ctx.vid is not None else ctx.state
-
-
-def _keep_state(ctx, layer, state: InvocationState) -> None:
+def _keep(ctx, layer, invocation: Invocation) -> None:
     # Only the virtual layer id crosses to the backward when there is one; the ring owns the state.
-    ctx.layer, ctx.vid = layer, state.vid
-    ctx.state = state if state.vid is None else None
+    ctx.layer, ctx.vid = layer, invocation.vid
+    ctx.invocation = invocation if invocation.vid is None else None
+
+
+def _invocation(ctx) -> Invocation:
+    """The forward's invocation: from the virtual-layer ring (training) or kept in ``ctx``."""
+    return ctx.layer.balancing.invocation(ctx.vid) if ctx.vid is not None else ctx.invocation
 
 
 class _Rematerialize(torch.autograd.Function):
-    """Identity on the experts' output ``[N, H]``; its backward, the first of the experts', copies
-    this invocation's replicated main experts back into the shared buffer (later layers
-    overwrote it). Collective on the EP group: every rank takes part, with replicas or not."""
+    """Identity on the MoE layer's output; its backward, the first of the layer's, starts copying
+    this invocation's replicated main experts back into the shared weight buffer (later layers
+    overwrote it), overlapped with the combine's backward."""
 
     @staticmethod
-    def forward(ctx, layer, state, expert_output):
-        _keep_state(ctx, layer, state)
-        return expert_output.view_as(expert_output)
+    def forward(ctx, layer, invocation, output):
+        _keep(ctx, layer, invocation)
+        return output.view_as(output)
 
     @staticmethod
     def backward(ctx, grad_output):
-        get_runtime().materialize(ctx.layer, _invocation_state(ctx))
+        ctx.layer.balancing.start_weights(ctx.layer, _invocation(ctx))
         return None, None, grad_output
 
 
 class _ReduceReplicaGrads(torch.autograd.Function):
-    """Identity on the dispatched tokens ``[N, H]``; its backward, the last of the experts', reduces
-    the replica gradient buffer into the main experts (collective on the EP group).
+    """Identity on the dispatched tokens ``[N, H]``; its backward, the last of the experts',
+    completes the reduction of the replica gradients into the main experts' gradients.
 
     ``main_params`` (every local main expert's parameter, expert-major) are inputs so that their
     gradient accumulation, and so Megatron DDP's hook that hands ``main_grad`` to the (possibly
@@ -250,50 +289,54 @@ class _ReduceReplicaGrads(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, layer, state, dispatched, *main_params):
-        _keep_state(ctx, layer, state)
+    def forward(ctx, layer, invocation, dispatched, *main_params):
+        _keep(ctx, layer, invocation)
         return dispatched.view_as(dispatched)
 
     @staticmethod
     def backward(ctx, grad_dispatched):
-        runtime = get_runtime()
-        main_param_grads = runtime.reduce_replica_grads(ctx.layer, _invocation_state(ctx))
-        runtime.release(ctx.vid)
+        invocation = _invocation(ctx)
+        main_param_grads = ctx.layer.balancing.finish_reduction(ctx.layer, invocation)
+        ctx.layer.balancing.release(invocation)
         return (None, None, grad_dispatched, *main_param_grads)
 
 
 class _ReplicaExperts(torch.autograd.Function):
     """Expert compute of this rank's redundant slots: ``tokens [N, H]`` (sorted by slot) and their
-    ``probs [N]`` -> ``[N, H]``; the backward writes replica weight gradients into the shared fp32
-    buffer (no communication).
+    ``probs [N]`` -> ``[N, H]``. The forward waits for the replica weights; the backward waits for
+    their re-materialization, writes the replica weight gradients into the shared fp32 buffer and
+    starts their reduction (collective, so every rank runs it, with replica rows or not).
 
     The forward keeps its own small autograd graph over leaf views of the shared replica buffer.
     Tensors that graph saves from the buffer (the replica weights) are stored as (offset, shape,
     stride) of the buffer instead of being kept alive (saved-tensor hooks), because later layers
-    overwrite the buffer; ``_Rematerialize`` has restored it by the time this backward runs, which
-    differentiates the saved graph, so no replica activation is recomputed.
+    overwrite the buffer; it has been re-materialized by the time this backward differentiates the
+    saved graph, so no replica activation is recomputed.
     """
 
     @staticmethod
-    def forward(ctx, layer, state, tokens, probs):
-        _keep_state(ctx, layer, state)
+    def forward(ctx, layer, invocation, tokens, probs):
+        _keep(ctx, layer, invocation)
         ctx.graph = None
+        layer.balancing.wait_weights(invocation)
         if tokens.shape[0] == 0:
             return tokens.new_zeros(0, layer.config.hidden_size)
-        slots = get_runtime().slots
-        leaves = [[w.detach().requires_grad_() for w in slot] for slot in slots.weight_views()]
+        leaves = [[w.detach().requires_grad_() for w in slot] for slot in layer.replica_weight_views()]
         tokens_ = tokens.detach().requires_grad_(ctx.needs_input_grad[2])
         probs_ = probs.detach().requires_grad_(ctx.needs_input_grad[3])
-        buffer = slots.replica_weights
+        buffer = layer.balancing.buffer.replica_weights
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
-            _buffer_packer(buffer), _buffer_unpacker(buffer, state)
+            _buffer_packer(buffer), _buffer_unpacker(buffer, layer.balancing, invocation)
         ):
-            out = layer.run_replicas(leaves, tokens_, probs_, state.replica_tokens_per_slot)
+            out = layer.run_replicas(leaves, tokens_, probs_, invocation.replica_rows)
         ctx.graph = (out, tokens_, probs_, leaves)
         return out.detach()
 
     @staticmethod
     def backward(ctx, grad_output):
+        layer, invocation = ctx.layer, _invocation(ctx)
+        balancing = layer.balancing
+        balancing.wait_weights(invocation)
         grad_tokens = grad_probs = None
         if ctx.graph is not None:
             out, tokens_, probs_, leaves = ctx.graph
@@ -304,10 +347,12 @@ class _ReplicaExperts(torch.autograd.Function):
                 grad_tokens = grads.pop(0)
             if probs_.requires_grad:
                 grad_probs = grads.pop(0)
-            slots = get_runtime().slots
-            per_slot = len(ctx.layer.expert_param_shapes)
-            for s in range(slots.num_slots):
-                slots.accumulate_grad(s, grads[s * per_slot : (s + 1) * per_slot])
+            per_slot = len(layer.expert_param_shapes)
+            for s in range(balancing.buffer.num_slots):
+                for view, g in zip(balancing.buffer.grad_views(s), grads[s * per_slot : (s + 1) * per_slot]):
+                    if g is not None:
+                        view.add_(g)
+        balancing.start_reduction(layer, invocation)
         return None, None, grad_tokens, grad_probs
 
 
@@ -323,10 +368,10 @@ def _buffer_packer(buffer: torch.Tensor):
     return pack
 
 
-def _buffer_unpacker(buffer: torch.Tensor, state: InvocationState):
+def _buffer_unpacker(buffer: torch.Tensor, balancing: BalancingContext, invocation: Invocation):
     def unpack(saved):
         if isinstance(saved, tuple):
-            if get_runtime().slots.holder is not state:
+            if balancing.holder is not invocation:
                 raise RuntimeError("UltraEP: replica weights used in a backward before re-materialization")
             _, offset, shape, stride = saved
             return buffer.as_strided(shape, stride, offset)
@@ -338,22 +383,23 @@ def _buffer_unpacker(buffer: torch.Tensor, state: InvocationState):
 class BalancedMoELayer(MoELayer):
     """megatron-core ``MoELayer`` that balances every microbatch on its exact post-gating load.
 
-    Args: as ``MoELayer``, plus ``balancer_config`` (``BalancerConfig``), passed through the layer
-    spec's ``params``.
+    Args: as ``MoELayer``, plus ``balancing`` (the model's ``BalancingContext``), passed through the
+    layer spec's ``params``.
     """
 
     def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, *,
-                 balancer_config: BalancerConfig, **kwargs):
+                 balancing: BalancingContext, **kwargs):
         problems = unsupported_moe_settings(config)
         if problems:
-            raise ValueError(f"--moe-balancer {balancer_config.name}: " + "; ".join(problems))
+            raise ValueError(f"--moe-balancer {balancing.config.name}: " + "; ".join(problems))
         if pg_collection is None:
             from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
             pg_collection = get_default_pg_collection()
         super().__init__(config, submodules=submodules, layer_number=layer_number,
                          pg_collection=pg_collection, **kwargs)
-        self.balancer_config = balancer_config
+        self.balancing = balancing
+        self.balancer_config = balancing.config
         self.balancer_pg_collection = pg_collection
         self.token_dispatcher = balanced_dispatcher_class(config)(
             self.num_local_experts, self.local_expert_indices, config, pg_collection, self
@@ -362,12 +408,9 @@ class BalancedMoELayer(MoELayer):
         self.expert_param_names = expert_param_names(self.experts, self.num_local_experts)
         first = [self.experts.get_parameter(n) for n in self.expert_param_names[0]]
         self.expert_param_shapes = [(n, tuple(p.shape)) for n, p in zip(self.expert_param_names[0], first)]
-        self.balancer = balancer_config.build(self.num_local_experts * pg_collection.ep.size(),
-                                              pg_collection.ep.size())
-        get_runtime().register_layer(self)
-        # Built now, not at the first forward: by then the training loop has hung process-group
-        # handles on the config, which the experts' constructor cannot deep-copy.
-        get_runtime().replica_experts(self)
+        self.balancer = balancing.config.build(self.num_local_experts * pg_collection.ep.size(),
+                                               pg_collection.ep.size())
+        balancing.register(self)
 
     def main_expert_param_lists(self) -> List[List[torch.Tensor]]:
         """``[local expert][k]`` parameters, ``k`` in ``expert_param_shapes`` order."""
@@ -377,32 +420,47 @@ class BalancedMoELayer(MoELayer):
         """Every local main expert's parameters, expert-major, in ``expert_param_shapes`` order."""
         return [p for per_expert in self.main_expert_param_lists() for p in per_expert]
 
-    def run_replicas(self, slot_weights, tokens, probs, tokens_per_slot: Sequence[int]) -> torch.Tensor:
+    def replica_weight_views(self) -> List[List[torch.Tensor]]:
+        """``[redundant slot][k]`` views of the shared weight buffer, shaped like this layer's experts."""
+        buffer = self.balancing.buffer
+        return [buffer.weight_views(s) for s in range(buffer.num_slots)]
+
+    def run_replicas(self, slot_weights, tokens, probs, rows_per_slot: Sequence[int]) -> torch.Tensor:
         """Redundant slots' expert compute: [N, H] tokens sorted by slot -> [N, H] outputs."""
-        module, names = get_runtime().replica_experts(self)
-        return run_replica_experts(module, names, slot_weights, tokens, tokens_per_slot, probs)
+        module, names = self.balancing.replica_experts
+        return run_replica_experts(module, names, slot_weights, tokens, rows_per_slot, probs)
+
+    def preprocess(self, hidden_states, probs, routing_map):
+        invocation = self.token_dispatcher.plan(routing_map)
+        # Overlaps the reroute, the permutation, the token all-to-all and the main experts.
+        self.balancing.start_weights(self, invocation)
+        return super().preprocess(hidden_states, probs, routing_map)
 
     def routed_experts_compute(self, hidden_states, probs):
-        dispatched, tokens_per_slot, permuted_probs = self.token_dispatcher.dispatch_postprocess(
+        dispatched, rows_per_slot, permuted_probs = self.token_dispatcher.dispatch_postprocess(
             hidden_states, probs
         )
-        state = self.token_dispatcher.state
+        invocation = self.token_dispatcher.invocation
         track = torch.is_grad_enabled()  # a backward will follow: re-materialize and reduce in it
         if track:
-            dispatched = _ReduceReplicaGrads.apply(self, state, dispatched, *self.main_expert_params())
-        num_main = state.main_tokens  # from the plan: no device-to-host read of tokens_per_slot
+            dispatched = _ReduceReplicaGrads.apply(self, invocation, dispatched, *self.main_expert_params())
+        num_main = invocation.main_rows  # host metadata: no device-to-host read
         main_out, mlp_bias = self.experts(
-            dispatched[:num_main], tokens_per_slot[: self.num_local_experts], permuted_probs[:num_main]
+            dispatched[:num_main], rows_per_slot[: self.num_local_experts], permuted_probs[:num_main]
         )
         replica_tokens, replica_probs = dispatched[num_main:], permuted_probs[num_main:]
         if track:
-            replica_out = _ReplicaExperts.apply(self, state, replica_tokens, replica_probs)
-        elif replica_tokens.shape[0] > 0:  # eval, or the no-grad first pass of activation recompute
-            replica_out = self.run_replicas(get_runtime().slots.weight_views(), replica_tokens,
-                                            replica_probs, state.replica_tokens_per_slot)
-        else:
-            replica_out = replica_tokens.new_zeros(0, self.config.hidden_size)
+            replica_out = _ReplicaExperts.apply(self, invocation, replica_tokens, replica_probs)
+        else:  # eval, or the no-grad first pass of activation recompute
+            self.balancing.wait_weights(invocation)
+            replica_out = (self.run_replicas(self.replica_weight_views(), replica_tokens, replica_probs,
+                                             invocation.replica_rows)
+                           if replica_tokens.shape[0] > 0 else replica_tokens.new_zeros(0, self.config.hidden_size))
         output = torch.cat([main_out, replica_out], dim=0)
-        if track:
-            output = _Rematerialize.apply(self, state, output)
         return self.token_dispatcher.combine_preprocess(output), mlp_bias
+
+    def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
+        output, mlp_bias = super().forward(hidden_states, intermediate_tensors, padding_mask)
+        if torch.is_grad_enabled():
+            output = _Rematerialize.apply(self, self.token_dispatcher.invocation, output)
+        return output, mlp_bias

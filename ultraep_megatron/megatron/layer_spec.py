@@ -1,7 +1,8 @@
 """The one place where ``--moe-balancer`` chooses the MoE layer of a GPT model's layer spec.
 
 ``pretrain_gpt.py`` sets ``GPTModelConfig.transformer_layer_spec`` to
-``functools.partial(moe_balanced_layer_spec, balancer=args.moe_balancer)``; Megatron's
+``functools.partial(moe_balanced_layer_spec, balancing=context)`` (the model's
+``BalancingContext``, or ``None`` for ``--moe-balancer none``); Megatron's
 ``GPTModelBuilder`` then calls it per (virtual) pipeline stage. The layer spec is Megatron's
 own default (the local, non-TE spec on CPU; the Transformer Engine spec when
 ``--transformer-impl transformer_engine``), and :func:`apply_moe_balancer` may swap the MoE
@@ -17,7 +18,7 @@ import functools
 from typing import Any, Optional
 
 
-def _balanced_mlp(mlp: Any, balancer_config: Any) -> Any:
+def _balanced_mlp(mlp: Any, balancing: Any) -> Any:
     """The MoE ``mlp`` builder with ``BalancedMoELayer`` in place of megatron's ``MoELayer``."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
@@ -25,21 +26,21 @@ def _balanced_mlp(mlp: Any, balancer_config: Any) -> Any:
 
     if isinstance(mlp, functools.partial) and isinstance(mlp.func, type) and issubclass(mlp.func, MoELayer):
         return functools.partial(BalancedMoELayer, *mlp.args, **mlp.keywords,
-                                 balancer_config=balancer_config)
+                                 balancing=balancing)
     module = getattr(mlp, "module", None)  # a ModuleSpec(module=MoELayer, ...)
     if isinstance(module, type) and issubclass(module, MoELayer):
         spec = copy.copy(mlp)
         spec.module = BalancedMoELayer
-        spec.params = {**(mlp.params or {}), "balancer_config": balancer_config}
+        spec.params = {**(mlp.params or {}), "balancing": balancing}
         return spec
     return mlp  # a dense MLP
 
 
-def _balanced_layer(layer_spec: Any, balancer_config: Any) -> Any:
+def _balanced_layer(layer_spec: Any, balancing: Any) -> Any:
     submodules = getattr(layer_spec, "submodules", None)
     if submodules is None or not hasattr(submodules, "mlp"):
         return layer_spec
-    new_mlp = _balanced_mlp(submodules.mlp, balancer_config)
+    new_mlp = _balanced_mlp(submodules.mlp, balancing)
     if new_mlp is submodules.mlp:
         return layer_spec
     layer_spec = copy.copy(layer_spec)
@@ -47,31 +48,31 @@ def _balanced_layer(layer_spec: Any, balancer_config: Any) -> Any:
     return layer_spec
 
 
-def apply_moe_balancer(spec: Any, balancer_config: Optional[Any]) -> Any:
-    """Return ``spec`` with its MoE layers balanced by ``balancer_config``.
+def apply_moe_balancer(spec: Any, balancing: Optional[Any]) -> Any:
+    """Return ``spec`` with its MoE layers balanced in ``balancing``.
 
     Args:
         spec: a layer spec (ModuleSpec of a TransformerLayer) or a block spec
             (TransformerBlockSubmodules with ``layer_specs``), as Megatron builds them.
-        balancer_config: a ``runtime.BalancerConfig``; ``None`` for ``--moe-balancer none``.
+        balancing: the model's ``context.BalancingContext``; ``None`` for ``--moe-balancer none``.
 
     Returns:
         The spec to build the model from; for ``None``, ``spec`` itself, unchanged. Megatron's
         specs are not modified in place.
     """
-    if balancer_config is None:
+    if balancing is None:
         return spec
     if hasattr(spec, "layer_specs"):
         return dataclasses.replace(
-            spec, layer_specs=[_balanced_layer(s, balancer_config) for s in spec.layer_specs])
-    return _balanced_layer(spec, balancer_config)
+            spec, layer_specs=[_balanced_layer(s, balancing) for s in spec.layer_specs])
+    return _balanced_layer(spec, balancing)
 
 
 def moe_balanced_layer_spec(config: Any, vp_stage: int | None = None, *,
-                            balancer_config: Optional[Any] = None):
+                            balancing: Optional[Any] = None):
     """``GPTModelConfig.transformer_layer_spec`` callable: Megatron's default spec for
     ``config`` (a GPTModelConfig) and ``vp_stage``, with the MoE layers balanced by
-    ``balancer_config`` (``None``: unchanged)."""
+    ``balancing`` (``None``: unchanged)."""
     from megatron.training.models.gpt import default_layer_spec
 
-    return apply_moe_balancer(default_layer_spec(config, vp_stage), balancer_config)
+    return apply_moe_balancer(default_layer_spec(config, vp_stage), balancing)

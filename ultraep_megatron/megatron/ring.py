@@ -2,8 +2,8 @@
 backward (paper §7).
 
 Every in-flight MoE invocation, i.e. one (MoE layer, microbatch) pair whose backward has not run yet,
-holds one slot of the ring. Its id (the *virtual layer id*) is saved in the autograd context of the
-replica-expert function, so the backward finds the forward's plan without knowing the pipeline
+holds one slot of the ring (a *ring slot*, not to be confused with a redundant expert slot). Its id
+(the *virtual layer id*) is saved in the autograd contexts of the layer's backward functions, so the backward finds the forward's plan without knowing the pipeline
 schedule. With pipeline parallelism several microbatches of the same layer are in flight at once, so
 the ring is sized from the schedule: ``moe_layers_on_this_rank * max_inflight_microbatches``.
 
@@ -14,7 +14,7 @@ Activation recompute replays the forward of a layer inside the backward. The fir
 no-grad) forward parks its id in a per-layer FIFO; the replay pops it and reuses the stored plan
 instead of solving again. Per layer, replays happen in the order the forwards ran (pipeline schedules
 run backward passes of a stage's microbatches in forward order), which the FIFO relies on; the replay
-also checks that the recomputed routing equals the stored one and raises if not.
+can check that the recomputed routing equals the stored one (``--moe-balancer-check-plans``).
 """
 
 from __future__ import annotations
@@ -69,8 +69,9 @@ class VirtualLayerRing:
         """Number of slots currently holding an in-flight invocation."""
         return sum(e is not None for e in self._entries)
 
-    def acquire(self, layer: int, payload: Any) -> int:
-        """Store ``payload`` for a new invocation of ``layer``; return its virtual layer id."""
+    def acquire(self, layer: int, payload: Any = None) -> int:
+        """Take a slot for a new invocation of ``layer`` (holding ``payload``, or one stored later
+        with :meth:`store`); return its virtual layer id."""
         for step in range(self.capacity):
             slot = (self._next + step) % self.capacity
             if self._entries[slot] is None:
@@ -97,6 +98,10 @@ class VirtualLayerRing:
     def get(self, vid: int) -> Any:
         """The payload stored under ``vid``."""
         return self._slot(vid).payload
+
+    def store(self, vid: int, payload: Any) -> None:
+        """Set the payload of the live slot ``vid``."""
+        self._slot(vid).payload = payload
 
     def release(self, vid: int) -> None:
         """Free the slot of ``vid`` (after its backward)."""

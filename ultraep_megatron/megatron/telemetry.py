@@ -136,24 +136,23 @@ class ExpertLoadTracker:
         return {layer + 1: float(imbalance[layer]) for layer in torch.nonzero(routed).flatten().tolist()}
 
 
-#: Per-layer balancing figures the balanced MoE layers record (``runtime.Runtime.pop_stats``),
+#: Per-layer balancing figures the balanced MoE layers record (``context.BalancerStats``),
 #: logged as ``ultraep/<name>/layer_NN``.
 BALANCER_METRICS = ("imbalance_before", "imbalance_after", "replicas", "max_fanout",
                     "inflight_ratio", "plan_ms")
 
 
-def reduce_balancer_stats(num_layers: int, dst_rank: int) -> dict[int, dict[str, float]] | None:
+def reduce_balancer_stats(balancing, num_layers: int, dst_rank: int) -> dict[int, dict[str, float]] | None:
     """This iteration's per-layer balancing figures of every rank, averaged on ``dst_rank``.
 
-    A collective (every rank calls it). Each rank holds the figures of its own MoE layers
-    (pipeline stages differ; EP peers agree; data-parallel replicas are averaged).
+    A collective (every rank calls it). Each rank holds the figures of its own MoE layers in its
+    model's ``balancing`` context (pipeline stages differ; EP peers agree; data-parallel replicas
+    are averaged).
 
     Returns:
         {1-based layer: {metric: value}} on ``dst_rank``, None elsewhere.
     """
-    from ultraep_megatron.megatron.runtime import get_runtime
-
-    stats = get_runtime().pop_stats()
+    stats = balancing.pop_stats()
     table = torch.zeros(num_layers, len(BALANCER_METRICS) + 1, dtype=torch.float64,
                         device=_collective_device())
     for layer, values in stats.items():
@@ -193,9 +192,9 @@ class _TrainingLogHook:
     iteration's expert counts, write them to Megatron's writers, and append the JSONL record."""
 
     def __init__(self, original, tracker: ExpertLoadTracker | None, metrics_path: str | None,
-                 balanced: bool = False):
+                 balancing=None):
         self.original, self.tracker, self.metrics_path = original, tracker, metrics_path
-        self.balanced = balanced
+        self.balancing = balancing
         self.dashboard = None  # dashboards.Dashboard, set by install()
         self._last_time = time.perf_counter()
 
@@ -221,11 +220,10 @@ class _TrainingLogHook:
                 imbalance = self.tracker.imbalance_by_layer(counts)
         args = get_args()
         balancer_stats = None
-        if self.balanced:
-            from ultraep_megatron.megatron.runtime import get_runtime
-
-            get_runtime().end_iteration(iteration)
-            balancer_stats = reduce_balancer_stats(args.num_layers + (args.mtp_num_layers or 0),
+        if self.balancing is not None:
+            self.balancing.end_iteration(iteration)
+            balancer_stats = reduce_balancer_stats(self.balancing,
+                                                   args.num_layers + (args.mtp_num_layers or 0),
                                                    dst_rank=last_rank)
         if torch.distributed.get_rank() != last_rank:
             return
@@ -259,13 +257,15 @@ class _TrainingLogHook:
                 handle.write(json.dumps(record) + "\n")
 
 
-def install(model_cfg: Any, args: Any) -> None:
+def install(model_cfg: Any, args: Any, balancing: Any = None) -> None:
     """Hook expert-load telemetry and the per-iteration JSONL record into Megatron's training.
 
     Args:
         model_cfg: the GPTModelConfig given to ``pretrain``; a post-wrap hook attaches the
             router hooks once the model is built.
         args: Megatron's parsed arguments (``--moe-load-telemetry``, ``--metrics-jsonl``).
+        balancing: the model's ``BalancingContext`` (``None`` for ``--moe-balancer none``): its
+            per-layer figures are logged too, and it is told when an iteration ends.
     """
     from megatron.core import parallel_state
     from megatron.training import training
@@ -285,12 +285,11 @@ def install(model_cfg: Any, args: Any) -> None:
             return model_chunks
 
         model_cfg.post_wrap_hooks.append(attach_routers)
-    balanced = getattr(args, "moe_balancer", "none") != "none"
-    if tracker is None and args.metrics_jsonl is None and not balanced:
+    if tracker is None and args.metrics_jsonl is None and balancing is None:
         return
     if not isinstance(training.training_log, _TrainingLogHook):
         training.training_log = _TrainingLogHook(training.training_log, tracker, args.metrics_jsonl,
-                                                 balanced)
+                                                 balancing)
         from ultraep_megatron.megatron.dashboards import Dashboard
 
         training.training_log.dashboard = Dashboard(args)

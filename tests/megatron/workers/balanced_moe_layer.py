@@ -61,9 +61,9 @@ def build_layer(ep_size: int, balancer: str | None, num_slots: int, recompute: b
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from ultraep_megatron.megatron.balanced_moe import BalancedMoELayer
-    from ultraep_megatron.megatron.runtime import BalancerConfig, reset_runtime
+    from ultraep_megatron.megatron.context import BalancingContext
+    from ultraep_megatron.megatron.runtime import BalancerConfig
 
-    reset_runtime()
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(expert_model_parallel_size=ep_size)
     model_parallel_cuda_manual_seed(123)
@@ -86,8 +86,8 @@ def build_layer(ep_size: int, balancer: str | None, num_slots: int, recompute: b
     if balancer is not None:
         builder = functools.partial(
             BalancedMoELayer, submodules=builder.keywords["submodules"],
-            balancer_config=BalancerConfig(name=balancer, num_slots=num_slots, min_quota=1,
-                                           eplb_window=2, eplb_interval=2, ring_size=4),
+            balancing=BalancingContext(BalancerConfig(name=balancer, num_slots=num_slots, min_quota=1,
+                                                      eplb_window=2, eplb_interval=2, ring_size=4)),
         )
     layer = builder(config=config, pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
                     is_mtp_layer=False)
@@ -121,8 +121,7 @@ def skew(x: torch.Tensor, weights) -> torch.Tensor:
 
 
 def run(layer, weights, rank, microbatches: int) -> dict:
-    from ultraep_megatron.megatron.runtime import get_runtime
-
+    balancing = getattr(layer, "balancing", None)
     layer.zero_grad(set_to_none=True)
     layer.train()
     # (token, expert) rows each rank's experts get after the dispatch: the real per-rank load,
@@ -142,7 +141,7 @@ def run(layer, weights, rank, microbatches: int) -> dict:
     # Replica expert compute, split into first forwards and calls made inside a backward (a replica
     # backward that recomputed its forward, or an activation-recompute replay, would show there).
     replica_calls = {"forward": 0, "backward": 0}
-    if getattr(layer, "balancer_config", None):
+    if balancing is not None:
         run_replicas = layer.run_replicas
 
         def counting_replicas(*args):
@@ -156,10 +155,10 @@ def run(layer, weights, rank, microbatches: int) -> dict:
         x = skew(x, weights).requires_grad_(True)
         out, _ = layer(x)
         xs.append(x), outs.append(out), ups.append(up)
-    ring_live = get_runtime().ring.live if getattr(layer, "balancer_config", None) else 0
+    ring_live = balancing.ring.live if balancing is not None else 0
     for out, up in zip(outs, ups):  # backwards in forward order, as a 1F1B stage does
         (out * up).sum().backward()
-    stats = get_runtime().pop_stats() if getattr(layer, "balancer_config", None) else {}
+    stats = balancing.pop_stats() if balancing is not None else {}
     return {
         "out": [o.detach().clone() for o in outs],
         "dx": [x.grad.detach().clone() for x in xs],
@@ -169,12 +168,11 @@ def run(layer, weights, rank, microbatches: int) -> dict:
             for local, idx in enumerate(layer.local_expert_indices)
         },
         "ring_live_before_backward": ring_live,
-        "ring_live_after_backward": get_runtime().ring.live if getattr(layer, "balancer_config", None) else 0,
+        "ring_live_after_backward": balancing.ring.live if balancing is not None else 0,
         "stats": stats,
         "received_rows": received_rows,
         "replica_calls": replica_calls,
-        "replica_buffer_numel": (get_runtime().slots.replica_weights.numel()
-                                 if getattr(layer, "balancer_config", None) else 0),
+        "replica_buffer_numel": balancing.buffer.replica_weights.numel() if balancing is not None else 0,
     }
 
 

@@ -79,8 +79,8 @@ def main() -> None:
         "spec_replaced": spec_fn is not None,
         "mlp_classes": [getattr(m, "func", getattr(m, "module", m)).__name__ for m in mlps],
         "balancer_configs": [
-            [m.keywords["balancer_config"].name, m.keywords["balancer_config"].num_slots]
-            if "balancer_config" in getattr(m, "keywords", {}) else None for m in mlps],
+            [m.keywords["balancing"].config.name, m.keywords["balancing"].config.num_slots]
+            if "balancing" in getattr(m, "keywords", {}) else None for m in mlps],
         "training_log": type(hook).__name__,
         "dashboard": type(getattr(hook, "dashboard", None)).__name__,
     }), flush=True)

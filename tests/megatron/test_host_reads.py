@@ -1,0 +1,64 @@
+"""The balanced MoE layer reads no more device data on the host than megatron-core's own MoELayer.
+
+A GPU's host waits for its queue whenever it reads device memory (``.item()``, ``.tolist()``,
+``nonzero``, a blocking copy, an event synchronization). ``device_reads.DeviceReadCounter`` models
+which tensors would live on the GPU and counts such reads while the layer runs on gloo CPU ranks;
+the worker measures megatron's MoELayer and UltraEP's BalancedMoELayer on the same weights and
+tokens, forward and backward, two microbatches, EP=2 and EP=4, with skewed routing (so replicas are
+really created and moved) and with MoE activation recompute.
+"""
+
+import json
+
+import pytest
+
+from gloo_launch import WORKERS, launch_gloo_ranks
+
+WORLD = 4
+LAYOUTS = ("ep2", "ep4", "ep2-recompute", "ep4-recompute")
+NEGATIVE_CONTROLS = ("ep4-tolist", "ep4-item-in-backward")
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("host_reads")
+    launch_gloo_ranks(WORKERS / "host_reads_layer.py", WORLD, ["--out-dir", out], timeout_s=400)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+def added_reads(measured: dict) -> dict:
+    """Host reads the balanced layer makes beyond megatron's, by kind: blocking reads (``sync``)
+    and all reads (``sync`` + asynchronous copies)."""
+    none, balanced = measured["none"]["counts"], measured["balanced"]["counts"]
+    total = lambda counts: counts.get("sync", 0) + counts.get("copy", 0)  # noqa: E731
+    return {"sync": balanced.get("sync", 0) - none.get("sync", 0),
+            "all": total(balanced) - total(none)}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_balanced_layer_adds_no_host_read(ranks, layout):
+    for rank, result in enumerate(ranks):
+        measured = result[layout]
+        assert measured["balanced"]["replicas"] > 0, f"rank {rank} {layout}: no replica was made"
+        assert measured["none"]["counts"].get("sync", 0) > 0, "the counter must see megatron's own wait"
+        added = added_reads(measured)
+        assert added["sync"] <= 0 and added["all"] <= 0, (
+            f"rank {rank} {layout}: the balanced layer adds host reads {added}: "
+            f"{measured['balanced']['events']} (megatron: {measured['none']['events']})")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_one_host_wait_per_planned_forward(ranks, layout):
+    """The load crosses to the host once per microbatch; a recompute replay reuses the plan."""
+    for result in ranks:
+        counts = result[layout]["balanced"]["counts"]
+        assert counts == {"copy": 2, "sync": 2}, counts  # two microbatches
+
+
+@pytest.mark.parametrize("control", NEGATIVE_CONTROLS)
+def test_negative_control_one_deliberate_read_is_caught(ranks, control):
+    for rank, result in enumerate(ranks):
+        added = added_reads(result[control])
+        assert added["sync"] > 0, f"rank {rank} {control}: the deliberate read went unnoticed"

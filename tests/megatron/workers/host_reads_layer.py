@@ -1,0 +1,104 @@
+"""Worker: host reads of device data in one MoE layer's forward and backward, megatron-core's
+MoELayer against UltraEP's BalancedMoELayer on the same weights and tokens (``device_reads``).
+
+Scenarios ``ep{2,4}`` and ``ep{2,4}-recompute`` (MoE activation recompute) with skewed routing, so
+the balanced layer really replicates. Negative controls, the balanced layer with one deliberate read:
+``ep4-tolist`` a ``.tolist()`` of the routing map in its dispatcher's forward,
+``ep4-item-in-backward`` an ``.item()`` of a main expert's weight where the backward starts the
+gradient reduction. Each rank writes
+``<out-dir>/rank<r>.json``: {scenario: {"none"|"balanced": {"counts", "events", "replicas"}}}.
+
+Run:  torchrun --standalone --nproc-per-node 4 host_reads_layer.py --out-dir DIR
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+from ultraep_megatron.megatron import cpu_backend
+
+SCENARIOS = {
+    "ep2": dict(ep=2, recompute=False),
+    "ep4": dict(ep=4, recompute=False),
+    "ep2-recompute": dict(ep=2, recompute=True),
+    "ep4-recompute": dict(ep=4, recompute=True),
+    "ep4-tolist": dict(ep=4, recompute=False, fault="tolist"),
+    "ep4-item-in-backward": dict(ep=4, recompute=False, fault="item"),
+}
+
+_COUNTER = None
+
+
+def measure(layer, weights, rank, counter, microbatches: int = 2) -> dict:
+    from balanced_moe_layer import rank_inputs, skew
+
+    global _COUNTER
+    layer.train()
+    balancing = getattr(layer, "balancing", None)
+    counter.tag(*layer.parameters(), *layer.buffers())
+    if balancing is not None:
+        counter.tag(balancing.buffer.replica_weights, balancing.buffer.replica_grads)
+    for mb in range(microbatches):
+        x, up = rank_inputs(rank, mb)
+        x = skew(x, weights).requires_grad_(True)
+        counter.tag(x, up)
+        _COUNTER = counter
+        try:
+            with counter:
+                out, _ = layer(x)
+                (out * up).sum().backward()
+        finally:
+            _COUNTER = None
+    stats = balancing.pop_stats() if balancing is not None else {}
+    return {"counts": dict(counter.counts), "events": counter.events,
+            "replicas": sum(v["replicas"] for v in stats.values())}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out-dir", required=True)
+    cli = parser.parse_args()
+    cpu_backend.activate()
+    torch.distributed.init_process_group("gloo")
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from balanced_moe_layer import build_layer, global_weights, load_weights
+    from device_reads import DeviceReadCounter, install_sync_counting
+    from megatron.core import parallel_state
+
+    install_sync_counting(lambda: _COUNTER)
+    rank = torch.distributed.get_rank()
+    weights = global_weights()
+    results = {}
+    for name, sc in SCENARIOS.items():
+        results[name] = {}
+        for which in ("none", "balanced"):
+            layer = build_layer(sc["ep"], None if which == "none" else "ultraep", 2, sc["recompute"])
+            load_weights(layer, weights)
+            if which == "balanced" and sc.get("fault") == "tolist":
+                plan = layer.token_dispatcher.plan
+
+                def plan_reading_the_routing(routing_map, _plan=plan):
+                    routing_map.tolist()
+                    return _plan(routing_map)
+
+                layer.token_dispatcher.plan = plan_reading_the_routing
+            if which == "balanced" and sc.get("fault") == "item":
+                start = layer.balancing.start_reduction
+
+                def start_reading_a_weight(layer_, invocation, _start=start):
+                    layer_.main_expert_params()[0].sum().item()
+                    return _start(layer_, invocation)
+
+                layer.balancing.start_reduction = start_reading_a_weight
+            results[name][which] = measure(layer, weights, rank, DeviceReadCounter())
+    with open(os.path.join(cli.out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,425 @@
+"""The balancing context of one model: what its balanced MoE layers share.
+
+One :class:`BalancingContext` per model (all its pipeline chunks), built where the layer spec is
+applied (``pretrain_gpt.py``) and handed to every ``BalancedMoELayer`` through the spec. It owns
+
+* the redundant-slot buffers (one weight and one fp32 gradient buffer for all MoE layers, §4.1 of
+  the paper) and the process group their transfers use;
+* the virtual-layer ring that carries each invocation's plan to its backward (§7);
+* the transfer in flight (at most one at a time: every transfer reads or writes the shared
+  buffers, and all EP ranks issue them in the same order);
+* observers of every invocation: per-layer statistics for the training log, and the load trace.
+
+Each balanced MoE invocation (a layer on a microbatch) is planned once, on the host, into an
+immutable :class:`Invocation`: the dispatcher produces it from the exact load (one device-to-host
+copy), the layer and its backward consume it. Nothing here reads device memory.
+
+Vocabulary: R EP ranks, E experts, G = E // R main experts per rank, S redundant slots per rank,
+G + S *physical* slots per rank (its main experts, then its redundant slots); a *ring* slot is an
+entry of the virtual-layer ring.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from ultraep_megatron import planner
+from ultraep_megatron.dataplane import ReplicaBuffer, TransferHandle, TransferSchedule
+from ultraep_megatron.megatron.ring import VirtualLayerRing
+from ultraep_megatron.megatron.runtime import BalancerConfig
+
+
+@dataclass(frozen=True, eq=False)
+class Invocation:
+    """One balanced MoE invocation, planned on the host (every tensor here is a host tensor).
+
+    Attributes:
+        layer_number: the MoE layer's global layer number.
+        vid: its virtual layer id in the ring; ``None`` when no backward follows (evaluation).
+        ep_rank: this rank's index in the EP group.
+        load: int64 ``[R, E]``, the exact load it was planned on.
+        plan: the planner's plan for ``load``.
+        schedule: the data plane's transfer schedule of the plan's replicas; ``None`` when the plan
+            has none (then no transfer runs, identically on every rank).
+        input_splits / output_splits: int64 ``[R]`` (token, expert) rows this rank sends to / receives
+            from each EP rank (the all-to-all's splits).
+        rows_per_source_slot: int64 ``[R, G + S]`` rows each source rank sends to each of this rank's
+            physical slots (megatron's ``num_global_tokens_per_local_expert``).
+        rows_per_slot: int64 ``[G + S]`` rows each of this rank's physical slots receives.
+        main_rows: rows its G main experts receive (the first ``main_rows`` dispatched rows).
+        replica_rows: rows each of its S redundant slots receives.
+        reroute_table: int64 ``[2, E * R]``: for this rank as a source, row 0 is the running total of
+            the rows it sends to the instances of each expert (expert-major, instance rank minor), row
+            1 the physical slot of that instance (0 where there is none; such an entry sends no row).
+            Pinned on CUDA, so its upload is non-blocking.
+        plan_seconds: host time of the planner.
+    """
+
+    layer_number: int
+    vid: Optional[int]
+    ep_rank: int
+    load: torch.Tensor
+    plan: planner.Plan
+    schedule: Optional[TransferSchedule]
+    input_splits: np.ndarray
+    output_splits: np.ndarray
+    rows_per_source_slot: torch.Tensor
+    rows_per_slot: torch.Tensor
+    main_rows: int
+    replica_rows: Tuple[int, ...]
+    reroute_table: torch.Tensor
+    plan_seconds: float
+
+
+def plan_invocation(plan: planner.Plan, load: torch.Tensor, ep_rank: int, *, layer_number: int,
+                    vid: Optional[int], schedule: Optional[TransferSchedule],
+                    plan_seconds: float) -> Invocation:
+    """Derive everything one rank needs from a plan, on the host.
+
+    Args:
+        plan: solved for ``load`` (host tensors).
+        load: int64 ``[R, E]``.
+        ep_rank: this rank.
+    """
+    R, E = load.shape
+    G, S = E // R, plan.num_slots
+    slots = slice(ep_rank * (G + S), (ep_rank + 1) * (G + S))
+    split = plan.physical_split  # [R_src, R * (G + S)]
+    rows_per_source_slot = split[:, slots].contiguous()
+    rows_per_slot = rows_per_source_slot.sum(dim=0)
+    instance_slot = plan.instance_slot  # [E, R]
+    exists = instance_slot >= 0
+    sent = torch.where(exists, split[ep_rank][instance_slot.clamp(min=0)], 0)  # [E, R]
+    table = torch.empty(2, E * R, dtype=torch.int64, pin_memory=torch.cuda.is_available())
+    torch.cumsum(sent.reshape(-1), 0, out=table[0])
+    table[1] = instance_slot.clamp(min=0).reshape(-1)
+    return Invocation(
+        layer_number=layer_number, vid=vid, ep_rank=ep_rank, load=load, plan=plan,
+        schedule=schedule,
+        input_splits=split[ep_rank].view(R, G + S).sum(dim=1).numpy(),
+        output_splits=rows_per_source_slot.sum(dim=1).numpy(),
+        rows_per_source_slot=rows_per_source_slot, rows_per_slot=rows_per_slot,
+        main_rows=int(rows_per_slot[:G].sum()), replica_rows=tuple(rows_per_slot[G:].tolist()),
+        reroute_table=table, plan_seconds=plan_seconds)
+
+
+class BalancerStats:
+    """Observer: per-layer balancing figures (``planner.metrics`` on each plan, plus plan time),
+    averaged over the microbatches since the last :meth:`pop`."""
+
+    METRICS = ("imbalance_before", "imbalance_after", "replicas", "max_fanout", "inflight_ratio")
+
+    def __init__(self):
+        self._sums: Dict[int, Dict[str, float]] = {}
+
+    def on_invocation(self, layer, invocation: Invocation, training: bool) -> None:
+        m = planner.metrics(invocation.load, invocation.plan)
+        entry = self._sums.setdefault(invocation.layer_number, {"count": 0})
+        entry["count"] += 1
+        for key in self.METRICS:
+            entry[key] = entry.get(key, 0.0) + float(m[key])
+        entry["plan_ms"] = entry.get("plan_ms", 0.0) + invocation.plan_seconds * 1e3
+
+    def pop(self) -> Dict[int, Dict[str, float]]:
+        """{layer: {metric: mean}} since the last call."""
+        out = {layer: {k: v / s["count"] for k, v in s.items() if k != "count"}
+               for layer, s in sorted(self._sums.items())}
+        self._sums = {}
+        return out
+
+
+class TraceRecorder:
+    """Observer: appends the exact ``[R, E]`` load of every training invocation to the trace file of
+    its EP group (written by EP rank 0 of each group; ``--moe-balancer-trace-dir``)."""
+
+    def __init__(self, trace_dir: str, balancer_config: BalancerConfig):
+        self.trace_dir, self.balancer_config = trace_dir, balancer_config
+        self.iteration: Optional[int] = None
+        self._microbatch: Dict[int, int] = {}
+        self._writer = None
+
+    def on_invocation(self, layer, invocation: Invocation, training: bool) -> None:
+        if not training:
+            return
+        if self.iteration is None:
+            self.iteration = _megatron_iteration() + 1
+        microbatch = self._microbatch.get(invocation.layer_number, 0)
+        self._microbatch[invocation.layer_number] = microbatch + 1
+        if invocation.ep_rank != 0:
+            return
+        if self._writer is None:
+            self._writer = self._open(layer, invocation.load.shape)
+        self._writer.append(self.iteration, microbatch, invocation.layer_number, invocation.load)
+
+    def _open(self, layer, shape):
+        import torch.distributed as dist
+
+        from ultraep_megatron.traces import TraceWriter, trace_path
+
+        group = layer.token_dispatcher.ep_group
+        first_global_rank = dist.get_global_rank(group, 0) if dist.is_initialized() else 0
+        cfg = layer.config
+        meta = {
+            "balancer": self.balancer_config.name,
+            "num_slots": self.balancer_config.num_slots,
+            "hidden_size": cfg.hidden_size,
+            "moe_ffn_hidden_size": cfg.moe_ffn_hidden_size,
+            "swiglu": bool(cfg.gated_linear_unit),
+            "topk": cfg.moe_router_topk,
+            "num_layers": cfg.num_layers,
+            "first_global_rank": first_global_rank,
+        }
+        path = trace_path(self.trace_dir, first_global_rank)
+        writer = TraceWriter(path, num_ranks=shape[0], num_experts=shape[1], meta=meta)
+        weakref.finalize(self, writer.close)  # commit the last records on a clean exit
+        return writer
+
+    def end_iteration(self, iteration: int) -> None:
+        if self._writer is not None:
+            self._writer.flush_iteration(self.iteration if self.iteration is not None else iteration)
+        self.iteration = iteration + 1
+        self._microbatch.clear()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+@dataclass
+class Overheads:
+    """Cumulative host time of the balancing work (benchmarks and the training log).
+
+    Attributes:
+        plan_seconds: planner time.
+        host_seconds: all host work between the load's arrival and the reroute (planner,
+            schedule, split metadata, observers).
+        transfer_seconds: host time spent issuing and waiting for transfers (on the CPU: the
+            transfer time not hidden behind compute).
+        reroute_seconds: host time of the device reroute (on a GPU: its launch cost only).
+        invocations: invocations planned.
+    """
+
+    plan_seconds: float = 0.0
+    host_seconds: float = 0.0
+    transfer_seconds: float = 0.0
+    reroute_seconds: float = 0.0
+    invocations: int = 0
+
+    def reset(self) -> None:
+        self.plan_seconds = self.host_seconds = self.transfer_seconds = self.reroute_seconds = 0.0
+        self.invocations = 0
+
+
+class BalancingContext:
+    """UltraEP state of one model. See the module docstring.
+
+    Args:
+        config: what ``--moe-balancer*`` selected.
+        overlap: run transfers asynchronously, overlapped with the layer's other work (default).
+            ``False`` waits for each transfer where it is issued (benchmarks measure both).
+        check_plans: compare every plan with the routing it is applied to (device-to-host reads
+            in every layer: for debugging, ``--moe-balancer-check-plans``).
+    """
+
+    def __init__(self, config: BalancerConfig, *, overlap: bool = True, check_plans: bool = False):
+        self.config = config
+        self.overlap = overlap
+        self.check_plans = check_plans
+        self.layers: List[object] = []
+        self.buffer: Optional[ReplicaBuffer] = None
+        self.replica_experts = None  # (experts module of the layers' class, per-slot names)
+        self.ring: Optional[VirtualLayerRing] = None
+        self.stats = BalancerStats()
+        self.trace = TraceRecorder(config.trace_dir, config) if config.trace_dir else None
+        self.observers = [self.stats] + ([self.trace] if self.trace else [])
+        self.overheads = Overheads()
+        self.holder: Optional[Invocation] = None  # whose replicas the weight buffer holds (or receives)
+        self._transfer: Optional[TransferHandle] = None  # the latest transfer issued
+        self._reductions: Dict[int, Tuple[TransferHandle, list]] = {}  # id(invocation) -> (handle, targets)
+
+    # -- setup ---------------------------------------------------------------------------------
+    def register(self, layer) -> None:
+        """Add a balanced MoE layer; the first one sizes the shared buffers."""
+        from ultraep_megatron.megatron.expert_slots import build_replica_experts
+
+        shapes = [shape for _, shape in layer.expert_param_shapes]
+        param = layer.main_expert_param_lists()[0][0]
+        if self.buffer is None:
+            self.buffer = ReplicaBuffer(self.config.num_slots, shapes, param.dtype, device=param.device,
+                                        group=_data_plane_group(layer.token_dispatcher.ep_group))
+            if self.config.num_slots > 0:
+                # Built now, not at the first forward: by then the training loop has hung
+                # process-group handles on the config, which the experts' constructor cannot copy.
+                self.replica_experts = build_replica_experts(layer, self.config.num_slots)
+        elif self.buffer.expert_shapes != [torch.Size(s) for s in shapes] or \
+                self.buffer.replica_weights.dtype != param.dtype:
+            raise ValueError("UltraEP shares replica slots across the MoE layers of a model: all must "
+                             "have the same expert shapes and dtype")
+        self.layers.append(layer)
+        self.ring = None  # sized lazily, once the model (and the schedule) is known
+
+    def _ensure_ring(self) -> VirtualLayerRing:
+        if self.ring is None:
+            self.ring = VirtualLayerRing(self.config.ring_size or len(self.layers) * _schedule_inflight())
+        return self.ring
+
+    # -- planning (host only) ----------------------------------------------------------------------
+    def plan(self, layer, load: torch.Tensor, ep_rank: int, *, training: bool,
+             grad_enabled: bool) -> Invocation:
+        """Plan one invocation on the exact load (host ``[R, E]``) and, in training, park it in the
+        ring for its backward."""
+        t0 = time.perf_counter()
+        plan = layer.balancer.plan(load)
+        plan_seconds = time.perf_counter() - t0
+        schedule = (self.buffer.schedule(plan.slot_expert, plan.num_experts)
+                    if self.config.num_slots and bool((plan.slot_expert >= 0).any()) else None)
+        vid = self._ensure_ring().acquire(layer.layer_number) if training else None
+        invocation = plan_invocation(plan, load, ep_rank, layer_number=layer.layer_number, vid=vid,
+                                     schedule=schedule, plan_seconds=plan_seconds)
+        if training:
+            self.ring.store(vid, invocation)
+            if not grad_enabled:  # a checkpointed forward: replayed in the backward
+                self.ring.park_for_recompute(layer.layer_number, vid)
+        for observer in self.observers:
+            observer.on_invocation(layer, invocation, training)
+        self.overheads.plan_seconds += plan_seconds
+        self.overheads.host_seconds += time.perf_counter() - t0
+        self.overheads.invocations += 1
+        return invocation
+
+    def replay(self, layer_number: int) -> Invocation:
+        """The invocation of a checkpointed forward, for its activation-recompute replay."""
+        return self.ring.get(self.ring.pop_for_recompute(layer_number))
+
+    def invocation(self, vid: int) -> Invocation:
+        return self.ring.get(vid)
+
+    def release(self, invocation: Invocation) -> None:
+        """Free the invocation's ring slot (after its backward)."""
+        if invocation.vid is not None:
+            self.ring.release(invocation.vid)
+
+    # -- transfers ---------------------------------------------------------------------------------
+    def _issued(self, handle: TransferHandle) -> None:
+        self._transfer = handle
+        if not self.overlap:
+            self._wait(handle)
+
+    def _wait(self, handle: Optional[TransferHandle]) -> None:
+        if handle is not None and not handle.done:
+            handle.wait()
+            self.overheads.transfer_seconds += handle.host_seconds
+
+    def start_weights(self, layer, invocation: Invocation) -> None:
+        """Start copying the invocation's replicated main experts into the shared weight buffer
+        (forward, and backward re-materialization: later layers overwrote it). Collective on the EP
+        group; nothing to do when the buffer already holds them. Asynchronous: see
+        :meth:`wait_weights`."""
+        if invocation.schedule is None or self.holder is invocation:
+            return
+        self._wait(self._transfer)
+        handle = self.buffer.distribute_weights(invocation.schedule, layer.main_expert_param_lists(),
+                                                async_op=True)
+        self.holder = invocation
+        self._issued(handle)
+
+    def wait_weights(self, invocation: Invocation) -> None:
+        """Before the replica experts run: their weights must have arrived."""
+        if invocation.schedule is None:
+            return
+        if self.holder is not invocation:
+            raise RuntimeError(f"UltraEP: MoE layer {invocation.layer_number} uses the replica weights "
+                               "of another invocation (the weight buffer was not re-materialized)")
+        self._wait(self._transfer)
+
+    def start_reduction(self, layer, invocation: Invocation) -> None:
+        """Start reducing the replica gradients into the main experts' (collective on the EP group),
+        as soon as the replicas' backward is done; :meth:`finish_reduction` folds them in."""
+        if invocation.schedule is None or id(invocation) in self._reductions:
+            return
+        params = layer.main_expert_param_lists()
+        use_main_grad = all(getattr(p, "main_grad", None) is not None for ps in params for p in ps)
+        if use_main_grad:  # Megatron DDP: straight into the fp32 main_grad buffers
+            targets = [[p.main_grad for p in ps] for ps in params]
+        else:
+            targets = [[torch.zeros_like(p, dtype=torch.float32) for p in ps] for ps in params]
+        self._wait(self._transfer)
+        handle = self.buffer.reduce_gradients(invocation.schedule, targets, async_op=True)
+        self._reductions[id(invocation)] = (handle, None if use_main_grad else targets)
+        self._issued(handle)
+
+    def finish_reduction(self, layer, invocation: Invocation) -> List[Optional[torch.Tensor]]:
+        """Complete the invocation's reduction; return the gradients of the main-expert parameters
+        (expert-major), ``None`` where they went into ``main_grad``."""
+        params = [p for ps in layer.main_expert_param_lists() for p in ps]
+        if invocation.schedule is None:
+            return [None] * len(params)
+        self.start_reduction(layer, invocation)  # if the replicas' backward did not start it
+        handle, targets = self._reductions.pop(id(invocation))
+        self._wait(handle)
+        if targets is None:
+            return [None] * len(params)
+        return [g.to(p.dtype) for p, g in zip(params, (g for gs in targets for g in gs))]
+
+    # -- training loop -----------------------------------------------------------------------------
+    def end_iteration(self, iteration: int) -> None:
+        """Called once per training iteration (after the optimizer step)."""
+        if self.trace is not None:
+            self.trace.end_iteration(iteration)
+
+    def pop_stats(self) -> Dict[int, Dict[str, float]]:
+        return self.stats.pop()
+
+    def close(self) -> None:
+        if self.trace is not None:
+            self.trace.close()
+
+
+def _data_plane_group(ep_group):
+    """A process group of the EP ranks for the replica transfers alone.
+
+    Its own communicator lets NCCL run the transfers concurrently with the token all-to-all on the
+    EP group (one communicator serializes its operations), and keeps gloo's point-to-point tags apart
+    from the EP group's collectives. Only the EP group's ranks take part in creating it.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size(ep_group) == 1:
+        return ep_group
+    return dist.new_group(ranks=dist.get_process_group_ranks(ep_group), backend=dist.get_backend(ep_group),
+                          use_local_synchronization=True)
+
+
+def _megatron_iteration() -> int:
+    """The iteration Megatron's training loop starts from (0, or the resumed checkpoint's)."""
+    try:
+        from megatron.training.global_vars import get_args
+
+        return int(get_args().iteration)
+    except Exception:
+        return 0
+
+
+def _schedule_inflight() -> int:
+    """Max in-flight microbatches per MoE layer on this rank, from Megatron's pipeline state."""
+    try:
+        from megatron.core import parallel_state as ps
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+        from ultraep_megatron.megatron.ring import max_inflight_microbatches
+
+        return max_inflight_microbatches(
+            ps.get_pipeline_model_parallel_world_size(),
+            ps.get_pipeline_model_parallel_rank(),
+            get_num_microbatches(),
+            ps.get_virtual_pipeline_model_parallel_world_size(),
+        )
+    except Exception:  # outside Megatron's training loop (a bare MoE layer): one microbatch
+        return 1
