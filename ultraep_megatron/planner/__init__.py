@@ -4,6 +4,7 @@ Pure functions on tensors (no Megatron, no torch.distributed). Every rank of an 
 ``solve`` on the same gathered load and gets the same plan bit for bit, with no communication.
 
     plan = solve(load, num_slots)                # load int64 [R, E]
+    plan = solve(load, num_slots, domain_size=8)  # replicas stay inside 8-rank NVLink domains
     physical_ids = assign_tokens(plan, rank, topk_ids)   # [T, k] logical -> physical slots
 
 See ``docs/planner.md`` for the algorithm, ``min_quota`` and the benchmark.
@@ -30,7 +31,9 @@ __all__ = [
     "assign_tokens",
     "metrics",
     "default_min_quota",
+    "domain_lower_bound",
     "validate_load",
+    "validate_domain_size",
     "plan_from_split",
     "tokens_sent_per_physical_slot",
     "tokens_received_per_local_slot",
@@ -65,7 +68,29 @@ def default_min_quota(total_load: int, num_ranks: int) -> int:
     return max(1, -(-int(total_load) // (DEFAULT_MIN_QUOTA_DIVISOR * num_ranks)))
 
 
+def validate_domain_size(domain_size, num_ranks: int) -> int:
+    """``domain_size`` (None: one domain of all ``num_ranks``) as an int that divides R."""
+    if domain_size is None:
+        return num_ranks
+    if (isinstance(domain_size, bool) or not isinstance(domain_size, (int, np.integer))
+            or domain_size < 1 or num_ranks % domain_size):
+        raise ValueError(f"domain_size must be an int >= 1 dividing the number of EP ranks "
+                         f"R={num_ranks} (EP ranks per NVLink domain), got {domain_size!r}")
+    return int(domain_size)
+
+
+def domain_lower_bound(load: torch.Tensor, domain_size: int | None = None) -> int:
+    """``max_d ceil(total_d / N)`` for ``load`` int64 [R, E]: no plan whose replicas stay inside
+    their home's domain of N = ``domain_size`` ranks has a lower max rank load (domain d's experts'
+    load stays on its N ranks). ``ceil(total / R)`` for one domain."""
+    R, E = validate_load(load)
+    N = validate_domain_size(domain_size, R)
+    per_domain = load.sum(0).view(R // N, N * (E // R)).sum(1)  # [R / N]
+    return int((-(-per_domain // N)).max())
+
+
 def solve(load: torch.Tensor, num_slots: int, *, min_quota: int | None = None,
+          domain_size: int | None = None,
           implementation: Literal["compiled", "reference"] = "compiled") -> Plan:
     """Replication and reroute plan for the exact load of one MoE layer.
 
@@ -78,6 +103,11 @@ def solve(load: torch.Tensor, num_slots: int, *, min_quota: int | None = None,
             are exempt (0 .. their expert's load). The floor never makes a plan infeasible: a rank
             whose last bit of excess is below it sheds ``min_quota`` tokens anyway and ends below
             the threshold (docs/planner.md).
+        domain_size: N, EP ranks per NVLink domain (ranks ``[d*N, (d+1)*N)`` form domain d); must
+            divide R. A replica of expert e is hosted only in its home's domain
+            (``t // N == home(e) // N``), so no weight or replica gradient crosses a domain; tokens
+            still go anywhere. The max rank load is then at least ``domain_lower_bound``.
+            ``None`` or R: one domain, the plain planner (same plans bit for bit).
         implementation: "compiled" (numba, the default) or "reference" (plain Python, slow;
             returns the same plan bit for bit).
 
@@ -87,6 +117,7 @@ def solve(load: torch.Tensor, num_slots: int, *, min_quota: int | None = None,
     R, E = validate_load(load)
     if isinstance(num_slots, bool) or not isinstance(num_slots, (int, np.integer)) or num_slots < 0:
         raise ValueError(f"num_slots must be an int >= 0, got {num_slots!r}")
+    domain_size = validate_domain_size(domain_size, R)
     if min_quota is not None and (isinstance(min_quota, bool)
                                   or not isinstance(min_quota, (int, np.integer)) or min_quota < 1):
         raise ValueError(f"min_quota must be an int >= 1 or None, got {min_quota!r}")
@@ -102,7 +133,7 @@ def solve(load: torch.Tensor, num_slots: int, *, min_quota: int | None = None,
         # min_quota 0: the kernel derives the default from the total it computes anyway.
         status, slot_expert, quota, physical_split, threshold = _compiled.solve_arrays(
             array, int(num_slots), 0 if min_quota is None else int(min_quota),
-            DEFAULT_MIN_QUOTA_DIVISOR)
+            DEFAULT_MIN_QUOTA_DIVISOR, domain_size)
         if status == _compiled.NEGATIVE_LOAD:
             raise ValueError("load has negative entries")
     elif implementation == "reference":
@@ -111,7 +142,7 @@ def solve(load: torch.Tensor, num_slots: int, *, min_quota: int | None = None,
         if min_quota is None:
             min_quota = default_min_quota(int(array.sum()), R)
         slot_expert, quota, physical_split, threshold = reference.solve_arrays(
-            array, int(num_slots), int(min_quota))
+            array, int(num_slots), int(min_quota), domain_size)
     else:
         raise ValueError(
             f"implementation must be 'compiled' or 'reference', got {implementation!r}")
