@@ -30,6 +30,7 @@ __all__ = [
     "solve",
     "assign_tokens",
     "metrics",
+    "max_over_mean",
     "default_min_quota",
     "domain_lower_bound",
     "validate_load",
@@ -38,6 +39,7 @@ __all__ = [
     "tokens_sent_per_physical_slot",
     "tokens_received_per_local_slot",
     "baselines",
+    "peers",
     "synthetic",
 ]
 
@@ -219,44 +221,62 @@ def _assign_tokens_vectorized(plan: Plan, rank: int, topk_ids: torch.Tensor) -> 
     return physical.view_as(topk_ids)
 
 
-def metrics(load: torch.Tensor, plan: Plan) -> dict:
+def max_over_mean(per_rank: torch.Tensor) -> float:
+    """max / mean of a per-rank figure [R] (1.0 when it is all zero): imbalance, memory spread."""
+    total = float(per_rank.sum())
+    return float(per_rank.max()) / (total / per_rank.numel()) if total else 1.0
+
+
+def metrics(load: torch.Tensor, plan: Plan, *, domain_size: int | None = None) -> dict:
     """Balancing metrics of ``plan`` on ``load`` [R, E].
 
     Returns a dict of Python scalars:
         imbalance_before / imbalance_after: max / mean per-rank load before and after reroute
             (1.0 for an all-zero load);
+        memory_spread_before / memory_spread_after: max / mean of the (token, expert) rows each
+            rank receives in the dispatch all-to-all (its expert activations), without balancing
+            and under the plan (from ``physical_split``). A rank computes exactly the rows it
+            receives, so they equal the imbalances: balancing the compute evens out activation
+            memory too (UltraEP Fig. 14);
         threshold: the plan's max rank load; lower_bound: ceil(total / R);
         replicas: filled redundant slots; max_fanout: most instances of one expert (main
             included); max_replicas_per_home: most replicas of one rank's main experts (what that
             rank must send in weight distribution, UltraEP eq. 5);
+        cross_domain_replicas: replicas hosted outside their home's NVLink domain of
+            ``domain_size`` ranks (None: one domain, so 0);
         inflight_ratio: share of tokens whose destination rank is not their source rank;
         min_replica_quota: smallest quota of a replica (None without replicas).
     """
     R, E = validate_load(load)
     if plan.num_ranks != R or plan.num_experts != E:
         raise ValueError("plan and load have different shapes")
+    N = validate_domain_size(domain_size, R)
     G, L = E // R, plan.physical_slots_per_rank
     total = int(load.sum())
-    mean = total / R
     before = load.sum(0).view(R, G).sum(1)
-    after = plan.quota.sum(0)
+    received = plan.physical_split.sum(0).view(R, L).sum(1)
     filled = plan.slot_expert >= 0
     replicated = plan.slot_expert[filled]
+    hosts = filled.nonzero()[:, 0]
     per_expert = torch.bincount(replicated, minlength=E)
     # Tokens that stay on their source rank: the diagonal blocks of physical_split [R, R * L].
     local = int(plan.physical_split.view(R, R, L).diagonal(dim1=0, dim2=1).sum())
-    replica_quota = plan.quota[replicated, filled.nonzero()[:, 0]]
+    replica_quota = plan.quota[replicated, hosts]
+    imbalance_before = max_over_mean(before)
     return {
-        "imbalance_before": float(before.max()) / mean if total else 1.0,
-        "imbalance_after": float(after.max()) / mean if total else 1.0,
+        "imbalance_before": imbalance_before,
+        "imbalance_after": max_over_mean(plan.quota.sum(0)),
+        "memory_spread_before": imbalance_before,  # the same rows: received = routed to the home
+        "memory_spread_after": max_over_mean(received),
         "threshold": int(plan.threshold),
         "lower_bound": -(-total // R),
         "replicas": int(filled.sum()),
         "max_fanout": 1 + int(per_expert.max()) if E else 1,
         "max_replicas_per_home": int(per_expert.view(R, G).sum(1).max()),
+        "cross_domain_replicas": int((hosts // N != replicated // (G * N)).sum()),
         "inflight_ratio": 1.0 - local / total if total else 0.0,
         "min_replica_quota": int(replica_quota.min()) if replica_quota.numel() else None,
     }
 
 
-from . import baselines, synthetic  # noqa: E402  (they import validate_load from here)
+from . import baselines, peers, synthetic  # noqa: E402  (they import validate_load from here)
