@@ -30,7 +30,7 @@ __all__ = [
     "solve",
     "assign_tokens",
     "metrics",
-    "max_over_mean",
+    "rank_imbalance",
     "default_min_quota",
     "domain_lower_bound",
     "validate_load",
@@ -221,10 +221,16 @@ def _assign_tokens_vectorized(plan: Plan, rank: int, topk_ids: torch.Tensor) -> 
     return physical.view_as(topk_ids)
 
 
-def max_over_mean(per_rank: torch.Tensor) -> float:
-    """max / mean of a per-rank figure [R] (1.0 when it is all zero): imbalance, memory spread."""
-    total = float(per_rank.sum())
+def _max_over_mean(per_rank: torch.Tensor, total: int) -> float:
+    """max / mean of a per-rank figure [R] summing to ``total`` (1.0 when it is 0)."""
     return float(per_rank.max()) / (total / per_rank.numel()) if total else 1.0
+
+
+def rank_imbalance(load: torch.Tensor) -> float:
+    """max / mean per-rank load of ``load`` int64 [R, E] with every expert at home (1.0 for an
+    all-zero load): the imbalance before balancing, what a trigger compares with."""
+    R, E = validate_load(load)
+    return _max_over_mean(load.sum(0).view(R, E // R).sum(1), int(load.sum()))
 
 
 def metrics(load: torch.Tensor, plan: Plan, *, domain_size: int | None = None) -> dict:
@@ -234,10 +240,10 @@ def metrics(load: torch.Tensor, plan: Plan, *, domain_size: int | None = None) -
         imbalance_before / imbalance_after: max / mean per-rank load before and after reroute
             (1.0 for an all-zero load);
         memory_spread_before / memory_spread_after: max / mean of the (token, expert) rows each
-            rank receives in the dispatch all-to-all (its expert activations), without balancing
-            and under the plan (from ``physical_split``). A rank computes exactly the rows it
-            receives, so they equal the imbalances: balancing the compute evens out activation
-            memory too (UltraEP Fig. 14);
+            rank receives in the dispatch all-to-all and keeps as expert activations, without
+            balancing and under the plan. A rank receives exactly the rows it computes (the
+            columns of ``physical_split`` realize the quotas), so these equal the imbalances:
+            balancing the compute evens out activation memory too (UltraEP Fig. 14);
         threshold: the plan's max rank load; lower_bound: ceil(total / R);
         replicas: filled redundant slots; max_fanout: most instances of one expert (main
             included); max_replicas_per_home: most replicas of one rank's main experts (what that
@@ -253,8 +259,8 @@ def metrics(load: torch.Tensor, plan: Plan, *, domain_size: int | None = None) -
     N = validate_domain_size(domain_size, R)
     G, L = E // R, plan.physical_slots_per_rank
     total = int(load.sum())
-    before = load.sum(0).view(R, G).sum(1)
-    received = plan.physical_split.sum(0).view(R, L).sum(1)
+    imbalance_before = _max_over_mean(load.sum(0).view(R, G).sum(1), total)
+    imbalance_after = _max_over_mean(plan.quota.sum(0), total)
     filled = plan.slot_expert >= 0
     replicated = plan.slot_expert[filled]
     hosts = filled.nonzero()[:, 0]
@@ -262,18 +268,18 @@ def metrics(load: torch.Tensor, plan: Plan, *, domain_size: int | None = None) -
     # Tokens that stay on their source rank: the diagonal blocks of physical_split [R, R * L].
     local = int(plan.physical_split.view(R, R, L).diagonal(dim1=0, dim2=1).sum())
     replica_quota = plan.quota[replicated, hosts]
-    imbalance_before = max_over_mean(before)
     return {
         "imbalance_before": imbalance_before,
-        "imbalance_after": max_over_mean(plan.quota.sum(0)),
-        "memory_spread_before": imbalance_before,  # the same rows: received = routed to the home
-        "memory_spread_after": max_over_mean(received),
+        "imbalance_after": imbalance_after,
+        "memory_spread_before": imbalance_before,
+        "memory_spread_after": imbalance_after,
         "threshold": int(plan.threshold),
         "lower_bound": -(-total // R),
         "replicas": int(filled.sum()),
         "max_fanout": 1 + int(per_expert.max()) if E else 1,
         "max_replicas_per_home": int(per_expert.view(R, G).sum(1).max()),
-        "cross_domain_replicas": int((hosts // N != replicated // (G * N)).sum()),
+        "cross_domain_replicas": 0 if N == R else int(
+            torch.count_nonzero(hosts // N != replicated // (G * N))),
         "inflight_ratio": 1.0 - local / total if total else 0.0,
         "min_replica_quota": int(replica_quota.min()) if replica_quota.numel() else None,
     }

@@ -28,7 +28,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from . import max_over_mean, validate_domain_size, validate_load
+from . import _max_over_mean, rank_imbalance, validate_domain_size, validate_load
 from .baselines import _check_slots, none, round_robin_split
 from .plan import Plan, plan_from_split
 
@@ -121,13 +121,12 @@ def placement_metrics(load: torch.Tensor, placement: Placement, *,
     if not torch.equal(split.sum(2), load):
         raise ValueError("placement does not compute exactly the load")
     total = int(load.sum())
-    received = split.sum((0, 1))  # [R]
-    imbalance_before = max_over_mean(load.sum(0).view(R, E // R).sum(1))
+    imbalance_before = rank_imbalance(load)
     return {
         "imbalance_before": imbalance_before,
-        "imbalance_after": max_over_mean(placement.quota.sum(0)),
+        "imbalance_after": _max_over_mean(placement.quota.sum(0), total),
         "memory_spread_before": imbalance_before,
-        "memory_spread_after": max_over_mean(received),
+        "memory_spread_after": _max_over_mean(split.sum((0, 1)), total),  # rows received [R]
         "weight_copies": weight_copies(placement),
         "main_moves": main_moves(placement),
         "cross_domain_copies": cross_domain_copies(placement, domain_size),
@@ -281,7 +280,7 @@ def llep(load: torch.Tensor, *, capacity_factor: float = 1.1, min_tokens_per_gem
     G = E // R
     lam = load.sum(0).tolist()
     rank_load = [sum(lam[r * G:(r + 1) * G]) for r in range(R)]
-    if trigger is not None and trigger > 0 and max_over_mean(torch.tensor(rank_load)) < trigger:
+    if trigger is not None and trigger > 0 and rank_imbalance(load) < trigger:
         return none(load, 0)
     total = sum(lam)
     balanced = total // R
