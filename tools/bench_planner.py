@@ -1,7 +1,8 @@
 """Planner benchmark: balancing quality and solve time on power-law loads (UltraEP Fig. 15/Table 4).
 
-    python tools/bench_planner.py              # full table (markdown) + solve-time summary
+    python tools/bench_planner.py              # three tables (markdown) + solve-time summary
     python tools/bench_planner.py --quick      # one seed, fewer settings
+    python tools/bench_planner.py --only domains   # one part: main, domains, peers or timing
 
 For every setting (R ranks, E experts, S slots per rank, target initial rank imbalance) and seed it
 draws a Zipf load (``planner.synthetic.zipf_load``: top-8, 4096 tokens per rank) and plans it with
@@ -25,14 +26,15 @@ A second table plans the R = 32/64 loads with NVLink domains of N = 8 and 16 ran
 
     LB_N       domain bound max_d ceil(total_d / N) over the mean rank load: the best any
                domain-respecting plan can do
-    imb        imbalance after (one domain: first table's ultraep imb);  tau/LB_N: threshold over LB_N
+    imb        imbalance after (one domain: first table's ultraep imb)
+    tau/LB_N   threshold over LB_N
     rep, us    replicas, median solve time (microseconds)
 
 A third table puts the peers side by side on the same loads (S = 2; copies = expert weights sent
 to reach the placement from the home layout, moved mains included; xdom = those crossing an
-8-rank domain): ultraep (one domain and N = 8), eplb++-fixed (EPLB's rule, mains at home), DeepSeek's
-re-placing EPLB (global policy; hierarchical with R/8 nodes and R/8 groups = the home domains), and
-LLEP (alpha 1.1, m 1024, lambda 1.3).
+8-rank domain): ultraep (one domain and N = 8), eplb++-fixed (EPLB's rule, mains at home),
+DeepSeek's re-placing EPLB (global policy; hierarchical with R/8 nodes and R/8 groups = the home
+domains), and LLEP (alpha 1.1, m 1024, lambda 1.3).
 """
 
 from __future__ import annotations

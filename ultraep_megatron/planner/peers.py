@@ -182,7 +182,8 @@ def deepseek_eplb(load: torch.Tensor, num_slots: int, *, num_groups: int | None 
             multiple of ``num_nodes`` (EPLB's condition): the E experts form ``num_groups`` groups
             of consecutive ids, groups are packed to nodes (R / num_nodes ranks each, e.g. NVLink
             domains) balancing their load, then replicas are made and packed inside each node.
-            Otherwise (the default) the global policy: replicate over all experts, pack to all ranks.
+            Otherwise (the default) the global policy: replicate over all experts, pack to all
+            ranks.
 
     Replication gives the R*S extra copies one at a time to the expert with the largest load per
     copy; packing puts the copies, by descending load per copy, on the least-loaded rank that still
@@ -200,8 +201,8 @@ def deepseek_eplb(load: torch.Tensor, num_slots: int, *, num_groups: int | None 
         raise ValueError("load has negative entries")
     L = E // R + num_slots
     for name, value in (("num_groups", num_groups), ("num_nodes", num_nodes)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))
-                                  or value < 1):
+        if value is not None and (isinstance(value, bool)
+                                  or not isinstance(value, (int, np.integer)) or value < 1):
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     if num_groups is None or num_groups % num_nodes:
         num_groups, num_nodes = 1, 1  # EPLB's global policy
@@ -274,8 +275,8 @@ def llep(load: torch.Tensor, *, capacity_factor: float = 1.1, min_tokens_per_gem
         raise ValueError("load has negative entries")
     if not capacity_factor > 0:
         raise ValueError(f"capacity_factor must be > 0, got {capacity_factor!r}")
-    if (isinstance(min_tokens_per_gemm, bool) or not isinstance(min_tokens_per_gemm, (int, np.integer))
-            or min_tokens_per_gemm < 0):
+    if (isinstance(min_tokens_per_gemm, bool)
+            or not isinstance(min_tokens_per_gemm, (int, np.integer)) or min_tokens_per_gemm < 0):
         raise ValueError(f"min_tokens_per_gemm must be an int >= 0, got {min_tokens_per_gemm!r}")
     G = E // R
     lam = load.sum(0).tolist()
