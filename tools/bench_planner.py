@@ -1,7 +1,8 @@
 """Planner benchmark: balancing quality and solve time on power-law loads (UltraEP Fig. 15/Table 4).
 
-    python tools/bench_planner.py              # full table (markdown) + solve-time summary
+    python tools/bench_planner.py              # three tables (markdown) + solve-time summary
     python tools/bench_planner.py --quick      # one seed, fewer settings
+    python tools/bench_planner.py --only domains   # one part: main, domains, peers or timing
 
 For every setting (R ranks, E experts, S slots per rank, target initial rank imbalance) and seed it
 draws a Zipf load (``planner.synthetic.zipf_load``: top-8, 4096 tokens per rank) and plans it with
@@ -17,7 +18,23 @@ fails on small remainders and averages 1.25). Columns (means over seeds):
     us         median solve time per call in microseconds (wall clock, this process, one thread)
 
 Timing runs one thread (torch/numba single-threaded, OMP_NUM_THREADS=1). On a shared machine wall
-times are noisy: the summary also gives CPU time (thread_time) for the R=64, E=256, S=2 case.
+times are noisy: the summary also gives CPU time (thread_time) for the R=64, E=256, S=2 case, with
+one NVLink domain and with domains of 8 ranks.
+
+A second table plans the R = 32/64 loads with NVLink domains of N = 8 and 16 ranks
+(``solve(..., domain_size=N)``: replicas only inside their home's domain):
+
+    LB_N       domain bound max_d ceil(total_d / N) over the mean rank load: the best any
+               domain-respecting plan can do
+    imb        imbalance after (one domain: first table's ultraep imb)
+    tau/LB_N   threshold over LB_N
+    rep, us    replicas, median solve time (microseconds)
+
+A third table puts the peers side by side on the same loads (S = 2; copies = expert weights sent
+to reach the placement from the home layout, moved mains included; xdom = those crossing an
+8-rank domain): ultraep (one domain and N = 8), eplb++-fixed (EPLB's rule, mains at home),
+DeepSeek's re-placing EPLB (global policy; hierarchical with R/8 nodes and R/8 groups = the home
+domains), and LLEP (alpha 1.1, m 1024, lambda 1.3).
 """
 
 from __future__ import annotations
@@ -34,13 +51,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from ultraep_megatron.planner import metrics, solve  # noqa: E402
+from ultraep_megatron.planner import domain_lower_bound, metrics, solve  # noqa: E402
 from ultraep_megatron.planner.baselines import eplb_exact, none  # noqa: E402
+from ultraep_megatron.planner.peers import (  # noqa: E402
+    Placement,
+    deepseek_eplb,
+    llep,
+    placement_metrics,
+)
 from ultraep_megatron.planner.synthetic import zipf_load  # noqa: E402
 
 SHAPES = [(32, 128), (32, 160), (32, 256), (40, 160), (64, 128), (64, 256)]
 SLOTS = [1, 2, 4]
 IMBALANCES = [1.3, 2.0, 3.0, 4.0]
+DOMAIN_SHAPES = [(32, 128), (32, 256), (64, 128), (64, 256)]
+DOMAIN_SIZES = [8, 16]
+PEER_SLOTS = 2
+PEER_DOMAIN = 8
 
 
 def algorithm1_threshold(load: torch.Tensor, num_slots: int, min_quota: int) -> int:
@@ -124,36 +151,66 @@ def run_setting(R: int, E: int, S: int, imbalance: float, seeds: list[int], repe
     return {k: statistics.fmean(r[k] for r in rows) for k in rows[0]}
 
 
-def cpu_time_summary(repeats: int) -> str:
+def run_domain_setting(R: int, E: int, S: int, N: int, imbalance: float, seeds: list[int],
+                       repeats: int) -> dict:
+    rows = []
+    for seed in seeds:
+        load = zipf_load(R, E, imbalance, seed=seed)
+        mean = load.sum().item() / R
+        bound = domain_lower_bound(load, N)
+        plan = solve(load, S, domain_size=N)
+        m = metrics(load, plan, domain_size=N)
+        assert m["cross_domain_replicas"] == 0
+        rows.append({
+            "init": m["imbalance_before"], "lb": bound / mean, "imb": m["imbalance_after"],
+            "gap": plan.threshold / bound, "rep": m["replicas"],
+            "us": median_time_us(lambda: solve(load, S, domain_size=N), repeats),
+        })
+    return {k: statistics.fmean(r[k] for r in rows) for k in rows[0]}
+
+
+def run_peer_setting(R: int, E: int, imbalance: float, seeds: list[int]) -> dict:
+    """Per balancer: means of placement_metrics on the loads of this setting."""
+    S, N = PEER_SLOTS, PEER_DOMAIN
+    balancers = {
+        "ultraep": lambda load: Placement.from_plan(solve(load, S)),
+        f"ultraep N={N}": lambda load: Placement.from_plan(solve(load, S, domain_size=N)),
+        "eplb++-fixed": lambda load: Placement.from_plan(eplb_exact(load, S)),
+        "deepseek-eplb": lambda load: deepseek_eplb(load, S),
+        "deepseek-eplb hier.": lambda load: deepseek_eplb(load, S, num_groups=R // N,
+                                                         num_nodes=R // N),
+        "llep": lambda load: Placement.from_plan(llep(load)),
+    }
+    sums: dict[str, list[dict]] = {name: [] for name in balancers}
+    for seed in seeds:
+        load = zipf_load(R, E, imbalance, seed=seed)
+        for name, balance in balancers.items():
+            sums[name].append(placement_metrics(load, balance(load), domain_size=N))
+    return {name: {k: statistics.fmean(m[k] for m in ms) for k in ms[0]}
+            for name, ms in sums.items()}
+
+
+def cpu_time_summary(repeats: int, domain_size: int | None = None) -> str:
     """Median wall and CPU time of solve for R=64, E=256, S=2 over several loads."""
     wall, cpu = [], []
     for imbalance in IMBALANCES:
         for seed in range(3):
             load = zipf_load(64, 256, imbalance, seed=100 + seed)
-            solve(load, 2)
+            solve(load, 2, domain_size=domain_size)
             for _ in range(repeats):
                 w0, c0 = time.perf_counter_ns(), time.thread_time_ns()
-                solve(load, 2)
+                solve(load, 2, domain_size=domain_size)
                 cpu.append(time.thread_time_ns() - c0)
                 wall.append(time.perf_counter_ns() - w0)
     wall_us, cpu_us = statistics.median(wall) / 1e3, statistics.median(cpu) / 1e3
     p10_us = sorted(wall)[len(wall) // 10] / 1e3
-    return (f"solve R=64 E=256 S=2 over {len(wall)} calls: median wall {wall_us:.1f} us, "
+    domains = "" if domain_size is None else f" domain {domain_size}"
+    return (f"solve R=64 E=256 S=2{domains} over {len(wall)} calls: median wall {wall_us:.1f} us, "
             f"median CPU {cpu_us:.1f} us, p10 wall {p10_us:.1f} us")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="one seed, S in {1, 2}, R=64 only")
-    parser.add_argument("--seeds", type=int, default=3, help="loads per setting")
-    parser.add_argument("--repeats", type=int, default=200, help="timed solve calls per load")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    shapes, slots, seeds = SHAPES, SLOTS, list(range(args.seeds))
-    if args.quick:
-        shapes, slots, seeds = [s for s in SHAPES if s[0] == 64], [1, 2], [0]
-
-    solve(zipf_load(8, 16, 2.0), 1)  # compile or load the numba cache before timing
+def main_table(shapes, slots, seeds, repeats) -> None:
+    """The first table: ultraep, Algorithm 1 and eplb++ with one domain."""
     header = ("| R | E | S | init | ultraep imb | tau/LB | rep | fan | infl | us "
               "| alg1 imb | eplb++ imb | rep | fan | infl | us | none infl |")
     print(header)
@@ -162,7 +219,7 @@ def main() -> None:
     for R, E in shapes:
         for S in slots:
             for imbalance in IMBALANCES:
-                m = run_setting(R, E, S, imbalance, seeds, args.repeats)
+                m = run_setting(R, E, S, imbalance, seeds, repeats)
                 totals.append((S, m))
                 print(f"| {R} | {E} | {S} | {m['init']:.2f} | {m['u_imb']:.4f} | {m['u_gap']:.4f} "
                       f"| {m['u_rep']:.1f} | {m['u_fan']:.1f} | {m['u_infl']:.3f} | {m['u_us']:.0f} "
@@ -194,7 +251,93 @@ def main() -> None:
           f"none {avg('n_infl'):.3f}")
     print(f"  solve time (median us): ultraep {avg('u_us'):.0f}, "
           f"eplb++ {avg('e_us'):.0f} (Python baseline)")
-    print("  " + cpu_time_summary(args.repeats))
+
+
+def domain_table(shapes, slots, seeds, repeats) -> None:
+    """The second table: ultraep with NVLink domains of DOMAIN_SIZES ranks."""
+    print()
+    header = "| R | E | S | N | init | LB_N | imb | tau/LB_N | rep | us |"
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    rows = []
+    for R, E in shapes:
+        for N in DOMAIN_SIZES:
+            for S in slots:
+                for imbalance in IMBALANCES:
+                    m = run_domain_setting(R, E, S, N, imbalance, seeds, repeats)
+                    rows.append((R, N, m))
+                    print(f"| {R} | {E} | {S} | {N} | {m['init']:.2f} | {m['lb']:.4f} "
+                          f"| {m['imb']:.4f} | {m['gap']:.4f} | {m['rep']:.1f} | {m['us']:.0f} |",
+                          flush=True)
+    print()
+    print(f"domain summary ({len(seeds)} seeds per row):")
+    for R in sorted({r for r, _, _ in rows}):
+        for N in DOMAIN_SIZES:
+            ms = [m for r, n, m in rows if (r, n) == (R, N)]
+            if ms:
+                print(f"  R={R} N={N}: imbalance {statistics.fmean(m['imb'] for m in ms):.4f} "
+                      f"(worst {max(m['imb'] for m in ms):.4f}), bound LB_N "
+                      f"{statistics.fmean(m['lb'] for m in ms):.4f}, tau/LB_N mean "
+                      f"{statistics.fmean(m['gap'] for m in ms):.4f} worst "
+                      f"{max(m['gap'] for m in ms):.4f}, replicas "
+                      f"{statistics.fmean(m['rep'] for m in ms):.1f}, solve "
+                      f"{statistics.median(m['us'] for m in ms):.0f} us (median of rows)")
+
+
+def peer_table(shapes, seeds) -> None:
+    """The third table: the peers on the same loads."""
+    print()
+    print(f"| R | E | init | balancer | imb | copies | main moves | xdom (N={PEER_DOMAIN}) | fan "
+          f"| infl |")
+    print("|" + "---|" * 10)
+    totals: dict[str, list[dict]] = {}
+    for R, E in shapes:
+        for imbalance in IMBALANCES:
+            per = run_peer_setting(R, E, imbalance, seeds)
+            for name, m in per.items():
+                totals.setdefault(name, []).append(m)
+                print(f"| {R} | {E} | {m['imbalance_before']:.2f} | {name} "
+                      f"| {m['imbalance_after']:.4f} | {m['weight_copies']:.1f} "
+                      f"| {m['main_moves']:.1f} | {m['cross_domain_copies']:.1f} "
+                      f"| {m['max_fanout']:.1f} | {m['inflight_ratio']:.3f} |", flush=True)
+    print()
+    print(f"peer summary (S={PEER_SLOTS}, means over {len(shapes) * len(IMBALANCES)} settings x "
+          f"{len(seeds)} seeds):")
+    for name, ms in totals.items():
+        print(f"  {name:20s} imbalance {statistics.fmean(m['imbalance_after'] for m in ms):.4f} "
+              f"(worst {max(m['imbalance_after'] for m in ms):.4f}), weight copies "
+              f"{statistics.fmean(m['weight_copies'] for m in ms):.1f}, main moves "
+              f"{statistics.fmean(m['main_moves'] for m in ms):.1f}, cross-domain "
+              f"{statistics.fmean(m['cross_domain_copies'] for m in ms):.1f}, fan-out "
+              f"{statistics.fmean(m['max_fanout'] for m in ms):.1f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="one seed, S in {1, 2}, R=64 only")
+    parser.add_argument("--seeds", type=int, default=3, help="loads per setting")
+    parser.add_argument("--repeats", type=int, default=200, help="timed solve calls per load")
+    parser.add_argument("--only", choices=["main", "domains", "peers", "timing"],
+                        help="run one part only (default: all)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    shapes, slots, seeds = SHAPES, SLOTS, list(range(args.seeds))
+    domain_shapes = DOMAIN_SHAPES
+    if args.quick:
+        shapes, slots, seeds = [s for s in SHAPES if s[0] == 64], [1, 2], [0]
+        domain_shapes = [s for s in DOMAIN_SHAPES if s[0] == 64]
+
+    solve(zipf_load(8, 16, 2.0), 1)  # compile or load the numba cache before timing
+    if args.only in (None, "main"):
+        main_table(shapes, slots, seeds, args.repeats)
+    if args.only in (None, "domains"):
+        domain_table(domain_shapes, slots, seeds, args.repeats)
+    if args.only in (None, "peers"):
+        peer_table(domain_shapes, seeds)
+    if args.only in (None, "timing"):
+        print()
+        print(cpu_time_summary(args.repeats))
+        print(cpu_time_summary(args.repeats, domain_size=8))
 
 
 if __name__ == "__main__":

@@ -53,10 +53,26 @@ def dense_split(plan, num_experts: int) -> np.ndarray:
     return split
 
 
+def domain_bound(load: np.ndarray, domain_size: int) -> int:
+    """max over NVLink domains of ceil(load of the domain's experts / ranks per domain)."""
+    R, E = load.shape
+    G = E // R
+    best = 0
+    for d in range(R // domain_size):
+        total = 0
+        for e in range(d * domain_size * G, (d + 1) * domain_size * G):
+            total += int(load[:, e].sum())
+        best = max(best, (total + domain_size - 1) // domain_size)
+    return best
+
+
 def check_plan(load_t: torch.Tensor, plan, num_slots: int, *, min_quota: int | None = None,
-               check_min_quota: bool = True, check_locality: bool = True,
-               check_no_worse: bool = True) -> np.ndarray:
-    """Assert every documented invariant of ``plan`` for ``load_t``; return the dense split."""
+               domain_size: int | None = None, check_min_quota: bool = True,
+               check_locality: bool = True, check_no_worse: bool = True) -> np.ndarray:
+    """Assert every documented invariant of ``plan`` for ``load_t``; return the dense split.
+
+    With ``domain_size`` N: every replica is hosted in its home's domain and the threshold is at
+    least the domain bound."""
     load = load_t.cpu().numpy()
     R, E = load.shape
     G = E // R
@@ -74,11 +90,13 @@ def check_plan(load_t: torch.Tensor, plan, num_slots: int, *, min_quota: int | N
     instance = np.zeros((E, R), bool)
     for e in range(E):
         instance[e, e // G] = True  # main experts fixed on their home rank
+    N = R if domain_size is None else domain_size
     for t in range(R):
         for e in slot_expert[t]:
             if e >= 0:
                 assert not instance[e, t], f"rank {t} holds expert {e} twice"
                 instance[e, t] = True
+                assert t // N == (e // G) // N, f"replica of {e} on rank {t} outside its domain"
 
     split = dense_split(plan, E)
     assert (split >= 0).all()
@@ -112,4 +130,5 @@ def check_plan(load_t: torch.Tensor, plan, num_slots: int, *, min_quota: int | N
     if check_no_worse:
         assert plan.threshold <= int(before.max())
     assert plan.threshold >= (total + R - 1) // R
+    assert plan.threshold >= domain_bound(load, N)
     return split

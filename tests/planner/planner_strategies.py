@@ -63,3 +63,12 @@ def problems(draw, max_ranks: int = 12, max_experts_per_rank: int = 4, max_slots
     load = torch.from_numpy(make_load(draw, kind, R, G).astype(np.int64))
     min_quota = draw(st.one_of(st.none(), st.integers(1, 3), st.integers(1, 2000)))
     return load, S, min_quota
+
+
+@st.composite
+def domain_problems(draw, max_ranks: int = 12, max_experts_per_rank: int = 4, max_slots: int = 4):
+    """``problems`` plus an NVLink domain size dividing R."""
+    load, S, min_quota = draw(problems(max_ranks, max_experts_per_rank, max_slots))
+    R = load.shape[0]
+    N = draw(st.sampled_from([d for d in range(1, R + 1) if R % d == 0]))
+    return load, S, min_quota, N

@@ -118,10 +118,13 @@ def test_metrics_by_hand():
     split[0, 0, 0], split[0, 0, 1], split[1, 0, 1] = 4, 2, 2
     plan = plan_from_split(torch.tensor([[-1], [0]]), split)
     assert metrics(load, plan) == {
-        "imbalance_before": 2.0, "imbalance_after": 1.0, "threshold": 4, "lower_bound": 4,
-        "replicas": 1, "max_fanout": 2, "max_replicas_per_home": 1, "inflight_ratio": 0.25,
-        "min_replica_quota": 4}
+        "imbalance_before": 2.0, "imbalance_after": 1.0, "memory_spread_before": 2.0,
+        "memory_spread_after": 1.0, "threshold": 4, "lower_bound": 4, "replicas": 1,
+        "max_fanout": 2, "max_replicas_per_home": 1, "cross_domain_replicas": 0,
+        "inflight_ratio": 0.25, "min_replica_quota": 4}
     assert metrics(load, solve(load, 1, min_quota=1)) == metrics(load, plan)
+    # one rank per domain: the replica on rank 1 of rank 0's expert crosses
+    assert metrics(load, plan, domain_size=1)["cross_domain_replicas"] == 1
     zero = torch.zeros(2, 2, dtype=torch.int64)
     m = metrics(zero, none(zero, 1))
     assert m["imbalance_before"] == m["imbalance_after"] == 1.0

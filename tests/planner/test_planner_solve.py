@@ -238,9 +238,10 @@ import hashlib, sys, torch
 from ultraep_megatron.planner import solve
 from ultraep_megatron.planner.synthetic import zipf_load
 h = hashlib.sha256()
-for R, E, S, imb, seed in [(64, 256, 2, 3.0, 0), (32, 160, 1, 4.0, 1), (40, 160, 4, 1.3, 2),
-                           (8, 8, 1, 2.0, 3)]:
-    plan = solve(zipf_load(R, E, imb, seed=seed), S)
+for R, E, S, imb, seed, N in [(64, 256, 2, 3.0, 0, None), (32, 160, 1, 4.0, 1, None),
+                              (40, 160, 4, 1.3, 2, None), (8, 8, 1, 2.0, 3, None),
+                              (64, 256, 2, 3.0, 0, 8), (32, 128, 1, 4.0, 1, 16)]:
+    plan = solve(zipf_load(R, E, imb, seed=seed), S, domain_size=N)
     for t in (plan.slot_expert, plan.quota, plan.physical_split):
         h.update(t.numpy().tobytes())
     h.update(str(plan.threshold).encode())

@@ -4,6 +4,7 @@ Pure functions on tensors (no Megatron, no torch.distributed). Every rank of an 
 ``solve`` on the same gathered load and gets the same plan bit for bit, with no communication.
 
     plan = solve(load, num_slots)                # load int64 [R, E]
+    plan = solve(load, num_slots, domain_size=8)  # replicas stay inside 8-rank NVLink domains
     physical_ids = assign_tokens(plan, rank, topk_ids)   # [T, k] logical -> physical slots
 
 See ``docs/planner.md`` for the algorithm, ``min_quota`` and the benchmark.
@@ -29,12 +30,16 @@ __all__ = [
     "solve",
     "assign_tokens",
     "metrics",
+    "rank_imbalance",
     "default_min_quota",
+    "domain_lower_bound",
     "validate_load",
+    "validate_domain_size",
     "plan_from_split",
     "tokens_sent_per_physical_slot",
     "tokens_received_per_local_slot",
     "baselines",
+    "peers",
     "synthetic",
 ]
 
@@ -65,7 +70,29 @@ def default_min_quota(total_load: int, num_ranks: int) -> int:
     return max(1, -(-int(total_load) // (DEFAULT_MIN_QUOTA_DIVISOR * num_ranks)))
 
 
+def validate_domain_size(domain_size, num_ranks: int) -> int:
+    """``domain_size`` (None: one domain of all ``num_ranks``) as an int that divides R."""
+    if domain_size is None:
+        return num_ranks
+    if (isinstance(domain_size, bool) or not isinstance(domain_size, (int, np.integer))
+            or domain_size < 1 or num_ranks % domain_size):
+        raise ValueError(f"domain_size must be an int >= 1 dividing the number of EP ranks "
+                         f"R={num_ranks} (EP ranks per NVLink domain), got {domain_size!r}")
+    return int(domain_size)
+
+
+def domain_lower_bound(load: torch.Tensor, domain_size: int | None = None) -> int:
+    """``max_d ceil(total_d / N)`` for ``load`` int64 [R, E]: no plan whose replicas stay inside
+    their home's domain of N = ``domain_size`` ranks has a lower max rank load (domain d's experts'
+    load stays on its N ranks). ``ceil(total / R)`` for one domain."""
+    R, E = validate_load(load)
+    N = validate_domain_size(domain_size, R)
+    per_domain = load.sum(0).view(R // N, N * (E // R)).sum(1)  # [R / N]
+    return int((-(-per_domain // N)).max())
+
+
 def solve(load: torch.Tensor, num_slots: int, *, min_quota: int | None = None,
+          domain_size: int | None = None,
           implementation: Literal["compiled", "reference"] = "compiled") -> Plan:
     """Replication and reroute plan for the exact load of one MoE layer.
 
@@ -78,6 +105,11 @@ def solve(load: torch.Tensor, num_slots: int, *, min_quota: int | None = None,
             are exempt (0 .. their expert's load). The floor never makes a plan infeasible: a rank
             whose last bit of excess is below it sheds ``min_quota`` tokens anyway and ends below
             the threshold (docs/planner.md).
+        domain_size: N, EP ranks per NVLink domain (ranks ``[d*N, (d+1)*N)`` form domain d); must
+            divide R. A replica of expert e is hosted only in its home's domain
+            (``t // N == home(e) // N``), so no weight or replica gradient crosses a domain; tokens
+            still go anywhere. The max rank load is then at least ``domain_lower_bound``.
+            ``None`` or R: one domain, the plain planner (same plans bit for bit).
         implementation: "compiled" (numba, the default) or "reference" (plain Python, slow;
             returns the same plan bit for bit).
 
@@ -87,6 +119,7 @@ def solve(load: torch.Tensor, num_slots: int, *, min_quota: int | None = None,
     R, E = validate_load(load)
     if isinstance(num_slots, bool) or not isinstance(num_slots, (int, np.integer)) or num_slots < 0:
         raise ValueError(f"num_slots must be an int >= 0, got {num_slots!r}")
+    domain_size = validate_domain_size(domain_size, R)
     if min_quota is not None and (isinstance(min_quota, bool)
                                   or not isinstance(min_quota, (int, np.integer)) or min_quota < 1):
         raise ValueError(f"min_quota must be an int >= 1 or None, got {min_quota!r}")
@@ -102,7 +135,7 @@ def solve(load: torch.Tensor, num_slots: int, *, min_quota: int | None = None,
         # min_quota 0: the kernel derives the default from the total it computes anyway.
         status, slot_expert, quota, physical_split, threshold = _compiled.solve_arrays(
             array, int(num_slots), 0 if min_quota is None else int(min_quota),
-            DEFAULT_MIN_QUOTA_DIVISOR)
+            DEFAULT_MIN_QUOTA_DIVISOR, domain_size)
         if status == _compiled.NEGATIVE_LOAD:
             raise ValueError("load has negative entries")
     elif implementation == "reference":
@@ -111,7 +144,7 @@ def solve(load: torch.Tensor, num_slots: int, *, min_quota: int | None = None,
         if min_quota is None:
             min_quota = default_min_quota(int(array.sum()), R)
         slot_expert, quota, physical_split, threshold = reference.solve_arrays(
-            array, int(num_slots), int(min_quota))
+            array, int(num_slots), int(min_quota), domain_size)
     else:
         raise ValueError(
             f"implementation must be 'compiled' or 'reference', got {implementation!r}")
@@ -188,44 +221,68 @@ def _assign_tokens_vectorized(plan: Plan, rank: int, topk_ids: torch.Tensor) -> 
     return physical.view_as(topk_ids)
 
 
-def metrics(load: torch.Tensor, plan: Plan) -> dict:
+def _max_over_mean(per_rank: torch.Tensor, total: int) -> float:
+    """max / mean of a per-rank figure [R] summing to ``total`` (1.0 when it is 0)."""
+    return float(per_rank.max()) / (total / per_rank.numel()) if total else 1.0
+
+
+def rank_imbalance(load: torch.Tensor) -> float:
+    """max / mean per-rank load of ``load`` int64 [R, E] with every expert at home (1.0 for an
+    all-zero load): the imbalance before balancing, what a trigger compares with."""
+    R, E = validate_load(load)
+    return _max_over_mean(load.sum(0).view(R, E // R).sum(1), int(load.sum()))
+
+
+def metrics(load: torch.Tensor, plan: Plan, *, domain_size: int | None = None) -> dict:
     """Balancing metrics of ``plan`` on ``load`` [R, E].
 
     Returns a dict of Python scalars:
         imbalance_before / imbalance_after: max / mean per-rank load before and after reroute
             (1.0 for an all-zero load);
+        memory_spread_before / memory_spread_after: max / mean of the (token, expert) rows each
+            rank receives in the dispatch all-to-all and keeps as expert activations, without
+            balancing and under the plan. A rank receives exactly the rows it computes (the
+            columns of ``physical_split`` realize the quotas), so these equal the imbalances:
+            balancing the compute evens out activation memory too (UltraEP Fig. 14);
         threshold: the plan's max rank load; lower_bound: ceil(total / R);
         replicas: filled redundant slots; max_fanout: most instances of one expert (main
             included); max_replicas_per_home: most replicas of one rank's main experts (what that
             rank must send in weight distribution, UltraEP eq. 5);
+        cross_domain_replicas: replicas hosted outside their home's NVLink domain of
+            ``domain_size`` ranks (None: one domain, so 0);
         inflight_ratio: share of tokens whose destination rank is not their source rank;
         min_replica_quota: smallest quota of a replica (None without replicas).
     """
     R, E = validate_load(load)
     if plan.num_ranks != R or plan.num_experts != E:
         raise ValueError("plan and load have different shapes")
+    N = validate_domain_size(domain_size, R)
     G, L = E // R, plan.physical_slots_per_rank
     total = int(load.sum())
-    mean = total / R
-    before = load.sum(0).view(R, G).sum(1)
-    after = plan.quota.sum(0)
+    imbalance_before = _max_over_mean(load.sum(0).view(R, G).sum(1), total)
+    imbalance_after = _max_over_mean(plan.quota.sum(0), total)
     filled = plan.slot_expert >= 0
     replicated = plan.slot_expert[filled]
+    hosts = filled.nonzero()[:, 0]
     per_expert = torch.bincount(replicated, minlength=E)
     # Tokens that stay on their source rank: the diagonal blocks of physical_split [R, R * L].
     local = int(plan.physical_split.view(R, R, L).diagonal(dim1=0, dim2=1).sum())
-    replica_quota = plan.quota[replicated, filled.nonzero()[:, 0]]
+    replica_quota = plan.quota[replicated, hosts]
     return {
-        "imbalance_before": float(before.max()) / mean if total else 1.0,
-        "imbalance_after": float(after.max()) / mean if total else 1.0,
+        "imbalance_before": imbalance_before,
+        "imbalance_after": imbalance_after,
+        "memory_spread_before": imbalance_before,
+        "memory_spread_after": imbalance_after,
         "threshold": int(plan.threshold),
         "lower_bound": -(-total // R),
         "replicas": int(filled.sum()),
         "max_fanout": 1 + int(per_expert.max()) if E else 1,
         "max_replicas_per_home": int(per_expert.view(R, G).sum(1).max()),
+        "cross_domain_replicas": 0 if N == R else int(
+            torch.count_nonzero(hosts // N != replicated // (G * N))),
         "inflight_ratio": 1.0 - local / total if total else 0.0,
         "min_replica_quota": int(replica_quota.min()) if replica_quota.numel() else None,
     }
 
 
-from . import baselines, synthetic  # noqa: E402  (they import validate_load from here)
+from . import baselines, peers, synthetic  # noqa: E402  (they import validate_load from here)

@@ -22,29 +22,36 @@ NEGATIVE_LOAD = 1
 
 
 @njit(cache=True, nogil=True)
-def _probe(tau, expert_load, rank_load, experts_per_rank, num_slots, min_quota,
-           slack, free_slots, main_left, bins, hosts, piece_expert, piece_rank, piece_quota):
+def _probe(tau, expert_load, rank_load, experts_per_rank, num_slots, min_quota, domain_size,
+           slack, free_slots, main_left, bins, hosts, domain_hosts, piece_expert, piece_rank,
+           piece_quota):
     """Greedy feasibility oracle for threshold ``tau`` (reference.greedy_replicas).
 
     Fills piece_* (replica expert, host rank, quota) and ``main_left`` (main-instance quota);
     returns the number of replicas, or -1 if the greedy cannot bring every rank to ``tau``.
-    ``slack``, ``free_slots``, ``bins``, ``hosts`` are scratch arrays of length R.
+    ``slack``, ``free_slots``, ``bins``, ``hosts`` are scratch arrays of length R,
+    ``domain_hosts`` of length R // domain_size. A rank only ever deals with hosts of its own
+    domain d, kept in d's segment of ``hosts``: ``hosts[d*N : d*N + domain_hosts[d]]`` are the
+    domain's ranks with a free slot and slack >= min_quota, in any order (host choice breaks ties
+    by rank id, never by position).
     """
     R = rank_load.shape[0]
     G = experts_per_rank
+    N = domain_size
     num_bins = 0
-    num_hosts = 0  # hosts[:num_hosts]: ranks with a free slot and slack >= min_quota, any order
-    for r in range(R):
-        free_slots[r] = num_slots
-        if rank_load[r] > tau:
-            slack[r] = 0
-            bins[num_bins] = r
-            num_bins += 1
-        else:
-            slack[r] = tau - rank_load[r]
-            if slack[r] >= min_quota:
-                hosts[num_hosts] = r
-                num_hosts += 1
+    for d in range(R // N):
+        domain_hosts[d] = 0
+        for r in range(d * N, d * N + N):
+            free_slots[r] = num_slots
+            if rank_load[r] > tau:
+                slack[r] = 0
+                bins[num_bins] = r
+                num_bins += 1
+            else:
+                slack[r] = tau - rank_load[r]
+                if slack[r] >= min_quota:
+                    hosts[d * N + domain_hosts[d]] = r
+                    domain_hosts[d] += 1
     for e in range(expert_load.shape[0]):
         main_left[e] = expert_load[e]
     # Overloaded ranks by descending load, ties by rank id (insertion sort: stable, few bins).
@@ -59,6 +66,9 @@ def _probe(tau, expert_load, rank_load, experts_per_rank, num_slots, min_quota,
     n = 0
     for b in range(num_bins):
         r = bins[b]
+        d = r // N
+        base = d * N  # r's domain's hosts: hosts[base : base + num_hosts]
+        num_hosts = domain_hosts[d]
         need = rank_load[r] - tau
         first = n  # this rank's replicas are pieces [first, n)
         while need > 0:
@@ -77,10 +87,10 @@ def _probe(tau, expert_load, rank_load, experts_per_rank, num_slots, min_quota,
                 main_left[piece_expert[best_i]] -= best_amount
                 need -= best_amount
                 if slack[t] < min_quota:
-                    for h in range(num_hosts):
+                    for h in range(base, base + num_hosts):
                         if hosts[h] == t:
                             num_hosts -= 1
-                            hosts[h] = hosts[num_hosts]
+                            hosts[h] = hosts[base + num_hosts]
                             break
                 continue
             # 2. New replica of the main expert with the most load left.
@@ -94,7 +104,7 @@ def _probe(tau, expert_load, rank_load, experts_per_rank, num_slots, min_quota,
             want = max(min(need, cap), min_quota)
             fit_h = -1
             big_h = -1
-            for h in range(num_hosts):
+            for h in range(base, base + num_hosts):
                 t = hosts[h]
                 dup = False
                 for i in range(first, n):
@@ -127,25 +137,26 @@ def _probe(tau, expert_load, rank_load, experts_per_rank, num_slots, min_quota,
             main_left[e] -= amount
             if free_slots[t] == 0 or slack[t] < min_quota:
                 num_hosts -= 1
-                hosts[h] = hosts[num_hosts]
+                hosts[h] = hosts[base + num_hosts]
             if amount >= need:
                 slack[r] += amount - need  # over-shed: r becomes a host
                 need = 0
                 if slack[r] >= min_quota:
-                    hosts[num_hosts] = r
+                    hosts[base + num_hosts] = r
                     num_hosts += 1
             else:
                 need -= amount
+        domain_hosts[d] = num_hosts
     return n
 
 
 @njit(cache=True, nogil=True)
-def solve_arrays(load, num_slots, min_quota, min_quota_divisor):
+def solve_arrays(load, num_slots, min_quota, min_quota_divisor, domain_size):
     """Plan for ``load`` int64 [R, E] (reference.solve_arrays).
 
     Returns (status, slot_expert [R, S], quota [E, R], physical_split [R, R * (E//R + S)],
     threshold). ``min_quota`` is an int >= 1, or 0 for the default (computed here, where the total
-    is at hand: ``max(1, ceil(total / (min_quota_divisor * R)))``).
+    is at hand: ``max(1, ceil(total / (min_quota_divisor * R)))``). ``domain_size`` divides R.
     """
     R, E = load.shape
     G = E // R
@@ -168,6 +179,13 @@ def solve_arrays(load, num_slots, min_quota, min_quota_divisor):
     max_rank_load = 0
     for r in range(R):
         max_rank_load = max(max_rank_load, rank_load[r])
+    N = domain_size
+    lower = 0  # reference.domain_lower_bound
+    for d in range(R // N):
+        domain_total = 0
+        for r in range(d * N, d * N + N):
+            domain_total += rank_load[r]
+        lower = max(lower, -(-domain_total // N))
     if min_quota == 0:
         min_quota = max(1, -(-total // (min_quota_divisor * R)))
 
@@ -175,16 +193,16 @@ def solve_arrays(load, num_slots, min_quota, min_quota_divisor):
     free_slots = np.empty(R, np.int64)
     bins = np.empty(R, np.int64)
     hosts = np.empty(R, np.int64)
+    domain_hosts = np.empty(R // N, np.int64)
     main_left = np.empty(E, np.int64)
     cap_pieces = max(R * min(S, E), 1)  # each replica takes a slot; a rank holds < E distinct
     piece_expert = np.empty(cap_pieces, np.int64)
     piece_rank = np.empty(cap_pieces, np.int64)
     piece_quota = np.empty(cap_pieces, np.int64)
 
-    # Threshold search (reference.search_threshold): probe the average bound, else gallop upward
+    # Threshold search (reference.search_threshold): probe the lower bound, else gallop upward
     # and bisect down to ``resolution``; finally re-probe the best threshold if the last probe was
     # another one. Written as one loop so that _probe has a single call site (faster compile).
-    lower = -(-total // R)
     n = 0
     good = max_rank_load
     if S > 0 and R > 1 and lower < max_rank_load:
@@ -195,8 +213,8 @@ def solve_arrays(load, num_slots, min_quota, min_quota_divisor):
         galloping = True
         final = False
         while True:
-            n = _probe(tau, expert_load, rank_load, G, S, min_quota, slack, free_slots,
-                       main_left, bins, hosts, piece_expert, piece_rank, piece_quota)
+            n = _probe(tau, expert_load, rank_load, G, S, min_quota, N, slack, free_slots,
+                       main_left, bins, hosts, domain_hosts, piece_expert, piece_rank, piece_quota)
             if final:
                 break
             if n >= 0:

@@ -6,6 +6,10 @@
   redundant slots (main experts never move), then round-robin reroute.
 - ``eplb_exact(load, S)``: the paper's EPLB++, the same rule on the exact current load.
 
+Both EPLB baselines are the paper's *fixed-layout* EPLB: main experts stay at home and only the
+redundant slots are filled, so their labels (``LABELS``; aliases ``eplb_fixed``,
+``eplb_exact_fixed``) say so. DeepSeek's own EPLB re-places every expert: ``peers.deepseek_eplb``.
+
 Not on the hot path: plain numpy/torch, no compiled code.
 """
 
@@ -19,7 +23,15 @@ import torch
 from . import validate_load
 from .plan import Plan, plan_from_split
 
-__all__ = ["none", "eplb", "eplb_exact", "eplb_slots", "round_robin"]
+__all__ = ["none", "eplb", "eplb_exact", "eplb_fixed", "eplb_exact_fixed", "eplb_slots",
+           "round_robin", "round_robin_split", "LABELS"]
+
+#: Display labels of the baselines by ``--moe-balancer`` name.
+LABELS = {
+    "none": "none",
+    "eplb": "eplb-fixed (history; mains at home)",
+    "eplb-exact": "eplb++-fixed (exact load; mains at home)",
+}
 
 
 def none(load: torch.Tensor, num_slots: int) -> Plan:
@@ -92,7 +104,6 @@ def round_robin(load: torch.Tensor, slot_expert: torch.Tensor) -> Plan:
     if bool((load < 0).any()):
         raise ValueError("load has negative entries")
     G = E // R
-    device = load.device
     if slot_expert.dim() != 2 or slot_expert.shape[0] != R:
         raise ValueError(f"slot_expert must be [R={R}, S], got {tuple(slot_expert.shape)}")
     hosts = [[e // G] for e in range(E)]
@@ -101,11 +112,24 @@ def round_robin(load: torch.Tensor, slot_expert: torch.Tensor) -> Plan:
             if e >= 0:
                 hosts[e].append(t)
     M = max(len(h) for h in hosts)
-    host_rank = torch.full((E, M), R, dtype=torch.int64)  # R: padding column, dropped below
+    host_rank = torch.full((E, M), R, dtype=torch.int64)  # R: padding
     for e, h in enumerate(hosts):
         host_rank[e, :len(h)] = torch.tensor([h[0]] + sorted(h[1:]))
+    return plan_from_split(slot_expert.to(load.device), round_robin_split(load, host_rank))
+
+
+def round_robin_split(load: torch.Tensor, host_rank: torch.Tensor) -> torch.Tensor:
+    """Round-robin split over given instances: int64 [R, E, R] tokens of e from s computed on t.
+
+    ``load`` [R, E]; ``host_rank`` int64 [E, M]: the rank of each instance of expert e in
+    instance order, padded with R (every expert has at least one instance; two instances may share
+    a rank). Source s's j-th token of e goes to instance ``(s + j) % n_e``.
+    """
+    R, E = load.shape
+    device = load.device
     host_rank = host_rank.to(device)
-    n = torch.tensor([len(h) for h in hosts], dtype=torch.int64, device=device)  # [E]
+    M = host_rank.shape[1]
+    n = (host_rank < R).sum(1)  # [E]
     base, rem = load // n, load % n  # [R, E]
     i = torch.arange(M, device=device).view(1, 1, M)
     s = torch.arange(R, device=device).view(R, 1, 1)
@@ -113,7 +137,7 @@ def round_robin(load: torch.Tensor, slot_expert: torch.Tensor) -> Plan:
     amount = amount * (i < n.view(1, E, 1))  # [R, E, M]
     split = torch.zeros((R, E, R + 1), dtype=torch.int64, device=device)
     split.scatter_add_(2, host_rank.unsqueeze(0).expand(R, E, M), amount)
-    return plan_from_split(slot_expert.to(device), split[:, :, :R])
+    return split[:, :, :R]
 
 
 def eplb(history: torch.Tensor, num_slots: int, *, load: torch.Tensor | None = None) -> Plan:
@@ -139,6 +163,10 @@ def eplb(history: torch.Tensor, num_slots: int, *, load: torch.Tensor | None = N
 def eplb_exact(load: torch.Tensor, num_slots: int) -> Plan:
     """The paper's EPLB++: EPLB's rule on the exact current load, round-robin reroute."""
     return eplb(load, num_slots, load=load)
+
+
+eplb_fixed = eplb  # the label's name: fixed layout, mains at home
+eplb_exact_fixed = eplb_exact
 
 
 def _check_slots(num_slots) -> None:

@@ -5,7 +5,14 @@
 
 The algorithm (details and rationale in ``docs/planner.md``):
 
-1. Threshold search. ``lower = ceil(total / R)`` (no plan beats the average). Probe ``lower``; if
+NVLink domains: with ``domain_size`` N, ranks ``[d*N, (d+1)*N)`` form domain d and a replica of
+expert e may only be hosted in its home's domain. The load of domain d's experts then stays on its
+N ranks, so no plan beats ``lower = max_d ceil(total_d / N)``; the oracle below only offers hosts of
+the shedding rank's domain. One threshold for all domains: a domain below it needs no replica
+(lowering a rank that is not the busiest does not shorten the layer). N = R is the plain planner.
+
+1. Threshold search. ``lower = ceil(total / R)`` (no plan beats the average; with domains the
+   bound above). Probe ``lower``; if
    the greedy oracle fails, gallop upward in steps ``resolution, 2*resolution, 4*resolution, ...``
    until a probe succeeds, then bisect down to ``resolution = max(1, lower >> 10)`` (0.1 % of the
    mean rank load). The maximum initial rank load is always feasible (no replicas).
@@ -14,7 +21,8 @@ The algorithm (details and rationale in ``docs/planner.md``):
    a. top up a replica this rank already placed, if its host still has slack (no new slot);
    b. else create a replica of the rank's main expert with the most load left, on the host that
       best fits the remaining excess (smallest slack >= it), or if none fits on the host with the
-      largest slack. Hosts need a free slot, slack >= min_quota, and no instance of the expert.
+      largest slack. Hosts are in the rank's domain and need a free slot, slack >= min_quota, and
+      no instance of the expert.
       A replica takes ``max(min(excess, load left), min_quota)`` tokens, clipped to the host's
       slack and the load left; when it fills the host's *last* slot it takes all it can
       (``min(slack, load left)``), since slack behind a full rank would be stranded.
@@ -32,8 +40,9 @@ import numpy as np
 
 
 def greedy_replicas(tau: int, expert_load: list[int], rank_load: list[int], experts_per_rank: int,
-                    num_slots: int, min_quota: int):
-    """Greedy oracle: can every rank be brought to at most ``tau`` tokens?
+                    num_slots: int, min_quota: int, domain_size: int):
+    """Greedy oracle: can every rank be brought to at most ``tau`` tokens (replicas inside the
+    shedding rank's domain of ``domain_size`` ranks)?
 
     Returns ``(pieces, main_left)`` — ``pieces`` a list of ``[expert, host_rank, quota]`` in
     creation order and ``main_left[e]`` the quota left on expert e's main instance — or None.
@@ -62,7 +71,8 @@ def greedy_replicas(tau: int, expert_load: list[int], rank_load: list[int], expe
                     return None
                 want = max(min(need, cap), min_quota)
                 hosts = [t for t in range(R)
-                         if t != r and free_slots[t] > 0 and slack[t] >= min_quota
+                         if t != r and t // domain_size == r // domain_size
+                         and free_slots[t] > 0 and slack[t] >= min_quota
                          and (e, t) not in {(p[0], p[1]) for p in mine}]
                 if not hosts:
                     return None
@@ -89,17 +99,24 @@ def greedy_replicas(tau: int, expert_load: list[int], rank_load: list[int], expe
     return pieces, main_left
 
 
+def domain_lower_bound(rank_load: list[int], domain_size: int) -> int:
+    """``max_d ceil(total_d / N)``: no plan keeping replicas inside domains beats it."""
+    N = domain_size
+    return max(-(-sum(rank_load[d:d + N]) // N) for d in range(0, len(rank_load), N))
+
+
 def search_threshold(expert_load: list[int], rank_load: list[int], experts_per_rank: int,
-                     num_slots: int, min_quota: int):
+                     num_slots: int, min_quota: int, domain_size: int):
     """Smallest threshold the oracle reaches (to ``resolution``); returns (pieces, main_left)."""
     R = len(rank_load)
     identity = ([], list(expert_load))
-    lower, highest = -(-sum(rank_load) // R), max(rank_load)
+    lower, highest = domain_lower_bound(rank_load, domain_size), max(rank_load)
     if num_slots == 0 or R == 1 or lower >= highest:
         return identity
 
     def oracle(tau):
-        return greedy_replicas(tau, expert_load, rank_load, experts_per_rank, num_slots, min_quota)
+        return greedy_replicas(tau, expert_load, rank_load, experts_per_rank, num_slots, min_quota,
+                               domain_size)
 
     result = oracle(lower)
     if result is not None:
@@ -153,7 +170,7 @@ def reroute(load: np.ndarray, quota: np.ndarray, instance_slot: np.ndarray,
     return split
 
 
-def solve_arrays(load: np.ndarray, num_slots: int, min_quota: int):
+def solve_arrays(load: np.ndarray, num_slots: int, min_quota: int, domain_size: int):
     """Same contract as ``_compiled.solve_arrays`` (without the status code; input is valid).
 
     load int64 [R, E] -> (slot_expert [R, S], quota [E, R], physical_split [R, R*(E//R+S)],
@@ -163,7 +180,8 @@ def solve_arrays(load: np.ndarray, num_slots: int, min_quota: int):
     G = E // R
     expert_load = [int(x) for x in load.sum(0)]
     rank_load = [sum(expert_load[r * G:(r + 1) * G]) for r in range(R)]
-    pieces, main_left = search_threshold(expert_load, rank_load, G, num_slots, min_quota)
+    pieces, main_left = search_threshold(expert_load, rank_load, G, num_slots, min_quota,
+                                         domain_size)
 
     slot_expert = np.full((R, num_slots), -1, np.int64)
     quota = np.zeros((E, R), np.int64)
