@@ -5,8 +5,11 @@ Measures forward+backward throughput (tokens/s over the EP group) of, in one run
   ultraep        the same layer balanced by UltraEP (BalancedMoELayer),
   eplb-exact     EPLB's replication rule on the exact load, through the same dispatcher,
   force-balanced megatron-core's MoELayer with --moe-router-force-load-balancing (the ideal),
-and UltraEP's overhead breakdown (plan, weight distribution + re-materialization + gradient
-reduction, reroute), per iteration.
+and, for the balanced layers, the balancing overheads per iteration: planning on the host, the
+replica transfers (weight distribution, re-materialization, gradient reduction) and the reroute.
+Transfers are reported twice: "exposed", the host time the overlapped layer spends issuing and
+waiting for them (what compute did not hide), and "total", the same with every transfer waited for
+where it is issued (``--moe-balancer-no-overlap``; measured on its own layer in the same run).
 
     bash tools/ensure_env.sh >/dev/null && ~/.cache/ultraep-megatron/venv/bin/python tools/bench_moe_layer.py
 
@@ -44,23 +47,22 @@ def parse_args():
                    help="--moe-router-force-biased std (negative: fixed bias per layer)")
     p.add_argument("--iters", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="measure every layer this many times (interleaved); ratios are medians")
     return p.parse_args()
 
 
-def build(cfg, balancer: str | None, force_balanced: bool):
-    from megatron.core import parallel_state
+def build(cfg, balancer: str | None, force_balanced: bool, overlap: bool = True):
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from ultraep_megatron.megatron.balanced_moe import BalancedMoELayer
-    from ultraep_megatron.megatron.runtime import BalancerConfig, reset_runtime
+    from ultraep_megatron.megatron.context import BalancingContext
+    from ultraep_megatron.megatron.runtime import BalancerConfig
 
-    reset_runtime()
-    parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(expert_model_parallel_size=cfg.ep_size)
-    model_parallel_cuda_manual_seed(1234)
+    model_parallel_cuda_manual_seed(1234)  # every layer starts from the same weights
     config = TransformerConfig(
         num_layers=1, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,
         moe_ffn_hidden_size=cfg.ffn_hidden_size, num_attention_heads=4,
@@ -73,24 +75,26 @@ def build(cfg, balancer: str | None, force_balanced: bool):
     )
     builder = get_moe_module_spec(use_te=False, num_experts=cfg.num_experts, moe_grouped_gemm=False)
     if balancer is not None:
-        builder = functools.partial(
-            BalancedMoELayer, submodules=builder.keywords["submodules"],
-            balancer_config=BalancerConfig(name=balancer, num_slots=cfg.num_slots))
+        balancing = BalancingContext(BalancerConfig(name=balancer, num_slots=cfg.num_slots), overlap=overlap)
+        builder = functools.partial(BalancedMoELayer, submodules=builder.keywords["submodules"],
+                                    balancing=balancing)
     layer = builder(config=config, pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
                     is_mtp_layer=False)
     layer.set_layer_number(1)
     return layer
 
 
-def measure(cfg, layer) -> tuple[float, float, float, float]:
+def measure(cfg, layer) -> dict:
     """Per forward+backward, medians over the timed iterations:
 
-    (wall seconds of the group (max over ranks), busiest rank's CPU seconds, mean rank CPU seconds,
-    max/mean rows received by the ranks' experts).
+    wall: seconds of the group (max over ranks); cpu_max / cpu_mean: the busiest rank's and the mean
+    rank's critical path; imbalance: max/mean rows received by the ranks' experts; for a balanced
+    layer, its overheads per iteration (busiest rank): plan, host (all host planning work),
+    transfers (host time in transfers), reroute.
 
-    CPU seconds are the main thread's (``time.thread_time``): compute only, not time spent waiting
-    in gloo or descheduled, so their max over ranks is the critical path a rank with a dedicated
-    device would see even when this VM's cores are shared with other work.
+    A rank's critical path is its main thread's CPU time (``time.thread_time``: compute, not time
+    descheduled while this VM's cores run other work) plus the time it was blocked waiting for a
+    replica transfer: what a rank with a device of its own would spend.
     """
     rank = torch.distributed.get_rank()
     gen = torch.Generator().manual_seed(rank)
@@ -105,14 +109,20 @@ def measure(cfg, layer) -> tuple[float, float, float, float]:
     layer.routed_experts_compute = counting
     times, cpu_max, cpu_mean = [], [], []
     world = torch.distributed.get_world_size()
+    balancing = getattr(layer, "balancing", None)
     for i in range(cfg.warmup + cfg.iters):
         xi = x.clone().requires_grad_(True)
         torch.distributed.barrier()
+        blocked0 = balancing.overheads.transfer_blocked_seconds if balancing is not None else 0.0
         t0, c0 = time.perf_counter(), time.thread_time()
         out, _ = layer(xi)
         out.sum().backward()
         cpu = time.thread_time() - c0
         t = torch.tensor([time.perf_counter() - t0])
+        # The critical path of a rank with a device of its own: its compute, plus the time it sat
+        # waiting for a replica transfer (a transfer's exposed time).
+        if balancing is not None:
+            cpu += balancing.overheads.transfer_blocked_seconds - blocked0
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
         cpus = [torch.zeros(1) for _ in range(world)]
         torch.distributed.all_gather(cpus, torch.tensor([cpu]))
@@ -120,17 +130,31 @@ def measure(cfg, layer) -> tuple[float, float, float, float]:
             times.append(float(t))
             cpu_max.append(float(torch.cat(cpus).max()))
             cpu_mean.append(float(torch.cat(cpus).mean()))
-        if i == cfg.warmup - 1:  # overhead counters cover the timed iterations only
-            from ultraep_megatron.megatron.runtime import get_runtime
-
-            rt = get_runtime()
-            rt.plan_seconds = rt.transfer_seconds = rt.reroute_seconds = 0.0
+        if i == cfg.warmup - 1 and balancing is not None:  # overheads of the timed iterations only
+            balancing.overheads.reset()
     received = torch.tensor([float(rows[-1])])
-    gathered = [torch.zeros(1) for _ in range(torch.distributed.get_world_size())]
+    gathered = [torch.zeros(1) for _ in range(world)]
     torch.distributed.all_gather(gathered, received)
     loads = torch.cat(gathered)
-    median = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
-    return median(times), median(cpu_max), median(cpu_mean), float(loads.max() / loads.mean())
+    result = dict(wall=median(times), cpu_max=median(cpu_max), cpu_mean=median(cpu_mean),
+                  imbalance=float(loads.max() / loads.mean()))
+    if balancing is not None:
+        o = balancing.overheads
+        mine = torch.tensor([o.plan_seconds, o.host_seconds, o.transfer_seconds, o.reroute_seconds]) / cfg.iters
+        torch.distributed.all_reduce(mine, op=torch.distributed.ReduceOp.MAX)
+        result.update(zip(("plan", "host", "transfers", "reroute"), mine.tolist()))
+    return result
+
+
+def median(values):
+    values = sorted(values)
+    return values[len(values) // 2]
+
+
+# (row label, balancer, force-balanced router, overlapped transfers)
+LAYERS = (("none", None, False, True), ("ultraep", "ultraep", False, True),
+          ("ultraep no-overlap", "ultraep", False, False), ("eplb-exact", "eplb-exact", False, True),
+          ("eplb-exact no-overlap", "eplb-exact", False, False), ("force-balanced", None, True, True))
 
 
 def worker(cfg):
@@ -138,36 +162,54 @@ def worker(cfg):
 
     cpu_backend.activate()
     torch.distributed.init_process_group("gloo")
-    from ultraep_megatron.megatron.runtime import get_runtime
+    from megatron.core import parallel_state
 
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=cfg.ep_size)
     rank = torch.distributed.get_rank()
     tokens = cfg.tokens_per_rank * cfg.ep_size
-    rows = []
-    for name, balancer, force in (("none", None, False), ("ultraep", "ultraep", False),
-                                  ("eplb-exact", "eplb-exact", False), ("force-balanced", None, True)):
-        layer = build(cfg, balancer, force)
-        seconds, cpu_max, cpu_mean, imbalance = measure(cfg, layer)
-        overhead = ""
-        if balancer is not None:
-            rt = get_runtime()
-            n = cfg.iters
-            overhead = (f"plan {rt.plan_seconds / n * 1e3:.2f} ms, transfers {rt.transfer_seconds / n * 1e3:.2f} ms, "
-                        f"reroute {rt.reroute_seconds / n * 1e3:.2f} ms")
-        rows.append((name, seconds, tokens / seconds, cpu_max, cpu_mean, imbalance, overhead))
+    layers = {label: build(cfg, balancer, force, overlap) for label, balancer, force, overlap in LAYERS}
+    runs = {label: [] for label in layers}
+    for _ in range(cfg.repeats):  # interleaved, so drifting machine load hits every layer alike
+        for label, layer in layers.items():
+            runs[label].append(measure(cfg, layer))
     if rank == 0:
-        ideal, ideal_cpu = rows[-1][2], rows[-1][3]
-        print(f"\nMoE layer fwd+bwd, EP={cfg.ep_size} (gloo, 1 thread/rank), E={cfg.num_experts}, top-{cfg.topk}, "
-              f"hidden {cfg.hidden_size}, ffn {cfg.ffn_hidden_size}, {cfg.tokens_per_rank} tokens/rank, "
-              f"{cfg.num_slots} slot(s)/rank, router bias std {cfg.router_bias_std}")
-        print("wall: slowest rank's wall time; CPU: main-thread compute time of the busiest rank (the "
-              "critical path with a device per rank) and its x force-balanced (lower busiest-rank CPU = higher)")
-        print(f"| {'balancer':<15} | {'wall ms':>8} | {'tokens/s':>9} | {'wall x f-b':>10} | {'busiest CPU ms':>14} "
-              f"| {'mean CPU ms':>11} | {'CPU x f-b':>9} | {'rank imbalance':>14} | balancing overhead per timed iteration")
-        print(f"|{'-' * 17}|{'-' * 10}|{'-' * 11}|{'-' * 12}|{'-' * 16}|{'-' * 13}|{'-' * 11}|{'-' * 16}|---")
-        for name, seconds, tps, cpu_max, cpu_mean, imbalance, overhead in rows:
-            print(f"| {name:<15} | {seconds * 1e3:8.1f} | {tps:9.0f} | {tps / ideal:10.2f} | {cpu_max * 1e3:14.1f} "
-                  f"| {cpu_mean * 1e3:11.1f} | {ideal_cpu / cpu_max:9.2f} | {imbalance:14.2f} | {overhead}")
+        report(cfg, tokens, runs)
     torch.distributed.destroy_process_group()
+
+
+def report(cfg, tokens, runs) -> None:
+    ideal = runs["force-balanced"]
+    print(f"\nMoE layer fwd+bwd, EP={cfg.ep_size} (gloo, 1 thread/rank), E={cfg.num_experts}, top-{cfg.topk}, "
+          f"hidden {cfg.hidden_size}, ffn {cfg.ffn_hidden_size}, {cfg.tokens_per_rank} tokens/rank, "
+          f"{cfg.num_slots} slot(s)/rank, router bias std {cfg.router_bias_std}; {cfg.repeats} repeats x "
+          f"{cfg.iters} timed iterations, medians")
+    print("x f-b: force-balanced's time / this layer's (higher is better), per repeat then the median; "
+          "wall: slowest rank; critical: the busiest rank's compute (main-thread CPU time) plus its "
+          "time blocked on replica transfers (the critical path with a device per rank)")
+    print(f"| {'layer':<21} | {'wall ms':>8} | {'tokens/s':>9} | {'wall x f-b':>10} | {'critical ms':>14} "
+          f"| {'critical x f-b (repeats)':>26} | {'imbalance':>9} | {'plan ms':>7} | {'host ms':>7} "
+          f"| {'transfers ms':>12} | {'reroute ms':>10} |")
+    print(f"|{'-' * 23}|{'-' * 10}|{'-' * 11}|{'-' * 12}|{'-' * 16}|{'-' * 28}|{'-' * 11}|{'-' * 9}"
+          f"|{'-' * 9}|{'-' * 14}|{'-' * 12}|")
+    for label, measured in runs.items():
+        wall_ratios = [f["wall"] / m["wall"] for f, m in zip(ideal, measured)]
+        cpu_ratios = [f["cpu_max"] / m["cpu_max"] for f, m in zip(ideal, measured)]
+        wall = median([m["wall"] for m in measured])
+        per_repeat = " ".join(f"{r:.2f}" for r in cpu_ratios)
+        overheads = ""
+        if "plan" in measured[0]:
+            overheads = " | ".join(f"{median([m[k] for m in measured]) * 1e3:{w}.2f}"
+                                   for k, w in (("plan", 7), ("host", 7), ("transfers", 12), ("reroute", 10)))
+        else:
+            overheads = " | ".join(f"{'':>{w}}" for w in (7, 7, 12, 10))
+        print(f"| {label:<21} | {wall * 1e3:8.1f} | {tokens / wall:9.0f} | {median(wall_ratios):10.2f} "
+              f"| {median([m['cpu_max'] for m in measured]) * 1e3:14.1f} | {median(cpu_ratios):5.2f} ({per_repeat:>18}) "
+              f"| {median([m['imbalance'] for m in measured]):9.2f} | {overheads} |")
+    for name in ("ultraep", "eplb-exact"):
+        exposed = median([m["transfers"] for m in runs[name]])
+        total = median([m["transfers"] for m in runs[f"{name} no-overlap"]])
+        print(f"{name}: transfers {total * 1e3:.2f} ms per iteration when waited where issued, "
+              f"{exposed * 1e3:.2f} ms exposed when overlapped ({1 - exposed / total if total else 0:.0%} hidden)")
 
 
 def main():

@@ -34,6 +34,8 @@ CASES = {
     "flex_ncclep": ([*ULTRAEP, "--moe-token-dispatcher-type", "flex",
                      "--moe-flex-dispatcher-backend", "ncclep"], "--moe-flex-dispatcher-backend ncclep"),
     "te_op_fuser": ([*ULTRAEP, "--use-transformer-engine-op-fuser"], "--use-transformer-engine-op-fuser"),
+    # The replica experts share one module across layers: TE's cached fp8 weights would leak.
+    "fp8": ([*ULTRAEP, "--fp8-format", "hybrid"], "--fp8-format"),
     "trace_without_balancer": (["--moe-balancer-trace-dir", "/tmp/x"], "--moe-balancer-trace-dir"),
     "dense_model": (None, "--num-experts"),
 }

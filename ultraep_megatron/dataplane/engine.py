@@ -196,9 +196,11 @@ class TransferHandle:
     per backend); a second ``wait()`` is a no-op.
 
     Attributes:
-        host_seconds: time the calling thread spent issuing and waiting for this transfer. On the
-            CPU (gloo) this is the transfer time the caller could not hide; on CUDA it is the host's
-            issue cost only.
+        host_seconds: wall time the calling thread spent issuing and waiting for this transfer. On
+            the CPU (gloo) this is the transfer time the caller could not hide; on CUDA it is the
+            host's issue cost only.
+        host_cpu_seconds: CPU time of the calling thread in the same calls (packing, folding);
+            ``host_seconds - host_cpu_seconds`` is the time it was blocked.
     """
 
     def __init__(self, program: Iterator[list], works: list, *, stream_ordered: bool,
@@ -211,7 +213,7 @@ class TransferHandle:
         self._keep = keep  # tensors the operations in flight read or write
         self._event = None
         self._done = False
-        self.host_seconds = 0.0
+        self.host_seconds = self.host_cpu_seconds = 0.0
 
     @property
     def done(self) -> bool:
@@ -221,7 +223,7 @@ class TransferHandle:
     @torch.no_grad()
     def _issue(self) -> None:
         """Issue operations until one must wait for a receive (gloo) or all are issued (CUDA)."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         if self._stream_ordered:
             with torch.cuda.stream(self._comm_stream):
                 for dependencies in self._program:
@@ -236,6 +238,7 @@ class TransferHandle:
             if self._pending is None:
                 self._program = None
         self.host_seconds += time.perf_counter() - t0
+        self.host_cpu_seconds += time.thread_time() - c0
 
     @torch.no_grad()
     def wait(self) -> None:
@@ -243,7 +246,7 @@ class TransferHandle:
         zeroed replica gradients (reduction) are ready for the caller's next operation."""
         if self._done:
             return
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         if self._stream_ordered:
             torch.cuda.current_stream().wait_event(self._event)
             for tensor in self._keep:  # read by the fold below, on the caller's stream
@@ -263,6 +266,7 @@ class TransferHandle:
         self._done = True
         self._keep = self._works = self._finish = None
         self.host_seconds += time.perf_counter() - t0
+        self.host_cpu_seconds += time.thread_time() - c0
 
 
 def _start(program: Iterator[list], works: list, *, device: torch.device, group, comm_stream,

@@ -32,6 +32,7 @@ import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 __all__ = ["Edge", "TransferSchedule", "build_schedule", "validate_slot_expert", "RELAY_MODES"]
@@ -66,15 +67,16 @@ def validate_slot_expert(slot_expert: torch.Tensor, num_experts: int) -> None:
         raise ValueError(f"num_experts ({num_experts}) must be a positive multiple of the number of ranks ({num_ranks})")
     if slot_expert.numel() == 0:
         return
-    lo, hi = int(slot_expert.min()), int(slot_expert.max())
+    table = slot_expert.detach().cpu().numpy()  # host checks in numpy: microseconds, per layer
+    lo, hi = int(table.min()), int(table.max())
     if lo < -1 or hi >= num_experts:
         raise ValueError(f"slot_expert entries must lie in [-1, {num_experts}), found range [{lo}, {hi}]")
     # No logical expert twice on one rank (the planner's no-duplicate constraint): a duplicate would
     # make the receive side ambiguous and double-count its gradient.
-    sorted_rows, _ = slot_expert.sort(dim=1)
+    sorted_rows = np.sort(table, axis=1)
     duplicate = (sorted_rows[:, 1:] == sorted_rows[:, :-1]) & (sorted_rows[:, 1:] >= 0)
     if duplicate.any():
-        rank, col = (int(v) for v in duplicate.nonzero()[0])
+        rank, col = (int(v) for v in np.argwhere(duplicate)[0])
         raise ValueError(f"rank {rank} hosts expert {int(sorted_rows[rank, col + 1])} in more than one slot")
 
 
@@ -208,18 +210,20 @@ class TransferSchedule:
     def rank_edges(self, rank: int) -> list["Edge"]:
         """The edges ``rank`` sends or receives, in canonical order (computed once per rank)."""
         if rank not in self._rank_edges:
-            mine = ((self.edge_src == rank) | (self.edge_dst == rank)).nonzero().flatten()
-            columns = [mine, self.edge_expert[mine], self.edge_hop[mine], self.edge_depth()[mine],
-                       self.edge_src[mine], self.edge_dst[mine], self.edge_src_slot[mine],
-                       self.edge_dst_slot[mine]]
+            src, dst = self.edge_src.numpy(), self.edge_dst.numpy()
+            mine = np.flatnonzero((src == rank) | (dst == rank))
+            relayed = np.isin(self.edge_expert.numpy()[mine], self.relayed_experts.numpy())
+            columns = [mine, self.edge_expert.numpy()[mine], self.edge_hop.numpy()[mine],
+                       np.where(relayed, 2, 1), src[mine], dst[mine],
+                       self.edge_src_slot.numpy()[mine], self.edge_dst_slot.numpy()[mine]]
             self._rank_edges[rank] = [Edge(*row) for row in zip(*(c.tolist() for c in columns))]
         return self._rank_edges[rank]
 
     def local_copies(self, rank: int) -> list[tuple[int, int]]:
         """``(expert, replica slot)`` of the replicas ``rank`` hosts of its own main experts,
         ascending expert (no communication: a copy on the home rank)."""
-        here = self.local_rank == rank
-        return sorted(zip(self.local_expert[here].tolist(), self.local_slot[here].tolist()))
+        here = self.local_rank.numpy() == rank
+        return sorted(zip(self.local_expert.numpy()[here].tolist(), self.local_slot.numpy()[here].tolist()))
 
 
 def _frontier_size(num_replicas: int) -> int:
@@ -293,24 +297,21 @@ def build_schedule(
     num_ranks, num_slots = slot_expert.shape
     experts_per_rank = num_experts // num_ranks
 
-    host_rank = torch.arange(num_ranks).unsqueeze(1).expand(num_ranks, num_slots)
-    slot_index = torch.arange(num_slots).unsqueeze(0).expand(num_ranks, num_slots)
-    occupied = slot_expert >= 0
-    rep_expert = slot_expert[occupied]
-    rep_rank = host_rank[occupied]
-    rep_slot = slot_index[occupied]
+    # Host-side planning runs per layer and microbatch: numpy, not torch, for the small arrays.
+    rep_rank, rep_slot = np.nonzero(slot_expert.numpy() >= 0)  # row-major: ascending rank
+    rep_expert = slot_expert.numpy()[rep_rank, rep_slot]
     rep_home = rep_expert // experts_per_rank
     is_local = rep_rank == rep_home
     local_expert, local_rank, local_slot = rep_expert[is_local], rep_rank[is_local], rep_slot[is_local]
-    rep_expert, rep_rank, rep_slot, rep_home = (t[~is_local] for t in (rep_expert, rep_rank, rep_slot, rep_home))
+    rep_expert, rep_rank, rep_slot, rep_home = (a[~is_local] for a in (rep_expert, rep_rank, rep_slot, rep_home))
 
-    # Remote replica hosts per expert, ascending rank (rows of slot_expert are visited in rank order).
+    # Remote replica hosts per expert, ascending rank.
     hosts_of: dict[int, list[tuple[int, int]]] = {}
     for e, r, s in zip(rep_expert.tolist(), rep_rank.tolist(), rep_slot.tolist()):
         hosts_of.setdefault(e, []).append((r, s))
 
     # Direct-schedule send volume per rank, in experts.
-    volume = torch.bincount(rep_home, minlength=num_ranks).tolist()
+    volume = np.bincount(rep_home, minlength=num_ranks).tolist()
 
     parent: dict[int, dict[int, int]] = {}  # expert -> {leaf: relay}, relayed experts only
     if relay != "off":
@@ -354,7 +355,7 @@ def build_schedule(
                 relay_rank = tree[r]
                 rows.append((e, 2, relay_rank, r, slot_of[(e, relay_rank)], s))
     rows.sort(key=lambda row: row[:4])
-    edges = torch.tensor(rows, dtype=torch.int64).reshape(-1, 6)
+    edges = torch.from_numpy(np.array(rows, dtype=np.int64).reshape(-1, 6))
     return TransferSchedule(
         slot_expert=slot_expert,
         num_experts=num_experts,
@@ -366,8 +367,8 @@ def build_schedule(
         edge_dst=edges[:, 3].contiguous(),
         edge_src_slot=edges[:, 4].contiguous(),
         edge_dst_slot=edges[:, 5].contiguous(),
-        local_expert=local_expert.contiguous(),
-        local_rank=local_rank.contiguous(),
-        local_slot=local_slot.contiguous(),
+        local_expert=torch.from_numpy(local_expert.astype(np.int64)),
+        local_rank=torch.from_numpy(local_rank.astype(np.int64)),
+        local_slot=torch.from_numpy(local_slot.astype(np.int64)),
         relayed_experts=torch.tensor(sorted(parent), dtype=torch.int64),
     )

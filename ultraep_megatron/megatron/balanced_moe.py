@@ -16,9 +16,10 @@ One invocation (a layer on a microbatch), forward:
    splits) and crosses to the host once, into pinned memory; the host waits for it at that one
    point. Plan, transfer schedule, all-to-all splits, per-slot counts and telemetry are computed on
    the host (``context.Invocation``); megatron's dispatcher gets host splits, so it copies nothing.
-2. the layer starts the weight distribution into the shared redundant slots, asynchronously;
-3. reroute on the device: the reroute table (one non-blocking upload from pinned memory) maps each
-   (token, expert) pair to its physical slot; megatron permutes and dispatches the tokens;
+2. reroute on the device: the reroute table (one non-blocking upload from pinned memory) maps each
+   (token, expert) pair to its physical slot; megatron permutes the tokens;
+3. the layer starts the weight distribution into the shared redundant slots, asynchronously;
+   megatron dispatches the tokens;
 4. the main experts compute; the replica experts wait for the weights, then compute;
 5. combine.
 
@@ -432,9 +433,11 @@ class BalancedMoELayer(MoELayer):
 
     def preprocess(self, hidden_states, probs, routing_map):
         invocation = self.token_dispatcher.plan(routing_map)
-        # Overlaps the reroute, the permutation, the token all-to-all and the main experts.
+        # Reroute and permutation first: the device waits for them after the plan's host wait.
+        hidden_states, probs = super().preprocess(hidden_states, probs, routing_map)
+        # Overlaps the token all-to-all and the main experts.
         self.balancing.start_weights(self, invocation)
-        return super().preprocess(hidden_states, probs, routing_map)
+        return hidden_states, probs
 
     def routed_experts_compute(self, hidden_states, probs):
         dispatched, rows_per_slot, permuted_probs = self.token_dispatcher.dispatch_postprocess(
@@ -463,4 +466,5 @@ class BalancedMoELayer(MoELayer):
         output, mlp_bias = super().forward(hidden_states, intermediate_tensors, padding_mask)
         if torch.is_grad_enabled():
             output = _Rematerialize.apply(self, self.token_dispatcher.invocation, output)
+        self.balancing.observe()  # the layer's work is queued: host time is off the critical path
         return output, mlp_bias

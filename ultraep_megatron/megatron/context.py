@@ -21,10 +21,12 @@ entry of the virtual-layer ring.
 
 from __future__ import annotations
 
+import functools
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from functools import cached_property
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -45,12 +47,13 @@ class Invocation:
         ep_rank: this rank's index in the EP group.
         load: int64 ``[R, E]``, the exact load it was planned on.
         plan: the planner's plan for ``load``.
-        schedule: the data plane's transfer schedule of the plan's replicas; ``None`` when the plan
-            has none (then no transfer runs, identically on every rank).
+        schedule_builder: builds the data plane's transfer schedule of the plan's replicas;
+            ``None`` when the plan has none (then no transfer runs, identically on every rank).
         input_splits / output_splits: int64 ``[R]`` (token, expert) rows this rank sends to / receives
             from each EP rank (the all-to-all's splits).
         rows_per_source_slot: int64 ``[R, G + S]`` rows each source rank sends to each of this rank's
-            physical slots (megatron's ``num_global_tokens_per_local_expert``).
+            physical slots (megatron's ``num_global_tokens_per_local_expert``; pinned on CUDA: the
+            fused chunk sort reads it on the device).
         rows_per_slot: int64 ``[G + S]`` rows each of this rank's physical slots receives.
         main_rows: rows its G main experts receive (the first ``main_rows`` dispatched rows).
         replica_rows: rows each of its S redundant slots receives.
@@ -66,7 +69,7 @@ class Invocation:
     ep_rank: int
     load: torch.Tensor
     plan: planner.Plan
-    schedule: Optional[TransferSchedule]
+    schedule_builder: Optional[Callable[[], TransferSchedule]]
     input_splits: np.ndarray
     output_splits: np.ndarray
     rows_per_source_slot: torch.Tensor
@@ -76,11 +79,17 @@ class Invocation:
     reroute_table: torch.Tensor
     plan_seconds: float
 
+    @cached_property
+    def schedule(self) -> Optional[TransferSchedule]:
+        """The transfer schedule, built on first use: by the weight distribution, once the reroute
+        is queued, not between the wait for the load and the reroute."""
+        return self.schedule_builder() if self.schedule_builder is not None else None
+
 
 def plan_invocation(plan: planner.Plan, load: torch.Tensor, ep_rank: int, *, layer_number: int,
-                    vid: Optional[int], schedule: Optional[TransferSchedule],
+                    vid: Optional[int], schedule_builder: Optional[Callable[[], TransferSchedule]],
                     plan_seconds: float) -> Invocation:
-    """Derive everything one rank needs from a plan, on the host.
+    """Derive everything one rank needs from a plan, on the host (numpy: a few microseconds).
 
     Args:
         plan: solved for ``load`` (host tensors).
@@ -89,22 +98,28 @@ def plan_invocation(plan: planner.Plan, load: torch.Tensor, ep_rank: int, *, lay
     """
     R, E = load.shape
     G, S = E // R, plan.num_slots
-    slots = slice(ep_rank * (G + S), (ep_rank + 1) * (G + S))
-    split = plan.physical_split  # [R_src, R * (G + S)]
-    rows_per_source_slot = split[:, slots].contiguous()
-    rows_per_slot = rows_per_source_slot.sum(dim=0)
-    instance_slot = plan.instance_slot  # [E, R]
-    exists = instance_slot >= 0
-    sent = torch.where(exists, split[ep_rank][instance_slot.clamp(min=0)], 0)  # [E, R]
-    table = torch.empty(2, E * R, dtype=torch.int64, pin_memory=torch.cuda.is_available())
-    torch.cumsum(sent.reshape(-1), 0, out=table[0])
-    table[1] = instance_slot.clamp(min=0).reshape(-1)
+    L = G + S
+    pinned = torch.cuda.is_available()  # what is uploaded is pinned: a non-blocking upload
+    split = plan.physical_split.numpy()  # [R_src, R * L]
+    rows_per_source_slot = torch.empty(R, L, dtype=torch.int64, pin_memory=pinned)
+    rows = rows_per_source_slot.numpy()
+    rows[:] = split[:, ep_rank * L:(ep_rank + 1) * L]
+    rows_per_slot = rows.sum(axis=0)
+    # Physical slot of expert e's instance on rank t ([E, R], -1: none) and what this rank sends it.
+    physical_expert = np.concatenate([np.arange(R * G).reshape(R, G), plan.slot_expert.numpy()], axis=1)
+    instance_slot = np.full((E + 1, R), -1, dtype=np.int64)  # row E collects the empty slots
+    instance_slot[physical_expert % (E + 1), np.arange(R)[:, None]] = np.arange(R * L).reshape(R, L)
+    instance_slot = instance_slot[:E]
+    sent = np.where(instance_slot >= 0, split[ep_rank][np.maximum(instance_slot, 0)], 0)
+    table = torch.empty(2, E * R, dtype=torch.int64, pin_memory=pinned)
+    np.cumsum(sent.reshape(-1), out=table.numpy()[0])
+    table.numpy()[1] = np.maximum(instance_slot, 0).reshape(-1)
     return Invocation(
         layer_number=layer_number, vid=vid, ep_rank=ep_rank, load=load, plan=plan,
-        schedule=schedule,
-        input_splits=split[ep_rank].view(R, G + S).sum(dim=1).numpy(),
-        output_splits=rows_per_source_slot.sum(dim=1).numpy(),
-        rows_per_source_slot=rows_per_source_slot, rows_per_slot=rows_per_slot,
+        schedule_builder=schedule_builder,
+        input_splits=split[ep_rank].reshape(R, L).sum(axis=1),
+        output_splits=rows.sum(axis=1),
+        rows_per_source_slot=rows_per_source_slot, rows_per_slot=torch.from_numpy(rows_per_slot),
         main_rows=int(rows_per_slot[:G].sum()), replica_rows=tuple(rows_per_slot[G:].tolist()),
         reroute_table=table, plan_seconds=plan_seconds)
 
@@ -199,21 +214,27 @@ class Overheads:
     Attributes:
         plan_seconds: planner time.
         host_seconds: all host work between the load's arrival and the reroute (planner,
-            schedule, split metadata, observers).
+            split metadata and reroute table; the transfer schedule is built later, by the weight
+            distribution).
+        observe_seconds: the observers' host time (statistics, trace), off that critical stretch.
         transfer_seconds: host time spent issuing and waiting for transfers (on the CPU: the
             transfer time not hidden behind compute).
+        transfer_blocked_seconds: the part of it the host was blocked (not computing).
         reroute_seconds: host time of the device reroute (on a GPU: its launch cost only).
         invocations: invocations planned.
     """
 
     plan_seconds: float = 0.0
     host_seconds: float = 0.0
+    observe_seconds: float = 0.0
     transfer_seconds: float = 0.0
+    transfer_blocked_seconds: float = 0.0
     reroute_seconds: float = 0.0
     invocations: int = 0
 
     def reset(self) -> None:
-        self.plan_seconds = self.host_seconds = self.transfer_seconds = self.reroute_seconds = 0.0
+        self.plan_seconds = self.host_seconds = self.observe_seconds = self.reroute_seconds = 0.0
+        self.transfer_seconds = self.transfer_blocked_seconds = 0.0
         self.invocations = 0
 
 
@@ -243,6 +264,7 @@ class BalancingContext:
         self.holder: Optional[Invocation] = None  # whose replicas the weight buffer holds (or receives)
         self._transfer: Optional[TransferHandle] = None  # the latest transfer issued
         self._reductions: Dict[int, Tuple[TransferHandle, list]] = {}  # id(invocation) -> (handle, targets)
+        self._unobserved: List[tuple] = []  # (layer, invocation, training) not yet seen by the observers
 
     # -- setup ---------------------------------------------------------------------------------
     def register(self, layer) -> None:
@@ -278,21 +300,34 @@ class BalancingContext:
         t0 = time.perf_counter()
         plan = layer.balancer.plan(load)
         plan_seconds = time.perf_counter() - t0
-        schedule = (self.buffer.schedule(plan.slot_expert, plan.num_experts)
-                    if self.config.num_slots and bool((plan.slot_expert >= 0).any()) else None)
+        replicated = self.config.num_slots > 0 and bool((plan.slot_expert.numpy() >= 0).any())
+        schedule_builder = (functools.partial(self.buffer.schedule, plan.slot_expert, plan.num_experts)
+                            if replicated else None)
         vid = self._ensure_ring().acquire(layer.layer_number) if training else None
         invocation = plan_invocation(plan, load, ep_rank, layer_number=layer.layer_number, vid=vid,
-                                     schedule=schedule, plan_seconds=plan_seconds)
+                                     schedule_builder=schedule_builder, plan_seconds=plan_seconds)
         if training:
             self.ring.store(vid, invocation)
             if not grad_enabled:  # a checkpointed forward: replayed in the backward
                 self.ring.park_for_recompute(layer.layer_number, vid)
-        for observer in self.observers:
-            observer.on_invocation(layer, invocation, training)
+        self._unobserved.append((layer, invocation, training))
         self.overheads.plan_seconds += plan_seconds
         self.overheads.host_seconds += time.perf_counter() - t0
         self.overheads.invocations += 1
         return invocation
+
+    def observe(self) -> None:
+        """Hand the invocations planned since the last call to the observers (statistics, trace).
+
+        Called by the layer once its forward has queued its work, not between the wait for the load
+        and the reroute, where every microsecond of host work is a microsecond the device idles.
+        """
+        t0 = time.perf_counter()
+        for layer, invocation, training in self._unobserved:
+            for observer in self.observers:
+                observer.on_invocation(layer, invocation, training)
+        self._unobserved.clear()
+        self.overheads.observe_seconds += time.perf_counter() - t0
 
     def replay(self, layer_number: int) -> Invocation:
         """The invocation of a checkpointed forward, for its activation-recompute replay."""
@@ -316,13 +351,14 @@ class BalancingContext:
         if handle is not None and not handle.done:
             handle.wait()
             self.overheads.transfer_seconds += handle.host_seconds
+            self.overheads.transfer_blocked_seconds += handle.host_seconds - handle.host_cpu_seconds
 
     def start_weights(self, layer, invocation: Invocation) -> None:
         """Start copying the invocation's replicated main experts into the shared weight buffer
         (forward, and backward re-materialization: later layers overwrote it). Collective on the EP
         group; nothing to do when the buffer already holds them. Asynchronous: see
         :meth:`wait_weights`."""
-        if invocation.schedule is None or self.holder is invocation:
+        if invocation.schedule_builder is None or self.holder is invocation:
             return
         self._wait(self._transfer)
         handle = self.buffer.distribute_weights(invocation.schedule, layer.main_expert_param_lists(),
@@ -332,7 +368,7 @@ class BalancingContext:
 
     def wait_weights(self, invocation: Invocation) -> None:
         """Before the replica experts run: their weights must have arrived."""
-        if invocation.schedule is None:
+        if invocation.schedule_builder is None:
             return
         if self.holder is not invocation:
             raise RuntimeError(f"UltraEP: MoE layer {invocation.layer_number} uses the replica weights "
@@ -342,7 +378,7 @@ class BalancingContext:
     def start_reduction(self, layer, invocation: Invocation) -> None:
         """Start reducing the replica gradients into the main experts' (collective on the EP group),
         as soon as the replicas' backward is done; :meth:`finish_reduction` folds them in."""
-        if invocation.schedule is None or id(invocation) in self._reductions:
+        if invocation.schedule_builder is None or id(invocation) in self._reductions:
             return
         params = layer.main_expert_param_lists()
         use_main_grad = all(getattr(p, "main_grad", None) is not None for ps in params for p in ps)
@@ -359,7 +395,7 @@ class BalancingContext:
         """Complete the invocation's reduction; return the gradients of the main-expert parameters
         (expert-major), ``None`` where they went into ``main_grad``."""
         params = [p for ps in layer.main_expert_param_lists() for p in ps]
-        if invocation.schedule is None:
+        if invocation.schedule_builder is None:
             return [None] * len(params)
         self.start_reduction(layer, invocation)  # if the replicas' backward did not start it
         handle, targets = self._reductions.pop(id(invocation))
@@ -371,10 +407,12 @@ class BalancingContext:
     # -- training loop -----------------------------------------------------------------------------
     def end_iteration(self, iteration: int) -> None:
         """Called once per training iteration (after the optimizer step)."""
+        self.observe()
         if self.trace is not None:
             self.trace.end_iteration(iteration)
 
     def pop_stats(self) -> Dict[int, Dict[str, float]]:
+        self.observe()
         return self.stats.pop()
 
     def close(self) -> None:
