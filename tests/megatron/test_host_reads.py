@@ -57,6 +57,18 @@ def test_one_host_wait_per_planned_forward(ranks, layout):
         assert counts == {"copy": 2, "sync": 2}, counts  # two microbatches
 
 
+def test_plan_checks_read_the_device_only_when_asked(ranks):
+    """--moe-balancer-check-plans compares the routing with the plan's load in every forward and
+    recompute replay (a host read each, two microbatches), and finds them equal."""
+    for result in ranks:
+        checked = result["ep4-recompute-check-plans"]
+        added = added_reads(checked)
+        assert checked["balanced"]["replicas"] > 0
+        assert added["sync"] > 0, "the checks are device reads: the counter must see them"
+        reads = [e for e in checked["balanced"]["events"] if e[1] in ("equal", "cpu")]
+        assert len(reads) >= 4, reads
+
+
 @pytest.mark.parametrize("control", NEGATIVE_CONTROLS)
 def test_negative_control_one_deliberate_read_is_caught(ranks, control):
     for rank, result in enumerate(ranks):

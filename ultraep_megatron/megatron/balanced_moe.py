@@ -115,10 +115,6 @@ class _PhysicalSlotRouting:
             raise ValueError("expected a [tokens, experts] bool routing map")
         if _in_backward_pass():
             invocation = balancing.replay(layer.layer_number)
-            if balancing.check_plans and not torch.equal(routing_map.sum(dim=0).cpu(),
-                                                         invocation.load[self.ep_rank]):
-                raise RuntimeError(f"MoE layer {layer.layer_number}: recomputed routing differs from the "
-                                   "checkpointed forward; recompute must be deterministic")
         else:
             load = _copy_to_host(self._gather_load(routing_map))
             invocation = balancing.plan(layer, load, self.ep_rank, training=layer.training,
@@ -165,8 +161,9 @@ class _PhysicalSlotRouting:
         device = routing_map.device
         if balancing.check_plans and not torch.equal(routing_map.sum(dim=0).cpu(),
                                                      invocation.load[self.ep_rank]):
-            raise RuntimeError(f"MoE layer {self._layer.layer_number}: the routing differs from the "
-                               "load its plan was solved for (or is not exactly top-k per token)")
+            raise RuntimeError(f"MoE layer {self._layer.layer_number}: the routing differs from the load "
+                               "its plan was solved for (not exactly top-k per token, or a recompute "
+                               "replay that is not deterministic)")
         table = invocation.reroute_table.to(device, non_blocking=True)
         # Positions e * T + t of the pairs, expert-major and token-ascending.
         pairs = routing_map.T.reshape(-1).argsort(descending=True, stable=True)[:num_pairs]

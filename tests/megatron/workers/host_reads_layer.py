@@ -5,7 +5,8 @@ Scenarios ``ep{2,4}`` and ``ep{2,4}-recompute`` (MoE activation recompute) with 
 the balanced layer really replicates. Negative controls, the balanced layer with one deliberate read:
 ``ep4-tolist`` a ``.tolist()`` of the routing map in its dispatcher's forward,
 ``ep4-item-in-backward`` an ``.item()`` of a main expert's weight where the backward starts the
-gradient reduction. Each rank writes
+gradient reduction. ``ep4-recompute-check-plans`` runs with ``--moe-balancer-check-plans``, whose
+checks read device memory (by design, for debugging). Each rank writes
 ``<out-dir>/rank<r>.json``: {scenario: {"none"|"balanced": {"counts", "events", "replicas"}}}.
 
 Run:  torchrun --standalone --nproc-per-node 4 host_reads_layer.py --out-dir DIR
@@ -27,6 +28,7 @@ SCENARIOS = {
     "ep4-recompute": dict(ep=4, recompute=True),
     "ep4-tolist": dict(ep=4, recompute=False, fault="tolist"),
     "ep4-item-in-backward": dict(ep=4, recompute=False, fault="item"),
+    "ep4-recompute-check-plans": dict(ep=4, recompute=True, check_plans=True),
 }
 
 _COUNTER = None
@@ -77,6 +79,8 @@ def main():
         for which in ("none", "balanced"):
             layer = build_layer(sc["ep"], None if which == "none" else "ultraep", 2, sc["recompute"])
             load_weights(layer, weights)
+            if which == "balanced" and sc.get("check_plans"):
+                layer.balancing.check_plans = True
             if which == "balanced" and sc.get("fault") == "tolist":
                 plan = layer.token_dispatcher.plan
 
