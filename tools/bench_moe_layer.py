@@ -55,7 +55,8 @@ def build(cfg, balancer: str | None, force_balanced: bool):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from ultraep_megatron.megatron.balanced_moe import BalancedMoELayer
-    from ultraep_megatron.megatron.runtime import BalancerConfig, reset_runtime
+    from ultraep_megatron.megatron.runtime import reset_runtime
+    from ultraep_megatron.planner.policy import BalancerConfig
 
     reset_runtime()
     parallel_state.destroy_model_parallel()
@@ -139,12 +140,13 @@ def worker(cfg):
     cpu_backend.activate()
     torch.distributed.init_process_group("gloo")
     from ultraep_megatron.megatron.runtime import get_runtime
+    from ultraep_megatron.planner import policy
 
     rank = torch.distributed.get_rank()
     tokens = cfg.tokens_per_rank * cfg.ep_size
     rows = []
-    for name, balancer, force in (("none", None, False), ("ultraep", "ultraep", False),
-                                  ("eplb-exact", "eplb-exact", False), ("force-balanced", None, True)):
+    for name, balancer, force in ((policy.NONE, None, False), (policy.ULTRAEP, policy.ULTRAEP, False),
+                                  (policy.EPLB_EXACT, policy.EPLB_EXACT, False), ("force-balanced", None, True)):
         layer = build(cfg, balancer, force)
         seconds, cpu_max, cpu_mean, imbalance = measure(cfg, layer)
         overhead = ""

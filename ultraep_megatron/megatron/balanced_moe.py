@@ -39,7 +39,8 @@ from megatron.core.transformer.moe.token_dispatcher import (
 from ultraep_megatron import planner
 from ultraep_megatron.megatron.arguments import unsupported_moe_settings
 from ultraep_megatron.megatron.expert_slots import expert_param_names, expert_params, run_replica_experts
-from ultraep_megatron.megatron.runtime import BalancerConfig, InvocationState, get_runtime
+from ultraep_megatron.megatron.runtime import InvocationState, get_runtime
+from ultraep_megatron.planner.policy import BalancerConfig
 
 
 def _in_backward_pass() -> bool:
@@ -362,8 +363,7 @@ class BalancedMoELayer(MoELayer):
         self.expert_param_names = expert_param_names(self.experts, self.num_local_experts)
         first = [self.experts.get_parameter(n) for n in self.expert_param_names[0]]
         self.expert_param_shapes = [(n, tuple(p.shape)) for n, p in zip(self.expert_param_names[0], first)]
-        self.balancer = balancer_config.build(self.num_local_experts * pg_collection.ep.size(),
-                                              pg_collection.ep.size())
+        self.balancer = balancer_config.build()
         get_runtime().register_layer(self)
         # Built now, not at the first forward: by then the training loop has hung process-group
         # handles on the config, which the experts' constructor cannot deep-copy.

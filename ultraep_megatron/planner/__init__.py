@@ -29,12 +29,14 @@ __all__ = [
     "solve",
     "assign_tokens",
     "metrics",
+    "load_imbalance",
     "default_min_quota",
     "validate_load",
     "plan_from_split",
     "tokens_sent_per_physical_slot",
     "tokens_received_per_local_slot",
     "baselines",
+    "policy",
     "synthetic",
 ]
 
@@ -188,6 +190,17 @@ def _assign_tokens_vectorized(plan: Plan, rank: int, topk_ids: torch.Tensor) -> 
     return physical.view_as(topk_ids)
 
 
+def load_imbalance(load: torch.Tensor) -> torch.Tensor:
+    """The rank imbalance: ``max / mean`` of ``load`` [..., R] over its last dimension.
+
+    Returns float64 [...], >= 1, and 1.0 where nothing was routed. The one imbalance formula of
+    the project: planner metrics, replay and the training telemetry all use it.
+    """
+    load = load.double()
+    mean = load.mean(dim=-1)
+    return torch.where(mean > 0, load.max(dim=-1).values / mean.clamp_min(1e-30), torch.ones_like(mean))
+
+
 def metrics(load: torch.Tensor, plan: Plan) -> dict:
     """Balancing metrics of ``plan`` on ``load`` [R, E].
 
@@ -204,20 +217,19 @@ def metrics(load: torch.Tensor, plan: Plan) -> dict:
     R, E = validate_load(load)
     if plan.num_ranks != R or plan.num_experts != E:
         raise ValueError("plan and load have different shapes")
-    G, L = E // R, plan.physical_slots_per_rank
+    G, P = E // R, plan.physical_slots_per_rank
     total = int(load.sum())
-    mean = total / R
     before = load.sum(0).view(R, G).sum(1)
     after = plan.quota.sum(0)
     filled = plan.slot_expert >= 0
     replicated = plan.slot_expert[filled]
     per_expert = torch.bincount(replicated, minlength=E)
-    # Tokens that stay on their source rank: the diagonal blocks of physical_split [R, R * L].
-    local = int(plan.physical_split.view(R, R, L).diagonal(dim1=0, dim2=1).sum())
+    # Tokens that stay on their source rank: the diagonal blocks of physical_split [R, R * P].
+    local = int(plan.physical_split.view(R, R, P).diagonal(dim1=0, dim2=1).sum())
     replica_quota = plan.quota[replicated, filled.nonzero()[:, 0]]
     return {
-        "imbalance_before": float(before.max()) / mean if total else 1.0,
-        "imbalance_after": float(after.max()) / mean if total else 1.0,
+        "imbalance_before": float(load_imbalance(before)),
+        "imbalance_after": float(load_imbalance(after)),
         "threshold": int(plan.threshold),
         "lower_bound": -(-total // R),
         "replicas": int(filled.sum()),
@@ -228,4 +240,4 @@ def metrics(load: torch.Tensor, plan: Plan) -> dict:
     }
 
 
-from . import baselines, synthetic  # noqa: E402  (they import validate_load from here)
+from . import baselines, policy, synthetic  # noqa: E402  (they import validate_load from here)

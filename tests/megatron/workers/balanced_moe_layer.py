@@ -61,7 +61,8 @@ def build_layer(ep_size: int, balancer: str | None, num_slots: int, recompute: b
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from ultraep_megatron.megatron.balanced_moe import BalancedMoELayer
-    from ultraep_megatron.megatron.runtime import BalancerConfig, reset_runtime
+    from ultraep_megatron.megatron.runtime import reset_runtime
+    from ultraep_megatron.planner.policy import BalancerConfig
 
     reset_runtime()
     parallel_state.destroy_model_parallel()
