@@ -159,8 +159,8 @@ def test_failed_runs_are_reported_not_hidden(tmp_path, capsys):
     assert "Failed runs:" in markdown and str(out / "ultraep" / "log.txt") in markdown
     assert "3 run(s) failed" in printed.err
     # Machine-readable: the same statuses as JSON on stdout, progress on stderr.
-    assert main(["resume-experiment", "--load", str(checkpoint), "--iterations", "2", "--balancers", "ultraep,none",
-                 "--output-dir", str(out), "--json", "--", "bash", "-c", FAKE_LAUNCHER, "launcher"]) == 1
+    assert main(["resume-experiment", "--load", str(checkpoint), "--ckpt-step", "2", "--iterations", "2",
+                 "--balancers", "ultraep,none", "--output-dir", str(out), "--json", "--", "bash", "-c", FAKE_LAUNCHER, "launcher"]) == 1
     printed = capsys.readouterr()
     runs = {r["balancer"]: r["status"] for r in json.loads(printed.out)["runs"]}
     assert runs == {"ultraep": "failed: exit code 3", "none": status["none"]}

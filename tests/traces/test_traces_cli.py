@@ -183,3 +183,16 @@ def test_trace_synth_info_and_merge(tmp_path, capsys):
     assert main(["trace", "merge", str(tmp_path / "again"), str(pieces[0]), str(pieces[0] / "ep_group_0000.uetrace"),
                  "--no-progress"]) == EXIT_USAGE
     assert "not after iteration" in capsys.readouterr().err
+
+
+def test_no_test_imports_tools_through_sys_path():
+    """The tools users run are the package's `ultraep` command; tools/ keeps benchmarks and
+    environment scripts, which no test imports."""
+    offenders = []
+    for path in sorted((REPO / "tests").rglob("*.py")):
+        if path == Path(__file__):
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if ("sys.path" in line or "import_module" in line) and "tools" in line:
+                offenders.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
+    assert offenders == []
