@@ -36,7 +36,6 @@ subprocesses.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import math

@@ -10,7 +10,6 @@ import argparse
 import ast
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 

@@ -118,10 +118,6 @@ def add_megatron_layout_args(parser: argparse.ArgumentParser) -> None:
                        help="pipeline stages (layers split evenly)")
 
 
-_LAYOUT_FLAGS = ("run_args", "expert_model_parallel_size", "num_experts", "num_layers",
-                 "pipeline_model_parallel_size")
-
-
 def megatron_layout(args):
     """The :class:`RouterTraceLayout` from ``--run-args`` and the layout flags."""
     from ultraep_megatron.router_traces import RouterTraceLayout, read_run_args
@@ -132,13 +128,13 @@ def megatron_layout(args):
                                      run_args=run_args)
 
 
-def open_records(args, *, selection: bool = True):
-    """The replay records named by the trace arguments: project traces or a Megatron routing trace.
-    ``selection``: apply ``--layers/--max-records/--load-scale``."""
+def open_records(args):
+    """The replay records named by the trace arguments (project traces or a Megatron routing trace),
+    with ``--layers/--max-records/--load-scale`` applied."""
     from ultraep_megatron import traces
     from ultraep_megatron.router_traces import RouterTraceRecords, is_router_trace
 
-    chosen = dict(layers=args.layers, max_records=args.max_records, load_scale=args.load_scale) if selection else {}
+    chosen = dict(layers=args.layers, max_records=args.max_records, load_scale=args.load_scale)
     on_truncated = "error" if args.strict else "warn"
     if is_router_trace(args.traces):
         return RouterTraceRecords(args.traces[0], megatron_layout(args), on_truncated=on_truncated, **chosen)
@@ -147,15 +143,12 @@ def open_records(args, *, selection: bool = True):
                 list(Path(path).glob("*.jsonl")):
             raise CliError(f"{path}: JSONL files but no router_trace_rank<r>.jsonl (is it Megatron's "
                            "--moe-routing-trace-path directory?)")
-    given = [f"--{f.replace('_', '-')}" for f in _LAYOUT_FLAGS if getattr(args, f, None) is not None]
+    if args.run_args is not None:
+        raise CliError("--run-args is for Megatron's routing traces; the project's traces carry their layout")
     records = traces.TraceRecords(traces.find_trace_files(args.traces), on_truncated=on_truncated, **chosen)
-    layout_checks = (("expert_model_parallel_size", records.num_ranks), ("num_experts", records.num_experts))
-    for flag, value in layout_checks:
+    for flag, value in (("expert_model_parallel_size", records.num_ranks), ("num_experts", records.num_experts)):
         if getattr(args, flag) is not None and getattr(args, flag) != value:
             raise CliError(f"--{flag.replace('_', '-')} {getattr(args, flag)} contradicts the trace ({value})")
-    if args.run_args is not None:
-        raise CliError(f"{', '.join(given)}: the project's traces carry their layout; --run-args is for "
-                       "Megatron's routing traces")
     return records
 
 
