@@ -11,7 +11,7 @@
 # sigmoid router scaled by 2.5; one MTP layer). Load balancing as in §8.1 (the DeepSeek recipe):
 # expert-bias update rate 1e-3 and sequence-level auxiliary loss, weight 1e-4.
 # Pipeline stages hold 15/16/16/14 decoder layers: the first also holds the embedding, the last
-# the output layer and the MTP layer. Check it without GPUs: python tools/check_recipe.py <this file>.
+# the output layer and the MTP layer. Check it without GPUs: ultraep check-recipe <this file>.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 

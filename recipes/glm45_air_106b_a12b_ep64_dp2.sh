@@ -9,7 +9,7 @@
 # query heads in 8 KV groups of head dim 128, QKV bias, RoPE on half of each head; 128 routed
 # experts + 1 shared, top-8, expert FFN 1408; sigmoid router renormalized over the top-8; one
 # MTP layer). Load balancing as trained in §8.1: GShard auxiliary loss, weight 1e-2.
-# Check it without GPUs: python tools/check_recipe.py <this file>.
+# Check it without GPUs: ultraep check-recipe <this file>.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 

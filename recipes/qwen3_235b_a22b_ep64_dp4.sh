@@ -8,7 +8,7 @@
 # Shape: the published Qwen3-235B-A22B (94 layers, all MoE; hidden 4096; 64 query heads in 4 KV
 # groups of head dim 128 with QK-norm; 128 experts, top-8, expert FFN 1536, no shared expert;
 # softmax router renormalized over the top-8). Load balancing as trained in §8.1: GShard
-# auxiliary loss, weight 1e-2. Check it without GPUs: python tools/check_recipe.py <this file>.
+# auxiliary loss, weight 1e-2. Check it without GPUs: ultraep check-recipe <this file>.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 

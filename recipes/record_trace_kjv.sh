@@ -6,7 +6,7 @@
 # layer to $TRACE_DIR/ep_group_0000.uetrace.
 #
 #   bash recipes/record_trace_kjv.sh [extra pretrain_gpt.py arguments]
-#   python tools/replay_trace.py "$TRACE_DIR"
+#   ultraep replay "$TRACE_DIR"
 #
 # The run uses --moe-balancer ultraep: the trace is recorded by the balanced dispatcher, and balancing
 # never changes the routing, so the trace holds the raw router load (docs/traces.md).

@@ -13,7 +13,7 @@
 # 288B, as for DeepSeek-V3's 671B). Load balancing as in §8.1: expert-bias update rate 1e-3 and
 # sequence-level auxiliary loss, weight 1e-4. Two EP groups share a rack; pipeline stages (11/12/
 # 12/11 decoder layers) and data-parallel replicas span racks.
-# Check it without GPUs: python tools/check_recipe.py <this file>.
+# Check it without GPUs: ultraep check-recipe <this file>.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 

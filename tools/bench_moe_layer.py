@@ -33,6 +33,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from ultraep_megatron.planner import policy  # noqa: E402
+
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -60,7 +62,7 @@ def build(cfg, balancer: str | None, force_balanced: bool, overlap: bool = True)
 
     from ultraep_megatron.megatron.balanced_moe import BalancedMoELayer
     from ultraep_megatron.megatron.context import BalancingContext
-    from ultraep_megatron.megatron.runtime import BalancerConfig
+    from ultraep_megatron.planner.policy import BalancerConfig
 
     model_parallel_cuda_manual_seed(1234)  # every layer starts from the same weights
     config = TransformerConfig(
@@ -75,7 +77,7 @@ def build(cfg, balancer: str | None, force_balanced: bool, overlap: bool = True)
     )
     builder = get_moe_module_spec(use_te=False, num_experts=cfg.num_experts, moe_grouped_gemm=False)
     if balancer is not None:
-        balancing = BalancingContext(BalancerConfig(name=balancer, num_slots=cfg.num_slots), overlap=overlap)
+        balancing = BalancingContext(BalancerConfig(name=balancer, num_slots=cfg.num_slots, overlap=overlap))
         builder = functools.partial(BalancedMoELayer, submodules=builder.keywords["submodules"],
                                     balancing=balancing)
     layer = builder(config=config, pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
@@ -152,9 +154,11 @@ def median(values):
 
 
 # (row label, balancer, force-balanced router, overlapped transfers)
-LAYERS = (("none", None, False, True), ("ultraep", "ultraep", False, True),
-          ("ultraep no-overlap", "ultraep", False, False), ("eplb-exact", "eplb-exact", False, True),
-          ("eplb-exact no-overlap", "eplb-exact", False, False), ("force-balanced", None, True, True))
+LAYERS = ((policy.NONE, None, False, True), (policy.ULTRAEP, policy.ULTRAEP, False, True),
+          (f"{policy.ULTRAEP} no-overlap", policy.ULTRAEP, False, False),
+          (policy.EPLB_EXACT, policy.EPLB_EXACT, False, True),
+          (f"{policy.EPLB_EXACT} no-overlap", policy.EPLB_EXACT, False, False),
+          ("force-balanced", None, True, True))
 
 
 def worker(cfg):
@@ -205,7 +209,7 @@ def report(cfg, tokens, runs) -> None:
         print(f"| {label:<21} | {wall * 1e3:8.1f} | {tokens / wall:9.0f} | {median(wall_ratios):10.2f} "
               f"| {median([m['cpu_max'] for m in measured]) * 1e3:14.1f} | {median(cpu_ratios):5.2f} ({per_repeat:>18}) "
               f"| {median([m['imbalance'] for m in measured]):9.2f} | {overheads} |")
-    for name in ("ultraep", "eplb-exact"):
+    for name in (policy.ULTRAEP, policy.EPLB_EXACT):
         exposed = median([m["transfers"] for m in runs[name]])
         total = median([m["transfers"] for m in runs[f"{name} no-overlap"]])
         print(f"{name}: transfers {total * 1e3:.2f} ms per iteration when waited where issued, "

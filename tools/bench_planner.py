@@ -6,8 +6,8 @@
 
 For every setting (R ranks, E experts, S slots per rank, target initial rank imbalance) and seed it
 draws a Zipf load (``planner.synthetic.zipf_load``: top-8, 4096 tokens per rank) and plans it with
-``ultraep`` (``planner.solve``), ``eplb++`` (``baselines.eplb_exact``) and ``none``; it also runs
-``alg1``, a plain transcription of the paper's Algorithm 1 (largest-slack greedy) with
+``ultraep`` (``planner.solve``), ``eplb++`` (``baselines.eplb_exact``) and ``none``
+(``baselines.identity_plan``); it also runs ``alg1``, a plain transcription of the paper's Algorithm 1 (largest-slack greedy) with
 u_min = 1, its most favourable setting, for its threshold only (with UltraEP's default 1 % floor it
 fails on small remainders and averages 1.25). Columns (means over seeds):
 
@@ -51,8 +51,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from ultraep_megatron.planner import domain_lower_bound, metrics, solve  # noqa: E402
-from ultraep_megatron.planner.baselines import eplb_exact, none  # noqa: E402
+from ultraep_megatron.planner import domain_lower_bound, metrics, policy, solve  # noqa: E402
+from ultraep_megatron.planner.baselines import eplb_exact, identity_plan  # noqa: E402
 from ultraep_megatron.planner.peers import (  # noqa: E402
     Placement,
     deepseek_eplb,
@@ -132,7 +132,7 @@ def run_setting(R: int, E: int, S: int, imbalance: float, seeds: list[int], repe
     for seed in seeds:
         load = zipf_load(R, E, imbalance, seed=seed)
         mean = load.sum().item() / R
-        ultra, eplbpp, identity = solve(load, S), eplb_exact(load, S), none(load, S)
+        ultra, eplbpp, identity = solve(load, S), eplb_exact(load, S), identity_plan(load, S)
         mu, me, mn = metrics(load, ultra), metrics(load, eplbpp), metrics(load, identity)
         alg1 = algorithm1_threshold(load, S, 1)
         exact_floor = metrics(load, solve(load, S, min_quota=1))
@@ -173,8 +173,8 @@ def run_peer_setting(R: int, E: int, imbalance: float, seeds: list[int]) -> dict
     """Per balancer: means of placement_metrics on the loads of this setting."""
     S, N = PEER_SLOTS, PEER_DOMAIN
     balancers = {
-        "ultraep": lambda load: Placement.from_plan(solve(load, S)),
-        f"ultraep N={N}": lambda load: Placement.from_plan(solve(load, S, domain_size=N)),
+        policy.LABELS[policy.ULTRAEP]: lambda load: Placement.from_plan(solve(load, S)),
+        f"{policy.LABELS[policy.ULTRAEP]} N={N}": lambda load: Placement.from_plan(solve(load, S, domain_size=N)),
         "eplb++-fixed": lambda load: Placement.from_plan(eplb_exact(load, S)),
         "deepseek-eplb": lambda load: deepseek_eplb(load, S),
         "deepseek-eplb hier.": lambda load: deepseek_eplb(load, S, num_groups=R // N,

@@ -4,8 +4,10 @@
 #   PY=$(bash tools/ensure_env.sh)
 #
 # The venv lives outside the checkout (default ~/.cache/ultraep-megatron/venv, override with
-# ULTRAEP_VENV) so fresh clones on the same machine reuse the ~5 GB torch install. It is rebuilt when
-# pyproject.toml changes, and the package is (re)installed in editable mode when the checkout moves.
+# ULTRAEP_VENV) so fresh clones on the same machine reuse the ~5 GB torch install. Dependencies come
+# from the exact, hashed lock (requirements/lock.txt; pyproject.toml holds the ranges): they are
+# reinstalled when the lock or pyproject.toml changes, and the package is (re)installed in editable
+# mode, without dependencies, when the checkout moves.
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${ULTRAEP_VENV:-$HOME/.cache/ultraep-megatron/venv}
@@ -22,7 +24,8 @@ find_python312() {
   return 1
 }
 
-deps_stamp=$(sha256sum "$repo/pyproject.toml" | cut -c1-16)
+lock="$repo/requirements/lock.txt"
+deps_stamp=$(cat "$repo/pyproject.toml" "$lock" | sha256sum | cut -c1-16)
 stamp_file="$venv/.ultraep-deps"
 if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp_file" 2>/dev/null)" != "$deps_stamp" ]; then
   base=$(find_python312) || {
@@ -34,10 +37,11 @@ if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp_file" 2>/dev/null)" != "$deps
     log "creating $venv with $base"
     mkdir -p "$(dirname "$venv")"
     "$base" -m venv "$venv"
-    "$venv/bin/python" -m pip install -q --upgrade pip >&2
   fi
-  log "installing dependencies (torch 2.14.1 + megatron-core 0.19.2; a few minutes on a fresh machine)"
-  "$venv/bin/python" -m pip install -q --progress-bar off -e "$repo[dev]" >&2
+  log "installing the locked dependencies ($lock: torch + megatron-core + tools; a few minutes on a fresh machine)"
+  "$venv/bin/python" -m pip install -q --progress-bar off --require-hashes --no-deps -r "$lock" >&2
+  "$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$repo" >&2
+  "$venv/bin/python" -m pip check >&2 || { log "the lock does not satisfy pyproject.toml's ranges: run tools/update_lock.py"; exit 1; }
   echo "$deps_stamp" > "$stamp_file"
   echo "$repo" > "$venv/.ultraep-src"
 fi

@@ -32,6 +32,8 @@ def test_every_patch_has_a_reason(probe):
     targets = {target for target, _ in probe["patches"]}
     assert "megatron.core.transformer.moe.token_dispatcher.maybe_move_tensor_to_cpu" in targets
     assert "megatron.training.initialize.torch" in targets
+    # megatron's router tracer (--moe-routing-trace-path) asks it at every MoE layer.
+    assert "torch.cuda.is_current_stream_capturing" in targets
 
 
 def test_cuda_allocations_land_on_cpu(probe):

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from planner_invariants import check_plan
 from planner_strategies import problems
 from ultraep_megatron.planner import metrics, plan_from_split, solve
-from ultraep_megatron.planner.baselines import eplb, eplb_exact, eplb_slots, none, round_robin
+from ultraep_megatron.planner.baselines import eplb, eplb_exact, eplb_slots, identity_plan, round_robin
 from ultraep_megatron.planner.synthetic import zipf_load
 
 
@@ -85,14 +85,18 @@ def test_eplb_history_forms_and_rerouting_another_load():
     assert torch.equal(exact.slot_expert, eplb_slots(current.sum(0), 4, 2))
 
 
-def test_none_is_identity():
+def test_identity_plan_is_the_unbalanced_routing():
     load = zipf_load(4, 8, 2.0, seed=1)
-    plan = none(load, 2)
+    plan = identity_plan(load, 2)
     split = check_plan(load, plan, 2, check_min_quota=False)
     assert (plan.slot_expert == -1).all()
     for e in range(8):
         assert np.array_equal(split[:, e, e // 2], load[:, e].numpy())
     assert plan.threshold == load.sum(0).view(4, 2).sum(1).max()
+    # The same plan as round-robin over a layout without replicas (an independent construction).
+    spread = round_robin(load, torch.full((4, 2), -1, dtype=torch.int64))
+    for a, b in ((plan.quota, spread.quota), (plan.physical_split, spread.physical_split)):
+        assert torch.equal(a, b)
 
 
 def test_round_robin_spreads_remainders_over_instances():
@@ -102,7 +106,7 @@ def test_round_robin_spreads_remainders_over_instances():
     assert plan.split[:, 0].tolist() == [[3, 2], [2, 3]]
 
 
-@pytest.mark.parametrize("fn", [lambda l: none(l, -1), lambda l: eplb(l, -1),
+@pytest.mark.parametrize("fn", [lambda l: identity_plan(l, -1), lambda l: identity_plan(l - 1), lambda l: eplb(l, -1),
                                 lambda l: eplb(l.float(), 1), lambda l: eplb_exact(l - 1, 1),
                                 lambda l: eplb(l, 1, load=l - 1)])
 def test_baselines_reject_bad_input(fn):
@@ -126,7 +130,7 @@ def test_metrics_by_hand():
     # one rank per domain: the replica on rank 1 of rank 0's expert crosses
     assert metrics(load, plan, domain_size=1)["cross_domain_replicas"] == 1
     zero = torch.zeros(2, 2, dtype=torch.int64)
-    m = metrics(zero, none(zero, 1))
+    m = metrics(zero, identity_plan(zero, 1))
     assert m["imbalance_before"] == m["imbalance_after"] == 1.0
     assert m["inflight_ratio"] == 0.0 and m["min_replica_quota"] is None and m["replicas"] == 0
 

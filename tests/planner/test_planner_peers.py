@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from planner_invariants import check_plan
 from planner_strategies import domain_problems, problems
-from ultraep_megatron.planner import baselines, metrics, solve
+from ultraep_megatron.planner import baselines, policy, metrics, solve
 from ultraep_megatron.planner.peers import (
     Placement,
     cross_domain_copies,
@@ -159,7 +159,7 @@ def test_llep_trigger():
     load = torch.cat([load, torch.zeros_like(load)])
     identity = llep(load, trigger=1.3)
     assert identity.slot_expert.shape == (2, 0)
-    assert torch.equal(identity.quota, baselines.none(load, 0).quota)
+    assert torch.equal(identity.quota, baselines.identity_plan(load, 0).quota)
     balanced = llep(load, trigger=1.2, min_tokens_per_gemm=1)
     assert balanced.threshold == int(1.1 * 500) and balanced.slot_expert.numel() > 0
     assert torch.equal(llep(load, trigger=None, min_tokens_per_gemm=1).quota, balanced.quota)
@@ -245,7 +245,7 @@ def test_memory_spread_and_copies_of_the_peers_on_zipf_load():
 def test_fixed_layout_labels_and_aliases():
     assert baselines.eplb_fixed is baselines.eplb
     assert baselines.eplb_exact_fixed is baselines.eplb_exact
-    assert all("mains at home" in baselines.LABELS[k] for k in ("eplb", "eplb-exact"))
+    assert all("mains at home" in policy.LABELS[k] for k in (policy.EPLB, policy.EPLB_EXACT))
 
 
 @pytest.mark.parametrize("call", [
@@ -253,8 +253,8 @@ def test_fixed_layout_labels_and_aliases():
     lambda l: deepseek_eplb(l, 1, num_groups=0), lambda l: deepseek_eplb(l, 1, num_groups=3),
     lambda l: llep(l - 1), lambda l: llep(l, capacity_factor=0),
     lambda l: llep(l, min_tokens_per_gemm=-1), lambda l: cross_domain_copies(
-        Placement.from_plan(baselines.none(l, 1)), 3),
-    lambda l: placement_metrics(l + 1, Placement.from_plan(baselines.none(l, 1)))])
+        Placement.from_plan(baselines.identity_plan(l, 1)), 3),
+    lambda l: placement_metrics(l + 1, Placement.from_plan(baselines.identity_plan(l, 1)))])
 def test_peers_reject_bad_input(call):
     with pytest.raises(ValueError):
         call(torch.zeros(2, 4, dtype=torch.int64))

@@ -1,8 +1,10 @@
 """Running the recipes from product tests: the environment, and the shared tiny balanced run.
 
 ``bash recipes/tiny_cpu.sh --moe-balancer ultraep`` on 4 gloo ranks for 2 iterations, saving a
-checkpoint at iteration 2, with wandb offline and ``--metrics-jsonl``: the dashboard test reads
-its wandb run and heatmap back, the resume-experiment test resumes its checkpoint.
+checkpoint at iteration 2, with wandb offline and ``--metrics-jsonl``, recording its routing twice:
+the project's ``--moe-balancer-trace-dir`` and megatron's own ``--moe-routing-trace-path``. The
+dashboard test reads its wandb run and heatmap back, the resume-experiment test resumes its
+checkpoint, the routing-trace test replays both traces.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ def recipe_env(**extra: str) -> dict[str, str]:
 class TinyRun:
     run_dir: Path
     checkpoint: Path
+    trace_dir: Path               # --moe-balancer-trace-dir
+    megatron_trace_dir: Path      # megatron's --moe-routing-trace-path
     records: dict[int, dict]      # --metrics-jsonl records by iteration
     log: str
 
@@ -39,10 +43,12 @@ class TinyRun:
 def run_tiny_balanced(run_dir: Path) -> TinyRun:
     """Train the tiny recipe 2 iterations with ultraep, checkpointing at the last one."""
     checkpoint = run_dir / "ckpt"
+    trace_dir, megatron_trace_dir = run_dir / "trace", run_dir / "megatron_trace"
     completed = subprocess.run(
         ["bash", str(TINY_RECIPE), "--moe-balancer", "ultraep",
          "--save", str(checkpoint), "--save-interval", str(CHECKPOINT_ITERATION),
-         "--exit-interval", str(CHECKPOINT_ITERATION)],
+         "--exit-interval", str(CHECKPOINT_ITERATION),
+         "--moe-balancer-trace-dir", str(trace_dir), "--moe-routing-trace-path", str(megatron_trace_dir)],
         env=recipe_env(RUN_DIR=str(run_dir)), capture_output=True, text=True, timeout=600)
     log = completed.stdout + completed.stderr
     (run_dir / "log.txt").write_text(log)
@@ -51,4 +57,4 @@ def run_tiny_balanced(run_dir: Path) -> TinyRun:
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
         records[record["iteration"]] = record
-    return TinyRun(run_dir, checkpoint, records, log)
+    return TinyRun(run_dir, checkpoint, trace_dir, megatron_trace_dir, records, log)

@@ -13,13 +13,11 @@ import numpy as np
 import pytest
 
 from ultraep_megatron.megatron import dashboards
-from ultraep_megatron.megatron.dashboards import (
-    HEATMAP_METRIC, Dashboard, ImbalanceHistory, iter_wandb_records, read_wandb_history,
-    wandb_run_file,
-)
+from ultraep_megatron.megatron.dashboards import HEATMAP_METRIC, Dashboard, ImbalanceHistory
 from ultraep_megatron.megatron.telemetry import BALANCER_METRICS
 
 from product_runs import CHECKPOINT_ITERATION
+from wandb_runs import iter_wandb_records, read_wandb_history, wandb_run_file
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -1,4 +1,4 @@
-"""Every recipe passes tools/check_recipe.py: Megatron's own argument validation for the full world
+"""Every recipe passes `ultraep check-recipe`: Megatron's own argument validation for the full world
 size, EP groups inside one 64-GPU rack, the published model shapes, and a per-rank memory
 estimate that agrees with Megatron's own estimator and reproduces the paper's §4.1 slot figures.
 
@@ -11,15 +11,15 @@ Qwen3-235B against 3.3 GB / 6.6 GB without cross-layer reuse) and
 from __future__ import annotations
 
 import copy
-import sys
+import json
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tools"))
+from ultraep_megatron.cli import main
+from ultraep_megatron.megatron import recipe_check as check_recipe
 
-import check_recipe  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 RECIPES = REPO / "recipes"
 GIB, MIB = 1024 ** 3, 1024 ** 2
@@ -171,7 +171,15 @@ def test_checker_reports_megatron_and_ultraep_rejections(capsys):
         check_recipe.check_launch(check_recipe.Launch(4, 1, "pretrain_gpt.py", [
             *tiny.args, "--moe-balancer", "ultraep", "--moe-token-dispatcher-type", "allgather"]))
     # The command line: exit status 1 and the reason, for a bare-argument check.
-    assert check_recipe.main(["--world-size", "4", "--", *tiny.args, "--num-experts", "6"]) == 1
+    assert main(["check-recipe", "--world-size", "4", "--", *tiny.args, "--num-experts", "6"]) == 1
     assert "FAILED" in capsys.readouterr().out
-    assert check_recipe.main([str(RECIPES / "tiny_cpu.sh")]) == 0
+    assert main(["check-recipe", str(RECIPES / "tiny_cpu.sh")]) == 0
     assert "1/1 recipe(s) passed" in capsys.readouterr().out
+    assert main(["check-recipe", str(RECIPES / "tiny_cpu.sh"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["passed"], report["failed"]) == (1, 0)
+    tiny_report = report["recipes"][0]
+    assert (tiny_report["world_size"], tiny_report["expert_model_parallel_size"]) == (4, 4)
+    assert tiny_report["ep_groups"] == [[0, 1, 2, 3]]
+    assert main(["check-recipe", "--", "--num-layers", "2"]) == 2  # bare arguments need --world-size
+    assert "need --world-size" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""tools/resume_experiment.py end to end on the tiny CPU model: resume one checkpoint under
+"""`ultraep resume-experiment` end to end on the tiny CPU model: resume one checkpoint under
 `none`, `ultraep` and the force-balanced ideal for 3 iterations each, with the same data; the
 table's TFLOP/s/GPU, fractions and imbalance figures are recomputed here from the runs' own logs
 (Megatron's iteration times), Megatron's FLOPs formula on the recipe's arguments and the
@@ -7,18 +7,18 @@ per-iteration records. Failed runs are reported, not hidden."""
 from __future__ import annotations
 
 import csv
+import json
 import re
 import subprocess
 import sys
 
 import pytest
 
-from product_runs import CHECKPOINT_ITERATION, REPO, TINY_RECIPE, recipe_env
+from product_runs import CHECKPOINT_ITERATION, TINY_RECIPE, recipe_env
 
-sys.path.insert(0, str(REPO / "tools"))
-
-import check_recipe  # noqa: E402
-import resume_experiment  # noqa: E402
+from ultraep_megatron import resume_experiment
+from ultraep_megatron.cli import main
+from ultraep_megatron.megatron import recipe_check as check_recipe
 
 ITERATIONS, WARMUP = 3, 1
 BALANCERS = ("none", "ultraep", "ideal")
@@ -28,8 +28,8 @@ MEGATRON_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*elapsed time per itera
 @pytest.fixture(scope="module")
 def experiment(tiny_balanced_run, tmp_path_factory):
     out = tmp_path_factory.mktemp("resume_experiment")
-    command = [sys.executable, str(REPO / "tools" / "resume_experiment.py"),
-               "--checkpoint", str(tiny_balanced_run.checkpoint),
+    command = [sys.executable, "-m", "ultraep_megatron.cli", "resume-experiment",
+               "--load", str(tiny_balanced_run.checkpoint),
                "--iterations", str(ITERATIONS), "--warmup-iterations", str(WARMUP),
                "--balancers", ",".join(BALANCERS), "--output-dir", str(out),
                # The tiny recipe forces a routing skew; the ideal run must not.
@@ -144,8 +144,8 @@ def test_failed_runs_are_reported_not_hidden(tmp_path, capsys):
     (checkpoint / "iter_0000002").mkdir(parents=True)
     (checkpoint / "latest_checkpointed_iteration.txt").write_text("2")
     out = tmp_path / "out"
-    code = resume_experiment.main([
-        "--checkpoint", str(checkpoint), "--iterations", "2", "--balancers", "ultraep,none,eplb",
+    code = main([
+        "resume-experiment", "--load", str(checkpoint), "--iterations", "2", "--balancers", "ultraep,none,eplb",
         "--output-dir", str(out), "--", "bash", "-c", FAKE_LAUNCHER, "launcher"])
     printed = capsys.readouterr()
     assert code == 1
@@ -158,15 +158,22 @@ def test_failed_runs_are_reported_not_hidden(tmp_path, capsys):
     markdown = (out / "comparison.md").read_text()
     assert "Failed runs:" in markdown and str(out / "ultraep" / "log.txt") in markdown
     assert "3 run(s) failed" in printed.err
+    # Machine-readable: the same statuses as JSON on stdout, progress on stderr.
+    assert main(["resume-experiment", "--load", str(checkpoint), "--ckpt-step", "2", "--iterations", "2",
+                 "--balancers", "ultraep,none", "--output-dir", str(out), "--json", "--", "bash", "-c", FAKE_LAUNCHER, "launcher"]) == 1
+    printed = capsys.readouterr()
+    runs = {r["balancer"]: r["status"] for r in json.loads(printed.out)["runs"]}
+    assert runs == {"ultraep": "failed: exit code 3", "none": status["none"]}
+    assert "[1/2 ultraep]" in printed.err
 
 
 def test_bad_experiment_setups_are_refused(tmp_path, capsys):
-    assert resume_experiment.main(["--checkpoint", str(tmp_path), "--", "true"]) == 2
+    assert main(["resume-experiment", "--load", str(tmp_path), "--", "true"]) == 2
     assert "latest_checkpointed_iteration.txt" in capsys.readouterr().err
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("2")
     (tmp_path / "iter_0000002").mkdir()
-    assert resume_experiment.main(["--checkpoint", str(tmp_path), "--balancers", "none,lplb",
-                                   "--", "true"]) == 2
-    assert "unknown balancer" in capsys.readouterr().err
-    assert resume_experiment.main(["--checkpoint", str(tmp_path), "--iterations", "2",
-                                   "--warmup-iterations", "2", "--", "true"]) == 2
+    with pytest.raises(SystemExit) as exc:
+        main(["resume-experiment", "--load", str(tmp_path), "--balancers", "none,lplb", "--", "true"])
+    assert exc.value.code == 2 and "unknown" in capsys.readouterr().err
+    assert main(["resume-experiment", "--load", str(tmp_path), "--iterations", "2",
+                 "--warmup-iterations", "2", "--", "true"]) == 2

@@ -12,8 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ultraep_megatron import costmodel as cm
 from ultraep_megatron import traces
+from ultraep_megatron.analysis.replay import ReplayResult, replay
+from ultraep_megatron.planner.policy import BalancerConfig
 
 TRACE = Path(__file__).parent / "data" / "kjv_tiny.uetrace"
 
@@ -80,19 +81,19 @@ def test_router_load_shifts_over_training(trace):
                                expert_share(trace, at & window & ~even))[0, 1] > 0.95, l
 
 
-SPECS = [
-    cm.BalancerSpec("none"),
-    cm.BalancerSpec("eplb", eplb_window=16, eplb_interval=16, label="eplb-16"),
-    cm.BalancerSpec("eplb", eplb_window=4, eplb_interval=4, label="eplb-4"),
-    cm.BalancerSpec("eplb-exact"),
-    cm.BalancerSpec("ultraep"),
-    cm.BalancerSpec("ideal"),
-]
+SPECS = {
+    "none": BalancerConfig("none"),
+    "eplb-16": BalancerConfig("eplb", eplb_window=16, eplb_interval=16),
+    "eplb-4": BalancerConfig("eplb", eplb_window=4, eplb_interval=4),
+    "eplb-exact": BalancerConfig("eplb-exact"),
+    "ultraep": BalancerConfig("ultraep"),
+    "ideal": BalancerConfig("ideal"),
+}
 
 
 @pytest.fixture(scope="module")
-def replayed() -> cm.ReplayResult:
-    return cm.replay_files([TRACE], SPECS, keep_loads=True)
+def replayed() -> ReplayResult:
+    return replay(traces.TraceRecords([TRACE]), SPECS, keep_loads=True)
 
 
 def test_replay_runs_every_balancer(trace, replayed):
@@ -103,11 +104,11 @@ def test_replay_runs_every_balancer(trace, replayed):
     before = rank_imbalance(load)
     np.testing.assert_allclose(replayed.metrics["none"]["imbalance_after"], before)
     total = load.sum(axis=(1, 2))
-    for spec in SPECS:
-        metrics = replayed.metrics[spec.key]
+    for label in SPECS:
+        metrics = replayed.metrics[label]
         np.testing.assert_allclose(metrics["imbalance_before"], before)
-        rank_load = replayed.rank_load[spec.key]  # [N, R] after balancing
-        assert np.array_equal(rank_load.sum(axis=1), total), spec.key  # every pair lands somewhere
+        rank_load = replayed.rank_load[label]  # [N, R] after balancing
+        assert np.array_equal(rank_load.sum(axis=1), total), label  # every pair lands somewhere
         np.testing.assert_allclose(metrics["imbalance_after"], rank_load.max(axis=1) / rank_load.mean(axis=1))
     np.testing.assert_array_equal(replayed.metrics["ideal"]["imbalance_after"], 1.0)
 
@@ -117,7 +118,7 @@ def test_ultraep_never_worse_than_none_and_beats_eplb(replayed):
     ultraep = replayed.metrics["ultraep"]["imbalance_after"]
     assert np.all(ultraep <= none + 1e-12)
     assert ultraep.max() < 1.02  # observed 1.004: near-perfect balance on every microbatch
-    mean = {spec.key: replayed.metrics[spec.key]["imbalance_after"].mean() for spec in SPECS}
+    mean = {label: replayed.metrics[label]["imbalance_after"].mean() for label in SPECS}
     # Observed means: none 1.96, eplb-16 1.25, eplb-4 1.19, eplb-exact 1.16, ultraep 1.0002.
     assert mean["ultraep"] < mean["eplb-exact"] < mean["eplb-4"] < mean["eplb-16"] < mean["none"]
     # Stale history: on the drifting routing, EPLB's placement from past microbatches makes some

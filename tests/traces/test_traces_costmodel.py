@@ -9,8 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from ultraep_megatron import costmodel as cm
+from ultraep_megatron.analysis import cost as cm
+from ultraep_megatron.analysis.advisor import advise_slots
+from ultraep_megatron.analysis.replay import cost_summary, ideal_metrics, replay
 from ultraep_megatron.planner import plan_from_split
+from ultraep_megatron.planner.baselines import identity_plan
+from ultraep_megatron.planner.policy import BalancerConfig
 
 # Round numbers: one (token, expert) pair of compute = 1 ms; reading an expert's weights from HBM
 # = 1 ms (so an instance costs max(tokens, 1) ms); one token on the wire = 1 ms; one expert's
@@ -35,7 +39,7 @@ def test_shape_and_hardware_units():
 
 
 def test_identity_plan_cost_by_hand():
-    c = cm.layer_cost(LOAD_A, cm.identity_plan(LOAD_A), SHAPE, HW)
+    c = cm.layer_cost(LOAD_A, identity_plan(LOAD_A), SHAPE, HW)
     # compute: rank 0 hosts e0 (5 tokens), e1 (1): 5 + max(1, 1) = 6; rank 1: e2 (6) + e3 (4) = 10.
     assert c["moe_fwd"] == pytest.approx(10 * MS) and c["moe_bwd"] == pytest.approx(20 * MS)
     # remote tokens: src0 -> rank1: 4 + 2 = 6; src1 -> rank0: 4 + 0 = 4; max(send, recv) = 6.
@@ -47,9 +51,9 @@ def test_identity_plan_cost_by_hand():
 
 def test_hbm_floor_makes_a_one_token_instance_cost_a_weight_read():
     load = torch.tensor([[1, 0], [0, 0]], dtype=torch.int64)  # R=2, E=2
-    assert cm.layer_cost(load, cm.identity_plan(load), SHAPE, HW)["moe_fwd"] == pytest.approx(1 * MS)
+    assert cm.layer_cost(load, identity_plan(load), SHAPE, HW)["moe_fwd"] == pytest.approx(1 * MS)
     slow_hbm = cm.Hardware(scale_up_gbps=8e-6, peak_tflops=1.28e-7, hbm_tbps=1.28e-8)  # weights: 10 ms
-    assert cm.layer_cost(load, cm.identity_plan(load), SHAPE, slow_hbm)["moe_fwd"] == pytest.approx(10 * MS)
+    assert cm.layer_cost(load, identity_plan(load), SHAPE, slow_hbm)["moe_fwd"] == pytest.approx(10 * MS)
 
 
 def test_replica_plan_cost_by_hand():
@@ -91,26 +95,26 @@ def test_ideal_cost_by_hand():
     # 8 * 1/2 = 4 remote tokens, every rank receives 8 * 1/2 = 4.
     assert c["moe_fwd"] == pytest.approx(8 * MS) and c["a2a_fwd"] == pytest.approx(8 * MS)
     assert c["total"] == pytest.approx((8 + 8 + 8 + 16) * MS)
-    m = cm.ideal_metrics(LOAD_A)
+    m = ideal_metrics(LOAD_A)
     assert m["imbalance_after"] == 1.0 and m["imbalance_before"] == pytest.approx(10 / 8)
     assert m["inflight_ratio"] == 0.5 and m["replicas"] == 0
 
 
 def test_cost_summary_runs_ep_groups_side_by_side():
     # Two EP groups; invocation (1, 0, 1): group 0 has A (none 54 ms), group 1 has B; (2, 0, 1): B, B.
-    b_none = cm.layer_cost(LOAD_B, cm.identity_plan(LOAD_B), SHAPE, HW)["total"]
+    b_none = cm.layer_cost(LOAD_B, identity_plan(LOAD_B), SHAPE, HW)["total"]
     # B by hand: compute max(5+1+... rank0: 8 + 1 = 9, rank1: 4 + 3 = 7) = 9; remote: src0 -> 2, src1 -> 3,
     # recv: rank0 3, rank1 2 -> 3 ms one way.
     assert b_none == pytest.approx((6 + 9 + 6 + 18) * MS)
     records = [(0, 1, 0, 1, LOAD_A), (1, 1, 0, 1, LOAD_B), (0, 2, 0, 1, LOAD_B), (1, 2, 0, 1, LOAD_B)]
-    result = cm.replay(records, [cm.BalancerSpec("none"), cm.BalancerSpec("ideal")], shape=SHAPE, hardware=HW)
-    summary = cm.cost_summary(result)
+    result = replay(records, {"none": BalancerConfig("none"), "ideal": BalancerConfig("ideal")}, shape=SHAPE, hardware=HW)
+    summary = cost_summary(result)
     none_steps = [54 * MS, 39 * MS]  # max over the groups of each invocation
     ideal_steps = [40 * MS, 40 * MS]
     assert summary["none"]["total_ms"] == pytest.approx(np.mean(none_steps) * 1e3)
     assert summary["ideal"]["speedup_vs_none"] == pytest.approx(sum(none_steps) / sum(ideal_steps))
     assert summary["none"]["frac_ideal"] == pytest.approx(sum(ideal_steps) / sum(none_steps))
-    only_second = cm.cost_summary(result, result.keys["iteration"] == 2)
+    only_second = cost_summary(result, result.keys["iteration"] == 2)
     assert only_second["ideal"]["speedup_vs_none"] == pytest.approx(39 / 40)
 
 
@@ -147,16 +151,16 @@ def _row(slots, speedup, quota=None, memory=None, balancer="ultraep"):
 def test_advise_slots_rule():
     rows = [_row(0, 1.0), _row(1, 1.5), _row(1, 1.45, quota=64), _row(2, 1.6), _row(2, 1.6, quota=128),
             _row(3, 1.603), _row(4, 1.9), _row(2, 9.9, balancer="eplb-exact")]
-    advice = cm.advise_slots(rows, tolerance=0.01, min_gain_per_slot=0.005)
+    advice = advise_slots(rows, tolerance=0.01, min_gain_per_slot=0.005)
     # 0->1 (+0.5/slot), 1->2 (+0.1), 2->3 (+0.003 < 0.005): stop; best worthwhile 1.6 -> 2 slots,
     # and of the two equal floors at 2 slots the larger one (fewer replicas).
     assert (advice["num_slots"], advice["min_quota"]) == (2, 128)
     assert advice["benefit_per_slot"] == pytest.approx({1: 0.5, 2: 0.3, 3: 0.603 / 3, 4: 0.9 / 4})
-    assert cm.advise_slots(rows, tolerance=0.1)["num_slots"] == 1  # 1.5 is within 10 % of 1.6
-    assert cm.advise_slots(rows, min_gain_per_slot=0.001)["num_slots"] == 4  # the later jump counts
-    assert cm.advise_slots(rows, memory_budget_bytes=150)["num_slots"] == 1
+    assert advise_slots(rows, tolerance=0.1)["num_slots"] == 1  # 1.5 is within 10 % of 1.6
+    assert advise_slots(rows, min_gain_per_slot=0.001)["num_slots"] == 4  # the later jump counts
+    assert advise_slots(rows, memory_budget_bytes=150)["num_slots"] == 1
     with pytest.raises(ValueError, match="no ultraep row"):
-        cm.advise_slots(rows, memory_budget_bytes=-1)
+        advise_slots(rows, memory_budget_bytes=-1)
 
 
 def test_shape_from_meta():

@@ -361,12 +361,3 @@ def test_synthetic_loads_are_exact_and_drift():
     assert popularity_correlation(drifting) < 0.6
     with pytest.raises(ValueError, match="multiple"):
         next(traces.synthetic_loads(**{**kwargs, "num_experts": 10}))
-
-
-def test_cli_info_and_synth(tmp_path, capsys):
-    out = tmp_path / "s.uetrace"
-    assert traces._main(["synth", str(out), "--num-iterations", "2", "--num-layers", "2", "--num-ranks", "2",
-                         "--num-experts", "4"]) == 0
-    assert traces._main(["info", str(out)]) == 0
-    printed = capsys.readouterr().out
-    assert "R=2, E=4, status=closed" in printed and "8 loads (0 uncommitted), 2 iterations, layers [1, 2]" in printed

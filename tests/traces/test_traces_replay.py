@@ -1,6 +1,6 @@
 """Replay: per-record metrics against direct planner calls and hand computations, EPLB's history
-bookkeeping against an independent re-implementation and against the live runtime's balancer,
-staleness on a drifting trace, EP groups, and trace selection."""
+bookkeeping against an independent re-implementation, staleness on a drifting trace, EP groups, and
+trace selection."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from ultraep_megatron import costmodel as cm
 from ultraep_megatron import planner, traces
+from ultraep_megatron.analysis import advisor, cost
+from ultraep_megatron.analysis import replay as rp
 from ultraep_megatron.planner import baselines
+from ultraep_megatron.planner.policy import BalancerConfig
 
 R, E = 4, 16
 
@@ -30,9 +32,9 @@ def rank_imbalance(load: torch.Tensor) -> float:
 
 def test_metrics_per_record_match_direct_computation():
     records = drifting_records(iterations=3)
-    specs = [cm.BalancerSpec("none"), cm.BalancerSpec("ultraep", num_slots=1, min_quota=8),
-             cm.BalancerSpec("eplb-exact", num_slots=1), cm.BalancerSpec("ideal")]
-    result = cm.replay(records, specs)
+    specs = {"none": BalancerConfig("none"), "ultraep": BalancerConfig("ultraep", num_slots=1, min_quota=8),
+             "eplb-exact": BalancerConfig("eplb-exact", num_slots=1), "ideal": BalancerConfig("ideal")}
+    result = rp.replay(records, specs)
     assert result.num_records == len(records) and result.costs is None
     for i, (_, it, mb, layer, load) in enumerate(records):
         assert (result.keys["iteration"][i], result.keys["microbatch"][i], result.keys["layer"][i]) == (it, mb, layer)
@@ -47,7 +49,10 @@ def test_metrics_per_record_match_direct_computation():
         assert result.metrics["eplb-exact"]["imbalance_after"][i] == pytest.approx(exact["imbalance_after"])
         assert result.metrics["ideal"]["imbalance_after"][i] == 1.0
         assert result.metrics["ultraep"]["imbalance_after"][i] <= rank_imbalance(load) + 1e-12
-    summary = cm.metric_summary(result)
+        per_expert = load.numpy().sum(0)
+        assert result.load["routed"][i] == per_expert.sum()
+        assert result.load["expert_imbalance"][i] == pytest.approx(per_expert.max() / per_expert.mean())
+    summary = rp.metric_summary(result)
     assert summary["none"]["imbalance_mean"] == pytest.approx(np.mean([rank_imbalance(r[4]) for r in records]))
     assert summary["none"]["worse_than_none"] == 0.0
     assert summary["ultraep"]["imbalance_mean"] < summary["eplb-exact"]["imbalance_mean"] < summary["none"]["imbalance_mean"]
@@ -55,7 +60,7 @@ def test_metrics_per_record_match_direct_computation():
 
 def test_identity_plan_is_the_unbalanced_routing():
     load = drifting_records(iterations=1)[0][4]
-    plan = cm.identity_plan(load)
+    plan = baselines.identity_plan(load)
     assert plan.num_slots == 0
     # every token of expert e goes to rank e // G
     split = plan.split
@@ -71,8 +76,8 @@ def test_eplb_history_bookkeeping(window, interval):
     """Placement re-planned every `interval` calls of a (group, layer) from the previous `window`
     loads (the current one on the first call); the current load goes round-robin over it."""
     records = drifting_records(iterations=5, microbatches=2, layers=2, seed=1)
-    spec = cm.BalancerSpec("eplb", num_slots=2, eplb_window=window, eplb_interval=interval)
-    result = cm.replay(records, [spec])
+    spec = {"eplb": BalancerConfig("eplb", num_slots=2, eplb_window=window, eplb_interval=interval)}
+    result = rp.replay(records, spec)
     for layer in (1, 2):
         loads = [r[4] for r in records if r[3] == layer]
         idx = np.flatnonzero(result.keys["layer"] == layer)
@@ -86,31 +91,15 @@ def test_eplb_history_bookkeeping(window, interval):
             assert result.metrics["eplb"]["inflight_ratio"][i] == pytest.approx(expected["inflight_ratio"])
 
 
-def test_replay_matches_the_live_runtime_balancers():
-    """What the replay computes is what a live run with the same flags would plan."""
-    from ultraep_megatron.megatron.runtime import BalancerConfig
-
-    records = [r for r in drifting_records(iterations=6, microbatches=2, layers=1, seed=2)]
-    for name in ("eplb", "eplb-exact", "ultraep"):
-        config = BalancerConfig(name=name, num_slots=2, min_quota=4, eplb_window=3, eplb_interval=2)
-        live = config.build(E, R)
-        spec = cm.BalancerSpec(name, num_slots=2, min_quota=4, eplb_window=3, eplb_interval=2)
-        result = cm.replay(records, [spec])
-        for i, rec in enumerate(records):
-            plan = live.plan(rec[4])
-            assert result.metrics[spec.key]["threshold"][i] == plan.threshold, (name, i)
-            assert result.metrics[spec.key]["replicas"][i] == int((plan.slot_expert >= 0).sum()), (name, i)
-
-
 def test_stale_history_hurts_eplb_on_a_drifting_trace():
     records = drifting_records(iterations=24, microbatches=2, layers=2, drift=0.8, seed=4)
-    specs = [cm.BalancerSpec("eplb", num_slots=1, eplb_window=i, eplb_interval=i, label=f"eplb/{i}") for i in (1, 16)]
-    specs.append(cm.BalancerSpec("eplb-exact", num_slots=1))
-    result = cm.replay(records, specs)
-    stale = cm.staleness_summary(result)
+    specs = {f"eplb/{i}": BalancerConfig("eplb", num_slots=1, eplb_window=i, eplb_interval=i) for i in (1, 16)}
+    specs["eplb-exact"] = BalancerConfig("eplb-exact", num_slots=1)
+    result = rp.replay(records, specs)
+    stale = rp.staleness_summary(result)
     assert [r["interval"] for r in stale] == [1, 16]
     fresh, old = stale
-    exact = cm.metric_summary(result)["eplb-exact"]
+    exact = rp.metric_summary(result)["eplb-exact"]
     assert exact["imbalance_mean"] < fresh["imbalance_mean"] < old["imbalance_mean"]
     assert old["worse_than_none"] >= fresh["worse_than_none"]
 
@@ -126,20 +115,20 @@ def test_eplb_keeps_history_per_ep_group(tmp_path):
                 if mb == 1:
                     w.flush_iteration(it)
         paths.append(path)
-    spec = cm.BalancerSpec("eplb", num_slots=1, eplb_window=2, eplb_interval=2)
-    result = cm.replay_files(traces.find_trace_files(tmp_path), [spec])
+    spec = {"eplb": BalancerConfig("eplb", num_slots=1, eplb_window=2, eplb_interval=2)}
+    result = rp.replay(traces.TraceRecords(traces.find_trace_files(tmp_path)), spec)
     n = len(records)
     assert result.keys["group"].tolist() == [0] * n + [1] * n
     after = result.metrics["eplb"]["imbalance_after"]
     # Identical loads in both groups and separate histories: identical results.
     assert np.array_equal(after[:n], after[n:])
-    single = cm.replay(records, [spec]).metrics["eplb"]["imbalance_after"]
+    single = rp.replay(records, spec).metrics["eplb"]["imbalance_after"]
     assert np.array_equal(after[:n], single)
     assert result.meta == {"group": 0}
     other = tmp_path / "other.uetrace"
     traces.TraceWriter(other, num_ranks=2, num_experts=E, fsync=False).close()
     with pytest.raises(ValueError, match="disagree"):
-        cm.replay_files([paths[0], other], [spec])
+        traces.TraceRecords([paths[0], other])
 
 
 def test_trace_selection_and_load_scale(tmp_path):
@@ -150,37 +139,37 @@ def test_trace_selection_and_load_scale(tmp_path):
             w.append(it, mb, layer, load)
             if mb == 1 and layer == 2:
                 w.flush_iteration(it)
-    spec = [cm.BalancerSpec("none")]
+    spec = {"none": BalancerConfig("none")}
     seen = []
-    result = cm.replay_files([path], spec, layers=[2], max_records=4, progress=lambda d, t: seen.append((d, t)))
+    selected = traces.TraceRecords([path], layers=[2], max_records=4)
+    result = rp.replay(selected, spec, progress=seen.append)
     assert result.keys["layer"].tolist() == [2, 2, 2, 2]
-    assert seen[-1] == (4, 4)
-    doubled = cm.replay_files([path], spec, load_scale=2.0)
-    plain = cm.replay_files([path], spec)
+    assert seen[-1] == selected.total == 4
+    doubled = rp.replay(traces.TraceRecords([path], load_scale=2.0), spec)
+    plain = rp.replay(traces.TraceRecords([path]), spec)
     assert np.allclose(doubled.metrics["none"]["imbalance_after"], plain.metrics["none"]["imbalance_after"])
     assert np.array_equal(doubled.metrics["none"]["threshold"], 2 * plain.metrics["none"]["threshold"])
-    records_stream = cm.TraceRecords([path])
+    records_stream = traces.TraceRecords([path])
     assert records_stream.total == len(records)
     with pytest.raises(ValueError, match="load_scale"):
-        cm.TraceRecords([path], load_scale=0)
+        traces.TraceRecords([path], load_scale=0)
 
 
-def test_replay_rejects_bad_specs():
+def test_replay_rejects_bad_input():
     records = drifting_records(iterations=1)
-    with pytest.raises(ValueError, match="unknown balancer"):
-        cm.BalancerSpec("lplb")
-    with pytest.raises(ValueError, match="distinct"):
-        cm.replay(records, [cm.BalancerSpec("none"), cm.BalancerSpec("none")])
+    none = {"none": BalancerConfig("none")}
+    with pytest.raises(ValueError, match="no balancer"):
+        rp.replay(records, {})
     with pytest.raises(ValueError, match="both shape and hardware"):
-        cm.replay(records, [cm.BalancerSpec("none")], shape=cm.DEFAULT_SHAPE)
+        rp.replay(records, none, shape=cost.DEFAULT_SHAPE)
     with pytest.raises(ValueError, match="no records"):
-        cm.replay([], [cm.BalancerSpec("none")])
+        rp.replay([], none)
 
 
 def test_slot_sweep_rows_follow_the_replayed_plans():
     records = drifting_records(iterations=4, layers=2, seed=8)
-    shape, hw = cm.ExpertShape(64, 32), cm.Hardware()
-    rows, result = cm.slot_sweep(records, [0, 1, 2], [None, 16], shape, hw, include_eplb_exact=True, plan_seconds=0.0)
+    shape, hw = cost.ExpertShape(64, 32), cost.Hardware()
+    rows, result = advisor.slot_sweep(records, [0, 1, 2], [None, 16], shape, hw, include_eplb_exact=True, plan_seconds=0.0)
     assert [(r["balancer"], r["num_slots"], r["min_quota"]) for r in rows] == [
         ("ultraep", 0, None), ("ultraep", 0, 16), ("eplb-exact", 0, None),
         ("ultraep", 1, None), ("ultraep", 1, 16), ("eplb-exact", 1, None),
@@ -190,7 +179,7 @@ def test_slot_sweep_rows_follow_the_replayed_plans():
             expected = np.mean([planner.metrics(r[4], planner.solve(r[4], row["num_slots"], min_quota=row["min_quota"]))
                                 ["imbalance_after"] for r in records])
             assert row["imbalance_mean"] == pytest.approx(expected)
-        assert row["memory_bytes"] == cm.slot_memory_bytes(shape, row["num_slots"])
+        assert row["memory_bytes"] == cost.slot_memory_bytes(shape, row["num_slots"])
         assert row["memory_bytes_per_layer_layout"] == 2 * row["memory_bytes"]  # two layers traced
     zero = [r for r in rows if r["num_slots"] == 0]
     assert all(r["speedup_vs_none"] == pytest.approx(1.0) for r in zero)  # no slot, no plan cost: == none

@@ -115,9 +115,9 @@ class TransferSchedule:
         edge_dst: int64 ``[N]`` receiver in the weight direction.
         edge_dst_slot: int64 ``[N]`` receiver's replica slot.
         edge_hop: int64 ``[N]`` 1 (from home) or 2 (from a relay).
-        local_expert: int64 ``[L]`` experts with a replica on their own home rank.
-        local_rank: int64 ``[L]`` that home rank.
-        local_slot: int64 ``[L]`` the replica slot there.
+        local_expert: int64 ``[n_local]`` experts with a replica on their own home rank.
+        local_rank: int64 ``[n_local]`` that home rank.
+        local_slot: int64 ``[n_local]`` the replica slot there.
         relayed_experts: int64 ``[K]`` experts distributed through a relay tree.
     """
 

@@ -7,8 +7,8 @@ How it plugs in (no fork of megatron-core):
   model's ``BalancingContext``. The local main experts stay megatron-core's own experts module
   (parameter names and checkpoint keys unchanged).
 * The balanced dispatchers subclass megatron's and work in *physical-slot space*: every EP rank owns
-  ``G + S`` physical slots (its G main experts, then its S redundant slots), so the parent's
-  permutation / all-to-all / chunk-sort machinery runs unchanged on ``R * (G + S)`` "experts".
+  ``P = G + S`` physical slots (its G main experts, then its S redundant slots), so the parent's
+  permutation / all-to-all / chunk-sort machinery runs unchanged on ``R * P`` "experts".
 
 One invocation (a layer on a microbatch), forward:
 
@@ -83,9 +83,9 @@ class _PhysicalSlotRouting:
     """What both balanced dispatchers add to megatron's: physical-slot geometry, the exact load of
     the EP group, the invocation's plan, and the logical -> physical rewrite of the routing.
 
-    Physical slot ``r * (G + S) + j`` is rank ``r``'s main expert ``j`` for ``j < G = E // R`` and its
-    redundant slot ``j - G`` otherwise. The parent dispatcher is built over ``R * (G + S)``
-    "experts", ``G + S`` of them local, so its permutation and communication run unchanged.
+    Physical slot ``r * P + j`` (``P = G + S``) is rank ``r``'s main expert ``j`` for
+    ``j < G = E // R`` and its redundant slot ``j - G`` otherwise. The parent dispatcher is built
+    over ``R * P`` "experts", ``P`` of them local, so its permutation and communication run unchanged.
     """
 
     def __init__(self, num_local_experts, local_expert_indices, config, pg_collection, layer):
@@ -94,7 +94,7 @@ class _PhysicalSlotRouting:
         ep_size, ep_rank = pg_collection.ep.size(), pg_collection.ep.rank()
         self.num_logical_experts = config.num_moe_experts
         self.num_slots = layer.balancer_config.num_slots
-        self.slots_per_rank = num_local_experts + self.num_slots  # G + S physical slots
+        self.slots_per_rank = num_local_experts + self.num_slots  # P = G + S physical slots
         physical_config = copy.copy(config)
         physical_config.num_moe_experts = ep_size * self.slots_per_rank
         local = [ep_rank * self.slots_per_rank + j for j in range(self.slots_per_rank)]
@@ -151,7 +151,7 @@ class _PhysicalSlotRouting:
             probs: [T, E] router probabilities (differentiable).
 
         Returns:
-            (physical_map [T, R * (G + S)] bool, physical_probs [T, R * (G + S)], differentiable in
+            (physical_map [T, R * P] bool, physical_probs [T, R * P], differentiable in
             ``probs``).
         """
         t0 = time.perf_counter()
@@ -192,7 +192,7 @@ class BalancedAlltoAllDispatcher(_PhysicalSlotRouting, MoEAlltoAllTokenDispatche
             self.input_splits = invocation.input_splits
             self.output_splits = invocation.output_splits
             self.output_splits_tp = np.array([invocation.output_splits.sum()])
-        # [R_src, G + S]; megatron's fused chunk sort reads it on the device.
+        # [R_src, P]; megatron's fused chunk sort reads it on the device.
         rows = invocation.rows_per_source_slot
         self.num_global_tokens_per_local_expert = (
             rows.to(routing_map.device, non_blocking=True) if self.config.moe_permute_fusion else rows)
@@ -406,8 +406,7 @@ class BalancedMoELayer(MoELayer):
         self.expert_param_names = expert_param_names(self.experts, self.num_local_experts)
         first = [self.experts.get_parameter(n) for n in self.expert_param_names[0]]
         self.expert_param_shapes = [(n, tuple(p.shape)) for n, p in zip(self.expert_param_names[0], first)]
-        self.balancer = balancing.config.build(self.num_local_experts * pg_collection.ep.size(),
-                                               pg_collection.ep.size())
+        self.balancer = balancing.config.build()
         balancing.register(self)
 
     def main_expert_param_lists(self) -> List[List[torch.Tensor]]:

@@ -14,9 +14,9 @@ Each balanced MoE invocation (a layer on a microbatch) is planned once, on the h
 immutable :class:`Invocation`: the dispatcher produces it from the exact load (one device-to-host
 copy), the layer and its backward consume it. Nothing here reads device memory.
 
-Vocabulary: R EP ranks, E experts, G = E // R main experts per rank, S redundant slots per rank,
-G + S *physical* slots per rank (its main experts, then its redundant slots); a *ring* slot is an
-entry of the virtual-layer ring.
+Vocabulary (docs/glossary.md): R EP ranks, E experts, G = E // R main experts per rank, S redundant
+slots per rank, P = G + S *physical* slots per rank (its main experts, then its redundant slots); a
+*ring* slot is an entry of the virtual-layer ring.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 from ultraep_megatron import planner
 from ultraep_megatron.dataplane import ReplicaBuffer, TransferHandle, TransferSchedule
 from ultraep_megatron.megatron.ring import VirtualLayerRing
-from ultraep_megatron.megatron.runtime import BalancerConfig
+from ultraep_megatron.planner.policy import BalancerConfig
 
 
 @dataclass(frozen=True, eq=False)
@@ -51,10 +51,10 @@ class Invocation:
             ``None`` when the plan has none (then no transfer runs, identically on every rank).
         input_splits / output_splits: int64 ``[R]`` (token, expert) rows this rank sends to / receives
             from each EP rank (the all-to-all's splits).
-        rows_per_source_slot: int64 ``[R, G + S]`` rows each source rank sends to each of this rank's
+        rows_per_source_slot: int64 ``[R, P]`` rows each source rank sends to each of this rank's
             physical slots (megatron's ``num_global_tokens_per_local_expert``; pinned on CUDA: the
             fused chunk sort reads it on the device).
-        rows_per_slot: int64 ``[G + S]`` rows each of this rank's physical slots receives.
+        rows_per_slot: int64 ``[P]`` rows each of this rank's physical slots receives.
         main_rows: rows its G main experts receive (the first ``main_rows`` dispatched rows).
         replica_rows: rows each of its S redundant slots receives.
         reroute_table: int64 ``[2, E * R]``: for this rank as a source, row 0 is the running total of
@@ -98,17 +98,17 @@ def plan_invocation(plan: planner.Plan, load: torch.Tensor, ep_rank: int, *, lay
     """
     R, E = load.shape
     G, S = E // R, plan.num_slots
-    L = G + S
+    P = G + S
     pinned = torch.cuda.is_available()  # what is uploaded is pinned: a non-blocking upload
-    split = plan.physical_split.numpy()  # [R_src, R * L]
-    rows_per_source_slot = torch.empty(R, L, dtype=torch.int64, pin_memory=pinned)
+    split = plan.physical_split.numpy()  # [R_src, R * P]
+    rows_per_source_slot = torch.empty(R, P, dtype=torch.int64, pin_memory=pinned)
     rows = rows_per_source_slot.numpy()
-    rows[:] = split[:, ep_rank * L:(ep_rank + 1) * L]
+    rows[:] = split[:, ep_rank * P:(ep_rank + 1) * P]
     rows_per_slot = rows.sum(axis=0)
     # Physical slot of expert e's instance on rank t ([E, R], -1: none) and what this rank sends it.
     physical_expert = np.concatenate([np.arange(R * G).reshape(R, G), plan.slot_expert.numpy()], axis=1)
     instance_slot = np.full((E + 1, R), -1, dtype=np.int64)  # row E collects the empty slots
-    instance_slot[physical_expert % (E + 1), np.arange(R)[:, None]] = np.arange(R * L).reshape(R, L)
+    instance_slot[physical_expert % (E + 1), np.arange(R)[:, None]] = np.arange(R * P).reshape(R, P)
     instance_slot = instance_slot[:E]
     sent = np.where(instance_slot >= 0, split[ep_rank][np.maximum(instance_slot, 0)], 0)
     table = torch.empty(2, E * R, dtype=torch.int64, pin_memory=pinned)
@@ -117,7 +117,7 @@ def plan_invocation(plan: planner.Plan, load: torch.Tensor, ep_rank: int, *, lay
     return Invocation(
         layer_number=layer_number, vid=vid, ep_rank=ep_rank, load=load, plan=plan,
         schedule_builder=schedule_builder,
-        input_splits=split[ep_rank].reshape(R, L).sum(axis=1),
+        input_splits=split[ep_rank].reshape(R, P).sum(axis=1),
         output_splits=rows.sum(axis=1),
         rows_per_source_slot=rows_per_source_slot, rows_per_slot=torch.from_numpy(rows_per_slot),
         main_rows=int(rows_per_slot[:G].sum()), replica_rows=tuple(rows_per_slot[G:].tolist()),
@@ -242,17 +242,17 @@ class BalancingContext:
     """UltraEP state of one model. See the module docstring.
 
     Args:
-        config: what ``--moe-balancer*`` selected.
-        overlap: run transfers asynchronously, overlapped with the layer's other work (default).
-            ``False`` waits for each transfer where it is issued (benchmarks measure both).
-        check_plans: compare every plan with the routing it is applied to (device-to-host reads
-            in every layer: for debugging, ``--moe-balancer-check-plans``).
+        config: what ``--moe-balancer*`` selected, including how this run executes it:
+            ``config.overlap`` (transfers asynchronous, overlapped with the layer's other work;
+            ``--moe-balancer-no-overlap`` waits for each where it is issued) and
+            ``config.check_plans`` (compare every plan with the routing it is applied to: device
+            reads in every layer, for debugging).
     """
 
-    def __init__(self, config: BalancerConfig, *, overlap: bool = True, check_plans: bool = False):
+    def __init__(self, config: BalancerConfig):
         self.config = config
-        self.overlap = overlap
-        self.check_plans = check_plans
+        self.overlap = config.overlap
+        self.check_plans = config.check_plans
         self.layers: List[object] = []
         self.buffer: Optional[ReplicaBuffer] = None
         self.replica_experts = None  # (experts module of the layers' class, per-slot names)

@@ -271,6 +271,7 @@ _TORCH_CUDA_PATCHES: dict[str, tuple[Any, str]] = {
     "max_memory_reserved": (_zero, "memory reports read CUDA allocator counters; the CPU has none"),
     "reset_peak_memory_stats": (_noop, "memory reports read CUDA allocator counters; the CPU has none"),
     "memory_stats": (lambda *a, **k: {}, "memory reports read CUDA allocator counters; the CPU has none"),
+    "is_current_stream_capturing": (lambda: False, "megatron's router tracer (--moe-routing-trace-path) skips CUDA-graph capture; the CPU never captures"),
 }
 
 

@@ -56,7 +56,6 @@ class VirtualLayerRing:
     _generations: List[int] = field(init=False)
     _next: int = field(init=False, default=0)
     _recompute_fifo: Dict[int, Deque[int]] = field(init=False, default_factory=dict)
-    high_water: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         if self.capacity < 1:
@@ -78,7 +77,6 @@ class VirtualLayerRing:
                 self._generations[slot] += 1
                 self._entries[slot] = RingEntry(layer, self._generations[slot], payload)
                 self._next = (slot + 1) % self.capacity
-                self.high_water = max(self.high_water, self.live)
                 return slot * (1 << 32) + self._generations[slot]
         layers = sorted({e.layer for e in self._entries if e is not None})
         raise RingFullError(
@@ -121,11 +119,6 @@ class VirtualLayerRing:
                 f"MoE layer {layer} is being recomputed but no checkpointed forward of it is pending"
             )
         return fifo.popleft()
-
-    def clear(self) -> None:
-        """Drop every entry (e.g. after an aborted iteration)."""
-        self._entries = [None] * self.capacity
-        self._recompute_fifo.clear()
 
 
 def max_inflight_microbatches(

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from ultraep_megatron.planner import load_imbalance, policy
+
 #: Metric-name prefix in tensorboard / wandb.
 METRIC_PREFIX = "moe/load_imbalance"
 
@@ -43,21 +45,6 @@ def per_rank_load(tokens_per_expert: torch.Tensor, ep_size: int) -> torch.Tensor
     if ep_size < 1 or num_experts % ep_size:
         raise ValueError(f"{num_experts} experts cannot be split over {ep_size} EP ranks")
     return tokens_per_expert.reshape(num_layers, ep_size, num_experts // ep_size).sum(dim=-1)
-
-
-def load_imbalance(load: torch.Tensor) -> torch.Tensor:
-    """``max / mean`` of the load along the last dimension; 1.0 where nothing was routed.
-
-    Args:
-        load: [..., R] load of R ranks (or experts).
-
-    Returns:
-        [...] imbalance, >= 1.
-    """
-    load = load.double()
-    mean = load.mean(dim=-1)
-    return torch.where(mean > 0, load.max(dim=-1).values / mean.clamp_min(1e-30),
-                       torch.ones_like(mean))
 
 
 class ExpertLoadTracker:

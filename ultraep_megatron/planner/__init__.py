@@ -30,6 +30,7 @@ __all__ = [
     "solve",
     "assign_tokens",
     "metrics",
+    "load_imbalance",
     "rank_imbalance",
     "default_min_quota",
     "domain_lower_bound",
@@ -40,6 +41,7 @@ __all__ = [
     "tokens_received_per_local_slot",
     "baselines",
     "peers",
+    "policy",
     "synthetic",
 ]
 
@@ -221,16 +223,22 @@ def _assign_tokens_vectorized(plan: Plan, rank: int, topk_ids: torch.Tensor) -> 
     return physical.view_as(topk_ids)
 
 
-def _max_over_mean(per_rank: torch.Tensor, total: int) -> float:
-    """max / mean of a per-rank figure [R] summing to ``total`` (1.0 when it is 0)."""
-    return float(per_rank.max()) / (total / per_rank.numel()) if total else 1.0
+def load_imbalance(load: torch.Tensor) -> torch.Tensor:
+    """The rank imbalance: ``max / mean`` of ``load`` [..., R] over its last dimension.
+
+    Returns float64 [...], >= 1, and 1.0 where nothing was routed. The one imbalance formula of
+    the project: planner metrics, triggers, replay and the training telemetry all use it.
+    """
+    load = load.double()
+    mean = load.mean(dim=-1)
+    return torch.where(mean > 0, load.max(dim=-1).values / mean.clamp_min(1e-30), torch.ones_like(mean))
 
 
 def rank_imbalance(load: torch.Tensor) -> float:
-    """max / mean per-rank load of ``load`` int64 [R, E] with every expert at home (1.0 for an
-    all-zero load): the imbalance before balancing, what a trigger compares with."""
+    """:func:`load_imbalance` of the per-rank load of ``load`` int64 [R, E] with every expert at
+    home: the imbalance before balancing, what a trigger compares with."""
     R, E = validate_load(load)
-    return _max_over_mean(load.sum(0).view(R, E // R).sum(1), int(load.sum()))
+    return float(load_imbalance(load.sum(0).view(R, E // R).sum(1)))
 
 
 def metrics(load: torch.Tensor, plan: Plan, *, domain_size: int | None = None) -> dict:
@@ -257,16 +265,16 @@ def metrics(load: torch.Tensor, plan: Plan, *, domain_size: int | None = None) -
     if plan.num_ranks != R or plan.num_experts != E:
         raise ValueError("plan and load have different shapes")
     N = validate_domain_size(domain_size, R)
-    G, L = E // R, plan.physical_slots_per_rank
+    G, P = E // R, plan.physical_slots_per_rank
     total = int(load.sum())
-    imbalance_before = _max_over_mean(load.sum(0).view(R, G).sum(1), total)
-    imbalance_after = _max_over_mean(plan.quota.sum(0), total)
+    imbalance_before = float(load_imbalance(load.sum(0).view(R, G).sum(1)))
+    imbalance_after = float(load_imbalance(plan.quota.sum(0)))
     filled = plan.slot_expert >= 0
     replicated = plan.slot_expert[filled]
     hosts = filled.nonzero()[:, 0]
     per_expert = torch.bincount(replicated, minlength=E)
-    # Tokens that stay on their source rank: the diagonal blocks of physical_split [R, R * L].
-    local = int(plan.physical_split.view(R, R, L).diagonal(dim1=0, dim2=1).sum())
+    # Tokens that stay on their source rank: the diagonal blocks of physical_split [R, R * P].
+    local = int(plan.physical_split.view(R, R, P).diagonal(dim1=0, dim2=1).sum())
     replica_quota = plan.quota[replicated, hosts]
     return {
         "imbalance_before": imbalance_before,
@@ -285,4 +293,4 @@ def metrics(load: torch.Tensor, plan: Plan, *, domain_size: int | None = None) -
     }
 
 
-from . import baselines, peers, synthetic  # noqa: E402  (they import validate_load from here)
+from . import baselines, peers, policy, synthetic  # noqa: E402  (they import validate_load from here)

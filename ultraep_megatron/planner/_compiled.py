@@ -161,7 +161,7 @@ def solve_arrays(load, num_slots, min_quota, min_quota_divisor, domain_size):
     R, E = load.shape
     G = E // R
     S = num_slots
-    L = G + S
+    P = G + S
     expert_load = np.zeros(E, np.int64)
     for s in range(R):
         for e in range(E):
@@ -256,7 +256,7 @@ def solve_arrays(load, num_slots, min_quota, min_quota_divisor, domain_size):
     for i in range(n):
         t = piece_rank[i]
         slot_expert[t, used[t]] = piece_expert[i]
-        piece_slot[i] = t * L + G + used[t]
+        piece_slot[i] = t * P + G + used[t]
         used[t] += 1
         quota[piece_expert[i], t] = piece_quota[i]
         num_replicas[piece_expert[i]] += 1
@@ -268,11 +268,11 @@ def solve_arrays(load, num_slots, min_quota, min_quota_divisor, domain_size):
     # Reroute (reference.reroute). Every expert's tokens first go to its main instance; the
     # replicated experts are then redone: local quota first, then sources in rank order fill the
     # instances in rank order.
-    physical_split = np.zeros((R, R * L), np.int64)
+    physical_split = np.zeros((R, R * P), np.int64)
     for s in range(R):
         for r in range(R):
             for j in range(G):
-                physical_split[s, r * L + j] = load[s, r * G + j]
+                physical_split[s, r * P + j] = load[s, r * G + j]
     # Instances of each replicated expert, sorted by rank: offsets into inst_rank/inst_slot.
     offset = np.zeros(E + 1, np.int64)
     for e in range(E):
@@ -283,7 +283,7 @@ def solve_arrays(load, num_slots, min_quota, min_quota_divisor, domain_size):
     for e in range(E):
         if num_replicas[e] > 0:
             inst_rank[offset[e]] = e // G
-            inst_slot[offset[e]] = (e // G) * L + e % G
+            inst_slot[offset[e]] = (e // G) * P + e % G
             fill[e] = 1
     for i in range(n):
         e = piece_expert[i]
@@ -301,7 +301,7 @@ def solve_arrays(load, num_slots, min_quota, min_quota_divisor, domain_size):
         if num_replicas[e] == 0:
             continue
         lo, hi = offset[e], offset[e + 1]
-        main = (e // G) * L + e % G
+        main = (e // G) * P + e % G
         for s in range(R):
             physical_split[s, main] = 0
         for k in range(lo, hi):
@@ -333,7 +333,7 @@ OUT_OF_RANGE = 3
 def assign_arrays(flat_ids, physical_row, instance_slot):
     """Physical slot of every (token, expert) pair of one source rank (planner.assign_tokens).
 
-    flat_ids [N] logical experts in row-major order; physical_row [P] tokens this rank sends to
+    flat_ids [N] logical experts in row-major order; physical_row [R * P] tokens this rank sends to
     each physical slot; instance_slot [E, R]. Returns (status, physical [N]). One pass: each
     expert keeps a cursor on its instances in rank order and the room left in the current one,
     which is the cumulative-quota lookup done incrementally.

@@ -1,13 +1,14 @@
 """Baseline plans UltraEP is compared with (paper §8.1), on the same fixed slot layout.
 
-- ``none``: the identity plan, every token to its expert's main instance.
+- ``identity_plan(load, S)``: the unbalanced routing (``--moe-balancer none``), every token to its
+  expert's main instance.
 - ``eplb(history, S)``: DeepSeek EPLB's replication rule on historical load — repeatedly give one
   more replica to the expert with the largest load per instance — with the replicas packed into the
   redundant slots (main experts never move), then round-robin reroute.
 - ``eplb_exact(load, S)``: the paper's EPLB++, the same rule on the exact current load.
 
 Both EPLB baselines are the paper's *fixed-layout* EPLB: main experts stay at home and only the
-redundant slots are filled, so their labels (``LABELS``; aliases ``eplb_fixed``,
+redundant slots are filled, so their labels (``policy.LABELS``; aliases ``eplb_fixed``,
 ``eplb_exact_fixed``) say so. DeepSeek's own EPLB re-places every expert: ``peers.deepseek_eplb``.
 
 Not on the hot path: plain numpy/torch, no compiled code.
@@ -23,22 +24,31 @@ import torch
 from . import validate_load
 from .plan import Plan, plan_from_split
 
-__all__ = ["none", "eplb", "eplb_exact", "eplb_fixed", "eplb_exact_fixed", "eplb_slots",
-           "round_robin", "round_robin_split", "LABELS"]
-
-#: Display labels of the baselines by ``--moe-balancer`` name.
-LABELS = {
-    "none": "none",
-    "eplb": "eplb-fixed (history; mains at home)",
-    "eplb-exact": "eplb++-fixed (exact load; mains at home)",
-}
+__all__ = ["identity_plan", "eplb", "eplb_exact", "eplb_fixed", "eplb_exact_fixed", "eplb_slots",
+           "round_robin", "round_robin_split"]
 
 
-def none(load: torch.Tensor, num_slots: int) -> Plan:
-    """Identity plan for ``load`` [R, E]: no replicas, all tokens to the main instances."""
-    R, _ = validate_load(load)
+def identity_plan(load: torch.Tensor, num_slots: int = 0) -> Plan:
+    """The unbalanced routing of ``load`` [R, E]: no replica, every token to its expert's main
+    instance on rank ``e // G``.
+
+    Returns a Plan with ``slot_expert`` [R, S] all -1, ``quota`` [E, R] the expert totals on the
+    home ranks, ``physical_split`` [R, R * (G + S)] the load in the main columns.
+    """
+    R, E = validate_load(load)
     _check_slots(num_slots)
-    return round_robin(load, torch.full((R, num_slots), -1, dtype=torch.int64, device=load.device))
+    if bool((load < 0).any()):
+        raise ValueError("load has negative entries")
+    G, P = E // R, E // R + num_slots
+    device = load.device
+    experts = torch.arange(E, device=device)
+    home = experts // G
+    quota = torch.zeros((E, R), dtype=torch.int64, device=device)
+    quota[experts, home] = load.sum(0)
+    physical = torch.zeros((R, R * P), dtype=torch.int64, device=device)
+    physical[:, home * P + experts % G] = load
+    slot_expert = torch.full((R, num_slots), -1, dtype=torch.int64, device=device)
+    return Plan(slot_expert, quota, physical, int(quota.sum(0).max()))
 
 
 def eplb_slots(expert_load: torch.Tensor, num_ranks: int, num_slots: int) -> torch.Tensor:

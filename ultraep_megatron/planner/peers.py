@@ -28,8 +28,8 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from . import _max_over_mean, rank_imbalance, validate_domain_size, validate_load
-from .baselines import _check_slots, none, round_robin_split
+from . import load_imbalance, rank_imbalance, validate_domain_size, validate_load
+from .baselines import _check_slots, identity_plan, round_robin_split
 from .plan import Plan, plan_from_split
 
 __all__ = ["Placement", "deepseek_eplb", "llep", "weight_copies", "main_moves",
@@ -124,9 +124,9 @@ def placement_metrics(load: torch.Tensor, placement: Placement, *,
     imbalance_before = rank_imbalance(load)
     return {
         "imbalance_before": imbalance_before,
-        "imbalance_after": _max_over_mean(placement.quota.sum(0), total),
+        "imbalance_after": float(load_imbalance(placement.quota.sum(0))),
         "memory_spread_before": imbalance_before,
-        "memory_spread_after": _max_over_mean(split.sum((0, 1)), total),  # rows received [R]
+        "memory_spread_after": float(load_imbalance(split.sum((0, 1)))),  # rows received [R]
         "weight_copies": weight_copies(placement),
         "main_moves": main_moves(placement),
         "cross_domain_copies": cross_domain_copies(placement, domain_size),
@@ -282,7 +282,7 @@ def llep(load: torch.Tensor, *, capacity_factor: float = 1.1, min_tokens_per_gem
     lam = load.sum(0).tolist()
     rank_load = [sum(lam[r * G:(r + 1) * G]) for r in range(R)]
     if trigger is not None and trigger > 0 and rank_imbalance(load) < trigger:
-        return none(load, 0)
+        return identity_plan(load, 0)
     total = sum(lam)
     balanced = total // R
     capacity = max(int(capacity_factor * balanced) if balanced > 0 else total, 1)

@@ -1,8 +1,9 @@
 """The ``Plan`` a planner returns, and the per-rank views the runtime reads from it.
 
-Shapes: R ranks (one EP group), E logical experts, G = E // R main experts per rank, S redundant
-slots per rank, L = G + S physical slots per rank, P = R * L physical slots in all. Physical slot
-``t * L + j`` is main expert ``t * G + j`` for ``j < G`` and redundant slot ``j - G`` for ``j >= G``.
+Shapes (docs/glossary.md): R ranks (one EP group), E logical experts, G = E // R main experts per
+rank, S redundant slots per rank, P = G + S physical slots per rank, R * P physical slots in all.
+Physical slot ``t * P + j`` is main expert ``t * G + j`` for ``j < G`` and redundant slot ``j - G``
+for ``j >= G``.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ class Plan:
             contract with the data plane.
         quota: [E, R] tokens the instance of expert e on rank t carries; 0 where there is none
             (a main instance may also carry 0).
-        physical_split: [R, P] tokens of source rank s routed to physical slot p. The compact
-            form of ``split``; row s is what rank s sends, columns ``t*L:(t+1)*L`` what rank t
+        physical_split: [R, R * P] tokens of source rank s routed to physical slot p. The compact
+            form of ``split``; row s is what rank s sends, columns ``t*P:(t+1)*P`` what rank t
             receives (see ``tokens_sent_per_physical_slot`` / ``tokens_received_per_local_slot``).
         threshold: the max per-rank load after reroute, ``quota.sum(0).max()``.
     """
@@ -54,12 +55,12 @@ class Plan:
 
     @property
     def physical_slots_per_rank(self) -> int:
-        """L = G + S."""
+        """P = G + S."""
         return self.experts_per_rank + self.num_slots
 
     @cached_property
     def physical_expert(self) -> torch.Tensor:
-        """[R, L] logical expert of every physical slot (-1 for an empty redundant slot)."""
+        """[R, P] logical expert of every physical slot (-1 for an empty redundant slot)."""
         R, G = self.num_ranks, self.experts_per_rank
         mains = torch.arange(R * G, device=self.quota.device).view(R, G)
         return torch.cat([mains, self.slot_expert], dim=1)
@@ -67,11 +68,11 @@ class Plan:
     @cached_property
     def instance_slot(self) -> torch.Tensor:
         """[E, R] physical slot of expert e's instance on rank t, -1 where there is none."""
-        R, E, L = self.num_ranks, self.num_experts, self.physical_slots_per_rank
+        R, E, P = self.num_ranks, self.num_experts, self.physical_slots_per_rank
         out = torch.full((E + 1, R), -1, dtype=torch.int64, device=self.quota.device)
-        experts = self.physical_expert  # [R, L]
-        ranks = torch.arange(R, device=experts.device).view(R, 1).expand(R, L)
-        slots = torch.arange(R * L, device=experts.device).view(R, L)
+        experts = self.physical_expert  # [R, P]
+        ranks = torch.arange(R, device=experts.device).view(R, 1).expand(R, P)
+        slots = torch.arange(R * P, device=experts.device).view(R, P)
         # Empty slots (-1) scatter into the spare last row, which is dropped.
         out[experts.reshape(-1) % (E + 1), ranks.reshape(-1)] = slots.reshape(-1)
         return out[:E]
@@ -85,20 +86,20 @@ class Plan:
 
 
 def tokens_sent_per_physical_slot(plan: Plan, rank: int) -> torch.Tensor:
-    """[P] tokens ``rank`` sends to every physical slot (the dispatcher's per-expert send counts,
-    with physical slots in place of experts; summed per L-block it gives ``input_splits``)."""
+    """[R * P] tokens ``rank`` sends to every physical slot (the dispatcher's per-expert send counts,
+    with physical slots in place of experts; summed per P-block it gives ``input_splits``)."""
     return plan.physical_split[rank]
 
 
 def tokens_received_per_local_slot(plan: Plan, rank: int) -> torch.Tensor:
-    """[R, L] tokens ``rank`` receives from each source rank for each of its physical slots.
+    """[R, P] tokens ``rank`` receives from each source rank for each of its physical slots.
 
     This is Megatron's ``num_global_tokens_per_local_expert`` (ep_size x num_local_experts, with
     the rank's G main slots followed by its S redundant slots as local experts); summed over the
     last dim it gives ``output_splits``.
     """
-    L = plan.physical_slots_per_rank
-    return plan.physical_split[:, rank * L:(rank + 1) * L]
+    P = plan.physical_slots_per_rank
+    return plan.physical_split[:, rank * P:(rank + 1) * P]
 
 
 def plan_from_split(slot_expert: torch.Tensor, split: torch.Tensor) -> Plan:
@@ -107,10 +108,10 @@ def plan_from_split(slot_expert: torch.Tensor, split: torch.Tensor) -> Plan:
     R, S = slot_expert.shape
     shell = Plan(slot_expert, quota, torch.empty(0), 0)
     inst = shell.instance_slot  # [E, R]
-    L = shell.physical_slots_per_rank
+    P = shell.physical_slots_per_rank
     if bool(((split > 0) & (inst < 0).unsqueeze(0)).any()):
         raise ValueError("split sends tokens to a rank without an instance of the expert")
-    physical = torch.zeros((R, R * L), dtype=torch.int64, device=split.device)
+    physical = torch.zeros((R, R * P), dtype=torch.int64, device=split.device)
     mask = inst >= 0
     physical[:, inst[mask]] = split[:, mask]
     return Plan(slot_expert, quota, physical, int(quota.sum(0).max()) if quota.numel() else 0)

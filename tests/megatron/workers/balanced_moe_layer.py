@@ -62,7 +62,7 @@ def build_layer(ep_size: int, balancer: str | None, num_slots: int, recompute: b
 
     from ultraep_megatron.megatron.balanced_moe import BalancedMoELayer
     from ultraep_megatron.megatron.context import BalancingContext
-    from ultraep_megatron.megatron.runtime import BalancerConfig
+    from ultraep_megatron.planner.policy import BalancerConfig
 
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(expert_model_parallel_size=ep_size)

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Checkpoint-resume throughput experiment: one checkpoint, every balancer, same data.
 
 The paper's methodology (§8.1): resume the same late-stage checkpoint under each balancer, run a
@@ -6,7 +5,7 @@ short window (~20 iterations) and compare Megatron's TFLOP/s/GPU. For each balan
 runs the launch command once with, appended (later arguments win in Megatron's parser)::
 
     --load CKPT --ckpt-step S --exit-interval S+N      # resume at S, stop after N iterations
-    --moe-balancer B                                    # ideal: none + --moe-router-force-load-balancing
+    --moe-balancer B                                    # ideal: policy.IDEAL_MEGATRON_ARGS
     --log-interval 1 --log-throughput --eval-iters 0 --metrics-jsonl OUT/B/metrics.jsonl
     --wandb-exp-name <prefix>-B --wandb-save-dir OUT/B
 
@@ -28,15 +27,15 @@ TFLOP/s/GPU = model FLOPs per iteration x measured iterations / (their summed Me
 time x 1e12 x world size), i.e. Megatron's own figure over the window (the first
 ``--warmup-iterations`` after the resume are left out: they include start-up).
 
-    python tools/resume_experiment.py --checkpoint /ckpt/qwen3 --iterations 20 \\
+    ultraep resume-experiment --load /ckpt/qwen3 --iterations 20 \\
         --output-dir results/qwen3 -- bash recipes/qwen3_235b_a22b_ep64_dp4.sh
 
-Exit status: 0 when every run succeeded, 1 otherwise (the table still lists them all).
+The command line is in ``ultraep_megatron/cli/resume_experiment.py``. No Megatron import: runs are
+subprocesses.
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import math
@@ -51,10 +50,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence, TextIO
 
-#: Balancers the driver knows; ``ideal`` is megatron-core's force-balanced router.
-BALANCERS = ("none", "eplb", "eplb-exact", "ultraep", "ideal")
-DEFAULT_BALANCERS = BALANCERS
-IDEAL_ARGS = ("--moe-balancer", "none", "--moe-router-force-load-balancing")
+from ultraep_megatron.planner import policy
+
 #: Megatron's tracker file of the latest saved iteration.
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -118,8 +115,8 @@ def _checkpoint_state(checkpoint: Path) -> tuple[str, tuple[str, ...]]:
 
 
 def balancer_args(balancer: str, ideal_args: Sequence[str]) -> list[str]:
-    if balancer == "ideal":
-        return [*IDEAL_ARGS, *ideal_args]
+    if balancer == policy.IDEAL:
+        return [*policy.IDEAL_MEGATRON_ARGS, *ideal_args]
     return ["--moe-balancer", balancer]
 
 
@@ -320,17 +317,17 @@ def summarize(results: Sequence[RunResult], warmup: int) -> list[Summary]:
             s.lm_loss = stats[-1].lm_loss if stats[-1].lm_loss is not None else math.nan
         summaries.append(s)
     by_name = {s.balancer: s for s in summaries}
-    ideal, none = by_name.get("ideal"), by_name.get("none")
+    ideal, none = by_name.get(policy.IDEAL), by_name.get(policy.NONE)
     runs = {r.balancer: r for r in results}
     for s in summaries:
         if ideal is not None and ideal.tflops > 0:
             s.fraction_of_ideal = s.tflops / ideal.tflops
         if none is not None and none.tflops > 0:
             s.speedup_vs_none = s.tflops / none.tflops
-        if s.balancer not in ("none", "ideal") and none is not None and none.measured \
+        if s.balancer not in (policy.NONE, policy.IDEAL) and none is not None and none.measured \
                 and s.measured:
             # Same checkpoint, same batches: the first resumed iteration routes identically.
-            first, reference = runs[s.balancer].iterations[0], runs["none"].iterations[0]
+            first, reference = runs[s.balancer].iterations[0], runs[policy.NONE].iterations[0]
             s.same_data_as_none = "yes" if first.imbalance_before == reference.imbalance_before else "NO"
     return summaries
 
@@ -417,7 +414,7 @@ def plot(summaries: Sequence[Summary], results: Sequence[RunResult], output_dir:
     names = [s.balancer for s in summaries]
     values = [0.0 if math.isnan(s.tflops) else s.tflops for s in summaries]
     colors = ["tab:gray" if not s.status == "ok" else
-              ("tab:green" if s.balancer == "ideal" else "tab:blue") for s in summaries]
+              ("tab:green" if s.balancer == policy.IDEAL else "tab:blue") for s in summaries]
     bars.bar(names, values, color=colors)
     for i, s in enumerate(summaries):
         label = ("failed" if s.status != "ok" else
@@ -454,7 +451,7 @@ def plot(summaries: Sequence[Summary], results: Sequence[RunResult], output_dir:
 
 
 # ----------------------------------------------------------------------------------------------
-# CLI
+# The experiment
 # ----------------------------------------------------------------------------------------------
 
 def run_experiment(launch: Sequence[str], checkpoint: Path, balancers: Sequence[str],
@@ -464,9 +461,9 @@ def run_experiment(launch: Sequence[str], checkpoint: Path, balancers: Sequence[
                    progress: Optional[TextIO] = None) -> tuple[list[RunResult], list[Summary]]:
     """Run every balancer, write tables and plot; returns (runs, summaries)."""
     progress = progress or sys.stdout
-    unknown = [b for b in balancers if b not in BALANCERS]
+    unknown = [b for b in balancers if b not in policy.COMPARED]
     if unknown:
-        raise ExperimentError(f"unknown balancer(s) {unknown}; choose from {list(BALANCERS)}")
+        raise ExperimentError(f"unknown balancer(s) {unknown}; choose from {list(policy.COMPARED)}")
     if len(set(balancers)) != len(balancers):
         raise ExperimentError(f"balancers repeat: {list(balancers)}")
     if iterations < 1 or warmup < 0 or warmup >= iterations:
@@ -494,57 +491,11 @@ def run_experiment(launch: Sequence[str], checkpoint: Path, balancers: Sequence[
              f"resume of iteration {start}, {iterations} iterations ({warmup} warm-up)")
     except Exception as error:  # the tables are the result; a plot failure is reported
         print(f"plot failed: {error!r}", file=progress, flush=True)
-    ideal = next((s for s in summaries if s.balancer == "ideal" and s.status == "ok"), None)
-    none = next((s for s in summaries if s.balancer == "none" and s.status == "ok"), None)
+    ideal = next((s for s in summaries if s.balancer == policy.IDEAL and s.status == "ok"), None)
+    none = next((s for s in summaries if s.balancer == policy.NONE and s.status == "ok"), None)
     if ideal and none and ideal.imbalance_before >= none.imbalance_before:
         print(f"WARNING: the ideal run's router imbalance ({ideal.imbalance_before:.3f}) is not "
               f"below none's ({none.imbalance_before:.3f}); does the launcher force a skew "
               "(--moe-router-force-biased)? Neutralize it with --ideal-args.", file=progress)
     print(md.read_text(), file=progress, flush=True)
     return results, summaries
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    launch: list[str] = []
-    if "--" in argv:
-        split = argv.index("--")
-        argv, launch = argv[:split], argv[split + 1:]
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        usage="%(prog)s --checkpoint DIR [options] -- LAUNCH COMMAND ...")
-    parser.add_argument("--checkpoint", type=Path, required=True,
-                        help="Megatron checkpoint directory (its --save); never written")
-    parser.add_argument("--ckpt-step", type=int, default=None,
-                        help="iteration to resume (default: the latest in the directory)")
-    parser.add_argument("--balancers", default=",".join(DEFAULT_BALANCERS),
-                        help=f"comma-separated, from {','.join(BALANCERS)} (default: all)")
-    parser.add_argument("--iterations", type=int, default=20,
-                        help="iterations per balancer (default %(default)s, as in the paper)")
-    parser.add_argument("--warmup-iterations", type=int, default=1,
-                        help="first iterations after the resume left out of the figures "
-                        "(default %(default)s)")
-    parser.add_argument("--output-dir", type=Path, default=Path("runs/resume_experiment"))
-    parser.add_argument("--ideal-args", default="",
-                        help="extra arguments of the ideal run, e.g. '--moe-router-force-biased 0' "
-                        "for a launcher that forces a routing skew")
-    parser.add_argument("--exp-prefix", default="resume", help="wandb run-name prefix")
-    parser.add_argument("--timeout-s", type=float, default=None, help="limit per run")
-    options = parser.parse_args(argv)
-    try:
-        results, _ = run_experiment(
-            launch, options.checkpoint, [b for b in options.balancers.split(",") if b],
-            options.iterations, options.output_dir, warmup=options.warmup_iterations,
-            ckpt_step=options.ckpt_step, ideal_args=shlex.split(options.ideal_args),
-            exp_prefix=options.exp_prefix, timeout_s=options.timeout_s)
-    except ExperimentError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    failed = [r.balancer for r in results if not r.ok]
-    if failed:
-        print(f"{len(failed)} run(s) failed: {', '.join(failed)}", file=sys.stderr)
-    return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Check a launch recipe on this machine, without GPUs: arguments, rank layout, memory per rank.
 
 For each recipe (a bash script under ``recipes/`` that ends in ``python -m torch.distributed.run
@@ -20,11 +19,7 @@ For each recipe (a bash script under ``recipes/`` that ends in ``python -m torch
    optimizer state; paper §4.1) against the same slots without reuse (one per MoE layer).
 
 Activations are not estimated (they depend on recomputation and the pipeline schedule).
-
-    python tools/check_recipe.py recipes/qwen3_235b_a22b_ep64_dp4.sh recipes/tiny_cpu.sh
-    python tools/check_recipe.py --world-size 256 -- --num-layers 94 ...   # bare arguments
-
-Exit status: 0 when every recipe passes, 1 otherwise.
+The command line is ``ultraep check-recipe`` (``ultraep_megatron/cli/check_recipe.py``).
 """
 
 from __future__ import annotations
@@ -43,9 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+from ultraep_megatron.planner import policy
 
 #: GPUs in one rack-scale node's scale-up domain (an NVL72 rack with 64 GPUs in use, §8.1).
 DEFAULT_RACK_SIZE = 64
@@ -473,7 +466,7 @@ def estimate_memory(args: argparse.Namespace) -> MemoryEstimate:
     expert_shard = args.world_size // (etp * ep * pp)
     if not args.use_distributed_optimizer:
         dense_shard = expert_shard = 1
-    num_slots = args.moe_balancer_num_slots if args.moe_balancer != "none" else 0
+    num_slots = args.moe_balancer_num_slots if args.moe_balancer != policy.NONE else 0
     expert_numel = per_layer[True].expert_numel if True in per_layer else 0
     for stage, layers in enumerate(stage_layers(args)):
         dense = sum(per_layer[pattern[l - 1]].attention + per_layer[pattern[l - 1]].mlp
@@ -562,7 +555,7 @@ def format_report(report: RecipeReport) -> str:
         f"(attention DP{a.data_parallel_size})",
         "Megatron validate_args + validate_ultraep_args: passed (--moe-balancer "
         f"{a.moe_balancer}" + (f", {a.moe_balancer_num_slots} redundant slots per rank)"
-                               if a.moe_balancer != "none" else ")"),
+                               if a.moe_balancer != policy.NONE else ")"),
         f"model: {a.num_layers} layers ({sum(moe_layer_pattern(a))} MoE"
         f"{f', + {a.mtp_num_layers} MTP' if a.mtp_num_layers else ''}), hidden {a.hidden_size}, "
         f"{a.num_experts} experts top-{a.moe_router_topk}, expert FFN {a.moe_ffn_hidden_size}; "
@@ -600,58 +593,3 @@ def format_report(report: RecipeReport) -> str:
     for problem in problems:
         lines.append(f"  PROBLEM: {problem}")
     return "\n".join(lines)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("recipes", nargs="*", help="recipe scripts to check")
-    parser.add_argument("--rack-size", type=int, default=DEFAULT_RACK_SIZE,
-                        help="GPUs per rack (scale-up domain); default %(default)s")
-    parser.add_argument("--world-size", type=int, default=None,
-                        help="check bare pretrain_gpt.py arguments (after --) for this world size")
-    parser.add_argument("--gpus-per-node", type=int, default=4,
-                        help="with --world-size: GPUs per node; default %(default)s")
-    parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
-                        help="environment for the recipes (e.g. NNODES=8)")
-    argv = list(sys.argv[1:] if argv is None else argv)
-    bare: list[str] = []
-    if "--" in argv:
-        split = argv.index("--")
-        argv, bare = argv[:split], argv[split + 1:]
-    options = parser.parse_args(argv)
-    env = dict(item.split("=", 1) for item in options.env)
-    launches: list[Launch | tuple[str, RecipeError]] = []
-    if options.world_size is not None:
-        if options.world_size % options.gpus_per_node:
-            parser.error("--world-size must be a multiple of --gpus-per-node")
-        launches.append(Launch(options.gpus_per_node, options.world_size // options.gpus_per_node,
-                               "pretrain_gpt.py", bare))
-    elif bare:
-        parser.error("bare arguments after -- need --world-size")
-    for recipe in options.recipes:
-        try:
-            launches.append(capture_launch(recipe, env))
-        except RecipeError as error:
-            launches.append((recipe, error))
-    if not launches:
-        parser.error("give recipes, or --world-size N -- ARGS")
-    failed = 0
-    for launch in launches:
-        if isinstance(launch, tuple):
-            print(f"== {launch[0]}\nFAILED: {launch[1]}\n", flush=True)
-            failed += 1
-            continue
-        try:
-            report = check_launch(launch, options.rack_size)
-        except RecipeError as error:
-            print(f"== {launch.source}\nFAILED: {error}\n", flush=True)
-            failed += 1
-            continue
-        print(format_report(report) + "\n", flush=True)
-        failed += bool(report.problems())
-    print(f"{len(launches) - failed}/{len(launches)} recipe(s) passed")
-    return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,281 @@
+"""The MoE-layer cost model. Every time here is an ESTIMATE.
+
+It turns a plan into per-layer forward/backward times from a model shape and a hardware
+description, following the UltraEP objective (paper eq. 1-5):
+
+* expert compute: the busiest rank's instances, each ``max(tokens * flops / F, weights / HBM)``
+  (roofline), backward = 2 x forward (dgrad + wgrad);
+* token all-to-all: the busiest sender or receiver of remote tokens, dispatch + combine, forward and
+  backward alike;
+* weight distribution (forward, critical path): the busiest sender or receiver of replica weights,
+  over the data plane's transfer schedule with and without relay trees
+  (``ultraep_megatron.dataplane.schedule.build_schedule``);
+* backward replica traffic (re-materialization + gradient reduction) is hidden under backward
+  expert compute; only what exceeds it is exposed;
+* plan time: given by the caller (the replay charges the measured or a fixed one to the
+  exact-load balancers).
+
+Not modelled: attention and other non-MoE work, kernel launch and latency terms, overlap of
+all-to-all with compute, DeepEP deduplication. Ratios between balancers are the useful output.
+
+No Megatron import; pure functions on load tensors and plans.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ultraep_megatron import planner
+from ultraep_megatron.dataplane.schedule import build_schedule
+from ultraep_megatron.planner import Plan
+
+__all__ = [
+    "DEFAULT_SHAPE",
+    "ExpertShape",
+    "Hardware",
+    "ideal_cost",
+    "layer_cost",
+    "min_quota_from_hardware",
+    "slot_memory_bytes",
+]
+
+# ---------------------------------------------------------------------------------------------
+# Hardware and model shape
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Hardware:
+    """Per-GPU hardware figures. Defaults: the UltraEP paper's rack-scale node (Table 2).
+
+    Attributes:
+        scale_up_gbps: scale-up (intra-rack) bandwidth per GPU, GB/s.
+        peak_tflops: dense bf16 peak, TFLOP/s.
+        hbm_tbps: HBM bandwidth, TB/s.
+        compute_efficiency / comm_efficiency: achieved fraction of peak (1.0 = peak; the absolute
+            times are then lower bounds).
+    """
+
+    scale_up_gbps: float = 900.0
+    peak_tflops: float = 2250.0
+    hbm_tbps: float = 8.0
+    compute_efficiency: float = 1.0
+    comm_efficiency: float = 1.0
+
+    def __post_init__(self):
+        for name in ("scale_up_gbps", "peak_tflops", "hbm_tbps"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("compute_efficiency", "comm_efficiency"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{name} must lie in (0, 1], got {getattr(self, name)}")
+
+    @property
+    def flops_per_s(self) -> float:
+        return self.peak_tflops * 1e12 * self.compute_efficiency
+
+    @property
+    def link_bytes_per_s(self) -> float:
+        return self.scale_up_gbps * 1e9 * self.comm_efficiency
+
+    @property
+    def hbm_bytes_per_s(self) -> float:
+        return self.hbm_tbps * 1e12
+
+
+@dataclass(frozen=True)
+class ExpertShape:
+    """Shape of one expert (an MLP ``hidden -> ffn -> hidden``) and the byte widths that matter.
+
+    Attributes:
+        hidden_size / ffn_hidden_size: h and f (Megatron ``--hidden-size``, ``--moe-ffn-hidden-size``).
+        gated: SwiGLU-style gated MLP (3 matrices) rather than 2.
+        param_bytes: bytes per weight element moved to replicas (bf16: 2).
+        grad_bytes: bytes per gradient element reduced from replicas (fp32 main grads: 4).
+        activation_bytes: bytes per hidden element of a token on the wire (bf16: 2).
+    """
+
+    hidden_size: int
+    ffn_hidden_size: int
+    gated: bool = True
+    param_bytes: int = 2
+    grad_bytes: int = 4
+    activation_bytes: int = 2
+
+    def __post_init__(self):
+        for name in ("hidden_size", "ffn_hidden_size", "param_bytes", "grad_bytes", "activation_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+
+    @property
+    def numel(self) -> int:
+        """Elements of one expert's weights."""
+        return (3 if self.gated else 2) * self.hidden_size * self.ffn_hidden_size
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.numel * self.param_bytes
+
+    @property
+    def fwd_flops_per_token(self) -> int:
+        """Forward FLOPs of one (token, expert) pair: 2 per weight (multiply-add)."""
+        return 2 * self.numel
+
+    @property
+    def token_bytes(self) -> int:
+        return self.hidden_size * self.activation_bytes
+
+    @classmethod
+    def from_meta(cls, meta: dict, *, hidden_size: Optional[int] = None, ffn_hidden_size: Optional[int] = None,
+                  gated: Optional[bool] = None, **widths) -> tuple["ExpertShape", str]:
+        """Shape from explicit values, else a trace header's ``meta`` (keys ``hidden_size``,
+        ``moe_ffn_hidden_size`` or ``ffn_hidden_size``, ``gated_linear_unit`` or ``swiglu``), else
+        :data:`DEFAULT_SHAPE`. ``widths``: byte widths (``param_bytes``...), None = default.
+        Returns (shape, a phrase saying where h and f came from)."""
+        meta_h = meta.get("hidden_size")
+        meta_f = meta.get("moe_ffn_hidden_size") or meta.get("ffn_hidden_size")
+        meta_g = meta.get("gated_linear_unit", meta.get("swiglu"))
+        h, f = hidden_size or meta_h, ffn_hidden_size or meta_f
+        if h is None or f is None:
+            h, f = DEFAULT_SHAPE.hidden_size, DEFAULT_SHAPE.ffn_hidden_size
+            meta_g = DEFAULT_SHAPE.gated
+            source = "default: a Qwen3-235B-A22B expert"
+        elif hidden_size is None and ffn_hidden_size is None:
+            source = "trace meta"
+        else:
+            source = "flags" if (hidden_size and ffn_hidden_size) else "flags and trace meta"
+        g = gated if gated is not None else (True if meta_g is None else bool(meta_g))
+        extra = {k: int(v) for k, v in widths.items() if v is not None}
+        return cls(int(h), int(f), g, **extra), source
+
+
+#: Expert of Qwen3-235B-A22B (one of the paper's models), used when a trace says nothing.
+DEFAULT_SHAPE = ExpertShape(hidden_size=4096, ffn_hidden_size=1536, gated=True)
+
+
+def slot_memory_bytes(shape: ExpertShape, num_slots: int, *, num_layers: int = 1) -> int:
+    """Bytes per rank for ``num_slots`` redundant slots: weights + fp32 gradient buffers, no
+    optimizer state. UltraEP shares them across layers (``num_layers=1``, paper §4.1); a layout
+    with per-layer replicas (EPLB/CRAFT style) pays ``num_layers`` times as much."""
+    return int(num_slots) * shape.numel * (shape.param_bytes + shape.grad_bytes) * int(num_layers)
+
+
+def min_quota_from_hardware(shape: ExpertShape, hardware: Hardware, *, training: bool = True) -> int:
+    """Smallest replica quota (tokens) worth its weight transfer (HarMoEny's threshold, eq. 4).
+
+    A replica taking q (token, expert) pairs off the busiest rank saves ``q * 2W / F`` of forward
+    compute (W = expert weights) — and twice that again in backward when training, where the
+    replica's backward traffic is hidden under compute — while its weights cost ``W * d / B`` on
+    the forward critical path. It pays when ``q > F * d / (2 * B * k)`` with k = 3 (training) or
+    1 (inference), independent of the expert's size.
+    """
+    transfer = shape.weight_bytes / hardware.link_bytes_per_s
+    saved_per_token = shape.fwd_flops_per_token / hardware.flops_per_s * (3 if training else 1)
+    return max(1, math.ceil(transfer / saved_per_token - 1e-9))
+
+
+# ---------------------------------------------------------------------------------------------
+# Cost model (seconds; estimates)
+# ---------------------------------------------------------------------------------------------
+
+def _compute_seconds(tokens_per_instance: torch.Tensor, shape: ExpertShape, hw: Hardware) -> float:
+    """Busiest rank's forward expert compute. tokens_per_instance: [E_or_G, R] tokens of every
+    instance; an instance with no token costs nothing (grouped GEMM skips it)."""
+    tokens = tokens_per_instance.to(torch.float64)
+    per_token = shape.fwd_flops_per_token / hw.flops_per_s
+    weight_read = shape.weight_bytes / hw.hbm_bytes_per_s
+    per_instance = torch.where(tokens > 0, torch.clamp(tokens * per_token, min=weight_read),
+                               torch.zeros_like(tokens))
+    return float(per_instance.sum(0).max()) if per_instance.numel() else 0.0
+
+
+def _assemble(moe_fwd: float, a2a_one_way: float, wdist_direct: float, wdist_relay: float,
+              plan_seconds: float, shape: ExpertShape, relay: bool) -> dict:
+    wdist = wdist_relay if relay else wdist_direct
+    moe_bwd = 2.0 * moe_fwd
+    # Backward: weights re-materialized and gradients reduced over the same edges, hidden under
+    # backward expert compute (paper §4.2); only the excess is exposed.
+    bwd_replica = wdist * (1.0 + shape.grad_bytes / shape.param_bytes)
+    bwd_exposed = max(0.0, bwd_replica - moe_bwd)
+    fwd = plan_seconds + wdist + 2.0 * a2a_one_way + moe_fwd
+    bwd = 2.0 * a2a_one_way + moe_bwd + bwd_exposed
+    return {
+        "plan": plan_seconds, "wdist_direct": wdist_direct, "wdist_relay": wdist_relay, "wdist": wdist,
+        "a2a_fwd": 2.0 * a2a_one_way, "a2a_bwd": 2.0 * a2a_one_way, "moe_fwd": moe_fwd, "moe_bwd": moe_bwd,
+        "bwd_replica": bwd_replica, "bwd_exposed": bwd_exposed, "fwd": fwd, "bwd": bwd, "total": fwd + bwd,
+        "total_excl_plan": fwd + bwd - plan_seconds,
+    }
+
+
+class _ScheduleCache:
+    """Busiest weight-distribution sender/receiver (in experts) per slot layout, direct and relayed."""
+
+    def __init__(self, capacity: int = 4096):
+        self.capacity = capacity
+        self._cache: dict[bytes, tuple[int, int]] = {}
+
+    def volumes(self, slot_expert: torch.Tensor, num_experts: int) -> tuple[int, int]:
+        key = slot_expert.cpu().numpy().tobytes() + slot_expert.shape[0].to_bytes(4, "little")
+        hit = self._cache.get(key)
+        if hit is None:
+            out = []
+            for mode in ("off", "adaptive"):
+                s = build_schedule(slot_expert.cpu(), num_experts, 1, relay=mode)
+                out.append(int(torch.maximum(s.send_volume(), s.recv_volume()).max()) if s.num_edges else 0)
+            hit = (out[0], out[1])
+            if len(self._cache) >= self.capacity:
+                self._cache.clear()
+            self._cache[key] = hit
+        return hit
+
+
+_SCHEDULES = _ScheduleCache()
+
+
+def layer_cost(load: torch.Tensor, plan: Plan, shape: ExpertShape, hardware: Hardware, *,
+               plan_seconds: float = 0.0, relay: bool = True) -> dict:
+    """Estimated seconds of one MoE layer invocation (one microbatch) under ``plan``.
+
+    Args:
+        load: int64 [R, E], the load the plan serves.
+        plan: a planner Plan (``identity_plan`` for ``none``).
+        plan_seconds: time to solve the plan (forward critical path).
+        relay: charge weight distribution with relay trees (else direct fan-out).
+
+    Returns:
+        dict of seconds: ``moe_fwd``/``moe_bwd`` (busiest rank's expert compute), ``a2a_fwd``/
+        ``a2a_bwd`` (token dispatch + combine of the busiest remote sender/receiver),
+        ``wdist_direct``/``wdist_relay``/``wdist`` (weight distribution; busiest sender/receiver),
+        ``bwd_replica``/``bwd_exposed`` (backward replica traffic and the part not hidden),
+        ``plan``, ``fwd``, ``bwd``, ``total``.
+    """
+    R, E = planner.validate_load(load)
+    if plan.num_ranks != R or plan.num_experts != E:
+        raise ValueError("plan and load have different shapes")
+    P = plan.physical_slots_per_rank
+    moe_fwd = _compute_seconds(plan.quota, shape, hardware)
+    traffic = plan.physical_split.view(R, R, P).sum(2).to(torch.float64)  # [src, dst]
+    local = traffic.diagonal()
+    remote = max(float((traffic.sum(1) - local).max()), float((traffic.sum(0) - local).max()))
+    a2a = remote * shape.token_bytes / hardware.link_bytes_per_s
+    direct, relayed = _SCHEDULES.volumes(plan.slot_expert, E) if plan.num_slots else (0, 0)
+    per_expert = shape.weight_bytes / hardware.link_bytes_per_s
+    return _assemble(moe_fwd, a2a, direct * per_expert, relayed * per_expert, float(plan_seconds), shape, relay)
+
+
+def ideal_cost(load: torch.Tensor, shape: ExpertShape, hardware: Hardware) -> dict:
+    """Estimated seconds of one MoE layer under force-balanced dispatch (the paper's ideal): every
+    expert gets total/E pairs, every source sends its pairs to uniformly spread destinations;
+    no plan, no replicas. load int64 [R, E]; keys as :func:`layer_cost`."""
+    R, E = planner.validate_load(load)
+    total = float(load.sum())
+    per_instance = torch.full((E // R, R), total / E, dtype=torch.float64)
+    moe_fwd = _compute_seconds(per_instance, shape, hardware)
+    sent = float(load.sum(1).max()) * (R - 1) / R
+    received = total / R * (R - 1) / R
+    a2a = max(sent, received) * shape.token_bytes / hardware.link_bytes_per_s
+    return _assemble(moe_fwd, a2a, 0.0, 0.0, 0.0, shape, True)

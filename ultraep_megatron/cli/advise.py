@@ -1,0 +1,222 @@
+"""ultraep advise: how many redundant slots (and which quota floor) does UltraEP need on my
+model's routing?
+
+Replays the trace through ultraep for every (slots, min quota) pair and prints the balance, the
+ESTIMATED speedup over no balancing and the memory each choice costs, then recommends the smallest
+slot count past which extra slots stop paying (CRAFT's benefit per replica, applied to real-time
+balancing). It also derives the quota floor from the hardware: a replica pays only if the tokens it
+takes off the busiest rank cost more compute time than moving the expert's weights (HarMoEny's
+threshold). The recommendation is printed as the --moe-balancer-* flags to train with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ultraep_megatron.planner import policy
+
+from . import common
+from .common import ESTIMATE, fmt, format_table
+from .replay import resolve_min_quota, save_figure
+
+SUMMARY = "recommend --moe-balancer-num-slots and --moe-balancer-min-quota for a routing trace"
+EXAMPLES = """examples:
+  ultraep advise runs/kjv/trace
+  ultraep advise TRACE --slots 0,1,2,4 --min-quotas default,hw,256 --memory-budget-gb 2
+  ultraep advise TRACE --load-scale 16 --hidden-size 7168 --moe-ffn-hidden-size 2048 --json
+"""
+
+
+def quota_list(text: str) -> list:
+    """'default,hw,256' -> [None, 'hw', 256]."""
+    return [None if x.strip() == "default" else common.min_quota_arg(x.strip()) for x in text.split(",") if x.strip()]
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("advise", help=SUMMARY, description=__doc__.split("\n\n", 1)[1],
+                                   epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_trace_input_args(parser)
+    sweep = parser.add_argument_group("sweep")
+    sweep.add_argument("--slots", type=common.int_list, default=[0, 1, 2, 3, 4, 6, 8], metavar="S,S",
+                       help="redundant slots per rank to try (default: 0,1,2,3,4,6,8)")
+    sweep.add_argument("--min-quotas", type=quota_list, default=[None, "hw"], metavar="Q,Q",
+                       help="quota floors to try: 'default' (1%% of the mean rank load), 'hw' (from the "
+                            "hardware), or tokens (default: default,hw)")
+    sweep.add_argument("--eplb-exact", action="store_true", help="also sweep EPLB's rule on the exact load")
+    sweep.add_argument("--inference", action="store_true",
+                       help="derive the hardware quota floor for inference/prefill (forward only)")
+    rec = parser.add_argument_group("recommendation")
+    rec.add_argument("--tolerance", type=float, default=0.01,
+                     help="recommend the fewest slots within this fraction of the best speedup (%(default)s)")
+    rec.add_argument("--min-gain-per-slot", type=float, default=0.005,
+                     help="stop adding slots once one buys less speedup than this (%(default)s)")
+    rec.add_argument("--memory-budget-gb", type=float, default=None, help="skip slot counts over this (GiB per rank)")
+    rec.add_argument("--num-moe-layers", type=int, default=None,
+                     help="MoE layers of the model, for the per-layer-replica memory column (default: as traced)")
+    common.add_model_hardware_args(parser)
+    common.add_output_args(parser, files="advisor.png, advise.json and advise.csv")
+    parser.set_defaults(run=run)
+    return parser
+
+
+def quota_label(q, hw_quota: int) -> str:
+    if q is None:
+        return "default(1%)"
+    return f"hw={q}" if q == hw_quota else str(q)
+
+
+def run(args) -> int:
+    from ultraep_megatron.analysis import advisor
+    from ultraep_megatron.analysis import replay as rp
+    from ultraep_megatron.analysis.cost import min_quota_from_hardware
+
+    output_dir = common.prepare_output_dir(args.output_dir)
+    records = common.open_records(args)
+    shape, source, hardware = common.shape_and_hardware(args, records.meta)
+    training = not args.inference
+    hw_quota = min_quota_from_hardware(shape, hardware, training=training)
+    quotas = list(dict.fromkeys(resolve_min_quota(q, shape, hardware, training=training) for q in args.min_quotas))
+    progress = common.progress_for(args, "advise", records)
+    try:
+        rows, result = advisor.slot_sweep(
+            records, args.slots, quotas, shape, hardware, relay=not args.no_relay, include_eplb_exact=args.eplb_exact,
+            num_layers=args.num_moe_layers, plan_seconds=common.plan_seconds(args), progress=progress)
+    finally:
+        progress.close()
+    budget = None if args.memory_budget_gb is None else int(args.memory_budget_gb * 2**30)
+    try:
+        advice = advisor.advise_slots(rows, tolerance=args.tolerance, min_gain_per_slot=args.min_gain_per_slot,
+                                      memory_budget_bytes=budget)
+        problem = None
+    except ValueError as exc:
+        advice, problem = None, str(exc)
+    transfer_us = shape.weight_bytes / hardware.link_bytes_per_s * 1e6
+    per_token_ns = shape.fwd_flops_per_token / hardware.flops_per_s * 1e9
+    report = {
+        "estimate_note": "speedups are estimates from ultraep_megatron.analysis.cost, not measurements",
+        "inputs": records.describe(), "num_records": result.num_records, "layers": result.layers,
+        "shape": {"hidden_size": shape.hidden_size, "ffn_hidden_size": shape.ffn_hidden_size,
+                  "gated": shape.gated, "weight_bytes": shape.weight_bytes, "source": source},
+        "hardware": dict(hardware.__dict__), "training": training,
+        "hardware_min_quota": hw_quota, "expert_transfer_us": transfer_us, "pair_compute_ns": per_token_ns,
+        "mean_rank_load": float(result.metrics[policy.IDEAL]["lower_bound"].mean()),
+        "rows": rows,
+        "recommendation": None if advice is None else {k: v for k, v in advice.items() if k != "best_per_slots"},
+        "no_recommendation": problem,
+    }
+    if advice is not None:
+        chosen = {r["num_slots"]: r["label"] for r in rows
+                  if r["balancer"] == policy.ULTRAEP and r["min_quota"] == advice["min_quota"]}
+        report["per_layer_imbalance"] = {}
+        for layer in result.layers:
+            per = rp.metric_summary(result, result.keys["layer"] == layer)
+            report["per_layer_imbalance"][layer] = {
+                "none": per[policy.NONE]["imbalance_mean"],
+                "by_slots": {s: per[label]["imbalance_mean"] for s, label in sorted(chosen.items())}}
+        report["flags"] = (f"--moe-balancer {policy.ULTRAEP} --moe-balancer-num-slots {advice['num_slots']}"
+                           + (f" --moe-balancer-min-quota {advice['min_quota']}" if advice["min_quota"] is not None else ""))
+    if output_dir is not None:
+        written = [common.write_csv(output_dir / "advise.csv", rows)]
+        if advice is not None:
+            written.append(plot_advisor(rows, hw_quota, output_dir, advice))
+        json_path = output_dir / "advise.json"
+        json_path.write_text(common.dump_json({**report, "files": [str(p) for p in written + [json_path]]}))
+        report["files"] = written + [json_path]
+    if args.json:
+        common.dump_json(report, stream=sys.stdout)
+    else:
+        print(render(report))
+    return common.EXIT_OK if advice is not None else common.EXIT_FAILED
+
+
+def render(report: dict) -> str:
+    shape, hw = report["shape"], report["hardware"]
+    hw_quota, training = report["hardware_min_quota"], report["training"]
+    k = 3 if training else 1
+    out = ["Slot advisor on:"] + [f"  {line}" for line in report["inputs"]]
+    out += ["", f"Quota floor from the hardware ({'training: fwd+bwd compute saved' if training else 'inference: forward only'}):",
+            f"  moving one expert ({shape['weight_bytes'] / 2**20:.1f} MiB, h={shape['hidden_size']}, "
+            f"f={shape['ffn_hidden_size']}, {'SwiGLU' if shape['gated'] else '2-matrix'}; {shape['source']}) over "
+            f"{hw['scale_up_gbps']:g} GB/s: {report['expert_transfer_us']:.2f} us",
+            f"  one (token, expert) pair of compute at {hw['peak_tflops']:g} TFLOP/s: {report['pair_compute_ns']:.3f} ns "
+            "forward" + (f", x{k} with backward" if k > 1 else ""),
+            f"  => a replica pays from q = ceil({report['expert_transfer_us']:.2f} us / ({k} x "
+            f"{report['pair_compute_ns']:.3f} ns)) = {hw_quota} tokens"]
+    mean_load = report["mean_rank_load"]
+    out.append(f"  the traced mean rank load is {mean_load:.0f} tokens per microbatch: q = {hw_quota} is "
+               f"{hw_quota / max(mean_load, 1):.1%} of it (the planner default is 1%)"
+               + (" — replicas will rarely pay at this load; try --load-scale to project a larger microbatch"
+                  if hw_quota > 0.25 * mean_load else ""))
+    table = []
+    for r in report["rows"]:
+        table.append([r["balancer"], r["num_slots"],
+                      quota_label(r["min_quota"], hw_quota) if r["balancer"] == policy.ULTRAEP else "-",
+                      fmt(r["imbalance_mean"]), fmt(r["imbalance_p95"]), fmt(r["replicas_mean"], ".1f"),
+                      fmt(r["fanout_max"], ".0f"), fmt(r["inflight_mean"], ".0%"),
+                      fmt(r["speedup_vs_none"], ".3f") + "x", fmt(r["frac_ideal"], ".1%"),
+                      fmt(r["speedup_vs_none_excl_plan"], ".3f") + "x",
+                      f"{r['memory_bytes'] / 2**20:.0f}", f"{r['memory_bytes_per_layer_layout'] / 2**20:.0f}"])
+    out += ["", format_table(
+        ["balancer", "slots", "min quota", "imb mean", "imb p95", "replicas", "fan max", "in-flight",
+         "speedup", "of ideal", "speedup*", "MiB/rank", "MiB/rank per-layer"], table,
+        title=f"Sweep over {report['num_records']} loads (speedup, of ideal: ESTIMATE from the cost model; * = "
+              "without the plan term; MiB/rank: weights + fp32 grads of the slots, shared across layers as "
+              "UltraEP does, vs one set per MoE layer)")]
+    advice = report["recommendation"]
+    if advice is None:
+        out += ["", f"no recommendation: {report['no_recommendation']}"]
+        return "\n".join(out)
+    per_layer = report["per_layer_imbalance"]
+    slots = list(next(iter(per_layer.values()))["by_slots"])
+    out += ["", format_table(["layer", "none", *[f"S={s}" for s in slots]],
+                             [[layer, fmt(v["none"])] + [fmt(v["by_slots"][s]) for s in slots]
+                              for layer, v in per_layer.items()],
+                             title=f"Per-layer imbalance (mean) vs slots, ultraep q="
+                                   f"{quota_label(advice['min_quota'], hw_quota)}")]
+    row = advice["row"]
+    out += ["", f"Recommendation ({ESTIMATE}): {report['flags']}",
+            f"  {advice['reason']}",
+            f"  imbalance {row['imbalance_mean']:.3f} (p95 {row['imbalance_p95']:.3f}), {row['replicas_mean']:.1f} "
+            f"replicas per layer and microbatch, {row['memory_bytes'] / 2**20:.0f} MiB per rank",
+            "  benefit per slot (speedup gained per slot over no replicas): "
+            + ", ".join(f"S={s}: {b:+.3f}x" for s, b in advice["benefit_per_slot"].items())]
+    if report.get("files"):
+        out += ["", "wrote: " + ", ".join(str(p) for p in report["files"])]
+    return "\n".join(out)
+
+
+def plot_advisor(rows: list[dict], hw_quota: int, plot_dir: Path, recommendation: dict) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_imb, ax_speed) = plt.subplots(1, 2, figsize=(11, 4))
+    series: dict[str, list[dict]] = {}
+    for r in rows:
+        label = (f"ultraep q={quota_label(r['min_quota'], hw_quota)}" if r["balancer"] == policy.ULTRAEP
+                 else r["balancer"])
+        series.setdefault(label, []).append(r)
+    for label, rs in series.items():
+        rs = sorted(rs, key=lambda r: r["num_slots"])
+        x = [r["num_slots"] for r in rs]
+        ax_imb.plot(x, [r["imbalance_mean"] for r in rs], "o-", label=label)
+        ax_speed.plot(x, [r["speedup_vs_none"] for r in rs], "o-", label=label)
+    ax_speed.axvline(recommendation["num_slots"], color="k", ls=":", lw=1)
+    ax_speed.annotate("recommended", (recommendation["num_slots"], ax_speed.get_ylim()[0]), fontsize=8,
+                      textcoords="offset points", xytext=(3, 5))
+    ax_imb.set_xlabel("redundant slots per rank")
+    ax_imb.set_ylabel("rank imbalance after (mean)")
+    ax_imb.set_title("Balance vs slots (replayed)")
+    ax_speed.set_xlabel("redundant slots per rank")
+    ax_speed.set_ylabel("estimated speedup over none")
+    ax_speed.set_title(f"{ESTIMATE}: MoE-layer speedup vs slots")
+    slots = sorted({r["num_slots"] for r in rows})
+    memory = {r["num_slots"]: r["memory_bytes"] for r in rows}
+    top = ax_speed.secondary_xaxis("top")
+    top.set_xticks(slots, [f"{memory[s] / 2**20:.0f}" for s in slots], fontsize=7)
+    top.set_xlabel("MiB per rank (shared slot buffers)", fontsize=8)
+    ax_imb.legend(fontsize=7)
+    return save_figure(fig, plot_dir / "advisor.png")

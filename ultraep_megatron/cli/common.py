@@ -1,0 +1,325 @@
+"""Pieces every ``ultraep`` subcommand shares: exit codes, the trace-input, model-shape, hardware
+and output flags, progress on stderr, tables, JSON / CSV output."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+#: Exit codes scripts can rely on.
+EXIT_OK = 0
+EXIT_FAILED = 1     # the command ran and found a failure: a recipe problem, a failed run, no recommendation
+EXIT_USAGE = 2      # bad arguments or unreadable input (argparse uses 2 as well)
+EXIT_INTERNAL = 3   # a bug: the traceback is printed
+
+ESTIMATE = "ESTIMATE"
+
+
+class CliError(Exception):
+    """A problem with the command's arguments or inputs: one line on stderr, exit status 2."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument types
+# ---------------------------------------------------------------------------------------------
+
+def int_list(text: str) -> list[int]:
+    """'1,2,4' -> [1, 2, 4] (non-negative)."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected non-negative integers, got {text!r}")
+    return values
+
+
+def name_list(choices: Sequence[str]):
+    """An argparse type: comma-separated names from ``choices``."""
+    def parse(text: str) -> list[str]:
+        names = [x.strip() for x in text.split(",") if x.strip()]
+        bad = [n for n in names if n not in choices]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(f"unknown {bad or 'empty list'}; choose from {','.join(choices)}")
+        if len(set(names)) != len(names):
+            raise argparse.ArgumentTypeError(f"{text!r} names a balancer twice")
+        return names
+    return parse
+
+
+def min_quota_arg(text: str):
+    """'hw' (derived from the hardware flags) or an int >= 1."""
+    if text == "hw":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'hw' or an int >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"min quota must be >= 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# Trace input
+# ---------------------------------------------------------------------------------------------
+
+TRACE_HELP = ("trace files or directories: the project's (--moe-balancer-trace-dir, *.uetrace, one file "
+              "per EP group) or Megatron's own (--moe-routing-trace-path, router_trace_rank<r>.jsonl)")
+
+
+def add_trace_input_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("traces", nargs="+", metavar="TRACE", help=TRACE_HELP)
+    group = parser.add_argument_group("trace selection")
+    group.add_argument("--layers", type=int_list, default=None, metavar="N,N",
+                       help="only these layer numbers (1-based, as Megatron numbers layers)")
+    group.add_argument("--max-records", type=int, default=None, metavar="N",
+                       help="stop after this many loads per EP group")
+    group.add_argument("--load-scale", type=positive_float, default=1.0, metavar="X",
+                       help="multiply every load by X (project a small run onto a production microbatch "
+                            "size: costs scale, balance barely does)")
+    group.add_argument("--strict", action="store_true",
+                       help="a truncated trace (a crash, or a run still writing) is an error; by default its "
+                            "complete part is used with a warning")
+    add_megatron_layout_args(parser)
+
+
+def add_megatron_layout_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "Megatron routing traces (--moe-routing-trace-path)",
+        "Megatron's trace has one file per rank and no layout: give the run's arguments with --run-args "
+        "(its log, or its wandb config.yaml), or the flags below as in the training command.")
+    group.add_argument("--run-args", type=Path, default=None, metavar="FILE",
+                       help="the run's log (Megatron prints its arguments at start-up), wandb config.yaml, "
+                            "or a JSON/YAML mapping of arguments")
+    group.add_argument("--expert-model-parallel-size", type=int, default=None, metavar="EP",
+                       help="EP ranks per group (R)")
+    group.add_argument("--num-experts", type=int, default=None, metavar="E", help="experts per MoE layer")
+    group.add_argument("--num-layers", type=int, default=None, metavar="N",
+                       help="decoder layers (numbers MTP layers after them; needed with pipeline parallelism)")
+    group.add_argument("--pipeline-model-parallel-size", type=int, default=None, metavar="PP",
+                       help="pipeline stages (layers split evenly)")
+
+
+def megatron_layout(args):
+    """The :class:`RouterTraceLayout` from ``--run-args`` and the layout flags."""
+    from ultraep_megatron.router_traces import RouterTraceLayout, read_run_args
+
+    run_args = read_run_args(args.run_args) if args.run_args else None
+    return RouterTraceLayout.resolve(ep_size=args.expert_model_parallel_size, num_experts=args.num_experts,
+                                     num_layers=args.num_layers, pp_size=args.pipeline_model_parallel_size,
+                                     run_args=run_args)
+
+
+def open_records(args):
+    """The replay records named by the trace arguments (project traces or a Megatron routing trace),
+    with ``--layers/--max-records/--load-scale`` applied."""
+    from ultraep_megatron import traces
+    from ultraep_megatron.router_traces import RouterTraceRecords, is_router_trace
+
+    chosen = dict(layers=args.layers, max_records=args.max_records, load_scale=args.load_scale)
+    on_truncated = "error" if args.strict else "warn"
+    if is_router_trace(args.traces):
+        return RouterTraceRecords(args.traces[0], megatron_layout(args), on_truncated=on_truncated, **chosen)
+    for path in args.traces:
+        if Path(path).is_dir() and not list(Path(path).glob(f"*{traces.TRACE_SUFFIX}")) and \
+                list(Path(path).glob("*.jsonl")):
+            raise CliError(f"{path}: JSONL files but no router_trace_rank<r>.jsonl (is it Megatron's "
+                           "--moe-routing-trace-path directory?)")
+    if args.run_args is not None:
+        raise CliError("--run-args is for Megatron's routing traces; the project's traces carry their layout")
+    records = traces.TraceRecords(traces.find_trace_files(args.traces), on_truncated=on_truncated, **chosen)
+    for flag, value in (("expert_model_parallel_size", records.num_ranks), ("num_experts", records.num_experts)):
+        if getattr(args, flag) is not None and getattr(args, flag) != value:
+            raise CliError(f"--{flag.replace('_', '-')} {getattr(args, flag)} contradicts the trace ({value})")
+    return records
+
+
+# ---------------------------------------------------------------------------------------------
+# Model shape and hardware (the cost model's inputs)
+# ---------------------------------------------------------------------------------------------
+
+def add_model_hardware_args(parser: argparse.ArgumentParser) -> None:
+    model = parser.add_argument_group("model shape (default: the trace's meta or --run-args, else a "
+                                      "Qwen3-235B-A22B expert)")
+    model.add_argument("--hidden-size", type=int, default=None)
+    model.add_argument("--moe-ffn-hidden-size", type=int, default=None)
+    model.add_argument("--swiglu", dest="swiglu", action="store_true", default=None,
+                       help="gated experts (3 matrices)")
+    model.add_argument("--no-swiglu", dest="swiglu", action="store_false", help="plain 2-matrix experts")
+    model.add_argument("--param-bytes", type=int, default=None, help="bytes per weight moved to replicas (2)")
+    model.add_argument("--grad-bytes", type=int, default=None, help="bytes per gradient reduced (4, fp32)")
+    model.add_argument("--activation-bytes", type=int, default=None, help="bytes per token element on the wire (2)")
+    hw = parser.add_argument_group("hardware (default: the UltraEP paper's rack, Table 2)")
+    hw.add_argument("--scale-up-bandwidth", type=positive_float, default=900.0, metavar="GBPS",
+                    help="GB/s per GPU (%(default)s)")
+    hw.add_argument("--peak-tflops", type=positive_float, default=2250.0, metavar="TFLOPS",
+                    help="bf16 TFLOP/s per GPU (%(default)s)")
+    hw.add_argument("--hbm-bandwidth", type=positive_float, default=8.0, metavar="TBPS",
+                    help="TB/s per GPU (%(default)s)")
+    hw.add_argument("--compute-efficiency", type=float, default=1.0, help="achieved fraction of peak FLOP/s")
+    hw.add_argument("--comm-efficiency", type=float, default=1.0, help="achieved fraction of scale-up bandwidth")
+    hw.add_argument("--plan-time-us", type=float, default=None,
+                    help="charge this plan time (us) to the exact-load balancers instead of the time measured "
+                         "here (the planner runs on this host's CPU; the paper's GPU solver takes ~111 us)")
+    hw.add_argument("--no-relay", action="store_true",
+                    help="charge weight distribution without relay trees (both are always reported)")
+
+
+def shape_and_hardware(args, meta: dict):
+    """(ExpertShape, where h and f came from, Hardware) from the flags and the trace's meta."""
+    from ultraep_megatron.analysis.cost import ExpertShape, Hardware
+
+    try:
+        shape, source = ExpertShape.from_meta(
+            meta, hidden_size=args.hidden_size, ffn_hidden_size=args.moe_ffn_hidden_size, gated=args.swiglu,
+            param_bytes=args.param_bytes, grad_bytes=args.grad_bytes, activation_bytes=args.activation_bytes)
+        hardware = Hardware(scale_up_gbps=args.scale_up_bandwidth, peak_tflops=args.peak_tflops,
+                            hbm_tbps=args.hbm_bandwidth, compute_efficiency=args.compute_efficiency,
+                            comm_efficiency=args.comm_efficiency)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    return shape, source, hardware
+
+
+def plan_seconds(args) -> Optional[float]:
+    return None if args.plan_time_us is None else args.plan_time_us * 1e-6
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+# ---------------------------------------------------------------------------------------------
+
+def add_output_args(parser: argparse.ArgumentParser, *, files: str) -> argparse._ArgumentGroup:
+    group = parser.add_argument_group("output")
+    group.add_argument("--json", action="store_true",
+                       help="print the results as one JSON document on stdout instead of the report")
+    group.add_argument("--output-dir", type=Path, default=None, metavar="DIR", help=f"write {files} here")
+    group.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    return group
+
+
+def prepare_output_dir(path: Optional[Path]) -> Optional[Path]:
+    """Create ``path`` and check it is writable before any long work (None passes through)."""
+    if path is None:
+        return None
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CliError(f"--output-dir {path}: {exc.strerror}") from None
+    if not os.access(path, os.W_OK):
+        raise CliError(f"--output-dir {path}: not writable")
+    return path
+
+
+def jsonable(value: Any) -> Any:
+    """NaN and infinities as None, numpy scalars as Python numbers, paths as strings."""
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    if hasattr(value, "item") and not isinstance(value, (str, bytes)):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def dump_json(payload: dict, stream=None) -> str:
+    text = json.dumps(jsonable(payload), indent=1, sort_keys=True)
+    if stream is not None:
+        stream.write(text + "\n")
+    return text
+
+
+def write_csv(path: Path, rows: Sequence[dict]) -> Path:
+    """One row per dict; the columns are the union of the keys, in first-seen order."""
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: jsonable(v) for k, v in row.items()})
+    return path
+
+
+def fmt(value, spec: str = ".3f") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return format(value, spec)
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence], title: str = "") -> str:
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = [title] if title else []
+    for n, row in enumerate(cells):
+        lines.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+class Progress:
+    """A progress bar on stderr: redrawn in place on a terminal, a line every few seconds otherwise.
+
+    ``progress(done)`` after each unit of work; ``total`` (if known) gives percent and ETA.
+    """
+
+    def __init__(self, label: str, total: int = 0, *, enabled: bool = True, unit: str = "records", stream=None):
+        self.label, self.total, self.enabled, self.unit = label, int(total), enabled, unit
+        self.stream = stream or sys.stderr
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.start = self.last = time.perf_counter()
+        self.done = 0
+
+    def __call__(self, done: int) -> None:
+        self.done = done
+        now = time.perf_counter()
+        if not self.enabled or now - self.last < (0.2 if self.tty else 5.0):
+            return
+        self.last = now
+        self._draw(now - self.start)
+
+    def _draw(self, elapsed: float, end: str = "") -> None:
+        done, total = self.done, self.total
+        if total:
+            share = min(done / total, 1.0)
+            rate = done / elapsed if elapsed > 0 else 0.0
+            eta = f", ETA {(total - done) / rate:.0f} s" if rate > 0 and done < total else ""
+            bar = "#" * int(share * 24)
+            text = f"[{self.label}] [{bar:<24}] {share:4.0%} {done}/{total} {self.unit}, {elapsed:.0f} s{eta}"
+        else:
+            text = f"[{self.label}] {done} {self.unit}, {elapsed:.0f} s"
+        self.stream.write(("\r" + text + end) if self.tty else (text + "\n"))
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self._draw(time.perf_counter() - self.start, end="\n" if self.tty else "")
+
+
+def progress_for(args, label: str, records=None, unit: str = "records") -> Progress:
+    """A progress bar for ``records`` (counted up front when it says how many it holds)."""
+    enabled = not getattr(args, "no_progress", False)
+    total = records.total if (enabled and records is not None and hasattr(records, "total")) else 0
+    return Progress(label, total, enabled=enabled, unit=unit)

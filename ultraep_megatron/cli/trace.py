@@ -1,0 +1,156 @@
+"""ultraep trace: inspect, convert, merge and synthesize routing traces.
+
+  info     what trace files hold: shape, records, iterations, layers, how the file ends
+  convert  Megatron's --moe-routing-trace-path directory -> the project's trace files (streaming)
+  merge    pieces of one run's traces (e.g. a resumed job traced into a new directory) -> one per EP group
+  synth    a synthetic drifting-Zipf trace, for trying the tools
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from . import common
+from .common import fmt
+
+SUMMARY = "inspect, convert (from Megatron's --moe-routing-trace-path), merge or synthesize traces"
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("trace", help=SUMMARY, description=__doc__.split("\n\n", 1)[1],
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="trace_command", required=True, metavar="{info,convert,merge,synth}")
+
+    info = sub.add_parser("info", help="what trace files hold: shape, records, layers, how they end",
+                          description="Header, record counts, layers and tail status of trace files (the "
+                                      "project's, or a Megatron --moe-routing-trace-path directory).")
+    info.add_argument("traces", nargs="+", metavar="TRACE", help=common.TRACE_HELP)
+    info.add_argument("--json", action="store_true", help="print JSON on stdout instead of the report")
+    common.add_megatron_layout_args(info)
+    info.set_defaults(run=run_info)
+
+    convert = sub.add_parser(
+        "convert", help="Megatron's --moe-routing-trace-path directory -> the project's trace files",
+        description="Group the per-rank records of every step of a Megatron routing trace into the [R, E] "
+                    "load of each EP group, microbatch and layer (decoder and MTP), and write them as the "
+                    "project's trace files, one per EP group, streaming step by step.",
+        epilog="example:\n  ultraep trace convert runs/tiny/megatron_trace runs/tiny/trace --run-args runs/tiny/log.txt",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    convert.add_argument("source", type=Path, metavar="MEGATRON_TRACE_DIR")
+    convert.add_argument("output_dir", type=Path, metavar="OUTPUT_DIR")
+    convert.add_argument("--strict", action="store_true",
+                         help="a truncated trace is an error (default: convert its complete steps, with a warning)")
+    convert.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    common.add_megatron_layout_args(convert)
+    convert.set_defaults(run=run_convert)
+
+    merge = sub.add_parser(
+        "merge", help="pieces of one run's traces -> one file per EP group, in iteration order",
+        description="Merge trace files written in pieces by one run (e.g. a job resumed with a new "
+                    "--moe-balancer-trace-dir) into one file per EP group. Files of one EP group must have "
+                    "the same shape and disjoint iterations.")
+    merge.add_argument("output_dir", type=Path, metavar="OUTPUT_DIR")
+    merge.add_argument("traces", nargs="+", metavar="TRACE", help="trace files or directories, in any order")
+    merge.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    merge.set_defaults(run=run_merge)
+
+    synth = sub.add_parser("synth", help="write a synthetic drifting-Zipf trace",
+                           description="Write a synthetic drifting-Zipf routing trace "
+                                       "(ultraep_megatron.traces.synthetic_loads).")
+    synth.add_argument("output", type=Path, metavar="OUTPUT.uetrace")
+    for flag, default in (("--num-iterations", 8), ("--num-microbatches", 2), ("--num-layers", 4),
+                          ("--num-ranks", 8), ("--num-experts", 32), ("--tokens-per-rank", 512),
+                          ("--topk", 2), ("--seed", 0)):
+        synth.add_argument(flag, type=int, default=default, help="default: %(default)s")
+    synth.add_argument("--skew", type=float, default=1.0, help="Zipf exponent (default: %(default)s)")
+    synth.add_argument("--drift", type=float, default=0.3, help="random-walk step of the logits per "
+                                                                "iteration (default: %(default)s)")
+    synth.set_defaults(run=run_synth)
+    return parser
+
+
+def run_info(args) -> int:
+    from ultraep_megatron import traces
+    from ultraep_megatron.router_traces import RouterTraceRecords, is_router_trace
+
+    entries = []
+    if is_router_trace(args.traces):
+        records = RouterTraceRecords(args.traces[0], common.megatron_layout(args), on_truncated="ignore")
+        layers: dict[int, int] = {}
+        iterations = set()
+        for _, iteration, _, layer, _ in records:
+            layers[layer] = layers.get(layer, 0) + 1
+            iterations.add(iteration)
+        entries.append({"path": str(records.directory), "format": "megatron router trace",
+                        "rank_files": len(records.files), "ep_groups": records.num_groups,
+                        "num_ranks": records.num_ranks, "num_experts": records.num_experts,
+                        "loads": sum(layers.values()), "iterations": len(iterations),
+                        "layers": dict(sorted(layers.items())), "status": records.status, "meta": records.meta})
+    else:
+        for path in traces.find_trace_files(args.traces):
+            reader = traces.TraceReader(path, on_truncated="ignore")
+            layers = {}
+            iterations = set()
+            for rec in reader.records(include_uncommitted=True):
+                layers[rec.layer] = layers.get(rec.layer, 0) + 1
+                iterations.add(rec.iteration)
+            h = reader.header
+            entries.append({"path": str(path), "format": f"ultraep trace v{h.version}", "num_ranks": h.num_ranks,
+                            "num_experts": h.num_experts, "loads": sum(layers.values()),
+                            "uncommitted": reader.uncommitted_records, "iterations": len(iterations),
+                            "layers": dict(sorted(layers.items())), "status": reader.status,
+                            "truncated_bytes": reader.truncated_bytes, "meta": h.meta})
+    if args.json:
+        common.dump_json({"traces": entries}, stream=sys.stdout)
+        return common.EXIT_OK
+    for e in entries:
+        torn = f" ({e['truncated_bytes']} bytes torn)" if e.get("truncated_bytes") else ""
+        groups = f", {e['rank_files']} rank files = {e['ep_groups']} EP group(s)" if "rank_files" in e else ""
+        print(f"{e['path']}: {e['format']}, R={e['num_ranks']}, E={e['num_experts']}{groups}, "
+              f"status={e['status']}{torn}")
+        uncommitted = f" ({e['uncommitted']} uncommitted)" if "uncommitted" in e else ""
+        print(f"  {e['loads']} loads{uncommitted}, {e['iterations']} iterations, layers {list(e['layers'])}")
+        print(f"  meta: {json.dumps(e['meta'], sort_keys=True)}")
+    return common.EXIT_OK
+
+
+def run_convert(args) -> int:
+    from ultraep_megatron.router_traces import RouterTraceRecords, convert_router_trace
+
+    records = RouterTraceRecords(args.source, common.megatron_layout(args),
+                                 on_truncated="error" if args.strict else "warn")
+    common.prepare_output_dir(args.output_dir)
+    progress = common.progress_for(args, "convert", records)
+    try:
+        written = convert_router_trace(records, args.output_dir, progress=progress)
+    finally:
+        progress.close()
+    print(f"converted {progress.done} loads of {records.num_groups} EP group(s) "
+          f"({records.status}): " + ", ".join(str(p) for p in written))
+    return common.EXIT_OK
+
+
+def run_merge(args) -> int:
+    from ultraep_megatron import traces
+
+    common.prepare_output_dir(args.output_dir)
+    progress = common.Progress("merge", enabled=not args.no_progress, unit="loads")
+    try:
+        written = traces.merge_traces(args.traces, args.output_dir, progress=progress)
+    finally:
+        progress.close()
+    print(f"merged {progress.done} loads into " + ", ".join(str(p) for p in written))
+    return common.EXIT_OK
+
+
+def run_synth(args) -> int:
+    from ultraep_megatron import traces
+
+    kwargs = {k: getattr(args, k) for k in ("num_iterations", "num_microbatches", "num_layers", "num_ranks",
+                                            "num_experts", "tokens_per_rank", "topk", "seed", "skew", "drift")}
+    path = traces.write_synthetic_trace(args.output, **kwargs)
+    print(f"wrote {path} ({path.stat().st_size} bytes, {fmt(args.num_iterations * args.num_microbatches * args.num_layers, 'd')} loads)")
+    return common.EXIT_OK
