@@ -66,11 +66,29 @@ def test_replica_plan_cost_by_hand():
     assert c["moe_fwd"] == pytest.approx(8 * MS)  # rank 0: 5 + 1 + 2, rank 1: 4 + 4
     assert c["a2a_fwd"] == pytest.approx(8 * MS)  # every rank sends and receives 4 remote tokens
     assert c["wdist_direct"] == c["wdist_relay"] == c["wdist"] == pytest.approx(16 * MS)
-    # backward: weights again + fp32 gradients back = 16 * (1 + 4/2) = 48 ms vs 16 ms of compute.
-    assert c["bwd_replica"] == pytest.approx(48 * MS) and c["bwd_exposed"] == pytest.approx(32 * MS)
-    assert c["fwd"] == pytest.approx((0.5 + 16 + 8 + 8) * MS)
-    assert c["bwd"] == pytest.approx((8 + 16 + 32) * MS)
+    # backward: weights again (16 ms) + fp32 gradients back (16 * 4/2 = 32 ms).
+    assert c["bwd_replica"] == pytest.approx(48 * MS)
+    assert c["transfer_overlap"] == 1.0  # the runtime's schedule, transfers next to compute
+    # Forward. Rank 0 (hosts the replica): dispatch 4 + mains 6 = 10 ms next to the 16 ms weight
+    # distribution, so its 2 ms replica starts at 16; rank 1: 4 + 8 = 12. Then the 4 ms combine.
+    assert c["fwd"] == pytest.approx((0.5 + 16 + 2 + 4) * MS)
+    assert c["fwd_exposed"] == pytest.approx((22.5 - (0.5 + 8 + 8)) * MS)  # vs free transfers
+    # Backward. Rank 0: combine backward 4 next to the 16 ms re-materialization, replica backward
+    # 2 x 2, then mains' backward 2 x 6 = 12 next to the 32 ms reduction: 16 + 4 + 32 = 52; rank 1:
+    # 4 + 2 x 8 = 20. Then the 4 ms dispatch backward.
+    assert c["bwd"] == pytest.approx((52 + 4) * MS)
+    assert c["bwd_exposed"] == pytest.approx((56 - (8 + 16)) * MS)
     assert c["total_excl_plan"] == pytest.approx(c["total"] - 0.5 * MS)
+    # Nothing hidden (--moe-balancer-no-overlap): every transfer after the work it could overlap.
+    serial = cm.layer_cost(LOAD_A, plan, SHAPE, cm.Hardware(scale_up_gbps=8e-6, peak_tflops=1.28e-7,
+                                                            hbm_tbps=1.28e-7, transfer_overlap=0.0),
+                           plan_seconds=0.5 * MS)
+    assert serial["fwd"] == pytest.approx((0.5 + 16 + 8 + 8) * MS)  # wdist + a2a both ways + experts
+    # rank 0: 4 + 16, replica backward 4, 12 + 32 -> 68; then dispatch backward 4.
+    assert serial["bwd"] == pytest.approx((68 + 4) * MS)
+    assert serial["fwd_exposed"] == pytest.approx(16 * MS) and serial["bwd_exposed"] == pytest.approx(48 * MS)
+    with pytest.raises(ValueError, match="transfer_overlap"):
+        cm.Hardware(transfer_overlap=1.5)
 
 
 def test_relay_lowers_the_hot_sender():

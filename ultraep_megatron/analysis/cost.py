@@ -7,16 +7,23 @@ description, following the UltraEP objective (paper eq. 1-5):
   (roofline), backward = 2 x forward (dgrad + wgrad);
 * token all-to-all: the busiest sender or receiver of remote tokens, dispatch + combine, forward and
   backward alike;
-* weight distribution (forward, critical path): the busiest sender or receiver of replica weights,
-  over the data plane's transfer schedule with and without relay trees
-  (``ultraep_megatron.dataplane.schedule.build_schedule``);
-* backward replica traffic (re-materialization + gradient reduction) is hidden under backward
-  expert compute; only what exceeds it is exposed;
+* replica transfers: the busiest sender or receiver of replica weights, over the data plane's
+  transfer schedule with and without relay trees (``ultraep_megatron.dataplane.schedule``); the
+  gradient reduction moves the same edges in the gradient dtype;
+* where the transfers overlap, as the runtime schedules them (``megatron/context.py``,
+  docs/integration.md): the forward weight distribution runs while the tokens are dispatched and
+  the main experts compute, and a rank's replica experts wait for it; the backward
+  re-materialization runs during the combine's backward and the replicas' backward waits for it;
+  the gradient reduction runs during the main experts' backward and the layer's backward ends when
+  it has arrived. ``Hardware.transfer_overlap`` is the fraction of each such window a transfer
+  really hides (1: the device runs the transfer concurrently with that work; 0: it runs after it,
+  ``--moe-balancer-no-overlap``), computed per rank: only ranks that host replicas wait;
 * plan time: given by the caller (the replay charges the measured or a fixed one to the
   exact-load balancers).
 
 Not modelled: attention and other non-MoE work, kernel launch and latency terms, overlap of
-all-to-all with compute, DeepEP deduplication. Ratios between balancers are the useful output.
+all-to-all with compute, contention between transfers and the work they overlap, DeepEP
+deduplication. Ratios between balancers are the useful output.
 
 No Megatron import; pure functions on load tensors and plans.
 """
@@ -57,6 +64,10 @@ class Hardware:
         hbm_tbps: HBM bandwidth, TB/s.
         compute_efficiency / comm_efficiency: achieved fraction of peak (1.0 = peak; the absolute
             times are then lower bounds).
+        transfer_overlap: fraction of its overlap window a replica transfer hides (see the module
+            docstring): 1.0, the runtime's schedule on a device that runs transfers concurrently
+            with compute (CUDA: its own stream and NCCL communicator); 0.0, every transfer
+            serialized (``--moe-balancer-no-overlap``).
     """
 
     scale_up_gbps: float = 900.0
@@ -64,6 +75,7 @@ class Hardware:
     hbm_tbps: float = 8.0
     compute_efficiency: float = 1.0
     comm_efficiency: float = 1.0
+    transfer_overlap: float = 1.0
 
     def __post_init__(self):
         for name in ("scale_up_gbps", "peak_tflops", "hbm_tbps"):
@@ -72,6 +84,8 @@ class Hardware:
         for name in ("compute_efficiency", "comm_efficiency"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{name} must lie in (0, 1], got {getattr(self, name)}")
+        if not 0 <= self.transfer_overlap <= 1:
+            raise ValueError(f"transfer_overlap must lie in [0, 1], got {self.transfer_overlap}")
 
     @property
     def flops_per_s(self) -> float:
@@ -168,9 +182,9 @@ def min_quota_from_hardware(shape: ExpertShape, hardware: Hardware, *, training:
     """Smallest replica quota (tokens) worth its weight transfer (HarMoEny's threshold, eq. 4).
 
     A replica taking q (token, expert) pairs off the busiest rank saves ``q * 2W / F`` of forward
-    compute (W = expert weights) — and twice that again in backward when training, where the
-    replica's backward traffic is hidden under compute — while its weights cost ``W * d / B`` on
-    the forward critical path. It pays when ``q > F * d / (2 * B * k)`` with k = 3 (training) or
+    compute (W = expert weights) — and twice that again in backward when training — while its
+    weights cost ``W * d / B`` once, charged as if nothing hid the transfer (``transfer_overlap``
+    0), so the floor holds whatever the overlap. It pays when ``q > F * d / (2 * B * k)`` with k = 3 (training) or
     1 (inference), independent of the expert's size.
     """
     transfer = shape.weight_bytes / hardware.link_bytes_per_s
@@ -182,33 +196,58 @@ def min_quota_from_hardware(shape: ExpertShape, hardware: Hardware, *, training:
 # Cost model (seconds; estimates)
 # ---------------------------------------------------------------------------------------------
 
-def _compute_seconds(tokens_per_instance: torch.Tensor, shape: ExpertShape, hw: Hardware) -> float:
-    """Busiest rank's forward expert compute. tokens_per_instance: [E_or_G, R] tokens of every
-    instance; an instance with no token costs nothing (grouped GEMM skips it)."""
+def _compute_seconds(tokens_per_instance: torch.Tensor, shape: ExpertShape, hw: Hardware) -> torch.Tensor:
+    """Forward expert compute of every instance, float64 like ``tokens_per_instance`` ([E, R] tokens
+    of every instance): ``max(tokens * flops / F, weights / HBM)`` (roofline); an instance with no
+    token costs nothing (grouped GEMM skips it)."""
     tokens = tokens_per_instance.to(torch.float64)
     per_token = shape.fwd_flops_per_token / hw.flops_per_s
     weight_read = shape.weight_bytes / hw.hbm_bytes_per_s
-    per_instance = torch.where(tokens > 0, torch.clamp(tokens * per_token, min=weight_read),
-                               torch.zeros_like(tokens))
-    return float(per_instance.sum(0).max()) if per_instance.numel() else 0.0
+    return torch.where(tokens > 0, torch.clamp(tokens * per_token, min=weight_read), torch.zeros_like(tokens))
 
 
-def _assemble(moe_fwd: float, a2a_one_way: float, wdist_direct: float, wdist_relay: float,
-              plan_seconds: float, shape: ExpertShape, relay: bool) -> dict:
+def _assemble(main: torch.Tensor, replica: torch.Tensor, a2a_one_way: float, wdist_direct: float,
+              wdist_relay: float, plan_seconds: float, shape: ExpertShape, hw: Hardware,
+              relay: bool) -> dict:
+    """Layer times from each rank's forward compute of its main instances and of its replicas
+    (float64 [R]), the busiest one-way token all-to-all and the weight distribution's time."""
     wdist = wdist_relay if relay else wdist_direct
+    wred = wdist * shape.grad_bytes / shape.param_bytes  # the same edges, in the gradient dtype
+    alpha = hw.transfer_overlap
+    hosts = replica > 0  # only ranks that compute replicas wait for the transfers
+
+    def after(window: torch.Tensor, transfer: float) -> torch.Tensor:
+        """When a rank can go on: its work of ``window`` seconds has run next to a transfer of
+        ``transfer`` seconds started with it, a fraction ``alpha`` of the window hiding it."""
+        return torch.where(hosts, torch.maximum(window, transfer + (1.0 - alpha) * window), window)
+
+    zero = torch.zeros_like(main)
+    # Forward: dispatch + main experts next to the weight distribution, then the replicas, combine.
+    fwd_experts = float((after(a2a_one_way + main, wdist) + replica).max()) if main.numel() else 0.0
+    fwd = plan_seconds + fwd_experts + a2a_one_way
+    # Backward: combine backward next to the re-materialization, the replicas' backward, the main
+    # experts' backward next to the gradient reduction, then the dispatch backward.
+    replicas_done = after(zero + a2a_one_way, wdist) + 2.0 * replica
+    bwd = float((replicas_done + after(2.0 * main, wred)).max()) + a2a_one_way if main.numel() else 0.0
+    moe_fwd = float((main + replica).max()) if main.numel() else 0.0
     moe_bwd = 2.0 * moe_fwd
-    # Backward: weights re-materialized and gradients reduced over the same edges, hidden under
-    # backward expert compute (paper §4.2); only the excess is exposed.
-    bwd_replica = wdist * (1.0 + shape.grad_bytes / shape.param_bytes)
-    bwd_exposed = max(0.0, bwd_replica - moe_bwd)
-    fwd = plan_seconds + wdist + 2.0 * a2a_one_way + moe_fwd
-    bwd = 2.0 * a2a_one_way + moe_bwd + bwd_exposed
+    bare_fwd = plan_seconds + 2.0 * a2a_one_way + moe_fwd  # with transfers that cost nothing
+    bare_bwd = 2.0 * a2a_one_way + moe_bwd
     return {
         "plan": plan_seconds, "wdist_direct": wdist_direct, "wdist_relay": wdist_relay, "wdist": wdist,
         "a2a_fwd": 2.0 * a2a_one_way, "a2a_bwd": 2.0 * a2a_one_way, "moe_fwd": moe_fwd, "moe_bwd": moe_bwd,
-        "bwd_replica": bwd_replica, "bwd_exposed": bwd_exposed, "fwd": fwd, "bwd": bwd, "total": fwd + bwd,
-        "total_excl_plan": fwd + bwd - plan_seconds,
+        "bwd_replica": wdist + wred, "fwd_exposed": max(0.0, fwd - bare_fwd),
+        "bwd_exposed": max(0.0, bwd - bare_bwd), "fwd": fwd, "bwd": bwd, "total": fwd + bwd,
+        "total_excl_plan": fwd + bwd - plan_seconds, "transfer_overlap": alpha,
     }
+
+
+def _main_and_replica(per_instance: torch.Tensor, experts_per_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, R] per-instance seconds -> per-rank seconds of its main instances and of its replicas."""
+    E, R = per_instance.shape
+    home = torch.arange(E) // experts_per_rank
+    is_main = home.unsqueeze(1) == torch.arange(R).unsqueeze(0)  # [E, R]
+    return (per_instance * is_main).sum(0), (per_instance * ~is_main).sum(0)
 
 
 class _ScheduleCache:
@@ -250,21 +289,24 @@ def layer_cost(load: torch.Tensor, plan: Plan, shape: ExpertShape, hardware: Har
         dict of seconds: ``moe_fwd``/``moe_bwd`` (busiest rank's expert compute), ``a2a_fwd``/
         ``a2a_bwd`` (token dispatch + combine of the busiest remote sender/receiver),
         ``wdist_direct``/``wdist_relay``/``wdist`` (weight distribution; busiest sender/receiver),
-        ``bwd_replica``/``bwd_exposed`` (backward replica traffic and the part not hidden),
-        ``plan``, ``fwd``, ``bwd``, ``total``.
+        ``bwd_replica`` (backward replica traffic: re-materialization + gradient reduction),
+        ``fwd_exposed``/``bwd_exposed`` (what the transfers add to the forward / backward under
+        ``hardware.transfer_overlap``), ``plan``, ``fwd``, ``bwd``, ``total``; and
+        ``transfer_overlap``, the overlap assumed.
     """
     R, E = planner.validate_load(load)
     if plan.num_ranks != R or plan.num_experts != E:
         raise ValueError("plan and load have different shapes")
     P = plan.physical_slots_per_rank
-    moe_fwd = _compute_seconds(plan.quota, shape, hardware)
+    main, replica = _main_and_replica(_compute_seconds(plan.quota.cpu(), shape, hardware), E // R)
     traffic = plan.physical_split.view(R, R, P).sum(2).to(torch.float64)  # [src, dst]
     local = traffic.diagonal()
     remote = max(float((traffic.sum(1) - local).max()), float((traffic.sum(0) - local).max()))
     a2a = remote * shape.token_bytes / hardware.link_bytes_per_s
     direct, relayed = _SCHEDULES.volumes(plan.slot_expert, E) if plan.num_slots else (0, 0)
     per_expert = shape.weight_bytes / hardware.link_bytes_per_s
-    return _assemble(moe_fwd, a2a, direct * per_expert, relayed * per_expert, float(plan_seconds), shape, relay)
+    return _assemble(main, replica, a2a, direct * per_expert, relayed * per_expert, float(plan_seconds),
+                     shape, hardware, relay)
 
 
 def ideal_cost(load: torch.Tensor, shape: ExpertShape, hardware: Hardware) -> dict:
@@ -274,8 +316,8 @@ def ideal_cost(load: torch.Tensor, shape: ExpertShape, hardware: Hardware) -> di
     R, E = planner.validate_load(load)
     total = float(load.sum())
     per_instance = torch.full((E // R, R), total / E, dtype=torch.float64)
-    moe_fwd = _compute_seconds(per_instance, shape, hardware)
+    main = _compute_seconds(per_instance, shape, hardware).sum(0)
     sent = float(load.sum(1).max()) * (R - 1) / R
     received = total / R * (R - 1) / R
     a2a = max(sent, received) * shape.token_bytes / hardware.link_bytes_per_s
-    return _assemble(moe_fwd, a2a, 0.0, 0.0, 0.0, shape, True)
+    return _assemble(main, torch.zeros_like(main), a2a, 0.0, 0.0, 0.0, shape, hardware, True)

@@ -288,7 +288,8 @@ def _step_times(result: ReplayResult, label: str, term: str, mask: Optional[np.n
 def cost_summary(result: ReplayResult, mask: Optional[np.ndarray] = None) -> dict[str, dict]:
     """Estimated time per balancer over the records in ``mask``: mean ms per MoE-layer invocation of
     each term (``fwd``, ``bwd``, ``total``, ``moe_fwd``, ``a2a_fwd``, ``wdist``, ``wdist_direct``,
-    ``wdist_relay``, ``plan``, ``bwd_exposed``), plus ``frac_ideal`` (ideal time / time) and
+    ``wdist_relay``, ``plan``, ``fwd_exposed``, ``bwd_exposed``: what the replica transfers add
+    under the hardware's ``transfer_overlap``), plus ``frac_ideal`` (ideal time / time) and
     ``speedup_vs_none`` (none time / time) when ``ideal``/``none`` were replayed, and the same two
     without the plan term (``frac_ideal_excl_plan``, ``speedup_vs_none_excl_plan``: the planner
     here runs on the CPU, the paper's on the GPU). EP groups count as running in parallel (max
@@ -296,7 +297,7 @@ def cost_summary(result: ReplayResult, mask: Optional[np.ndarray] = None) -> dic
     if result.costs is None:
         raise ValueError("the replay carried no cost model (give shape and hardware)")
     terms = ("fwd", "bwd", "total", "total_excl_plan", "moe_fwd", "moe_bwd", "a2a_fwd", "wdist", "wdist_direct",
-             "wdist_relay", "plan", "bwd_exposed")
+             "wdist_relay", "plan", "fwd_exposed", "bwd_exposed")
     sums = {label: {t: _step_times(result, label, t, mask) for t in terms} for label in result.balancers}
     ideal, none = result.label_of(policy.IDEAL), result.label_of(policy.NONE)
     out = {}

@@ -67,6 +67,16 @@ def min_quota_arg(text: str):
     return value
 
 
+def fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text}")
+    return value
+
+
 def positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -179,6 +189,10 @@ def add_model_hardware_args(parser: argparse.ArgumentParser) -> None:
     hw.add_argument("--plan-time-us", type=float, default=None,
                     help="charge this plan time (us) to the exact-load balancers instead of the time measured "
                          "here (the planner runs on this host's CPU; the paper's GPU solver takes ~111 us)")
+    hw.add_argument("--transfer-overlap", type=fraction, default=1.0, metavar="F",
+                    help="fraction of its overlap window a replica transfer hides: 1 (default) is the "
+                         "runtime's schedule on a GPU, transfers on their own stream next to the token "
+                         "all-to-all and expert compute; 0 serializes them (--moe-balancer-no-overlap)")
     hw.add_argument("--no-relay", action="store_true",
                     help="charge weight distribution without relay trees (both are always reported)")
 
@@ -193,7 +207,7 @@ def shape_and_hardware(args, meta: dict):
             param_bytes=args.param_bytes, grad_bytes=args.grad_bytes, activation_bytes=args.activation_bytes)
         hardware = Hardware(scale_up_gbps=args.scale_up_bandwidth, peak_tflops=args.peak_tflops,
                             hbm_tbps=args.hbm_bandwidth, compute_efficiency=args.compute_efficiency,
-                            comm_efficiency=args.comm_efficiency)
+                            comm_efficiency=args.comm_efficiency, transfer_overlap=args.transfer_overlap)
     except ValueError as exc:
         raise CliError(str(exc)) from None
     return shape, source, hardware

@@ -235,18 +235,21 @@ def cost_tables(report: dict, labels: Sequence[str]) -> str:
               f"{hw['peak_tflops']:g} TFLOP/s, {hw['hbm_tbps']:g} TB/s HBM (efficiency "
               f"{hw['compute_efficiency']:g}/{hw['comm_efficiency']:g}). Plan time: "
               f"{'fixed ' + format(plan, 'g') + ' us' if plan is not None else 'median of the times measured on this host (CPU)'}; "
-              f"weight distribution {'with' if report['relay'] else 'without'} relay in the totals. MoE layers only "
+              f"weight distribution {'with' if report['relay'] else 'without'} relay in the totals; replica "
+              f"transfers overlapped as the runtime schedules them, hiding {hw['transfer_overlap']:.0%} of their "
+              "windows (--transfer-overlap). MoE layers only "
               "(attention etc. not modelled); ms per layer invocation (one microbatch), averaged.")
     rows = []
     for label in labels:
         c = report["estimated_cost"][label]
         rows.append([label, fmt(c["fwd_ms"]), fmt(c["bwd_ms"]), fmt(c["total_ms"]), fmt(c["moe_fwd_ms"]),
                      fmt(c["a2a_fwd_ms"]), f"{c['wdist_direct_ms']:.3f}/{c['wdist_relay_ms']:.3f}", fmt(c["plan_ms"]),
-                     fmt(c["bwd_exposed_ms"]), fmt(c.get("frac_ideal"), ".1%"), fmt(c.get("speedup_vs_none"), ".3f") + "x",
+                     f"{c['fwd_exposed_ms']:.3f}/{c['bwd_exposed_ms']:.3f}", fmt(c.get("frac_ideal"), ".1%"),
+                     fmt(c.get("speedup_vs_none"), ".3f") + "x",
                      fmt(c.get("frac_ideal_excl_plan"), ".1%"), fmt(c.get("speedup_vs_none_excl_plan"), ".3f") + "x"])
     out = [header, format_table(
         ["balancer", "fwd ms", "bwd ms", "total ms", "expert fwd", "a2a fwd", "wdist direct/relay", "plan",
-         "bwd exposed", "of ideal", "vs none", "of ideal*", "vs none*"], rows,
+         "exposed fwd/bwd", "of ideal", "vs none", "of ideal*", "vs none*"], rows,
         title=f"{ESTIMATE}: time per MoE layer (* = without the plan term)")]
     layer_rows = []
     for layer, per in report["estimated_cost_per_layer"].items():
