@@ -3,13 +3,18 @@
 It turns a plan into per-layer forward/backward times from a model shape and a hardware
 description, following the UltraEP objective (paper eq. 1-5):
 
-* expert compute: the busiest rank's instances, each ``max(tokens * flops / F, weights / HBM)``
-  (roofline), backward = 2 x forward (dgrad + wgrad);
+* expert compute: the busiest rank's instances, each one GEMM of ``max((tokens + M0) * flops / F,
+  weights / HBM)``: a roofline whose compute side carries a fixed cost of ``M0 =
+  Hardware.gemm_overhead_tokens`` tokens per GEMM (small-M efficiency, see ``Hardware``); backward =
+  2 x forward (dgrad + wgrad);
 * token all-to-all: the busiest sender or receiver of remote tokens, dispatch + combine, forward and
   backward alike;
 * replica transfers: the busiest sender or receiver of replica weights, over the data plane's
   transfer schedule with and without relay trees (``ultraep_megatron.dataplane.schedule``); the
   gradient reduction moves the same edges in the gradient dtype;
+* scale-up domains (``Hardware.scale_up_domain``): tokens and weights between ranks of one domain move
+  at ``scale_up_gbps``, across domains at ``inter_domain_gbps``; the two links run side by side, so
+  a rank's traffic takes the longer of its two link times;
 * where the transfers overlap, as the runtime schedules them (``megatron/context.py``,
   docs/integration.md): the forward weight distribution runs while the tokens are dispatched and
   the main experts compute, and a rank's replica experts wait for it; the backward
@@ -25,6 +30,10 @@ Not modelled: attention and other non-MoE work, kernel launch and latency terms,
 all-to-all with compute, contention between transfers and the work they overlap, DeepEP
 deduplication. Ratios between balancers are the useful output.
 
+A balancer's outcome is a ``planner.Plan`` or, for a peer that moves main experts (DeepSeek's
+EPLB), a ``planner.peers.Placement``: both are costed the same way (instances away from their
+expert's home are replicas, fed from the home).
+
 No Megatron import; pure functions on load tensors and plans.
 """
 
@@ -36,14 +45,18 @@ from typing import Optional
 
 import torch
 
+
 from ultraep_megatron import planner
 from ultraep_megatron.dataplane.schedule import build_schedule
 from ultraep_megatron.planner import Plan
+from ultraep_megatron.planner.peers import Placement
 
 __all__ = [
     "DEFAULT_SHAPE",
     "ExpertShape",
+    "HARDWARE_PRESETS",
     "Hardware",
+    "hardware_preset",
     "ideal_cost",
     "layer_cost",
     "min_quota_from_hardware",
@@ -59,7 +72,7 @@ class Hardware:
     """Per-GPU hardware figures. Defaults: the UltraEP paper's rack-scale node (Table 2).
 
     Attributes:
-        scale_up_gbps: scale-up (intra-rack) bandwidth per GPU, GB/s.
+        scale_up_gbps: scale-up (NVLink, intra-domain) bandwidth per GPU and direction, GB/s.
         peak_tflops: dense bf16 peak, TFLOP/s.
         hbm_tbps: HBM bandwidth, TB/s.
         compute_efficiency / comm_efficiency: achieved fraction of peak (1.0 = peak; the absolute
@@ -68,6 +81,17 @@ class Hardware:
             docstring): 1.0, the runtime's schedule on a device that runs transfers concurrently
             with compute (CUDA: its own stream and NCCL communicator); 0.0, every transfer
             serialized (``--moe-balancer-no-overlap``).
+        inter_domain_gbps: bandwidth per GPU and direction between scale-up domains (the
+            scale-out NIC), GB/s. Paper: 400 Gb/s inter-rack = 50 GB/s.
+        scale_up_domain: GPUs per scale-up (NVLink) domain, consecutive EP ranks (``None``: every
+            EP group lies inside one domain).
+        gemm_overhead_tokens: M0, the fixed cost of one expert's GEMM in tokens of plateau-rate
+            compute: a GEMM of M tokens takes as long as ``M + M0`` tokens at the plateau, so it
+            runs at ``M / (M + M0)`` of the plateau (half of it at M = M0). 100: fitted to the
+            grouped GEMMs DeepSeek published for DeepGEMM (H800, github.com/deepseek-ai/DeepGEMM,
+            README of its first release: 256, 512 and 1024 tokens per group reach 72-74 %,
+            80-83 % and 84-95 % of the same shapes at 4096-8192 tokens; M0 55-190 over those
+            six points, median 100); Hopper's tiles are 64-256 rows whatever the dtype.
     """
 
     scale_up_gbps: float = 900.0
@@ -76,9 +100,12 @@ class Hardware:
     compute_efficiency: float = 1.0
     comm_efficiency: float = 1.0
     transfer_overlap: float = 1.0
+    inter_domain_gbps: float = 50.0
+    scale_up_domain: Optional[int] = None
+    gemm_overhead_tokens: float = 100.0
 
     def __post_init__(self):
-        for name in ("scale_up_gbps", "peak_tflops", "hbm_tbps"):
+        for name in ("scale_up_gbps", "peak_tflops", "hbm_tbps", "inter_domain_gbps"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("compute_efficiency", "comm_efficiency"):
@@ -86,6 +113,11 @@ class Hardware:
                 raise ValueError(f"{name} must lie in (0, 1], got {getattr(self, name)}")
         if not 0 <= self.transfer_overlap <= 1:
             raise ValueError(f"transfer_overlap must lie in [0, 1], got {self.transfer_overlap}")
+        if not self.gemm_overhead_tokens >= 0:
+            raise ValueError(f"gemm_overhead_tokens must be >= 0, got {self.gemm_overhead_tokens}")
+        N = self.scale_up_domain
+        if N is not None and (isinstance(N, bool) or not isinstance(N, int) or N < 1):
+            raise ValueError(f"scale_up_domain must be an int >= 1 or None, got {N!r}")
 
     @property
     def flops_per_s(self) -> float:
@@ -96,8 +128,46 @@ class Hardware:
         return self.scale_up_gbps * 1e9 * self.comm_efficiency
 
     @property
+    def inter_domain_bytes_per_s(self) -> float:
+        return self.inter_domain_gbps * 1e9 * self.comm_efficiency
+
+    @property
     def hbm_bytes_per_s(self) -> float:
         return self.hbm_tbps * 1e12
+
+    def ranks_per_domain(self, num_ranks: int) -> int:
+        """EP ranks per scale-up domain for an EP group of ``num_ranks`` (all of them when the group
+        fits in one domain)."""
+        N = self.scale_up_domain
+        if N is None or N >= num_ranks:
+            if N is not None and N % num_ranks:
+                raise ValueError(f"an EP group of {num_ranks} ranks does not fit the scale-up domains of "
+                                 f"{N} GPUs evenly")
+            return num_ranks
+        if num_ranks % N:
+            raise ValueError(f"an EP group of {num_ranks} ranks does not split into scale-up domains of {N} GPUs")
+        return N
+
+
+#: Named hardware descriptions (``--moe-balancer-hardware``); sources in docs/traces.md.
+HARDWARE_PRESETS: dict[str, Hardware] = {
+    # UltraEP paper, Table 2: 64 GPUs per rack on a 900 GB/s scale-up fabric, 2250 TFLOP/s bf16,
+    # 8 TB/s HBM, 400 Gb/s between racks.
+    "paper-rack": Hardware(scale_up_domain=64),
+    # NVIDIA H100 SXM5 in an 8-GPU HGX/DGX node: 989 TFLOP/s dense bf16, 3.35 TB/s HBM3, NVLink 4 at
+    # 900 GB/s bidirectional (450 per direction), one 400 Gb/s ConnectX-7 NIC per GPU.
+    "h100-hgx": Hardware(scale_up_gbps=450.0, peak_tflops=989.0, hbm_tbps=3.35, inter_domain_gbps=50.0,
+                         scale_up_domain=8),
+}
+
+
+def hardware_preset(name: str) -> Hardware:
+    """The preset ``name`` of :data:`HARDWARE_PRESETS` (errors name ``--moe-balancer-hardware``)."""
+    try:
+        return HARDWARE_PRESETS[name]
+    except KeyError:
+        raise ValueError(f"--moe-balancer-hardware: unknown hardware {name!r}; choose from "
+                         f"{', '.join(HARDWARE_PRESETS)}") from None
 
 
 @dataclass(frozen=True)
@@ -179,17 +249,27 @@ def slot_memory_bytes(shape: ExpertShape, num_slots: int, *, num_layers: int = 1
 
 
 def min_quota_from_hardware(shape: ExpertShape, hardware: Hardware, *, training: bool = True) -> int:
-    """Smallest replica quota (tokens) worth its weight transfer (HarMoEny's threshold, eq. 4).
+    """Smallest replica quota (tokens) worth its weight transfer and its own GEMM.
 
-    A replica taking q (token, expert) pairs off the busiest rank saves ``q * 2W / F`` of forward
-    compute (W = expert weights) — and twice that again in backward when training — while its
-    weights cost ``W * d / B`` once, charged as if nothing hid the transfer (``transfer_overlap``
-    0), so the floor holds whatever the overlap. It pays when ``q > F * d / (2 * B * k)`` with k = 3 (training) or
-    1 (inference), independent of the expert's size.
+    A replica taking q (token, expert) pairs off the busiest rank saves ``k * q * c`` there (c =
+    ``2W / F``, one token of one expert's forward at the plateau; k = 3 in training: forward, dgrad,
+    wgrad; 1 in inference). It costs its weights' transfer ``T = W * d / B`` once, charged as if
+    nothing hid it (``transfer_overlap`` 0: the floor holds whatever the overlap; HarMoEny's
+    threshold), and a GEMM of its own on a rank that balancing brings to the new maximum: ``k *
+    M0 * c`` beyond its tokens' share (``Hardware.gemm_overhead_tokens``), or, below the roofline's
+    knee, ``k * (W / HBM - q * c)``. It pays when ``k q c >= T + k M0 c``, i.e. from
+    ``q = F d / (2 B k) + M0`` (above the knee, as on every GPU here), independent of the expert's
+    size.
     """
+    k = 3 if training else 1
+    c = shape.fwd_flops_per_token / hardware.flops_per_s
     transfer = shape.weight_bytes / hardware.link_bytes_per_s
-    saved_per_token = shape.fwd_flops_per_token / hardware.flops_per_s * (3 if training else 1)
-    return max(1, math.ceil(transfer / saved_per_token - 1e-9))
+    weight_read = shape.weight_bytes / hardware.hbm_bytes_per_s
+    overhead = hardware.gemm_overhead_tokens
+    q = transfer / (k * c) + overhead
+    if (q + overhead) * c < weight_read:  # the replica's GEMM is memory-bound: it costs the weight read
+        q = (transfer / k + weight_read) / (2 * c)
+    return max(1, math.ceil(q - 1e-9))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,12 +278,14 @@ def min_quota_from_hardware(shape: ExpertShape, hardware: Hardware, *, training:
 
 def _compute_seconds(tokens_per_instance: torch.Tensor, shape: ExpertShape, hw: Hardware) -> torch.Tensor:
     """Forward expert compute of every instance, float64 like ``tokens_per_instance`` ([E, R] tokens
-    of every instance): ``max(tokens * flops / F, weights / HBM)`` (roofline); an instance with no
-    token costs nothing (grouped GEMM skips it)."""
+    of every instance): ``max((tokens + M0) * flops / F, weights / HBM)`` (a roofline whose compute
+    side carries the GEMM's fixed cost of M0 tokens); an instance with no token costs nothing
+    (grouped GEMM skips it)."""
     tokens = tokens_per_instance.to(torch.float64)
     per_token = shape.fwd_flops_per_token / hw.flops_per_s
     weight_read = shape.weight_bytes / hw.hbm_bytes_per_s
-    return torch.where(tokens > 0, torch.clamp(tokens * per_token, min=weight_read), torch.zeros_like(tokens))
+    compute = (tokens + hw.gemm_overhead_tokens) * per_token
+    return torch.where(tokens > 0, torch.clamp(compute, min=weight_read), torch.zeros_like(tokens))
 
 
 def _assemble(main: torch.Tensor, replica: torch.Tensor, a2a_one_way: float, wdist_direct: float,
@@ -250,22 +332,44 @@ def _main_and_replica(per_instance: torch.Tensor, experts_per_rank: int) -> tupl
     return (per_instance * is_main).sum(0), (per_instance * ~is_main).sum(0)
 
 
+def _busiest_link_seconds(traffic: torch.Tensor, unit_bytes: float, N: int, hw: Hardware) -> float:
+    """Time of the busiest rank's remote traffic ``traffic`` [src, dst] (in units of ``unit_bytes``):
+    per rank the longer of its intra-domain (``scale_up_gbps``) and inter-domain
+    (``inter_domain_gbps``) link time, sending or receiving; the max over ranks."""
+    R = traffic.shape[0]
+    traffic = traffic.to(torch.float64) * (1 - torch.eye(R, dtype=torch.float64))
+    domain = torch.arange(R) // N
+    inside = domain.unsqueeze(1) == domain.unsqueeze(0)
+    seconds = 0.0
+    for mask, rate in ((inside, hw.link_bytes_per_s), (~inside, hw.inter_domain_bytes_per_s)):
+        part = traffic * mask
+        busiest = max(float(part.sum(1).max()), float(part.sum(0).max())) if R else 0.0
+        seconds = max(seconds, busiest * unit_bytes / rate)
+    return seconds
+
+
 class _ScheduleCache:
-    """Busiest weight-distribution sender/receiver (in experts) per slot layout, direct and relayed."""
+    """Per replica layout and domain size, for the direct and the relayed schedule: the replica
+    edges as a [src, dst] count matrix (what the busiest link carries follows from it) and how many
+    of them cross a domain."""
 
     def __init__(self, capacity: int = 4096):
         self.capacity = capacity
-        self._cache: dict[bytes, tuple[int, int]] = {}
+        self._cache: dict[bytes, tuple] = {}
 
-    def volumes(self, slot_expert: torch.Tensor, num_experts: int) -> tuple[int, int]:
-        key = slot_expert.cpu().numpy().tobytes() + slot_expert.shape[0].to_bytes(4, "little")
+    def edges(self, slot_expert: torch.Tensor, num_experts: int, N: int) -> tuple:
+        key = slot_expert.cpu().numpy().tobytes() + slot_expert.shape[0].to_bytes(4, "little") \
+            + N.to_bytes(4, "little")
         hit = self._cache.get(key)
         if hit is None:
-            out = []
+            R = slot_expert.shape[0]
+            hit = []
             for mode in ("off", "adaptive"):
                 s = build_schedule(slot_expert.cpu(), num_experts, 1, relay=mode)
-                out.append(int(torch.maximum(s.send_volume(), s.recv_volume()).max()) if s.num_edges else 0)
-            hit = (out[0], out[1])
+                counts = torch.zeros((R, R), dtype=torch.int64)
+                counts.index_put_((s.edge_src, s.edge_dst), torch.ones_like(s.edge_src), accumulate=True)
+                hit.append((counts, int((s.edge_src // N != s.edge_dst // N).sum())))
+            hit = tuple(hit)
             if len(self._cache) >= self.capacity:
                 self._cache.clear()
             self._cache[key] = hit
@@ -275,13 +379,27 @@ class _ScheduleCache:
 _SCHEDULES = _ScheduleCache()
 
 
-def layer_cost(load: torch.Tensor, plan: Plan, shape: ExpertShape, hardware: Hardware, *,
+def remote_slot_table(placement: Placement) -> torch.Tensor:
+    """int64 [R, W]: the experts each rank holds away from their home, packed left (-1 padding): the
+    replicas a placement needs fed from the homes, as a slot table for the data plane's schedule."""
+    inst = placement.instances  # [E, R]
+    E, R = inst.shape
+    home = torch.arange(E) // (E // R)
+    remote = (inst.cpu() & (home.unsqueeze(1) != torch.arange(R).unsqueeze(0))).T  # [R, E]
+    width = int(remote.sum(1).max()) if remote.numel() else 0
+    order = torch.argsort((~remote).to(torch.int8), dim=1, stable=True)[:, :width]  # remote experts first
+    table = torch.where(torch.gather(remote, 1, order), order, torch.full_like(order, -1))
+    return table
+
+
+def layer_cost(load: torch.Tensor, plan: Plan | Placement, shape: ExpertShape, hardware: Hardware, *,
                plan_seconds: float = 0.0, relay: bool = True) -> dict:
     """Estimated seconds of one MoE layer invocation (one microbatch) under ``plan``.
 
     Args:
         load: int64 [R, E], the load the plan serves.
-        plan: a planner Plan (``identity_plan`` for ``none``).
+        plan: a planner Plan (``identity_plan`` for ``none``) or a peer's ``Placement`` (instances
+            away from their home are replicas, fed from the home: a moved main expert is one).
         plan_seconds: time to solve the plan (forward critical path).
         relay: charge weight distribution with relay trees (else direct fan-out).
 
@@ -291,22 +409,33 @@ def layer_cost(load: torch.Tensor, plan: Plan, shape: ExpertShape, hardware: Har
         ``wdist_direct``/``wdist_relay``/``wdist`` (weight distribution; busiest sender/receiver),
         ``bwd_replica`` (backward replica traffic: re-materialization + gradient reduction),
         ``fwd_exposed``/``bwd_exposed`` (what the transfers add to the forward / backward under
-        ``hardware.transfer_overlap``), ``plan``, ``fwd``, ``bwd``, ``total``; and
-        ``transfer_overlap``, the overlap assumed.
+        ``hardware.transfer_overlap``), ``plan``, ``fwd``, ``bwd``, ``total``; ``transfer_overlap``,
+        the overlap assumed; and ``xdom_bytes``, the replica weight and gradient bytes that cross a
+        scale-up domain (forward distribution, backward re-materialization and reduction), a byte
+        count, not seconds.
     """
     R, E = planner.validate_load(load)
-    if plan.num_ranks != R or plan.num_experts != E:
-        raise ValueError("plan and load have different shapes")
-    P = plan.physical_slots_per_rank
-    main, replica = _main_and_replica(_compute_seconds(plan.quota.cpu(), shape, hardware), E // R)
-    traffic = plan.physical_split.view(R, R, P).sum(2).to(torch.float64)  # [src, dst]
-    local = traffic.diagonal()
-    remote = max(float((traffic.sum(1) - local).max()), float((traffic.sum(0) - local).max()))
-    a2a = remote * shape.token_bytes / hardware.link_bytes_per_s
-    direct, relayed = _SCHEDULES.volumes(plan.slot_expert, E) if plan.num_slots else (0, 0)
-    per_expert = shape.weight_bytes / hardware.link_bytes_per_s
-    return _assemble(main, replica, a2a, direct * per_expert, relayed * per_expert, float(plan_seconds),
-                     shape, hardware, relay)
+    if isinstance(plan, Placement):
+        if tuple(plan.split.shape) != (R, E, R):
+            raise ValueError("placement and load have different shapes")
+        quota, traffic, slots = plan.quota, plan.split.sum(1), remote_slot_table(plan)
+    else:
+        if plan.num_ranks != R or plan.num_experts != E:
+            raise ValueError("plan and load have different shapes")
+        P = plan.physical_slots_per_rank
+        quota, traffic, slots = plan.quota, plan.physical_split.view(R, R, P).sum(2), plan.slot_expert
+    N = hardware.ranks_per_domain(R)
+    main, replica = _main_and_replica(_compute_seconds(quota.cpu(), shape, hardware), E // R)
+    a2a = _busiest_link_seconds(traffic.cpu(), shape.token_bytes, N, hardware)
+    wdist, crossing = [0.0, 0.0], 0
+    if slots.numel() and bool((slots >= 0).any()):
+        for i, (edges, cross) in enumerate(_SCHEDULES.edges(slots, E, N)):
+            wdist[i] = _busiest_link_seconds(edges, shape.weight_bytes, N, hardware)
+            if (i == 1) == relay:
+                crossing = cross
+    cost = _assemble(main, replica, a2a, wdist[0], wdist[1], float(plan_seconds), shape, hardware, relay)
+    cost["xdom_bytes"] = float(crossing * shape.numel * (2 * shape.param_bytes + shape.grad_bytes))
+    return cost
 
 
 def ideal_cost(load: torch.Tensor, shape: ExpertShape, hardware: Hardware) -> dict:
@@ -317,7 +446,9 @@ def ideal_cost(load: torch.Tensor, shape: ExpertShape, hardware: Hardware) -> di
     total = float(load.sum())
     per_instance = torch.full((E // R, R), total / E, dtype=torch.float64)
     main = _compute_seconds(per_instance, shape, hardware).sum(0)
-    sent = float(load.sum(1).max()) * (R - 1) / R
-    received = total / R * (R - 1) / R
-    a2a = max(sent, received) * shape.token_bytes / hardware.link_bytes_per_s
-    return _assemble(main, torch.zeros_like(main), a2a, 0.0, 0.0, 0.0, shape, hardware, True)
+    # Source s spreads its pairs evenly over the R ranks; rank t receives total / R.
+    traffic = load.sum(1).to(torch.float64).unsqueeze(1).expand(R, R) / R
+    a2a = _busiest_link_seconds(traffic, shape.token_bytes, hardware.ranks_per_domain(R), hardware)
+    cost = _assemble(main, torch.zeros_like(main), a2a, 0.0, 0.0, 0.0, shape, hardware, True)
+    cost["xdom_bytes"] = 0.0
+    return cost
