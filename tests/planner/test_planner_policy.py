@@ -52,6 +52,10 @@ def test_names_defaults_and_the_flags_built_from_them():
     ({"eplb_window": 0}, "--moe-balancer-eplb-window"),
     ({"eplb_interval": 0}, "--moe-balancer-eplb-interval"),
     ({"ring_size": 0}, "--moe-balancer-ring-size"),
+    ({"trigger": 0.9}, "--moe-balancer-trigger"),
+    ({"trigger": "1.2"}, "--moe-balancer-trigger"),
+    ({"domain_size": 0}, "--moe-balancer-domain-size"),
+    ({"hardware": "tpu-pod"}, "--moe-balancer-hardware"),
     ({"name": "none", "trace_dir": "/tmp/x"}, "--moe-balancer-trace-dir"),
 ])
 def test_validation_names_the_flag(changes, flag):
@@ -69,6 +73,76 @@ def test_layer_balancer_plans_each_balancer():
     assert torch.equal(ultraep.physical_split, direct.physical_split)
     exact = BalancerConfig("eplb-exact", num_slots=1).build().plan(load)
     assert torch.equal(exact.slot_expert, baselines.eplb_exact(load, 1).slot_expert)
+
+
+def rank_loads_load(rank_loads, experts_per_rank: int = 2) -> torch.Tensor:
+    """An int64 [R, R * G] load whose per-rank loads (experts at home) are ``rank_loads``: each
+    rank's load split over its G experts and over the R source ranks as evenly as integers allow."""
+    R, G = len(rank_loads), experts_per_rank
+    per_expert = torch.tensor([[x // G + (j < x % G) for j in range(G)] for x in rank_loads]).view(-1)
+    load = per_expert.unsqueeze(0) // R + (torch.arange(R).unsqueeze(1) < (per_expert % R).unsqueeze(0))
+    assert load.sum(0).view(R, G).sum(1).tolist() == list(rank_loads)
+    return load.to(torch.int64)
+
+
+def test_trigger_gives_the_identity_plan_below_and_the_usual_plan_above():
+    """An explicit trigger X: loads whose rank imbalance (planner.rank_imbalance) is below X get the
+    identity plan with the same S slots (no replica, so no transfer at all); the others the planner's
+    plan, with the configured floor and domains. eplb-exact ignores it."""
+    config = BalancerConfig("ultraep", num_slots=2, min_quota=4, trigger=1.3, domain_size=2)
+    balancer = config.build()
+    below = rank_loads_load([128, 100, 100, 72])  # max / mean = 1.28
+    above = rank_loads_load([132, 100, 100, 68])  # 1.32
+    assert planner.rank_imbalance(below) < 1.3 <= planner.rank_imbalance(above)
+    assert not balancer.balances(below) and balancer.balances(above)
+    skipped = balancer.plan(below)
+    identity = baselines.identity_plan(below, 2)
+    for name in ("slot_expert", "quota", "physical_split"):
+        assert torch.equal(getattr(skipped, name), getattr(identity, name)), name
+    assert skipped.num_slots == 2 and not bool((skipped.slot_expert >= 0).any())
+    balanced = balancer.plan(above)
+    usual = planner.solve(above, 2, min_quota=4, domain_size=2)
+    for name in ("slot_expert", "quota", "physical_split"):
+        assert torch.equal(getattr(balanced, name), getattr(usual, name)), name
+    assert bool((balanced.slot_expert >= 0).any()), "the load above the trigger is really balanced"
+    assert planner.metrics(above, balanced, domain_size=2)["cross_domain_replicas"] == 0
+    # Not ultraep's: the trigger and the floor are ultraep's knobs.
+    exact = BalancerConfig("eplb-exact", num_slots=2, trigger=1.3).build()
+    assert exact.balances(below) and torch.equal(exact.plan(below).slot_expert, baselines.eplb_exact(below, 2).slot_expert)
+
+
+@pytest.mark.parametrize("min_quota,hardware", [(10, None), (None, None), (None, "h100-hgx")])
+def test_default_trigger_is_the_floor_over_the_mean_rank_load(min_quota, hardware):
+    """By default a load is balanced iff its busiest rank's excess over the mean reaches the quota
+    floor q (given, derived from the hardware, or 1 % of the mean rank load): excess q - 1 is
+    skipped, q is balanced."""
+    from ultraep_megatron.analysis.cost import DEFAULT_SHAPE, hardware_preset, min_quota_from_hardware
+
+    mean = 40_000
+    if min_quota is not None:
+        q = min_quota
+    elif hardware is not None:
+        q = min_quota_from_hardware(DEFAULT_SHAPE, hardware_preset(hardware), training=True)
+        assert q == 833  # 989 TFLOP/s / (3 x 450 GB/s) + 100 GEMM-overhead tokens
+    else:
+        q = planner.default_min_quota(4 * mean, 4)  # 1 % of the mean: 400
+    balancer = BalancerConfig("ultraep", num_slots=2, min_quota=min_quota, hardware=hardware).build()
+    assert balancer.min_quota == (None if min_quota is None and hardware is None else q)
+    for excess, balanced in ((q - 1, False), (q, True)):
+        load = rank_loads_load([mean + excess, mean, mean, mean - excess])
+        assert balancer.balances(load) == balanced, excess
+        plan = balancer.plan(load)
+        assert bool((plan.slot_expert >= 0).any()) == balanced
+    assert not balancer.balances(torch.zeros(4, 8, dtype=torch.int64))  # nothing to balance
+    # trigger 1 balances whatever the load
+    assert BalancerConfig("ultraep", trigger=1.0).build().balances(rank_loads_load([10, 10, 10, 10]))
+
+
+def test_hardware_presets_are_named_in_the_flag_help():
+    from ultraep_megatron.analysis.cost import HARDWARE_PRESETS
+
+    help_text = next(k.help for k in policy.KNOBS if k.field == "hardware")
+    assert all(name in help_text for name in HARDWARE_PRESETS)
 
 
 @pytest.mark.parametrize("window,interval", [(2, 3), (1, 1), (4, 2)])

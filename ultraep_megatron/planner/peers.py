@@ -33,7 +33,12 @@ from .baselines import _check_slots, identity_plan, round_robin_split
 from .plan import Plan, plan_from_split
 
 __all__ = ["Placement", "deepseek_eplb", "llep", "weight_copies", "main_moves",
-           "cross_domain_copies", "placement_metrics", "LABELS"]
+           "cross_domain_copies", "placement_metrics", "LABELS", "LLEP_CAPACITY_FACTOR",
+           "LLEP_MIN_TOKENS_PER_GEMM", "LLEP_TRIGGER"]
+
+#: LLEP's defaults (LeastLoadedEP: ``max_tokens_factor``, ``min_tokens_per_gemm``,
+#: ``MOE_ADAPTIVE_LPT_ROUTING_RATIO``).
+LLEP_CAPACITY_FACTOR, LLEP_MIN_TOKENS_PER_GEMM, LLEP_TRIGGER = 1.1, 1024, 1.3
 
 #: Display labels, with each peer's parameters.
 LABELS = {
@@ -242,8 +247,8 @@ def deepseek_eplb(load: torch.Tensor, num_slots: int, *, num_groups: int | None 
 
 # ---- LLEP --------------------------------------------------------------------------------------
 
-def llep(load: torch.Tensor, *, capacity_factor: float = 1.1, min_tokens_per_gemm: int = 1024,
-         trigger: float | None = 1.3) -> Plan:
+def llep(load: torch.Tensor, *, capacity_factor: float = LLEP_CAPACITY_FACTOR,
+         min_tokens_per_gemm: int = LLEP_MIN_TOKENS_PER_GEMM, trigger: float | None = LLEP_TRIGGER) -> Plan:
     """Least-Loaded Expert Parallelism's plan (LPT with weight spilling) on the exact load.
 
     Args:

@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from . import baselines, solve
+from . import baselines, default_min_quota, rank_imbalance, solve
 from .plan import Plan
 
 __all__ = [
@@ -131,6 +131,23 @@ KNOBS: tuple[Knob, ...] = (
     Knob("min_quota", "--moe-balancer-min-quota", int, None, minimum=1,
          help="ultraep: smallest number of (token, expert) pairs a replica may carry. "
               "Default: 1%% of the mean per-rank load of the microbatch."),
+    Knob("trigger", "--moe-balancer-trigger", float, None, minimum=1.0, metavar="X",
+         help="ultraep: a layer-microbatch whose rank imbalance before balancing (max/mean tokens "
+              "per EP rank, from the exact load) is below X keeps every token at home: no replica, "
+              "no transfer, no re-materialization, no reduction. 1 balances every one. Default: "
+              "1 + min quota / mean rank load of the microbatch, below which even perfect balancing "
+              "saves less than one replica must carry to pay for itself (docs/traces.md)."),
+    Knob("domain_size", "--moe-balancer-domain-size", int, None, minimum=1,
+         help="EP ranks per NVLink (scale-up) domain; consecutive EP ranks form a domain, and it "
+              "must divide the EP size. ultraep hosts a replica only in its expert's home domain, so "
+              "no expert weight or replica gradient crosses a domain (tokens still go anywhere); the "
+              "other balancers place replicas anywhere, and telemetry counts the replicas of any "
+              "balancer that cross a domain. Default: the whole EP group is one domain."),
+    Knob("hardware", "--moe-balancer-hardware", str, None, metavar="NAME",
+         help="ultraep: the GPU system the default --moe-balancer-min-quota (and so the default "
+              "trigger) is derived from: paper-rack (the UltraEP paper's 64-GPU rack) or h100-hgx "
+              "(8 x H100 SXM per NVLink domain); figures and derivation in docs/traces.md. Default: "
+              "none, the min quota is 1%% of the mean rank load."),
     Knob("eplb_window", "--moe-balancer-eplb-window", int, DEFAULT_EPLB_WINDOW, minimum=1,
          help="eplb: microbatches of load history the placement is computed from. "
               "Default: %(default)s."),
@@ -163,7 +180,13 @@ class BalancerConfig:
     Attributes:
         name: a balancer of :data:`BALANCERS`, or :data:`IDEAL` (replay only: no plan).
         num_slots: redundant slots per EP rank.
-        min_quota: ultraep's smallest replica quota (``None``: 1 % of the mean rank load).
+        min_quota: ultraep's smallest replica quota (``None``: derived from ``hardware`` when given,
+            else 1 % of the mean rank load).
+        trigger: ultraep balances a load only if its rank imbalance reaches this (``None``:
+            ``1 + min quota / mean rank load``; see :meth:`LayerBalancer.balances`).
+        domain_size: EP ranks per NVLink domain; ultraep keeps replicas inside their home's domain
+            (``None``: one domain).
+        hardware: a preset of ``analysis.cost.HARDWARE_PRESETS`` the min quota is derived from.
         eplb_window / eplb_interval: eplb's history and re-plan period, in microbatches of a layer.
         ring_size: virtual-layer ring capacity of a training run (``None``: from the schedule).
         trace_dir: where a training run records its loads (``None``: not recorded).
@@ -174,6 +197,9 @@ class BalancerConfig:
     name: str = ULTRAEP
     num_slots: int = DEFAULT_NUM_SLOTS
     min_quota: Optional[int] = None
+    trigger: Optional[float] = None
+    domain_size: Optional[int] = None
+    hardware: Optional[str] = None
     eplb_window: int = DEFAULT_EPLB_WINDOW
     eplb_interval: int = DEFAULT_EPLB_INTERVAL
     ring_size: Optional[int] = None
@@ -192,13 +218,16 @@ class BalancerConfig:
             if knob.type is bool:
                 if not isinstance(value, bool):
                     raise ValueError(f"{knob.flag} is a switch (True or False), got {value!r}")
-            elif knob.type is int:
-                if isinstance(value, bool) or not isinstance(value, int):
-                    raise ValueError(f"{knob.flag} must be an integer, got {value!r}")
-                if knob.minimum is not None and value < knob.minimum:
+            elif knob.type in (int, float):
+                if isinstance(value, bool) or not isinstance(value, (int, float) if knob.type is float else int):
+                    raise ValueError(f"{knob.flag} must be {'a number' if knob.type is float else 'an integer'}, "
+                                     f"got {value!r}")
+                if knob.minimum is not None and not value >= knob.minimum:
                     raise ValueError(f"{knob.flag} must be >= {knob.minimum}, got {value}")
             elif not isinstance(value, knob.type):
                 raise ValueError(f"{knob.flag} must be a {knob.type.__name__}, got {value!r}")
+        if self.hardware is not None:
+            _hardware_min_quota(self.hardware)  # an unknown name fails here, naming the flag
         if self.trace_dir and self.name in (NONE, IDEAL):
             raise ValueError("--moe-balancer-trace-dir records the load the balanced dispatcher "
                              f"gathers: use it with --moe-balancer {', '.join(sorted(EXACT_LOAD | {EPLB}))} "
@@ -220,26 +249,59 @@ class BalancerConfig:
         return LayerBalancer(self)
 
 
+def _hardware_min_quota(name: str) -> int:
+    """The training quota floor derived from hardware preset ``name`` (``analysis.cost``; the floor
+    does not depend on the expert's size)."""
+    from ultraep_megatron.analysis.cost import DEFAULT_SHAPE, hardware_preset, min_quota_from_hardware
+
+    return min_quota_from_hardware(DEFAULT_SHAPE, hardware_preset(name), training=True)
+
+
 class LayerBalancer:
     """One MoE layer's balancing loop: each microbatch's exact load ``[R, E]`` -> a ``Plan``.
 
-    Deterministic: every EP rank feeding the same loads gets the same plans. ``eplb`` keeps this
-    layer's load history: its placement is computed from the last ``eplb_window`` loads (the
-    current one on the first call) and refreshed every ``eplb_interval`` calls; the current load
+    Deterministic: every EP rank feeding the same loads gets the same plans. ``ultraep`` solves only
+    loads that reach its trigger (:meth:`balances`); the others get the identity plan. ``eplb``
+    keeps this layer's load history: its placement is computed from the last ``eplb_window`` loads
+    (the current one on the first call) and refreshed every ``eplb_interval`` calls; the current load
     goes round-robin over the placement's instances.
     """
 
     def __init__(self, config: BalancerConfig):
         self.config = config
+        # ultraep's quota floor: given, derived from the hardware, or None (1 % of each load).
+        self.min_quota = (config.min_quota if config.min_quota is not None or config.hardware is None
+                          else _hardware_min_quota(config.hardware))
         self._history: list[torch.Tensor] = []
         self._placement: Optional[torch.Tensor] = None  # eplb: slot_expert [R, S] in force
         self._calls = 0
 
+    def balances(self, load: torch.Tensor) -> bool:
+        """Whether ``load`` (int64 [R, E]) is balanced at all (always, except for ultraep below its
+        trigger). With an explicit trigger X: ``planner.rank_imbalance(load) >= X``. By default the
+        busiest rank's excess over the mean must reach the min quota q, ``max - mean >= q``, i.e. the
+        imbalance reaches ``1 + q / mean``: below it, bringing every rank to the mean moves fewer
+        tokens off the busiest rank than one replica must carry to pay for itself, so no plan can
+        pay. Host arithmetic on the exact load: the same answer on every EP rank."""
+        cfg = self.config
+        if cfg.name != ULTRAEP:
+            return True
+        if cfg.trigger is not None:
+            return rank_imbalance(load) >= cfg.trigger
+        R, E = load.shape
+        rank_load = load.numpy().sum(0).reshape(R, E // R).sum(1)
+        total = int(rank_load.sum())
+        q = self.min_quota if self.min_quota is not None else default_min_quota(total, R)
+        return total > 0 and R * int(rank_load.max()) - total >= R * q
+
     def plan(self, load: torch.Tensor) -> Optional[Plan]:
-        """load: int64 [R, E] -> Plan; ``None`` for the ideal (the router spreads the tokens)."""
+        """load: int64 [R, E] host tensor -> Plan; ``None`` for the ideal (the router spreads the
+        tokens)."""
         cfg = self.config
         if cfg.name == ULTRAEP:
-            return solve(load, cfg.num_slots, min_quota=cfg.min_quota)
+            if not self.balances(load):
+                return baselines.identity_plan(load, cfg.num_slots)
+            return solve(load, cfg.num_slots, min_quota=self.min_quota, domain_size=cfg.domain_size)
         if cfg.name == EPLB_EXACT:
             return baselines.eplb_exact(load, cfg.num_slots)
         if cfg.name == NONE:
@@ -256,7 +318,8 @@ class LayerBalancer:
 
 
 def add_balancer_arguments(parser, *, runtime: bool = True, balancer_flag: bool = True,
-                           types: Optional[Mapping[str, Callable[[str], Any]]] = None) -> None:
+                           types: Optional[Mapping[str, Callable[[str], Any]]] = None,
+                           only: Optional[tuple[str, ...]] = None) -> None:
     """Add ``--moe-balancer`` and the knobs' flags to ``parser`` (a parser or argument group).
 
     Args:
@@ -264,13 +327,14 @@ def add_balancer_arguments(parser, *, runtime: bool = True, balancer_flag: bool 
         balancer_flag: add ``--moe-balancer`` itself (Megatron's parser; ``ultraep replay``
             compares several balancers instead).
         types: per knob field, a replacement argparse type (e.g. a quota that may be ``hw``).
+        only: add just these knobs (fields), e.g. the hardware for a tool that sweeps the others.
     """
     if balancer_flag:
         parser.add_argument("--moe-balancer", type=str, default=NONE, choices=list(MOE_BALANCERS),
                             help="Expert-load balancer for the MoE layers (training is mathematically "
                                  "unchanged). " + " ".join(f'"{n}": {d}.' for n, d in BALANCERS.items()))
     for knob in KNOBS:
-        if knob.runtime_only and not runtime:
+        if (knob.runtime_only and not runtime) or (only is not None and knob.field not in only):
             continue
         if knob.action is not None:
             parser.add_argument(knob.flag, action=knob.action, dest=knob.dest, help=knob.help)
