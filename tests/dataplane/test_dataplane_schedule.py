@@ -204,3 +204,26 @@ def test_relay_never_raises_max_send_volume_on_skewed_loads(source):
     assert configs == 18  # (R, E) pairs with E divisible by R: 6, times 3 slot counts
     # Skewed loads give hot experts many replicas: relay must actually help on most configs.
     assert improved >= configs // 2, f"relay lowered the max on only {improved}/{configs} configs"
+
+
+@pytest.mark.parametrize("relay", ["off", "adaptive", "always"])
+def test_relay_trees_of_domain_constrained_plans_stay_inside_domains(relay):
+    """``solve(..., domain_size=N)`` keeps every replica in its expert's home domain; the schedule
+    then keeps every edge, relay hops included, inside a domain: a relay is a replica host of the
+    same expert. Negative control: the same loads planned over one domain need cross-domain edges."""
+    from ultraep_megatron.planner import solve
+
+    inside_edges = relayed = crossing_without_domains = 0
+    for R, E, N in ((16, 64, 4), (32, 128, 8), (64, 256, 8), (64, 256, 16)):
+        loads = zipf_loads(R, E, exponent=1.4, seed=R + N)
+        for S in (2, 4):
+            plan = solve(loads, S, domain_size=N, min_quota=1)
+            sched = build_schedule(plan.slot_expert, E, 100, relay=relay, relay_threshold=2)
+            _check_tree_structure(sched, plan.slot_expert, E)
+            assert torch.equal(sched.edge_src // N, sched.edge_dst // N), (R, N, S)
+            inside_edges += sched.num_edges
+            relayed += int(sched.relayed_experts.numel())
+            free = build_schedule(solve(loads, S, min_quota=1).slot_expert, E, 100, relay=relay, relay_threshold=2)
+            crossing_without_domains += int((free.edge_src // N != free.edge_dst // N).sum())
+    assert inside_edges > 0 and crossing_without_domains > 0
+    assert (relayed > 0) == (relay != "off"), "relay trees must really be built inside the domains"

@@ -275,6 +275,15 @@ def test_advise_slots_rule():
         advise_slots(rows, memory_budget_bytes=-1)
 
 
+def test_advise_slots_picks_the_trigger_with_the_floor():
+    rows = [_row(0, 1.0), {**_row(1, 1.5, quota=64), "trigger": 1.3}, {**_row(1, 1.5, quota=64), "trigger": None},
+            {**_row(2, 1.7, quota=64), "trigger": 1.1}, {**_row(2, 1.6, quota=64), "trigger": None}]
+    advice = advise_slots(rows, tolerance=0.0)
+    # 2 slots win with trigger 1.1; at 1 slot the tie goes to the default trigger.
+    assert (advice["num_slots"], advice["min_quota"], advice["trigger"]) == (2, 64, 1.1)
+    assert advice["best_per_slots"][1]["trigger"] is None
+
+
 def test_shape_from_meta():
     shape, source = cm.ExpertShape.from_meta({"hidden_size": 64, "moe_ffn_hidden_size": 32, "swiglu": False})
     assert (shape.hidden_size, shape.ffn_hidden_size, shape.gated, source) == (64, 32, False, "trace meta")

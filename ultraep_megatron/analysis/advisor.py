@@ -1,8 +1,9 @@
-"""The slot advisor: how many redundant slots (and which quota floor) a model's routing needs.
+"""The slot advisor: how many redundant slots, which quota floor and which trigger a model's routing
+needs.
 
-Replays a trace through ``ultraep`` for every (slots, quota floor) pair and picks the smallest slot
-count past which extra slots stop paying, by the cost model's ESTIMATE (CRAFT's benefit per replica,
-applied to real-time balancing). No Megatron import.
+Replays a trace through ``ultraep`` for every (slots, quota floor, trigger) combination and picks the
+smallest slot count past which extra slots stop paying, by the cost model's ESTIMATE (CRAFT's benefit
+per replica, applied to real-time balancing). No Megatron import.
 """
 
 from __future__ import annotations
@@ -19,23 +20,28 @@ __all__ = ["advise_slots", "slot_sweep"]
 
 
 def slot_sweep(records: Iterable, slots: Sequence[int], min_quotas: Sequence[Optional[int]],
-               shape: ExpertShape, hardware: Hardware, *, relay: bool = True, include_eplb_exact: bool = False,
+               shape: ExpertShape, hardware: Hardware, *, triggers: Sequence[Optional[float]] = (None,),
+               domain_size: Optional[int] = None, relay: bool = True, include_eplb_exact: bool = False,
                num_layers: Optional[int] = None, plan_seconds: Optional[float] = None,
                progress: Optional[Callable[[int], None]] = None) -> tuple[list[dict], ReplayResult]:
-    """Balance and estimated speedup of ultraep as a function of redundant slots and quota floor.
+    """Balance and estimated speedup of ultraep as a function of redundant slots, quota floor and
+    trigger.
 
     Args:
         records: replay records (see :func:`replay`), read once.
         slots: redundant slots per rank to try (e.g. 0, 1, 2, 4).
         min_quotas: quota floors to try (None: the planner's 1 % default).
+        triggers: triggers to try (None: the default, ``1 + floor / mean rank load``).
+        domain_size: ultraep keeps replicas inside NVLink domains of this many EP ranks.
         include_eplb_exact: also sweep EPLB's rule on the exact load, for comparison.
         num_layers: MoE layers of the model, for the per-layer-replica memory column (default:
             the layers seen in the trace).
 
     Returns:
-        (rows, replay result). One row per (balancer, slots, min_quota): ``balancer``, ``label`` (its
-        label in the result), ``num_slots``, ``min_quota``, ``imbalance_mean``/``_p95``,
-        ``replicas_mean``, ``fanout_max``, ``inflight_mean``, ``speedup_vs_none``, ``frac_ideal``,
+        (rows, replay result). One row per (balancer, slots, min_quota, trigger): ``balancer``,
+        ``label`` (its label in the result), ``num_slots``, ``min_quota``, ``trigger``,
+        ``imbalance_mean``/``_p95``, ``replicas_mean``, ``fanout_max``, ``inflight_mean``,
+        ``balanced_share`` (loads the trigger let through), ``speedup_vs_none``, ``frac_ideal``,
         ``speedup_vs_none_excl_plan``, ``total_ms``, ``memory_bytes`` (shared slots, per rank) and
         ``memory_bytes_per_layer_layout``.
     """
@@ -43,7 +49,9 @@ def slot_sweep(records: Iterable, slots: Sequence[int], min_quotas: Sequence[Opt
     balancers = {policy.NONE: BalancerConfig(policy.NONE), policy.IDEAL: BalancerConfig(policy.IDEAL)}
     for s in slots:
         for q in dict.fromkeys(min_quotas):
-            balancers[f"{policy.ULTRAEP}/S={s}/q={q}"] = BalancerConfig(policy.ULTRAEP, num_slots=s, min_quota=q)
+            for t in dict.fromkeys(triggers):
+                balancers[f"{policy.ULTRAEP}/S={s}/q={q}/t={t}"] = BalancerConfig(
+                    policy.ULTRAEP, num_slots=s, min_quota=q, trigger=t, domain_size=domain_size)
         if include_eplb_exact:
             balancers[f"{policy.EPLB_EXACT}/S={s}"] = BalancerConfig(policy.EPLB_EXACT, num_slots=s)
     result = replay(records, balancers, shape=shape, hardware=hardware, relay=relay,
@@ -57,6 +65,7 @@ def slot_sweep(records: Iterable, slots: Sequence[int], min_quotas: Sequence[Opt
         s = config.num_slots
         rows.append({
             "balancer": config.name, "label": label, "num_slots": s, "min_quota": config.min_quota,
+            "trigger": config.trigger, "balanced_share": float(result.metrics[label]["balanced"].mean()),
             "imbalance_mean": m["imbalance_mean"], "imbalance_p95": m["imbalance_p95"],
             "replicas_mean": m["replicas_mean"], "fanout_max": m["fanout_max"], "inflight_mean": m["inflight_mean"],
             "speedup_vs_none": c["speedup_vs_none"], "frac_ideal": c["frac_ideal"], "total_ms": c["total_ms"],
@@ -69,28 +78,31 @@ def slot_sweep(records: Iterable, slots: Sequence[int], min_quotas: Sequence[Opt
 
 def advise_slots(rows: Sequence[dict], *, tolerance: float = 0.01, min_gain_per_slot: float = 0.005,
                  memory_budget_bytes: Optional[int] = None) -> dict:
-    """Pick redundant slots and a quota floor from :func:`slot_sweep` rows (ultraep rows only).
+    """Pick redundant slots, a quota floor and a trigger from :func:`slot_sweep` rows (ultraep rows
+    only).
 
-    For every slot count the best quota floor (highest estimated speedup; ties: the larger floor,
-    fewer replicas) is kept. Walking slot counts upward, a slot count is taken while each added slot
+    For every slot count the best (floor, trigger) pair (highest estimated speedup; ties: the larger
+    floor, fewer replicas, then the default trigger, then the larger one, fewer transfers) is kept. Walking slot counts upward, a slot count is taken while each added slot
     still buys at least ``min_gain_per_slot`` of speedup per slot (CRAFT's benefit per replica,
     diminishing returns); among those, the smallest one within ``tolerance`` of the best speedup is
     recommended. Slot counts over ``memory_budget_bytes`` are skipped.
 
     Returns:
-        {``num_slots``, ``min_quota``, ``row`` (the chosen row), ``best_per_slots`` (slot count ->
+        {``num_slots``, ``min_quota``, ``trigger``, ``row`` (the chosen row), ``best_per_slots`` (slot count ->
         row), ``benefit_per_slot`` (slot count -> speedup gained per slot over 0 slots), ``reason``}.
     """
     candidates = [r for r in rows if r["balancer"] == policy.ULTRAEP
                   and (memory_budget_bytes is None or r["memory_bytes"] <= memory_budget_bytes)]
     if not candidates:
         raise ValueError("no ultraep row fits (check slots and the memory budget)")
+    def rank(r):  # speedup, then the larger floor, then the default trigger, then the larger one
+        q, t = r["min_quota"], r.get("trigger")
+        return (r["speedup_vs_none"], -1 if q is None else q, t is None, -1.0 if t is None else t)
+
     best: dict[int, dict] = {}
     for r in candidates:
         cur = best.get(r["num_slots"])
-        q = r["min_quota"] if r["min_quota"] is not None else -1
-        if cur is None or (r["speedup_vs_none"], q) > (cur["speedup_vs_none"],
-                                                      cur["min_quota"] if cur["min_quota"] is not None else -1):
+        if cur is None or rank(r) > rank(cur):
             best[r["num_slots"]] = r
     order = sorted(best)
     base = best[order[0]]["speedup_vs_none"] if order[0] == 0 else 1.0
@@ -107,5 +119,6 @@ def advise_slots(rows: Sequence[dict], *, tolerance: float = 0.01, min_gain_per_
     reason = (f"{chosen} slot(s) reach {row['speedup_vs_none']:.3f}x estimated speedup over none "
               f"({row['frac_ideal']:.1%} of ideal), within {tolerance:.0%} of the best worthwhile "
               f"({top:.3f}x); more slots gain < {min_gain_per_slot:.3f}x each")
-    return {"num_slots": chosen, "min_quota": row["min_quota"], "row": row, "best_per_slots": best,
+    return {"num_slots": chosen, "min_quota": row["min_quota"], "trigger": row.get("trigger"), "row": row,
+            "best_per_slots": best,
             "benefit_per_slot": benefit, "reason": reason}

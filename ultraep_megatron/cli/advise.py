@@ -1,12 +1,14 @@
-"""ultraep advise: how many redundant slots (and which quota floor) does UltraEP need on my
-model's routing?
+"""ultraep advise: how many redundant slots, which quota floor and which trigger does UltraEP need
+on my model's routing?
 
-Replays the trace through ultraep for every (slots, min quota) pair and prints the balance, the
-ESTIMATED speedup over no balancing and the memory each choice costs, then recommends the smallest
-slot count past which extra slots stop paying (CRAFT's benefit per replica, applied to real-time
-balancing). It also derives the quota floor from the hardware: a replica pays only if the tokens it
-takes off the busiest rank cost more compute time than moving the expert's weights (HarMoEny's
-threshold). The recommendation is printed as the --moe-balancer-* flags to train with.
+Replays the trace through ultraep for every (slots, min quota, trigger) combination and prints the
+balance, the ESTIMATED speedup over no balancing and the memory each choice costs, then recommends
+the smallest slot count past which extra slots stop paying (CRAFT's benefit per replica, applied to
+real-time balancing). It also derives the quota floor from the hardware: a replica pays only if the
+tokens it takes off the busiest rank save more compute time than moving the expert's weights and
+running a GEMM of its own cost (HarMoEny's threshold plus the GEMM's small-M overhead); by default the
+trigger follows from the floor (a load is balanced only if its busiest rank's excess reaches it).
+The recommendation is printed as the --moe-balancer-* flags to train with.
 """
 
 from __future__ import annotations
@@ -21,17 +23,33 @@ from . import common
 from .common import ESTIMATE, fmt, format_table
 from .replay import resolve_min_quota, save_figure
 
-SUMMARY = "recommend --moe-balancer-num-slots and --moe-balancer-min-quota for a routing trace"
+SUMMARY = ("recommend --moe-balancer-num-slots, --moe-balancer-min-quota and --moe-balancer-trigger for a "
+           "routing trace")
 EXAMPLES = """examples:
   ultraep advise runs/kjv/trace
   ultraep advise TRACE --slots 0,1,2,4 --min-quotas default,hw,256 --memory-budget-gb 2
   ultraep advise TRACE --load-scale 16 --hidden-size 7168 --moe-ffn-hidden-size 2048 --json
+  ultraep advise TRACE --moe-balancer-hardware h100-hgx --triggers default,1.0,1.3
 """
 
 
 def quota_list(text: str) -> list:
     """'default,hw,256' -> [None, 'hw', 256]."""
     return [None if x.strip() == "default" else common.min_quota_arg(x.strip()) for x in text.split(",") if x.strip()]
+
+
+def trigger_list(text: str) -> list:
+    """'default,1.0,1.3' -> [None, 1.0, 1.3] (rank imbalances >= 1)."""
+    out = []
+    for x in (x.strip() for x in text.split(",") if x.strip()):
+        try:
+            value = None if x == "default" else float(x)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected 'default' or a number >= 1, got {x!r}") from None
+        if value is not None and not value >= 1:
+            raise argparse.ArgumentTypeError(f"a trigger is a rank imbalance >= 1, got {x}")
+        out.append(value)
+    return out
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -44,6 +62,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     sweep.add_argument("--min-quotas", type=quota_list, default=[None, "hw"], metavar="Q,Q",
                        help="quota floors to try: 'default' (1%% of the mean rank load), 'hw' (from the "
                             "hardware), or tokens (default: default,hw)")
+    sweep.add_argument("--triggers", type=trigger_list, default=[None], metavar="X,X",
+                       help="triggers to try: 'default' (1 + floor / mean rank load of each load) or rank "
+                            "imbalances, 1 = always balance (default: default)")
     sweep.add_argument("--eplb-exact", action="store_true", help="also sweep EPLB's rule on the exact load")
     sweep.add_argument("--inference", action="store_true",
                        help="derive the hardware quota floor for inference/prefill (forward only)")
@@ -56,6 +77,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     rec.add_argument("--num-moe-layers", type=int, default=None,
                      help="MoE layers of the model, for the per-layer-replica memory column (default: as traced)")
     common.add_model_hardware_args(parser)
+    topology = parser.add_argument_group("training settings (as in training)")
+    policy.add_balancer_arguments(topology, runtime=False, balancer_flag=False, only=("hardware", "domain_size"))
     common.add_output_args(parser, files="advisor.png, advise.json and advise.csv")
     parser.set_defaults(run=run)
     return parser
@@ -81,7 +104,8 @@ def run(args) -> int:
     progress = common.progress_for(args, "advise", records)
     try:
         rows, result = advisor.slot_sweep(
-            records, args.slots, quotas, shape, hardware, relay=not args.no_relay, include_eplb_exact=args.eplb_exact,
+            records, args.slots, quotas, shape, hardware, triggers=args.triggers,
+            domain_size=args.moe_balancer_domain_size, relay=not args.no_relay, include_eplb_exact=args.eplb_exact,
             num_layers=args.num_moe_layers, plan_seconds=common.plan_seconds(args), progress=progress)
     finally:
         progress.close()
@@ -102,13 +126,14 @@ def run(args) -> int:
         "hardware": dict(hardware.__dict__), "training": training,
         "hardware_min_quota": hw_quota, "expert_transfer_us": transfer_us, "pair_compute_ns": per_token_ns,
         "mean_rank_load": float(result.metrics[policy.IDEAL]["lower_bound"].mean()),
+        "gemm_overhead_tokens": hardware.gemm_overhead_tokens,
         "rows": rows,
         "recommendation": None if advice is None else {k: v for k, v in advice.items() if k != "best_per_slots"},
         "no_recommendation": problem,
     }
     if advice is not None:
-        chosen = {r["num_slots"]: r["label"] for r in rows
-                  if r["balancer"] == policy.ULTRAEP and r["min_quota"] == advice["min_quota"]}
+        chosen = {r["num_slots"]: r["label"] for r in rows if r["balancer"] == policy.ULTRAEP
+                  and (r["min_quota"], r["trigger"]) == (advice["min_quota"], advice["trigger"])}
         report["per_layer_imbalance"] = {}
         for layer in result.layers:
             per = rp.metric_summary(result, result.keys["layer"] == layer)
@@ -116,7 +141,10 @@ def run(args) -> int:
                 "none": per[policy.NONE]["imbalance_mean"],
                 "by_slots": {s: per[label]["imbalance_mean"] for s, label in sorted(chosen.items())}}
         report["flags"] = (f"--moe-balancer {policy.ULTRAEP} --moe-balancer-num-slots {advice['num_slots']}"
-                           + (f" --moe-balancer-min-quota {advice['min_quota']}" if advice["min_quota"] is not None else ""))
+                           + (f" --moe-balancer-min-quota {advice['min_quota']}" if advice["min_quota"] is not None else "")
+                           + (f" --moe-balancer-trigger {advice['trigger']:g}" if advice["trigger"] is not None else "")
+                           + (f" --moe-balancer-domain-size {args.moe_balancer_domain_size}"
+                              if args.moe_balancer_domain_size is not None else ""))
     if output_dir is not None:
         written = [common.write_csv(output_dir / "advise.csv", rows)]
         if advice is not None:
@@ -142,28 +170,36 @@ def render(report: dict) -> str:
             f"{hw['scale_up_gbps']:g} GB/s: {report['expert_transfer_us']:.2f} us",
             f"  one (token, expert) pair of compute at {hw['peak_tflops']:g} TFLOP/s: {report['pair_compute_ns']:.3f} ns "
             "forward" + (f", x{k} with backward" if k > 1 else ""),
+            f"  one expert GEMM's fixed cost: {report['gemm_overhead_tokens']:g} tokens' worth (small-M efficiency)",
             f"  => a replica pays from q = ceil({report['expert_transfer_us']:.2f} us / ({k} x "
-            f"{report['pair_compute_ns']:.3f} ns)) = {hw_quota} tokens"]
+            f"{report['pair_compute_ns']:.3f} ns) + {report['gemm_overhead_tokens']:g}) = {hw_quota} tokens"]
     mean_load = report["mean_rank_load"]
     out.append(f"  the traced mean rank load is {mean_load:.0f} tokens per microbatch: q = {hw_quota} is "
                f"{hw_quota / max(mean_load, 1):.1%} of it (the planner default is 1%)"
                + (" — replicas will rarely pay at this load; try --load-scale to project a larger microbatch"
                   if hw_quota > 0.25 * mean_load else ""))
+    out.append(f"  trigger (default): a load is balanced only if its busiest rank's excess over the mean reaches the "
+               f"floor q, i.e. from rank imbalance 1 + q / mean rank load: {1 + hw_quota / max(mean_load, 1):.3f} with "
+               f"q = {hw_quota} at the traced mean load")
     table = []
     for r in report["rows"]:
+        ultraep = r["balancer"] == policy.ULTRAEP
         table.append([r["balancer"], r["num_slots"],
-                      quota_label(r["min_quota"], hw_quota) if r["balancer"] == policy.ULTRAEP else "-",
+                      quota_label(r["min_quota"], hw_quota) if ultraep else "-",
+                      (fmt(r["trigger"], "g") if r["trigger"] is not None else "default") if ultraep else "-",
+                      fmt(r["balanced_share"], ".0%"),
                       fmt(r["imbalance_mean"]), fmt(r["imbalance_p95"]), fmt(r["replicas_mean"], ".1f"),
                       fmt(r["fanout_max"], ".0f"), fmt(r["inflight_mean"], ".0%"),
                       fmt(r["speedup_vs_none"], ".3f") + "x", fmt(r["frac_ideal"], ".1%"),
                       fmt(r["speedup_vs_none_excl_plan"], ".3f") + "x",
                       f"{r['memory_bytes'] / 2**20:.0f}", f"{r['memory_bytes_per_layer_layout'] / 2**20:.0f}"])
     out += ["", format_table(
-        ["balancer", "slots", "min quota", "imb mean", "imb p95", "replicas", "fan max", "in-flight",
+        ["balancer", "slots", "min quota", "trigger", "balanced", "imb mean", "imb p95", "replicas", "fan max",
+         "in-flight",
          "speedup", "of ideal", "speedup*", "MiB/rank", "MiB/rank per-layer"], table,
         title=f"Sweep over {report['num_records']} loads (speedup, of ideal: ESTIMATE from the cost model; * = "
-              "without the plan term; MiB/rank: weights + fp32 grads of the slots, shared across layers as "
-              "UltraEP does, vs one set per MoE layer)")]
+              "without the plan term; balanced: loads the trigger let through; MiB/rank: weights + fp32 grads of "
+              "the slots, shared across layers as UltraEP does, vs one set per MoE layer)")]
     advice = report["recommendation"]
     if advice is None:
         out += ["", f"no recommendation: {report['no_recommendation']}"]
@@ -174,12 +210,14 @@ def render(report: dict) -> str:
                              [[layer, fmt(v["none"])] + [fmt(v["by_slots"][s]) for s in slots]
                               for layer, v in per_layer.items()],
                              title=f"Per-layer imbalance (mean) vs slots, ultraep q="
-                                   f"{quota_label(advice['min_quota'], hw_quota)}")]
+                                   f"{quota_label(advice['min_quota'], hw_quota)}, trigger "
+                                   f"{'default' if advice['trigger'] is None else format(advice['trigger'], 'g')}")]
     row = advice["row"]
     out += ["", f"Recommendation ({ESTIMATE}): {report['flags']}",
             f"  {advice['reason']}",
             f"  imbalance {row['imbalance_mean']:.3f} (p95 {row['imbalance_p95']:.3f}), {row['replicas_mean']:.1f} "
-            f"replicas per layer and microbatch, {row['memory_bytes'] / 2**20:.0f} MiB per rank",
+            f"replicas per layer and microbatch, balanced on {row['balanced_share']:.0%} of the loads, "
+            f"{row['memory_bytes'] / 2**20:.0f} MiB per rank",
             "  benefit per slot (speedup gained per slot over no replicas): "
             + ", ".join(f"S={s}: {b:+.3f}x" for s, b in advice["benefit_per_slot"].items())]
     if report.get("files"):
@@ -196,8 +234,9 @@ def plot_advisor(rows: list[dict], hw_quota: int, plot_dir: Path, recommendation
     fig, (ax_imb, ax_speed) = plt.subplots(1, 2, figsize=(11, 4))
     series: dict[str, list[dict]] = {}
     for r in rows:
-        label = (f"ultraep q={quota_label(r['min_quota'], hw_quota)}" if r["balancer"] == policy.ULTRAEP
-                 else r["balancer"])
+        label = (f"ultraep q={quota_label(r['min_quota'], hw_quota)}"
+                 + (f" t={r['trigger']:g}" if r.get("trigger") is not None else "")
+                 if r["balancer"] == policy.ULTRAEP else r["balancer"])
         series.setdefault(label, []).append(r)
     for label, rs in series.items():
         rs = sorted(rs, key=lambda r: r["num_slots"])

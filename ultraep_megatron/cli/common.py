@@ -177,19 +177,30 @@ def add_model_hardware_args(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--param-bytes", type=int, default=None, help="bytes per weight moved to replicas (2)")
     model.add_argument("--grad-bytes", type=int, default=None, help="bytes per gradient reduced (4, fp32)")
     model.add_argument("--activation-bytes", type=int, default=None, help="bytes per token element on the wire (2)")
-    hw = parser.add_argument_group("hardware (default: the UltraEP paper's rack, Table 2)")
-    hw.add_argument("--scale-up-bandwidth", type=positive_float, default=900.0, metavar="GBPS",
-                    help="GB/s per GPU (%(default)s)")
-    hw.add_argument("--peak-tflops", type=positive_float, default=2250.0, metavar="TFLOPS",
-                    help="bf16 TFLOP/s per GPU (%(default)s)")
-    hw.add_argument("--hbm-bandwidth", type=positive_float, default=8.0, metavar="TBPS",
-                    help="TB/s per GPU (%(default)s)")
-    hw.add_argument("--compute-efficiency", type=float, default=1.0, help="achieved fraction of peak FLOP/s")
-    hw.add_argument("--comm-efficiency", type=float, default=1.0, help="achieved fraction of scale-up bandwidth")
+    hw = parser.add_argument_group(
+        "hardware (default: --moe-balancer-hardware's preset, else the UltraEP paper's rack, Table 2; "
+        "each flag given overrides it)")
+    hw.add_argument("--scale-up-bandwidth", type=positive_float, default=None, metavar="GBPS",
+                    help="GB/s per GPU (900)")
+    hw.add_argument("--peak-tflops", type=positive_float, default=None, metavar="TFLOPS",
+                    help="bf16 TFLOP/s per GPU (2250)")
+    hw.add_argument("--hbm-bandwidth", type=positive_float, default=None, metavar="TBPS",
+                    help="TB/s per GPU (8)")
+    hw.add_argument("--compute-efficiency", type=float, default=None, help="achieved fraction of peak FLOP/s (1)")
+    hw.add_argument("--comm-efficiency", type=float, default=None, help="achieved fraction of scale-up bandwidth (1)")
+    hw.add_argument("--scale-up-domain", type=int, default=None, metavar="N",
+                    help="GPUs per scale-up (NVLink) domain, as consecutive EP ranks: traffic between domains "
+                         "moves at --inter-domain-bandwidth (default: the preset's, else "
+                         "--moe-balancer-domain-size where given, else the whole EP group)")
+    hw.add_argument("--inter-domain-bandwidth", type=positive_float, default=None, metavar="GBPS",
+                    help="GB/s per GPU between scale-up domains (50: 400 Gb/s)")
+    hw.add_argument("--gemm-overhead-tokens", type=float, default=None, metavar="M0",
+                    help="fixed cost of one expert GEMM in tokens: M tokens run at M / (M + M0) of the "
+                         "plateau rate (100, from DeepGEMM's published grouped GEMMs; docs/traces.md)")
     hw.add_argument("--plan-time-us", type=float, default=None,
                     help="charge this plan time (us) to the exact-load balancers instead of the time measured "
                          "here (the planner runs on this host's CPU; the paper's GPU solver takes ~111 us)")
-    hw.add_argument("--transfer-overlap", type=fraction, default=1.0, metavar="F",
+    hw.add_argument("--transfer-overlap", type=fraction, default=None, metavar="F",
                     help="fraction of its overlap window a replica transfer hides: 1 (default) is the "
                          "runtime's schedule on a GPU, transfers on their own stream next to the token "
                          "all-to-all and expert compute; 0 serializes them (--moe-balancer-no-overlap)")
@@ -197,17 +208,34 @@ def add_model_hardware_args(parser: argparse.ArgumentParser) -> None:
                     help="charge weight distribution without relay trees (both are always reported)")
 
 
+#: Hardware flags (argparse dest) -> the Hardware field they override.
+HARDWARE_FLAGS = {"scale_up_bandwidth": "scale_up_gbps", "peak_tflops": "peak_tflops",
+                  "hbm_bandwidth": "hbm_tbps", "compute_efficiency": "compute_efficiency",
+                  "comm_efficiency": "comm_efficiency", "transfer_overlap": "transfer_overlap",
+                  "scale_up_domain": "scale_up_domain", "inter_domain_bandwidth": "inter_domain_gbps",
+                  "gemm_overhead_tokens": "gemm_overhead_tokens"}
+
+
 def shape_and_hardware(args, meta: dict):
-    """(ExpertShape, where h and f came from, Hardware) from the flags and the trace's meta."""
-    from ultraep_megatron.analysis.cost import ExpertShape, Hardware
+    """(ExpertShape, where h and f came from, Hardware) from the flags and the trace's meta. The
+    hardware is ``--moe-balancer-hardware``'s preset (else the paper's rack) with the hardware flags
+    given on top; without a scale-up domain of its own it takes ``--moe-balancer-domain-size``."""
+    import dataclasses
+
+    from ultraep_megatron.analysis.cost import ExpertShape, Hardware, hardware_preset
 
     try:
         shape, source = ExpertShape.from_meta(
             meta, hidden_size=args.hidden_size, ffn_hidden_size=args.moe_ffn_hidden_size, gated=args.swiglu,
             param_bytes=args.param_bytes, grad_bytes=args.grad_bytes, activation_bytes=args.activation_bytes)
-        hardware = Hardware(scale_up_gbps=args.scale_up_bandwidth, peak_tflops=args.peak_tflops,
-                            hbm_tbps=args.hbm_bandwidth, compute_efficiency=args.compute_efficiency,
-                            comm_efficiency=args.comm_efficiency, transfer_overlap=args.transfer_overlap)
+        preset = getattr(args, "moe_balancer_hardware", None)
+        hardware = hardware_preset(preset) if preset else Hardware()
+        given = {field: getattr(args, flag) for flag, field in HARDWARE_FLAGS.items()
+                 if getattr(args, flag, None) is not None}
+        domain = getattr(args, "moe_balancer_domain_size", None)
+        if "scale_up_domain" not in given and not preset and domain is not None:
+            given["scale_up_domain"] = domain
+        hardware = dataclasses.replace(hardware, **given)
     except ValueError as exc:
         raise CliError(str(exc)) from None
     return shape, source, hardware

@@ -4,19 +4,23 @@ Replays a routing trace (the project's --moe-balancer-trace-dir or Megatron's ow
 --moe-routing-trace-path) through each balancer and prints, per layer and overall, what the
 router sent and what every balancer makes of it: imbalance (max/mean tokens per EP rank),
 replicas, fan-out, in-flight ratio; how EPLB degrades as its history goes stale (the paper's
-Fig. 6); and an ESTIMATE of per-layer forward/backward time from the cost model, as a fraction of
-the force-balanced ideal and as speedup over no balancing.
+Fig. 6); an ESTIMATE of per-layer forward/backward time from the cost model, as a fraction of
+the force-balanced ideal and as speedup over no balancing; and the peer table: every balancer next
+to DeepSeek's re-placing EPLB and LLEP, with the weight copies each implies (main-expert moves
+included), fan-out, what crosses an NVLink domain, the memory spread and the estimated time.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
 
+from ultraep_megatron import planner
 from ultraep_megatron.planner import policy
 from ultraep_megatron.planner.policy import BalancerConfig
 
@@ -29,6 +33,8 @@ EXAMPLES = """examples:
   ultraep replay runs/tiny/megatron_trace --run-args runs/tiny/log.txt   # Megatron's --moe-routing-trace-path
   ultraep replay TRACE --balancers none,ultraep --moe-balancer-num-slots 1 --json > replay.json
   ultraep replay TRACE --output-dir plots                 # PNG plots, replay.json, replay_per_layer.csv
+  ultraep replay TRACE --moe-balancer-domain-size 8       # ultraep's replicas inside 8-rank NVLink domains
+  ultraep replay TRACE --moe-balancer-hardware h100-hgx   # cost model, floor and trigger for 8 x H100 nodes
 """
 
 
@@ -43,6 +49,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     group.add_argument("--staleness-window", type=int, default=None, metavar="N",
                        help="history window of the sweep (default: = interval)")
     group.add_argument("--no-staleness", action="store_true", help="skip the staleness sweep")
+    add_peer_args(parser)
     common.add_model_hardware_args(parser)
     out = common.add_output_args(parser, files="PNG plots, replay.json and replay_per_layer.csv")
     out.add_argument("--no-cost", action="store_true", help="balancing metrics only, no time estimate")
@@ -63,16 +70,42 @@ def add_balancer_args(parser: argparse.ArgumentParser) -> None:
                                   types={"min_quota": common.min_quota_arg})
 
 
-def resolve_min_quota(value, shape, hardware, *, training: bool = True) -> Optional[int]:
-    """A ``--moe-balancer-min-quota`` value: 'hw' derives it from the hardware."""
+def add_peer_args(parser: argparse.ArgumentParser) -> None:
+    from ultraep_megatron.analysis.replay import PEERS
+    from ultraep_megatron.planner import peers
+
+    group = parser.add_argument_group(
+        "peers", "Replayed next to the balancers, re-implemented from their public code "
+        "(ultraep_megatron/planner/peers.py): " + " ".join(f'"{n}": {peers.LABELS[n]}.' for n in PEERS)
+        + " With several NVLink domains (--scale-up-domain, --moe-balancer-domain-size) deepseek-eplb also "
+          "runs its hierarchical policy, nodes = domains.")
+    group.add_argument("--peers", type=common.name_list(PEERS), default=list(PEERS), metavar="P,P",
+                       help=f"peers to replay (default: {','.join(PEERS)})")
+    group.add_argument("--no-peers", action="store_true", help="no peer table")
+    group.add_argument("--llep-capacity-factor", type=common.positive_float, default=peers.LLEP_CAPACITY_FACTOR,
+                       metavar="ALPHA", help="LLEP's capacity factor alpha (%(default)s)")
+    group.add_argument("--llep-min-tokens-per-gemm", type=int, default=peers.LLEP_MIN_TOKENS_PER_GEMM,
+                       metavar="M", help="LLEP's minimum tokens per GEMM m (%(default)s; not a hard floor)")
+    group.add_argument("--llep-trigger", type=float, default=peers.LLEP_TRIGGER, metavar="LAMBDA",
+                       help="LLEP's trigger lambda: loads below this rank imbalance stay unbalanced "
+                            "(%(default)s; 0: always balance)")
+
+
+def resolve_min_quota(value, shape, hardware, *, training: bool = True, from_hardware: bool = False) -> Optional[int]:
+    """A ``--moe-balancer-min-quota`` value: 'hw' (or, with ``from_hardware``, no value: a
+    ``--moe-balancer-hardware`` run's default) derives it from the hardware."""
     from ultraep_megatron.analysis.cost import min_quota_from_hardware
 
-    return min_quota_from_hardware(shape, hardware, training=training) if value == "hw" else value
+    if value == "hw" or (value is None and from_hardware):
+        return min_quota_from_hardware(shape, hardware, training=training)
+    return value
 
 
 def balancer_configs(args, min_quota: Optional[int]) -> tuple[dict, dict]:
-    """(the compared balancers, the extra EPLB configurations of the staleness sweep), label -> config."""
+    """(the compared balancers, the extra EPLB configurations of the staleness sweep), label -> config.
+    ultraep's floor is resolved here (``min_quota``), from the hardware the cost model uses."""
     base = BalancerConfig(policy.ULTRAEP, num_slots=args.moe_balancer_num_slots, min_quota=min_quota,
+                          trigger=args.moe_balancer_trigger, domain_size=args.moe_balancer_domain_size,
                           eplb_window=args.moe_balancer_eplb_window, eplb_interval=args.moe_balancer_eplb_interval)
     main = {name: base.replace(name=name) for name in args.balancers}
     sweep = {}
@@ -91,12 +124,21 @@ def run(args) -> int:
     output_dir = common.prepare_output_dir(args.output_dir)
     records = common.open_records(args)
     shape, source, hardware = common.shape_and_hardware(args, records.meta)
-    min_quota = resolve_min_quota(args.moe_balancer_min_quota, shape, hardware)
+    min_quota = resolve_min_quota(args.moe_balancer_min_quota, shape, hardware,
+                                  from_hardware=args.moe_balancer_hardware is not None)
     main, sweep = balancer_configs(args, min_quota)
+    try:
+        N = hardware.ranks_per_domain(records.num_ranks)
+        if args.moe_balancer_domain_size is not None:
+            N = min(N, planner.validate_domain_size(args.moe_balancer_domain_size, records.num_ranks))
+    except ValueError as exc:
+        raise common.CliError(str(exc)) from None
+    peer_configs = peer_configs_from_args(args, N < records.num_ranks and N)
     with_cost = not args.no_cost
     progress = common.progress_for(args, "replay", records)
     try:
-        result = rp.replay(records, {**main, **sweep}, shape=shape if with_cost else None,
+        result = rp.replay(records, {**main, **sweep}, peers=peer_configs, domain_size=N,
+                           shape=shape if with_cost else None,
                            hardware=hardware if with_cost else None, relay=not args.no_relay,
                            keep_loads=output_dir is not None, plan_seconds=common.plan_seconds(args),
                            progress=progress)
@@ -112,13 +154,35 @@ def run(args) -> int:
     return common.EXIT_OK
 
 
+def peer_configs_from_args(args, node_size) -> list:
+    """The peers to replay: each ``--peers`` one, and DeepSeek's hierarchical policy over NVLink
+    domains of ``node_size`` ranks when there are several."""
+    from ultraep_megatron.analysis.replay import DEEPSEEK_EPLB, PeerConfig
+
+    if args.no_peers:
+        return []
+    out = []
+    for name in args.peers:
+        config = PeerConfig(name, num_slots=args.moe_balancer_num_slots,
+                            capacity_factor=args.llep_capacity_factor,
+                            min_tokens_per_gemm=args.llep_min_tokens_per_gemm,
+                            imbalance_trigger=args.llep_trigger if args.llep_trigger > 0 else None)
+        out.append(config)
+        if name == DEEPSEEK_EPLB and node_size:
+            out.append(dataclasses.replace(config, node_size=node_size))
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # Report
 # ---------------------------------------------------------------------------------------------
 
 def build_report(result, labels: Sequence[str], args, min_quota, shape, source, hardware, records) -> dict:
-    """Everything the replay found, JSON-ready."""
+    """Everything the replay found, JSON-ready (the peers in ``peer_table``)."""
     from ultraep_megatron.analysis import replay as rp
+
+    def balancers_only(summary: dict) -> dict:
+        return {label: row for label, row in summary.items() if label in result.balancers}
 
     per_layer_mask = {layer: result.keys["layer"] == layer for layer in result.layers}
     report = {
@@ -131,14 +195,20 @@ def build_report(result, labels: Sequence[str], args, min_quota, shape, source, 
         "min_quota": min_quota,
         "load": rp.load_summary(result),
         "load_per_layer": {layer: rp.load_summary(result, m) for layer, m in per_layer_mask.items()},
-        "quality": rp.metric_summary(result),
-        "quality_per_layer": {layer: rp.metric_summary(result, m) for layer, m in per_layer_mask.items()},
+        "quality": balancers_only(rp.metric_summary(result)),
+        "quality_per_layer": {layer: balancers_only(rp.metric_summary(result, m)) for layer, m in per_layer_mask.items()},
         "staleness": [r for r in rp.staleness_summary(result) if r["label"] not in labels],
+        "ranks_per_domain": result.ranks_per_domain,
+        "peer_labels": {**{label: display_label(result.balancers[label]) for label in labels},
+                        **{label: label for label in result.peers}},
+        "peer_table": {label: row for label, row in rp.peer_summary(result).items()
+                       if label in labels or label in result.peers},
     }
     if result.costs is not None:
         report["estimate_note"] = "cost figures are estimates from ultraep_megatron.analysis.cost, not measurements"
-        report["estimated_cost"] = rp.cost_summary(result)
-        report["estimated_cost_per_layer"] = {layer: rp.cost_summary(result, m) for layer, m in per_layer_mask.items()}
+        report["estimated_cost"] = balancers_only(rp.cost_summary(result))
+        report["estimated_cost_per_layer"] = {layer: balancers_only(rp.cost_summary(result, m))
+                                              for layer, m in per_layer_mask.items()}
         report["shape"] = {"hidden_size": shape.hidden_size, "ffn_hidden_size": shape.ffn_hidden_size,
                            "gated": shape.gated, "weight_bytes": shape.weight_bytes, "source": source}
         report["hardware"] = dict(hardware.__dict__)
@@ -164,6 +234,8 @@ def render(report: dict, result, labels: Sequence[str]) -> str:
         out += ["", staleness_table(report, labels)]
     if "estimated_cost" in report:
         out += ["", cost_tables(report, labels)]
+    if report["peer_table"]:
+        out += ["", peer_table(report)]
     if report.get("files"):
         out += ["", "wrote: " + ", ".join(str(p) for p in report["files"])]
     return "\n".join(out)
@@ -207,6 +279,45 @@ def quality_tables(report: dict, labels: Sequence[str]) -> str:
                             title="Per layer: imbalance mean/max, and for replicating balancers r=replicas (mean), "
                                   "f=max fan-out, i=in-flight ratio"))
     return "\n\n".join(out)
+
+
+def display_label(config: BalancerConfig) -> str:
+    """A balancer's label in comparisons (``policy.LABELS``), with its NVLink domain."""
+    label = policy.LABELS.get(config.name, config.name)
+    if config.name == policy.ULTRAEP and config.domain_size is not None:
+        label += f" (replicas in domains of {config.domain_size})"
+    return label
+
+
+def peer_table(report: dict) -> str:
+    """The balancers and the peers side by side."""
+    N, R = report["ranks_per_domain"], report["num_ranks"]
+    with_cost = "estimated_cost" in report
+    rows = []
+    for label, s in report["peer_table"].items():
+        row = [report["peer_labels"][label], fmt(s["imbalance_mean"]), fmt(s["imbalance_max"]),
+               fmt(s["weight_copies_mean"], ".1f"), fmt(s["main_moves_mean"], ".1f"), fmt(s["fanout_max"], ".0f"),
+               fmt(s["cross_domain_copies_mean"], ".1f")]
+        if with_cost:
+            row.append(fmt(s["xdom_mib_mean"], ".1f"))
+        row += [f"{s['memory_spread_after_mean']:.3f}/{s['memory_spread_after_max']:.3f}", fmt(s["balanced_share"], ".0%")]
+        if with_cost:
+            row += [fmt(s["total_excl_plan_ms"]), fmt(s.get("speedup_vs_none_excl_plan"), ".3f") + "x"]
+        rows.append(row)
+    headers = ["balancer", "imb mean", "imb max", "copies", "main moves", "fan max", "xdom copies"]
+    headers += ["xdom MiB"] if with_cost else []
+    headers += ["mem spread mean/max", "balanced"]
+    headers += ["est. ms*", "vs none*"] if with_cost else []
+    domains = f"NVLink domains of {N} ranks" if N is not None and N < R else "one NVLink domain"
+    title = (f"Peers (imbalance after = max/mean per-rank load; copies = expert weights sent per load, main-expert "
+             f"moves included; fan max = most ranks holding one expert; xdom = copies landing outside their "
+             f"home's domain ({domains})"
+             + (", and the replica weight + gradient MiB crossing one per invocation" if with_cost else "")
+             + "; mem spread = max/mean (token, expert) rows received per rank, the expert activations; "
+               "balanced = loads balanced at all"
+             + (f"; {ESTIMATE}: ms per layer invocation and speedup over none without plan time" if with_cost else "")
+             + ")")
+    return format_table(headers, rows, title=title)
 
 
 def staleness_table(report: dict, labels: Sequence[str]) -> str:
