@@ -6,7 +6,7 @@ training test starts from (any checkpoint will do there; launches are the suite'
 
 import pytest
 
-from megatron_runs import uninterrupted_and_resumed
+from megatron_runs import FINETUNE_ITERS, run_pretrain, tiny_moe_args, uninterrupted_and_resumed
 
 
 @pytest.fixture(scope="session")
@@ -21,3 +21,25 @@ def distributed_adam_resume_runs(tmp_path_factory):
     """Same with megatron's distributed optimizer around torch Adam."""
     root = tmp_path_factory.mktemp("resume_distributed_adam")
     return (root, *uninterrupted_and_resumed(root, ["--use-distributed-optimizer"]))
+
+
+@pytest.fixture(scope="session")
+def finetune_runs(adam_resume_runs):
+    """``get(name, nproc, ep, extra=())`` -> the --metrics-jsonl records of the tiny model trained
+    ``FINETUNE_ITERS`` iterations from the resume test's checkpoint (its weights only: fresh
+    optimizer and RNG, iteration 0) on ``nproc`` ranks at EP size ``ep``, with ``extra`` flags;
+    each name launched once per session (the EP-equivalence and domain tests share their ``none``
+    runs). The run's directory is ``<checkpoint's root>/<name>``."""
+    checkpoint = adam_resume_runs[0] / "ckpt"
+    done = {}
+
+    def get(name, nproc, ep, extra=()):
+        if name not in done:
+            records = run_pretrain(checkpoint.parent / name, nproc, [
+                *tiny_moe_args(ep=ep, train_iters=FINETUNE_ITERS), "--load", str(checkpoint), "--finetune",
+                *extra])
+            assert [r["iteration"] for r in records] == list(range(1, FINETUNE_ITERS + 1))
+            done[name] = records
+        return done[name]
+
+    return get

@@ -61,6 +61,9 @@ def run_pretrain(run_dir: str | Path, nproc: int, args: Sequence[str], *,
     return read_metrics(metrics)
 
 
+#: Iterations of the runs that start from the resume test's checkpoint (conftest.finetune_runs).
+FINETUNE_ITERS = 4
+
 RESUME_TRAIN_ITERS, RESUME_SAVE_AT = 4, 2
 RESUME_NPROC, RESUME_EP = 2, 2
 # Every data-parallel rank draws its own dropout masks, and its RNG state is saved and restored

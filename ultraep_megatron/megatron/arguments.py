@@ -75,6 +75,9 @@ def validate_ultraep_args(args: argparse.Namespace) -> None:
     if args.num_experts % ep:
         fail(f"--num-experts {args.num_experts} is not divisible by "
              f"--expert-model-parallel-size {ep}")
+    if config.domain_size is not None and ep % config.domain_size:
+        fail(f"--moe-balancer-domain-size {config.domain_size} must divide --expert-model-parallel-size "
+             f"{ep} (it counts the EP ranks of one NVLink domain)")
     for message in unsupported_moe_settings(args):
         fail(message)
 

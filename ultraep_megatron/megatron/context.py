@@ -125,20 +125,25 @@ def plan_invocation(plan: planner.Plan, load: torch.Tensor, ep_rank: int, *, lay
 
 
 class BalancerStats:
-    """Observer: per-layer balancing figures (``planner.metrics`` on each plan, plus plan time),
-    averaged over the microbatches since the last :meth:`pop`."""
+    """Observer: per-layer balancing figures (``planner.metrics`` on each plan, with the model's
+    NVLink domains; whether the load reached the balancer's trigger; plan time), averaged over the
+    microbatches since the last :meth:`pop`."""
 
-    METRICS = ("imbalance_before", "imbalance_after", "replicas", "max_fanout", "inflight_ratio")
+    METRICS = ("imbalance_before", "imbalance_after", "replicas", "max_fanout", "inflight_ratio",
+               "cross_domain_replicas", "memory_spread_before", "memory_spread_after")
 
     def __init__(self):
         self._sums: Dict[int, Dict[str, float]] = {}
 
     def on_invocation(self, layer, invocation: Invocation, training: bool) -> None:
-        m = planner.metrics(invocation.load, invocation.plan)
+        balancer = layer.balancer
+        m = planner.metrics(invocation.load, invocation.plan, domain_size=balancer.config.domain_size)
         entry = self._sums.setdefault(invocation.layer_number, {"count": 0})
         entry["count"] += 1
         for key in self.METRICS:
             entry[key] = entry.get(key, 0.0) + float(m[key])
+        # Share of the microbatches balanced at all (ultraep's trigger skips the others).
+        entry["balanced_fraction"] = entry.get("balanced_fraction", 0.0) + float(balancer.balances(invocation.load))
         entry["plan_ms"] = entry.get("plan_ms", 0.0) + invocation.plan_seconds * 1e3
 
     def pop(self) -> Dict[int, Dict[str, float]]:
@@ -180,9 +185,14 @@ class TraceRecorder:
         group = layer.token_dispatcher.ep_group
         first_global_rank = dist.get_global_rank(group, 0) if dist.is_initialized() else 0
         cfg = layer.config
+        config = self.balancer_config
         meta = {
-            "balancer": self.balancer_config.name,
-            "num_slots": self.balancer_config.num_slots,
+            "balancer": config.name,
+            "num_slots": config.num_slots,
+            "min_quota": config.min_quota,
+            "trigger": config.trigger,
+            "domain_size": config.domain_size,
+            "hardware": config.hardware,
             "hidden_size": cfg.hidden_size,
             "moe_ffn_hidden_size": cfg.moe_ffn_hidden_size,
             "swiglu": bool(cfg.gated_linear_unit),

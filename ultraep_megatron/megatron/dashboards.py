@@ -2,11 +2,16 @@
 
 Telemetry (``telemetry.py``) already writes one scalar per MoE layer and iteration to Megatron's
 tensorboard and wandb writers (``moe/load_imbalance/layer_NN`` and, for balanced runs,
-``ultraep/{imbalance_before,imbalance_after,replicas,max_fanout,inflight_ratio,plan_ms}/layer_NN``;
-wandb groups them by the metric path). On the last rank, after those, :class:`Dashboard` adds:
+``ultraep/<metric>/layer_NN`` for every ``telemetry.BALANCER_METRICS``: imbalance before/after,
+replicas, fan-out, in-flight ratio, plan time, the share of microbatches balanced at all
+(``balanced_fraction``, below 1 when ``--moe-balancer-trigger`` skips some), replicas crossing an
+NVLink domain, and the memory spread before/after (max/mean of the rows each rank receives, i.e. its
+expert activations); wandb groups them by the metric path). On the last rank, after those,
+:class:`Dashboard` adds:
 
 * ``ultraep/summary/imbalance_{before,after}_{mean,max}``: the same figures over all MoE layers,
-  one line each instead of one per layer;
+  one line each instead of one per layer; ``memory_spread_{before,after}_max`` (the activation peak
+  of the worst layer, paper Fig. 14) and ``balanced_fraction_mean``;
 * an imbalance heatmap, MoE layer x iteration, before and after balancing (matplotlib), logged
   to wandb as the image ``ultraep/imbalance_heatmap`` and written next to the checkpoint
   (``<--save>/ultraep_imbalance_iter_NNNNNNN.png`` with its data in ``.npz``) whenever Megatron
@@ -204,6 +209,11 @@ class Dashboard:
             if after is not None:
                 scalars[f"{SUMMARY_PREFIX}/imbalance_after_mean"], \
                     scalars[f"{SUMMARY_PREFIX}/imbalance_after_max"] = layer_summary(after)
+                for metric, statistic in (("memory_spread_before", 1), ("memory_spread_after", 1),
+                                          ("balanced_fraction", 0)):
+                    name = f"{SUMMARY_PREFIX}/{metric}_{('mean', 'max')[statistic]}"
+                    scalars[name] = layer_summary({layer: float(v[metric])
+                                                   for layer, v in balancer_stats.items()})[statistic]
             log_scalars(scalars, iteration, writer, wandb_writer)
         if len(self.history) and self.heatmap_due(iteration):
             self._guarded(self.write_heatmap, iteration, wandb_writer)

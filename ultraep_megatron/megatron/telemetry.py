@@ -126,7 +126,8 @@ class ExpertLoadTracker:
 #: Per-layer balancing figures the balanced MoE layers record (``context.BalancerStats``),
 #: logged as ``ultraep/<name>/layer_NN``.
 BALANCER_METRICS = ("imbalance_before", "imbalance_after", "replicas", "max_fanout",
-                    "inflight_ratio", "plan_ms")
+                    "inflight_ratio", "plan_ms", "balanced_fraction", "cross_domain_replicas",
+                    "memory_spread_before", "memory_spread_after")
 
 
 def reduce_balancer_stats(balancing, num_layers: int, dst_rank: int) -> dict[int, dict[str, float]] | None:

@@ -53,7 +53,9 @@ def rank_inputs(rank: int, microbatch: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def build_layer(ep_size: int, balancer: str | None, num_slots: int, recompute: bool,
-                dispatcher: str = "alltoall", grouped: bool = False):
+                dispatcher: str = "alltoall", grouped: bool = False, balancer_config=None):
+    """megatron's MoELayer (``balancer`` None) or a BalancedMoELayer with ``balancer_config`` (by
+    default ``balancer`` with ``num_slots`` slots and a floor of 1)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -86,8 +88,8 @@ def build_layer(ep_size: int, balancer: str | None, num_slots: int, recompute: b
     if balancer is not None:
         builder = functools.partial(
             BalancedMoELayer, submodules=builder.keywords["submodules"],
-            balancing=BalancingContext(BalancerConfig(name=balancer, num_slots=num_slots, min_quota=1,
-                                                      eplb_window=2, eplb_interval=2, ring_size=4)),
+            balancing=BalancingContext(balancer_config or BalancerConfig(
+                name=balancer, num_slots=num_slots, min_quota=1, eplb_window=2, eplb_interval=2, ring_size=4)),
         )
     layer = builder(config=config, pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
                     is_mtp_layer=False)
