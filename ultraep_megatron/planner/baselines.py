@@ -37,18 +37,19 @@ def identity_plan(load: torch.Tensor, num_slots: int = 0) -> Plan:
     """
     R, E = validate_load(load)
     _check_slots(num_slots)
-    if bool((load < 0).any()):
+    array = load.detach().cpu().numpy()  # numpy: the runtime's skip path (trigger) runs it per layer
+    if (array < 0).any():
         raise ValueError("load has negative entries")
     G, P = E // R, E // R + num_slots
-    device = load.device
-    experts = torch.arange(E, device=device)
-    home = experts // G
-    quota = torch.zeros((E, R), dtype=torch.int64, device=device)
-    quota[experts, home] = load.sum(0)
-    physical = torch.zeros((R, R * P), dtype=torch.int64, device=device)
-    physical[:, home * P + experts % G] = load
-    slot_expert = torch.full((R, num_slots), -1, dtype=torch.int64, device=device)
-    return Plan(slot_expert, quota, physical, int(quota.sum(0).max()))
+    experts = np.arange(E)
+    quota = np.zeros((E, R), dtype=np.int64)
+    quota[experts, experts // G] = array.sum(0)
+    physical = np.zeros((R, R, P), dtype=np.int64)  # [source, rank, physical slot]
+    physical[:, :, :G] = array.reshape(R, R, G)
+    physical = physical.reshape(R, R * P)
+    slot_expert = np.full((R, num_slots), -1, dtype=np.int64)
+    plan = [torch.from_numpy(x).to(load.device) for x in (slot_expert, quota, physical)]
+    return Plan(*plan, int(quota.sum(0).max()))
 
 
 def eplb_slots(expert_load: torch.Tensor, num_ranks: int, num_slots: int) -> torch.Tensor:

@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from . import baselines, default_min_quota, rank_imbalance, solve
+from . import baselines, default_min_quota, solve
 from .plan import Plan
 
 __all__ = [
@@ -286,11 +286,11 @@ class LayerBalancer:
         cfg = self.config
         if cfg.name != ULTRAEP:
             return True
-        if cfg.trigger is not None:
-            return rank_imbalance(load) >= cfg.trigger
         R, E = load.shape
-        rank_load = load.numpy().sum(0).reshape(R, E // R).sum(1)
+        rank_load = load.numpy().sum(0).reshape(R, E // R).sum(1)  # numpy: microseconds, per layer
         total = int(rank_load.sum())
+        if cfg.trigger is not None:  # planner.rank_imbalance, in the same float64 operations
+            return bool((rank_load.max() / rank_load.mean() if total else 1.0) >= cfg.trigger)
         q = self.min_quota if self.min_quota is not None else default_min_quota(total, R)
         return total > 0 and R * int(rank_load.max()) - total >= R * q
 
