@@ -6,7 +6,7 @@ training test starts from (any checkpoint will do there; launches are the suite'
 
 import pytest
 
-from megatron_runs import uninterrupted_and_resumed
+from megatron_runs import make_initial_checkpoint, uninterrupted_and_resumed
 
 
 @pytest.fixture(scope="session")
@@ -21,3 +21,12 @@ def distributed_adam_resume_runs(tmp_path_factory):
     """Same with megatron's distributed optimizer around torch Adam."""
     root = tmp_path_factory.mktemp("resume_distributed_adam")
     return (root, *uninterrupted_and_resumed(root, ["--use-distributed-optimizer"]))
+
+
+@pytest.fixture(scope="session")
+def initial_checkpoint(tmp_path_factory):
+    """The recipe-feature model's initial state (megatron_runs.make_initial_checkpoint): the
+    equivalence tests start every layout from it; launched without the CPU flags, it also shows
+    pretrain_gpt.py applying them."""
+    root = tmp_path_factory.mktemp("initial_checkpoint")
+    return root / "ckpt", make_initial_checkpoint(root)

@@ -39,6 +39,7 @@ from megatron.core.transformer.moe.token_dispatcher import (
 from ultraep_megatron import planner
 from ultraep_megatron.megatron.arguments import unsupported_moe_settings
 from ultraep_megatron.megatron.expert_slots import expert_param_names, expert_params, run_replica_experts
+from ultraep_megatron.megatron.layer_spec import moe_layer_id
 from ultraep_megatron.megatron.runtime import BalancerConfig, InvocationState, get_runtime
 
 
@@ -368,6 +369,13 @@ class BalancedMoELayer(MoELayer):
         # Built now, not at the first forward: by then the training loop has hung process-group
         # handles on the config, which the experts' constructor cannot deep-copy.
         get_runtime().replica_experts(self)
+
+    def set_layer_number(self, layer_number: int) -> None:
+        """Megatron's numbering for the router; ``layer_number`` here is the balancer's layer id
+        (:func:`~ultraep_megatron.megatron.layer_spec.moe_layer_id`: MTP layers after the
+        decoder), by which the ring, telemetry and traces tell layers apart."""
+        super().set_layer_number(layer_number)
+        self.layer_number = moe_layer_id(self.router)
 
     def main_expert_param_lists(self) -> List[List[torch.Tensor]]:
         """``[local expert][k]`` parameters, ``k`` in ``expert_param_shapes`` order."""

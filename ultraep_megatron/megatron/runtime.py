@@ -174,9 +174,10 @@ class Runtime:
             state.vid = ring.acquire(layer.layer_number, state)
             if not grad_enabled:  # checkpointed forward: replayed in the backward
                 ring.park_for_recompute(layer.layer_number, state.vid)
-        self._record(layer, load, plan, plan_time)
-        if training and layer.balancer_config.trace_dir:
-            self._trace_append(layer, load)
+        if training:  # evaluation is balanced too, but only training is logged and traced
+            self._record(layer, load, plan, plan_time)
+            if layer.balancer_config.trace_dir:
+                self._trace_append(layer, load)
         return state
 
     # -- load traces -----------------------------------------------------------------------------
@@ -202,7 +203,8 @@ class Runtime:
                 "moe_ffn_hidden_size": cfg.moe_ffn_hidden_size,
                 "swiglu": bool(cfg.gated_linear_unit),
                 "topk": cfg.moe_router_topk,
-                "num_layers": cfg.num_layers,
+                "num_layers": cfg.num_layers,  # MTP layers have ids num_layers + 1, ...
+                "mtp_num_layers": cfg.mtp_num_layers or 0,
                 "first_global_rank": group_id,
             }
             path = trace_path(layer.balancer_config.trace_dir, group_id)
