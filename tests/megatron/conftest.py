@@ -2,6 +2,7 @@
 
 The uninterrupted run of the resume test also provides the checkpoint the EP-equivalence
 training test starts from (any checkpoint will do there; launches are the suite's main cost).
+The initial checkpoint of the recipe-feature model is the balanced-training tests' common start.
 """
 
 import pytest

@@ -2,6 +2,8 @@
 
 A tiny fp32 MoE GPT (2 layers, hidden 64, 8 experts, top-2, seq 32) that trains an iteration in
 well under a second per rank; tests pass parallel sizes, checkpoint and dropout flags on top.
+``recipe_moe_args`` adds what the rack-scale recipes use (4 layers, MTP, DeepSeek-V3 routing, ...);
+``launch_dump_run`` runs it through workers/pretrain_grad_dump.py (gradients, evaluations, faults).
 
 Usage::
 
