@@ -125,8 +125,9 @@ def plan_invocation(plan: planner.Plan, load: torch.Tensor, ep_rank: int, *, lay
 
 
 class BalancerStats:
-    """Observer: per-layer balancing figures (``planner.metrics`` on each plan, plus plan time),
-    averaged over the microbatches since the last :meth:`pop`."""
+    """Observer: per-layer balancing figures (``planner.metrics`` on each plan, plus plan time) of the
+    training invocations, averaged over the microbatches since the last :meth:`pop`. Evaluation is
+    balanced too, but does not mix into the training iteration's figures."""
 
     METRICS = ("imbalance_before", "imbalance_after", "replicas", "max_fanout", "inflight_ratio")
 
@@ -134,6 +135,8 @@ class BalancerStats:
         self._sums: Dict[int, Dict[str, float]] = {}
 
     def on_invocation(self, layer, invocation: Invocation, training: bool) -> None:
+        if not training:
+            return
         m = planner.metrics(invocation.load, invocation.plan)
         entry = self._sums.setdefault(invocation.layer_number, {"count": 0})
         entry["count"] += 1
@@ -187,7 +190,8 @@ class TraceRecorder:
             "moe_ffn_hidden_size": cfg.moe_ffn_hidden_size,
             "swiglu": bool(cfg.gated_linear_unit),
             "topk": cfg.moe_router_topk,
-            "num_layers": cfg.num_layers,
+            "num_layers": cfg.num_layers,  # MTP layers have ids num_layers + 1, ...
+            "mtp_num_layers": cfg.mtp_num_layers or 0,
             "first_global_rank": first_global_rank,
         }
         path = trace_path(self.trace_dir, first_global_rank)
