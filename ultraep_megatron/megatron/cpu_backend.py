@@ -119,7 +119,7 @@ def is_active() -> bool:
 _CPU = torch.device("cpu")
 
 
-def _is_cuda_device(device: Any) -> bool:
+def is_cuda_device(device: Any) -> bool:
     """True for 'cuda', 'cuda:N', torch.device('cuda', N) and a bare device index N."""
     if isinstance(device, torch.device):
         return device.type == "cuda"
@@ -148,7 +148,7 @@ class _CudaAsCpuMode(TorchFunctionMode):
             return self._backward(*_tensor_backward_to_autograd(*args, **kwargs))
         if func is torch.autograd.backward:
             return self._backward(*args, **kwargs)
-        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+        if "device" in kwargs and is_cuda_device(kwargs["device"]):
             kwargs = {**kwargs, "device": _CPU}
         if kwargs.get("pin_memory"):
             # Pinning needs a CUDA driver; pageable CPU memory is what a CPU run uses anyway.
@@ -157,7 +157,7 @@ class _CudaAsCpuMode(TorchFunctionMode):
             return args[0]
         if func is torch.Tensor.pin_memory:
             return args[0]
-        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+        if func is torch.Tensor.to and len(args) > 1 and is_cuda_device(args[1]):
             args = (args[0], _CPU) + tuple(args[2:])
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             # Megatron's optimizers and grad clipping dispatch on 'torch.cuda.*Tensor' names.
