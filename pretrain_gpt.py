@@ -6,7 +6,8 @@ megatron-core's wheel has no ``pretrain_gpt.py``; this is ours, on the 0.19 trai
 ``ultraep telemetry`` groups (see ``ultraep_megatron/megatron/arguments.py``).
 
 Without a CUDA device the CPU backend (``ultraep_megatron.megatron.cpu_backend``) runs the
-same loop on CPU processes over gloo; pass its ``REQUIRED_ARGS``. See recipes/tiny_cpu.sh.
+same loop on CPU processes over gloo; the flags it needs (``cpu_backend.CPU_FLAGS``) are applied
+when missing, with a log line, and refused when given otherwise. See recipes/tiny_cpu.sh.
 
     torchrun --nproc-per-node 4 pretrain_gpt.py --mock-data --tokenizer-type NullTokenizer ...
 """
@@ -45,9 +46,9 @@ from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_l
 
 from ultraep_megatron.megatron import telemetry
 from ultraep_megatron.megatron.arguments import (
-    add_ultraep_args, balancing_context_from_args, validate_ultraep_args,
+    add_ultraep_args, balancing_context_from_args, startup_checks_or_exit,
 )
-from ultraep_megatron.megatron.layer_spec import moe_balanced_layer_spec
+from ultraep_megatron.megatron.layer_spec import balance_moe_layers
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
 
@@ -158,14 +159,16 @@ def report_peak_memory() -> None:
 
 
 def main() -> None:
+    # UltraEP's checks (and the CPU flags) first: one line on rank 0, before Megatron's
+    # validation prints the arguments, wandb starts or the model is built.
+    sys.argv[1:] = startup_checks_or_exit(sys.argv[1:])
     args = parse_and_validate_args(extra_args_provider=add_ultraep_args,
                                    args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
-    validate_ultraep_args(args)
     model_cfg = gpt_config_from_args(args)
     # The model's balancing context (None for --moe-balancer none), handed to its balanced MoE
-    # layers through Megatron's default layer spec.
+    # layers through Megatron's default layer spec (decoder and MTP block).
     balancing = balancing_context_from_args(args)
-    model_cfg.transformer_layer_spec = partial(moe_balanced_layer_spec, balancing=balancing)
+    balance_moe_layers(model_cfg, balancing)
     telemetry.install(model_cfg, args, balancing)
     pretrain(
         pretrain_cfg_container_from_args(args, model_cfg),

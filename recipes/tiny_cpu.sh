@@ -29,7 +29,8 @@ DISTRIBUTED_ARGS=(
     --nproc-per-node "$NPROC"
 )
 
-# What a CPU run needs (see ultraep_megatron/megatron/cpu_backend.py REQUIRED_ARGS).
+# What a CPU run needs (ultraep_megatron/megatron/cpu_backend.py CPU_FLAGS; pretrain_gpt.py adds
+# missing ones itself, with a log line).
 CPU_ARGS=(
     --distributed-backend gloo
     --transformer-impl local

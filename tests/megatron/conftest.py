@@ -2,11 +2,14 @@
 
 The uninterrupted run of the resume test also provides the checkpoint the EP-equivalence
 training test starts from (any checkpoint will do there; launches are the suite's main cost).
+The initial checkpoint of the recipe-feature model is the balanced-training tests' common start.
 """
 
 import pytest
 
-from megatron_runs import FINETUNE_ITERS, run_pretrain, tiny_moe_args, uninterrupted_and_resumed
+from megatron_runs import (
+    FINETUNE_ITERS, make_initial_checkpoint, run_pretrain, tiny_moe_args, uninterrupted_and_resumed,
+)
 
 
 @pytest.fixture(scope="session")
@@ -43,3 +46,12 @@ def finetune_runs(adam_resume_runs):
         return done[name]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def initial_checkpoint(tmp_path_factory):
+    """The recipe-feature model's initial state (megatron_runs.make_initial_checkpoint): the
+    equivalence tests start every layout from it; launched without the CPU flags, it also shows
+    pretrain_gpt.py applying them."""
+    root = tmp_path_factory.mktemp("initial_checkpoint")
+    return root / "ckpt", make_initial_checkpoint(root)

@@ -46,14 +46,6 @@ _IN_PLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itrue
 _CUDA_SYNCS = (("Event", "synchronize"), ("Stream", "synchronize"))
 
 
-def _is_cuda_request(device) -> bool:
-    if isinstance(device, torch.device):
-        return device.type == "cuda"
-    if isinstance(device, str):
-        return device.split(":", 1)[0] == "cuda"
-    return isinstance(device, int) and not isinstance(device, bool)
-
-
 class DeviceReadCounter(TorchFunctionMode):
     """A torch function mode that counts host reads of (modelled) device tensors; see the module
     docstring. Use it around the code to measure, after :func:`install_sync_counting`::
@@ -117,7 +109,7 @@ class DeviceReadCounter(TorchFunctionMode):
             for t in outputs:
                 self._pinned[t] = True
         device_output = (from_device and func not in _SYNC_READS and not (func is torch.Tensor.to and _to_host(args, kwargs))) \
-            or _is_cuda_request(kwargs.get("device")) or upload
+            or cpu_backend.is_cuda_device(kwargs.get("device")) or upload
         if device_output:
             for t in outputs:
                 self._device[t] = True

@@ -2,6 +2,8 @@
 
 A tiny fp32 MoE GPT (2 layers, hidden 64, 8 experts, top-2, seq 32) that trains an iteration in
 well under a second per rank; tests pass parallel sizes, checkpoint and dropout flags on top.
+``recipe_moe_args`` adds what the rack-scale recipes use (4 layers, MTP, DeepSeek-V3 routing, ...);
+``launch_dump_run`` runs it through workers/pretrain_grad_dump.py (gradients, evaluations, faults).
 
 Usage::
 
@@ -12,12 +14,15 @@ Usage::
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from gloo_launch import REPO_ROOT, launch_gloo_ranks
+import torch
 
-from ultraep_megatron.megatron.cpu_backend import REQUIRED_ARGS
+from gloo_launch import REPO_ROOT, WORKERS, launch_gloo_ranks
+
+from ultraep_megatron.megatron.cpu_backend import CPU_FLAGS, REQUIRED_ARGS
 
 
 def tiny_moe_args(*, ep: int, train_iters: int, dropout: float = 0.0, seed: int = 1234) -> list[str]:
@@ -89,3 +94,76 @@ def uninterrupted_and_resumed(root, optimizer_args):
     resumed = run_pretrain(root / "resumed", RESUME_NPROC, [
         *base, "--load", str(root / "ckpt"), "--ckpt-step", str(RESUME_SAVE_AT)])
     return base, metrics_by_iteration(uninterrupted), metrics_by_iteration(resumed)
+
+
+# --- The features of the rack-scale recipes, on the tiny model -----------------------------------
+
+#: What the DeepSeek-V3 / GLM-4.5-Air / RefMoE recipes use, at tiny size: a dense first layer
+#: (--moe-layer-freq), a shared expert, DeepSeek-V3 routing (sigmoid scores, an expert bias with
+#: its aux-loss-free update, group-limited top-k, top-k scaling, sequence aux loss), one MTP layer
+#: (which needs RoPE), per-token loss, and evaluation during training.
+RECIPE_FEATURES = [
+    "--num-layers", "4", "--moe-layer-freq", "[0,1,1,1]", "--moe-shared-expert-intermediate-size", "64",
+    "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+    "--moe-router-bias-update-rate", "1e-3", "--moe-router-num-groups", "4",
+    "--moe-router-group-topk", "2", "--moe-router-topk-scaling-factor", "2.5",
+    "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "1e-4",
+    "--mtp-num-layers", "1", "--position-embedding-type", "rope",
+    "--untie-embeddings-and-output-weights", "--calculate-per-token-loss",
+    "--global-batch-size", "16", "--eval-interval", "4", "--eval-iters", "1",
+]
+#: The expert bias the initial checkpoint starts from: EP rank 0's experts are preferred, so the
+#: routing is skewed (rank imbalance about 2.4 at EP=4) the same way in every layout that loads it.
+SKEWED_EXPERT_BIAS = "0.06,0.04,0.02,0,0,-0.02,-0.04,-0.06"
+
+
+def recipe_moe_args(*, ep: int, train_iters: int) -> list[str]:
+    """tiny_moe_args with RECIPE_FEATURES (later flags override earlier ones)."""
+    return [*tiny_moe_args(ep=ep, train_iters=train_iters), *RECIPE_FEATURES]
+
+
+@dataclass
+class DumpRun:
+    """A run of workers/pretrain_grad_dump.py: per-iteration metrics and what the worker dumped
+    (its docstring), merged over ranks."""
+
+    run_dir: Path
+    records: dict[int, dict]                        # --metrics-jsonl records by iteration
+    grads: dict[int, dict[str, torch.Tensor]]       # lr-0 iterations; a name from the first rank holding it
+    expert_bias: dict[int, dict[str, torch.Tensor]]
+    evals: list[dict]                               # the last rank's evaluation records
+    log: str
+
+
+def launch_dump_run(run_dir: Path, nproc: int, args: Sequence[str], env: dict[str, str],
+                    timeout_s: float = 600.0) -> DumpRun:
+    """pretrain_gpt.py through workers/pretrain_grad_dump.py on ``nproc`` gloo ranks."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    metrics = run_dir / "metrics.jsonl"
+    metrics.unlink(missing_ok=True)
+    log = launch_gloo_ranks(WORKERS / "pretrain_grad_dump.py", nproc,
+                            [*args, "--metrics-jsonl", str(metrics)],
+                            env={"ULTRAEP_GRAD_DUMP_DIR": str(run_dir), **env},
+                            timeout_s=timeout_s, log_path=run_dir / "log")
+    dumps = [torch.load(run_dir / f"rank{r}.pt") for r in range(nproc)]
+    merged = {"grads": {}, "expert_bias": {}}
+    for dump in dumps:
+        for key, per_iteration in merged.items():
+            for it, tensors in dump[key].items():
+                for name, tensor in tensors.items():
+                    per_iteration.setdefault(it, {}).setdefault(name, tensor)
+    return DumpRun(run_dir, {r["iteration"]: r for r in read_metrics(metrics)}, merged["grads"],
+                   merged["expert_bias"], dumps[-1]["eval"], log)
+
+
+def make_initial_checkpoint(run_dir: Path) -> DumpRun:
+    """The tiny recipe-feature model at initialization, saved as a torch_dist checkpoint in
+    ``run_dir/ckpt`` with SKEWED_EXPERT_BIAS (one rank, one iteration at learning rate 0, the
+    expert bias frozen for it). Launched without the CPU flags: pretrain_gpt.py applies them."""
+    args = [a for a in recipe_moe_args(ep=1, train_iters=1)]
+    for flag, (value, _) in CPU_FLAGS.items():
+        i = args.index(flag)
+        del args[i:i + (1 if value is None else 2)]
+    args += ["--lr", "0.0", "--moe-router-bias-update-rate", "0.0", "--eval-iters", "0",
+             "--save", str(run_dir / "ckpt"), "--save-interval", "1", "--ckpt-format", "torch_dist"]
+    return launch_dump_run(run_dir, 1, args, {"ULTRAEP_EXPERT_BIAS": SKEWED_EXPERT_BIAS})

@@ -1,153 +1,260 @@
-"""--moe-balancer ultraep on megatron-core's real training loop (pretrain_gpt.py, gloo CPU ranks).
+"""--moe-balancer ultraep on megatron-core's real training loop (pretrain_gpt.py, 4 gloo CPU ranks).
 
-UltraEP must leave training mathematically unchanged: with fp32, dropout 0 and the same seed,
-``ultraep`` and ``none`` give the same per-iteration losses and the same gradient of every parameter
-over 10 iterations, under routing skewed by megatron-core's ``--moe-router-force-biased`` (negative
-std: a fixed per-layer bias), while replicas are really created and the post-balancing imbalance is
-<= 1.05. Each layout exercises several features at once to keep the suite short:
+UltraEP must leave training mathematically unchanged. The model carries what the rack-scale recipes
+use (``megatron_runs.RECIPE_FEATURES``: dense first layer, shared expert, DeepSeek-V3 routing, one
+MTP layer, per-token loss, evaluation during training); every run starts from one initial
+checkpoint whose expert bias skews the routing (rank imbalance ~2.4 at EP=4), so the balancer
+really replicates.
 
-* ``ep4``: EP=4, ``--overlap-grad-reduce``, MoE activation recompute;
-* ``ep2_pp2``: EP=2 x PP=2 (1F1B, several microbatches in flight), full-layer recompute;
-* ``ep2_vpp``: EP=2 x PP=2 with an interleaved virtual pipeline, ``--use-distributed-optimizer``
-  (only a shard of each reduced gradient lives on a rank: losses and grad norms are compared).
+Every run first trains ``LR0_ITERS`` iterations at learning rate 0 (``ULTRAEP_LR0_ITERS`` of
+workers/pretrain_grad_dump.py): each computes gradients at the same parameters on a new batch, so
+``none`` and ``ultraep`` compare *per step*, gradient of every parameter by gradient, without
+rounding differences compounding. Then Adam takes over for ``ADAM_ITERS`` iterations: the
+*trajectory* (losses, grad norms). Tolerances come from the noise floor (``equivalence.py``)
+between two ``none`` runs in different layouts, measured in the same session. Gradients are not
+clipped (clipping scales every gradient by the global norm, so one wrong gradient would show in
+all of them).
+
+Runs, each one launch (the three faults share one run: they fall in its last lr-0 iterations,
+after the clean ones):
+
+====================  =========================================================  ===============
+run                   layout                                                     iterations
+====================  =========================================================  ===============
+none / ultraep ep4    EP=4 x DP=4, MoE activation recompute, overlap-grad-reduce  8 lr-0 (+10 Adam for none)
+none / ultraep pp2    EP=2 x PP=2 x DP=2, full recompute                          8 lr-0 + 10 Adam
+ultraep vpp           EP=2 x PP=2, interleaved (1 layer per virtual stage),       8 lr-0
+                      distributed optimizer, overlap-grad-reduce
+bf16 none ep4 / pp2,  bf16 with fp32 main grads                                  3 lr-0 + 10 Adam
+ultraep ep4
+====================  =========================================================  ===============
+
+With the distributed optimizer a rank keeps only a shard of each reduced gradient: that layout
+compares losses and grad norms.
 """
 
 import math
-import os
 
 import pytest
 import torch
 
-from gloo_launch import WORKERS, launch_gloo_ranks
-from megatron_runs import read_metrics, tiny_moe_args
+from equivalence import compare_gradients, compare_series, failures, gradient_floors, summary
+from megatron_runs import launch_dump_run, recipe_moe_args
 
 pytestmark = pytest.mark.slow
 
-ITERS = 10
-RTOL = 1e-5
 WORLD = 4
-SKEW = ["--moe-router-force-biased", "-1.0"]
+LR0_ITERS, ADAM_ITERS, BF16_LR0_ITERS = 8, 10, 3
+# The negative controls: one fault of the balancer per iteration, after the clean iterations.
+FAULTS = {6: "no_replica_grad_reduction", 7: "skip_rematerialization",
+          8: "replica_gets_other_layer_weights"}
+CLEAN_ITERS = [it for it in range(1, LR0_ITERS + 1) if it not in FAULTS]
+BALANCED = ["--moe-balancer", "ultraep", "--moe-balancer-num-slots", "2"]
+MOE_LAYERS = {"2", "3", "4", "5"}  # layer 1 is dense; 5 is the MTP layer
 
-LAYOUTS = {
-    "ep4": dict(ep=4, layers=2, extra=["--overlap-grad-reduce", "--recompute-granularity", "selective",
-                                       "--recompute-modules", "moe"], grads=True),
-    "ep2_pp2": dict(ep=2, layers=4, extra=["--pipeline-model-parallel-size", "2",
-                                           "--recompute-granularity", "full", "--recompute-method", "uniform",
-                                           "--recompute-num-layers", "1"], grads=True),
-    "ep2_vpp": dict(ep=2, layers=4, extra=["--pipeline-model-parallel-size", "2",
-                                           "--num-layers-per-virtual-pipeline-stage", "1",
-                                           "--use-distributed-optimizer", "--overlap-grad-reduce"], grads=False),
+LAYOUTS = {  # name: (EP size, flags)
+    "ep4": (4, ["--overlap-grad-reduce", "--recompute-granularity", "selective",
+                "--recompute-modules", "moe"]),
+    "pp2": (2, ["--pipeline-model-parallel-size", "2", "--recompute-granularity", "full",
+                "--recompute-method", "uniform", "--recompute-num-layers", "1"]),
+    "vpp": (2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+                "--use-distributed-optimizer", "--overlap-grad-reduce"]),
+}
+RUNS = {  # name: (layout, balanced, bf16, lr-0 iterations, Adam iterations, faults)
+    "none_ep4": ("ep4", False, False, LR0_ITERS, ADAM_ITERS, {}),
+    "none_pp2": ("pp2", False, False, LR0_ITERS, ADAM_ITERS, {}),
+    "ultraep_ep4": ("ep4", True, False, LR0_ITERS, 0, FAULTS),
+    "ultraep_pp2": ("pp2", True, False, LR0_ITERS, ADAM_ITERS, {}),
+    "ultraep_vpp": ("vpp", True, False, LR0_ITERS, 0, {}),
+    "none_ep4_bf16": ("ep4", False, True, BF16_LR0_ITERS, ADAM_ITERS, {}),
+    "none_pp2_bf16": ("pp2", False, True, BF16_LR0_ITERS, ADAM_ITERS, {}),
+    "ultraep_ep4_bf16": ("ep4", True, True, BF16_LR0_ITERS, ADAM_ITERS, {}),
+}
+# The balanced runs compared per step: (run, its reference, the noise-floor pair, iterations).
+PER_STEP = {
+    "ultraep_ep4": ("none_ep4", ("none_ep4", "none_pp2"), CLEAN_ITERS),
+    "ultraep_pp2": ("none_pp2", ("none_ep4", "none_pp2"), list(range(1, LR0_ITERS + 1))),
+    "ultraep_vpp": ("none_pp2", ("none_ep4", "none_pp2"), list(range(1, LR0_ITERS + 1))),
+    "ultraep_ep4_bf16": ("none_ep4_bf16", ("none_ep4_bf16", "none_pp2_bf16"),
+                         list(range(1, BF16_LR0_ITERS + 1))),
+}
+TRAJECTORY = {  # run: (reference, noise-floor pair), over the Adam iterations
+    "ultraep_pp2": ("none_pp2", ("none_ep4", "none_pp2")),
+    "ultraep_ep4_bf16": ("none_ep4_bf16", ("none_ep4_bf16", "none_pp2_bf16")),
 }
 
 
-def layout_args(layout, balancer):
-    spec = LAYOUTS[layout]
-    args = tiny_moe_args(ep=spec["ep"], train_iters=ITERS)
-    i = args.index("--num-layers")
-    args[i + 1] = str(spec["layers"])
-    i = args.index("--global-batch-size")
-    args[i + 1] = "16"  # 4 microbatches per pipeline: several in flight under PP
-    return [*args, *SKEW, *spec["extra"], "--moe-balancer", balancer, "--moe-balancer-num-slots", "2"]
-
-
-def run(root, layout, balancer):
-    run_dir = root / f"{layout}_{balancer}"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    metrics = run_dir / "metrics.jsonl"
-    trace = ["--moe-balancer-trace-dir", str(run_dir / "trace")] if balancer != "none" else []
-    launch_gloo_ranks(WORKERS / "pretrain_grad_dump.py", WORLD,
-                      [*layout_args(layout, balancer), "--metrics-jsonl", str(metrics), *trace],
-                      env={"ULTRAEP_GRAD_DUMP_DIR": str(run_dir / "grads")},
-                      timeout_s=600, log_path=run_dir / "log")
-    records = read_metrics(metrics)
-    assert [r["iteration"] for r in records] == list(range(1, ITERS + 1))
-    grads = [torch.load(run_dir / "grads" / f"rank{r}.pt") for r in range(WORLD)]
-    return records, grads
-
-
-_RUNS = {}
-
-
 @pytest.fixture(scope="module")
-def get_runs(tmp_path_factory):
-    """layout -> (layout, none records+grads, ultraep records+grads), each layout run once."""
-    def get(layout):
-        if layout not in _RUNS:
-            root = tmp_path_factory.mktemp(layout)
-            _RUNS[layout] = (layout, run(root, layout, "none"), run(root, layout, "ultraep"))
-        return _RUNS[layout]
+def runs(tmp_path_factory, initial_checkpoint):
+    """name -> DumpRun, each launched once, on first use."""
+    checkpoint, _ = initial_checkpoint
+    done = {}
+
+    def get(name):
+        if name not in done:
+            layout, balanced, bf16, lr0, adam, faults = RUNS[name]
+            ep, flags = LAYOUTS[layout]
+            run_dir = tmp_path_factory.mktemp(name)
+            # No gradient clipping: it scales every gradient by the global norm, so one wrong
+            # gradient would show in all of them.
+            args = [*recipe_moe_args(ep=ep, train_iters=lr0 + adam), *flags, "--clip-grad", "0.0",
+                    "--load", str(checkpoint), "--finetune", "--ckpt-format", "torch_dist"]
+            if bf16:
+                args.append("--bf16")
+            if balanced:
+                args += [*BALANCED, "--moe-balancer-trace-dir", str(run_dir / "trace")]
+            env = {"ULTRAEP_LR0_ITERS": str(lr0),
+                   "ULTRAEP_FAULTS": ",".join(f"{f}@{it}" for it, f in faults.items())}
+            done[name] = launch_dump_run(run_dir, WORLD, args, env)
+        return done[name]
+
     return get
 
 
-@pytest.fixture(params=list(LAYOUTS))
-def runs(request, get_runs):
-    return get_runs(request.param)
+def losses(run, iterations):
+    return {it: run.records[it]["losses"]["lm loss"] for it in iterations}
 
 
-def close(a, b):
-    return abs(a - b) <= RTOL * max(abs(b), 1e-12)
+def grad_norms(run, iterations):
+    return {it: run.records[it]["grad_norm"] for it in iterations}
 
 
-def test_same_losses_and_grad_norms(runs):
-    layout, (ref, _), (bal, _) = runs
-    for r, b in zip(ref, bal):
-        assert close(b["losses"]["lm loss"], r["losses"]["lm loss"]), (layout, r["iteration"], b, r)
-        assert close(b["grad_norm"], r["grad_norm"]), (layout, r["iteration"], b["grad_norm"], r["grad_norm"])
-    assert len({r["losses"]["lm loss"] for r in ref}) == ITERS, "the model must be training"
+def per_step_gradient_comparisons(runs, name, iterations):
+    reference, (x, y) = PER_STEP[name][:2]
+    lr0 = range(1, RUNS[x][3] + 1)
+    floors = gradient_floors(runs(x).grads, runs(y).grads, [*lr0])
+    return compare_gradients(runs(name).grads, runs(reference).grads, floors, iterations)
 
 
-# With the distributed optimizer each rank keeps one shard of the reduced gradients; the grad
-# norms compared above cover that layout.
-@pytest.mark.parametrize("layout", [name for name, spec in LAYOUTS.items() if spec["grads"]])
-def test_same_gradient_of_every_parameter(get_runs, layout):
-    _, (_, ref_grads), (_, bal_grads) = get_runs(layout)
-    compared = 0
-    for rank, (ref, bal) in enumerate(zip(ref_grads, bal_grads)):
-        assert sorted(ref) == sorted(bal) == list(range(1, ITERS + 1))
-        for it in ref:
-            assert sorted(ref[it]) == sorted(bal[it]), "balanced model has other parameters"
-            for name, g_ref in ref[it].items():
-                g = bal[it][name]
-                err = float((g - g_ref).abs().max() / g_ref.abs().max().clamp_min(1e-12))
-                assert err <= RTOL, f"{layout} rank {rank} iteration {it} {name}: rel err {err:.2e}"
-                compared += 1
-    assert compared > 0
+@pytest.mark.parametrize("name", [n for n in PER_STEP if RUNS[n][0] != "vpp"])
+def test_per_step_gradient_of_every_parameter(runs, name):
+    comparisons = per_step_gradient_comparisons(runs, name, PER_STEP[name][2])
+    print(f"\n{name} per-step gradients: {summary(comparisons)}")
+    assert len(comparisons) >= 100 * len(PER_STEP[name][2]), "every parameter, every iteration"
+    assert not failures(comparisons), "\n".join(failures(comparisons)[:20])
 
 
-def test_replicas_used_and_load_balanced(runs):
-    layout, (ref, _), (bal, _) = runs
-    skew = max(v for r in ref for v in r["load_imbalance"].values())
-    assert skew >= 1.3, f"{layout}: routing is not skewed ({skew})"
-    for record in bal:
+@pytest.mark.parametrize("name", list(PER_STEP))
+def test_per_step_losses_and_grad_norms(runs, name):
+    reference, (x, y), iterations = PER_STEP[name]
+    lr0 = list(range(1, RUNS[x][3] + 1))
+    comparisons = []
+    for what, values in (("lm loss", losses), ("grad norm", grad_norms)):
+        floor_x, floor_y = values(runs(x), lr0), values(runs(y), lr0)
+        actual, expected = values(runs(name), iterations), values(runs(reference), iterations)
+        comparisons += compare_series(what, actual, expected, floor_x, floor_y)
+    print(f"\n{name} per-step losses and grad norms: {summary(comparisons)}")
+    assert not failures(comparisons), failures(comparisons)
+    assert len(set(losses(runs(reference), iterations).values())) == len(iterations), \
+        "every iteration sees another batch"
+
+
+@pytest.mark.parametrize("name", list(TRAJECTORY))
+def test_trajectory_losses_and_grad_norms(runs, name):
+    reference, (x, y) = TRAJECTORY[name]
+    lr0 = RUNS[name][3]
+    adam = list(range(lr0 + 1, lr0 + ADAM_ITERS + 1))
+    comparisons = []
+    for what, values in (("lm loss", losses), ("grad norm", grad_norms)):
+        comparisons += compare_series(what, values(runs(name), adam), values(runs(reference), adam),
+                                      values(runs(x), adam), values(runs(y), adam))
+    print(f"\n{name} trajectory ({ADAM_ITERS} Adam iterations): {summary(comparisons)}")
+    assert not failures(comparisons), failures(comparisons)
+    trained = losses(runs(reference), adam)
+    assert trained[adam[-1]] < trained[adam[0]] - 0.1, "the model must be training"
+
+
+@pytest.mark.parametrize("iteration", list(FAULTS), ids=list(FAULTS.values()))
+def test_negative_control_breaks_the_equivalence(runs, iteration):
+    """A real training iteration with the balancer broken (workers/pretrain_grad_dump.FAULTS)
+    fails the per-step comparison that the clean iterations of the same run pass."""
+    comparisons = per_step_gradient_comparisons(runs, "ultraep_ep4", [iteration])
+    failed = failures(comparisons)
+    worst = max(comparisons, key=lambda c: c.ratio)
+    print(f"\n{FAULTS[iteration]}: {len(failed)} of {len(comparisons)} gradients over tolerance, "
+          f"worst error/tolerance {worst.ratio:.3g} ({worst.what}, error {worst.error:.3g})")
+    assert failed, f"{FAULTS[iteration]} went unnoticed: {summary(comparisons)}"
+    assert worst.error > 1e-3, "a broken balancer is wrong by far more than rounding"
+    # Only the replicated (main) experts' gradients can lose their replicas' share.
+    if FAULTS[iteration] == "no_replica_grad_reduction":
+        assert all(".experts.local_experts." in c.what for c in comparisons if not c.passed)
+
+
+def test_expert_bias_updates_as_without_balancer(runs):
+    """DeepSeek-V3's aux-loss-free bias moves every iteration by the routed-token counts, which
+    balancing must not change: bit-identical to ``none`` in the clean iterations."""
+    balanced, reference = runs("ultraep_ep4").expert_bias, runs("none_ep4").expert_bias
+    assert set(reference[1]) == {f"decoder.layers.{i}.mlp.router" for i in (1, 2, 3)} | {
+        "mtp.layers.0.mtp_model_layer.mlp.router"}
+    for it in CLEAN_ITERS:
+        for router, bias in reference[it].items():
+            assert torch.equal(balanced[it][router], bias), (it, router)
+    moved = reference[CLEAN_ITERS[-1]]["decoder.layers.1.mlp.router"] - reference[1]["decoder.layers.1.mlp.router"]
+    assert moved.abs().max() > 0, "the expert bias must be updating"
+
+
+@pytest.mark.parametrize("name", ["ultraep_ep4", "ultraep_pp2"])
+def test_every_moe_layer_balanced_mtp_included(runs, name):
+    reference = runs(name.replace("ultraep", "none"))
+    skew = min(r["load_imbalance"][layer] for r in reference.records.values() for layer in MOE_LAYERS)
+    assert skew >= 1.3, f"{name}: routing is not skewed ({skew})"
+    for record in runs(name).records.values():
         stats = record["balancer"]
-        assert len(stats) == LAYOUTS[layout]["layers"], "every MoE layer reports"
-        assert sum(v["replicas"] for v in stats.values()) > 0, "replicas must be created"
-        worst = max(v["imbalance_after"] for v in stats.values())
-        assert worst <= 1.05, f"{layout} iteration {record['iteration']}: imbalance after {worst}"
-        # The before-figure the balancer saw equals the router-side telemetry of the same run.
-        for layer, v in stats.items():
-            assert math.isclose(v["imbalance_before"], record["load_imbalance"][layer], rel_tol=1e-9)
+        assert set(stats) == MOE_LAYERS, "every MoE layer reports, MTP included, the dense one not"
+        for layer, values in stats.items():
+            assert values["replicas"] > 0, (record["iteration"], layer)
+            assert values["imbalance_after"] <= 1.05, (record["iteration"], layer, values)
 
 
-def test_trace_records_every_microbatch_once(get_runs, tmp_path_factory):
+def test_trace_records_every_microbatch_once_mtp_included(runs):
     """--moe-balancer-trace-dir on the EP=4 run (MoE recompute: each forward runs twice): one
-    record per (iteration, microbatch, layer), whose loads reproduce the router-side imbalance."""
+    record per (iteration, microbatch, layer), the MTP layer after the decoder's; the loads
+    reproduce the router-side imbalance and the balancer's own before-figures."""
     from ultraep_megatron.megatron.telemetry import load_imbalance, per_rank_load
     from ultraep_megatron.traces import find_trace_files, read_trace
 
-    layout, _, (bal, _) = get_runs("ep4")
-    trace_dir = next(p for p in tmp_path_factory.getbasetemp().rglob("ep4_ultraep/trace"))
-    files = find_trace_files(trace_dir)
+    run = runs("ultraep_ep4")
+    files = find_trace_files(run.run_dir / "trace")
     assert len(files) == 1, "EP=4 on 4 ranks is one EP group"
     trace = read_trace(files[0])
     assert trace.status == "closed"
     keys = list(zip(trace.iteration.tolist(), trace.microbatch.tolist(), trace.layer.tolist()))
     assert len(keys) == len(set(keys)), "a microbatch recorded twice (recompute replay?)"
     # global batch 16 / (micro batch 2 x data parallel 4) = 2 microbatches per iteration
-    assert set(keys) == {(i, m, layer) for i in range(1, ITERS + 1) for m in (0, 1) for layer in (1, 2)}
-    for record in bal:
+    assert set(keys) == {(i, m, int(layer)) for i in range(1, LR0_ITERS + 1) for m in (0, 1)
+                         for layer in MOE_LAYERS}
+    for record in run.records.values():
         for layer, value in record["load_imbalance"].items():
             rows = (trace.iteration == record["iteration"]) & (trace.layer == int(layer))
-            expert_tokens = trace.load[rows].sum(dim=(0, 1)).double().unsqueeze(0)  # [1, E]
-            imbalance = float(load_imbalance(per_rank_load(expert_tokens, WORLD))[0])
-            assert math.isclose(imbalance, value, rel_tol=1e-9), (record["iteration"], layer)
+            per_microbatch = per_rank_load(trace.load[rows].sum(dim=1).double(), WORLD)  # [mb, R]
+            assert math.isclose(float(load_imbalance(per_microbatch.sum(0, keepdim=True))[0]), value,
+                                rel_tol=1e-9)
+            # The balancer averages its per-microbatch figure over the microbatches.
+            assert math.isclose(float(load_imbalance(per_microbatch).mean()),
+                                record["balancer"][layer]["imbalance_before"], rel_tol=1e-9)
+
+
+def eval_losses(run, iterations):
+    """{iteration: lm loss} of the evaluations during training at ``iterations``."""
+    return {e["iteration"]: e["losses"]["lm loss"] for e in run.evals
+            if e["during_training"] and e["iteration"] in iterations}
+
+
+@pytest.mark.parametrize("name", ["ultraep_ep4", "ultraep_pp2"])
+def test_evaluation_is_balanced_and_leaves_no_ring_slot(runs, name):
+    """Evaluation (model.eval(), no grad; every 4 iterations and after training) is balanced like
+    training, takes no virtual-layer-ring slot, and at the same state gives the losses ``none``
+    gives."""
+    run, reference = runs(name), runs(name.replace("ultraep", "none"))
+    assert len(run.evals) >= 3
+    for record in run.evals:
+        assert record["ring_live"] == 0, record
+        assert record["imbalance_after"], "evaluation ran balanced MoE layers"
+        assert max(record["imbalance_after"]) <= 1.05, record
+    same_state = CLEAN_ITERS if name == "ultraep_ep4" else range(1, LR0_ITERS + 1)
+    actual = eval_losses(run, same_state)
+    comparisons = compare_series("eval lm loss", actual, eval_losses(reference, actual),
+                                 eval_losses(runs("none_ep4"), actual),
+                                 eval_losses(runs("none_pp2"), actual))
+    print(f"\n{name} evaluation losses: {summary(comparisons)}")
+    assert comparisons and not failures(comparisons), failures(comparisons)

@@ -1,11 +1,12 @@
 """Bad --moe-balancer configurations fail at startup with a message naming the flag.
 
-Megatron's own parser and validation run (one subprocess, no distributed setup), then
-``validate_ultraep_args`` as in pretrain_gpt.py.
+As in pretrain_gpt.py: UltraEP's startup checks on Megatron's parse of the command line, then
+Megatron's own parser and validation (one subprocess for all cases, no distributed setup).
 """
 
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +15,10 @@ from megatron_runs import tiny_moe_args
 
 BASE = tiny_moe_args(ep=1, train_iters=2)
 ULTRAEP = ["--moe-balancer", "ultraep"]
+# Trace directories, made by the fixture under its temporary directory ({tmp} below).
+HELD_TRACE = "{tmp}/held/ep_group_0000.uetrace"    # an earlier run's trace
+RESUMABLE = "{tmp}/ckpt/latest_checkpointed_iteration.txt"  # a checkpoint to resume
+A_FILE = "{tmp}/a_file"
 
 CASES = {
     # name: (extra argv, substring the error must contain; None = must pass)
@@ -43,7 +48,22 @@ CASES = {
     "fp8": ([*ULTRAEP, "--fp8-format", "hybrid"], "--fp8-format"),
     "trace_without_balancer": (["--moe-balancer-trace-dir", "/tmp/x"], "--moe-balancer-trace-dir"),
     "dense_model": (None, "--num-experts"),
+    "tensor_parallel_experts": ([*ULTRAEP, "--tensor-model-parallel-size", "2"],
+                                "--expert-tensor-parallel-size"),
+    "trace_dir_is_a_file": ([*ULTRAEP, "--moe-balancer-trace-dir", A_FILE], "not a directory"),
+    "trace_dir_under_a_file": ([*ULTRAEP, "--moe-balancer-trace-dir", A_FILE + "/trace"],
+                               "cannot create the directory"),
+    "fresh_run_into_a_trace": ([*ULTRAEP, "--moe-balancer-trace-dir", "{tmp}/held"],
+                               "already holds a trace (ep_group_0000.uetrace)"),
+    "finetune_into_a_trace": ([*ULTRAEP, "--moe-balancer-trace-dir", "{tmp}/held",
+                               "--load", "{tmp}/ckpt", "--finetune"], "already holds a trace"),
+    "resume_into_its_trace": ([*ULTRAEP, "--moe-balancer-trace-dir", "{tmp}/held",
+                               "--load", "{tmp}/ckpt"], None),
+    "new_trace_dir": ([*ULTRAEP, "--moe-balancer-trace-dir", "{tmp}/new/trace"], None),
 }
+# Every case runs at EP=1: a balancer whose flags are valid is warned about it.
+WARNED = {"valid_ultraep", "valid_eplb", *(name for name in CASES if "trace" in name)} - {
+    "trace_without_balancer"}
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +80,14 @@ def results(tmp_path_factory):
         else:
             argv = [*BASE, *extra]
         cases.append({"name": name, "argv": argv})
-    path = tmp_path_factory.mktemp("args") / "cases.json"
+    tmp = tmp_path_factory.mktemp("args")
+    for made in (HELD_TRACE, RESUMABLE, A_FILE):
+        made = Path(made.format(tmp=tmp))
+        made.parent.mkdir(parents=True, exist_ok=True)
+        made.write_text("1")
+    for case in cases:
+        case["argv"] = [a.format(tmp=tmp) for a in case["argv"]]
+    path = tmp / "cases.json"
     path.write_text(json.dumps(cases))
     out = subprocess.run([PYTHON, str(WORKERS / "validate_balancer_args.py"), str(path)],
                          env=gloo_env({"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}),
@@ -69,16 +96,21 @@ def results(tmp_path_factory):
     for line in (out.stdout + out.stderr).splitlines():
         if line.startswith("RESULT "):
             record = json.loads(line[len("RESULT "):])
-            found[record["name"]] = record["error"]
+            found[record["name"]] = record
     assert set(found) == set(CASES), out.stderr[-3000:]
     return found
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_configuration(results, name):
-    expected = CASES[name][1]
+    expected, error = CASES[name][1], results[name]["error"]
     if expected is None:
-        assert results[name] is None, results[name]
+        assert error is None, error
     else:
-        assert results[name] is not None, f"{name} was accepted"
-        assert expected in results[name], results[name]
+        assert error is not None, f"{name} was accepted"
+        assert expected in error, error
+    warnings = results[name]["warnings"]
+    if name in WARNED:
+        assert len(warnings) == 1 and "--expert-model-parallel-size 1" in warnings[0], warnings
+    else:
+        assert warnings == [], warnings

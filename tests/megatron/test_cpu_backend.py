@@ -92,3 +92,24 @@ def test_per_rank_load_and_imbalance_by_hand():
     assert load_imbalance(torch.zeros(1, 4)).tolist() == [1.0]
     with pytest.raises(ValueError):
         per_rank_load(tokens, ep_size=3)
+
+
+def test_missing_cpu_flags_are_applied_with_their_reasons():
+    argv = ["--num-layers", "2", "--transformer-impl=local", "--no-rope-fusion"]
+    completed, applied = cpu_backend.apply_required_args(argv)
+    assert completed[:4] == argv, "the given arguments are kept"
+    assert sorted(completed[4:]) == sorted(
+        token for flag, (value, _) in cpu_backend.CPU_FLAGS.items()
+        if flag not in ("--transformer-impl", "--no-rope-fusion") for token in (flag, value)
+        if token is not None)
+    assert applied[0] == "--distributed-backend gloo (NCCL needs GPUs)"
+    assert len(applied) == len(cpu_backend.CPU_FLAGS) - 2
+    assert cpu_backend.apply_required_args(completed) == (completed, []), "nothing left to apply"
+
+
+@pytest.mark.parametrize("argv", [["--transformer-impl", "transformer_engine"],
+                                  ["--distributed-backend=nccl"]])
+def test_conflicting_cpu_flag_is_refused_naming_what_to_pass(argv):
+    flag = argv[0].split("=")[0]
+    with pytest.raises(ValueError, match=f"pass {flag} {cpu_backend.CPU_FLAGS[flag][0]}"):
+        cpu_backend.apply_required_args(argv)

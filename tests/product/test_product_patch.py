@@ -97,12 +97,15 @@ def test_patched_code_balances_the_moe_layers_of_megatrons_default_spec():
     assert report["mlp_classes"][1:] == ["BalancedMoELayer", "BalancedMoELayer"]
     assert report["balancer_configs"] == [None, ["ultraep", 3], ["ultraep", 3]]
     assert report["training_log"] == "_TrainingLogHook" and report["dashboard"] == "Dashboard"
+    # The MTP block's spec is balanced too, and the built model is checked for unbalanced layers.
+    assert report["mtp_spec_balanced"]
+    assert "refuse_unbalanced_moe_layers" in report["post_wrap_hooks"]
 
 
 @pytest.mark.slow
 def test_patched_code_leaves_megatron_unchanged_without_a_balancer():
     report = run_hook("--moe-balancer", "none")
-    assert not report["spec_replaced"]
+    assert not report["spec_replaced"] and not report["mtp_spec_balanced"]
     assert "MoE" not in report["mlp_classes"][0]
     assert report["mlp_classes"][1:] == ["MoELayer", "MoELayer"]
     # Telemetry still reports the router's per-layer imbalance.

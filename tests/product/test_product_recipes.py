@@ -156,6 +156,20 @@ def test_pipeline_stages_follow_the_recipe_split(reports):
     assert [s.expert_params for s in stages] == [4 * expert * m for m in (12, 16, 16, 15)]
 
 
+@pytest.mark.parametrize("name,line", [
+    # Published shapes: DeepSeek-V3 61 layers, the first 3 dense, one MTP layer; GLM-4.5-Air and
+    # RefMoE 46 layers, the first dense, one MTP layer; Qwen3 94 MoE layers, no MTP.
+    ("deepseek_v3_671b_a37b_ep64_pp4.sh", "58 decoder + 1 MTP, ids 4-62"),
+    ("glm45_air_106b_a12b_ep64_dp2.sh", "45 decoder + 1 MTP, ids 2-47"),
+    ("refmoe_288b_a16b_ep32_pp4_dp20.sh", "45 decoder + 1 MTP, ids 2-47"),
+    ("qwen3_235b_a22b_ep64_dp4.sh", "94 decoder, ids 1-94"),
+])
+def test_mtp_layers_are_reported_as_balanced_moe_layers(reports, name, line):
+    """The MTP block's MoE layer is balanced like the decoder's, numbered after the decoder."""
+    assert f"balanced MoE layers (--moe-balancer ultraep): {line}" in check_recipe.format_report(
+        reports[name])
+
+
 def test_checker_rejects_an_ep_group_larger_than_a_rack(reports):
     report = reports["qwen3_235b_a22b_ep64_dp4.sh"]
     layout = check_recipe.rank_layout(report.args, gpus_per_node=4, rack_size=32)

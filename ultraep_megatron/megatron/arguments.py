@@ -3,12 +3,20 @@
 Pass :func:`add_ultraep_args` as ``extra_args_provider`` to
 ``megatron.training.arguments.parse_and_validate_args``. The ``moe balancer`` group comes from the
 policy registry (``ultraep_megatron.planner.policy``: names, knobs, defaults, validation);
-:func:`validate_ultraep_args` checks the combination once Megatron has validated its own arguments.
+:func:`validate_ultraep_args` checks the combination. :func:`startup_checks_or_exit` runs it (and
+the CPU and trace-directory checks) on the raw command line before Megatron validates, prints or
+initialises anything.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
+import os
+import sys
+from pathlib import Path
+from typing import Sequence
 
 from ultraep_megatron.planner import policy
 
@@ -102,7 +110,8 @@ def unsupported_moe_settings(config) -> list[str]:
         problems.append("token dropping (--moe-expert-capacity-factor / "
                         "--moe-pad-expert-input-to-capacity) is not supported: balancing "
                         "needs dropless routing")
-    if (get('expert_tensor_parallel_size') or 1) > 1:
+    # Megatron's default expert-TP size is the TP size (set by its validation).
+    if (get('expert_tensor_parallel_size') or get('tensor_model_parallel_size') or 1) > 1:
         problems.append("--expert-tensor-parallel-size > 1 is not supported")
     if get('use_transformer_engine_op_fuser'):
         problems.append("--use-transformer-engine-op-fuser is not supported (its fused grouped MLP "
@@ -125,4 +134,120 @@ def unsupported_moe_settings(config) -> list[str]:
     cuda_graph = get('cuda_graph_impl') or 'none'
     if cuda_graph != 'none':
         problems.append(f"--cuda-graph-impl {cuda_graph} is not supported")
+    elif get('enable_cuda_graph') or get('external_cuda_graph'):  # Megatron's older spellings
+        problems.append("CUDA graphs (--enable-cuda-graph / --external-cuda-graph) are not supported")
     return problems
+
+
+def trace_dir_problem(args: argparse.Namespace) -> str | None:
+    """Why ``--moe-balancer-trace-dir`` cannot take this run's trace (``None`` if it can).
+
+    The directory must be (made) writable. A trace already there is appended to only by a run
+    that resumes a checkpoint (``--load`` with one to load, not ``--finetune``); a fresh run
+    would mix its iterations into another run's trace, so it is refused.
+    """
+    from ultraep_megatron.traces import TRACE_SUFFIX
+
+    flag = f"--moe-balancer-trace-dir {args.moe_balancer_trace_dir}"
+    path = Path(args.moe_balancer_trace_dir)
+    if path.exists() and not path.is_dir():
+        return f"{flag}: not a directory"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        return f"{flag}: cannot create the directory ({error.strerror})"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"{flag}: the directory is not writable"
+    traces = sorted(p.name for p in path.glob(f"*{TRACE_SUFFIX}"))
+    resuming = (args.load is not None and not args.finetune and (
+        args.ckpt_step is not None
+        or os.path.exists(os.path.join(args.load, "latest_checkpointed_iteration.txt"))))
+    if traces and not resuming:
+        return (f"{flag} already holds a trace ({', '.join(traces)}) and this run resumes no "
+                "checkpoint, so its records would be appended to another run's; use an empty "
+                "directory (a run resuming with --load continues its trace there)")
+    return None
+
+
+def startup_problems(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """(errors, warnings) about UltraEP's arguments, on Megatron's parsed, not yet validated
+    ``args``; each names its flag."""
+    errors, warnings = [], []
+    try:
+        validate_ultraep_args(args)
+    except ValueError as error:
+        errors.append(str(error))
+    if args.moe_balancer == policy.NONE or errors:
+        return errors, warnings
+    if args.moe_balancer_trace_dir:
+        problem = trace_dir_problem(args)
+        if problem:
+            errors.append(problem)
+    if args.expert_model_parallel_size == 1:
+        warnings.append(f"--moe-balancer {args.moe_balancer} with --expert-model-parallel-size 1: "
+                        "one EP rank holds every expert, there is nothing to balance (the "
+                        "balancer still plans every layer and allocates its slots)")
+    return errors, warnings
+
+
+def startup_checks_or_exit(argv: Sequence[str], *, prog: str = "pretrain_gpt.py",
+                           extra_args_provider=None) -> list[str]:
+    """UltraEP's checks of a training command line, before Megatron validates its arguments,
+    prints them, initialises wandb or builds the model.
+
+    On a CPU machine (the CPU backend active) the missing ``cpu_backend.CPU_FLAGS`` are applied
+    and logged, a conflicting one is an error. Then Megatron's parser reads the command line and
+    :func:`startup_problems` checks it. Every rank runs the same checks; global rank 0 prints
+    each problem on one line. On an error every rank exits with status 2 (argparse's), with no
+    traceback.
+
+    Args:
+        argv: the command line without the program name.
+        prog: the program name for the messages.
+        extra_args_provider: the parser extension the program uses besides UltraEP's.
+
+    Returns:
+        ``argv`` with the CPU flags applied; hand it to Megatron (e.g. as ``sys.argv[1:]``).
+    """
+    from megatron.training.arguments import parse_args
+
+    from ultraep_megatron.megatron import cpu_backend
+
+    log_rank = os.environ.get("RANK", "0") == "0"
+
+    def report(kind: str, message: str) -> None:
+        if log_rank:
+            print(f"{prog}: {kind}: {message}", file=sys.stderr if kind == "error" else sys.stdout,
+                  flush=True)
+
+    argv, errors = list(argv), []
+    if cpu_backend.is_active():
+        try:
+            argv, applied = cpu_backend.apply_required_args(argv)
+        except ValueError as error:
+            errors.append(str(error))
+        else:
+            if applied:
+                report("note", "no CUDA device: the CPU backend applied " + "; ".join(applied))
+
+    def add_args(parser):
+        parser = add_ultraep_args(parser)
+        return extra_args_provider(parser) if extra_args_provider else parser
+
+    saved_argv = sys.argv
+    sys.argv = [prog, *argv]
+    try:
+        # argparse prints its own one-line usage error; only rank 0 lets it through.
+        with contextlib.redirect_stderr(sys.stderr if log_rank else io.StringIO()):
+            args = parse_args(extra_args_provider=add_args, ignore_unknown_args=True)
+    finally:
+        sys.argv = saved_argv
+    problems, warnings = startup_problems(args)
+    errors += problems
+    for message in warnings:
+        report("warning", message)
+    for message in errors:
+        report("error", message)
+    if errors:
+        sys.exit(2)
+    return argv

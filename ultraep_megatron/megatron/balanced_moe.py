@@ -61,6 +61,7 @@ from megatron.core.transformer.moe.token_dispatcher import (
 from ultraep_megatron.megatron.arguments import unsupported_moe_settings
 from ultraep_megatron.megatron.context import BalancingContext, Invocation
 from ultraep_megatron.megatron.expert_slots import expert_param_names, expert_params, run_replica_experts
+from ultraep_megatron.megatron.layer_spec import moe_layer_id
 
 
 def _in_backward_pass() -> bool:
@@ -408,6 +409,13 @@ class BalancedMoELayer(MoELayer):
         self.expert_param_shapes = [(n, tuple(p.shape)) for n, p in zip(self.expert_param_names[0], first)]
         self.balancer = balancing.config.build()
         balancing.register(self)
+
+    def set_layer_number(self, layer_number: int) -> None:
+        """Megatron's numbering for the router; ``layer_number`` here is the balancer's layer id
+        (:func:`~ultraep_megatron.megatron.layer_spec.moe_layer_id`: MTP layers after the
+        decoder), by which the ring, telemetry and traces tell layers apart."""
+        super().set_layer_number(layer_number)
+        self.layer_number = moe_layer_id(self.router)
 
     def main_expert_param_lists(self) -> List[List[torch.Tensor]]:
         """``[local expert][k]`` parameters, ``k`` in ``expert_param_shapes`` order."""

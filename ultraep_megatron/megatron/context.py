@@ -126,8 +126,9 @@ def plan_invocation(plan: planner.Plan, load: torch.Tensor, ep_rank: int, *, lay
 
 class BalancerStats:
     """Observer: per-layer balancing figures (``planner.metrics`` on each plan, with the model's
-    NVLink domains; whether the load reached the balancer's trigger; plan time), averaged over the
-    microbatches since the last :meth:`pop`."""
+    NVLink domains; whether the load reached the balancer's trigger; plan time) of the training
+    invocations, averaged over the microbatches since the last :meth:`pop`. Evaluation is balanced
+    too, but does not mix into the training iteration's figures."""
 
     METRICS = ("imbalance_before", "imbalance_after", "replicas", "max_fanout", "inflight_ratio",
                "cross_domain_replicas", "memory_spread_before", "memory_spread_after")
@@ -136,6 +137,8 @@ class BalancerStats:
         self._sums: Dict[int, Dict[str, float]] = {}
 
     def on_invocation(self, layer, invocation: Invocation, training: bool) -> None:
+        if not training:
+            return
         balancer = layer.balancer
         m = planner.metrics(invocation.load, invocation.plan, domain_size=balancer.config.domain_size)
         entry = self._sums.setdefault(invocation.layer_number, {"count": 0})
@@ -197,7 +200,8 @@ class TraceRecorder:
             "moe_ffn_hidden_size": cfg.moe_ffn_hidden_size,
             "swiglu": bool(cfg.gated_linear_unit),
             "topk": cfg.moe_router_topk,
-            "num_layers": cfg.num_layers,
+            "num_layers": cfg.num_layers,  # MTP layers have ids num_layers + 1, ...
+            "mtp_num_layers": cfg.mtp_num_layers or 0,
             "first_global_rank": first_global_rank,
         }
         path = trace_path(self.trace_dir, first_global_rank)

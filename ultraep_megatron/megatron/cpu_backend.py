@@ -24,7 +24,8 @@ expert-parallel equivalence tests compare EP=2/4 with EP=1 bit-for-bit or to 1e-
 
 Torch-level ``torch.cuda.is_available()`` and ``device_count()`` stay truthful; only
 ``megatron.training.initialize`` sees one device. Run one thread per rank
-(``OMP_NUM_THREADS=1``) and pass :data:`REQUIRED_ARGS` to ``pretrain``.
+(``OMP_NUM_THREADS=1``) and pass :data:`REQUIRED_ARGS` to ``pretrain`` (``pretrain_gpt.py``
+applies the missing ones itself, see :func:`apply_required_args`).
 
 Usage::
 
@@ -49,17 +50,50 @@ from torch.overrides import TorchFunctionMode
 
 logger = logging.getLogger(__name__)
 
-#: Flags a CPU ``pretrain`` run needs, each for a fused or CUDA-only path it must avoid.
-REQUIRED_ARGS: tuple[str, ...] = (
-    "--distributed-backend", "gloo",     # NCCL needs GPUs
-    "--transformer-impl", "local",       # Transformer Engine needs GPUs
-    "--no-gradient-accumulation-fusion",  # fused wgrad accumulation is an Apex/TE CUDA kernel
-    "--no-persist-layer-norm",           # persistent LayerNorm is an Apex CUDA kernel
-    "--no-bias-gelu-fusion",             # torch.compile'd fusion; eager is the CPU reference
-    "--no-bias-dropout-fusion",          # torch.compile'd fusion; eager is the CPU reference
-    "--no-rope-fusion",                  # fused RoPE is a TE/Apex CUDA kernel
-    "--no-masked-softmax-fusion",        # fused softmax is a CUDA kernel
-)
+#: Flags a CPU ``pretrain`` run needs: flag -> (its value, or None for a switch; why).
+CPU_FLAGS: dict[str, tuple[str | None, str]] = {
+    "--distributed-backend": ("gloo", "NCCL needs GPUs"),
+    "--transformer-impl": ("local", "Transformer Engine needs GPUs"),
+    "--no-gradient-accumulation-fusion": (None, "fused wgrad accumulation is an Apex/TE CUDA kernel"),
+    "--no-persist-layer-norm": (None, "persistent LayerNorm is an Apex CUDA kernel"),
+    "--no-bias-gelu-fusion": (None, "torch.compile'd fusion; eager is the CPU reference"),
+    "--no-bias-dropout-fusion": (None, "torch.compile'd fusion; eager is the CPU reference"),
+    "--no-rope-fusion": (None, "fused RoPE is a TE/Apex CUDA kernel"),
+    "--no-masked-softmax-fusion": (None, "fused softmax is a CUDA kernel"),
+}
+
+#: :data:`CPU_FLAGS` as command-line arguments.
+REQUIRED_ARGS: tuple[str, ...] = tuple(
+    token for flag, (value, _) in CPU_FLAGS.items() for token in (flag, value) if token is not None)
+
+
+def apply_required_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``argv`` (a ``pretrain`` command line) completed with the :data:`CPU_FLAGS` it lacks.
+
+    A missing flag is appended (a CPU run cannot do without it); a flag given with another value
+    is an error, since the user asked for something this machine cannot run.
+
+    Returns:
+        (the completed argv, one line per flag applied, naming it and why).
+
+    Raises:
+        ValueError: naming the conflicting flag and the value a CPU run needs.
+    """
+    given: dict[str, str | None] = {}
+    for i, token in enumerate(argv):
+        flag, sep, value = token.partition("=")
+        if flag in CPU_FLAGS:
+            given[flag] = value if sep else (argv[i + 1] if i + 1 < len(argv) else None)
+    argv, applied = list(argv), []
+    for flag, (value, why) in CPU_FLAGS.items():
+        if flag not in given:
+            argv += [flag] if value is None else [flag, value]
+            applied.append(f"{flag}{'' if value is None else ' ' + value} ({why})")
+        elif value is not None and given[flag] != value:
+            raise ValueError(f"{flag} {given[flag]} cannot run without a CUDA device ({why}); "
+                             f"pass {flag} {value} or run on a GPU machine")
+    return argv, applied
+
 
 #: (target, reason) for every patch applied by :func:`activate`; empty until then.
 PATCHES: list[tuple[str, str]] = []
@@ -85,7 +119,7 @@ def is_active() -> bool:
 _CPU = torch.device("cpu")
 
 
-def _is_cuda_device(device: Any) -> bool:
+def is_cuda_device(device: Any) -> bool:
     """True for 'cuda', 'cuda:N', torch.device('cuda', N) and a bare device index N."""
     if isinstance(device, torch.device):
         return device.type == "cuda"
@@ -114,7 +148,7 @@ class _CudaAsCpuMode(TorchFunctionMode):
             return self._backward(*_tensor_backward_to_autograd(*args, **kwargs))
         if func is torch.autograd.backward:
             return self._backward(*args, **kwargs)
-        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+        if "device" in kwargs and is_cuda_device(kwargs["device"]):
             kwargs = {**kwargs, "device": _CPU}
         if kwargs.get("pin_memory"):
             # Pinning needs a CUDA driver; pageable CPU memory is what a CPU run uses anyway.
@@ -123,7 +157,7 @@ class _CudaAsCpuMode(TorchFunctionMode):
             return args[0]
         if func is torch.Tensor.pin_memory:
             return args[0]
-        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+        if func is torch.Tensor.to and len(args) > 1 and is_cuda_device(args[1]):
             args = (args[0], _CPU) + tuple(args[2:])
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             # Megatron's optimizers and grad clipping dispatch on 'torch.cuda.*Tensor' names.

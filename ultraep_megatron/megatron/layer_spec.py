@@ -1,13 +1,18 @@
-"""The one place where ``--moe-balancer`` chooses the MoE layer of a GPT model's layer spec.
+"""The one place where ``--moe-balancer`` chooses the MoE layers of a GPT model.
 
-``pretrain_gpt.py`` sets ``GPTModelConfig.transformer_layer_spec`` to
-``functools.partial(moe_balanced_layer_spec, balancing=context)`` (the model's
-``BalancingContext``, or ``None`` for ``--moe-balancer none``); Megatron's
-``GPTModelBuilder`` then calls it per (virtual) pipeline stage. The layer spec is Megatron's
-own default (the local, non-TE spec on CPU; the Transformer Engine spec when
+``pretrain_gpt.py`` calls :func:`balance_moe_layers` on its ``GPTModelConfig`` with the model's
+``BalancingContext``. That sets ``transformer_layer_spec`` to
+``functools.partial(moe_balanced_layer_spec, balancing=context)``; Megatron's ``GPTModelBuilder``
+then calls it per (virtual) pipeline stage. The layer spec is
+Megatron's own default (the local, non-TE spec on CPU; the Transformer Engine spec when
 ``--transformer-impl transformer_engine``), and :func:`apply_moe_balancer` may swap the MoE
 ``mlp`` builder of every MoE layer. In megatron-core 0.19 that builder is
 ``functools.partial(MoELayer, submodules=MoESubmodules(...))``.
+
+Megatron builds the multi-token-prediction (MTP) block from its own decoder layer specs, not from
+``transformer_layer_spec``; :func:`balance_moe_layers` balances that block too, and adds a startup
+check that every MoE layer of the built model is balanced, so a layer Megatron builds some other
+way fails loudly instead of training unbalanced.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 
 def _balanced_mlp(mlp: Any, balancing: Any) -> Any:
@@ -37,14 +42,18 @@ def _balanced_mlp(mlp: Any, balancing: Any) -> Any:
 
 
 def _balanced_layer(layer_spec: Any, balancing: Any) -> Any:
+    """A transformer layer spec, or an MTP layer spec (whose ``mtp_model_layer`` is one)."""
     submodules = getattr(layer_spec, "submodules", None)
-    if submodules is None or not hasattr(submodules, "mlp"):
+    if hasattr(submodules, "mtp_model_layer"):
+        field, new = "mtp_model_layer", _balanced_layer(submodules.mtp_model_layer, balancing)
+    elif hasattr(submodules, "mlp"):
+        field, new = "mlp", _balanced_mlp(submodules.mlp, balancing)
+    else:
         return layer_spec
-    new_mlp = _balanced_mlp(submodules.mlp, balancing)
-    if new_mlp is submodules.mlp:
+    if new is getattr(submodules, field):
         return layer_spec
     layer_spec = copy.copy(layer_spec)
-    layer_spec.submodules = dataclasses.replace(submodules, mlp=new_mlp)
+    layer_spec.submodules = dataclasses.replace(submodules, **{field: new})
     return layer_spec
 
 
@@ -52,8 +61,9 @@ def apply_moe_balancer(spec: Any, balancing: Optional[Any]) -> Any:
     """Return ``spec`` with its MoE layers balanced in ``balancing``.
 
     Args:
-        spec: a layer spec (ModuleSpec of a TransformerLayer) or a block spec
-            (TransformerBlockSubmodules with ``layer_specs``), as Megatron builds them.
+        spec: a layer spec (ModuleSpec of a TransformerLayer or of an MTP layer) or a block
+            spec (TransformerBlockSubmodules or MultiTokenPredictionBlockSubmodules, with
+            ``layer_specs``), as Megatron builds them.
         balancing: the model's ``context.BalancingContext``; ``None`` for ``--moe-balancer none``.
 
     Returns:
@@ -76,3 +86,88 @@ def moe_balanced_layer_spec(config: Any, vp_stage: int | None = None, *,
     from megatron.training.models.gpt import default_layer_spec
 
     return apply_moe_balancer(default_layer_spec(config, vp_stage), balancing)
+
+
+def moe_layer_id(module: Any) -> int:
+    """The 1-based id by which the balancer, its telemetry and its traces name the MoE layer of
+    ``module`` (an MoE layer or its router, numbered by Megatron).
+
+    Decoder layers keep Megatron's global layer number. Megatron numbers the layers of the MTP
+    block from 1 again; they come after the decoder stack here (``num_layers + k`` for the k-th),
+    as Megatron's router does for its aux-loss log.
+    """
+    if getattr(module, "is_mtp_layer", False):
+        return module.config.num_layers + module.layer_number
+    return module.layer_number
+
+
+def _balancing_of(model_cfg: Any) -> Optional[Any]:
+    """The balancing context :func:`balance_moe_layers` put on ``model_cfg``; ``None`` if none."""
+    spec = getattr(model_cfg, "transformer_layer_spec", None)
+    if isinstance(spec, functools.partial) and spec.func is moe_balanced_layer_spec:
+        return spec.keywords.get("balancing")
+    return None
+
+
+def _balanced_mtp_block_spec(megatron_mtp_block_spec):
+    """Megatron's ``mtp_block_spec(config, transformer_layer_spec, vp_stage)`` with the MoE layers
+    of the MTP block balanced like the decoder's (by the config's ``transformer_layer_spec``)."""
+
+    @functools.wraps(megatron_mtp_block_spec)
+    def mtp_block_spec(config, transformer_layer_spec, vp_stage=None):
+        spec = megatron_mtp_block_spec(config, transformer_layer_spec, vp_stage=vp_stage)
+        balancing = _balancing_of(config)
+        return spec if spec is None or balancing is None else apply_moe_balancer(spec, balancing)
+
+    mtp_block_spec.ultraep_balanced = True
+    return mtp_block_spec
+
+
+def unbalanced_moe_layers(model_chunks: Sequence[Any]) -> list[str]:
+    """Module paths (wrappers' ``module.`` prefixes dropped) of the MoE layers in ``model_chunks``
+    that are not ``BalancedMoELayer``s."""
+    from megatron.core.transformer.moe.moe_layer import BaseMoELayer
+
+    from ultraep_megatron.megatron.balanced_moe import BalancedMoELayer
+
+    found = []
+    for chunk in model_chunks:
+        for name, module in chunk.named_modules():
+            if isinstance(module, BaseMoELayer) and not isinstance(module, BalancedMoELayer):
+                while name.startswith("module."):
+                    name = name[len("module."):]
+                found.append(f"{name} ({type(module).__name__})")
+    return found
+
+
+def balance_moe_layers(model_cfg: Any, balancing: Optional[Any]) -> None:
+    """Build every MoE layer of ``model_cfg``'s GPT model balanced in ``balancing``.
+
+    Sets ``model_cfg.transformer_layer_spec`` (the decoder), has Megatron's MTP block spec
+    balanced the same way, and adds a post-wrap hook that refuses to train when any MoE layer of
+    the built model is not balanced, naming it. ``None`` (``--moe-balancer none``) changes nothing.
+
+    Args:
+        model_cfg: the ``GPTModelConfig`` handed to ``pretrain``.
+        balancing: the model's ``context.BalancingContext``, or ``None``.
+    """
+    if balancing is None:
+        return
+    from megatron.training.models import gpt
+
+    model_cfg.transformer_layer_spec = functools.partial(moe_balanced_layer_spec, balancing=balancing)
+    # GPTModelBuilder.build_model calls the module-level mtp_block_spec, which rebuilds the MTP
+    # layer from Megatron's decoder specs; the wrapper leaves models without a balancer alone.
+    if not getattr(gpt.mtp_block_spec, "ultraep_balanced", False):
+        gpt.mtp_block_spec = _balanced_mtp_block_spec(gpt.mtp_block_spec)
+
+    def refuse_unbalanced_moe_layers(model_chunks):
+        unbalanced = unbalanced_moe_layers(model_chunks)
+        if unbalanced:
+            raise RuntimeError(
+                f"--moe-balancer {balancing.config.name}: these MoE layers were built without "
+                f"the balancer: {', '.join(unbalanced)}. Megatron built them outside the layer "
+                "spec UltraEP selects; refusing to train them unbalanced")
+        return model_chunks
+
+    model_cfg.post_wrap_hooks.append(refuse_unbalanced_moe_layers)

@@ -281,6 +281,30 @@ def moe_layer_pattern(args: argparse.Namespace) -> list[bool]:
     return [bool(x) for x in freq]
 
 
+def balanced_moe_layer_ids(args: argparse.Namespace) -> list[int]:
+    """Ids of the MoE layers ``--moe-balancer`` balances (``layer_spec.moe_layer_id``): the
+    decoder's MoE layers, then the MTP block's (built from the last decoder layer's spec, numbered
+    after the decoder). Empty for ``--moe-balancer none``."""
+    from ultraep_megatron.planner import policy
+
+    if args.moe_balancer == policy.NONE:
+        return []
+    pattern = moe_layer_pattern(args)
+    mtp = range(args.num_layers + 1, args.num_layers + 1 + (args.mtp_num_layers or 0))
+    return [i + 1 for i, is_moe in enumerate(pattern) if is_moe] + (list(mtp) if pattern[-1] else [])
+
+
+def _id_ranges(ids: Sequence[int]) -> str:
+    """[1, 2, 3, 5] -> '1-3, 5'."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+
+
 @dataclass
 class LayerParams:
     """Parameters of one transformer layer, split by how Megatron shards them."""
@@ -561,6 +585,14 @@ def format_report(report: RecipeReport) -> str:
         f"{a.num_experts} experts top-{a.moe_router_topk}, expert FFN {a.moe_ffn_hidden_size}; "
         f"{_count(mem.total_params)} parameters, {_count(mem.active_params)} active "
         "(embeddings included, MTP not)",
+    ]
+    balanced = balanced_moe_layer_ids(a)
+    if balanced:
+        mtp = [i for i in balanced if i > a.num_layers]
+        lines.append(f"balanced MoE layers (--moe-balancer {a.moe_balancer}): "
+                     f"{len(balanced) - len(mtp)} decoder{f' + {len(mtp)} MTP' if mtp else ''}, "
+                     f"ids {_id_ranges(balanced)}")
+    lines += [
         f"model FLOPs per iteration (Megatron's formula, global batch {a.global_batch_size}): "
         f"{report.flops:.3e}",
         "rank layout (global ranks):",

@@ -90,10 +90,13 @@ class ExpertLoadTracker:
         _, routing_map = output
         if routing_map.dim() != 2 or routing_map.dtype != torch.bool:
             return  # dense [tokens, topk] indices: the inference-only router path
-        self.record(router.layer_number, routing_map.sum(dim=0))
+        from ultraep_megatron.megatron.layer_spec import moe_layer_id
+
+        self.record(moe_layer_id(router), routing_map.sum(dim=0))
 
     def record(self, layer_number: int, tokens_per_expert: torch.Tensor) -> None:
-        """Add [E] routed-token counts of the 1-based ``layer_number``."""
+        """Add [E] routed-token counts of the 1-based ``layer_number`` (MTP layers after the
+        decoder's, see ``layer_spec.moe_layer_id``)."""
         if self.tokens_per_expert is None:
             self.tokens_per_expert = torch.zeros(self.num_layers, self.num_experts,
                                                  dtype=torch.float64,

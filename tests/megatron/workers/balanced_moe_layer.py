@@ -1,6 +1,7 @@
 """Worker: megatron-core's MoELayer vs UltraEP's BalancedMoELayer on N gloo CPU ranks.
 
-Both layers get the same global weights and tokens; the router is skewed (a large bias on a few
+Both layers get the same global weights and tokens (megatron's layer also gets them in a permuted
+token order: the noise floor of the comparison); the router is skewed (a large bias on a few
 experts' router rows) so the balancer must replicate. Scenarios, each saved to
 ``<out-dir>/rank<r>.pt``:
 
@@ -11,6 +12,8 @@ experts' router rows) so the balancer must replicate. Scenarios, each saved to
 * ``eplb`` / ``eplb-exact``: the baselines through the same dispatcher;
 * ``grouped``: ``TEGroupedMLP`` experts (``--moe-grouped-gemm``) with ``torch_grouped_linear`` in
   Transformer Engine's place, against megatron's MoELayer with the same grouped experts;
+* ``no_replica_grad_reduction``: ``single`` with the replica-gradient reduction broken (the
+  negative control);
 * ``flex``: the balanced flex dispatcher (``--moe-token-dispatcher-type flex``, DeepEP backend) over
   megatron's real ``_DeepepManager``, with ``deepep_gloo`` standing in for DeepEP's CUDA kernels;
   three microbatches in flight, against megatron's all-to-all MoELayer.
@@ -19,6 +22,7 @@ Run:  torchrun --standalone --nproc-per-node 4 balanced_moe_layer.py --out-dir D
 """
 
 import argparse
+import contextlib
 import functools
 import os
 import sys
@@ -122,7 +126,15 @@ def skew(x: torch.Tensor, weights) -> torch.Tensor:
     return x + 0.6 * direction / direction.norm() * x.shape[-1] ** 0.5
 
 
-def run(layer, weights, rank, microbatches: int) -> dict:
+def permuted(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """[SEQ, BATCH, H] with its tokens (flattened SEQ x BATCH) in ``order``."""
+    return x.reshape(-1, x.shape[-1])[order].view_as(x)
+
+
+def run(layer, weights, rank, microbatches: int, permute_tokens: bool = False) -> dict:
+    """Forward + backward of ``microbatches`` microbatches. ``permute_tokens``: feed every
+    microbatch's tokens in another order (results put back in the original order): the same
+    mathematics summed in another order, for the noise floor."""
     balancing = getattr(layer, "balancing", None)
     layer.zero_grad(set_to_none=True)
     layer.train()
@@ -151,19 +163,21 @@ def run(layer, weights, rank, microbatches: int) -> dict:
             return run_replicas(*args)
 
         layer.run_replicas = counting_replicas
-    xs, outs, ups = [], [], []
+    xs, outs, ups, orders = [], [], [], []
     for mb in range(microbatches):
         x, up = rank_inputs(rank, mb)
-        x = skew(x, weights).requires_grad_(True)
+        order = (torch.randperm(SEQ * BATCH, generator=torch.Generator().manual_seed(mb))
+                 if permute_tokens else torch.arange(SEQ * BATCH))
+        x = permuted(skew(x, weights), order).requires_grad_(True)
         out, _ = layer(x)
-        xs.append(x), outs.append(out), ups.append(up)
+        xs.append(x), outs.append(out), ups.append(permuted(up, order)), orders.append(order.argsort())
     ring_live = balancing.ring.live if balancing is not None else 0
     for out, up in zip(outs, ups):  # backwards in forward order, as a 1F1B stage does
         (out * up).sum().backward()
     stats = balancing.pop_stats() if balancing is not None else {}
     return {
-        "out": [o.detach().clone() for o in outs],
-        "dx": [x.grad.detach().clone() for x in xs],
+        "out": [permuted(o.detach(), back).clone() for o, back in zip(outs, orders)],
+        "dx": [permuted(x.grad.detach(), back).clone() for x, back in zip(xs, orders)],
         "router_grad": layer.router.weight.grad.detach().clone(),
         "expert_grads": {
             int(idx): tuple(w.grad.detach().clone() for w in expert_weights(layer, local))
@@ -206,15 +220,22 @@ def main():
         "flex": dict(microbatches=3, recompute=False, balancer="ultraep", dispatcher="flex"),
         "grouped": dict(microbatches=3, recompute=False, balancer="ultraep", grouped=True),
     }
+    # The negative control: the single scenario with replica gradients never reduced (one of the
+    # faults of pretrain_grad_dump.py, which holds every way the tests break the balancer).
+    from pretrain_grad_dump import FAULTS
+
+    scenarios["no_replica_grad_reduction"] = dict(scenarios["single"], fault="no_replica_grad_reduction")
     for name, sc in scenarios.items():
-        for which in ("none", sc["balancer"]):
-            # The reference is always megatron's own all-to-all MoELayer.
-            dispatcher = sc.get("dispatcher", "alltoall") if which != "none" else "alltoall"
-            layer = build_layer(world, None if which == "none" else which, cli.num_slots, sc["recompute"],
+        # The reference is always megatron's own all-to-all MoELayer, also fed permuted tokens.
+        for key, balancer, permute in (("none", None, False), ("none_permuted", None, True),
+                                       ("balanced", sc["balancer"], False)):
+            dispatcher = sc.get("dispatcher", "alltoall") if balancer else "alltoall"
+            layer = build_layer(world, balancer, cli.num_slots, sc["recompute"],
                                 dispatcher, sc.get("grouped", False))
             load_weights(layer, weights)
-            key = f"{name}/{'none' if which == 'none' else 'balanced'}"
-            results[key] = run(layer, weights, rank, sc["microbatches"])
+            key = f"{name}/{key}"
+            with FAULTS[sc["fault"]]() if balancer and "fault" in sc else contextlib.nullcontext():
+                results[key] = run(layer, weights, rank, sc["microbatches"], permute)
             results[key]["dispatcher_class"] = type(layer.token_dispatcher).__name__
             manager = getattr(layer.token_dispatcher, "_comm_manager", None)
             results[key]["manager_class"] = type(manager).__name__ if manager is not None else None

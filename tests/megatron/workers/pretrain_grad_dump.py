@@ -1,15 +1,39 @@
-"""Worker: the repository's pretrain_gpt.py, also saving every parameter's gradient per iteration.
+"""Worker: the repository's pretrain_gpt.py, instrumented for the equivalence tests.
 
-After each ``train_step`` the gradient buffers still hold that iteration's reduced gradients
-(Megatron zeroes them at the start of the next step), so the wrapper copies ``main_grad`` of every
-parameter of every model chunk into ``$ULTRAEP_GRAD_DUMP_DIR/rank<r>.pt`` as
-``{iteration: {param name: grad}}``. Only meaningful without the distributed optimizer (which keeps
-just a shard of the reduced gradient on each rank).
+Everything below is controlled by environment variables; the training itself is pretrain_gpt.py's.
+
+* ``ULTRAEP_GRAD_DUMP_DIR`` (required): where ``rank<r>.pt`` goes, a dict with
+
+  - ``grads``: ``{iteration: {global parameter name: reduced gradient}}`` for the lr-0 iterations
+    (after ``train_step`` the gradient buffers still hold the iteration's reduced gradients;
+    Megatron zeroes them at the start of the next step). Global names do not depend on the
+    parallel layout: decoder layers by their global number, routed experts by their global index,
+    wrapper prefixes dropped. Not written with the distributed optimizer (a rank then holds only
+    a shard of each reduced gradient).
+  - ``expert_bias``: ``{iteration: {global router name: expert bias}}`` after the lr-0
+    iterations' updates.
+  - ``eval``: one record per evaluation (during and after training, in order): the iteration,
+    whether it ran during training, its losses, the imbalance after balancing of each balanced invocation it made and the live
+    virtual-layer-ring slots after it.
+
+* ``ULTRAEP_LR0_ITERS=K``: iterations 1..K run at learning rate 0 (the scheduler's lr is replaced
+  by 0 until then): every one of them computes gradients from the same parameters on a new batch,
+  so runs compare per step. The configured schedule (Adam) takes over from iteration K + 1.
+
+* ``ULTRAEP_EXPERT_BIAS=b0,b1,...``: before the first iteration, every router's expert bias
+  (DeepSeek-V3's aux-loss-free bias, added to the scores for top-k selection) is set to these
+  values: a skewed routing that, saved in a checkpoint, every layout loads alike.
+
+* ``ULTRAEP_FAULTS``: comma-separated faults from :data:`FAULTS`, each ``name@iteration`` (active
+  during that iteration's ``train_step`` only) or ``name`` (the whole run). They break the
+  balancer on purpose, for the negative controls.
 
 Run:  torchrun ... pretrain_grad_dump.py <pretrain_gpt.py arguments>
 """
 
+import contextlib
 import os
+import re
 import runpy
 import sys
 from pathlib import Path
@@ -19,31 +43,253 @@ import torch
 REPO = Path(__file__).resolve().parents[3]
 
 
+# ---------------------------------------------------------------------------------------------
+# Faults: every way the tests break the balancer, in one place. Each is a context manager that
+# patches the narrowest point of the mechanism it breaks and restores it on exit.
+# ---------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _patched(owner, name, replacement):
+    original = getattr(owner, name)
+    setattr(owner, name, replacement(original))
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def _no_replica_grad_reduction():
+    """Replica gradients never reach the main experts: the data plane's reduction runs (every rank
+    takes part, the replica gradient buffer is cleared) but folds into throwaway gradients."""
+    from ultraep_megatron.dataplane import ReplicaBuffer
+
+    def replacement(original):
+        def reduce_gradients(self, schedule, main_grads, **kwargs):
+            dropped = [[torch.zeros_like(g) for g in expert] for expert in main_grads]
+            return original(self, schedule, dropped, **kwargs)
+        return reduce_gradients
+
+    return _patched(ReplicaBuffer, "reduce_gradients", replacement)
+
+
+def _skip_rematerialization():
+    """The backward's re-materialization copies nothing (the buffer is still marked as holding
+    the invocation's replicas), so replica backwards use what a later layer left there."""
+    from ultraep_megatron.dataplane import ReplicaBuffer
+    from ultraep_megatron.megatron.balanced_moe import _in_backward_pass
+
+    def replacement(original):
+        def distribute_weights(self, schedule, main_weights, **kwargs):
+            if not _in_backward_pass():
+                return original(self, schedule, main_weights, **kwargs)
+            return None
+        return distribute_weights
+
+    return _patched(ReplicaBuffer, "distribute_weights", replacement)
+
+
+def _replica_gets_other_layer_weights():
+    """Replicas are filled (forward and backward) with the experts of the next MoE layer of this
+    rank's model, cyclically (a rank with one MoE layer is unaffected)."""
+    from ultraep_megatron.megatron.context import BalancingContext
+
+    def replacement(original):
+        def start_weights(self, layer, invocation):
+            other = self.layers[(self.layers.index(layer) + 1) % len(self.layers)]
+            return original(self, other, invocation)
+        return start_weights
+
+    return _patched(BalancingContext, "start_weights", replacement)
+
+
+def _unbalanced_mtp_layer():
+    """The MTP block keeps Megatron's own MoELayer (its spec is not balanced)."""
+    from ultraep_megatron.megatron import layer_spec
+
+    return _patched(layer_spec, "_balanced_mtp_block_spec",
+                    lambda original: lambda megatron_mtp_block_spec: megatron_mtp_block_spec)
+
+
+FAULTS = {
+    "no_replica_grad_reduction": _no_replica_grad_reduction,
+    "skip_rematerialization": _skip_rematerialization,
+    "replica_gets_other_layer_weights": _replica_gets_other_layer_weights,
+    "unbalanced_mtp_layer": _unbalanced_mtp_layer,
+}
+
+
+def parse_faults(spec: str) -> tuple[list[str], dict[int, list[str]]]:
+    """``"a,b@3"`` -> (whole-run faults, {iteration: faults})."""
+    whole, by_iteration = [], {}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        name, _, iteration = item.partition("@")
+        if name not in FAULTS:
+            raise ValueError(f"unknown fault {name!r}; known: {sorted(FAULTS)}")
+        if iteration:
+            by_iteration.setdefault(int(iteration), []).append(name)
+        else:
+            whole.append(name)
+    return whole, by_iteration
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout-independent parameter names.
+# ---------------------------------------------------------------------------------------------
+
+def global_parameter_names(model_chunks) -> dict[tuple[int, str], str]:
+    """{(chunk index, parameter name): global name}: ``decoder.layers.<global layer - 1>``,
+    ``local_experts.<global expert>``, no ``module.`` wrapper prefixes."""
+    from megatron.core.transformer.moe.moe_layer import BaseMoELayer
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    names = {}
+    for c, chunk in enumerate(model_chunks):
+        layer_renames, expert_renames = [], []
+        for name, module in chunk.named_modules():
+            if isinstance(module, TransformerLayer) and not module.is_mtp_layer:
+                layer_renames.append((f"{name}.", f"decoder.layers.{module.layer_number - 1}."))
+            if isinstance(module, BaseMoELayer):
+                expert_renames += [(f"{name}.experts.local_experts.{j}.",
+                                    f"{name}.experts.local_experts.{e}.")
+                                   for j, e in enumerate(module.local_expert_indices)]
+        for name, _ in chunk.named_parameters():
+            new = name
+            for renames in (expert_renames, layer_renames):  # expert index, then layer prefix
+                for prefix, replacement in renames:
+                    if new.startswith(prefix):
+                        new = replacement + new[len(prefix):]
+                        break
+            names[(c, name)] = re.sub(r"^(module\.)+", "", new)
+    return names
+
+
+def set_expert_bias(model_chunks, values) -> None:
+    """Every router's ``expert_bias`` buffer := ``values`` [E]."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    routers = [m for chunk in model_chunks for m in chunk.modules() if isinstance(m, TopKRouter)]
+    assert routers and all(r.expert_bias is not None for r in routers), "--moe-router-enable-expert-bias"
+    with torch.no_grad():
+        for router in routers:
+            router.expert_bias.copy_(torch.tensor(values))
+
+
+def expert_biases(model_chunks, names) -> dict:
+    """{global router name: expert bias} of ``model_chunks`` (routers with an expert bias)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    out = {}
+    for c, chunk in enumerate(model_chunks):
+        for name, module in chunk.named_modules():
+            if isinstance(module, TopKRouter) and module.expert_bias is not None:
+                out[names[(c, f"{name}.weight")].rsplit(".", 1)[0]] = module.expert_bias.detach().clone()
+    return out
+
+
 def main():
     dump_dir = Path(os.environ["ULTRAEP_GRAD_DUMP_DIR"])
     dump_dir.mkdir(parents=True, exist_ok=True)
+    lr0_iters = int(os.environ.get("ULTRAEP_LR0_ITERS", "0"))
+    expert_bias = os.environ.get("ULTRAEP_EXPERT_BIAS")
+    whole_run_faults, iteration_faults = parse_faults(os.environ.get("ULTRAEP_FAULTS", ""))
     from ultraep_megatron.megatron import cpu_backend
 
     cpu_backend.activate()  # pretrain_gpt.py does it too (idempotent); before megatron imports
-    import megatron.training.training as training
+    import megatron.training.training as megatron_training
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.training.global_vars import get_args
 
-    original = training.train_step
-    grads: dict[int, dict[str, torch.Tensor]] = {}
+    from ultraep_megatron import planner
+    from ultraep_megatron.megatron.context import BalancingContext
+
+    out = {"grads": {}, "expert_bias": {}, "eval": []}
+    names = {}
+    iteration = 0
+
+    scheduler_lr = OptimizerParamScheduler.get_lr
+
+    def get_lr(self, param_group):
+        # The lr of iteration i is set after iteration i - 1, at num_steps = (i - 1) * batch.
+        if self.num_steps < lr0_iters * get_args().global_batch_size:
+            return 0.0
+        return scheduler_lr(self, param_group)
+
+    OptimizerParamScheduler.get_lr = get_lr
+
+    original_train_step = megatron_training.train_step
 
     def train_step(forward_step_func, data_iterator, model, *args, **kwargs):
-        result = original(forward_step_func, data_iterator, model, *args, **kwargs)
-        iteration = len(grads) + 1
-        grads[iteration] = {
-            f"chunk{i}.{name}": param.main_grad.detach().clone()
-            for i, chunk in enumerate(model) for name, param in chunk.named_parameters()
-            if getattr(param, "main_grad", None) is not None
-        }
-        torch.save(grads, dump_dir / f"rank{torch.distributed.get_rank()}.pt")
+        nonlocal iteration
+        iteration += 1
+        if iteration == 1 and expert_bias:
+            set_expert_bias(model, [float(b) for b in expert_bias.split(",")])
+        with contextlib.ExitStack() as faults:
+            for name in iteration_faults.get(iteration, []):
+                faults.enter_context(FAULTS[name]())
+            result = original_train_step(forward_step_func, data_iterator, model, *args, **kwargs)
+        if iteration <= lr0_iters:
+            if not names:
+                names.update(global_parameter_names(model))
+            out["expert_bias"][iteration] = expert_biases(model, names)
+            if not get_args().use_distributed_optimizer:
+                out["grads"][iteration] = {
+                    names[(c, name)]: param.main_grad.detach().clone()
+                    for c, chunk in enumerate(model) for name, param in chunk.named_parameters()
+                    if getattr(param, "main_grad", None) is not None
+                }
         return result
 
-    training.train_step = train_step
+    megatron_training.train_step = train_step
+
+    eval_plans = []
+    contexts = []  # the model's balancing context (one per process here)
+    original_plan = BalancingContext.plan
+
+    def plan(self, layer, load, ep_rank, *, training, grad_enabled):
+        if self not in contexts:
+            contexts.append(self)
+        invocation = original_plan(self, layer, load, ep_rank, training=training, grad_enabled=grad_enabled)
+        if not training:
+            eval_plans.append(planner.metrics(load, invocation.plan)["imbalance_after"])
+        return invocation
+
+    BalancingContext.plan = plan
+
+    original_evaluate = megatron_training.evaluate
+
+    def evaluate(*args, **kwargs):
+        eval_plans.clear()
+        result = original_evaluate(*args, **kwargs)
+        rings = [c.ring for c in contexts if c.ring is not None]
+        out["eval"].append({"iteration": iteration, "during_training": not training_done,
+                            "losses": {key: float(value) for key, value in result[0].items()},
+                            "imbalance_after": list(eval_plans),
+                            "ring_live": sum(ring.live for ring in rings)})
+        return result
+
+    megatron_training.evaluate = evaluate
+
+    training_done = False
+    original_train = megatron_training.train
+
+    def train(*args, **kwargs):
+        nonlocal training_done
+        result = original_train(*args, **kwargs)
+        training_done = True
+        return result
+
+    megatron_training.train = train
+
     sys.argv = [str(REPO / "pretrain_gpt.py"), *sys.argv[1:]]
-    runpy.run_path(str(REPO / "pretrain_gpt.py"), run_name="__main__")
+    with contextlib.ExitStack() as faults:
+        for name in whole_run_faults:
+            faults.enter_context(FAULTS[name]())
+        try:
+            runpy.run_path(str(REPO / "pretrain_gpt.py"), run_name="__main__")
+        except SystemExit as done:
+            if done.code not in (0, None):
+                raise
+    torch.save(out, dump_dir / f"rank{os.environ['RANK']}.pt")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
-"""Worker: Megatron's real argument parser + validation with UltraEP's flags, for many command lines.
+"""Worker: pretrain_gpt.py's argument checks, in its order, for many command lines.
 
-Reads a JSON list of {"name", "argv"} from argv[1]; for each, parses and validates as
-pretrain_gpt.py does and prints one JSON line {"name", "error"} (error: None or the message).
-One process for all cases: parsing needs no distributed setup.
+Reads a JSON list of {"name", "argv"} from argv[1]; for each, runs UltraEP's startup checks on
+Megatron's parse of the command line (``arguments.startup_problems``), then, if they pass,
+Megatron's own parse and validation, and prints one JSON line {"name", "error", "warnings"}
+(error: None or the first message). One process for all cases: parsing needs no distributed setup.
 """
 
 import contextlib
@@ -14,29 +15,32 @@ from ultraep_megatron.megatron import cpu_backend
 
 cpu_backend.activate()
 
-from megatron.training.arguments import parse_and_validate_args  # noqa: E402
+from megatron.training.arguments import parse_and_validate_args, parse_args  # noqa: E402
 from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator  # noqa: E402
 from megatron.training.global_vars import destroy_global_vars  # noqa: E402
 
-from ultraep_megatron.megatron.arguments import add_ultraep_args, validate_ultraep_args  # noqa: E402
+from ultraep_megatron.megatron.arguments import add_ultraep_args, startup_problems  # noqa: E402
 
 
 def main():
     cases = json.loads(open(sys.argv[1]).read())
     for case in cases:
         sys.argv = ["pretrain_gpt.py", *case["argv"]]
-        error = None
+        error, warnings = None, []
         destroy_global_vars()  # each case parses from scratch
         destroy_num_microbatches_calculator()
         usage = io.StringIO()  # argparse reports a bad choice on stderr, then exits
         try:
             with contextlib.redirect_stderr(usage):
-                args = parse_and_validate_args(extra_args_provider=add_ultraep_args,
-                                               args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
-            validate_ultraep_args(args)
+                errors, warnings = startup_problems(parse_args(extra_args_provider=add_ultraep_args))
+                if errors:
+                    raise ValueError(errors[0])
+                parse_and_validate_args(extra_args_provider=add_ultraep_args,
+                                        args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
         except (ValueError, AssertionError, SystemExit) as exc:
             error = f"{type(exc).__name__}: {exc} {usage.getvalue().strip().splitlines()[-1:]}"
-        print("RESULT " + json.dumps({"name": case["name"], "error": error}), flush=True)
+        print("RESULT " + json.dumps({"name": case["name"], "error": error, "warnings": warnings}),
+              flush=True)
 
 
 if __name__ == "__main__":

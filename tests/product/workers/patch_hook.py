@@ -74,6 +74,7 @@ def main() -> None:
         spec = spec_fn(model_cfg, vp_stage=None)
     mlps = [layer.submodules.mlp for layer in spec.layer_specs]
     hook = training.training_log
+    from megatron.training.models import gpt
     print("PATCH_HOOK " + json.dumps({
         "moe_balancer": args.moe_balancer,
         "spec_replaced": spec_fn is not None,
@@ -83,6 +84,8 @@ def main() -> None:
             if "balancing" in getattr(m, "keywords", {}) else None for m in mlps],
         "training_log": type(hook).__name__,
         "dashboard": type(getattr(hook, "dashboard", None)).__name__,
+        "mtp_spec_balanced": getattr(gpt.mtp_block_spec, "ultraep_balanced", False),
+        "post_wrap_hooks": [h.__name__ for h in model_cfg.post_wrap_hooks],
     }), flush=True)
     torch.distributed.destroy_process_group()
 
