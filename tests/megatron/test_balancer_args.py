@@ -62,7 +62,7 @@ CASES = {
     "new_trace_dir": ([*ULTRAEP, "--moe-balancer-trace-dir", "{tmp}/new/trace"], None),
 }
 # Every case runs at EP=1: a balancer whose flags are valid is warned about it.
-WARNED = {"valid_ultraep", "valid_eplb", *(name for name in CASES if "trace" in name)} - {
+WARNED = {"valid_ultraep", "valid_eplb", "valid_domain_trigger_hardware", *(name for name in CASES if "trace" in name)} - {
     "trace_without_balancer"}
 
 

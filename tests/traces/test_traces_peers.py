@@ -17,7 +17,7 @@ from ultraep_megatron import planner, traces
 from ultraep_megatron.analysis import cost as cm
 from ultraep_megatron.analysis.replay import DEEPSEEK_EPLB, LLEP, PeerConfig, peer_summary, replay
 from ultraep_megatron.cli import main
-from ultraep_megatron.cli.common import EXIT_OK
+from ultraep_megatron.cli.common import EXIT_OK, EXIT_USAGE
 from ultraep_megatron.planner import peers, policy
 from ultraep_megatron.planner.policy import BalancerConfig
 from ultraep_megatron.planner.synthetic import zipf_load
@@ -138,6 +138,11 @@ def test_replay_of_synthetic_loads_prints_the_peer_table(tmp_path, capsys):
         assert f"\n{label} " in table, label
     report = json.loads(run_cli(capsys, path, "--no-staleness", "--no-peers", "--json"))
     assert set(report["peer_table"]) == set(policy.COMPARED)
+    # Domains that do not divide the EP group are refused, naming what is wrong.
+    assert main(["replay", str(path), "--moe-balancer-domain-size", "3", "--no-progress"]) == EXIT_USAGE
+    assert "--moe-balancer-domain-size 3 must divide the trace's 8 EP ranks" in capsys.readouterr().err
+    assert main(["replay", str(path), "--scale-up-domain", "3", "--no-progress"]) == EXIT_USAGE
+    assert "does not split into scale-up domains of 3" in capsys.readouterr().err
 
 
 def test_advise_recommends_trigger_floor_and_slots(capsys):

@@ -20,7 +20,6 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ultraep_megatron import planner
 from ultraep_megatron.planner import policy
 from ultraep_megatron.planner.policy import BalancerConfig
 
@@ -127,12 +126,13 @@ def run(args) -> int:
     min_quota = resolve_min_quota(args.moe_balancer_min_quota, shape, hardware,
                                   from_hardware=args.moe_balancer_hardware is not None)
     main, sweep = balancer_configs(args, min_quota)
-    try:
+    if args.moe_balancer_domain_size is not None and records.num_ranks % args.moe_balancer_domain_size:
+        raise common.CliError(f"--moe-balancer-domain-size {args.moe_balancer_domain_size} must divide the "
+                              f"trace's {records.num_ranks} EP ranks")
+    try:  # the NVLink domains the cross-domain figures count: the hardware's (common.shape_and_hardware)
         N = hardware.ranks_per_domain(records.num_ranks)
-        if args.moe_balancer_domain_size is not None:
-            N = min(N, planner.validate_domain_size(args.moe_balancer_domain_size, records.num_ranks))
     except ValueError as exc:
-        raise common.CliError(str(exc)) from None
+        raise common.CliError(f"{exc} (--scale-up-domain, or the --moe-balancer-hardware preset)") from None
     peer_configs = peer_configs_from_args(args, N < records.num_ranks and N)
     with_cost = not args.no_cost
     progress = common.progress_for(args, "replay", records)

@@ -129,8 +129,9 @@ KNOBS: tuple[Knob, ...] = (
          help="Redundant expert slots per expert-parallel rank (ultraep, eplb, eplb-exact). Their "
               "weight and fp32 gradient buffers are shared by all MoE layers. Default: %(default)s."),
     Knob("min_quota", "--moe-balancer-min-quota", int, None, minimum=1,
-         help="ultraep: smallest number of (token, expert) pairs a replica may carry. "
-              "Default: 1%% of the mean per-rank load of the microbatch."),
+         help="ultraep: smallest number of (token, expert) pairs a replica may carry. Default: "
+              "derived from --moe-balancer-hardware when given, else 1%% of the mean per-rank load "
+              "of the microbatch."),
     Knob("trigger", "--moe-balancer-trigger", float, None, minimum=1.0, metavar="X",
          help="ultraep: a layer-microbatch whose rank imbalance before balancing (max/mean tokens "
               "per EP rank, from the exact load) is below X keeps every token at home: no replica, "
