@@ -9,6 +9,7 @@ policy registry (``ultraep_megatron.planner.policy``: names, knobs, defaults, va
 from __future__ import annotations
 
 import argparse
+import re
 
 from ultraep_megatron.planner import policy
 
@@ -33,10 +34,32 @@ def _add_telemetry_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 
 
 def add_ultraep_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Megatron ``extra_args_provider``: adds UltraEP's argument groups to ``parser``."""
+    """Megatron ``extra_args_provider``: adds UltraEP's argument groups to ``parser`` (and makes
+    Megatron's own help printable, see :func:`escape_stray_percent_in_help`)."""
     parser = _add_moe_balancer_args(parser)
     parser = _add_telemetry_args(parser)
+    escape_stray_percent_in_help(parser)
     return parser
+
+
+# A '%' that argparse expands in a help string: '%(name)s'-style or '%%'.
+_HELP_FORMAT = re.compile(r"%(\(\w+\)[-#0 +]*\d*(?:\.\d+)?[a-zA-Z]|%)?")
+
+
+def escape_stray_percent_in_help(parser: argparse.ArgumentParser) -> None:
+    """Escape the ``%`` signs argparse cannot expand in ``parser``'s help strings.
+
+    megatron-core 0.19.2's help of ``--moe-paged-stash-buffer-size-factor-cuda`` ends in a bare
+    "10%", so ``pretrain_gpt.py --help`` died in argparse's formatting. Strings that format are
+    left as they are.
+    """
+    for action in parser._actions:
+        if not isinstance(action.help, str) or "%" not in action.help:
+            continue
+        try:
+            action.help % {**vars(action), "prog": parser.prog}
+        except (ValueError, TypeError, KeyError):
+            action.help = _HELP_FORMAT.sub(lambda m: m[0] if m[1] else "%%", action.help)
 
 
 def balancer_config_from_args(args: argparse.Namespace):

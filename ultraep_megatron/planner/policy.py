@@ -268,7 +268,8 @@ def add_balancer_arguments(parser, *, runtime: bool = True, balancer_flag: bool 
     if balancer_flag:
         parser.add_argument("--moe-balancer", type=str, default=NONE, choices=list(MOE_BALANCERS),
                             help="Expert-load balancer for the MoE layers (training is mathematically "
-                                 "unchanged). " + " ".join(f'"{n}": {d}.' for n, d in BALANCERS.items()))
+                                 "unchanged). " + " ".join(f'"{n}": {d}.' for n, d in BALANCERS.items())
+                                 + " Default: %(default)s.")
     for knob in KNOBS:
         if knob.runtime_only and not runtime:
             continue
