@@ -23,9 +23,10 @@ def _add_moe_balancer_args(parser: argparse.ArgumentParser) -> argparse.Argument
 def _add_telemetry_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group(title='ultraep telemetry')
     group.add_argument('--metrics-jsonl', type=str, default=None,
-                       help='Append one JSON record per training iteration (lm loss, grad '
-                       'norm, per-layer expert-load imbalance) to this file, from the last '
-                       'rank. For tests and benchmarks; the console/wandb logs are unchanged.')
+                       help='One JSON record per training iteration (losses, learning rate, grad '
+                       'norm, per-layer expert-load imbalance) in this file, from the last rank. '
+                       'A resumed run keeps the records before its first iteration; a run from '
+                       'iteration 1 starts the file anew. The console/wandb logs are unchanged.')
     group.add_argument('--no-moe-load-telemetry', action='store_false',
                        dest='moe_load_telemetry',
                        help='Do not compute the per-layer expert-load imbalance '

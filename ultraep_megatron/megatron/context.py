@@ -250,6 +250,9 @@ class BalancingContext:
     """
 
     def __init__(self, config: BalancerConfig):
+        # Load the planner's compiled kernels now (numba: 0.2-0.5 s even from its cache), not in
+        # the first layer of the first iteration, whose plan time (ultraep/plan_ms) it would be.
+        config.build().plan(torch.ones(2, 4, dtype=torch.int64))
         self.config = config
         self.overlap = config.overlap
         self.check_plans = config.check_plans

@@ -1,8 +1,8 @@
 """Dashboards of a balanced MoE training run: what people look at rather than read.
 
 Telemetry (``telemetry.py``) already writes one scalar per MoE layer and iteration to Megatron's
-tensorboard and wandb writers (``moe/load_imbalance/layer_NN`` and, for balanced runs,
-``ultraep/{imbalance_before,imbalance_after,replicas,max_fanout,inflight_ratio,plan_ms}/layer_NN``;
+tensorboard and wandb writers (``moe/load_imbalance/layer_NN``, the load before balancing, and, for
+balanced runs, ``ultraep/{imbalance_after,replicas,max_fanout,inflight_ratio,plan_ms}/layer_NN``;
 wandb groups them by the metric path). On the last rank, after those, :class:`Dashboard` adds:
 
 * ``ultraep/summary/imbalance_{before,after}_{mean,max}``: the same figures over all MoE layers,
