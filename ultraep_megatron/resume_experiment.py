@@ -404,50 +404,46 @@ def write_tables(summaries: Sequence[Summary], results: Sequence[RunResult], out
 
 def plot(summaries: Sequence[Summary], results: Sequence[RunResult], output_dir: Path,
          warmup: int, title: str) -> Path:
-    """comparison.png: TFLOP/s/GPU per balancer, per iteration, and per-layer imbalance."""
-    import matplotlib
+    """comparison.png: TFLOP/s/GPU per balancer, per iteration, and per-layer imbalance, each
+    balancer in its colour (``plotting.BALANCER_COLORS``); a failed run is a hatched grey bar."""
+    from ultraep_megatron import plotting
 
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
-    fig, (bars, lines, layers) = plt.subplots(1, 3, figsize=(16, 4.6), constrained_layout=True)
-    names = [s.balancer for s in summaries]
-    values = [0.0 if math.isnan(s.tflops) else s.tflops for s in summaries]
-    colors = ["tab:gray" if not s.status == "ok" else
-              ("tab:green" if s.balancer == policy.IDEAL else "tab:blue") for s in summaries]
-    bars.bar(names, values, color=colors)
+    plt = plotting.pyplot()
+    fig, (bars, lines, layers) = plt.subplots(1, 3, figsize=(16, 4.8), layout="constrained")
     for i, s in enumerate(summaries):
-        label = ("failed" if s.status != "ok" else
+        ok = s.status == "ok" and not math.isnan(s.tflops)
+        bars.bar(i, s.tflops if ok else 0.0, color=plotting.balancer_color(s.balancer) if ok else "0.85",
+                 hatch=None if ok else "//", edgecolor="0.5" if not ok else None,
+                 label=s.balancer if ok else f"_{s.balancer} failed")
+        label = ("failed" if not ok else
                  (f"{s.fraction_of_ideal:.0%} of ideal" if not math.isnan(s.fraction_of_ideal)
                   else f"{s.tflops:.3g}"))
-        bars.annotate(label, (i, values[i]), ha="center", va="bottom", fontsize=8)
+        bars.annotate(label, (i, s.tflops if ok else 0.0), ha="center", va="bottom", fontsize=8)
+    bars.set_xticks(range(len(summaries)), [s.balancer for s in summaries])
+    bars.margins(y=0.12)
     bars.set_ylabel("TFLOP/s/GPU (Megatron's formula)")
-    bars.set_title("throughput over the window")
+    bars.set_title("throughput over the window", fontsize=10)
     for r in results:
         stats = measured_iterations(r, warmup)
         if stats:
+            color = plotting.balancer_color(r.balancer)
             lines.plot([x.iteration for x in stats], [window_tflops([x]) for x in stats],
-                       marker="o", label=r.balancer)
+                       marker="o", color=color, label=r.balancer)
             layer_ids = sorted(stats[0].imbalance_after)
             layers.plot(layer_ids, [_mean([x.imbalance_after.get(l) for x in stats]) for l in layer_ids],
-                        marker=".", label=r.balancer)
+                        marker=".", color=color, label=r.balancer)
     lines.set_xlabel("iteration")
     lines.set_ylabel("TFLOP/s/GPU")
-    lines.set_title("per iteration")
+    lines.set_title("per iteration", fontsize=10)
     layers.set_xlabel("MoE layer")
     layers.set_ylabel("max / mean tokens per EP rank")
-    layers.set_title("imbalance the ranks computed (after balancing)")
-    from matplotlib.ticker import MaxNLocator
-
+    layers.set_title("imbalance the ranks computed (after balancing)", fontsize=10)
     for ax in (lines, layers):
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        plotting.integer_ticks(ax.xaxis)
         if ax.lines:
             ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
-    path = output_dir / "comparison.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return plotting.save_figure(fig, output_dir / "comparison.png", dpi=100)
 
 
 # ----------------------------------------------------------------------------------------------

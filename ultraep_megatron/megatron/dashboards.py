@@ -25,6 +25,8 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from ultraep_megatron.plotting import render_heatmap
+
 #: wandb image key of the heatmap.
 HEATMAP_METRIC = "ultraep/imbalance_heatmap"
 #: Prefix of the all-layer summaries.
@@ -82,56 +84,6 @@ class ImbalanceHistory:
             for layer, value in (a or {}).items():
                 after_m[row[layer], t] = value
         return iterations, np.array(layers, dtype=np.int64), before, after_m
-
-
-def render_heatmap(iterations, layers, before, after, path: str | Path, title: str = "") -> Path:
-    """Draw the layer x iteration imbalance heatmap(s) to ``path`` (PNG).
-
-    Args:
-        iterations: [T] iteration numbers (columns).
-        layers: [L] 1-based MoE layer numbers (rows).
-        before: [L, T] max/mean per-EP-rank load from the router.
-        after: [L, T] the same after balancing, or None for an unbalanced run.
-        path: output file.
-        title: figure title.
-
-    Returns:
-        ``path``.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-    import numpy as np
-    from matplotlib.ticker import MaxNLocator
-
-    panels = [("before balancing (router)", before)] + ([("after balancing", after)]
-                                                        if after is not None else [])
-    finite = np.concatenate([m[np.isfinite(m)] for _, m in panels]) if before.size else np.ones(1)
-    vmax = max(float(finite.max()) if finite.size else 1.0, 1.05)
-    width = min(6.5 + 0.03 * len(iterations), 14.0)
-    height = min(1.6 + 0.15 * len(layers), 5.0)
-    fig, axes = plt.subplots(len(panels), 1, figsize=(width, height * len(panels)), squeeze=False,
-                             constrained_layout=True)
-    extent = [iterations[0] - 0.5, iterations[-1] + 0.5, layers[-1] + 0.5, layers[0] - 0.5] \
-        if len(iterations) and len(layers) else None
-    image = None
-    for ax, (name, matrix) in zip(axes[:, 0], panels):
-        image = ax.imshow(matrix, aspect="auto", interpolation="nearest", cmap="magma_r",
-                          vmin=1.0, vmax=vmax, extent=extent)
-        ax.set_title(name, fontsize=10)
-        ax.set_ylabel("MoE layer")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    axes[-1, 0].set_xlabel("iteration")
-    fig.colorbar(image, ax=axes[:, 0].tolist(), label="max / mean tokens per EP rank")
-    if title:
-        fig.suptitle(title, fontsize=9)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
 
 
 def log_scalars(scalars: Mapping[str, float], iteration: int, writer: Any = None,
@@ -246,7 +198,10 @@ class Dashboard:
             import tempfile
 
             path = Path(tempfile.mkdtemp(prefix="ultraep_heatmap_")) / f"{HEATMAP_STEM}{iteration:07d}.png"
-        render_heatmap(iterations, layers, before, after, path, title)
+        panels = [("before balancing (router)", before)]
+        if after is not None:
+            panels.append(("after balancing", after))
+        render_heatmap(iterations, layers, panels, path, title)
         arrays = {"iterations": iterations, "layers": layers, "imbalance_before": before}
         if after is not None:
             arrays["imbalance_after"] = after
