@@ -5,14 +5,18 @@ short window (~20 iterations) and compare Megatron's TFLOP/s/GPU. For each balan
 runs the launch command once with, appended (later arguments win in Megatron's parser)::
 
     --load CKPT --ckpt-step S --exit-interval S+N      # resume at S, stop after N iterations
+    --train-iters T                                     # the checkpoint's (its LR schedule's)
     --moe-balancer B                                    # ideal: policy.IDEAL_MEGATRON_ARGS
     --log-interval 1 --log-throughput --eval-iters 0 --metrics-jsonl OUT/B/metrics.jsonl
     --wandb-exp-name <prefix>-B --wandb-save-dir OUT/B
 
 and the environment ``RUN_DIR=OUT/B SAVE_CHECKPOINTS=0 CHECKPOINT_DIR=CKPT`` (the recipes' own
-conventions). Every run restores the checkpoint's model, optimizer, RNG and data position, so all
-balancers see the same batches; ``--train-iters`` and the LR schedule stay the recipe's. The
-checkpoint is never written: a run that changes it is reported as failed.
+conventions), with ``ULTRAEP_PYTHON`` the running interpreter unless it is set. Every run restores
+the checkpoint's model, optimizer, RNG and data position, so all balancers see the same batches.
+The checkpoint's saved arguments are read first (megatron-core's own reader): its ``--train-iters``
+is passed on, since Megatron refuses to resume an LR schedule of another length, and a window past
+it is refused before anything is launched. The checkpoint is never written: a run that changes it
+is reported as failed.
 
 Per run it reads Megatron's log lines (``elapsed time per iteration (ms)``, ``throughput per GPU
 (TFLOP/s/GPU)``) and the ``--metrics-jsonl`` records (per-layer imbalance before/after balancing,
@@ -31,7 +35,7 @@ time x 1e12 x world size), i.e. Megatron's own figure over the window (the first
         --output-dir results/qwen3 -- bash recipes/qwen3_235b_a22b_ep64_dp4.sh
 
 The command line is in ``ultraep_megatron/cli/resume_experiment.py``. No Megatron import: runs are
-subprocesses.
+subprocesses (the checkpoint's arguments are read with megatron-core's checkpoint reader).
 """
 
 from __future__ import annotations
@@ -107,6 +111,35 @@ def checkpoint_iteration(checkpoint: Path) -> int:
     return int(text)
 
 
+def checkpoint_args(checkpoint: Path, step: int):
+    """The arguments the run that saved ``checkpoint``'s iteration ``step`` was launched with
+    (Megatron's ``args`` in its common state), or ``None`` when the directory holds no checkpoint
+    files this knows (``torch_dist``: ``metadata.json``; ``torch``: ``mp_rank_*/model_optim_rng.pt``).
+
+    Raises:
+        ExperimentError: the files are there but cannot be read.
+    """
+    directory = checkpoint / f"iter_{step:07d}"
+    torch_format = sorted(directory.glob("mp_rank_*/model_optim_rng.pt"))
+    try:
+        if (directory / "metadata.json").is_file():
+            import warnings
+
+            with warnings.catch_warnings():  # Megatron's import-time notes (no TE, no Apex)
+                warnings.simplefilter("ignore")
+                from megatron.core.dist_checkpointing.serialization import load_common_state_dict
+
+                return load_common_state_dict(str(directory))["args"]
+        if torch_format:
+            import torch
+
+            # mmap: the arguments without reading the weights.
+            return torch.load(torch_format[0], map_location="cpu", mmap=True, weights_only=False)["args"]
+    except Exception as error:
+        raise ExperimentError(f"{directory}: cannot read the checkpoint's arguments ({error!r})") from None
+    return None
+
+
 def _checkpoint_state(checkpoint: Path) -> tuple[str, tuple[str, ...]]:
     """What a run must leave unchanged: the tracker file and the saved iterations."""
     tracker = checkpoint / TRACKER
@@ -123,8 +156,10 @@ def balancer_args(balancer: str, ideal_args: Sequence[str]) -> list[str]:
 def run_balancer(balancer: str, launch: Sequence[str], checkpoint: Path, start: int,
                  iterations: int, output_dir: Path, *, ideal_args: Sequence[str] = (),
                  exp_prefix: str = "resume", timeout_s: Optional[float] = None,
-                 progress: Optional[TextIO] = None, index: str = "") -> RunResult:
-    """Resume ``checkpoint`` at ``start`` under ``balancer`` for ``iterations`` iterations.
+                 progress: Optional[TextIO] = None, index: str = "",
+                 train_iters: Optional[int] = None) -> RunResult:
+    """Resume ``checkpoint`` at ``start`` under ``balancer`` for ``iterations`` iterations
+    (``train_iters``: the checkpoint's ``--train-iters``, passed on).
 
     The combined output goes to ``output_dir/<balancer>/log.txt``; progress (one line per
     iteration) to ``progress``. A failure (non-zero exit, timeout, missing iterations, changed
@@ -140,12 +175,13 @@ def run_balancer(balancer: str, launch: Sequence[str], checkpoint: Path, start: 
         *launch,
         "--load", str(checkpoint), "--ckpt-step", str(start),
         "--exit-interval", str(start + iterations),
+        *(["--train-iters", str(train_iters)] if train_iters is not None else []),
         *balancer_args(balancer, ideal_args),
         "--log-interval", "1", "--log-throughput", "--eval-iters", "0",
         "--metrics-jsonl", str(metrics),
         "--wandb-exp-name", f"{exp_prefix}-{start}-{balancer}", "--wandb-save-dir", str(run_dir),
     ]
-    env = {**os.environ, "RUN_DIR": str(run_dir), "SAVE_CHECKPOINTS": "0",
+    env = {"ULTRAEP_PYTHON": sys.executable, **os.environ, "RUN_DIR": str(run_dir), "SAVE_CHECKPOINTS": "0",
            "CHECKPOINT_DIR": str(checkpoint), "PYTHONUNBUFFERED": "1"}
     before = _checkpoint_state(checkpoint)
     result = RunResult(balancer, "ok", run_dir, command)
@@ -451,12 +487,18 @@ def plot(summaries: Sequence[Summary], results: Sequence[RunResult], output_dir:
 # ----------------------------------------------------------------------------------------------
 
 def run_experiment(launch: Sequence[str], checkpoint: Path, balancers: Sequence[str],
-                   iterations: int, output_dir: Path, *, warmup: int = 1,
+                   iterations: int, output_dir: Path, *, warmup: Optional[int] = None,
                    ckpt_step: Optional[int] = None, ideal_args: Sequence[str] = (),
                    exp_prefix: str = "resume", timeout_s: Optional[float] = None,
                    progress: Optional[TextIO] = None) -> tuple[list[RunResult], list[Summary]]:
-    """Run every balancer, write tables and plot; returns (runs, summaries)."""
+    """Run every balancer, write tables and plot; returns (runs, summaries).
+
+    ``warmup``: iterations left out of the figures; default 1, or 0 for a one-iteration window
+    (whose figures then include the start-up, as the report says).
+    """
     progress = progress or sys.stdout
+    if warmup is None:
+        warmup = 1 if iterations > 1 else 0
     unknown = [b for b in balancers if b not in policy.COMPARED]
     if unknown:
         raise ExperimentError(f"unknown balancer(s) {unknown}; choose from {list(policy.COMPARED)}")
@@ -471,13 +513,26 @@ def run_experiment(launch: Sequence[str], checkpoint: Path, balancers: Sequence[
     start = ckpt_step if ckpt_step is not None else checkpoint_iteration(checkpoint)
     if not (checkpoint / f"iter_{start:07d}").is_dir():
         raise ExperimentError(f"{checkpoint}: no iter_{start:07d}")
+    saved = checkpoint_args(checkpoint, start)
+    train_iters = getattr(saved, "train_iters", None)
+    if saved is None:
+        print(f"note: {checkpoint}/iter_{start:07d} holds no checkpoint files this reads (torch_dist or "
+              "torch format): its --train-iters is not checked", file=progress, flush=True)
+    elif train_iters is not None and start + iterations > train_iters:
+        raise ExperimentError(
+            f"the checkpoint's run trains {train_iters} iterations (--train-iters {train_iters}, which sets "
+            f"its LR schedule): resuming iteration {start} leaves {max(train_iters - start, 0)}, fewer than "
+            f"--iterations {iterations}")
+    if warmup == 0:
+        print("note: no warm-up iteration is left out: the figures include the resume's start-up",
+              file=progress, flush=True)
     output_dir.mkdir(parents=True, exist_ok=True)
     results = []
     for i, balancer in enumerate(balancers):
         results.append(run_balancer(
             balancer, launch, checkpoint, start, iterations, output_dir, ideal_args=ideal_args,
             exp_prefix=exp_prefix, timeout_s=timeout_s, progress=progress,
-            index=f"{i + 1}/{len(balancers)} "))
+            index=f"{i + 1}/{len(balancers)} ", train_iters=train_iters))
     summaries = summarize(results, warmup)
     header = (f"# Resume experiment: {checkpoint} at iteration {start}, {iterations} iterations "
               f"per balancer\n\nLaunch: `{shlex.join(launch)}`")
