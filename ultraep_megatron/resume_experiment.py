@@ -526,7 +526,10 @@ def run_experiment(launch: Sequence[str], checkpoint: Path, balancers: Sequence[
     if warmup == 0:
         print("note: no warm-up iteration is left out: the figures include the resume's start-up",
               file=progress, flush=True)
-    output_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ExperimentError(f"--output-dir {output_dir}: {error.strerror or error}") from None
     results = []
     for i, balancer in enumerate(balancers):
         results.append(run_balancer(
