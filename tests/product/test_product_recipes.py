@@ -263,3 +263,15 @@ def test_batch_problems_name_the_training_batch_unless_eval_batches_are_set(caps
                  "--eval-global-batch-size", "20"]) == 1
     problems = [line for line in capsys.readouterr().out.splitlines() if "PROBLEM:" in line]
     assert len(problems) == 1 and "eval_global_batch_size (20)" in problems[0]
+
+
+def test_recipes_switch_to_grouped_gemm_or_flex_as_the_docs_say():
+    """docs/recipes.md: a recipe switches to TE's grouped-GEMM experts with --moe-grouped-gemm (the
+    checker answers Megatron's compute-capability question as a Hopper GPU), and to the flex
+    dispatcher where DeepEP is installed (not here: refused, naming it)."""
+    launch = check_recipe.capture_launch(RECIPES / "qwen3_235b_a22b_ep64_dp4.sh")
+    report = check_recipe.check_launch(check_recipe.Launch(4, 64, "pretrain_gpt.py", [*launch.args, "--moe-grouped-gemm"]))
+    assert report.args.moe_grouped_gemm and report.args.moe_balancer == "ultraep" and report.problems() == []
+    flex = ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "deepep"]
+    with pytest.raises(check_recipe.RecipeError, match="needs DeepEP"):
+        check_recipe.check_launch(check_recipe.Launch(4, 64, "pretrain_gpt.py", [*launch.args, *flex]))

@@ -42,11 +42,15 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
+from unittest import mock
 
 from ultraep_megatron.planner import policy
 
 #: GPUs in one rack-scale node's scale-up domain (an NVL72 rack with 64 GPUs in use, §8.1).
 DEFAULT_RACK_SIZE = 64
+#: What validation on a machine without a GPU answers when Megatron asks the device's compute
+#: capability (``--moe-grouped-gemm`` needs >= 8): a Hopper GPU's, the oldest the recipes target.
+TARGET_CAPABILITY = (9, 0)
 GIB = 1024 ** 3
 MIB = 1024 ** 2
 
@@ -217,10 +221,14 @@ def validate_arguments(script_args: Sequence[str], world_size: int) -> tuple[arg
 
         from ultraep_megatron.megatron.arguments import add_ultraep_args, validate_ultraep_args
 
+    import torch
+
     printed = io.StringIO()
     args = None
+    no_gpu = contextlib.nullcontext() if torch.cuda.is_available() else \
+        mock.patch("torch.cuda.get_device_capability", return_value=TARGET_CAPABILITY)
     try:
-        with _rank0_of(world_size, ["pretrain_gpt.py", *script_args]), quiet_megatron(), \
+        with _rank0_of(world_size, ["pretrain_gpt.py", *script_args]), quiet_megatron(), no_gpu, \
                 contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
             args = parse_args(extra_args_provider=add_ultraep_args)
             eval_batch_given = (args.eval_global_batch_size, args.eval_micro_batch_size) != (None, None)
