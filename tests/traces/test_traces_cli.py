@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -76,6 +77,11 @@ def test_replay_report_json_csv_and_plots(trace_dir, tmp_path, capsys):
                  "Plan time: fixed 50 us", "--moe-balancer-num-slots 1"):
         assert text in captured.out, text
     assert "[replay]" in captured.err  # progress on stderr
+    # The per-layer table: mean/max with the same three decimals, never a mean above its max.
+    table = captured.out[captured.out.index("Per layer: imbalance mean/max"):].split("\n\n")[0]
+    cells = re.findall(r"(\d+\.\d+)/(\d+\.\d+)", table)
+    assert len(cells) == 2 * len(COMPARED)  # 2 layers
+    assert all(len(m.split(".")[1]) == len(x.split(".")[1]) == 3 and float(m) <= float(x) for m, x in cells)
     payload = json.loads((out_dir / "replay.json").read_text())
     assert payload["num_records"] == 24 and payload["layers"] == [1, 2]
     assert set(payload["quality"]) == set(COMPARED) | {"eplb/i=1/w=1", "eplb/i=4/w=4"}
