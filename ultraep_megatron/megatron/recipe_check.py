@@ -224,7 +224,6 @@ def validate_arguments(script_args: Sequence[str], world_size: int) -> tuple[arg
     import torch
 
     printed = io.StringIO()
-    args = None
     no_gpu = contextlib.nullcontext() if torch.cuda.is_available() else \
         mock.patch("torch.cuda.get_device_capability", return_value=TARGET_CAPABILITY)
     try:
