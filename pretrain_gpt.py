@@ -12,15 +12,20 @@ when missing, with a log line, and refused when given otherwise. See recipes/tin
     torchrun --nproc-per-node 4 pretrain_gpt.py --mock-data --tokenizer-type NullTokenizer ...
 """
 
+import logging
 import os
 import resource
 import sys
 import warnings
 from functools import partial
 
-# Megatron's import-time warnings (no TE/Apex, deprecations) would repeat on every rank.
-if os.environ.get("RANK", "0") != "0":
+# Megatron's import-time warnings (no TE/Apex, deprecations) would repeat on every rank; `--help`
+# prints the arguments alone (no warnings, no CPU-backend banner).
+HELP_ONLY = not {"-h", "--help"}.isdisjoint(sys.argv[1:])
+if os.environ.get("RANK", "0") != "0" or HELP_ONLY:
     warnings.filterwarnings("ignore")
+if HELP_ONLY:
+    logging.disable(logging.WARNING)
 
 import torch
 

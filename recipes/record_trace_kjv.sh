@@ -123,7 +123,6 @@ LOGGING_ARGS=(
     --metrics-jsonl "$RUN_DIR/metrics.jsonl"
 )
 
-rm -f "$RUN_DIR/metrics.jsonl"
 exec "$PYTHON" -m torch.distributed.run "${DISTRIBUTED_ARGS[@]}" "$REPO/pretrain_gpt.py" \
     "${CPU_ARGS[@]}" "${MODEL_ARGS[@]}" "${MOE_ARGS[@]}" "${PARALLEL_ARGS[@]}" \
     "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" "${BALANCER_ARGS[@]}" "${LOGGING_ARGS[@]}" "$@"

@@ -5,14 +5,18 @@ short window (~20 iterations) and compare Megatron's TFLOP/s/GPU. For each balan
 runs the launch command once with, appended (later arguments win in Megatron's parser)::
 
     --load CKPT --ckpt-step S --exit-interval S+N      # resume at S, stop after N iterations
+    --train-iters T                                     # the checkpoint's (its LR schedule's)
     --moe-balancer B                                    # ideal: policy.IDEAL_MEGATRON_ARGS
     --log-interval 1 --log-throughput --eval-iters 0 --metrics-jsonl OUT/B/metrics.jsonl
     --wandb-exp-name <prefix>-B --wandb-save-dir OUT/B
 
 and the environment ``RUN_DIR=OUT/B SAVE_CHECKPOINTS=0 CHECKPOINT_DIR=CKPT`` (the recipes' own
-conventions). Every run restores the checkpoint's model, optimizer, RNG and data position, so all
-balancers see the same batches; ``--train-iters`` and the LR schedule stay the recipe's. The
-checkpoint is never written: a run that changes it is reported as failed.
+conventions), with ``ULTRAEP_PYTHON`` the running interpreter unless it is set. Every run restores
+the checkpoint's model, optimizer, RNG and data position, so all balancers see the same batches.
+The checkpoint's saved arguments are read first (megatron-core's own reader): its ``--train-iters``
+is passed on, since Megatron refuses to resume an LR schedule of another length, and a window past
+it is refused before anything is launched. The checkpoint is never written: a run that changes it
+is reported as failed.
 
 Per run it reads Megatron's log lines (``elapsed time per iteration (ms)``, ``throughput per GPU
 (TFLOP/s/GPU)``) and the ``--metrics-jsonl`` records (per-layer imbalance before/after balancing,
@@ -31,7 +35,7 @@ time x 1e12 x world size), i.e. Megatron's own figure over the window (the first
         --output-dir results/qwen3 -- bash recipes/qwen3_235b_a22b_ep64_dp4.sh
 
 The command line is in ``ultraep_megatron/cli/resume_experiment.py``. No Megatron import: runs are
-subprocesses.
+subprocesses (the checkpoint's arguments are read with megatron-core's checkpoint reader).
 """
 
 from __future__ import annotations
@@ -107,6 +111,35 @@ def checkpoint_iteration(checkpoint: Path) -> int:
     return int(text)
 
 
+def checkpoint_args(checkpoint: Path, step: int):
+    """The arguments the run that saved ``checkpoint``'s iteration ``step`` was launched with
+    (Megatron's ``args`` in its common state), or ``None`` when the directory holds no checkpoint
+    files this knows (``torch_dist``: ``metadata.json``; ``torch``: ``mp_rank_*/model_optim_rng.pt``).
+
+    Raises:
+        ExperimentError: the files are there but cannot be read.
+    """
+    directory = checkpoint / f"iter_{step:07d}"
+    torch_format = sorted(directory.glob("mp_rank_*/model_optim_rng.pt"))
+    try:
+        if (directory / "metadata.json").is_file():
+            import warnings
+
+            with warnings.catch_warnings():  # Megatron's import-time notes (no TE, no Apex)
+                warnings.simplefilter("ignore")
+                from megatron.core.dist_checkpointing.serialization import load_common_state_dict
+
+                return load_common_state_dict(str(directory))["args"]
+        if torch_format:
+            import torch
+
+            # mmap: the arguments without reading the weights.
+            return torch.load(torch_format[0], map_location="cpu", mmap=True, weights_only=False)["args"]
+    except Exception as error:
+        raise ExperimentError(f"{directory}: cannot read the checkpoint's arguments ({error!r})") from None
+    return None
+
+
 def _checkpoint_state(checkpoint: Path) -> tuple[str, tuple[str, ...]]:
     """What a run must leave unchanged: the tracker file and the saved iterations."""
     tracker = checkpoint / TRACKER
@@ -123,8 +156,10 @@ def balancer_args(balancer: str, ideal_args: Sequence[str]) -> list[str]:
 def run_balancer(balancer: str, launch: Sequence[str], checkpoint: Path, start: int,
                  iterations: int, output_dir: Path, *, ideal_args: Sequence[str] = (),
                  exp_prefix: str = "resume", timeout_s: Optional[float] = None,
-                 progress: Optional[TextIO] = None, index: str = "") -> RunResult:
-    """Resume ``checkpoint`` at ``start`` under ``balancer`` for ``iterations`` iterations.
+                 progress: Optional[TextIO] = None, index: str = "",
+                 train_iters: Optional[int] = None) -> RunResult:
+    """Resume ``checkpoint`` at ``start`` under ``balancer`` for ``iterations`` iterations
+    (``train_iters``: the checkpoint's ``--train-iters``, passed on).
 
     The combined output goes to ``output_dir/<balancer>/log.txt``; progress (one line per
     iteration) to ``progress``. A failure (non-zero exit, timeout, missing iterations, changed
@@ -140,12 +175,13 @@ def run_balancer(balancer: str, launch: Sequence[str], checkpoint: Path, start: 
         *launch,
         "--load", str(checkpoint), "--ckpt-step", str(start),
         "--exit-interval", str(start + iterations),
+        *(["--train-iters", str(train_iters)] if train_iters is not None else []),
         *balancer_args(balancer, ideal_args),
         "--log-interval", "1", "--log-throughput", "--eval-iters", "0",
         "--metrics-jsonl", str(metrics),
         "--wandb-exp-name", f"{exp_prefix}-{start}-{balancer}", "--wandb-save-dir", str(run_dir),
     ]
-    env = {**os.environ, "RUN_DIR": str(run_dir), "SAVE_CHECKPOINTS": "0",
+    env = {"ULTRAEP_PYTHON": sys.executable, **os.environ, "RUN_DIR": str(run_dir), "SAVE_CHECKPOINTS": "0",
            "CHECKPOINT_DIR": str(checkpoint), "PYTHONUNBUFFERED": "1"}
     before = _checkpoint_state(checkpoint)
     result = RunResult(balancer, "ok", run_dir, command)
@@ -404,50 +440,46 @@ def write_tables(summaries: Sequence[Summary], results: Sequence[RunResult], out
 
 def plot(summaries: Sequence[Summary], results: Sequence[RunResult], output_dir: Path,
          warmup: int, title: str) -> Path:
-    """comparison.png: TFLOP/s/GPU per balancer, per iteration, and per-layer imbalance."""
-    import matplotlib
+    """comparison.png: TFLOP/s/GPU per balancer, per iteration, and per-layer imbalance, each
+    balancer in its colour (``plotting.BALANCER_COLORS``); a failed run is a hatched grey bar."""
+    from ultraep_megatron import plotting
 
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
-    fig, (bars, lines, layers) = plt.subplots(1, 3, figsize=(16, 4.6), constrained_layout=True)
-    names = [s.balancer for s in summaries]
-    values = [0.0 if math.isnan(s.tflops) else s.tflops for s in summaries]
-    colors = ["tab:gray" if not s.status == "ok" else
-              ("tab:green" if s.balancer == policy.IDEAL else "tab:blue") for s in summaries]
-    bars.bar(names, values, color=colors)
+    plt = plotting.pyplot()
+    fig, (bars, lines, layers) = plt.subplots(1, 3, figsize=(16, 4.8), layout="constrained")
     for i, s in enumerate(summaries):
-        label = ("failed" if s.status != "ok" else
+        ok = s.status == "ok" and not math.isnan(s.tflops)
+        bars.bar(i, s.tflops if ok else 0.0, color=plotting.balancer_color(s.balancer) if ok else "0.85",
+                 hatch=None if ok else "//", edgecolor="0.5" if not ok else None,
+                 label=s.balancer if ok else f"_{s.balancer} failed")
+        label = ("failed" if not ok else
                  (f"{s.fraction_of_ideal:.0%} of ideal" if not math.isnan(s.fraction_of_ideal)
                   else f"{s.tflops:.3g}"))
-        bars.annotate(label, (i, values[i]), ha="center", va="bottom", fontsize=8)
+        bars.annotate(label, (i, s.tflops if ok else 0.0), ha="center", va="bottom", fontsize=8)
+    bars.set_xticks(range(len(summaries)), [s.balancer for s in summaries])
+    bars.margins(y=0.12)
     bars.set_ylabel("TFLOP/s/GPU (Megatron's formula)")
-    bars.set_title("throughput over the window")
+    bars.set_title("throughput over the window", fontsize=10)
     for r in results:
         stats = measured_iterations(r, warmup)
         if stats:
+            color = plotting.balancer_color(r.balancer)
             lines.plot([x.iteration for x in stats], [window_tflops([x]) for x in stats],
-                       marker="o", label=r.balancer)
+                       marker="o", color=color, label=r.balancer)
             layer_ids = sorted(stats[0].imbalance_after)
             layers.plot(layer_ids, [_mean([x.imbalance_after.get(l) for x in stats]) for l in layer_ids],
-                        marker=".", label=r.balancer)
+                        marker=".", color=color, label=r.balancer)
     lines.set_xlabel("iteration")
     lines.set_ylabel("TFLOP/s/GPU")
-    lines.set_title("per iteration")
+    lines.set_title("per iteration", fontsize=10)
     layers.set_xlabel("MoE layer")
     layers.set_ylabel("max / mean tokens per EP rank")
-    layers.set_title("imbalance the ranks computed (after balancing)")
-    from matplotlib.ticker import MaxNLocator
-
+    layers.set_title("imbalance the ranks computed (after balancing)", fontsize=10)
     for ax in (lines, layers):
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        plotting.integer_ticks(ax.xaxis)
         if ax.lines:
             ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
-    path = output_dir / "comparison.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return plotting.save_figure(fig, output_dir / "comparison.png", dpi=100)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -455,12 +487,18 @@ def plot(summaries: Sequence[Summary], results: Sequence[RunResult], output_dir:
 # ----------------------------------------------------------------------------------------------
 
 def run_experiment(launch: Sequence[str], checkpoint: Path, balancers: Sequence[str],
-                   iterations: int, output_dir: Path, *, warmup: int = 1,
+                   iterations: int, output_dir: Path, *, warmup: Optional[int] = None,
                    ckpt_step: Optional[int] = None, ideal_args: Sequence[str] = (),
                    exp_prefix: str = "resume", timeout_s: Optional[float] = None,
                    progress: Optional[TextIO] = None) -> tuple[list[RunResult], list[Summary]]:
-    """Run every balancer, write tables and plot; returns (runs, summaries)."""
+    """Run every balancer, write tables and plot; returns (runs, summaries).
+
+    ``warmup``: iterations left out of the figures; default 1, or 0 for a one-iteration window
+    (whose figures then include the start-up, as the report says).
+    """
     progress = progress or sys.stdout
+    if warmup is None:
+        warmup = 1 if iterations > 1 else 0
     unknown = [b for b in balancers if b not in policy.COMPARED]
     if unknown:
         raise ExperimentError(f"unknown balancer(s) {unknown}; choose from {list(policy.COMPARED)}")
@@ -475,13 +513,29 @@ def run_experiment(launch: Sequence[str], checkpoint: Path, balancers: Sequence[
     start = ckpt_step if ckpt_step is not None else checkpoint_iteration(checkpoint)
     if not (checkpoint / f"iter_{start:07d}").is_dir():
         raise ExperimentError(f"{checkpoint}: no iter_{start:07d}")
-    output_dir.mkdir(parents=True, exist_ok=True)
+    saved = checkpoint_args(checkpoint, start)
+    train_iters = getattr(saved, "train_iters", None)
+    if saved is None:
+        print(f"note: {checkpoint}/iter_{start:07d} holds no checkpoint files this reads (torch_dist or "
+              "torch format): its --train-iters is not checked", file=progress, flush=True)
+    elif train_iters is not None and start + iterations > train_iters:
+        raise ExperimentError(
+            f"the checkpoint's run trains {train_iters} iterations (--train-iters {train_iters}, which sets "
+            f"its LR schedule): resuming iteration {start} leaves {max(train_iters - start, 0)}, fewer than "
+            f"--iterations {iterations}")
+    if warmup == 0:
+        print("note: no warm-up iteration is left out: the figures include the resume's start-up",
+              file=progress, flush=True)
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ExperimentError(f"--output-dir {output_dir}: {error.strerror or error}") from None
     results = []
     for i, balancer in enumerate(balancers):
         results.append(run_balancer(
             balancer, launch, checkpoint, start, iterations, output_dir, ideal_args=ideal_args,
             exp_prefix=exp_prefix, timeout_s=timeout_s, progress=progress,
-            index=f"{i + 1}/{len(balancers)} "))
+            index=f"{i + 1}/{len(balancers)} ", train_iters=train_iters))
     summaries = summarize(results, warmup)
     header = (f"# Resume experiment: {checkpoint} at iteration {start}, {iterations} iterations "
               f"per balancer\n\nLaunch: `{shlex.join(launch)}`")

@@ -8,6 +8,7 @@ figures. A wrong EP size (the negative control) changes them."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from ultraep_megatron import traces
 from ultraep_megatron.cli import main
 from ultraep_megatron.router_traces import RouterTraceLayout, RouterTraceRecords, read_run_args
 
-from product_runs import CHECKPOINT_ITERATION
+from product_runs import CHECKPOINT_ITERATION, REPO
 
 PER_LAYER_SECTIONS = ("What the router sent, per layer", "Per layer: imbalance mean/max",
                       "ESTIMATE: fwd+bwd ms per layer")
@@ -24,7 +25,8 @@ PER_LAYER_SECTIONS = ("What the router sent, per layer", "Per layer: imbalance m
 
 def replay_report(capsys, trace_dir, *extra) -> tuple[str, dict]:
     """`ultraep replay` on a trace: (the printed report, the JSON of the same run's figures)."""
-    fixed = ["--plan-time-us", "100", "--no-progress", "--moe-balancer-num-slots", "1"]  # no measured time
+    fixed = ["--plan-time-us", "100", "--no-progress", "--moe-balancer-num-slots", "1",  # no measured time
+             "--hidden-size", "4096", "--moe-ffn-hidden-size", "1536"]  # an expert the cost model can time
     assert main(["replay", str(trace_dir), *fixed, *extra]) == 0
     text = capsys.readouterr().out
     assert main(["replay", str(trace_dir), *fixed, *extra, "--json"]) == 0
@@ -95,3 +97,34 @@ def test_replay_prints_the_same_figures_on_both_traces(tiny_balanced_run, capsys
     assert main(["replay", str(tiny_balanced_run.megatron_trace_dir), *run_args,
                  "--expert-model-parallel-size", "2", "--no-progress"]) == 2
     assert "--expert-model-parallel-size 2 contradicts the run's arguments" in capsys.readouterr().err
+
+
+def documented_meta_keys() -> dict[str, set[str]]:
+    """{writer: meta keys} from the table of docs/traces.md."""
+    text = (REPO / "docs" / "traces.md").read_text()
+    table = text[text.index("| key | written by | meaning |"):]
+    keys: dict[str, set[str]] = {}
+    for line in table.splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        names, writers = line.split("|")[1:3]
+        for writer in writers.split(","):
+            keys.setdefault(writer.strip(), set()).update(re.findall(r"`(\w+)`", names))
+    return keys
+
+
+@pytest.mark.slow
+def test_the_trace_meta_keys_written_are_the_documented_ones(tiny_balanced_run, tmp_path, capsys):
+    documented = documented_meta_keys()
+    (ours,) = traces.find_trace_files(tiny_balanced_run.trace_dir)
+    meta = traces.TraceReader(ours).meta
+    assert set(meta) == documented["training"]
+    assert (meta["hidden_size"], meta["moe_ffn_hidden_size"], meta["topk"], meta["num_layers"]) == (64, 64, 2, 4)
+    assert main(["trace", "convert", str(tiny_balanced_run.megatron_trace_dir), str(tmp_path),
+                 "--run-args", str(tiny_balanced_run.run_dir / "log.txt"), "--no-progress"]) == 0
+    capsys.readouterr()
+    (converted,) = traces.find_trace_files(tmp_path)
+    assert set(traces.TraceReader(converted).meta) == documented["convert"]
+    synthetic = traces.write_synthetic_trace(tmp_path / "s.uetrace", num_iterations=1, num_microbatches=1,
+                                             num_layers=1, num_ranks=2, num_experts=4, tokens_per_rank=8, topk=1)
+    assert documented["synth"] <= set(traces.TraceReader(synthetic).meta)

@@ -12,6 +12,12 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -186,7 +192,7 @@ def test_checker_reports_megatron_and_ultraep_rejections(capsys):
             *tiny.args, "--moe-balancer", "ultraep", "--moe-token-dispatcher-type", "allgather"]))
     # The command line: exit status 1 and the reason, for a bare-argument check.
     assert main(["check-recipe", "--world-size", "4", "--", *tiny.args, "--num-experts", "6"]) == 1
-    assert "FAILED" in capsys.readouterr().out
+    assert "PROBLEM: " in capsys.readouterr().out
     assert main(["check-recipe", str(RECIPES / "tiny_cpu.sh")]) == 0
     assert "1/1 recipe(s) passed" in capsys.readouterr().out
     assert main(["check-recipe", str(RECIPES / "tiny_cpu.sh"), "--json"]) == 0
@@ -197,3 +203,89 @@ def test_checker_reports_megatron_and_ultraep_rejections(capsys):
     assert tiny_report["ep_groups"] == [[0, 1, 2, 3]]
     assert main(["check-recipe", "--", "--num-layers", "2"]) == 2  # bare arguments need --world-size
     assert "need --world-size" in capsys.readouterr().err
+
+
+def test_readme_recipe_check_passes_every_recipe_and_only_recipes():
+    """The README's command as a user types it in the repository, in a fresh process (where
+    Megatron's import-time warnings would land in the report): exit 0, every launch script
+    checked and passed, the sourced recipes/common.sh skipped, no warnings."""
+    command = re.search(r"`(ultraep check-recipe recipes/\*\.sh)`", (REPO / "README.md").read_text())[1]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    completed = subprocess.run(
+        ["bash", "-c", command.replace("ultraep", f"{shlex.quote(sys.executable)} -m ultraep_megatron.cli", 1)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    printed = completed.stdout + completed.stderr
+    assert completed.returncode == 0, printed[-3000:]
+    recipes = sorted(p.name for p in RECIPES.glob("*.sh") if p.name != "common.sh")
+    assert sorted(re.findall(r"^== recipes/(\S+)", completed.stdout, re.M)) == sorted(recipes + ["common.sh"])
+    assert f"{len(recipes)}/{len(recipes)} recipe(s) passed (recipes/common.sh skipped: not a recipe)" in printed
+    assert "warn" not in printed.lower() and "Traceback" not in printed
+
+
+def _expert_grid_args(world: int, ep: int, pp: int) -> types.SimpleNamespace:
+    """The validated-argument fields startup_problems reads, for TP = CP = ETP = 1."""
+    return types.SimpleNamespace(
+        world_size=world, tensor_model_parallel_size=1, pipeline_model_parallel_size=pp,
+        expert_tensor_parallel_size=1, expert_model_parallel_size=ep, data_parallel_size=world // pp,
+        global_batch_size=8 * world // pp, micro_batch_size=1, rampup_batch_size=None)
+
+
+def _megatron_builds_whole_ep_groups(world: int, ep: int, pp: int) -> bool:
+    """Independent of the checker: Megatron's own RankGenerator, sized as initialize_model_parallel
+    sizes it (expert-DP = world // (ETP x EP x PP)), puts every rank in exactly one EP group."""
+    from megatron.core.parallel_state import RankGenerator
+
+    try:
+        groups = RankGenerator(tp=1, ep=ep, dp=world // (ep * pp), pp=pp, cp=1,
+                               order="tp-cp-ep-dp-pp").get_ranks("ep")
+    except ZeroDivisionError:
+        return False
+    return sorted(r for g in groups for r in g) == list(range(world))
+
+
+@pytest.mark.parametrize("world", [16, 64, 80, 96, 128, 256])
+@pytest.mark.parametrize("ep, pp", [(8, 1), (64, 1), (32, 4), (64, 4)])
+def test_expert_grid_check_agrees_with_megatrons_rank_generator(world, ep, pp):
+    problems = check_recipe.startup_problems(_expert_grid_args(world, ep, pp))
+    assert (not problems) == _megatron_builds_whole_ep_groups(world, ep, pp), problems
+
+
+@pytest.mark.parametrize("nnodes", [20, 4])
+def test_layouts_megatron_refuses_fail_with_one_problem_line(nnodes, capsys):
+    """Qwen3's EP64 on 80 ranks (ranks 64-79 in no EP group) and on 16 (fewer ranks than one EP
+    group: RankGenerator divided by zero): one PROBLEM line each, no traceback."""
+    assert main(["check-recipe", "--env", f"NNODES={nnodes}", str(RECIPES / "qwen3_235b_a22b_ep64_dp4.sh")]) == 1
+    out = capsys.readouterr().out
+    problems = [line for line in out.splitlines() if line.strip().startswith("PROBLEM:")]
+    assert len(problems) == 1, out
+    assert f"world size {4 * nnodes} is not divisible by expert-TP 1 x EP 64 x PP 1 = 64" in problems[0]
+    assert "Traceback" not in out and "0/1 recipe(s) passed" in out
+
+
+def test_batch_problems_name_the_training_batch_unless_eval_batches_are_set(capsys):
+    """12 ranks cannot split the tiny recipe's global batch 16 into micro-batches of 2: reported
+    as the training batch whether eval is off (the recipe's --eval-iters 0) or on with default eval
+    batches; Megatron's eval-batch message only for eval batches the user set."""
+    tiny = check_recipe.capture_launch(RECIPES / "tiny_cpu.sh").args
+    for extra in ([], ["--eval-iters", "2"], ["--eval-global-batch-size", "20"]):
+        assert main(["check-recipe", "--world-size", "12", "--", *tiny, *extra]) == 1
+        problems = [line for line in capsys.readouterr().out.splitlines() if "PROBLEM:" in line]
+        assert len(problems) == 1 and "--global-batch-size 16 is not divisible by --micro-batch-size 2 x " \
+            "data-parallel size 12" in problems[0], problems
+    # Eval on, an eval batch of 20 on 4 ranks: 20 is not a multiple of 2 x 4.
+    assert main(["check-recipe", "--world-size", "4", "--", *tiny, "--eval-iters", "2",
+                 "--eval-global-batch-size", "20"]) == 1
+    problems = [line for line in capsys.readouterr().out.splitlines() if "PROBLEM:" in line]
+    assert len(problems) == 1 and "eval_global_batch_size (20)" in problems[0]
+
+
+def test_recipes_switch_to_grouped_gemm_or_flex_as_the_docs_say():
+    """docs/recipes.md: a recipe switches to TE's grouped-GEMM experts with --moe-grouped-gemm (the
+    checker answers Megatron's compute-capability question as a Hopper GPU), and to the flex
+    dispatcher where DeepEP is installed (not here: refused, naming it)."""
+    launch = check_recipe.capture_launch(RECIPES / "qwen3_235b_a22b_ep64_dp4.sh")
+    report = check_recipe.check_launch(check_recipe.Launch(4, 64, "pretrain_gpt.py", [*launch.args, "--moe-grouped-gemm"]))
+    assert report.args.moe_grouped_gemm and report.args.moe_balancer == "ultraep" and report.problems() == []
+    flex = ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "deepep"]
+    with pytest.raises(check_recipe.RecipeError, match="needs DeepEP"):
+        check_recipe.check_launch(check_recipe.Launch(4, 64, "pretrain_gpt.py", [*launch.args, *flex]))

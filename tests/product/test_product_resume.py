@@ -2,7 +2,9 @@
 `none`, `ultraep` and the force-balanced ideal for 3 iterations each, with the same data; the
 table's TFLOP/s/GPU, fractions and imbalance figures are recomputed here from the runs' own logs
 (Megatron's iteration times), Megatron's FLOPs formula on the recipe's arguments and the
-per-iteration records. Failed runs are reported, not hidden."""
+per-iteration records. The launch is the recipe as a user types it: no ULTRAEP_PYTHON exported,
+and a TRAIN_ITERS other than the checkpoint's (Megatron refuses another LR schedule length; the
+driver passes the checkpoint's). Failed runs are reported, not hidden."""
 
 from __future__ import annotations
 
@@ -35,8 +37,9 @@ def experiment(tiny_balanced_run, tmp_path_factory):
                # The tiny recipe forces a routing skew; the ideal run must not.
                "--ideal-args", "--moe-router-force-biased 0",
                "--", "bash", str(TINY_RECIPE)]
-    completed = subprocess.run(command, env=recipe_env(), capture_output=True, text=True,
-                               timeout=1200)
+    env = recipe_env(TRAIN_ITERS="10")  # the checkpoint's run: the recipe's default 40
+    del env["ULTRAEP_PYTHON"]  # the driver launches with its own python
+    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1200)
     with open(out / "comparison.csv") as handle:
         table = {row["balancer"]: row for row in csv.DictReader(handle)}
     records = {b: resume_experiment._read_jsonl(out / b / "metrics.jsonl") for b in BALANCERS}
@@ -59,6 +62,11 @@ def test_every_balancer_resumes_the_checkpoint_for_the_window(experiment, tiny_b
         assert sorted(records[balancer]) == resumed
         for i, iteration in enumerate(resumed, 1):  # progress while it runs
             assert f"[{index}/3 {balancer}] iteration {iteration} ({i}/{ITERATIONS})" in completed.stdout
+    # The checkpoint's --train-iters (40) is passed on and wins over the recipe's (TRAIN_ITERS=10).
+    for balancer in BALANCERS:
+        log = (out / balancer / "log.txt").read_text()
+        assert "--train-iters 40" in log.splitlines()[0]
+        assert re.search(rf"iteration\s+{CHECKPOINT_ITERATION + 1}/\s+40 \|", log)
     # The checkpoint is read, never written.
     checkpoint = tiny_balanced_run.checkpoint
     assert (checkpoint / "latest_checkpointed_iteration.txt").read_text().strip() == str(CHECKPOINT_ITERATION)
@@ -177,3 +185,46 @@ def test_bad_experiment_setups_are_refused(tmp_path, capsys):
     assert exc.value.code == 2 and "unknown" in capsys.readouterr().err
     assert main(["resume-experiment", "--load", str(tmp_path), "--iterations", "2",
                  "--warmup-iterations", "2", "--", "true"]) == 2
+
+
+def test_the_checkpoints_iteration_settings_are_checked_before_launching(tiny_balanced_run, tmp_path, capsys):
+    """The tiny recipe trains 40 iterations (its TRAIN_ITERS default), read back from the
+    checkpoint; a window past them is refused before anything runs."""
+    saved = resume_experiment.checkpoint_args(tiny_balanced_run.checkpoint, CHECKPOINT_ITERATION)
+    assert saved.train_iters == 40 and saved.expert_model_parallel_size == 4
+    marker = tmp_path / "launched"
+    assert main(["resume-experiment", "--load", str(tiny_balanced_run.checkpoint), "--iterations", "39",
+                 "--output-dir", str(tmp_path / "out"), "--", "touch", str(marker)]) == 2
+    err = capsys.readouterr().err
+    assert "trains 40 iterations (--train-iters 40" in err and "leaves 38, fewer than --iterations 39" in err
+    assert not marker.exists()
+
+
+ONE_ITERATION = r"""
+echo "python: $ULTRAEP_PYTHON"
+while [ $# -gt 0 ]; do [ "$1" = --metrics-jsonl ] && metrics=$2; shift; done
+echo '{"iteration": 3, "losses": {"lm loss": 6.9}, "load_imbalance": {"1": 1.5}}' > "$metrics"
+echo " [t] iteration        3/      40 | elapsed time per iteration (ms): 12.5 | throughput per GPU (TFLOP/s/GPU): 1.5 |"
+"""
+
+
+def test_one_iteration_and_the_running_python(tmp_path, capsys, monkeypatch):
+    """--iterations 1 measures that iteration (no warm-up to leave out, said so); the launch gets
+    this python as ULTRAEP_PYTHON unless the environment sets one."""
+    monkeypatch.delenv("ULTRAEP_PYTHON", raising=False)
+    checkpoint = tmp_path / "ckpt"
+    (checkpoint / "iter_0000002").mkdir(parents=True)
+    (checkpoint / "latest_checkpointed_iteration.txt").write_text("2")
+    out = tmp_path / "out"
+    assert main(["resume-experiment", "--load", str(checkpoint), "--iterations", "1", "--balancers", "none",
+                 "--output-dir", str(out), "--", "bash", "-c", ONE_ITERATION, "launcher"]) == 0
+    printed = capsys.readouterr().out
+    assert "no warm-up iteration is left out" in printed and "its --train-iters is not checked" in printed
+    with open(out / "comparison.csv") as handle:
+        row = next(csv.DictReader(handle))
+    assert (row["status"], row["measured"], float(row["time_ms"])) == ("ok", "1", 12.5)
+    assert f"python: {sys.executable}" in (out / "none" / "log.txt").read_text()
+    monkeypatch.setenv("ULTRAEP_PYTHON", "/opt/cluster/python")
+    assert main(["resume-experiment", "--load", str(checkpoint), "--iterations", "1", "--balancers", "none",
+                 "--output-dir", str(out), "--", "bash", "-c", ONE_ITERATION, "launcher"]) == 0
+    assert "python: /opt/cluster/python" in (out / "none" / "log.txt").read_text()

@@ -20,28 +20,44 @@ _CHUNK = struct.Struct("<IHB")
 _FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
 
 
-def wandb_run_file(run: str | Path) -> Path:
-    """The ``run-*.wandb`` file of a run directory (``offline-run-*``/``run-*``), a wandb save
-    dir holding one run (``<dir>/wandb/latest-run``), or the file itself."""
+def wandb_run_file(run: str | Path, run_id: str | None = None) -> Path:
+    """The ``run-<id>.wandb`` file of a run: the file itself, a run directory
+    (``offline-run-*``/``run-*``), or a wandb save dir (``<dir>`` or ``<dir>/wandb``).
+
+    A save dir can hold several runs (a relaunch into the same directory, a crashed launch);
+    ``latest-run`` is only the newest of them, so it is never followed: give ``run_id`` when
+    there is more than one.
+
+    Raises:
+        FileNotFoundError: no run file, or none with ``run_id``.
+        ValueError: several runs and no ``run_id`` to choose (their ids are listed).
+    """
     run = Path(run)
     if run.is_file():
         return run
-    for candidate in (run, run / "latest-run", run / "wandb" / "latest-run"):
-        files = sorted(candidate.glob("run-*.wandb")) if candidate.is_dir() else []
-        if len(files) == 1:
-            return files[0]
-    raise FileNotFoundError(f"no single wandb run file (run-*.wandb) under {run}")
+    files = sorted(run.glob("run-*.wandb"))
+    if not files:
+        files = sorted({f.resolve() for pattern in ("*run-*/run-*.wandb", "wandb/*run-*/run-*.wandb")
+                        for f in run.glob(pattern)})
+    if run_id is not None:
+        files = [f for f in files if f.name == f"run-{run_id}.wandb"]
+    if not files:
+        raise FileNotFoundError(f"no wandb run file (run-*.wandb{f' of run {run_id}' if run_id else ''}) under {run}")
+    if len(files) > 1:
+        ids = [f.stem[len("run-"):] for f in files]
+        raise ValueError(f"{len(files)} wandb runs under {run} ({', '.join(ids)}): pass run_id")
+    return files[0]
 
 
-def iter_wandb_records(run: str | Path) -> Iterator[Any]:
-    """Every ``wandb_internal_pb2.Record`` of a run file, in order.
+def iter_wandb_records(run: str | Path, run_id: str | None = None) -> Iterator[Any]:
+    """Every ``wandb_internal_pb2.Record`` of a run file (see :func:`wandb_run_file`), in order.
 
     Raises:
         ValueError: on a file that is not a wandb run log, or a chunk failing its checksum.
     """
     from wandb.proto import wandb_internal_pb2
 
-    data = wandb_run_file(run).read_bytes()
+    data = wandb_run_file(run, run_id).read_bytes()
     if len(data) < _WANDB_HEADER.size:
         raise ValueError("wandb run file too short for its header")
     ident, magic, _ = _WANDB_HEADER.unpack_from(data, 0)
@@ -75,8 +91,8 @@ def iter_wandb_records(run: str | Path) -> Iterator[Any]:
             yield record
 
 
-def read_wandb_history(run: str | Path) -> list[dict]:
-    """The run's history rows (what ``wandb.log`` wrote), oldest first.
+def read_wandb_history(run: str | Path, run_id: str | None = None) -> list[dict]:
+    """The run's history rows (what ``wandb.log`` wrote), oldest first (see :func:`wandb_run_file`).
 
     Returns:
         One dict per logged step: ``_step`` and every key logged at it, values decoded from
@@ -84,7 +100,7 @@ def read_wandb_history(run: str | Path) -> list[dict]:
         the run's ``files/`` directory, ``sha256``, ``width``, ``height``, ``caption``).
     """
     rows: dict[int, dict] = {}
-    for record in iter_wandb_records(run):
+    for record in iter_wandb_records(run, run_id):
         if record.WhichOneof("record_type") != "history":
             continue
         row: dict = {}

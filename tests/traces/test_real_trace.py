@@ -7,6 +7,8 @@ no balancing on some microbatches."""
 
 from __future__ import annotations
 
+import argparse
+import json
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +16,9 @@ import pytest
 
 from ultraep_megatron import traces
 from ultraep_megatron.analysis.replay import ReplayResult, replay
+from ultraep_megatron.cli import main
+from ultraep_megatron.cli.common import EXIT_FAILED, EXIT_OK
+from ultraep_megatron.planner import policy
 from ultraep_megatron.planner.policy import BalancerConfig
 
 TRACE = Path(__file__).parent / "data" / "kjv_tiny.uetrace"
@@ -124,3 +129,30 @@ def test_ultraep_never_worse_than_none_and_beats_eplb(replayed):
     # Stale history: on the drifting routing, EPLB's placement from past microbatches makes some
     # microbatches worse than no balancing at all (observed 2.6 % with a 16-microbatch interval).
     assert np.count_nonzero(replayed.metrics["eplb-16"]["imbalance_after"] > none + 1e-12) > 0
+
+
+# The projection docs/traces.md documents: a Qwen3-235B-A22B expert, 16x the traced microbatch.
+PROJECTION = ["--hidden-size", "4096", "--moe-ffn-hidden-size", "1536", "--load-scale", "16"]
+
+
+def test_advisor_on_the_shipped_trace(capsys):
+    """As traced (h = f = 64), the cost model's MoE layer is a fraction of a microsecond: a clear
+    statement that the trace cannot support a recommendation, naming the projection flags.
+    Projected, a recommendation a user can act on: flags the training parser accepts, with
+    replicas (at least one slot) and a balance near 1."""
+    assert main(["advise", str(TRACE), "--json", "--no-progress"]) == EXIT_FAILED
+    refused = json.loads(capsys.readouterr().out)
+    assert refused["recommendation"] is None and refused["rows"] == []
+    assert refused["no_recommendation"].startswith("this trace cannot support one")
+    assert all(flag in refused["no_recommendation"] for flag in ("--hidden-size", "--moe-ffn-hidden-size", "--load-scale"))
+    # The sweep is cut to 0-2 slots (the full default sweep recommends the same: docs/traces.md).
+    assert main(["advise", str(TRACE), *PROJECTION, "--slots", "0,1,2", "--json", "--no-progress"]) == EXIT_OK
+    report = json.loads(capsys.readouterr().out)
+    advice = report["recommendation"]
+    assert advice["num_slots"] >= 1 and advice["row"]["imbalance_mean"] < 1.05
+    assert advice["row"]["speedup_vs_none"] > 1.0
+    parser = argparse.ArgumentParser()
+    policy.add_balancer_arguments(parser)
+    flags = parser.parse_args(report["flags"].split())
+    config = BalancerConfig.from_args(flags)  # validated: names a real balancer, slots, floor
+    assert (config.name, config.num_slots, config.min_quota) == ("ultraep", advice["num_slots"], advice["min_quota"])

@@ -171,7 +171,7 @@ def test_slot_sweep_rows_follow_the_replayed_plans():
     shape, hw = cost.ExpertShape(64, 32), cost.Hardware()
     rows, result = advisor.slot_sweep(records, [0, 1, 2], [None, 16], shape, hw, include_eplb_exact=True, plan_seconds=0.0)
     assert [(r["balancer"], r["num_slots"], r["min_quota"]) for r in rows] == [
-        ("ultraep", 0, None), ("ultraep", 0, 16), ("eplb-exact", 0, None),
+        ("ultraep", 0, None), ("eplb-exact", 0, None),  # no slots: no quota floor to vary
         ("ultraep", 1, None), ("ultraep", 1, 16), ("eplb-exact", 1, None),
         ("ultraep", 2, None), ("ultraep", 2, 16), ("eplb-exact", 2, None)]
     for row in rows:
@@ -184,3 +184,20 @@ def test_slot_sweep_rows_follow_the_replayed_plans():
     zero = [r for r in rows if r["num_slots"] == 0]
     assert all(r["speedup_vs_none"] == pytest.approx(1.0) for r in zero)  # no slot, no plan cost: == none
     assert result.num_records == len(records)
+
+
+def _row(slots: int, quota, speedup: float) -> dict:
+    return {"balancer": "ultraep", "num_slots": slots, "min_quota": quota, "speedup_vs_none": speedup,
+            "frac_ideal": speedup / 2, "memory_bytes": slots * 100}
+
+
+def test_advice_without_slots_is_no_balancing_never_a_quota():
+    """When replicas do not pay (each slot buys less than the minimum gain), the advice is
+    --moe-balancer none: no slot count 0 with a quota floor. When they pay, slots and floor."""
+    rows = [_row(0, None, 0.99), _row(1, None, 0.992), _row(1, 834, 0.993), _row(2, 834, 0.994)]
+    advice = advisor.advise_slots(rows)
+    assert (advice["num_slots"], advice["min_quota"], advice["flags"]) == (0, None, "--moe-balancer none")
+    assert "replicas do not pay" in advice["reason"] and "train without balancing" in advice["reason"]
+    rows = [_row(0, None, 0.99), _row(1, None, 1.40), _row(1, 834, 1.45), _row(2, 834, 1.452)]
+    advice = advisor.advise_slots(rows)
+    assert advice["flags"] == "--moe-balancer ultraep --moe-balancer-num-slots 1 --moe-balancer-min-quota 834"

@@ -37,6 +37,9 @@ def slot_sweep(records: Iterable, slots: Sequence[int], min_quotas: Sequence[Opt
         num_layers: MoE layers of the model, for the per-layer-replica memory column (default:
             the layers seen in the trace).
 
+    Without redundant slots there are no replicas and a quota floor means nothing: slot count 0
+    gets one row (``min_quota`` None).
+
     Returns:
         (rows, replay result). One row per (balancer, slots, min_quota, trigger): ``balancer``,
         ``label`` (its label in the result), ``num_slots``, ``min_quota``, ``trigger``,
@@ -48,8 +51,8 @@ def slot_sweep(records: Iterable, slots: Sequence[int], min_quotas: Sequence[Opt
     slots = sorted(set(int(s) for s in slots))
     balancers = {policy.NONE: BalancerConfig(policy.NONE), policy.IDEAL: BalancerConfig(policy.IDEAL)}
     for s in slots:
-        for q in dict.fromkeys(min_quotas):
-            for t in dict.fromkeys(triggers):
+        for q in (dict.fromkeys(min_quotas) if s > 0 else [None]):
+            for t in (dict.fromkeys(triggers) if s > 0 else [None]):
                 balancers[f"{policy.ULTRAEP}/S={s}/q={q}/t={t}"] = BalancerConfig(
                     policy.ULTRAEP, num_slots=s, min_quota=q, trigger=t, domain_size=domain_size)
         if include_eplb_exact:
@@ -85,11 +88,13 @@ def advise_slots(rows: Sequence[dict], *, tolerance: float = 0.01, min_gain_per_
     floor, fewer replicas, then the default trigger, then the larger one, fewer transfers) is kept. Walking slot counts upward, a slot count is taken while each added slot
     still buys at least ``min_gain_per_slot`` of speedup per slot (CRAFT's benefit per replica,
     diminishing returns); among those, the smallest one within ``tolerance`` of the best speedup is
-    recommended. Slot counts over ``memory_budget_bytes`` are skipped.
+    recommended. Slot counts over ``memory_budget_bytes`` are skipped. When 0 slots win, the
+    advice is not to balance (``--moe-balancer none``; a quota floor without slots means nothing).
 
     Returns:
-        {``num_slots``, ``min_quota``, ``trigger``, ``row`` (the chosen row), ``best_per_slots`` (slot count ->
-        row), ``benefit_per_slot`` (slot count -> speedup gained per slot over 0 slots), ``reason``}.
+        {``num_slots``, ``min_quota`` and ``trigger`` (None with 0 slots), ``row`` (the chosen
+        row), ``best_per_slots`` (slot count -> row), ``benefit_per_slot`` (slot count -> speedup
+        gained per slot over 0 slots), ``reason``, ``flags`` (the training flags to use)}.
     """
     candidates = [r for r in rows if r["balancer"] == policy.ULTRAEP
                   and (memory_budget_bytes is None or r["memory_bytes"] <= memory_budget_bytes)]
@@ -116,9 +121,20 @@ def advise_slots(rows: Sequence[dict], *, tolerance: float = 0.01, min_gain_per_
     top = max(best[s]["speedup_vs_none"] for s in worthwhile)
     chosen = next(s for s in worthwhile if best[s]["speedup_vs_none"] >= top * (1 - tolerance))
     row = best[chosen]
-    reason = (f"{chosen} slot(s) reach {row['speedup_vs_none']:.3f}x estimated speedup over none "
-              f"({row['frac_ideal']:.1%} of ideal), within {tolerance:.0%} of the best worthwhile "
-              f"({top:.3f}x); more slots gain < {min_gain_per_slot:.3f}x each")
-    return {"num_slots": chosen, "min_quota": row["min_quota"], "trigger": row.get("trigger"), "row": row,
-            "best_per_slots": best,
-            "benefit_per_slot": benefit, "reason": reason}
+    if chosen == 0:
+        nxt = order[1] if len(order) > 1 else None
+        reason = ("replicas do not pay by this estimate: " + (
+            f"{nxt} slot(s) reach {best[nxt]['speedup_vs_none']:.3f}x estimated speedup over none against "
+            f"{row['speedup_vs_none']:.3f}x without replicas (less than {min_gain_per_slot:.3f}x per slot, or "
+            f"within {tolerance:.0%})" if nxt else "only 0 slots were tried") + "; train without balancing")
+        flags = f"--moe-balancer {policy.NONE}"
+    else:
+        reason = (f"{chosen} slot(s) reach {row['speedup_vs_none']:.3f}x estimated speedup over none "
+                  f"({row['frac_ideal']:.1%} of ideal), within {tolerance:.0%} of the best worthwhile "
+                  f"({top:.3f}x); more slots gain < {min_gain_per_slot:.3f}x each")
+        flags = (f"--moe-balancer {policy.ULTRAEP} --moe-balancer-num-slots {chosen}"
+                 + (f" --moe-balancer-min-quota {row['min_quota']}" if row["min_quota"] is not None else "")
+                 + (f" --moe-balancer-trigger {row['trigger']:g}" if row.get("trigger") is not None else ""))
+    return {"num_slots": chosen, "min_quota": row["min_quota"] if chosen else None,
+            "trigger": row.get("trigger") if chosen else None, "row": row,
+            "best_per_slots": best, "benefit_per_slot": benefit, "reason": reason, "flags": flags}

@@ -35,7 +35,9 @@ __all__ = [
     "PEERS",
     "PeerConfig",
     "ReplayResult",
+    "UNMODELLED_US",
     "cost_summary",
+    "estimate_problem",
     "ideal_metrics",
     "load_summary",
     "metric_summary",
@@ -486,3 +488,30 @@ def staleness_summary(result: ReplayResult) -> list[dict]:
             rows.append({"label": label, "interval": c.eplb_interval, "window": c.eplb_window,
                          "num_slots": c.num_slots, **summary[label]})
     return sorted(rows, key=lambda r: (r["interval"], r["window"]))
+
+
+#: What the cost model leaves out of one MoE layer invocation: kernel launches and the latency of
+#: its four all-to-alls (dispatch and combine, forward and backward), tens of microseconds on a
+#: GPU. A layer the model estimates below this is dominated by what it does not model.
+UNMODELLED_US = 10.0
+
+
+def estimate_problem(result: ReplayResult, unmodelled_us: float = UNMODELLED_US) -> Optional[str]:
+    """Why the cost model's estimate on this replay says nothing about a real run (``None`` when
+    it can be used): the unbalanced MoE layer (``none``, else the ideal) is estimated below
+    ``unmodelled_us``, the latency the model leaves out, so the shares of the terms (plan time
+    above all) are not those of a training run. Typical of a small model's trace (the shipped
+    KJV trace: h = f = 64) until it is projected onto a real expert shape and microbatch."""
+    label = result.label_of(policy.NONE) or result.label_of(policy.IDEAL)
+    if result.costs is None or label is None:
+        return None
+    layer_us = cost_summary(result)[label]["total_ms"] * 1e3
+    if layer_us >= unmodelled_us:
+        return None
+    pairs = load_summary(result)["routed_mean"] / result.num_ranks
+    return (f"the traced model's MoE layer (h={result.shape.hidden_size}, f={result.shape.ffn_hidden_size}, "
+            f"{pairs:.0f} (token, expert) pairs per EP rank and microbatch) is estimated at {layer_us:.2f} us "
+            f"per invocation ({label}) on this hardware, below the ~{unmodelled_us:g} us of kernel-launch and "
+            "all-to-all latency the cost model leaves out: its times and speedups say nothing about a real run. "
+            "Project the trace onto the model you will train: --hidden-size, --moe-ffn-hidden-size and "
+            "--load-scale (tokens per microbatch x top-k / the traced ones; docs/traces.md)")

@@ -8,12 +8,16 @@ real-time balancing). It also derives the quota floor from the hardware: a repli
 tokens it takes off the busiest rank save more compute time than moving the expert's weights and
 running a GEMM of its own cost (HarMoEny's threshold plus the GEMM's small-M overhead); by default the
 trigger follows from the floor (a load is balanced only if its busiest rank's excess reaches it).
-The recommendation is printed as the --moe-balancer-* flags to train with.
+The recommendation is printed as the --moe-balancer-* flags to train with; when no slot count pays,
+the advice is to train without balancing. A trace whose model is too small for the cost model (its
+MoE layer estimated below the latencies the model leaves out, e.g. a tiny CPU run) gets no
+recommendation, with what to pass to project it onto the model you train.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 
@@ -25,6 +29,8 @@ from .replay import resolve_min_quota, save_figure
 
 SUMMARY = ("recommend --moe-balancer-num-slots, --moe-balancer-min-quota and --moe-balancer-trigger for a "
            "routing trace")
+#: Loads replayed (without balancing) to check, before the sweep, that the cost model applies.
+PROBE_RECORDS = 64
 EXAMPLES = """examples:
   ultraep advise runs/kjv/trace
   ultraep advise TRACE --slots 0,1,2,4 --min-quotas default,hw,256 --memory-budget-gb 2
@@ -84,7 +90,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
-def quota_label(q, hw_quota: int) -> str:
+def quota_label(q, hw_quota: int, num_slots: int = 1) -> str:
+    if num_slots == 0:
+        return "-"  # no replicas: no floor
     if q is None:
         return "default(1%)"
     return f"hw={q}" if q == hw_quota else str(q)
@@ -94,6 +102,7 @@ def run(args) -> int:
     from ultraep_megatron.analysis import advisor
     from ultraep_megatron.analysis import replay as rp
     from ultraep_megatron.analysis.cost import min_quota_from_hardware
+    from ultraep_megatron.planner.policy import BalancerConfig
 
     output_dir = common.prepare_output_dir(args.output_dir)
     records = common.open_records(args)
@@ -101,6 +110,24 @@ def run(args) -> int:
     training = not args.inference
     hw_quota = min_quota_from_hardware(shape, hardware, training=training)
     quotas = list(dict.fromkeys(resolve_min_quota(q, shape, hardware, training=training) for q in args.min_quotas))
+    probe = rp.replay(itertools.islice(records, PROBE_RECORDS), {policy.NONE: BalancerConfig(policy.NONE)},
+                      shape=shape, hardware=hardware)
+    problem = rp.estimate_problem(probe)
+    report = {
+        "estimate_note": "speedups are estimates from ultraep_megatron.analysis.cost, not measurements",
+        "inputs": records.describe(),
+        "shape": {"hidden_size": shape.hidden_size, "ffn_hidden_size": shape.ffn_hidden_size,
+                  "gated": shape.gated, "weight_bytes": shape.weight_bytes, "source": source},
+        "hardware": dict(hardware.__dict__), "training": training, "hardware_min_quota": hw_quota,
+        "expert_transfer_us": shape.weight_bytes / hardware.link_bytes_per_s * 1e6,
+        "pair_compute_ns": shape.fwd_flops_per_token / hardware.flops_per_s * 1e9,
+        "gemm_overhead_tokens": hardware.gemm_overhead_tokens,
+        "mean_rank_load": float(probe.metrics[policy.NONE]["lower_bound"].mean()),
+    }
+    if problem is not None:
+        report.update(num_records=probe.num_records, rows=[], recommendation=None,
+                      no_recommendation=f"this trace cannot support one: {problem}")
+        return finish(report, args, output_dir, [], hw_quota)
     progress = common.progress_for(args, "advise", records)
     try:
         rows, result = advisor.slot_sweep(
@@ -116,37 +143,34 @@ def run(args) -> int:
         problem = None
     except ValueError as exc:
         advice, problem = None, str(exc)
-    transfer_us = shape.weight_bytes / hardware.link_bytes_per_s * 1e6
-    per_token_ns = shape.fwd_flops_per_token / hardware.flops_per_s * 1e9
-    report = {
-        "estimate_note": "speedups are estimates from ultraep_megatron.analysis.cost, not measurements",
-        "inputs": records.describe(), "num_records": result.num_records, "layers": result.layers,
-        "shape": {"hidden_size": shape.hidden_size, "ffn_hidden_size": shape.ffn_hidden_size,
-                  "gated": shape.gated, "weight_bytes": shape.weight_bytes, "source": source},
-        "hardware": dict(hardware.__dict__), "training": training,
-        "hardware_min_quota": hw_quota, "expert_transfer_us": transfer_us, "pair_compute_ns": per_token_ns,
+    report.update({
+        "num_records": result.num_records, "layers": result.layers,
         "mean_rank_load": float(result.metrics[policy.IDEAL]["lower_bound"].mean()),
-        "gemm_overhead_tokens": hardware.gemm_overhead_tokens,
         "rows": rows,
         "recommendation": None if advice is None else {k: v for k, v in advice.items() if k != "best_per_slots"},
         "no_recommendation": problem,
-    }
+    })
     if advice is not None:
+        # The curve of the recommended floor and trigger (0 slots: neither).
+        key = (advice["row"]["min_quota"], advice["row"]["trigger"])
         chosen = {r["num_slots"]: r["label"] for r in rows if r["balancer"] == policy.ULTRAEP
-                  and (r["min_quota"], r["trigger"]) == (advice["min_quota"], advice["trigger"])}
+                  and ((r["min_quota"], r["trigger"]) == key or r["num_slots"] == 0)}
         report["per_layer_imbalance"] = {}
         for layer in result.layers:
             per = rp.metric_summary(result, result.keys["layer"] == layer)
             report["per_layer_imbalance"][layer] = {
                 "none": per[policy.NONE]["imbalance_mean"],
                 "by_slots": {s: per[label]["imbalance_mean"] for s, label in sorted(chosen.items())}}
-        report["flags"] = (f"--moe-balancer {policy.ULTRAEP} --moe-balancer-num-slots {advice['num_slots']}"
-                           + (f" --moe-balancer-min-quota {advice['min_quota']}" if advice["min_quota"] is not None else "")
-                           + (f" --moe-balancer-trigger {advice['trigger']:g}" if advice["trigger"] is not None else "")
-                           + (f" --moe-balancer-domain-size {args.moe_balancer_domain_size}"
-                              if args.moe_balancer_domain_size is not None else ""))
+        report["flags"] = advice["flags"] + (
+            f" --moe-balancer-domain-size {args.moe_balancer_domain_size}"
+            if advice["num_slots"] and args.moe_balancer_domain_size is not None else "")
+    return finish(report, args, output_dir, rows, hw_quota, advice)
+
+
+def finish(report: dict, args, output_dir, rows: list[dict], hw_quota: int, advice=None) -> int:
+    """Write the files, print the report; exit status 0 with a recommendation, else 1."""
     if output_dir is not None:
-        written = [common.write_csv(output_dir / "advise.csv", rows)]
+        written = [common.write_csv(output_dir / "advise.csv", rows)] if rows else []
         if advice is not None:
             written.append(plot_advisor(rows, hw_quota, output_dir, advice))
         json_path = output_dir / "advise.json"
@@ -185,24 +209,27 @@ def render(report: dict) -> str:
     for r in report["rows"]:
         ultraep = r["balancer"] == policy.ULTRAEP
         table.append([r["balancer"], r["num_slots"],
-                      quota_label(r["min_quota"], hw_quota) if ultraep else "-",
-                      (fmt(r["trigger"], "g") if r["trigger"] is not None else "default") if ultraep else "-",
+                      quota_label(r["min_quota"], hw_quota, r["num_slots"]) if ultraep else "-",
+                      ((fmt(r["trigger"], "g") if r["trigger"] is not None else "default")
+                       if ultraep and r["num_slots"] else "-"),
                       fmt(r["balanced_share"], ".0%"),
                       fmt(r["imbalance_mean"]), fmt(r["imbalance_p95"]), fmt(r["replicas_mean"], ".1f"),
                       fmt(r["fanout_max"], ".0f"), fmt(r["inflight_mean"], ".0%"),
                       fmt(r["speedup_vs_none"], ".3f") + "x", fmt(r["frac_ideal"], ".1%"),
                       fmt(r["speedup_vs_none_excl_plan"], ".3f") + "x",
                       f"{r['memory_bytes'] / 2**20:.0f}", f"{r['memory_bytes_per_layer_layout'] / 2**20:.0f}"])
-    out += ["", format_table(
-        ["balancer", "slots", "min quota", "trigger", "balanced", "imb mean", "imb p95", "replicas", "fan max",
-         "in-flight",
-         "speedup", "of ideal", "speedup*", "MiB/rank", "MiB/rank per-layer"], table,
-        title=f"Sweep over {report['num_records']} loads (speedup, of ideal: ESTIMATE from the cost model; * = "
-              "without the plan term; balanced: loads the trigger let through; MiB/rank: weights + fp32 grads of "
-              "the slots, shared across layers as UltraEP does, vs one set per MoE layer)")]
+    if table:
+        out += ["", format_table(
+            ["balancer", "slots", "min quota", "trigger", "balanced", "imb mean", "imb p95", "replicas", "fan max",
+             "in-flight", "speedup", "of ideal", "speedup*", "MiB/rank", "MiB/rank per-layer"], table,
+            title=f"Sweep over {report['num_records']} loads (speedup, of ideal: ESTIMATE from the cost model; * = "
+                  "without the plan term; balanced: loads the trigger let through; MiB/rank: weights + fp32 grads "
+                  "of the slots, shared across layers as UltraEP does, vs one set per MoE layer)")]
     advice = report["recommendation"]
     if advice is None:
         out += ["", f"no recommendation: {report['no_recommendation']}"]
+        if report.get("files"):
+            out += ["", "wrote: " + ", ".join(str(p) for p in report["files"])]
         return "\n".join(out)
     per_layer = report["per_layer_imbalance"]
     slots = list(next(iter(per_layer.values()))["by_slots"])
@@ -210,8 +237,8 @@ def render(report: dict) -> str:
                              [[layer, fmt(v["none"])] + [fmt(v["by_slots"][s]) for s in slots]
                               for layer, v in per_layer.items()],
                              title=f"Per-layer imbalance (mean) vs slots, ultraep q="
-                                   f"{quota_label(advice['min_quota'], hw_quota)}, trigger "
-                                   f"{'default' if advice['trigger'] is None else format(advice['trigger'], 'g')}")]
+                                   f"{quota_label(advice['row']['min_quota'], hw_quota)}, trigger "
+                                   f"{'default' if advice['row']['trigger'] is None else format(advice['row']['trigger'], 'g')}")]
     row = advice["row"]
     out += ["", f"Recommendation ({ESTIMATE}): {report['flags']}",
             f"  {advice['reason']}",
@@ -226,36 +253,43 @@ def render(report: dict) -> str:
 
 
 def plot_advisor(rows: list[dict], hw_quota: int, plot_dir: Path, recommendation: dict) -> Path:
-    import matplotlib
+    """advisor.png: balance and estimated speedup against slots, one curve per balancer and quota
+    floor (in the balancer's colour; floors by line style), memory on the top axis."""
+    from ultraep_megatron import plotting
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_imb, ax_speed) = plt.subplots(1, 2, figsize=(11, 4))
+    plt = plotting.pyplot()
+    fig, (ax_imb, ax_speed) = plt.subplots(1, 2, figsize=(11.5, 4.4), layout="constrained")
+    no_replicas = [r for r in rows if r["balancer"] == policy.ULTRAEP and r["num_slots"] == 0]
     series: dict[str, list[dict]] = {}
     for r in rows:
-        label = (f"ultraep q={quota_label(r['min_quota'], hw_quota)}"
-                 + (f" t={r['trigger']:g}" if r.get("trigger") is not None else "")
-                 if r["balancer"] == policy.ULTRAEP else r["balancer"])
-        series.setdefault(label, []).append(r)
+        if r["balancer"] == policy.ULTRAEP and r["num_slots"] > 0:
+            label = (f"ultraep q={quota_label(r['min_quota'], hw_quota)}"
+                     + (f" t={r['trigger']:g}" if r.get("trigger") is not None else ""))
+            series.setdefault(label, list(no_replicas)).append(r)
+        elif r["balancer"] != policy.ULTRAEP:
+            series.setdefault(r["balancer"], []).append(r)
+    styles = iter(("o-", "s--", "^:", "D-.", "v-", "P--", "X:", "*-.", "h-", "p--"))
     for label, rs in series.items():
         rs = sorted(rs, key=lambda r: r["num_slots"])
         x = [r["num_slots"] for r in rs]
-        ax_imb.plot(x, [r["imbalance_mean"] for r in rs], "o-", label=label)
-        ax_speed.plot(x, [r["speedup_vs_none"] for r in rs], "o-", label=label)
+        style, color = next(styles), plotting.balancer_color(label)
+        ax_imb.plot(x, [r["imbalance_mean"] for r in rs], style, color=color, label=label)
+        ax_speed.plot(x, [r["speedup_vs_none"] for r in rs], style, color=color, label=label)
+    ax_speed.axhline(1.0, color="0.8", lw=0.8, zorder=0)
     ax_speed.axvline(recommendation["num_slots"], color="k", ls=":", lw=1)
-    ax_speed.annotate("recommended", (recommendation["num_slots"], ax_speed.get_ylim()[0]), fontsize=8,
-                      textcoords="offset points", xytext=(3, 5))
-    ax_imb.set_xlabel("redundant slots per rank")
+    ax_speed.annotate("recommended", (recommendation["num_slots"], 0.02), xycoords=("data", "axes fraction"),
+                      fontsize=8, textcoords="offset points", xytext=(3, 0))
+    for ax in (ax_imb, ax_speed):
+        ax.set_xlabel("redundant slots per rank")
+        plotting.integer_ticks(ax.xaxis)
     ax_imb.set_ylabel("rank imbalance after (mean)")
-    ax_imb.set_title("Balance vs slots (replayed)")
-    ax_speed.set_xlabel("redundant slots per rank")
+    ax_imb.set_title("Balance vs slots (replayed)", fontsize=10)
     ax_speed.set_ylabel("estimated speedup over none")
-    ax_speed.set_title(f"{ESTIMATE}: MoE-layer speedup vs slots")
+    ax_speed.set_title(f"{ESTIMATE}: MoE-layer speedup vs slots", fontsize=10)
     slots = sorted({r["num_slots"] for r in rows})
     memory = {r["num_slots"]: r["memory_bytes"] for r in rows}
     top = ax_speed.secondary_xaxis("top")
     top.set_xticks(slots, [f"{memory[s] / 2**20:.0f}" for s in slots], fontsize=7)
     top.set_xlabel("MiB per rank (shared slot buffers)", fontsize=8)
-    ax_imb.legend(fontsize=7)
+    ax_imb.legend(fontsize=8)
     return save_figure(fig, plot_dir / "advisor.png")

@@ -52,7 +52,7 @@ def run(args) -> int:
     if bad_env:
         raise common.CliError(f"--env takes KEY=VALUE, got {bad_env}")
     env = dict(item.split("=", 1) for item in args.env)
-    launches = []
+    launches, skipped = [], []
     if args.world_size is not None:
         if args.world_size % args.gpus_per_node:
             raise common.CliError("--world-size must be a multiple of --gpus-per-node")
@@ -63,31 +63,45 @@ def run(args) -> int:
     for recipe in args.recipes:
         try:
             launches.append(rc.capture_launch(recipe, env))
+        except rc.NotARecipe as note:
+            skipped.append(str(recipe))
+            if not args.json:
+                print(f"== {recipe}\nskipped: {note.problem}\n", flush=True)
         except rc.RecipeError as error:
             launches.append((recipe, error))
     if not launches:
-        raise common.CliError("give recipes, or --world-size N -- ARGS")
+        raise common.CliError("give recipes, or --world-size N -- ARGS" if not skipped else
+                              f"no recipe to check ({', '.join(skipped)}: sourced by the recipes)")
     results = []
     for launch in launches:
         if isinstance(launch, tuple):
-            result = {"source": str(launch[0]), "passed": False, "error": str(launch[1])}
+            result = failure(str(launch[0]), launch[1])
         else:
             try:
                 report = rc.check_launch(launch, args.rack_size)
                 result = {"source": launch.source, "passed": not report.problems(), "problems": report.problems(),
                           "text": rc.format_report(report), **summary(report)}
             except rc.RecipeError as error:
-                result = {"source": launch.source, "passed": False, "error": str(error)}
+                result = failure(launch.source, error)
         results.append(result)
         if not args.json:
-            text = result["text"] if "text" in result else f"== {result['source']}\nFAILED: {result['error']}"
-            print(text + "\n", flush=True)
+            print(result["text"] + "\n", flush=True)
     failed = sum(not r["passed"] for r in results)
     if args.json:
-        common.dump_json({"recipes": results, "passed": len(results) - failed, "failed": failed}, stream=sys.stdout)
+        common.dump_json({"recipes": results, "passed": len(results) - failed, "failed": failed,
+                          "skipped": skipped}, stream=sys.stdout)
     else:
-        print(f"{len(results) - failed}/{len(results)} recipe(s) passed")
+        print(f"{len(results) - failed}/{len(results)} recipe(s) passed"
+              + (f" ({', '.join(skipped)} skipped: not a recipe)" if skipped else ""))
     return common.EXIT_FAILED if failed else common.EXIT_OK
+
+
+def failure(source: str, error) -> dict:
+    """A recipe that does not pass: one PROBLEM line per problem, then what was printed with it."""
+    problems = error.problem.splitlines()
+    text = "\n".join([f"== {source}", *(f"  PROBLEM: {p}" for p in problems)]
+                     + [f"    | {line}" for line in error.details.strip().splitlines()])
+    return {"source": source, "passed": False, "problems": problems, "error": str(error), "text": text}
 
 
 def summary(report) -> dict:

@@ -7,8 +7,8 @@ import argparse
 import csv
 import json
 import math
-import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -259,15 +259,19 @@ def add_output_args(parser: argparse.ArgumentParser, *, files: str) -> argparse.
 
 
 def prepare_output_dir(path: Optional[Path]) -> Optional[Path]:
-    """Create ``path`` and check it is writable before any long work (None passes through)."""
+    """Create ``path`` (saying so on stderr) and check, by writing a file there, that the outputs
+    can be written, before any long work (None passes through)."""
     if path is None:
         return None
+    created = not path.exists()
     try:
         path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
     except OSError as exc:
-        raise CliError(f"--output-dir {path}: {exc.strerror}") from None
-    if not os.access(path, os.W_OK):
-        raise CliError(f"--output-dir {path}: not writable")
+        raise CliError(f"--output-dir {path}: {exc.strerror or exc}") from None
+    if created:
+        print(f"created --output-dir {path}", file=sys.stderr)
     return path
 
 

@@ -23,6 +23,8 @@ import numpy as np
 from ultraep_megatron.planner import policy
 from ultraep_megatron.planner.policy import BalancerConfig
 
+from ultraep_megatron.plotting import save_figure  # noqa: F401  (ultraep advise draws with it too)
+
 from . import common
 from .common import ESTIMATE, fmt, format_table
 
@@ -214,6 +216,7 @@ def build_report(result, labels: Sequence[str], args, min_quota, shape, source, 
         report["hardware"] = dict(hardware.__dict__)
         report["plan_time_us"] = args.plan_time_us
         report["relay"] = not args.no_relay
+        report["estimate_problem"] = rp.estimate_problem(result)
     return report
 
 
@@ -232,7 +235,9 @@ def render(report: dict, result, labels: Sequence[str]) -> str:
     out.append(quality_tables(report, labels))
     if report["staleness"]:
         out += ["", staleness_table(report, labels)]
-    if "estimated_cost" in report:
+    if report.get("estimate_problem"):
+        out += ["", f"{ESTIMATE} not shown (its figures stay in the JSON output): {report['estimate_problem']}"]
+    elif "estimated_cost" in report:
         out += ["", cost_tables(report, labels)]
     if report["peer_table"]:
         out += ["", peer_table(report)]
@@ -292,7 +297,7 @@ def display_label(config: BalancerConfig) -> str:
 def peer_table(report: dict) -> str:
     """The balancers and the peers side by side."""
     N, R = report["ranks_per_domain"], report["num_ranks"]
-    with_cost = "estimated_cost" in report
+    with_cost = "estimated_cost" in report and not report.get("estimate_problem")
     rows = []
     for label, s in report["peer_table"].items():
         row = [report["peer_labels"][label], fmt(s["imbalance_mean"]), fmt(s["imbalance_max"]),
@@ -385,7 +390,7 @@ def write_outputs(result, report: dict, labels: Sequence[str], output_dir: Path,
                 row.update({f"estimated_{k}": v for k, v in report["estimated_cost_per_layer"][layer][label].items()})
             rows.append(row)
     written = [common.write_csv(output_dir / "replay_per_layer.csv", rows)]
-    written += plot_replay(result, labels, output_dir, heatmap_layers)
+    written += plot_replay(result, labels, output_dir, heatmap_layers, cost=not report.get("estimate_problem"))
     json_path = output_dir / "replay.json"
     json_path.write_text(common.dump_json({**report, "files": [str(p) for p in written + [json_path]]}))
     return written + [json_path]
@@ -398,51 +403,74 @@ def _pick_layers(layers: Sequence[int], count: int) -> list[int]:
     return [layers[i] for i in sorted(set(idx))]
 
 
-def save_figure(fig, path: Path) -> Path:
-    """Lay out, write (110 dpi) and close ``fig``; return ``path``."""
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+def layer_iteration_means(result, values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(iterations [T], layers [L], [L, T] mean of ``values`` [N] over the microbatches and EP groups
+    of each layer and iteration; NaN where a layer has no record)."""
+    k = result.keys
+    iterations, t = np.unique(k["iteration"], return_inverse=True)
+    layers, l = np.unique(k["layer"], return_inverse=True)
+    sums = np.zeros((len(layers), len(iterations)))
+    counts = np.zeros_like(sums)
+    np.add.at(sums, (l, t), values)
+    np.add.at(counts, (l, t), 1)
+    with np.errstate(invalid="ignore"):
+        return iterations, layers, sums / counts
 
 
 def plot_replay(result, labels: Sequence[str], plot_dir: Path,
-                heatmap_layers: Optional[Sequence[int]] = None) -> list[Path]:
-    """PNG files: imbalance over time per layer, load heatmaps, EPLB staleness, estimated layer
-    time. Returns the paths."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+                heatmap_layers: Optional[Sequence[int]] = None, cost: bool = True) -> list[Path]:
+    """PNG files: imbalance over time per layer (up to 16 layers) and as a layer x iteration
+    heatmap (every layer), load heatmaps, EPLB staleness, estimated layer time (with ``cost``, when
+    the replay carries the cost model and its estimate applies). Colours: one per
+    balancer (``plotting.BALANCER_COLORS``); loads relative to the mean white at 1.0, as in the
+    training dashboards. Returns the paths."""
+    from ultraep_megatron import plotting
     from ultraep_megatron.analysis import replay as rp
 
+    plt = plotting.pyplot()
     written = []
+    balanced = [label for label in labels if result.balancers[label].name not in (policy.NONE, policy.IDEAL)]
+    before = result.metrics[labels[0]]["imbalance_before"]
+
     layers = _pick_layers(result.layers, 16)
-    cols = min(4, len(layers))
+    cols = int(np.ceil(np.sqrt(len(layers))))
     rows = -(-len(layers) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 2.8 * rows), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols + 0.6, 2.5 * rows + 1.0), squeeze=False,
+                             sharey=True, layout="constrained")
+    top = 1.0
     for ax, layer in zip(axes.flat, layers):
         mask = result.keys["layer"] == layer
         x = np.arange(int(mask.sum()))
-        ax.plot(x, result.metrics[labels[0]]["imbalance_before"][mask], color="0.4", lw=1, label="before (none)")
-        for label in labels:
-            if result.balancers[label].name in (policy.NONE, policy.IDEAL):
-                continue
-            ax.plot(x, result.metrics[label]["imbalance_after"][mask], lw=1, label=label)
+        ax.axhline(1.0, color="0.8", lw=0.8, zorder=0)
+        ax.plot(x, before[mask], color=plotting.balancer_color(policy.NONE), lw=1,
+                label=f"{policy.NONE} (before balancing)")
+        for label in balanced:
+            ax.plot(x, result.metrics[label]["imbalance_after"][mask], lw=1.3,
+                    color=plotting.balancer_color(label), label=label)
+        top = max(top, float(before[mask].max()))
         ax.set_title(f"layer {layer}", fontsize=9)
-        ax.axhline(1.0, color="k", lw=0.5, ls=":")
+        plotting.integer_ticks(ax.xaxis)
+    axes[0, 0].set_ylim(0.9, top + 0.05 * (top - 0.9))  # 1.0 (balanced) clear of the axis
     for ax in axes.flat[len(layers):]:
         ax.axis("off")
     for ax in axes[:, 0]:
         ax.set_ylabel("max/mean rank load")
     for ax in axes[-1, :]:
         ax.set_xlabel("microbatch (trace order)")
-    axes.flat[0].legend(fontsize=7)
-    fig.suptitle("Per-layer rank imbalance over time, before and after balancing (replayed)")
-    written.append(save_figure(fig, plot_dir / "imbalance_over_time.png"))
+    handles, names = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="outside lower center", ncol=len(names), fontsize=8, frameon=False)
+    shown = "" if len(layers) == len(result.layers) else \
+        f" ({len(layers)} of {len(result.layers)} layers; every layer: imbalance_heatmap.png)"
+    fig.suptitle(f"Rank imbalance over time per layer, replayed{shown}", fontsize=10)
+    written.append(plotting.save_figure(fig, plot_dir / "imbalance_over_time.png"))
+
+    iterations, layer_ids, mean_before = layer_iteration_means(result, before)
+    panels = [(f"{policy.NONE} (before balancing)", mean_before)]
+    panels += [(f"{label} (after balancing)", layer_iteration_means(result, result.metrics[label]["imbalance_after"])[2])
+               for label in balanced]
+    written.append(plotting.render_heatmap(
+        iterations, layer_ids, panels, plot_dir / "imbalance_heatmap.png",
+        "Rank imbalance per layer and iteration (mean over microbatches), replayed"))
 
     if result.expert_load is not None:
         for layer in heatmap_layers or _pick_layers(result.layers, 3):
@@ -457,50 +485,57 @@ def plot_replay(result, labels: Sequence[str], plot_dir: Path,
                 label = result.label_of(name)
                 if label is not None:
                     ranks = result.rank_load[label][mask].astype(np.float64)
-                    panels.append((title, (ranks / np.maximum(ranks.mean(1, keepdims=True), 1e-9)).T, "rank"))
-            fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
+                    panels.append((title, (ranks / np.maximum(ranks.mean(1, keepdims=True), 1e-9)).T, "EP rank"))
+            fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels) + 0.8, 3.6), squeeze=False,
+                                     layout="constrained")
             # Rank panels share one colour scale (before/after comparable); experts get their own.
             rank_max = max([float(p[1].max()) for p in panels[1:]] or [1.0])
             for ax, (title, data, ylabel) in zip(axes[0], panels):
-                vmax = float(data.max()) if ylabel == "expert" else rank_max
-                im = ax.imshow(data, aspect="auto", interpolation="nearest", cmap="magma", vmin=0, vmax=vmax)
+                cmap, norm = plotting.load_colors(float(data.max()) if ylabel == "expert" else rank_max,
+                                                  below_mean=True)
+                im = ax.imshow(data, aspect="auto", interpolation="nearest", cmap=cmap, norm=norm)
                 ax.set_title(title, fontsize=9)
                 ax.set_xlabel("microbatch (trace order)")
                 ax.set_ylabel(ylabel)
-                fig.colorbar(im, ax=ax)
-            fig.suptitle(f"Layer {layer}: load heatmaps")
-            written.append(save_figure(fig, plot_dir / f"load_heatmap_layer{layer}.png"))
+                plotting.integer_ticks(ax.xaxis, ax.yaxis)
+                fig.colorbar(im, ax=ax).set_label("load / mean (1 = the mean)", fontsize=8)
+            fig.suptitle(f"Layer {layer}: load heatmaps (white = the mean load)", fontsize=10)
+            written.append(plotting.save_figure(fig, plot_dir / f"load_heatmap_layer{layer}.png"))
 
     stale = [r for r in rp.staleness_summary(result) if r["label"] not in labels]
     if stale:
         summary = rp.metric_summary(result)
-        fig, ax = plt.subplots(figsize=(6, 3.8))
+        fig, ax = plt.subplots(figsize=(8.4, 4.0), layout="constrained")
         x = [r["interval"] for r in stale]
-        ax.plot(x, [r["imbalance_mean"] for r in stale], "o-", label="eplb mean")
-        ax.plot(x, [r["imbalance_p95"] for r in stale], "s--", label="eplb p95")
+        eplb = plotting.balancer_color(policy.EPLB)
+        ax.plot(x, [r["imbalance_mean"] for r in stale], "o-", color=eplb, label="eplb on history, mean")
+        ax.plot(x, [r["imbalance_p95"] for r in stale], "s--", color=eplb, label="eplb on history, p95")
         for name, style in ((policy.NONE, ":"), (policy.EPLB_EXACT, "-."), (policy.ULTRAEP, "-")):
             label = result.label_of(name)
             if label in labels:
-                ax.axhline(summary[label]["imbalance_mean"], ls=style, color="0.3", lw=1)
-                ax.annotate(f"{label} mean", (x[0], summary[label]["imbalance_mean"]), fontsize=7,
-                            textcoords="offset points", xytext=(2, 2))
+                ax.axhline(summary[label]["imbalance_mean"], ls=style, lw=1.2, color=plotting.balancer_color(label),
+                           label=f"{label} mean")
         ax.set_xscale("log", base=2)
+        ax.set_xticks(x, [str(i) for i in x])
+        ax.minorticks_off()
         ax.set_xlabel("EPLB re-plan interval (microbatches of a layer; window = interval)")
-        ax.set_ylabel("rank imbalance after")
-        ax.set_title("How stale history hurts EPLB (replayed)")
-        ax.legend(fontsize=8)
-        written.append(save_figure(fig, plot_dir / "eplb_staleness.png"))
+        ax.set_ylabel("rank imbalance after (max/mean)")
+        ax.set_title("How stale history hurts EPLB (replayed)", fontsize=10)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # clear of the curves
+        written.append(plotting.save_figure(fig, plot_dir / "eplb_staleness.png"))
 
-    if result.costs is not None:
-        fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(result.layers) + 3), 3.8))
+    if cost and result.costs is not None:
+        fig, ax = plt.subplots(figsize=(max(8.0, 0.5 * len(result.layers) + 3.5), 4.0), layout="constrained")
         width = 0.8 / len(labels)
         for i, label in enumerate(labels):
             totals = [rp.cost_summary(result, result.keys["layer"] == layer)[label]["total_ms"] for layer in result.layers]
-            ax.bar(np.arange(len(result.layers)) + i * width, totals, width, label=label)
+            ax.bar(np.arange(len(result.layers)) + i * width, totals, width, label=label,
+                   color=plotting.balancer_color(label))
         ax.set_xticks(np.arange(len(result.layers)) + 0.4 - width / 2, [str(layer) for layer in result.layers])
         ax.set_xlabel("layer")
         ax.set_ylabel("ms per invocation (fwd+bwd)")
-        ax.set_title(f"{ESTIMATE}: MoE layer time per balancer (cost model)")
-        ax.legend(fontsize=8)
-        written.append(save_figure(fig, plot_dir / "estimated_layer_time.png"))
+        ax.set_title(f"{ESTIMATE}: MoE layer time per balancer (cost model + plan time on this CPU)",
+                     fontsize=10)
+        ax.legend(fontsize=8, ncol=len(labels), loc="lower center", bbox_to_anchor=(0.5, 1.08), frameon=False)
+        written.append(plotting.save_figure(fig, plot_dir / "estimated_layer_time.png"))
     return written

@@ -3,9 +3,10 @@
 Resumes the same Megatron checkpoint under each balancer for a short window (~20 iterations) with
 your launch command (given after --), and compares Megatron's TFLOP/s/GPU. Each run gets
 --load CKPT --ckpt-step S --exit-interval S+N --moe-balancer B (the ideal:
---moe-balancer none --moe-router-force-load-balancing) plus logging flags appended, and the
-environment RUN_DIR=OUTPUT/B SAVE_CHECKPOINTS=0; the checkpoint is never written. Tables
-(Markdown, CSV), a plot and every run's log go to --output-dir.
+--moe-balancer none --moe-router-force-load-balancing), the checkpoint's --train-iters (read from
+it first: a window past it is refused) and logging flags appended, and the environment
+RUN_DIR=OUTPUT/B SAVE_CHECKPOINTS=0 (ULTRAEP_PYTHON: this python, unless set); the checkpoint is
+never written. Tables (Markdown, CSV), a plot and every run's log go to --output-dir.
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         metavar="B,B", help=f"comma-separated, from {','.join(policy.COMPARED)} (default: all)")
     parser.add_argument("--iterations", type=int, default=20,
                         help="iterations per balancer (default %(default)s, as in the paper)")
-    parser.add_argument("--warmup-iterations", type=int, default=1,
-                        help="first iterations after the resume left out of the figures (default %(default)s)")
+    parser.add_argument("--warmup-iterations", type=int, default=None,
+                        help="first iterations after the resume left out of the figures (default 1; 0 when "
+                             "--iterations is 1)")
     parser.add_argument("--ideal-args", default="",
                         help="extra arguments of the ideal run, e.g. '--moe-router-force-biased 0' for a launcher "
                              "that forces a routing skew")

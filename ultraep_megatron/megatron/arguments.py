@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import io
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -30,9 +31,10 @@ def _add_moe_balancer_args(parser: argparse.ArgumentParser) -> argparse.Argument
 def _add_telemetry_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group(title='ultraep telemetry')
     group.add_argument('--metrics-jsonl', type=str, default=None,
-                       help='Append one JSON record per training iteration (lm loss, grad '
-                       'norm, per-layer expert-load imbalance) to this file, from the last '
-                       'rank. For tests and benchmarks; the console/wandb logs are unchanged.')
+                       help='One JSON record per training iteration (losses, learning rate, grad '
+                       'norm, per-layer expert-load imbalance) in this file, from the last rank. '
+                       'A resumed run keeps the records before its first iteration; a run from '
+                       'iteration 1 starts the file anew. The console/wandb logs are unchanged.')
     group.add_argument('--no-moe-load-telemetry', action='store_false',
                        dest='moe_load_telemetry',
                        help='Do not compute the per-layer expert-load imbalance '
@@ -41,10 +43,32 @@ def _add_telemetry_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 
 
 def add_ultraep_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Megatron ``extra_args_provider``: adds UltraEP's argument groups to ``parser``."""
+    """Megatron ``extra_args_provider``: adds UltraEP's argument groups to ``parser`` (and makes
+    Megatron's own help printable, see :func:`escape_stray_percent_in_help`)."""
     parser = _add_moe_balancer_args(parser)
     parser = _add_telemetry_args(parser)
+    escape_stray_percent_in_help(parser)
     return parser
+
+
+# A '%' that argparse expands in a help string: '%(name)s'-style or '%%'.
+_HELP_FORMAT = re.compile(r"%(\(\w+\)[-#0 +]*\d*(?:\.\d+)?[a-zA-Z]|%)?")
+
+
+def escape_stray_percent_in_help(parser: argparse.ArgumentParser) -> None:
+    """Escape the ``%`` signs argparse cannot expand in ``parser``'s help strings.
+
+    megatron-core 0.19.2's help of ``--moe-paged-stash-buffer-size-factor-cuda`` ends in a bare
+    "10%", so ``pretrain_gpt.py --help`` died in argparse's formatting. Strings that format are
+    left as they are.
+    """
+    for action in parser._actions:
+        if not isinstance(action.help, str) or "%" not in action.help:
+            continue
+        try:
+            action.help % {**vars(action), "prog": parser.prog}
+        except (ValueError, TypeError, KeyError):
+            action.help = _HELP_FORMAT.sub(lambda m: m[0] if m[1] else "%%", action.help)
 
 
 def balancer_config_from_args(args: argparse.Namespace):
@@ -227,7 +251,7 @@ def startup_checks_or_exit(argv: Sequence[str], *, prog: str = "pretrain_gpt.py"
         except ValueError as error:
             errors.append(str(error))
         else:
-            if applied:
+            if applied and not {"-h", "--help"} & set(argv):  # --help prints the help, nothing else
                 report("note", "no CUDA device: the CPU backend applied " + "; ".join(applied))
 
     def add_args(parser):

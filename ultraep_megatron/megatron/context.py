@@ -264,6 +264,9 @@ class BalancingContext:
     """
 
     def __init__(self, config: BalancerConfig):
+        # The planner's kernels now, not in the first layer of the first iteration, whose plan time
+        # (ultraep/plan_ms) they would be.
+        config.build().warm_up()
         self.config = config
         self.overlap = config.overlap
         self.check_plans = config.check_plans

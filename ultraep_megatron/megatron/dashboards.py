@@ -1,17 +1,17 @@
 """Dashboards of a balanced MoE training run: what people look at rather than read.
 
 Telemetry (``telemetry.py``) already writes one scalar per MoE layer and iteration to Megatron's
-tensorboard and wandb writers (``moe/load_imbalance/layer_NN`` and, for balanced runs,
-``ultraep/<metric>/layer_NN`` for every ``telemetry.BALANCER_METRICS``: imbalance before/after,
-replicas, fan-out, in-flight ratio, plan time, the share of microbatches balanced at all
-(``balanced_fraction``, below 1 when ``--moe-balancer-trigger`` skips some), replicas crossing an
-NVLink domain, and the memory spread before/after (max/mean of the rows each rank receives, i.e. its
-expert activations); wandb groups them by the metric path). On the last rank, after those,
+tensorboard and wandb writers (``moe/load_imbalance/layer_NN``, the load before balancing, and, for
+balanced runs, ``ultraep/<metric>/layer_NN`` for every ``telemetry.LOGGED_BALANCER_METRICS``:
+imbalance after, replicas, fan-out, in-flight ratio, plan time, the share of microbatches balanced
+at all (``balanced_fraction``, below 1 when ``--moe-balancer-trigger`` skips some) and replicas
+crossing an NVLink domain; wandb groups them by the metric path). On the last rank, after those,
 :class:`Dashboard` adds:
 
 * ``ultraep/summary/imbalance_{before,after}_{mean,max}``: the same figures over all MoE layers,
-  one line each instead of one per layer; ``memory_spread_{before,after}_max`` (the activation peak
-  of the worst layer, paper Fig. 14) and ``balanced_fraction_mean``;
+  one line each instead of one per layer (the ``_max`` lines are also the activation-memory peak of
+  the worst layer, paper Fig. 14: a rank computes exactly the rows it receives), and
+  ``balanced_fraction_mean``;
 * an imbalance heatmap, MoE layer x iteration, before and after balancing (matplotlib), logged
   to wandb as the image ``ultraep/imbalance_heatmap`` and written next to the checkpoint
   (``<--save>/ultraep_imbalance_iter_NNNNNNN.png`` with its data in ``.npz``) whenever Megatron
@@ -29,6 +29,8 @@ import math
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Mapping, Optional
+
+from ultraep_megatron.plotting import render_heatmap
 
 #: wandb image key of the heatmap.
 HEATMAP_METRIC = "ultraep/imbalance_heatmap"
@@ -87,56 +89,6 @@ class ImbalanceHistory:
             for layer, value in (a or {}).items():
                 after_m[row[layer], t] = value
         return iterations, np.array(layers, dtype=np.int64), before, after_m
-
-
-def render_heatmap(iterations, layers, before, after, path: str | Path, title: str = "") -> Path:
-    """Draw the layer x iteration imbalance heatmap(s) to ``path`` (PNG).
-
-    Args:
-        iterations: [T] iteration numbers (columns).
-        layers: [L] 1-based MoE layer numbers (rows).
-        before: [L, T] max/mean per-EP-rank load from the router.
-        after: [L, T] the same after balancing, or None for an unbalanced run.
-        path: output file.
-        title: figure title.
-
-    Returns:
-        ``path``.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-    import numpy as np
-    from matplotlib.ticker import MaxNLocator
-
-    panels = [("before balancing (router)", before)] + ([("after balancing", after)]
-                                                        if after is not None else [])
-    finite = np.concatenate([m[np.isfinite(m)] for _, m in panels]) if before.size else np.ones(1)
-    vmax = max(float(finite.max()) if finite.size else 1.0, 1.05)
-    width = min(6.5 + 0.03 * len(iterations), 14.0)
-    height = min(1.6 + 0.15 * len(layers), 5.0)
-    fig, axes = plt.subplots(len(panels), 1, figsize=(width, height * len(panels)), squeeze=False,
-                             constrained_layout=True)
-    extent = [iterations[0] - 0.5, iterations[-1] + 0.5, layers[-1] + 0.5, layers[0] - 0.5] \
-        if len(iterations) and len(layers) else None
-    image = None
-    for ax, (name, matrix) in zip(axes[:, 0], panels):
-        image = ax.imshow(matrix, aspect="auto", interpolation="nearest", cmap="magma_r",
-                          vmin=1.0, vmax=vmax, extent=extent)
-        ax.set_title(name, fontsize=10)
-        ax.set_ylabel("MoE layer")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    axes[-1, 0].set_xlabel("iteration")
-    fig.colorbar(image, ax=axes[:, 0].tolist(), label="max / mean tokens per EP rank")
-    if title:
-        fig.suptitle(title, fontsize=9)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
 
 
 def log_scalars(scalars: Mapping[str, float], iteration: int, writer: Any = None,
@@ -209,11 +161,8 @@ class Dashboard:
             if after is not None:
                 scalars[f"{SUMMARY_PREFIX}/imbalance_after_mean"], \
                     scalars[f"{SUMMARY_PREFIX}/imbalance_after_max"] = layer_summary(after)
-                for metric, statistic in (("memory_spread_before", 1), ("memory_spread_after", 1),
-                                          ("balanced_fraction", 0)):
-                    name = f"{SUMMARY_PREFIX}/{metric}_{('mean', 'max')[statistic]}"
-                    scalars[name] = layer_summary({layer: float(v[metric])
-                                                   for layer, v in balancer_stats.items()})[statistic]
+                scalars[f"{SUMMARY_PREFIX}/balanced_fraction_mean"] = layer_summary(
+                    {layer: float(v["balanced_fraction"]) for layer, v in balancer_stats.items()})[0]
             log_scalars(scalars, iteration, writer, wandb_writer)
         if len(self.history) and self.heatmap_due(iteration):
             self._guarded(self.write_heatmap, iteration, wandb_writer)
@@ -256,7 +205,10 @@ class Dashboard:
             import tempfile
 
             path = Path(tempfile.mkdtemp(prefix="ultraep_heatmap_")) / f"{HEATMAP_STEM}{iteration:07d}.png"
-        render_heatmap(iterations, layers, before, after, path, title)
+        panels = [("before balancing (router)", before)]
+        if after is not None:
+            panels.append(("after balancing", after))
+        render_heatmap(iterations, layers, panels, path, title)
         arrays = {"iterations": iterations, "layers": layers, "imbalance_before": before}
         if after is not None:
             arrays["imbalance_after"] = after

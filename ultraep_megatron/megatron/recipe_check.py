@@ -5,10 +5,13 @@ For each recipe (a bash script under ``recipes/`` that ends in ``python -m torch
 
 1. the launch is captured, not run: the recipe is executed with ``ULTRAEP_PYTHON`` pointing at a
    shim that records torchrun's command line and exits, so world size = nodes x processes per node
-   and ARGS are exactly what the cluster would get;
+   and ARGS are exactly what the cluster would get (a file without a ``#!`` line that launches
+   nothing, like ``recipes/common.sh``, is a library the recipes source: skipped);
 2. Megatron's own argument parser and ``validate_args`` run on ARGS for that world size (``RANK=0``,
    ``WORLD_SIZE=N`` in the environment, no process group, no device), then UltraEP's
-   ``validate_ultraep_args``;
+   ``validate_ultraep_args``, then what Megatron checks only when it starts: the world size
+   against the expert grid (ETP x EP x PP x expert-DP, ``initialize_model_parallel``) and the
+   global batch against micro batch x DP (the microbatch calculator);
 3. the rank layout is printed from Megatron's own ``RankGenerator``: the global ranks of every
    expert-parallel group (each must sit inside one rack), the pipeline and data-parallel groups
    (which span racks);
@@ -29,25 +32,44 @@ import contextlib
 import copy
 import io
 import json
+import logging
 import os
 import subprocess
 import sys
 import tempfile
 import types
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
+from unittest import mock
 
 from ultraep_megatron.planner import policy
 
 #: GPUs in one rack-scale node's scale-up domain (an NVL72 rack with 64 GPUs in use, §8.1).
 DEFAULT_RACK_SIZE = 64
+#: What validation on a machine without a GPU answers when Megatron asks the device's compute
+#: capability (``--moe-grouped-gemm`` needs >= 8): a Hopper GPU's, the oldest the recipes target.
+TARGET_CAPABILITY = (9, 0)
 GIB = 1024 ** 3
 MIB = 1024 ** 2
 
 
 class RecipeError(Exception):
-    """A recipe that cannot launch as written (bad arguments, layout or launch line)."""
+    """A recipe that cannot launch as written (bad arguments, layout or launch line).
+
+    Args:
+        problem: one line saying what is wrong (the checker prints it as a PROBLEM line).
+        details: what the recipe or Megatron printed around it, if that helps (shown indented).
+    """
+
+    def __init__(self, problem: str, details: str = ""):
+        super().__init__(problem)
+        self.problem, self.details = problem, details
+
+
+class NotARecipe(RecipeError):
+    """A file that launches nothing and is not meant to: a library the recipes source."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -132,9 +154,12 @@ def capture_launch(recipe: str | Path, env: dict[str, str] | None = None,
         completed = subprocess.run(["bash", str(recipe)], env=run_env, capture_output=True,
                                    text=True, timeout=timeout_s)
         if completed.returncode != 0:
-            raise RecipeError(f"{recipe}: the recipe exited with {completed.returncode}:\n"
-                              f"{(completed.stdout + completed.stderr)[-3000:]}")
+            raise RecipeError(f"{recipe}: the recipe exited with {completed.returncode}",
+                              (completed.stdout + completed.stderr)[-3000:])
         if not capture.exists():
+            if not recipe.read_bytes().startswith(b"#!"):
+                raise NotARecipe(f"{recipe}: no #! line and no launch: a file the recipes source, "
+                                 "not a recipe")
             raise RecipeError(f"{recipe}: the recipe never ran $ULTRAEP_PYTHON -m torch.distributed.run")
         argv = json.loads(capture.read_text())
     return parse_torchrun_command(argv, source=str(recipe))
@@ -143,6 +168,20 @@ def capture_launch(recipe: str | Path, env: dict[str, str] | None = None,
 # ----------------------------------------------------------------------------------------------
 # 2. Megatron's argument validation for the full world size
 # ----------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def quiet_megatron():
+    """Megatron's import-time warnings (no Transformer Engine, Apex or CUDA on this machine) and
+    log lines say nothing about a recipe: keep them out of the report."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(previous)
+
 
 @contextlib.contextmanager
 def _rank0_of(world_size: int, argv: Sequence[str]):
@@ -166,33 +205,84 @@ def validate_arguments(script_args: Sequence[str], world_size: int) -> tuple[arg
     """Megatron's parse + ``validate_args`` and UltraEP's ``validate_ultraep_args`` on rank 0 of
     a ``world_size`` job. No process group is created and no device is touched.
 
+    With ``--eval-iters 0`` evaluation never runs, so its batch sizes are left to their defaults
+    (the training ones): Megatron's eval-batch check then is the training batch's divisibility,
+    which is reported as such.
+
     Returns:
         (validated arguments, everything Megatron printed while validating).
 
     Raises:
         RecipeError: with Megatron's (or UltraEP's) message when the arguments are rejected.
     """
-    from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
-    from megatron.training.arguments import parse_args, validate_args
+    with quiet_megatron():
+        from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
+        from megatron.training.arguments import parse_args, validate_args
 
-    from ultraep_megatron.megatron.arguments import add_ultraep_args, validate_ultraep_args
+        from ultraep_megatron.megatron.arguments import add_ultraep_args, validate_ultraep_args
+
+    import torch
 
     printed = io.StringIO()
+    no_gpu = contextlib.nullcontext() if torch.cuda.is_available() else \
+        mock.patch("torch.cuda.get_device_capability", return_value=TARGET_CAPABILITY)
     try:
-        with _rank0_of(world_size, ["pretrain_gpt.py", *script_args]), \
+        with _rank0_of(world_size, ["pretrain_gpt.py", *script_args]), quiet_megatron(), no_gpu, \
                 contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
             args = parse_args(extra_args_provider=add_ultraep_args)
+            eval_batch_given = (args.eval_global_batch_size, args.eval_micro_batch_size) != (None, None)
+            if args.eval_iters == 0:
+                args.eval_global_batch_size = args.eval_micro_batch_size = None
+                eval_batch_given = False
             validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
             validate_ultraep_args(args)
-    except SystemExit as error:  # argparse: unknown flag or bad value
-        raise RecipeError(f"argument parsing failed ({error}):\n{printed.getvalue()[-2000:]}") from None
-    except (AssertionError, ValueError, RuntimeError, TypeError) as error:
+    except SystemExit:  # argparse: unknown flag or bad value; its last line says which
+        lines = printed.getvalue().strip().splitlines()
+        error = next((line for line in reversed(lines) if ": error: " in line), lines[-1] if lines else "")
+        raise RecipeError(f"Megatron's parser refused the arguments: {error.split(': error: ', 1)[-1]}",
+                          "\n".join(lines[-20:])) from None
+    except AssertionError as error:
+        if str(error).startswith("eval_global_batch_size") and not eval_batch_given:
+            raise RecipeError(_batch_problem(args)) from None
+        raise RecipeError(f"AssertionError: {error}") from None
+    except (ValueError, RuntimeError, TypeError) as error:
         raise RecipeError(f"{type(error).__name__}: {error}") from None
     if args.vocab_size is None:
         raise RecipeError("--vocab-size is needed to size the embeddings (a HuggingFace "
                           "tokenizer ignores it; recipes pass the model's vocabulary size)")
     args.padded_vocab_size = vocab_size_with_padding(args.vocab_size, args, logging_enabled=False)
     return args, printed.getvalue()
+
+
+def _batch_problem(args: argparse.Namespace) -> str:
+    return (f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
+            f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size} (world size "
+            f"{args.world_size} / (TP x PP x CP)): Megatron's microbatch calculator refuses it at "
+            "start-up")
+
+
+def startup_problems(args: argparse.Namespace) -> list[str]:
+    """What Megatron refuses only when it starts, on validated ``args``: one line each.
+
+    ``validate_args`` checks world size = TP x PP x CP x DP; ``initialize_model_parallel`` also
+    needs world size = ETP x EP x PP x expert-DP (every rank in a whole EP group: else it raises,
+    and its ``RankGenerator`` would leave ranks out or divide by zero), and the microbatch
+    calculator needs global batch = micro batch x DP x microbatches.
+    """
+    problems = []
+    pp = args.pipeline_model_parallel_size
+    etp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
+    ep = args.expert_model_parallel_size
+    grid = etp * ep * pp
+    if args.world_size % grid:
+        problems.append(
+            f"world size {args.world_size} is not divisible by expert-TP {etp} x EP {ep} x PP {pp} = "
+            f"{grid}: Megatron's initialize_model_parallel refuses it (every rank must belong to a "
+            f"whole EP group); use a multiple of {grid} GPUs or another --expert-model-parallel-size")
+    if not (args.rampup_batch_size or getattr(args, "decrease_batch_size_if_needed", False)) and \
+            args.global_batch_size % (args.micro_batch_size * args.data_parallel_size):
+        problems.append(_batch_problem(args))
+    return problems
 
 
 # ----------------------------------------------------------------------------------------------
@@ -547,11 +637,16 @@ def check_launch(launch: Launch, rack_size: int = DEFAULT_RACK_SIZE) -> RecipeRe
     """Validate a captured launch and build its layout and memory report.
 
     Raises:
-        RecipeError: when Megatron or UltraEP rejects the arguments.
+        RecipeError: when Megatron or UltraEP rejects the arguments or the layout (one problem
+            per line).
     """
     args, _ = validate_arguments(launch.args, launch.world_size)
-    layout = rank_layout(args, launch.nproc_per_node, rack_size)
-    return RecipeReport(launch, args, layout, estimate_memory(args), flops_per_iteration(args))
+    problems = startup_problems(args)
+    if problems:
+        raise RecipeError("\n".join(problems))
+    with quiet_megatron():
+        layout = rank_layout(args, launch.nproc_per_node, rack_size)
+        return RecipeReport(launch, args, layout, estimate_memory(args), flops_per_iteration(args))
 
 
 def _gib(n: float) -> str:

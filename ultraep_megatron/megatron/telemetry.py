@@ -13,6 +13,11 @@ Wiring (``pretrain_gpt.py``)::
     telemetry.install(model_cfg, args)    # router hooks after model build + training_log hook
 
 The integration adds "after balancing" figures through :meth:`ExpertLoadTracker.record`.
+
+Megatron-core 0.19 writes the loss, learning rate and grad norm to wandb only inside its
+tensorboard block, and the iteration time and throughput only with ``--log-timers-to-tensorboard``:
+where it does not, this hook logs them under Megatron's own names (:func:`megatron_scalars`), so a
+wandb-only run has them in the same run as the balancing figures.
 """
 
 from __future__ import annotations
@@ -126,11 +131,74 @@ class ExpertLoadTracker:
         return {layer + 1: float(imbalance[layer]) for layer in torch.nonzero(routed).flatten().tolist()}
 
 
-#: Per-layer balancing figures the balanced MoE layers record (``context.BalancerStats``),
-#: logged as ``ultraep/<name>/layer_NN``.
+#: Per-layer balancing figures the balanced MoE layers record (``context.BalancerStats``).
 BALANCER_METRICS = ("imbalance_before", "imbalance_after", "replicas", "max_fanout",
                     "inflight_ratio", "plan_ms", "balanced_fraction", "cross_domain_replicas",
                     "memory_spread_before", "memory_spread_after")
+#: Those logged as ``ultraep/<name>/layer_NN``: one name per quantity. The load before balancing is
+#: the router's ``moe/load_imbalance/layer_NN`` (the balancer's own figure fills in only for a layer
+#: the router hook did not count). The memory spread (max/mean of the rows each rank receives, i.e.
+#: of its expert activations, paper Fig. 14) is the imbalance itself, before and after, since a rank
+#: computes exactly the rows it receives: it stays in ``--metrics-jsonl`` and the replay reports,
+#: not as two more charts of the same numbers.
+LOGGED_BALANCER_METRICS = tuple(m for m in BALANCER_METRICS if m not in (
+    "imbalance_before", "memory_spread_before", "memory_spread_after"))
+
+
+def megatron_owned_scalars(args, writer) -> frozenset[str]:
+    """Which of Megatron's training figures Megatron itself writes in this run: the losses,
+    ``learning-rate`` and ``grad-norm`` with a tensorboard writer (to it and to wandb),
+    ``iteration-time`` with ``--log-timers-to-tensorboard``, ``throughput`` with that and
+    ``--log-throughput``."""
+    owned = {"losses", "learning-rate", "grad-norm"} if writer else set()
+    if getattr(args, "log_timers_to_tensorboard", False):
+        owned.add("iteration-time")
+        if getattr(args, "log_throughput", False):
+            owned.add("throughput")
+    return frozenset(owned)
+
+
+def megatron_scalars(loss_dict, learning_rate, grad_norm, iteration_time: float | None,
+                     flops: float | None, world_size: int, owned: frozenset[str]) -> dict[str, float]:
+    """Megatron's own training figures, under Megatron's names, except those Megatron writes
+    itself (``owned``, see :func:`megatron_owned_scalars`).
+
+    Args:
+        loss_dict: the iteration's reduced losses (``lm loss``, ...), tensors or floats.
+        learning_rate, grad_norm: as ``training_log`` receives them (``None`` when absent).
+        iteration_time: seconds of the iteration (``None``: not measured; the run's first
+            iteration holds the start-up, and Megatron leaves it out too).
+        flops: model FLOPs of the iteration (Megatron's formula), for ``throughput`` in
+            TFLOP/s/GPU as Megatron computes it.
+    """
+    out: dict[str, float] = {}
+    if "losses" not in owned:
+        out.update({key: float(value) for key, value in loss_dict.items()})
+    if learning_rate is not None and "learning-rate" not in owned:
+        out["learning-rate"] = float(learning_rate)
+    if grad_norm is not None and "grad-norm" not in owned:
+        out["grad-norm"] = float(grad_norm)
+    if iteration_time is not None:
+        if "iteration-time" not in owned:
+            out["iteration-time"] = iteration_time
+        if flops and "throughput" not in owned:
+            out["throughput"] = flops / (iteration_time * 1e12 * world_size)
+    return out
+
+
+def keep_earlier_records(path: str, first_iteration: int) -> None:
+    """Start a run's ``--metrics-jsonl``: keep the records of iterations before ``first_iteration``
+    (a resumed run continues the file of the run it resumes), drop the others (a fresh run starting
+    at iteration 1 starts an empty file; a resume from an earlier checkpoint replaces what followed
+    it)."""
+    try:
+        with open(path) as handle:
+            lines = handle.read().splitlines()
+    except FileNotFoundError:
+        return
+    kept = [line for line in lines if line.strip() and json.loads(line)["iteration"] < first_iteration]
+    with open(path, "w") as handle:
+        handle.write("".join(line + "\n" for line in kept))
 
 
 def reduce_balancer_stats(balancing, num_layers: int, dst_rank: int) -> dict[int, dict[str, float]] | None:
@@ -188,21 +256,26 @@ class _TrainingLogHook:
         self.balancing = balancing
         self.dashboard = None  # dashboards.Dashboard, set by install()
         self._last_time = time.perf_counter()
+        self._first_logged: int | None = None  # the run's first iteration (it holds the start-up)
 
     def __call__(self, loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
                  report_memory_flag, skipped_iter, grad_norm, *args, **kwargs):
         result = self.original(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
                                report_memory_flag, skipped_iter, grad_norm, *args, **kwargs)
-        self.after_iteration(iteration, loss_dict, grad_norm, skipped_iter)
+        self.after_iteration(iteration, loss_dict, grad_norm, skipped_iter, learning_rate)
         return result
 
-    def after_iteration(self, iteration, loss_dict, grad_norm, skipped_iter) -> None:
+    def after_iteration(self, iteration, loss_dict, grad_norm, skipped_iter,
+                        learning_rate=None) -> None:
         from megatron.training.global_vars import (
             get_args, get_tensorboard_writer, get_wandb_writer,
         )
 
         now = time.perf_counter()
         iteration_time, self._last_time = now - self._last_time, now
+        first = self._first_logged is None
+        if first:
+            self._first_logged = int(iteration)
         last_rank = torch.distributed.get_world_size() - 1
         imbalance: dict[int, float] = {}
         if self.tracker is not None:
@@ -221,9 +294,11 @@ class _TrainingLogHook:
         from ultraep_megatron.megatron.dashboards import log_scalars
 
         writer, wandb_writer = get_tensorboard_writer(), get_wandb_writer()
-        scalars = {f"{METRIC_PREFIX}/layer_{layer:02d}": value for layer, value in imbalance.items()}
-        scalars.update({f"ultraep/{metric}/layer_{layer:02d}": value
-                        for layer, values in (balancer_stats or {}).items() for metric, value in values.items()})
+        before = {layer: v["imbalance_before"] for layer, v in (balancer_stats or {}).items()}
+        before.update(imbalance)
+        scalars = {f"{METRIC_PREFIX}/layer_{layer:02d}": value for layer, value in sorted(before.items())}
+        scalars.update({f"ultraep/{metric}/layer_{layer:02d}": values[metric]
+                        for layer, values in (balancer_stats or {}).items() for metric in LOGGED_BALANCER_METRICS})
         log_scalars(scalars, iteration, writer, wandb_writer)
         if imbalance and iteration % args.log_interval == 0:
             print(_format_console(iteration, imbalance), flush=True)
@@ -232,11 +307,18 @@ class _TrainingLogHook:
         # Dashboards (dashboards.py): all-layer summaries, heatmap image, model FLOPs.
         extra = (self.dashboard.after_iteration(iteration, imbalance, balancer_stats, writer,
                                                 wandb_writer) if self.dashboard else {})
+        log_scalars(megatron_scalars(loss_dict, learning_rate, grad_norm, None if first else iteration_time,
+                                     extra.get("flops_per_iteration"), args.world_size,
+                                     megatron_owned_scalars(args, writer)),
+                    iteration, writer, wandb_writer)
         if self.metrics_path:
+            if first:
+                keep_earlier_records(self.metrics_path, iteration)
             record = {
                 "iteration": int(iteration),
                 "losses": {key: float(value) for key, value in loss_dict.items()},
                 "grad_norm": None if grad_norm is None else float(grad_norm),
+                "learning_rate": None if learning_rate is None else float(learning_rate),
                 "skipped": int(skipped_iter),
                 "load_imbalance": {str(layer): value for layer, value in imbalance.items()},
                 "iteration_time_s": iteration_time,
