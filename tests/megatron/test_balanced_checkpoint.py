@@ -3,18 +3,20 @@ under one balancer resumes under another with the same continuation.
 
 Tiny fp32 MoE GPT, EP=2 on 2 gloo ranks. An ``ultraep`` and a ``none`` run each train
 6 iterations saving torch_dist checkpoints at iteration 3; resumes from iteration 3 must continue
-as the uninterrupted runs did: ultraep -> ultraep bit for bit, across balancers to 1e-5.
+as the uninterrupted runs did: ultraep -> ultraep bit for bit; across balancers within the noise
+floor of the two uninterrupted runs (``ultraep`` against ``none``: the same mathematics summed in
+another order, measured here, ``equivalence.py``).
 """
 
 import pytest
 import torch.distributed.checkpoint as dcp
 
+from equivalence import compare_series, failures, summary
 from megatron_runs import run_pretrain, tiny_moe_args
 
 pytestmark = pytest.mark.slow
 
 NPROC, EP, ITERS, SAVE_AT = 2, 2, 6, 3
-RTOL = 1e-5
 
 
 def args(balancer):
@@ -57,9 +59,14 @@ def test_resume_across_balancers(runs, saved, resumed):
     _, out = runs
     cont, full = out[f"{saved}->{resumed}"], out[saved]
     assert sorted(cont) == list(range(SAVE_AT + 1, ITERS + 1))
-    for it, (loss, norm, _) in cont.items():
-        assert abs(loss - full[it][0]) <= RTOL * abs(full[it][0]), f"iteration {it} loss"
-        assert abs(norm - full[it][1]) <= RTOL * abs(full[it][1]), f"iteration {it} grad norm"
+    comparisons = []
+    for index, what in enumerate(("lm loss", "grad norm")):
+        values = {name: {it: record[index] for it, record in run.items()}
+                  for name, run in (("cont", cont), ("full", full), ("ultraep", out["ultraep"]), ("none", out["none"]))}
+        expected = {it: values["full"][it] for it in cont}
+        comparisons += compare_series(what, values["cont"], expected, values["ultraep"], values["none"])
+    print(f"\n{saved} -> {resumed}: {summary(comparisons)}")
+    assert not failures(comparisons), failures(comparisons)
 
 
 def checkpoint_keys(path):

@@ -158,7 +158,6 @@ class _PhysicalSlotRouting:
         t0 = time.perf_counter()
         invocation, balancing = self.invocation, self._layer.balancing
         num_tokens = routing_map.size(0)
-        num_pairs = num_tokens * self.config.moe_router_topk
         device = routing_map.device
         if balancing.check_plans and not torch.equal(routing_map.sum(dim=0).cpu(),
                                                      invocation.load[self.ep_rank]):
@@ -166,16 +165,19 @@ class _PhysicalSlotRouting:
                                "its plan was solved for (not exactly top-k per token, or a recompute "
                                "replay that is not deterministic)")
         table = invocation.reroute_table.to(device, non_blocking=True)
-        # Positions e * T + t of the pairs, expert-major and token-ascending.
-        pairs = routing_map.T.reshape(-1).argsort(descending=True, stable=True)[:num_pairs]
-        instance = torch.searchsorted(table[0], torch.arange(num_pairs, device=device), right=True)
-        slot = table[1][instance]
-        token, expert = pairs % num_tokens, pairs // num_tokens
+        # Dense over [T, E], no sort: a pair's position in the expert-major, token-ascending order
+        # is its expert's offset plus the routed tokens of that expert before it.
+        routed_per_expert = routing_map.sum(dim=0)
+        position = routing_map.cumsum(dim=0) - 1 + (routed_per_expert.cumsum(0) - routed_per_expert)
+        instance = torch.searchsorted(table[0], position.view(-1), right=True).clamp_max_(table.size(1) - 1)
         num_physical = self.ep_size * self.slots_per_rank
-        physical_map = torch.zeros(num_tokens, num_physical, dtype=torch.bool, device=device)
-        physical_map[token, slot] = True
-        physical_probs = torch.zeros(num_tokens, num_physical, dtype=probs.dtype, device=device)
-        physical_probs = physical_probs.index_put((token, slot), probs[token, expert])
+        # Unrouted (token, expert) entries go to a spare last column, dropped below.
+        slot = torch.where(routing_map, table[1][instance].view(num_tokens, -1), num_physical)
+        physical_map = torch.zeros(num_tokens, num_physical + 1, dtype=torch.bool, device=device)
+        physical_map = physical_map.scatter_(1, slot, routing_map)[:, :num_physical].contiguous()
+        physical_probs = torch.zeros(num_tokens, num_physical + 1, dtype=probs.dtype, device=device)
+        physical_probs = physical_probs.scatter(1, slot, probs.masked_fill(~routing_map, 0))
+        physical_probs = physical_probs[:, :num_physical].contiguous()
         balancing.overheads.reroute_seconds += time.perf_counter() - t0
         return physical_map, physical_probs
 

@@ -401,16 +401,22 @@ class BalancingContext:
         use_main_grad = all(getattr(p, "main_grad", None) is not None for ps in params for p in ps)
         if use_main_grad:  # Megatron DDP: straight into the fp32 main_grad buffers
             targets = [[p.main_grad for p in ps] for ps in params]
-        else:
-            targets = [[torch.zeros_like(p, dtype=torch.float32) for p in ps] for ps in params]
+        else:  # fresh fp32 gradients, only for the experts with a replica (the others get none)
+            first = invocation.ep_rank * len(params)
+            replicated = set(invocation.plan.slot_expert.reshape(-1).tolist())  # host plan
+            zero = torch.zeros((), dtype=torch.float32, device=params[0][0].device)
+            targets = [[torch.zeros_like(p, dtype=torch.float32) if first + i in replicated
+                        else zero.expand(p.shape) for p in ps] for i, ps in enumerate(params)]
+            targets = (targets, [first + i in replicated for i, ps in enumerate(params) for _ in ps])
         self._wait(self._transfer)
-        handle = self.buffer.reduce_gradients(invocation.schedule, targets, async_op=True)
+        handle = self.buffer.reduce_gradients(invocation.schedule, targets if use_main_grad else targets[0],
+                                              async_op=True)
         self._reductions[id(invocation)] = (handle, None if use_main_grad else targets)
         self._issued(handle)
 
     def finish_reduction(self, layer, invocation: Invocation) -> List[Optional[torch.Tensor]]:
         """Complete the invocation's reduction; return the gradients of the main-expert parameters
-        (expert-major), ``None`` where they went into ``main_grad``."""
+        (expert-major), ``None`` where they went into ``main_grad`` or the expert had no replica."""
         params = [p for ps in layer.main_expert_param_lists() for p in ps]
         if invocation.schedule_builder is None:
             return [None] * len(params)
@@ -419,7 +425,9 @@ class BalancingContext:
         self._wait(handle)
         if targets is None:
             return [None] * len(params)
-        return [g.to(p.dtype) for p, g in zip(params, (g for gs in targets for g in gs))]
+        grads, has_replica = targets  # experts without a replica: a zero view, never written
+        return [g.to(p.dtype) if replicated else None
+                for p, g, replicated in zip(params, (g for gs in grads for g in gs), has_replica)]
 
     # -- training loop -----------------------------------------------------------------------------
     def end_iteration(self, iteration: int) -> None:
