@@ -22,10 +22,11 @@ import sys
 from pathlib import Path
 
 from ultraep_megatron.planner import policy
+from ultraep_megatron.plotting import save_figure
 
 from . import common
 from .common import ESTIMATE, fmt, format_table
-from .replay import resolve_min_quota, save_figure
+from .replay import resolve_min_quota
 
 SUMMARY = ("recommend --moe-balancer-num-slots, --moe-balancer-min-quota and --moe-balancer-trigger for a "
            "routing trace")

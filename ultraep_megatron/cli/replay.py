@@ -23,7 +23,6 @@ import numpy as np
 from ultraep_megatron.planner import policy
 from ultraep_megatron.planner.policy import BalancerConfig
 
-from ultraep_megatron.plotting import save_figure  # noqa: F401  (ultraep advise draws with it too)
 
 from . import common
 from .common import ESTIMATE, fmt, format_table

@@ -183,9 +183,10 @@ def trace_dir_problem(args: argparse.Namespace) -> str | None:
     if not os.access(path, os.W_OK | os.X_OK):
         return f"{flag}: the directory is not writable"
     traces = sorted(p.name for p in path.glob(f"*{TRACE_SUFFIX}"))
-    resuming = (args.load is not None and not args.finetune and (
-        args.ckpt_step is not None
-        or os.path.exists(os.path.join(args.load, "latest_checkpointed_iteration.txt"))))
+    from megatron.training.checkpointing import checkpoint_exists
+
+    resuming = args.load is not None and not args.finetune and (
+        args.ckpt_step is not None or checkpoint_exists(args.load))
     if traces and not resuming:
         return (f"{flag} already holds a trace ({', '.join(traces)}) and this run resumes no "
                 "checkpoint, so its records would be appended to another run's; use an empty "

@@ -400,18 +400,17 @@ class BalancingContext:
         params = layer.main_expert_param_lists()
         use_main_grad = all(getattr(p, "main_grad", None) is not None for ps in params for p in ps)
         if use_main_grad:  # Megatron DDP: straight into the fp32 main_grad buffers
-            targets = [[p.main_grad for p in ps] for ps in params]
-        else:  # fresh fp32 gradients, only for the experts with a replica (the others get none)
+            targets, has_replica = [[p.main_grad for p in ps] for ps in params], None
+        else:  # fresh fp32 gradients for the experts with a replica; the others get a zero view, never written
             first = invocation.ep_rank * len(params)
             replicated = set(invocation.plan.slot_expert.reshape(-1).tolist())  # host plan
+            has_replica = [first + i in replicated for i in range(len(params))]
             zero = torch.zeros((), dtype=torch.float32, device=params[0][0].device)
-            targets = [[torch.zeros_like(p, dtype=torch.float32) if first + i in replicated
-                        else zero.expand(p.shape) for p in ps] for i, ps in enumerate(params)]
-            targets = (targets, [first + i in replicated for i, ps in enumerate(params) for _ in ps])
+            targets = [[torch.zeros_like(p, dtype=torch.float32) if has else zero.expand(p.shape) for p in ps]
+                       for ps, has in zip(params, has_replica)]
         self._wait(self._transfer)
-        handle = self.buffer.reduce_gradients(invocation.schedule, targets if use_main_grad else targets[0],
-                                              async_op=True)
-        self._reductions[id(invocation)] = (handle, None if use_main_grad else targets)
+        handle = self.buffer.reduce_gradients(invocation.schedule, targets, async_op=True)
+        self._reductions[id(invocation)] = (handle, targets, has_replica)
         self._issued(handle)
 
     def finish_reduction(self, layer, invocation: Invocation) -> List[Optional[torch.Tensor]]:
@@ -421,13 +420,12 @@ class BalancingContext:
         if invocation.schedule_builder is None:
             return [None] * len(params)
         self.start_reduction(layer, invocation)  # if the replicas' backward did not start it
-        handle, targets = self._reductions.pop(id(invocation))
+        handle, targets, has_replica = self._reductions.pop(id(invocation))
         self._wait(handle)
-        if targets is None:
+        if has_replica is None:
             return [None] * len(params)
-        grads, has_replica = targets  # experts without a replica: a zero view, never written
-        return [g.to(p.dtype) if replicated else None
-                for p, g, replicated in zip(params, (g for gs in grads for g in gs), has_replica)]
+        grads = [g if has else None for gs, has in zip(targets, has_replica) for g in gs]
+        return [None if g is None else g.to(p.dtype) for p, g in zip(params, grads)]
 
     # -- training loop -----------------------------------------------------------------------------
     def end_iteration(self, iteration: int) -> None:

@@ -375,8 +375,6 @@ def balanced_moe_layer_ids(args: argparse.Namespace) -> list[int]:
     """Ids of the MoE layers ``--moe-balancer`` balances (``layer_spec.moe_layer_id``): the
     decoder's MoE layers, then the MTP block's (built from the last decoder layer's spec, numbered
     after the decoder). Empty for ``--moe-balancer none``."""
-    from ultraep_megatron.planner import policy
-
     if args.moe_balancer == policy.NONE:
         return []
     pattern = moe_layer_pattern(args)

@@ -68,14 +68,14 @@ class VirtualLayerRing:
         """Number of slots currently holding an in-flight invocation."""
         return sum(e is not None for e in self._entries)
 
-    def acquire(self, layer: int, payload: Any = None) -> int:
-        """Take a slot for a new invocation of ``layer`` (holding ``payload``, or one stored later
-        with :meth:`store`); return its virtual layer id."""
+    def acquire(self, layer: int) -> int:
+        """Take a slot for a new invocation of ``layer`` (its payload is stored with :meth:`store`);
+        return its virtual layer id."""
         for step in range(self.capacity):
             slot = (self._next + step) % self.capacity
             if self._entries[slot] is None:
                 self._generations[slot] += 1
-                self._entries[slot] = RingEntry(layer, self._generations[slot], payload)
+                self._entries[slot] = RingEntry(layer, self._generations[slot], None)
                 self._next = (slot + 1) % self.capacity
                 return slot * (1 << 32) + self._generations[slot]
         layers = sorted({e.layer for e in self._entries if e is not None})

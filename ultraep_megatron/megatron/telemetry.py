@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ultraep_megatron.planner import load_imbalance, policy
+from ultraep_megatron.planner import load_imbalance
 
 #: Metric-name prefix in tensorboard / wandb.
 METRIC_PREFIX = "moe/load_imbalance"
@@ -307,7 +307,8 @@ class _TrainingLogHook:
         # Dashboards (dashboards.py): all-layer summaries, heatmap image, model FLOPs.
         extra = (self.dashboard.after_iteration(iteration, imbalance, balancer_stats, writer,
                                                 wandb_writer) if self.dashboard else {})
-        log_scalars(megatron_scalars(loss_dict, learning_rate, grad_norm, None if first else iteration_time,
+        losses = {key: float(value) for key, value in loss_dict.items()}  # read once
+        log_scalars(megatron_scalars(losses, learning_rate, grad_norm, None if first else iteration_time,
                                      extra.get("flops_per_iteration"), args.world_size,
                                      megatron_owned_scalars(args, writer)),
                     iteration, writer, wandb_writer)
@@ -316,7 +317,7 @@ class _TrainingLogHook:
                 keep_earlier_records(self.metrics_path, iteration)
             record = {
                 "iteration": int(iteration),
-                "losses": {key: float(value) for key, value in loss_dict.items()},
+                "losses": losses,
                 "grad_norm": None if grad_norm is None else float(grad_norm),
                 "learning_rate": None if learning_rate is None else float(learning_rate),
                 "skipped": int(skipped_iter),

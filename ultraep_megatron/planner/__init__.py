@@ -267,7 +267,7 @@ def metrics(load: torch.Tensor, plan: Plan, *, domain_size: int | None = None) -
     N = validate_domain_size(domain_size, R)
     G, P = E // R, plan.physical_slots_per_rank
     total = int(load.sum())
-    imbalance_before = float(load_imbalance(load.sum(0).view(R, G).sum(1)))
+    imbalance_before = rank_imbalance(load)
     imbalance_after = float(load_imbalance(plan.quota.sum(0)))
     filled = plan.slot_expert >= 0
     replicated = plan.slot_expert[filled]
