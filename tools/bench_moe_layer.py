@@ -15,7 +15,8 @@ where it is issued (``--moe-balancer-no-overlap``; measured on its own layer in 
 
 Skew: megatron-core's --moe-router-force-biased (a fixed random per-expert logit bias shared by all
 ranks; negative std = the same bias every step). One thread per rank; on this 2-core machine use
-EP=2. Figures are only comparable within one run.
+EP=2. The layers run interleaved iteration by iteration, and each ratio compares iterations that ran
+back to back; figures are only comparable within one run.
 """
 
 from __future__ import annotations
@@ -86,66 +87,72 @@ def build(cfg, balancer: str | None, force_balanced: bool, overlap: bool = True)
     return layer
 
 
-def measure(cfg, layer) -> dict:
-    """Per forward+backward, medians over the timed iterations:
+class Measurement:
+    """One layer's timed iterations on this rank.
 
-    wall: seconds of the group (max over ranks); cpu_max / cpu_mean: the busiest rank's and the mean
-    rank's critical path; imbalance: max/mean rows received by the ranks' experts; for a balanced
-    layer, its overheads per iteration (busiest rank): plan, host (all host planning work),
-    transfers (host time in transfers), reroute.
-
-    A rank's critical path is its main thread's CPU time (``time.thread_time``: compute, not time
-    descheduled while this VM's cores run other work) plus the time it was blocked waiting for a
-    replica transfer: what a rank with a device of its own would spend.
+    Per forward+backward: wall, seconds of the group (max over ranks); cpu, every rank's critical
+    path; rows, rows its experts received (last iteration). A rank's critical path is its main
+    thread's CPU time (``time.thread_time``: compute, not time descheduled while this VM's cores run
+    other work) plus the time it was blocked waiting for a replica transfer: what a rank with a
+    device of its own would spend.
     """
-    rank = torch.distributed.get_rank()
-    gen = torch.Generator().manual_seed(rank)
-    x = torch.randn(cfg.tokens_per_rank, 1, cfg.hidden_size, generator=gen)
-    rows = []
-    compute = layer.routed_experts_compute
 
-    def counting(h, p):
-        rows.append(h.shape[0])
-        return compute(h, p)
+    def __init__(self, cfg, layer):
+        self.cfg, self.layer = cfg, layer
+        self.balancing = getattr(layer, "balancing", None)
+        self.x = torch.randn(cfg.tokens_per_rank, 1, cfg.hidden_size,
+                             generator=torch.Generator().manual_seed(torch.distributed.get_rank()))
+        self.rows = 0
+        compute = type(layer).routed_experts_compute.__get__(layer)  # not an earlier repeat's wrapper
 
-    layer.routed_experts_compute = counting
-    times, cpu_max, cpu_mean = [], [], []
-    world = torch.distributed.get_world_size()
-    balancing = getattr(layer, "balancing", None)
-    for i in range(cfg.warmup + cfg.iters):
-        xi = x.clone().requires_grad_(True)
+        def counting(h, p):
+            self.rows = h.shape[0]
+            return compute(h, p)
+
+        layer.routed_experts_compute = counting
+        self.wall, self.cpu = [], []
+
+    def step(self, timed: bool) -> None:
+        balancing = self.balancing
+        xi = self.x.clone().requires_grad_(True)
         torch.distributed.barrier()
         blocked0 = balancing.overheads.transfer_blocked_seconds if balancing is not None else 0.0
         t0, c0 = time.perf_counter(), time.thread_time()
-        out, _ = layer(xi)
+        out, _ = self.layer(xi)
         out.sum().backward()
         cpu = time.thread_time() - c0
-        t = torch.tensor([time.perf_counter() - t0])
-        # The critical path of a rank with a device of its own: its compute, plus the time it sat
-        # waiting for a replica transfer (a transfer's exposed time).
-        if balancing is not None:
+        wall = torch.tensor([time.perf_counter() - t0])
+        if balancing is not None:  # the time this rank sat waiting for a replica transfer
             cpu += balancing.overheads.transfer_blocked_seconds - blocked0
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        torch.distributed.all_reduce(wall, op=torch.distributed.ReduceOp.MAX)
+        world = torch.distributed.get_world_size()
         cpus = [torch.zeros(1) for _ in range(world)]
         torch.distributed.all_gather(cpus, torch.tensor([cpu]))
-        if i >= cfg.warmup:
-            times.append(float(t))
-            cpu_max.append(float(torch.cat(cpus).max()))
-            cpu_mean.append(float(torch.cat(cpus).mean()))
-        if i == cfg.warmup - 1 and balancing is not None:  # overheads of the timed iterations only
+        if timed:
+            self.wall.append(float(wall))
+            self.cpu.append(torch.cat(cpus))
+        elif balancing is not None:  # overheads of the timed iterations only
             balancing.overheads.reset()
-    received = torch.tensor([float(rows[-1])])
-    gathered = [torch.zeros(1) for _ in range(world)]
-    torch.distributed.all_gather(gathered, received)
-    loads = torch.cat(gathered)
-    result = dict(wall=median(times), cpu_max=median(cpu_max), cpu_mean=median(cpu_mean),
-                  imbalance=float(loads.max() / loads.mean()))
-    if balancing is not None:
-        o = balancing.overheads
-        mine = torch.tensor([o.plan_seconds, o.host_seconds, o.transfer_seconds, o.reroute_seconds]) / cfg.iters
-        torch.distributed.all_reduce(mine, op=torch.distributed.ReduceOp.MAX)
-        result.update(zip(("plan", "host", "transfers", "reroute"), mine.tolist()))
-    return result
+
+    def result(self, ideal: "Measurement") -> dict:
+        """Medians over the timed iterations; ``x_fb``: force-balanced's time over this layer's,
+        iteration by iteration (the two ran back to back), then the median."""
+        cfg = self.cfg
+        cpu_max = [float(c.max()) for c in self.cpu]
+        ideal_max = [float(c.max()) for c in ideal.cpu]
+        gathered = [torch.zeros(1) for _ in range(torch.distributed.get_world_size())]
+        torch.distributed.all_gather(gathered, torch.tensor([float(self.rows)]))
+        loads = torch.cat(gathered)
+        result = dict(wall=median(self.wall), cpu_max=median(cpu_max),
+                      wall_x_fb=median([i / m for i, m in zip(ideal.wall, self.wall)]),
+                      cpu_x_fb=median([i / m for i, m in zip(ideal_max, cpu_max)]),
+                      imbalance=float(loads.max() / loads.mean()))
+        if self.balancing is not None:
+            o = self.balancing.overheads
+            mine = torch.tensor([o.plan_seconds, o.host_seconds, o.transfer_seconds, o.reroute_seconds]) / cfg.iters
+            torch.distributed.all_reduce(mine, op=torch.distributed.ReduceOp.MAX)
+            result.update(zip(("plan", "host", "transfers", "reroute"), mine.tolist()))
+        return result
 
 
 def median(values):
@@ -173,21 +180,30 @@ def worker(cfg):
     tokens = cfg.tokens_per_rank * cfg.ep_size
     layers = {label: build(cfg, balancer, force, overlap) for label, balancer, force, overlap in LAYERS}
     runs = {label: [] for label in layers}
-    for _ in range(cfg.repeats):  # interleaved, so drifting machine load hits every layer alike
-        for label, layer in layers.items():
-            runs[label].append(measure(cfg, layer))
+    for repeat in range(cfg.repeats):
+        measurements = {label: Measurement(cfg, layer) for label, layer in layers.items()}
+        order = list(measurements.values())
+        # Interleaved iteration by iteration, in a rotating order, so that drifting machine load
+        # hits every layer alike and each ratio compares iterations that ran back to back.
+        for i in range(cfg.warmup + cfg.iters):
+            shift = i % len(order)
+            for m in order[shift:] + order[:shift]:
+                m.step(timed=i >= cfg.warmup)
+        ideal = measurements["force-balanced"]
+        for label, m in measurements.items():
+            runs[label].append(m.result(ideal))
     if rank == 0:
         report(cfg, tokens, runs)
     torch.distributed.destroy_process_group()
 
 
 def report(cfg, tokens, runs) -> None:
-    ideal = runs["force-balanced"]
     print(f"\nMoE layer fwd+bwd, EP={cfg.ep_size} (gloo, 1 thread/rank), E={cfg.num_experts}, top-{cfg.topk}, "
           f"hidden {cfg.hidden_size}, ffn {cfg.ffn_hidden_size}, {cfg.tokens_per_rank} tokens/rank, "
           f"{cfg.num_slots} slot(s)/rank, router bias std {cfg.router_bias_std}; {cfg.repeats} repeats x "
           f"{cfg.iters} timed iterations, medians")
-    print("x f-b: force-balanced's time / this layer's (higher is better), per repeat then the median; "
+    print("x f-b: force-balanced's time / this layer's (higher is better), per iteration (run back to back), median "
+          "per repeat, then the median of the repeats; "
           "wall: slowest rank; critical: the busiest rank's compute (main-thread CPU time) plus its "
           "time blocked on replica transfers (the critical path with a device per rank)")
     print(f"| {'layer':<21} | {'wall ms':>8} | {'tokens/s':>9} | {'wall x f-b':>10} | {'critical ms':>14} "
@@ -196,8 +212,8 @@ def report(cfg, tokens, runs) -> None:
     print(f"|{'-' * 23}|{'-' * 10}|{'-' * 11}|{'-' * 12}|{'-' * 16}|{'-' * 28}|{'-' * 11}|{'-' * 9}"
           f"|{'-' * 9}|{'-' * 14}|{'-' * 12}|")
     for label, measured in runs.items():
-        wall_ratios = [f["wall"] / m["wall"] for f, m in zip(ideal, measured)]
-        cpu_ratios = [f["cpu_max"] / m["cpu_max"] for f, m in zip(ideal, measured)]
+        wall_ratios = [m["wall_x_fb"] for m in measured]
+        cpu_ratios = [m["cpu_x_fb"] for m in measured]
         wall = median([m["wall"] for m in measured])
         per_repeat = " ".join(f"{r:.2f}" for r in cpu_ratios)
         overheads = ""

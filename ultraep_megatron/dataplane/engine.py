@@ -497,7 +497,16 @@ def reduce_gradients(
             works.extend(round_works)
 
     def fold_into_main_grads():
-        if reduced_here:
+        if reduced_here and acc_dtype == main_dtype:
+            # In place, tensor by tensor, in the same order: no packed copy of the main gradients.
+            for e in reduced_here:
+                grads = main_grads[e - first_local]
+                addends = [replica_grads[slot] for e_, slot in local if e_ == e]
+                addends += [staging[row] for row, edge in enumerate(children) if edge.expert == e]
+                for addend in addends:  # canonical order: local replica, then ascending child
+                    for grad, piece in zip(grads, expert_views(addend, [g.shape for g in grads])):
+                        grad += piece
+        elif reduced_here:
             row_of = {e: i for i, e in enumerate(reduced_here)}
             acc = pack_experts([main_grads[e - first_local] for e in reduced_here], acc_dtype)
             for e, slot in local:

@@ -29,7 +29,8 @@ The backward, in the order autograd runs it::
                          the shared weight buffer, which later layers overwrote
     combine, its all-to-all and unpermute backward      (overlap the re-materialization)
     _ReplicaExperts      waits for the weights; replica gradients into the shared fp32 buffer; starts
-                         their reduction towards the home ranks
+                         their reduction towards the home ranks (on a rank whose redundant slots
+                         received no rows, _StartReduction starts its part at this point)
     main experts' backward                              (overlaps the reduction)
     _ReduceReplicaGrads  completes the reduction into the main experts' gradients; releases the ring
                          slot. It is an identity on the dispatched tokens whose inputs include the
@@ -246,13 +247,6 @@ def balanced_dispatcher_class(config):
     return BalancedAlltoAllDispatcher
 
 
-def balanced_dispatcher_class(config):
-    """The balanced dispatcher for ``--moe-token-dispatcher-type``."""
-    if config.moe_token_dispatcher_type == "flex":
-        return BalancedFlexDispatcher
-    return BalancedAlltoAllDispatcher
-
-
 def _keep(ctx, layer, invocation: Invocation) -> None:
     # Only the virtual layer id crosses to the backward when there is one; the ring owns the state.
     ctx.layer, ctx.vid = layer, invocation.vid
@@ -300,6 +294,22 @@ class _ReduceReplicaGrads(torch.autograd.Function):
         main_param_grads = ctx.layer.balancing.finish_reduction(ctx.layer, invocation)
         ctx.layer.balancing.release(invocation)
         return (None, None, grad_dispatched, *main_param_grads)
+
+
+class _StartReduction(torch.autograd.Function):
+    """Identity on the main experts' output ``[N, H]`` of a rank whose redundant slots received no
+    rows; its backward starts this rank's part in the collective reduction where a replica's
+    backward would have (before the main experts' backward), so peers never wait on it."""
+
+    @staticmethod
+    def forward(ctx, layer, invocation, output):
+        _keep(ctx, layer, invocation)
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        ctx.layer.balancing.start_reduction(ctx.layer, _invocation(ctx))
+        return None, None, grad_output
 
 
 class _ReplicaExperts(torch.autograd.Function):
@@ -410,6 +420,7 @@ class BalancedMoELayer(MoELayer):
         first = [self.experts.get_parameter(n) for n in self.expert_param_names[0]]
         self.expert_param_shapes = [(n, tuple(p.shape)) for n, p in zip(self.expert_param_names[0], first)]
         self.balancer = balancing.config.build()
+        self._main_params: Optional[List[List[torch.Tensor]]] = None
         balancing.register(self)
 
     def set_layer_number(self, layer_number: int) -> None:
@@ -420,8 +431,15 @@ class BalancedMoELayer(MoELayer):
         self.layer_number = moe_layer_id(self.router)
 
     def main_expert_param_lists(self) -> List[List[torch.Tensor]]:
-        """``[local expert][k]`` parameters, ``k`` in ``expert_param_shapes`` order."""
-        return expert_params(self.experts, self.expert_param_names)
+        """``[local expert][k]`` parameters, ``k`` in ``expert_param_shapes`` order.
+
+        Looked up by name once per forward (:meth:`forward`), not at each of the invocation's four
+        uses: a lookup walks the module tree, and a forward and its backward see the same
+        parameters (a checkpoint load may replace them between iterations).
+        """
+        if self._main_params is None:
+            return expert_params(self.experts, self.expert_param_names)
+        return self._main_params
 
     def main_expert_params(self) -> List[torch.Tensor]:
         """Every local main expert's parameters, expert-major, in ``expert_param_shapes`` order."""
@@ -453,11 +471,22 @@ class BalancedMoELayer(MoELayer):
         track = torch.is_grad_enabled()  # a backward will follow: re-materialize and reduce in it
         if track:
             dispatched = _ReduceReplicaGrads.apply(self, invocation, dispatched, *self.main_expert_params())
-        num_main = invocation.main_rows  # host metadata: no device-to-host read
-        main_out, mlp_bias = self.experts(
-            dispatched[:num_main], rows_per_slot[: self.num_local_experts], permuted_probs[:num_main]
-        )
-        replica_tokens, replica_probs = dispatched[num_main:], permuted_probs[num_main:]
+        if sum(invocation.replica_rows) == 0:
+            # Nothing for this rank's redundant slots (host metadata): no split, no concatenation.
+            # The backward's transfers wait for this weight distribution first; without a
+            # backward, wait here.
+            main_out, mlp_bias = self.experts(dispatched, rows_per_slot[: self.num_local_experts], permuted_probs)
+            if track:
+                main_out = _StartReduction.apply(self, invocation, main_out)
+            else:
+                self.balancing.wait_weights(invocation)
+            return self.token_dispatcher.combine_preprocess(main_out), mlp_bias
+        # A split, not two slices: the backward of two slices zero-fills and adds two full-size
+        # gradients, a split's concatenates once.
+        rows = [invocation.main_rows, dispatched.shape[0] - invocation.main_rows]
+        main_tokens, replica_tokens = torch.split(dispatched, rows)
+        main_probs, replica_probs = torch.split(permuted_probs, rows)
+        main_out, mlp_bias = self.experts(main_tokens, rows_per_slot[: self.num_local_experts], main_probs)
         if track:
             replica_out = _ReplicaExperts.apply(self, invocation, replica_tokens, replica_probs)
         else:  # eval, or the no-grad first pass of activation recompute
@@ -469,6 +498,8 @@ class BalancedMoELayer(MoELayer):
         return self.token_dispatcher.combine_preprocess(output), mlp_bias
 
     def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
+        self._main_params = None
+        self._main_params = self.main_expert_param_lists()
         output, mlp_bias = super().forward(hidden_states, intermediate_tensors, padding_mask)
         if torch.is_grad_enabled():
             output = _Rematerialize.apply(self, self.token_dispatcher.invocation, output)
