@@ -25,12 +25,12 @@ One invocation (a layer on a microbatch), forward:
 
 The backward, in the order autograd runs it::
 
-    _Rematerialize       (at the layer's output) starts copying this invocation's replicas back into
-                         the shared weight buffer, which later layers overwrote
+    _StartInBackward     (at the layer's output) starts copying this invocation's replicas back into
+                         the shared weight buffer, which later layers overwrote (re-materialization)
     combine, its all-to-all and unpermute backward      (overlap the re-materialization)
     _ReplicaExperts      waits for the weights; replica gradients into the shared fp32 buffer; starts
                          their reduction towards the home ranks (on a rank whose redundant slots
-                         received no rows, _StartReduction starts its part at this point)
+                         received no rows, a _StartInBackward starts its part at this point)
     main experts' backward                              (overlaps the reduction)
     _ReduceReplicaGrads  completes the reduction into the main experts' gradients; releases the ring
                          slot. It is an identity on the dispatched tokens whose inputs include the
@@ -258,20 +258,28 @@ def _invocation(ctx) -> Invocation:
     return ctx.layer.balancing.invocation(ctx.vid) if ctx.vid is not None else ctx.invocation
 
 
-class _Rematerialize(torch.autograd.Function):
-    """Identity on the MoE layer's output; its backward, the first of the layer's, starts copying
-    this invocation's replicated main experts back into the shared weight buffer (later layers
-    overwrote it), overlapped with the combine's backward."""
+class _StartInBackward(torch.autograd.Function):
+    """Identity on a tensor of the layer; its backward starts one of the invocation's transfers
+    (``start``, a :class:`BalancingContext` method) where the tensor's gradient arrives:
+
+    * ``start_weights`` on the layer's output, the first of the layer's backward: copies this
+      invocation's replicated main experts back into the shared weight buffer (later layers
+      overwrote it), overlapped with the combine's backward (re-materialization);
+    * ``start_reduction`` on the main experts' output of a rank whose redundant slots received no
+      rows: its part in the collective reduction starts where a replica's backward would have
+      started it (before the main experts' backward), so its peers never wait on it.
+    """
 
     @staticmethod
-    def forward(ctx, layer, invocation, output):
+    def forward(ctx, layer, invocation, start, tensor):
         _keep(ctx, layer, invocation)
-        return output.view_as(output)
+        ctx.start = start
+        return tensor.view_as(tensor)
 
     @staticmethod
-    def backward(ctx, grad_output):
-        ctx.layer.balancing.start_weights(ctx.layer, _invocation(ctx))
-        return None, None, grad_output
+    def backward(ctx, grad):
+        ctx.start(ctx.layer.balancing, ctx.layer, _invocation(ctx))
+        return None, None, None, grad
 
 
 class _ReduceReplicaGrads(torch.autograd.Function):
@@ -294,22 +302,6 @@ class _ReduceReplicaGrads(torch.autograd.Function):
         main_param_grads = ctx.layer.balancing.finish_reduction(ctx.layer, invocation)
         ctx.layer.balancing.release(invocation)
         return (None, None, grad_dispatched, *main_param_grads)
-
-
-class _StartReduction(torch.autograd.Function):
-    """Identity on the main experts' output ``[N, H]`` of a rank whose redundant slots received no
-    rows; its backward starts this rank's part in the collective reduction where a replica's
-    backward would have (before the main experts' backward), so peers never wait on it."""
-
-    @staticmethod
-    def forward(ctx, layer, invocation, output):
-        _keep(ctx, layer, invocation)
-        return output.view_as(output)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        ctx.layer.balancing.start_reduction(ctx.layer, _invocation(ctx))
-        return None, None, grad_output
 
 
 class _ReplicaExperts(torch.autograd.Function):
@@ -477,7 +469,7 @@ class BalancedMoELayer(MoELayer):
             # backward, wait here.
             main_out, mlp_bias = self.experts(dispatched, rows_per_slot[: self.num_local_experts], permuted_probs)
             if track:
-                main_out = _StartReduction.apply(self, invocation, main_out)
+                main_out = _StartInBackward.apply(self, invocation, BalancingContext.start_reduction, main_out)
             else:
                 self.balancing.wait_weights(invocation)
             return self.token_dispatcher.combine_preprocess(main_out), mlp_bias
@@ -502,6 +494,7 @@ class BalancedMoELayer(MoELayer):
         self._main_params = self.main_expert_param_lists()
         output, mlp_bias = super().forward(hidden_states, intermediate_tensors, padding_mask)
         if torch.is_grad_enabled():
-            output = _Rematerialize.apply(self, self.token_dispatcher.invocation, output)
+            output = _StartInBackward.apply(self, self.token_dispatcher.invocation,
+                                            BalancingContext.start_weights, output)
         self.balancing.observe()  # the layer's work is queued: host time is off the critical path
         return output, mlp_bias
