@@ -50,6 +50,9 @@ def parse_args():
                    help="--moe-router-force-biased std (negative: fixed bias per layer)")
     p.add_argument("--iters", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--no-ddp", action="store_true",
+                   help="plain autograd gradients instead of megatron-core's DistributedDataParallel "
+                        "(whose fp32 main_grad buffers every Megatron training run has)")
     p.add_argument("--repeats", type=int, default=3,
                    help="measure every layer this many times (interleaved); ratios are medians")
     return p.parse_args()
@@ -84,7 +87,14 @@ def build(cfg, balancer: str | None, force_balanced: bool, overlap: bool = True)
     layer = builder(config=config, pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
                     is_mtp_layer=False)
     layer.set_layer_number(1)
-    return layer
+    if cfg.no_ddp:
+        return layer
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    # As in training: gradients accumulate into DDP's fp32 main_grad buffers (its bucket
+    # reduction runs at the end of an iteration, outside what is timed here).
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False)
+    return DistributedDataParallel(config, ddp_config, module=layer)
 
 
 class Measurement:
@@ -97,8 +107,9 @@ class Measurement:
     device of its own would spend.
     """
 
-    def __init__(self, cfg, layer):
-        self.cfg, self.layer = cfg, layer
+    def __init__(self, cfg, model):
+        self.cfg, self.model = cfg, model
+        layer = getattr(model, "module", model)  # inside DDP or not
         self.balancing = getattr(layer, "balancing", None)
         self.x = torch.randn(cfg.tokens_per_rank, 1, cfg.hidden_size,
                              generator=torch.Generator().manual_seed(torch.distributed.get_rank()))
@@ -115,10 +126,12 @@ class Measurement:
     def step(self, timed: bool) -> None:
         balancing = self.balancing
         xi = self.x.clone().requires_grad_(True)
+        if hasattr(self.model, "zero_grad_buffer"):  # as the training loop does between iterations
+            self.model.zero_grad_buffer()
         torch.distributed.barrier()
         blocked0 = balancing.overheads.transfer_blocked_seconds if balancing is not None else 0.0
         t0, c0 = time.perf_counter(), time.thread_time()
-        out, _ = self.layer(xi)
+        out, _ = self.model(xi)
         out.sum().backward()
         cpu = time.thread_time() - c0
         wall = torch.tensor([time.perf_counter() - t0])

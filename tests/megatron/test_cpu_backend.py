@@ -52,6 +52,14 @@ def test_backward_functions_see_the_device_mapping(probe):
     assert probe["backward_grads"] == [[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]
 
 
+def test_native_torch_lifts_only_the_innermost_device_mapping(probe):
+    assert probe["native_torch"] == {
+        "alone": [],  # the balancer's host code runs without the mapping's per-call dispatch
+        "under_another_mode": ["_CudaAsCpuMode", "Outer"],  # a host-read counter keeps seeing it
+        "after": ["_CudaAsCpuMode"],
+    }
+
+
 def test_alltoall_split_sizes_are_numpy(probe):
     assert probe["splits"] == ["numpy", [3, 1]]
 

@@ -61,6 +61,7 @@ from megatron.core.transformer.moe.token_dispatcher import (
 
 from ultraep_megatron.megatron.arguments import unsupported_moe_settings
 from ultraep_megatron.megatron.context import BalancingContext, Invocation
+from ultraep_megatron.megatron.cpu_backend import native_torch
 from ultraep_megatron.megatron.expert_slots import expert_param_names, expert_params, run_replica_experts
 from ultraep_megatron.megatron.layer_spec import moe_layer_id
 
@@ -139,6 +140,7 @@ class _PhysicalSlotRouting:
         physical_map, physical_probs = self._reroute(routing_map, probs)
         return super().dispatch_preprocess(hidden_states, physical_map, physical_probs)
 
+    @native_torch
     def _reroute(self, routing_map: torch.Tensor, probs: torch.Tensor):
         """Rewrite the routing from logical experts to physical slots, exactly per the plan. Device
         work only: no host read, fixed shapes.
@@ -201,6 +203,25 @@ class BalancedAlltoAllDispatcher(_PhysicalSlotRouting, MoEAlltoAllTokenDispatche
         self.num_global_tokens_per_local_expert = (
             rows.to(routing_map.device, non_blocking=True) if self.config.moe_permute_fusion else rows)
         return invocation.rows_per_slot
+
+    def combine_preprocess_parts(self, main_out: torch.Tensor, replica_out: torch.Tensor) -> torch.Tensor:
+        """``combine_preprocess`` of the main experts' and the redundant slots' outputs stacked
+        (``[main rows + replica rows, H]``), without stacking them first.
+
+        megatron's unfused chunk sort splits its input into (physical slot, source rank) chunks and
+        concatenates them source-major; taking the chunks from the two parts directly makes one
+        copy of the expert outputs instead of two. Chunk sizes and order come from the host plan.
+        Other paths (fused sort, expert TP, capacity padding) stack and call megatron's.
+        """
+        P = self.num_local_experts  # physical slots per rank
+        if self.config.moe_permute_fusion or self.drop_and_pad or self.tp_size > 1 or P == 1:
+            return self.combine_preprocess(torch.cat([main_out, replica_out]))
+        rows = self.invocation.rows_per_source_slot.numpy()  # [R_src, P], host
+        G = P - self.num_slots
+        chunks = [*main_out.split(rows[:, :G].T.ravel().tolist()),  # slot-major: slot p, source r
+                  *replica_out.split(rows[:, G:].T.ravel().tolist())]
+        R = rows.shape[0]
+        return torch.cat([chunks[p * R + r] for r in range(R) for p in range(P)])
 
 
 class BalancedFlexDispatcher(_PhysicalSlotRouting, MoEFlexTokenDispatcher):
@@ -486,8 +507,10 @@ class BalancedMoELayer(MoELayer):
             replica_out = (self.run_replicas(self.replica_weight_views(), replica_tokens, replica_probs,
                                              invocation.replica_rows)
                            if replica_tokens.shape[0] > 0 else replica_tokens.new_zeros(0, self.config.hidden_size))
-        output = torch.cat([main_out, replica_out], dim=0)
-        return self.token_dispatcher.combine_preprocess(output), mlp_bias
+        dispatcher = self.token_dispatcher
+        if isinstance(dispatcher, BalancedAlltoAllDispatcher):
+            return dispatcher.combine_preprocess_parts(main_out, replica_out), mlp_bias
+        return dispatcher.combine_preprocess(torch.cat([main_out, replica_out])), mlp_bias
 
     def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
         self._main_params = None

@@ -33,6 +33,7 @@ import torch
 
 from ultraep_megatron import planner
 from ultraep_megatron.dataplane import ReplicaBuffer, TransferHandle, TransferSchedule
+from ultraep_megatron.megatron.cpu_backend import native_torch
 from ultraep_megatron.megatron.ring import VirtualLayerRing
 from ultraep_megatron.planner.policy import BalancerConfig
 
@@ -310,6 +311,7 @@ class BalancingContext:
         return self.ring
 
     # -- planning (host only) ----------------------------------------------------------------------
+    @native_torch
     def plan(self, layer, load: torch.Tensor, ep_rank: int, *, training: bool,
              grad_enabled: bool) -> Invocation:
         """Plan one invocation on the exact load (host ``[R, E]``) and, in training, park it in the
@@ -333,6 +335,7 @@ class BalancingContext:
         self.overheads.invocations += 1
         return invocation
 
+    @native_torch
     def observe(self) -> None:
         """Hand the invocations planned since the last call to the observers (statistics, trace).
 
@@ -370,6 +373,7 @@ class BalancingContext:
             self.overheads.transfer_seconds += handle.host_seconds
             self.overheads.transfer_blocked_seconds += handle.host_seconds - handle.host_cpu_seconds
 
+    @native_torch
     def start_weights(self, layer, invocation: Invocation) -> None:
         """Start copying the invocation's replicated main experts into the shared weight buffer
         (forward, and backward re-materialization: later layers overwrote it). Collective on the EP
@@ -383,6 +387,7 @@ class BalancingContext:
         self.holder = invocation
         self._issued(handle)
 
+    @native_torch
     def wait_weights(self, invocation: Invocation) -> None:
         """Before the replica experts run: their weights must have arrived."""
         if invocation.schedule_builder is None:
@@ -392,6 +397,7 @@ class BalancingContext:
                                "of another invocation (the weight buffer was not re-materialized)")
         self._wait(self._transfer)
 
+    @native_torch
     def start_reduction(self, layer, invocation: Invocation) -> None:
         """Start reducing the replica gradients into the main experts' (collective on the EP group),
         as soon as the replicas' backward is done; :meth:`finish_reduction` folds them in."""
@@ -413,6 +419,7 @@ class BalancingContext:
         self._reductions[id(invocation)] = (handle, targets, has_replica)
         self._issued(handle)
 
+    @native_torch
     def finish_reduction(self, layer, invocation: Invocation) -> List[Optional[torch.Tensor]]:
         """Complete the invocation's reduction; return the gradients of the main-expert parameters
         (expert-major), ``None`` where they went into ``main_grad`` or the expert had no replica."""

@@ -12,6 +12,7 @@ import json
 import logging
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from ultraep_megatron.megatron import cpu_backend
 
@@ -80,6 +81,20 @@ def main():
     y = torch.ones(3, requires_grad=True)
     torch.autograd.backward(AllocatesOnCudaInBackward.apply(y).sum())
     result["backward_grads"] = [x.grad.tolist(), y.grad.tolist()]
+
+    # native_torch lifts the mapping when it is the innermost mode, and only then.
+    @cpu_backend.native_torch
+    def modes_inside():
+        return [type(m).__name__ for m in torch.overrides._get_current_function_mode_stack()]
+
+    class Outer(TorchFunctionMode):  # stands for a mode pushed after the mapping (a test's counter)
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    result["native_torch"] = {"alone": modes_inside()}
+    with Outer():
+        result["native_torch"]["under_another_mode"] = modes_inside()
+    result["native_torch"]["after"] = [type(m).__name__ for m in torch.overrides._get_current_function_mode_stack()]
 
     # gloo needs list-like split sizes from the alltoall dispatcher.
     from megatron.core.transformer.moe import token_dispatcher
