@@ -140,6 +140,10 @@ class _PhysicalSlotRouting:
         physical_map, physical_probs = self._reroute(routing_map, probs)
         return super().dispatch_preprocess(hidden_states, physical_map, physical_probs)
 
+    def combine_preprocess_parts(self, main_out: torch.Tensor, replica_out: torch.Tensor) -> torch.Tensor:
+        """``combine_preprocess`` of the main experts' and the redundant slots' outputs, stacked."""
+        return self.combine_preprocess(torch.cat([main_out, replica_out]))
+
     @native_torch
     def _reroute(self, routing_map: torch.Tensor, probs: torch.Tensor):
         """Rewrite the routing from logical experts to physical slots, exactly per the plan. Device
@@ -206,7 +210,7 @@ class BalancedAlltoAllDispatcher(_PhysicalSlotRouting, MoEAlltoAllTokenDispatche
 
     def combine_preprocess_parts(self, main_out: torch.Tensor, replica_out: torch.Tensor) -> torch.Tensor:
         """``combine_preprocess`` of the main experts' and the redundant slots' outputs stacked
-        (``[main rows + replica rows, H]``), without stacking them first.
+        (``[main rows + replica rows, H]``), without stacking them first (unfused sort).
 
         megatron's unfused chunk sort splits its input into (physical slot, source rank) chunks and
         concatenates them source-major; taking the chunks from the two parts directly makes one
@@ -215,7 +219,7 @@ class BalancedAlltoAllDispatcher(_PhysicalSlotRouting, MoEAlltoAllTokenDispatche
         """
         P = self.num_local_experts  # physical slots per rank
         if self.config.moe_permute_fusion or self.drop_and_pad or self.tp_size > 1 or P == 1:
-            return self.combine_preprocess(torch.cat([main_out, replica_out]))
+            return super().combine_preprocess_parts(main_out, replica_out)
         rows = self.invocation.rows_per_source_slot.numpy()  # [R_src, P], host
         G = P - self.num_slots
         chunks = [*main_out.split(rows[:, :G].T.ravel().tolist()),  # slot-major: slot p, source r
@@ -281,7 +285,7 @@ def _invocation(ctx) -> Invocation:
 
 class _StartInBackward(torch.autograd.Function):
     """Identity on a tensor of the layer; its backward starts one of the invocation's transfers
-    (``start``, a :class:`BalancingContext` method) where the tensor's gradient arrives:
+    (``start``, a bound :class:`BalancingContext` method) where the tensor's gradient arrives:
 
     * ``start_weights`` on the layer's output, the first of the layer's backward: copies this
       invocation's replicated main experts back into the shared weight buffer (later layers
@@ -299,7 +303,7 @@ class _StartInBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.start(ctx.layer.balancing, ctx.layer, _invocation(ctx))
+        ctx.start(ctx.layer, _invocation(ctx))
         return None, None, None, grad
 
 
@@ -490,7 +494,7 @@ class BalancedMoELayer(MoELayer):
             # backward, wait here.
             main_out, mlp_bias = self.experts(dispatched, rows_per_slot[: self.num_local_experts], permuted_probs)
             if track:
-                main_out = _StartInBackward.apply(self, invocation, BalancingContext.start_reduction, main_out)
+                main_out = _StartInBackward.apply(self, invocation, self.balancing.start_reduction, main_out)
             else:
                 self.balancing.wait_weights(invocation)
             return self.token_dispatcher.combine_preprocess(main_out), mlp_bias
@@ -507,17 +511,13 @@ class BalancedMoELayer(MoELayer):
             replica_out = (self.run_replicas(self.replica_weight_views(), replica_tokens, replica_probs,
                                              invocation.replica_rows)
                            if replica_tokens.shape[0] > 0 else replica_tokens.new_zeros(0, self.config.hidden_size))
-        dispatcher = self.token_dispatcher
-        if isinstance(dispatcher, BalancedAlltoAllDispatcher):
-            return dispatcher.combine_preprocess_parts(main_out, replica_out), mlp_bias
-        return dispatcher.combine_preprocess(torch.cat([main_out, replica_out])), mlp_bias
+        return self.token_dispatcher.combine_preprocess_parts(main_out, replica_out), mlp_bias
 
     def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
-        self._main_params = None
-        self._main_params = self.main_expert_param_lists()
+        self._main_params = expert_params(self.experts, self.expert_param_names)
         output, mlp_bias = super().forward(hidden_states, intermediate_tensors, padding_mask)
         if torch.is_grad_enabled():
             output = _StartInBackward.apply(self, self.token_dispatcher.invocation,
-                                            BalancingContext.start_weights, output)
+                                            self.balancing.start_weights, output)
         self.balancing.observe()  # the layer's work is queued: host time is off the critical path
         return output, mlp_bias
