@@ -32,8 +32,9 @@ The backward, in the order autograd runs it::
                          their reduction towards the home ranks (on a rank whose redundant slots
                          received no rows, a _StartInBackward starts its part at this point)
     main experts' backward                              (overlaps the reduction)
+    chunk sort backward
     _ReduceReplicaGrads  completes the reduction into the main experts' gradients; releases the ring
-                         slot. It is an identity on the dispatched tokens whose inputs include the
+                         slot. It is an identity on the received tokens whose inputs include the
                          main parameters, so it runs after the main experts' backward and before
                          their gradient accumulation (Megatron DDP's hook then sees complete grads)
     dispatch all-to-all backward
@@ -140,6 +141,23 @@ class _PhysicalSlotRouting:
         physical_map, physical_probs = self._reroute(routing_map, probs)
         return super().dispatch_preprocess(hidden_states, physical_map, physical_probs)
 
+    def dispatch_postprocess_parts(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        """``dispatch_postprocess`` with its rows split into the main experts' and the redundant
+        slots' parts.
+
+        Returns:
+            (main_tokens [M, H], replica_tokens [N, H], rows_per_slot (megatron's tokens per local
+            expert, ``P`` physical slots), main_probs [M], replica_probs [N]); ``M`` is the
+            invocation's ``main_rows``.
+        """
+        tokens, rows_per_slot, permuted_probs = self.dispatch_postprocess(hidden_states, probs)
+        # A split, not two slices: the backward of two slices zero-fills and adds two full-size
+        # gradients, a split's concatenates once.
+        rows = [self.invocation.main_rows, tokens.shape[0] - self.invocation.main_rows]
+        main_tokens, replica_tokens = torch.split(tokens, rows)
+        main_probs, replica_probs = torch.split(permuted_probs, rows)
+        return main_tokens, replica_tokens, rows_per_slot, main_probs, replica_probs
+
     def combine_preprocess_parts(self, main_out: torch.Tensor, replica_out: torch.Tensor) -> torch.Tensor:
         """``combine_preprocess`` of the main experts' and the redundant slots' outputs, stacked."""
         return self.combine_preprocess(torch.cat([main_out, replica_out]))
@@ -208,6 +226,37 @@ class BalancedAlltoAllDispatcher(_PhysicalSlotRouting, MoEAlltoAllTokenDispatche
             rows.to(routing_map.device, non_blocking=True) if self.config.moe_permute_fusion else rows)
         return invocation.rows_per_slot
 
+    def _sorts_chunks_on_host(self) -> bool:
+        """Whether megatron's chunk sort here is the unfused split-and-concatenate over (physical
+        slot, source rank) chunks, which the two ``*_parts`` methods reproduce directly. Other paths
+        (fused sort, expert TP, capacity padding, one slot per rank) go through megatron's."""
+        return not (self.config.moe_permute_fusion or self.drop_and_pad or self.tp_size > 1
+                    or self.num_local_experts == 1)
+
+    def dispatch_postprocess_parts(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        """``dispatch_postprocess`` split into main and replica parts, concatenating each part's
+        chunks directly (unfused sort).
+
+        megatron's unfused sort splits the all-to-all output into (source rank, physical slot)
+        chunks and concatenates them slot-major; concatenating the main slots' and the redundant
+        slots' chunks separately gives the two parts with the same copy, and no split whose backward
+        copies the whole gradient once more. Chunk sizes and order come from the host plan.
+        """
+        if not self._sorts_chunks_on_host():
+            return super().dispatch_postprocess_parts(hidden_states, probs)
+        rows = self.invocation.rows_per_source_slot.numpy()  # [R_src, P], host
+        R, P = rows.shape
+        G = P - self.num_slots
+        sizes = rows.ravel().tolist()  # source-major: source r, slot p
+        parts = []
+        for tensor in (hidden_states, probs):
+            chunks = tensor.split(sizes)
+            parts.append([torch.cat([chunks[r * P + p] for p in slots for r in range(R)])
+                          for slots in (range(G), range(G, P))])
+        (main_tokens, replica_tokens), (main_probs, replica_probs) = parts
+        self.tokens_per_expert = None  # as megatron's postprocess leaves it
+        return main_tokens, replica_tokens, self.invocation.rows_per_slot, main_probs, replica_probs
+
     def combine_preprocess_parts(self, main_out: torch.Tensor, replica_out: torch.Tensor) -> torch.Tensor:
         """``combine_preprocess`` of the main experts' and the redundant slots' outputs stacked
         (``[main rows + replica rows, H]``), without stacking them first (unfused sort).
@@ -215,16 +264,14 @@ class BalancedAlltoAllDispatcher(_PhysicalSlotRouting, MoEAlltoAllTokenDispatche
         megatron's unfused chunk sort splits its input into (physical slot, source rank) chunks and
         concatenates them source-major; taking the chunks from the two parts directly makes one
         copy of the expert outputs instead of two. Chunk sizes and order come from the host plan.
-        Other paths (fused sort, expert TP, capacity padding) stack and call megatron's.
         """
-        P = self.num_local_experts  # physical slots per rank
-        if self.config.moe_permute_fusion or self.drop_and_pad or self.tp_size > 1 or P == 1:
+        if not self._sorts_chunks_on_host():
             return super().combine_preprocess_parts(main_out, replica_out)
         rows = self.invocation.rows_per_source_slot.numpy()  # [R_src, P], host
+        R, P = rows.shape
         G = P - self.num_slots
         chunks = [*main_out.split(rows[:, :G].T.ravel().tolist()),  # slot-major: slot p, source r
                   *replica_out.split(rows[:, G:].T.ravel().tolist())]
-        R = rows.shape[0]
         return torch.cat([chunks[p * R + r] for r in range(R) for p in range(P)])
 
 
@@ -308,8 +355,9 @@ class _StartInBackward(torch.autograd.Function):
 
 
 class _ReduceReplicaGrads(torch.autograd.Function):
-    """Identity on the dispatched tokens ``[N, H]``; its backward, the last of the experts',
-    completes the reduction of the replica gradients into the main experts' gradients.
+    """Identity on the tokens the all-to-all received ``[N, H]`` (before megatron's chunk sort); its
+    backward, after the experts' and the sort's, completes the reduction of the replica gradients
+    into the main experts' gradients.
 
     ``main_params`` (every local main expert's parameter, expert-major) are inputs so that their
     gradient accumulation, and so Megatron DDP's hook that hands ``main_grad`` to the (possibly
@@ -317,16 +365,16 @@ class _ReduceReplicaGrads(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, layer, invocation, dispatched, *main_params):
+    def forward(ctx, layer, invocation, received, *main_params):
         _keep(ctx, layer, invocation)
-        return dispatched.view_as(dispatched)
+        return received.view_as(received)
 
     @staticmethod
-    def backward(ctx, grad_dispatched):
+    def backward(ctx, grad_received):
         invocation = _invocation(ctx)
         main_param_grads = ctx.layer.balancing.finish_reduction(ctx.layer, invocation)
         ctx.layer.balancing.release(invocation)
-        return (None, None, grad_dispatched, *main_param_grads)
+        return (None, None, grad_received, *main_param_grads)
 
 
 class _ReplicaExperts(torch.autograd.Function):
@@ -481,28 +529,24 @@ class BalancedMoELayer(MoELayer):
         return hidden_states, probs
 
     def routed_experts_compute(self, hidden_states, probs):
-        dispatched, rows_per_slot, permuted_probs = self.token_dispatcher.dispatch_postprocess(
-            hidden_states, probs
-        )
-        invocation = self.token_dispatcher.invocation
+        dispatcher = self.token_dispatcher
+        invocation = dispatcher.invocation
         track = torch.is_grad_enabled()  # a backward will follow: re-materialize and reduce in it
-        if track:
-            dispatched = _ReduceReplicaGrads.apply(self, invocation, dispatched, *self.main_expert_params())
+        if track:  # on the received tokens: its backward follows every expert's
+            hidden_states = _ReduceReplicaGrads.apply(self, invocation, hidden_states, *self.main_expert_params())
         if sum(invocation.replica_rows) == 0:
-            # Nothing for this rank's redundant slots (host metadata): no split, no concatenation.
-            # The backward's transfers wait for this weight distribution first; without a
+            # Nothing for this rank's redundant slots (host metadata): megatron's postprocess, no
+            # parts. The backward's transfers wait for this weight distribution first; without a
             # backward, wait here.
+            dispatched, rows_per_slot, permuted_probs = dispatcher.dispatch_postprocess(hidden_states, probs)
             main_out, mlp_bias = self.experts(dispatched, rows_per_slot[: self.num_local_experts], permuted_probs)
             if track:
                 main_out = _StartInBackward.apply(self, invocation, self.balancing.start_reduction, main_out)
             else:
                 self.balancing.wait_weights(invocation)
-            return self.token_dispatcher.combine_preprocess(main_out), mlp_bias
-        # A split, not two slices: the backward of two slices zero-fills and adds two full-size
-        # gradients, a split's concatenates once.
-        rows = [invocation.main_rows, dispatched.shape[0] - invocation.main_rows]
-        main_tokens, replica_tokens = torch.split(dispatched, rows)
-        main_probs, replica_probs = torch.split(permuted_probs, rows)
+            return dispatcher.combine_preprocess(main_out), mlp_bias
+        main_tokens, replica_tokens, rows_per_slot, main_probs, replica_probs = \
+            dispatcher.dispatch_postprocess_parts(hidden_states, probs)
         main_out, mlp_bias = self.experts(main_tokens, rows_per_slot[: self.num_local_experts], main_probs)
         if track:
             replica_out = _ReplicaExperts.apply(self, invocation, replica_tokens, replica_probs)
@@ -511,7 +555,7 @@ class BalancedMoELayer(MoELayer):
             replica_out = (self.run_replicas(self.replica_weight_views(), replica_tokens, replica_probs,
                                              invocation.replica_rows)
                            if replica_tokens.shape[0] > 0 else replica_tokens.new_zeros(0, self.config.hidden_size))
-        return self.token_dispatcher.combine_preprocess_parts(main_out, replica_out), mlp_bias
+        return dispatcher.combine_preprocess_parts(main_out, replica_out), mlp_bias
 
     def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
         self._main_params = expert_params(self.experts, self.expert_param_names)

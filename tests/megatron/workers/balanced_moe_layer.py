@@ -152,6 +152,18 @@ def run(layer, weights, rank, microbatches: int, permute_tokens: bool = False) -
         return rows, tokens_per_expert, permuted_probs
 
     layer.token_dispatcher.dispatch_postprocess = counting_postprocess
+    if hasattr(layer.token_dispatcher, "dispatch_postprocess_parts"):  # replica hosts skip the above
+        postprocess_parts = layer.token_dispatcher.dispatch_postprocess_parts
+
+        def counting_postprocess_parts(hidden_states, probs):
+            counted = len(received_rows)
+            parts = postprocess_parts(hidden_states, probs)
+            # Unless it went through megatron's postprocess (counted there).
+            if torch._C._current_graph_task_id() == -1 and len(received_rows) == counted:
+                received_rows.append(parts[0].shape[0] + parts[1].shape[0])
+            return parts
+
+        layer.token_dispatcher.dispatch_postprocess_parts = counting_postprocess_parts
     # Replica expert compute, split into first forwards and calls made inside a backward (a replica
     # backward that recomputed its forward, or an activation-recompute replay, would show there).
     replica_calls = {"forward": 0, "backward": 0}
