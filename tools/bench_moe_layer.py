@@ -17,6 +17,14 @@ Skew: megatron-core's --moe-router-force-biased (a fixed random per-expert logit
 ranks; negative std = the same bias every step). One thread per rank; on this 2-core machine use
 EP=2. The layers run interleaved iteration by iteration, and each ratio compares iterations that ran
 back to back; figures are only comparable within one run.
+
+Page faults: glibc serves PyTorch's large CPU tensors from fresh pages again and again (its heap
+grows instead of reusing them), and on this VM a fault costs about 17 us, so which layer's
+allocations happen to fault moved the large-expert ratios by 0.1 between layers running the same
+code. A GPU's caching allocator takes no such faults. The ranks therefore run with PyTorch's
+THP_MEM_ALLOC_ENABLE=1 (large tensors 2 MiB-aligned on transparent huge pages: about ten times fewer
+faults), for every layer alike; ``--no-thp-alloc`` measures without it, and the ``faults`` column
+shows what is left.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -53,6 +62,9 @@ def parse_args():
     p.add_argument("--no-ddp", action="store_true",
                    help="plain autograd gradients instead of megatron-core's DistributedDataParallel "
                         "(whose fp32 main_grad buffers every Megatron training run has)")
+    p.add_argument("--no-thp-alloc", action="store_true",
+                   help="leave PyTorch's CPU allocator on 4 KiB pages (by default the ranks run with "
+                        "THP_MEM_ALLOC_ENABLE=1, see the module docstring)")
     p.add_argument("--repeats", type=int, default=3,
                    help="measure every layer this many times (interleaved); ratios are medians")
     return p.parse_args()
@@ -100,8 +112,10 @@ def build(cfg, balancer: str | None, force_balanced: bool, overlap: bool = True)
 class Measurement:
     """One layer's timed iterations on this rank.
 
-    Per forward+backward: wall, seconds of the group (max over ranks); cpu, every rank's critical
-    path; rows, rows its experts received (last iteration). A rank's critical path is its main
+    Per forward+backward: wall, seconds of the group (max over ranks); cpu, the busiest rank's critical
+    path; faults, the most minor page faults a rank's main thread took (memory the host allocator
+    got fresh or had returned, touched again: critical-path CPU time that a GPU's caching allocator
+    does not spend); rows, rows its experts received (last iteration). A rank's critical path is its main
     thread's CPU time (``time.thread_time``: compute, not time descheduled while this VM's cores run
     other work) plus the time it was blocked waiting for a replica transfer: what a rank with a
     device of its own would spend.
@@ -121,7 +135,7 @@ class Measurement:
             return compute(h, p)
 
         layer.routed_experts_compute = counting
-        self.wall, self.cpu = [], []
+        self.wall, self.cpu, self.faults = [], [], []
 
     def step(self, timed: bool) -> None:
         balancing = self.balancing
@@ -130,20 +144,21 @@ class Measurement:
             self.model.zero_grad_buffer()
         torch.distributed.barrier()
         blocked0 = balancing.overheads.transfer_blocked_seconds if balancing is not None else 0.0
+        f0 = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
         t0, c0 = time.perf_counter(), time.thread_time()
         out, _ = self.model(xi)
         out.sum().backward()
-        cpu = time.thread_time() - c0
+        cpu = torch.tensor([time.thread_time() - c0])
+        faults = torch.tensor([float(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - f0)])
         wall = torch.tensor([time.perf_counter() - t0])
         if balancing is not None:  # the time this rank sat waiting for a replica transfer
             cpu += balancing.overheads.transfer_blocked_seconds - blocked0
-        torch.distributed.all_reduce(wall, op=torch.distributed.ReduceOp.MAX)
-        world = torch.distributed.get_world_size()
-        cpus = [torch.zeros(1) for _ in range(world)]
-        torch.distributed.all_gather(cpus, torch.tensor([cpu]))
+        for value in (wall, cpu, faults):  # the slowest rank's
+            torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
         if timed:
             self.wall.append(float(wall))
-            self.cpu.append(torch.cat(cpus))
+            self.faults.append(float(faults))
+            self.cpu.append(float(cpu))
         elif balancing is not None:  # overheads of the timed iterations only
             balancing.overheads.reset()
 
@@ -151,14 +166,14 @@ class Measurement:
         """Medians over the timed iterations; ``x_fb``: force-balanced's time over this layer's,
         iteration by iteration (the two ran back to back), then the median."""
         cfg = self.cfg
-        cpu_max = [float(c.max()) for c in self.cpu]
-        ideal_max = [float(c.max()) for c in ideal.cpu]
+        cpu_max, ideal_max = self.cpu, ideal.cpu
         gathered = [torch.zeros(1) for _ in range(torch.distributed.get_world_size())]
         torch.distributed.all_gather(gathered, torch.tensor([float(self.rows)]))
         loads = torch.cat(gathered)
         result = dict(wall=median(self.wall), cpu_max=median(cpu_max),
                       wall_x_fb=median([i / m for i, m in zip(ideal.wall, self.wall)]),
                       cpu_x_fb=median([i / m for i, m in zip(ideal_max, cpu_max)]),
+                      faults=median(self.faults),
                       imbalance=float(loads.max() / loads.mean()))
         if self.balancing is not None:
             o = self.balancing.overheads
@@ -214,15 +229,17 @@ def report(cfg, tokens, runs) -> None:
     print(f"\nMoE layer fwd+bwd, EP={cfg.ep_size} (gloo, 1 thread/rank), E={cfg.num_experts}, top-{cfg.topk}, "
           f"hidden {cfg.hidden_size}, ffn {cfg.ffn_hidden_size}, {cfg.tokens_per_rank} tokens/rank, "
           f"{cfg.num_slots} slot(s)/rank, router bias std {cfg.router_bias_std}; {cfg.repeats} repeats x "
-          f"{cfg.iters} timed iterations, medians")
+          f"{cfg.iters} timed iterations, medians; CPU allocator: "
+          f"{'THP_MEM_ALLOC_ENABLE=1' if os.environ.get('THP_MEM_ALLOC_ENABLE') == '1' else '4 KiB pages'}")
     print("x f-b: force-balanced's time / this layer's (higher is better), per iteration (run back to back), median "
           "per repeat, then the median of the repeats; "
           "wall: slowest rank; critical: the busiest rank's compute (main-thread CPU time) plus its "
-          "time blocked on replica transfers (the critical path with a device per rank)")
+          "time blocked on replica transfers (the critical path with a device per rank); faults: the most minor page "
+          "faults a rank's main thread took per iteration (their cost is part of its critical time)")
     print(f"| {'layer':<21} | {'wall ms':>8} | {'tokens/s':>9} | {'wall x f-b':>10} | {'critical ms':>14} "
-          f"| {'critical x f-b (repeats)':>26} | {'imbalance':>9} | {'plan ms':>7} | {'host ms':>7} "
+          f"| {'critical x f-b (repeats)':>26} | {'faults':>7} | {'imbalance':>9} | {'plan ms':>7} | {'host ms':>7} "
           f"| {'transfers ms':>12} | {'reroute ms':>10} |")
-    print(f"|{'-' * 23}|{'-' * 10}|{'-' * 11}|{'-' * 12}|{'-' * 16}|{'-' * 28}|{'-' * 11}|{'-' * 9}"
+    print(f"|{'-' * 23}|{'-' * 10}|{'-' * 11}|{'-' * 12}|{'-' * 16}|{'-' * 28}|{'-' * 9}|{'-' * 11}|{'-' * 9}"
           f"|{'-' * 9}|{'-' * 14}|{'-' * 12}|")
     for label, measured in runs.items():
         wall_ratios = [m["wall_x_fb"] for m in measured]
@@ -237,6 +254,7 @@ def report(cfg, tokens, runs) -> None:
             overheads = " | ".join(f"{'':>{w}}" for w in (7, 7, 12, 10))
         print(f"| {label:<21} | {wall * 1e3:8.1f} | {tokens / wall:9.0f} | {median(wall_ratios):10.2f} "
               f"| {median([m['cpu_max'] for m in measured]) * 1e3:14.1f} | {median(cpu_ratios):5.2f} ({per_repeat:>18}) "
+              f"| {median([m['faults'] for m in measured]):7.0f} "
               f"| {median([m['imbalance'] for m in measured]):9.2f} | {overheads} |")
     for name in (policy.ULTRAEP, policy.EPLB_EXACT):
         exposed = median([m["transfers"] for m in runs[name]])
@@ -251,6 +269,8 @@ def main():
         return worker(cfg)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), MASTER_ADDR="127.0.0.1",
                PYTHONWARNINGS="ignore")
+    if not cfg.no_thp_alloc:
+        env["THP_MEM_ALLOC_ENABLE"] = "1"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.ep_size}",
            __file__, *sys.argv[1:]]
     sys.exit(subprocess.call(cmd, env=env))
