@@ -60,9 +60,11 @@ def test_negative_control_unreduced_replica_gradients_fail_the_comparison(ranks)
     (pretrain_grad_dump.FAULTS): the replicated experts' gradients must fail, nothing else."""
     compared = comparisons(ranks, "no_replica_grad_reduction")
     failed = [c for c in compared if not c.passed]
-    print(f"\nno_replica_grad_reduction: {len(failed)} of {len(compared)} over tolerance")
+    print(f"\nno_replica_grad_reduction: {len(failed)} of {len(compared)} over tolerance, "
+          f"error/tolerance {min(c.ratio for c in failed):.3g} to {max(c.ratio for c in failed):.3g}")
     assert failed and all(" expert 0 " in c.what or " expert 1 " in c.what for c in failed), failed
-    assert all(c.error > 1e-2 for c in failed)
+    # Not a borderline miss: wrong by far more than this run's rounding noise.
+    assert all(c.ratio > 10 for c in failed), failed
 
 
 @pytest.mark.parametrize("scenario", ["single", "pipelined", "recompute", "flex", "grouped"])

@@ -174,7 +174,7 @@ def test_negative_control_breaks_the_equivalence(runs, iteration):
     print(f"\n{FAULTS[iteration]}: {len(failed)} of {len(comparisons)} gradients over tolerance, "
           f"worst error/tolerance {worst.ratio:.3g} ({worst.what}, error {worst.error:.3g})")
     assert failed, f"{FAULTS[iteration]} went unnoticed: {summary(comparisons)}"
-    assert worst.error > 1e-3, "a broken balancer is wrong by far more than rounding"
+    assert worst.ratio > 10, "a broken balancer is wrong by far more than this run's rounding noise"
     # Only the replicated (main) experts' gradients can lose their replicas' share.
     if FAULTS[iteration] == "no_replica_grad_reduction":
         assert all(".experts.local_experts." in c.what for c in comparisons if not c.passed)

@@ -52,9 +52,6 @@ def test_telemetry_shows_replicas_but_none_across_a_domain(runs):
     for record in balanced:
         for layer, stats in record["balancer"].items():
             assert stats["cross_domain_replicas"] == 0, (record["iteration"], layer)
-            # Activation memory: the rows a rank receives are the rows it computes.
-            assert stats["memory_spread_after"] == stats["imbalance_after"]
-            assert stats["memory_spread_before"] == stats["imbalance_before"]
             assert 0.0 <= stats["balanced_fraction"] <= 1.0
             replicas += stats["replicas"]
     assert replicas > 0, "the domain-constrained planner must really replicate"

@@ -56,7 +56,6 @@ def test_offline_wandb_run_holds_every_layer_metric_the_run_computed(tiny_balanc
         assert row["ultraep/summary/imbalance_after_mean"] == pytest.approx(sum(after) / 4, rel=1e-12)
         assert row["ultraep/summary/imbalance_after_max"] == max(after)
         stats = record["balancer"].values()
-        assert all(v["memory_spread_after"] == v["imbalance_after"] for v in stats)
         assert row["ultraep/summary/balanced_fraction_mean"] == pytest.approx(
             sum(v["balanced_fraction"] for v in stats) / 4, rel=1e-12)
         # The recipe's skewed router, balanced: the figures are not trivially equal.

@@ -238,7 +238,7 @@ def startup_checks_or_exit(argv: Sequence[str], *, prog: str = "pretrain_gpt.py"
 
     from ultraep_megatron.megatron import cpu_backend
 
-    log_rank = os.environ.get("RANK", "0") == "0"
+    log_rank = cpu_backend.is_log_rank()
 
     def report(kind: str, message: str) -> None:
         if log_rank:

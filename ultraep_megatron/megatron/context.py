@@ -133,6 +133,8 @@ class BalancerStats:
 
     METRICS = ("imbalance_before", "imbalance_after", "replicas", "max_fanout", "inflight_ratio",
                "cross_domain_replicas", "memory_spread_before", "memory_spread_after")
+    #: Every figure :meth:`pop` returns: ``planner.metrics``' above, plus the balancer's own.
+    RECORDED = METRICS + ("balanced_fraction", "plan_ms")
 
     def __init__(self):
         self._sums: Dict[int, Dict[str, float]] = {}

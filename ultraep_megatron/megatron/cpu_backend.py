@@ -562,7 +562,8 @@ def _patch(owner: Any, attribute: str, replacement: Any, reason: str) -> None:
     PATCHES.append((f"{getattr(owner, '__name__', type(owner).__name__)}.{attribute}", reason))
 
 
-def _is_log_rank() -> bool:
+def is_log_rank() -> bool:
+    """Global rank 0 (from the launcher's environment: usable before the process group exists)."""
     return os.environ.get("RANK", "0") == "0"
 
 
@@ -633,7 +634,7 @@ def activate() -> bool:
                         "the wheel ships helpers_cpp prebuilt but no Makefile"))
 
     _ACTIVE = True
-    if _is_log_rank():
+    if is_log_rank():
         lines = "\n".join(f"  - {target}: {reason}" for target, reason in PATCHES)
         logger.warning("ultraep CPU backend active (no CUDA device): %d patches\n%s",
                        len(PATCHES), lines)

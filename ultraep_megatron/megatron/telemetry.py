@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ultraep_megatron.megatron.context import BalancerStats
 from ultraep_megatron.planner import load_imbalance
 
 #: Metric-name prefix in tensorboard / wandb.
@@ -131,10 +132,8 @@ class ExpertLoadTracker:
         return {layer + 1: float(imbalance[layer]) for layer in torch.nonzero(routed).flatten().tolist()}
 
 
-#: Per-layer balancing figures the balanced MoE layers record (``context.BalancerStats``).
-BALANCER_METRICS = ("imbalance_before", "imbalance_after", "replicas", "max_fanout",
-                    "inflight_ratio", "plan_ms", "balanced_fraction", "cross_domain_replicas",
-                    "memory_spread_before", "memory_spread_after")
+#: Per-layer balancing figures the balanced MoE layers record.
+BALANCER_METRICS = BalancerStats.RECORDED
 #: Those logged as ``ultraep/<name>/layer_NN``: one name per quantity. The load before balancing is
 #: the router's ``moe/load_imbalance/layer_NN`` (the balancer's own figure fills in only for a layer
 #: the router hook did not count). The memory spread (max/mean of the rows each rank receives, i.e.
