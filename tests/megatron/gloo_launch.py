@@ -22,6 +22,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 WORKERS = Path(__file__).resolve().parent / "workers"
 #: The interpreter for ranks: $ULTRAEP_PYTHON if set, else the one running the tests.
 PYTHON = os.environ.get("ULTRAEP_PYTHON", sys.executable)
+FAST_EXIT = Path(__file__).resolve().parent / "fast_exit.py"
 
 
 def gloo_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -41,6 +42,13 @@ def gloo_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     if extra:
         env.update(extra)
     return env
+
+
+def torchrun_command(script: str | Path, nproc: int, args: Sequence[str] = ()) -> list[str]:
+    """torchrun running ``script`` on ``nproc`` local ranks, each through fast_exit.py (its
+    docstring: the script runs unchanged, Python's teardown is skipped)."""
+    return [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            str(FAST_EXIT), str(script), *map(str, args)]
 
 
 def launch_gloo_ranks(
@@ -71,11 +79,7 @@ def launch_gloo_ranks(
     """
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
-    command = [
-        PYTHON, "-m", "torch.distributed.run",
-        "--standalone", f"--nproc-per-node={nproc}",
-        str(script), *map(str, args),
-    ]
+    command = torchrun_command(script, nproc, args)
     try:
         completed = subprocess.run(
             command, cwd=REPO_ROOT, env=gloo_env(env), capture_output=True, text=True,

@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from gloo_launch import PYTHON, REPO_ROOT, WORKERS, gloo_env
+from gloo_launch import REPO_ROOT, WORKERS, gloo_env, torchrun_command
 from megatron_runs import recipe_moe_args, tiny_moe_args
 
 from ultraep_megatron.megatron.cpu_backend import CPU_FLAGS
@@ -25,9 +25,7 @@ ARGUMENT_DUMP = "------------------------ arguments ------------------------"
 
 def torchrun(script, nproc, args, env=None, timeout_s=300):
     """(exit status, combined output) of ``script`` on ``nproc`` gloo ranks."""
-    command = [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               str(script), *map(str, args)]
-    completed = subprocess.run(command, cwd=REPO_ROOT, env=gloo_env(env), capture_output=True,
+    completed = subprocess.run(torchrun_command(script, nproc, args), cwd=REPO_ROOT, env=gloo_env(env), capture_output=True,
                                text=True, timeout=timeout_s)
     return completed.returncode, completed.stdout + completed.stderr
 
