@@ -18,13 +18,14 @@ ranks; negative std = the same bias every step). One thread per rank; on this 2-
 EP=2. The layers run interleaved iteration by iteration, and each ratio compares iterations that ran
 back to back; figures are only comparable within one run.
 
-Page faults: glibc serves PyTorch's large CPU tensors from fresh pages again and again (its heap
-grows instead of reusing them), and on this VM a fault costs about 17 us, so which layer's
-allocations happen to fault moved the large-expert ratios by 0.1 between layers running the same
-code. A GPU's caching allocator takes no such faults. The ranks therefore run with PyTorch's
-THP_MEM_ALLOC_ENABLE=1 (large tensors 2 MiB-aligned on transparent huge pages: about ten times fewer
-faults), for every layer alike; ``--no-thp-alloc`` measures without it, and the ``faults`` column
-shows what is left.
+Page faults: glibc serves PyTorch's large CPU tensors from fresh pages again and again (tensors above
+its mmap threshold are unmapped when freed, freed heap memory is trimmed), and on this VM a fault
+costs about 17 us, so which layer's allocations happened to fault moved the large-expert ratios by
+0.1 between layers running the same code. A GPU's caching allocator takes no such faults: it keeps
+its blocks for the next allocation. The ranks therefore run with CACHING_ALLOCATOR_ENV, for every
+layer alike: PyTorch's THP_MEM_ALLOC_ENABLE=1 (large tensors on transparent huge pages) and glibc
+tunables that keep freed memory up to 32 MiB per tensor in the heap; ``--plain-allocator`` measures
+without them, and the ``faults`` column shows what is left.
 """
 
 from __future__ import annotations
@@ -62,9 +63,10 @@ def parse_args():
     p.add_argument("--no-ddp", action="store_true",
                    help="plain autograd gradients instead of megatron-core's DistributedDataParallel "
                         "(whose fp32 main_grad buffers every Megatron training run has)")
-    p.add_argument("--no-thp-alloc", action="store_true",
-                   help="leave PyTorch's CPU allocator on 4 KiB pages (by default the ranks run with "
-                        "THP_MEM_ALLOC_ENABLE=1, see the module docstring)")
+    p.add_argument("--plain-allocator", action="store_true",
+                   help="PyTorch's and glibc's default CPU allocation: 4 KiB pages, a heap glibc trims, "
+                        "its dynamic mmap threshold (by default the ranks run with CACHING_ALLOCATOR_ENV, "
+                        "see the module docstring)")
     p.add_argument("--repeats", type=int, default=3,
                    help="measure every layer this many times (interleaved); ratios are medians")
     return p.parse_args()
@@ -183,6 +185,22 @@ class Measurement:
         return result
 
 
+#: The CPU allocation the ranks run with by default, for every layer alike (module docstring).
+CACHING_ALLOCATOR_ENV = {
+    # PyTorch: tensors of 2 MiB and more 2 MiB-aligned, on transparent huge pages.
+    "THP_MEM_ALLOC_ENABLE": "1",
+    # glibc: tensors up to 32 MiB (its largest mmap threshold; a fixed one also stops the dynamic
+    # adjustment) from the heap, and freed heap memory kept for the next allocation, not trimmed.
+    "GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=68719476736",
+}
+
+
+def allocator_settings() -> str:
+    """The CPU allocation settings this rank runs with, for the report."""
+    settings = [f"{name}={os.environ[name]}" for name in CACHING_ALLOCATOR_ENV if os.environ.get(name)]
+    return ", ".join(settings) if settings else "PyTorch's and glibc's defaults (4 KiB pages)"
+
+
 def median(values):
     values = sorted(values)
     return values[len(values) // 2]
@@ -230,7 +248,7 @@ def report(cfg, tokens, runs) -> None:
           f"hidden {cfg.hidden_size}, ffn {cfg.ffn_hidden_size}, {cfg.tokens_per_rank} tokens/rank, "
           f"{cfg.num_slots} slot(s)/rank, router bias std {cfg.router_bias_std}; {cfg.repeats} repeats x "
           f"{cfg.iters} timed iterations, medians; CPU allocator: "
-          f"{'THP_MEM_ALLOC_ENABLE=1' if os.environ.get('THP_MEM_ALLOC_ENABLE') == '1' else '4 KiB pages'}")
+          f"{allocator_settings()}")
     print("x f-b: force-balanced's time / this layer's (higher is better), per iteration (run back to back), median "
           "per repeat, then the median of the repeats; "
           "wall: slowest rank; critical: the busiest rank's compute (main-thread CPU time) plus its "
@@ -269,8 +287,9 @@ def main():
         return worker(cfg)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), MASTER_ADDR="127.0.0.1",
                PYTHONWARNINGS="ignore")
-    if not cfg.no_thp_alloc:
-        env["THP_MEM_ALLOC_ENABLE"] = "1"
+    if not cfg.plain_allocator:
+        for name, value in CACHING_ALLOCATOR_ENV.items():
+            env[name] = ":".join(filter(None, [env.get(name) if name == "GLIBC_TUNABLES" else None, value]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.ep_size}",
            __file__, *sys.argv[1:]]
     sys.exit(subprocess.call(cmd, env=env))

@@ -119,6 +119,28 @@ def test_replica_backward_does_not_recompute_the_replica_forward(ranks):
     assert hosts >= 1, "no rank ran a replica: the test routing does not exercise the replicas"
 
 
+def test_only_replicated_experts_gradients_wait_for_the_reduction(ranks):
+    """A replicated main expert's gradient is accumulated (where Megatron DDP's hook hands main_grad
+    to its bucket reduction) only after the replica gradients were folded into it; every other local
+    expert's as soon as its own backward produced it, not held until the end of the reduction."""
+    replicated_seen = unreplicated_seen = 0
+    for rank, result in enumerate(ranks):
+        events = result["single/balanced"]["accumulation_events"]
+        folds = [i for i, (kind, _) in enumerate(events) if kind == "folded"]
+        assert len(folds) == 1, f"rank {rank}: one backward, one reduction: {events}"
+        replicated = set(events[folds[0]][1])
+        for i, (kind, local) in enumerate(events):
+            if kind != "accumulated":
+                continue
+            if local in replicated:
+                replicated_seen += 1
+                assert i > folds[0], f"rank {rank}: expert {local} accumulated before its replicas' gradients: {events}"
+            else:
+                unreplicated_seen += 1
+                assert i < folds[0], f"rank {rank}: expert {local} held until the reduction finished: {events}"
+    assert replicated_seen and unreplicated_seen, "the routing must replicate some experts and not others"
+
+
 def test_flex_scenario_ran_megatrons_deepep_path(ranks):
     """The flex scenario really went through the balanced flex dispatcher and megatron's DeepEP
     manager (over the gloo stand-in), and its reference through megatron's all-to-all."""

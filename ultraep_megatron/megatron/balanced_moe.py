@@ -359,22 +359,25 @@ class _ReduceReplicaGrads(torch.autograd.Function):
     backward, after the experts' and the sort's, completes the reduction of the replica gradients
     into the main experts' gradients.
 
-    ``main_params`` (every local main expert's parameter, expert-major) are inputs so that their
-    gradient accumulation, and so Megatron DDP's hook that hands ``main_grad`` to the (possibly
-    overlapped) bucket reduction, waits for this backward.
+    ``replicated_params`` (the parameters of this rank's main experts that have a replica,
+    expert-major) are inputs so that their gradient accumulation, and so Megatron DDP's hook that
+    hands ``main_grad`` to the (possibly overlapped) bucket reduction, waits for this backward. Only
+    those: autograd holds a parameter's incoming weight gradient until every input of its
+    accumulation is done, so making every local expert an input held all their weight gradients
+    (on the CPU, fresh pages each iteration) though the reduction changes only these.
     """
 
     @staticmethod
-    def forward(ctx, layer, invocation, received, *main_params):
+    def forward(ctx, layer, invocation, received, *replicated_params):
         _keep(ctx, layer, invocation)
         return received.view_as(received)
 
     @staticmethod
     def backward(ctx, grad_received):
         invocation = _invocation(ctx)
-        main_param_grads = ctx.layer.balancing.finish_reduction(ctx.layer, invocation)
+        replicated_param_grads = ctx.layer.balancing.finish_reduction(ctx.layer, invocation)
         ctx.layer.balancing.release(invocation)
-        return (None, None, grad_received, *main_param_grads)
+        return (None, None, grad_received, *replicated_param_grads)
 
 
 class _ReplicaExperts(torch.autograd.Function):
@@ -533,7 +536,10 @@ class BalancedMoELayer(MoELayer):
         invocation = dispatcher.invocation
         track = torch.is_grad_enabled()  # a backward will follow: re-materialize and reduce in it
         if track:  # on the received tokens: its backward follows every expert's
-            hidden_states = _ReduceReplicaGrads.apply(self, invocation, hidden_states, *self.main_expert_params())
+            main_params = self.main_expert_param_lists()
+            hidden_states = _ReduceReplicaGrads.apply(
+                self, invocation, hidden_states,
+                *[p for g in invocation.replicated_local_experts for p in main_params[g]])
         if sum(invocation.replica_rows) == 0:
             # Nothing for this rank's redundant slots (host metadata): megatron's postprocess, no
             # parts. The backward's transfers wait for this weight distribution first; without a

@@ -81,6 +81,15 @@ class Invocation:
     plan_seconds: float
 
     @cached_property
+    def replicated_local_experts(self) -> Tuple[int, ...]:
+        """Local indices of this rank's main experts that have a replica (ascending): the only
+        experts whose gradients the replica-gradient reduction changes here."""
+        G = self.load.shape[1] // self.load.shape[0]
+        first = self.ep_rank * G
+        replicated = set(self.plan.slot_expert.reshape(-1).tolist())  # host plan
+        return tuple(g for g in range(G) if first + g in replicated)
+
+    @cached_property
     def schedule(self) -> Optional[TransferSchedule]:
         """The transfer schedule, built on first use: by the weight distribution, once the reroute
         is queued, not between the wait for the load and the reroute."""
@@ -410,9 +419,8 @@ class BalancingContext:
         if use_main_grad:  # Megatron DDP: straight into the fp32 main_grad buffers
             targets, has_replica = [[p.main_grad for p in ps] for ps in params], None
         else:  # fresh fp32 gradients for the experts with a replica; the others get a zero view, never written
-            first = invocation.ep_rank * len(params)
-            replicated = set(invocation.plan.slot_expert.reshape(-1).tolist())  # host plan
-            has_replica = [first + i in replicated for i in range(len(params))]
+            replicated = set(invocation.replicated_local_experts)
+            has_replica = [g in replicated for g in range(len(params))]
             zero = torch.zeros((), dtype=torch.float32, device=params[0][0].device)
             targets = [[torch.zeros_like(p, dtype=torch.float32) if has else zero.expand(p.shape) for p in ps]
                        for ps, has in zip(params, has_replica)]
@@ -423,9 +431,11 @@ class BalancingContext:
 
     @native_torch
     def finish_reduction(self, layer, invocation: Invocation) -> List[Optional[torch.Tensor]]:
-        """Complete the invocation's reduction; return the gradients of the main-expert parameters
-        (expert-major), ``None`` where they went into ``main_grad`` or the expert had no replica."""
-        params = [p for ps in layer.main_expert_param_lists() for p in ps]
+        """Complete the invocation's reduction; return the gradients of the parameters of the main
+        experts with a replica (``invocation.replicated_local_experts``, expert-major), ``None``
+        where they went into ``main_grad``."""
+        replicated = invocation.replicated_local_experts
+        params = [p for g in replicated for p in layer.main_expert_param_lists()[g]]
         if invocation.schedule_builder is None:
             return [None] * len(params)
         self.start_reduction(layer, invocation)  # if the replicas' backward did not start it
@@ -433,8 +443,8 @@ class BalancingContext:
         self._wait(handle)
         if has_replica is None:
             return [None] * len(params)
-        grads = [g if has else None for gs, has in zip(targets, has_replica) for g in gs]
-        return [None if g is None else g.to(p.dtype) for p, g in zip(params, grads)]
+        grads = [g for e in replicated for g in targets[e]]
+        return [g.to(p.dtype) for p, g in zip(params, grads)]
 
     # -- training loop -----------------------------------------------------------------------------
     def end_iteration(self, iteration: int) -> None:

@@ -175,6 +175,24 @@ def run(layer, weights, rank, microbatches: int, permute_tokens: bool = False) -
             return run_replicas(*args)
 
         layer.run_replicas = counting_replicas
+    # When each local main expert's gradient is accumulated (the hook Megatron DDP puts on a
+    # parameter's grad accumulator to hand main_grad to its bucket reduction) against when the
+    # replica-gradient reduction is folded in, with the local experts that had a replica.
+    accumulation_events = []
+    if balancing is not None:
+        for local in range(layer.num_local_experts):
+            for weight in expert_weights(layer, local):
+                accumulator = weight.expand_as(weight).grad_fn.next_functions[0][0]
+                accumulator.register_hook(functools.partial(
+                    lambda local, *_: accumulation_events.append(("accumulated", local)), local))
+        finish_reduction = balancing.finish_reduction
+
+        def recording_finish_reduction(layer_, invocation):
+            grads = finish_reduction(layer_, invocation)
+            accumulation_events.append(("folded", invocation.replicated_local_experts))
+            return grads
+
+        balancing.finish_reduction = recording_finish_reduction
     xs, outs, ups, orders = [], [], [], []
     for mb in range(microbatches):
         x, up = rank_inputs(rank, mb)
@@ -200,6 +218,7 @@ def run(layer, weights, rank, microbatches: int, permute_tokens: bool = False) -
         "stats": stats,
         "received_rows": received_rows,
         "replica_calls": replica_calls,
+        "accumulation_events": accumulation_events,
         "replica_buffer_numel": balancing.buffer.replica_weights.numel() if balancing is not None else 0,
     }
 
