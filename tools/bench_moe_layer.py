@@ -64,7 +64,8 @@ def parse_args():
                    help="plain autograd gradients instead of megatron-core's DistributedDataParallel "
                         "(whose fp32 main_grad buffers every Megatron training run has)")
     p.add_argument("--plain-allocator", action="store_true",
-                   help="PyTorch's and glibc's default CPU allocation: 4 KiB pages, a heap glibc trims, "
+                   help="PyTorch's and glibc's default CPU allocation: 4 KiB pages (unless the kernel's "
+                        "transparent huge pages are 'always'; the report says), a heap glibc trims, "
                         "its dynamic mmap threshold (by default the ranks run with CACHING_ALLOCATOR_ENV, "
                         "see the module docstring)")
     p.add_argument("--repeats", type=int, default=3,
@@ -198,7 +199,13 @@ CACHING_ALLOCATOR_ENV = {
 def allocator_settings() -> str:
     """The CPU allocation settings this rank runs with, for the report."""
     settings = [f"{name}={os.environ[name]}" for name in CACHING_ALLOCATOR_ENV if os.environ.get(name)]
-    return ", ".join(settings) if settings else "PyTorch's and glibc's defaults (4 KiB pages)"
+    described = ", ".join(settings) if settings else "PyTorch's and glibc's defaults"
+    try:  # "always" puts large heap and mmap regions on huge pages without PyTorch asking
+        thp = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().split()
+        described += f"; kernel transparent huge pages: {next(w.strip('[]') for w in thp if w.startswith('['))}"
+    except (OSError, StopIteration):
+        pass
+    return described
 
 
 def median(values):
@@ -287,8 +294,10 @@ def main():
         return worker(cfg)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), MASTER_ADDR="127.0.0.1",
                PYTHONWARNINGS="ignore")
-    if not cfg.plain_allocator:
-        for name, value in CACHING_ALLOCATOR_ENV.items():
+    for name, value in CACHING_ALLOCATOR_ENV.items():
+        if cfg.plain_allocator:  # the defaults, whatever the calling shell set
+            env.pop(name, None)
+        else:
             env[name] = ":".join(filter(None, [env.get(name) if name == "GLIBC_TUNABLES" else None, value]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.ep_size}",
            __file__, *sys.argv[1:]]

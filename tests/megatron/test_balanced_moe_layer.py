@@ -15,7 +15,11 @@ from gloo_launch import WORKERS, launch_gloo_ranks
 WORLD = 4
 NUM_SLOTS = 1
 EXPERT_NUMEL = 2 * 32 * 48  # fc1 [48, 32] + fc2 [32, 48]
-SCENARIOS = ("single", "pipelined", "recompute", "eplb", "eplb-exact", "flex", "grouped")
+SCENARIOS = ("single", "pipelined", "recompute", "eplb", "eplb-exact", "flex", "grouped", "mixed",
+             "frozen_input")
+# A negative control must miss by more than this many times its tolerance (not a borderline miss).
+NOISE_MULTIPLE = 10
+EXPERT_PARAMS = 2  # fc1, fc2
 
 pytestmark = pytest.mark.slow
 
@@ -60,11 +64,12 @@ def test_negative_control_unreduced_replica_gradients_fail_the_comparison(ranks)
     (pretrain_grad_dump.FAULTS): the replicated experts' gradients must fail, nothing else."""
     compared = comparisons(ranks, "no_replica_grad_reduction")
     failed = [c for c in compared if not c.passed]
+    assert failed, "breaking the replica-gradient reduction changed no gradient"
     print(f"\nno_replica_grad_reduction: {len(failed)} of {len(compared)} over tolerance, "
           f"error/tolerance {min(c.ratio for c in failed):.3g} to {max(c.ratio for c in failed):.3g}")
-    assert failed and all(" expert 0 " in c.what or " expert 1 " in c.what for c in failed), failed
+    assert all(" expert 0 " in c.what or " expert 1 " in c.what for c in failed), failed
     # Not a borderline miss: wrong by far more than this run's rounding noise.
-    assert all(c.ratio > 10 for c in failed), failed
+    assert all(c.ratio > NOISE_MULTIPLE for c in failed), failed
 
 
 @pytest.mark.parametrize("scenario", ["single", "pipelined", "recompute", "flex", "grouped"])
@@ -92,11 +97,16 @@ def test_eplb_baselines_do_not_balance_as_well(ranks):
 
 
 def test_ring_is_released_after_backward(ranks):
-    for result in ranks:
+    for rank, result in enumerate(ranks):
         pipelined = result["pipelined/balanced"]
         assert pipelined["ring_live_before_backward"] == 3  # three microbatches in flight
         assert pipelined["ring_live_after_backward"] == 0
         assert result["recompute/balanced"]["ring_live_after_backward"] == 0
+        # Tokens without a gradient: the reduction still completes and releases the invocation.
+        frozen = result["frozen_input/balanced"]
+        assert frozen["ring_live_before_backward"] == 1
+        assert frozen["ring_live_after_backward"] == 0, f"rank {rank}: the invocation was never released"
+        assert frozen["dx"] == [] and frozen["expert_grads"], "the scenario's tokens must need no gradient"
 
 
 def test_replica_buffers_are_num_slots_experts(ranks):
@@ -119,26 +129,35 @@ def test_replica_backward_does_not_recompute_the_replica_forward(ranks):
     assert hosts >= 1, "no rank ran a replica: the test routing does not exercise the replicas"
 
 
-def test_only_replicated_experts_gradients_wait_for_the_reduction(ranks):
+@pytest.mark.parametrize("scenario", ["single", "mixed"])
+def test_only_replicated_experts_gradients_wait_for_the_reduction(ranks, scenario):
     """A replicated main expert's gradient is accumulated (where Megatron DDP's hook hands main_grad
     to its bucket reduction) only after the replica gradients were folded into it; every other local
-    expert's as soon as its own backward produced it, not held until the end of the reduction."""
-    replicated_seen = unreplicated_seen = 0
+    expert's as soon as its own backward produced it, not held until the end of the reduction.
+    ``mixed`` has ranks above 0 with a replicated and an unreplicated expert (local ids != global)."""
+    kinds_per_rank = []
     for rank, result in enumerate(ranks):
-        events = result["single/balanced"]["accumulation_events"]
+        events = result[f"{scenario}/balanced"]["accumulation_events"]
         folds = [i for i, (kind, _) in enumerate(events) if kind == "folded"]
         assert len(folds) == 1, f"rank {rank}: one backward, one reduction: {events}"
+        accumulated = [local for kind, local in events if kind == "accumulated"]
+        num_local = len(result["local_expert_indices"])
+        # Every hook fired: each local expert's weights, once.
+        assert sorted(accumulated) == sorted(list(range(num_local)) * EXPERT_PARAMS), events
         replicated = set(events[folds[0]][1])
         for i, (kind, local) in enumerate(events):
             if kind != "accumulated":
                 continue
             if local in replicated:
-                replicated_seen += 1
                 assert i > folds[0], f"rank {rank}: expert {local} accumulated before its replicas' gradients: {events}"
             else:
-                unreplicated_seen += 1
                 assert i < folds[0], f"rank {rank}: expert {local} held until the reduction finished: {events}"
-    assert replicated_seen and unreplicated_seen, "the routing must replicate some experts and not others"
+        kinds_per_rank.append((bool(replicated), len(replicated) < num_local))
+    assert any(r for r, _ in kinds_per_rank) and any(u for _, u in kinds_per_rank), \
+        f"the routing must replicate some experts and not others: {kinds_per_rank}"
+    if scenario == "mixed":
+        assert kinds_per_rank[1] == kinds_per_rank[2] == (True, True), \
+            f"ranks 1 and 2 must each have an expert with a replica and one without: {kinds_per_rank}"
 
 
 def test_flex_scenario_ran_megatrons_deepep_path(ranks):

@@ -16,10 +16,14 @@ import io
 import os
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Sequence
 
 from ultraep_megatron.planner import policy
+
+#: How long a rank other than rank 0 waits before exiting on an argument problem (rank 0 prints it).
+NON_LOG_RANK_EXIT_DELAY_S = 5.0
 
 
 def _add_moe_balancer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -274,5 +278,8 @@ def startup_checks_or_exit(argv: Sequence[str], *, prog: str = "pretrain_gpt.py"
     for message in errors:
         report("error", message)
     if errors:
+        if not log_rank:
+            # torchrun stops every rank once one fails: give rank 0 the time to print the problems.
+            time.sleep(NON_LOG_RANK_EXIT_DELAY_S)
         sys.exit(2)
     return argv

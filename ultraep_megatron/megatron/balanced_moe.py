@@ -35,8 +35,9 @@ The backward, in the order autograd runs it::
     chunk sort backward
     _ReduceReplicaGrads  completes the reduction into the main experts' gradients; releases the ring
                          slot. It is an identity on the received tokens whose inputs include the
-                         main parameters, so it runs after the main experts' backward and before
-                         their gradient accumulation (Megatron DDP's hook then sees complete grads)
+                         parameters of the main experts with a replica, so it runs after the main
+                         experts' backward and before those experts' gradient accumulation
+                         (Megatron DDP's hook then sees complete grads)
     dispatch all-to-all backward
 
 Every transfer is collective on the EP group and every rank issues them in the same order; a rank
@@ -230,6 +231,8 @@ class BalancedAlltoAllDispatcher(_PhysicalSlotRouting, MoEAlltoAllTokenDispatche
         """Whether megatron's chunk sort here is the unfused split-and-concatenate over (physical
         slot, source rank) chunks, which the two ``*_parts`` methods reproduce directly. Other paths
         (fused sort, expert TP, capacity padding, one slot per rank) go through megatron's."""
+        # Capacity padding and expert TP are refused at startup (unsupported_moe_settings); tested
+        # here as well, so that lifting a refusal cannot silently take the wrong chunk order.
         return not (self.config.moe_permute_fusion or self.drop_and_pad or self.tp_size > 1
                     or self.num_local_experts == 1)
 
@@ -365,11 +368,27 @@ class _ReduceReplicaGrads(torch.autograd.Function):
     those: autograd holds a parameter's incoming weight gradient until every input of its
     accumulation is done, so making every local expert an input held all their weight gradients
     (on the CPU, fresh pages each iteration) though the reduction changes only these.
+
+    If neither the tokens nor a replicated parameter needs a gradient (the layers below frozen, no
+    replica of this rank's experts), :meth:`inputs` adds one local expert's parameters instead:
+    without an input that needs a gradient this backward would never run, so the reduction would
+    never complete and the invocation never be released.
     """
 
     @staticmethod
-    def forward(ctx, layer, invocation, received, *replicated_params):
+    def inputs(layer, invocation, received: torch.Tensor) -> List[torch.Tensor]:
+        """The parameters ``apply`` takes after the tokens."""
+        main_params = layer.main_expert_param_lists()
+        params = [p for g in invocation.replicated_local_experts for p in main_params[g]]
+        if params or received.requires_grad:
+            return params
+        trainable = [[p for p in expert if p.requires_grad] for expert in main_params]
+        return next((expert for expert in trainable if expert), [])
+
+    @staticmethod
+    def forward(ctx, layer, invocation, received, *params):
         _keep(ctx, layer, invocation)
+        ctx.num_params = len(params)
         return received.view_as(received)
 
     @staticmethod
@@ -377,7 +396,9 @@ class _ReduceReplicaGrads(torch.autograd.Function):
         invocation = _invocation(ctx)
         replicated_param_grads = ctx.layer.balancing.finish_reduction(ctx.layer, invocation)
         ctx.layer.balancing.release(invocation)
-        return (None, None, grad_received, *replicated_param_grads)
+        # A stand-in input (see above) gets no gradient from here.
+        padding = [None] * (ctx.num_params - len(replicated_param_grads))
+        return (None, None, grad_received, *replicated_param_grads, *padding)
 
 
 class _ReplicaExperts(torch.autograd.Function):
@@ -509,10 +530,6 @@ class BalancedMoELayer(MoELayer):
             return expert_params(self.experts, self.expert_param_names)
         return self._main_params
 
-    def main_expert_params(self) -> List[torch.Tensor]:
-        """Every local main expert's parameters, expert-major, in ``expert_param_shapes`` order."""
-        return [p for per_expert in self.main_expert_param_lists() for p in per_expert]
-
     def replica_weight_views(self) -> List[List[torch.Tensor]]:
         """``[redundant slot][k]`` views of the shared weight buffer, shaped like this layer's experts."""
         buffer = self.balancing.buffer
@@ -536,10 +553,8 @@ class BalancedMoELayer(MoELayer):
         invocation = dispatcher.invocation
         track = torch.is_grad_enabled()  # a backward will follow: re-materialize and reduce in it
         if track:  # on the received tokens: its backward follows every expert's
-            main_params = self.main_expert_param_lists()
             hidden_states = _ReduceReplicaGrads.apply(
-                self, invocation, hidden_states,
-                *[p for g in invocation.replicated_local_experts for p in main_params[g]])
+                self, invocation, hidden_states, *_ReduceReplicaGrads.inputs(self, invocation, hidden_states))
         if sum(invocation.replica_rows) == 0:
             # Nothing for this rank's redundant slots (host metadata): megatron's postprocess, no
             # parts. The backward's transfers wait for this weight distribution first; without a

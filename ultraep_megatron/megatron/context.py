@@ -435,7 +435,8 @@ class BalancingContext:
         experts with a replica (``invocation.replicated_local_experts``, expert-major), ``None``
         where they went into ``main_grad``."""
         replicated = invocation.replicated_local_experts
-        params = [p for g in replicated for p in layer.main_expert_param_lists()[g]]
+        main_params = layer.main_expert_param_lists()
+        params = [p for g in replicated for p in main_params[g]]
         if invocation.schedule_builder is None:
             return [None] * len(params)
         self.start_reduction(layer, invocation)  # if the replicas' backward did not start it

@@ -14,6 +14,10 @@ experts' router rows) so the balancer must replicate. Scenarios, each saved to
   Transformer Engine's place, against megatron's MoELayer with the same grouped experts;
 * ``no_replica_grad_reduction``: ``single`` with the replica-gradient reduction broken (the
   negative control);
+* ``mixed``: ``single`` with hot experts 3 and 4, so that EP ranks 1 and 2 each have one main
+  expert with a replica and one without (local index 1 and 0 respectively: local != global ids);
+* ``frozen_input``: ``single`` with tokens that need no gradient (the layers below frozen), so the
+  dispatched tokens carry no gradient into the replica-gradient reduction;
 * ``flex``: the balanced flex dispatcher (``--moe-token-dispatcher-type flex``, DeepEP backend) over
   megatron's real ``_DeepepManager``, with ``deepep_gloo`` standing in for DeepEP's CUDA kernels;
   three microbatches in flight, against megatron's all-to-all MoELayer.
@@ -120,9 +124,9 @@ def expert_weights(layer, local: int) -> tuple[torch.Tensor, torch.Tensor]:
     return getattr(experts.linear_fc1, f"weight{local}"), getattr(experts.linear_fc2, f"weight{local}")
 
 
-def skew(x: torch.Tensor, weights) -> torch.Tensor:
-    """Push tokens towards the hot experts' router rows so they win the top-k most of the time."""
-    direction = weights["router"][list(HOT_EXPERTS)].sum(0)
+def skew(x: torch.Tensor, weights, hot=HOT_EXPERTS) -> torch.Tensor:
+    """Push tokens towards the ``hot`` experts' router rows so they win the top-k most of the time."""
+    direction = weights["router"][list(hot)].sum(0)
     return x + 0.6 * direction / direction.norm() * x.shape[-1] ** 0.5
 
 
@@ -131,10 +135,12 @@ def permuted(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])[order].view_as(x)
 
 
-def run(layer, weights, rank, microbatches: int, permute_tokens: bool = False) -> dict:
+def run(layer, weights, rank, microbatches: int, permute_tokens: bool = False, hot=HOT_EXPERTS,
+        input_grad: bool = True) -> dict:
     """Forward + backward of ``microbatches`` microbatches. ``permute_tokens``: feed every
     microbatch's tokens in another order (results put back in the original order): the same
-    mathematics summed in another order, for the noise floor."""
+    mathematics summed in another order, for the noise floor. ``hot``: the experts the tokens are
+    pushed towards; ``input_grad``: whether the tokens need a gradient."""
     balancing = getattr(layer, "balancing", None)
     layer.zero_grad(set_to_none=True)
     layer.train()
@@ -178,13 +184,16 @@ def run(layer, weights, rank, microbatches: int, permute_tokens: bool = False) -
     # When each local main expert's gradient is accumulated (the hook Megatron DDP puts on a
     # parameter's grad accumulator to hand main_grad to its bucket reduction) against when the
     # replica-gradient reduction is folded in, with the local experts that had a replica.
-    accumulation_events = []
+    # The accumulators are kept alive here, as Megatron DDP keeps them: autograd holds them weakly,
+    # and a hook on a collected accumulator never fires.
+    accumulation_events, accumulators = [], []
     if balancing is not None:
         for local in range(layer.num_local_experts):
             for weight in expert_weights(layer, local):
                 accumulator = weight.expand_as(weight).grad_fn.next_functions[0][0]
                 accumulator.register_hook(functools.partial(
                     lambda local, *_: accumulation_events.append(("accumulated", local)), local))
+                accumulators.append(accumulator)
         finish_reduction = balancing.finish_reduction
 
         def recording_finish_reduction(layer_, invocation):
@@ -198,7 +207,7 @@ def run(layer, weights, rank, microbatches: int, permute_tokens: bool = False) -
         x, up = rank_inputs(rank, mb)
         order = (torch.randperm(SEQ * BATCH, generator=torch.Generator().manual_seed(mb))
                  if permute_tokens else torch.arange(SEQ * BATCH))
-        x = permuted(skew(x, weights), order).requires_grad_(True)
+        x = permuted(skew(x, weights, hot), order).requires_grad_(input_grad)
         out, _ = layer(x)
         xs.append(x), outs.append(out), ups.append(permuted(up, order)), orders.append(order.argsort())
     ring_live = balancing.ring.live if balancing is not None else 0
@@ -207,7 +216,7 @@ def run(layer, weights, rank, microbatches: int, permute_tokens: bool = False) -
     stats = balancing.pop_stats() if balancing is not None else {}
     return {
         "out": [permuted(o.detach(), back).clone() for o, back in zip(outs, orders)],
-        "dx": [permuted(x.grad.detach(), back).clone() for x, back in zip(xs, orders)],
+        "dx": [permuted(x.grad.detach(), back).clone() for x, back in zip(xs, orders) if input_grad],
         "router_grad": layer.router.weight.grad.detach().clone(),
         "expert_grads": {
             int(idx): tuple(w.grad.detach().clone() for w in expert_weights(layer, local))
@@ -256,6 +265,8 @@ def main():
     from pretrain_grad_dump import FAULTS
 
     scenarios["no_replica_grad_reduction"] = dict(scenarios["single"], fault="no_replica_grad_reduction")
+    scenarios["mixed"] = dict(scenarios["single"], hot=(3, 4))
+    scenarios["frozen_input"] = dict(scenarios["single"], input_grad=False)
     for name, sc in scenarios.items():
         # The reference is always megatron's own all-to-all MoELayer, also fed permuted tokens.
         for key, balancer, permute in (("none", None, False), ("none_permuted", None, True),
@@ -266,7 +277,8 @@ def main():
             load_weights(layer, weights)
             key = f"{name}/{key}"
             with FAULTS[sc["fault"]]() if balancer and "fault" in sc else contextlib.nullcontext():
-                results[key] = run(layer, weights, rank, sc["microbatches"], permute)
+                results[key] = run(layer, weights, rank, sc["microbatches"], permute,
+                                   hot=sc.get("hot", HOT_EXPERTS), input_grad=sc.get("input_grad", True))
             results[key]["dispatcher_class"] = type(layer.token_dispatcher).__name__
             manager = getattr(layer.token_dispatcher, "_comm_manager", None)
             results[key]["manager_class"] = type(manager).__name__ if manager is not None else None

@@ -93,7 +93,7 @@ def main():
                 start = layer.balancing.start_reduction
 
                 def start_reading_a_weight(layer_, invocation, _start=start):
-                    layer_.main_expert_params()[0].sum().item()
+                    layer_.main_expert_param_lists()[0][0].sum().item()
                     return _start(layer_, invocation)
 
                 layer.balancing.start_reduction = start_reading_a_weight
