@@ -318,7 +318,8 @@ class BalancingContext:
 
     def _ensure_ring(self) -> VirtualLayerRing:
         if self.ring is None:
-            self.ring = VirtualLayerRing(self.config.ring_size or len(self.layers) * _schedule_inflight())
+            per_forward = sum(invocations_per_forward(layer) for layer in self.layers)
+            self.ring = VirtualLayerRing(self.config.ring_size or per_forward * _schedule_inflight())
         return self.ring
 
     # -- planning (host only) ----------------------------------------------------------------------
@@ -339,7 +340,7 @@ class BalancingContext:
         if training:
             self.ring.store(vid, invocation)
             if not grad_enabled:  # a checkpointed forward: replayed in the backward
-                self.ring.park_for_recompute(layer.layer_number, vid)
+                self.ring.park_for_recompute(layer.layer_number, vid, invocations_per_forward(layer))
         self._unobserved.append((layer, invocation, training))
         self.overheads.plan_seconds += plan_seconds
         self.overheads.host_seconds += time.perf_counter() - t0
@@ -461,6 +462,15 @@ class BalancingContext:
     def close(self) -> None:
         if self.trace is not None:
             self.trace.close()
+
+
+def invocations_per_forward(layer) -> int:
+    """How many times one forward of the model runs ``layer``: the MTP block's shared layer
+    (``--mtp-use-repeated-layer``) runs once per MTP depth, every other layer once."""
+    config = layer.config
+    if getattr(layer, "is_mtp_layer", False) and getattr(config, "mtp_use_repeated_layer", False):
+        return config.mtp_num_layers
+    return 1
 
 
 def _data_plane_group(ep_group):

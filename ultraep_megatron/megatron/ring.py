@@ -5,16 +5,21 @@ Every in-flight MoE invocation, i.e. one (MoE layer, microbatch) pair whose back
 holds one slot of the ring (a *ring slot*, not to be confused with a redundant expert slot). Its id
 (the *virtual layer id*) is saved in the autograd contexts of the layer's backward functions, so the backward finds the forward's plan without knowing the pipeline
 schedule. With pipeline parallelism several microbatches of the same layer are in flight at once, so
-the ring is sized from the schedule: ``moe_layers_on_this_rank * max_inflight_microbatches``.
+the ring is sized from the schedule: ``moe_invocations_per_forward * max_inflight_microbatches``
+(one invocation per MoE layer of this rank, ``--mtp-num-layers`` for the MTP block's shared layer
+under ``--mtp-use-repeated-layer``).
 
 A full ring is an error, never a silent reuse: a live slot overwritten would make a backward use the
 wrong plan and silently corrupt gradients.
 
 Activation recompute replays the forward of a layer inside the backward. The first (checkpointed,
-no-grad) forward parks its id in a per-layer FIFO; the replay pops it and reuses the stored plan
-instead of solving again. Per layer, replays happen in the order the forwards ran (pipeline schedules
-run backward passes of a stage's microbatches in forward order), which the FIFO relies on; the replay
-can check that the recomputed routing equals the stored one (``--moe-balancer-check-plans``).
+no-grad) forward parks its id; the replay pops it and reuses the stored plan instead of solving
+again. Per layer, the model forwards' replays happen in the order the forwards ran (pipeline
+schedules run backward passes of a stage's microbatches in forward order): a FIFO of forwards. A
+layer that one model forward runs several times (the MTP block's shared layer, once per depth, each
+depth feeding the next) is replayed in reverse within that forward, so each forward's ids are
+popped last-in first-out. The replay can check that the recomputed routing equals the stored one
+(``--moe-balancer-check-plans``).
 """
 
 from __future__ import annotations
@@ -55,7 +60,8 @@ class VirtualLayerRing:
     _entries: List[Optional[RingEntry]] = field(init=False)
     _generations: List[int] = field(init=False)
     _next: int = field(init=False, default=0)
-    _recompute_fifo: Dict[int, Deque[int]] = field(init=False, default_factory=dict)
+    # layer -> parked ids of its model forwards, oldest first; one list per forward.
+    _recompute_fifo: Dict[int, Deque[List[int]]] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.capacity < 1:
@@ -107,18 +113,27 @@ class VirtualLayerRing:
         self._entries[vid >> 32] = None
 
     # Activation recompute -------------------------------------------------------------------
-    def park_for_recompute(self, layer: int, vid: int) -> None:
-        """Remember that ``vid``'s forward ran without autograd and will be replayed."""
-        self._recompute_fifo.setdefault(layer, deque()).append(vid)
+    def park_for_recompute(self, layer: int, vid: int, runs_per_forward: int = 1) -> None:
+        """Remember that ``vid``'s forward ran without autograd and will be replayed.
+        ``runs_per_forward``: how many times one model forward runs ``layer`` (its parks are grouped
+        by model forward)."""
+        forwards = self._recompute_fifo.setdefault(layer, deque())
+        if not forwards or len(forwards[-1]) == runs_per_forward:
+            forwards.append([])
+        forwards[-1].append(vid)
 
     def pop_for_recompute(self, layer: int) -> int:
-        """The id of the oldest parked forward of ``layer``, for its replay."""
-        fifo = self._recompute_fifo.get(layer)
-        if not fifo:
+        """The id of the forward of ``layer`` to replay now: from the oldest model forward, its
+        latest run (runs of one forward are replayed in reverse)."""
+        forwards = self._recompute_fifo.get(layer)
+        if not forwards:
             raise RuntimeError(
                 f"MoE layer {layer} is being recomputed but no checkpointed forward of it is pending"
             )
-        return fifo.popleft()
+        vid = forwards[0].pop()
+        if not forwards[0]:
+            forwards.popleft()
+        return vid
 
 
 def max_inflight_microbatches(

@@ -110,11 +110,29 @@ def _unbalanced_mtp_layer():
                     lambda original: lambda megatron_mtp_block_spec: megatron_mtp_block_spec)
 
 
+def _replays_in_forward_order():
+    """Activation-recompute replays take the parked runs of a layer strictly oldest first, also
+    the runs of one model forward (the MTP block's shared layer), which are replayed in reverse."""
+    from ultraep_megatron.megatron.ring import VirtualLayerRing
+
+    def replacement(original):
+        def pop_for_recompute(self, layer):
+            forwards = self._recompute_fifo[layer]
+            vid = forwards[0].pop(0)
+            if not forwards[0]:
+                forwards.popleft()
+            return vid
+        return pop_for_recompute
+
+    return _patched(VirtualLayerRing, "pop_for_recompute", replacement)
+
+
 FAULTS = {
     "no_replica_grad_reduction": _no_replica_grad_reduction,
     "skip_rematerialization": _skip_rematerialization,
     "replica_gets_other_layer_weights": _replica_gets_other_layer_weights,
     "unbalanced_mtp_layer": _unbalanced_mtp_layer,
+    "replays_in_forward_order": _replays_in_forward_order,
 }
 
 
