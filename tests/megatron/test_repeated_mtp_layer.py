@@ -20,9 +20,16 @@ MTP_DEPTHS = 2
 MTP_LAYER_ID = 5  # after the decoder's 4 layers (layer_spec.moe_layer_id)
 
 
-def launch(run_dir, faults=""):
+#: MoE activation recompute, and full-layer recompute (megatron checkpoints each MTP depth).
+RECOMPUTE = {
+    "moe": ["--recompute-granularity", "selective", "--recompute-modules", "moe"],
+    "full": ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
+}
+
+
+def launch(run_dir, faults="", recompute="moe"):
     args = [*recipe_moe_args(ep=2, train_iters=ITERATIONS), "--mtp-num-layers", str(MTP_DEPTHS),
-            "--mtp-use-repeated-layer", "--recompute-granularity", "selective", "--recompute-modules", "moe",
+            "--mtp-use-repeated-layer", *RECOMPUTE[recompute],
             "--moe-balancer", "ultraep", "--moe-balancer-check-plans",
             "--metrics-jsonl", str(run_dir / "metrics.jsonl")]
     env = {"ULTRAEP_GRAD_DUMP_DIR": str(run_dir), "ULTRAEP_EXPERT_BIAS": SKEWED_EXPERT_BIAS,
@@ -30,8 +37,9 @@ def launch(run_dir, faults=""):
     return launch_gloo_ranks(WORKERS / "pretrain_grad_dump.py", 2, args, env=env, timeout_s=400)
 
 
-def test_repeated_mtp_layer_replays_reuse_each_depths_plan(tmp_path):
-    log = launch(tmp_path)
+@pytest.mark.parametrize("recompute", list(RECOMPUTE))
+def test_repeated_mtp_layer_replays_reuse_each_depths_plan(tmp_path, recompute):
+    log = launch(tmp_path, recompute=recompute)
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["iteration"] for r in records] == list(range(1, ITERATIONS + 1))
     balanced = [line for line in log.splitlines() if "balanced rank imbalance" in line]

@@ -56,11 +56,22 @@ def test_repeated_layer_replays_one_forward_in_reverse():
     assert replayed == [(0, 2), (0, 1), (0, 0), (1, 2), (1, 1), (1, 0)]
 
 
+def test_a_forward_parked_during_replays_of_the_previous_one_stays_apart():
+    """A forward half replayed is not refilled by the next forward's runs."""
+    ring = VirtualLayerRing(8)
+    parked = park_forwards(ring, layer=5, forwards=1, runs_per_forward=2)
+    assert parked[ring.pop_for_recompute(5)] == (0, 1)
+    later = park_forwards(ring, layer=5, forwards=1, runs_per_forward=2)
+    assert parked[ring.pop_for_recompute(5)] == (0, 0)
+    assert [later[ring.pop_for_recompute(5)] for _ in range(2)] == [(0, 1), (0, 0)]
+
+
 def test_layers_park_apart():
     ring = VirtualLayerRing(8)
-    first = park_forwards(ring, layer=1, forwards=1, runs_per_forward=1)
-    park_forwards(ring, layer=5, forwards=1, runs_per_forward=2)
-    assert ring.pop_for_recompute(1) in first
+    first = park_forwards(ring, layer=1, forwards=2, runs_per_forward=1)
+    mtp = park_forwards(ring, layer=5, forwards=1, runs_per_forward=2)
+    assert [mtp[ring.pop_for_recompute(5)] for _ in range(2)] == [(0, 1), (0, 0)]
+    assert [first[ring.pop_for_recompute(1)] for _ in range(2)] == [(0, 0), (1, 0)]
 
 
 def layer(is_mtp_layer, repeated, depths=3):

@@ -176,6 +176,16 @@ def test_mtp_layers_are_reported_as_balanced_moe_layers(reports, name, line):
         reports[name])
 
 
+@pytest.mark.parametrize("repeated,ids", [(False, [2, 3, 4, 5, 6]), (True, [2, 3, 4, 5])])
+def test_a_repeated_mtp_layer_is_one_balanced_layer(repeated, ids):
+    """--mtp-use-repeated-layer: the MTP block holds one layer for all its depths (one id)."""
+    args = types.SimpleNamespace(moe_balancer="ultraep", num_layers=4, num_experts=8,
+                                 moe_layer_freq=[0, 1, 1, 1], mtp_num_layers=2,
+                                 mtp_use_repeated_layer=repeated)
+    assert check_recipe.balanced_moe_layer_ids(args) == ids
+    assert check_recipe.built_mtp_layers(args) == (1 if repeated else 2)
+
+
 def test_checker_rejects_an_ep_group_larger_than_a_rack(reports):
     report = reports["qwen3_235b_a22b_ep64_dp4.sh"]
     layout = check_recipe.rank_layout(report.args, gpus_per_node=4, rack_size=32)

@@ -269,6 +269,10 @@ def startup_checks_or_exit(argv: Sequence[str], *, prog: str = "pretrain_gpt.py"
         # argparse prints its own one-line usage error; only rank 0 lets it through.
         with contextlib.redirect_stderr(sys.stderr if log_rank else io.StringIO()):
             args = parse_args(extra_args_provider=add_args, ignore_unknown_args=True)
+    except SystemExit as parser_exit:
+        if parser_exit.code and not log_rank:  # argparse's error: rank 0 prints it
+            time.sleep(NON_LOG_RANK_EXIT_DELAY_S)
+        raise
     finally:
         sys.argv = saved_argv
     problems, warnings = startup_problems(args)

@@ -380,7 +380,7 @@ class _ReduceReplicaGrads(torch.autograd.Function):
         """The parameters ``apply`` takes after the tokens."""
         main_params = layer.main_expert_param_lists()
         params = [p for g in invocation.replicated_local_experts for p in main_params[g]]
-        if params or received.requires_grad:
+        if received.requires_grad or any(p.requires_grad for p in params):
             return params
         trainable = [[p for p in expert if p.requires_grad] for expert in main_params]
         return next((expert for expert in trainable if expert), [])

@@ -214,6 +214,8 @@ class TraceRecorder:
             "topk": cfg.moe_router_topk,
             "num_layers": cfg.num_layers,  # MTP layers have ids num_layers + 1, ...
             "mtp_num_layers": cfg.mtp_num_layers or 0,
+            # One shared MTP layer (id num_layers + 1) whose depths are recorded as microbatches.
+            "mtp_use_repeated_layer": bool(getattr(cfg, "mtp_use_repeated_layer", False)),
             "first_global_rank": first_global_rank,
         }
         path = trace_path(self.trace_dir, first_global_rank)

@@ -371,6 +371,12 @@ def moe_layer_pattern(args: argparse.Namespace) -> list[bool]:
     return [bool(x) for x in freq]
 
 
+def built_mtp_layers(args: argparse.Namespace) -> int:
+    """MTP layers the model holds: one per depth, or one shared by all (``--mtp-use-repeated-layer``)."""
+    depths = args.mtp_num_layers or 0
+    return min(depths, 1) if getattr(args, "mtp_use_repeated_layer", False) else depths
+
+
 def balanced_moe_layer_ids(args: argparse.Namespace) -> list[int]:
     """Ids of the MoE layers ``--moe-balancer`` balances (``layer_spec.moe_layer_id``): the
     decoder's MoE layers, then the MTP block's (built from the last decoder layer's spec, numbered
@@ -378,7 +384,7 @@ def balanced_moe_layer_ids(args: argparse.Namespace) -> list[int]:
     if args.moe_balancer == policy.NONE:
         return []
     pattern = moe_layer_pattern(args)
-    mtp = range(args.num_layers + 1, args.num_layers + 1 + (args.mtp_num_layers or 0))
+    mtp = range(args.num_layers + 1, args.num_layers + 1 + built_mtp_layers(args))
     return [i + 1 for i, is_moe in enumerate(pattern) if is_moe] + (list(mtp) if pattern[-1] else [])
 
 
@@ -558,7 +564,7 @@ def estimate_memory(args: argparse.Namespace) -> MemoryEstimate:
     embedding = args.padded_vocab_size * h
     output = embedding if args.untie_embeddings_and_output_weights else 0
     final_norm = _norm(args) * h
-    mtp_layers = args.mtp_num_layers or 0
+    mtp_layers = built_mtp_layers(args)
     mtp_is_moe = pattern[-1]
     mtp_extra = 2 * _norm(args) * h + 2 * h * h + _norm(args) * h  # enorm, hnorm, eh_proj, norm
 
@@ -699,7 +705,7 @@ def format_report(report: RecipeReport) -> str:
     problems = report.problems()
     lines.append("  EP groups inside one rack: " + ("yes" if not problems else "NO"))
     lines.append("memory per rank (weights + fp32 main grads + optimizer states; replica slots):")
-    mtp_moe = (a.mtp_num_layers or 0) * moe_layer_pattern(a)[-1]
+    mtp_moe = built_mtp_layers(a) * moe_layer_pattern(a)[-1]
     for s in mem.stages:
         mtp_here = mtp_moe if s.stage == len(mem.stages) - 1 else 0
         lines.append(

@@ -1,7 +1,8 @@
 """Virtual-layer-ID ring buffer: carries each MoE invocation's balancing plan from its forward to its
 backward (paper §7).
 
-Every in-flight MoE invocation, i.e. one (MoE layer, microbatch) pair whose backward has not run yet,
+Every in-flight MoE invocation, i.e. one run of an MoE layer in one microbatch's forward (one per
+layer, one per depth for the MTP block's shared layer) whose backward has not run yet,
 holds one slot of the ring (a *ring slot*, not to be confused with a redundant expert slot). Its id
 (the *virtual layer id*) is saved in the autograd contexts of the layer's backward functions, so the backward finds the forward's plan without knowing the pipeline
 schedule. With pipeline parallelism several microbatches of the same layer are in flight at once, so
@@ -60,8 +61,8 @@ class VirtualLayerRing:
     _entries: List[Optional[RingEntry]] = field(init=False)
     _generations: List[int] = field(init=False)
     _next: int = field(init=False, default=0)
-    # layer -> parked ids of its model forwards, oldest first; one list per forward.
-    _recompute_fifo: Dict[int, Deque[List[int]]] = field(init=False, default_factory=dict)
+    # layer -> its model forwards with parked ids, oldest first: [ids not yet replayed, runs parked].
+    _recompute_fifo: Dict[int, Deque[list]] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.capacity < 1:
@@ -118,9 +119,11 @@ class VirtualLayerRing:
         ``runs_per_forward``: how many times one model forward runs ``layer`` (its parks are grouped
         by model forward)."""
         forwards = self._recompute_fifo.setdefault(layer, deque())
-        if not forwards or len(forwards[-1]) == runs_per_forward:
-            forwards.append([])
-        forwards[-1].append(vid)
+        # Complete by runs parked, not by ids left: a forward half replayed takes no later ids.
+        if not forwards or forwards[-1][1] == runs_per_forward:
+            forwards.append([[], 0])
+        forwards[-1][0].append(vid)
+        forwards[-1][1] += 1
 
     def pop_for_recompute(self, layer: int) -> int:
         """The id of the forward of ``layer`` to replay now: from the oldest model forward, its
@@ -130,8 +133,9 @@ class VirtualLayerRing:
             raise RuntimeError(
                 f"MoE layer {layer} is being recomputed but no checkpointed forward of it is pending"
             )
-        vid = forwards[0].pop()
-        if not forwards[0]:
+        ids = forwards[0][0]
+        vid = ids.pop()
+        if not ids:
             forwards.popleft()
         return vid
 

@@ -118,8 +118,9 @@ def _replays_in_forward_order():
     def replacement(original):
         def pop_for_recompute(self, layer):
             forwards = self._recompute_fifo[layer]
-            vid = forwards[0].pop(0)
-            if not forwards[0]:
+            ids = forwards[0][0]
+            vid = ids.pop(0)
+            if not ids:
                 forwards.popleft()
             return vid
         return pop_for_recompute
