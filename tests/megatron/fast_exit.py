@@ -6,9 +6,10 @@ returns or calls ``sys.exit``, what a normal exit does before the teardown still
 (``threading._shutdown``: the threading atexit callbacks that stop idle ``concurrent.futures``
 workers, then the join of non-daemon threads; then the atexit handlers, where wandb finishes its
 run), then ``os._exit`` ends the process with the script's status. Objects are not finalized: a
-script whose output a test reads closes its files itself (torch.save, the trace writer's close). Tearing down a megatron-core process (thousands of
-modules, about 1 GB of heap per rank) took about 4 s of wall time per 4-rank launch on two cores, a
-fifth of a test launch; nothing a test checks happens in it. An exception propagates as usual
+script whose output a test reads closes its files itself (torch.save, the trace writer's close).
+Tearing down a megatron-core process (thousands of modules, about 1 GB of heap per rank) took about
+4 s of wall time per 4-rank launch on two cores, a fifth of a test launch; nothing a test checks
+happens in it. An exception propagates as usual
 (traceback, status 1, Python's normal exit).
 
 Run:  torchrun ... fast_exit.py SCRIPT [ARGS...]

@@ -219,6 +219,13 @@ def startup_problems(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     return errors, warnings
 
 
+def _let_rank_zero_report(log_rank: bool) -> None:
+    """Before a failing rank exits: torchrun stops every rank once one fails, so a rank other than
+    rank 0 waits for rank 0 to print the problems."""
+    if not log_rank:
+        time.sleep(NON_LOG_RANK_EXIT_DELAY_S)
+
+
 def startup_checks_or_exit(argv: Sequence[str], *, prog: str = "pretrain_gpt.py",
                            extra_args_provider=None) -> list[str]:
     """UltraEP's checks of a training command line, before Megatron validates its arguments,
@@ -270,8 +277,8 @@ def startup_checks_or_exit(argv: Sequence[str], *, prog: str = "pretrain_gpt.py"
         with contextlib.redirect_stderr(sys.stderr if log_rank else io.StringIO()):
             args = parse_args(extra_args_provider=add_args, ignore_unknown_args=True)
     except SystemExit as parser_exit:
-        if parser_exit.code and not log_rank:  # argparse's error: rank 0 prints it
-            time.sleep(NON_LOG_RANK_EXIT_DELAY_S)
+        if parser_exit.code:  # argparse's error: rank 0 prints it
+            _let_rank_zero_report(log_rank)
         raise
     finally:
         sys.argv = saved_argv
@@ -282,8 +289,6 @@ def startup_checks_or_exit(argv: Sequence[str], *, prog: str = "pretrain_gpt.py"
     for message in errors:
         report("error", message)
     if errors:
-        if not log_rank:
-            # torchrun stops every rank once one fails: give rank 0 the time to print the problems.
-            time.sleep(NON_LOG_RANK_EXIT_DELAY_S)
+        _let_rank_zero_report(log_rank)
         sys.exit(2)
     return argv

@@ -50,6 +50,15 @@ class RingEntry:
 
 
 @dataclass
+class _ParkedForward:
+    """The parked runs of one layer in one model forward: ``ids`` not yet replayed, ``parked`` runs
+    in all (the forward is complete at ``runs_per_forward``, however many were replayed since)."""
+
+    ids: List[int] = field(default_factory=list)
+    parked: int = 0
+
+
+@dataclass
 class VirtualLayerRing:
     """Fixed-capacity table of in-flight MoE invocations, indexed by virtual layer id.
 
@@ -61,8 +70,8 @@ class VirtualLayerRing:
     _entries: List[Optional[RingEntry]] = field(init=False)
     _generations: List[int] = field(init=False)
     _next: int = field(init=False, default=0)
-    # layer -> its model forwards with parked ids, oldest first: [ids not yet replayed, runs parked].
-    _recompute_fifo: Dict[int, Deque[list]] = field(init=False, default_factory=dict)
+    # layer -> its model forwards with parked runs, oldest first.
+    _parked_forwards: Dict[int, Deque[_ParkedForward]] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.capacity < 1:
@@ -118,24 +127,22 @@ class VirtualLayerRing:
         """Remember that ``vid``'s forward ran without autograd and will be replayed.
         ``runs_per_forward``: how many times one model forward runs ``layer`` (its parks are grouped
         by model forward)."""
-        forwards = self._recompute_fifo.setdefault(layer, deque())
-        # Complete by runs parked, not by ids left: a forward half replayed takes no later ids.
-        if not forwards or forwards[-1][1] == runs_per_forward:
-            forwards.append([[], 0])
-        forwards[-1][0].append(vid)
-        forwards[-1][1] += 1
+        forwards = self._parked_forwards.setdefault(layer, deque())
+        if not forwards or forwards[-1].parked == runs_per_forward:
+            forwards.append(_ParkedForward())
+        forwards[-1].ids.append(vid)
+        forwards[-1].parked += 1
 
     def pop_for_recompute(self, layer: int) -> int:
         """The id of the forward of ``layer`` to replay now: from the oldest model forward, its
         latest run (runs of one forward are replayed in reverse)."""
-        forwards = self._recompute_fifo.get(layer)
+        forwards = self._parked_forwards.get(layer)
         if not forwards:
             raise RuntimeError(
                 f"MoE layer {layer} is being recomputed but no checkpointed forward of it is pending"
             )
-        ids = forwards[0][0]
-        vid = ids.pop()
-        if not ids:
+        vid = forwards[0].ids.pop()
+        if not forwards[0].ids:
             forwards.popleft()
         return vid
 

@@ -112,20 +112,16 @@ def _unbalanced_mtp_layer():
 
 def _replays_in_forward_order():
     """Activation-recompute replays take the parked runs of a layer strictly oldest first, also
-    the runs of one model forward (the MTP block's shared layer), which are replayed in reverse."""
+    the runs of one model forward (the MTP block's shared layer), which are replayed in reverse:
+    every run is parked as a model forward of its own."""
     from ultraep_megatron.megatron.ring import VirtualLayerRing
 
     def replacement(original):
-        def pop_for_recompute(self, layer):
-            forwards = self._recompute_fifo[layer]
-            ids = forwards[0][0]
-            vid = ids.pop(0)
-            if not ids:
-                forwards.popleft()
-            return vid
-        return pop_for_recompute
+        def park_for_recompute(self, layer, vid, runs_per_forward=1):
+            return original(self, layer, vid, 1)
+        return park_for_recompute
 
-    return _patched(VirtualLayerRing, "pop_for_recompute", replacement)
+    return _patched(VirtualLayerRing, "park_for_recompute", replacement)
 
 
 FAULTS = {
