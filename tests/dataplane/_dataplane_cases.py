@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from _dataplane_plans import random_plan
 from ultraep_megatron.dataplane import (
+    HostCommStream,
     ReplicaBuffer,
     build_schedule,
     distribute_weights,
@@ -211,7 +212,7 @@ def check_replica_buffer(rank, world_size) -> list[str]:
     return failures
 
 
-def check_handles(rank, world_size) -> list[str]:
+def check_handles(rank, world_size, comm_stream=None) -> list[str]:
     """The asynchronous API: transfers started, overlapped with other work and waited later (in any
     order) give bit-identical replicas and reductions; a reduction touches the main gradients only
     in ``wait()``; an empty plan's handle works; bad inputs raise before any communication."""
@@ -232,7 +233,8 @@ def check_handles(rank, world_size) -> list[str]:
 
     # Distributions of three plans in flight together, waited in reverse order, other work between.
     replicas = {name: torch.full((3, NUMEL), SENTINEL) for name in scheds}
-    handles = {name: distribute_weights(sched, main[name], replicas[name], async_op=True)
+    handles = {name: distribute_weights(sched, main[name], replicas[name], async_op=True,
+                                        comm_stream=comm_stream)
                for name, (_, sched) in scheds.items()}
     torch.randn(64, 64).matmul(torch.randn(64, 64)).sum()  # the caller's own work meanwhile
     for name in reversed(list(scheds)):
@@ -258,7 +260,7 @@ def check_handles(rank, world_size) -> list[str]:
             grads[plan[rank] < 0] = 0
             mains.append(per_rank), replica.append(grads)
         before = [flat(m).clone() for m in mains[0]]
-        handle = reduce_gradients(sched, mains[0], replica[0], async_op=True,
+        handle = reduce_gradients(sched, mains[0], replica[0], async_op=True, comm_stream=comm_stream,
                                   start_after=handles[name])  # already done: start_after is a no-op
         if not all(torch.equal(flat(m), b) for m, b in zip(mains[0], before)):
             failures.append(f"{name}: an asynchronous reduction wrote the main grads before wait()")
@@ -269,17 +271,20 @@ def check_handles(rank, world_size) -> list[str]:
         if not (bool((replica[0] == 0).all()) and bool((replica[1] == 0).all())):
             failures.append(f"{name}: replica gradients not zeroed")
     # start_after orders a transfer after another one (which is then complete).
-    first = distribute_weights(scheds["relayed"][1], main["relayed"], torch.zeros(3, NUMEL), async_op=True)
+    first = distribute_weights(scheds["relayed"][1], main["relayed"], torch.zeros(3, NUMEL), async_op=True,
+                               comm_stream=comm_stream)
     second = reduce_gradients(scheds["relayed"][1], [main_grad(41, rank * 2 + j, True) for j in range(2)],
-                              torch.zeros(3, NUMEL), async_op=True, start_after=first)
+                              torch.zeros(3, NUMEL), async_op=True, start_after=first, comm_stream=comm_stream)
     if not first.done:
         failures.append("start_after did not complete the earlier transfer first")
     second.wait()
     # Bad inputs raise before any communication, also asynchronously; the group stays usable.
     sched = scheds["relayed"][1]
     for what, call in {
-        "slots": lambda: distribute_weights(sched, main["relayed"], torch.zeros(2, NUMEL), async_op=True),
-        "experts": lambda: reduce_gradients(sched, main["relayed"][:1], torch.zeros(3, NUMEL), async_op=True),
+        "slots": lambda: distribute_weights(sched, main["relayed"], torch.zeros(2, NUMEL), async_op=True,
+                                            comm_stream=comm_stream),
+        "experts": lambda: reduce_gradients(sched, main["relayed"][:1], torch.zeros(3, NUMEL), async_op=True,
+                                            comm_stream=comm_stream),
     }.items():
         try:
             call()
@@ -307,5 +312,7 @@ def run_all(rank: int, world_size: int) -> dict[str, list[str]]:
     results["bad-inputs"] = check_bad_inputs(rank, world_size)
     results["replica-buffer"] = check_replica_buffer(rank, world_size)
     results["handles"] = check_handles(rank, world_size)
+    # The same on the CPU's stand-in for a communication stream (what ReplicaBuffer uses).
+    results["handles-host-comm-stream"] = check_handles(rank, world_size, HostCommStream())
     dist.barrier()
     return results

@@ -12,6 +12,7 @@ Megatron. See docs/dataplane.md.
 """
 
 from .engine import (
+    HostCommStream,
     ReplicaBuffer,
     TransferHandle,
     distribute_weights,
@@ -22,6 +23,7 @@ from .engine import (
 from .schedule import RELAY_MODES, TransferSchedule, build_schedule, validate_slot_expert
 
 __all__ = [
+    "HostCommStream",
     "RELAY_MODES",
     "ReplicaBuffer",
     "TransferHandle",

@@ -6,7 +6,7 @@ schedule, which every rank built from the same plan; no extra synchronization is
 * :func:`distribute_weights`: copy each replicated main expert into the replica slots of its hosts
   (forward, and again in backward to re-materialize the shared replica buffer).
 * :func:`reduce_gradients`: add every replica's gradient into its main expert's gradient, then zero the
-  replica gradient buffer.
+  replica gradient slots it used.
 
 Handles. Both can run asynchronously (``async_op=True``) and return a :class:`TransferHandle`,
 like DeepEP's buffer API: the caller keeps computing and calls ``handle.wait()`` where it needs the
@@ -16,8 +16,11 @@ the backend, never its result (bit-identical either way):
 * CUDA tensors over NCCL: everything is issued at once on a communication stream of its own, which
   first waits for the caller's stream; a relay's forward of a chunk waits on that chunk's receive
   through stream order, never on the host. ``wait()`` makes the caller's stream wait for an event.
-* anything else (gloo on the CPU): the operations are issued at once, except rounds in which a relay
-  forwards data it must first receive; the host issues those inside ``wait()``.
+* anything else (gloo on the CPU), with a :class:`HostCommStream` (what :class:`ReplicaBuffer`
+  uses): the CPU's stand-in for that communication stream, one thread that packs and issues every
+  transfer handed to it, in order, relay rounds after their receives; ``wait()`` waits for it, then
+  for the operations. Without one, the caller issues the operations at once, except rounds in
+  which a relay forwards data it must first receive; ``wait()`` issues those.
 
 Rounds. Direct edges move a whole expert in one operation in round 0. Experts streamed through a relay
 tree are chunked: in weight distribution, an edge of hop ``h`` moves chunk ``c`` in round
@@ -41,6 +44,8 @@ fixed by the plan: at a relay, ``((own + leaf_1) + leaf_2) + ...``; at the home,
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -55,6 +60,7 @@ from .schedule import (
 )
 
 __all__ = [
+    "HostCommStream",
     "TransferHandle",
     "distribute_weights",
     "reduce_gradients",
@@ -188,6 +194,25 @@ def _launch(ops: list[dist.P2POp]) -> list[_WaitOnce]:
     return works
 
 
+class HostCommStream:
+    """The CPU's stand-in for a CUDA communication stream: one thread that runs the transfers handed
+    to it (packing, every point-to-point operation, a relay's later rounds), in the order they were
+    handed over, while the caller computes.
+
+    Why: over gloo the caller's thread does an operation's work itself (a send copies the data into
+    the socket; a packed expert is a copy), which on a GPU the communication stream and the
+    copy engines do beside the compute. Every rank hands its transfers over in the same order, so
+    one thread per group keeps the order NCCL needs; folds into the main gradients stay on the
+    caller's thread (``wait()``), as on CUDA they stay on the caller's stream.
+    """
+
+    def __init__(self) -> None:
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ultraep-comm")
+
+    def submit(self, issue: Callable[[], None]) -> Future:
+        return self._thread.submit(issue)
+
+
 class TransferHandle:
     """One weight distribution or gradient reduction in flight.
 
@@ -206,6 +231,7 @@ class TransferHandle:
     def __init__(self, program: Iterator[list], works: list, *, stream_ordered: bool,
                  comm_stream=None, finish: Callable[[], None] | None = None, keep=()):
         self._program: Iterator[list] | None = program
+        self._issuing: Future | None = None  # the HostCommStream issuing the program
         self._works = works
         self._stream_ordered = stream_ordered
         self._comm_stream = comm_stream
@@ -241,6 +267,15 @@ class TransferHandle:
         self.host_cpu_seconds += time.thread_time() - c0
 
     @torch.no_grad()
+    def _issue_all(self) -> None:
+        """On a :class:`HostCommStream`: issue the whole program, waiting for a relay's receives
+        before the rounds that forward them (the caller's thread never does)."""
+        for dependencies in self._program:
+            for work in dependencies:
+                work.wait()
+        self._program = None
+
+    @torch.no_grad()
     def wait(self) -> None:
         """Complete the transfer: the replica weights (distribution) or the main gradients and the
         zeroed replica gradients (reduction) are ready for the caller's next operation."""
@@ -252,6 +287,10 @@ class TransferHandle:
             for tensor in self._keep:  # read by the fold below, on the caller's stream
                 if isinstance(tensor, torch.Tensor):
                     tensor.record_stream(torch.cuda.current_stream())
+        elif self._issuing is not None:
+            self._issuing.result()  # everything issued (re-raises what failed there)
+            for work in self._works:  # complete before the fold below and the caller's next use
+                work.wait()
         else:
             while self._program is not None:
                 for work in self._pending:  # the host waits, then issues what depended on it
@@ -264,7 +303,7 @@ class TransferHandle:
         if self._finish is not None:
             self._finish()
         self._done = True
-        self._keep = self._works = self._finish = None
+        self._keep = self._works = self._finish = self._issuing = None
         self.host_seconds += time.perf_counter() - t0
         self.host_cpu_seconds += time.thread_time() - c0
 
@@ -281,7 +320,10 @@ def _start(program: Iterator[list], works: list, *, device: torch.device, group,
         comm_stream.wait_stream(torch.cuda.current_stream())  # see the caller's latest weights/grads
     handle = TransferHandle(program, works, stream_ordered=stream_ordered, comm_stream=comm_stream,
                             finish=finish, keep=keep)
-    handle._issue()
+    if not stream_ordered and isinstance(comm_stream, HostCommStream):
+        handle._issuing = comm_stream.submit(handle._issue_all)
+    else:
+        handle._issue()
     if async_op:
         return handle
     handle.wait()
@@ -373,7 +415,8 @@ def distribute_weights(
         async_op: return a :class:`TransferHandle` instead of waiting. The main weights and the
             slots being written must not be modified, nor the slots read, before ``wait()``.
         start_after: a transfer this one must follow (it is waited for first).
-        comm_stream: CUDA stream for NCCL transfers (default: the current stream, no overlap).
+        comm_stream: CUDA stream for NCCL transfers (default: the current stream, no overlap), or a
+            :class:`HostCommStream` for CPU transfers (default: the caller's thread).
 
     Raises:
         ValueError: on inputs that do not match the schedule, before any communication.
@@ -417,20 +460,24 @@ def reduce_gradients(
     start_after: TransferHandle | None = None,
     comm_stream=None,
 ) -> TransferHandle | None:
-    """Add every replica's gradient into its main expert's gradient, then zero ``replica_grads``. Collective.
+    """Add every replica's gradient into its main expert's gradient, then zero the slots of
+    ``replica_grads`` that host a replica on this rank (the others are not part of the plan here
+    and stay as they are: zero between uses). Collective.
 
     Args:
         schedule: the schedule used for the weight distribution of this layer.
         main_grads: this rank's ``E // R`` main-expert gradients (e.g. ``param.main_grad`` fp32 views
             or ``param.grad``), each a sequence of tensors, same layout as the main weights.
         replica_grads: ``[num_slots, expert_numel]`` contiguous floating tensor (typically fp32);
-            communicated in its own dtype, all of it zeroed once the reduction completes.
+            communicated in its own dtype; the slots hosting a replica here are zeroed once the
+            reduction completes.
         group: the process group of the EP ranks (default: the world).
         async_op: return a :class:`TransferHandle` instead of waiting. The main gradients are read
             and written only inside ``wait()`` (on the caller's stream), so the caller may keep
             writing them until then; ``replica_grads`` must not be touched before ``wait()``.
         start_after: a transfer this one must follow (it is waited for first).
-        comm_stream: CUDA stream for NCCL transfers (default: the current stream, no overlap).
+        comm_stream: CUDA stream for NCCL transfers (default: the current stream, no overlap), or a
+            :class:`HostCommStream` for CPU transfers (default: the caller's thread).
 
     The sum is accumulated in ``promote_types(main dtype, replica dtype)`` in the fixed order given in
     the module docstring, so it is bit-identical across runs of the same plan, synchronous or not.
@@ -455,6 +502,7 @@ def reduce_gradients(
     children = [edge for edge in edges if edge.hop == 1 and edge.src == rank]
     staging_row = {edge.index: row for row, edge in enumerate(children)}
     reduced_here = sorted({edge.expert for edge in children} | {e for e, _ in local})
+    hosted_slots = sorted({edge.dst_slot for edge in edges if edge.dst == rank} | {slot for _, slot in local})
     works: list = []
     sequence = _take_sequence(group, schedule)
     staging = torch.empty(len(children), schedule.expert_numel if children else 0,
@@ -514,7 +562,8 @@ def reduce_gradients(
             for row, edge in enumerate(children):  # canonical order: ascending child per expert
                 acc[row_of[edge.expert]] += staging[row].to(acc_dtype)
             _unpack_into([main_grads[e - first_local] for e in reduced_here], acc)
-        replica_grads.zero_()
+        for slot in hosted_slots:  # the only ones this rank's replicas wrote
+            replica_grads[slot].zero_()
 
     return _start(program(), works, device=replica_grads.device, group=group,
                   comm_stream=comm_stream, start_after=start_after, async_op=async_op,
@@ -525,8 +574,8 @@ class ReplicaBuffer:
     """Replica state shared by all MoE layers of a model, plus the transfers that fill and drain it.
 
     Owns ``replica_weights`` ``[num_slots, expert_numel]`` (weight dtype) and ``replica_grads``
-    ``[num_slots, expert_numel]`` (grad dtype, zero between uses), and on CUDA the stream its
-    transfers run on. Typical use per MoE layer::
+    ``[num_slots, expert_numel]`` (grad dtype, zero between uses), and the stream its transfers run
+    on (on CUDA a stream of its own, on the CPU a :class:`HostCommStream`). Typical use per MoE layer::
 
         schedule = buffer.schedule(plan.slot_expert, num_experts)            # once per plan
         handle = buffer.distribute_weights(schedule, main_weights, async_op=True)   # forward
@@ -563,10 +612,11 @@ class ReplicaBuffer:
         self.chunk_numel = chunk_numel
         self.relay = relay
         self.relay_threshold = relay_threshold
+        self._schedules: OrderedDict[tuple, TransferSchedule] = OrderedDict()
         self.replica_weights = torch.zeros(num_slots, self.expert_numel, dtype=weight_dtype, device=device)
         self.replica_grads = torch.zeros(num_slots, self.expert_numel, dtype=grad_dtype, device=device)
         on_cuda = self.replica_weights.is_cuda
-        self.comm_stream = torch.cuda.Stream(device=self.replica_weights.device) if on_cuda else None
+        self.comm_stream = torch.cuda.Stream(device=self.replica_weights.device) if on_cuda else HostCommStream()
         if dist.is_initialized():
             dist.all_reduce(torch.zeros(1, device=self.replica_weights.device), group=group)
 
@@ -574,11 +624,23 @@ class ReplicaBuffer:
     def num_slots(self) -> int:
         return self.replica_weights.shape[0]
 
+    #: Schedules kept per placement: hot experts stay hot for many microbatches and layers, so the
+    #: same ``slot_expert`` recurs, and a schedule (immutable) is rebuilt in ~0.3 ms of host time.
+    SCHEDULE_CACHE_SIZE = 256
+
     def schedule(self, slot_expert: torch.Tensor, num_experts: int) -> TransferSchedule:
-        """Build the transfer schedule of a plan (pure computation, identical on every rank)."""
+        """The transfer schedule of a plan (pure computation, identical on every rank); the
+        schedules of the last ``SCHEDULE_CACHE_SIZE`` placements are reused."""
         if slot_expert.dim() == 2 and slot_expert.shape[1] != self.num_slots:
             raise ValueError(f"slot_expert has {slot_expert.shape[1]} slots per rank, the buffer {self.num_slots}")
-        return build_schedule(
+        key = None
+        if slot_expert.device.type == "cpu" and slot_expert.dtype == torch.int64 and slot_expert.dim() == 2:
+            key = (tuple(slot_expert.shape), num_experts, slot_expert.numpy().tobytes())
+            cached = self._schedules.get(key)
+            if cached is not None:
+                self._schedules.move_to_end(key)
+                return cached
+        schedule = build_schedule(
             slot_expert,
             num_experts,
             self.expert_numel,
@@ -586,6 +648,11 @@ class ReplicaBuffer:
             relay=self.relay,
             relay_threshold=self.relay_threshold,
         )
+        if key is not None:
+            self._schedules[key] = schedule
+            if len(self._schedules) > self.SCHEDULE_CACHE_SIZE:
+                self._schedules.popitem(last=False)
+        return schedule
 
     def distribute_weights(self, schedule: TransferSchedule, main_weights: ExpertTensors, *,
                            async_op: bool = False,

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import NamedTuple
 
 import numpy as np
@@ -158,11 +159,11 @@ class TransferSchedule:
     def num_edges(self) -> int:
         return self.edge_expert.numel()
 
-    @property
+    @cached_property  # read by every transfer of the schedule: computed once
     def uses_relay(self) -> bool:
-        return bool((self.edge_hop == 2).any())
+        return bool((self.edge_hop.numpy() == 2).any())
 
-    @property
+    @cached_property
     def num_rounds(self) -> int:
         """Communication rounds. Direct edges move whole experts in round 0; only experts streamed
         through a relay are chunked, chunk ``c`` crossing its first hop in round ``c`` and its second

@@ -191,19 +191,19 @@ class _PhysicalSlotRouting:
                                "its plan was solved for (not exactly top-k per token, or a recompute "
                                "replay that is not deterministic)")
         table = invocation.reroute_table.to(device, non_blocking=True)
-        # Dense over [T, E], no sort: a pair's position in the expert-major, token-ascending order
-        # is its expert's offset plus the routed tokens of that expert before it.
-        routed_per_expert = routing_map.sum(dim=0)
-        position = routing_map.cumsum(dim=0) - 1 + (routed_per_expert.cumsum(0) - routed_per_expert)
-        instance = torch.searchsorted(table[0], position.view(-1), right=True).clamp_max_(table.size(1) - 1)
         num_physical = self.ep_size * self.slots_per_rank
-        # Unrouted (token, expert) entries go to a spare last column, dropped below.
+        # Dense over [T, E], no sort, few ops (host time per layer): a pair's position in the
+        # expert-major, token-ascending order is the routed tokens of its expert up to it plus the
+        # expert's offset (from the host load). Positions past the last instance hit the sentinel.
+        position = routing_map.cumsum(dim=0) + table[2, : self.num_logical_experts]
+        instance = torch.searchsorted(table[0], position.view(-1), right=True)
+        # Unrouted (token, expert) entries go to a spare last column, dropped below. Routed pairs
+        # of a token land in distinct columns, so the scatters are exact (no masking of probs).
         slot = torch.where(routing_map, table[1][instance].view(num_tokens, -1), num_physical)
         physical_map = torch.zeros(num_tokens, num_physical + 1, dtype=torch.bool, device=device)
         physical_map = physical_map.scatter_(1, slot, routing_map)[:, :num_physical].contiguous()
         physical_probs = torch.zeros(num_tokens, num_physical + 1, dtype=probs.dtype, device=device)
-        physical_probs = physical_probs.scatter(1, slot, probs.masked_fill(~routing_map, 0))
-        physical_probs = physical_probs[:, :num_physical].contiguous()
+        physical_probs = physical_probs.scatter(1, slot, probs)[:, :num_physical].contiguous()
         balancing.overheads.reroute_seconds += time.perf_counter() - t0
         return physical_map, physical_probs
 

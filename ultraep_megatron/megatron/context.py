@@ -58,10 +58,13 @@ class Invocation:
         rows_per_slot: int64 ``[P]`` rows each of this rank's physical slots receives.
         main_rows: rows its G main experts receive (the first ``main_rows`` dispatched rows).
         replica_rows: rows each of its S redundant slots receives.
-        reroute_table: int64 ``[2, E * R]``: for this rank as a source, row 0 is the running total of
-            the rows it sends to the instances of each expert (expert-major, instance rank minor), row
-            1 the physical slot of that instance (0 where there is none; such an entry sends no row).
-            Pinned on CUDA, so its upload is non-blocking.
+        reroute_table: int64 ``[3, E * R + 1]``, for this rank as a source: row 0 is the running
+            total of the rows it sends to the instances of each expert (expert-major, instance rank
+            minor), then a sentinel above every position; row 1 the physical slot of that instance
+            (0 where there is none; such an entry sends no row), then ``R * P``, the reroute's spare
+            column; row 2's first E entries the expert-major position of each expert's first row,
+            minus one (exclusive running total of this rank's load). Pinned on CUDA, so its upload is
+            non-blocking.
         plan_seconds: host time of the planner.
     """
 
@@ -121,9 +124,14 @@ def plan_invocation(plan: planner.Plan, load: torch.Tensor, ep_rank: int, *, lay
     instance_slot[physical_expert % (E + 1), np.arange(R)[:, None]] = np.arange(R * P).reshape(R, P)
     instance_slot = instance_slot[:E]
     sent = np.where(instance_slot >= 0, split[ep_rank][np.maximum(instance_slot, 0)], 0)
-    table = torch.empty(2, E * R, dtype=torch.int64, pin_memory=pinned)
-    np.cumsum(sent.reshape(-1), out=table.numpy()[0])
-    table.numpy()[1] = np.maximum(instance_slot, 0).reshape(-1)
+    table = torch.zeros(3, E * R + 1, dtype=torch.int64, pin_memory=pinned)
+    rows_table = table.numpy()
+    np.cumsum(sent.reshape(-1), out=rows_table[0, :-1])
+    rows_table[0, -1] = np.iinfo(np.int64).max
+    rows_table[1, :-1] = np.maximum(instance_slot, 0).reshape(-1)
+    rows_table[1, -1] = R * P
+    routed = load[ep_rank].numpy()
+    rows_table[2, :E] = np.cumsum(routed) - routed - 1
     return Invocation(
         layer_number=layer_number, vid=vid, ep_rank=ep_rank, load=load, plan=plan,
         schedule_builder=schedule_builder,
