@@ -42,3 +42,39 @@ def test_replica_buffer_allocates_both_buffers():
     assert [tuple(v.shape) for v in buffer.grad_views(2)] == [(6, 4), (4, 3)]
     with pytest.raises(ValueError, match="slots per rank"):
         buffer.schedule(torch.full((2, 2), -1, dtype=torch.int64), 4)
+
+
+def _same_schedule(a, b) -> bool:
+    """Field by field: the edges, local copies and relays of two schedules."""
+    names = ("slot_expert", "edge_expert", "edge_src", "edge_src_slot", "edge_dst", "edge_dst_slot",
+             "edge_hop", "local_expert", "local_rank", "local_slot", "relayed_experts")
+    return all(torch.equal(getattr(a, n), getattr(b, n)) for n in names) and (
+        (a.num_experts, a.expert_numel, a.chunk_numel) == (b.num_experts, b.expert_numel, b.chunk_numel))
+
+
+def test_replica_buffer_reuses_the_schedule_of_a_recurring_placement():
+    from ultraep_megatron.dataplane import build_schedule
+
+    buffer = ReplicaBuffer(2, [(6, 4), (4, 3)], torch.float32, chunk_numel=7, relay="always", relay_threshold=1)
+    placement = torch.tensor([[-1, 5], [0, 6], [0, -1], [0, 1]])
+    first = buffer.schedule(placement, 8)
+    assert buffer.schedule(placement.clone(), 8) is first  # same contents, another tensor: reused
+    assert _same_schedule(first, build_schedule(placement, 8, 36, chunk_numel=7, relay="always",
+                                                relay_threshold=1))
+    # Keyed on the contents: a placement changed in place gets its own schedule.
+    placement[1, 1] = 2
+    changed = buffer.schedule(placement, 8)
+    assert changed is not first and not _same_schedule(changed, first)
+    assert _same_schedule(changed, build_schedule(placement, 8, 36, chunk_numel=7, relay="always",
+                                                  relay_threshold=1))
+    # Bounded: the least recently used placement is dropped (and rebuilt, equal, on its return).
+    buffer.SCHEDULE_CACHE_SIZE = 3
+    kept = buffer.schedule(placement, 8)
+    for e in range(3):
+        buffer.schedule(torch.tensor([[-1, -1], [e, -1], [-1, -1], [-1, -1]]), 8)
+    rebuilt = buffer.schedule(placement, 8)
+    assert rebuilt is not kept and _same_schedule(rebuilt, kept)
+    # An invalid placement is refused every time, never cached.
+    for _ in range(2):
+        with pytest.raises(ValueError, match="more than one slot"):
+            buffer.schedule(torch.tensor([[-1, -1], [2, 2], [-1, -1], [-1, -1]]), 8)
