@@ -9,7 +9,11 @@ and, for the balanced layers, the balancing overheads per iteration: planning on
 replica transfers (weight distribution, re-materialization, gradient reduction) and the reroute.
 Transfers are reported twice: "exposed", the host time the overlapped layer spends issuing and
 waiting for them (what compute did not hide), and "total", the same with every transfer waited for
-where it is issued (``--moe-balancer-no-overlap``; measured on its own layer in the same run).
+where it is issued (``--moe-balancer-no-overlap``; measured on its own layer in the same run). On the
+CPU the transfers run on the replica buffer's HostCommStream, a thread standing in for a GPU's
+communication stream (packing, gloo's sends and receives): its CPU time is not a rank's critical
+path, as a communication stream's is not, but it shares these two cores with the ranks, which the
+wall-time columns show.
 
     bash tools/ensure_env.sh >/dev/null && ~/.cache/ultraep-megatron/venv/bin/python tools/bench_moe_layer.py
 
