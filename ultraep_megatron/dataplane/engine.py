@@ -43,10 +43,12 @@ fixed by the plan: at a relay, ``((own + leaf_1) + leaf_2) + ...``; at the home,
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 
 import torch
 import torch.distributed as dist
@@ -207,10 +209,28 @@ class HostCommStream:
     """
 
     def __init__(self) -> None:
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ultraep-comm")
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
 
     def submit(self, issue: Callable[[], None]) -> Future:
-        return self._thread.submit(issue)
+        """Run ``issue`` after everything submitted before it; its future re-raises what it raised."""
+        if self._thread is None:
+            # A daemon: a transfer a failed rank abandoned must not hold the process at exit.
+            self._thread = threading.Thread(target=self._run, name="ultraep-comm", daemon=True)
+            self._thread.start()
+        future: Future = Future()
+        self._queue.put((issue, future))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            issue, future = self._queue.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(issue())
+            except BaseException as error:  # handed to the caller's wait()
+                future.set_exception(error)
 
 
 class TransferHandle:
@@ -502,7 +522,11 @@ def reduce_gradients(
     children = [edge for edge in edges if edge.hop == 1 and edge.src == rank]
     staging_row = {edge.index: row for row, edge in enumerate(children)}
     reduced_here = sorted({edge.expert for edge in children} | {e for e, _ in local})
-    hosted_slots = sorted({edge.dst_slot for edge in edges if edge.dst == rank} | {slot for _, slot in local})
+    hosted = sorted({edge.dst_slot for edge in edges if edge.dst == rank} | {slot for _, slot in local})
+    hosted_runs = [(s, s + 1) for s in hosted]  # merged into contiguous runs: one zero_() each
+    for i in range(len(hosted_runs) - 1, 0, -1):
+        if hosted_runs[i - 1][1] == hosted_runs[i][0]:
+            hosted_runs[i - 1:i + 1] = [(hosted_runs[i - 1][0], hosted_runs[i][1])]
     works: list = []
     sequence = _take_sequence(group, schedule)
     staging = torch.empty(len(children), schedule.expert_numel if children else 0,
@@ -562,8 +586,8 @@ def reduce_gradients(
             for row, edge in enumerate(children):  # canonical order: ascending child per expert
                 acc[row_of[edge.expert]] += staging[row].to(acc_dtype)
             _unpack_into([main_grads[e - first_local] for e in reduced_here], acc)
-        for slot in hosted_slots:  # the only ones this rank's replicas wrote
-            replica_grads[slot].zero_()
+        for start, end in hosted_runs:  # the only slots this rank's replicas wrote
+            replica_grads[start:end].zero_()
 
     return _start(program(), works, device=replica_grads.device, group=group,
                   comm_stream=comm_stream, start_after=start_after, async_op=async_op,
@@ -635,7 +659,8 @@ class ReplicaBuffer:
             raise ValueError(f"slot_expert has {slot_expert.shape[1]} slots per rank, the buffer {self.num_slots}")
         key = None
         if slot_expert.device.type == "cpu" and slot_expert.dtype == torch.int64 and slot_expert.dim() == 2:
-            key = (tuple(slot_expert.shape), num_experts, slot_expert.numpy().tobytes())
+            key = (tuple(slot_expert.shape), num_experts, self.chunk_numel, self.relay, self.relay_threshold,
+                   slot_expert.numpy().tobytes())
             cached = self._schedules.get(key)
             if cached is not None:
                 self._schedules.move_to_end(key)

@@ -199,7 +199,8 @@ class _PhysicalSlotRouting:
         instance = torch.searchsorted(table[0], position.view(-1), right=True)
         # Unrouted (token, expert) entries go to a spare last column, dropped below. Routed pairs
         # of a token land in distinct columns, so the scatters are exact (no masking of probs).
-        slot = torch.where(routing_map, table[1][instance].view(num_tokens, -1), num_physical)
+        slot = torch.where(routing_map, table[1][instance].view(num_tokens, self.num_logical_experts),
+                           num_physical)
         physical_map = torch.zeros(num_tokens, num_physical + 1, dtype=torch.bool, device=device)
         physical_map = physical_map.scatter_(1, slot, routing_map)[:, :num_physical].contiguous()
         physical_probs = torch.zeros(num_tokens, num_physical + 1, dtype=probs.dtype, device=device)
@@ -449,6 +450,8 @@ class _ReplicaExperts(torch.autograd.Function):
                 grad_probs = grads.pop(0)
             per_slot = len(layer.expert_param_shapes)
             for s in range(balancing.buffer.num_slots):
+                if invocation.replica_rows[s] == 0:  # not hosted here, or no rows: stays zero
+                    continue  # (an expert kernel may leave an empty group's gradient unwritten)
                 for view, g in zip(balancing.buffer.grad_views(s), grads[s * per_slot : (s + 1) * per_slot]):
                     if g is not None:
                         view.add_(g)
