@@ -78,3 +78,25 @@ def test_replica_buffer_reuses_the_schedule_of_a_recurring_placement():
     for _ in range(2):
         with pytest.raises(ValueError, match="more than one slot"):
             buffer.schedule(torch.tensor([[-1, -1], [2, 2], [-1, -1], [-1, -1]]), 8)
+
+
+def test_host_comm_stream_runs_in_order_reports_errors_and_ends_with_its_owner():
+    import gc
+    import threading
+    import time
+
+    from ultraep_megatron.dataplane import HostCommStream
+
+    stream = HostCommStream()
+    order = []
+    futures = [stream.submit(lambda i=i: (time.sleep(0.01 * (3 - i)), order.append(i))) for i in range(3)]
+    failed = stream.submit(lambda: 1 / 0)
+    assert [f.result(timeout=10) for f in futures] and order == [0, 1, 2]  # in order, whatever each takes
+    with pytest.raises(ZeroDivisionError):
+        failed.result(timeout=10)
+    assert threading.get_ident() not in {stream.submit(threading.get_ident).result(timeout=10)}
+    thread = stream._thread
+    del stream, futures, failed
+    gc.collect()
+    thread.join(timeout=10)
+    assert not thread.is_alive()

@@ -46,6 +46,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
@@ -215,22 +216,28 @@ class HostCommStream:
     def submit(self, issue: Callable[[], None]) -> Future:
         """Run ``issue`` after everything submitted before it; its future re-raises what it raised."""
         if self._thread is None:
-            # A daemon: a transfer a failed rank abandoned must not hold the process at exit.
-            self._thread = threading.Thread(target=self._run, name="ultraep-comm", daemon=True)
+            # A daemon: a transfer a failed rank abandoned must not hold the process at exit. It
+            # holds only the queue, and ends once this stream is collected.
+            self._thread = threading.Thread(target=_serve, args=(self._queue,), name="ultraep-comm",
+                                            daemon=True)
             self._thread.start()
+            weakref.finalize(self, self._queue.put, None)
         future: Future = Future()
         self._queue.put((issue, future))
         return future
 
-    def _run(self) -> None:
-        while True:
-            issue, future = self._queue.get()
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(issue())
-            except BaseException as error:  # handed to the caller's wait()
-                future.set_exception(error)
+
+def _serve(work: queue.SimpleQueue) -> None:
+    """A HostCommStream's thread: run what is queued, in order, until ``None``."""
+    while (item := work.get()) is not None:
+        issue, future = item
+        if not future.set_running_or_notify_cancel():
+            continue
+        try:
+            future.set_result(issue())
+        except BaseException as error:  # handed to the caller's wait()
+            future.set_exception(error)
+        del item, issue, future  # drop the transfer's tensors while waiting for the next
 
 
 class TransferHandle:
