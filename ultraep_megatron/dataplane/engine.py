@@ -279,13 +279,10 @@ class TransferHandle:
         t0, c0 = time.perf_counter(), time.thread_time()
         if self._stream_ordered:
             with torch.cuda.stream(self._comm_stream):
-                for dependencies in self._program:
-                    for work in dependencies:  # NCCL: the comm stream waits, the host does not
-                        work.wait()
+                self._issue_all()  # NCCL: a receive's wait() makes the comm stream wait, not the host
                 for work in self._works:
                     work.wait()
                 self._event = self._comm_stream.record_event()
-            self._program = None
         else:
             self._pending = next(self._program, None)
             if self._pending is None:
@@ -295,8 +292,8 @@ class TransferHandle:
 
     @torch.no_grad()
     def _issue_all(self) -> None:
-        """On a :class:`HostCommStream`: issue the whole program, waiting for a relay's receives
-        before the rounds that forward them (the caller's thread never does)."""
+        """Issue the whole program, waiting for a relay's receives before the rounds that forward
+        them: on the comm stream (CUDA) or on a :class:`HostCommStream`'s thread."""
         for dependencies in self._program:
             for work in dependencies:
                 work.wait()
@@ -488,8 +485,8 @@ def reduce_gradients(
     comm_stream=None,
 ) -> TransferHandle | None:
     """Add every replica's gradient into its main expert's gradient, then zero the slots of
-    ``replica_grads`` that host a replica on this rank (the others are not part of the plan here
-    and stay as they are: zero between uses). Collective.
+    ``replica_grads`` from the first to the last one that hosts a replica on this rank (slots that
+    host none here must be zero: they are between uses). Collective.
 
     Args:
         schedule: the schedule used for the weight distribution of this layer.
@@ -530,10 +527,6 @@ def reduce_gradients(
     staging_row = {edge.index: row for row, edge in enumerate(children)}
     reduced_here = sorted({edge.expert for edge in children} | {e for e, _ in local})
     hosted = sorted({edge.dst_slot for edge in edges if edge.dst == rank} | {slot for _, slot in local})
-    hosted_runs = [(s, s + 1) for s in hosted]  # merged into contiguous runs: one zero_() each
-    for i in range(len(hosted_runs) - 1, 0, -1):
-        if hosted_runs[i - 1][1] == hosted_runs[i][0]:
-            hosted_runs[i - 1:i + 1] = [(hosted_runs[i - 1][0], hosted_runs[i][1])]
     works: list = []
     sequence = _take_sequence(group, schedule)
     staging = torch.empty(len(children), schedule.expert_numel if children else 0,
@@ -593,8 +586,8 @@ def reduce_gradients(
             for row, edge in enumerate(children):  # canonical order: ascending child per expert
                 acc[row_of[edge.expert]] += staging[row].to(acc_dtype)
             _unpack_into([main_grads[e - first_local] for e in reduced_here], acc)
-        for start, end in hosted_runs:  # the only slots this rank's replicas wrote
-            replica_grads[start:end].zero_()
+        if hosted:  # the slots this rank's replicas wrote; those between them were never written
+            replica_grads[hosted[0]:hosted[-1] + 1].zero_()
 
     return _start(program(), works, device=replica_grads.device, group=group,
                   comm_stream=comm_stream, start_after=start_after, async_op=async_op,

@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from . import baselines, default_min_quota, solve
+from . import baselines, default_min_quota, host_imbalance, solve
 from .plan import Plan
 
 __all__ = [
@@ -290,8 +290,8 @@ class LayerBalancer:
         R, E = load.shape
         rank_load = load.numpy().sum(0).reshape(R, E // R).sum(1)  # numpy: microseconds, per layer
         total = int(rank_load.sum())
-        if cfg.trigger is not None:  # planner.rank_imbalance, in the same float64 operations
-            return bool((rank_load.max() / rank_load.mean() if total else 1.0) >= cfg.trigger)
+        if cfg.trigger is not None:
+            return host_imbalance(rank_load) >= cfg.trigger
         q = self.min_quota if self.min_quota is not None else default_min_quota(total, R)
         return total > 0 and R * int(rank_load.max()) - total >= R * q
 
