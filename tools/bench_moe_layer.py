@@ -5,6 +5,8 @@ Measures forward+backward throughput (tokens/s over the EP group) of, in one run
   ultraep        the same layer balanced by UltraEP (BalancedMoELayer),
   eplb-exact     EPLB's replication rule on the exact load, through the same dispatcher,
   force-balanced megatron-core's MoELayer with --moe-router-force-load-balancing (the ideal),
+  force-balanced again, a second instance of it: its ratio to the first is the noise floor of this
+                 run (what the same layer scores against itself on this machine, now),
 and, for the balanced layers, the balancing overheads per iteration: planning on the host, the
 replica transfers (weight distribution, re-materialization, gradient reduction) and the reroute.
 Transfers are reported twice: "exposed", the host time the overlapped layer spends issuing and
@@ -62,7 +64,8 @@ def parse_args():
     p.add_argument("--num-slots", type=int, default=1)
     p.add_argument("--router-bias-std", type=float, default=-2.0,
                    help="--moe-router-force-biased std (negative: fixed bias per layer)")
-    p.add_argument("--iters", type=int, default=8)
+    p.add_argument("--iters", type=int, default=16,
+                   help="timed iterations per repeat (per-iteration ratios vary by several percent here)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--no-ddp", action="store_true",
                    help="plain autograd gradients instead of megatron-core's DistributedDataParallel "
@@ -217,12 +220,15 @@ def median(values):
     return values[len(values) // 2]
 
 
+#: The second force-balanced layer: its ratio to the first is the run's noise floor.
+NOISE_FLOOR = "force-balanced again"
+
 # (row label, balancer, force-balanced router, overlapped transfers)
 LAYERS = ((policy.NONE, None, False, True), (policy.ULTRAEP, policy.ULTRAEP, False, True),
           (f"{policy.ULTRAEP} no-overlap", policy.ULTRAEP, False, False),
           (policy.EPLB_EXACT, policy.EPLB_EXACT, False, True),
           (f"{policy.EPLB_EXACT} no-overlap", policy.EPLB_EXACT, False, False),
-          ("force-balanced", None, True, True))
+          ("force-balanced", None, True, True), (NOISE_FLOOR, None, True, True))
 
 
 def worker(cfg):
@@ -285,6 +291,10 @@ def report(cfg, tokens, runs) -> None:
               f"| {median([m['cpu_max'] for m in measured]) * 1e3:14.1f} | {median(cpu_ratios):5.2f} ({per_repeat:>18}) "
               f"| {median([m['faults'] for m in measured]):7.0f} "
               f"| {median([m['imbalance'] for m in measured]):9.2f} | {overheads} |")
+    floor = [m["cpu_x_fb"] for m in runs[NOISE_FLOOR]]
+    print(f"noise floor: force-balanced against itself, critical x f-b {median(floor):.2f} (repeats "
+          f"{' '.join(f'{r:.2f}' for r in floor)}); a layer's ratio is known to about "
+          f"{max(abs(r - 1) for r in floor):.2f} in this run")
     for name in (policy.ULTRAEP, policy.EPLB_EXACT):
         exposed = median([m["transfers"] for m in runs[name]])
         total = median([m["transfers"] for m in runs[f"{name} no-overlap"]])

@@ -40,6 +40,12 @@ def test_replica_buffer_allocates_both_buffers():
     assert buffer.replica_grads.shape == (3, 36) and buffer.replica_grads.dtype == torch.float32
     assert bool((buffer.replica_grads == 0).all())
     assert [tuple(v.shape) for v in buffer.grad_views(2)] == [(6, 4), (4, 3)]
+    # The views are made once and stay views of the buffers: what lands in them lands in the slot.
+    assert buffer.weight_views(1)[0] is buffer.weight_views(1)[0]
+    buffer.grad_views(2)[1].fill_(5.0)
+    buffer.weight_views(0)[0].fill_(3.0)
+    assert buffer.replica_grads[2].tolist() == [0.0] * 24 + [5.0] * 12
+    assert bool((buffer.replica_weights[0, :24] == 3).all()) and bool((buffer.replica_weights[1:] == 0).all())
     with pytest.raises(ValueError, match="slots per rank"):
         buffer.schedule(torch.full((2, 2), -1, dtype=torch.int64), 4)
 
@@ -100,3 +106,34 @@ def test_host_comm_stream_runs_in_order_reports_errors_and_ends_with_its_owner()
     gc.collect()
     thread.join(timeout=10)
     assert not thread.is_alive()
+
+
+def _group_ranks_on_subgroups(rank, world_size):
+    import gc
+
+    import torch.distributed as dist
+
+    from ultraep_megatron.dataplane import engine
+
+    upper, odd = dist.new_group([2, 3]), dist.new_group([1, 3])  # every rank creates both
+    seen = {}
+    for name, group, members in (("upper", upper, [2, 3]), ("odd", odd, [1, 3])):
+        if rank in members:
+            first = engine._group_rank(group)
+            assert engine._group_rank(group) == first  # the cached answer
+            seen[name] = first
+    cached = len(engine._group_ranks)
+    for group in (upper, odd):
+        dist.destroy_process_group(group)
+    del upper, odd, group
+    gc.collect()
+    return seen, cached, len(engine._group_ranks)
+
+
+def test_group_rank_is_the_rank_in_the_group_and_not_kept_past_the_group():
+    from _dataplane_world import run_world
+
+    per_rank = run_world(4, _group_ranks_on_subgroups)
+    assert [seen for seen, _, _ in per_rank] == [{}, {"odd": (0, 2)}, {"upper": (0, 2)},
+                                                 {"upper": (1, 2), "odd": (1, 2)}]
+    assert [(cached, left) for _, cached, left in per_rank] == [(0, 0), (1, 0), (1, 0), (2, 0)]

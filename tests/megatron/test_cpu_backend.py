@@ -57,6 +57,7 @@ def test_native_torch_lifts_only_the_innermost_device_mapping(probe):
         "alone": [],  # the balancer's host code runs without the mapping's per-call dispatch
         "under_another_mode": ["_CudaAsCpuMode", "Outer"],  # a host-read counter keeps seeing it
         "after": ["_CudaAsCpuMode"],
+        "after_an_error": ["_CudaAsCpuMode"],  # an exception inside does not lose the mapping
     }
 
 

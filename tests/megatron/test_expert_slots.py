@@ -7,7 +7,7 @@ TEGroupedMLP); here the layout rules themselves, on small stand-in modules with 
 import pytest
 import torch
 
-from ultraep_megatron.megatron.expert_slots import expert_param_names, expert_params
+from ultraep_megatron.megatron.expert_slots import ExpertParamLookup, expert_param_names, expert_params
 
 
 class Grouped(torch.nn.Module):
@@ -64,3 +64,25 @@ def test_a_fused_layout_is_refused_with_the_class_name():
 def test_wrong_expert_count_is_refused():
     with pytest.raises(ValueError):
         expert_param_names(Grouped(3, bias=False), 2)  # weight2 would belong to no expert
+
+
+@pytest.mark.parametrize("make", [lambda: Grouped(3, bias=True), lambda: Sequential(3)], ids=["grouped", "sequential"])
+def test_the_per_forward_lookup_gives_the_named_parameters_and_sees_a_replaced_one(make):
+    module = make()
+    names = expert_param_names(module, 3)
+    lookup = ExpertParamLookup(module, names)
+    assert [[id(p) for p in e] for e in lookup()] == [[id(p) for p in e] for e in expert_params(module, names)]
+    # A checkpoint load may put a new Parameter in place of one; the next forward must use it.
+    path, _, attr = names[1][0].rpartition(".")
+    fresh = torch.nn.Parameter(torch.full_like(module.get_parameter(names[1][0]), 7.0))
+    setattr(module.get_submodule(path), attr, fresh)
+    assert lookup()[1][0] is fresh
+    assert [[id(p) for p in e] for e in lookup()] == [[id(p) for p in e] for e in expert_params(module, names)]
+
+
+def test_the_lookup_refuses_a_name_that_is_no_parameter():
+    module = Sequential(2)
+    names = expert_param_names(module, 2)
+    names[0][0] = names[0][0].replace("weight", "bias")  # the stand-in's linears have no bias
+    with pytest.raises(ValueError, match="not a parameter"):
+        ExpertParamLookup(module, names)

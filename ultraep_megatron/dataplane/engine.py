@@ -43,6 +43,7 @@ fixed by the plan: at a relay, ``((own + leaf_1) + leaf_2) + ...``; at the home,
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
@@ -118,10 +119,20 @@ def _unpack_into(experts: Sequence[Sequence[torch.Tensor]], rows: torch.Tensor) 
             offset += t.numel()
 
 
+#: (rank, size) of the process groups transfers ran on: a group's never change, and asking
+#: torch.distributed costs a few dozen Python calls per transfer.
+_group_ranks: "weakref.WeakKeyDictionary[dist.ProcessGroup, tuple[int, int]]" = weakref.WeakKeyDictionary()
+
+
 def _group_rank(group) -> tuple[int, int]:
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized")
-    return dist.get_rank(group), dist.get_world_size(group)
+    if group is None:  # the default group may be destroyed and re-created
+        return dist.get_rank(), dist.get_world_size()
+    known = _group_ranks.get(group)
+    if known is None:
+        known = _group_ranks[group] = (dist.get_rank(group), dist.get_world_size(group))
+    return known
 
 
 def _check_buffer(name: str, buffer: torch.Tensor, schedule: TransferSchedule) -> None:
@@ -697,8 +708,15 @@ class ReplicaBuffer:
 
     def weight_views(self, slot: int) -> list[torch.Tensor]:
         """Views of replica slot ``slot`` shaped like one expert's tensors."""
-        return expert_views(self.replica_weights[slot], self.expert_shapes)
+        return self._views[0][slot]
 
     def grad_views(self, slot: int) -> list[torch.Tensor]:
         """Views of replica gradient slot ``slot`` shaped like one expert's tensors."""
-        return expert_views(self.replica_grads[slot], self.expert_shapes)
+        return self._views[1][slot]
+
+    @functools.cached_property
+    def _views(self) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+        # Made once: the buffers live as long as this object, and every replica forward and
+        # backward asks for them.
+        return tuple([expert_views(buffer[s], self.expert_shapes) for s in range(self.num_slots)]
+                     for buffer in (self.replica_weights, self.replica_grads))

@@ -64,7 +64,7 @@ from megatron.core.transformer.moe.token_dispatcher import (
 from ultraep_megatron.megatron.arguments import unsupported_moe_settings
 from ultraep_megatron.megatron.context import BalancingContext, Invocation
 from ultraep_megatron.megatron.cpu_backend import native_torch
-from ultraep_megatron.megatron.expert_slots import expert_param_names, expert_params, run_replica_experts
+from ultraep_megatron.megatron.expert_slots import ExpertParamLookup, expert_param_names, run_replica_experts
 from ultraep_megatron.megatron.layer_spec import moe_layer_id
 
 
@@ -512,6 +512,7 @@ class BalancedMoELayer(MoELayer):
         first = [self.experts.get_parameter(n) for n in self.expert_param_names[0]]
         self.expert_param_shapes = [(n, tuple(p.shape)) for n, p in zip(self.expert_param_names[0], first)]
         self.balancer = balancing.config.build()
+        self._lookup_main_params = ExpertParamLookup(self.experts, self.expert_param_names)
         self._main_params: Optional[List[List[torch.Tensor]]] = None
         balancing.register(self)
 
@@ -525,12 +526,12 @@ class BalancedMoELayer(MoELayer):
     def main_expert_param_lists(self) -> List[List[torch.Tensor]]:
         """``[local expert][k]`` parameters, ``k`` in ``expert_param_shapes`` order.
 
-        Looked up by name once per forward (:meth:`forward`), not at each of the invocation's four
-        uses: a lookup walks the module tree, and a forward and its backward see the same
-        parameters (a checkpoint load may replace them between iterations).
+        Looked up once per forward (:meth:`forward`) and used by the invocation's four transfers:
+        a forward and its backward see the same parameters (a checkpoint load may replace them
+        between iterations).
         """
         if self._main_params is None:
-            return expert_params(self.experts, self.expert_param_names)
+            return self._lookup_main_params()
         return self._main_params
 
     def replica_weight_views(self) -> List[List[torch.Tensor]]:
@@ -582,7 +583,7 @@ class BalancedMoELayer(MoELayer):
         return dispatcher.combine_preprocess_parts(main_out, replica_out), mlp_bias
 
     def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
-        self._main_params = expert_params(self.experts, self.expert_param_names)
+        self._main_params = self._lookup_main_params()
         output, mlp_bias = super().forward(hidden_states, intermediate_tensors, padding_mask)
         if torch.is_grad_enabled():
             output = _StartInBackward.apply(self, self.token_dispatcher.invocation,

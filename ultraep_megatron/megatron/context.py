@@ -58,6 +58,8 @@ class Invocation:
         rows_per_slot: int64 ``[P]`` rows each of this rank's physical slots receives.
         main_rows: rows its G main experts receive (the first ``main_rows`` dispatched rows).
         replica_rows: rows each of its S redundant slots receives.
+        balanced: whether the load reached the balancer's trigger (``LayerBalancer.balances``;
+            below it ultraep plans no replica).
         reroute_table: int64 ``[3, E * R + 1]``, for this rank as a source: row 0 is the running
             total of the rows it sends to the instances of each expert (expert-major, instance rank
             minor), then a sentinel above every position; row 1 the physical slot of that instance
@@ -80,6 +82,7 @@ class Invocation:
     rows_per_slot: torch.Tensor
     main_rows: int
     replica_rows: Tuple[int, ...]
+    balanced: bool
     reroute_table: torch.Tensor
     plan_seconds: float
 
@@ -101,7 +104,7 @@ class Invocation:
 
 def plan_invocation(plan: planner.Plan, load: torch.Tensor, ep_rank: int, *, layer_number: int,
                     vid: Optional[int], schedule_builder: Optional[Callable[[], TransferSchedule]],
-                    plan_seconds: float) -> Invocation:
+                    balanced: bool, plan_seconds: float) -> Invocation:
     """Derive everything one rank needs from a plan, on the host (numpy: a few microseconds).
 
     Args:
@@ -139,7 +142,7 @@ def plan_invocation(plan: planner.Plan, load: torch.Tensor, ep_rank: int, *, lay
         output_splits=rows.sum(axis=1),
         rows_per_source_slot=rows_per_source_slot, rows_per_slot=torch.from_numpy(rows_per_slot),
         main_rows=int(rows_per_slot[:G].sum()), replica_rows=tuple(rows_per_slot[G:].tolist()),
-        reroute_table=table, plan_seconds=plan_seconds)
+        balanced=balanced, reroute_table=table, plan_seconds=plan_seconds)
 
 
 class BalancerStats:
@@ -166,7 +169,7 @@ class BalancerStats:
         for key in self.METRICS:
             entry[key] = entry.get(key, 0.0) + float(m[key])
         # Share of the microbatches balanced at all (ultraep's trigger skips the others).
-        entry["balanced_fraction"] = entry.get("balanced_fraction", 0.0) + float(balancer.balances(invocation.load))
+        entry["balanced_fraction"] = entry.get("balanced_fraction", 0.0) + float(invocation.balanced)
         entry["plan_ms"] = entry.get("plan_ms", 0.0) + invocation.plan_seconds * 1e3
 
     def pop(self) -> Dict[int, Dict[str, float]]:
@@ -339,14 +342,16 @@ class BalancingContext:
         """Plan one invocation on the exact load (host ``[R, E]``) and, in training, park it in the
         ring for its backward."""
         t0 = time.perf_counter()
-        plan = layer.balancer.plan(load)
+        balanced = layer.balancer.balances(load)
+        plan = layer.balancer.plan(load, balances=balanced)
         plan_seconds = time.perf_counter() - t0
         replicated = self.config.num_slots > 0 and bool((plan.slot_expert.numpy() >= 0).any())
         schedule_builder = (functools.partial(self.buffer.schedule, plan.slot_expert, plan.num_experts)
                             if replicated else None)
         vid = self._ensure_ring().acquire(layer.layer_number) if training else None
         invocation = plan_invocation(plan, load, ep_rank, layer_number=layer.layer_number, vid=vid,
-                                     schedule_builder=schedule_builder, plan_seconds=plan_seconds)
+                                     schedule_builder=schedule_builder, balanced=balanced,
+                                     plan_seconds=plan_seconds)
         if training:
             self.ring.store(vid, invocation)
             if not grad_enabled:  # a checkpointed forward: replayed in the backward

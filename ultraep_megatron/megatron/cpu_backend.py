@@ -129,11 +129,16 @@ def native_torch(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        stack = torch.overrides._get_current_function_mode_stack() if _ACTIVE else ()
-        if not stack or stack[-1] is not _FUNCTION_MODE:
+        # torch's own stack primitives, not its context manager: this runs several times per
+        # layer and microbatch, and the context manager costs a dozen Python calls.
+        depth = torch._C._len_torch_function_stack() if _ACTIVE else 0
+        if depth == 0 or torch._C._get_function_stack_at(depth - 1) is not _FUNCTION_MODE:
             return fn(*args, **kwargs)
-        with torch.overrides._pop_mode_temporarily():
+        mode = torch._C._pop_torch_function_stack()
+        try:
             return fn(*args, **kwargs)
+        finally:
+            torch._C._push_on_torch_function_stack(mode)
 
     return wrapper
 

@@ -59,6 +59,29 @@ def expert_params(experts: torch.nn.Module, names: Sequence[Sequence[str]]) -> L
     return [[experts.get_parameter(n) for n in per_expert] for per_expert in names]
 
 
+class ExpertParamLookup:
+    """:func:`expert_params` for every forward: each name resolved once to the submodule that owns
+    the parameter, so a lookup is one dict read per parameter, not a walk of the module tree (a
+    few hundred Python calls per layer and microbatch). It reads the owner's parameter table at
+    every call, so a parameter replaced between iterations (a checkpoint load) is seen; replacing a
+    whole submodule is not.
+    """
+
+    def __init__(self, experts: torch.nn.Module, names: Sequence[Sequence[str]]):
+        def owner(name: str) -> Tuple[Dict[str, torch.nn.Parameter], str]:
+            path, _, attr = name.rpartition(".")
+            module = experts.get_submodule(path)
+            if module._parameters.get(attr) is None:  # absent, or registered as None (no bias)
+                raise ValueError(f"{name} is not a parameter of {type(experts).__name__}")
+            return module._parameters, attr
+
+        self._owners = [[owner(n) for n in per_expert] for per_expert in names]
+
+    def __call__(self) -> List[List[torch.Tensor]]:
+        """``[local expert][k]`` parameters, as :func:`expert_params`."""
+        return [[table[attr] for table, attr in per_expert] for per_expert in self._owners]
+
+
 def build_replica_experts(layer, num_slots: int) -> Tuple[torch.nn.Module, List[List[str]]]:
     """An experts module of ``layer``'s class with ``num_slots`` experts and no parameter storage.
 
@@ -109,7 +132,9 @@ def run_replica_experts(
         for name, weight in zip(slot_names, weights)
     }
     counts = torch.tensor(list(tokens_per_slot), dtype=torch.long)
-    output, bias = torch.func.functional_call(module, params, (tokens, counts, probs))
+    # No tied weights in a module built for the redundant slots: skip the search for them (a walk
+    # over all its modules and parameters on every call).
+    output, bias = torch.func.functional_call(module, params, (tokens, counts, probs), tie_weights=False)
     if bias is not None:  # megatron's experts add their biases inside; keep that invariant explicit
         raise ValueError("replica experts returned a separate bias; expected it folded into the output")
     return output

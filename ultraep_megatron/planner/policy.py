@@ -304,12 +304,12 @@ class LayerBalancer:
         load[:, 0] += 64  # all on rank 0's first expert: a replica to place
         LayerBalancer(dataclasses.replace(self.config, trigger=1.0)).plan(load)
 
-    def plan(self, load: torch.Tensor) -> Optional[Plan]:
+    def plan(self, load: torch.Tensor, *, balances: Optional[bool] = None) -> Optional[Plan]:
         """load: int64 [R, E] host tensor -> Plan; ``None`` for the ideal (the router spreads the
-        tokens)."""
+        tokens). ``balances``: :meth:`balances` of ``load``, when the caller has it already."""
         cfg = self.config
         if cfg.name == ULTRAEP:
-            if not self.balances(load):
+            if not (self.balances(load) if balances is None else balances):
                 return baselines.identity_plan(load, cfg.num_slots)
             return solve(load, cfg.num_slots, min_quota=self.min_quota, domain_size=cfg.domain_size)
         if cfg.name == EPLB_EXACT:

@@ -96,6 +96,17 @@ def main():
         result["native_torch"]["under_another_mode"] = modes_inside()
     result["native_torch"]["after"] = [type(m).__name__ for m in torch.overrides._get_current_function_mode_stack()]
 
+    @cpu_backend.native_torch
+    def raises():
+        raise KeyError("inside")
+
+    try:
+        raises()
+    except KeyError:
+        pass
+    result["native_torch"]["after_an_error"] = [
+        type(m).__name__ for m in torch.overrides._get_current_function_mode_stack()]
+
     # gloo needs list-like split sizes from the alltoall dispatcher.
     from megatron.core.transformer.moe import token_dispatcher
 
