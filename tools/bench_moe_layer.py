@@ -21,8 +21,8 @@ wall-time columns show.
 
 Skew: megatron-core's --moe-router-force-biased (a fixed random per-expert logit bias shared by all
 ranks; negative std = the same bias every step). One thread per rank; on this 2-core machine use
-EP=2. The layers run interleaved iteration by iteration, and each ratio compares iterations that ran
-back to back; figures are only comparable within one run.
+EP=2. The layers run interleaved iteration by iteration, in a fresh order each iteration, and each
+ratio compares iterations that ran back to back; figures are only comparable within one run.
 
 Page faults: glibc serves PyTorch's large CPU tensors from fresh pages again and again (tensors above
 its mmap threshold are unmapped when freed, freed heap memory is trimmed), and on this VM a fault
@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import random
 import resource
 import subprocess
 import sys
@@ -245,12 +246,14 @@ def worker(cfg):
     runs = {label: [] for label in layers}
     for repeat in range(cfg.repeats):
         measurements = {label: Measurement(cfg, layer) for label, layer in layers.items()}
-        order = list(measurements.values())
-        # Interleaved iteration by iteration, in a rotating order, so that drifting machine load
-        # hits every layer alike and each ratio compares iterations that ran back to back.
+        # Interleaved iteration by iteration, so that drifting machine load hits every layer alike
+        # and each ratio compares iterations that ran back to back; in a fresh order each iteration,
+        # the same on every rank (the layers' collectives must match), so that no layer always
+        # follows the same one (a rotation keeps each layer's predecessor, and what it left in the
+        # caches, fixed).
         for i in range(cfg.warmup + cfg.iters):
-            shift = i % len(order)
-            for m in order[shift:] + order[:shift]:
+            order = random.Random(repeat * 100_003 + i).sample(list(measurements.values()), len(measurements))
+            for m in order:
                 m.step(timed=i >= cfg.warmup)
         ideal = measurements["force-balanced"]
         for label, m in measurements.items():
