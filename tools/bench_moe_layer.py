@@ -296,7 +296,7 @@ def report(cfg, tokens, runs) -> None:
               f"| {median([m['imbalance'] for m in measured]):9.2f} | {overheads} |")
     floor = [m["cpu_x_fb"] for m in runs[NOISE_FLOOR]]
     print(f"noise floor: force-balanced against itself, critical x f-b {median(floor):.2f} (repeats "
-          f"{' '.join(f'{r:.2f}' for r in floor)}); a layer's ratio is known to about "
+          f"{' '.join(f'{r:.2f}' for r in floor)}): the same layer's per-repeat ratios varied by up to "
           f"{max(abs(r - 1) for r in floor):.2f} in this run")
     for name in (policy.ULTRAEP, policy.EPLB_EXACT):
         exposed = median([m["transfers"] for m in runs[name]])

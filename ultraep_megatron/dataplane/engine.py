@@ -120,7 +120,8 @@ def _unpack_into(experts: Sequence[Sequence[torch.Tensor]], rows: torch.Tensor) 
 
 
 #: (rank, size) of the process groups transfers ran on: a group's never change, and asking
-#: torch.distributed costs a few dozen Python calls per transfer.
+#: torch.distributed costs a few dozen Python calls per transfer. (Single reads and writes of the
+#: map need no lock under the GIL.)
 _group_ranks: "weakref.WeakKeyDictionary[dist.ProcessGroup, tuple[int, int]]" = weakref.WeakKeyDictionary()
 
 
