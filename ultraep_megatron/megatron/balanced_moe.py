@@ -509,10 +509,10 @@ class BalancedMoELayer(MoELayer):
         )
         # [local expert][k] parameter names; every expert's k-th parameter has the same shape.
         self.expert_param_names = expert_param_names(self.experts, self.num_local_experts)
-        first = [self.experts.get_parameter(n) for n in self.expert_param_names[0]]
+        self._lookup_main_params = ExpertParamLookup(self.experts, self.expert_param_names)
+        first = self._lookup_main_params()[0]
         self.expert_param_shapes = [(n, tuple(p.shape)) for n, p in zip(self.expert_param_names[0], first)]
         self.balancer = balancing.config.build()
-        self._lookup_main_params = ExpertParamLookup(self.experts, self.expert_param_names)
         self._main_params: Optional[List[List[torch.Tensor]]] = None
         balancing.register(self)
 

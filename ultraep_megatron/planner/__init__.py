@@ -237,8 +237,15 @@ def load_imbalance(load: torch.Tensor) -> torch.Tensor:
 def rank_imbalance(load: torch.Tensor) -> float:
     """:func:`load_imbalance` of the per-rank load of ``load`` int64 [R, E] with every expert at
     home: the imbalance before balancing, what a trigger compares with."""
-    R, E = validate_load(load)
-    return host_imbalance(load.cpu().numpy().sum(0).reshape(R, E // R).sum(1))
+    validate_load(load)
+    return host_imbalance(host_rank_load(load))
+
+
+def host_rank_load(load: torch.Tensor) -> np.ndarray:
+    """Per-rank load [R] of a host load int64 [R, E] with every expert at home, in numpy (per layer
+    and microbatch: microseconds)."""
+    R, E = load.shape
+    return load.cpu().numpy().sum(0).reshape(R, E // R).sum(1)
 
 
 def host_imbalance(rank_load: np.ndarray) -> float:

@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from . import baselines, default_min_quota, host_imbalance, solve
+from . import baselines, default_min_quota, host_imbalance, host_rank_load, solve
 from .plan import Plan
 
 __all__ = [
@@ -287,8 +287,8 @@ class LayerBalancer:
         cfg = self.config
         if cfg.name != ULTRAEP:
             return True
-        R, E = load.shape
-        rank_load = load.numpy().sum(0).reshape(R, E // R).sum(1)  # numpy: microseconds, per layer
+        R = load.shape[0]
+        rank_load = host_rank_load(load)
         total = int(rank_load.sum())
         if cfg.trigger is not None:
             return host_imbalance(rank_load) >= cfg.trigger
