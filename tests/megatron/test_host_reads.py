@@ -5,7 +5,8 @@ A GPU's host waits for its queue whenever it reads device memory (``.item()``, `
 which tensors would live on the GPU and counts such reads while the layer runs on gloo CPU ranks;
 the worker measures megatron's MoELayer and UltraEP's BalancedMoELayer on the same weights and
 tokens, forward and backward, two microbatches, EP=2 and EP=4, with skewed routing (so replicas are
-really created and moved) and with MoE activation recompute.
+really created and moved) and with MoE activation recompute. The replica transfers run on the
+caller's thread, as on CUDA, so their host code is counted too.
 """
 
 import json
@@ -16,7 +17,7 @@ from gloo_launch import WORKERS, launch_gloo_ranks
 
 WORLD = 4
 LAYOUTS = ("ep2", "ep4", "ep2-recompute", "ep4-recompute")
-NEGATIVE_CONTROLS = ("ep4-tolist", "ep4-item-in-backward")
+NEGATIVE_CONTROLS = ("ep4-tolist", "ep4-item-in-backward", "ep4-item-in-transfer")
 
 pytestmark = pytest.mark.slow
 
@@ -74,3 +75,14 @@ def test_negative_control_one_deliberate_read_is_caught(ranks, control):
     for rank, result in enumerate(ranks):
         added = added_reads(result[control])
         assert added["sync"] > 0, f"rank {rank} {control}: the deliberate read went unnoticed"
+
+
+def test_negative_control_reads_inside_the_transfers_are_counted(ranks):
+    """Each deliberate read inside a weight distribution's program is counted: the transfers' host
+    code runs where the counter sees it (on the HostCommStream's thread it would not)."""
+    made = [result["ep4-item-in-transfer"]["balanced"]["deliberate_reads"] for result in ranks]
+    assert min(made) > 0, f"the distribution's program never ran on some rank: {made}"
+    for rank, result in enumerate(ranks):
+        added = added_reads(result["ep4-item-in-transfer"])
+        assert added["sync"] >= made[rank], (
+            f"rank {rank}: {made[rank]} deliberate reads in the transfers, {added['sync']} counted")

@@ -5,14 +5,21 @@ Scenarios ``ep{2,4}`` and ``ep{2,4}-recompute`` (MoE activation recompute) with 
 the balanced layer really replicates. Negative controls, the balanced layer with one deliberate read:
 ``ep4-tolist`` a ``.tolist()`` of the routing map in its dispatcher's forward,
 ``ep4-item-in-backward`` an ``.item()`` of a main expert's weight where the backward starts the
-gradient reduction. ``ep4-recompute-check-plans`` runs with ``--moe-balancer-check-plans``, whose
-checks read device memory (by design, for debugging). Each rank writes
-``<out-dir>/rank<r>.json``: {scenario: {"none"|"balanced": {"counts", "events", "replicas"}}}.
+gradient reduction, ``ep4-item-in-transfer`` an ``.item()`` of the replica weight buffer inside the
+weight distribution's program (the code a CUDA run issues on the caller's thread).
+``ep4-recompute-check-plans`` runs with ``--moe-balancer-check-plans``, whose checks read device
+memory (by design, for debugging). Each rank writes ``<out-dir>/rank<r>.json``:
+{scenario: {"none"|"balanced": {"counts", "events", "replicas"}}}.
+
+The replica transfers run on the caller's thread here, not on the replica buffer's
+``HostCommStream``: the counter is a torch function mode, which sees one thread, and on CUDA the
+transfers' host code (packing, issuing, folding) runs on the caller's thread too.
 
 Run:  torchrun --standalone --nproc-per-node 4 host_reads_layer.py --out-dir DIR
 """
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -28,6 +35,7 @@ SCENARIOS = {
     "ep4-recompute": dict(ep=4, recompute=True),
     "ep4-tolist": dict(ep=4, recompute=False, fault="tolist"),
     "ep4-item-in-backward": dict(ep=4, recompute=False, fault="item"),
+    "ep4-item-in-transfer": dict(ep=4, recompute=False, fault="item-in-transfer"),
     "ep4-recompute-check-plans": dict(ep=4, recompute=True, check_plans=True),
 }
 
@@ -43,6 +51,7 @@ def measure(layer, weights, rank, counter, microbatches: int = 2) -> dict:
     counter.tag(*layer.parameters(), *layer.buffers())
     if balancing is not None:
         counter.tag(balancing.buffer.replica_weights, balancing.buffer.replica_grads)
+        balancing.buffer.comm_stream = None  # see the module docstring
     for mb in range(microbatches):
         x, up = rank_inputs(rank, mb)
         x = skew(x, weights).requires_grad_(True)
@@ -57,6 +66,26 @@ def measure(layer, weights, rank, counter, microbatches: int = 2) -> dict:
     stats = balancing.pop_stats() if balancing is not None else {}
     return {"counts": dict(counter.counts), "events": counter.events,
             "replicas": sum(v["replicas"] for v in stats.values())}
+
+
+@contextlib.contextmanager
+def reading_inside_the_distribution():
+    """Every weight distribution's program reads the replica weight buffer on the host first."""
+    from ultraep_megatron.dataplane import engine
+
+    rounds = engine._distribution_rounds
+    made = {"reads": 0}
+
+    def rounds_reading_the_buffer(schedule, rank, sequence, packed, row_of, replica_weights, *rest):
+        replica_weights.sum().item()
+        made["reads"] += 1
+        yield from rounds(schedule, rank, sequence, packed, row_of, replica_weights, *rest)
+
+    engine._distribution_rounds = rounds_reading_the_buffer
+    try:
+        yield made
+    finally:
+        engine._distribution_rounds = rounds
 
 
 def main():
@@ -97,6 +126,11 @@ def main():
                     return _start(layer_, invocation)
 
                 layer.balancing.start_reduction = start_reading_a_weight
+            if which == "balanced" and sc.get("fault") == "item-in-transfer":
+                with reading_inside_the_distribution() as deliberate:
+                    results[name][which] = measure(layer, weights, rank, DeviceReadCounter())
+                results[name][which]["deliberate_reads"] = deliberate["reads"]
+                continue
             results[name][which] = measure(layer, weights, rank, DeviceReadCounter())
     with open(os.path.join(cli.out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
