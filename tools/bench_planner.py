@@ -19,7 +19,9 @@ fails on small remainders and averages 1.25). Columns (means over seeds):
 
 Timing runs one thread (torch/numba single-threaded, OMP_NUM_THREADS=1). On a shared machine wall
 times are noisy: the summary also gives CPU time (thread_time) for the R=64, E=256, S=2 case, with
-one NVLink domain and with domains of 8 ranks.
+one NVLink domain and with domains of 8 ranks, and the host stretch of one invocation in that case:
+the trigger, the solve and the rank's dispatch metadata (``rank_dispatch``), the host work between
+the load reaching the host and the reroute tables being ready, while a GPU waits.
 
 A second table plans the R = 32/64 loads with NVLink domains of N = 8 and 16 ranks
 (``solve(..., domain_size=N)``: replicas only inside their home's domain):
@@ -51,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from ultraep_megatron.planner import domain_lower_bound, metrics, policy, solve  # noqa: E402
+from ultraep_megatron.planner import domain_lower_bound, metrics, policy, rank_dispatch, solve  # noqa: E402
 from ultraep_megatron.planner.baselines import eplb_exact, identity_plan  # noqa: E402
 from ultraep_megatron.planner.peers import (  # noqa: E402
     Placement,
@@ -209,6 +211,32 @@ def cpu_time_summary(repeats: int, domain_size: int | None = None) -> str:
             f"median CPU {cpu_us:.1f} us, p10 wall {p10_us:.1f} us")
 
 
+def host_stretch_summary(repeats: int) -> str:
+    """Median CPU time of the host work between a layer's load reaching the host and its reroute
+    tables being ready (what a GPU waits for): the trigger, solve and one rank's dispatch metadata
+    (splits, per-slot rows, reroute table), R=64, E=256, S=2, over the loads of cpu_time_summary."""
+    balancer = policy.BalancerConfig(name=policy.ULTRAEP, num_slots=2).build()
+    parts: dict[str, list[int]] = {"trigger": [], "solve": [], "rank dispatch": [], "total": []}
+    for imbalance in IMBALANCES:
+        for seed in range(3):
+            load = zipf_load(64, 256, imbalance, seed=100 + seed)
+            rank_dispatch(solve(load, 2), load, 0)
+            for _ in range(repeats):
+                c0 = time.thread_time_ns()
+                balanced = balancer.balances(load)
+                c1 = time.thread_time_ns()
+                plan = balancer.plan(load, balances=balanced)
+                c2 = time.thread_time_ns()
+                rank_dispatch(plan, load, 0)
+                c3 = time.thread_time_ns()
+                for name, ns in zip(parts, (c1 - c0, c2 - c1, c3 - c2, c3 - c0)):
+                    parts[name].append(ns)
+    median_us = {name: statistics.median(ns) / 1e3 for name, ns in parts.items()}
+    return ("host stretch per invocation (load on the host -> reroute tables), R=64 E=256 S=2, median CPU: "
+            + " + ".join(f"{name} {median_us[name]:.1f} us" for name in ("trigger", "solve", "rank dispatch"))
+            + f"; total {median_us['total']:.1f} us")
+
+
 def main_table(shapes, slots, seeds, repeats) -> None:
     """The first table: ultraep, Algorithm 1 and eplb++ with one domain."""
     header = ("| R | E | S | init | ultraep imb | tau/LB | rep | fan | infl | us "
@@ -338,6 +366,7 @@ def main() -> None:
         print()
         print(cpu_time_summary(args.repeats))
         print(cpu_time_summary(args.repeats, domain_size=8))
+        print(host_stretch_summary(args.repeats))
 
 
 if __name__ == "__main__":

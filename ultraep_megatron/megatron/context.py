@@ -60,12 +60,8 @@ class Invocation:
         replica_rows: rows each of its S redundant slots receives.
         balanced: whether the load reached the balancer's trigger (``LayerBalancer.balances``;
             below it ultraep plans no replica).
-        reroute_table: int64 ``[3, E * R + 1]``, for this rank as a source: row 0 is the running
-            total of the rows it sends to the instances of each expert (expert-major, instance rank
-            minor), then a sentinel above every position; row 1 the physical slot of that instance
-            (0 where there is none; such an entry sends no row), then ``R * P``, the reroute's spare
-            column; row 2's first E entries the expert-major position of each expert's first row,
-            minus one (exclusive running total of this rank's load). Pinned on CUDA, so its upload is
+        reroute_table: int64 ``[3, E * R + 1]``, ``planner.RankDispatch.reroute_table`` (the
+            reroute's spare column is its last physical slot + 1). Pinned on CUDA, so its upload is
             non-blocking.
         plan_seconds: host time of the planner.
     """
@@ -105,7 +101,8 @@ class Invocation:
 def plan_invocation(plan: planner.Plan, load: torch.Tensor, ep_rank: int, *, layer_number: int,
                     vid: Optional[int], schedule_builder: Optional[Callable[[], TransferSchedule]],
                     balanced: bool, plan_seconds: float) -> Invocation:
-    """Derive everything one rank needs from a plan, on the host (numpy: a few microseconds).
+    """Derive everything one rank needs from a plan, on the host (``planner.rank_dispatch``: one
+    compiled pass, into pinned memory on CUDA, from which its two device tables upload).
 
     Args:
         plan: solved for ``load`` (host tensors).
@@ -113,33 +110,17 @@ def plan_invocation(plan: planner.Plan, load: torch.Tensor, ep_rank: int, *, lay
         ep_rank: this rank.
     """
     R, E = load.shape
-    G, S = E // R, plan.num_slots
-    P = G + S
+    G, P = E // R, plan.physical_slots_per_rank
     pinned = torch.cuda.is_available()  # what is uploaded is pinned: a non-blocking upload
-    split = plan.physical_split.numpy()  # [R_src, R * P]
     rows_per_source_slot = torch.empty(R, P, dtype=torch.int64, pin_memory=pinned)
-    rows = rows_per_source_slot.numpy()
-    rows[:] = split[:, ep_rank * P:(ep_rank + 1) * P]
-    rows_per_slot = rows.sum(axis=0)
-    # Physical slot of expert e's instance on rank t ([E, R], -1: none) and what this rank sends it.
-    physical_expert = np.concatenate([np.arange(R * G).reshape(R, G), plan.slot_expert.numpy()], axis=1)
-    instance_slot = np.full((E + 1, R), -1, dtype=np.int64)  # row E collects the empty slots
-    instance_slot[physical_expert % (E + 1), np.arange(R)[:, None]] = np.arange(R * P).reshape(R, P)
-    instance_slot = instance_slot[:E]
-    sent = np.where(instance_slot >= 0, split[ep_rank][np.maximum(instance_slot, 0)], 0)
-    table = torch.zeros(3, E * R + 1, dtype=torch.int64, pin_memory=pinned)
-    rows_table = table.numpy()
-    np.cumsum(sent.reshape(-1), out=rows_table[0, :-1])
-    rows_table[0, -1] = np.iinfo(np.int64).max
-    rows_table[1, :-1] = np.maximum(instance_slot, 0).reshape(-1)
-    rows_table[1, -1] = R * P
-    routed = load[ep_rank].numpy()
-    rows_table[2, :E] = np.cumsum(routed) - routed - 1
+    table = torch.empty(3, E * R + 1, dtype=torch.int64, pin_memory=pinned)
+    dispatch = planner.rank_dispatch(plan, load, ep_rank, rows_per_source_slot=rows_per_source_slot.numpy(),
+                                     reroute_table=table.numpy())
+    rows_per_slot = dispatch.rows_per_slot
     return Invocation(
         layer_number=layer_number, vid=vid, ep_rank=ep_rank, load=load, plan=plan,
         schedule_builder=schedule_builder,
-        input_splits=split[ep_rank].reshape(R, P).sum(axis=1),
-        output_splits=rows.sum(axis=1),
+        input_splits=dispatch.input_splits, output_splits=dispatch.output_splits,
         rows_per_source_slot=rows_per_source_slot, rows_per_slot=torch.from_numpy(rows_per_slot),
         main_rows=int(rows_per_slot[:G].sum()), replica_rows=tuple(rows_per_slot[G:].tolist()),
         balanced=balanced, reroute_table=table, plan_seconds=plan_seconds)

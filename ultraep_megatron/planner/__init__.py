@@ -12,6 +12,7 @@ See ``docs/planner.md`` for the algorithm, ``min_quota`` and the benchmark.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -29,6 +30,8 @@ __all__ = [
     "Plan",
     "solve",
     "assign_tokens",
+    "RankDispatch",
+    "rank_dispatch",
     "metrics",
     "load_imbalance",
     "rank_imbalance",
@@ -199,6 +202,68 @@ def assign_tokens(plan: Plan, rank: int, topk_ids: torch.Tensor) -> torch.Tensor
     if status == _compiled.MISMATCH:
         raise ValueError(f"topk_ids of rank {rank} do not match the load the plan was solved for")
     return torch.from_numpy(physical).view(topk_ids.shape)
+
+
+@dataclass(frozen=True)
+class RankDispatch:
+    """What one EP rank's dispatcher needs from a plan, as host int64 arrays.
+
+    Attributes:
+        rows_per_source_slot: [R, P] rows each source rank sends to each of this rank's physical
+            slots (megatron's ``num_global_tokens_per_local_expert``).
+        rows_per_slot: [P] rows each of this rank's physical slots receives.
+        input_splits / output_splits: [R] rows this rank sends to / receives from each rank (the
+            token all-to-all's splits).
+        reroute_table: [3, E * R + 1], this rank as a source: row 0 is the running total of the
+            rows it sends to the instances of each expert (expert-major, instance rank minor), then
+            a sentinel above every position (int64 max); row 1 the physical slot of that instance
+            (0 where there is none: such an entry sends no row), then ``R * P``, a spare column
+            past the last physical slot; row 2's first E entries the expert-major position of each
+            expert's first pair, minus one (exclusive running total of this rank's load), then 0.
+            A pair at expert-major position ``i`` goes to the instance of the first entry of row 0
+            above ``i`` (``searchsorted(row0, i, right=True)``).
+    """
+
+    rows_per_source_slot: np.ndarray
+    rows_per_slot: np.ndarray
+    input_splits: np.ndarray
+    output_splits: np.ndarray
+    reroute_table: np.ndarray
+
+
+def rank_dispatch(plan: Plan, load: torch.Tensor, rank: int, *,
+                  rows_per_source_slot: np.ndarray | None = None,
+                  reroute_table: np.ndarray | None = None) -> RankDispatch:
+    """:class:`RankDispatch` of ``plan`` (host tensors) solved for ``load`` int64 [R, E], for
+    ``rank``: one compiled pass, a few microseconds (it runs per layer and microbatch between the
+    load's arrival on the host and the reroute, where the device waits).
+
+    ``rows_per_source_slot`` ([R, P]) and ``reroute_table`` ([3, E * R + 1]), if given, are
+    C-contiguous int64 arrays to fill (e.g. views of pinned host tensors to upload from).
+    """
+    R, E = plan.num_ranks, plan.num_experts
+    P = plan.physical_slots_per_rank
+    if tuple(load.shape) != (R, E):
+        raise ValueError(f"load has shape {tuple(load.shape)}, the plan is for {(R, E)}")
+    if not 0 <= rank < R:
+        raise ValueError(f"rank must be in [0, {R}), got {rank}")
+
+    def target(given, shape):
+        if given is None:
+            return np.empty(shape, np.int64)
+        if given.shape != shape or given.dtype != np.int64 or not given.flags.c_contiguous:
+            raise ValueError(f"expected a C-contiguous int64 array of shape {shape}, got "
+                             f"{given.dtype} {given.shape}")
+        return given
+
+    out = RankDispatch(target(rows_per_source_slot, (R, P)), np.empty(P, np.int64),
+                       np.empty(R, np.int64), np.empty(R, np.int64),
+                       target(reroute_table, (3, E * R + 1)))
+    host = lambda t: np.ascontiguousarray(t.detach().cpu().numpy())  # noqa: E731  (no copy if it is)
+    _compiled.dispatch_arrays(host(plan.physical_split), host(plan.slot_expert), host(load),
+                              rank, out.rows_per_source_slot, out.rows_per_slot, out.input_splits,
+                              out.output_splits, out.reroute_table)
+    return out
 
 
 def _assign_tokens_vectorized(plan: Plan, rank: int, topk_ids: torch.Tensor) -> torch.Tensor:
