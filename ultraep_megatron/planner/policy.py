@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from . import baselines, default_min_quota, host_imbalance, host_rank_load, rank_dispatch, solve
+from . import baselines, default_min_quota, host_imbalance, host_rank_load, metrics, rank_dispatch, solve
 from .plan import Plan
 
 __all__ = [
@@ -298,13 +298,15 @@ class LayerBalancer:
     def warm_up(self) -> None:
         """Load the compiled kernels this balancer's plans run (numba: 0.2-0.5 s even from its
         cache) on a small skewed load, past the trigger, in this balancer's NVLink domains, and the
-        per-rank dispatch kernel every planned invocation runs; no state of this balancer changes."""
+        per-rank dispatch and metrics kernels every planned invocation runs; no state of this
+        balancer changes."""
         R = 2 * (self.config.domain_size or 1)
         load = torch.ones(R, 2 * R, dtype=torch.int64)
         load[:, 0] += 64  # all on rank 0's first expert: a replica to place
         plan = LayerBalancer(dataclasses.replace(self.config, trigger=1.0)).plan(load)
         if plan is not None:
             rank_dispatch(plan, load, 0)
+            metrics(load, plan, domain_size=self.config.domain_size)
 
     def plan(self, load: torch.Tensor, *, balances: Optional[bool] = None) -> Optional[Plan]:
         """load: int64 [R, E] host tensor -> Plan; ``None`` for the ideal (the router spreads the
