@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from planner_invariants import check_plan
-from planner_strategies import problems
+from planner_strategies import domain_problems, problems
 from ultraep_megatron.planner import metrics, plan_from_split, solve
 from ultraep_megatron.planner.baselines import eplb, eplb_exact, eplb_slots, identity_plan, round_robin
 from ultraep_megatron.planner.synthetic import zipf_load
@@ -133,6 +133,43 @@ def test_metrics_by_hand():
     m = metrics(zero, identity_plan(zero, 1))
     assert m["imbalance_before"] == m["imbalance_after"] == 1.0
     assert m["inflight_ratio"] == 0.0 and m["min_replica_quota"] is None and m["replicas"] == 0
+
+
+def metrics_by_loops(load: torch.Tensor, plan, N: int) -> dict:
+    """``metrics`` recomputed with Python loops over the plan's lists (max / mean as max / (total / R))."""
+    counts, quota, slots = load.tolist(), plan.quota.tolist(), plan.slot_expert.tolist()
+    split = plan.physical_split.tolist()
+    R, E = len(counts), len(counts[0])
+    G, P = E // R, E // R + len(slots[0])
+    imbalance = lambda rows: max(rows) / (sum(rows) / R) if sum(rows) > 0 else 1.0  # noqa: E731
+    before = [sum(counts[s][e] for s in range(R) for e in range(t * G, (t + 1) * G)) for t in range(R)]
+    after = [sum(quota[e][t] for e in range(E)) for t in range(R)]
+    replicas = [(t, e) for t in range(R) for e in slots[t] if e >= 0]
+    per_expert = [sum(1 for _, e in replicas if e == x) for x in range(E)]
+    total = sum(map(sum, counts))
+    local = sum(split[s][s * P + j] for s in range(R) for j in range(P))
+    return {
+        "imbalance_before": imbalance(before), "imbalance_after": imbalance(after),
+        "memory_spread_before": imbalance(before), "memory_spread_after": imbalance(after),
+        "threshold": plan.threshold, "lower_bound": -(-total // R), "replicas": len(replicas),
+        "max_fanout": 1 + max(per_expert),
+        "max_replicas_per_home": max(sum(per_expert[r * G:(r + 1) * G]) for r in range(R)),
+        "cross_domain_replicas": sum(1 for t, e in replicas if t // N != e // (G * N)),
+        "inflight_ratio": 1.0 - local / total if total else 0.0,
+        "min_replica_quota": min(quota[e][t] for t, e in replicas) if replicas else None,
+    }
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(domain_problems())
+def test_metrics_against_plain_loops(problem):
+    """Every figure of ``metrics`` (a compiled pass) equals the loops', value and type."""
+    load, S, min_quota, N = problem
+    for plan in (solve(load, S, min_quota=min_quota, domain_size=N), eplb_exact(load, S),
+                 identity_plan(load, S)):
+        got, expected = metrics(load, plan, domain_size=N), metrics_by_loops(load, plan, N)
+        assert got == expected
+        assert {k: type(v) for k, v in got.items()} == {k: type(v) for k, v in expected.items()}
 
 
 def test_plan_from_split_rejects_tokens_without_instance():

@@ -84,3 +84,5 @@ def test_rank_dispatch_fills_given_buffers_and_checks_them():
         rank_dispatch(plan, load, 2)
     with pytest.raises(ValueError, match="load has shape"):
         rank_dispatch(plan, load[:, :2], 0)
+    with pytest.raises(ValueError, match="load must be an int64 host tensor"):
+        rank_dispatch(plan, load.int(), 0)

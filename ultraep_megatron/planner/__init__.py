@@ -247,8 +247,14 @@ def rank_dispatch(plan: Plan, load: torch.Tensor, rank: int, *,
         raise ValueError(f"load has shape {tuple(load.shape)}, the plan is for {(R, E)}")
     if not 0 <= rank < R:
         raise ValueError(f"rank must be in [0, {R}), got {rank}")
+    for name, tensor in (("load", load), ("plan.physical_split", plan.physical_split),
+                         ("plan.slot_expert", plan.slot_expert)):
+        # Host int64 only: a device tensor would be a blocking read here, another dtype a fresh
+        # compilation of the kernel.
+        if tensor.device.type != "cpu" or tensor.dtype != torch.int64:
+            raise ValueError(f"{name} must be an int64 host tensor, got {tensor.dtype} on {tensor.device}")
 
-    def target(given, shape):
+    def output_array(given, shape):
         if given is None:
             return np.empty(shape, np.int64)
         if given.shape != shape or given.dtype != np.int64 or not given.flags.c_contiguous:
@@ -256,9 +262,9 @@ def rank_dispatch(plan: Plan, load: torch.Tensor, rank: int, *,
                              f"{given.dtype} {given.shape}")
         return given
 
-    out = RankDispatch(target(rows_per_source_slot, (R, P)), np.empty(P, np.int64),
+    out = RankDispatch(output_array(rows_per_source_slot, (R, P)), np.empty(P, np.int64),
                        np.empty(R, np.int64), np.empty(R, np.int64),
-                       target(reroute_table, (3, E * R + 1)))
+                       output_array(reroute_table, (3, E * R + 1)))
     _compiled.dispatch_arrays(_host(plan.physical_split), _host(plan.slot_expert), _host(load),
                               rank, out.rows_per_source_slot, out.rows_per_slot, out.input_splits,
                               out.output_splits, out.reroute_table)
