@@ -20,9 +20,14 @@ from ultraep_megatron.planner import (
 
 
 def plans_for(load: torch.Tensor, num_slots: int, min_quota):
-    """UltraEP's plan and the baselines' (EPLB's placement, the identity), all on ``load``."""
-    return [solve(load, num_slots, min_quota=min_quota), baselines.eplb_exact(load, num_slots),
-            baselines.identity_plan(load, num_slots)]
+    """UltraEP's plan and the baselines' (EPLB's placement on this load and on another, the
+    identity), all on ``load``."""
+    plans = [solve(load, num_slots, min_quota=min_quota), baselines.eplb_exact(load, num_slots),
+             baselines.identity_plan(load, num_slots)]
+    if num_slots > 0:  # a stale placement, as the eplb balancer reroutes on
+        stale = baselines.eplb(load.flip(1).unsqueeze(0), num_slots).slot_expert
+        plans.append(baselines.round_robin(load, stale))
+    return plans
 
 
 def routed_rows(table: np.ndarray, load_row: np.ndarray, num_slots: int) -> np.ndarray:
