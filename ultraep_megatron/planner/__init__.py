@@ -54,6 +54,12 @@ __all__ = [
 DEFAULT_MIN_QUOTA_DIVISOR = 100
 
 
+def _host(tensor: torch.Tensor) -> np.ndarray:
+    """A C-contiguous numpy view of a host tensor (a copy only if it is not contiguous or on a
+    device)."""
+    return np.ascontiguousarray(tensor.detach().cpu().numpy())
+
+
 def validate_load(load: torch.Tensor, name: str = "load") -> tuple[int, int]:
     """Check ``load`` is an int64 [R, E] tensor with E % R == 0; return (R, E).
 
@@ -129,12 +135,7 @@ def solve(load: torch.Tensor, num_slots: int, *, min_quota: int | None = None,
                                   or not isinstance(min_quota, (int, np.integer)) or min_quota < 1):
         raise ValueError(f"min_quota must be an int >= 1 or None, got {min_quota!r}")
     device = load.device
-    array = load.detach()
-    if device.type != "cpu":
-        array = array.cpu()
-    array = array.numpy()
-    if not array.flags.c_contiguous:
-        array = np.ascontiguousarray(array)
+    array = _host(load)
 
     if implementation == "compiled":
         # min_quota 0: the kernel derives the default from the total it computes anyway.
@@ -322,8 +323,13 @@ def host_imbalance(rank_load: np.ndarray) -> float:
     """:func:`load_imbalance` of one integer [R] host array, in numpy: it runs per layer and
     microbatch (triggers, telemetry), where numpy costs microseconds and torch calls tens. Integer
     sums are exact, so the float64 max / mean is the same number."""
-    total = int(rank_load.sum())
-    return float(rank_load.max() / (total / rank_load.size)) if total > 0 else 1.0
+    return max_over_mean(int(rank_load.max()), int(rank_load.sum()), rank_load.size)
+
+
+def max_over_mean(maximum: int, total: int, num_ranks: int) -> float:
+    """:func:`host_imbalance` from integer figures a caller already has: the largest of
+    ``num_ranks`` rank loads over their mean, 1.0 if they sum to zero."""
+    return maximum / (total / num_ranks) if total > 0 else 1.0
 
 
 def metrics(load: torch.Tensor, plan: Plan, *, domain_size: int | None = None) -> dict:
@@ -355,9 +361,8 @@ def metrics(load: torch.Tensor, plan: Plan, *, domain_size: int | None = None) -
     (max_before, max_after, total, total_quota, replicas, max_per_expert, max_per_home, cross,
      local, min_replica_quota) = _compiled.metric_arrays(
         _host(load), _host(plan.quota), _host(plan.slot_expert), _host(plan.physical_split), N).tolist()
-    # The ratios in Python, as host_imbalance computes them (the same float operations).
-    imbalance_before = max_before / (total / R) if total > 0 else 1.0
-    imbalance_after = max_after / (total_quota / R) if total_quota > 0 else 1.0
+    imbalance_before = max_over_mean(max_before, total, R)
+    imbalance_after = max_over_mean(max_after, total_quota, R)
     return {
         "imbalance_before": imbalance_before,
         "imbalance_after": imbalance_after,
@@ -372,12 +377,6 @@ def metrics(load: torch.Tensor, plan: Plan, *, domain_size: int | None = None) -
         "inflight_ratio": 1.0 - local / total if total else 0.0,
         "min_replica_quota": min_replica_quota if replicas else None,
     }
-
-
-def _host(tensor: torch.Tensor) -> np.ndarray:
-    """A C-contiguous numpy view of a host tensor (a copy only if it is not contiguous or on a
-    device)."""
-    return np.ascontiguousarray(tensor.detach().cpu().numpy())
 
 
 from . import baselines, peers, policy, synthetic  # noqa: E402  (they import validate_load from here)
