@@ -11,11 +11,20 @@ and, for the balanced layers, the balancing overheads per iteration: planning on
 replica transfers (weight distribution, re-materialization, gradient reduction) and the reroute.
 Transfers are reported twice: "exposed", the host time the overlapped layer spends issuing and
 waiting for them (what compute did not hide), and "total", the same with every transfer waited for
-where it is issued (``--moe-balancer-no-overlap``; measured on its own layer in the same run). On the
-CPU the transfers run on the replica buffer's HostCommStream, a thread standing in for a GPU's
-communication stream (packing, gloo's sends and receives): its CPU time is not a rank's critical
-path, as a communication stream's is not, but it shares these two cores with the ranks, which the
-wall-time columns show.
+where it is issued (``--moe-balancer-no-overlap``; measured on its own layer in the same run; it
+includes waiting for the peer to reach the same transfer). On the CPU the transfers run on the
+replica buffer's HostCommStream, a thread standing in for a GPU's communication stream (packing,
+gloo's sends and receives): its CPU time is not a rank's critical path, as a communication
+stream's is not, but it shares these two cores with the ranks (the report prints how much CPU it
+took per iteration), which the wall-time columns show.
+
+Two more rows split ultraep's ratio in two: "experts only" runs, interleaved with the layers, just
+the expert compute of the latest iteration of ultraep and of force-balanced (megatron's experts
+module on the rows each local expert received, and for ultraep the redundant slots' module on
+theirs, forward and backward on random tokens). Their ratio is what ultraep's distribution of rows
+over experts and slots costs on this machine (its per-row cost grows with an expert's rows, and the
+redundant slots are one more expert call); the layer's ratio over it is the rest: the balancing's
+host work, the transfers' share of the cores, the token exchange.
 
     bash tools/ensure_env.sh >/dev/null && ~/.cache/ultraep-megatron/venv/bin/python tools/bench_moe_layer.py
 
@@ -132,44 +141,68 @@ class Measurement:
     device of its own would spend.
     """
 
+    #: The label of the measurement this one's ratios are against.
+    reference = "force-balanced"
+
     def __init__(self, cfg, model):
         self.cfg, self.model = cfg, model
-        layer = getattr(model, "module", model)  # inside DDP or not
+        self.layer = layer = getattr(model, "module", model)  # inside DDP or not
         self.balancing = getattr(layer, "balancing", None)
         self.x = torch.randn(cfg.tokens_per_rank, 1, cfg.hidden_size,
                              generator=torch.Generator().manual_seed(torch.distributed.get_rank()))
         self.rows = 0
+        # Rows each local expert and each redundant slot received in the latest iteration.
+        self.expert_rows: list = []
+        self.replica_rows: tuple = ()
         compute = type(layer).routed_experts_compute.__get__(layer)  # not an earlier repeat's wrapper
+        experts = type(layer.experts).forward.__get__(layer.experts)
 
         def counting(h, p):
             self.rows = h.shape[0]
+            invocation = getattr(layer.token_dispatcher, "invocation", None)
+            self.replica_rows = invocation.replica_rows if invocation is not None else ()
             return compute(h, p)
 
+        def recording(hidden, tokens_per_expert, probs):
+            self.expert_rows = [int(n) for n in tokens_per_expert]  # host counts, megatron's too
+            return experts(hidden, tokens_per_expert, probs)
+
         layer.routed_experts_compute = counting
-        self.wall, self.cpu, self.faults = [], [], []
+        layer.experts.forward = recording
+        self.wall, self.cpu, self.faults, self.comm_cpu = [], [], [], []
+
+    def comm_cpu_seconds(self) -> float:
+        """CPU time of the replica transfers' HostCommStream thread so far (0 without one)."""
+        stream = getattr(getattr(self.balancing, "buffer", None), "comm_stream", None)
+        return getattr(stream, "cpu_seconds", 0.0)
+
+    def forward_backward(self) -> None:
+        out, _ = self.model(self.x.clone().requires_grad_(True))
+        out.sum().backward()
 
     def step(self, timed: bool) -> None:
         balancing = self.balancing
-        xi = self.x.clone().requires_grad_(True)
         if hasattr(self.model, "zero_grad_buffer"):  # as the training loop does between iterations
             self.model.zero_grad_buffer()
         torch.distributed.barrier()
         blocked0 = balancing.overheads.transfer_blocked_seconds if balancing is not None else 0.0
+        comm0 = self.comm_cpu_seconds()
         f0 = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
         t0, c0 = time.perf_counter(), time.thread_time()
-        out, _ = self.model(xi)
-        out.sum().backward()
+        self.forward_backward()
         cpu = torch.tensor([time.thread_time() - c0])
         faults = torch.tensor([float(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - f0)])
         wall = torch.tensor([time.perf_counter() - t0])
         if balancing is not None:  # the time this rank sat waiting for a replica transfer
             cpu += balancing.overheads.transfer_blocked_seconds - blocked0
-        for value in (wall, cpu, faults):  # the slowest rank's
+        comm = torch.tensor([self.comm_cpu_seconds() - comm0])  # every transfer of the step was waited for
+        for value in (wall, cpu, faults, comm):  # the slowest rank's
             torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
         if timed:
             self.wall.append(float(wall))
             self.faults.append(float(faults))
             self.cpu.append(float(cpu))
+            self.comm_cpu.append(float(comm))
         elif balancing is not None:  # overheads of the timed iterations only
             balancing.overheads.reset()
 
@@ -184,7 +217,7 @@ class Measurement:
         result = dict(wall=median(self.wall), cpu_max=median(cpu_max),
                       wall_x_fb=median([i / m for i, m in zip(ideal.wall, self.wall)]),
                       cpu_x_fb=median([i / m for i, m in zip(ideal_max, cpu_max)]),
-                      faults=median(self.faults),
+                      faults=median(self.faults), comm_cpu=median(self.comm_cpu),
                       imbalance=float(loads.max() / loads.mean()))
         if self.balancing is not None:
             o = self.balancing.overheads
@@ -192,6 +225,39 @@ class Measurement:
             torch.distributed.all_reduce(mine, op=torch.distributed.ReduceOp.MAX)
             result.update(zip(("plan", "host", "transfers", "reroute"), mine.tolist()))
         return result
+
+
+class ExpertsOnly(Measurement):
+    """The expert compute of another measurement's latest iteration, alone: on each rank, megatron's
+    experts module (and, for a balanced layer, its redundant slots' module on the replica buffer)
+    forward and backward on random tokens, with the rows each local expert and redundant slot
+    received there. What the distribution of rows over experts costs on this machine, apart from
+    the balancing's own work (planning, reroute, transfers) and the token exchange."""
+
+    reference = "force-balanced experts only"
+
+    def __init__(self, cfg, source: Measurement):  # the source's layer, recorded by the source
+        self.cfg, self.model, self.layer, self.source = cfg, source.model, source.layer, source
+        self.balancing, self.rows = None, 0
+        self.wall, self.cpu, self.faults, self.comm_cpu = [], [], [], []
+        most = cfg.tokens_per_rank * cfg.topk * cfg.ep_size  # every (token, expert) pair of the group
+        generator = torch.Generator().manual_seed(1000 + torch.distributed.get_rank())
+        self.tokens = torch.randn(most, cfg.hidden_size, generator=generator)
+        self.probs = torch.rand(most, generator=generator)
+
+    def forward_backward(self) -> None:
+        layer, rows, replica_rows = self.layer, self.source.expert_rows, self.source.replica_rows
+        if not rows:  # the source has not run yet (first warm-up iteration; the same on every rank)
+            return
+        main, total = sum(rows), sum(rows) + sum(replica_rows)
+        self.rows = total
+        tokens = self.tokens[:total].clone().requires_grad_(True)
+        out, _ = layer.experts(tokens[:main], torch.tensor(rows), self.probs[:main])
+        outs = [out]
+        if total > main:  # as _ReplicaExperts runs them: leaves on the replica buffer's views
+            leaves = [[w.detach().requires_grad_() for w in slot] for slot in layer.replica_weight_views()]
+            outs.append(layer.run_replicas(leaves, tokens[main:], self.probs[main:total], replica_rows))
+        torch.cat(outs).sum().backward()
 
 
 #: The CPU allocation the ranks run with by default, for every layer alike (module docstring).
@@ -231,6 +297,10 @@ LAYERS = ((policy.NONE, None, False, True), (policy.ULTRAEP, policy.ULTRAEP, Fal
           (f"{policy.EPLB_EXACT} no-overlap", policy.EPLB_EXACT, False, False),
           ("force-balanced", None, True, True), (NOISE_FLOOR, None, True, True))
 
+#: Expert compute alone (ExpertsOnly), each on the rows of the layer named: label -> source label.
+EXPERTS_ONLY = {f"{policy.ULTRAEP} experts only": policy.ULTRAEP,
+                "force-balanced experts only": "force-balanced"}
+
 
 def worker(cfg):
     from ultraep_megatron.megatron import cpu_backend
@@ -243,9 +313,11 @@ def worker(cfg):
     rank = torch.distributed.get_rank()
     tokens = cfg.tokens_per_rank * cfg.ep_size
     layers = {label: build(cfg, balancer, force, overlap) for label, balancer, force, overlap in LAYERS}
-    runs = {label: [] for label in layers}
+    runs = {label: [] for label in [*layers, *EXPERTS_ONLY]}
     for repeat in range(cfg.repeats):
         measurements = {label: Measurement(cfg, layer) for label, layer in layers.items()}
+        for label, source in EXPERTS_ONLY.items():
+            measurements[label] = ExpertsOnly(cfg, measurements[source])
         # Interleaved iteration by iteration, so that drifting machine load hits every layer alike
         # and each ratio compares iterations that ran back to back; in a fresh order each iteration,
         # the same on every rank (the layers' collectives must match), so that no layer always
@@ -255,9 +327,8 @@ def worker(cfg):
             order = random.Random(repeat * 100_003 + i).sample(list(measurements.values()), len(measurements))
             for m in order:
                 m.step(timed=i >= cfg.warmup)
-        ideal = measurements["force-balanced"]
         for label, m in measurements.items():
-            runs[label].append(m.result(ideal))
+            runs[label].append(m.result(measurements[m.reference]))
     if rank == 0:
         report(cfg, tokens, runs)
     torch.distributed.destroy_process_group()
@@ -274,10 +345,10 @@ def report(cfg, tokens, runs) -> None:
           "wall: slowest rank; critical: the busiest rank's compute (main-thread CPU time) plus its "
           "time blocked on replica transfers (the critical path with a device per rank); faults: the most minor page "
           "faults a rank's main thread took per iteration (their cost is part of its critical time)")
-    print(f"| {'layer':<21} | {'wall ms':>8} | {'tokens/s':>9} | {'wall x f-b':>10} | {'critical ms':>14} "
+    print(f"| {'layer':<27} | {'wall ms':>8} | {'tokens/s':>9} | {'wall x f-b':>10} | {'critical ms':>14} "
           f"| {'critical x f-b (repeats)':>26} | {'faults':>7} | {'imbalance':>9} | {'plan ms':>7} | {'host ms':>7} "
           f"| {'transfers ms':>12} | {'reroute ms':>10} |")
-    print(f"|{'-' * 23}|{'-' * 10}|{'-' * 11}|{'-' * 12}|{'-' * 16}|{'-' * 28}|{'-' * 9}|{'-' * 11}|{'-' * 9}"
+    print(f"|{'-' * 29}|{'-' * 10}|{'-' * 11}|{'-' * 12}|{'-' * 16}|{'-' * 28}|{'-' * 9}|{'-' * 11}|{'-' * 9}"
           f"|{'-' * 9}|{'-' * 14}|{'-' * 12}|")
     for label, measured in runs.items():
         wall_ratios = [m["wall_x_fb"] for m in measured]
@@ -290,7 +361,7 @@ def report(cfg, tokens, runs) -> None:
                                    for k, w in (("plan", 7), ("host", 7), ("transfers", 12), ("reroute", 10)))
         else:
             overheads = " | ".join(f"{'':>{w}}" for w in (7, 7, 12, 10))
-        print(f"| {label:<21} | {wall * 1e3:8.1f} | {tokens / wall:9.0f} | {median(wall_ratios):10.2f} "
+        print(f"| {label:<27} | {wall * 1e3:8.1f} | {tokens / wall:9.0f} | {median(wall_ratios):10.2f} "
               f"| {median([m['cpu_max'] for m in measured]) * 1e3:14.1f} | {median(cpu_ratios):5.2f} ({per_repeat:>18}) "
               f"| {median([m['faults'] for m in measured]):7.0f} "
               f"| {median([m['imbalance'] for m in measured]):9.2f} | {overheads} |")
@@ -298,11 +369,23 @@ def report(cfg, tokens, runs) -> None:
     print(f"noise floor: force-balanced against itself, critical x f-b {median(floor):.2f} (repeats "
           f"{' '.join(f'{r:.2f}' for r in floor)}): the same layer's per-repeat ratios varied by up to "
           f"{max(abs(r - 1) for r in floor):.2f} in this run")
+    label = f"{policy.ULTRAEP} experts only"
+    experts = median([m["cpu_x_fb"] for m in runs[label]])
+    layer = median([m["cpu_x_fb"] for m in runs[policy.ULTRAEP]])
+    print(f"expert compute alone ({label} / force-balanced experts only: megatron's experts module, and the "
+          f"redundant slots' module, fwd+bwd on the rows each expert and slot received in the layers' "
+          f"latest iteration): critical x f-b {experts:.2f} (repeats "
+          f"{' '.join(f'{m['cpu_x_fb']:.2f}' for m in runs[label])}); the layer's {layer:.2f} over it, "
+          f"{layer / experts:.3f}, is the rest: the balancing's host work, the transfers' share of the cores, "
+          f"the token exchange")
     for name in (policy.ULTRAEP, policy.EPLB_EXACT):
         exposed = median([m["transfers"] for m in runs[name]])
         total = median([m["transfers"] for m in runs[f"{name} no-overlap"]])
+        comm = median([m["comm_cpu"] for m in runs[name]])
         print(f"{name}: transfers {total * 1e3:.2f} ms per iteration when waited where issued, "
-              f"{exposed * 1e3:.2f} ms exposed when overlapped ({1 - exposed / total if total else 0:.0%} hidden)")
+              f"{exposed * 1e3:.2f} ms exposed when overlapped ({1 - exposed / total if total else 0:.0%} hidden); "
+              f"their HostCommStream thread took {comm * 1e3:.2f} ms of CPU per iteration (busiest rank) "
+              f"from the cores the ranks compute on")
 
 
 def main():
