@@ -14,17 +14,18 @@ waiting for them (what compute did not hide), and "total", the same with every t
 where it is issued (``--moe-balancer-no-overlap``; measured on its own layer in the same run; it
 includes waiting for the peer to reach the same transfer). On the CPU the transfers run on the
 replica buffer's HostCommStream, a thread standing in for a GPU's communication stream (packing,
-gloo's sends and receives): its CPU time is not a rank's critical path, as a communication
-stream's is not, but it shares these two cores with the ranks (the report prints how much CPU it
-took per iteration), which the wall-time columns show.
+issuing gloo's sends and receives, whose bytes gloo's own threads move): its CPU time is not a
+rank's critical path, as a communication stream's is not, but it shares these two cores with the
+ranks, which the wall-time columns show; the "other CPU" column is the CPU time of every thread of
+a rank but its main one (gloo's for every layer, and a balanced layer's HostCommStream).
 
-Two more rows split ultraep's ratio in two: "experts only" runs, interleaved with the layers, just
-the expert compute of the latest iteration of ultraep and of force-balanced (megatron's experts
-module on the rows each local expert received, and for ultraep the redundant slots' module on
-theirs, forward and backward on random tokens). Their ratio is what ultraep's distribution of rows
-over experts and slots costs on this machine (its per-row cost grows with an expert's rows, and the
-redundant slots are one more expert call); the layer's ratio over it is the rest: the balancing's
-host work, the transfers' share of the cores, the token exchange.
+Two more rows split ultraep's ratio: "experts only" runs, interleaved with the layers, just the
+expert compute of the latest iteration of ultraep and of force-balanced (megatron's experts module
+on the rows each local expert received, and for ultraep the redundant slots' module on theirs,
+forward and backward on random tokens). Their ratio is what the difference between the two
+distributions of rows over experts, and the redundant slots' extra expert call, cost on this
+machine; the layer's ratio over it is the rest: the balancing's host work, the transfers' share of
+the cores, the token exchange.
 
     bash tools/ensure_env.sh >/dev/null && ~/.cache/ultraep-megatron/venv/bin/python tools/bench_moe_layer.py
 
@@ -87,7 +88,10 @@ def parse_args():
                         "see the module docstring)")
     p.add_argument("--repeats", type=int, default=3,
                    help="measure every layer this many times (interleaved); ratios are medians")
-    return p.parse_args()
+    args = p.parse_args()
+    if args.warmup < 1:  # every timed iteration must find rows of an earlier one to replay
+        p.error("--warmup must be at least 1: the experts-only rows replay the latest iteration of a layer")
+    return args
 
 
 def build(cfg, balancer: str | None, force_balanced: bool, overlap: bool = True):
@@ -135,27 +139,26 @@ class Measurement:
     Per forward+backward: wall, seconds of the group (max over ranks); cpu, the busiest rank's critical
     path; faults, the most minor page faults a rank's main thread took (memory the host allocator
     got fresh or had returned, touched again: critical-path CPU time that a GPU's caching allocator
-    does not spend); rows, rows its experts received (last iteration). A rank's critical path is its main
-    thread's CPU time (``time.thread_time``: compute, not time descheduled while this VM's cores run
-    other work) plus the time it was blocked waiting for a replica transfer: what a rank with a
-    device of its own would spend.
+    does not spend); other_cpu, the most CPU time a rank's other threads took (gloo's, and a balanced
+    layer's HostCommStream: work sharing this VM's cores with the ranks' main threads); rows, rows
+    its experts received (last iteration). A rank's critical path is its main thread's CPU time
+    (``time.thread_time``: compute, not time descheduled while this VM's cores run other work) plus
+    the time it was blocked waiting for a replica transfer: what a rank with a device of its own
+    would spend. With ``record_expert_rows``, also the rows each local expert and redundant slot
+    received in the latest iteration, which :class:`ExpertsOnly` replays.
     """
 
     #: The label of the measurement this one's ratios are against.
     reference = "force-balanced"
 
-    def __init__(self, cfg, model):
+    def __init__(self, cfg, model, *, record_expert_rows: bool = False):
         self.cfg, self.model = cfg, model
         self.layer = layer = getattr(model, "module", model)  # inside DDP or not
         self.balancing = getattr(layer, "balancing", None)
         self.x = torch.randn(cfg.tokens_per_rank, 1, cfg.hidden_size,
                              generator=torch.Generator().manual_seed(torch.distributed.get_rank()))
-        self.rows = 0
-        # Rows each local expert and each redundant slot received in the latest iteration.
-        self.expert_rows: list = []
-        self.replica_rows: tuple = ()
+        self._start_records()
         compute = type(layer).routed_experts_compute.__get__(layer)  # not an earlier repeat's wrapper
-        experts = type(layer.experts).forward.__get__(layer.experts)
 
         def counting(h, p):
             self.rows = h.shape[0]
@@ -163,18 +166,23 @@ class Measurement:
             self.replica_rows = invocation.replica_rows if invocation is not None else ()
             return compute(h, p)
 
-        def recording(hidden, tokens_per_expert, probs):
-            self.expert_rows = [int(n) for n in tokens_per_expert]  # host counts, megatron's too
-            return experts(hidden, tokens_per_expert, probs)
-
         layer.routed_experts_compute = counting
-        layer.experts.forward = recording
-        self.wall, self.cpu, self.faults, self.comm_cpu = [], [], [], []
+        if record_expert_rows:
+            experts = type(layer.experts).forward.__get__(layer.experts)  # not an earlier repeat's wrapper
 
-    def comm_cpu_seconds(self) -> float:
-        """CPU time of the replica transfers' HostCommStream thread so far (0 without one)."""
-        stream = getattr(getattr(self.balancing, "buffer", None), "comm_stream", None)
-        return getattr(stream, "cpu_seconds", 0.0)
+            def recording(hidden, tokens_per_expert, probs, **kwargs):
+                # Host counts: the balanced layer's plan, megatron's own copy for its layer.
+                self.expert_rows = (tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert)
+                                    else list(tokens_per_expert))
+                return experts(hidden, tokens_per_expert, probs, **kwargs)
+
+            layer.experts.forward = recording
+
+    def _start_records(self) -> None:
+        self.rows = 0
+        self.expert_rows: list = []  # per local expert, latest iteration (record_expert_rows)
+        self.replica_rows: tuple = ()  # per redundant slot, latest iteration
+        self.wall, self.cpu, self.faults, self.other_cpu = [], [], [], []
 
     def forward_backward(self) -> None:
         out, _ = self.model(self.x.clone().requires_grad_(True))
@@ -186,29 +194,30 @@ class Measurement:
             self.model.zero_grad_buffer()
         torch.distributed.barrier()
         blocked0 = balancing.overheads.transfer_blocked_seconds if balancing is not None else 0.0
-        comm0 = self.comm_cpu_seconds()
         f0 = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
-        t0, c0 = time.perf_counter(), time.thread_time()
+        t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
         self.forward_backward()
         cpu = torch.tensor([time.thread_time() - c0])
+        # Every thread's CPU but this one's; every transfer of the step was waited for.
+        other = torch.tensor([time.process_time() - p0 - float(cpu)])
         faults = torch.tensor([float(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - f0)])
         wall = torch.tensor([time.perf_counter() - t0])
         if balancing is not None:  # the time this rank sat waiting for a replica transfer
             cpu += balancing.overheads.transfer_blocked_seconds - blocked0
-        comm = torch.tensor([self.comm_cpu_seconds() - comm0])  # every transfer of the step was waited for
-        for value in (wall, cpu, faults, comm):  # the slowest rank's
+        for value in (wall, cpu, faults, other):  # the slowest rank's
             torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
         if timed:
             self.wall.append(float(wall))
             self.faults.append(float(faults))
             self.cpu.append(float(cpu))
-            self.comm_cpu.append(float(comm))
+            self.other_cpu.append(float(other))
         elif balancing is not None:  # overheads of the timed iterations only
             balancing.overheads.reset()
 
     def result(self, ideal: "Measurement") -> dict:
-        """Medians over the timed iterations; ``x_fb``: force-balanced's time over this layer's,
-        iteration by iteration (the two ran back to back), then the median."""
+        """Medians over the timed iterations; ``x_fb``: ``ideal``'s time (this measurement's
+        ``reference``) over this layer's, iteration by iteration (the two ran back to back), then
+        the median."""
         cfg = self.cfg
         cpu_max, ideal_max = self.cpu, ideal.cpu
         gathered = [torch.zeros(1) for _ in range(torch.distributed.get_world_size())]
@@ -217,7 +226,7 @@ class Measurement:
         result = dict(wall=median(self.wall), cpu_max=median(cpu_max),
                       wall_x_fb=median([i / m for i, m in zip(ideal.wall, self.wall)]),
                       cpu_x_fb=median([i / m for i, m in zip(ideal_max, cpu_max)]),
-                      faults=median(self.faults), comm_cpu=median(self.comm_cpu),
+                      faults=median(self.faults), other_cpu=median(self.other_cpu),
                       imbalance=float(loads.max() / loads.mean()))
         if self.balancing is not None:
             o = self.balancing.overheads
@@ -230,16 +239,19 @@ class Measurement:
 class ExpertsOnly(Measurement):
     """The expert compute of another measurement's latest iteration, alone: on each rank, megatron's
     experts module (and, for a balanced layer, its redundant slots' module on the replica buffer)
-    forward and backward on random tokens, with the rows each local expert and redundant slot
-    received there. What the distribution of rows over experts costs on this machine, apart from
-    the balancing's own work (planning, reroute, transfers) and the token exchange."""
+    forward and backward on random tokens and probabilities, with the rows each local expert and
+    redundant slot received there. Against the same for force-balanced: what the difference between
+    the two distributions of rows over experts, and the balanced layer's extra expert call for its
+    redundant slots, cost on this machine, apart from the balancing's own work (planning, reroute,
+    transfers) and the token exchange."""
 
     reference = "force-balanced experts only"
 
-    def __init__(self, cfg, source: Measurement):  # the source's layer, recorded by the source
+    def __init__(self, cfg, source: Measurement):
+        """``source``: a :class:`Measurement` with ``record_expert_rows``, run in the same iterations."""
         self.cfg, self.model, self.layer, self.source = cfg, source.model, source.layer, source
-        self.balancing, self.rows = None, 0
-        self.wall, self.cpu, self.faults, self.comm_cpu = [], [], [], []
+        self.balancing = None
+        self._start_records()
         most = cfg.tokens_per_rank * cfg.topk * cfg.ep_size  # every (token, expert) pair of the group
         generator = torch.Generator().manual_seed(1000 + torch.distributed.get_rank())
         self.tokens = torch.randn(most, cfg.hidden_size, generator=generator)
@@ -251,13 +263,15 @@ class ExpertsOnly(Measurement):
             return
         main, total = sum(rows), sum(rows) + sum(replica_rows)
         self.rows = total
-        tokens = self.tokens[:total].clone().requires_grad_(True)
-        out, _ = layer.experts(tokens[:main], torch.tensor(rows), self.probs[:main])
-        outs = [out]
+        # Leaves over the stored rows (no copy), differentiable as the router's are.
+        tokens = self.tokens[:total].detach().requires_grad_(True)
+        probs = self.probs[:total].detach().requires_grad_(True)
+        out, _ = layer.experts(tokens[:main], torch.tensor(rows), probs[:main])
+        loss = out.sum()
         if total > main:  # as _ReplicaExperts runs them: leaves on the replica buffer's views
             leaves = [[w.detach().requires_grad_() for w in slot] for slot in layer.replica_weight_views()]
-            outs.append(layer.run_replicas(leaves, tokens[main:], self.probs[main:total], replica_rows))
-        torch.cat(outs).sum().backward()
+            loss = loss + layer.run_replicas(leaves, tokens[main:], probs[main:], replica_rows).sum()
+        loss.backward()
 
 
 #: The CPU allocation the ranks run with by default, for every layer alike (module docstring).
@@ -315,7 +329,8 @@ def worker(cfg):
     layers = {label: build(cfg, balancer, force, overlap) for label, balancer, force, overlap in LAYERS}
     runs = {label: [] for label in [*layers, *EXPERTS_ONLY]}
     for repeat in range(cfg.repeats):
-        measurements = {label: Measurement(cfg, layer) for label, layer in layers.items()}
+        measurements = {label: Measurement(cfg, layer, record_expert_rows=label in EXPERTS_ONLY.values())
+                        for label, layer in layers.items()}
         for label, source in EXPERTS_ONLY.items():
             measurements[label] = ExpertsOnly(cfg, measurements[source])
         # Interleaved iteration by iteration, so that drifting machine load hits every layer alike
@@ -340,16 +355,17 @@ def report(cfg, tokens, runs) -> None:
           f"{cfg.num_slots} slot(s)/rank, router bias std {cfg.router_bias_std}; {cfg.repeats} repeats x "
           f"{cfg.iters} timed iterations, medians; CPU allocator: "
           f"{allocator_settings()}")
-    print("x f-b: force-balanced's time / this layer's (higher is better), per iteration (run back to back), median "
-          "per repeat, then the median of the repeats; "
+    print("x f-b: force-balanced's time / this layer's (the experts-only rows: force-balanced experts only's), "
+          "higher is better, per iteration (run back to back), median per repeat, then the median of the repeats; "
           "wall: slowest rank; critical: the busiest rank's compute (main-thread CPU time) plus its "
           "time blocked on replica transfers (the critical path with a device per rank); faults: the most minor page "
-          "faults a rank's main thread took per iteration (their cost is part of its critical time)")
+          "faults a rank's main thread took per iteration (their cost is part of its critical time); other CPU: "
+          "the most CPU time a rank's other threads took (gloo's, the replica transfers' HostCommStream)")
     print(f"| {'layer':<27} | {'wall ms':>8} | {'tokens/s':>9} | {'wall x f-b':>10} | {'critical ms':>14} "
-          f"| {'critical x f-b (repeats)':>26} | {'faults':>7} | {'imbalance':>9} | {'plan ms':>7} | {'host ms':>7} "
-          f"| {'transfers ms':>12} | {'reroute ms':>10} |")
-    print(f"|{'-' * 29}|{'-' * 10}|{'-' * 11}|{'-' * 12}|{'-' * 16}|{'-' * 28}|{'-' * 9}|{'-' * 11}|{'-' * 9}"
-          f"|{'-' * 9}|{'-' * 14}|{'-' * 12}|")
+          f"| {'critical x f-b (repeats)':>26} | {'faults':>7} | {'other CPU ms':>12} | {'imbalance':>9} "
+          f"| {'plan ms':>7} | {'host ms':>7} | {'transfers ms':>12} | {'reroute ms':>10} |")
+    print(f"|{'-' * 29}|{'-' * 10}|{'-' * 11}|{'-' * 12}|{'-' * 16}|{'-' * 28}|{'-' * 9}|{'-' * 14}|{'-' * 11}"
+          f"|{'-' * 9}|{'-' * 9}|{'-' * 14}|{'-' * 12}|")
     for label, measured in runs.items():
         wall_ratios = [m["wall_x_fb"] for m in measured]
         cpu_ratios = [m["cpu_x_fb"] for m in measured]
@@ -362,8 +378,10 @@ def report(cfg, tokens, runs) -> None:
         else:
             overheads = " | ".join(f"{'':>{w}}" for w in (7, 7, 12, 10))
         print(f"| {label:<27} | {wall * 1e3:8.1f} | {tokens / wall:9.0f} | {median(wall_ratios):10.2f} "
-              f"| {median([m['cpu_max'] for m in measured]) * 1e3:14.1f} | {median(cpu_ratios):5.2f} ({per_repeat:>18}) "
+              f"| {median([m['cpu_max'] for m in measured]) * 1e3:14.1f} "
+              f"| {median(cpu_ratios):5.2f} ({per_repeat:>18}) "
               f"| {median([m['faults'] for m in measured]):7.0f} "
+              f"| {median([m['other_cpu'] for m in measured]) * 1e3:12.2f} "
               f"| {median([m['imbalance'] for m in measured]):9.2f} | {overheads} |")
     floor = [m["cpu_x_fb"] for m in runs[NOISE_FLOOR]]
     print(f"noise floor: force-balanced against itself, critical x f-b {median(floor):.2f} (repeats "
@@ -378,14 +396,16 @@ def report(cfg, tokens, runs) -> None:
           f"{' '.join(f'{m['cpu_x_fb']:.2f}' for m in runs[label])}); the layer's {layer:.2f} over it, "
           f"{layer / experts:.3f}, is the rest: the balancing's host work, the transfers' share of the cores, "
           f"the token exchange")
+    other = {label: median([m["other_cpu"] for m in runs[label]]) for label in (policy.ULTRAEP, "force-balanced")}
+    print(f"other threads' CPU per iteration (busiest rank): {policy.ULTRAEP} {other[policy.ULTRAEP] * 1e3:.2f} ms, "
+          f"force-balanced {other['force-balanced'] * 1e3:.2f} ms; the difference, "
+          f"{(other[policy.ULTRAEP] - other['force-balanced']) * 1e3:.2f} ms, is what the replica transfers "
+          f"take off the main threads, from the two cores the ranks compute on")
     for name in (policy.ULTRAEP, policy.EPLB_EXACT):
         exposed = median([m["transfers"] for m in runs[name]])
         total = median([m["transfers"] for m in runs[f"{name} no-overlap"]])
-        comm = median([m["comm_cpu"] for m in runs[name]])
-        print(f"{name}: transfers {total * 1e3:.2f} ms per iteration when waited where issued, "
-              f"{exposed * 1e3:.2f} ms exposed when overlapped ({1 - exposed / total if total else 0:.0%} hidden); "
-              f"their HostCommStream thread took {comm * 1e3:.2f} ms of CPU per iteration (busiest rank) "
-              f"from the cores the ranks compute on")
+        print(f"{name}: transfers {total * 1e3:.2f} ms per iteration when waited where issued (including the "
+              f"wait for the peer to reach them), {exposed * 1e3:.2f} ms exposed when overlapped")
 
 
 def main():

@@ -224,22 +224,14 @@ class HostCommStream:
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        self._cpu_seconds = [0.0]  # written by the thread alone (not a reference to this object)
-
-    @property
-    def cpu_seconds(self) -> float:
-        """CPU time the thread has spent running what was handed to it: the cores a transfer
-        takes from the ranks' compute on a CPU host (a GPU's copy engines and communication
-        kernels leave the host's cores alone)."""
-        return self._cpu_seconds[0]
 
     def submit(self, issue: Callable[[], None]) -> Future:
         """Run ``issue`` after everything submitted before it; its future re-raises what it raised."""
         if self._thread is None:
             # A daemon: a transfer a failed rank abandoned must not hold the process at exit. It
             # holds only the queue, and ends once this stream is collected.
-            self._thread = threading.Thread(target=_serve, args=(self._queue, self._cpu_seconds),
-                                            name="ultraep-comm", daemon=True)
+            self._thread = threading.Thread(target=_serve, args=(self._queue,), name="ultraep-comm",
+                                            daemon=True)
             self._thread.start()
             weakref.finalize(self, self._queue.put, None)
         future: Future = Future()
@@ -247,25 +239,17 @@ class HostCommStream:
         return future
 
 
-def _serve(work: queue.SimpleQueue, cpu_seconds: list) -> None:
-    """A HostCommStream's thread: run what is queued, in order, until ``None``; add the CPU time
-    each item took to ``cpu_seconds[0]``."""
+def _serve(work: queue.SimpleQueue) -> None:
+    """A HostCommStream's thread: run what is queued, in order, until ``None``."""
     while (item := work.get()) is not None:
         issue, future = item
         if not future.set_running_or_notify_cancel():
             continue
-        start = time.thread_time()
         try:
-            result, error = issue(), None
-        except BaseException as raised:  # handed to the caller's wait()
-            result, error = None, raised
-        # Counted before the future completes: a caller that waited sees this item's time.
-        cpu_seconds[0] += time.thread_time() - start
-        if error is None:
-            future.set_result(result)
-        else:
+            future.set_result(issue())
+        except BaseException as error:  # handed to the caller's wait()
             future.set_exception(error)
-        del item, issue, future, result, error  # drop the transfer's tensors while waiting for the next
+        del item, issue, future  # drop the transfer's tensors while waiting for the next
 
 
 class TransferHandle:
