@@ -48,6 +48,10 @@ def _check_tree_structure(sched, slot_expert: torch.Tensor, num_experts: int) ->
         assert frontier == max(1, math.floor(math.sqrt(n) + 0.5)) and frontier < n
     keys = list(zip(sched.edge_expert.tolist(), sched.edge_hop.tolist(), sched.edge_src.tolist(), sched.edge_dst.tolist()))
     assert keys == sorted(keys)
+    for rank in range(slot_expert.shape[0]):  # each rank's copies of its own experts, from the plan
+        expected = tuple(sorted((e, s) for r, s, e in local if r == rank))
+        assert sched.local_copies(rank) == expected
+        assert sched.local_copies(rank) is sched.local_copies(rank)  # computed once per rank
 
 
 @pytest.mark.parametrize(
