@@ -169,6 +169,35 @@ def test_random_plans_have_valid_trees(seed):
     assert always.uses_relay  # the hot expert has R-1 >= 3 remote replicas
 
 
+def _check_rank_transfers(sched, slot_expert: torch.Tensor, num_experts: int) -> None:
+    """Each rank's part, against the plan itself: the slots it hosts, its experts with a replica
+    anywhere, and one child edge per first hop it sends (each with its own staging row)."""
+    per_rank = num_experts // slot_expert.shape[0]
+    for rank, row in enumerate(slot_expert.tolist()):
+        mine = sched.rank_transfers(rank)
+        assert mine.hosted_slots == tuple(s for s, e in enumerate(row) if e >= 0)
+        replicated = sorted({e for e in slot_expert.flatten().tolist() if e >= 0 and e // per_rank == rank})
+        assert list(mine.replicated_experts) == replicated
+        assert all(mine.replicated_row[e] == i for i, e in enumerate(replicated))
+        first_hops = [i for i, (src, hop) in enumerate(zip(sched.edge_src.tolist(), sched.edge_hop.tolist()))
+                      if src == rank and hop == 1]
+        assert [edge.index for edge in mine.children] == first_hops
+        assert sorted(mine.staging_row.values()) == list(range(len(first_hops)))
+        assert mine.edges == tuple(sched.rank_edges(rank)) and mine.local_copies == sched.local_copies(rank)
+        assert sched.rank_transfers(rank) is mine  # derived once per rank
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_rank_transfers_follow_the_plan(seed):
+    num_ranks = [4, 8][seed % 2]
+    num_experts = num_ranks * (1 + seed % 3)
+    slot_expert = random_plan(num_ranks, num_experts, 3, seed=seed, hot_expert=seed % num_experts,
+                              local_replica=seed % 2 == 0)
+    for relay in ("off", "always"):
+        _check_rank_transfers(build_schedule(slot_expert, num_experts, 50, chunk_numel=7, relay=relay,
+                                             relay_threshold=2), slot_expert, num_experts)
+
+
 def _plan_with(source: str, loads: torch.Tensor, num_slots: int) -> torch.Tensor:
     if source == "planner":
         from ultraep_megatron.planner import solve

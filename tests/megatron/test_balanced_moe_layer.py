@@ -16,7 +16,7 @@ WORLD = 4
 NUM_SLOTS = 1
 EXPERT_NUMEL = 2 * 32 * 48  # fc1 [48, 32] + fc2 [32, 48]
 SCENARIOS = ("single", "pipelined", "recompute", "eplb", "eplb-exact", "flex", "grouped", "mixed",
-             "frozen_input")
+             "frozen_input", "frozen_router")
 # A negative control must miss by more than this many times its tolerance (not a borderline miss).
 NOISE_MULTIPLE = 10
 EXPERT_PARAMS = 2  # fc1, fc2
@@ -41,8 +41,9 @@ def comparisons(ranks, scenario) -> list[Comparison]:
         permuted = result[f"{scenario}/none_permuted"]
         quantities = [(f"rank {rank} microbatch {mb} {key}", balanced[key][mb], reference[key][mb],
                        permuted[key][mb]) for key in ("out", "dx") for mb in range(len(reference[key]))]
-        quantities.append((f"rank {rank} router grad", balanced["router_grad"],
-                           reference["router_grad"], permuted["router_grad"]))
+        if reference["router_grad"] is not None:  # a frozen router has none
+            quantities.append((f"rank {rank} router grad", balanced["router_grad"],
+                               reference["router_grad"], permuted["router_grad"]))
         quantities += [(f"rank {rank} expert {expert} {name} grad", b, r, p)
                        for expert, grads in reference["expert_grads"].items()
                        for name, b, r, p in zip(("fc1", "fc2"), balanced["expert_grads"][expert],

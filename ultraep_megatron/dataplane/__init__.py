@@ -5,7 +5,7 @@ Megatron. See docs/dataplane.md.
 
     schedule = build_schedule(plan.slot_expert, num_experts, expert_numel)   # pure, same on all ranks
     distribute_weights(schedule, main_weights, replica_weights, group)       # home -> replica slots
-    reduce_gradients(schedule, main_grads, replica_grads, group)             # replicas -> home, zero
+    reduce_gradients(schedule, main_grads, replica_grads, group)             # replicas -> home
 
     handle = distribute_weights(..., async_op=True)   # returns a TransferHandle; overlap, then
     handle.wait()                                       # ready for the caller's next operation

@@ -5,8 +5,10 @@ schedule, which every rank built from the same plan; no extra synchronization is
 
 * :func:`distribute_weights`: copy each replicated main expert into the replica slots of its hosts
   (forward, and again in backward to re-materialize the shared replica buffer).
-* :func:`reduce_gradients`: add every replica's gradient into its main expert's gradient, then zero the
-  replica gradient slots it used.
+* :func:`reduce_gradients`: add every replica's gradient into its main expert's gradient. The caller
+  writes each replica's gradient into its slot beforehand; nothing is cleared afterwards (a copy
+  into the slot, not an accumulation, is what a balanced layer does, so no slot must be zero
+  between uses).
 
 Handles. Both can run asynchronously (``async_op=True``) and return a :class:`TransferHandle`,
 like DeepEP's buffer API: the caller keeps computing and calls ``handle.wait()`` where it needs the
@@ -59,6 +61,7 @@ from .schedule import (
     DEFAULT_CHUNK_NUMEL,
     DEFAULT_RELAY_THRESHOLD,
     Edge,
+    RankTransfers,
     TransferSchedule,
     build_schedule,
 )
@@ -314,7 +317,7 @@ class TransferHandle:
     @torch.no_grad()
     def wait(self) -> None:
         """Complete the transfer: the replica weights (distribution) or the main gradients and the
-        zeroed replica gradients (reduction) are ready for the caller's next operation."""
+        replica gradient slots (reduction) are ready for the caller's next operation."""
         if self._done:
             return
         t0, c0 = time.perf_counter(), time.thread_time()
@@ -391,10 +394,10 @@ def _tag(schedule: TransferSchedule, sequence: int, edge: Edge, chunk: int) -> i
 
 
 def _distribution_rounds(schedule: TransferSchedule, rank: int, sequence: int, packed: torch.Tensor | None,
-                         row_of: dict[int, int], replica_weights: torch.Tensor, group, works: list):
+                         mine: RankTransfers, replica_weights: torch.Tensor, group, works: list):
     """Issue the distribution's rounds into ``works``; yields the receives a relay must have before
     it forwards their chunks."""
-    edges = schedule.rank_edges(rank)
+    edges, row_of = mine.edges, mine.replicated_row
     inbound = {edge.expert: edge.index for edge in edges if edge.hop == 1 and edge.dst == rank}
     arrived: dict[tuple[int, int], _WaitOnce] = {}  # (edge index, chunk) -> receive, relays only
     for round_ in range(schedule.num_rounds):
@@ -464,21 +467,19 @@ def distribute_weights(
     if dtype != replica_weights.dtype:
         raise ValueError(f"main_weights are {dtype} but replica_weights is {replica_weights.dtype}; a copy must not cast")
 
-    edges = schedule.rank_edges(rank)
-    local = schedule.local_copies(rank)
+    mine = schedule.rank_transfers(rank)
     first_local = rank * schedule.experts_per_rank
-    sent = sorted({e.expert for e in edges if e.hop == 1 and e.src == rank} | {e for e, _ in local})
-    row_of = {e: i for i, e in enumerate(sent)}
     works: list = []
     sequence = _take_sequence(group, schedule)
 
     def program():
         # Packed on the transfer's stream: a snapshot of the main weights as the caller left them.
-        packed = pack_experts([main_weights[e - first_local] for e in sent]) if sent else None
-        for e, slot in local:
-            replica_weights[slot].copy_(packed[row_of[e]])
+        packed = (pack_experts([main_weights[e - first_local] for e in mine.replicated_experts])
+                  if mine.replicated_experts else None)
+        for e, slot in mine.local_copies:
+            replica_weights[slot].copy_(packed[mine.replicated_row[e]])
         keep.append(packed)
-        yield from _distribution_rounds(schedule, rank, sequence, packed, row_of, replica_weights, group, works)
+        yield from _distribution_rounds(schedule, rank, sequence, packed, mine, replica_weights, group, works)
 
     keep: list = [replica_weights]
     return _start(program(), works, device=replica_weights.device, group=group,
@@ -496,17 +497,19 @@ def reduce_gradients(
     start_after: TransferHandle | None = None,
     comm_stream=None,
 ) -> TransferHandle | None:
-    """Add every replica's gradient into its main expert's gradient, then zero the slots of
-    ``replica_grads`` from the first to the last one that hosts a replica on this rank (slots that
-    host none here must be zero: they are between uses). Collective.
+    """Add every replica's gradient into its main expert's gradient. Collective.
+
+    Reads the slots of ``replica_grads`` that host a replica on this rank
+    (``schedule.rank_transfers(rank).hosted_slots``), which the caller has filled with those
+    replicas' gradients; a relay also adds its leaves' gradients into its own slot, in place, before
+    forwarding the partial sums. Other slots are neither read nor written.
 
     Args:
         schedule: the schedule used for the weight distribution of this layer.
         main_grads: this rank's ``E // R`` main-expert gradients (e.g. ``param.main_grad`` fp32 views
             or ``param.grad``), each a sequence of tensors, same layout as the main weights.
         replica_grads: ``[num_slots, expert_numel]`` contiguous floating tensor (typically fp32);
-            communicated in its own dtype; the slots hosting a replica here are zeroed once the
-            reduction completes.
+            communicated in its own dtype.
         group: the process group of the EP ranks (default: the world).
         async_op: return a :class:`TransferHandle` instead of waiting. The main gradients are read
             and written only inside ``wait()`` (on the caller's stream), so the caller may keep
@@ -531,14 +534,10 @@ def reduce_gradients(
         raise ValueError(f"main_grads must be floating point, got {main_dtype}")
     acc_dtype = torch.promote_types(main_dtype, replica_grads.dtype)
 
-    edges = schedule.rank_edges(rank)
-    local = schedule.local_copies(rank)
+    mine = schedule.rank_transfers(rank)
+    edges, local, children, staging_row = mine.edges, mine.local_copies, mine.children, mine.staging_row
+    reduced_here = mine.replicated_experts
     first_local = rank * schedule.experts_per_rank
-    # Children's gradients (direct replicas' or relays' partial sums) this rank receives as a home.
-    children = [edge for edge in edges if edge.hop == 1 and edge.src == rank]
-    staging_row = {edge.index: row for row, edge in enumerate(children)}
-    reduced_here = sorted({edge.expert for edge in children} | {e for e, _ in local})
-    hosted = sorted({edge.dst_slot for edge in edges if edge.dst == rank} | {slot for _, slot in local})
     works: list = []
     sequence = _take_sequence(group, schedule)
     staging = torch.empty(len(children), schedule.expert_numel if children else 0,
@@ -598,8 +597,6 @@ def reduce_gradients(
             for row, edge in enumerate(children):  # canonical order: ascending child per expert
                 acc[row_of[edge.expert]] += staging[row].to(acc_dtype)
             _unpack_into([main_grads[e - first_local] for e in reduced_here], acc)
-        if hosted:  # the slots this rank's replicas wrote; those between them were never written
-            replica_grads[hosted[0]:hosted[-1] + 1].zero_()
 
     return _start(program(), works, device=replica_grads.device, group=group,
                   comm_stream=comm_stream, start_after=start_after, async_op=async_op,
@@ -610,13 +607,15 @@ class ReplicaBuffer:
     """Replica state shared by all MoE layers of a model, plus the transfers that fill and drain it.
 
     Owns ``replica_weights`` ``[num_slots, expert_numel]`` (weight dtype) and ``replica_grads``
-    ``[num_slots, expert_numel]`` (grad dtype, zero between uses), and the stream its transfers run
+    ``[num_slots, expert_numel]`` (grad dtype, each hosted slot written by the caller before a
+    reduction), and the stream its transfers run
     on (on CUDA a stream of its own, on the CPU a :class:`HostCommStream`). Typical use per MoE layer::
 
         schedule = buffer.schedule(plan.slot_expert, num_experts)            # once per plan
         handle = buffer.distribute_weights(schedule, main_weights, async_op=True)   # forward
         ...                                                                  # other work
         handle.wait(); ...                                                   # replica compute
+        buffer.replica_grads[s].copy_(...)                                   # each hosted slot
         buffer.reduce_gradients(schedule, main_grads)                        # backward
 
     Building it is collective over ``group``: it runs one small all-reduce there, so that the
@@ -702,7 +701,7 @@ class ReplicaBuffer:
     def reduce_gradients(self, schedule: TransferSchedule, main_grads: ExpertTensors, *,
                          async_op: bool = False,
                          start_after: TransferHandle | None = None) -> TransferHandle | None:
-        """Reduce replica gradients into the main gradients and zero them; see :func:`reduce_gradients`."""
+        """Reduce the replica gradients into the main gradients; see :func:`reduce_gradients`."""
         return reduce_gradients(schedule, main_grads, self.replica_grads, self.group,
                                 async_op=async_op, start_after=start_after,
                                 comm_stream=self.comm_stream)

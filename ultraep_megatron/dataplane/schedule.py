@@ -36,7 +36,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-__all__ = ["Edge", "TransferSchedule", "build_schedule", "validate_slot_expert", "RELAY_MODES"]
+__all__ = ["Edge", "RankTransfers", "TransferSchedule", "build_schedule", "validate_slot_expert", "RELAY_MODES"]
 
 RELAY_MODES = ("off", "adaptive", "always")
 
@@ -138,6 +138,7 @@ class TransferSchedule:
     relayed_experts: torch.Tensor
     _rank_edges: dict = field(default_factory=dict, repr=False, compare=False)
     _local_copies: dict = field(default_factory=dict, repr=False, compare=False)
+    _rank_transfers: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_ranks(self) -> int:
@@ -230,6 +231,52 @@ class TransferSchedule:
             self._local_copies[rank] = tuple(sorted(zip(self.local_expert.numpy()[here].tolist(),
                                                         self.local_slot.numpy()[here].tolist())))
         return self._local_copies[rank]
+
+    def rank_transfers(self, rank: int) -> "RankTransfers":
+        """Everything ``rank`` sends, receives, copies and folds in this schedule's transfers
+        (:class:`RankTransfers`), computed once per rank."""
+        if rank not in self._rank_transfers:
+            self._rank_transfers[rank] = _rank_transfers(self, rank)
+        return self._rank_transfers[rank]
+
+
+@dataclass(frozen=True)
+class RankTransfers:
+    """One rank's part in a schedule's transfers, derived once per rank
+    (:meth:`TransferSchedule.rank_transfers`): every transfer of the schedule on that rank reads it.
+
+    Attributes:
+        edges: the edges it sends or receives, canonical order (:meth:`TransferSchedule.rank_edges`).
+        local_copies: ``(expert, replica slot)`` of its replicas of its own main experts.
+        replicated_experts: its main experts with a replica, ascending: weight distribution reads
+            them (sent over a first hop or copied locally), gradient reduction adds into their
+            gradients; ``replicated_row[e]`` is ``e``'s position among them.
+        children: the first-hop edges it sends as a home: in gradient reduction it receives their
+            replicas' (or relays' partial) gradients, one staging row each (``staging_row``).
+        hosted_slots: its redundant slots hosting a replica, ascending: the reduction sends (or, on
+            a relay, accumulates into) their gradients.
+    """
+
+    edges: tuple
+    local_copies: tuple
+    replicated_experts: tuple
+    replicated_row: dict
+    children: tuple
+    staging_row: dict
+    hosted_slots: tuple
+
+
+def _rank_transfers(schedule: TransferSchedule, rank: int) -> RankTransfers:
+    edges = tuple(schedule.rank_edges(rank))
+    local = schedule.local_copies(rank)
+    children = tuple(edge for edge in edges if edge.hop == 1 and edge.src == rank)
+    replicated = tuple(sorted({edge.expert for edge in children} | {e for e, _ in local}))
+    return RankTransfers(
+        edges=edges, local_copies=local, replicated_experts=replicated,
+        replicated_row={e: i for i, e in enumerate(replicated)},
+        children=children, staging_row={edge.index: row for row, edge in enumerate(children)},
+        hosted_slots=tuple(sorted({edge.dst_slot for edge in edges if edge.dst == rank}
+                                  | {slot for _, slot in local})))
 
 
 def _frontier_size(num_replicas: int) -> int:

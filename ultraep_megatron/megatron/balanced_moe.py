@@ -28,9 +28,10 @@ The backward, in the order autograd runs it::
     _StartInBackward     (at the layer's output) starts copying this invocation's replicas back into
                          the shared weight buffer, which later layers overwrote (re-materialization)
     combine, its all-to-all and unpermute backward      (overlap the re-materialization)
-    _ReplicaExperts      waits for the weights; replica gradients into the shared fp32 buffer; starts
-                         their reduction towards the home ranks (on a rank whose redundant slots
-                         received no rows, a _StartInBackward starts its part at this point)
+    replica experts' backward (saved weights resolved against the re-materialized buffer)
+    _ReplicaWeights      replica weight gradients into the shared fp32 buffer; starts their
+                         reduction towards the home ranks (on a rank whose redundant slots received
+                         no rows, a _StartInBackward starts its part at this point)
     main experts' backward                              (overlaps the reduction)
     chunk sort backward
     _ReduceReplicaGrads  completes the reduction into the main experts' gradients; releases the ring
@@ -64,7 +65,7 @@ from megatron.core.transformer.moe.token_dispatcher import (
 from ultraep_megatron.megatron.arguments import unsupported_moe_settings
 from ultraep_megatron.megatron.context import BalancingContext, Invocation
 from ultraep_megatron.megatron.cpu_backend import native_torch
-from ultraep_megatron.megatron.expert_slots import ExpertParamLookup, expert_param_names, run_replica_experts
+from ultraep_megatron.megatron.expert_slots import ExpertParamLookup, expert_param_names
 from ultraep_megatron.megatron.layer_spec import moe_layer_id
 
 
@@ -403,61 +404,49 @@ class _ReduceReplicaGrads(torch.autograd.Function):
         return (None, None, grad_received, *replicated_param_grads, *padding)
 
 
-class _ReplicaExperts(torch.autograd.Function):
-    """Expert compute of this rank's redundant slots: ``tokens [N, H]`` (sorted by slot) and their
-    ``probs [N]`` -> ``[N, H]``. The forward waits for the replica weights; the backward waits for
-    their re-materialization, writes the replica weight gradients into the shared fp32 buffer and
-    starts their reduction (collective, so every rank runs it, with replica rows or not).
+class _ReplicaWeights(torch.autograd.Function):
+    """The redundant slots' weights as tensors of the layer's autograd graph: views of the shared
+    weight buffer, flat (slot-major, ``expert_param_shapes`` order). The forward waits for the
+    invocation's weight distribution; the backward, once autograd has every replica weight
+    gradient, writes them into the shared fp32 gradient buffer and starts their reduction towards
+    the home ranks (collective, so every rank runs it, with replica rows or not).
 
-    The forward keeps its own small autograd graph over leaf views of the shared replica buffer.
-    Tensors that graph saves from the buffer (the replica weights) are stored as (offset, shape,
-    stride) of the buffer instead of being kept alive (saved-tensor hooks), because later layers
-    overwrite the buffer; it has been re-materialized by the time this backward differentiates the
-    saved graph, so no replica activation is recomputed.
+    The replica experts then run in the layer's graph (:func:`_run_replicas_in_graph`), not in a
+    graph of their own differentiated by a nested backward call. Their saved weights are stored as
+    (offset, shape, stride) of the buffer instead of being kept alive (saved-tensor hooks), because
+    later layers overwrite the buffer; unpacking them waits for its re-materialization, so no replica
+    activation is recomputed. ``tokens`` and ``probs`` (the replica rows and their router
+    probabilities) get no gradient here: they make the weights need one whenever the replica output
+    does. The rows always do while a replicated main expert is trainable, even with the router and
+    the layers below frozen: they come out of :class:`_ReduceReplicaGrads`, whose inputs include
+    those experts' parameters.
     """
 
     @staticmethod
     def forward(ctx, layer, invocation, tokens, probs):
         _keep(ctx, layer, invocation)
-        ctx.graph = None
+        ctx.set_materialize_grads(False)  # a slot without rows leaves its weights' gradients unset
         layer.balancing.wait_weights(invocation)
-        if tokens.shape[0] == 0:
-            return tokens.new_zeros(0, layer.config.hidden_size)
-        leaves = [[w.detach().requires_grad_() for w in slot] for slot in layer.replica_weight_views()]
-        tokens_ = tokens.detach().requires_grad_(ctx.needs_input_grad[2])
-        probs_ = probs.detach().requires_grad_(ctx.needs_input_grad[3])
-        buffer = layer.balancing.buffer.replica_weights
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
-            _buffer_packer(buffer), _buffer_unpacker(buffer, layer.balancing, invocation)
-        ):
-            out = layer.run_replicas(leaves, tokens_, probs_, invocation.replica_rows)
-        ctx.graph = (out, tokens_, probs_, leaves)
-        return out.detach()
+        return tuple(w.view_as(w) for slot in layer.replica_weight_views() for w in slot)
 
     @staticmethod
-    def backward(ctx, grad_output):
-        layer, invocation = ctx.layer, _invocation(ctx)
-        balancing = layer.balancing
-        balancing.wait_weights(invocation)
-        grad_tokens = grad_probs = None
-        if ctx.graph is not None:
-            out, tokens_, probs_, leaves = ctx.graph
-            ctx.graph = None
-            inputs = [t for t in (tokens_, probs_) if t.requires_grad] + [w for slot in leaves for w in slot]
-            grads = list(torch.autograd.grad(out, inputs, grad_output, allow_unused=True))
-            if tokens_.requires_grad:
-                grad_tokens = grads.pop(0)
-            if probs_.requires_grad:
-                grad_probs = grads.pop(0)
-            per_slot = len(layer.expert_param_shapes)
-            for s in range(balancing.buffer.num_slots):
-                if invocation.replica_rows[s] == 0:  # not hosted here, or no rows: stays zero
-                    continue  # (an expert kernel may leave an empty group's gradient unwritten)
-                for view, g in zip(balancing.buffer.grad_views(s), grads[s * per_slot : (s + 1) * per_slot]):
-                    if g is not None:
-                        view.add_(g)
-        balancing.start_reduction(layer, invocation)
-        return None, None, grad_tokens, grad_probs
+    def backward(ctx, *weight_grads):
+        ctx.layer.balancing.start_reduction(ctx.layer, _invocation(ctx), weight_grads)
+        return None, None, None, None
+
+
+def _run_replicas_in_graph(layer, invocation: Invocation, tokens: torch.Tensor, probs: torch.Tensor):
+    """Expert compute of this rank's redundant slots, differentiable: ``tokens [N, H]`` (sorted by
+    slot) and their ``probs [N]`` -> ``[N, H]``, with the replica weight gradients reduced into the
+    main experts' in the backward (:class:`_ReplicaWeights`)."""
+    flat = _ReplicaWeights.apply(layer, invocation, tokens, probs)
+    per_slot = len(layer.expert_param_shapes)
+    weights = [flat[s * per_slot : (s + 1) * per_slot] for s in range(len(flat) // per_slot)]
+    buffer = layer.balancing.buffer.replica_weights
+    with torch.autograd.graph.saved_tensors_hooks(
+        _buffer_packer(buffer), _buffer_unpacker(buffer, layer.balancing, invocation)
+    ):
+        return layer.run_replicas(weights, tokens, probs, invocation.replica_rows)
 
 
 def _buffer_packer(buffer: torch.Tensor):
@@ -473,10 +462,12 @@ def _buffer_packer(buffer: torch.Tensor):
 
 
 def _buffer_unpacker(buffer: torch.Tensor, balancing: BalancingContext, invocation: Invocation):
+    """Saved-tensor unpack hook: a saved view of ``buffer`` is resolved against the buffer once it
+    holds ``invocation``'s replicas again (re-materialized; raises if it was not)."""
+
     def unpack(saved):
         if isinstance(saved, tuple):
-            if balancing.holder is not invocation:
-                raise RuntimeError("UltraEP: replica weights used in a backward before re-materialization")
+            balancing.wait_weights(invocation)
             _, offset, shape, stride = saved
             return buffer.as_strided(shape, stride, offset)
         return saved
@@ -542,8 +533,7 @@ class BalancedMoELayer(MoELayer):
 
     def run_replicas(self, slot_weights, tokens, probs, rows_per_slot: Sequence[int]) -> torch.Tensor:
         """Redundant slots' expert compute: [N, H] tokens sorted by slot -> [N, H] outputs."""
-        module, names = self.balancing.replica_experts
-        return run_replica_experts(module, names, slot_weights, tokens, rows_per_slot, probs)
+        return self.balancing.replica_experts(slot_weights, tokens, rows_per_slot, probs)
 
     def preprocess(self, hidden_states, probs, routing_map):
         invocation = self.token_dispatcher.plan(routing_map)
@@ -575,12 +565,11 @@ class BalancedMoELayer(MoELayer):
             dispatcher.dispatch_postprocess_parts(hidden_states, probs)
         main_out, mlp_bias = self.experts(main_tokens, rows_per_slot[: self.num_local_experts], main_probs)
         if track:
-            replica_out = _ReplicaExperts.apply(self, invocation, replica_tokens, replica_probs)
+            replica_out = _run_replicas_in_graph(self, invocation, replica_tokens, replica_probs)
         else:  # eval, or the no-grad first pass of activation recompute
             self.balancing.wait_weights(invocation)
-            replica_out = (self.run_replicas(self.replica_weight_views(), replica_tokens, replica_probs,
-                                             invocation.replica_rows)
-                           if replica_tokens.shape[0] > 0 else replica_tokens.new_zeros(0, self.config.hidden_size))
+            replica_out = self.run_replicas(self.replica_weight_views(), replica_tokens, replica_probs,
+                                            invocation.replica_rows)
         return dispatcher.combine_preprocess_parts(main_out, replica_out), mlp_bias
 
     def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):

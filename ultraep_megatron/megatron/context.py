@@ -26,7 +26,7 @@ import time
 import weakref
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -278,7 +278,7 @@ class BalancingContext:
         self.check_plans = config.check_plans
         self.layers: List[object] = []
         self.buffer: Optional[ReplicaBuffer] = None
-        self.replica_experts = None  # (experts module of the layers' class, per-slot names)
+        self.replica_experts = None  # expert_slots.ReplicaExperts: the redundant slots' module
         self.ring: Optional[VirtualLayerRing] = None
         self.stats = BalancerStats()
         self.trace = TraceRecorder(config.trace_dir, config) if config.trace_dir else None
@@ -406,11 +406,21 @@ class BalancingContext:
         self._wait(self._transfer)
 
     @native_torch
-    def start_reduction(self, layer, invocation: Invocation) -> None:
+    def start_reduction(self, layer, invocation: Invocation,
+                        weight_grads: Optional[Sequence[Optional[torch.Tensor]]] = None) -> None:
         """Start reducing the replica gradients into the main experts' (collective on the EP group),
-        as soon as the replicas' backward is done; :meth:`finish_reduction` folds them in."""
+        as soon as the replicas' backward is done; :meth:`finish_reduction` folds them in.
+
+        Args:
+            weight_grads: the replica weights' gradients, flat (slot-major, the layer's
+                ``expert_param_shapes`` order; ``None`` where unset), or ``None`` on a rank whose
+                redundant slots received no rows. They are written into the slots this rank hosts
+                (zero where there is none): what the reduction sends.
+        """
         if invocation.schedule_builder is None or id(invocation) in self._reductions:
             return
+        self._wait(self._transfer)  # the buffer's previous transfer may still read the slots
+        self._write_replica_grads(layer, invocation, weight_grads)
         params = layer.main_expert_param_lists()
         use_main_grad = all(getattr(p, "main_grad", None) is not None for ps in params for p in ps)
         if use_main_grad:  # Megatron DDP: straight into the fp32 main_grad buffers
@@ -421,10 +431,24 @@ class BalancingContext:
             zero = torch.zeros((), dtype=torch.float32, device=params[0][0].device)
             targets = [[torch.zeros_like(p, dtype=torch.float32) if has else zero.expand(p.shape) for p in ps]
                        for ps, has in zip(params, has_replica)]
-        self._wait(self._transfer)
         handle = self.buffer.reduce_gradients(invocation.schedule, targets, async_op=True)
         self._reductions[id(invocation)] = (handle, targets, has_replica)
         self._issued(handle)
+
+    def _write_replica_grads(self, layer, invocation: Invocation,
+                             weight_grads: Optional[Sequence[Optional[torch.Tensor]]]) -> None:
+        """Each redundant slot this rank hosts gets its replica's weight gradient (a copy, cast to
+        the fp32 buffer), or zeros where it received no rows or a gradient is unset (an expert
+        kernel may leave an empty group's gradient unwritten)."""
+        buffer, per_slot = self.buffer, len(layer.expert_param_shapes)
+        for s in invocation.schedule.rank_transfers(invocation.ep_rank).hosted_slots:
+            grads = (weight_grads[s * per_slot : (s + 1) * per_slot]
+                     if weight_grads is not None and invocation.replica_rows[s] > 0 else [None] * per_slot)
+            for view, grad in zip(buffer.grad_views(s), grads):
+                if grad is None:
+                    view.zero_()
+                else:
+                    view.copy_(grad)
 
     @native_torch
     def finish_reduction(self, layer, invocation: Invocation) -> List[Optional[torch.Tensor]]:

@@ -10,10 +10,10 @@ Two expert classes are supported, with the same code path:
   ``bias{j}``).
 
 The redundant slots run an instance of the *same* experts class built for ``num_slots`` experts
-(:func:`build_replica_experts`): with TE present its grouped GEMM runs the replicas, on CPU the
-SequentialMLP loop does. Its own parameters are released right after construction; every call
-substitutes views of the shared replica buffer (``torch.func.functional_call``), so it owns no
-memory and is never part of the model (not a submodule: no DDP bucket, optimizer state or
+(:func:`build_replica_experts`, :class:`ReplicaExperts`): with TE present its grouped GEMM runs the
+replicas, on CPU the SequentialMLP loop does. Its own parameters are released right after
+construction; every call substitutes views of the shared replica buffer in their place, so it owns
+no memory and is never part of the model (not a submodule: no DDP bucket, optimizer state or
 checkpoint key).
 """
 
@@ -68,29 +68,19 @@ class ExpertParamLookup:
     """
 
     def __init__(self, experts: torch.nn.Module, names: Sequence[Sequence[str]]):
-        def owner(name: str) -> Tuple[Dict[str, torch.nn.Parameter], str]:
-            path, _, attr = name.rpartition(".")
-            module = experts.get_submodule(path)
-            if module._parameters.get(attr) is None:  # absent, or registered as None (no bias)
-                raise ValueError(f"{name} is not a parameter of {type(experts).__name__}")
-            return module._parameters, attr
-
-        self._owners = [[owner(n) for n in per_expert] for per_expert in names]
+        self._owners = [[_owner(experts, n) for n in per_expert] for per_expert in names]
 
     def __call__(self) -> List[List[torch.Tensor]]:
         """``[local expert][k]`` parameters, as :func:`expert_params`."""
         return [[table[attr] for table, attr in per_expert] for per_expert in self._owners]
 
 
-def build_replica_experts(layer, num_slots: int) -> Tuple[torch.nn.Module, List[List[str]]]:
-    """An experts module of ``layer``'s class with ``num_slots`` experts and no parameter storage.
+def build_replica_experts(layer, num_slots: int) -> "ReplicaExperts":
+    """The redundant slots' experts: a module of ``layer``'s experts class with ``num_slots``
+    experts and no parameter storage.
 
     Built with initialization off and the RNG state restored, so building it never changes the
     model's own initialization (``--moe-balancer none`` and ``ultraep`` start from the same weights).
-
-    Returns:
-        (module, names): ``names[s][k]`` is slot ``s``'s ``k``-th parameter name in ``module``, in the
-        order of :func:`expert_param_names` of the main experts.
     """
     config = copy.copy(layer.config)
     config.perform_initialization = False
@@ -100,41 +90,64 @@ def build_replica_experts(layer, num_slots: int) -> Tuple[torch.nn.Module, List[
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
         module = layer.submodules.experts(num_slots, config, pg_collection=layer.balancer_pg_collection)
-    names = expert_param_names(module, num_slots)
-    for param in module.parameters():  # storage comes from the replica buffer at every call
-        param.data = param.data.new_empty(0)
-    return module, names
+    return ReplicaExperts(module, expert_param_names(module, num_slots))
 
 
-def run_replica_experts(
-    module: torch.nn.Module,
-    names: Sequence[Sequence[str]],
-    slot_weights: Sequence[Sequence[torch.Tensor]],
-    tokens: torch.Tensor,
-    tokens_per_slot: Sequence[int],
-    probs: torch.Tensor,
-) -> torch.Tensor:
-    """Apply each redundant slot's expert to its chunk of tokens.
+class ReplicaExperts:
+    """The module that runs the redundant slots, called with the slots' weights.
 
-    Args:
-        module, names: from :func:`build_replica_experts`.
-        slot_weights: ``[num_slots][params_per_expert]`` tensors (views of the replica buffer).
-        tokens: [N, H], sorted by slot; ``N == sum(tokens_per_slot)``.
-        tokens_per_slot: length ``num_slots``.
-        probs: [N], the router probabilities of those (token, expert) pairs.
+    Its own parameters are released at construction; each call puts the given tensors (views of
+    the shared replica buffer, or tensors derived from them) in their place in the owning
+    submodules' parameter tables, runs the module, and puts the empty parameters back. That is what
+    ``torch.func.functional_call`` does, without its per-call walk over the module tree (a few
+    hundred Python calls per layer and microbatch): the owners are resolved once, here.
 
-    Returns:
-        [N, H] expert outputs (probability-weighted, as megatron's experts return them).
+    Attributes:
+        module: the experts module (``layer``'s class, ``S`` experts).
+        names: ``names[s][k]``, slot ``s``'s ``k``-th parameter name in ``module``, in the order of
+            :func:`expert_param_names` of the main experts.
     """
-    params: Dict[str, torch.Tensor] = {
-        name: weight
-        for slot_names, weights in zip(names, slot_weights)
-        for name, weight in zip(slot_names, weights)
-    }
-    counts = torch.tensor(list(tokens_per_slot), dtype=torch.long)
-    # No tied weights in a module built for the redundant slots: skip the search for them (a walk
-    # over all its modules and parameters on every call).
-    output, bias = torch.func.functional_call(module, params, (tokens, counts, probs), tie_weights=False)
-    if bias is not None:  # megatron's experts add their biases inside; keep that invariant explicit
-        raise ValueError("replica experts returned a separate bias; expected it folded into the output")
-    return output
+
+    def __init__(self, module: torch.nn.Module, names: Sequence[Sequence[str]]):
+        self.module, self.names = module, [list(slot) for slot in names]
+        for param in module.parameters():  # storage comes from the replica buffer at every call
+            param.data = param.data.new_empty(0)
+        self._owners = [_owner(module, name) for slot in self.names for name in slot]
+
+    def __call__(self, slot_weights: Sequence[Sequence[torch.Tensor]], tokens: torch.Tensor,
+                 tokens_per_slot: Sequence[int], probs: torch.Tensor) -> torch.Tensor:
+        """Apply each redundant slot's expert to its chunk of tokens.
+
+        Args:
+            slot_weights: ``[num_slots][params_per_expert]`` tensors, ordered as ``names``.
+            tokens: [N, H], sorted by slot; ``N == sum(tokens_per_slot)``.
+            tokens_per_slot: length ``num_slots`` (host integers).
+            probs: [N], the router probabilities of those (token, expert) pairs.
+
+        Returns:
+            [N, H] expert outputs (probability-weighted, as megatron's experts return them).
+        """
+        weights = [w for slot in slot_weights for w in slot]
+        if len(weights) != len(self._owners):
+            raise ValueError(f"expected {len(self._owners)} replica weights, got {len(weights)}")
+        released = [table[attr] for table, attr in self._owners]
+        for (table, attr), weight in zip(self._owners, weights):
+            table[attr] = weight
+        try:
+            counts = torch.tensor(list(tokens_per_slot), dtype=torch.long)
+            output, bias = self.module(tokens, counts, probs)
+        finally:
+            for (table, attr), param in zip(self._owners, released):
+                table[attr] = param
+        if bias is not None:  # megatron's experts add their biases inside; keep that invariant explicit
+            raise ValueError("replica experts returned a separate bias; expected it folded into the output")
+        return output
+
+
+def _owner(module: torch.nn.Module, name: str) -> Tuple[Dict[str, torch.nn.Parameter], str]:
+    """(parameter table of the submodule owning ``name``, attribute) for a parameter of ``module``."""
+    path, _, attr = name.rpartition(".")
+    owner = module.get_submodule(path)
+    if owner._parameters.get(attr) is None:  # absent, or registered as None (no bias)
+        raise ValueError(f"{name} is not a parameter of {type(module).__name__}")
+    return owner._parameters, attr

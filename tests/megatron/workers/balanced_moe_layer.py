@@ -18,6 +18,9 @@ experts' router rows) so the balancer must replicate. Scenarios, each saved to
   expert with a replica and one without (local index 1 and 0 respectively: local != global ids);
 * ``frozen_input``: ``single`` with tokens that need no gradient (the layers below frozen), so the
   dispatched tokens carry no gradient into the replica-gradient reduction;
+* ``frozen_router``: ``frozen_input`` with the router frozen too (expert-only fine-tuning): neither
+  the replica rows nor their probabilities need a gradient, yet the replicas' weight gradients are
+  part of their main experts' gradients;
 * ``flex``: the balanced flex dispatcher (``--moe-token-dispatcher-type flex``, DeepEP backend) over
   megatron's real ``_DeepepManager``, with ``deepep_gloo`` standing in for DeepEP's CUDA kernels;
   three microbatches in flight, against megatron's all-to-all MoELayer.
@@ -136,12 +139,14 @@ def permuted(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
 
 
 def run(layer, weights, rank, microbatches: int, permute_tokens: bool = False, hot=HOT_EXPERTS,
-        input_grad: bool = True) -> dict:
+        input_grad: bool = True, router_grad: bool = True) -> dict:
     """Forward + backward of ``microbatches`` microbatches. ``permute_tokens``: feed every
     microbatch's tokens in another order (results put back in the original order): the same
     mathematics summed in another order, for the noise floor. ``hot``: the experts the tokens are
-    pushed towards; ``input_grad``: whether the tokens need a gradient."""
+    pushed towards; ``input_grad`` / ``router_grad``: whether the tokens / the router weight need a
+    gradient."""
     balancing = getattr(layer, "balancing", None)
+    layer.router.weight.requires_grad_(router_grad)
     layer.zero_grad(set_to_none=True)
     layer.train()
     # (token, expert) rows each rank's experts get after the dispatch: the real per-rank load,
@@ -217,7 +222,7 @@ def run(layer, weights, rank, microbatches: int, permute_tokens: bool = False, h
     return {
         "out": [permuted(o.detach(), back).clone() for o, back in zip(outs, orders)],
         "dx": [permuted(x.grad.detach(), back).clone() for x, back in zip(xs, orders) if input_grad],
-        "router_grad": layer.router.weight.grad.detach().clone(),
+        "router_grad": layer.router.weight.grad.detach().clone() if router_grad else None,
         "expert_grads": {
             int(idx): tuple(w.grad.detach().clone() for w in expert_weights(layer, local))
             for local, idx in enumerate(layer.local_expert_indices)
@@ -267,6 +272,7 @@ def main():
     scenarios["no_replica_grad_reduction"] = dict(scenarios["single"], fault="no_replica_grad_reduction")
     scenarios["mixed"] = dict(scenarios["single"], hot=(3, 4))
     scenarios["frozen_input"] = dict(scenarios["single"], input_grad=False)
+    scenarios["frozen_router"] = dict(scenarios["frozen_input"], router_grad=False)
     for name, sc in scenarios.items():
         # The reference is always megatron's own all-to-all MoELayer, also fed permuted tokens.
         for key, balancer, permute in (("none", None, False), ("none_permuted", None, True),
@@ -278,7 +284,8 @@ def main():
             key = f"{name}/{key}"
             with FAULTS[sc["fault"]]() if balancer and "fault" in sc else contextlib.nullcontext():
                 results[key] = run(layer, weights, rank, sc["microbatches"], permute,
-                                   hot=sc.get("hot", HOT_EXPERTS), input_grad=sc.get("input_grad", True))
+                                   hot=sc.get("hot", HOT_EXPERTS), input_grad=sc.get("input_grad", True),
+                                   router_grad=sc.get("router_grad", True))
             results[key]["dispatcher_class"] = type(layer.token_dispatcher).__name__
             manager = getattr(layer.token_dispatcher, "_comm_manager", None)
             results[key]["manager_class"] = type(manager).__name__ if manager is not None else None

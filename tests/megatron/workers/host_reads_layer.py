@@ -121,9 +121,9 @@ def main():
             if which == "balanced" and sc.get("fault") == "item":
                 start = layer.balancing.start_reduction
 
-                def start_reading_a_weight(layer_, invocation, _start=start):
+                def start_reading_a_weight(layer_, invocation, *args, _start=start):
                     layer_.main_expert_param_lists()[0][0].sum().item()
-                    return _start(layer_, invocation)
+                    return _start(layer_, invocation, *args)
 
                 layer.balancing.start_reduction = start_reading_a_weight
             if which == "balanced" and sc.get("fault") == "item-in-transfer":
