@@ -7,6 +7,10 @@ Measures forward+backward throughput (tokens/s over the EP group) of, in one run
   force-balanced megatron-core's MoELayer with --moe-router-force-load-balancing (the ideal),
   force-balanced again, a second instance of it: its ratio to the first is the noise floor of this
                  run (what the same layer scores against itself on this machine, now),
+  ultraep no transfers, a measurement control: the ultraep layer with every replica transfer skipped
+                 (replicas computed with whatever the shared buffer holds, replica gradients dropped:
+                 numerically wrong); its ratio is what ultraep would score if its transfers cost
+                 nothing here, where their copies and gloo's socket work share the ranks' two cores,
 and, for the balanced layers, the balancing overheads per iteration: planning on the host, the
 replica transfers (weight distribution, re-materialization, gradient reduction) and the reroute.
 Transfers are reported twice: "exposed", the host time the overlapped layer spends issuing and
@@ -94,7 +98,7 @@ def parse_args():
     return args
 
 
-def build(cfg, balancer: str | None, force_balanced: bool, overlap: bool = True):
+def build(cfg, balancer: str | None, force_balanced: bool, overlap: bool = True, transfers: bool = True):
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -123,6 +127,8 @@ def build(cfg, balancer: str | None, force_balanced: bool, overlap: bool = True)
     layer = builder(config=config, pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
                     is_mtp_layer=False)
     layer.set_layer_number(1)
+    if not transfers:
+        skip_transfers(layer.balancing)
     if cfg.no_ddp:
         return layer
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -131,6 +137,25 @@ def build(cfg, balancer: str | None, force_balanced: bool, overlap: bool = True)
     # reduction runs at the end of an iteration, outside what is timed here).
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False)
     return DistributedDataParallel(config, ddp_config, module=layer)
+
+
+def skip_transfers(balancing) -> None:
+    """The measurement control: ``balancing`` issues no replica transfer. The replica experts
+    compute with whatever the shared weight buffer holds and their weight gradients are dropped
+    (numerically wrong); everything else (plan, reroute, the replica compute, the host work around
+    the transfers' calls) runs as in the ultraep layer."""
+
+    def start_weights(layer, invocation):
+        balancing.holder = invocation
+
+    def finish_reduction(layer, invocation):
+        params = layer.main_expert_param_lists()
+        return [None] * sum(len(params[g]) for g in invocation.replicated_local_experts)
+
+    balancing.start_weights = start_weights
+    balancing.wait_weights = lambda invocation: None
+    balancing.start_reduction = lambda layer, invocation, weight_grads=None: None
+    balancing.finish_reduction = finish_reduction
 
 
 class Measurement:
@@ -268,7 +293,7 @@ class ExpertsOnly(Measurement):
         probs = self.probs[:total].detach().requires_grad_(True)
         out, _ = layer.experts(tokens[:main], torch.tensor(rows), probs[:main])
         loss = out.sum()
-        if total > main:  # as _ReplicaExperts runs them: leaves on the replica buffer's views
+        if total > main:  # the redundant slots' module on (leaves over) the replica buffer's views
             leaves = [[w.detach().requires_grad_() for w in slot] for slot in layer.replica_weight_views()]
             loss = loss + layer.run_replicas(leaves, tokens[main:], probs[main:], replica_rows).sum()
         loss.backward()
@@ -303,13 +328,16 @@ def median(values):
 
 #: The second force-balanced layer: its ratio to the first is the run's noise floor.
 NOISE_FLOOR = "force-balanced again"
+#: The measurement control without transfers (skip_transfers).
+NO_TRANSFERS = f"{policy.ULTRAEP} no transfers"
 
-# (row label, balancer, force-balanced router, overlapped transfers)
-LAYERS = ((policy.NONE, None, False, True), (policy.ULTRAEP, policy.ULTRAEP, False, True),
-          (f"{policy.ULTRAEP} no-overlap", policy.ULTRAEP, False, False),
-          (policy.EPLB_EXACT, policy.EPLB_EXACT, False, True),
-          (f"{policy.EPLB_EXACT} no-overlap", policy.EPLB_EXACT, False, False),
-          ("force-balanced", None, True, True), (NOISE_FLOOR, None, True, True))
+# (row label, balancer, force-balanced router, overlapped transfers, transfers at all)
+LAYERS = ((policy.NONE, None, False, True, True), (policy.ULTRAEP, policy.ULTRAEP, False, True, True),
+          (f"{policy.ULTRAEP} no-overlap", policy.ULTRAEP, False, False, True),
+          (NO_TRANSFERS, policy.ULTRAEP, False, True, False),
+          (policy.EPLB_EXACT, policy.EPLB_EXACT, False, True, True),
+          (f"{policy.EPLB_EXACT} no-overlap", policy.EPLB_EXACT, False, False, True),
+          ("force-balanced", None, True, True, True), (NOISE_FLOOR, None, True, True, True))
 
 #: Expert compute alone (ExpertsOnly), each on the rows of the layer named: label -> source label.
 EXPERTS_ONLY = {f"{policy.ULTRAEP} experts only": policy.ULTRAEP,
@@ -326,7 +354,8 @@ def worker(cfg):
     parallel_state.initialize_model_parallel(expert_model_parallel_size=cfg.ep_size)
     rank = torch.distributed.get_rank()
     tokens = cfg.tokens_per_rank * cfg.ep_size
-    layers = {label: build(cfg, balancer, force, overlap) for label, balancer, force, overlap in LAYERS}
+    layers = {label: build(cfg, balancer, force, overlap, transfers)
+              for label, balancer, force, overlap, transfers in LAYERS}
     runs = {label: [] for label in [*layers, *EXPERTS_ONLY]}
     for repeat in range(cfg.repeats):
         measurements = {label: Measurement(cfg, layer, record_expert_rows=label in EXPERTS_ONLY.values())
@@ -379,7 +408,7 @@ def report(cfg, tokens, runs) -> None:
             overheads = " | ".join(f"{'':>{w}}" for w in (7, 7, 12, 10))
         print(f"| {label:<27} | {wall * 1e3:8.1f} | {tokens / wall:9.0f} | {median(wall_ratios):10.2f} "
               f"| {median([m['cpu_max'] for m in measured]) * 1e3:14.1f} "
-              f"| {median(cpu_ratios):5.2f} ({per_repeat:>18}) "
+              f"| {median(cpu_ratios):5.3f} ({per_repeat:>18}) "
               f"| {median([m['faults'] for m in measured]):7.0f} "
               f"| {median([m['other_cpu'] for m in measured]) * 1e3:12.2f} "
               f"| {median([m['imbalance'] for m in measured]):9.2f} | {overheads} |")
@@ -401,6 +430,12 @@ def report(cfg, tokens, runs) -> None:
           f"force-balanced {other['force-balanced'] * 1e3:.2f} ms; the difference, "
           f"{(other[policy.ULTRAEP] - other['force-balanced']) * 1e3:.2f} ms, is what the replica transfers "
           f"take off the main threads, from the two cores the ranks compute on")
+    control = median([m["cpu_x_fb"] for m in runs[NO_TRANSFERS]])
+    print(f"without transfers ({NO_TRANSFERS}: the measurement control, numerically wrong): critical x f-b "
+          f"{control:.3f} (repeats {' '.join(f'{m['cpu_x_fb']:.2f}' for m in runs[NO_TRANSFERS])}); "
+          f"{policy.ULTRAEP}'s {layer:.3f} over it, {layer / control:.3f}, is what its transfers cost on this "
+          f"machine, exposed or not (their host calls, their copies and gloo's socket work on the two cores "
+          f"the ranks compute on)")
     for name in (policy.ULTRAEP, policy.EPLB_EXACT):
         exposed = median([m["transfers"] for m in runs[name]])
         total = median([m["transfers"] for m in runs[f"{name} no-overlap"]])
