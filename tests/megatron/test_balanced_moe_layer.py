@@ -16,7 +16,7 @@ WORLD = 4
 NUM_SLOTS = 1
 EXPERT_NUMEL = 2 * 32 * 48  # fc1 [48, 32] + fc2 [32, 48]
 SCENARIOS = ("single", "pipelined", "recompute", "eplb", "eplb-exact", "flex", "grouped", "mixed",
-             "frozen_input", "frozen_router")
+             "frozen_input", "frozen_router", "relayed", "idle_replica")
 # A negative control must miss by more than this many times its tolerance (not a borderline miss).
 NOISE_MULTIPLE = 10
 EXPERT_PARAMS = 2  # fc1, fc2
@@ -108,6 +108,20 @@ def test_ring_is_released_after_backward(ranks):
         assert frozen["ring_live_before_backward"] == 1
         assert frozen["ring_live_after_backward"] == 0, f"rank {rank}: the invocation was never released"
         assert frozen["dx"] == [] and frozen["expert_grads"], "the scenario's tokens must need no gradient"
+
+
+def test_relayed_scenario_streams_through_a_relay(ranks):
+    """The relayed scenario's comparison above covers relay trees only if its plan had one."""
+    for rank, result in enumerate(ranks):
+        assert any(result["relayed/balanced"]["relayed"]), f"rank {rank}: no schedule used a relay"
+        assert not any(result["single/balanced"]["relayed"])  # the default threshold: direct edges
+
+
+def test_idle_replica_scenario_hosts_slots_without_rows(ranks):
+    """The idle_replica scenario's comparison above covers gradient slots that got no rows only if
+    some rank hosted one."""
+    idle = [rank for rank, result in enumerate(ranks) if result["idle_replica/balanced"]["idle_hosted"]]
+    assert idle, "no rank hosted a redundant slot without rows"
 
 
 def test_replica_buffers_are_num_slots_experts(ranks):

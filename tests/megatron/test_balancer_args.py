@@ -46,6 +46,9 @@ CASES = {
     "te_op_fuser": ([*ULTRAEP, "--use-transformer-engine-op-fuser"], "--use-transformer-engine-op-fuser"),
     # The replica experts share one module across layers: TE's cached fp8 weights would leak.
     "fp8": ([*ULTRAEP, "--fp8-format", "hybrid"], "--fp8-format"),
+    # Its saved-tensor hooks would keep the shared replica weights as a later layer leaves them.
+    "offload_experts": ([*ULTRAEP, "--fine-grained-activation-offloading", "--offload-modules", "attn_norm",
+                         "expert_fc1"], "--offload-modules expert_fc1"),
     "trace_without_balancer": (["--moe-balancer-trace-dir", "/tmp/x"], "--moe-balancer-trace-dir"),
     "dense_model": (None, "--num-experts"),
     "tensor_parallel_experts": ([*ULTRAEP, "--tensor-model-parallel-size", "2"],

@@ -157,6 +157,14 @@ def unsupported_moe_settings(config) -> list[str]:
         problems.append("--fp8-format / --fp4-format are not supported: the replica experts share one module "
                         "across layers and Transformer Engine would reuse its cached low-precision "
                         "weights between them; train in bf16")
+    offloaded = sorted({'expert_fc1', 'moe_act', 'fused_group_mlp'} & set(get('offload_modules') or []))
+    if get('fine_grained_activation_offloading') and offloaded:
+        # Its saved-tensor hooks wrap the experts' own: they would keep (or offload) the replica
+        # experts' weights, views of the shared buffer that later layers overwrite, as they are at
+        # offload time, never waiting for the backward's re-materialization.
+        problems.append(f"--offload-modules {' '.join(offloaded)} with --fine-grained-activation-offloading "
+                        "is not supported: it would store the replica experts' weights, which share one "
+                        "buffer across layers; offload other modules")
     if get('moe_latent_size'):
         problems.append("--moe-latent-size is not supported")
     cuda_graph = get('cuda_graph_impl') or 'none'

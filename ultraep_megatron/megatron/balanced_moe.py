@@ -417,17 +417,24 @@ class _ReplicaWeights(torch.autograd.Function):
     later layers overwrite the buffer; unpacking them waits for its re-materialization, so no replica
     activation is recomputed. ``tokens`` and ``probs`` (the replica rows and their router
     probabilities) get no gradient here: they make the weights need one whenever the replica output
-    does. The rows always do while a replicated main expert is trainable, even with the router and
-    the layers below frozen: they come out of :class:`_ReduceReplicaGrads`, whose inputs include
-    those experts' parameters.
+    does. The rows need one whenever a local main expert of this rank is trainable, even with the
+    router and the layers below frozen: they come out of :class:`_ReduceReplicaGrads`, whose inputs
+    include such a parameter. (With every local expert, the router and the layers below frozen on
+    one rank but not on another, megatron's own all-to-all backward would not run on that rank
+    either.)
+
+    The weights are returned as aliases of the buffer that autograd does not track as views
+    (``detach``): later layers write the buffer in place, and autograd would refuse a tracked view
+    of it afterwards (a custom function's view whose base changed), e.g. where a kernel keeps the
+    weight tensors for its backward.
     """
 
     @staticmethod
     def forward(ctx, layer, invocation, tokens, probs):
         _keep(ctx, layer, invocation)
-        ctx.set_materialize_grads(False)  # a slot without rows leaves its weights' gradients unset
+        ctx.set_materialize_grads(False)  # an unused weight's gradient stays None, not a zero tensor
         layer.balancing.wait_weights(invocation)
-        return tuple(w.view_as(w) for slot in layer.replica_weight_views() for w in slot)
+        return tuple(w.detach() for slot in layer.replica_weight_views() for w in slot)
 
     @staticmethod
     def backward(ctx, *weight_grads):

@@ -413,9 +413,10 @@ class BalancingContext:
 
         Args:
             weight_grads: the replica weights' gradients, flat (slot-major, the layer's
-                ``expert_param_shapes`` order; ``None`` where unset), or ``None`` on a rank whose
-                redundant slots received no rows. They are written into the slots this rank hosts
-                (zero where there is none): what the reduction sends.
+                ``expert_param_shapes`` order; ``None`` where unset), or ``None`` where no replica
+                backward ran (a rank whose redundant slots received no rows, or replica weights
+                that needed no gradient). They are written into the slots this rank hosts (zeros
+                where there are none): what the reduction sends.
         """
         if invocation.schedule_builder is None or id(invocation) in self._reductions:
             return

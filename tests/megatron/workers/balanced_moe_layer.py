@@ -21,6 +21,12 @@ experts' router rows) so the balancer must replicate. Scenarios, each saved to
 * ``frozen_router``: ``frozen_input`` with the router frozen too (expert-only fine-tuning): neither
   the replica rows nor their probabilities need a gradient, yet the replicas' weight gradients are
   part of their main experts' gradients;
+* ``relayed``: ``single`` with one hot expert and relay trees forced (``relay="always"``, from two
+  remote replicas on): a relay adds its leaves' replica gradients into its own slot before
+  forwarding the sum to the home;
+* ``idle_replica``: ``single`` with ``eplb`` keeping a placement that replicates expert 7, which the
+  router never picks (its router row points away from every token): the hosted slots receive no
+  rows, and their gradient slots must still be written (zeros) before the reduction reads them;
 * ``flex``: the balanced flex dispatcher (``--moe-token-dispatcher-type flex``, DeepEP backend) over
   megatron's real ``_DeepepManager``, with ``deepep_gloo`` standing in for DeepEP's CUDA kernels;
   three microbatches in flight, against megatron's all-to-all MoELayer.
@@ -192,7 +198,28 @@ def run(layer, weights, rank, microbatches: int, permute_tokens: bool = False, h
     # The accumulators are kept alive here, as Megatron DDP keeps them: autograd holds them weakly,
     # and a hook on a collected accumulator never fires.
     accumulation_events, accumulators = [], []
+    relayed = []  # per schedule the transfers used: whether it streams through a relay tree
+    idle_hosted = []  # redundant slots this rank hosted that received no rows
     if balancing is not None:
+        # Every redundant slot this rank hosts must be written before each reduction (the buffer is
+        # not cleared between uses): a slot read without being written poisons a main gradient.
+        balancing.buffer.replica_grads.fill_(float("nan"))
+        schedule = balancing.buffer.schedule
+
+        def recording_schedule(*args, **kwargs):
+            built = schedule(*args, **kwargs)
+            relayed.append(built.uses_relay)
+            return built
+
+        balancing.buffer.schedule = recording_schedule
+        write_replica_grads = balancing._write_replica_grads
+
+        def recording_write(layer_, invocation, weight_grads=None):
+            mine = invocation.schedule.rank_transfers(invocation.ep_rank)
+            idle_hosted.extend(s for s in mine.hosted_slots if invocation.replica_rows[s] == 0)
+            return write_replica_grads(layer_, invocation, weight_grads)
+
+        balancing._write_replica_grads = recording_write
         for local in range(layer.num_local_experts):
             for weight in expert_weights(layer, local):
                 accumulator = weight.expand_as(weight).grad_fn.next_functions[0][0]
@@ -234,6 +261,8 @@ def run(layer, weights, rank, microbatches: int, permute_tokens: bool = False, h
         "replica_calls": replica_calls,
         "accumulation_events": accumulation_events,
         "replica_buffer_numel": balancing.buffer.replica_weights.numel() if balancing is not None else 0,
+        "relayed": relayed,
+        "idle_hosted": idle_hosted,
     }
 
 
@@ -273,17 +302,29 @@ def main():
     scenarios["mixed"] = dict(scenarios["single"], hot=(3, 4))
     scenarios["frozen_input"] = dict(scenarios["single"], input_grad=False)
     scenarios["frozen_router"] = dict(scenarios["frozen_input"], router_grad=False)
+    scenarios["relayed"] = dict(scenarios["single"], hot=(0,), relay=True)
+    scenarios["idle_replica"] = dict(scenarios["single"], balancer="eplb", idle_replica=True)
     for name, sc in scenarios.items():
+        scenario_weights = weights
+        if sc.get("idle_replica"):  # expert 7's router row against the direction tokens are pushed in
+            scenario_weights = dict(weights, router=weights["router"].clone())
+            scenario_weights["router"][7] = -2.0 * weights["router"][list(HOT_EXPERTS)].sum(0)
         # The reference is always megatron's own all-to-all MoELayer, also fed permuted tokens.
         for key, balancer, permute in (("none", None, False), ("none_permuted", None, True),
                                        ("balanced", sc["balancer"], False)):
             dispatcher = sc.get("dispatcher", "alltoall") if balancer else "alltoall"
             layer = build_layer(world, balancer, cli.num_slots, sc["recompute"],
                                 dispatcher, sc.get("grouped", False))
-            load_weights(layer, weights)
+            load_weights(layer, scenario_weights)
+            if balancer and sc.get("idle_replica"):  # kept: not refreshed at this call
+                slots = torch.full((world, cli.num_slots), -1, dtype=torch.int64)
+                slots[: world - 1, 0] = NUM_EXPERTS - 1  # every rank but its home hosts expert 7
+                layer.balancer._placement, layer.balancer._calls = slots, 1
+            if balancer and sc.get("relay"):  # every expert with two or more remote replicas
+                layer.balancing.buffer.relay, layer.balancing.buffer.relay_threshold = "always", 1
             key = f"{name}/{key}"
             with FAULTS[sc["fault"]]() if balancer and "fault" in sc else contextlib.nullcontext():
-                results[key] = run(layer, weights, rank, sc["microbatches"], permute,
+                results[key] = run(layer, scenario_weights, rank, sc["microbatches"], permute,
                                    hot=sc.get("hot", HOT_EXPERTS), input_grad=sc.get("input_grad", True),
                                    router_grad=sc.get("router_grad", True))
             results[key]["dispatcher_class"] = type(layer.token_dispatcher).__name__

@@ -60,7 +60,7 @@ def _patched(owner, name, replacement):
 
 def _no_replica_grad_reduction():
     """Replica gradients never reach the main experts: the data plane's reduction runs (every rank
-    takes part, the replica gradient buffer is cleared) but folds into throwaway gradients."""
+    takes part) but folds into throwaway gradients."""
     from ultraep_megatron.dataplane import ReplicaBuffer
 
     def replacement(original):
