@@ -6,9 +6,8 @@ schedule, which every rank built from the same plan; no extra synchronization is
 * :func:`distribute_weights`: copy each replicated main expert into the replica slots of its hosts
   (forward, and again in backward to re-materialize the shared replica buffer).
 * :func:`reduce_gradients`: add every replica's gradient into its main expert's gradient. The caller
-  writes each replica's gradient into its slot beforehand; nothing is cleared afterwards (a copy
-  into the slot, not an accumulation, is what a balanced layer does, so no slot must be zero
-  between uses).
+  writes each hosted slot with its replica's gradient beforehand (a copy: no slot has to be kept at
+  zero between uses), and nothing is cleared afterwards.
 
 Handles. Both can run asynchronously (``async_op=True``) and return a :class:`TransferHandle`,
 like DeepEP's buffer API: the caller keeps computing and calls ``handle.wait()`` where it needs the
