@@ -136,8 +136,6 @@ class TransferSchedule:
     local_rank: torch.Tensor
     local_slot: torch.Tensor
     relayed_experts: torch.Tensor
-    _rank_edges: dict = field(default_factory=dict, repr=False, compare=False)
-    _local_copies: dict = field(default_factory=dict, repr=False, compare=False)
     _rank_transfers: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -211,30 +209,18 @@ class TransferSchedule:
         return [self.chunk_range(c) for c in range(self.num_chunks)]
 
     def rank_edges(self, rank: int) -> list["Edge"]:
-        """The edges ``rank`` sends or receives, in canonical order (computed once per rank)."""
-        if rank not in self._rank_edges:
-            src, dst = self.edge_src.numpy(), self.edge_dst.numpy()
-            mine = np.flatnonzero((src == rank) | (dst == rank))
-            relayed = np.isin(self.edge_expert.numpy()[mine], self.relayed_experts.numpy())
-            columns = [mine, self.edge_expert.numpy()[mine], self.edge_hop.numpy()[mine],
-                       np.where(relayed, 2, 1), src[mine], dst[mine],
-                       self.edge_src_slot.numpy()[mine], self.edge_dst_slot.numpy()[mine]]
-            self._rank_edges[rank] = [Edge(*row) for row in zip(*(c.tolist() for c in columns))]
-        return self._rank_edges[rank]
+        """The edges ``rank`` sends or receives, in canonical order."""
+        return list(self.rank_transfers(rank).edges)
 
     def local_copies(self, rank: int) -> tuple[tuple[int, int], ...]:
         """``(expert, replica slot)`` of the replicas ``rank`` hosts of its own main experts,
-        ascending expert (no communication: a copy on the home rank). Computed once per rank: every
-        transfer of the schedule asks (about 50 us of numpy each time otherwise)."""
-        if rank not in self._local_copies:
-            here = self.local_rank.numpy() == rank
-            self._local_copies[rank] = tuple(sorted(zip(self.local_expert.numpy()[here].tolist(),
-                                                        self.local_slot.numpy()[here].tolist())))
-        return self._local_copies[rank]
+        ascending expert (no communication: a copy on the home rank)."""
+        return self.rank_transfers(rank).local_copies
 
     def rank_transfers(self, rank: int) -> "RankTransfers":
         """Everything ``rank`` sends, receives, copies and folds in this schedule's transfers
-        (:class:`RankTransfers`), computed once per rank."""
+        (:class:`RankTransfers`). Computed once per rank: every transfer of the schedule asks
+        (tens of microseconds of numpy and Python each time otherwise)."""
         if rank not in self._rank_transfers:
             self._rank_transfers[rank] = _rank_transfers(self, rank)
         return self._rank_transfers[rank]
@@ -246,7 +232,7 @@ class RankTransfers:
     (:meth:`TransferSchedule.rank_transfers`): every transfer of the schedule on that rank reads it.
 
     Attributes:
-        edges: the edges it sends or receives, canonical order (:meth:`TransferSchedule.rank_edges`).
+        edges: the edges it sends or receives, canonical order.
         local_copies: ``(expert, replica slot)`` of its replicas of its own main experts.
         replicated_experts: its main experts with a replica, ascending: weight distribution reads
             them (sent over a first hop or copied locally), gradient reduction adds into their
@@ -267,8 +253,17 @@ class RankTransfers:
 
 
 def _rank_transfers(schedule: TransferSchedule, rank: int) -> RankTransfers:
-    edges = tuple(schedule.rank_edges(rank))
-    local = schedule.local_copies(rank)
+    # The schedule's tensors are host tensors (build_schedule): these reads never touch a device.
+    src, dst = schedule.edge_src.numpy(), schedule.edge_dst.numpy()
+    mine = np.flatnonzero((src == rank) | (dst == rank))
+    relayed = np.isin(schedule.edge_expert.numpy()[mine], schedule.relayed_experts.numpy())
+    columns = [mine, schedule.edge_expert.numpy()[mine], schedule.edge_hop.numpy()[mine],
+               np.where(relayed, 2, 1), src[mine], dst[mine],
+               schedule.edge_src_slot.numpy()[mine], schedule.edge_dst_slot.numpy()[mine]]
+    edges = tuple(Edge(*row) for row in zip(*(c.tolist() for c in columns)))
+    here = schedule.local_rank.numpy() == rank
+    local = tuple(sorted(zip(schedule.local_expert.numpy()[here].tolist(),
+                             schedule.local_slot.numpy()[here].tolist())))
     children = tuple(edge for edge in edges if edge.hop == 1 and edge.src == rank)
     replicated = tuple(sorted({edge.expert for edge in children} | {e for e, _ in local}))
     return RankTransfers(
