@@ -141,10 +141,10 @@ def build(cfg, balancer: str | None, force_balanced: bool, overlap: bool = True,
 
 def skip_transfers(balancing) -> None:
     """The measurement control: ``balancing`` issues no replica transfer. The replica experts
-    compute with whatever the shared weight buffer holds and their weight gradients, written into
-    the gradient buffer as usual (work on the compute stream, not a transfer), are never reduced
-    (numerically wrong); everything else (plan, reroute, the replica compute) runs as in the ultraep
-    layer."""
+    compute with whatever the shared weight buffer holds and their weight gradients are dropped (the
+    reduction's copy of them into the gradient buffer runs on the transfer's stream, so it goes
+    too): numerically wrong; everything else (plan, reroute, the replica compute) runs as in the
+    ultraep layer."""
 
     def start_weights(layer, invocation):
         balancing.holder = invocation
@@ -155,8 +155,7 @@ def skip_transfers(balancing) -> None:
 
     balancing.start_weights = start_weights
     balancing.wait_weights = lambda invocation: None
-    balancing.start_reduction = lambda layer, invocation, weight_grads=None: \
-        balancing._write_replica_grads(layer, invocation, weight_grads)
+    balancing.start_reduction = lambda layer, invocation, weight_grads=None: None
     balancing.finish_reduction = finish_reduction
 
 

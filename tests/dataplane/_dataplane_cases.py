@@ -216,6 +216,102 @@ def check_replica_buffer(rank, world_size) -> list[str]:
     return failures
 
 
+def run_hosted_reduction(rank, slot_expert, num_experts, seed, sched) -> list[str]:
+    """``hosted_grads`` (the transfer copies each hosted slot's gradient itself) and
+    ``fold_on_stream``, on the caller's thread and on a HostCommStream, synchronous and not: the
+    same main gradients, bit for bit, as the caller writing the slots itself; a slot given ``None``
+    (or a ``None`` tensor) reduces zeros; slots that do not match the hosted ones raise before any
+    communication."""
+    failures = []
+    per_rank, num_slots = num_experts // slot_expert.shape[0], slot_expert.shape[1]
+    hosted = sched.rank_transfers(rank).hosted_slots
+    written, _ = reduced_grads(rank, slot_expert, num_experts, seed, sched, False)
+    for comm_stream in (None, HostCommStream()):
+        for fold_on_stream in (False, True):
+            where = f"comm_stream={type(comm_stream).__name__}, fold_on_stream={fold_on_stream}"
+            mains = [main_grad(seed, rank * per_rank + i, False) for i in range(per_rank)]
+            replica = torch.full((num_slots, NUMEL), float("nan"))  # written by the transfer alone
+            grads = {s: [g.view(shape) for g, shape in zip(replica_grad(seed, rank, s, False).split(
+                [torch.Size(x).numel() for x in SHAPES]), SHAPES)] for s in hosted}
+            handle = reduce_gradients(sched, mains, replica, async_op=True, comm_stream=comm_stream,
+                                      hosted_grads=grads, fold_on_stream=fold_on_stream)
+            handle.wait()
+            if not all(torch.equal(flat(a), flat(b)) for a, b in zip(mains, written)):
+                failures.append(f"{where}: hosted_grads reduced differently from caller-written slots")
+            if unhosted_slots_touched(rank, slot_expert, replica):
+                failures.append(f"{where}: a slot that hosts no replica here was written")
+    # None: zeros, for a whole slot or one of its tensors (every rank gives the same answer).
+    mains = [main_grad(seed, rank * per_rank + i, True) for i in range(per_rank)]
+    grads = {s: [None, torch.ones(SHAPES[1])] if s % 2 else None for s in hosted}
+    reduce_gradients(sched, mains, torch.full((num_slots, NUMEL), float("nan")), hosted_grads=grads)
+    for i in range(per_rank):
+        e = rank * per_rank + i
+        want = flat(main_grad(seed, e, True))
+        for r, row in enumerate(slot_expert.tolist()):
+            for s, x in enumerate(row):
+                if x == e and s % 2:
+                    want[-torch.Size(SHAPES[1]).numel():] += 1.0
+        if not torch.equal(flat(mains[i]), want):
+            failures.append(f"hosted_grads None: main grad of local expert {i} != main + the ones given")
+    wrong = {s: None for s in range(num_slots) if s not in hosted} or {num_slots: None}
+    try:
+        reduce_gradients(sched, mains, torch.zeros(num_slots, NUMEL), hosted_grads=wrong)
+        failures.append("hosted_grads naming other slots than the hosted ones was accepted")
+    except ValueError:
+        pass
+    return failures
+
+
+def check_buffer_async(rank, world_size) -> list[str]:
+    """ReplicaBuffer's asynchronous calls on the CPU run whole on its HostCommStream's thread:
+    bit-identical to the synchronous calls (every transfer of the buffer goes through that thread,
+    in call order, so synchronous and asynchronous ones may alternate); bad inputs raise in
+    ``wait()``, before any communication, and the buffer stays usable; the reduction's fold happens
+    in ``wait()`` unless ``fold_on_stream``."""
+    failures = []
+    num_experts = 2 * world_size
+    plan = random_plan(world_size, num_experts, 3, seed=23, hot_expert=0, local_replica=True)
+    buffer = ReplicaBuffer(3, SHAPES, torch.float32, chunk_numel=13, relay="always", relay_threshold=2)
+    if not isinstance(buffer.comm_stream, HostCommStream):
+        return ["ReplicaBuffer on the CPU has no HostCommStream"]
+    sched = buffer.schedule(plan, num_experts)
+    main = [expert_weights(50, rank * 2 + j) for j in range(2)]
+    handle = buffer.distribute_weights(sched, main, async_op=True)
+    handle.wait()
+    synchronous = torch.full((3, NUMEL), SENTINEL)
+    distribute_weights(sched, main, synchronous)  # the reference, on this thread (same group: after)
+    for s, e in enumerate(plan[rank].tolist()):
+        if e >= 0 and not torch.equal(buffer.replica_weights[s], synchronous[s]):
+            failures.append(f"async ReplicaBuffer slot {s} != the synchronous distribution")
+    hosted = sched.rank_transfers(rank).hosted_slots
+    grads = {s: [g.view(shape) for g, shape in zip(replica_grad(51, rank, s, False).split(
+        [torch.Size(x).numel() for x in SHAPES]), SHAPES)] for s in hosted}
+    written, _ = reduced_grads(rank, plan, num_experts, 51, sched, False)
+    for fold_on_stream in (False, True):
+        mains = [main_grad(51, rank * 2 + j, False) for j in range(2)]
+        before = [flat(m).clone() for m in mains]
+        handle = buffer.reduce_gradients(sched, mains, async_op=True, hosted_grads=grads,
+                                         fold_on_stream=fold_on_stream)
+        if not fold_on_stream:
+            handle._issuing.result()  # the transfer is complete on the stream, the fold is not
+            if not all(torch.equal(flat(m), b) for m, b in zip(mains, before)):
+                failures.append("fold_on_stream=False: the main grads were written before wait()")
+        handle.wait()
+        if not all(torch.equal(flat(a), flat(b)) for a, b in zip(mains, written)):
+            failures.append(f"async ReplicaBuffer reduction (fold_on_stream={fold_on_stream}) differs")
+    bad = buffer.distribute_weights(sched, main[:1], async_op=True)  # one local expert short
+    try:
+        bad.wait()
+        failures.append("a bad input to an asynchronous ReplicaBuffer call was accepted")
+    except ValueError:
+        pass
+    buffer.distribute_weights(sched, main)  # still usable, tags in step on every rank
+    if not all(torch.equal(buffer.replica_weights[s], synchronous[s])
+               for s, e in enumerate(plan[rank].tolist()) if e >= 0):
+        failures.append("ReplicaBuffer after a bad asynchronous call: replicas differ")
+    return failures
+
+
 def check_handles(rank, world_size, comm_stream=None) -> list[str]:
     """The asynchronous API: transfers started, overlapped with other work and waited later (in any
     order) give bit-identical replicas and reductions; a reduction touches the main gradients only
@@ -308,6 +404,7 @@ def run_all(rank: int, world_size: int) -> dict[str, list[str]]:
         failures = run_distribution(rank, case["plan"], 2 * world_size, case["seed"], sched, twice=True)
         failures += run_distribution(rank, case["plan"], 2 * world_size, case["seed"], sched, dtype=torch.bfloat16)
         failures += run_reduction(rank, case["plan"], 2 * world_size, case["seed"], sched)
+        failures += run_hosted_reduction(rank, case["plan"], 2 * world_size, case["seed"], sched)
         if case["relay"] == "off" and sched.uses_relay:
             failures.append("relay='off' built a relay tree")
         if case["relay"] == "always" and case["hot"] and not sched.uses_relay:
@@ -315,6 +412,7 @@ def run_all(rank: int, world_size: int) -> dict[str, list[str]]:
         results[case["name"]] = failures
     results["bad-inputs"] = check_bad_inputs(rank, world_size)
     results["replica-buffer"] = check_replica_buffer(rank, world_size)
+    results["replica-buffer-async"] = check_buffer_async(rank, world_size)
     results["handles"] = check_handles(rank, world_size)
     # The same on the CPU's stand-in for a communication stream (what ReplicaBuffer uses).
     results["handles-host-comm-stream"] = check_handles(rank, world_size, HostCommStream())

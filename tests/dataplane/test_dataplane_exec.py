@@ -17,7 +17,8 @@ from _dataplane_world import run_world
 @pytest.mark.parametrize("world_size", [4, 8])
 def test_distribution_and_reduction(world_size):
     per_rank = run_world(world_size, run_all)
-    expected_cases = {c["name"] for c in plan_cases(world_size)} | {"bad-inputs", "replica-buffer", "handles", "handles-host-comm-stream"}
+    expected_cases = {c["name"] for c in plan_cases(world_size)} | {"bad-inputs", "replica-buffer", "replica-buffer-async", "handles",
+                                                                 "handles-host-comm-stream"}
     for rank, results in enumerate(per_rank):
         assert set(results) == expected_cases
         failures = {name: f for name, f in results.items() if f}

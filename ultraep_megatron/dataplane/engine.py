@@ -50,7 +50,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 
 import torch
@@ -270,13 +270,15 @@ class TransferHandle:
     """
 
     def __init__(self, program: Iterator[list], works: list, *, stream_ordered: bool,
-                 comm_stream=None, finish: Callable[[], None] | None = None, keep=()):
+                 comm_stream=None, finish: Callable[[], None] | None = None, finish_on_stream: bool = False,
+                 keep=()):
         self._program: Iterator[list] | None = program
-        self._issuing: Future | None = None  # the HostCommStream issuing the program
+        self._issuing: Future | None = None  # the HostCommStream running the transfer
         self._works = works
         self._stream_ordered = stream_ordered
         self._comm_stream = comm_stream
         self._finish = finish
+        self._finish_on_stream = finish_on_stream  # run ``finish`` on the comm stream, not in wait()
         self._keep = keep  # tensors the operations in flight read or write
         self._event = None
         self._done = False
@@ -296,6 +298,8 @@ class TransferHandle:
                 self._issue_all()  # NCCL: a receive's wait() makes the comm stream wait, not the host
                 for work in self._works:
                     work.wait()
+                if self._finish_on_stream:
+                    self._finish()
                 self._event = self._comm_stream.record_event()
         else:
             self._pending = next(self._program, None)
@@ -314,6 +318,30 @@ class TransferHandle:
         self._program = None
 
     @torch.no_grad()
+    def _complete_operations(self) -> None:
+        """Without a comm stream: wait for the receives, issue the rounds that depended on them, and
+        wait for every operation (the thread calling this blocks)."""
+        while self._program is not None:
+            for work in self._pending:  # the host waits, then issues what depended on it
+                work.wait()
+            self._pending = next(self._program, None)
+            if self._pending is None:
+                self._program = None
+        for work in self._works:
+            work.wait()
+
+    @torch.no_grad()
+    def _run_on_host_stream(self) -> None:
+        """The whole transfer on a :class:`HostCommStream`'s thread: issue it, wait for every
+        operation (the stream's next transfer starts after this one, as on a CUDA stream), and fold
+        there when ``finish_on_stream``. The caller's ``wait()`` then only waits for this."""
+        self._issue_all()
+        for work in self._works:
+            work.wait()
+        if self._finish_on_stream:
+            self._finish()
+
+    @torch.no_grad()
     def wait(self) -> None:
         """Complete the transfer: the replica weights (distribution) or the main gradients and the
         replica gradient slots (reduction) are ready for the caller's next operation."""
@@ -326,19 +354,10 @@ class TransferHandle:
                 if isinstance(tensor, torch.Tensor):
                     tensor.record_stream(torch.cuda.current_stream())
         elif self._issuing is not None:
-            self._issuing.result()  # everything issued (re-raises what failed there)
-            for work in self._works:  # complete before the fold below and the caller's next use
-                work.wait()
+            self._issuing.result()  # complete on the HostCommStream (re-raises what failed there)
         else:
-            while self._program is not None:
-                for work in self._pending:  # the host waits, then issues what depended on it
-                    work.wait()
-                self._pending = next(self._program, None)
-                if self._pending is None:
-                    self._program = None
-            for work in self._works:
-                work.wait()
-        if self._finish is not None:
+            self._complete_operations()
+        if self._finish is not None and not self._finish_on_stream:
             self._finish()
         self._done = True
         self._keep = self._works = self._finish = self._issuing = None
@@ -346,20 +365,65 @@ class TransferHandle:
         self.host_cpu_seconds += time.thread_time() - c0
 
 
+class _HostStreamTransfer(TransferHandle):
+    """A transfer whose whole call runs on a :class:`HostCommStream`'s thread: its checks, schedule
+    lookups, packing and issuing, and the wait for its operations, so that the caller's thread only
+    hands it over (:meth:`ReplicaBuffer.distribute_weights` / :meth:`~ReplicaBuffer.reduce_gradients`
+    with ``async_op`` on the CPU). ``call`` returns the transfer's own handle, its operations complete;
+    ``wait()`` waits for the thread, then completes that handle (a fold left to the caller)."""
+
+    def __init__(self, stream: HostCommStream, call: Callable[[], TransferHandle]):
+        super().__init__(iter(()), [], stream_ordered=False)
+        self._issuing = stream.submit(call)
+
+    @torch.no_grad()
+    def wait(self) -> None:
+        if self._done:
+            return
+        t0, c0 = time.perf_counter(), time.thread_time()
+        transfer = self._issuing.result()  # re-raises what failed there, bad inputs included
+        transfer.wait()
+        self._done = True
+        self._issuing = None
+        self.host_seconds += time.perf_counter() - t0
+        self.host_cpu_seconds += time.thread_time() - c0
+
+
+def _completed(transfer: TransferHandle, finish: bool) -> TransferHandle:
+    """``transfer`` (issued without a comm stream) with its operations complete, and its ``finish``
+    too when asked."""
+    if finish:
+        transfer.wait()
+    else:
+        transfer._complete_operations()
+    return transfer
+
+
 def _start(program: Iterator[list], works: list, *, device: torch.device, group, comm_stream,
-           start_after: "TransferHandle | None", async_op: bool, finish=None, keep=()):
+           start_after: "TransferHandle | None", async_op: bool, finish=None, finish_on_stream=False,
+           keep=(), stream_reads=()):
     """Run ``program`` (a generator issuing rounds into ``works`` and yielding the receives it must
-    wait for) as a transfer; return its handle when ``async_op``, else wait for it."""
+    wait for) as a transfer; return its handle when ``async_op``, else wait for it.
+
+    ``finish`` runs once the operations are complete: in ``wait()``, or on the comm stream when
+    ``finish_on_stream`` (and the stream has one: without, the caller's thread runs everything).
+    ``stream_reads``: tensors of the caller's stream that the program reads on the comm stream
+    (kept from the allocator until it has).
+    """
     if start_after is not None:
         start_after.wait()
     stream_ordered = device.type == "cuda" and dist.get_backend(group) == "nccl"
     if stream_ordered:
         comm_stream = comm_stream if comm_stream is not None else torch.cuda.current_stream()
         comm_stream.wait_stream(torch.cuda.current_stream())  # see the caller's latest weights/grads
+        for tensor in stream_reads:
+            tensor.record_stream(comm_stream)
+    on_host_stream = not stream_ordered and isinstance(comm_stream, HostCommStream)
     handle = TransferHandle(program, works, stream_ordered=stream_ordered, comm_stream=comm_stream,
-                            finish=finish, keep=keep)
-    if not stream_ordered and isinstance(comm_stream, HostCommStream):
-        handle._issuing = comm_stream.submit(handle._issue_all)
+                            finish=finish, finish_on_stream=finish_on_stream and (stream_ordered or on_host_stream),
+                            keep=keep)
+    if on_host_stream:
+        handle._issuing = comm_stream.submit(handle._run_on_host_stream)
     else:
         handle._issue()
     if async_op:
@@ -495,13 +559,16 @@ def reduce_gradients(
     async_op: bool = False,
     start_after: TransferHandle | None = None,
     comm_stream=None,
+    hosted_grads: Mapping[int, Sequence[torch.Tensor] | None] | None = None,
+    fold_on_stream: bool = False,
 ) -> TransferHandle | None:
     """Add every replica's gradient into its main expert's gradient. Collective.
 
     Reads the slots of ``replica_grads`` that host a replica on this rank
-    (``schedule.rank_transfers(rank).hosted_slots``), which the caller has filled with those
-    replicas' gradients; a relay also adds its leaves' gradients into its own slot, in place, before
-    forwarding the partial sums. Other slots are neither read nor written.
+    (``schedule.rank_transfers(rank).hosted_slots``), which hold those replicas' gradients: written
+    by the caller beforehand, or by the transfer itself from ``hosted_grads``; a relay also adds its
+    leaves' gradients into its own slot, in place, before forwarding the partial sums. Other slots
+    are neither read nor written.
 
     Args:
         schedule: the schedule used for the weight distribution of this layer.
@@ -516,6 +583,15 @@ def reduce_gradients(
         start_after: a transfer this one must follow (it is waited for first).
         comm_stream: CUDA stream for NCCL transfers (default: the current stream, no overlap), or a
             :class:`HostCommStream` for CPU transfers (default: the caller's thread).
+        hosted_grads: ``{slot: tensors}`` for every hosted slot: the replica's gradient, shaped like
+            the main gradients of one expert (``None``, or a ``None`` tensor: zeros, e.g. a replica
+            that received no rows).
+            Copied into ``replica_grads`` (cast to its dtype) on the transfer's stream, first: the
+            caller's thread does not copy them, and the tensors must not change before ``wait()``.
+        fold_on_stream: fold into ``main_grads`` on the transfer's stream as soon as the gradients
+            have arrived (overlapping the caller's work) instead of in ``wait()``. Only where the
+            caller neither reads nor writes ``main_grads`` before ``wait()`` (e.g. not with Megatron's
+            gradient-accumulation fusion, whose weight-gradient kernels write ``main_grad``).
 
     The sum is accumulated in ``promote_types(main dtype, replica dtype)`` in the fixed order given in
     the module docstring, so it is bit-identical across runs of the same plan, synchronous or not.
@@ -537,12 +613,22 @@ def reduce_gradients(
     edges, local, children, staging_row = mine.edges, mine.local_copies, mine.children, mine.staging_row
     reduced_here = mine.replicated_experts
     first_local = rank * schedule.experts_per_rank
+    shapes = [g.shape for g in main_grads[0]]
+    stream_reads = _check_hosted_grads(hosted_grads, mine.hosted_slots, shapes) if hosted_grads is not None else []
     works: list = []
     sequence = _take_sequence(group, schedule)
     staging = torch.empty(len(children), schedule.expert_numel if children else 0,
                           dtype=replica_grads.dtype, device=replica_grads.device)
 
     def program():
+        if hosted_grads is not None:  # on the transfer's stream: the caller's thread copies nothing
+            for slot, grads in hosted_grads.items():
+                views = expert_views(replica_grads[slot], shapes)
+                for view, grad in zip(views, grads if grads is not None else [None] * len(views)):
+                    if grad is None:
+                        view.zero_()
+                    else:
+                        view.copy_(grad)
         pending: list[tuple] = []  # a relay's receives of the last round: (work, staged, own chunk)
         for round_ in range(schedule.num_rounds):
             if pending:  # a relay adds its leaves' chunks before forwarding the partial sums
@@ -599,7 +685,24 @@ def reduce_gradients(
 
     return _start(program(), works, device=replica_grads.device, group=group,
                   comm_stream=comm_stream, start_after=start_after, async_op=async_op,
-                  finish=fold_into_main_grads, keep=(staging, replica_grads))
+                  finish=fold_into_main_grads, finish_on_stream=fold_on_stream,
+                  keep=(staging, replica_grads, *stream_reads), stream_reads=stream_reads)
+
+
+def _check_hosted_grads(hosted_grads, hosted_slots: tuple, shapes) -> list[torch.Tensor]:
+    """``hosted_grads`` names exactly the hosted slots, each with ``None`` or one tensor (or
+    ``None``) per expert tensor, of its shape; returns those tensors."""
+    if sorted(hosted_grads) != list(hosted_slots):
+        raise ValueError(f"hosted_grads has slots {sorted(hosted_grads)}, this rank hosts {list(hosted_slots)}")
+    tensors = []
+    for slot, grads in hosted_grads.items():
+        if grads is None:
+            continue
+        if len(grads) != len(shapes) or any(g is not None and (not isinstance(g, torch.Tensor) or g.shape != shape)
+                                            for g, shape in zip(grads, shapes)):
+            raise ValueError(f"hosted_grads[{slot}] must be {len(shapes)} tensors of shapes {[tuple(s) for s in shapes]}")
+        tensors += [g for g in grads if g is not None]
+    return tensors
 
 
 class ReplicaBuffer:
@@ -692,18 +795,48 @@ class ReplicaBuffer:
     def distribute_weights(self, schedule: TransferSchedule, main_weights: ExpertTensors, *,
                            async_op: bool = False,
                            start_after: TransferHandle | None = None) -> TransferHandle | None:
-        """Fill the replica slots from the main experts; see :func:`distribute_weights`."""
+        """Fill the replica slots from the main experts; see :func:`distribute_weights`.
+
+        On the CPU (a :class:`HostCommStream`) every call runs whole on the stream's thread, in the
+        order of the calls: an asynchronous one returns once handed over, and its bad inputs raise
+        in ``wait()`` (still before any communication)."""
+        if isinstance(self.comm_stream, HostCommStream):
+            return self._on_host_stream(lambda: _completed(distribute_weights(
+                schedule, main_weights, self.replica_weights, self.group, async_op=True), finish=True),
+                async_op, start_after)
         return distribute_weights(schedule, main_weights, self.replica_weights, self.group,
                                   async_op=async_op, start_after=start_after,
                                   comm_stream=self.comm_stream)
 
     def reduce_gradients(self, schedule: TransferSchedule, main_grads: ExpertTensors, *,
-                         async_op: bool = False,
-                         start_after: TransferHandle | None = None) -> TransferHandle | None:
-        """Reduce the replica gradients into the main gradients; see :func:`reduce_gradients`."""
+                         async_op: bool = False, start_after: TransferHandle | None = None,
+                         hosted_grads: Mapping[int, Sequence[torch.Tensor] | None] | None = None,
+                         fold_on_stream: bool = False) -> TransferHandle | None:
+        """Reduce the replica gradients into the main gradients; see :func:`reduce_gradients`.
+
+        On the CPU every call runs whole on the stream's thread, as :meth:`distribute_weights`;
+        without ``fold_on_stream`` the fold still waits for ``wait()``, on the caller's thread."""
+        if isinstance(self.comm_stream, HostCommStream):
+            return self._on_host_stream(lambda: _completed(reduce_gradients(
+                schedule, main_grads, self.replica_grads, self.group, async_op=True,
+                hosted_grads=hosted_grads), finish=fold_on_stream), async_op, start_after)
         return reduce_gradients(schedule, main_grads, self.replica_grads, self.group,
                                 async_op=async_op, start_after=start_after,
-                                comm_stream=self.comm_stream)
+                                comm_stream=self.comm_stream, hosted_grads=hosted_grads,
+                                fold_on_stream=fold_on_stream)
+
+    def _on_host_stream(self, call: Callable[[], TransferHandle], async_op: bool,
+                        start_after: TransferHandle | None) -> TransferHandle | None:
+        """Run a transfer's whole call on the buffer's HostCommStream. Every transfer of the buffer
+        goes through it, synchronous ones too, so the transfers take their message tags in the
+        order of the calls on every rank."""
+        if start_after is not None:
+            start_after.wait()
+        handle = _HostStreamTransfer(self.comm_stream, call)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
 
     def weight_views(self, slot: int) -> list[torch.Tensor]:
         """Views of replica slot ``slot`` shaped like one expert's tensors."""

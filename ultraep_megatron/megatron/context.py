@@ -421,35 +421,39 @@ class BalancingContext:
         if invocation.schedule_builder is None or id(invocation) in self._reductions:
             return
         self._wait(self._transfer)  # the buffer's previous transfer may still read the slots
-        self._write_replica_grads(layer, invocation, weight_grads)
         params = layer.main_expert_param_lists()
         use_main_grad = all(getattr(p, "main_grad", None) is not None for ps in params for p in ps)
         if use_main_grad:  # Megatron DDP: straight into the fp32 main_grad buffers
             targets, has_replica = [[p.main_grad for p in ps] for ps in params], None
+            # Until finish_reduction nothing touches these main_grads (the experts' gradient
+            # accumulation waits for it), unless the main experts' weight-gradient kernels write
+            # them directly (gradient-accumulation fusion): only then the fold waits for wait().
+            fold_on_stream = not layer.config.gradient_accumulation_fusion
         else:  # fresh fp32 gradients for the experts with a replica; the others get a zero view, never written
             replicated = set(invocation.replicated_local_experts)
             has_replica = [g in replicated for g in range(len(params))]
             zero = torch.zeros((), dtype=torch.float32, device=params[0][0].device)
             targets = [[torch.zeros_like(p, dtype=torch.float32) if has else zero.expand(p.shape) for p in ps]
                        for ps, has in zip(params, has_replica)]
-        handle = self.buffer.reduce_gradients(invocation.schedule, targets, async_op=True)
+            fold_on_stream = True
+        handle = self.buffer.reduce_gradients(invocation.schedule, targets, async_op=True,
+                                              hosted_grads=self._hosted_grads(layer, invocation, weight_grads),
+                                              fold_on_stream=fold_on_stream)
         self._reductions[id(invocation)] = (handle, targets, has_replica)
         self._issued(handle)
 
-    def _write_replica_grads(self, layer, invocation: Invocation,
-                             weight_grads: Optional[Sequence[Optional[torch.Tensor]]]) -> None:
-        """Each redundant slot this rank hosts gets its replica's weight gradient (a copy, cast to
-        the fp32 buffer), or zeros where it received no rows or a gradient is unset (an expert
-        kernel may leave an empty group's gradient unwritten)."""
-        buffer, per_slot = self.buffer, len(layer.expert_param_shapes)
+    @staticmethod
+    def _hosted_grads(layer, invocation: Invocation,
+                      weight_grads: Optional[Sequence[Optional[torch.Tensor]]]) -> Dict[int, Optional[list]]:
+        """What each redundant slot this rank hosts reduces: its replica's weight gradients, or
+        zeros (``None``) where it received no rows; an unset gradient is zeros too (an expert kernel
+        may leave an empty group's gradient unwritten). The transfer copies them into the shared
+        fp32 buffer on its own stream."""
+        per_slot, hosted = len(layer.expert_param_shapes), {}
         for s in invocation.schedule.rank_transfers(invocation.ep_rank).hosted_slots:
-            grads = (weight_grads[s * per_slot : (s + 1) * per_slot]
-                     if weight_grads is not None and invocation.replica_rows[s] > 0 else [None] * per_slot)
-            for view, grad in zip(buffer.grad_views(s), grads):
-                if grad is None:
-                    view.zero_()
-                else:
-                    view.copy_(grad)
+            hosted[s] = (weight_grads[s * per_slot : (s + 1) * per_slot]
+                         if weight_grads is not None and invocation.replica_rows[s] > 0 else None)
+        return hosted
 
     @native_torch
     def finish_reduction(self, layer, invocation: Invocation) -> List[Optional[torch.Tensor]]:

@@ -212,14 +212,14 @@ def run(layer, weights, rank, microbatches: int, permute_tokens: bool = False, h
             return built
 
         balancing.buffer.schedule = recording_schedule
-        write_replica_grads = balancing._write_replica_grads
+        hosted_grads = balancing._hosted_grads
 
-        def recording_write(layer_, invocation, weight_grads=None):
+        def recording_hosted_grads(layer_, invocation, weight_grads=None):
             mine = invocation.schedule.rank_transfers(invocation.ep_rank)
             idle_hosted.extend(s for s in mine.hosted_slots if invocation.replica_rows[s] == 0)
-            return write_replica_grads(layer_, invocation, weight_grads)
+            return hosted_grads(layer_, invocation, weight_grads)
 
-        balancing._write_replica_grads = recording_write
+        balancing._hosted_grads = recording_hosted_grads
         for local in range(layer.num_local_experts):
             for weight in expert_weights(layer, local):
                 accumulator = weight.expand_as(weight).grad_fn.next_functions[0][0]
