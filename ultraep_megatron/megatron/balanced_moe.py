@@ -54,7 +54,6 @@ from typing import List, Optional, Sequence
 import numpy as np
 import torch
 
-from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe import token_dispatcher as token_dispatcher_module
 from megatron.core.transformer.moe.token_dispatcher import (
@@ -128,6 +127,7 @@ class _PhysicalSlotRouting:
         self.invocation = invocation
         return invocation
 
+    @native_torch
     def _gather_load(self, routing_map: torch.Tensor) -> torch.Tensor:
         """[T, E] bool -> [R, E] int64 on the device: exact per-source load of the whole EP group."""
         local = routing_map.sum(dim=0)
@@ -135,9 +135,10 @@ class _PhysicalSlotRouting:
             return local.unsqueeze(0)
         # With expert-TP 1 the tp_ep group is the EP group, in EP-rank order. The all-to-all
         # dispatcher makes this exchange anyway for its splits (its ``preprocess`` then reuses it).
-        return gather_from_sequence_parallel_region(local, group=self.tp_ep_group).view(
-            self.ep_size, self.num_logical_experts
-        )
+        # Counts need no autograd: the collective itself, not megatron's differentiable gather.
+        gathered = local.new_empty(self.ep_size * self.num_logical_experts)
+        torch.distributed.all_gather_into_tensor(gathered, local, group=self.tp_ep_group)
+        return gathered.view(self.ep_size, self.num_logical_experts)
 
     def dispatch_preprocess(self, hidden_states, routing_map, probs):
         physical_map, physical_probs = self._reroute(routing_map, probs)
@@ -460,6 +461,7 @@ def _buffer_packer(buffer: torch.Tensor):
     """Saved-tensor pack hook: a view of ``buffer`` is saved as its geometry, not its storage."""
     storage = buffer.untyped_storage().data_ptr()
 
+    @native_torch  # our code, several times per layer and microbatch: no device mapping needed
     def pack(tensor):
         if tensor.untyped_storage().data_ptr() == storage:
             return ("replica-buffer", tensor.storage_offset(), tuple(tensor.shape), tensor.stride())
@@ -470,11 +472,16 @@ def _buffer_packer(buffer: torch.Tensor):
 
 def _buffer_unpacker(buffer: torch.Tensor, balancing: BalancingContext, invocation: Invocation):
     """Saved-tensor unpack hook: a saved view of ``buffer`` is resolved against the buffer once it
-    holds ``invocation``'s replicas again (re-materialized; raises if it was not)."""
+    holds ``invocation``'s replicas again (re-materialized; raises if it was not). The first unpack
+    of the invocation's backward waits; the buffer then holds them until this backward is done."""
+    waited = []
 
+    @native_torch
     def unpack(saved):
         if isinstance(saved, tuple):
-            balancing.wait_weights(invocation)
+            if not waited:
+                balancing.wait_weights(invocation)
+                waited.append(True)
             _, offset, shape, stride = saved
             return buffer.as_strided(shape, stride, offset)
         return saved
