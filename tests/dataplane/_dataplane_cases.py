@@ -292,10 +292,11 @@ def check_buffer_async(rank, world_size) -> list[str]:
         before = [flat(m).clone() for m in mains]
         handle = buffer.reduce_gradients(sched, mains, async_op=True, hosted_grads=grads,
                                          fold_on_stream=fold_on_stream)
-        if not fold_on_stream:
-            handle._issuing.result()  # the transfer is complete on the stream, the fold is not
-            if not all(torch.equal(flat(m), b) for m, b in zip(mains, before)):
-                failures.append("fold_on_stream=False: the main grads were written before wait()")
+        handle._issuing.result()  # the transfer is complete on the stream; the fold only if asked
+        if not fold_on_stream and not all(torch.equal(flat(m), b) for m, b in zip(mains, before)):
+            failures.append("fold_on_stream=False: the main grads were written before wait()")
+        if fold_on_stream and not all(torch.equal(flat(a), flat(b)) for a, b in zip(mains, written)):
+            failures.append("fold_on_stream=True: the main grads were not folded on the stream")
         handle.wait()
         if not all(torch.equal(flat(a), flat(b)) for a, b in zip(mains, written)):
             failures.append(f"async ReplicaBuffer reduction (fold_on_stream={fold_on_stream}) differs")
@@ -305,6 +306,15 @@ def check_buffer_async(rank, world_size) -> list[str]:
         failures.append("a bad input to an asynchronous ReplicaBuffer call was accepted")
     except ValueError:
         pass
+    bad.wait()  # raised once: the handle is done
+    if hosted:  # a gradient on another device (meta) is refused at the call, before any communication
+        odd = {s: [torch.empty(SHAPES[0], device="meta"), None] for s in hosted}
+        try:
+            reduce_gradients(sched, [main_grad(52, rank * 2 + j, False) for j in range(2)],
+                             torch.zeros(3, NUMEL), hosted_grads=odd)
+            failures.append("hosted_grads on another device was accepted")
+        except ValueError:
+            pass
     buffer.distribute_weights(sched, main)  # still usable, tags in step on every rank
     if not all(torch.equal(buffer.replica_weights[s], synchronous[s])
                for s, e in enumerate(plan[rank].tolist()) if e >= 0):

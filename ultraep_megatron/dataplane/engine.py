@@ -5,9 +5,10 @@ schedule, which every rank built from the same plan; no extra synchronization is
 
 * :func:`distribute_weights`: copy each replicated main expert into the replica slots of its hosts
   (forward, and again in backward to re-materialize the shared replica buffer).
-* :func:`reduce_gradients`: add every replica's gradient into its main expert's gradient. The caller
-  writes each hosted slot with its replica's gradient beforehand (a copy: no slot has to be kept at
-  zero between uses), and nothing is cleared afterwards.
+* :func:`reduce_gradients`: add every replica's gradient into its main expert's gradient. Each hosted
+  slot is written with its replica's gradient beforehand, by the caller or by the transfer itself
+  (``hosted_grads``; a copy: no slot has to be kept at zero between uses), and nothing is cleared
+  afterwards.
 
 Handles. Both can run asynchronously (``async_op=True``) and return a :class:`TransferHandle`,
 like DeepEP's buffer API: the caller keeps computing and calls ``handle.wait()`` where it needs the
@@ -18,10 +19,10 @@ the backend, never its result (bit-identical either way):
   first waits for the caller's stream; a relay's forward of a chunk waits on that chunk's receive
   through stream order, never on the host. ``wait()`` makes the caller's stream wait for an event.
 * anything else (gloo on the CPU), with a :class:`HostCommStream` (what :class:`ReplicaBuffer`
-  uses): the CPU's stand-in for that communication stream, one thread that packs and issues every
-  transfer handed to it, in order, relay rounds after their receives; ``wait()`` waits for it, then
-  for the operations. Without one, the caller issues the operations at once, except rounds in
-  which a relay forwards data it must first receive; ``wait()`` issues those.
+  uses): the CPU's stand-in for that communication stream, one thread that packs, issues and
+  completes every transfer handed to it, in order, relay rounds after their receives; ``wait()``
+  waits for it. Without one, the caller issues the operations at once, except rounds in which a
+  relay forwards data it must first receive; ``wait()`` issues those.
 
 Rounds. Direct edges move a whole expert in one operation in round 0. Experts streamed through a relay
 tree are chunked: in weight distribution, an edge of hop ``h`` moves chunk ``c`` in round
@@ -35,7 +36,8 @@ sends the partial sum to the home in round ``c + 1``; direct replicas send in ro
 Deterministic reduction. The home receives its children's gradients into staging rows (one per
 incoming edge) while the transfer is in flight, and folds them into the main gradients in
 ``wait()``, on the caller's stream, so the fold is ordered after the caller's own writes to those
-gradients (the main experts' weight gradients). Gradients are accumulated in
+gradients (the main experts' weight gradients); or, with ``fold_on_stream``, on the transfer's
+stream as soon as they have arrived, for a caller that does not touch them before ``wait()``. Gradients are accumulated in
 ``promote_types(main_grad, replica_grad)`` and cast back once. Per element the addition order is
 fixed by the plan: at a relay, ``((own + leaf_1) + leaf_2) + ...``; at the home,
 ``((main + local_replica) + child_1) + child_2 ...`` with leaves and children in ascending rank order
@@ -220,7 +222,8 @@ class HostCommStream:
     the socket; a packed expert is a copy), which on a GPU the communication stream and the
     copy engines do beside the compute. Every rank hands its transfers over in the same order, so
     one thread per group keeps the order NCCL needs; folds into the main gradients stay on the
-    caller's thread (``wait()``), as on CUDA they stay on the caller's stream.
+    caller's thread (``wait()``), as on CUDA on the caller's stream, unless a reduction asks for
+    them on the stream (``fold_on_stream``).
     """
 
     def __init__(self) -> None:
@@ -368,9 +371,10 @@ class TransferHandle:
 class _HostStreamTransfer(TransferHandle):
     """A transfer whose whole call runs on a :class:`HostCommStream`'s thread: its checks, schedule
     lookups, packing and issuing, and the wait for its operations, so that the caller's thread only
-    hands it over (:meth:`ReplicaBuffer.distribute_weights` / :meth:`~ReplicaBuffer.reduce_gradients`
-    with ``async_op`` on the CPU). ``call`` returns the transfer's own handle, its operations complete;
-    ``wait()`` waits for the thread, then completes that handle (a fold left to the caller)."""
+    hands it over (every :meth:`ReplicaBuffer.distribute_weights` /
+    :meth:`~ReplicaBuffer.reduce_gradients` on the CPU). ``call`` returns the transfer's own handle,
+    its operations complete; ``wait()`` waits for the thread, then completes that handle (a fold left
+    to the caller). A failed transfer raises in its first ``wait()`` only."""
 
     def __init__(self, stream: HostCommStream, call: Callable[[], TransferHandle]):
         super().__init__(iter(()), [], stream_ordered=False)
@@ -381,10 +385,12 @@ class _HostStreamTransfer(TransferHandle):
         if self._done:
             return
         t0, c0 = time.perf_counter(), time.thread_time()
-        transfer = self._issuing.result()  # re-raises what failed there, bad inputs included
-        transfer.wait()
-        self._done = True
-        self._issuing = None
+        issuing, self._issuing = self._issuing, None
+        try:
+            transfer = issuing.result()  # re-raises what failed there, bad inputs included
+            transfer.wait()
+        finally:
+            self._done = True
         self.host_seconds += time.perf_counter() - t0
         self.host_cpu_seconds += time.thread_time() - c0
 
@@ -439,15 +445,21 @@ def _start(program: Iterator[list], works: list, *, device: torch.device, group,
 _TAG_BITS = 20
 _SEQUENCES = 1 << (31 - _TAG_BITS)  # tags stay within a C int
 _next_sequence: dict[int, int] = {}  # id(process group) -> next transfer's sequence number
+_sequence_lock = threading.Lock()  # a HostCommStream's thread and the caller's may both take one
 
 
-def _take_sequence(group, schedule: TransferSchedule) -> int:
+def _take_sequence(group, schedule: TransferSchedule, sequence: int | None = None) -> int:
+    """The transfer's sequence number on ``group``: the next one, or ``sequence`` when the caller
+    took it already (:meth:`ReplicaBuffer._on_host_stream`, at the call, in call order)."""
+    if sequence is not None:
+        return sequence
     if schedule.num_edges * schedule.num_chunks >= 1 << _TAG_BITS:
         raise ValueError(f"a schedule of {schedule.num_edges} edges x {schedule.num_chunks} chunks needs "
                          f"more than 2**{_TAG_BITS} message tags; raise the chunk size")
     key = id(group if group is not None else dist.group.WORLD)
-    sequence = _next_sequence.get(key, 0)
-    _next_sequence[key] = (sequence + 1) % _SEQUENCES
+    with _sequence_lock:
+        sequence = _next_sequence.get(key, 0)
+        _next_sequence[key] = (sequence + 1) % _SEQUENCES
     return sequence
 
 
@@ -504,6 +516,7 @@ def distribute_weights(
     async_op: bool = False,
     start_after: TransferHandle | None = None,
     comm_stream=None,
+    _sequence: int | None = None,
 ) -> TransferHandle | None:
     """Copy every replicated main expert into its replica slots (bit-identical). Collective.
 
@@ -533,7 +546,7 @@ def distribute_weights(
     mine = schedule.rank_transfers(rank)
     first_local = rank * schedule.experts_per_rank
     works: list = []
-    sequence = _take_sequence(group, schedule)
+    sequence = _take_sequence(group, schedule, _sequence)
 
     def program():
         # Packed on the transfer's stream: a snapshot of the main weights as the caller left them.
@@ -561,6 +574,7 @@ def reduce_gradients(
     comm_stream=None,
     hosted_grads: Mapping[int, Sequence[torch.Tensor] | None] | None = None,
     fold_on_stream: bool = False,
+    _sequence: int | None = None,
 ) -> TransferHandle | None:
     """Add every replica's gradient into its main expert's gradient. Collective.
 
@@ -577,9 +591,10 @@ def reduce_gradients(
         replica_grads: ``[num_slots, expert_numel]`` contiguous floating tensor (typically fp32);
             communicated in its own dtype.
         group: the process group of the EP ranks (default: the world).
-        async_op: return a :class:`TransferHandle` instead of waiting. The main gradients are read
-            and written only inside ``wait()`` (on the caller's stream), so the caller may keep
-            writing them until then; ``replica_grads`` must not be touched before ``wait()``.
+        async_op: return a :class:`TransferHandle` instead of waiting. Without ``fold_on_stream``
+            the main gradients are read and written only inside ``wait()`` (on the caller's stream),
+            so the caller may keep writing them until then; ``replica_grads`` must not be touched
+            before ``wait()``, nor another reduction on it started.
         start_after: a transfer this one must follow (it is waited for first).
         comm_stream: CUDA stream for NCCL transfers (default: the current stream, no overlap), or a
             :class:`HostCommStream` for CPU transfers (default: the caller's thread).
@@ -614,9 +629,10 @@ def reduce_gradients(
     reduced_here = mine.replicated_experts
     first_local = rank * schedule.experts_per_rank
     shapes = [g.shape for g in main_grads[0]]
-    stream_reads = _check_hosted_grads(hosted_grads, mine.hosted_slots, shapes) if hosted_grads is not None else []
+    stream_reads = (_check_hosted_grads(hosted_grads, mine.hosted_slots, shapes, replica_grads.device)
+                    if hosted_grads is not None else [])
     works: list = []
-    sequence = _take_sequence(group, schedule)
+    sequence = _take_sequence(group, schedule, _sequence)
     staging = torch.empty(len(children), schedule.expert_numel if children else 0,
                           dtype=replica_grads.dtype, device=replica_grads.device)
 
@@ -689,18 +705,23 @@ def reduce_gradients(
                   keep=(staging, replica_grads, *stream_reads), stream_reads=stream_reads)
 
 
-def _check_hosted_grads(hosted_grads, hosted_slots: tuple, shapes) -> list[torch.Tensor]:
+def _check_hosted_grads(hosted_grads, hosted_slots: tuple, shapes, device: torch.device) -> list[torch.Tensor]:
     """``hosted_grads`` names exactly the hosted slots, each with ``None`` or one tensor (or
-    ``None``) per expert tensor, of its shape; returns those tensors."""
+    ``None``) per expert tensor: of its shape, dense, floating point, on the buffer's device (what
+    the copy on the transfer's stream needs: it runs after the peers may have started); returns
+    those tensors."""
     if sorted(hosted_grads) != list(hosted_slots):
         raise ValueError(f"hosted_grads has slots {sorted(hosted_grads)}, this rank hosts {list(hosted_slots)}")
     tensors = []
     for slot, grads in hosted_grads.items():
         if grads is None:
             continue
-        if len(grads) != len(shapes) or any(g is not None and (not isinstance(g, torch.Tensor) or g.shape != shape)
-                                            for g, shape in zip(grads, shapes)):
-            raise ValueError(f"hosted_grads[{slot}] must be {len(shapes)} tensors of shapes {[tuple(s) for s in shapes]}")
+        if len(grads) != len(shapes) or any(
+                g is not None and (not isinstance(g, torch.Tensor) or g.shape != shape or g.layout != torch.strided
+                                   or not g.is_floating_point() or g.device != device)
+                for g, shape in zip(grads, shapes)):
+            raise ValueError(f"hosted_grads[{slot}] must be {len(shapes)} dense floating tensors on {device} of "
+                             f"shapes {[tuple(s) for s in shapes]} (or None)")
         tensors += [g for g in grads if g is not None]
     return tensors
 
@@ -801,9 +822,10 @@ class ReplicaBuffer:
         order of the calls: an asynchronous one returns once handed over, and its bad inputs raise
         in ``wait()`` (still before any communication)."""
         if isinstance(self.comm_stream, HostCommStream):
+            sequence = self._take_sequence(schedule, start_after)
             return self._on_host_stream(lambda: _completed(distribute_weights(
-                schedule, main_weights, self.replica_weights, self.group, async_op=True), finish=True),
-                async_op, start_after)
+                schedule, main_weights, self.replica_weights, self.group, async_op=True, _sequence=sequence),
+                finish=True), async_op)
         return distribute_weights(schedule, main_weights, self.replica_weights, self.group,
                                   async_op=async_op, start_after=start_after,
                                   comm_stream=self.comm_stream)
@@ -817,21 +839,29 @@ class ReplicaBuffer:
         On the CPU every call runs whole on the stream's thread, as :meth:`distribute_weights`;
         without ``fold_on_stream`` the fold still waits for ``wait()``, on the caller's thread."""
         if isinstance(self.comm_stream, HostCommStream):
+            sequence = self._take_sequence(schedule, start_after)
             return self._on_host_stream(lambda: _completed(reduce_gradients(
                 schedule, main_grads, self.replica_grads, self.group, async_op=True,
-                hosted_grads=hosted_grads), finish=fold_on_stream), async_op, start_after)
+                hosted_grads=hosted_grads, fold_on_stream=fold_on_stream, _sequence=sequence),
+                finish=fold_on_stream), async_op)
         return reduce_gradients(schedule, main_grads, self.replica_grads, self.group,
                                 async_op=async_op, start_after=start_after,
                                 comm_stream=self.comm_stream, hosted_grads=hosted_grads,
                                 fold_on_stream=fold_on_stream)
 
-    def _on_host_stream(self, call: Callable[[], TransferHandle], async_op: bool,
-                        start_after: TransferHandle | None) -> TransferHandle | None:
-        """Run a transfer's whole call on the buffer's HostCommStream. Every transfer of the buffer
-        goes through it, synchronous ones too, so the transfers take their message tags in the
-        order of the calls on every rank."""
+    def _take_sequence(self, schedule: TransferSchedule, start_after: TransferHandle | None) -> int:
+        """Before handing a call to the HostCommStream: wait for ``start_after``, and take the
+        transfer's message-tag sequence number here, at the call, so that every rank numbers its
+        transfers on the group in call order, whichever thread issues them."""
         if start_after is not None:
             start_after.wait()
+        _check_schedule(schedule, _group_rank(self.group)[1])
+        return _take_sequence(self.group, schedule)
+
+    def _on_host_stream(self, call: Callable[[], TransferHandle], async_op: bool) -> TransferHandle | None:
+        """Run a transfer's whole call on the buffer's HostCommStream (every transfer of the buffer
+        goes through it, synchronous ones too). A reduction whose fold is left to ``wait()`` must be
+        waited before the next reduction on the buffer starts (it reads the hosted slots then)."""
         handle = _HostStreamTransfer(self.comm_stream, call)
         if async_op:
             return handle

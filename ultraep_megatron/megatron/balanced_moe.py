@@ -473,13 +473,13 @@ def _buffer_packer(buffer: torch.Tensor):
 def _buffer_unpacker(buffer: torch.Tensor, balancing: BalancingContext, invocation: Invocation):
     """Saved-tensor unpack hook: a saved view of ``buffer`` is resolved against the buffer once it
     holds ``invocation``'s replicas again (re-materialized; raises if it was not). The first unpack
-    of the invocation's backward waits; the buffer then holds them until this backward is done."""
+    of the invocation's backward waits for the transfer; later ones only check the holder."""
     waited = []
 
     @native_torch
     def unpack(saved):
         if isinstance(saved, tuple):
-            if not waited:
+            if not waited or balancing.holder is not invocation:
                 balancing.wait_weights(invocation)
                 waited.append(True)
             _, offset, shape, stride = saved
