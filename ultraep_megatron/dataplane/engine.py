@@ -282,6 +282,7 @@ class TransferHandle:
         self._comm_stream = comm_stream
         self._finish = finish
         self._finish_on_stream = finish_on_stream  # run ``finish`` on the comm stream, not in wait()
+        self._pending: list = []  # receives the program's next round depends on
         self._keep = keep  # tensors the operations in flight read or write
         self._event = None
         self._done = False
@@ -298,9 +299,7 @@ class TransferHandle:
         t0, c0 = time.perf_counter(), time.thread_time()
         if self._stream_ordered:
             with torch.cuda.stream(self._comm_stream):
-                self._issue_all()  # NCCL: a receive's wait() makes the comm stream wait, not the host
-                for work in self._works:
-                    work.wait()
+                self._complete_operations()  # NCCL: a wait() makes the comm stream wait, not the host
                 if self._finish_on_stream:
                     self._finish()
                 self._event = self._comm_stream.record_event()
@@ -312,18 +311,10 @@ class TransferHandle:
         self.host_cpu_seconds += time.thread_time() - c0
 
     @torch.no_grad()
-    def _issue_all(self) -> None:
-        """Issue the whole program, waiting for a relay's receives before the rounds that forward
-        them: on the comm stream (CUDA) or on a :class:`HostCommStream`'s thread."""
-        for dependencies in self._program:
-            for work in dependencies:
-                work.wait()
-        self._program = None
-
-    @torch.no_grad()
     def _complete_operations(self) -> None:
-        """Without a comm stream: wait for the receives, issue the rounds that depended on them, and
-        wait for every operation (the thread calling this blocks)."""
+        """Issue what is left of the program, each round after the receives it depends on (a
+        relay's), and wait for every operation: on the comm stream (CUDA), a HostCommStream's thread,
+        or the caller's thread, which then blocks."""
         while self._program is not None:
             for work in self._pending:  # the host waits, then issues what depended on it
                 work.wait()
@@ -338,9 +329,7 @@ class TransferHandle:
         """The whole transfer on a :class:`HostCommStream`'s thread: issue it, wait for every
         operation (the stream's next transfer starts after this one, as on a CUDA stream), and fold
         there when ``finish_on_stream``. The caller's ``wait()`` then only waits for this."""
-        self._issue_all()
-        for work in self._works:
-            work.wait()
+        self._complete_operations()
         if self._finish_on_stream:
             self._finish()
 
@@ -842,8 +831,7 @@ class ReplicaBuffer:
             sequence = self._take_sequence(schedule, start_after)
             return self._on_host_stream(lambda: _completed(reduce_gradients(
                 schedule, main_grads, self.replica_grads, self.group, async_op=True,
-                hosted_grads=hosted_grads, fold_on_stream=fold_on_stream, _sequence=sequence),
-                finish=fold_on_stream), async_op)
+                hosted_grads=hosted_grads, _sequence=sequence), finish=fold_on_stream), async_op)
         return reduce_gradients(schedule, main_grads, self.replica_grads, self.group,
                                 async_op=async_op, start_after=start_after,
                                 comm_stream=self.comm_stream, hosted_grads=hosted_grads,

@@ -29,9 +29,10 @@ The backward, in the order autograd runs it::
                          the shared weight buffer, which later layers overwrote (re-materialization)
     combine, its all-to-all and unpermute backward      (overlap the re-materialization)
     replica experts' backward (saved weights resolved against the re-materialized buffer)
-    _ReplicaWeights      replica weight gradients into the shared fp32 buffer; starts their
-                         reduction towards the home ranks (on a rank whose redundant slots received
-                         no rows, a _StartInBackward starts its part at this point)
+    _ReplicaWeights      starts the reduction of the replica weight gradients towards the home
+                         ranks, which copies them into the shared fp32 buffer on its stream (on a
+                         rank whose redundant slots received no rows, a _StartInBackward starts its
+                         part at this point)
     main experts' backward                              (overlaps the reduction)
     chunk sort backward
     _ReduceReplicaGrads  completes the reduction into the main experts' gradients; releases the ring
@@ -409,8 +410,9 @@ class _ReplicaWeights(torch.autograd.Function):
     """The redundant slots' weights as tensors of the layer's autograd graph: views of the shared
     weight buffer, flat (slot-major, ``expert_param_shapes`` order). The forward waits for the
     invocation's weight distribution; the backward, once autograd has every replica weight
-    gradient, writes them into the shared fp32 gradient buffer and starts their reduction towards
-    the home ranks (collective, so every rank runs it, with replica rows or not).
+    gradient, starts their reduction towards the home ranks with them (which copies them into the
+    shared fp32 gradient buffer on its stream; collective, so every rank runs it, with replica rows
+    or not).
 
     The replica experts then run in the layer's graph (:func:`_run_replicas_in_graph`), not in a
     graph of their own differentiated by a nested backward call. Their saved weights are stored as

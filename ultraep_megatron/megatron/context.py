@@ -415,12 +415,12 @@ class BalancingContext:
             weight_grads: the replica weights' gradients, flat (slot-major, the layer's
                 ``expert_param_shapes`` order; ``None`` where unset), or ``None`` where no replica
                 backward ran (a rank whose redundant slots received no rows, or replica weights
-                that needed no gradient). They are written into the slots this rank hosts (zeros
-                where there are none): what the reduction sends.
+                that needed no gradient). The reduction copies them into the slots this rank hosts
+                (zeros where there are none) on its own stream, and sends those.
         """
         if invocation.schedule_builder is None or id(invocation) in self._reductions:
             return
-        self._wait(self._transfer)  # the buffer's previous transfer may still read the slots
+        self._wait(self._transfer)  # a previous reduction's fold left to wait() reads the slots
         params = layer.main_expert_param_lists()
         use_main_grad = all(getattr(p, "main_grad", None) is not None for ps in params for p in ps)
         if use_main_grad:  # Megatron DDP: straight into the fp32 main_grad buffers
