@@ -8,11 +8,10 @@
   Megatron's own spec, a fault of workers/pretrain_grad_dump.py) stops training at startup, named.
 """
 
-import subprocess
 
 import pytest
 
-from gloo_launch import REPO_ROOT, WORKERS, gloo_env, torchrun_command
+from gloo_launch import REPO_ROOT, WORKERS, gloo_env, run_process_group, torchrun_command
 from megatron_runs import recipe_moe_args, tiny_moe_args
 
 from ultraep_megatron.megatron.cpu_backend import CPU_FLAGS
@@ -25,8 +24,8 @@ ARGUMENT_DUMP = "------------------------ arguments ------------------------"
 
 def torchrun(script, nproc, args, env=None, timeout_s=300):
     """(exit status, combined output) of ``script`` on ``nproc`` gloo ranks."""
-    completed = subprocess.run(torchrun_command(script, nproc, args), cwd=REPO_ROOT, env=gloo_env(env), capture_output=True,
-                               text=True, timeout=timeout_s)
+    completed = run_process_group(torchrun_command(script, nproc, args), cwd=REPO_ROOT, env=gloo_env(env),
+                                  timeout_s=timeout_s)
     return completed.returncode, completed.stdout + completed.stderr
 
 

@@ -61,7 +61,7 @@ def test_rank_dispatch_matches_the_plan(problem, data):
         np.testing.assert_array_equal(d.output_splits, received.sum(1))
         np.testing.assert_array_equal(d.input_splits, sent.reshape(R, P).sum(1))
         table = d.reroute_table
-        assert table.shape == (3, E * R + 1)
+        assert table.shape == (4, E * R + 1)
         assert table[0, -1] == np.iinfo(np.int64).max and table[1, -1] == R * P
         np.testing.assert_array_equal(table[2, E:], 0)
         # Row 1: the instance's physical slot, from the plan's own instance map (0 where none).
@@ -70,19 +70,31 @@ def test_rank_dispatch_matches_the_plan(problem, data):
         rows = routed_rows(table, load[rank].numpy(), R * P)
         np.testing.assert_array_equal(rows[:-1], sent)
         assert rows[-1] == 0, "pairs past the last instance"
+        # Row 3: the send buffer holds the pairs in expert-major order stably sorted by physical
+        # slot (megatron's permutation order): instance k's pairs (positions begin..end) fill
+        # rows row3[k] + begin .., and the instances that send rows, ordered by (slot, first
+        # position), fill the buffer back to back from row 0.
+        N = int(load[rank].sum())
+        ends = table[0, :-1]
+        begins = np.concatenate([[0], ends[:-1]])
+        sending = np.flatnonzero(ends > begins)
+        order = sending[np.lexsort((begins[sending], table[1, sending]))]
+        first_rows = table[3, order] + begins[order]
+        np.testing.assert_array_equal(first_rows, np.cumsum((ends - begins)[order]) - (ends - begins)[order])
+        assert table[3, -1] == N + 1  # a position past the last instance lands past the spare row
 
 
 def test_rank_dispatch_fills_given_buffers_and_checks_them():
     load = torch.tensor([[90, 1, 2, 3], [80, 0, 1, 1]])
     plan = solve(load, 1, min_quota=1)
     rows = np.full((2, 3), -7, np.int64)
-    table = np.full((3, 9), -7, np.int64)
+    table = np.full((4, 9), -7, np.int64)
     d = rank_dispatch(plan, load, 1, rows_per_source_slot=rows, reroute_table=table)
     assert d.rows_per_source_slot is rows and d.reroute_table is table
     np.testing.assert_array_equal(rows, tokens_received_per_local_slot(plan, 1).numpy())
     assert (table != -7).all()
     with pytest.raises(ValueError, match="int64 array of shape"):
-        rank_dispatch(plan, load, 0, reroute_table=np.zeros((3, 8), np.int64))
+        rank_dispatch(plan, load, 0, reroute_table=np.zeros((4, 8), np.int64))
     with pytest.raises(ValueError, match="int64 array of shape"):
         rank_dispatch(plan, load, 0, rows_per_source_slot=np.zeros((2, 3), np.int32))
     with pytest.raises(ValueError, match="rank must be in"):

@@ -166,6 +166,15 @@ class _PhysicalSlotRouting:
         """``combine_preprocess`` of the main experts' and the redundant slots' outputs, stacked."""
         return self.combine_preprocess(torch.cat([main_out, replica_out]))
 
+    def _check_plan(self, routing_map: torch.Tensor) -> None:
+        """With ``--moe-balancer-check-plans`` only (a device read): the routing is the load the
+        invocation's plan was solved for."""
+        if self._layer.balancing.check_plans and not torch.equal(
+                routing_map.sum(dim=0).cpu(), self.invocation.load[self.ep_rank]):
+            raise RuntimeError(f"MoE layer {self._layer.layer_number}: the routing differs from the load "
+                               "its plan was solved for (not exactly top-k per token, or a recompute "
+                               "replay that is not deterministic)")
+
     @native_torch
     def _reroute(self, routing_map: torch.Tensor, probs: torch.Tensor):
         """Rewrite the routing from logical experts to physical slots, exactly per the plan. Device
@@ -188,11 +197,7 @@ class _PhysicalSlotRouting:
         invocation, balancing = self.invocation, self._layer.balancing
         num_tokens = routing_map.size(0)
         device = routing_map.device
-        if balancing.check_plans and not torch.equal(routing_map.sum(dim=0).cpu(),
-                                                     invocation.load[self.ep_rank]):
-            raise RuntimeError(f"MoE layer {self._layer.layer_number}: the routing differs from the load "
-                               "its plan was solved for (not exactly top-k per token, or a recompute "
-                               "replay that is not deterministic)")
+        self._check_plan(routing_map)
         table = invocation.reroute_table.to(device, non_blocking=True)
         num_physical = self.ep_size * self.slots_per_rank
         # Dense over [T, E], no sort, few ops (host time per layer): a pair's position in the
@@ -231,6 +236,84 @@ class BalancedAlltoAllDispatcher(_PhysicalSlotRouting, MoEAlltoAllTokenDispatche
         self.num_global_tokens_per_local_expert = (
             rows.to(routing_map.device, non_blocking=True) if self.config.moe_permute_fusion else rows)
         return invocation.rows_per_slot
+
+    def _permutes_from_plan(self) -> bool:
+        """Whether :meth:`dispatch_preprocess` permutes the tokens straight from the plan: megatron's
+        unfused permutation, which it replaces (the fused one, TE's kernels on the physical map,
+        stays megatron's)."""
+        return not (self.config.moe_permute_fusion or self.drop_and_pad or self.tp_size > 1
+                    or self.config.moe_router_padding_for_quantization)
+
+    def dispatch_preprocess(self, hidden_states, routing_map, probs):
+        """megatron's ``dispatch_preprocess`` (the same dispatcher state, its shared-expert and sync
+        hooks), with the permutation computed from the plan instead of from a physical routing map.
+
+        megatron's unfused permutation argsorts the whole ``[T, R * P]`` physical map to sort the
+        (token, slot) pairs slot-major; the plan already says where each pair goes
+        (:meth:`_permutation`), so neither the physical map nor the sort is built.
+
+        Args:
+            routing_map: [T, E] bool, logical experts, exactly ``topk`` per token.
+            probs: [T, E] router probabilities.
+
+        Returns:
+            (permuted tokens [N, H], their probabilities [N]), ``N = T * topk``, physical-slot-major
+            and token-ascending within a slot, as megatron's permutation of the physical map.
+        """
+        if not self._permutes_from_plan():
+            return super().dispatch_preprocess(hidden_states, routing_map, probs)
+        self.hidden_shape = hidden_states.shape
+        self.probs = probs
+        # Read only by megatron's fused or drop-and-pad unpermute, neither of which runs here; None
+        # so that nothing can mistake the logical map for the physical one.
+        self.routing_map = None
+        hidden_states = hidden_states.view(-1, self.hidden_shape[-1])
+        self.tokens_per_expert = self.preprocess(routing_map)
+        if self.shared_experts is not None:
+            self.shared_experts.pre_forward_comm(hidden_states.view(self.hidden_shape))
+        self.tokens_per_expert = self._maybe_dtoh_and_synchronize("before_permutation_1", self.tokens_per_expert)
+        self.hidden_shape_before_permute = hidden_states.shape
+        sorted_tokens, permuted_probs = self._permutation(routing_map, probs)
+        self.reversed_local_input_permutation_mapping = sorted_tokens
+        return hidden_states.index_select(0, sorted_tokens), permuted_probs
+
+    @native_torch
+    def _permutation(self, routing_map: torch.Tensor, probs: torch.Tensor):
+        """Where each routed (token, expert) pair goes in the all-to-all's send buffer, exactly per
+        the plan. Device work only: no host read, fixed shapes, no sort.
+
+        A pair's expert-major position (as in :meth:`_reroute`) picks its instance; row 3 of the
+        plan's reroute table turns the position into its send-buffer row (the instance's slot's
+        first row, plus the pair's rank among the instance's pairs, which the plan hands out in
+        token order). Unrouted entries land in a spare row past the buffer, dropped.
+
+        Args:
+            routing_map: [T, E] bool, exactly ``topk`` experts per token.
+            probs: [T, E] router probabilities (differentiable).
+
+        Returns:
+            (sorted_tokens [N] int64: the token of each send-buffer row, permuted_probs [N],
+            differentiable in ``probs``), ``N = T * topk``.
+        """
+        t0 = time.perf_counter()
+        invocation, balancing = self.invocation, self._layer.balancing
+        num_tokens, num_experts = routing_map.shape
+        device = routing_map.device
+        self._check_plan(routing_map)
+        table = invocation.reroute_table.to(device, non_blocking=True)
+        num_rows = self.num_out_tokens
+        position = (routing_map.cumsum(dim=0) + table[2, :num_experts]).view(-1)
+        instance = torch.searchsorted(table[0], position, right=True)
+        row = torch.where(routing_map.view(-1), table[3].index_select(0, instance) + position, num_rows)
+        # Every row below num_rows is written once; -1 would fail the token gather loudly if the
+        # routing ever left one unwritten (a routing other than the plan's load).
+        # Not repeat_interleave: without an output size it reads the repeats' sum on the host.
+        tokens = torch.arange(num_tokens, device=device).unsqueeze(1).expand(-1, num_experts).reshape(-1)
+        sorted_tokens = torch.full((num_rows + 1,), -1, dtype=torch.int64, device=device)
+        sorted_tokens = sorted_tokens.scatter_(0, row, tokens)[:num_rows]
+        permuted_probs = probs.new_zeros(num_rows + 1).scatter(0, row, probs.reshape(-1))[:num_rows]
+        balancing.overheads.reroute_seconds += time.perf_counter() - t0
+        return sorted_tokens, permuted_probs
 
     def _sorts_chunks_on_host(self) -> bool:
         """Whether megatron's chunk sort here is the unfused split-and-concatenate over (physical

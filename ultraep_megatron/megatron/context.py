@@ -60,7 +60,7 @@ class Invocation:
         replica_rows: rows each of its S redundant slots receives.
         balanced: whether the load reached the balancer's trigger (``LayerBalancer.balances``;
             below it ultraep plans no replica).
-        reroute_table: int64 ``[3, E * R + 1]``, ``planner.RankDispatch.reroute_table`` (the
+        reroute_table: int64 ``[4, E * R + 1]``, ``planner.RankDispatch.reroute_table`` (the
             reroute's spare column is its last physical slot + 1). Pinned on CUDA, so its upload is
             non-blocking.
         plan_seconds: host time of the planner.
@@ -113,7 +113,7 @@ def plan_invocation(plan: planner.Plan, load: torch.Tensor, ep_rank: int, *, lay
     G, P = E // R, plan.physical_slots_per_rank
     pinned = torch.cuda.is_available()  # what is uploaded is pinned: a non-blocking upload
     rows_per_source_slot = torch.empty(R, P, dtype=torch.int64, pin_memory=pinned)
-    table = torch.empty(3, E * R + 1, dtype=torch.int64, pin_memory=pinned)
+    table = torch.empty(4, E * R + 1, dtype=torch.int64, pin_memory=pinned)
     dispatch = planner.rank_dispatch(plan, load, ep_rank, rows_per_source_slot=rows_per_source_slot.numpy(),
                                      reroute_table=table.numpy())
     rows_per_slot = dispatch.rows_per_slot

@@ -217,14 +217,18 @@ class RankDispatch:
         rows_per_slot: [P] rows each of this rank's physical slots receives.
         input_splits / output_splits: [R] rows this rank sends to / receives from each rank (the
             token all-to-all's splits).
-        reroute_table: [3, E * R + 1], this rank as a source: row 0 is the running total of the
+        reroute_table: [4, E * R + 1], this rank as a source: row 0 is the running total of the
             rows it sends to the instances of each expert (expert-major, instance rank minor), then
             a sentinel above every position (int64 max); row 1 the physical slot of that instance
             (0 where there is none: such an entry sends no row), then ``R * P``, a spare column
             past the last physical slot; row 2's first E entries the expert-major position of each
-            expert's first pair, minus one (exclusive running total of this rank's load), then 0.
-            A pair at expert-major position ``i`` goes to the instance of the first entry of row 0
-            above ``i`` (``searchsorted(row0, i, right=True)``).
+            expert's first pair, minus one (exclusive running total of this rank's load), then 0;
+            row 3 the row of this rank's send buffer (physical-slot-major, the all-to-all's input
+            order) of the instance's first pair minus that pair's expert-major position, then
+            ``N + 1`` (``N`` the rows this rank sends: a position past the last instance lands past
+            the buffer and a spare row). A pair at expert-major position ``i`` goes to the instance
+            ``k`` of the first entry of row 0 above ``i`` (``searchsorted(row0, i, right=True)``),
+            to its physical slot ``row1[k]`` and to send-buffer row ``row3[k] + i``.
     """
 
     rows_per_source_slot: np.ndarray
@@ -241,7 +245,7 @@ def rank_dispatch(plan: Plan, load: torch.Tensor, rank: int, *,
     ``rank``: one compiled pass, a few microseconds (it runs per layer and microbatch between the
     load's arrival on the host and the reroute, where the device waits).
 
-    ``rows_per_source_slot`` ([R, P]) and ``reroute_table`` ([3, E * R + 1]), if given, are
+    ``rows_per_source_slot`` ([R, P]) and ``reroute_table`` ([4, E * R + 1]), if given, are
     C-contiguous int64 arrays to fill (e.g. views of pinned host tensors to upload from).
     """
     R, E = plan.num_ranks, plan.num_experts
@@ -267,7 +271,7 @@ def rank_dispatch(plan: Plan, load: torch.Tensor, rank: int, *,
 
     out = RankDispatch(output_array(rows_per_source_slot, (R, P)), np.empty(P, np.int64),
                        np.empty(R, np.int64), np.empty(R, np.int64),
-                       output_array(reroute_table, (3, E * R + 1)))
+                       output_array(reroute_table, (4, E * R + 1)))
     _compiled.dispatch_arrays(_host(plan.physical_split), _host(plan.slot_expert), _host(load),
                               rank, out.rows_per_source_slot, out.rows_per_slot, out.input_splits,
                               out.output_splits, out.reroute_table)

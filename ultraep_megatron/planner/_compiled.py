@@ -385,7 +385,7 @@ def dispatch_arrays(physical_split, slot_expert, load, rank, rows_per_source_slo
     """One rank's dispatch metadata of a plan, into the given arrays (planner.rank_dispatch).
 
     physical_split [R, R * P], slot_expert [R, S], load [R, E] -> rows_per_source_slot [R, P],
-    rows_per_slot [P], input_splits [R], output_splits [R], reroute_table [3, E * R + 1]. A
+    rows_per_slot [P], input_splits [R], output_splits [R], reroute_table [4, E * R + 1]. A
     rank's later slot of an expert wins over an earlier one (there is none in a valid plan).
     """
     R, E = load.shape
@@ -437,6 +437,19 @@ def dispatch_arrays(physical_split, slot_expert, load, rank, rows_per_source_slo
         total += load[rank, e]
     for i in range(E, E * R + 1):
         reroute_table[2, i] = 0
+    # Row 3: the row of this rank's send buffer (physical-slot-major, the all-to-all's input) that
+    # an instance's first pair fills, minus that pair's expert-major position; past the last
+    # instance, a value that puts every position past the buffer and its spare row.
+    slot_row = np.empty(R * P, np.int64)
+    row = 0
+    for slot in range(R * P):
+        slot_row[slot] = row
+        row += physical_split[rank, slot]
+    begin = 0
+    for i in range(E * R):
+        reroute_table[3, i] = slot_row[reroute_table[1, i]] - begin
+        begin = reroute_table[0, i]
+    reroute_table[3, E * R] = total + 1
 
 
 @njit(cache=True, nogil=True)
