@@ -175,6 +175,23 @@ class _PhysicalSlotRouting:
                                "its plan was solved for (not exactly top-k per token, or a recompute "
                                "replay that is not deterministic)")
 
+    def _instances(self, routing_map: torch.Tensor):
+        """Each (token, expert) entry's expert-major position and the plan's instance for it (the
+        plan check first, with ``--moe-balancer-check-plans``).
+
+        Dense over [T, E], no sort, few ops (host time per layer): a pair's position in the
+        expert-major, token-ascending order is the routed tokens of its expert up to it plus the
+        expert's offset (from the host load); positions past the last instance hit the sentinel.
+        Unrouted entries get a position too (their expert's count so far), which callers mask.
+
+        Returns:
+            (reroute table on the device [4, E * R + 1], position [T * E], instance [T * E]).
+        """
+        self._check_plan(routing_map)
+        table = self.invocation.reroute_table.to(routing_map.device, non_blocking=True)
+        position = (routing_map.cumsum(dim=0) + table[2, : self.num_logical_experts]).view(-1)
+        return table, position, torch.searchsorted(table[0], position, right=True)
+
     @native_torch
     def _reroute(self, routing_map: torch.Tensor, probs: torch.Tensor):
         """Rewrite the routing from logical experts to physical slots, exactly per the plan. Device
@@ -194,17 +211,10 @@ class _PhysicalSlotRouting:
             ``probs``).
         """
         t0 = time.perf_counter()
-        invocation, balancing = self.invocation, self._layer.balancing
         num_tokens = routing_map.size(0)
         device = routing_map.device
-        self._check_plan(routing_map)
-        table = invocation.reroute_table.to(device, non_blocking=True)
+        table, _, instance = self._instances(routing_map)
         num_physical = self.ep_size * self.slots_per_rank
-        # Dense over [T, E], no sort, few ops (host time per layer): a pair's position in the
-        # expert-major, token-ascending order is the routed tokens of its expert up to it plus the
-        # expert's offset (from the host load). Positions past the last instance hit the sentinel.
-        position = routing_map.cumsum(dim=0) + table[2, : self.num_logical_experts]
-        instance = torch.searchsorted(table[0], position.view(-1), right=True)
         # index_select, not advanced indexing: the same gather, a fifth of the reroute's host time less.
         instance_slot = table[1].index_select(0, instance).view(num_tokens, self.num_logical_experts)
         # Unrouted (token, expert) entries go to a spare last column, dropped below. Routed pairs
@@ -214,7 +224,7 @@ class _PhysicalSlotRouting:
         physical_map = physical_map.scatter_(1, slot, routing_map)[:, :num_physical].contiguous()
         physical_probs = torch.zeros(num_tokens, num_physical + 1, dtype=probs.dtype, device=device)
         physical_probs = physical_probs.scatter(1, slot, probs)[:, :num_physical].contiguous()
-        balancing.overheads.reroute_seconds += time.perf_counter() - t0
+        self._layer.balancing.overheads.reroute_seconds += time.perf_counter() - t0
         return physical_map, physical_probs
 
 
@@ -282,7 +292,7 @@ class BalancedAlltoAllDispatcher(_PhysicalSlotRouting, MoEAlltoAllTokenDispatche
         """Where each routed (token, expert) pair goes in the all-to-all's send buffer, exactly per
         the plan. Device work only: no host read, fixed shapes, no sort.
 
-        A pair's expert-major position (as in :meth:`_reroute`) picks its instance; row 3 of the
+        A pair's expert-major position picks its instance (:meth:`_instances`); row 3 of the
         plan's reroute table turns the position into its send-buffer row (the instance's slot's
         first row, plus the pair's rank among the instance's pairs, which the plan hands out in
         token order). Unrouted entries land in a spare row past the buffer, dropped.
@@ -296,14 +306,10 @@ class BalancedAlltoAllDispatcher(_PhysicalSlotRouting, MoEAlltoAllTokenDispatche
             differentiable in ``probs``), ``N = T * topk``.
         """
         t0 = time.perf_counter()
-        invocation, balancing = self.invocation, self._layer.balancing
         num_tokens, num_experts = routing_map.shape
         device = routing_map.device
-        self._check_plan(routing_map)
-        table = invocation.reroute_table.to(device, non_blocking=True)
+        table, position, instance = self._instances(routing_map)
         num_rows = self.num_out_tokens
-        position = (routing_map.cumsum(dim=0) + table[2, :num_experts]).view(-1)
-        instance = torch.searchsorted(table[0], position, right=True)
         row = torch.where(routing_map.view(-1), table[3].index_select(0, instance) + position, num_rows)
         # Every row below num_rows is written once; -1 would fail the token gather loudly if the
         # routing ever left one unwritten (a routing other than the plan's load).
@@ -312,7 +318,7 @@ class BalancedAlltoAllDispatcher(_PhysicalSlotRouting, MoEAlltoAllTokenDispatche
         sorted_tokens = torch.full((num_rows + 1,), -1, dtype=torch.int64, device=device)
         sorted_tokens = sorted_tokens.scatter_(0, row, tokens)[:num_rows]
         permuted_probs = probs.new_zeros(num_rows + 1).scatter(0, row, probs.reshape(-1))[:num_rows]
-        balancing.overheads.reroute_seconds += time.perf_counter() - t0
+        self._layer.balancing.overheads.reroute_seconds += time.perf_counter() - t0
         return sorted_tokens, permuted_probs
 
     def _sorts_chunks_on_host(self) -> bool:
