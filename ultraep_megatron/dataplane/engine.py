@@ -394,6 +394,12 @@ def _completed(transfer: TransferHandle, finish: bool) -> TransferHandle:
     return transfer
 
 
+def _stream_ordered(device: torch.device, group) -> bool:
+    """Whether a transfer runs on a CUDA stream (NCCL's operations are stream-ordered), rather than
+    being completed by a host thread (gloo's)."""
+    return device.type == "cuda" and dist.get_backend(group) == "nccl"
+
+
 def _start(program: Iterator[list], works: list, *, device: torch.device, group, comm_stream,
            start_after: "TransferHandle | None", async_op: bool, finish=None, finish_on_stream=False,
            keep=(), stream_reads=()):
@@ -407,7 +413,7 @@ def _start(program: Iterator[list], works: list, *, device: torch.device, group,
     """
     if start_after is not None:
         start_after.wait()
-    stream_ordered = device.type == "cuda" and dist.get_backend(group) == "nccl"
+    stream_ordered = _stream_ordered(device, group)
     if stream_ordered:
         comm_stream = comm_stream if comm_stream is not None else torch.cuda.current_stream()
         comm_stream.wait_stream(torch.cuda.current_stream())  # see the caller's latest weights/grads

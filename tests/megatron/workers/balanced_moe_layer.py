@@ -70,9 +70,11 @@ def rank_inputs(rank: int, microbatch: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def build_layer(ep_size: int, balancer: str | None, num_slots: int, recompute: bool,
-                dispatcher: str = "alltoall", grouped: bool = False, balancer_config=None):
+                dispatcher: str = "alltoall", grouped: bool = False, balancer_config=None,
+                use_cpu_initialization: bool = True):
     """megatron's MoELayer (``balancer`` None) or a BalancedMoELayer with ``balancer_config`` (by
-    default ``balancer`` with ``num_slots`` slots and a floor of 1)."""
+    default ``balancer`` with ``num_slots`` slots and a floor of 1). Parameters are made on the CPU,
+    or with ``use_cpu_initialization=False`` on the current CUDA device (megatron's default)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -92,7 +94,7 @@ def build_layer(ep_size: int, balancer: str | None, num_slots: int, recompute: b
         num_attention_heads=4, num_moe_experts=NUM_EXPERTS, moe_router_topk=TOPK,
         moe_token_dispatcher_type=dispatcher, expert_model_parallel_size=ep_size,
         moe_flex_dispatcher_backend="deepep",
-        moe_aux_loss_coeff=0.0, add_bias_linear=False, use_cpu_initialization=True,
+        moe_aux_loss_coeff=0.0, add_bias_linear=False, use_cpu_initialization=use_cpu_initialization,
         bias_dropout_fusion=False, gradient_accumulation_fusion=False, **extra,
     )
     if grouped:  # TEGroupedMLP experts, a pure-torch grouped linear in Transformer Engine's place

@@ -1,0 +1,287 @@
+"""Worker: the balanced MoE layer on a GPU, its ranks sharing the GPU (``cuda_staging``).
+
+megatron-core's MoELayer and UltraEP's BalancedMoELayer get the same weights and tokens on ``cuda``
+(skewed routing, so the balancer replicates), EP = the number of ranks. Per scenario each layer runs
+its microbatches' forwards, then their backwards:
+
+1. ``warn``: under ``torch.cuda.set_sync_debug_mode("warn")``; every synchronizing CUDA call (a host
+   read of device data, a blocking copy) is recorded with the place that asked for it (the stack's
+   innermost frame in megatron-core, UltraEP or a test helper). Event, stream and device
+   synchronizations, which that mode does not report (torch 2.11), are recorded the same way.
+2. ``error``: under ``set_sync_debug_mode("error")``, with each layer's designated wait allowed
+   (megatron's ``_maybe_dtoh_and_synchronize``, the balanced dispatcher's ``_copy_to_host``, each
+   counted): any other synchronization raises, also one inside a C++ autograd node that (1) cannot
+   see.
+
+A first forward and backward of each layer kind runs before any of this, unwatched: what a process
+sets up once (CUDA's RNG, cuBLAS handles, the pinned host pool) is not the per-layer path. Layers are
+moved to the GPU before use, as megatron's ``get_model`` does (megatron's router keeps its weight on
+the host until then, and its first forward would upload it, blocking).
+
+Pass (2) also saves outputs, input gradients, the router's and the local experts' weight gradients
+for the equivalence check; megatron's layer fed the tokens in another order gives the noise floor.
+TF32 is off: fp32 products in both layers.
+
+Scenarios: ``single`` (one microbatch), ``pipelined`` (three in flight), ``recompute`` (MoE
+activation recompute, two), ``grouped`` (``TEGroupedMLP`` with ``torch_grouped_linear`` in
+Transformer Engine's place, two).
+
+Each rank writes ``<out-dir>/rank<r>.pt``. ``--device cpu`` is a dry run of the same code on a
+machine without a GPU (no sync debug mode there: every record is empty).
+
+Run:  torchrun --standalone --nproc-per-node 4 cuda_layer.py --out-dir DIR [--device cpu]
+"""
+
+import argparse
+import contextlib
+import datetime
+import os
+import sys
+import traceback
+import warnings
+
+import torch
+
+SCENARIOS = {
+    "single": dict(microbatches=1, recompute=False, grouped=False),
+    "pipelined": dict(microbatches=3, recompute=False, grouped=False),
+    "recompute": dict(microbatches=2, recompute=True, grouped=False),
+    "grouped": dict(microbatches=2, recompute=False, grouped=True),
+    # The negative control: the balanced layer with a deliberate ``.tolist()`` of the routing in its
+    # dispatcher's forward (a sync the check must catch); no reference runs.
+    "single-tolist": dict(microbatches=1, recompute=False, grouped=False, fault="tolist"),
+}
+_ON_CUDA = torch.cuda.is_available()
+#: The sync watch: "off", "warn" (record every synchronization) or "error" (refuse all but the
+#: designated waits); whether a designated wait is running; how many ran; what was recorded.
+_watch = {"mode": "off", "inside_designated": False, "designated": 0, "records": None}
+
+
+def _where(stack) -> str:
+    """The innermost frame of ``stack`` in megatron-core, UltraEP or a test helper (not this worker
+    nor torch or the standard library): ``path:line (function)``."""
+    for frame in reversed(stack):
+        path = frame.filename.replace(os.sep, "/")
+        if "cuda_layer.py" in path or "cuda_staging.py" in path:
+            continue
+        for root in ("ultraep_megatron/", "megatron/core/", "tests/megatron/"):
+            if root in path:
+                return f"{path[path.index(root):]}:{frame.lineno} ({frame.name})"
+    innermost = stack[-1] if stack else None
+    return f"elsewhere: {innermost.filename}:{innermost.lineno} ({innermost.name})" if innermost else "?"
+
+
+def _designated(function):
+    """A layer's designated wait: allowed in the ``error`` pass, counted."""
+
+    def designated(*args, **kwargs):
+        if _watch["mode"] != "error":
+            return function(*args, **kwargs)
+        _watch["designated"] += 1
+        mode = torch.cuda.get_sync_debug_mode() if _ON_CUDA else 0
+        _watch["inside_designated"] = True
+        if _ON_CUDA:
+            torch.cuda.set_sync_debug_mode(0)
+        try:
+            return function(*args, **kwargs)
+        finally:
+            _watch["inside_designated"] = False
+            if _ON_CUDA:
+                torch.cuda.set_sync_debug_mode(mode)
+
+    return designated
+
+
+def _watched(what: str, synchronize):
+    """An event, stream or device synchronization, which CUDA's sync debug mode does not report
+    (torch 2.11): recorded or refused like the synchronizations it does report."""
+
+    def watched(*args, **kwargs):
+        if _watch["mode"] == "warn":
+            _watch["records"].append(_where(traceback.extract_stack()[:-1]))
+        elif _watch["mode"] == "error" and not _watch["inside_designated"]:
+            raise RuntimeError(f"called a synchronizing CUDA operation ({what})")
+        return synchronize(*args, **kwargs)
+
+    return watched
+
+
+def install_watch() -> None:
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    from ultraep_megatron.megatron import balanced_moe
+
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _designated(
+        MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize)
+    balanced_moe._copy_to_host = _designated(balanced_moe._copy_to_host)
+    if _ON_CUDA:
+        torch.cuda.Event.synchronize = _watched("event synchronize", torch.cuda.Event.synchronize)
+        torch.cuda.Stream.synchronize = _watched("stream synchronize", torch.cuda.Stream.synchronize)
+        torch.cuda.synchronize = _watched("device synchronize", torch.cuda.synchronize)
+
+
+@contextlib.contextmanager
+def watching_syncs(mode: str, records: list):
+    """``warn``: every synchronization's place appended to ``records``; ``error``: every one but the
+    designated waits raises. (Without CUDA: nothing to watch.)"""
+    _watch.update(mode=mode if _ON_CUDA else "off", designated=0, records=records)
+    if not _ON_CUDA:
+        try:
+            yield
+        finally:
+            _watch["mode"] = "off"
+        return
+    shown = warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):
+            records.append(_where(traceback.extract_stack()[:-1]))
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode(mode)
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            _watch["mode"] = "off"
+
+
+def microbatches(weights, rank, count: int, device, permute_tokens: bool) -> list[tuple]:
+    """(tokens [SEQ, BATCH, H], upstream gradient, order back) per microbatch, on ``device``:
+    uploaded before any measurement (a blocking upload synchronizes)."""
+    from balanced_moe_layer import BATCH, SEQ, permuted, rank_inputs, skew
+
+    batches = []
+    for mb in range(count):
+        x, up = rank_inputs(rank, mb)
+        order = (torch.randperm(SEQ * BATCH, generator=torch.Generator().manual_seed(mb))
+                 if permute_tokens else torch.arange(SEQ * BATCH))
+        batches.append((permuted(skew(x, weights), order).to(device).requires_grad_(True),
+                        permuted(up, order).to(device), order.argsort()))
+    return batches
+
+
+def run(layer, batches) -> list:
+    """Every microbatch's forward, then their backwards in forward order (a 1F1B stage's order);
+    the outputs, on the device."""
+    layer.zero_grad(set_to_none=True)
+    layer.train()
+    outs = [layer(x)[0] for x, _, _ in batches]
+    for out, (_, up, _) in zip(outs, batches):
+        (out * up).sum().backward()
+    return outs
+
+
+def collected(layer, batches, outs) -> dict:
+    """The results, on the host (after the measurement: these copies synchronize)."""
+    from balanced_moe_layer import expert_weights, permuted
+
+    return {
+        "out": [permuted(o.detach().cpu(), back) for o, (_, _, back) in zip(outs, batches)],
+        "dx": [permuted(x.grad.detach().cpu(), back) for x, _, back in batches],
+        "router_grad": layer.router.weight.grad.detach().cpu(),
+        "expert_grads": {int(idx): tuple(w.grad.detach().cpu() for w in expert_weights(layer, local))
+                         for local, idx in enumerate(layer.local_expert_indices)},
+    }
+
+
+def measure(build, weights, rank, sc, device, permute_tokens=False) -> dict:
+    from balanced_moe_layer import load_weights
+
+    result = {}
+    for mode in ("warn", "error"):
+        layer = build()
+        load_weights(layer, weights)
+        batches = microbatches(weights, rank, sc["microbatches"], device, permute_tokens)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        records: list = []
+        outs, error = None, None
+        try:
+            with watching_syncs(mode, records):
+                outs = run(layer, batches)
+        except RuntimeError as failure:  # a refused synchronization
+            error = f"{failure}\n{traceback.format_exc()[-3000:]}"
+        balancing = getattr(layer, "balancing", None)
+        stats = balancing.pop_stats() if balancing is not None else {}
+        result[mode] = {"syncs": records, "error": error,
+                        "designated_waits": _watch["designated"] if mode == "error" else None,
+                        "replicas": sum(v["replicas"] for v in stats.values())}
+        if mode == "error":
+            result["outputs"] = collected(layer, batches, outs) if error is None else None
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out-dir", required=True)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    cli = parser.parse_args()
+    if cli.device == "cuda" and not _ON_CUDA:
+        raise SystemExit("cuda_layer.py: no CUDA device (use --device cpu for a dry run)")
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    if cli.device == "cpu":
+        from ultraep_megatron.megatron import cpu_backend
+
+        cpu_backend.activate()
+    else:
+        torch.cuda.set_device(0)  # every rank on the one GPU
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    # A rank stuck in a staged operation fails in a minute rather than gloo's default half hour.
+    torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=90))
+    import cuda_staging
+
+    cuda_staging.install()
+    install_watch()
+    from balanced_moe_layer import build_layer, global_weights, load_weights
+    from megatron.core import parallel_state
+
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    device = torch.device(cli.device)
+    weights = global_weights()
+    results = {"device": torch.cuda.get_device_name(0) if cli.device == "cuda" else "cpu",
+               "torch": torch.__version__}
+    # Once per process, outside the watch: what the first forward and backward of a process set up
+    # (CUDA's RNG, cuBLAS handles, the pinned host pool) is not the per-layer path under test.
+    for balancer in (None, "ultraep"):
+        layer = build_layer(world, balancer, 1, False, use_cpu_initialization=cli.device == "cpu").to(device)
+        load_weights(layer, weights)
+        run(layer, microbatches(weights, rank, 1, device, False))
+        if balancer is not None:
+            layer.balancing.pop_stats()
+    for name, sc in SCENARIOS.items():
+        runs = (("none", None, False), ("none_permuted", None, True), ("balanced", "ultraep", False))
+        for key, balancer, permute in runs[2:] if "fault" in sc else runs:
+            def build(balancer=balancer):
+                layer = build_layer(world, balancer, 1, sc["recompute"], grouped=sc["grouped"],
+                                    use_cpu_initialization=cli.device == "cpu").to(device)
+                if sc.get("fault") == "tolist":
+                    plan = layer.token_dispatcher.plan
+
+                    def plan_reading_the_routing(routing_map, _plan=plan):
+                        routing_map.tolist()
+                        return _plan(routing_map)
+
+                    layer.token_dispatcher.plan = plan_reading_the_routing
+                return layer
+
+            results[f"{name}/{key}"] = measure(build, weights, rank, sc, device, permute)
+            if rank == 0:
+                r = results[f"{name}/{key}"]
+                print(f"[cuda_layer] {name}/{key}: syncs {len(r['warn']['syncs'])} "
+                      f"(designated {r['error']['designated_waits']}), refused: "
+                      f"{'none' if r['error']['error'] is None else r['error']['error'].splitlines()[0]}",
+                      flush=True)
+    results["staged_calls"] = dict(cuda_staging.staged_calls)
+    torch.save(results, os.path.join(cli.out_dir, f"rank{rank}.pt"))
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
