@@ -10,14 +10,21 @@ the waiting stream wait for an event recorded after that copy, as NCCL's does; t
 its NCCL path (transfers issued on its own CUDA stream, ordered by events), not its gloo one.
 
 The staging's copies wait for the device; those waits stand in for NCCL, which needs none, so they
-run with CUDA's sync debug mode off: the mode reports the code under test only. With ``device`` the
-CPU (a dry run of a GPU check on a machine without one) the operations are staged the same way,
-through host copies, with no events.
+run with CUDA's sync debug mode off: the mode reports the code under test only. With CPU tensors (a
+dry run of a GPU check) the operations are staged the same way, through host copies, with no
+events. A batch of point-to-point operations on CUDA tensors returns one handle, as NCCL's
+coalesced batch does.
+
+Limit: a staged operation has all but finished when it returns (its results are being copied to
+the device in the issuing stream's order), where NCCL's kernel may not have started. A consumer
+that skips a ``wait()`` will most likely read the right data here anyway: a missing wait is not
+reliably caught.
 
 Usage::
 
     cuda_staging.install()        # after init_process_group("gloo"), before the layer is built
-    cuda_staging.staged_calls     # Counter of the operations staged so far
+    cuda_staging.staged_calls     # Counter of the operations staged so far, and of the data
+                                  # plane's transfers by where they ran
 """
 
 from __future__ import annotations
@@ -54,11 +61,11 @@ def _device_waits_allowed():
 
 class _StagedWork:
     """The handle of a staged operation: complete on the host; ``wait()`` orders the waiting stream
-    after the copy of its results back to the device."""
+    after the copy of its results back to the device (CUDA tensors)."""
 
-    def __init__(self):
+    def __init__(self, on_cuda: bool):
         self._event = None
-        if torch.cuda.is_available():
+        if on_cuda:
             self._event = torch.cuda.Event()
             self._event.record()
 
@@ -79,6 +86,11 @@ def _to_host(value):
     return value
 
 
+def _on_cuda(value) -> bool:
+    tensors = value if isinstance(value, (list, tuple)) else [value]
+    return any(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors)
+
+
 def _staged_collective(name: str):
     original = _ORIGINAL[name]
 
@@ -87,9 +99,10 @@ def _staged_collective(name: str):
         if not args:
             raise TypeError(f"cuda_staging: {name} needs its output as the first positional argument")
         with _device_waits_allowed():
+            # The data: the positional tensors (output, input). Anything else (split sizes, the
+            # group) passes as given: a device tensor there fails over gloo rather than being hidden.
             host_args = [_to_host(a) for a in args]
-            host_kwargs = {k: _to_host(v) for k, v in kwargs.items()}
-            original(*host_args, **host_kwargs)
+            original(*host_args, **kwargs)
             output, host_output = args[0], host_args[0]
             if isinstance(output, torch.Tensor):
                 output.copy_(host_output)
@@ -97,7 +110,7 @@ def _staged_collective(name: str):
                 for target, result in zip(output, host_output):
                     target.copy_(result)
             staged_calls[name] += 1
-            work = _StagedWork()
+            work = _StagedWork(_on_cuda(output))
         return work if async_op else None
 
     return staged
@@ -122,7 +135,9 @@ def _staged_batch_isend_irecv(p2p_op_list):
         for target, buffer in receives:
             target.copy_(buffer)
         staged_calls["batch_isend_irecv"] += 1
-        return [_StagedWork() for _ in p2p_op_list]
+        if any(op.tensor.is_cuda for op in p2p_op_list):
+            return [_StagedWork(True)]  # NCCL coalesces a batch: one handle for all of it
+        return [_StagedWork(False) for _ in p2p_op_list]
 
 
 def install() -> None:
@@ -143,4 +158,9 @@ def install() -> None:
     mappings.dist_reduce_scatter_func = getattr(dist, mappings.dist_reduce_scatter_func.__name__)
     # The data plane's NCCL path: transfers issued on the buffer's CUDA stream, ordered by events.
     _ORIGINAL["_stream_ordered"] = engine._stream_ordered
-    engine._stream_ordered = lambda device, group: device.type == "cuda"
+
+    def stream_ordered(device, group) -> bool:
+        staged_calls["transfers on a CUDA stream" if device.type == "cuda" else "transfers on the host"] += 1
+        return device.type == "cuda"
+
+    engine._stream_ordered = stream_ordered

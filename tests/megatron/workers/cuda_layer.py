@@ -6,15 +6,17 @@ its microbatches' forwards, then their backwards:
 
 1. ``warn``: under ``torch.cuda.set_sync_debug_mode("warn")``; every synchronizing CUDA call (a host
    read of device data, a blocking copy) is recorded with the place that asked for it (the stack's
-   innermost frame in megatron-core, UltraEP or a test helper). Event, stream and device
-   synchronizations, which that mode does not report (torch 2.11), are recorded the same way.
-2. ``error``: under ``set_sync_debug_mode("error")``, with each layer's designated wait allowed
-   (megatron's ``_maybe_dtoh_and_synchronize``, the balanced dispatcher's ``_copy_to_host``, each
-   counted): any other synchronization raises, also one inside a C++ autograd node that (1) cannot
-   see.
+   innermost frame in megatron-core, UltraEP or a test helper). Event and device synchronizations,
+   which that mode does not report (torch 2.11), are recorded the same way.
+2. ``error``: under ``set_sync_debug_mode("error")``, with the measured layer's own designated
+   wait allowed (megatron's layer: its ``_maybe_dtoh_and_synchronize``; the balanced layer: its
+   dispatcher's ``_copy_to_host``; calls counted): any other synchronization raises, also one inside
+   a C++ autograd node, whose warning in (1) autograd replays after the backward without the place.
 
-A first forward and backward of each layer kind runs before any of this, unwatched: what a process
-sets up once (CUDA's RNG, cuBLAS handles, the pinned host pool) is not the per-layer path. Layers are
+A first forward and backward of each scenario's two layer kinds runs before any of this, unwatched:
+what a first use sets up (CUDA's RNG, cuBLAS handles, the pinned host pool) is not the per-layer
+path. Each result also counts the staged operations of its layer, and where the data plane ran its
+transfers (``cuda_staging``: on a CUDA stream, NCCL's path, or on the host). Layers are
 moved to the GPU before use, as megatron's ``get_model`` does (megatron's router keeps its weight on
 the host until then, and its first forward would upload it, blocking).
 
@@ -53,8 +55,9 @@ SCENARIOS = {
 }
 _ON_CUDA = torch.cuda.is_available()
 #: The sync watch: "off", "warn" (record every synchronization) or "error" (refuse all but the
-#: designated waits); whether a designated wait is running; how many ran; what was recorded.
-_watch = {"mode": "off", "inside_designated": False, "designated": 0, "records": None}
+#: measured layer's designated wait, ``allowed``); how deep inside a designated wait; how many
+#: designated calls ran; what was recorded.
+_watch = {"mode": "off", "allowed": None, "depth": 0, "designated": 0, "records": None}
 
 
 def _where(stack) -> str:
@@ -71,35 +74,36 @@ def _where(stack) -> str:
     return f"elsewhere: {innermost.filename}:{innermost.lineno} ({innermost.name})" if innermost else "?"
 
 
-def _designated(function):
-    """A layer's designated wait: allowed in the ``error`` pass, counted."""
+def _designated(kind: str, function):
+    """Layer kind ``kind``'s designated wait: allowed in the ``error`` pass of that kind's layer
+    (megatron's layer may not use the balancer's, nor the balanced layer megatron's), counted."""
 
     def designated(*args, **kwargs):
-        if _watch["mode"] != "error":
+        if _watch["mode"] != "error" or _watch["allowed"] != kind:
             return function(*args, **kwargs)
         _watch["designated"] += 1
         mode = torch.cuda.get_sync_debug_mode() if _ON_CUDA else 0
-        _watch["inside_designated"] = True
+        _watch["depth"] += 1
         if _ON_CUDA:
             torch.cuda.set_sync_debug_mode(0)
         try:
             return function(*args, **kwargs)
         finally:
-            _watch["inside_designated"] = False
-            if _ON_CUDA:
+            _watch["depth"] -= 1
+            if _ON_CUDA and _watch["depth"] == 0:
                 torch.cuda.set_sync_debug_mode(mode)
 
     return designated
 
 
 def _watched(what: str, synchronize):
-    """An event, stream or device synchronization, which CUDA's sync debug mode does not report
-    (torch 2.11): recorded or refused like the synchronizations it does report."""
+    """An event or device synchronization, which CUDA's sync debug mode does not report (torch
+    2.11; a stream synchronization it does): recorded or refused like those it reports."""
 
     def watched(*args, **kwargs):
         if _watch["mode"] == "warn":
             _watch["records"].append(_where(traceback.extract_stack()[:-1]))
-        elif _watch["mode"] == "error" and not _watch["inside_designated"]:
+        elif _watch["mode"] == "error" and _watch["depth"] == 0:
             raise RuntimeError(f"called a synchronizing CUDA operation ({what})")
         return synchronize(*args, **kwargs)
 
@@ -112,19 +116,18 @@ def install_watch() -> None:
     from ultraep_megatron.megatron import balanced_moe
 
     MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _designated(
-        MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize)
-    balanced_moe._copy_to_host = _designated(balanced_moe._copy_to_host)
+        "megatron", MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize)
+    balanced_moe._copy_to_host = _designated("ultraep", balanced_moe._copy_to_host)
     if _ON_CUDA:
         torch.cuda.Event.synchronize = _watched("event synchronize", torch.cuda.Event.synchronize)
-        torch.cuda.Stream.synchronize = _watched("stream synchronize", torch.cuda.Stream.synchronize)
         torch.cuda.synchronize = _watched("device synchronize", torch.cuda.synchronize)
 
 
 @contextlib.contextmanager
-def watching_syncs(mode: str, records: list):
+def watching_syncs(mode: str, records: list, kind: str):
     """``warn``: every synchronization's place appended to ``records``; ``error``: every one but the
-    designated waits raises. (Without CUDA: nothing to watch.)"""
-    _watch.update(mode=mode if _ON_CUDA else "off", designated=0, records=records)
+    designated wait of layer kind ``kind`` raises. (Without CUDA: nothing to watch.)"""
+    _watch.update(mode=mode if _ON_CUDA else "off", allowed=kind, depth=0, designated=0, records=records)
     if not _ON_CUDA:
         try:
             yield
@@ -190,27 +193,34 @@ def collected(layer, batches, outs) -> dict:
 
 
 def measure(build, weights, rank, sc, device, permute_tokens=False) -> dict:
+    import cuda_staging
     from balanced_moe_layer import load_weights
 
     result = {}
     for mode in ("warn", "error"):
         layer = build()
         load_weights(layer, weights)
+        kind = "megatron" if getattr(layer, "balancing", None) is None else "ultraep"
         batches = microbatches(weights, rank, sc["microbatches"], device, permute_tokens)
         if device.type == "cuda":
             torch.cuda.synchronize()
         records: list = []
         outs, error = None, None
+        staged = dict(cuda_staging.staged_calls)
         try:
-            with watching_syncs(mode, records):
+            with watching_syncs(mode, records, kind):
                 outs = run(layer, batches)
-        except RuntimeError as failure:  # a refused synchronization
+        except RuntimeError as failure:
+            if "synchronizing CUDA operation" not in str(failure):
+                raise  # not a refused synchronization: fail the rank (its peers fail with it)
             error = f"{failure}\n{traceback.format_exc()[-3000:]}"
         balancing = getattr(layer, "balancing", None)
         stats = balancing.pop_stats() if balancing is not None else {}
         result[mode] = {"syncs": records, "error": error,
-                        "designated_waits": _watch["designated"] if mode == "error" else None,
-                        "replicas": sum(v["replicas"] for v in stats.values())}
+                        "designated_calls": _watch["designated"] if mode == "error" else None,
+                        "replicas": sum(v["replicas"] for v in stats.values()),
+                        "staged": {k: v - staged.get(k, 0) for k, v in cuda_staging.staged_calls.items()
+                                   if v != staged.get(k, 0)}}
         if mode == "error":
             result["outputs"] = collected(layer, batches, outs) if error is None else None
     return result
@@ -246,15 +256,16 @@ def main():
     weights = global_weights()
     results = {"device": torch.cuda.get_device_name(0) if cli.device == "cuda" else "cpu",
                "torch": torch.__version__}
-    # Once per process, outside the watch: what the first forward and backward of a process set up
-    # (CUDA's RNG, cuBLAS handles, the pinned host pool) is not the per-layer path under test.
-    for balancer in (None, "ultraep"):
-        layer = build_layer(world, balancer, 1, False, use_cpu_initialization=cli.device == "cpu").to(device)
-        load_weights(layer, weights)
-        run(layer, microbatches(weights, rank, 1, device, False))
-        if balancer is not None:
-            layer.balancing.pop_stats()
     for name, sc in SCENARIOS.items():
+        # Outside the watch, once per scenario and layer kind: what a first forward and backward
+        # set up (CUDA's RNG, cuBLAS handles, the pinned host pool) is not the per-layer path.
+        for balancer in (None, "ultraep"):
+            layer = build_layer(world, balancer, 1, sc["recompute"], grouped=sc["grouped"],
+                                use_cpu_initialization=cli.device == "cpu").to(device)
+            load_weights(layer, weights)
+            run(layer, microbatches(weights, rank, sc["microbatches"], device, False))
+            if balancer is not None:
+                layer.balancing.pop_stats()
         runs = (("none", None, False), ("none_permuted", None, True), ("balanced", "ultraep", False))
         for key, balancer, permute in runs[2:] if "fault" in sc else runs:
             def build(balancer=balancer):
@@ -274,7 +285,7 @@ def main():
             if rank == 0:
                 r = results[f"{name}/{key}"]
                 print(f"[cuda_layer] {name}/{key}: syncs {len(r['warn']['syncs'])} "
-                      f"(designated {r['error']['designated_waits']}), refused: "
+                      f"(designated calls {r['error']['designated_calls']}), refused: "
                       f"{'none' if r['error']['error'] is None else r['error']['error'].splitlines()[0]}",
                       flush=True)
     results["staged_calls"] = dict(cuda_staging.staged_calls)
