@@ -141,6 +141,14 @@ def skew(x: torch.Tensor, weights, hot=HOT_EXPERTS) -> torch.Tensor:
     return x + 0.6 * direction / direction.norm() * x.shape[-1] ** 0.5
 
 
+def token_order(microbatch: int, permute_tokens: bool) -> torch.Tensor:
+    """The order a microbatch's SEQ x BATCH tokens are fed in: their own, or a fixed random one
+    per microbatch (the same mathematics summed in another order: the noise floor)."""
+    if permute_tokens:
+        return torch.randperm(SEQ * BATCH, generator=torch.Generator().manual_seed(microbatch))
+    return torch.arange(SEQ * BATCH)
+
+
 def permuted(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     """[SEQ, BATCH, H] with its tokens (flattened SEQ x BATCH) in ``order``."""
     return x.reshape(-1, x.shape[-1])[order].view_as(x)
@@ -239,8 +247,7 @@ def run(layer, weights, rank, microbatches: int, permute_tokens: bool = False, h
     xs, outs, ups, orders = [], [], [], []
     for mb in range(microbatches):
         x, up = rank_inputs(rank, mb)
-        order = (torch.randperm(SEQ * BATCH, generator=torch.Generator().manual_seed(mb))
-                 if permute_tokens else torch.arange(SEQ * BATCH))
+        order = token_order(mb, permute_tokens)
         x = permuted(skew(x, weights, hot), order).requires_grad_(input_grad)
         out, _ = layer(x)
         xs.append(x), outs.append(out), ups.append(permuted(up, order)), orders.append(order.argsort())

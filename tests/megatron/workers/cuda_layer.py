@@ -156,13 +156,12 @@ def watching_syncs(mode: str, records: list, kind: str):
 def microbatches(weights, rank, count: int, device, permute_tokens: bool) -> list[tuple]:
     """(tokens [SEQ, BATCH, H], upstream gradient, order back) per microbatch, on ``device``:
     uploaded before any measurement (a blocking upload synchronizes)."""
-    from balanced_moe_layer import BATCH, SEQ, permuted, rank_inputs, skew
+    from balanced_moe_layer import permuted, rank_inputs, skew, token_order
 
     batches = []
     for mb in range(count):
         x, up = rank_inputs(rank, mb)
-        order = (torch.randperm(SEQ * BATCH, generator=torch.Generator().manual_seed(mb))
-                 if permute_tokens else torch.arange(SEQ * BATCH))
+        order = token_order(mb, permute_tokens)
         batches.append((permuted(skew(x, weights), order).to(device).requires_grad_(True),
                         permuted(up, order).to(device), order.argsort()))
     return batches
