@@ -67,6 +67,19 @@ def min_quota_arg(text: str):
     return value
 
 
+def replica_overhead_arg(text: str):
+    """'hw' (the hardware's GEMM fixed cost, ``--gemm-overhead-tokens``) or an int >= 0."""
+    if text == "hw":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'hw' or an int >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a replica overhead must be >= 0, got {value}")
+    return value
+
+
 def fraction(text: str) -> float:
     try:
         value = float(text)
