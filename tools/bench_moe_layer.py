@@ -64,6 +64,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -326,8 +327,9 @@ def calibrate_replica_overhead(cfg, model, *, rows=(16, 1024), samples: int = 15
     Times the replica call (forward and backward, as :class:`ExpertsOnly` runs it: leaves over the
     replica buffer, random rows) with ``rows[0]`` and ``rows[1]`` rows, interleaved, ``samples`` of
     each; fits ``time = per_row * rows + fixed`` through the two medians. Every rank measures at
-    once (each on its own core, as the layers run) and the ranks take the mean, so that every rank
-    plans with the same charge.
+    once (each on its own core, as the layers run); the ranks take the mean, and rank 0's rounding
+    of it is broadcast: every EP rank must plan with the same charge, or the ranks' plans, and so
+    their collective transfers, differ.
 
     Returns:
         {"overhead": rows (int, >= 0), "fixed_ms", "per_row_us"}.
@@ -347,12 +349,13 @@ def calibrate_replica_overhead(cfg, model, *, rows=(16, 1024), samples: int = 15
             if i >= 2:  # two warm-up rounds
                 times[n].append(time.thread_time() - c0)
     small, large = (median(times[n]) for n in rows)
-    fit = torch.tensor([(large - small) / (rows[1] - rows[0]), 0.0])
+    fit = torch.tensor([(large - small) / (rows[1] - rows[0]), 0.0], dtype=torch.float64)
     fit[1] = small - fit[0] * rows[0]
     torch.distributed.all_reduce(fit)
     per_row, fixed = (float(v) / torch.distributed.get_world_size() for v in fit)
-    overhead = max(0, round(fixed / per_row)) if per_row > 0 else 0
-    return {"overhead": overhead, "fixed_ms": fixed * 1e3, "per_row_us": per_row * 1e6}
+    overhead = torch.tensor([max(0, round(fixed / per_row)) if per_row > 0 else 0])
+    torch.distributed.broadcast(overhead, src=0)
+    return {"overhead": int(overhead), "fixed_ms": fixed * 1e3, "per_row_us": per_row * 1e6}
 
 
 #: The CPU allocation the ranks run with by default, for every layer alike (module docstring).
@@ -390,16 +393,24 @@ NO_TRANSFERS = f"{policy.ULTRAEP} no transfers"
 #: ultraep with the paper's planner: no charge for a replica's own expert call.
 NO_OVERHEAD = f"{policy.ULTRAEP} no overhead"
 
-# (row label, balancer, force-balanced router, overlapped transfers, transfers at all, the planner
-# charges the replica overhead)
-LAYERS = ((policy.NONE, None, False, True, True, False),
-          (policy.ULTRAEP, policy.ULTRAEP, False, True, True, True),
-          (NO_OVERHEAD, policy.ULTRAEP, False, True, True, False),
-          (f"{policy.ULTRAEP} no-overlap", policy.ULTRAEP, False, False, True, True),
-          (NO_TRANSFERS, policy.ULTRAEP, False, True, False, True),
-          (policy.EPLB_EXACT, policy.EPLB_EXACT, False, True, True, False),
-          (f"{policy.EPLB_EXACT} no-overlap", policy.EPLB_EXACT, False, False, True, False),
-          ("force-balanced", None, True, True, True, False), (NOISE_FLOOR, None, True, True, True, False))
+class Layer(NamedTuple):
+    """One row of the table: how its layer is built (:func:`build`)."""
+
+    label: str
+    balancer: Optional[str]  # None: megatron-core's MoELayer
+    force_balanced: bool = False  # megatron's force-balanced router
+    overlap: bool = True  # transfers overlapped (else waited where issued)
+    transfers: bool = True  # transfers at all (else the measurement control)
+    charged: bool = False  # the planner charges the replica overhead
+
+
+LAYERS = (Layer(policy.NONE, None), Layer(policy.ULTRAEP, policy.ULTRAEP, charged=True),
+          Layer(NO_OVERHEAD, policy.ULTRAEP),
+          Layer(f"{policy.ULTRAEP} no-overlap", policy.ULTRAEP, overlap=False, charged=True),
+          Layer(NO_TRANSFERS, policy.ULTRAEP, transfers=False, charged=True),
+          Layer(policy.EPLB_EXACT, policy.EPLB_EXACT),
+          Layer(f"{policy.EPLB_EXACT} no-overlap", policy.EPLB_EXACT, overlap=False),
+          Layer("force-balanced", None, force_balanced=True), Layer(NOISE_FLOOR, None, force_balanced=True))
 
 #: Expert compute alone (ExpertsOnly), each on the rows of the layer named: label -> source label.
 EXPERTS_ONLY = {f"{policy.ULTRAEP} experts only": policy.ULTRAEP,
@@ -421,8 +432,12 @@ def worker(cfg):
     if overhead == "auto":
         calibration = calibrate_replica_overhead(cfg, build(cfg, policy.ULTRAEP, False))
         overhead = calibration["overhead"]
-    layers = {label: build(cfg, balancer, force, overlap, transfers, overhead if charged else 0)
-              for label, balancer, force, overlap, transfers, charged in LAYERS}
+    layers = {row.label: build(cfg, row.balancer, row.force_balanced, row.overlap, row.transfers,
+                               overhead if row.charged else 0)
+              for row in LAYERS}
+    # What each balanced layer plans with, from its own configuration.
+    planned = {label: getattr(model, "module", model).balancing.config.replica_overhead
+               for label, model in layers.items() if label.startswith(policy.ULTRAEP)}
     runs = {label: [] for label in [*layers, *EXPERTS_ONLY]}
     for repeat in range(cfg.repeats):
         measurements = {label: Measurement(cfg, layer, record_expert_rows=label in EXPERTS_ONLY.values())
@@ -441,11 +456,11 @@ def worker(cfg):
         for label, m in measurements.items():
             runs[label].append(m.result(measurements[m.reference]))
     if rank == 0:
-        report(cfg, tokens, runs, overhead, calibration)
+        report(cfg, tokens, runs, overhead, calibration, planned)
     torch.distributed.destroy_process_group()
 
 
-def report(cfg, tokens, runs, overhead: int, calibration) -> None:
+def report(cfg, tokens, runs, overhead: int, calibration, planned: dict) -> None:
     print(f"\nMoE layer fwd+bwd, EP={cfg.ep_size} (gloo, 1 thread/rank), E={cfg.num_experts}, top-{cfg.topk}, "
           f"hidden {cfg.hidden_size}, ffn {cfg.ffn_hidden_size}, {cfg.tokens_per_rank} tokens/rank, "
           f"{cfg.num_slots} slot(s)/rank, router bias std {cfg.router_bias_std}; {cfg.repeats} repeats x "
@@ -456,7 +471,7 @@ def report(cfg, tokens, runs, overhead: int, calibration) -> None:
                 f"{calibration['fixed_ms']:.4g} ms + {calibration['per_row_us']:.4g} us per row")
     print(f"replica overhead (--moe-balancer-replica-overhead of {policy.ULTRAEP} and its no-overlap and "
           f"no-transfers rows): {overhead} rows{measured}; '{NO_OVERHEAD}' plans without it (the paper's "
-          f"planner)")
+          f"planner). Planned with: " + ", ".join(f"{label} {value}" for label, value in planned.items()))
     print("x f-b: force-balanced's time / this layer's (the experts-only rows: force-balanced experts only's), "
           "higher is better, per iteration (run back to back), median per repeat, then the median of the repeats; "
           "wall: slowest rank; critical: the busiest rank's compute (main-thread CPU time) plus its "

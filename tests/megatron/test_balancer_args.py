@@ -32,7 +32,7 @@ CASES = {
     "bad_eplb_window": (["--moe-balancer", "eplb", "--moe-balancer-eplb-window", "0"], "--moe-balancer-eplb-window"),
     "ring_size_zero": ([*ULTRAEP, "--moe-balancer-ring-size", "0"], "--moe-balancer-ring-size"),
     "valid_domain_trigger_hardware": ([*ULTRAEP, "--moe-balancer-domain-size", "1", "--moe-balancer-trigger", "1.2",
-                                       "--moe-balancer-hardware", "h100-hgx", "--moe-balancer-replica-overhead", "0"],
+                                       "--moe-balancer-hardware", "h100-hgx", "--moe-balancer-replica-overhead", "7"],
                                       None),
     "domain_not_dividing_ep": ([*ULTRAEP, "--moe-balancer-domain-size", "2"], "--moe-balancer-domain-size 2"),
     "trigger_below_one": ([*ULTRAEP, "--moe-balancer-trigger", "0.5"], "--moe-balancer-trigger"),

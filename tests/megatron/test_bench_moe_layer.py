@@ -32,6 +32,9 @@ def test_moe_layer_benchmark_calibrates_the_replica_overhead_and_runs_every_laye
     # figures' own to 4 significant digits (up to 5e-4 each, relative).
     fit = max(0.0, fixed_ms * 1e3 / per_row_us)
     assert abs(overhead - fit) <= 0.5 + 1e-3 * fit, out
+    # The balanced layers plan with it (their own configurations), but the paper's planner's row.
+    assert (f"Planned with: ultraep {overhead}, ultraep no overhead 0, ultraep no-overlap {overhead}, "
+            f"ultraep no transfers {overhead}") in out, out
     for label in ("none", "ultraep", "ultraep no overhead", "ultraep no-overlap", "ultraep no transfers",
                   "eplb-exact", "force-balanced", "force-balanced again"):
         assert re.search(rf"^\| {re.escape(label)} +\| +\d+\.\d \|", out, re.M), (label, out)
@@ -42,6 +45,8 @@ def test_moe_layer_benchmark_takes_a_given_replica_overhead_and_refuses_a_bad_on
     assert given.returncode == 0, given.stderr[-3000:]
     assert re.search(r"replica overhead .*: 7 rows; 'ultraep no overhead' plans without it", given.stdout), \
         given.stdout
+    assert "Planned with: ultraep 7, ultraep no overhead 0, ultraep no-overlap 7, ultraep no transfers 7" \
+        in given.stdout, given.stdout
     bad = subprocess.run([sys.executable, str(BENCH), "--replica-overhead", "-3"], capture_output=True,
                          text=True, timeout=120, env=gloo_env(), cwd=REPO_ROOT)
     assert bad.returncode == 2 and "--replica-overhead takes a number of rows >= 0 or auto" in bad.stderr

@@ -39,6 +39,9 @@ def test_names_defaults_and_the_flags_built_from_them():
     policy.add_balancer_arguments(replay_parser, runtime=False, balancer_flag=False)
     flags = {a.option_strings[0] for a in replay_parser._actions if a.option_strings}
     assert "--moe-balancer-trace-dir" not in flags and "--moe-balancer-num-slots" in flags
+    given = BalancerConfig.from_args(parser.parse_args(["--moe-balancer", "ultraep",
+                                                        "--moe-balancer-replica-overhead", "7"]))
+    assert (given.name, given.replica_overhead) == ("ultraep", 7)
     # Knobs a parser does not define keep their defaults.
     partial = BalancerConfig.from_args(argparse.Namespace(moe_balancer="eplb", moe_balancer_eplb_window=4))
     assert (partial.name, partial.eplb_window, partial.num_slots) == ("eplb", 4, policy.DEFAULT_NUM_SLOTS)
@@ -152,8 +155,8 @@ def test_replica_overhead_is_the_flags_alone(replica_overhead, hardware):
     direct = planner.solve(load, 1, min_quota=4, replica_overhead=replica_overhead)
     for name in ("slot_expert", "quota", "physical_split"):
         assert torch.equal(getattr(plan, name), getattr(direct, name)), name
-    # The replica on rank 1 takes ceil((1000 - 400 - c) / 2): both ranks at ceil((1400 + c) / 2),
-    # counting the charge on rank 1.
+    # The replica on rank 1 takes ceil((1000 - 400 - c) / 2): rank 1, its charge counted, at
+    # ceil((1400 + c) / 2), rank 0 at most that.
     assert plan.quota[:2, 1].sum().item() == -(-(600 - replica_overhead) // 2)
 
 

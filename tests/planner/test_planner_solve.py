@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from planner_invariants import check_plan, expected_min_quota
-from planner_strategies import problems
+from planner_strategies import domain_problems, problems
 from ultraep_megatron.planner import solve
 from ultraep_megatron.planner.synthetic import zipf_load
 
@@ -114,16 +114,17 @@ def charged_rank_loads(plan, overhead: int) -> np.ndarray:
 
 
 @settings(max_examples=400, **SETTINGS)
-@given(problems(max_ranks=12, max_experts_per_rank=4, max_slots=4), st.integers(0, 300))
+@given(domain_problems(max_ranks=12, max_experts_per_rank=4, max_slots=4), st.integers(0, 300))
 def test_replica_overhead_compiled_matches_reference_and_never_loses(problem, overhead):
-    """With a replica overhead the compiled planner still matches the reference bit for bit, every
-    invariant holds, and a plan with replicas brings the charged maximum (quotas plus the overhead
-    of every hosted replica) below the unbalanced maximum: the charge never buys a replica that
-    makes its host the new straggler."""
-    load, S, min_quota = problem
-    fast = solve(load, S, min_quota=min_quota, replica_overhead=overhead)
-    slow = solve(load, S, min_quota=min_quota, replica_overhead=overhead, implementation="reference")
-    check_plan(load, slow, S, min_quota=min_quota)
+    """With a replica overhead (and NVLink domains) the compiled planner still matches the reference
+    bit for bit, every invariant holds, and a plan with replicas brings the charged maximum (quotas
+    plus the overhead of every hosted replica) below the unbalanced maximum: the charge never buys a
+    replica that makes its host the new straggler."""
+    load, S, min_quota, N = problem
+    fast = solve(load, S, min_quota=min_quota, domain_size=N, replica_overhead=overhead)
+    slow = solve(load, S, min_quota=min_quota, domain_size=N, replica_overhead=overhead,
+                 implementation="reference")
+    check_plan(load, slow, S, min_quota=min_quota, domain_size=N)
     for name in ("slot_expert", "quota", "physical_split"):
         assert torch.equal(getattr(fast, name), getattr(slow, name)), name
     assert fast.threshold == slow.threshold
@@ -152,7 +153,7 @@ def test_replica_overhead_two_ranks_split_the_charge():
 
 def test_replica_overhead_lowers_the_charged_maximum_on_zipf_loads():
     """On paper-like loads with the H100's GEMM fixed cost (100 tokens) charged, the overhead-aware
-    plans have the lower charged maximum on average, and are never worse than no balancing."""
+    plans have the lower charged maximum in every case, and are never worse than no balancing."""
     gains = []
     for seed, (R, E, S, imbalance) in enumerate([(8, 32, 1, 2.0), (16, 64, 2, 3.0), (32, 128, 1, 1.5),
                                                  (64, 256, 2, 4.0), (16, 64, 1, 4.0), (8, 64, 2, 1.3)]):
@@ -161,7 +162,7 @@ def test_replica_overhead_lowers_the_charged_maximum_on_zipf_loads():
         unbalanced = load.sum(0).view(R, E // R).sum(1).max().item()
         assert charged_rank_loads(charged, 100).max() <= unbalanced
         gains.append(charged_rank_loads(paper, 100).max() - charged_rank_loads(charged, 100).max())
-    assert sum(gains) > 0 and sum(g > 0 for g in gains) > len(gains) // 2, gains
+    assert all(gain > 0 for gain in gains), gains  # fixed loads: every case, not a share of them
 
 
 # ---- degenerate inputs -------------------------------------------------------------------------

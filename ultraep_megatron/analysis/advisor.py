@@ -143,5 +143,6 @@ def advise_slots(rows: Sequence[dict], *, tolerance: float = 0.01, min_gain_per_
                  + (f" --moe-balancer-replica-overhead {row['replica_overhead']}"
                     if row.get("replica_overhead") else ""))
     return {"num_slots": chosen, "min_quota": row["min_quota"] if chosen else None,
-            "trigger": row.get("trigger") if chosen else None, "row": row,
+            "trigger": row.get("trigger") if chosen else None,
+            "replica_overhead": row.get("replica_overhead", 0) if chosen else 0, "row": row,
             "best_per_slots": best, "benefit_per_slot": benefit, "reason": reason, "flags": flags}

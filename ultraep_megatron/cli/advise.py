@@ -29,7 +29,7 @@ from .common import ESTIMATE, fmt, format_table
 from .replay import resolve_min_quota, resolve_replica_overhead
 
 SUMMARY = ("recommend --moe-balancer-num-slots, --moe-balancer-min-quota and --moe-balancer-trigger for a "
-           "routing trace")
+           "routing trace (with --moe-balancer-replica-overhead, if given)")
 #: Loads replayed (without balancing) to check, before the sweep, that the cost model applies.
 PROBE_RECORDS = 64
 EXAMPLES = """examples:
@@ -199,7 +199,8 @@ def render(report: dict) -> str:
             f"{hw['scale_up_gbps']:g} GB/s: {report['expert_transfer_us']:.2f} us",
             f"  one (token, expert) pair of compute at {hw['peak_tflops']:g} TFLOP/s: {report['pair_compute_ns']:.3f} ns "
             "forward" + (f", x{k} with backward" if k > 1 else ""),
-            f"  one expert GEMM's fixed cost: {report['gemm_overhead_tokens']:g} tokens' worth (small-M efficiency; --moe-balancer-replica-overhead hw charges it to each replica's host)",
+            f"  one expert GEMM's fixed cost: {report['gemm_overhead_tokens']:g} tokens' worth (small-M "
+            "efficiency; --moe-balancer-replica-overhead hw charges it to each replica's host)",
             f"  => a replica pays from q = ceil({report['expert_transfer_us']:.2f} us / ({k} x "
             f"{report['pair_compute_ns']:.3f} ns) + {report['gemm_overhead_tokens']:g}) = {hw_quota} tokens"]
     mean_load = report["mean_rank_load"]

@@ -133,12 +133,9 @@ KNOBS: tuple[Knob, ...] = (
               "derived from --moe-balancer-hardware when given, else 1%% of the mean per-rank load "
               "of the microbatch."),
     Knob("replica_overhead", "--moe-balancer-replica-overhead", int, 0, minimum=0, metavar="TOKENS",
-         help="ultraep: the fixed cost of a replica's own expert call (its GEMMs beyond its rows), "
-              "in (token, expert) pairs of expert compute. The planner charges it to the rank that "
-              "hosts the replica, so that this rank, running one expert call more, does not become "
-              "the busiest; it then receives fewer rows than the others, which costs where the "
-              "token all-to-all, not the expert compute, bounds the layer (docs/planner.md; "
-              "`ultraep advise` estimates both). 0 is the paper's planner. Default: %(default)s."),
+         help="ultraep: (token, expert) pairs the planner charges the rank hosting a replica for the "
+              "replica's own expert call, so that this rank does not become the busiest "
+              "(docs/planner.md). 0 is the paper's planner. Default: %(default)s."),
     Knob("trigger", "--moe-balancer-trigger", float, None, minimum=1.0, metavar="X",
          help="ultraep: a layer-microbatch whose rank imbalance before balancing (max/mean tokens "
               "per EP rank, from the exact load) is below X keeps every token at home: no replica, "
