@@ -399,17 +399,17 @@ class Layer(NamedTuple):
     label: str
     balancer: Optional[str]  # None: megatron-core's MoELayer
     force_balanced: bool = False  # megatron's force-balanced router
-    overlap: bool = True  # transfers overlapped (else waited where issued)
+    overlapped: bool = True  # transfers overlapped (else waited where issued)
     transfers: bool = True  # transfers at all (else the measurement control)
     charged: bool = False  # the planner charges the replica overhead
 
 
 LAYERS = (Layer(policy.NONE, None), Layer(policy.ULTRAEP, policy.ULTRAEP, charged=True),
           Layer(NO_OVERHEAD, policy.ULTRAEP),
-          Layer(f"{policy.ULTRAEP} no-overlap", policy.ULTRAEP, overlap=False, charged=True),
+          Layer(f"{policy.ULTRAEP} no-overlap", policy.ULTRAEP, overlapped=False, charged=True),
           Layer(NO_TRANSFERS, policy.ULTRAEP, transfers=False, charged=True),
           Layer(policy.EPLB_EXACT, policy.EPLB_EXACT),
-          Layer(f"{policy.EPLB_EXACT} no-overlap", policy.EPLB_EXACT, overlap=False),
+          Layer(f"{policy.EPLB_EXACT} no-overlap", policy.EPLB_EXACT, overlapped=False),
           Layer("force-balanced", None, force_balanced=True), Layer(NOISE_FLOOR, None, force_balanced=True))
 
 #: Expert compute alone (ExpertsOnly), each on the rows of the layer named: label -> source label.
@@ -432,7 +432,7 @@ def worker(cfg):
     if overhead == "auto":
         calibration = calibrate_replica_overhead(cfg, build(cfg, policy.ULTRAEP, False))
         overhead = calibration["overhead"]
-    layers = {row.label: build(cfg, row.balancer, row.force_balanced, row.overlap, row.transfers,
+    layers = {row.label: build(cfg, row.balancer, row.force_balanced, row.overlapped, row.transfers,
                                overhead if row.charged else 0)
               for row in LAYERS}
     # What each balanced layer plans with, from its own configuration.
