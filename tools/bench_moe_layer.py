@@ -2,12 +2,7 @@
 
 Measures forward+backward throughput (tokens/s over the EP group) of, in one run:
   none           megatron-core's MoELayer with the skewed router (the straggler case),
-  ultraep        the same layer balanced by UltraEP (BalancedMoELayer), its planner charging each
-                 replica's host the fixed cost of the replica's own expert call
-                 (--moe-balancer-replica-overhead; by default measured here first, see
-                 calibrate_replica_overhead),
-  ultraep no overhead, the same with the paper's planner (no charge): on this machine that call costs
-                 as much as ~50 rows, so the paper's planner leaves the host the busiest rank,
+  ultraep        the same layer balanced by UltraEP (BalancedMoELayer),
   eplb-exact     EPLB's replication rule on the exact load, through the same dispatcher,
   force-balanced megatron-core's MoELayer with --moe-router-force-load-balancing (the ideal),
   force-balanced again, a second instance of it: its ratio to the first is the noise floor of this
@@ -64,7 +59,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import NamedTuple, Optional
 
 import torch
 
@@ -98,26 +92,13 @@ def parse_args():
                         "see the module docstring)")
     p.add_argument("--repeats", type=int, default=3,
                    help="measure every layer this many times (interleaved); ratios are medians")
-    p.add_argument("--replica-overhead", default="auto", metavar="TOKENS|auto",
-                   help="the balanced layers' --moe-balancer-replica-overhead: the planner's charge, in "
-                        "rows, for a replica's own expert call on its host. auto (default): measured on "
-                        "this machine first (calibrate_replica_overhead); the 'ultraep no overhead' row "
-                        "runs the paper's planner (0) beside it")
     args = p.parse_args()
-    if args.replica_overhead != "auto":
-        try:
-            args.replica_overhead = int(args.replica_overhead)
-        except ValueError:
-            p.error(f"--replica-overhead takes a number of rows >= 0 or auto, got {args.replica_overhead!r}")
-        if args.replica_overhead < 0:
-            p.error(f"--replica-overhead takes a number of rows >= 0 or auto, got {args.replica_overhead}")
     if args.warmup < 1:  # every timed iteration must find rows of an earlier one to replay
         p.error("--warmup must be at least 1: the experts-only rows replay the latest iteration of a layer")
     return args
 
 
-def build(cfg, balancer: str | None, force_balanced: bool, overlap: bool = True, transfers: bool = True,
-          replica_overhead: int = 0):
+def build(cfg, balancer: str | None, force_balanced: bool, overlap: bool = True, transfers: bool = True):
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -140,8 +121,7 @@ def build(cfg, balancer: str | None, force_balanced: bool, overlap: bool = True,
     )
     builder = get_moe_module_spec(use_te=False, num_experts=cfg.num_experts, moe_grouped_gemm=False)
     if balancer is not None:
-        balancing = BalancingContext(BalancerConfig(name=balancer, num_slots=cfg.num_slots, overlap=overlap,
-                                                    replica_overhead=replica_overhead))
+        balancing = BalancingContext(BalancerConfig(name=balancer, num_slots=cfg.num_slots, overlap=overlap))
         builder = functools.partial(BalancedMoELayer, submodules=builder.keywords["submodules"],
                                     balancing=balancing)
     layer = builder(config=config, pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
@@ -320,44 +300,6 @@ class ExpertsOnly(Measurement):
         loss.backward()
 
 
-def calibrate_replica_overhead(cfg, model, *, rows=(16, 1024), samples: int = 15) -> dict:
-    """The fixed cost of one expert call of the redundant slots' module on this machine, in rows of
-    the same call: what ``--moe-balancer-replica-overhead`` charges a replica's host.
-
-    Times the replica call (forward and backward, as :class:`ExpertsOnly` runs it: leaves over the
-    replica buffer, random rows) with ``rows[0]`` and ``rows[1]`` rows, interleaved, ``samples`` of
-    each; fits ``time = per_row * rows + fixed`` through the two medians. Every rank measures at
-    once (each on its own core, as the layers run); the ranks take the mean, and rank 0's rounding
-    of it is broadcast: every EP rank must plan with the same charge, or the ranks' plans, and so
-    their collective transfers, differ.
-
-    Returns:
-        {"overhead": rows (int, >= 0), "fixed_ms", "per_row_us"}.
-    """
-    layer = getattr(model, "module", model)
-    generator = torch.Generator().manual_seed(2000 + torch.distributed.get_rank())
-    tokens = torch.randn(max(rows), cfg.hidden_size, generator=generator)
-    probs = torch.rand(max(rows), generator=generator)
-    times = {n: [] for n in rows}
-    for i in range(samples + 2):
-        for n in (rows if i % 2 else rows[::-1]):
-            leaves = [[w.detach().requires_grad_() for w in slot] for slot in layer.replica_weight_views()]
-            x, p = tokens[:n].detach().requires_grad_(True), probs[:n].detach().requires_grad_(True)
-            torch.distributed.barrier()
-            c0 = time.thread_time()
-            layer.run_replicas(leaves, x, p, [n] + [0] * (len(leaves) - 1)).sum().backward()
-            if i >= 2:  # two warm-up rounds
-                times[n].append(time.thread_time() - c0)
-    small, large = (median(times[n]) for n in rows)
-    fit = torch.tensor([(large - small) / (rows[1] - rows[0]), 0.0], dtype=torch.float64)
-    fit[1] = small - fit[0] * rows[0]
-    torch.distributed.all_reduce(fit)
-    per_row, fixed = (float(v) / torch.distributed.get_world_size() for v in fit)
-    overhead = torch.tensor([max(0, round(fixed / per_row)) if per_row > 0 else 0])
-    torch.distributed.broadcast(overhead, src=0)
-    return {"overhead": int(overhead), "fixed_ms": fixed * 1e3, "per_row_us": per_row * 1e6}
-
-
 #: The CPU allocation the ranks run with by default, for every layer alike (module docstring).
 CACHING_ALLOCATOR_ENV = {
     # PyTorch: tensors of 2 MiB and more 2 MiB-aligned, on transparent huge pages.
@@ -390,27 +332,13 @@ NOISE_FLOOR = "force-balanced again"
 #: The measurement control without transfers (skip_transfers).
 NO_TRANSFERS = f"{policy.ULTRAEP} no transfers"
 
-#: ultraep with the paper's planner: no charge for a replica's own expert call.
-NO_OVERHEAD = f"{policy.ULTRAEP} no overhead"
-
-class Layer(NamedTuple):
-    """One row of the table: how its layer is built (:func:`build`)."""
-
-    label: str
-    balancer: Optional[str]  # None: megatron-core's MoELayer
-    force_balanced: bool = False  # megatron's force-balanced router
-    overlapped: bool = True  # transfers overlapped (else waited where issued)
-    transfers: bool = True  # transfers at all (else the measurement control)
-    charged: bool = False  # the planner charges the replica overhead
-
-
-LAYERS = (Layer(policy.NONE, None), Layer(policy.ULTRAEP, policy.ULTRAEP, charged=True),
-          Layer(NO_OVERHEAD, policy.ULTRAEP),
-          Layer(f"{policy.ULTRAEP} no-overlap", policy.ULTRAEP, overlapped=False, charged=True),
-          Layer(NO_TRANSFERS, policy.ULTRAEP, transfers=False, charged=True),
-          Layer(policy.EPLB_EXACT, policy.EPLB_EXACT),
-          Layer(f"{policy.EPLB_EXACT} no-overlap", policy.EPLB_EXACT, overlapped=False),
-          Layer("force-balanced", None, force_balanced=True), Layer(NOISE_FLOOR, None, force_balanced=True))
+# (row label, balancer, force-balanced router, overlapped transfers, transfers at all)
+LAYERS = ((policy.NONE, None, False, True, True), (policy.ULTRAEP, policy.ULTRAEP, False, True, True),
+          (f"{policy.ULTRAEP} no-overlap", policy.ULTRAEP, False, False, True),
+          (NO_TRANSFERS, policy.ULTRAEP, False, True, False),
+          (policy.EPLB_EXACT, policy.EPLB_EXACT, False, True, True),
+          (f"{policy.EPLB_EXACT} no-overlap", policy.EPLB_EXACT, False, False, True),
+          ("force-balanced", None, True, True, True), (NOISE_FLOOR, None, True, True, True))
 
 #: Expert compute alone (ExpertsOnly), each on the rows of the layer named: label -> source label.
 EXPERTS_ONLY = {f"{policy.ULTRAEP} experts only": policy.ULTRAEP,
@@ -427,17 +355,8 @@ def worker(cfg):
     parallel_state.initialize_model_parallel(expert_model_parallel_size=cfg.ep_size)
     rank = torch.distributed.get_rank()
     tokens = cfg.tokens_per_rank * cfg.ep_size
-    overhead = cfg.replica_overhead
-    calibration = None
-    if overhead == "auto":
-        calibration = calibrate_replica_overhead(cfg, build(cfg, policy.ULTRAEP, False))
-        overhead = calibration["overhead"]
-    layers = {row.label: build(cfg, row.balancer, row.force_balanced, row.overlapped, row.transfers,
-                               overhead if row.charged else 0)
-              for row in LAYERS}
-    # What each balanced layer plans with, from its own configuration.
-    planned = {label: getattr(model, "module", model).balancing.config.replica_overhead
-               for label, model in layers.items() if label.startswith(policy.ULTRAEP)}
+    layers = {label: build(cfg, balancer, force, overlap, transfers)
+              for label, balancer, force, overlap, transfers in LAYERS}
     runs = {label: [] for label in [*layers, *EXPERTS_ONLY]}
     for repeat in range(cfg.repeats):
         measurements = {label: Measurement(cfg, layer, record_expert_rows=label in EXPERTS_ONLY.values())
@@ -456,22 +375,16 @@ def worker(cfg):
         for label, m in measurements.items():
             runs[label].append(m.result(measurements[m.reference]))
     if rank == 0:
-        report(cfg, tokens, runs, overhead, calibration, planned)
+        report(cfg, tokens, runs)
     torch.distributed.destroy_process_group()
 
 
-def report(cfg, tokens, runs, overhead: int, calibration, planned: dict) -> None:
+def report(cfg, tokens, runs) -> None:
     print(f"\nMoE layer fwd+bwd, EP={cfg.ep_size} (gloo, 1 thread/rank), E={cfg.num_experts}, top-{cfg.topk}, "
           f"hidden {cfg.hidden_size}, ffn {cfg.ffn_hidden_size}, {cfg.tokens_per_rank} tokens/rank, "
           f"{cfg.num_slots} slot(s)/rank, router bias std {cfg.router_bias_std}; {cfg.repeats} repeats x "
           f"{cfg.iters} timed iterations, medians; CPU allocator: "
           f"{allocator_settings()}")
-    measured = ("" if calibration is None else
-                f", measured here: one expert call of the redundant slots' module, fwd+bwd, costs "
-                f"{calibration['fixed_ms']:.4g} ms + {calibration['per_row_us']:.4g} us per row")
-    print(f"replica overhead (--moe-balancer-replica-overhead of {policy.ULTRAEP} and its no-overlap and "
-          f"no-transfers rows): {overhead} rows{measured}; '{NO_OVERHEAD}' plans without it (the paper's "
-          f"planner). Planned with: " + ", ".join(f"{label} {value}" for label, value in planned.items()))
     print("x f-b: force-balanced's time / this layer's (the experts-only rows: force-balanced experts only's), "
           "higher is better, per iteration (run back to back), median per repeat, then the median of the repeats; "
           "wall: slowest rank; critical: the busiest rank's compute (main-thread CPU time) plus its "

@@ -39,9 +39,6 @@ def test_names_defaults_and_the_flags_built_from_them():
     policy.add_balancer_arguments(replay_parser, runtime=False, balancer_flag=False)
     flags = {a.option_strings[0] for a in replay_parser._actions if a.option_strings}
     assert "--moe-balancer-trace-dir" not in flags and "--moe-balancer-num-slots" in flags
-    given = BalancerConfig.from_args(parser.parse_args(["--moe-balancer", "ultraep",
-                                                        "--moe-balancer-replica-overhead", "7"]))
-    assert (given.name, given.replica_overhead) == ("ultraep", 7)
     # Knobs a parser does not define keep their defaults.
     partial = BalancerConfig.from_args(argparse.Namespace(moe_balancer="eplb", moe_balancer_eplb_window=4))
     assert (partial.name, partial.eplb_window, partial.num_slots) == ("eplb", 4, policy.DEFAULT_NUM_SLOTS)
@@ -52,8 +49,6 @@ def test_names_defaults_and_the_flags_built_from_them():
     ({"num_slots": -1}, "--moe-balancer-num-slots"),
     ({"num_slots": True}, "--moe-balancer-num-slots"),
     ({"min_quota": 0}, "--moe-balancer-min-quota"),
-    ({"replica_overhead": -1}, "--moe-balancer-replica-overhead"),
-    ({"replica_overhead": 2.5}, "--moe-balancer-replica-overhead"),
     ({"eplb_window": 0}, "--moe-balancer-eplb-window"),
     ({"eplb_interval": 0}, "--moe-balancer-eplb-interval"),
     ({"ring_size": 0}, "--moe-balancer-ring-size"),
@@ -141,23 +136,6 @@ def test_default_trigger_is_the_floor_over_the_mean_rank_load(min_quota, hardwar
     assert not balancer.balances(torch.zeros(4, 8, dtype=torch.int64))  # nothing to balance
     # trigger 1 balances whatever the load
     assert BalancerConfig("ultraep", trigger=1.0).build().balances(rank_loads_load([10, 10, 10, 10]))
-
-
-@pytest.mark.parametrize("replica_overhead,hardware", [(0, None), (0, "h100-hgx"), (7, None), (7, "h100-hgx")])
-def test_replica_overhead_is_the_flags_alone(replica_overhead, hardware):
-    """The planner's charge per replica is the flag's, with or without a hardware preset (a preset's
-    GEMM fixed cost would trade all-to-all balance for compute balance: docs/planner.md), and the
-    layer's plans are the planner's with it."""
-    balancer = BalancerConfig("ultraep", num_slots=1, min_quota=4, replica_overhead=replica_overhead,
-                              hardware=hardware).build()
-    load = rank_loads_load([1000, 400], experts_per_rank=2)
-    plan = balancer.plan(load)
-    direct = planner.solve(load, 1, min_quota=4, replica_overhead=replica_overhead)
-    for name in ("slot_expert", "quota", "physical_split"):
-        assert torch.equal(getattr(plan, name), getattr(direct, name)), name
-    # The replica on rank 1 takes ceil((1000 - 400 - c) / 2): rank 1, its charge counted, at
-    # ceil((1400 + c) / 2), rank 0 at most that.
-    assert plan.quota[:2, 1].sum().item() == -(-(600 - replica_overhead) // 2)
 
 
 def test_hardware_presets_are_named_in_the_flag_help():

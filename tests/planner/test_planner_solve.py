@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from planner_invariants import check_plan, expected_min_quota
-from planner_strategies import domain_problems, problems
+from planner_strategies import problems
 from ultraep_megatron.planner import solve
 from ultraep_megatron.planner.synthetic import zipf_load
 
@@ -102,67 +102,6 @@ def test_tiny_problems_reach_the_exhaustive_optimum(data):
     load = np.array(values, np.int64).reshape(R, E)
     plan = solve(torch.from_numpy(load), 1, min_quota=1)
     assert plan.threshold == _optimum_threshold(load, 1)
-
-
-# ---- replica overhead (the charge for a replica's own expert call) -----------------------------
-
-def charged_rank_loads(plan, overhead: int) -> np.ndarray:
-    """[R] each rank's quotas plus ``overhead`` per replica it hosts, from the raw outputs."""
-    quota = plan.quota.numpy()
-    hosted = (plan.slot_expert.numpy() >= 0).sum(1)
-    return quota.sum(0) + overhead * hosted
-
-
-@settings(max_examples=400, **SETTINGS)
-@given(domain_problems(max_ranks=12, max_experts_per_rank=4, max_slots=4), st.integers(0, 300))
-def test_replica_overhead_compiled_matches_reference_and_never_loses(problem, overhead):
-    """With a replica overhead (and NVLink domains) the compiled planner still matches the reference
-    bit for bit, every invariant holds, and a plan with replicas brings the charged maximum (quotas
-    plus the overhead of every hosted replica) below the unbalanced maximum: the charge never buys a
-    replica that makes its host the new straggler."""
-    load, S, min_quota, N = problem
-    fast = solve(load, S, min_quota=min_quota, domain_size=N, replica_overhead=overhead)
-    slow = solve(load, S, min_quota=min_quota, domain_size=N, replica_overhead=overhead,
-                 implementation="reference")
-    check_plan(load, slow, S, min_quota=min_quota, domain_size=N)
-    for name in ("slot_expert", "quota", "physical_split"):
-        assert torch.equal(getattr(fast, name), getattr(slow, name)), name
-    assert fast.threshold == slow.threshold
-    R, E = load.shape
-    unbalanced = load.sum(0).view(R, E // R).sum(1).max().item() if R else 0
-    if bool((fast.slot_expert >= 0).any()):
-        assert charged_rank_loads(fast, overhead).max() < unbalanced
-
-
-def test_replica_overhead_two_ranks_split_the_charge():
-    """Rank 0 holds 400 tokens (experts 300 + 100), rank 1 holds 100. The paper's planner moves 150
-    of expert 0 to a replica on rank 1: 250 each, but rank 1 then runs one expert call more. With
-    the call charged at 10 tokens the replica takes (400 - 100 - 10) / 2 = 145: 255 charged on
-    each rank."""
-    load = torch.tensor([[300, 100, 50, 50], [0, 0, 0, 0]], dtype=torch.int64)
-    paper = solve(load, 1, min_quota=1)
-    charged = solve(load, 1, min_quota=1, replica_overhead=10)
-    for plan in (paper, charged):
-        check_plan(load, plan, 1, min_quota=1)
-        assert plan.slot_expert.tolist() == [[-1], [0]]
-    assert paper.quota[0].tolist() == [150, 150]
-    assert charged.quota[0].tolist() == [155, 145]
-    assert charged_rank_loads(charged, 10).tolist() == [255, 255]
-    assert charged.threshold == 255  # the quotas' maximum (rank 0: 155 + 100)
-
-
-def test_replica_overhead_lowers_the_charged_maximum_on_zipf_loads():
-    """On paper-like loads with the H100's GEMM fixed cost (100 tokens) charged, the overhead-aware
-    plans have the lower charged maximum in every case, and are never worse than no balancing."""
-    gains = []
-    for seed, (R, E, S, imbalance) in enumerate([(8, 32, 1, 2.0), (16, 64, 2, 3.0), (32, 128, 1, 1.5),
-                                                 (64, 256, 2, 4.0), (16, 64, 1, 4.0), (8, 64, 2, 1.3)]):
-        load = zipf_load(R, E, imbalance, seed=seed) // 8  # ~4k tokens per rank: the charge matters
-        paper, charged = solve(load, S), solve(load, S, replica_overhead=100)
-        unbalanced = load.sum(0).view(R, E // R).sum(1).max().item()
-        assert charged_rank_loads(charged, 100).max() <= unbalanced
-        gains.append(charged_rank_loads(paper, 100).max() - charged_rank_loads(charged, 100).max())
-    assert all(gain > 0 for gain in gains), gains  # fixed loads: every case, not a share of them
 
 
 # ---- degenerate inputs -------------------------------------------------------------------------
@@ -282,15 +221,9 @@ def test_plan_lives_on_load_device_and_load_is_untouched():
     (torch.zeros(2, 4, dtype=torch.int64), 1.5, None, "num_slots"),
     (torch.zeros(2, 4, dtype=torch.int64), 1, 0, "min_quota"),
     (torch.zeros(2, 4, dtype=torch.int64), 1, None, "implementation"),
-    (torch.zeros(2, 4, dtype=torch.int64), 1, None, "replica_overhead"),
 ])
 def test_bad_input_raises_value_error(load, slots, min_quota, message):
     implementation = "gpu" if message == "implementation" else "compiled"
-    if message == "replica_overhead":
-        for overhead in (-1, True, 2.5):
-            with pytest.raises(ValueError, match=message):
-                solve(load, slots, replica_overhead=overhead)
-        return
     with pytest.raises(ValueError, match=message):
         solve(load, slots, min_quota=min_quota, implementation=implementation)
     if isinstance(load, torch.Tensor) and "negative" in message:

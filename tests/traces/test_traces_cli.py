@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 import os
 import re
 import subprocess
@@ -113,42 +112,6 @@ def test_replay_report_json_csv_and_plots(trace_dir, tmp_path, capsys):
     assert set(doc["quality"]) == {"none", "ultraep"} and "estimated_cost" not in doc
 
 
-def test_replay_charges_the_replica_overhead_of_the_flag(trace_dir, capsys):
-    """As in training: no charge unless --moe-balancer-replica-overhead asks (a hardware preset
-    alone does not); 'hw' is the cost model's GEMM fixed cost, after the hardware flags; the report
-    says which charge the plans used, and they are the library's with it."""
-    from ultraep_megatron.analysis.cost import HARDWARE_PRESETS
-
-    def replayed(*flags):
-        assert main(["replay", str(trace_dir), "--balancers", "none,ultraep", "--moe-balancer-num-slots", "1",
-                     "--no-staleness", "--no-peers", "--json", "--no-progress", *flags]) == EXIT_OK
-        return json.loads(capsys.readouterr().out)
-
-    def overhead(doc):
-        return doc["balancers"]["ultraep"]["replica_overhead"]
-
-    assert overhead(replayed()) == overhead(replayed("--moe-balancer-hardware", "h100-hgx")) == 0
-    preset = math.ceil(HARDWARE_PRESETS["h100-hgx"].gemm_overhead_tokens)
-    assert preset > 0
-    assert overhead(replayed("--moe-balancer-hardware", "h100-hgx", "--moe-balancer-replica-overhead", "hw")) == preset
-    assert overhead(replayed("--moe-balancer-hardware", "h100-hgx", "--gemm-overhead-tokens", "40.5",
-                             "--moe-balancer-replica-overhead", "hw")) == 41
-    given = replayed("--moe-balancer-replica-overhead", "7")
-    assert overhead(given) == 7
-    direct = rp.replay(traces.TraceRecords(traces.find_trace_files(trace_dir)),
-                       {"ultraep": BalancerConfig("ultraep", num_slots=1, replica_overhead=7)})
-    summary = rp.metric_summary(direct)["ultraep"]
-    for key in ("imbalance_mean", "imbalance_max", "replicas_mean"):
-        assert given["quality"]["ultraep"][key] == pytest.approx(summary[key]), key
-    assert main(["replay", str(trace_dir), "--balancers", "ultraep", "--moe-balancer-replica-overhead", "7",
-                 "--no-staleness", "--no-peers", "--no-cost", "--no-progress"]) == EXIT_OK
-    assert "--moe-balancer-replica-overhead 7," in capsys.readouterr().out
-    with pytest.raises(SystemExit) as refused:
-        main(["replay", str(trace_dir), "--moe-balancer-replica-overhead", "-1", "--no-progress"])
-    assert refused.value.code == EXIT_USAGE
-    assert "--moe-balancer-replica-overhead: a replica overhead must be >= 0" in capsys.readouterr().err
-
-
 def test_advise_recommends_flags_and_writes_outputs(trace_dir, tmp_path, capsys):
     # 256 tokens x top-2 per rank: a 36 MiB expert's transfer outweighs what a replica saves.
     assert main(["advise", str(trace_dir), "--slots", "0,1,2", "--plan-time-us", "100", "--no-progress"]) == EXIT_OK
@@ -166,15 +129,6 @@ def test_advise_recommends_flags_and_writes_outputs(trace_dir, tmp_path, capsys)
     assert [(r["num_slots"], r["min_quota"]) for r in payload["rows"]][:2] == [(0, None), (1, None)]
     assert payload["recommendation"]["num_slots"] in (0, 1, 2)
     assert payload["hardware_min_quota"] > 1
-    # Swept without a replica overhead unless asked: then with it, and recommended with it.
-    assert {r["replica_overhead"] for r in payload["rows"]} == {0} and "replica-overhead" not in payload["flags"]
-    assert main(["advise", str(trace_dir), "--slots", "0,1", "--min-quotas", "hw", "--plan-time-us", "100",
-                 "--load-scale", "16", "--moe-balancer-replica-overhead", "hw", "--json", "--no-progress"]) == EXIT_OK
-    charged = json.loads(capsys.readouterr().out)
-    overhead = math.ceil(charged["hardware"]["gemm_overhead_tokens"])
-    assert overhead > 0 and {r["replica_overhead"] for r in charged["rows"]} == {overhead}
-    assert charged["recommendation"]["num_slots"] == 1
-    assert f"--moe-balancer-replica-overhead {overhead}" in charged["flags"]
     assert len(list(csv.DictReader(open(tmp_path / "advise.csv")))) == 7
     assert_png(tmp_path / "advisor.png")
     # No slot count fits the memory budget: no recommendation, exit status 1.

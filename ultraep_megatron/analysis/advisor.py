@@ -23,7 +23,6 @@ def slot_sweep(records: Iterable, slots: Sequence[int], min_quotas: Sequence[Opt
                shape: ExpertShape, hardware: Hardware, *, triggers: Sequence[Optional[float]] = (None,),
                domain_size: Optional[int] = None, relay: bool = True, include_eplb_exact: bool = False,
                num_layers: Optional[int] = None, plan_seconds: Optional[float] = None,
-               replica_overhead: int = 0,
                progress: Optional[Callable[[int], None]] = None) -> tuple[list[dict], ReplayResult]:
     """Balance and estimated speedup of ultraep as a function of redundant slots, quota floor and
     trigger.
@@ -37,8 +36,6 @@ def slot_sweep(records: Iterable, slots: Sequence[int], min_quotas: Sequence[Opt
         include_eplb_exact: also sweep EPLB's rule on the exact load, for comparison.
         num_layers: MoE layers of the model, for the per-layer-replica memory column (default:
             the layers seen in the trace).
-        replica_overhead: ultraep's charge for a replica's own expert call, in tokens
-            (``--moe-balancer-replica-overhead``; 0: the paper's planner).
 
     Without redundant slots there are no replicas and a quota floor means nothing: slot count 0
     gets one row (``min_quota`` None).
@@ -57,8 +54,7 @@ def slot_sweep(records: Iterable, slots: Sequence[int], min_quotas: Sequence[Opt
         for q in (dict.fromkeys(min_quotas) if s > 0 else [None]):
             for t in (dict.fromkeys(triggers) if s > 0 else [None]):
                 balancers[f"{policy.ULTRAEP}/S={s}/q={q}/t={t}"] = BalancerConfig(
-                    policy.ULTRAEP, num_slots=s, min_quota=q, trigger=t, domain_size=domain_size,
-                    replica_overhead=replica_overhead)
+                    policy.ULTRAEP, num_slots=s, min_quota=q, trigger=t, domain_size=domain_size)
         if include_eplb_exact:
             balancers[f"{policy.EPLB_EXACT}/S={s}"] = BalancerConfig(policy.EPLB_EXACT, num_slots=s)
     result = replay(records, balancers, shape=shape, hardware=hardware, relay=relay,
@@ -72,7 +68,6 @@ def slot_sweep(records: Iterable, slots: Sequence[int], min_quotas: Sequence[Opt
         s = config.num_slots
         rows.append({
             "balancer": config.name, "label": label, "num_slots": s, "min_quota": config.min_quota,
-            "replica_overhead": config.replica_overhead,
             "trigger": config.trigger, "balanced_share": float(result.metrics[label]["balanced"].mean()),
             "imbalance_mean": m["imbalance_mean"], "imbalance_p95": m["imbalance_p95"],
             "replicas_mean": m["replicas_mean"], "fanout_max": m["fanout_max"], "inflight_mean": m["inflight_mean"],
@@ -139,10 +134,7 @@ def advise_slots(rows: Sequence[dict], *, tolerance: float = 0.01, min_gain_per_
                   f"({top:.3f}x); more slots gain < {min_gain_per_slot:.3f}x each")
         flags = (f"--moe-balancer {policy.ULTRAEP} --moe-balancer-num-slots {chosen}"
                  + (f" --moe-balancer-min-quota {row['min_quota']}" if row["min_quota"] is not None else "")
-                 + (f" --moe-balancer-trigger {row['trigger']:g}" if row.get("trigger") is not None else "")
-                 + (f" --moe-balancer-replica-overhead {row['replica_overhead']}"
-                    if row.get("replica_overhead") else ""))
+                 + (f" --moe-balancer-trigger {row['trigger']:g}" if row.get("trigger") is not None else ""))
     return {"num_slots": chosen, "min_quota": row["min_quota"] if chosen else None,
-            "trigger": row.get("trigger") if chosen else None,
-            "replica_overhead": row.get("replica_overhead", 0) if chosen else 0, "row": row,
+            "trigger": row.get("trigger") if chosen else None, "row": row,
             "best_per_slots": best, "benefit_per_slot": benefit, "reason": reason, "flags": flags}

@@ -1,7 +1,7 @@
 """The ultraep command: offline tools for UltraEP's expert-load balancing in Megatron-LM.
 
     ultraep replay TRACE             what each balancer would have done on a run's routing
-    ultraep advise TRACE             --moe-balancer-num-slots / -min-quota / -trigger for that routing
+    ultraep advise TRACE             --moe-balancer-num-slots / --moe-balancer-min-quota for that routing
     ultraep check-recipe RECIPE      Megatron's own argument checks for the full world size, layout, memory
     ultraep resume-experiment ...    one checkpoint, every balancer, Megatron's TFLOP/s/GPU
     ultraep trace {info,convert,merge,synth}

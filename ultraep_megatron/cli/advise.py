@@ -26,10 +26,10 @@ from ultraep_megatron.plotting import save_figure
 
 from . import common
 from .common import ESTIMATE, fmt, format_table
-from .replay import resolve_min_quota, resolve_replica_overhead
+from .replay import resolve_min_quota
 
 SUMMARY = ("recommend --moe-balancer-num-slots, --moe-balancer-min-quota and --moe-balancer-trigger for a "
-           "routing trace (with --moe-balancer-replica-overhead, if given)")
+           "routing trace")
 #: Loads replayed (without balancing) to check, before the sweep, that the cost model applies.
 PROBE_RECORDS = 64
 EXAMPLES = """examples:
@@ -85,9 +85,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                      help="MoE layers of the model, for the per-layer-replica memory column (default: as traced)")
     common.add_model_hardware_args(parser)
     topology = parser.add_argument_group("training settings (as in training)")
-    policy.add_balancer_arguments(topology, runtime=False, balancer_flag=False,
-                                  only=("hardware", "domain_size", "replica_overhead"),
-                                  types={"replica_overhead": common.replica_overhead_arg})
+    policy.add_balancer_arguments(topology, runtime=False, balancer_flag=False, only=("hardware", "domain_size"))
     common.add_output_args(parser, files="advisor.png, advise.json and advise.csv")
     parser.set_defaults(run=run)
     return parser
@@ -136,9 +134,7 @@ def run(args) -> int:
         rows, result = advisor.slot_sweep(
             records, args.slots, quotas, shape, hardware, triggers=args.triggers,
             domain_size=args.moe_balancer_domain_size, relay=not args.no_relay, include_eplb_exact=args.eplb_exact,
-            num_layers=args.num_moe_layers, plan_seconds=common.plan_seconds(args),
-            replica_overhead=resolve_replica_overhead(args.moe_balancer_replica_overhead, hardware),
-            progress=progress)
+            num_layers=args.num_moe_layers, plan_seconds=common.plan_seconds(args), progress=progress)
     finally:
         progress.close()
     budget = None if args.memory_budget_gb is None else int(args.memory_budget_gb * 2**30)
@@ -199,8 +195,7 @@ def render(report: dict) -> str:
             f"{hw['scale_up_gbps']:g} GB/s: {report['expert_transfer_us']:.2f} us",
             f"  one (token, expert) pair of compute at {hw['peak_tflops']:g} TFLOP/s: {report['pair_compute_ns']:.3f} ns "
             "forward" + (f", x{k} with backward" if k > 1 else ""),
-            f"  one expert GEMM's fixed cost: {report['gemm_overhead_tokens']:g} tokens' worth (small-M "
-            "efficiency; --moe-balancer-replica-overhead hw charges it to each replica's host)",
+            f"  one expert GEMM's fixed cost: {report['gemm_overhead_tokens']:g} tokens' worth (small-M efficiency)",
             f"  => a replica pays from q = ceil({report['expert_transfer_us']:.2f} us / ({k} x "
             f"{report['pair_compute_ns']:.3f} ns) + {report['gemm_overhead_tokens']:g}) = {hw_quota} tokens"]
     mean_load = report["mean_rank_load"]

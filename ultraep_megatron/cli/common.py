@@ -54,25 +54,17 @@ def name_list(choices: Sequence[str]):
     return parse
 
 
-def hw_or_int_arg(minimum: int, name: str):
-    """An argparse type: 'hw' (derived from the hardware flags) or an int >= ``minimum``."""
-    def parse(text: str):
-        if text == "hw":
-            return text
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected 'hw' or an int >= {minimum}, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{name} must be >= {minimum}, got {value}")
-        return value
-    return parse
-
-
-#: ``--moe-balancer-min-quota``: 'hw' (the hardware's floor) or an int >= 1.
-min_quota_arg = hw_or_int_arg(1, "min quota")
-#: ``--moe-balancer-replica-overhead``: 'hw' (the hardware's GEMM fixed cost) or an int >= 0.
-replica_overhead_arg = hw_or_int_arg(0, "a replica overhead")
+def min_quota_arg(text: str):
+    """'hw' (derived from the hardware flags) or an int >= 1."""
+    if text == "hw":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'hw' or an int >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"min quota must be >= 1, got {value}")
+    return value
 
 
 def fraction(text: str) -> float:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -63,14 +62,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def add_balancer_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "balancers", "The same --moe-balancer-* flags as training, with the same defaults; "
-        "--moe-balancer-min-quota also takes 'hw', the floor derived from the hardware flags (see ultraep advise), "
-        "and --moe-balancer-replica-overhead 'hw', the hardware's GEMM fixed cost (--gemm-overhead-tokens). "
+        "--moe-balancer-min-quota also takes 'hw', the floor derived from the hardware flags (see ultraep advise). "
         + " ".join(f'"{n}": {policy.describe(n)}.' for n in policy.COMPARED))
     group.add_argument("--balancers", type=common.name_list(policy.COMPARED), default=list(policy.COMPARED),
                        metavar="B,B", help=f"balancers to replay (default: {','.join(policy.COMPARED)})")
     policy.add_balancer_arguments(group, runtime=False, balancer_flag=False,
-                                  types={"min_quota": common.min_quota_arg,
-                                         "replica_overhead": common.replica_overhead_arg})
+                                  types={"min_quota": common.min_quota_arg})
 
 
 def add_peer_args(parser: argparse.ArgumentParser) -> None:
@@ -104,18 +101,10 @@ def resolve_min_quota(value, shape, hardware, *, training: bool = True, from_har
     return value
 
 
-def resolve_replica_overhead(value, hardware) -> int:
-    """A ``--moe-balancer-replica-overhead`` value: 'hw' is the GEMM fixed cost of the hardware the
-    cost model uses (``--gemm-overhead-tokens``, or the preset's), rounded up."""
-    return math.ceil(hardware.gemm_overhead_tokens) if value == "hw" else value
-
-
-def balancer_configs(args, min_quota: Optional[int], replica_overhead: int = 0) -> tuple[dict, dict]:
+def balancer_configs(args, min_quota: Optional[int]) -> tuple[dict, dict]:
     """(the compared balancers, the extra EPLB configurations of the staleness sweep), label -> config.
-    ultraep's floor and replica overhead are resolved here (``min_quota``, ``replica_overhead``),
-    from the hardware the cost model uses."""
+    ultraep's floor is resolved here (``min_quota``), from the hardware the cost model uses."""
     base = BalancerConfig(policy.ULTRAEP, num_slots=args.moe_balancer_num_slots, min_quota=min_quota,
-                          replica_overhead=replica_overhead,
                           trigger=args.moe_balancer_trigger, domain_size=args.moe_balancer_domain_size,
                           eplb_window=args.moe_balancer_eplb_window, eplb_interval=args.moe_balancer_eplb_interval)
     main = {name: base.replace(name=name) for name in args.balancers}
@@ -137,8 +126,7 @@ def run(args) -> int:
     shape, source, hardware = common.shape_and_hardware(args, records.meta)
     min_quota = resolve_min_quota(args.moe_balancer_min_quota, shape, hardware,
                                   from_hardware=args.moe_balancer_hardware is not None)
-    replica_overhead = resolve_replica_overhead(args.moe_balancer_replica_overhead, hardware)
-    main, sweep = balancer_configs(args, min_quota, replica_overhead)
+    main, sweep = balancer_configs(args, min_quota)
     if args.moe_balancer_domain_size is not None and records.num_ranks % args.moe_balancer_domain_size:
         raise common.CliError(f"--moe-balancer-domain-size {args.moe_balancer_domain_size} must divide the "
                               f"trace's {records.num_ranks} EP ranks")
@@ -239,7 +227,6 @@ def render(report: dict, result, labels: Sequence[str]) -> str:
     out += [f"  {line}" for line in report["inputs"]]
     out.append(f"  balancers: {', '.join(labels)}; --moe-balancer-num-slots {b['num_slots']}, "
                f"--moe-balancer-min-quota {report['min_quota'] if report['min_quota'] is not None else 'default (1% of the mean rank load)'}, "
-               f"--moe-balancer-replica-overhead {b['replica_overhead']}, "
                f"--moe-balancer-eplb-window {b['eplb_window']} --moe-balancer-eplb-interval {b['eplb_interval']}")
     out.append("")
     out.append(load_table(report))

@@ -197,7 +197,6 @@ class TraceRecorder:
             "balancer": config.name,
             "num_slots": config.num_slots,
             "min_quota": config.min_quota,
-            "replica_overhead": config.replica_overhead,
             "trigger": config.trigger,
             "domain_size": config.domain_size,
             "hardware": config.hardware,

@@ -105,7 +105,7 @@ def domain_lower_bound(load: torch.Tensor, domain_size: int | None = None) -> in
 
 
 def solve(load: torch.Tensor, num_slots: int, *, min_quota: int | None = None,
-          domain_size: int | None = None, replica_overhead: int = 0,
+          domain_size: int | None = None,
           implementation: Literal["compiled", "reference"] = "compiled") -> Plan:
     """Replication and reroute plan for the exact load of one MoE layer.
 
@@ -123,12 +123,6 @@ def solve(load: torch.Tensor, num_slots: int, *, min_quota: int | None = None,
             (``t // N == home(e) // N``), so no weight or replica gradient crosses a domain; tokens
             still go anywhere. The max rank load is then at least ``domain_lower_bound``.
             ``None`` or R: one domain, the plain planner (same plans bit for bit).
-        replica_overhead: tokens' worth of fixed cost that a replica's own expert call adds to its
-            host beyond its quota (an expert GEMM's fixed cost, ``analysis.cost.Hardware.
-            gemm_overhead_tokens``; >= 0). The planner charges it to every host of a new replica,
-            so that the host, computing one expert call more, does not end up the busiest rank
-            (docs/planner.md). 0: the paper's planner (same plans bit for bit). Quotas, the plan's
-            ``threshold`` and the metrics stay in tokens, without the charge.
         implementation: "compiled" (numba, the default) or "reference" (plain Python, slow;
             returns the same plan bit for bit).
 
@@ -142,9 +136,6 @@ def solve(load: torch.Tensor, num_slots: int, *, min_quota: int | None = None,
     if min_quota is not None and (isinstance(min_quota, bool)
                                   or not isinstance(min_quota, (int, np.integer)) or min_quota < 1):
         raise ValueError(f"min_quota must be an int >= 1 or None, got {min_quota!r}")
-    if (isinstance(replica_overhead, bool) or not isinstance(replica_overhead, (int, np.integer))
-            or replica_overhead < 0):
-        raise ValueError(f"replica_overhead must be an int >= 0, got {replica_overhead!r}")
     device = load.device
     array = _host(load)
 
@@ -152,7 +143,7 @@ def solve(load: torch.Tensor, num_slots: int, *, min_quota: int | None = None,
         # min_quota 0: the kernel derives the default from the total it computes anyway.
         status, slot_expert, quota, physical_split, threshold = _compiled.solve_arrays(
             array, int(num_slots), 0 if min_quota is None else int(min_quota),
-            DEFAULT_MIN_QUOTA_DIVISOR, domain_size, int(replica_overhead))
+            DEFAULT_MIN_QUOTA_DIVISOR, domain_size)
         if status == _compiled.NEGATIVE_LOAD:
             raise ValueError("load has negative entries")
     elif implementation == "reference":
@@ -161,7 +152,7 @@ def solve(load: torch.Tensor, num_slots: int, *, min_quota: int | None = None,
         if min_quota is None:
             min_quota = default_min_quota(int(array.sum()), R)
         slot_expert, quota, physical_split, threshold = reference.solve_arrays(
-            array, int(num_slots), int(min_quota), domain_size, int(replica_overhead))
+            array, int(num_slots), int(min_quota), domain_size)
     else:
         raise ValueError(
             f"implementation must be 'compiled' or 'reference', got {implementation!r}")

@@ -22,9 +22,9 @@ NEGATIVE_LOAD = 1
 
 
 @njit(cache=True, nogil=True)
-def _probe(tau, expert_load, rank_load, experts_per_rank, num_slots, min_quota, replica_overhead,
-           domain_size, slack, free_slots, main_left, bins, hosts, domain_hosts, piece_expert,
-           piece_rank, piece_quota):
+def _probe(tau, expert_load, rank_load, experts_per_rank, num_slots, min_quota, domain_size,
+           slack, free_slots, main_left, bins, hosts, domain_hosts, piece_expert, piece_rank,
+           piece_quota):
     """Greedy feasibility oracle for threshold ``tau`` (reference.greedy_replicas).
 
     Fills piece_* (replica expert, host rank, quota) and ``main_left`` (main-instance quota);
@@ -32,14 +32,12 @@ def _probe(tau, expert_load, rank_load, experts_per_rank, num_slots, min_quota, 
     ``slack``, ``free_slots``, ``bins``, ``hosts`` are scratch arrays of length R,
     ``domain_hosts`` of length R // domain_size. A rank only ever deals with hosts of its own
     domain d, kept in d's segment of ``hosts``: ``hosts[d*N : d*N + domain_hosts[d]]`` are the
-    domain's ranks with a free slot and slack >= min_quota + replica_overhead (``host_floor``), in
-    any order (host choice breaks ties by rank id, never by position).
+    domain's ranks with a free slot and slack >= min_quota, in any order (host choice breaks ties
+    by rank id, never by position).
     """
     R = rank_load.shape[0]
     G = experts_per_rank
     N = domain_size
-    c = replica_overhead
-    host_floor = min_quota + c
     num_bins = 0
     for d in range(R // N):
         domain_hosts[d] = 0
@@ -51,7 +49,7 @@ def _probe(tau, expert_load, rank_load, experts_per_rank, num_slots, min_quota, 
                 num_bins += 1
             else:
                 slack[r] = tau - rank_load[r]
-                if slack[r] >= host_floor:
+                if slack[r] >= min_quota:
                     hosts[d * N + domain_hosts[d]] = r
                     domain_hosts[d] += 1
     for e in range(expert_load.shape[0]):
@@ -88,7 +86,7 @@ def _probe(tau, expert_load, rank_load, experts_per_rank, num_slots, min_quota, 
                 slack[t] -= best_amount
                 main_left[piece_expert[best_i]] -= best_amount
                 need -= best_amount
-                if slack[t] < host_floor:
+                if slack[t] < min_quota:
                     for h in range(base, base + num_hosts):
                         if hosts[h] == t:
                             num_hosts -= 1
@@ -115,18 +113,17 @@ def _probe(tau, expert_load, rank_load, experts_per_rank, num_slots, min_quota, 
                         break
                 if dup:
                     continue
-                s = slack[t] - c  # what is left after the replica's own expert call
-                if s >= want and (fit_h < 0 or s < slack[hosts[fit_h]] - c
-                                  or (s == slack[hosts[fit_h]] - c and t < hosts[fit_h])):
+                s = slack[t]
+                if s >= want and (fit_h < 0 or s < slack[hosts[fit_h]]
+                                  or (s == slack[hosts[fit_h]] and t < hosts[fit_h])):
                     fit_h = h
-                if big_h < 0 or s > slack[hosts[big_h]] - c or (s == slack[hosts[big_h]] - c
-                                                               and t < hosts[big_h]):
+                if big_h < 0 or s > slack[hosts[big_h]] or (s == slack[hosts[big_h]]
+                                                           and t < hosts[big_h]):
                     big_h = h
             if big_h < 0:
                 return -1
             h = fit_h if fit_h >= 0 else big_h
             t = hosts[h]
-            slack[t] -= c
             if free_slots[t] == 1:
                 amount = min(slack[t], cap)
             else:
@@ -138,13 +135,13 @@ def _probe(tau, expert_load, rank_load, experts_per_rank, num_slots, min_quota, 
             free_slots[t] -= 1
             slack[t] -= amount
             main_left[e] -= amount
-            if free_slots[t] == 0 or slack[t] < host_floor:
+            if free_slots[t] == 0 or slack[t] < min_quota:
                 num_hosts -= 1
                 hosts[h] = hosts[base + num_hosts]
             if amount >= need:
                 slack[r] += amount - need  # over-shed: r becomes a host
                 need = 0
-                if slack[r] >= host_floor:
+                if slack[r] >= min_quota:
                     hosts[base + num_hosts] = r
                     num_hosts += 1
             else:
@@ -154,13 +151,12 @@ def _probe(tau, expert_load, rank_load, experts_per_rank, num_slots, min_quota, 
 
 
 @njit(cache=True, nogil=True)
-def solve_arrays(load, num_slots, min_quota, min_quota_divisor, domain_size, replica_overhead):
+def solve_arrays(load, num_slots, min_quota, min_quota_divisor, domain_size):
     """Plan for ``load`` int64 [R, E] (reference.solve_arrays).
 
     Returns (status, slot_expert [R, S], quota [E, R], physical_split [R, R * (E//R + S)],
     threshold). ``min_quota`` is an int >= 1, or 0 for the default (computed here, where the total
-    is at hand: ``max(1, ceil(total / (min_quota_divisor * R)))``). ``domain_size`` divides R;
-    ``replica_overhead`` >= 0.
+    is at hand: ``max(1, ceil(total / (min_quota_divisor * R)))``). ``domain_size`` divides R.
     """
     R, E = load.shape
     G = E // R
@@ -217,9 +213,8 @@ def solve_arrays(load, num_slots, min_quota, min_quota_divisor, domain_size, rep
         galloping = True
         final = False
         while True:
-            n = _probe(tau, expert_load, rank_load, G, S, min_quota, replica_overhead, N, slack,
-                       free_slots, main_left, bins, hosts, domain_hosts, piece_expert, piece_rank,
-                       piece_quota)
+            n = _probe(tau, expert_load, rank_load, G, S, min_quota, N, slack, free_slots,
+                       main_left, bins, hosts, domain_hosts, piece_expert, piece_rank, piece_quota)
             if final:
                 break
             if n >= 0:

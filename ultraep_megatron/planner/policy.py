@@ -132,10 +132,6 @@ KNOBS: tuple[Knob, ...] = (
          help="ultraep: smallest number of (token, expert) pairs a replica may carry. Default: "
               "derived from --moe-balancer-hardware when given, else 1%% of the mean per-rank load "
               "of the microbatch."),
-    Knob("replica_overhead", "--moe-balancer-replica-overhead", int, 0, minimum=0, metavar="TOKENS",
-         help="ultraep: (token, expert) pairs the planner charges the rank hosting a replica for the "
-              "replica's own expert call, so that this rank does not become the busiest "
-              "(docs/planner.md). 0 is the paper's planner. Default: %(default)s."),
     Knob("trigger", "--moe-balancer-trigger", float, None, minimum=1.0, metavar="X",
          help="ultraep: a layer-microbatch whose rank imbalance before balancing (max/mean tokens "
               "per EP rank, from the exact load) is below X keeps every token at home: no replica, "
@@ -197,8 +193,6 @@ class BalancerConfig:
         trace_dir: where a training run records its loads (``None``: not recorded).
         overlap: a training run overlaps its replica transfers with the layer's other work.
         check_plans: a training run checks every plan against the routing (device reads).
-        replica_overhead: tokens ultraep's planner charges a replica's host for the replica's own
-            expert call (0: the paper's planner; last, so that positional construction is unchanged).
     """
 
     name: str = ULTRAEP
@@ -213,7 +207,6 @@ class BalancerConfig:
     trace_dir: Optional[str] = None
     overlap: bool = True
     check_plans: bool = False
-    replica_overhead: int = 0
 
     def __post_init__(self):
         if self.name not in BALANCERS and self.name != IDEAL:
@@ -322,8 +315,7 @@ class LayerBalancer:
         if cfg.name == ULTRAEP:
             if not (self.balances(load) if balances is None else balances):
                 return baselines.identity_plan(load, cfg.num_slots)
-            return solve(load, cfg.num_slots, min_quota=self.min_quota, domain_size=cfg.domain_size,
-                         replica_overhead=cfg.replica_overhead)
+            return solve(load, cfg.num_slots, min_quota=self.min_quota, domain_size=cfg.domain_size)
         if cfg.name == EPLB_EXACT:
             return baselines.eplb_exact(load, cfg.num_slots)
         if cfg.name == NONE:

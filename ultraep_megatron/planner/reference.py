@@ -29,9 +29,6 @@ the shedding rank's domain. One threshold for all domains: a domain below it nee
    Shedding more than the excess is allowed: the rank then ends below ``tau`` and becomes a host
    itself (its slots are free). This relay is what lets the greedy reach the average bound with
    one slot per rank, and what satisfies ``min_quota`` when the last bit of excess is small.
-   With ``replica_overhead`` c > 0 a new replica also costs its host c tokens of slack (its own
-   expert call's fixed cost): a host needs slack >= min_quota + c, and every slack comparison of
-   step b uses the slack left after the charge. c = 0 is the paper's planner.
 3. Reroute: for each expert, every host rank's own tokens use its local instance first; the
    remaining tokens of sources (in rank order) fill the remaining quotas of instances (in rank
    order). Integer, exact, and each source talks to few instances.
@@ -43,10 +40,9 @@ import numpy as np
 
 
 def greedy_replicas(tau: int, expert_load: list[int], rank_load: list[int], experts_per_rank: int,
-                    num_slots: int, min_quota: int, domain_size: int, replica_overhead: int = 0):
+                    num_slots: int, min_quota: int, domain_size: int):
     """Greedy oracle: can every rank be brought to at most ``tau`` tokens (replicas inside the
-    shedding rank's domain of ``domain_size`` ranks; each replica also charging its host
-    ``replica_overhead`` tokens)?
+    shedding rank's domain of ``domain_size`` ranks)?
 
     Returns ``(pieces, main_left)`` — ``pieces`` a list of ``[expert, host_rank, quota]`` in
     creation order and ``main_left[e]`` the quota left on expert e's main instance — or None.
@@ -74,19 +70,17 @@ def greedy_replicas(tau: int, expert_load: list[int], rank_load: list[int], expe
                 if cap < min_quota:
                     return None
                 want = max(min(need, cap), min_quota)
-                c = replica_overhead
                 hosts = [t for t in range(R)
                          if t != r and t // domain_size == r // domain_size
-                         and free_slots[t] > 0 and slack[t] >= min_quota + c
+                         and free_slots[t] > 0 and slack[t] >= min_quota
                          and (e, t) not in {(p[0], p[1]) for p in mine}]
                 if not hosts:
                     return None
-                fitting = [t for t in hosts if slack[t] - c >= want]
+                fitting = [t for t in hosts if slack[t] >= want]
                 if fitting:
                     t = min(fitting, key=lambda x: slack[x])
                 else:
                     t = max(hosts, key=lambda x: slack[x])
-                slack[t] -= c  # the replica's own expert call
                 if free_slots[t] == 1:
                     amount = min(slack[t], cap)
                 else:
@@ -112,7 +106,7 @@ def domain_lower_bound(rank_load: list[int], domain_size: int) -> int:
 
 
 def search_threshold(expert_load: list[int], rank_load: list[int], experts_per_rank: int,
-                     num_slots: int, min_quota: int, domain_size: int, replica_overhead: int = 0):
+                     num_slots: int, min_quota: int, domain_size: int):
     """Smallest threshold the oracle reaches (to ``resolution``); returns (pieces, main_left)."""
     R = len(rank_load)
     identity = ([], list(expert_load))
@@ -122,7 +116,7 @@ def search_threshold(expert_load: list[int], rank_load: list[int], experts_per_r
 
     def oracle(tau):
         return greedy_replicas(tau, expert_load, rank_load, experts_per_rank, num_slots, min_quota,
-                               domain_size, replica_overhead)
+                               domain_size)
 
     result = oracle(lower)
     if result is not None:
@@ -176,8 +170,7 @@ def reroute(load: np.ndarray, quota: np.ndarray, instance_slot: np.ndarray,
     return split
 
 
-def solve_arrays(load: np.ndarray, num_slots: int, min_quota: int, domain_size: int,
-                 replica_overhead: int = 0):
+def solve_arrays(load: np.ndarray, num_slots: int, min_quota: int, domain_size: int):
     """Same contract as ``_compiled.solve_arrays`` (without the status code; input is valid).
 
     load int64 [R, E] -> (slot_expert [R, S], quota [E, R], physical_split [R, R*(E//R+S)],
@@ -188,7 +181,7 @@ def solve_arrays(load: np.ndarray, num_slots: int, min_quota: int, domain_size: 
     expert_load = [int(x) for x in load.sum(0)]
     rank_load = [sum(expert_load[r * G:(r + 1) * G]) for r in range(R)]
     pieces, main_left = search_threshold(expert_load, rank_load, G, num_slots, min_quota,
-                                         domain_size, replica_overhead)
+                                         domain_size)
 
     slot_expert = np.full((R, num_slots), -1, np.int64)
     quota = np.zeros((E, R), np.int64)
