@@ -45,9 +45,9 @@ _COLLECTIVES = ("all_to_all_single", "all_gather_into_tensor", "_all_gather_base
 
 
 @contextlib.contextmanager
-def _device_waits_allowed():
-    """The staging's own waits for the device are not the code under test's (see the module
-    docstring)."""
+def device_waits_allowed():
+    """CUDA's sync debug mode off inside: the staging's own waits for the device are not the code
+    under test's (see the module docstring), nor is a check's designated wait."""
     if not torch.cuda.is_available():
         yield
         return
@@ -98,7 +98,7 @@ def _staged_collective(name: str):
     def staged(*args, async_op: bool = False, **kwargs):
         if not args:
             raise TypeError(f"cuda_staging: {name} needs its output as the first positional argument")
-        with _device_waits_allowed():
+        with device_waits_allowed():
             # The data: the positional tensors (output, input). Anything else (split sizes, the
             # group) passes as given: a device tensor there fails over gloo rather than being hidden.
             host_args = [_to_host(a) for a in args]
@@ -119,7 +119,7 @@ def _staged_collective(name: str):
 def _staged_batch_isend_irecv(p2p_op_list):
     """Every send's data copied to the host, the batch run there, every receive copied back."""
     original = _ORIGINAL["batch_isend_irecv"]
-    with _device_waits_allowed():
+    with device_waits_allowed():
         host_ops, receives = [], []
         for op in p2p_op_list:
             sending = op.op in (dist.isend, dist.send)

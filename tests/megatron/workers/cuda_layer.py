@@ -77,21 +77,18 @@ def _where(stack) -> str:
 def _designated(kind: str, function):
     """Layer kind ``kind``'s designated wait: allowed in the ``error`` pass of that kind's layer
     (megatron's layer may not use the balancer's, nor the balanced layer megatron's), counted."""
+    from cuda_staging import device_waits_allowed
 
     def designated(*args, **kwargs):
         if _watch["mode"] != "error" or _watch["allowed"] != kind:
             return function(*args, **kwargs)
         _watch["designated"] += 1
-        mode = torch.cuda.get_sync_debug_mode() if _ON_CUDA else 0
-        _watch["depth"] += 1
-        if _ON_CUDA:
-            torch.cuda.set_sync_debug_mode(0)
+        _watch["depth"] += 1  # the event and device synchronizations inside are allowed too
         try:
-            return function(*args, **kwargs)
+            with device_waits_allowed():
+                return function(*args, **kwargs)
         finally:
             _watch["depth"] -= 1
-            if _ON_CUDA and _watch["depth"] == 0:
-                torch.cuda.set_sync_debug_mode(mode)
 
     return designated
 
@@ -165,6 +162,15 @@ def microbatches(weights, rank, count: int, device, permute_tokens: bool) -> lis
         batches.append((permuted(skew(x, weights), order).to(device).requires_grad_(True),
                         permuted(up, order).to(device), order.argsort()))
     return batches
+
+
+def make_layer(world: int, balancer, sc: dict, device):
+    """Scenario ``sc``'s layer (megatron's, or balanced by ``balancer``) on ``device``: made on the
+    GPU as megatron makes it, on the host for a dry run."""
+    from balanced_moe_layer import build_layer
+
+    return build_layer(world, balancer, 1, sc["recompute"], grouped=sc["grouped"],
+                       use_cpu_initialization=device.type == "cpu").to(device)
 
 
 def run(layer, batches) -> list:
@@ -247,7 +253,7 @@ def main():
 
     cuda_staging.install()
     install_watch()
-    from balanced_moe_layer import build_layer, global_weights, load_weights
+    from balanced_moe_layer import global_weights, load_weights
     from megatron.core import parallel_state
 
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -259,8 +265,7 @@ def main():
         # Outside the watch, once per scenario and layer kind: what a first forward and backward
         # set up (CUDA's RNG, cuBLAS handles, the pinned host pool) is not the per-layer path.
         for balancer in (None, "ultraep"):
-            layer = build_layer(world, balancer, 1, sc["recompute"], grouped=sc["grouped"],
-                                use_cpu_initialization=cli.device == "cpu").to(device)
+            layer = make_layer(world, balancer, sc, device)
             load_weights(layer, weights)
             run(layer, microbatches(weights, rank, sc["microbatches"], device, False))
             if balancer is not None:
@@ -268,8 +273,7 @@ def main():
         runs = (("none", None, False), ("none_permuted", None, True), ("balanced", "ultraep", False))
         for key, balancer, permute in runs[2:] if "fault" in sc else runs:
             def build(balancer=balancer):
-                layer = build_layer(world, balancer, 1, sc["recompute"], grouped=sc["grouped"],
-                                    use_cpu_initialization=cli.device == "cpu").to(device)
+                layer = make_layer(world, balancer, sc, device)
                 if sc.get("fault") == "tolist":
                     plan = layer.token_dispatcher.plan
 
