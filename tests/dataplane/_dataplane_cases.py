@@ -262,6 +262,36 @@ def run_hosted_reduction(rank, slot_expert, num_experts, seed, sched) -> list[st
     return failures
 
 
+def check_tensor_layouts(rank, world_size) -> list[str]:
+    """Direct edges send the main experts' tensors and the replicas' gradients themselves, not a
+    packed copy: main weights that are not contiguous, and hosted gradients that are not contiguous
+    or not in the buffer's dtype, take a packed row or their slot instead, with the same replicas
+    and reductions bit for bit (direct and relayed experts, local replicas)."""
+    failures = []
+    num_experts = 2 * world_size
+    plan = random_plan(world_size, num_experts, 3, seed=31, hot_expert=1, local_replica=True)
+    for relay in ("off", "always"):
+        sched = build_schedule(plan, num_experts, NUMEL, chunk_numel=13, relay=relay, relay_threshold=2)
+        main = [[w.t().contiguous().t() for w in expert_weights(31, rank * 2 + j)] for j in range(2)]
+        if any(w.is_contiguous() for expert in main for w in expert):
+            failures.append("the strided main weights are contiguous: the case tests nothing")
+        replica = torch.full((3, NUMEL), SENTINEL)
+        distribute_weights(sched, main, replica)
+        for s, e in enumerate(plan[rank].tolist()):
+            if e >= 0 and not torch.equal(replica[s], flat(expert_weights(31, e))):
+                failures.append(f"relay={relay}: strided main weights: slot {s} != expert {e}")
+        written, _ = reduced_grads(rank, plan, num_experts, 32, sched, True)
+        hosted = sched.rank_transfers(rank).hosted_slots
+        for name, layout in (("strided", lambda g: g.t().contiguous().t()), ("float64", torch.Tensor.double)):
+            grads = {s: [layout(g.view(shape)) for g, shape in zip(replica_grad(32, rank, s, True).split(
+                [torch.Size(x).numel() for x in SHAPES]), SHAPES)] for s in hosted}
+            mains = [main_grad(32, rank * 2 + j, True) for j in range(2)]
+            reduce_gradients(sched, mains, torch.full((3, NUMEL), float("nan")), hosted_grads=grads)
+            if not all(torch.equal(flat(a), flat(b)) for a, b in zip(mains, written)):
+                failures.append(f"relay={relay}: {name} hosted_grads reduced differently from caller-written slots")
+    return failures
+
+
 def check_buffer_async(rank, world_size) -> list[str]:
     """ReplicaBuffer's asynchronous calls on the CPU run whole on its HostCommStream's thread:
     bit-identical to the synchronous calls (every transfer of the buffer goes through that thread,
@@ -423,6 +453,7 @@ def run_all(rank: int, world_size: int) -> dict[str, list[str]]:
     results["bad-inputs"] = check_bad_inputs(rank, world_size)
     results["replica-buffer"] = check_replica_buffer(rank, world_size)
     results["replica-buffer-async"] = check_buffer_async(rank, world_size)
+    results["tensor-layouts"] = check_tensor_layouts(rank, world_size)
     results["handles"] = check_handles(rank, world_size)
     # The same on the CPU's stand-in for a communication stream (what ReplicaBuffer uses).
     results["handles-host-comm-stream"] = check_handles(rank, world_size, HostCommStream())

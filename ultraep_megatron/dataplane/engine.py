@@ -24,8 +24,10 @@ the backend, never its result (bit-identical either way):
   waits for it. Without one, the caller issues the operations at once, except rounds in which a
   relay forwards data it must first receive; ``wait()`` issues those.
 
-Rounds. Direct edges move a whole expert in one operation in round 0. Experts streamed through a relay
-tree are chunked: in weight distribution, an edge of hop ``h`` moves chunk ``c`` in round
+Rounds. Direct edges move a whole expert in round 0, one operation per expert tensor, straight from
+the tensors themselves: the main expert's weights, the replica's gradients (when given in the
+buffer's dtype); nothing is packed for them. Experts streamed through a relay tree are chunked (from
+one packed row per expert at the home, since chunks cross tensor boundaries): in weight distribution, an edge of hop ``h`` moves chunk ``c`` in round
 ``c + h - 1`` (the home streams chunk ``c`` to relays in round ``c``, a relay forwards it in round
 ``c + 1`` once it has arrived; no whole-expert barrier). Every op of a round has its data ready when
 the round is issued, so a round never waits on a later round: deadlock-free on NCCL too, where a batch
@@ -443,13 +445,20 @@ _next_sequence: dict[int, int] = {}  # id(process group) -> next transfer's sequ
 _sequence_lock = threading.Lock()  # a HostCommStream's thread and the caller's may both take one
 
 
-def _take_sequence(group, schedule: TransferSchedule, sequence: int | None = None) -> int:
+def _tag_parts(schedule: TransferSchedule, tensors_per_expert: int) -> int:
+    """Messages one edge may carry in a transfer: its chunks (relayed), or one per expert tensor
+    (direct)."""
+    return max(schedule.num_chunks, tensors_per_expert)
+
+
+def _take_sequence(group, schedule: TransferSchedule, tensors_per_expert: int, sequence: int | None = None) -> int:
     """The transfer's sequence number on ``group``: the next one, or ``sequence`` when the caller
     took it already (:meth:`ReplicaBuffer._on_host_stream`, at the call, in call order)."""
     if sequence is not None:
         return sequence
-    if schedule.num_edges * schedule.num_chunks >= 1 << _TAG_BITS:
-        raise ValueError(f"a schedule of {schedule.num_edges} edges x {schedule.num_chunks} chunks needs "
+    parts = _tag_parts(schedule, tensors_per_expert)
+    if schedule.num_edges * parts >= 1 << _TAG_BITS:
+        raise ValueError(f"a schedule of {schedule.num_edges} edges x {parts} messages needs "
                          f"more than 2**{_TAG_BITS} message tags; raise the chunk size")
     key = id(group if group is not None else dist.group.WORLD)
     with _sequence_lock:
@@ -458,39 +467,60 @@ def _take_sequence(group, schedule: TransferSchedule, sequence: int | None = Non
     return sequence
 
 
-def _tag(schedule: TransferSchedule, sequence: int, edge: Edge, chunk: int) -> int:
-    """Unique among the transfers in flight on a group."""
-    return (sequence << _TAG_BITS) | (edge.index * schedule.num_chunks + chunk)
+def _tag(sequence: int, edge: Edge, part: int, parts: int) -> int:
+    """Unique among the transfers in flight on a group: message ``part`` (a chunk, or an expert
+    tensor) of ``edge``, ``parts`` (:func:`_tag_parts`) per edge."""
+    return (sequence << _TAG_BITS) | (edge.index * parts + part)
 
 
-def _distribution_rounds(schedule: TransferSchedule, rank: int, sequence: int, packed: torch.Tensor | None,
-                         mine: RankTransfers, replica_weights: torch.Tensor, group, works: list):
+def _distribution_rounds(schedule: TransferSchedule, rank: int, sequence: int, sources: dict,
+                         packed: torch.Tensor | None, packed_row: dict, mine: RankTransfers,
+                         replica_weights: torch.Tensor, shapes: Sequence[torch.Size], group, works: list):
     """Issue the distribution's rounds into ``works``; yields the receives a relay must have before
-    it forwards their chunks."""
-    edges, row_of = mine.edges, mine.replicated_row
+    it forwards their chunks.
+
+    A direct edge (depth 1) is one message per expert tensor in round 0, from ``sources[e]`` (the
+    main expert's tensors) into views of the replica slot. A relayed expert's edges move chunks of
+    its flat row: the home's from row ``packed_row[e]`` of ``packed``, a relay's from its own
+    replica slot."""
+    edges = mine.edges
+    parts = _tag_parts(schedule, len(shapes))
     inbound = {edge.expert: edge.index for edge in edges if edge.hop == 1 and edge.dst == rank}
     arrived: dict[tuple[int, int], _WaitOnce] = {}  # (edge index, chunk) -> receive, relays only
     for round_ in range(schedule.num_rounds):
         ops, received, dependencies = [], [], []
         for edge in edges:
+            if edge.depth == 1:  # direct: the whole expert in round 0, straight from its tensors
+                if round_ != 0:
+                    continue
+                if edge.src == rank:
+                    for k, tensor in enumerate(sources[edge.expert]):
+                        ops.append(dist.P2POp(dist.isend, tensor, group=group, group_peer=edge.dst,
+                                              tag=_tag(sequence, edge, k, parts)))
+                        received.append(None)
+                else:
+                    for k, view in enumerate(expert_views(replica_weights[edge.dst_slot], shapes)):
+                        ops.append(dist.P2POp(dist.irecv, view, group=group, group_peer=edge.src,
+                                              tag=_tag(sequence, edge, k, parts)))
+                        received.append(None)
+                continue
             chunks = schedule.edge_chunks(edge.depth)
             chunk = round_ - (edge.hop - 1)
             if not 0 <= chunk < len(chunks):
                 continue
             start, end = chunks[chunk]
+            tag = _tag(sequence, edge, chunk, parts)
             if edge.src == rank:
                 if edge.hop == 1:
-                    buf = packed[row_of[edge.expert], start:end]
+                    buf = packed[packed_row[edge.expert], start:end]
                 else:  # stream: forward the chunk as soon as it has arrived from the home
                     dependencies.append(arrived[(inbound[edge.expert], chunk)])
                     buf = replica_weights[edge.src_slot, start:end]
-                ops.append(dist.P2POp(dist.isend, buf, group=group, group_peer=edge.dst,
-                                      tag=_tag(schedule, sequence, edge, chunk)))
+                ops.append(dist.P2POp(dist.isend, buf, group=group, group_peer=edge.dst, tag=tag))
                 received.append(None)
             else:
                 buf = replica_weights[edge.dst_slot, start:end]
-                ops.append(dist.P2POp(dist.irecv, buf, group=group, group_peer=edge.src,
-                                      tag=_tag(schedule, sequence, edge, chunk)))
+                ops.append(dist.P2POp(dist.irecv, buf, group=group, group_peer=edge.src, tag=tag))
                 received.append((edge.index, chunk))
         if dependencies:
             yield dependencies
@@ -540,17 +570,30 @@ def distribute_weights(
 
     mine = schedule.rank_transfers(rank)
     first_local = rank * schedule.experts_per_rank
+    shapes = [t.shape for t in main_weights[0]]
     works: list = []
-    sequence = _take_sequence(group, schedule, _sequence)
+    sequence = _take_sequence(group, schedule, len(shapes), _sequence)
 
     def program():
-        # Packed on the transfer's stream: a snapshot of the main weights as the caller left them.
-        packed = (pack_experts([main_weights[e - first_local] for e in mine.replicated_experts])
-                  if mine.replicated_experts else None)
+        # On the transfer's stream. Only an expert streamed through a relay tree is packed (its
+        # chunks cross tensor boundaries); direct edges send, and local copies read, the main
+        # tensors themselves (a non-contiguous one is packed first: an operation needs dense memory).
+        relayed = sorted({edge.expert for edge in mine.children if edge.depth == 2})
+        packed = pack_experts([main_weights[e - first_local] for e in relayed]) if relayed else None
+        sources = {}
+        for edge in mine.children:
+            if edge.depth == 1 and edge.expert not in sources:
+                tensors = main_weights[edge.expert - first_local]
+                if not all(t.is_contiguous() for t in tensors):
+                    tensors = expert_views(pack_experts([tensors])[0], shapes)
+                sources[edge.expert] = tensors
         for e, slot in mine.local_copies:
-            replica_weights[slot].copy_(packed[mine.replicated_row[e]])
-        keep.append(packed)
-        yield from _distribution_rounds(schedule, rank, sequence, packed, mine, replica_weights, group, works)
+            for view, tensor in zip(expert_views(replica_weights[slot], shapes), main_weights[e - first_local]):
+                view.copy_(tensor)
+        keep.extend([packed, sources])
+        yield from _distribution_rounds(schedule, rank, sequence, sources, packed,
+                                        {e: row for row, e in enumerate(relayed)}, mine, replica_weights,
+                                        shapes, group, works)
 
     keep: list = [replica_weights]
     return _start(program(), works, device=replica_weights.device, group=group,
@@ -596,8 +639,9 @@ def reduce_gradients(
         hosted_grads: ``{slot: tensors}`` for every hosted slot: the replica's gradient, shaped like
             the main gradients of one expert (``None``, or a ``None`` tensor: zeros, e.g. a replica
             that received no rows).
-            Copied into ``replica_grads`` (cast to its dtype) on the transfer's stream, first: the
-            caller's thread does not copy them, and the tensors must not change before ``wait()``.
+            Sent as they are over a direct edge when dense and in ``replica_grads``' dtype;
+            otherwise copied into their slot (cast to its dtype) on the transfer's stream, first
+            (the caller's thread copies nothing). The tensors must not change before ``wait()``.
         fold_on_stream: fold into ``main_grads`` on the transfer's stream as soon as the gradients
             have arrived (overlapping the caller's work) instead of in ``wait()``. Only where the
             caller neither reads nor writes ``main_grads`` before ``wait()`` (e.g. not with Megatron's
@@ -627,17 +671,26 @@ def reduce_gradients(
     stream_reads = (_check_hosted_grads(hosted_grads, mine.hosted_slots, shapes, replica_grads.device)
                     if hosted_grads is not None else [])
     works: list = []
-    sequence = _take_sequence(group, schedule, _sequence)
+    parts = _tag_parts(schedule, len(shapes))
+    sequence = _take_sequence(group, schedule, len(shapes), _sequence)
     staging = torch.empty(len(children), schedule.expert_numel if children else 0,
                           dtype=replica_grads.dtype, device=replica_grads.device)
 
     def program():
-        if hosted_grads is not None:  # on the transfer's stream: the caller's thread copies nothing
+        # A replica sent to its home over a direct edge sends each gradient tensor as it is, if it
+        # travels in the buffer's dtype; every other hosted gradient (a relay tree's chunks cross
+        # tensor boundaries, a local replica is folded from the buffer, zeros, a cast) goes through
+        # its slot, written here, on the transfer's stream: the caller's thread copies nothing.
+        sources = {edge.dst_slot: expert_views(replica_grads[edge.dst_slot], shapes)
+                   for edge in edges if edge.dst == rank and edge.depth == 1}
+        if hosted_grads is not None:
             for slot, grads in hosted_grads.items():
                 views = expert_views(replica_grads[slot], shapes)
-                for view, grad in zip(views, grads if grads is not None else [None] * len(views)):
+                for k, (view, grad) in enumerate(zip(views, grads if grads is not None else [None] * len(views))):
                     if grad is None:
                         view.zero_()
+                    elif slot in sources and grad.dtype == replica_grads.dtype and grad.is_contiguous():
+                        sources[slot][k] = grad
                     else:
                         view.copy_(grad)
         pending: list[tuple] = []  # a relay's receives of the last round: (work, staged, own chunk)
@@ -647,17 +700,32 @@ def reduce_gradients(
                 for _, staged, own in pending:  # canonical order = ascending leaf rank
                     own += staged
                 pending = []
-            active = []
+            ops, targets, active = [], [], []
             for edge in edges:
+                if edge.depth == 1:  # direct: the whole expert in round 0, one message per tensor
+                    if round_ != 0:
+                        continue
+                    if edge.dst == rank:
+                        for k, tensor in enumerate(sources[edge.dst_slot]):
+                            ops.append(dist.P2POp(dist.isend, tensor, group=group, group_peer=edge.src,
+                                                  tag=_tag(sequence, edge, k, parts)))
+                            targets.append(None)
+                    else:  # a child's gradient, folded into the main gradient in wait()
+                        row = staging[staging_row[edge.index]]
+                        for k, view in enumerate(expert_views(row, shapes)):
+                            ops.append(dist.P2POp(dist.irecv, view, group=group, group_peer=edge.dst,
+                                                  tag=_tag(sequence, edge, k, parts)))
+                            targets.append(None)
+                    continue
                 chunks = schedule.edge_chunks(edge.depth)
                 chunk = round_ - (edge.depth - edge.hop)
                 if 0 <= chunk < len(chunks):
                     active.append((edge, chunk, *chunks[chunk]))
             relay_numel = sum(end - start for edge, _, start, end in active if edge.src == rank and edge.hop == 2)
             relay_staging = torch.empty(relay_numel, dtype=replica_grads.dtype, device=replica_grads.device)
-            ops, targets, offset = [], [], 0
+            offset = 0
             for edge, chunk, start, end in active:
-                tag = _tag(schedule, sequence, edge, chunk)
+                tag = _tag(sequence, edge, chunk, parts)
                 if edge.dst == rank:  # gradients flow dst -> src
                     ops.append(dist.P2POp(dist.isend, replica_grads[edge.dst_slot, start:end],
                                           group=group, group_peer=edge.src, tag=tag))
@@ -850,7 +918,7 @@ class ReplicaBuffer:
         if start_after is not None:
             start_after.wait()
         _check_schedule(schedule, _group_rank(self.group)[1])
-        return _take_sequence(self.group, schedule)
+        return _take_sequence(self.group, schedule, len(self.expert_shapes))
 
     def _on_host_stream(self, call: Callable[[], TransferHandle], async_op: bool) -> TransferHandle | None:
         """Run a transfer's whole call on the buffer's HostCommStream (every transfer of the buffer
