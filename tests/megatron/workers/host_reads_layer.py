@@ -20,6 +20,7 @@ Run:  torchrun --standalone --nproc-per-node 4 host_reads_layer.py --out-dir DIR
 
 import argparse
 import contextlib
+import inspect
 import json
 import os
 import sys
@@ -76,10 +77,12 @@ def reading_inside_the_distribution():
     rounds = engine._distribution_rounds
     made = {"reads": 0}
 
-    def rounds_reading_the_buffer(schedule, rank, sequence, packed, row_of, replica_weights, *rest):
-        replica_weights.sum().item()
+    signature = inspect.signature(rounds)
+
+    def rounds_reading_the_buffer(*args, **kwargs):
+        signature.bind(*args, **kwargs).arguments["replica_weights"].sum().item()
         made["reads"] += 1
-        yield from rounds(schedule, rank, sequence, packed, row_of, replica_weights, *rest)
+        yield from rounds(*args, **kwargs)
 
     engine._distribution_rounds = rounds_reading_the_buffer
     try:
