@@ -55,7 +55,6 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future
 
 import torch
 import torch.distributed as dist
@@ -232,8 +231,9 @@ class HostCommStream:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
-    def submit(self, issue: Callable[[], None]) -> Future:
-        """Run ``issue`` after everything submitted before it; its future re-raises what it raised."""
+    def submit(self, issue: Callable[[], None]) -> "_Completion":
+        """Run ``issue`` after everything submitted before it; ``result()`` of what this returns
+        waits for it and re-raises what it raised."""
         if self._thread is None:
             # A daemon: a transfer a failed rank abandoned must not hold the process at exit. It
             # holds only the queue, and ends once this stream is collected.
@@ -241,22 +241,50 @@ class HostCommStream:
                                             daemon=True)
             self._thread.start()
             weakref.finalize(self, self._queue.put, None)
-        future: Future = Future()
-        self._queue.put((issue, future))
-        return future
+        completion = _Completion()
+        self._queue.put((issue, completion))
+        return completion
+
+
+class _Completion:
+    """The outcome of one call run on a :class:`HostCommStream`: a lock held from submission until
+    the call has returned or raised. Two per layer and microbatch on the caller's critical path, so
+    not a ``concurrent.futures.Future`` (a condition, a re-entrant lock and waiter lists per call)."""
+
+    __slots__ = ("_lock", "_done", "_result", "_error")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self._done = False
+        self._result = self._error = None
+
+    def _set(self, result=None, error: BaseException | None = None) -> None:
+        """On the stream's thread, once: the call's outcome."""
+        self._result, self._error = result, error
+        self._lock.release()
+
+    def result(self, timeout: float | None = None):
+        """Wait for the call (at most ``timeout`` seconds: ``TimeoutError``); return its result or
+        re-raise its exception."""
+        if not self._done:
+            if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
+                raise TimeoutError("the HostCommStream call did not finish in time")
+            self._done = True
+        if self._error is not None:
+            raise self._error
+        return self._result
 
 
 def _serve(work: queue.SimpleQueue) -> None:
     """A HostCommStream's thread: run what is queued, in order, until ``None``."""
     while (item := work.get()) is not None:
-        issue, future = item
-        if not future.set_running_or_notify_cancel():
-            continue
+        issue, completion = item
         try:
-            future.set_result(issue())
+            completion._set(issue())
         except BaseException as error:  # handed to the caller's wait()
-            future.set_exception(error)
-        del item, issue, future  # drop the transfer's tensors while waiting for the next
+            completion._set(error=error)
+        del item, issue, completion  # drop the transfer's tensors while waiting for the next
 
 
 class TransferHandle:
@@ -278,7 +306,7 @@ class TransferHandle:
                  comm_stream=None, finish: Callable[[], None] | None = None, finish_on_stream: bool = False,
                  keep=()):
         self._program: Iterator[list] | None = program
-        self._issuing: Future | None = None  # the HostCommStream running the transfer
+        self._issuing: _Completion | None = None  # the HostCommStream running the transfer
         self._works = works
         self._stream_ordered = stream_ordered
         self._comm_stream = comm_stream
@@ -456,10 +484,18 @@ def _take_sequence(group, schedule: TransferSchedule, tensors_per_expert: int, s
     took it already (:meth:`ReplicaBuffer._on_host_stream`, at the call, in call order)."""
     if sequence is not None:
         return sequence
+    _check_tag_space(schedule, tensors_per_expert)
+    return _next_sequence_on(group)
+
+
+def _check_tag_space(schedule: TransferSchedule, tensors_per_expert: int) -> None:
     parts = _tag_parts(schedule, tensors_per_expert)
     if schedule.num_edges * parts >= 1 << _TAG_BITS:
         raise ValueError(f"a schedule of {schedule.num_edges} edges x {parts} messages needs "
                          f"more than 2**{_TAG_BITS} message tags; raise the chunk size")
+
+
+def _next_sequence_on(group) -> int:
     key = id(group if group is not None else dist.group.WORLD)
     with _sequence_lock:
         sequence = _next_sequence.get(key, 0)
@@ -834,6 +870,7 @@ class ReplicaBuffer:
         self.relay = relay
         self.relay_threshold = relay_threshold
         self._schedules: OrderedDict[tuple, TransferSchedule] = OrderedDict()
+        self._checked_schedules: "weakref.WeakSet[TransferSchedule]" = weakref.WeakSet()
         self.replica_weights = torch.zeros(num_slots, self.expert_numel, dtype=weight_dtype, device=device)
         self.replica_grads = torch.zeros(num_slots, self.expert_numel, dtype=grad_dtype, device=device)
         on_cuda = self.replica_weights.is_cuda
@@ -917,8 +954,11 @@ class ReplicaBuffer:
         transfers on the group in call order, whichever thread issues them."""
         if start_after is not None:
             start_after.wait()
-        _check_schedule(schedule, _group_rank(self.group)[1])
-        return _take_sequence(self.group, schedule, len(self.expert_shapes))
+        if schedule not in self._checked_schedules:  # immutable, and recurring (the schedule cache)
+            _check_schedule(schedule, _group_rank(self.group)[1])
+            _check_tag_space(schedule, len(self.expert_shapes))
+            self._checked_schedules.add(schedule)
+        return _next_sequence_on(self.group)
 
     def _on_host_stream(self, call: Callable[[], TransferHandle], async_op: bool) -> TransferHandle | None:
         """Run a transfer's whole call on the buffer's HostCommStream (every transfer of the buffer
