@@ -26,10 +26,11 @@ the backend, never its result (bit-identical either way):
 
 Rounds. Direct edges move a whole expert in round 0, one operation per expert tensor, straight from
 the tensors themselves: the main expert's weights, the replica's gradients (when given in the
-buffer's dtype); nothing is packed for them. Experts streamed through a relay tree are chunked (from
-one packed row per expert at the home, since chunks cross tensor boundaries): in weight distribution, an edge of hop ``h`` moves chunk ``c`` in round
-``c + h - 1`` (the home streams chunk ``c`` to relays in round ``c``, a relay forwards it in round
-``c + 1`` once it has arrived; no whole-expert barrier). Every op of a round has its data ready when
+buffer's dtype); nothing is packed for them. Experts streamed through a relay tree are chunked
+(from one packed row per expert at the home: chunks cross tensor boundaries): in weight
+distribution, an edge of hop ``h`` moves chunk ``c`` in round ``c + h - 1`` (the home streams chunk
+``c`` to relays in round ``c``, a relay forwards it in round ``c + 1`` once it has arrived; no
+whole-expert barrier). Every op of a round has its data ready when
 the round is issued, so a round never waits on a later round: deadlock-free on NCCL too, where a batch
 is one kernel that must complete as a whole. Gradient reduction runs the same edges reversed: leaves
 send chunk ``c`` to their relay in round ``c``, the relay adds them into its own replica gradient and

@@ -236,7 +236,7 @@ class RankTransfers:
         local_copies: ``(expert, replica slot)`` of its replicas of its own main experts.
         replicated_experts: its main experts with a replica, ascending: weight distribution reads
             them (sent over a first hop or copied locally), gradient reduction adds into their
-            gradients; ``replicated_row[e]`` is ``e``'s position among them.
+            gradients.
         children: the first-hop edges it sends as a home: in gradient reduction it receives their
             replicas' (or relays' partial) gradients, one staging row each (``staging_row``).
         hosted_slots: its redundant slots hosting a replica, ascending: the reduction sends (or, on
@@ -246,7 +246,6 @@ class RankTransfers:
     edges: tuple
     local_copies: tuple
     replicated_experts: tuple
-    replicated_row: dict
     children: tuple
     staging_row: dict
     hosted_slots: tuple
@@ -268,7 +267,6 @@ def _rank_transfers(schedule: TransferSchedule, rank: int) -> RankTransfers:
     replicated = tuple(sorted({edge.expert for edge in children} | {e for e, _ in local}))
     return RankTransfers(
         edges=edges, local_copies=local, replicated_experts=replicated,
-        replicated_row={e: i for i, e in enumerate(replicated)},
         children=children, staging_row={edge.index: row for row, edge in enumerate(children)},
         hosted_slots=tuple(sorted({edge.dst_slot for edge in edges if edge.dst == rank}
                                   | {slot for _, slot in local})))
