@@ -510,6 +510,13 @@ def _tag(sequence: int, edge: Edge, part: int, parts: int) -> int:
     return (sequence << _TAG_BITS) | (edge.index * parts + part)
 
 
+def _whole_expert_ops(op, tensors: Sequence[torch.Tensor], peer: int, edge: Edge, sequence: int, parts: int,
+                      group) -> list[dist.P2POp]:
+    """A direct edge's operations (``op``: ``dist.isend`` or ``dist.irecv``): one per expert tensor."""
+    return [dist.P2POp(op, tensor, group=group, group_peer=peer, tag=_tag(sequence, edge, k, parts))
+            for k, tensor in enumerate(tensors)]
+
+
 def _distribution_rounds(schedule: TransferSchedule, rank: int, sequence: int, sources: dict,
                          packed: torch.Tensor | None, packed_row: dict, mine: RankTransfers,
                          replica_weights: torch.Tensor, shapes: Sequence[torch.Size], group, works: list):
@@ -528,18 +535,13 @@ def _distribution_rounds(schedule: TransferSchedule, rank: int, sequence: int, s
         ops, received, dependencies = [], [], []
         for edge in edges:
             if edge.depth == 1:  # direct: the whole expert in round 0, straight from its tensors
-                if round_ != 0:
-                    continue
-                if edge.src == rank:
-                    for k, tensor in enumerate(sources[edge.expert]):
-                        ops.append(dist.P2POp(dist.isend, tensor, group=group, group_peer=edge.dst,
-                                              tag=_tag(sequence, edge, k, parts)))
-                        received.append(None)
-                else:
-                    for k, view in enumerate(expert_views(replica_weights[edge.dst_slot], shapes)):
-                        ops.append(dist.P2POp(dist.irecv, view, group=group, group_peer=edge.src,
-                                              tag=_tag(sequence, edge, k, parts)))
-                        received.append(None)
+                if round_ == 0:
+                    whole = (_whole_expert_ops(dist.isend, sources[edge.expert], edge.dst, edge, sequence, parts, group)
+                             if edge.src == rank else
+                             _whole_expert_ops(dist.irecv, expert_views(replica_weights[edge.dst_slot], shapes),
+                                               edge.src, edge, sequence, parts, group))
+                    ops += whole
+                    received += [None] * len(whole)
                 continue
             chunks = schedule.edge_chunks(edge.depth)
             chunk = round_ - (edge.hop - 1)
@@ -740,19 +742,14 @@ def reduce_gradients(
             ops, targets, active = [], [], []
             for edge in edges:
                 if edge.depth == 1:  # direct: the whole expert in round 0, one message per tensor
-                    if round_ != 0:
-                        continue
-                    if edge.dst == rank:
-                        for k, tensor in enumerate(sources[edge.dst_slot]):
-                            ops.append(dist.P2POp(dist.isend, tensor, group=group, group_peer=edge.src,
-                                                  tag=_tag(sequence, edge, k, parts)))
-                            targets.append(None)
-                    else:  # a child's gradient, folded into the main gradient in wait()
-                        row = staging[staging_row[edge.index]]
-                        for k, view in enumerate(expert_views(row, shapes)):
-                            ops.append(dist.P2POp(dist.irecv, view, group=group, group_peer=edge.dst,
-                                                  tag=_tag(sequence, edge, k, parts)))
-                            targets.append(None)
+                    if round_ == 0:  # a child's gradient lands in its staging row, folded in wait()
+                        whole = (_whole_expert_ops(dist.isend, sources[edge.dst_slot], edge.src, edge, sequence,
+                                                   parts, group)
+                                 if edge.dst == rank else
+                                 _whole_expert_ops(dist.irecv, expert_views(staging[staging_row[edge.index]], shapes),
+                                                   edge.dst, edge, sequence, parts, group))
+                        ops += whole
+                        targets += [None] * len(whole)
                     continue
                 chunks = schedule.edge_chunks(edge.depth)
                 chunk = round_ - (edge.depth - edge.hop)
