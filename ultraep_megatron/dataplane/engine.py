@@ -517,16 +517,15 @@ def _whole_expert_ops(op, tensors: Sequence[torch.Tensor], peer: int, edge: Edge
             for k, tensor in enumerate(tensors)]
 
 
-def _distribution_rounds(schedule: TransferSchedule, rank: int, sequence: int, sources: dict,
-                         packed: torch.Tensor | None, packed_row: dict, mine: RankTransfers,
-                         replica_weights: torch.Tensor, shapes: Sequence[torch.Size], group, works: list):
+def _distribution_rounds(schedule: TransferSchedule, rank: int, sequence: int, sources: dict, packed: dict,
+                         mine: RankTransfers, replica_weights: torch.Tensor, shapes: Sequence[torch.Size],
+                         group, works: list):
     """Issue the distribution's rounds into ``works``; yields the receives a relay must have before
     it forwards their chunks.
 
     A direct edge (depth 1) is one message per expert tensor in round 0, from ``sources[e]`` (the
     main expert's tensors) into views of the replica slot. A relayed expert's edges move chunks of
-    its flat row: the home's from row ``packed_row[e]`` of ``packed``, a relay's from its own
-    replica slot."""
+    its flat row: the home's from ``packed[e]``, a relay's from its own replica slot."""
     edges = mine.edges
     parts = _tag_parts(schedule, len(shapes))
     inbound = {edge.expert: edge.index for edge in edges if edge.hop == 1 and edge.dst == rank}
@@ -551,7 +550,7 @@ def _distribution_rounds(schedule: TransferSchedule, rank: int, sequence: int, s
             tag = _tag(sequence, edge, chunk, parts)
             if edge.src == rank:
                 if edge.hop == 1:
-                    buf = packed[packed_row[edge.expert], start:end]
+                    buf = packed[edge.expert][start:end]
                 else:  # stream: forward the chunk as soon as it has arrived from the home
                     dependencies.append(arrived[(inbound[edge.expert], chunk)])
                     buf = replica_weights[edge.src_slot, start:end]
@@ -618,7 +617,8 @@ def distribute_weights(
         # chunks cross tensor boundaries); direct edges send, and local copies read, the main
         # tensors themselves (a non-contiguous one is packed first: an operation needs dense memory).
         relayed = sorted({edge.expert for edge in mine.children if edge.depth == 2})
-        packed = pack_experts([main_weights[e - first_local] for e in relayed]) if relayed else None
+        packed = (dict(zip(relayed, pack_experts([main_weights[e - first_local] for e in relayed])))
+                  if relayed else {})
         sources = {}
         for edge in mine.children:
             if edge.depth == 1 and edge.expert not in sources:
@@ -630,8 +630,7 @@ def distribute_weights(
             for view, tensor in zip(expert_views(replica_weights[slot], shapes), main_weights[e - first_local]):
                 view.copy_(tensor)
         keep.extend([packed, sources])
-        yield from _distribution_rounds(schedule, rank, sequence, sources, packed,
-                                        {e: row for row, e in enumerate(relayed)}, mine, replica_weights,
+        yield from _distribution_rounds(schedule, rank, sequence, sources, packed, mine, replica_weights,
                                         shapes, group, works)
 
     keep: list = [replica_weights]
@@ -720,18 +719,23 @@ def reduce_gradients(
         # travels in the buffer's dtype; every other hosted gradient (a relay tree's chunks cross
         # tensor boundaries, a local replica is folded from the buffer, zeros, a cast) goes through
         # its slot, written here, on the transfer's stream: the caller's thread copies nothing.
-        sources = {edge.dst_slot: expert_views(replica_grads[edge.dst_slot], shapes)
-                   for edge in edges if edge.dst == rank and edge.depth == 1}
-        if hosted_grads is not None:
-            for slot, grads in hosted_grads.items():
-                views = expert_views(replica_grads[slot], shapes)
-                for k, (view, grad) in enumerate(zip(views, grads if grads is not None else [None] * len(views))):
-                    if grad is None:
-                        view.zero_()
-                    elif slot in sources and grad.dtype == replica_grads.dtype and grad.is_contiguous():
-                        sources[slot][k] = grad
-                    else:
-                        view.copy_(grad)
+        direct = {edge.dst_slot for edge in edges if edge.dst == rank and edge.depth == 1}
+        # What each direct slot's edge sends, per expert tensor: the slot itself when the caller wrote it.
+        sources = {slot: expert_views(replica_grads[slot], shapes) for slot in direct}
+        for slot, grads in (hosted_grads or {}).items():
+            views = sources.get(slot) or expert_views(replica_grads[slot], shapes)
+            sent = []
+            for view, grad in zip(views, grads or [None] * len(views)):
+                if grad is not None and slot in direct and grad.dtype == replica_grads.dtype and grad.is_contiguous():
+                    sent.append(grad)
+                    continue
+                if grad is None:
+                    view.zero_()
+                else:
+                    view.copy_(grad)
+                sent.append(view)
+            if slot in direct:
+                sources[slot] = sent
         pending: list[tuple] = []  # a relay's receives of the last round: (work, staged, own chunk)
         for round_ in range(schedule.num_rounds):
             if pending:  # a relay adds its leaves' chunks before forwarding the partial sums
