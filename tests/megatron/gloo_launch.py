@@ -13,11 +13,12 @@ Usage::
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import Sequence
+
+from processes import run_process_group  # noqa: F401  (tests import it from here too)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -52,29 +53,6 @@ def torchrun_command(script: str | Path, nproc: int, args: Sequence[str] = ()) -
             str(FAST_EXIT), str(script), *map(str, args)]
 
 
-def run_process_group(command: Sequence[str], *, timeout_s: float, **kwargs) -> subprocess.CompletedProcess:
-    """``subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, **kwargs)``, with
-    the command in a process group of its own that is killed whole on a timeout (or an interrupt).
-
-    Killing torchrun alone leaves its ranks behind, re-parented to init and still running: each with
-    hundreds of gloo threads, they slowed every later test on the machine tenfold.
-
-    Raises:
-        subprocess.TimeoutExpired: past ``timeout_s``, once the group is gone (with its output).
-    """
-    with subprocess.Popen(command, start_new_session=True, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True, **kwargs) as process:
-        try:
-            stdout, stderr = process.communicate(timeout=timeout_s)
-        except BaseException as error:
-            os.killpg(process.pid, signal.SIGKILL)
-            stdout, stderr = process.communicate()
-            if isinstance(error, subprocess.TimeoutExpired):
-                raise subprocess.TimeoutExpired(command, timeout_s, output=stdout, stderr=stderr) from None
-            raise
-    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
-
-
 def launch_gloo_ranks(
     script: str | Path,
     nproc: int,
@@ -91,7 +69,11 @@ def launch_gloo_ranks(
         nproc: number of ranks (processes), each a gloo rank on the CPU.
         args: command-line arguments for the script.
         env: extra environment variables.
-        timeout_s: wall-clock limit; the job is killed past it.
+        timeout_s: wall-clock limit; the job and every process it started are killed past it
+            (``processes.run_process_group``). The default leaves a wide margin over what the
+            launches take on this project's 2-core machines: the longest, an 8-rank recipe
+            variant of 6 iterations, about 40 s alone and 75 s with another job beside it, so
+            600 s is 8x that, for a machine under other load.
         log_path: if given, the combined stdout/stderr is also written there.
 
     Returns:

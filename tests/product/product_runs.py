@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from processes import run_process_group
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_RECIPE = REPO / "recipes" / "tiny_cpu.sh"
@@ -44,12 +45,12 @@ def run_tiny_balanced(run_dir: Path) -> TinyRun:
     """Train the tiny recipe 2 iterations with ultraep, checkpointing at the last one."""
     checkpoint = run_dir / "ckpt"
     trace_dir, megatron_trace_dir = run_dir / "trace", run_dir / "megatron_trace"
-    completed = subprocess.run(
+    completed = run_process_group(
         ["bash", str(TINY_RECIPE), "--moe-balancer", "ultraep",
          "--save", str(checkpoint), "--save-interval", str(CHECKPOINT_ITERATION),
          "--exit-interval", str(CHECKPOINT_ITERATION),
          "--moe-balancer-trace-dir", str(trace_dir), "--moe-routing-trace-path", str(megatron_trace_dir)],
-        env=recipe_env(RUN_DIR=str(run_dir)), capture_output=True, text=True, timeout=600)
+        env=recipe_env(RUN_DIR=str(run_dir)), timeout_s=600)
     log = completed.stdout + completed.stderr
     (run_dir / "log.txt").write_text(log)
     assert completed.returncode == 0, log[-6000:]

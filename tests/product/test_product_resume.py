@@ -11,11 +11,11 @@ from __future__ import annotations
 import csv
 import json
 import re
-import subprocess
 import sys
 
 import pytest
 
+from processes import run_process_group
 from product_runs import CHECKPOINT_ITERATION, TINY_RECIPE, recipe_env
 
 from ultraep_megatron import resume_experiment
@@ -39,7 +39,7 @@ def experiment(tiny_balanced_run, tmp_path_factory):
                "--", "bash", str(TINY_RECIPE)]
     env = recipe_env(TRAIN_ITERS="10")  # the checkpoint's run: the recipe's default 40
     del env["ULTRAEP_PYTHON"]  # the driver launches with its own python
-    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1200)
+    completed = run_process_group(command, env=env, timeout_s=1200)
     with open(out / "comparison.csv") as handle:
         table = {row["balancer"]: row for row in csv.DictReader(handle)}
     records = {b: resume_experiment._read_jsonl(out / b / "metrics.jsonl") for b in BALANCERS}

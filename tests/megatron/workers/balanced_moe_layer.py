@@ -85,8 +85,13 @@ def build_layer(ep_size: int, balancer: str | None, num_slots: int, recompute: b
     from ultraep_megatron.megatron.context import BalancingContext
     from ultraep_megatron.planner.policy import BalancerConfig
 
-    parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(expert_model_parallel_size=ep_size)
+    # Megatron's groups once per process, not once per layer: groups are never freed, and each
+    # holds gloo threads; re-creating them for every one of the ~50 layers built here made each
+    # build slower than the last (a single scenario took minutes on 2 cores).
+    if not parallel_state.model_parallel_is_initialized() or \
+            parallel_state.get_expert_model_parallel_world_size() != ep_size:
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(expert_model_parallel_size=ep_size)
     model_parallel_cuda_manual_seed(123)
     extra = dict(recompute_granularity="selective", recompute_modules=["moe"]) if recompute else {}
     config = TransformerConfig(
