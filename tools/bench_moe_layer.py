@@ -150,8 +150,7 @@ def skip_transfers(balancing) -> None:
         balancing.holder = invocation
 
     def finish_reduction(layer, invocation):
-        params = layer.main_expert_param_lists()
-        return [None] * sum(len(params[g]) for g in invocation.replicated_local_experts)
+        return [[None] * len(expert) for expert in layer.main_expert_param_lists()]
 
     balancing.start_weights = start_weights
     balancing.wait_weights = lambda invocation: None

@@ -123,3 +123,35 @@ def failures(comparisons: Sequence[Comparison]) -> list[str]:
     """The comparisons over tolerance, described."""
     return [f"{c.what}: error {c.error:.3g} > {NOISE_MULTIPLE:g} x floor {c.floor:.3g}"
             for c in comparisons if not c.passed]
+
+
+def losses(run, iterations) -> dict[int, float]:
+    """{iteration: lm loss} of a run's ``--metrics-jsonl`` records (``run.records``)."""
+    return {it: run.records[it]["losses"]["lm loss"] for it in iterations}
+
+
+def grad_norms(run, iterations) -> dict[int, float]:
+    return {it: run.records[it]["grad_norm"] for it in iterations}
+
+
+def per_step_comparisons(actual, reference, floor_x, floor_y, floor_iterations: Sequence[int],
+                         iterations: Sequence[int]) -> list[Comparison]:
+    """Every parameter's reduced gradient, the loss and the grad norm of ``actual`` against
+    ``reference`` at the lr-0 ``iterations`` (runs of workers/pretrain_grad_dump.py: ``.grads``,
+    ``.records``); floors from ``floor_x`` against ``floor_y`` over ``floor_iterations``."""
+    floors = gradient_floors(floor_x.grads, floor_y.grads, list(floor_iterations))
+    comparisons = compare_gradients(actual.grads, reference.grads, floors, iterations)
+    for what, values in (("lm loss", losses), ("grad norm", grad_norms)):
+        comparisons += compare_series(what, values(actual, iterations), values(reference, iterations),
+                                      values(floor_x, floor_iterations), values(floor_y, floor_iterations))
+    return comparisons
+
+
+def trajectory_comparisons(actual, reference, floor_x, floor_y, iterations: Sequence[int]) -> list[Comparison]:
+    """Losses and grad norms of ``actual`` against ``reference`` over the trained ``iterations``,
+    the floor from ``floor_x`` against ``floor_y`` over the same iterations."""
+    comparisons = []
+    for what, values in (("lm loss", losses), ("grad norm", grad_norms)):
+        comparisons += compare_series(what, values(actual, iterations), values(reference, iterations),
+                                      values(floor_x, iterations), values(floor_y, iterations))
+    return comparisons

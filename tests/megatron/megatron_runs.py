@@ -146,24 +146,67 @@ def launch_dump_run(run_dir: Path, nproc: int, args: Sequence[str], env: dict[st
                             env={"ULTRAEP_GRAD_DUMP_DIR": str(run_dir), **env},
                             timeout_s=timeout_s, log_path=run_dir / "log")
     dumps = [torch.load(run_dir / f"rank{r}.pt") for r in range(nproc)]
-    merged = {"grads": {}, "expert_bias": {}}
+    expert_bias = {}
     for dump in dumps:
-        for key, per_iteration in merged.items():
-            for it, tensors in dump[key].items():
-                for name, tensor in tensors.items():
-                    per_iteration.setdefault(it, {}).setdefault(name, tensor)
-    return DumpRun(run_dir, {r["iteration"]: r for r in read_metrics(metrics)}, merged["grads"],
-                   merged["expert_bias"], dumps[-1]["eval"], log)
+        for it, tensors in dump["expert_bias"].items():
+            for name, tensor in tensors.items():
+                expert_bias.setdefault(it, {}).setdefault(name, tensor)
+    grads = {it: merge_reduced_gradients([dump["grads"][it] for dump in dumps])
+             for it in dumps[0]["grads"]}
+    return DumpRun(run_dir, {r["iteration"]: r for r in read_metrics(metrics)}, grads,
+                   expert_bias, dumps[-1]["eval"], log)
+
+
+def merge_reduced_gradients(per_rank: Sequence[dict[str, tuple[torch.Tensor, torch.Tensor]]]) -> dict[str, torch.Tensor]:
+    """One iteration's reduced gradients, by global name, from every rank's ``(gradient, owned)``
+    (workers/pretrain_grad_dump.reduced_gradients): each element from the first rank that holds
+    its reduced value. Every element must be held by some rank (with the distributed optimizer the
+    shards of a bucket's data-parallel group cover it)."""
+    merged: dict[str, torch.Tensor] = {}
+    covered: dict[str, torch.Tensor] = {}
+    for grads in per_rank:
+        for name, (grad, owned) in grads.items():
+            if name not in merged:
+                merged[name], covered[name] = torch.zeros_like(grad), torch.zeros_like(owned)
+            take = owned & ~covered[name]
+            merged[name][take] = grad[take]
+            covered[name] |= owned
+    missing = [name for name, mask in covered.items() if not bool(mask.all())]
+    assert not missing, f"no rank holds the reduced gradient of part of {missing[:5]}"
+    return merged
+
+
+def save_initial_checkpoint(run_dir: Path, args: Sequence[str], env: dict[str, str] | None = None) -> DumpRun:
+    """The model of ``args`` at initialization, on one rank (EP 1, PP 1), saved as a torch_dist
+    checkpoint in ``run_dir/ckpt`` after one iteration at learning rate 0 (the expert bias frozen
+    for it). Every layout that loads it (``--load CKPT --finetune``) starts from the same weights,
+    whatever its EP and PP; a layout initialized by itself would draw other weights.
+
+    Returns:
+        The run that saved it (its checkpoint: ``run_dir/ckpt``).
+    """
+    args = list(args)
+    for flag in ("--pipeline-model-parallel-size", "--expert-model-parallel-size",
+                 "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers"):
+        while flag in args:
+            i = args.index(flag)
+            del args[i:i + 2]
+    args += [token for flag, value in ONE_RANK_LAYOUT.items() for token in (flag, value)]
+    args += ["--train-iters", "1", "--lr", "0.0", "--min-lr", "0.0", "--lr-warmup-iters", "0",
+             "--lr-decay-style", "constant", "--moe-router-bias-update-rate", "0.0", "--eval-iters", "0",
+             "--save", str(run_dir / "ckpt"), "--save-interval", "1", "--ckpt-format", "torch_dist"]
+    return launch_dump_run(run_dir, 1, args, env or {})
+
+
+#: The parallel layout of :func:`save_initial_checkpoint`'s one rank.
+ONE_RANK_LAYOUT = {"--pipeline-model-parallel-size": "1", "--expert-model-parallel-size": "1"}
 
 
 def make_initial_checkpoint(run_dir: Path) -> DumpRun:
-    """The tiny recipe-feature model at initialization, saved as a torch_dist checkpoint in
-    ``run_dir/ckpt`` with SKEWED_EXPERT_BIAS (one rank, one iteration at learning rate 0, the
-    expert bias frozen for it). Launched without the CPU flags: pretrain_gpt.py applies them."""
+    """The tiny recipe-feature model at initialization (:func:`save_initial_checkpoint`) with
+    SKEWED_EXPERT_BIAS. Launched without the CPU flags: pretrain_gpt.py applies them."""
     args = [a for a in recipe_moe_args(ep=1, train_iters=1)]
     for flag, (value, _) in CPU_FLAGS.items():
         i = args.index(flag)
         del args[i:i + (1 if value is None else 2)]
-    args += ["--lr", "0.0", "--moe-router-bias-update-rate", "0.0", "--eval-iters", "0",
-             "--save", str(run_dir / "ckpt"), "--save-interval", "1", "--ckpt-format", "torch_dist"]
-    return launch_dump_run(run_dir, 1, args, {"ULTRAEP_EXPERT_BIAS": SKEWED_EXPERT_BIAS})
+    return save_initial_checkpoint(run_dir, args, {"ULTRAEP_EXPERT_BIAS": SKEWED_EXPERT_BIAS})

@@ -49,6 +49,15 @@ CASES = {
     # Its saved-tensor hooks would keep the shared replica weights as a later layer leaves them.
     "offload_experts": ([*ULTRAEP, "--fine-grained-activation-offloading", "--offload-modules", "attn_norm",
                          "expert_fc1"], "--offload-modules expert_fc1"),
+    # FSDP gathers an expert only in its own hooks; the replica transfers read and write it outside.
+    "megatron_fsdp": ([*ULTRAEP, "--use-megatron-fsdp", "--use-distributed-optimizer",
+                       "--data-parallel-sharding-strategy", "optim_grads_params"], "--use-megatron-fsdp"),
+    "torch_fsdp2": ([*ULTRAEP, "--use-torch-fsdp2", "--no-gradient-accumulation-fusion"], "--use-torch-fsdp2"),
+    # What production runs (the distributed optimizer, overlapped reduction and gather, buckets
+    # smaller than an expert, several instances) is accepted.
+    "valid_production_ddp": ([*ULTRAEP, "--use-distributed-optimizer", "--overlap-grad-reduce",
+                              "--overlap-param-gather", "--ddp-bucket-size", "2000",
+                              "--ddp-average-in-collective"], None),
     "trace_without_balancer": (["--moe-balancer-trace-dir", "/tmp/x"], "--moe-balancer-trace-dir"),
     "dense_model": (None, "--num-experts"),
     "tensor_parallel_experts": ([*ULTRAEP, "--tensor-model-parallel-size", "2"],
@@ -65,7 +74,7 @@ CASES = {
     "new_trace_dir": ([*ULTRAEP, "--moe-balancer-trace-dir", "{tmp}/new/trace"], None),
 }
 # Every case runs at EP=1: a balancer whose flags are valid is warned about it.
-WARNED = {"valid_ultraep", "valid_eplb", "valid_domain_trigger_hardware", *(name for name in CASES if "trace" in name)} - {
+WARNED = {"valid_ultraep", "valid_eplb", "valid_domain_trigger_hardware", "valid_production_ddp", *(name for name in CASES if "trace" in name)} - {
     "trace_without_balancer"}
 
 

@@ -165,6 +165,15 @@ def unsupported_moe_settings(config) -> list[str]:
         problems.append(f"--offload-modules {' '.join(offloaded)} with --fine-grained-activation-offloading "
                         "is not supported: it would store the replica experts' weights, which share one "
                         "buffer across layers; offload other modules")
+    for flag in ('use_megatron_fsdp', 'use_torch_fsdp2'):
+        if get(flag):
+            # FSDP shards every expert across the expert-data-parallel ranks and gathers it only in
+            # the expert's own forward and backward; the replica transfers read whole main-expert
+            # weights before the experts' forward and in the layer's backward before the experts',
+            # and reduce replica gradients into the DDP main_grad buffers FSDP does not have.
+            problems.append(f"--{flag.replace('_', '-')} is not supported: the replica transfers read and "
+                            "write whole main-expert weights and gradients outside the experts' FSDP hooks; "
+                            "use --use-distributed-optimizer")
     if get('moe_latent_size'):
         problems.append("--moe-latent-size is not supported")
     cuda_graph = get('cuda_graph_impl') or 'none'

@@ -18,8 +18,9 @@ One invocation (a layer on a microbatch), forward:
    the host (``context.Invocation``); megatron's dispatcher gets host splits, so it copies nothing.
 2. reroute on the device: the reroute table (one non-blocking upload from pinned memory) maps each
    (token, expert) pair to its physical slot; megatron permutes the tokens;
-3. the layer starts the weight distribution into the shared redundant slots, asynchronously;
-   megatron dispatches the tokens;
+3. the layer completes megatron's parameter all-gather of its main experts, if one is in flight
+   (``--overlap-param-gather``), then starts the weight distribution into the shared redundant
+   slots, asynchronously; megatron dispatches the tokens;
 4. the main experts compute; the replica experts wait for the weights, then compute;
 5. combine.
 
@@ -37,9 +38,11 @@ The backward, in the order autograd runs it::
     chunk sort backward
     _ReduceReplicaGrads  completes the reduction into the main experts' gradients; releases the ring
                          slot. It is an identity on the received tokens whose inputs include the
-                         parameters of the main experts with a replica, so it runs after the main
-                         experts' backward and before those experts' gradient accumulation
-                         (Megatron DDP's hook then sees complete grads)
+                         parameters of every local main expert, so it runs after the main experts'
+                         backward and before any of their gradient accumulations: Megatron DDP's
+                         hook then sees complete grads, at a point and in an order that do not
+                         depend on the plan (its bucket collectives stay in step across the
+                         expert-data-parallel group)
     dispatch all-to-all backward
 
 Every transfer is collective on the EP group and every rank issues them in the same order; a rank
@@ -461,43 +464,45 @@ class _ReduceReplicaGrads(torch.autograd.Function):
     backward, after the experts' and the sort's, completes the reduction of the replica gradients
     into the main experts' gradients.
 
-    ``replicated_params`` (the parameters of this rank's main experts that have a replica,
-    expert-major) are inputs so that their gradient accumulation, and so Megatron DDP's hook that
-    hands ``main_grad`` to the (possibly overlapped) bucket reduction, waits for this backward. Only
-    those: autograd holds a parameter's incoming weight gradient until every input of its
-    accumulation is done, so making every local expert an input held all their weight gradients
-    (on the CPU, fresh pages each iteration) though the reduction changes only these.
+    The trainable parameters of *every* local main expert are inputs, whatever the plan, so that
+    their gradient accumulation, and so Megatron DDP's hook that marks a parameter ready for its
+    (possibly overlapped) bucket reduction, runs after this backward, in the same order on every
+    rank. Only the experts with a replica need their reduced gradient; the others are inputs for
+    the order: with ``--overlap-grad-reduce`` a bucket's reduce-scatter starts when its last
+    parameter is ready, and the ranks of one expert-data-parallel group belong to different EP
+    groups with different plans. Were only the replicated experts held back, each rank would
+    complete its buckets in an order of its own plan's making and issue the bucket collectives out of
+    step: gloo and NCCL match collectives by issue order, so buckets of one rank were reduced with
+    other buckets of another (silently wrong where sizes agree, a hang where not). The cost: the
+    local experts' weight gradients live until this backward, across megatron's chunk sort backward
+    (none with gradient-accumulation fusion, which writes them into ``main_grad`` directly).
 
-    If neither the tokens nor a replicated parameter needs a gradient (the layers below frozen, no
-    replica of this rank's experts), :meth:`inputs` adds one local expert's parameters instead:
-    without an input that needs a gradient this backward would never run, so the reduction would
-    never complete and the invocation never be released.
+    If neither the tokens nor any local expert's parameter needs a gradient (every local expert, the
+    router and the layers below frozen), this backward never runs on this rank; megatron's own
+    all-to-all backward would not run there either.
     """
 
     @staticmethod
-    def inputs(layer, invocation, received: torch.Tensor) -> List[torch.Tensor]:
-        """The parameters ``apply`` takes after the tokens."""
-        main_params = layer.main_expert_param_lists()
-        params = [p for g in invocation.replicated_local_experts for p in main_params[g]]
-        if received.requires_grad or any(p.requires_grad for p in params):
-            return params
-        trainable = [[p for p in expert if p.requires_grad] for expert in main_params]
-        return next((expert for expert in trainable if expert), [])
+    def inputs(layer) -> List[torch.Tensor]:
+        """The parameters ``apply`` takes after the tokens: every local expert's trainable ones,
+        expert-major (plan-independent, see the class docstring)."""
+        return [p for expert in layer.main_expert_param_lists() for p in expert if p.requires_grad]
 
     @staticmethod
     def forward(ctx, layer, invocation, received, *params):
         _keep(ctx, layer, invocation)
-        ctx.num_params = len(params)
+        ctx.params = params
         return received.view_as(received)
 
     @staticmethod
     def backward(ctx, grad_received):
         invocation = _invocation(ctx)
-        replicated_param_grads = ctx.layer.balancing.finish_reduction(ctx.layer, invocation)
-        ctx.layer.balancing.release(invocation)
-        # A stand-in input (see above) gets no gradient from here.
-        padding = [None] * (ctx.num_params - len(replicated_param_grads))
-        return (None, None, grad_received, *replicated_param_grads, *padding)
+        layer = ctx.layer
+        reduced = layer.balancing.finish_reduction(layer, invocation)  # [local expert][k]
+        layer.balancing.release(invocation)
+        by_param = {id(p): g for expert, grads in zip(layer.main_expert_param_lists(), reduced)
+                    for p, g in zip(expert, grads)}
+        return (None, None, grad_received, *(by_param[id(p)] for p in ctx.params))
 
 
 class _ReplicaWeights(torch.autograd.Function):
@@ -616,6 +621,10 @@ class BalancedMoELayer(MoELayer):
         self.expert_param_shapes = [(n, tuple(p.shape)) for n, p in zip(self.expert_param_names[0], first)]
         self.balancer = balancing.config.build()
         self._main_params: Optional[List[List[torch.Tensor]]] = None
+        # The modules holding the main experts' parameters (their forward pre-hooks, see
+        # _prepare_main_params).
+        self._main_param_owners = [m for m in self.experts.modules()
+                                   if next(m.parameters(recurse=False), None) is not None]
         balancing.register(self)
 
     def set_layer_number(self, layer_number: int) -> None:
@@ -645,10 +654,30 @@ class BalancedMoELayer(MoELayer):
         """Redundant slots' expert compute: [N, H] tokens sorted by slot -> [N, H] outputs."""
         return self.balancing.replica_experts(slot_weights, tokens, rows_per_slot, probs)
 
+    def _prepare_main_params(self) -> None:
+        """Run the forward pre-hooks of the modules holding the main experts' parameters, as their
+        own forward will right after, before the weight distribution reads those parameters.
+
+        With ``--overlap-param-gather`` Megatron DDP's pre-hook is where a module waits for the
+        all-gather of its parameters after the optimizer step (the distributed optimizer updated
+        only this rank's shard); the replicas are copied from the main experts before the experts'
+        forward runs, so without this they would be copied from weights of the previous step in
+        the shards other ranks own. Megatron's hook is idempotent, so the experts' own forward finds
+        the gather done. Called in every forward, whatever the plan: the hook also starts the next
+        bucket's all-gather, which every rank of the expert-data-parallel group must issue alike.
+        """
+        for module in self._main_param_owners:
+            for hook_id, hook in tuple(module._forward_pre_hooks.items()):
+                if hook_id in module._forward_pre_hooks_with_kwargs:
+                    hook(module, (), {})
+                else:
+                    hook(module, ())
+
     def preprocess(self, hidden_states, probs, routing_map):
         invocation = self.token_dispatcher.plan(routing_map)
         # Reroute and permutation first: the device waits for them after the plan's host wait.
         hidden_states, probs = super().preprocess(hidden_states, probs, routing_map)
+        self._prepare_main_params()
         # Overlaps the token all-to-all and the main experts.
         self.balancing.start_weights(self, invocation)
         return hidden_states, probs
@@ -658,8 +687,8 @@ class BalancedMoELayer(MoELayer):
         invocation = dispatcher.invocation
         track = torch.is_grad_enabled()  # a backward will follow: re-materialize and reduce in it
         if track:  # on the received tokens: its backward follows every expert's
-            hidden_states = _ReduceReplicaGrads.apply(
-                self, invocation, hidden_states, *_ReduceReplicaGrads.inputs(self, invocation, hidden_states))
+            hidden_states = _ReduceReplicaGrads.apply(self, invocation, hidden_states,
+                                                      *_ReduceReplicaGrads.inputs(self))
         if sum(invocation.replica_rows) == 0:
             # Nothing for this rank's redundant slots (host metadata): megatron's postprocess, no
             # parts. The backward's transfers wait for this weight distribution first; without a

@@ -456,22 +456,21 @@ class BalancingContext:
         return hosted
 
     @native_torch
-    def finish_reduction(self, layer, invocation: Invocation) -> List[Optional[torch.Tensor]]:
-        """Complete the invocation's reduction; return the gradients of the parameters of the main
-        experts with a replica (``invocation.replicated_local_experts``, expert-major), ``None``
-        where they went into ``main_grad``."""
-        replicated = invocation.replicated_local_experts
+    def finish_reduction(self, layer, invocation: Invocation) -> List[List[Optional[torch.Tensor]]]:
+        """Complete the invocation's reduction; return ``[local expert][k]`` the gradient each main
+        expert parameter gains from its replicas: ``None`` for an expert without a replica, and for
+        every expert where the reduction went into ``main_grad`` (Megatron DDP)."""
         main_params = layer.main_expert_param_lists()
-        params = [p for g in replicated for p in main_params[g]]
+        none = [[None] * len(expert) for expert in main_params]
         if invocation.schedule_builder is None:
-            return [None] * len(params)
+            return none
         self.start_reduction(layer, invocation)  # if the replicas' backward did not start it
         handle, targets, has_replica = self._reductions.pop(id(invocation))
         self._wait(handle)
         if has_replica is None:
-            return [None] * len(params)
-        grads = [g for e in replicated for g in targets[e]]
-        return [g.to(p.dtype) for p, g in zip(params, grads)]
+            return none
+        return [[g.to(p.dtype) for p, g in zip(expert, grads)] if has else [None] * len(expert)
+                for expert, grads, has in zip(main_params, targets, has_replica)]
 
     # -- training loop -----------------------------------------------------------------------------
     def end_iteration(self, iteration: int) -> None:

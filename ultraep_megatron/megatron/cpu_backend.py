@@ -288,9 +288,19 @@ def _current_stream(device=None) -> _CpuStream:
     return _DEFAULT_STREAM
 
 
-@contextlib.contextmanager
-def _stream_context(stream=None):
-    yield stream
+class _StreamContext:
+    """``torch.cuda.stream(s)``: a no-op scope that, like ``torch.cuda.StreamContext``, can be
+    entered more than once (megatron's DDP enters one twice with several distributed-optimizer
+    instances)."""
+
+    def __init__(self, stream=None):
+        self.stream = stream
+
+    def __enter__(self):
+        return self.stream
+
+    def __exit__(self, *exc):
+        return False
 
 
 def _noop(*args, **kwargs):
@@ -323,7 +333,7 @@ _TORCH_CUDA_PATCHES: dict[str, tuple[Any, str]] = {
     "Event": (_CpuEvent, "stream events order work that the CPU already runs in order"),
     "current_stream": (_current_stream, "callers compare and wait on streams; one CPU stream"),
     "default_stream": (_current_stream, "callers compare and wait on streams; one CPU stream"),
-    "stream": (_stream_context, "side-stream scopes are no-ops on the CPU"),
+    "stream": (_StreamContext, "side-stream scopes are no-ops on the CPU"),
     "set_stream": (_noop, "side-stream selection is a no-op on the CPU"),
     "synchronize": (_noop, "CPU work is complete when the host reaches the call"),
     "empty_cache": (_noop, "no caching allocator to release on the CPU"),

@@ -4,12 +4,13 @@ Everything below is controlled by environment variables; the training itself is 
 
 * ``ULTRAEP_GRAD_DUMP_DIR`` (required): where ``rank<r>.pt`` goes, a dict with
 
-  - ``grads``: ``{iteration: {global parameter name: reduced gradient}}`` for the lr-0 iterations
-    (after ``train_step`` the gradient buffers still hold the iteration's reduced gradients;
-    Megatron zeroes them at the start of the next step). Global names do not depend on the
+  - ``grads``: ``{iteration: {global parameter name: (gradient, owned)}}`` for the lr-0
+    iterations (after ``train_step`` the gradient buffers still hold the iteration's reduced
+    gradients; Megatron zeroes them at the start of the next step): ``owned`` marks the elements
+    whose reduced value this rank holds, all of them unless the distributed optimizer leaves the
+    rank a shard of each bucket (:func:`reduced_gradients`). Global names do not depend on the
     parallel layout: decoder layers by their global number, routed experts by their global index,
-    wrapper prefixes dropped. Not written with the distributed optimizer (a rank then holds only
-    a shard of each reduced gradient).
+    wrapper prefixes dropped.
   - ``expert_bias``: ``{iteration: {global router name: expert bias}}`` after the lr-0
     iterations' updates.
   - ``eval``: one record per evaluation (during and after training, in order): the iteration,
@@ -23,6 +24,10 @@ Everything below is controlled by environment variables; the training itself is 
 * ``ULTRAEP_EXPERT_BIAS=b0,b1,...``: before the first iteration, every router's expert bias
   (DeepSeek-V3's aux-loss-free bias, added to the scores for top-k selection) is set to these
   values: a skewed routing that, saved in a checkpoint, every layout loads alike.
+
+* ``ULTRAEP_WGRAD_FUSION_STANDIN=1``: ``--gradient-accumulation-fusion`` runs, with a CPU stand-in
+  for its Apex kernel (``wgrad_fusion_standin.py``); the CPU backend then no longer adds
+  ``--no-gradient-accumulation-fusion``.
 
 * ``ULTRAEP_FAULTS``: comma-separated faults from :data:`FAULTS`, each ``name@iteration`` (active
   during that iteration's ``train_step`` only) or ``name`` (the whole run). They break the
@@ -124,7 +129,34 @@ def _replays_in_forward_order():
     return _patched(VirtualLayerRing, "park_for_recompute", replacement)
 
 
+def _grads_ready_in_plan_order():
+    """The order fault: only the main experts with a replica wait for the replica-gradient
+    reduction; the others' gradients are accumulated (and handed to DDP's buckets) as soon as
+    their own backward produced them, so the order buckets complete in follows the local plan."""
+    from ultraep_megatron.megatron import balanced_moe
+
+    def replacement(original):
+        def apply(layer, invocation, received, *params):
+            main = layer.main_expert_param_lists()
+            replicated = {id(p) for g in invocation.replicated_local_experts for p in main[g]}
+            return original(layer, invocation, received, *(p for p in params if id(p) in replicated))
+        return apply
+
+    return _patched(balanced_moe._ReduceReplicaGrads, "apply", replacement)
+
+
+def _replicas_before_param_gather():
+    """The gather fault: the replicas are copied from the main experts without first completing
+    megatron's parameter all-gather for them (--overlap-param-gather), i.e. from the previous step's
+    weights in the shards other ranks own."""
+    from ultraep_megatron.megatron.balanced_moe import BalancedMoELayer
+
+    return _patched(BalancedMoELayer, "_prepare_main_params", lambda original: lambda self: None)
+
+
 FAULTS = {
+    "grads_ready_in_plan_order": _grads_ready_in_plan_order,
+    "replicas_before_param_gather": _replicas_before_param_gather,
     "no_replica_grad_reduction": _no_replica_grad_reduction,
     "skip_rematerialization": _skip_rematerialization,
     "replica_gets_other_layer_weights": _replica_gets_other_layer_weights,
@@ -178,6 +210,31 @@ def global_parameter_names(model_chunks) -> dict[tuple[int, str], str]:
     return names
 
 
+def reduced_gradients(model_chunks, names) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{global name: (main_grad, owned)} after a step: ``owned`` [same shape, bool] marks the
+    elements whose reduced value this rank holds. Without the distributed optimizer that is every
+    element; with it, the elements in this rank's shard of each gradient bucket (the rest of its
+    buffer holds local sums), so the ranks' dumps together give every reduced gradient."""
+    out = {}
+    for c, chunk in enumerate(model_chunks):
+        param_names = {id(p): names[(c, name)] for name, p in chunk.named_parameters()}
+        groups = [*getattr(chunk, "bucket_groups", []), *getattr(chunk, "expert_parallel_bucket_groups", [])]
+        sharded = bool(groups) and groups[0].ddp_config.use_distributed_optimizer
+        for group in groups:
+            # Without the distributed optimizer every rank holds whole reduced buckets.
+            shards, rank = ((group.intra_distributed_optimizer_instance_size,
+                             group.intra_distributed_optimizer_instance_rank) if sharded else (1, 0))
+            for bucket in group.buckets:
+                shard = bucket.grad_data.numel() // shards
+                for param in bucket.params_list:
+                    grad = param.main_grad.detach()
+                    start = (grad.data_ptr() - bucket.grad_data.data_ptr()) // grad.element_size()
+                    index = torch.arange(start, start + grad.numel()).view(grad.shape)
+                    owned = (index >= rank * shard) & (index < (rank + 1) * shard)
+                    out[param_names[id(param)]] = (grad.clone(), owned)
+    return out
+
+
 def set_expert_bias(model_chunks, values) -> None:
     """Every router's ``expert_bias`` buffer := ``values`` [E]."""
     from megatron.core.transformer.moe.router import TopKRouter
@@ -207,7 +264,16 @@ def main():
     lr0_iters = int(os.environ.get("ULTRAEP_LR0_ITERS", "0"))
     expert_bias = os.environ.get("ULTRAEP_EXPERT_BIAS")
     whole_run_faults, iteration_faults = parse_faults(os.environ.get("ULTRAEP_FAULTS", ""))
+    wgrad_fusion = os.environ.get("ULTRAEP_WGRAD_FUSION_STANDIN") == "1"
+    if wgrad_fusion:  # before megatron is imported: it looks the kernel up once
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        import wgrad_fusion_standin
+
+        wgrad_fusion_standin.install()
     from ultraep_megatron.megatron import cpu_backend
+
+    if wgrad_fusion:
+        del cpu_backend.CPU_FLAGS["--no-gradient-accumulation-fusion"]
 
     cpu_backend.activate()  # pretrain_gpt.py does it too (idempotent); before megatron imports
     import megatron.training.training as megatron_training
@@ -246,12 +312,7 @@ def main():
             if not names:
                 names.update(global_parameter_names(model))
             out["expert_bias"][iteration] = expert_biases(model, names)
-            if not get_args().use_distributed_optimizer:
-                out["grads"][iteration] = {
-                    names[(c, name)]: param.main_grad.detach().clone()
-                    for c, chunk in enumerate(model) for name, param in chunk.named_parameters()
-                    if getattr(param, "main_grad", None) is not None
-                }
+            out["grads"][iteration] = reduced_gradients(model, names)
         return result
 
     megatron_training.train_step = train_step

@@ -1,0 +1,193 @@
+"""Small-scale variants of the shipped recipes, derived from the recipe files themselves.
+
+A recipe (``recipes/*.sh``) is run with a shim that records its launch (``recipe_check.capture_launch``:
+nothing is started); every flag of that launch is then kept as it is, except
+
+* the sizes (:data:`TINY`, :data:`DERIVED`): layers, widths, heads, experts, vocabulary, sequence,
+  batch, the parallel sizes (EP 2; PP 2 where the recipe pipelines; expert-data-parallel 2 where
+  the recipe's is above 1), so that the model trains on 4-8 CPU ranks;
+* the flags a CPU run cannot take (:data:`DROPPED`), each with its reason, which the test prints;
+* megatron's gradient bucket, which the recipes leave at its default, scaled with the expert
+  (:func:`scaled_bucket_size`), so experts span buckets as they do at full scale.
+
+A flag added to a recipe therefore reaches its variant unchanged (and a flag no rule knows that the
+CPU cannot run makes the variant fail loudly, not vanish). The batch keeps several microbatches per
+rank (global batch 16 of micro-batches 2).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from gloo_launch import REPO_ROOT
+
+from ultraep_megatron.megatron.recipe_check import capture_launch
+
+RECIPES = sorted(p for p in (REPO_ROOT / "recipes").glob("*.sh")
+                 if p.name not in ("common.sh", "tiny_cpu.sh", "record_trace_kjv.sh"))
+
+TINY_LAYERS = 4
+EP = 2
+
+#: flag -> why a CPU variant runs without it.
+DROPPED = {
+    "--transformer-impl": "Transformer Engine needs a GPU: the CPU backend runs megatron's local "
+                          "layers (--transformer-impl local)",
+    "--wandb-project": "logging only: the test reads --metrics-jsonl",
+    "--wandb-exp-name": "logging only: the test reads --metrics-jsonl",
+    "--multi-latent-attention": "megatron-core 0.19's local attention cannot run it (its "
+                                "DotProductAttention takes no k_channels: MLA needs Transformer "
+                                "Engine's); the variant runs standard attention",
+    "--q-lora-rank": "a multi-latent-attention size (dropped with it)",
+    "--kv-lora-rank": "a multi-latent-attention size (dropped with it)",
+    "--qk-head-dim": "a multi-latent-attention size (dropped with it)",
+    "--qk-pos-emb-head-dim": "a multi-latent-attention size (dropped with it)",
+    "--v-head-dim": "a multi-latent-attention size (dropped with it)",
+    "--rotary-scaling-factor": "YaRN RoPE scaling, used by multi-latent attention (dropped with it)",
+    "--mscale": "YaRN RoPE scaling, used by multi-latent attention (dropped with it)",
+    "--mscale-all-dim": "YaRN RoPE scaling, used by multi-latent attention (dropped with it)",
+}
+
+
+def _layer_freq(value: str, layers: int) -> str:
+    """``([0]*K+[1]*M)`` -> the same kinds in ``layers`` layers: one dense layer first if the
+    recipe has any, MoE after."""
+    dense = re.match(r"\(?\[0\]\*(\d+)", value.replace(" ", ""))
+    first_dense = 1 if dense and int(dense.group(1)) > 0 else 0
+    return f"([0]*{first_dense}+[1]*{layers - first_dense})"
+
+
+@dataclass
+class Layout:
+    """The recipe's parallel layout at full scale and the variant's."""
+
+    pipeline: int          # the variant's PP
+    expert_data: int       # the variant's expert-data-parallel size
+
+    @property
+    def world(self) -> int:
+        return self.pipeline * EP * self.expert_data
+
+
+#: Sizes of the variants' model and batch (flag -> value), whatever the recipe's.
+TINY = {
+    "--num-layers": str(TINY_LAYERS), "--hidden-size": "64", "--ffn-hidden-size": "128",
+    "--num-attention-heads": "4", "--num-query-groups": "2", "--kv-channels": "16",
+    "--max-position-embeddings": "64", "--seq-length": "32", "--vocab-size": "256",
+    "--make-vocab-size-divisible-by": "128", "--num-experts": "8", "--moe-ffn-hidden-size": "32",
+    "--moe-shared-expert-intermediate-size": "32", "--moe-router-topk": "2",
+    "--moe-router-num-groups": "4", "--moe-router-group-topk": "2",
+    "--expert-model-parallel-size": str(EP), "--micro-batch-size": "2", "--global-batch-size": "16",
+    "--lr-warmup-iters": "2",
+}
+
+#: Flags whose variant value depends on the recipe's value or the variant's layout:
+#: flag -> (layout, the recipe's values) -> the variant's value.
+DERIVED: dict[str, Callable[[Layout, list[str]], str]] = {
+    "--moe-layer-freq": lambda layout, values: _layer_freq(values[0], TINY_LAYERS),
+    "--pipeline-model-parallel-size": lambda layout, values: str(layout.pipeline),
+    "--decoder-first-pipeline-num-layers": lambda layout, values: str(TINY_LAYERS // layout.pipeline),
+    "--decoder-last-pipeline-num-layers": lambda layout, values: str(TINY_LAYERS // layout.pipeline),
+}
+
+
+#: megatron-core 0.19's default gradient bucket, in elements (the recipes set none).
+MEGATRON_BUCKET_SIZE = 40_000_000
+
+
+def expert_params(hidden: int, ffn: int, gated: bool) -> int:
+    """Elements of one routed expert (fc1, doubled by a gated unit, and fc2; no biases)."""
+    return hidden * ffn * (3 if gated else 2)
+
+
+def scaled_bucket_size(flags) -> int:
+    """megatron's default bucket scaled as the expert is: a bucket holds the same fraction of an
+    expert as at full scale (a DeepSeek-V3 expert, 44M elements, spans two 40M buckets), so the
+    variant's experts cross bucket boundaries where the recipe's do."""
+    gated = any(f == "--swiglu" for f, _ in flags)
+    full = expert_params(int(_value(flags, "--hidden-size")), int(_value(flags, "--moe-ffn-hidden-size")), gated)
+    tiny = expert_params(int(TINY["--hidden-size"]), int(TINY["--moe-ffn-hidden-size"]), gated)
+    return max(1, MEGATRON_BUCKET_SIZE * tiny // full)
+
+
+def parse_flags(argv: list[str]) -> list[tuple[str, list[str]]]:
+    """``--flag v1 v2 --switch ...`` -> [(flag, values)], in order."""
+    out: list[tuple[str, list[str]]] = []
+    for token in argv:
+        if token.startswith("--"):
+            out.append((token, []))
+        elif not out:
+            raise ValueError(f"a value before the first flag: {token!r}")
+        else:
+            out[-1][1].append(token)
+    return out
+
+
+def _value(flags, name, default=None):
+    values = [v for f, v in flags if f == name]
+    return values[-1][0] if values else default
+
+
+@dataclass
+class Variant:
+    """A recipe's small-scale variant: its launch and the layouts it runs in."""
+
+    recipe: Path
+    layout: Layout
+    args: list[str]
+    dropped: dict[str, str] = field(default_factory=dict)
+    shrunk: dict[str, tuple[list[str], list[str]]] = field(default_factory=dict)
+    kept: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.recipe.stem
+
+    @property
+    def floor_ep(self) -> int:
+        """The EP size of the noise-floor partner: the same ranks and PP, another EP (4, or 1 where
+        the data-parallel size is below 4), so every expert's gradient is summed over other
+        row partitions, as balancing does (the runs share their initial weights through a
+        checkpoint)."""
+        data_parallel = self.layout.world // self.layout.pipeline
+        return 4 if data_parallel % 4 == 0 else 1
+
+    def launch_args(self, balancer: str, *, train_iters: int, ep: int = EP) -> list[str]:
+        """The variant's arguments with ``--moe-balancer balancer``, ``train_iters`` and EP ``ep``."""
+        args = list(self.args)
+        for flag, value in (("--moe-balancer", balancer), ("--train-iters", str(train_iters)),
+                            ("--expert-model-parallel-size", str(ep))):
+            args[args.index(flag) + 1] = value
+        return args
+
+
+def small_scale_variant(recipe: Path) -> Variant:
+    """The variant of ``recipe`` (module docstring)."""
+    launch = capture_launch(recipe)
+    flags = parse_flags(launch.args)
+    pipeline = int(_value(flags, "--pipeline-model-parallel-size", "1"))
+    ep = int(_value(flags, "--expert-model-parallel-size", "1"))
+    tensor = int(_value(flags, "--tensor-model-parallel-size", "1"))
+    context = int(_value(flags, "--context-parallel-size", "1"))
+    expert_data = launch.world_size // (pipeline * ep)  # expert-TP 1: EP x expert-DP = TP x CP x DP
+    if tensor * context != 1:
+        raise ValueError(f"{recipe.name}: TP/CP > 1 have no CPU variant here")
+    layout = Layout(pipeline=min(pipeline, 2), expert_data=2 if expert_data > 1 else 1)
+    variant = Variant(recipe=recipe, layout=layout, args=[])
+    if not any(flag == "--ddp-bucket-size" for flag, _ in flags):
+        flags.append(("--ddp-bucket-size", [str(scaled_bucket_size(flags))]))
+    for flag, values in flags:
+        if flag in DROPPED:
+            variant.dropped[flag] = DROPPED[flag]
+            continue
+        if flag in TINY or flag in DERIVED:
+            new = [TINY[flag]] if flag in TINY else [DERIVED[flag](layout, values)]
+            variant.shrunk[flag] = (values, new)
+            values = new
+        else:
+            variant.kept.append(flag)
+        variant.args += [flag, *values]
+    return variant

@@ -1,0 +1,215 @@
+"""--moe-balancer ultraep in the DDP layouts production runs: expert-data-parallel 2, the distributed
+optimizer with overlapped gradient reduction and parameter gather, buckets that split experts,
+several microbatches (megatron-core's training loop, 4 gloo CPU ranks).
+
+The tiny fp32 MoE GPT (``tiny_moe_args``: 2 layers, 8 experts of two 4096-element weights, top-2) at
+EP 2 on 4 ranks: two EP groups, each planning its own load, and expert-data-parallel groups {0, 2}
+and {1, 3} that pair ranks of different plans. Megatron closes a gradient bucket once it reaches
+``--ddp-bucket-size`` and never splits a weight: buckets of 2000 elements hold one expert weight
+each (an expert spans two buckets, all of one size, so collectives issued out of step mix
+gradients silently instead of hanging: the order negative control's layout), buckets of 10000
+hold three (an expert spans two buckets, a bucket holds parts of two experts). Global batch 16 of
+micro-batches 2: two microbatches per rank and iteration. The bucket size does not change what
+``none`` computes (each element is reduced over the same ranks), so one ``none`` is the reference
+of both.
+
+Every run starts from one initial checkpoint (saved on one rank), so layouts of another EP size
+start from the same weights. Runs (workers/pretrain_grad_dump.py; ``LR0`` iterations at learning
+rate 0 compare every
+reduced gradient per step, gathered from the distributed optimizer's shards; ``ADAM`` more compare
+the trajectory):
+
+=====================  =====  ============================================================
+run                    ranks  what
+=====================  =====  ============================================================
+none                   4      the reference
+none_floor             4      EP 4: every expert's gradient summed over other row partitions
+                              and ranks, the same mathematics (the noise floor pair)
+ultraep                4      balanced
+ultraep_ddp_options    4      balanced, buckets of 10000, ``--ddp-average-in-collective``,
+                              ``--num-distributed-optimizer-instances 2``,
+                              ``--ddp-pad-buckets-for-high-nccl-busbw``, ``--check-for-large-grads``,
+                              ``--check-weight-hash-across-dp-replicas-interval 1``
+none_bf16, _floor,     4      the same three in bf16 with ``--grad-reduce-in-bf16`` (bf16 main
+ultraep_bf16                  gradients, reduced in bf16: the replica gradients are folded into them)
+ultraep_wgrad_fusion   4      balanced with ``--gradient-accumulation-fusion`` (megatron's GPU
+                              default: the main experts' weight gradients go straight into
+                              ``main_grad``, the replica reduction folds in after them), its Apex
+                              kernel replaced by a CPU stand-in of the same contract
+                              (``wgrad_fusion_standin.py``; the fp32 product is the unfused one, so
+                              ``none`` unfused is its reference)
+ultraep_order_fault    4      balanced with the experts' gradients handed to DDP in the local
+                              plan's order (negative control), lr-0 iterations only
+ultraep_gather_fault   4      balanced with replicas copied before megatron's parameter
+                              all-gather completes (negative control)
+=====================  =====  ============================================================
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from equivalence import failures, per_step_comparisons, summary, trajectory_comparisons
+from megatron_runs import launch_dump_run, save_initial_checkpoint, tiny_moe_args
+
+from ultraep_megatron.planner import policy
+from ultraep_megatron.traces import find_trace_files, read_trace
+
+pytestmark = pytest.mark.slow
+
+EP, BUCKET, COARSE_BUCKET = 2, 2000, 10000
+LR0, ADAM = 4, 4
+PRODUCTION_DDP = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+                  "--ddp-bucket-size", str(BUCKET), "--global-batch-size", "16", "--clip-grad", "0.0"]
+BALANCED = ["--moe-balancer", "ultraep", "--moe-balancer-num-slots", "2"]
+BF16 = ["--bf16", "--grad-reduce-in-bf16"]
+COMPARED = {  # balanced run: (reference, noise-floor partner)
+    "ultraep": ("none", "none_floor"),
+    "ultraep_ddp_options": ("none", "none_floor"),
+    "ultraep_bf16": ("none_bf16", "none_bf16_floor"),
+    "ultraep_wgrad_fusion": ("none", "none_floor"),
+}
+RUNS = {  # name: (EP size, extra flags, lr-0 iterations, Adam iterations, faults), all on 4 ranks
+    "none": (EP, [], LR0, ADAM, ""),
+    "none_floor": (4, [], LR0, ADAM, ""),
+    "ultraep": (EP, BALANCED, LR0, ADAM, ""),
+    "ultraep_ddp_options": (EP, [*BALANCED, "--ddp-bucket-size", str(COARSE_BUCKET), "--ddp-average-in-collective",
+                                 "--num-distributed-optimizer-instances", "2", "--ddp-pad-buckets-for-high-nccl-busbw",
+                                 "--check-for-large-grads", "--check-weight-hash-across-dp-replicas-interval", "1"],
+                            LR0, ADAM, ""),
+    "none_bf16": (EP, BF16, LR0, ADAM, ""),
+    "none_bf16_floor": (4, BF16, LR0, ADAM, ""),
+    "ultraep_bf16": (EP, [*BF16, *BALANCED], LR0, ADAM, ""),
+    "ultraep_wgrad_fusion": (EP, BALANCED, LR0, ADAM, ""),
+    "ultraep_order_fault": (EP, BALANCED, LR0, 0, "grads_ready_in_plan_order"),
+    "ultraep_gather_fault": (EP, BALANCED, LR0, ADAM, "replicas_before_param_gather"),
+}
+WORLD = 4
+#: Runs with --gradient-accumulation-fusion (its kernel's CPU stand-in).
+WGRAD_FUSION = {"ultraep_wgrad_fusion"}
+# Iteration 1 is megatron's first batch: DDP then learns how often each parameter's hook fires and
+# reduces every bucket at the end of the backward, in bucket order. Overlapped reduction, and so
+# the order hazard, starts with iteration 2.
+OVERLAPPED = list(range(2, LR0 + 1))
+ALL_LR0 = list(range(1, LR0 + 1))
+TRAINED = list(range(LR0 + 1, LR0 + ADAM + 1))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """name -> DumpRun, each launched once, on first use."""
+    root = tmp_path_factory.mktemp("production_layouts")
+    save_initial_checkpoint(root / "initial", tiny_moe_args(ep=1, train_iters=1))
+    load = ["--load", str(root / "initial" / "ckpt"), "--finetune", "--ckpt-format", "torch_dist"]
+    done = {}
+
+    def get(name):
+        if name not in done:
+            ep, extra, lr0, adam, faults = RUNS[name]
+            run_dir = root / name
+            args = [*tiny_moe_args(ep=ep, train_iters=lr0 + adam), *PRODUCTION_DDP, *load, *extra]
+            if "--moe-balancer" in extra:
+                args += ["--moe-balancer-trace-dir", str(run_dir / "trace")]
+            env = {"ULTRAEP_LR0_ITERS": str(lr0), "ULTRAEP_FAULTS": faults}
+            if name in WGRAD_FUSION:
+                args.remove("--no-gradient-accumulation-fusion")
+                env["ULTRAEP_WGRAD_FUSION_STANDIN"] = "1"
+            done[name] = launch_dump_run(run_dir, WORLD, args, env)
+        return done[name]
+
+    return get
+
+
+def replicated_experts_of_last_microbatch(run) -> dict[tuple[int, int, int], frozenset]:
+    """{(EP group, iteration, layer): the experts replicated in the iteration's last microbatch},
+    re-planned from each EP group's recorded loads with the run's balancer settings (the trace's
+    header). The last microbatch is the one whose backward hands the gradients to DDP's buckets."""
+    out = {}
+    for group, path in enumerate(find_trace_files(run.run_dir / "trace")):
+        trace = read_trace(path)
+        meta = trace.header.meta
+        balancer = policy.BalancerConfig(meta["balancer"], num_slots=meta["num_slots"],
+                                         min_quota=meta["min_quota"], trigger=meta["trigger"]).build()
+        last = {}
+        for i in range(len(trace.iteration)):
+            key = (group, int(trace.iteration[i]), int(trace.layer[i]))
+            if int(trace.microbatch[i]) >= last.get(key, (-1, None))[0]:
+                last[key] = (int(trace.microbatch[i]), trace.load[i])
+        for key, (_, load) in last.items():
+            plan = balancer.plan(load)
+            out[key] = frozenset(int(e) for e in plan.slot_expert.reshape(-1).tolist() if e >= 0)
+    return out
+
+
+def test_the_layout_pairs_ranks_of_different_plans(runs):
+    """The hazard is real here: in an overlapped iteration, the two EP groups (whose ranks share
+    expert-data-parallel groups) replicate different experts in the microbatch that hands the
+    gradients to DDP."""
+    replicated = replicated_experts_of_last_microbatch(runs("ultraep"))
+    assert {group for group, _, _ in replicated} == {0, 1}, "two EP groups, two traces"
+    differing = [(it, layer) for (group, it, layer), experts in replicated.items()
+                 if group == 0 and it in OVERLAPPED and experts != replicated[(1, it, layer)]]
+    assert differing, f"every overlapped iteration replicated the same experts in both EP groups: {replicated}"
+    assert any(experts for experts in replicated.values()), "nothing was replicated"
+
+
+@pytest.mark.parametrize("name", list(COMPARED))
+def test_per_step_gradients_losses_and_grad_norms(runs, name):
+    reference, floor = COMPARED[name]
+    comparisons = per_step_comparisons(runs(name), runs(reference), runs(reference), runs(floor),
+                                       ALL_LR0, ALL_LR0)
+    print(f"\n{name} per step: {summary(comparisons)}")
+    assert sum(".experts." in c.what for c in comparisons) >= 8 * 2 * 2 * LR0, "every expert weight"
+    assert not failures(comparisons), "\n".join(failures(comparisons)[:20])
+
+
+@pytest.mark.parametrize("name", list(COMPARED))
+def test_trajectory(runs, name):
+    reference, floor = COMPARED[name]
+    comparisons = trajectory_comparisons(runs(name), runs(reference), runs(reference), runs(floor), TRAINED)
+    print(f"\n{name} trajectory ({ADAM} Adam iterations): {summary(comparisons)}")
+    assert not failures(comparisons), failures(comparisons)
+    trained = [runs(reference).records[it]["losses"]["lm loss"] for it in TRAINED]
+    assert trained[-1] < trained[0], "the model must be training"
+
+
+def test_the_fusion_run_ran_megatrons_fused_path(runs):
+    """``ultraep_wgrad_fusion`` ran with gradient-accumulation fusion on (megatron prints its
+    arguments), the others with it off."""
+    assert re.search(r"gradient_accumulation_fusion \.+ True", runs("ultraep_wgrad_fusion").log)
+    assert re.search(r"gradient_accumulation_fusion \.+ False", runs("ultraep").log)
+
+
+def test_weights_stay_identical_across_data_parallel_replicas(runs):
+    """megatron's own check (--check-weight-hash-across-dp-replicas-interval 1) passed after every
+    iteration of the balanced run: the main experts' replicas in the expert-data-parallel group
+    hold the same weights."""
+    log = runs("ultraep_ddp_options").log
+    for iteration in range(1, LR0 + ADAM + 1):
+        assert f"Weight hashes match after {iteration} iterations" in log, iteration
+
+
+def test_negative_control_gradients_handed_over_in_plan_order(runs):
+    """Experts' gradients handed to DDP in the order of each rank's own plan (the bug): the
+    expert-data-parallel ranks issue their bucket reduce-scatters out of step, and the reduced
+    gradients are wrong in the overlapped iterations."""
+    comparisons = per_step_comparisons(runs("ultraep_order_fault"), runs("none"), runs("none"),
+                                       runs("none_floor"), ALL_LR0, OVERLAPPED)
+    failed = failures(comparisons)
+    worst = max(comparisons, key=lambda c: c.ratio)
+    print(f"\norder fault: {len(failed)} of {len(comparisons)} over tolerance, worst {worst.ratio:.3g} ({worst.what})")
+    assert failed and worst.ratio > 10, summary(comparisons)
+
+
+def test_negative_control_replicas_read_before_the_parameter_gather(runs):
+    """Replicas copied from the main experts before megatron's all-gather of the updated
+    parameters completed: after the first optimizer step they run on stale weights and the
+    trajectory leaves the noise floor."""
+    comparisons = trajectory_comparisons(runs("ultraep_gather_fault"), runs("none"), runs("none"),
+                                         runs("none_floor"), TRAINED)
+    failed = failures(comparisons)
+    worst = max(comparisons, key=lambda c: c.ratio)
+    print(f"\ngather fault: {len(failed)} of {len(comparisons)} over tolerance, worst {worst.ratio:.3g} ({worst.what})")
+    assert failed, summary(comparisons)

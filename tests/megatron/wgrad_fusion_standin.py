@@ -1,0 +1,41 @@
+"""A CPU stand-in for Apex's ``fused_weight_gradient_mlp_cuda``, the kernel megatron-core's linear
+layers call under ``--gradient-accumulation-fusion`` (megatron's default on GPUs) to add a weight
+gradient straight into ``weight.main_grad`` instead of returning it.
+
+The contract megatron relies on (``tensor_parallel/layers.py``): ``wgrad_gemm_accum_fp32(input,
+d_output, d_weight)`` with ``input [N, in]``, ``d_output [N, out]`` and the fp32 ``d_weight [out,
+in]`` does ``d_weight += d_output^T @ input``; ``wgrad_gemm_accum_fp16`` the same into a 16-bit
+``d_weight``. Here the product is the same matmul an unfused backward computes, so an fp32 run gives
+the gradients the unfused path gives. Installed by the test worker with
+``ULTRAEP_WGRAD_FUSION_STANDIN=1``, before megatron is imported (megatron looks the module up once,
+at import).
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import torch
+
+MODULE = "fused_weight_gradient_mlp_cuda"
+
+
+def wgrad_gemm_accum_fp32(input: torch.Tensor, d_output: torch.Tensor, d_weight: torch.Tensor) -> None:
+    if d_weight.dtype != torch.float32:
+        raise TypeError(f"wgrad_gemm_accum_fp32 needs an fp32 d_weight, got {d_weight.dtype}")
+    d_weight.add_(d_output.t().matmul(input).to(torch.float32))
+
+
+def wgrad_gemm_accum_fp16(input: torch.Tensor, d_output: torch.Tensor, d_weight: torch.Tensor) -> None:
+    if d_weight.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"wgrad_gemm_accum_fp16 needs a 16-bit d_weight, got {d_weight.dtype}")
+    d_weight.add_(d_output.t().matmul(input).to(d_weight.dtype))
+
+
+def install() -> None:
+    """Make ``import fused_weight_gradient_mlp_cuda`` find this stand-in."""
+    module = types.ModuleType(MODULE, __doc__)
+    module.wgrad_gemm_accum_fp32 = wgrad_gemm_accum_fp32
+    module.wgrad_gemm_accum_fp16 = wgrad_gemm_accum_fp16
+    sys.modules[MODULE] = module
