@@ -30,6 +30,8 @@ sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "megatron")]
 
 from megatron_runs import run_pretrain, save_initial_checkpoint, tiny_moe_args  # noqa: E402
 
+from ultraep_megatron.planner.policy import NONE, ULTRAEP  # noqa: E402
+
 ROWS = {
     "distributed optimizer only": ["--use-distributed-optimizer"],
     "+ --overlap-grad-reduce": ["--use-distributed-optimizer", "--overlap-grad-reduce"],
@@ -72,12 +74,12 @@ def main() -> int:
             base = [*dtype_flags, *bucket_flags, *load]
             differences, none = {}, None
             for row, (label, flags) in enumerate(ROWS.items()):
-                none = run(f"{dtype}_{bucket}_{row}_none", 2, [*base, *flags, "--moe-balancer", "none"])
-                ultraep = run(f"{dtype}_{bucket}_{row}_ultraep", 2, [*base, *flags, "--moe-balancer", "ultraep"])
+                none = run(f"{dtype}_{bucket}_{row}_none", 2, [*base, *flags, "--moe-balancer", NONE])
+                ultraep = run(f"{dtype}_{bucket}_{row}_ultraep", 2, [*base, *flags, "--moe-balancer", ULTRAEP])
                 differences[label] = max_relative_difference(ultraep, none)
             # The floor pair: the last row's none at EP 2 (above) and at EP 4.
             floor = max(2.0 ** -24, max_relative_difference(
-                run(f"{dtype}_{bucket}_floor_ep4", 4, [*base, *flags, "--moe-balancer", "none"]), none))
+                run(f"{dtype}_{bucket}_floor_ep4", 4, [*base, *flags, "--moe-balancer", NONE]), none))
             for label, difference in differences.items():
                 print(f"| {dtype} | {bucket} | {label} | {difference:.3g} | {floor:.3g} | {difference / floor:.2f} |",
                       flush=True)

@@ -60,7 +60,7 @@ from ultraep_megatron.traces import find_trace_files, read_trace
 pytestmark = pytest.mark.slow
 
 EP, BUCKET, COARSE_BUCKET = 2, 2000, 10000
-LR0, ADAM = 4, 4
+LR0, ADAM = 3, 3
 PRODUCTION_DDP = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
                   "--ddp-bucket-size", str(BUCKET), "--global-batch-size", "16", "--clip-grad", "0.0"]
 BALANCED = ["--moe-balancer", "ultraep", "--moe-balancer-num-slots", "2"]

@@ -23,7 +23,7 @@ from recipe_variants import EP, RECIPES, small_scale_variant
 
 pytestmark = pytest.mark.slow
 
-LR0, ADAM = 3, 3
+LR0, ADAM = 2, 2
 LR0_ITERATIONS = list(range(1, LR0 + 1))
 TRAINED = list(range(LR0 + 1, LR0 + ADAM + 1))
 

@@ -34,6 +34,7 @@ CLUSTER = {
     "pyyaml": "6.0.2",
     "wandb": "0.21.0",
     "psutil": "7.0.0",
+    "einops": "0.8.1",
 }
 
 
