@@ -23,7 +23,10 @@ from recipe_variants import EP, RECIPES, small_scale_variant
 
 pytestmark = pytest.mark.slow
 
-LR0, ADAM = 2, 2
+# Three Adam iterations: over fewer, the bf16 floor pair has not yet drifted apart as far as
+# trajectories of the same mathematics do (measured: over iterations 3-4 the floor was 1.7e-7 and a
+# correct balanced run 2.2e-6; over 4-6, floors of 1e-5 and more).
+LR0, ADAM = 3, 3
 LR0_ITERATIONS = list(range(1, LR0 + 1))
 TRAINED = list(range(LR0 + 1, LR0 + ADAM + 1))
 
