@@ -176,6 +176,10 @@ def merge_reduced_gradients(per_rank: Sequence[dict[str, tuple[torch.Tensor, tor
     return merged
 
 
+#: The parallel layout of :func:`save_initial_checkpoint`'s one rank.
+ONE_RANK_LAYOUT = {"--pipeline-model-parallel-size": "1", "--expert-model-parallel-size": "1"}
+
+
 def save_initial_checkpoint(run_dir: Path, args: Sequence[str], env: dict[str, str] | None = None) -> DumpRun:
     """The model of ``args`` at initialization, on one rank (EP 1, PP 1), saved as a torch_dist
     checkpoint in ``run_dir/ckpt`` after one iteration at learning rate 0 (the expert bias frozen
@@ -186,8 +190,7 @@ def save_initial_checkpoint(run_dir: Path, args: Sequence[str], env: dict[str, s
         The run that saved it (its checkpoint: ``run_dir/ckpt``).
     """
     args = list(args)
-    for flag in ("--pipeline-model-parallel-size", "--expert-model-parallel-size",
-                 "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers"):
+    for flag in (*ONE_RANK_LAYOUT, "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers"):
         while flag in args:
             i = args.index(flag)
             del args[i:i + 2]
@@ -196,10 +199,6 @@ def save_initial_checkpoint(run_dir: Path, args: Sequence[str], env: dict[str, s
              "--lr-decay-style", "constant", "--moe-router-bias-update-rate", "0.0", "--eval-iters", "0",
              "--save", str(run_dir / "ckpt"), "--save-interval", "1", "--ckpt-format", "torch_dist"]
     return launch_dump_run(run_dir, 1, args, env or {})
-
-
-#: The parallel layout of :func:`save_initial_checkpoint`'s one rank.
-ONE_RANK_LAYOUT = {"--pipeline-model-parallel-size": "1", "--expert-model-parallel-size": "1"}
 
 
 def make_initial_checkpoint(run_dir: Path) -> DumpRun:
