@@ -5,8 +5,8 @@ megatron-core's wheel has no ``pretrain_gpt.py``; this is ours, on the 0.19 trai
 -> ``pretrain``). On top of Megatron's arguments it takes the ``moe balancer`` and
 ``ultraep telemetry`` groups (see ``ultraep_megatron/megatron/arguments.py``).
 
-Without a CUDA device the CPU backend (``ultraep_megatron.megatron.cpu_backend``) runs the
-same loop on CPU processes over gloo; the flags it needs (``cpu_backend.CPU_FLAGS``) are applied
+Without a CUDA device the CPU backend (``ultraep_megatron.megatron.cpu``) runs the
+same loop on CPU processes over gloo; the flags it needs (``cpu.flags.CPU_FLAGS``) are applied
 when missing, with a log line, and refused when given otherwise. See recipes/tiny_cpu.sh.
 
     torchrun --nproc-per-node 4 pretrain_gpt.py --mock-data --tokenizer-type NullTokenizer ...
@@ -29,12 +29,13 @@ if HELP_ONLY:
 
 import torch
 
-from ultraep_megatron.megatron import cpu_backend
+from ultraep_megatron.megatron.cpu import backend as cpu_backend
+from ultraep_megatron.megatron.cpu.megatron_patches import skip_dataset_helper_build
 
 # Before any Megatron module is built; a no-op (with a log line) when CUDA is present.
 cpu_backend.activate()
 # The wheel's compile_helpers() runs `make` without a Makefile: skip it on any machine.
-cpu_backend.skip_dataset_helper_build()
+skip_dataset_helper_build()
 
 from megatron.core import mpu
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
@@ -50,10 +51,9 @@ from megatron.training.arguments import parse_and_validate_args
 from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
 
 from ultraep_megatron.megatron import telemetry
-from ultraep_megatron.megatron.arguments import (
-    add_ultraep_args, balancing_context_from_args, startup_checks_or_exit,
-)
+from ultraep_megatron.megatron.arguments import add_ultraep_args, balancing_context_from_args
 from ultraep_megatron.megatron.layer_spec import balance_moe_layers
+from ultraep_megatron.megatron.startup import startup_checks_or_exit
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
 

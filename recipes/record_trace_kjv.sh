@@ -43,7 +43,7 @@ DISTRIBUTED_ARGS=(
     --nproc-per-node "$NPROC"
 )
 
-# What a CPU run needs (ultraep_megatron/megatron/cpu_backend.py CPU_FLAGS; pretrain_gpt.py adds
+# What a CPU run needs (ultraep_megatron/megatron/cpu/flags.py CPU_FLAGS; pretrain_gpt.py adds
 # missing ones itself, with a log line).
 CPU_ARGS=(
     --distributed-backend gloo

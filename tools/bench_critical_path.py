@@ -72,15 +72,17 @@ def main():
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_critical_path.py: no CUDA device (--device cpu runs the same code on the CPU)")
     if cfg.device == "cpu":
-        from ultraep_megatron.megatron import cpu_backend
+        from ultraep_megatron.megatron.cpu import backend as cpu_backend
 
         cpu_backend.activate()
     from megatron.core.transformer.moe.moe_utils import permute
 
-    from ultraep_megatron.megatron import balanced_moe
-    from ultraep_megatron.megatron.context import Overheads, plan_invocation
-    from ultraep_megatron.planner import policy
-    from ultraep_megatron.planner.synthetic import zipf_topk_load
+    from ultraep_megatron.megatron import dispatchers
+    from ultraep_megatron.megatron.context import Overheads
+    from ultraep_megatron.megatron.invocation import plan_invocation
+    from ultraep_megatron.planner.baselines import registry
+    from ultraep_megatron.planner import BalancerConfig
+    from ultraep_megatron.traces.synthetic import zipf_topk_load
 
     device = torch.device(cfg.device)
     R, E, S, T, k = cfg.ep_size, cfg.num_experts, cfg.num_slots, cfg.tokens, cfg.topk
@@ -89,15 +91,14 @@ def main():
     routing_map, probs = routing(cfg, device, generator)
     tokens = torch.randn(T, cfg.hidden_size, generator=generator).to(device=device, dtype=torch.bfloat16)
     others = zipf_topk_load(R, E, tokens_per_rank=T, top_k=k, exponent=cfg.zipf, seed=0).to(device)  # the other ranks' rows
-    balancer = policy.BalancerConfig(name=policy.ULTRAEP, num_slots=S).build()
+    balancer = BalancerConfig(name=registry.ULTRAEP, num_slots=S).build()
     balancer.warm_up()
-    G = E // R
     # The balanced dispatcher's permutation, on a stand-in for its state (no process group here).
     dispatcher = types.SimpleNamespace(
         num_logical_experts=E, num_out_tokens=T * k, invocation=None, _check_plan=lambda routing_map: None,
         _layer=types.SimpleNamespace(balancing=types.SimpleNamespace(overheads=Overheads())))
-    dispatcher._instances = balanced_moe._PhysicalSlotRouting._instances.__get__(dispatcher)
-    permutation = balanced_moe.BalancedAlltoAllDispatcher._permutation.__get__(dispatcher)
+    dispatcher._instances = dispatchers._PhysicalSlotRouting._instances.__get__(dispatcher)
+    permutation = dispatchers.BalancedAlltoAllDispatcher._permutation.__get__(dispatcher)
     sync = torch.cuda.synchronize if cfg.device == "cuda" else (lambda: None)
 
     def megatron_path():
@@ -113,7 +114,7 @@ def main():
     def ultraep_path():
         load = others.clone()
         load[rank] = routing_map.sum(dim=0)
-        host_load = balanced_moe._copy_to_host(load)
+        host_load = dispatchers._copy_to_host(load)
         h0 = time.perf_counter()
         balanced = balancer.balances(host_load)
         plan = balancer.plan(host_load, balances=balanced)
@@ -123,7 +124,7 @@ def main():
         sorted_tokens, _ = permutation(routing_map, probs)
         return tokens.index_select(0, sorted_tokens)
 
-    balanced_label = policy.ULTRAEP
+    balanced_label = registry.ULTRAEP
     times = {"megatron": [], balanced_label: []}
     for i in range(cfg.warmup + cfg.iters):
         for name, path in (("megatron", megatron_path), (balanced_label, ultraep_path)):

@@ -32,14 +32,14 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ultraep_megatron.dataplane import build_schedule, distribute_weights, reduce_gradients  # noqa: E402
+from ultraep_megatron.dataplane import ReplicaBuffer, build_schedule  # noqa: E402
 from ultraep_megatron.planner import solve  # noqa: E402
-from ultraep_megatron.planner.synthetic import zipf_topk_load  # noqa: E402
+from ultraep_megatron.traces.synthetic import zipf_topk_load  # noqa: E402
 
 
 def zipf_loads(num_ranks: int, num_experts: int, *, exponent: float, seed: int,
                tokens_per_rank: int = 4096, top_k: int = 8) -> torch.Tensor:
-    """Per-rank token counts per expert, int64 ``[R, E]`` (``planner.synthetic.zipf_topk_load``)."""
+    """Per-rank token counts per expert, int64 ``[R, E]`` (``traces.synthetic.zipf_topk_load``)."""
     return zipf_topk_load(num_ranks, num_experts, tokens_per_rank=tokens_per_rank, top_k=top_k,
                           exponent=exponent, seed=seed)
 
@@ -84,18 +84,17 @@ def _worker(rank: int, world_size: int, port: int, args: dict, out_path: str) ->
     # Two tensors per expert, like linear_fc1 / linear_fc2.
     main = [[torch.randn(numel // 3 * 2, generator=gen), torch.randn(numel - numel // 3 * 2, generator=gen)]
             for _ in range(per_rank)]
-    replica = torch.zeros(num_slots, numel)
+    buffer = ReplicaBuffer(num_slots, [t.shape for t in main[0]], torch.float32)  # on its HostCommStream
     main_grads = [[torch.zeros_like(t) for t in m] for m in main]
-    replica_grads = torch.zeros(num_slots, numel)
 
     def reduce_with(sched):
-        replica_grads.fill_(1.0)
-        return lambda: reduce_gradients(sched, main_grads, replica_grads)
+        buffer.replica_grads.fill_(1.0)
+        return lambda: buffer.reduce_gradients(sched, main_grads)
 
     methods = {
-        "naive": lambda: naive_distribute(direct, main, replica, rank),
-        "direct": lambda: distribute_weights(direct, main, replica),
-        "relay": lambda: distribute_weights(relay, main, replica),
+        "naive": lambda: naive_distribute(direct, main, buffer.replica_weights, rank),
+        "direct": lambda: buffer.distribute_weights(direct, main),
+        "relay": lambda: buffer.distribute_weights(relay, main),
     }
     times = {name: [] for name in [*methods, "grad_direct", "grad_relay"]}
     for it in range(args["warmup"] + args["iters"]):

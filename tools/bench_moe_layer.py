@@ -65,7 +65,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ultraep_megatron.planner import policy  # noqa: E402
+from ultraep_megatron.planner.baselines import registry  # noqa: E402
 
 
 def parse_args():
@@ -106,7 +106,7 @@ def build(cfg, balancer: str | None, force_balanced: bool, overlap: bool = True,
 
     from ultraep_megatron.megatron.balanced_moe import BalancedMoELayer
     from ultraep_megatron.megatron.context import BalancingContext
-    from ultraep_megatron.planner.policy import BalancerConfig
+    from ultraep_megatron.planner import BalancerConfig
 
     model_parallel_cuda_manual_seed(1234)  # every layer starts from the same weights
     config = TransformerConfig(
@@ -121,7 +121,7 @@ def build(cfg, balancer: str | None, force_balanced: bool, overlap: bool = True,
     )
     builder = get_moe_module_spec(use_te=False, num_experts=cfg.num_experts, moe_grouped_gemm=False)
     if balancer is not None:
-        balancing = BalancingContext(BalancerConfig(name=balancer, num_slots=cfg.num_slots, overlap=overlap))
+        balancing = BalancingContext(BalancerConfig(name=balancer, num_slots=cfg.num_slots), overlap=overlap)
         builder = functools.partial(BalancedMoELayer, submodules=builder.keywords["submodules"],
                                     balancing=balancing)
     layer = builder(config=config, pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
@@ -329,23 +329,23 @@ def median(values):
 #: The second force-balanced layer: its ratio to the first is the run's noise floor.
 NOISE_FLOOR = "force-balanced again"
 #: The measurement control without transfers (skip_transfers).
-NO_TRANSFERS = f"{policy.ULTRAEP} no transfers"
+NO_TRANSFERS = f"{registry.ULTRAEP} no transfers"
 
 # (row label, balancer, force-balanced router, overlapped transfers, transfers at all)
-LAYERS = ((policy.NONE, None, False, True, True), (policy.ULTRAEP, policy.ULTRAEP, False, True, True),
-          (f"{policy.ULTRAEP} no-overlap", policy.ULTRAEP, False, False, True),
-          (NO_TRANSFERS, policy.ULTRAEP, False, True, False),
-          (policy.EPLB_EXACT, policy.EPLB_EXACT, False, True, True),
-          (f"{policy.EPLB_EXACT} no-overlap", policy.EPLB_EXACT, False, False, True),
+LAYERS = ((registry.NONE, None, False, True, True), (registry.ULTRAEP, registry.ULTRAEP, False, True, True),
+          (f"{registry.ULTRAEP} no-overlap", registry.ULTRAEP, False, False, True),
+          (NO_TRANSFERS, registry.ULTRAEP, False, True, False),
+          (registry.EPLB_EXACT, registry.EPLB_EXACT, False, True, True),
+          (f"{registry.EPLB_EXACT} no-overlap", registry.EPLB_EXACT, False, False, True),
           ("force-balanced", None, True, True, True), (NOISE_FLOOR, None, True, True, True))
 
 #: Expert compute alone (ExpertsOnly), each on the rows of the layer named: label -> source label.
-EXPERTS_ONLY = {f"{policy.ULTRAEP} experts only": policy.ULTRAEP,
+EXPERTS_ONLY = {f"{registry.ULTRAEP} experts only": registry.ULTRAEP,
                 "force-balanced experts only": "force-balanced"}
 
 
 def worker(cfg):
-    from ultraep_megatron.megatron import cpu_backend
+    from ultraep_megatron.megatron.cpu import backend as cpu_backend
 
     cpu_backend.activate()
     torch.distributed.init_process_group("gloo")
@@ -416,27 +416,27 @@ def report(cfg, tokens, runs) -> None:
     print(f"noise floor: force-balanced against itself, critical x f-b {median(floor):.2f} (repeats "
           f"{' '.join(f'{r:.2f}' for r in floor)}): the same layer's per-repeat ratios varied by up to "
           f"{max(abs(r - 1) for r in floor):.2f} in this run")
-    label = f"{policy.ULTRAEP} experts only"
+    label = f"{registry.ULTRAEP} experts only"
     experts = median([m["cpu_x_fb"] for m in runs[label]])
-    layer = median([m["cpu_x_fb"] for m in runs[policy.ULTRAEP]])
+    layer = median([m["cpu_x_fb"] for m in runs[registry.ULTRAEP]])
     print(f"expert compute alone ({label} / force-balanced experts only: megatron's experts module, and the "
           f"redundant slots' module, fwd+bwd on the rows each expert and slot received in the layers' "
           f"latest iteration): critical x f-b {experts:.2f} (repeats "
           f"{' '.join(f'{m['cpu_x_fb']:.2f}' for m in runs[label])}); the layer's {layer:.2f} over it, "
           f"{layer / experts:.3f}, is the rest: the balancing's host work, the transfers' share of the cores, "
           f"the token exchange")
-    other = {label: median([m["other_cpu"] for m in runs[label]]) for label in (policy.ULTRAEP, "force-balanced")}
-    print(f"other threads' CPU per iteration (busiest rank): {policy.ULTRAEP} {other[policy.ULTRAEP] * 1e3:.2f} ms, "
+    other = {label: median([m["other_cpu"] for m in runs[label]]) for label in (registry.ULTRAEP, "force-balanced")}
+    print(f"other threads' CPU per iteration (busiest rank): {registry.ULTRAEP} {other[registry.ULTRAEP] * 1e3:.2f} ms, "
           f"force-balanced {other['force-balanced'] * 1e3:.2f} ms; the difference, "
-          f"{(other[policy.ULTRAEP] - other['force-balanced']) * 1e3:.2f} ms, is what the replica transfers "
+          f"{(other[registry.ULTRAEP] - other['force-balanced']) * 1e3:.2f} ms, is what the replica transfers "
           f"take off the main threads, from the two cores the ranks compute on")
     control = median([m["cpu_x_fb"] for m in runs[NO_TRANSFERS]])
     print(f"without transfers ({NO_TRANSFERS}: the measurement control, numerically wrong): critical x f-b "
           f"{control:.3f} (repeats {' '.join(f'{m['cpu_x_fb']:.2f}' for m in runs[NO_TRANSFERS])}); "
-          f"{policy.ULTRAEP}'s {layer:.3f} over it, {layer / control:.3f}, is what its transfers cost on this "
+          f"{registry.ULTRAEP}'s {layer:.3f} over it, {layer / control:.3f}, is what its transfers cost on this "
           f"machine, exposed or not (their host calls, their copies and gloo's socket work on the two cores "
           f"the ranks compute on)")
-    for name in (policy.ULTRAEP, policy.EPLB_EXACT):
+    for name in (registry.ULTRAEP, registry.EPLB_EXACT):
         exposed = median([m["transfers"] for m in runs[name]])
         total = median([m["transfers"] for m in runs[f"{name} no-overlap"]])
         print(f"{name}: transfers {total * 1e3:.2f} ms per iteration when waited where issued (including the "

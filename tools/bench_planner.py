@@ -5,7 +5,7 @@
     python tools/bench_planner.py --only domains   # one part: main, domains, peers or timing
 
 For every setting (R ranks, E experts, S slots per rank, target initial rank imbalance) and seed it
-draws a Zipf load (``planner.synthetic.zipf_load``: top-8, 4096 tokens per rank) and plans it with
+draws a Zipf load (``traces.synthetic.zipf_load``: top-8, 4096 tokens per rank) and plans it with
 ``ultraep`` (``planner.solve``), ``eplb++`` (``baselines.eplb_exact``) and ``none``
 (``baselines.identity_plan``); it also runs ``alg1``, a plain transcription of the paper's Algorithm 1 (largest-slack greedy) with
 u_min = 1, its most favourable setting, for its threshold only (with UltraEP's default 1 % floor it
@@ -53,15 +53,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from ultraep_megatron.planner import domain_lower_bound, metrics, policy, rank_dispatch, solve  # noqa: E402
-from ultraep_megatron.planner.baselines import eplb_exact, identity_plan  # noqa: E402
-from ultraep_megatron.planner.peers import (  # noqa: E402
+from ultraep_megatron.planner import BalancerConfig, domain_lower_bound, metrics, rank_dispatch, solve  # noqa: E402
+from ultraep_megatron.planner.baselines import (  # noqa: E402
     Placement,
     deepseek_eplb,
+    eplb_exact,
+    identity_plan,
     llep,
     placement_metrics,
+    registry,
 )
-from ultraep_megatron.planner.synthetic import zipf_load  # noqa: E402
+from ultraep_megatron.traces.synthetic import zipf_load  # noqa: E402
 
 SHAPES = [(32, 128), (32, 160), (32, 256), (40, 160), (64, 128), (64, 256)]
 SLOTS = [1, 2, 4]
@@ -175,8 +177,8 @@ def run_peer_setting(R: int, E: int, imbalance: float, seeds: list[int]) -> dict
     """Per balancer: means of placement_metrics on the loads of this setting."""
     S, N = PEER_SLOTS, PEER_DOMAIN
     balancers = {
-        policy.LABELS[policy.ULTRAEP]: lambda load: Placement.from_plan(solve(load, S)),
-        f"{policy.LABELS[policy.ULTRAEP]} N={N}": lambda load: Placement.from_plan(solve(load, S, domain_size=N)),
+        registry.LABELS[registry.ULTRAEP]: lambda load: Placement.from_plan(solve(load, S)),
+        f"{registry.LABELS[registry.ULTRAEP]} N={N}": lambda load: Placement.from_plan(solve(load, S, domain_size=N)),
         "eplb++-fixed": lambda load: Placement.from_plan(eplb_exact(load, S)),
         "deepseek-eplb": lambda load: deepseek_eplb(load, S),
         "deepseek-eplb hier.": lambda load: deepseek_eplb(load, S, num_groups=R // N,
@@ -215,7 +217,7 @@ def host_stretch_summary(repeats: int) -> str:
     """Median CPU time of the host work between a layer's load reaching the host and its reroute
     tables being ready (what a GPU waits for): the trigger, solve and one rank's dispatch metadata
     (splits, per-slot rows, reroute table), R=64, E=256, S=2, over the loads of cpu_time_summary."""
-    balancer = policy.BalancerConfig(name=policy.ULTRAEP, num_slots=2).build()
+    balancer = BalancerConfig(name=registry.ULTRAEP, num_slots=2).build()
     parts: dict[str, list[int]] = {"trigger": [], "solve": [], "rank dispatch": [], "total": []}
     for imbalance in IMBALANCES:
         for seed in range(3):

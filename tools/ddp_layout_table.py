@@ -30,7 +30,7 @@ sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "megatron")]
 
 from megatron_runs import run_pretrain, save_initial_checkpoint, tiny_moe_args  # noqa: E402
 
-from ultraep_megatron.planner.policy import NONE, ULTRAEP  # noqa: E402
+from ultraep_megatron.planner.baselines.registry import NONE, ULTRAEP  # noqa: E402
 
 ROWS = {
     "distributed optimizer only": ["--use-distributed-optimizer"],

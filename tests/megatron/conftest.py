@@ -1,12 +1,16 @@
-"""Shared multi-rank runs of pretrain_gpt.py, launched once per test session.
+"""Shared multi-rank runs of pretrain_gpt.py, launched once per test session, and the CPU
+backend's probe process (``probe``: cpu/test_backend.py and test_native_torch.py read it).
 
 The uninterrupted run of the resume test also provides the checkpoint the EP-equivalence
 training test starts from (any checkpoint will do there; launches are the suite's main cost).
 The initial checkpoint of the recipe-feature model is the balanced-training tests' common start.
 """
 
+import json
+
 import pytest
 
+from gloo_launch import WORKERS, launch_gloo_ranks
 from megatron_runs import (
     FINETUNE_ITERS, make_initial_checkpoint, run_pretrain, tiny_moe_args, uninterrupted_and_resumed,
 )
@@ -55,3 +59,11 @@ def initial_checkpoint(tmp_path_factory):
     pretrain_gpt.py applying them."""
     root = tmp_path_factory.mktemp("initial_checkpoint")
     return root / "ckpt", make_initial_checkpoint(root)
+
+
+@pytest.fixture(scope="session")
+def probe(tmp_path_factory):
+    """What the CPU backend does in a fresh single-rank process (workers/cpu_backend_probe.py)."""
+    out = tmp_path_factory.mktemp("cpu_backend") / "probe.json"
+    launch_gloo_ranks(WORKERS / "cpu_backend_probe.py", 1, ["--out", out], timeout_s=300)
+    return json.loads(out.read_text())

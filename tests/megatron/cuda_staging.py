@@ -146,7 +146,7 @@ def install() -> None:
         return
     from megatron.core.tensor_parallel import mappings
 
-    from ultraep_megatron.dataplane import engine
+    from ultraep_megatron.dataplane import handle as dataplane_handle
 
     for name in _COLLECTIVES + ("batch_isend_irecv",):
         _ORIGINAL[name] = getattr(dist, name)
@@ -157,10 +157,10 @@ def install() -> None:
     mappings.dist_all_gather_func = getattr(dist, mappings.dist_all_gather_func.__name__)
     mappings.dist_reduce_scatter_func = getattr(dist, mappings.dist_reduce_scatter_func.__name__)
     # The data plane's NCCL path: transfers issued on the buffer's CUDA stream, ordered by events.
-    _ORIGINAL["_stream_ordered"] = engine._stream_ordered
+    _ORIGINAL["_stream_ordered"] = dataplane_handle._stream_ordered
 
     def stream_ordered(device, group) -> bool:
         staged_calls["transfers on a CUDA stream" if device.type == "cuda" else "transfers on the host"] += 1
         return device.type == "cuda"
 
-    engine._stream_ordered = stream_ordered
+    dataplane_handle._stream_ordered = stream_ordered

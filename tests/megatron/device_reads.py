@@ -32,7 +32,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ultraep_megatron.megatron import cpu_backend
+from ultraep_megatron.megatron.cpu.device_mapping import is_cuda_device
+from ultraep_megatron.megatron.native_torch import device_mapping
 
 _SYNC_READS = {
     torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__bool__,
@@ -109,7 +110,7 @@ class DeviceReadCounter(TorchFunctionMode):
             for t in outputs:
                 self._pinned[t] = True
         device_output = (from_device and func not in _SYNC_READS and not (func is torch.Tensor.to and _to_host(args, kwargs))) \
-            or cpu_backend.is_cuda_device(kwargs.get("device")) or upload
+            or is_cuda_device(kwargs.get("device")) or upload
         if device_output:
             for t in outputs:
                 self._device[t] = True
@@ -136,7 +137,7 @@ class DeviceReadCounter(TorchFunctionMode):
         tensors = (tensors,) if torch.is_tensor(tensors) else tuple(tensors)
         grads = _make_grads(tensors, _tensor_or_tensors_to_tuple(grads, len(tensors)), is_grads_batched=False)
         self.tag(*grads)
-        modes = [m for m in (cpu_backend._FUNCTION_MODE, self) if m is not None]
+        modes = [m for m in (device_mapping(), self) if m is not None]
         for mode in modes:
             torch._C._push_on_torch_function_stack(mode)
         try:
@@ -157,7 +158,7 @@ def install_sync_counting(counter_of) -> None:
     """Count CUDA synchronizations (events, streams, the device) and megatron's asynchronous
     device-to-host copies in the counter ``counter_of()`` returns (``None``: not counting).
 
-    Call after ``cpu_backend.activate()``: it wraps the backend's stand-ins and megatron's helper.
+    Call after ``cpu.backend.activate()``: it wraps the backend's stand-ins and megatron's helper.
     """
     from megatron.core.transformer.moe import token_dispatcher
 

@@ -4,6 +4,8 @@ A tiny fp32 MoE GPT (2 layers, hidden 64, 8 experts, top-2, seq 32) that trains 
 well under a second per rank; tests pass parallel sizes, checkpoint and dropout flags on top.
 ``recipe_moe_args`` adds what the rack-scale recipes use (4 layers, MTP, DeepSeek-V3 routing, ...);
 ``launch_dump_run`` runs it through workers/pretrain_grad_dump.py (gradients, evaluations, faults).
+``argument_verdicts`` runs pretrain_gpt.py's argument checks on many command lines in one process;
+``torchrun`` launches a script and returns its status and output, failing or not.
 
 Usage::
 
@@ -14,15 +16,17 @@ Usage::
 from __future__ import annotations
 
 import json
+import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
-from gloo_launch import REPO_ROOT, WORKERS, launch_gloo_ranks
+from gloo_launch import PYTHON, REPO_ROOT, WORKERS, gloo_env, launch_gloo_ranks, run_process_group, torchrun_command
 
-from ultraep_megatron.megatron.cpu_backend import CPU_FLAGS, REQUIRED_ARGS
+from ultraep_megatron.megatron.cpu.flags import CPU_FLAGS, REQUIRED_ARGS
 
 
 def tiny_moe_args(*, ep: int, train_iters: int, dropout: float = 0.0, seed: int = 1234) -> list[str]:
@@ -209,3 +213,35 @@ def make_initial_checkpoint(run_dir: Path) -> DumpRun:
         i = args.index(flag)
         del args[i:i + (1 if value is None else 2)]
     return save_initial_checkpoint(run_dir, args, {"ULTRAEP_EXPERT_BIAS": SKEWED_EXPERT_BIAS})
+
+
+def argument_verdicts(cases: dict[str, list[str]]) -> dict[str, dict]:
+    """pretrain_gpt.py's argument checks, in its order, on each command line of ``cases``
+    ({name: argv}): UltraEP's startup checks on Megatron's parse, then, if they pass, Megatron's own
+    parse and validation. One process for all (workers/validate_balancer_args.py): parsing needs no
+    distributed setup.
+
+    Returns:
+        {name: {"error": None or the first message, "warnings": [UltraEP's warnings]}}.
+    """
+    with tempfile.TemporaryDirectory(prefix="argument_verdicts_") as tmp:
+        path = Path(tmp) / "cases.json"
+        path.write_text(json.dumps([{"name": name, "argv": argv} for name, argv in cases.items()]))
+        out = subprocess.run([PYTHON, str(WORKERS / "validate_balancer_args.py"), str(path)],
+                             env=gloo_env({"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}),
+                             capture_output=True, text=True, timeout=300)
+    found = {}
+    for line in (out.stdout + out.stderr).splitlines():
+        if line.startswith("RESULT "):
+            record = json.loads(line[len("RESULT "):])
+            found[record.pop("name")] = record
+    assert set(found) == set(cases), out.stderr[-3000:]
+    return found
+
+
+def torchrun(script: str | Path, nproc: int, args: Sequence[str], env: dict[str, str] | None = None,
+             timeout_s: float = 300) -> tuple[int, str]:
+    """(exit status, combined output) of ``script`` on ``nproc`` gloo ranks, failing or not."""
+    completed = run_process_group(torchrun_command(script, nproc, args), cwd=REPO_ROOT, env=gloo_env(env),
+                                  timeout_s=timeout_s)
+    return completed.returncode, completed.stdout + completed.stderr

@@ -62,7 +62,7 @@ def test_trace_shows_no_cross_domain_replica(runs):
     replica outside its home's domain, while the same loads planned over one domain need some (so
     the zero is the constraint's doing)."""
     from ultraep_megatron import planner
-    from ultraep_megatron.planner.policy import BalancerConfig
+    from ultraep_megatron.planner import BalancerConfig
     from ultraep_megatron.traces import find_trace_files, read_trace
 
     _, _, balanced, trace_dir = runs

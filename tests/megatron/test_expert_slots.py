@@ -7,7 +7,12 @@ TEGroupedMLP); here the layout rules themselves, on small stand-in modules with 
 import pytest
 import torch
 
-from ultraep_megatron.megatron.expert_slots import ExpertParamLookup, expert_param_names, expert_params
+from ultraep_megatron.megatron.expert_slots import ExpertParamLookup, expert_param_names
+
+
+def expert_params(module, names):
+    """The named parameters, by a walk of the module tree (what the lookup must give)."""
+    return [[module.get_parameter(n) for n in per_expert] for per_expert in names]
 
 
 class Grouped(torch.nn.Module):

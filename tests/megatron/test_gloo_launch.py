@@ -3,7 +3,6 @@ torchrun's ranks, which torchrun starts in sessions of their own."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time

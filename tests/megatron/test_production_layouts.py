@@ -54,7 +54,7 @@ import pytest
 from equivalence import failures, per_step_comparisons, summary, trajectory_comparisons
 from megatron_runs import launch_dump_run, save_initial_checkpoint, tiny_moe_args
 
-from ultraep_megatron.planner import policy
+from ultraep_megatron.planner import BalancerConfig
 from ultraep_megatron.traces import find_trace_files, read_trace
 
 pytestmark = pytest.mark.slow
@@ -130,7 +130,7 @@ def replicated_experts_of_last_microbatch(run) -> dict[tuple[int, int, int], fro
     for group, path in enumerate(find_trace_files(run.run_dir / "trace")):
         trace = read_trace(path)
         meta = trace.header.meta
-        balancer = policy.BalancerConfig(meta["balancer"], num_slots=meta["num_slots"],
+        balancer = BalancerConfig(meta["balancer"], num_slots=meta["num_slots"],
                                          min_quota=meta["min_quota"], trigger=meta["trigger"]).build()
         last = {}
         for i in range(len(trace.iteration)):

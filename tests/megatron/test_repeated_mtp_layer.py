@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 ITERATIONS = 3
 MTP_DEPTHS = 2
-MTP_LAYER_ID = 5  # after the decoder's 4 layers (layer_spec.moe_layer_id)
+MTP_LAYER_ID = 5  # after the decoder's 4 layers (layer_ids.moe_layer_id)
 
 
 #: MoE activation recompute, and full-layer recompute (megatron checkpoints each MTP depth).

@@ -234,7 +234,7 @@ def checkpoint_round_trip(seq_layer, grouped_layer, directory: Path) -> dict:
 
 
 def worker(out_file: Path) -> None:
-    from ultraep_megatron.megatron import cpu_backend
+    from ultraep_megatron.megatron.cpu import backend as cpu_backend
 
     cpu_backend.activate()
     torch.distributed.init_process_group("gloo")

@@ -14,7 +14,8 @@ import pytest
 from product_runs import REPO
 
 from ultraep_megatron.megatron.arguments import add_ultraep_args, escape_stray_percent_in_help
-from ultraep_megatron.planner import policy
+from ultraep_megatron.planner.baselines import registry
+from ultraep_megatron.megatron.arguments import KNOBS
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +38,9 @@ def test_help_exits_0_without_a_gpu_and_prints_only_the_help(help_run):
 def test_help_lists_the_balancer_groups_with_their_defaults(help_run):
     text = " ".join(help_run.stdout.split())  # argparse wraps lines
     balancer = text[text.index("moe balancer:"):text.index("ultraep telemetry:")]
-    assert f"--moe-balancer {{{','.join(policy.MOE_BALANCERS)}}}" in balancer
+    assert f"--moe-balancer {{{','.join(registry.MOE_BALANCERS)}}}" in balancer
     assert "Default: none." in balancer
-    for knob in policy.KNOBS:
+    for knob in KNOBS:
         assert knob.flag in balancer
         if knob.default is not None and knob.action is None:
             assert f"Default: {knob.default}." in balancer, knob.flag

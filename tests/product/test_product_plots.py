@@ -22,12 +22,13 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import to_hex
 from matplotlib.figure import Figure
 
-from ultraep_megatron import resume_experiment as rx
 from ultraep_megatron import traces
+from ultraep_megatron.analysis import resume_experiment as rx
+from ultraep_megatron.analysis import resume_runs
+from ultraep_megatron.analysis.plotting import BALANCER_COLORS, balancer_of
 from ultraep_megatron.cli import main
 from ultraep_megatron.cli.common import EXIT_OK
 from ultraep_megatron.megatron.dashboards import Dashboard
-from ultraep_megatron.plotting import BALANCER_COLORS, balancer_of
 
 from product_runs import REPO
 
@@ -193,7 +194,7 @@ def test_every_plot_type_is_readable_and_uses_one_colour_per_balancer(
 def test_colour_maps_put_white_at_the_mean():
     """Load / mean and max / mean share one convention: 1.0 (balanced) is white, above it red,
     below it blue; the max/mean map is the upper half of the load map."""
-    from ultraep_megatron.plotting import load_colors
+    from ultraep_megatron.analysis.plotting import load_colors
 
     load_cmap, load_norm = load_colors(4.0, below_mean=True)
     imb_cmap, imb_norm = load_colors(4.0, below_mean=False)
@@ -211,9 +212,9 @@ def _resume_runs():
     results = []
     for balancer, ms, after in (("none", 900.0, 2.0), ("eplb", None, None), ("ultraep", 700.0, 1.0),
                                 ("ideal", 650.0, 1.0)):
-        run = rx.RunResult(balancer, "ok" if ms else "failed: exit code 1", Path("/tmp") / balancer, [])
+        run = resume_runs.RunResult(balancer, "ok" if ms else "failed: exit code 1", Path("/tmp") / balancer, [])
         for iteration in (3, 4, 5) if ms else ():
-            run.iterations.append(rx.IterationStat(
+            run.iterations.append(resume_runs.IterationStat(
                 iteration, ms * (1 + 0.01 * iteration), None, 6.9, 3.2e9, 4,
                 {layer: 2.0 for layer in range(1, 5)}, {layer: after + 0.01 * layer for layer in range(1, 5)}))
         results.append(run)

@@ -18,7 +18,8 @@ import pytest
 from processes import run_process_group
 from product_runs import CHECKPOINT_ITERATION, TINY_RECIPE, recipe_env
 
-from ultraep_megatron import resume_experiment
+from ultraep_megatron.analysis import resume_runs
+from ultraep_megatron.megatron.checkpoint_args import checkpoint_args
 from ultraep_megatron.cli import main
 from ultraep_megatron.megatron import recipe_check as check_recipe
 
@@ -42,7 +43,7 @@ def experiment(tiny_balanced_run, tmp_path_factory):
     completed = run_process_group(command, env=env, timeout_s=1200)
     with open(out / "comparison.csv") as handle:
         table = {row["balancer"]: row for row in csv.DictReader(handle)}
-    records = {b: resume_experiment._read_jsonl(out / b / "metrics.jsonl") for b in BALANCERS}
+    records = {b: resume_runs._read_jsonl(out / b / "metrics.jsonl") for b in BALANCERS}
     return completed, out, table, records
 
 
@@ -190,7 +191,7 @@ def test_bad_experiment_setups_are_refused(tmp_path, capsys):
 def test_the_checkpoints_iteration_settings_are_checked_before_launching(tiny_balanced_run, tmp_path, capsys):
     """The tiny recipe trains 40 iterations (its TRAIN_ITERS default), read back from the
     checkpoint; a window past them is refused before anything runs."""
-    saved = resume_experiment.checkpoint_args(tiny_balanced_run.checkpoint, CHECKPOINT_ITERATION)
+    saved = checkpoint_args(tiny_balanced_run.checkpoint, CHECKPOINT_ITERATION)
     assert saved.train_iters == 40 and saved.expert_model_parallel_size == 4
     marker = tmp_path / "launched"
     assert main(["resume-experiment", "--load", str(tiny_balanced_run.checkpoint), "--iterations", "39",

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Optional, Sequence
 
-from ultraep_megatron.planner import policy
-from ultraep_megatron.planner.policy import BalancerConfig
+from ultraep_megatron.planner import BalancerConfig
+from ultraep_megatron.planner.baselines import registry
 
 from .cost import ExpertShape, Hardware, slot_memory_bytes
-from .replay import ReplayResult, cost_summary, metric_summary, replay
+from .replay import ReplayResult, replay
+from .summary import cost_summary, metric_summary
 
 __all__ = ["advise_slots", "slot_sweep"]
 
@@ -49,14 +50,14 @@ def slot_sweep(records: Iterable, slots: Sequence[int], min_quotas: Sequence[Opt
         ``memory_bytes_per_layer_layout``.
     """
     slots = sorted(set(int(s) for s in slots))
-    balancers = {policy.NONE: BalancerConfig(policy.NONE), policy.IDEAL: BalancerConfig(policy.IDEAL)}
+    balancers = {registry.NONE: BalancerConfig(registry.NONE), registry.IDEAL: BalancerConfig(registry.IDEAL)}
     for s in slots:
         for q in (dict.fromkeys(min_quotas) if s > 0 else [None]):
             for t in (dict.fromkeys(triggers) if s > 0 else [None]):
-                balancers[f"{policy.ULTRAEP}/S={s}/q={q}/t={t}"] = BalancerConfig(
-                    policy.ULTRAEP, num_slots=s, min_quota=q, trigger=t, domain_size=domain_size)
+                balancers[f"{registry.ULTRAEP}/S={s}/q={q}/t={t}"] = BalancerConfig(
+                    registry.ULTRAEP, num_slots=s, min_quota=q, trigger=t, domain_size=domain_size)
         if include_eplb_exact:
-            balancers[f"{policy.EPLB_EXACT}/S={s}"] = BalancerConfig(policy.EPLB_EXACT, num_slots=s)
+            balancers[f"{registry.EPLB_EXACT}/S={s}"] = BalancerConfig(registry.EPLB_EXACT, num_slots=s)
     result = replay(records, balancers, shape=shape, hardware=hardware, relay=relay,
                     plan_seconds=plan_seconds, progress=progress)
     quality = metric_summary(result)
@@ -85,10 +86,10 @@ def advise_slots(rows: Sequence[dict], *, tolerance: float = 0.01, min_gain_per_
     only).
 
     For every slot count the best (floor, trigger) pair (highest estimated speedup; ties: the larger
-    floor, fewer replicas, then the default trigger, then the larger one, fewer transfers) is kept. Walking slot counts upward, a slot count is taken while each added slot
-    still buys at least ``min_gain_per_slot`` of speedup per slot (CRAFT's benefit per replica,
-    diminishing returns); among those, the smallest one within ``tolerance`` of the best speedup is
-    recommended. Slot counts over ``memory_budget_bytes`` are skipped. When 0 slots win, the
+    floor, fewer replicas, then the default trigger, then the larger one, fewer transfers) is kept.
+    Walking slot counts upward, a slot count is taken while each added slot still buys at least
+    ``min_gain_per_slot`` of speedup per slot (CRAFT's benefit per replica, diminishing returns);
+    among those, the smallest one within ``tolerance`` of the best speedup is recommended. Slot counts over ``memory_budget_bytes`` are skipped. When 0 slots win, the
     advice is not to balance (``--moe-balancer none``; a quota floor without slots means nothing).
 
     Returns:
@@ -96,7 +97,7 @@ def advise_slots(rows: Sequence[dict], *, tolerance: float = 0.01, min_gain_per_
         row), ``best_per_slots`` (slot count -> row), ``benefit_per_slot`` (slot count -> speedup
         gained per slot over 0 slots), ``reason``, ``flags`` (the training flags to use)}.
     """
-    candidates = [r for r in rows if r["balancer"] == policy.ULTRAEP
+    candidates = [r for r in rows if r["balancer"] == registry.ULTRAEP
                   and (memory_budget_bytes is None or r["memory_bytes"] <= memory_budget_bytes)]
     if not candidates:
         raise ValueError("no ultraep row fits (check slots and the memory budget)")
@@ -127,12 +128,12 @@ def advise_slots(rows: Sequence[dict], *, tolerance: float = 0.01, min_gain_per_
             f"{nxt} slot(s) reach {best[nxt]['speedup_vs_none']:.3f}x estimated speedup over none against "
             f"{row['speedup_vs_none']:.3f}x without replicas (less than {min_gain_per_slot:.3f}x per slot, or "
             f"within {tolerance:.0%})" if nxt else "only 0 slots were tried") + "; train without balancing")
-        flags = f"--moe-balancer {policy.NONE}"
+        flags = f"--moe-balancer {registry.NONE}"
     else:
         reason = (f"{chosen} slot(s) reach {row['speedup_vs_none']:.3f}x estimated speedup over none "
                   f"({row['frac_ideal']:.1%} of ideal), within {tolerance:.0%} of the best worthwhile "
                   f"({top:.3f}x); more slots gain < {min_gain_per_slot:.3f}x each")
-        flags = (f"--moe-balancer {policy.ULTRAEP} --moe-balancer-num-slots {chosen}"
+        flags = (f"--moe-balancer {registry.ULTRAEP} --moe-balancer-num-slots {chosen}"
                  + (f" --moe-balancer-min-quota {row['min_quota']}" if row["min_quota"] is not None else "")
                  + (f" --moe-balancer-trigger {row['trigger']:g}" if row.get("trigger") is not None else ""))
     return {"num_slots": chosen, "min_quota": row["min_quota"] if chosen else None,

@@ -31,7 +31,7 @@ all-to-all with compute, contention between transfers and the work they overlap,
 deduplication. Ratios between balancers are the useful output.
 
 A balancer's outcome is a ``planner.Plan`` or, for a peer that moves main experts (DeepSeek's
-EPLB), a ``planner.peers.Placement``: both are costed the same way (instances away from their
+EPLB), a ``planner.baselines.Placement``: both are costed the same way (instances away from their
 expert's home are replicas, fed from the home).
 
 No Megatron import; pure functions on load tensors and plans.
@@ -47,9 +47,9 @@ import torch
 
 
 from ultraep_megatron import planner
-from ultraep_megatron.dataplane.schedule import build_schedule
+from ultraep_megatron.dataplane.schedule import ScheduleCache, build_schedule
 from ultraep_megatron.planner import Plan
-from ultraep_megatron.planner.peers import Placement
+from ultraep_megatron.planner.baselines import Placement
 
 __all__ = [
     "DEFAULT_SHAPE",
@@ -88,10 +88,8 @@ class Hardware:
         gemm_overhead_tokens: M0, the fixed cost of one expert's GEMM in tokens of plateau-rate
             compute: a GEMM of M tokens takes as long as ``M + M0`` tokens at the plateau, so it
             runs at ``M / (M + M0)`` of the plateau (half of it at M = M0). 100: fitted to the
-            grouped GEMMs DeepSeek published for DeepGEMM (H800, github.com/deepseek-ai/DeepGEMM,
-            README of its first release: 256, 512 and 1024 tokens per group reach 72-74 %,
-            80-83 % and 84-95 % of the same shapes at 4096-8192 tokens; M0 55-190 over those
-            six points, median 100); Hopper's tiles are 64-256 rows whatever the dtype.
+            grouped-GEMM efficiencies DeepSeek published for DeepGEMM (the points and the fit:
+            docs/traces.md, "Small GEMMs"); Hopper's tiles are 64-256 rows whatever the dtype.
     """
 
     scale_up_gbps: float = 900.0
@@ -348,40 +346,24 @@ def _busiest_link_seconds(traffic: torch.Tensor, unit_bytes: float, N: int, hw: 
     return seconds
 
 
-class _ScheduleCache:
-    """Per replica layout and domain size, for the direct and the relayed schedule: the replica
-    edges as a [src, dst] count matrix (what the busiest link carries follows from it) and how many
-    of them cross a domain."""
-
-    def __init__(self, capacity: int = 4096):
-        self.capacity = capacity
-        self._cache: dict[bytes, tuple] = {}
-
-    def edges(self, slot_expert: torch.Tensor, num_experts: int, N: int) -> tuple:
-        key = slot_expert.cpu().numpy().tobytes() + slot_expert.shape[0].to_bytes(4, "little") \
-            + N.to_bytes(4, "little")
-        hit = self._cache.get(key)
-        if hit is None:
-            R = slot_expert.shape[0]
-            hit = []
-            for mode in ("off", "adaptive"):
-                s = build_schedule(slot_expert.cpu(), num_experts, 1, relay=mode)
-                counts = torch.zeros((R, R), dtype=torch.int64)
-                counts.index_put_((s.edge_src, s.edge_dst), torch.ones_like(s.edge_src), accumulate=True)
-                hit.append((counts, int((s.edge_src // N != s.edge_dst // N).sum())))
-            hit = tuple(hit)
-            if len(self._cache) >= self.capacity:
-                self._cache.clear()
-            self._cache[key] = hit
-        return hit
-
-
-_SCHEDULES = _ScheduleCache()
+def _replica_edges(slot_expert: torch.Tensor, num_experts: int, N: int,
+                   schedules: Optional[ScheduleCache]) -> list[tuple[torch.Tensor, int]]:
+    """For the direct and the relayed schedule of a replica layout: its edges as a [src, dst] count
+    matrix (what the busiest link carries follows from it) and how many cross a domain of N ranks."""
+    R = slot_expert.shape[0]
+    out = []
+    for mode in ("off", "adaptive"):
+        build = schedules.get if schedules is not None else build_schedule
+        s = build(slot_expert.cpu(), num_experts, 1, relay=mode)
+        counts = torch.zeros((R, R), dtype=torch.int64)
+        counts.index_put_((s.edge_src, s.edge_dst), torch.ones_like(s.edge_src), accumulate=True)
+        out.append((counts, int((s.edge_src // N != s.edge_dst // N).sum())))
+    return out
 
 
 def remote_slot_table(placement: Placement) -> torch.Tensor:
     """int64 [R, W]: the experts each rank holds away from their home, packed left (-1 padding): the
-    replicas a placement needs fed from the homes, as a slot table for the data plane's schedule."""
+    replicas a placement needs fed from the homes, as a redundant-slot table for the data plane's schedule."""
     inst = placement.instances  # [E, R]
     E, R = inst.shape
     home = torch.arange(E) // (E // R)
@@ -393,7 +375,7 @@ def remote_slot_table(placement: Placement) -> torch.Tensor:
 
 
 def layer_cost(load: torch.Tensor, plan: Plan | Placement, shape: ExpertShape, hardware: Hardware, *,
-               plan_seconds: float = 0.0, relay: bool = True) -> dict:
+               plan_seconds: float = 0.0, relay: bool = True, schedules: Optional[ScheduleCache] = None) -> dict:
     """Estimated seconds of one MoE layer invocation (one microbatch) under ``plan``.
 
     Args:
@@ -402,6 +384,8 @@ def layer_cost(load: torch.Tensor, plan: Plan | Placement, shape: ExpertShape, h
             away from their home are replicas, fed from the home: a moved main expert is one).
         plan_seconds: time to solve the plan (forward critical path).
         relay: charge weight distribution with relay trees (else direct fan-out).
+        schedules: the data plane's schedules of recurring replica layouts, kept by the caller (a
+            replay keeps one for its run); ``None``: built anew.
 
     Returns:
         dict of seconds: ``moe_fwd``/``moe_bwd`` (busiest rank's expert compute), ``a2a_fwd``/
@@ -429,7 +413,7 @@ def layer_cost(load: torch.Tensor, plan: Plan | Placement, shape: ExpertShape, h
     a2a = _busiest_link_seconds(traffic.cpu(), shape.token_bytes, N, hardware)
     wdist, crossing = [0.0, 0.0], 0
     if slots.numel() and bool((slots >= 0).any()):
-        for i, (edges, cross) in enumerate(_SCHEDULES.edges(slots, E, N)):
+        for i, (edges, cross) in enumerate(_replica_edges(slots, E, N, schedules)):
             wdist[i] = _busiest_link_seconds(edges, shape.weight_bytes, N, hardware)
             if (i == 1) == relay:
                 crossing = cross

@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ultraep_megatron.analysis.tables import dump_json
+
 from . import common
 
 SUMMARY = "validate launch recipes with Megatron's own checks for the full world size; layout and memory"
@@ -88,8 +90,8 @@ def run(args) -> int:
             print(result["text"] + "\n", flush=True)
     failed = sum(not r["passed"] for r in results)
     if args.json:
-        common.dump_json({"recipes": results, "passed": len(results) - failed, "failed": failed,
-                          "skipped": skipped}, stream=sys.stdout)
+        dump_json({"recipes": results, "passed": len(results) - failed, "failed": failed,
+                   "skipped": skipped}, stream=sys.stdout)
     else:
         print(f"{len(results) - failed}/{len(results)} recipe(s) passed"
               + (f" ({', '.join(skipped)} skipped: not a recipe)" if skipped else ""))

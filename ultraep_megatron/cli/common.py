@@ -1,25 +1,21 @@
 """Pieces every ``ultraep`` subcommand shares: exit codes, the trace-input, model-shape, hardware
-and output flags, progress on stderr, tables, JSON / CSV output."""
+and output flags, and progress on stderr. What the subcommands compute and print is the analysis's
+and the traces' (``ultraep_megatron.analysis``, ``ultraep_megatron.traces``)."""
 
 from __future__ import annotations
 
 import argparse
-import csv
-import json
-import math
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 #: Exit codes scripts can rely on.
 EXIT_OK = 0
 EXIT_FAILED = 1     # the command ran and found a failure: a recipe problem, a failed run, no recommendation
 EXIT_USAGE = 2      # bad arguments or unreadable input (argparse uses 2 as well)
 EXIT_INTERNAL = 3   # a bug: the traceback is printed
-
-ESTIMATE = "ESTIMATE"
 
 
 class CliError(Exception):
@@ -87,6 +83,17 @@ def positive_float(text: str) -> float:
     return value
 
 
+def check_balancer_flags(args) -> None:
+    """Validate the ``--moe-balancer-*`` values of ``args`` as training does (a ValueError naming the
+    flag); a min quota of ``hw`` stands for a valid one."""
+    from ultraep_megatron.megatron.arguments import knob_values
+
+    values = dict(vars(args))
+    if values.get("moe_balancer_min_quota") == "hw":
+        values["moe_balancer_min_quota"] = None
+    knob_values(argparse.Namespace(**values))
+
+
 # ---------------------------------------------------------------------------------------------
 # Trace input
 # ---------------------------------------------------------------------------------------------
@@ -129,8 +136,8 @@ def add_megatron_layout_args(parser: argparse.ArgumentParser) -> None:
 
 
 def megatron_layout(args):
-    """The :class:`RouterTraceLayout` from ``--run-args`` and the layout flags."""
-    from ultraep_megatron.router_traces import RouterTraceLayout, read_run_args
+    """The :class:`~ultraep_megatron.traces.RouterTraceLayout` from ``--run-args`` and the layout flags."""
+    from ultraep_megatron.traces.router import RouterTraceLayout, read_run_args
 
     run_args = read_run_args(args.run_args) if args.run_args else None
     return RouterTraceLayout.resolve(ep_size=args.expert_model_parallel_size, num_experts=args.num_experts,
@@ -142,12 +149,11 @@ def open_records(args):
     """The replay records named by the trace arguments (project traces or a Megatron routing trace),
     with ``--layers/--max-records/--load-scale`` applied."""
     from ultraep_megatron import traces
-    from ultraep_megatron.router_traces import RouterTraceRecords, is_router_trace
 
     chosen = dict(layers=args.layers, max_records=args.max_records, load_scale=args.load_scale)
     on_truncated = "error" if args.strict else "warn"
-    if is_router_trace(args.traces):
-        return RouterTraceRecords(args.traces[0], megatron_layout(args), on_truncated=on_truncated, **chosen)
+    if traces.is_router_trace(args.traces):
+        return traces.RouterTraceRecords(args.traces[0], megatron_layout(args), on_truncated=on_truncated, **chosen)
     for path in args.traces:
         if Path(path).is_dir() and not list(Path(path).glob(f"*{traces.TRACE_SUFFIX}")) and \
                 list(Path(path).glob("*.jsonl")):
@@ -217,25 +223,20 @@ HARDWARE_FLAGS = {"scale_up_bandwidth": "scale_up_gbps", "peak_tflops": "peak_tf
 
 
 def shape_and_hardware(args, meta: dict):
-    """(ExpertShape, where h and f came from, Hardware) from the flags and the trace's meta. The
-    hardware is ``--moe-balancer-hardware``'s preset (else the paper's rack) with the hardware flags
-    given on top; without a scale-up domain of its own it takes ``--moe-balancer-domain-size``."""
-    import dataclasses
-
-    from ultraep_megatron.analysis.cost import ExpertShape, Hardware, hardware_preset
+    """(ExpertShape, where h and f came from, Hardware) from the flags and the trace's meta
+    (``analysis.inputs.resolve_hardware``: ``--moe-balancer-hardware``'s preset, else the paper's
+    rack, with the hardware flags given on top)."""
+    from ultraep_megatron.analysis.cost import ExpertShape
+    from ultraep_megatron.analysis.inputs import resolve_hardware
 
     try:
         shape, source = ExpertShape.from_meta(
             meta, hidden_size=args.hidden_size, ffn_hidden_size=args.moe_ffn_hidden_size, gated=args.swiglu,
             param_bytes=args.param_bytes, grad_bytes=args.grad_bytes, activation_bytes=args.activation_bytes)
-        preset = getattr(args, "moe_balancer_hardware", None)
-        hardware = hardware_preset(preset) if preset else Hardware()
         given = {field: getattr(args, flag) for flag, field in HARDWARE_FLAGS.items()
                  if getattr(args, flag, None) is not None}
-        domain = getattr(args, "moe_balancer_domain_size", None)
-        if "scale_up_domain" not in given and not preset and domain is not None:
-            given["scale_up_domain"] = domain
-        hardware = dataclasses.replace(hardware, **given)
+        hardware = resolve_hardware(getattr(args, "moe_balancer_hardware", None), given,
+                                    getattr(args, "moe_balancer_domain_size", None))
     except ValueError as exc:
         raise CliError(str(exc)) from None
     return shape, source, hardware
@@ -273,56 +274,6 @@ def prepare_output_dir(path: Optional[Path]) -> Optional[Path]:
     if created:
         print(f"created --output-dir {path}", file=sys.stderr)
     return path
-
-
-def jsonable(value: Any) -> Any:
-    """NaN and infinities as None, numpy scalars as Python numbers, paths as strings."""
-    if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [jsonable(v) for v in value]
-    if isinstance(value, Path):
-        return str(value)
-    if hasattr(value, "item") and not isinstance(value, (str, bytes)):
-        value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
-
-
-def dump_json(payload: dict, stream=None) -> str:
-    text = json.dumps(jsonable(payload), indent=1, sort_keys=True)
-    if stream is not None:
-        stream.write(text + "\n")
-    return text
-
-
-def write_csv(path: Path, rows: Sequence[dict]) -> Path:
-    """One row per dict; the columns are the union of the keys, in first-seen order."""
-    columns = list(dict.fromkeys(k for row in rows for k in row))
-    with open(path, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=columns)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: jsonable(v) for k, v in row.items()})
-    return path
-
-
-def fmt(value, spec: str = ".3f") -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    return format(value, spec)
-
-
-def format_table(headers: Sequence[str], rows: Sequence[Sequence], title: str = "") -> str:
-    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = [title] if title else []
-    for n, row in enumerate(cells):
-        lines.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))))
-        if n == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 class Progress:

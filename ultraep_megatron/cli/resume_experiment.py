@@ -16,7 +16,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from ultraep_megatron.planner import policy
+from ultraep_megatron.planner.baselines import registry
 
 from . import common
 
@@ -37,8 +37,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="Megatron checkpoint directory to resume (its --save); never written")
     parser.add_argument("--ckpt-step", type=int, default=None,
                         help="iteration to resume (default: the latest in the directory)")
-    parser.add_argument("--balancers", type=common.name_list(policy.COMPARED), default=list(policy.COMPARED),
-                        metavar="B,B", help=f"comma-separated, from {','.join(policy.COMPARED)} (default: all)")
+    parser.add_argument("--balancers", type=common.name_list(registry.COMPARED), default=list(registry.COMPARED),
+                        metavar="B,B", help=f"comma-separated, from {','.join(registry.COMPARED)} (default: all)")
     parser.add_argument("--iterations", type=int, default=20,
                         help="iterations per balancer (default %(default)s, as in the paper)")
     parser.add_argument("--warmup-iterations", type=int, default=None,
@@ -58,22 +58,25 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    from ultraep_megatron import resume_experiment as rx
+    from ultraep_megatron.analysis.resume_experiment import run_experiment
+    from ultraep_megatron.analysis.resume_runs import ExperimentError
+    from ultraep_megatron.analysis.tables import dump_json
+    from ultraep_megatron.megatron.checkpoint_args import checkpoint_args
 
     progress = sys.stderr if args.json else sys.stdout
     try:
-        results, summaries = rx.run_experiment(
+        results, summaries = run_experiment(
             args.passthrough, args.load, args.balancers, args.iterations, args.output_dir,
             warmup=args.warmup_iterations, ckpt_step=args.ckpt_step, ideal_args=shlex.split(args.ideal_args),
-            exp_prefix=args.exp_prefix, timeout_s=args.timeout_s, progress=progress)
-    except rx.ExperimentError as error:
+            exp_prefix=args.exp_prefix, timeout_s=args.timeout_s, progress=progress, read_args=checkpoint_args)
+    except ExperimentError as error:
         raise common.CliError(str(error)) from None
     failed = [r.balancer for r in results if not r.ok]
     if args.json:
-        common.dump_json({"summaries": [s.__dict__ for s in summaries],
-                          "runs": [{"balancer": r.balancer, "status": r.status, "run_dir": r.run_dir,
-                                    "wall_s": r.wall_s} for r in results],
-                          "output_dir": args.output_dir}, stream=sys.stdout)
+        dump_json({"summaries": [s.__dict__ for s in summaries],
+                   "runs": [{"balancer": r.balancer, "status": r.status, "run_dir": r.run_dir,
+                             "wall_s": r.wall_s} for r in results],
+                   "output_dir": args.output_dir}, stream=sys.stdout)
     if failed:
         print(f"{len(failed)} run(s) failed: {', '.join(failed)}", file=sys.stderr)
     return common.EXIT_FAILED if failed else common.EXIT_OK

@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 from . import common
-from .common import fmt
 
 SUMMARY = "inspect, convert (from Megatron's --moe-routing-trace-path), merge or synthesize traces"
 
@@ -59,7 +58,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
     synth = sub.add_parser("synth", help="write a synthetic drifting-Zipf trace",
                            description="Write a synthetic drifting-Zipf routing trace "
-                                       "(ultraep_megatron.traces.synthetic_loads).")
+                                       "(ultraep_megatron.traces.synthetic.synthetic_loads).")
     synth.add_argument("output", type=Path, metavar="OUTPUT.uetrace")
     for flag, default in (("--num-iterations", 8), ("--num-microbatches", 2), ("--num-layers", 4),
                           ("--num-ranks", 8), ("--num-experts", 32), ("--tokens-per-rank", 512),
@@ -74,37 +73,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run_info(args) -> int:
     from ultraep_megatron import traces
-    from ultraep_megatron.router_traces import RouterTraceRecords, is_router_trace
+    from ultraep_megatron.analysis.tables import dump_json
+    from ultraep_megatron.traces.reader import trace_info
+    from ultraep_megatron.traces.router import router_trace_info
 
-    entries = []
-    if is_router_trace(args.traces):
-        records = RouterTraceRecords(args.traces[0], common.megatron_layout(args), on_truncated="ignore")
-        layers: dict[int, int] = {}
-        iterations = set()
-        for _, iteration, _, layer, _ in records:
-            layers[layer] = layers.get(layer, 0) + 1
-            iterations.add(iteration)
-        entries.append({"path": str(records.directory), "format": "megatron router trace",
-                        "rank_files": len(records.files), "ep_groups": records.num_groups,
-                        "num_ranks": records.num_ranks, "num_experts": records.num_experts,
-                        "loads": sum(layers.values()), "iterations": len(iterations),
-                        "layers": dict(sorted(layers.items())), "status": records.status, "meta": records.meta})
+    if traces.is_router_trace(args.traces):
+        records = traces.RouterTraceRecords(args.traces[0], common.megatron_layout(args), on_truncated="ignore")
+        entries = [router_trace_info(records)]
     else:
-        for path in traces.find_trace_files(args.traces):
-            reader = traces.TraceReader(path, on_truncated="ignore")
-            layers = {}
-            iterations = set()
-            for rec in reader.records(include_uncommitted=True):
-                layers[rec.layer] = layers.get(rec.layer, 0) + 1
-                iterations.add(rec.iteration)
-            h = reader.header
-            entries.append({"path": str(path), "format": f"ultraep trace v{h.version}", "num_ranks": h.num_ranks,
-                            "num_experts": h.num_experts, "loads": sum(layers.values()),
-                            "uncommitted": reader.uncommitted_records, "iterations": len(iterations),
-                            "layers": dict(sorted(layers.items())), "status": reader.status,
-                            "truncated_bytes": reader.truncated_bytes, "meta": h.meta})
+        entries = [trace_info(path) for path in traces.find_trace_files(args.traces)]
     if args.json:
-        common.dump_json({"traces": entries}, stream=sys.stdout)
+        dump_json({"traces": entries}, stream=sys.stdout)
         return common.EXIT_OK
     for e in entries:
         torn = f" ({e['truncated_bytes']} bytes torn)" if e.get("truncated_bytes") else ""
@@ -118,7 +97,7 @@ def run_info(args) -> int:
 
 
 def run_convert(args) -> int:
-    from ultraep_megatron.router_traces import RouterTraceRecords, convert_router_trace
+    from ultraep_megatron.traces.router import RouterTraceRecords, convert_router_trace
 
     records = RouterTraceRecords(args.source, common.megatron_layout(args),
                                  on_truncated="error" if args.strict else "warn")
@@ -152,5 +131,6 @@ def run_synth(args) -> int:
     kwargs = {k: getattr(args, k) for k in ("num_iterations", "num_microbatches", "num_layers", "num_ranks",
                                             "num_experts", "tokens_per_rank", "topk", "seed", "skew", "drift")}
     path = traces.write_synthetic_trace(args.output, **kwargs)
-    print(f"wrote {path} ({path.stat().st_size} bytes, {fmt(args.num_iterations * args.num_microbatches * args.num_layers, 'd')} loads)")
+    loads = args.num_iterations * args.num_microbatches * args.num_layers
+    print(f"wrote {path} ({path.stat().st_size} bytes, {loads:d} loads)")
     return common.EXIT_OK

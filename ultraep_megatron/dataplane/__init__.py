@@ -1,25 +1,28 @@
 """Expert-state data plane: replica weight distribution and replica-gradient reduction.
 
 Builds on torch.distributed point-to-point operations only (gloo on CPU, NCCL on GPUs); never imports
-Megatron. See docs/dataplane.md.
+Megatron, nor the rest of the package. See docs/dataplane.md. One object, :class:`ReplicaBuffer`,
+owns the replica buffers and every transfer's communication state:
 
-    schedule = build_schedule(plan.slot_expert, num_experts, expert_numel)   # pure, same on all ranks
-    distribute_weights(schedule, main_weights, replica_weights, group)       # home -> replica slots
-    reduce_gradients(schedule, main_grads, replica_grads, group)             # replicas -> home
+    buffer = ReplicaBuffer(num_slots, expert_shapes, weight_dtype, group=ep_group)  # collective
+    schedule = buffer.schedule(plan.slot_expert, num_experts)      # pure, same on all ranks
+    buffer.distribute_weights(schedule, main_weights)              # home -> replica slots
+    buffer.reduce_gradients(schedule, main_grads)                  # replicas -> home
 
-    handle = distribute_weights(..., async_op=True)   # returns a TransferHandle; overlap, then
-    handle.wait()                                       # ready for the caller's next operation
+    handle = buffer.distribute_weights(schedule, main_weights, async_op=True)  # a TransferHandle:
+    ...                                                                        # overlap, then
+    handle.wait()                                                  # ready for the next operation
+
+Modules: ``buffer`` (ReplicaBuffer), ``distribute`` and ``reduce`` (the two transfers), ``handle``
+(TransferHandle, where a transfer runs), ``host_stream`` (the CPU's communication stream), ``tags``
+(message tags), ``checks`` (input checks), ``pack`` (experts as flat rows), ``schedule`` and
+``relay`` (the transfer schedule of a plan).
 """
 
-from .engine import (
-    HostCommStream,
-    ReplicaBuffer,
-    TransferHandle,
-    distribute_weights,
-    expert_views,
-    pack_experts,
-    reduce_gradients,
-)
+from .buffer import ReplicaBuffer
+from .handle import TransferHandle
+from .host_stream import HostCommStream
+from .pack import expert_views, pack_experts
 from .schedule import RELAY_MODES, TransferSchedule, build_schedule, validate_slot_expert
 
 __all__ = [
@@ -29,9 +32,7 @@ __all__ = [
     "TransferHandle",
     "TransferSchedule",
     "build_schedule",
-    "distribute_weights",
     "expert_views",
     "pack_experts",
-    "reduce_gradients",
     "validate_slot_expert",
 ]

@@ -19,16 +19,13 @@ Schedule model (weight direction; gradients flow along the same edges reversed):
   chunk ``c`` one round after the hop-1 edge delivered it (chunk streaming, no whole-expert barrier).
 * A replica placed on its expert's own home rank is filled by a local copy (no edge).
 
-Relay trees are load-aware: per-rank send volumes under the direct schedule are tracked, relays are
-the expert's replica hosts with the least send volume, and each leaf is attached to the relay that
-stays least loaded. In ``"adaptive"`` mode a tree is built only where it lowers the send volume of a
-current bottleneck rank without creating a new bottleneck, and kept only if the max per-rank send
-volume would be higher without it: relay is either absent or strictly lowers the max.
+Relay trees (which experts get one, which hosts relay, which leaves each feeds) are chosen in
+:mod:`.relay`.
 """
 
 from __future__ import annotations
 
-import math
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
@@ -36,9 +33,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-__all__ = ["Edge", "RankTransfers", "TransferSchedule", "build_schedule", "validate_slot_expert", "RELAY_MODES"]
+from .relay import RELAY_MODES, relay_trees
 
-RELAY_MODES = ("off", "adaptive", "always")
+__all__ = ["Edge", "RankTransfers", "TransferSchedule", "build_schedule", "validate_slot_expert", "RELAY_MODES"]
 
 # Defaults; see docs/dataplane.md. 1M elements = 2 MiB in bf16, 4 MiB in fp32.
 DEFAULT_CHUNK_NUMEL = 1 << 20
@@ -272,40 +269,6 @@ def _rank_transfers(schedule: TransferSchedule, rank: int) -> RankTransfers:
                                   | {slot for _, slot in local})))
 
 
-def _frontier_size(num_replicas: int) -> int:
-    """Relay frontier ≈ sqrt(n): balances the source's fan-out against each relay's."""
-    return max(1, int(math.floor(math.sqrt(num_replicas) + 0.5)))
-
-
-def _relay_tree(
-    hosts: list[int], home: int, volume: list[int]
-) -> tuple[list[int], dict[int, int], list[int]]:
-    """Choose relays and attach leaves for one expert, load-aware.
-
-    Args:
-        hosts: remote replica host ranks of the expert, ascending.
-        home: its home rank.
-        volume: current per-rank send volume in experts (length R); not modified.
-
-    Returns:
-        ``(relays, parent_of_leaf, new_volume)``.
-    """
-    n = len(hosts)
-    frontier = _frontier_size(n)
-    relays = sorted(sorted(hosts, key=lambda r: (volume[r], r))[:frontier])
-    new_volume = list(volume)
-    new_volume[home] -= n - frontier
-    parent_of_leaf: dict[int, int] = {}
-    for leaf in hosts:
-        if leaf in relays:
-            continue
-        # The relay whose send volume stays smallest after taking this leaf (ties: lower rank).
-        best = min(relays, key=lambda r: (new_volume[r] + 1, r))
-        new_volume[best] += 1
-        parent_of_leaf[leaf] = best
-    return relays, parent_of_leaf, new_volume
-
-
 def build_schedule(
     slot_expert: torch.Tensor,
     num_experts: int,
@@ -359,35 +322,7 @@ def build_schedule(
     # Direct-schedule send volume per rank, in experts.
     volume = np.bincount(rep_home, minlength=num_ranks).tolist()
 
-    parent: dict[int, dict[int, int]] = {}  # expert -> {leaf: relay}, relayed experts only
-    if relay != "off":
-        candidates = {e for e, hs in hosts_of.items() if len(hs) > relay_threshold}
-        while candidates:
-            # Hottest source first: the expert whose home currently sends the most.
-            e = max(candidates, key=lambda x: (volume[x // experts_per_rank], len(hosts_of[x]), -x))
-            candidates.discard(e)
-            home = e // experts_per_rank
-            old_home_volume = volume[home]
-            if relay == "adaptive" and old_home_volume < max(volume):
-                # The bottleneck rank has no eligible expert left; relaying elsewhere cannot lower the max.
-                break
-            hosts = [r for r, _ in hosts_of[e]]
-            relays, parent_of_leaf, new_volume = _relay_tree(hosts, home, volume)
-            if relay == "adaptive" and max(new_volume[r] for r in [home, *relays]) >= old_home_volume:
-                continue  # would not lower the bottleneck
-            volume = new_volume
-            parent[e] = parent_of_leaf
-        if relay == "adaptive":
-            # A tree that lowered one of several tied bottleneck ranks is useless if another of them
-            # could not be lowered: drop (latest first) every tree whose removal keeps the final max.
-            final_max = max(volume)
-            for e in reversed(list(parent)):
-                home, tree = e // experts_per_rank, parent[e]
-                if volume[home] + len(tree) <= final_max:
-                    volume[home] += len(tree)
-                    for relay_rank in tree.values():
-                        volume[relay_rank] -= 1
-                    del parent[e]
+    parent = relay_trees(hosts_of, volume, experts_per_rank, relay, relay_threshold)  # expert -> {leaf: relay}
 
     slot_of = {(e, r): s for e, hs in hosts_of.items() for r, s in hs}
     rows = []  # (expert, hop, src, dst, src_slot, dst_slot)
@@ -418,3 +353,32 @@ def build_schedule(
         local_slot=torch.from_numpy(local_slot.astype(np.int64)),
         relayed_experts=torch.tensor(sorted(parent), dtype=torch.int64),
     )
+
+
+class ScheduleCache:
+    """The schedules of the last ``capacity`` replica layouts: hot experts stay hot for many
+    microbatches and layers, so the same ``slot_expert`` recurs, and a schedule is immutable.
+    :class:`~ultraep_megatron.dataplane.ReplicaBuffer` keeps one; so does a cost-model replay.
+
+    ``get`` takes :func:`build_schedule`'s arguments; a ``slot_expert`` that is not an int64 [R, S]
+    host tensor is built without caching (its bytes would need a device read).
+    """
+
+    def __init__(self, capacity: int = 256) -> None:
+        self.capacity = capacity
+        self._schedules: OrderedDict[tuple, TransferSchedule] = OrderedDict()
+
+    def get(self, slot_expert: torch.Tensor, num_experts: int, expert_numel: int, **options) -> TransferSchedule:
+        cacheable = slot_expert.device.type == "cpu" and slot_expert.dtype == torch.int64 and slot_expert.dim() == 2
+        if not cacheable:
+            return build_schedule(slot_expert, num_experts, expert_numel, **options)
+        key = (tuple(slot_expert.shape), num_experts, expert_numel, tuple(sorted(options.items())),
+               slot_expert.numpy().tobytes())
+        schedule = self._schedules.get(key)
+        if schedule is not None:
+            self._schedules.move_to_end(key)
+            return schedule
+        schedule = self._schedules[key] = build_schedule(slot_expert, num_experts, expert_numel, **options)
+        if len(self._schedules) > self.capacity:
+            self._schedules.popitem(last=False)
+        return schedule

@@ -1,34 +1,204 @@
 """Command-line arguments UltraEP adds to Megatron's parser, in Megatron's own style.
 
 Pass :func:`add_ultraep_args` as ``extra_args_provider`` to
-``megatron.training.arguments.parse_and_validate_args``. The ``moe balancer`` group comes from the
-policy registry (``ultraep_megatron.planner.policy``: names, knobs, defaults, validation);
-:func:`validate_ultraep_args` checks the combination. :func:`startup_checks_or_exit` runs it (and
-the CPU and trace-directory checks) on the raw command line before Megatron validates, prints or
-initialises anything.
+``megatron.training.arguments.parse_and_validate_args``. The ``moe balancer`` group comes from
+:data:`KNOBS` (one entry per ``--moe-balancer-*`` flag: default, validation, help); the planner
+receives plain numbers (:func:`balancer_config_from_args`) and the model's balancing context the run
+settings (:func:`balancing_context_from_args`). :func:`validate_ultraep_args` checks the
+combination (the Megatron settings a balanced layer cannot run: :mod:`.capabilities`);
+:func:`startup_problems` adds the trace directory's checks, for ``startup.startup_checks_or_exit``.
+
+``ultraep`` (the console command) builds its balancer flags from the same table. No Megatron import
+at module level.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import os
 import re
-import sys
-import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Mapping, Optional
 
-from ultraep_megatron.planner import policy
+from ultraep_megatron.megatron import capabilities
+from ultraep_megatron.planner import BalancerConfig
+from ultraep_megatron.planner import balancer as planner_balancer
+from ultraep_megatron.planner.baselines import registry
 
-#: How long a rank other than rank 0 waits before exiting on an argument problem (rank 0 prints it).
-NON_LOG_RANK_EXIT_DELAY_S = 5.0
+
+@dataclass(frozen=True)
+class Knob:
+    """One ``--moe-balancer-*`` setting: its flag, default, validation and help.
+
+    Attributes:
+        field: the setting's name: a :class:`~ultraep_megatron.planner.BalancerConfig` field, a
+            keyword of the model's ``BalancingContext`` (run settings), or ``hardware``; Megatron's
+            ``args`` attribute is ``moe_balancer_<field>``.
+        flag: the command-line flag, the same in Megatron's parser and in ``ultraep``.
+        type: the argparse type.
+        default: the default (``None``: derived at run time, see ``help``).
+        minimum: smallest valid value, for numbers (``None`` is always valid when it is the default).
+        help: argparse help (``%%`` for a percent sign).
+        runtime_only: a setting of a training run (not of the balancing policy): not offered by replay.
+        metavar: the value's name in ``--help``.
+        action: ``store_true`` / ``store_false`` for a switch (``type`` is then ``bool``).
+    """
+
+    field: str
+    flag: str
+    type: Callable[[str], Any]
+    default: Any
+    help: str
+    minimum: Optional[int] = None
+    runtime_only: bool = False
+    metavar: str = "N"
+    action: Optional[str] = None
+
+    @property
+    def dest(self) -> str:
+        """Megatron's ``args`` attribute: ``moe_balancer_<field>`` (also for a negated switch)."""
+        return f"moe_balancer_{self.field}"
+
+
+KNOBS: tuple[Knob, ...] = (
+    Knob("num_slots", "--moe-balancer-num-slots", int, planner_balancer.DEFAULT_NUM_SLOTS, minimum=0,
+         metavar="S",
+         help="Redundant expert slots per expert-parallel rank (ultraep, eplb, eplb-exact). Their "
+              "weight and fp32 gradient buffers are shared by all MoE layers. Default: %(default)s."),
+    Knob("min_quota", "--moe-balancer-min-quota", int, None, minimum=1,
+         help="ultraep: smallest number of (token, expert) pairs a replica may carry. Default: "
+              "derived from --moe-balancer-hardware when given, else 1%% of the mean per-rank load "
+              "of the microbatch."),
+    Knob("trigger", "--moe-balancer-trigger", float, None, minimum=1.0, metavar="X",
+         help="ultraep: a layer-microbatch whose rank imbalance before balancing (max/mean tokens "
+              "per EP rank, from the exact load) is below X keeps every token at home: no replica, "
+              "no transfer, no re-materialization, no reduction. 1 balances every one. Default: "
+              "1 + min quota / mean rank load of the microbatch, below which even perfect balancing "
+              "saves less than one replica must carry to pay for itself (docs/traces.md)."),
+    Knob("domain_size", "--moe-balancer-domain-size", int, None, minimum=1,
+         help="EP ranks per NVLink (scale-up) domain; consecutive EP ranks form a domain, and it "
+              "must divide the EP size. ultraep hosts a replica only in its expert's home domain, so "
+              "no expert weight or replica gradient crosses a domain (tokens still go anywhere); the "
+              "other balancers place replicas anywhere, and telemetry counts the replicas of any "
+              "balancer that cross a domain. Default: the whole EP group is one domain."),
+    Knob("hardware", "--moe-balancer-hardware", str, None, metavar="NAME",
+         help="ultraep: the GPU system the default --moe-balancer-min-quota (and so the default "
+              "trigger) is derived from: paper-rack (the UltraEP paper's 64-GPU rack) or h100-hgx "
+              "(8 x H100 SXM per NVLink domain); figures and derivation in docs/traces.md. Default: "
+              "none, the min quota is 1%% of the mean rank load."),
+    Knob("eplb_window", "--moe-balancer-eplb-window", int, planner_balancer.DEFAULT_EPLB_WINDOW, minimum=1,
+         help="eplb: microbatches of load history the placement is computed from. "
+              "Default: %(default)s."),
+    Knob("eplb_interval", "--moe-balancer-eplb-interval", int, planner_balancer.DEFAULT_EPLB_INTERVAL,
+         minimum=1,
+         help="eplb: re-plan the replica placement every this many microbatches of a layer. "
+              "Default: %(default)s."),
+    Knob("ring_size", "--moe-balancer-ring-size", int, None, minimum=1, runtime_only=True,
+         help="Capacity of the virtual-layer ring (in-flight MoE invocations per rank). "
+              "Default: MoE layers on the rank x the pipeline schedule's in-flight microbatches."),
+    Knob("trace_dir", "--moe-balancer-trace-dir", str, None, runtime_only=True, metavar="DIR",
+         help="Record the exact expert load [EP ranks, experts] of every iteration, microbatch "
+              "and MoE layer to one trace file per EP group in this directory (docs/traces.md; "
+              "replay with `ultraep replay DIR`)."),
+    Knob("overlap", "--moe-balancer-no-overlap", bool, True, runtime_only=True, action="store_false",
+         help="Wait for each replica weight/gradient transfer where it is issued instead of "
+              "overlapping it with the layer's other work (to measure what the overlap hides)."),
+    Knob("check_plans", "--moe-balancer-check-plans", bool, False, runtime_only=True,
+         action="store_true",
+         help="Check in every MoE layer that the routing matches the load its plan was solved for "
+              "(also in activation-recompute replays). Reads device memory on the host in every "
+              "layer: for debugging only."),
+)
+#: The knobs that are run settings of the model's ``BalancingContext``, not planner numbers.
+RUN_SETTINGS = tuple(k.field for k in KNOBS if k.runtime_only)
+
+
+def add_balancer_arguments(parser, *, runtime: bool = True, balancer_flag: bool = True,
+                           types: Optional[Mapping[str, Callable[[str], Any]]] = None,
+                           only: Optional[tuple[str, ...]] = None) -> None:
+    """Add ``--moe-balancer`` and the knobs' flags to ``parser`` (a parser or argument group).
+
+    Args:
+        runtime: also the settings of a training run (``runtime_only`` knobs).
+        balancer_flag: add ``--moe-balancer`` itself (Megatron's parser; ``ultraep replay``
+            compares several balancers instead).
+        types: per knob field, a replacement argparse type (e.g. a quota that may be ``hw``).
+        only: add just these knobs (fields), e.g. the hardware for a tool that sweeps the others.
+    """
+    if balancer_flag:
+        parser.add_argument("--moe-balancer", type=str, default=registry.NONE,
+                            choices=list(registry.MOE_BALANCERS),
+                            help="Expert-load balancer for the MoE layers (training is mathematically "
+                                 "unchanged). " + " ".join(f'"{n}": {d}.' for n, d in registry.BALANCERS.items())
+                                 + " Default: %(default)s.")
+    for knob in KNOBS:
+        if (knob.runtime_only and not runtime) or (only is not None and knob.field not in only):
+            continue
+        if knob.action is not None:
+            parser.add_argument(knob.flag, action=knob.action, dest=knob.dest, help=knob.help)
+            continue
+        parser.add_argument(knob.flag, type=(types or {}).get(knob.field, knob.type), default=knob.default,
+                            dest=knob.dest, metavar=knob.metavar, help=knob.help)
+
+
+def knob_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``--moe-balancer-*`` values of parsed ``args`` (knobs a parser did not define: their
+    defaults), each validated; errors name the flag."""
+    name = getattr(args, "moe_balancer", registry.NONE)
+    if name not in registry.BALANCERS:
+        raise ValueError(f"--moe-balancer: unknown balancer {name!r}; choose from "
+                         f"{', '.join(registry.MOE_BALANCERS)}")
+    values = {}
+    for knob in KNOBS:
+        value = getattr(args, knob.dest, knob.default)
+        values[knob.field] = value
+        if value is None and knob.default is None:
+            continue
+        if knob.type is bool:
+            if not isinstance(value, bool):
+                raise ValueError(f"{knob.flag} is a switch (True or False), got {value!r}")
+        elif knob.type in (int, float):
+            if isinstance(value, bool) or not isinstance(value, (int, float) if knob.type is float else int):
+                raise ValueError(f"{knob.flag} must be {'a number' if knob.type is float else 'an integer'}, "
+                                 f"got {value!r}")
+            if knob.minimum is not None and not value >= knob.minimum:
+                raise ValueError(f"{knob.flag} must be >= {knob.minimum}, got {value}")
+        elif not isinstance(value, knob.type):
+            raise ValueError(f"{knob.flag} must be a {knob.type.__name__}, got {value!r}")
+    if values["hardware"] is not None:
+        hardware_min_quota(values["hardware"])  # an unknown name fails here, naming the flag
+    if values["trace_dir"] and name == registry.NONE:
+        raise ValueError("--moe-balancer-trace-dir records the load the balanced dispatcher gathers: use it "
+                         f"with --moe-balancer {', '.join(sorted(registry.EXACT_LOAD | {registry.EPLB}))} "
+                         "(balancing never changes the routing it records; megatron's own "
+                         "--moe-routing-trace-path records an unbalanced run)")
+    return values
+
+
+def hardware_min_quota(name: str) -> int:
+    """The training quota floor derived from ``--moe-balancer-hardware`` preset ``name``
+    (``analysis.cost``; the floor does not depend on the expert's size)."""
+    from ultraep_megatron.analysis.cost import DEFAULT_SHAPE, hardware_preset, min_quota_from_hardware
+
+    return min_quota_from_hardware(DEFAULT_SHAPE, hardware_preset(name), training=True)
+
+
+def planner_config(name: str, values: Mapping[str, Any]) -> BalancerConfig:
+    """The planner's numbers for balancer ``name`` from validated knob ``values``: the min quota
+    given, else derived from the hardware preset when one is named, else ``None`` (1 % of the mean
+    rank load)."""
+    min_quota = values["min_quota"]
+    if min_quota is None and values["hardware"] is not None:
+        min_quota = hardware_min_quota(values["hardware"])
+    return BalancerConfig(name, num_slots=values["num_slots"], min_quota=min_quota,
+                          trigger=values["trigger"], domain_size=values["domain_size"],
+                          eplb_window=values["eplb_window"], eplb_interval=values["eplb_interval"])
 
 
 def _add_moe_balancer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group(title='moe balancer')
-    policy.add_balancer_arguments(group)
+    add_balancer_arguments(group)
     return parser
 
 
@@ -75,10 +245,12 @@ def escape_stray_percent_in_help(parser: argparse.ArgumentParser) -> None:
             action.help = _HELP_FORMAT.sub(lambda m: m[0] if m[1] else "%%", action.help)
 
 
-def balancer_config_from_args(args: argparse.Namespace):
-    """The ``BalancerConfig`` selected by ``--moe-balancer*``; ``None`` for ``none``."""
-    config = policy.BalancerConfig.from_args(args)
-    return None if config.name == policy.NONE else config
+def balancer_config_from_args(args: argparse.Namespace) -> Optional[BalancerConfig]:
+    """The planner's ``BalancerConfig`` selected by ``--moe-balancer*``; ``None`` for ``none``."""
+    values = knob_values(args)
+    if args.moe_balancer == registry.NONE:
+        return None
+    return planner_config(args.moe_balancer, values)
 
 
 def balancing_context_from_args(args: argparse.Namespace):
@@ -88,100 +260,26 @@ def balancing_context_from_args(args: argparse.Namespace):
         return None
     from ultraep_megatron.megatron.context import BalancingContext
 
-    return BalancingContext(config)
+    values = knob_values(args)
+    return BalancingContext(config, hardware=values["hardware"],
+                            **{field: values[field] for field in RUN_SETTINGS})
 
 
 def validate_ultraep_args(args: argparse.Namespace) -> None:
-    """Check UltraEP's arguments against Megatron's (after Megatron's own validation).
+    """Check UltraEP's arguments against Megatron's (after Megatron's own validation): every knob,
+    then the model and the settings a balanced layer cannot run (:mod:`.capabilities`).
 
     Raises:
-        ValueError: on a combination that cannot run.
+        ValueError: on a combination that cannot run, naming the first problem's flag.
     """
-    config = policy.BalancerConfig.from_args(args)  # the registry's validation, naming the flag
-    if config.name == policy.NONE:
+    config = balancer_config_from_args(args)  # validates every knob, naming the flag
+    if config is None:
         return
-    name = f"--moe-balancer {args.moe_balancer}"
-
-    def fail(message: str) -> None:
-        raise ValueError(f"{name}: {message}")
-
-    if args.num_experts is None:
-        fail("needs an MoE model (--num-experts)")
-    ep = args.expert_model_parallel_size
-    if args.num_experts % ep:
-        fail(f"--num-experts {args.num_experts} is not divisible by "
-             f"--expert-model-parallel-size {ep}")
-    if config.domain_size is not None and ep % config.domain_size:
-        fail(f"--moe-balancer-domain-size {config.domain_size} must divide --expert-model-parallel-size "
-             f"{ep} (it counts the EP ranks of one NVLink domain)")
-    for message in unsupported_moe_settings(args):
-        fail(message)
-
-
-def unsupported_moe_settings(config) -> list[str]:
-    """What a balanced MoE layer cannot run, named by flag. ``config``: Megatron's args or a
-    TransformerConfig (the attribute names are the same)."""
-    problems = []
-    get = lambda name, default=None: getattr(config, name, default)  # noqa: E731
-    dispatcher = get('moe_token_dispatcher_type')
-    if dispatcher == 'flex':
-        # GPU-only (DeepEP / HybridEP); the check is whether megatron's bindings import.
-        from ultraep_megatron.megatron.balanced_moe import flex_backend_problem
-
-        problem = flex_backend_problem(config)
-        if problem:
-            problems.append(problem)
-    elif dispatcher != 'alltoall':
-        problems.append(f"--moe-token-dispatcher-type {dispatcher} is not supported; use alltoall "
-                        "(or flex with DeepEP/HybridEP on GPUs)")
-    if get('moe_expert_capacity_factor') is not None or get('moe_pad_expert_input_to_capacity'):
-        problems.append("token dropping (--moe-expert-capacity-factor / "
-                        "--moe-pad-expert-input-to-capacity) is not supported: balancing "
-                        "needs dropless routing")
-    # Megatron's default expert-TP size is the TP size (set by its validation).
-    if (get('expert_tensor_parallel_size') or get('tensor_model_parallel_size') or 1) > 1:
-        problems.append("--expert-tensor-parallel-size > 1 is not supported")
-    if get('use_transformer_engine_op_fuser'):
-        problems.append("--use-transformer-engine-op-fuser is not supported (its fused grouped MLP "
-                        "has no per-expert weights to replicate)")
-    if get('moe_router_padding_for_quantization'):
-        problems.append("--moe-router-padding-for-quantization is not supported")
-    if get('overlap_moe_expert_parallel_comm') or get('delay_wgrad_compute') or \
-            get('overlap_dispatch_backward_with_experts_wgrad'):
-        problems.append("--overlap-moe-expert-parallel-comm / --delay-wgrad-compute are not "
-                        "supported")
-    if get('fp8') or get('fp4'):
-        # The redundant slots of every layer run one shared experts module; Transformer Engine
-        # caches a module's low-precision weight casts and scales across calls, so a layer's
-        # replica could run on another layer's cast weights.
-        problems.append("--fp8-format / --fp4-format are not supported: the replica experts share one module "
-                        "across layers and Transformer Engine would reuse its cached low-precision "
-                        "weights between them; train in bf16")
-    offloaded = sorted({'expert_fc1', 'moe_act', 'fused_group_mlp'} & set(get('offload_modules') or []))
-    if get('fine_grained_activation_offloading') and offloaded:
-        # Its saved-tensor hooks wrap the experts' own: they would keep (or offload) the replica
-        # experts' weights, views of the shared buffer that later layers overwrite, as they are at
-        # offload time, never waiting for the backward's re-materialization.
-        problems.append(f"--offload-modules {' '.join(offloaded)} with --fine-grained-activation-offloading "
-                        "is not supported: it would store the replica experts' weights, which share one "
-                        "buffer across layers; offload other modules")
-    for flag in ('use_megatron_fsdp', 'use_torch_fsdp2'):
-        if get(flag):
-            # FSDP shards every expert across the expert-data-parallel ranks and gathers it only in
-            # the expert's own forward and backward; the replica transfers read whole main-expert
-            # weights before the experts' forward and in the layer's backward before the experts',
-            # and reduce replica gradients into the DDP main_grad buffers FSDP does not have.
-            problems.append(f"--{flag.replace('_', '-')} is not supported: the replica transfers read and "
-                            "write whole main-expert weights and gradients outside the experts' FSDP hooks; "
-                            "use --use-distributed-optimizer")
-    if get('moe_latent_size'):
-        problems.append("--moe-latent-size is not supported")
-    cuda_graph = get('cuda_graph_impl') or 'none'
-    if cuda_graph != 'none':
-        problems.append(f"--cuda-graph-impl {cuda_graph} is not supported")
-    elif get('enable_cuda_graph') or get('external_cuda_graph'):  # Megatron's older spellings
-        problems.append("CUDA graphs (--enable-cuda-graph / --external-cuda-graph) are not supported")
-    return problems
+    problems = capabilities.moe_model_problems(args, config.domain_size)
+    if not problems:
+        problems = capabilities.unsupported_moe_settings(args)
+    if problems:
+        raise ValueError(f"--moe-balancer {args.moe_balancer}: {problems[0]}")
 
 
 def trace_dir_problem(args: argparse.Namespace) -> str | None:
@@ -223,89 +321,13 @@ def startup_problems(args: argparse.Namespace) -> tuple[list[str], list[str]]:
         validate_ultraep_args(args)
     except ValueError as error:
         errors.append(str(error))
-    if args.moe_balancer == policy.NONE or errors:
+    if args.moe_balancer == registry.NONE or errors:
         return errors, warnings
     if args.moe_balancer_trace_dir:
         problem = trace_dir_problem(args)
         if problem:
             errors.append(problem)
-    if args.expert_model_parallel_size == 1:
-        warnings.append(f"--moe-balancer {args.moe_balancer} with --expert-model-parallel-size 1: "
-                        "one EP rank holds every expert, there is nothing to balance (the "
-                        "balancer still plans every layer and allocates its slots)")
+    warning = capabilities.nothing_to_balance(args)
+    if warning:
+        warnings.append(warning)
     return errors, warnings
-
-
-def _let_rank_zero_report(log_rank: bool) -> None:
-    """Before a failing rank exits: torchrun stops every rank once one fails, so a rank other than
-    rank 0 waits for rank 0 to print the problems."""
-    if not log_rank:
-        time.sleep(NON_LOG_RANK_EXIT_DELAY_S)
-
-
-def startup_checks_or_exit(argv: Sequence[str], *, prog: str = "pretrain_gpt.py",
-                           extra_args_provider=None) -> list[str]:
-    """UltraEP's checks of a training command line, before Megatron validates its arguments,
-    prints them, initialises wandb or builds the model.
-
-    On a CPU machine (the CPU backend active) the missing ``cpu_backend.CPU_FLAGS`` are applied
-    and logged, a conflicting one is an error. Then Megatron's parser reads the command line and
-    :func:`startup_problems` checks it. Every rank runs the same checks; global rank 0 prints
-    each problem on one line. On an error every rank exits with status 2 (argparse's), with no
-    traceback.
-
-    Args:
-        argv: the command line without the program name.
-        prog: the program name for the messages.
-        extra_args_provider: the parser extension the program uses besides UltraEP's.
-
-    Returns:
-        ``argv`` with the CPU flags applied; hand it to Megatron (e.g. as ``sys.argv[1:]``).
-    """
-    from megatron.training.arguments import parse_args
-
-    from ultraep_megatron.megatron import cpu_backend
-
-    log_rank = cpu_backend.is_log_rank()
-
-    def report(kind: str, message: str) -> None:
-        if log_rank:
-            print(f"{prog}: {kind}: {message}", file=sys.stderr if kind == "error" else sys.stdout,
-                  flush=True)
-
-    argv, errors = list(argv), []
-    if cpu_backend.is_active():
-        try:
-            argv, applied = cpu_backend.apply_required_args(argv)
-        except ValueError as error:
-            errors.append(str(error))
-        else:
-            if applied and not {"-h", "--help"} & set(argv):  # --help prints the help, nothing else
-                report("note", "no CUDA device: the CPU backend applied " + "; ".join(applied))
-
-    def add_args(parser):
-        parser = add_ultraep_args(parser)
-        return extra_args_provider(parser) if extra_args_provider else parser
-
-    saved_argv = sys.argv
-    sys.argv = [prog, *argv]
-    try:
-        # argparse prints its own one-line usage error; only rank 0 lets it through.
-        with contextlib.redirect_stderr(sys.stderr if log_rank else io.StringIO()):
-            args = parse_args(extra_args_provider=add_args, ignore_unknown_args=True)
-    except SystemExit as parser_exit:
-        if parser_exit.code:  # argparse's error: rank 0 prints it
-            _let_rank_zero_report(log_rank)
-        raise
-    finally:
-        sys.argv = saved_argv
-    problems, warnings = startup_problems(args)
-    errors += problems
-    for message in warnings:
-        report("warning", message)
-    for message in errors:
-        report("error", message)
-    if errors:
-        _let_rank_zero_report(log_rank)
-        sys.exit(2)
-    return argv

@@ -8,11 +8,12 @@ applied (``pretrain_gpt.py``) and handed to every ``BalancedMoELayer`` through t
 * the virtual-layer ring that carries each invocation's plan to its backward (§7);
 * the transfer in flight (at most one at a time: every transfer reads or writes the shared
   buffers, and all EP ranks issue them in the same order);
-* observers of every invocation: per-layer statistics for the training log, and the load trace.
+* the observers of every invocation (:mod:`.observers`: per-layer statistics for the training log,
+  and the load trace).
 
 Each balanced MoE invocation (a layer on a microbatch) is planned once, on the host, into an
-immutable :class:`Invocation`: the dispatcher produces it from the exact load (one device-to-host
-copy), the layer and its backward consume it. Nothing here reads device memory.
+immutable :class:`~.invocation.Invocation`: the dispatcher produces it from the exact load (one
+device-to-host copy), the layer and its backward consume it. Nothing here reads device memory.
 
 Vocabulary (docs/glossary.md): R EP ranks, E experts, G = E // R main experts per rank, S redundant
 slots per rank, P = G + S *physical* slots per rank (its main experts, then its redundant slots); a
@@ -23,208 +24,18 @@ from __future__ import annotations
 
 import functools
 import time
-import weakref
 from dataclasses import dataclass
-from functools import cached_property
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
-import numpy as np
 import torch
 
-from ultraep_megatron import planner
-from ultraep_megatron.dataplane import ReplicaBuffer, TransferHandle, TransferSchedule
-from ultraep_megatron.megatron.cpu_backend import native_torch
-from ultraep_megatron.megatron.ring import VirtualLayerRing
-from ultraep_megatron.planner.policy import BalancerConfig
-
-
-@dataclass(frozen=True, eq=False)
-class Invocation:
-    """One balanced MoE invocation, planned on the host (every tensor here is a host tensor).
-
-    Attributes:
-        layer_number: the MoE layer's global layer number.
-        vid: its virtual layer id in the ring; ``None`` when no backward follows (evaluation).
-        ep_rank: this rank's index in the EP group.
-        load: int64 ``[R, E]``, the exact load it was planned on.
-        plan: the planner's plan for ``load``.
-        schedule_builder: builds the data plane's transfer schedule of the plan's replicas;
-            ``None`` when the plan has none (then no transfer runs, identically on every rank).
-        input_splits / output_splits: int64 ``[R]`` (token, expert) rows this rank sends to / receives
-            from each EP rank (the all-to-all's splits).
-        rows_per_source_slot: int64 ``[R, P]`` rows each source rank sends to each of this rank's
-            physical slots (megatron's ``num_global_tokens_per_local_expert``; pinned on CUDA: the
-            fused chunk sort reads it on the device).
-        rows_per_slot: int64 ``[P]`` rows each of this rank's physical slots receives.
-        main_rows: rows its G main experts receive (the first ``main_rows`` dispatched rows).
-        replica_rows: rows each of its S redundant slots receives.
-        balanced: whether the load reached the balancer's trigger (``LayerBalancer.balances``;
-            below it ultraep plans no replica).
-        reroute_table: int64 ``[4, E * R + 1]``, ``planner.RankDispatch.reroute_table`` (the
-            reroute's spare column is its last physical slot + 1). Pinned on CUDA, so its upload is
-            non-blocking.
-        plan_seconds: host time of the planner.
-    """
-
-    layer_number: int
-    vid: Optional[int]
-    ep_rank: int
-    load: torch.Tensor
-    plan: planner.Plan
-    schedule_builder: Optional[Callable[[], TransferSchedule]]
-    input_splits: np.ndarray
-    output_splits: np.ndarray
-    rows_per_source_slot: torch.Tensor
-    rows_per_slot: torch.Tensor
-    main_rows: int
-    replica_rows: Tuple[int, ...]
-    balanced: bool
-    reroute_table: torch.Tensor
-    plan_seconds: float
-
-    @cached_property
-    def replicated_local_experts(self) -> Tuple[int, ...]:
-        """Local indices of this rank's main experts that have a replica (ascending): the only
-        experts whose gradients the replica-gradient reduction changes here."""
-        G = self.load.shape[1] // self.load.shape[0]
-        first = self.ep_rank * G
-        replicated = set(self.plan.slot_expert.reshape(-1).tolist())  # host plan
-        return tuple(g for g in range(G) if first + g in replicated)
-
-    @cached_property
-    def schedule(self) -> Optional[TransferSchedule]:
-        """The transfer schedule, built on first use: by the weight distribution, once the reroute
-        is queued, not between the wait for the load and the reroute."""
-        return self.schedule_builder() if self.schedule_builder is not None else None
-
-
-def plan_invocation(plan: planner.Plan, load: torch.Tensor, ep_rank: int, *, layer_number: int,
-                    vid: Optional[int], schedule_builder: Optional[Callable[[], TransferSchedule]],
-                    balanced: bool, plan_seconds: float) -> Invocation:
-    """Derive everything one rank needs from a plan, on the host (``planner.rank_dispatch``: one
-    compiled pass, into pinned memory on CUDA, from which its two device tables upload).
-
-    Args:
-        plan: solved for ``load`` (host tensors).
-        load: int64 ``[R, E]``.
-        ep_rank: this rank.
-    """
-    R, E = load.shape
-    G, P = E // R, plan.physical_slots_per_rank
-    pinned = torch.cuda.is_available()  # what is uploaded is pinned: a non-blocking upload
-    rows_per_source_slot = torch.empty(R, P, dtype=torch.int64, pin_memory=pinned)
-    table = torch.empty(4, E * R + 1, dtype=torch.int64, pin_memory=pinned)
-    dispatch = planner.rank_dispatch(plan, load, ep_rank, rows_per_source_slot=rows_per_source_slot.numpy(),
-                                     reroute_table=table.numpy())
-    rows_per_slot = dispatch.rows_per_slot
-    return Invocation(
-        layer_number=layer_number, vid=vid, ep_rank=ep_rank, load=load, plan=plan,
-        schedule_builder=schedule_builder,
-        input_splits=dispatch.input_splits, output_splits=dispatch.output_splits,
-        rows_per_source_slot=rows_per_source_slot, rows_per_slot=torch.from_numpy(rows_per_slot),
-        main_rows=int(rows_per_slot[:G].sum()), replica_rows=tuple(rows_per_slot[G:].tolist()),
-        balanced=balanced, reroute_table=table, plan_seconds=plan_seconds)
-
-
-class BalancerStats:
-    """Observer: per-layer balancing figures (``planner.metrics`` on each plan, with the model's
-    NVLink domains; whether the load reached the balancer's trigger; plan time) of the training
-    invocations, averaged over the microbatches since the last :meth:`pop`. Evaluation is balanced
-    too, but does not mix into the training iteration's figures."""
-
-    METRICS = ("imbalance_before", "imbalance_after", "replicas", "max_fanout", "inflight_ratio",
-               "cross_domain_replicas", "memory_spread_before", "memory_spread_after")
-    #: Every figure :meth:`pop` returns: ``planner.metrics``' above, plus the balancer's own.
-    RECORDED = METRICS + ("balanced_fraction", "plan_ms")
-
-    def __init__(self):
-        self._sums: Dict[int, Dict[str, float]] = {}
-
-    def on_invocation(self, layer, invocation: Invocation, training: bool) -> None:
-        if not training:
-            return
-        balancer = layer.balancer
-        m = planner.metrics(invocation.load, invocation.plan, domain_size=balancer.config.domain_size)
-        entry = self._sums.setdefault(invocation.layer_number, {"count": 0})
-        entry["count"] += 1
-        for key in self.METRICS:
-            entry[key] = entry.get(key, 0.0) + float(m[key])
-        # Share of the microbatches balanced at all (ultraep's trigger skips the others).
-        entry["balanced_fraction"] = entry.get("balanced_fraction", 0.0) + float(invocation.balanced)
-        entry["plan_ms"] = entry.get("plan_ms", 0.0) + invocation.plan_seconds * 1e3
-
-    def pop(self) -> Dict[int, Dict[str, float]]:
-        """{layer: {metric: mean}} since the last call."""
-        out = {layer: {k: v / s["count"] for k, v in s.items() if k != "count"}
-               for layer, s in sorted(self._sums.items())}
-        self._sums = {}
-        return out
-
-
-class TraceRecorder:
-    """Observer: appends the exact ``[R, E]`` load of every training invocation to the trace file of
-    its EP group (written by EP rank 0 of each group; ``--moe-balancer-trace-dir``)."""
-
-    def __init__(self, trace_dir: str, balancer_config: BalancerConfig):
-        self.trace_dir, self.balancer_config = trace_dir, balancer_config
-        self.iteration: Optional[int] = None
-        self._microbatch: Dict[int, int] = {}
-        self._writer = None
-
-    def on_invocation(self, layer, invocation: Invocation, training: bool) -> None:
-        if not training:
-            return
-        if self.iteration is None:
-            self.iteration = _megatron_iteration() + 1
-        microbatch = self._microbatch.get(invocation.layer_number, 0)
-        self._microbatch[invocation.layer_number] = microbatch + 1
-        if invocation.ep_rank != 0:
-            return
-        if self._writer is None:
-            self._writer = self._open(layer, invocation.load.shape)
-        self._writer.append(self.iteration, microbatch, invocation.layer_number, invocation.load)
-
-    def _open(self, layer, shape):
-        import torch.distributed as dist
-
-        from ultraep_megatron.traces import TraceWriter, trace_path
-
-        group = layer.token_dispatcher.ep_group
-        first_global_rank = dist.get_global_rank(group, 0) if dist.is_initialized() else 0
-        cfg = layer.config
-        config = self.balancer_config
-        meta = {
-            "balancer": config.name,
-            "num_slots": config.num_slots,
-            "min_quota": config.min_quota,
-            "trigger": config.trigger,
-            "domain_size": config.domain_size,
-            "hardware": config.hardware,
-            "hidden_size": cfg.hidden_size,
-            "moe_ffn_hidden_size": cfg.moe_ffn_hidden_size,
-            "swiglu": bool(cfg.gated_linear_unit),
-            "topk": cfg.moe_router_topk,
-            "num_layers": cfg.num_layers,  # MTP layers have ids num_layers + 1, ...
-            "mtp_num_layers": cfg.mtp_num_layers or 0,
-            # One shared MTP layer (id num_layers + 1) whose depths are recorded as microbatches.
-            "mtp_use_repeated_layer": bool(getattr(cfg, "mtp_use_repeated_layer", False)),
-            "first_global_rank": first_global_rank,
-        }
-        path = trace_path(self.trace_dir, first_global_rank)
-        writer = TraceWriter(path, num_ranks=shape[0], num_experts=shape[1], meta=meta)
-        weakref.finalize(self, writer.close)  # commit the last records on a clean exit
-        return writer
-
-    def end_iteration(self, iteration: int) -> None:
-        if self._writer is not None:
-            self._writer.flush_iteration(self.iteration if self.iteration is not None else iteration)
-        self.iteration = iteration + 1
-        self._microbatch.clear()
-
-    def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+from ultraep_megatron.dataplane import ReplicaBuffer, TransferHandle
+from ultraep_megatron.megatron.expert_slots import ReplicaExperts, build_replica_experts
+from ultraep_megatron.megatron.invocation import Invocation, plan_invocation
+from ultraep_megatron.megatron.native_torch import native_torch
+from ultraep_megatron.megatron.observers import BalancerStats, TraceRecorder
+from ultraep_megatron.megatron.ring import VirtualLayerRing, invocations_per_forward, max_inflight_microbatches
+from ultraep_megatron.planner import BalancerConfig
 
 
 @dataclass
@@ -262,26 +73,33 @@ class BalancingContext:
     """UltraEP state of one model. See the module docstring.
 
     Args:
-        config: what ``--moe-balancer*`` selected, including how this run executes it:
-            ``config.overlap`` (transfers asynchronous, overlapped with the layer's other work;
-            ``--moe-balancer-no-overlap`` waits for each where it is issued) and
-            ``config.check_plans`` (compare every plan with the routing it is applied to: device
-            reads in every layer, for debugging).
+        config: the planner's numbers ``--moe-balancer*`` selected.
+        hardware: the ``--moe-balancer-hardware`` preset the min quota came from (trace metadata).
+        ring_size: virtual-layer ring capacity (``None``: MoE layers on the rank x the schedule's
+            in-flight microbatches).
+        trace_dir: where to record every training invocation's load (``None``: not recorded).
+        overlap: transfers asynchronous, overlapped with the layer's other work
+            (``--moe-balancer-no-overlap`` waits for each where it is issued).
+        check_plans: compare every plan with the routing it is applied to (device reads in every
+            layer, for debugging).
     """
 
-    def __init__(self, config: BalancerConfig):
+    def __init__(self, config: BalancerConfig, *, hardware: Optional[str] = None,
+                 ring_size: Optional[int] = None, trace_dir: Optional[str] = None, overlap: bool = True,
+                 check_plans: bool = False):
         # The planner's kernels now, not in the first layer of the first iteration, whose plan time
         # (ultraep/plan_ms) they would be.
         config.build().warm_up()
         self.config = config
-        self.overlap = config.overlap
-        self.check_plans = config.check_plans
+        self.ring_size = ring_size
+        self.overlap = overlap
+        self.check_plans = check_plans
         self.layers: List[object] = []
         self.buffer: Optional[ReplicaBuffer] = None
-        self.replica_experts = None  # expert_slots.ReplicaExperts: the redundant slots' module
+        self.replica_experts: Optional[ReplicaExperts] = None  # the redundant slots' module
         self.ring: Optional[VirtualLayerRing] = None
         self.stats = BalancerStats()
-        self.trace = TraceRecorder(config.trace_dir, config) if config.trace_dir else None
+        self.trace = TraceRecorder(trace_dir, config, hardware) if trace_dir else None
         self.observers = [self.stats] + ([self.trace] if self.trace else [])
         self.overheads = Overheads()
         self.holder: Optional[Invocation] = None  # whose replicas the weight buffer holds (or receives)
@@ -292,8 +110,6 @@ class BalancingContext:
     # -- setup ---------------------------------------------------------------------------------
     def register(self, layer) -> None:
         """Add a balanced MoE layer; the first one sizes the shared buffers."""
-        from ultraep_megatron.megatron.expert_slots import build_replica_experts
-
         shapes = [shape for _, shape in layer.expert_param_shapes]
         param = layer.main_expert_param_lists()[0][0]
         if self.buffer is None:
@@ -313,7 +129,7 @@ class BalancingContext:
     def _ensure_ring(self) -> VirtualLayerRing:
         if self.ring is None:
             per_forward = sum(invocations_per_forward(layer) for layer in self.layers)
-            self.ring = VirtualLayerRing(self.config.ring_size or per_forward * _schedule_inflight())
+            self.ring = VirtualLayerRing(self.ring_size or per_forward * _schedule_inflight())
         return self.ring
 
     # -- planning (host only) ----------------------------------------------------------------------
@@ -376,7 +192,7 @@ class BalancingContext:
             self._wait(handle)
 
     def _wait(self, handle: Optional[TransferHandle]) -> None:
-        if handle is not None and not handle.done:
+        if handle is not None and not handle.done():
             handle.wait()
             self.overheads.transfer_seconds += handle.host_seconds
             self.overheads.transfer_blocked_seconds += handle.host_seconds - handle.host_cpu_seconds
@@ -488,15 +304,6 @@ class BalancingContext:
             self.trace.close()
 
 
-def invocations_per_forward(layer) -> int:
-    """How many times one forward of the model runs ``layer``: the MTP block's shared layer
-    (``--mtp-use-repeated-layer``) runs once per MTP depth, every other layer once."""
-    config = layer.config
-    if getattr(layer, "is_mtp_layer", False) and getattr(config, "mtp_use_repeated_layer", False):
-        return config.mtp_num_layers
-    return 1
-
-
 def _data_plane_group(ep_group):
     """A process group of the EP ranks for the replica transfers alone.
 
@@ -512,23 +319,11 @@ def _data_plane_group(ep_group):
                           use_local_synchronization=True)
 
 
-def _megatron_iteration() -> int:
-    """The iteration Megatron's training loop starts from (0, or the resumed checkpoint's)."""
-    try:
-        from megatron.training.global_vars import get_args
-
-        return int(get_args().iteration)
-    except Exception:
-        return 0
-
-
 def _schedule_inflight() -> int:
     """Max in-flight microbatches per MoE layer on this rank, from Megatron's pipeline state."""
     try:
         from megatron.core import parallel_state as ps
         from megatron.core.num_microbatches_calculator import get_num_microbatches
-
-        from ultraep_megatron.megatron.ring import max_inflight_microbatches
 
         return max_inflight_microbatches(
             ps.get_pipeline_model_parallel_world_size(),

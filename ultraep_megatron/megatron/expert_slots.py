@@ -54,24 +54,19 @@ def expert_param_names(experts: torch.nn.Module, num_experts: int) -> List[List[
     return names
 
 
-def expert_params(experts: torch.nn.Module, names: Sequence[Sequence[str]]) -> List[List[torch.Tensor]]:
-    """The parameter tensors named by :func:`expert_param_names`, same nesting."""
-    return [[experts.get_parameter(n) for n in per_expert] for per_expert in names]
-
-
 class ExpertParamLookup:
-    """:func:`expert_params` for every forward: each name resolved once to the submodule that owns
-    the parameter, so a lookup is one dict read per parameter, not a walk of the module tree (a
-    few hundred Python calls per layer and microbatch). It reads the owner's parameter table at
-    every call, so a parameter replaced between iterations (a checkpoint load) is seen; replacing a
-    whole submodule is not.
+    """The parameter tensors named by :func:`expert_param_names`, for every forward: each name
+    resolved once to the submodule that owns the parameter, so a lookup is one dict read per
+    parameter, not a walk of the module tree (``experts.get_parameter``: a few hundred Python calls
+    per layer and microbatch). It reads the owner's parameter table at every call, so a parameter
+    replaced between iterations (a checkpoint load) is seen; replacing a whole submodule is not.
     """
 
     def __init__(self, experts: torch.nn.Module, names: Sequence[Sequence[str]]):
         self._owners = [[_owner(experts, n) for n in per_expert] for per_expert in names]
 
     def __call__(self) -> List[List[torch.Tensor]]:
-        """``[local expert][k]`` parameters, as :func:`expert_params`."""
+        """``[local expert][k]`` parameters, nested as the names."""
         return [[table[attr] for table, attr in per_expert] for per_expert in self._owners]
 
 

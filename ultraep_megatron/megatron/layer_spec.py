@@ -20,10 +20,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+if TYPE_CHECKING:
+    from ultraep_megatron.megatron.context import BalancingContext
 
 
-def _balanced_mlp(mlp: Any, balancing: Any) -> Any:
+def _balanced_mlp(mlp: Any, balancing: BalancingContext) -> Any:
     """The MoE ``mlp`` builder with ``BalancedMoELayer`` in place of megatron's ``MoELayer``."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
@@ -41,7 +44,7 @@ def _balanced_mlp(mlp: Any, balancing: Any) -> Any:
     return mlp  # a dense MLP
 
 
-def _balanced_layer(layer_spec: Any, balancing: Any) -> Any:
+def _balanced_layer(layer_spec: Any, balancing: BalancingContext) -> Any:
     """A transformer layer spec, or an MTP layer spec (whose ``mtp_model_layer`` is one)."""
     submodules = getattr(layer_spec, "submodules", None)
     if hasattr(submodules, "mtp_model_layer"):
@@ -57,14 +60,14 @@ def _balanced_layer(layer_spec: Any, balancing: Any) -> Any:
     return layer_spec
 
 
-def apply_moe_balancer(spec: Any, balancing: Optional[Any]) -> Any:
+def apply_moe_balancer(spec: Any, balancing: Optional[BalancingContext]) -> Any:
     """Return ``spec`` with its MoE layers balanced in ``balancing``.
 
     Args:
         spec: a layer spec (ModuleSpec of a TransformerLayer or of an MTP layer) or a block
             spec (TransformerBlockSubmodules or MultiTokenPredictionBlockSubmodules, with
             ``layer_specs``), as Megatron builds them.
-        balancing: the model's ``context.BalancingContext``; ``None`` for ``--moe-balancer none``.
+        balancing: the model's balancing context; ``None`` for ``--moe-balancer none``.
 
     Returns:
         The spec to build the model from; for ``None``, ``spec`` itself, unchanged. Megatron's
@@ -79,7 +82,7 @@ def apply_moe_balancer(spec: Any, balancing: Optional[Any]) -> Any:
 
 
 def moe_balanced_layer_spec(config: Any, vp_stage: int | None = None, *,
-                            balancing: Optional[Any] = None):
+                            balancing: Optional[BalancingContext] = None):
     """``GPTModelConfig.transformer_layer_spec`` callable: Megatron's default spec for
     ``config`` (a GPTModelConfig) and ``vp_stage``, with the MoE layers balanced by
     ``balancing`` (``None``: unchanged)."""
@@ -88,20 +91,7 @@ def moe_balanced_layer_spec(config: Any, vp_stage: int | None = None, *,
     return apply_moe_balancer(default_layer_spec(config, vp_stage), balancing)
 
 
-def moe_layer_id(module: Any) -> int:
-    """The 1-based id by which the balancer, its telemetry and its traces name the MoE layer of
-    ``module`` (an MoE layer or its router, numbered by Megatron).
-
-    Decoder layers keep Megatron's global layer number. Megatron numbers the layers of the MTP
-    block from 1 again; they come after the decoder stack here (``num_layers + k`` for the k-th),
-    as Megatron's router does for its aux-loss log.
-    """
-    if getattr(module, "is_mtp_layer", False):
-        return module.config.num_layers + module.layer_number
-    return module.layer_number
-
-
-def _balancing_of(model_cfg: Any) -> Optional[Any]:
+def _balancing_of(model_cfg: Any) -> Optional[BalancingContext]:
     """The balancing context :func:`balance_moe_layers` put on ``model_cfg``; ``None`` if none."""
     spec = getattr(model_cfg, "transformer_layer_spec", None)
     if isinstance(spec, functools.partial) and spec.func is moe_balanced_layer_spec:
@@ -140,7 +130,7 @@ def unbalanced_moe_layers(model_chunks: Sequence[Any]) -> list[str]:
     return found
 
 
-def balance_moe_layers(model_cfg: Any, balancing: Optional[Any]) -> None:
+def balance_moe_layers(model_cfg: Any, balancing: Optional[BalancingContext]) -> None:
     """Build every MoE layer of ``model_cfg``'s GPT model balanced in ``balancing``.
 
     Sets ``model_cfg.transformer_layer_spec`` (the decoder), has Megatron's MTP block spec
@@ -149,7 +139,7 @@ def balance_moe_layers(model_cfg: Any, balancing: Optional[Any]) -> None:
 
     Args:
         model_cfg: the ``GPTModelConfig`` handed to ``pretrain``.
-        balancing: the model's ``context.BalancingContext``, or ``None``.
+        balancing: the model's balancing context, or ``None``.
     """
     if balancing is None:
         return

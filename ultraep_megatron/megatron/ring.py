@@ -3,12 +3,12 @@ backward (paper §7).
 
 Every in-flight MoE invocation, i.e. one run of an MoE layer in one microbatch's forward (one per
 layer, one per depth for the MTP block's shared layer) whose backward has not run yet,
-holds one slot of the ring (a *ring slot*, not to be confused with a redundant expert slot). Its id
-(the *virtual layer id*) is saved in the autograd contexts of the layer's backward functions, so the backward finds the forward's plan without knowing the pipeline
-schedule. With pipeline parallelism several microbatches of the same layer are in flight at once, so
-the ring is sized from the schedule: ``moe_invocations_per_forward * max_inflight_microbatches``
-(one invocation per MoE layer of this rank, ``--mtp-num-layers`` for the MTP block's shared layer
-under ``--mtp-use-repeated-layer``).
+holds one slot of the ring (a *ring slot*, not to be confused with a redundant or a physical slot).
+Its id (the *virtual layer id*) is saved in the autograd contexts of the layer's backward functions,
+so the backward finds the forward's plan without knowing the pipeline schedule. With pipeline
+parallelism several microbatches of the same layer are in flight at once, so the ring is sized from
+the schedule: the MoE invocations of one model forward on this rank (:func:`invocations_per_forward`
+summed over its MoE layers) times :func:`max_inflight_microbatches`.
 
 A full ring is an error, never a silent reuse: a live slot overwritten would make a backward use the
 wrong plan and silently corrupt gradients.
@@ -63,7 +63,7 @@ class VirtualLayerRing:
     """Fixed-capacity table of in-flight MoE invocations, indexed by virtual layer id.
 
     Args:
-        capacity: number of slots; see ``ring_capacity``.
+        capacity: number of ring slots (sized as the module docstring says).
     """
 
     capacity: int
@@ -165,3 +165,12 @@ def max_inflight_microbatches(
         return min(pp_size - pp_rank, num_microbatches)
     warmup = (pp_size - pp_rank - 1) * 2 + (vpp_size - 1) * pp_size
     return min(warmup + 1, num_microbatches)
+
+
+def invocations_per_forward(layer) -> int:
+    """How many times one forward of the model runs MoE ``layer``: the MTP block's shared layer
+    (``--mtp-use-repeated-layer``) runs once per MTP depth, every other layer once."""
+    config = layer.config
+    if getattr(layer, "is_mtp_layer", False) and getattr(config, "mtp_use_repeated_layer", False):
+        return config.mtp_num_layers
+    return 1

@@ -24,12 +24,16 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from ultraep_megatron.megatron.context import BalancerStats
+from ultraep_megatron.megatron.layer_ids import moe_layer_id
+from ultraep_megatron.megatron.observers import BalancerStats
 from ultraep_megatron.planner import load_imbalance
+
+if TYPE_CHECKING:
+    from ultraep_megatron.megatron.context import BalancingContext
 
 #: Metric-name prefix in tensorboard / wandb.
 METRIC_PREFIX = "moe/load_imbalance"
@@ -96,13 +100,11 @@ class ExpertLoadTracker:
         _, routing_map = output
         if routing_map.dim() != 2 or routing_map.dtype != torch.bool:
             return  # dense [tokens, topk] indices: the inference-only router path
-        from ultraep_megatron.megatron.layer_spec import moe_layer_id
-
         self.record(moe_layer_id(router), routing_map.sum(dim=0))
 
     def record(self, layer_number: int, tokens_per_expert: torch.Tensor) -> None:
         """Add [E] routed-token counts of the 1-based ``layer_number`` (MTP layers after the
-        decoder's, see ``layer_spec.moe_layer_id``)."""
+        decoder's, see ``layer_ids.moe_layer_id``)."""
         if self.tokens_per_expert is None:
             self.tokens_per_expert = torch.zeros(self.num_layers, self.num_experts,
                                                  dtype=torch.float64,
@@ -200,7 +202,7 @@ def keep_earlier_records(path: str, first_iteration: int) -> None:
         handle.write("".join(line + "\n" for line in kept))
 
 
-def reduce_balancer_stats(balancing, num_layers: int, dst_rank: int) -> dict[int, dict[str, float]] | None:
+def reduce_balancer_stats(balancing: BalancingContext, num_layers: int, dst_rank: int) -> dict[int, dict[str, float]] | None:
     """This iteration's per-layer balancing figures of every rank, averaged on ``dst_rank``.
 
     A collective (every rank calls it). Each rank holds the figures of its own MoE layers in its
@@ -330,7 +332,7 @@ class _TrainingLogHook:
                 handle.write(json.dumps(record) + "\n")
 
 
-def install(model_cfg: Any, args: Any, balancing: Any = None) -> None:
+def install(model_cfg: Any, args: Any, balancing: Optional[BalancingContext] = None) -> None:
     """Hook expert-load telemetry and the per-iteration JSONL record into Megatron's training.
 
     Args:

@@ -1,7 +1,7 @@
 """Readable reference implementation of the quota-driven planner (plain Python, no numba).
 
 ``solve(..., implementation="reference")`` runs it; the tests check that the compiled path in
-``_compiled.py`` returns the same plan bit for bit. About 1000x slower: use it for small loads.
+``_compiled_solve.py`` returns the same plan bit for bit. About 1000x slower: use it for small loads.
 
 The algorithm (details and rationale in ``docs/planner.md``):
 
@@ -171,7 +171,7 @@ def reroute(load: np.ndarray, quota: np.ndarray, instance_slot: np.ndarray,
 
 
 def solve_arrays(load: np.ndarray, num_slots: int, min_quota: int, domain_size: int):
-    """Same contract as ``_compiled.solve_arrays`` (without the status code; input is valid).
+    """Same contract as ``_compiled_solve.solve_arrays`` (without the status code; input is valid).
 
     load int64 [R, E] -> (slot_expert [R, S], quota [E, R], physical_split [R, R*(E//R+S)],
     threshold).

@@ -42,7 +42,7 @@ import sys
 
 import torch
 
-from ultraep_megatron.megatron import cpu_backend
+from ultraep_megatron.megatron.cpu import backend as cpu_backend
 
 NUM_EXPERTS = 8
 HIDDEN = 32
@@ -83,7 +83,7 @@ def build_layer(ep_size: int, balancer: str | None, num_slots: int, recompute: b
 
     from ultraep_megatron.megatron.balanced_moe import BalancedMoELayer
     from ultraep_megatron.megatron.context import BalancingContext
-    from ultraep_megatron.planner.policy import BalancerConfig
+    from ultraep_megatron.planner import BalancerConfig
 
     # Megatron's groups once per process, not once per layer: groups are never freed, and each
     # holds gloo threads; re-creating them for every one of the ~50 layers built here made each
@@ -113,7 +113,7 @@ def build_layer(ep_size: int, balancer: str | None, num_slots: int, recompute: b
         builder = functools.partial(
             BalancedMoELayer, submodules=builder.keywords["submodules"],
             balancing=BalancingContext(balancer_config or BalancerConfig(
-                name=balancer, num_slots=num_slots, min_quota=1, eplb_window=2, eplb_interval=2, ring_size=4)),
+                name=balancer, num_slots=num_slots, min_quota=1, eplb_window=2, eplb_interval=2), ring_size=4),
         )
     layer = builder(config=config, pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
                     is_mtp_layer=False)

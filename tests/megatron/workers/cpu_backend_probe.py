@@ -14,7 +14,8 @@ import logging
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ultraep_megatron.megatron import cpu_backend
+from ultraep_megatron.megatron.cpu import backend as cpu_backend
+from ultraep_megatron.megatron.native_torch import native_torch
 
 SEED = 4321
 DRAW = 8
@@ -83,7 +84,7 @@ def main():
     result["backward_grads"] = [x.grad.tolist(), y.grad.tolist()]
 
     # native_torch lifts the mapping when it is the innermost mode, and only then.
-    @cpu_backend.native_torch
+    @native_torch
     def modes_inside():
         return [type(m).__name__ for m in torch.overrides._get_current_function_mode_stack()]
 
@@ -96,7 +97,7 @@ def main():
         result["native_torch"]["under_another_mode"] = modes_inside()
     result["native_torch"]["after"] = [type(m).__name__ for m in torch.overrides._get_current_function_mode_stack()]
 
-    @cpu_backend.native_torch
+    @native_torch
     def raises():
         raise KeyError("inside")
 

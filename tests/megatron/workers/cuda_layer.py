@@ -110,11 +110,11 @@ def _watched(what: str, synchronize):
 def install_watch() -> None:
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-    from ultraep_megatron.megatron import balanced_moe
+    from ultraep_megatron.megatron import dispatchers
 
     MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _designated(
         "megatron", MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize)
-    balanced_moe._copy_to_host = _designated("ultraep", balanced_moe._copy_to_host)
+    dispatchers._copy_to_host = _designated("ultraep", dispatchers._copy_to_host)
     if _ON_CUDA:
         torch.cuda.Event.synchronize = _watched("event synchronize", torch.cuda.Event.synchronize)
         torch.cuda.synchronize = _watched("device synchronize", torch.cuda.synchronize)
@@ -240,7 +240,7 @@ def main():
         raise SystemExit("cuda_layer.py: no CUDA device (use --device cpu for a dry run)")
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     if cli.device == "cpu":
-        from ultraep_megatron.megatron import cpu_backend
+        from ultraep_megatron.megatron.cpu import backend as cpu_backend
 
         cpu_backend.activate()
     else:

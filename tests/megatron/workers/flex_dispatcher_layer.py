@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-from ultraep_megatron.megatron import cpu_backend
+from ultraep_megatron.megatron.cpu import backend as cpu_backend
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import deepep_gloo  # noqa: E402  (tests/megatron is not a package)

@@ -27,7 +27,7 @@ import sys
 
 import torch
 
-from ultraep_megatron.megatron import cpu_backend
+from ultraep_megatron.megatron.cpu import backend as cpu_backend
 
 SCENARIOS = {
     "ep2": dict(ep=2, recompute=False),
@@ -72,9 +72,9 @@ def measure(layer, weights, rank, counter, microbatches: int = 2) -> dict:
 @contextlib.contextmanager
 def reading_inside_the_distribution():
     """Every weight distribution's program reads the replica weight buffer on the host first."""
-    from ultraep_megatron.dataplane import engine
+    from ultraep_megatron.dataplane import distribute
 
-    rounds = engine._distribution_rounds
+    rounds = distribute._distribution_rounds
     made = {"reads": 0}
 
     signature = inspect.signature(rounds)
@@ -84,11 +84,11 @@ def reading_inside_the_distribution():
         made["reads"] += 1
         yield from rounds(*args, **kwargs)
 
-    engine._distribution_rounds = rounds_reading_the_buffer
+    distribute._distribution_rounds = rounds_reading_the_buffer
     try:
         yield made
     finally:
-        engine._distribution_rounds = rounds
+        distribute._distribution_rounds = rounds
 
 
 def main():

@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from ultraep_megatron.megatron import cpu_backend
+from ultraep_megatron.megatron.cpu import backend as cpu_backend
 
 NUM_EXPERTS = 8
 HIDDEN = 32

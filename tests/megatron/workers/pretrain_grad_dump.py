@@ -81,7 +81,7 @@ def _skip_rematerialization():
     """The backward's re-materialization copies nothing (the buffer is still marked as holding
     the invocation's replicas), so replica backwards use what a later layer left there."""
     from ultraep_megatron.dataplane import ReplicaBuffer
-    from ultraep_megatron.megatron.balanced_moe import _in_backward_pass
+    from ultraep_megatron.megatron.dispatchers import _in_backward_pass
 
     def replacement(original):
         def distribute_weights(self, schedule, main_weights, **kwargs):
@@ -133,7 +133,7 @@ def _grads_ready_in_plan_order():
     """The order fault: only the main experts with a replica wait for the replica-gradient
     reduction; the others' gradients are accumulated (and handed to DDP's buckets) as soon as
     their own backward produced them, so the order buckets complete in follows the local plan."""
-    from ultraep_megatron.megatron import balanced_moe
+    from ultraep_megatron.megatron import replica_autograd
 
     def replacement(original):
         def apply(layer, invocation, received, *params):
@@ -142,7 +142,7 @@ def _grads_ready_in_plan_order():
             return original(layer, invocation, received, *(p for p in params if id(p) in replicated))
         return apply
 
-    return _patched(balanced_moe._ReduceReplicaGrads, "apply", replacement)
+    return _patched(replica_autograd.ReduceReplicaGrads, "apply", replacement)
 
 
 def _replicas_before_param_gather():
@@ -270,10 +270,11 @@ def main():
         import wgrad_fusion_standin
 
         wgrad_fusion_standin.install()
-    from ultraep_megatron.megatron import cpu_backend
+    from ultraep_megatron.megatron.cpu import backend as cpu_backend
+    from ultraep_megatron.megatron.cpu import flags as cpu_flags
 
     if wgrad_fusion:
-        del cpu_backend.CPU_FLAGS["--no-gradient-accumulation-fusion"]
+        del cpu_flags.CPU_FLAGS["--no-gradient-accumulation-fusion"]
 
     cpu_backend.activate()  # pretrain_gpt.py does it too (idempotent); before megatron imports
     import megatron.training.training as megatron_training

@@ -17,7 +17,7 @@ import os
 import torch
 
 from balanced_moe_layer import build_layer, global_weights, load_weights, rank_inputs, skew
-from ultraep_megatron.megatron import cpu_backend
+from ultraep_megatron.megatron.cpu import backend as cpu_backend
 
 #: How far each microbatch's tokens move towards the hot experts (1: the layer test's skew).
 STRENGTHS = (0.0, 0.1, 0.2, 0.35, 0.6, 1.0)
@@ -33,10 +33,10 @@ def main():
     torch.distributed.init_process_group("gloo")
     from megatron.core import parallel_state
 
-    from ultraep_megatron.planner.policy import BalancerConfig
+    from ultraep_megatron.planner import BalancerConfig
 
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    config = BalancerConfig("ultraep", num_slots=NUM_SLOTS, min_quota=1, trigger=cli.trigger, ring_size=4)
+    config = BalancerConfig("ultraep", num_slots=NUM_SLOTS, min_quota=1, trigger=cli.trigger)
     layer = build_layer(world, "ultraep", NUM_SLOTS, False, balancer_config=config)
     weights = global_weights()
     load_weights(layer, weights)

@@ -11,7 +11,7 @@ import io
 import json
 import sys
 
-from ultraep_megatron.megatron import cpu_backend
+from ultraep_megatron.megatron.cpu import backend as cpu_backend
 
 cpu_backend.activate()
 

@@ -16,10 +16,11 @@ import tempfile
 import textwrap
 from pathlib import Path
 
-from ultraep_megatron.megatron import cpu_backend
+from ultraep_megatron.megatron.cpu import backend as cpu_backend
+from ultraep_megatron.megatron.cpu.megatron_patches import skip_dataset_helper_build
 
 cpu_backend.activate()
-cpu_backend.skip_dataset_helper_build()
+skip_dataset_helper_build()
 
 
 def added_blocks(patch_text: str) -> list[str]:

@@ -1,0 +1,68 @@
+"""The CPU backend (``megatron/cpu/``: its activation, device mapping, ``torch.cuda`` stand-ins and
+Megatron patches), activated in a fresh single-rank process (never in the pytest process: it
+patches torch for the life of the process; ``probe`` in tests/megatron/conftest.py)."""
+
+from ultraep_megatron.megatron.cpu import backend as cpu_backend
+
+
+def test_activate_is_idempotent_and_logs_once(probe):
+    assert probe["first_activate"] is True and probe["second_activate"] is True
+    assert probe["patches_after_second"] == 0
+    assert probe["activation_log_lines"] == 1
+
+
+def test_every_patch_has_a_reason(probe):
+    assert len(probe["patches"]) >= 20
+    for target, reason in probe["patches"]:
+        assert target and len(reason) > 15, (target, reason)
+    targets = {target for target, _ in probe["patches"]}
+    assert "megatron.core.transformer.moe.token_dispatcher.maybe_move_tensor_to_cpu" in targets
+    assert "megatron.training.initialize.torch" in targets
+    # megatron's router tracer (--moe-routing-trace-path) asks it at every MoE layer.
+    assert "torch.cuda.is_current_stream_capturing" in targets
+    assert "TorchFunctionMode CudaAsCpuMode" in targets
+
+
+def test_cuda_allocations_land_on_cpu(probe):
+    assert probe["devices"] == {name: "cpu" for name in probe["devices"]}
+    assert len(probe["devices"]) == 8
+    # Megatron's optimizers dispatch on CUDA type names.
+    assert probe["type_string"] == "torch.cuda.FloatTensor"
+
+
+def test_cuda_availability_stays_truthful_outside_megatron_initialize(probe):
+    assert probe["torch_cuda_is_available"] is False
+    assert probe["initialize_sees_cuda"] == [True, 1]
+
+
+def test_backward_functions_see_the_device_mapping(probe):
+    assert probe["backward_grads"] == [[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]
+
+
+def test_alltoall_split_sizes_are_numpy(probe):
+    assert probe["splits"] == ["numpy", [3, 1]]
+
+
+def test_rng_tracker_states_are_cpu_generators_seeded_like_megatron(probe):
+    rng, reference = probe["rng"], probe["rng_reference"]
+    # Forks leave the default stream alone: its draws continue one seeded sequence.
+    assert rng["default_first"] + rng["default_second"] == reference["default"]
+    # A forked state continues where it stopped.
+    assert rng["model_parallel"] + rng["model_parallel_continued"] == reference["model_parallel"]
+    assert rng["expert_parallel"] == reference["expert_parallel"]
+    assert rng["model_parallel"] != rng["expert_parallel"] != rng["default_first"]
+    assert probe["rng_warnings"] == 0
+
+
+def test_rng_snapshot_restore_replays_draws(probe):
+    before, after = probe["rng_replay"]
+    assert before == after
+
+
+def test_dataset_helper_build_is_skipped(probe):
+    assert probe["compile_helpers_skipped"] is True
+
+
+def test_pytest_process_is_not_patched():
+    assert not cpu_backend.is_active()
+    assert cpu_backend.PATCHES == []

@@ -1,0 +1,198 @@
+"""Shared helpers of the planner tests: independent checks of a ``Plan`` against the load it was
+solved for, and Hypothesis strategies of random and adversarial int64 [R, E] loads."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from hypothesis import strategies as st
+
+
+def expected_min_quota(load: np.ndarray, min_quota: int | None) -> int:
+    """The documented floor: the given one, or 1 % of the mean rank load (at least 1)."""
+    if min_quota is not None:
+        return min_quota
+    R = load.shape[0]
+    total = int(load.sum())
+    return max(1, (total + 100 * R - 1) // (100 * R))
+
+
+def physical_layout(slot_expert: np.ndarray, num_experts: int) -> np.ndarray:
+    """[R, L] logical expert of every physical slot, by the documented numbering."""
+    R, S = slot_expert.shape
+    G = num_experts // R
+    layout = np.empty((R, G + S), np.int64)
+    for t in range(R):
+        for j in range(G):
+            layout[t, j] = t * G + j
+        for j in range(S):
+            layout[t, G + j] = slot_expert[t, j]
+    return layout
+
+
+def dense_split(plan, num_experts: int) -> np.ndarray:
+    """[R, E, R] recomputed from ``physical_split`` and the layout; asserts empty slots get 0."""
+    slot_expert = plan.slot_expert.cpu().numpy()
+    physical = plan.physical_split.cpu().numpy()
+    R = slot_expert.shape[0]
+    layout = physical_layout(slot_expert, num_experts)
+    L = layout.shape[1]
+    assert physical.shape == (R, R * L)
+    split = np.zeros((R, num_experts, R), np.int64)
+    for t in range(R):
+        for j in range(L):
+            column = physical[:, t * L + j]
+            if layout[t, j] < 0:
+                assert (column == 0).all(), "tokens sent to an empty slot"
+            else:
+                split[:, layout[t, j], t] += column
+    return split
+
+
+def domain_bound(load: np.ndarray, domain_size: int) -> int:
+    """max over NVLink domains of ceil(load of the domain's experts / ranks per domain)."""
+    R, E = load.shape
+    G = E // R
+    best = 0
+    for d in range(R // domain_size):
+        total = 0
+        for e in range(d * domain_size * G, (d + 1) * domain_size * G):
+            total += int(load[:, e].sum())
+        best = max(best, (total + domain_size - 1) // domain_size)
+    return best
+
+
+def check_plan(load_t: torch.Tensor, plan, num_slots: int, *, min_quota: int | None = None,
+               domain_size: int | None = None, check_min_quota: bool = True,
+               check_locality: bool = True, check_no_worse: bool = True) -> np.ndarray:
+    """Assert every documented invariant of ``plan`` for ``load_t``; return the dense split.
+
+    With ``domain_size`` N: every replica is hosted in its home's domain and the threshold is at
+    least the domain bound."""
+    load = load_t.cpu().numpy()
+    R, E = load.shape
+    G = E // R
+    slot_expert = plan.slot_expert.cpu().numpy()
+    quota = plan.quota.cpu().numpy()
+    for name in ("slot_expert", "quota", "physical_split"):
+        tensor = getattr(plan, name)
+        assert tensor.dtype == torch.int64 and tensor.device == load_t.device, name
+    assert slot_expert.shape == (R, num_slots)
+    assert quota.shape == (E, R)
+
+    # Layout: slot entries are experts or -1; no rank holds two instances of one expert (its
+    # mains included), hence at most num_slots replicas per rank by shape.
+    assert ((slot_expert >= -1) & (slot_expert < E)).all()
+    instance = np.zeros((E, R), bool)
+    for e in range(E):
+        instance[e, e // G] = True  # main experts fixed on their home rank
+    N = R if domain_size is None else domain_size
+    for t in range(R):
+        for e in slot_expert[t]:
+            if e >= 0:
+                assert not instance[e, t], f"rank {t} holds expert {e} twice"
+                instance[e, t] = True
+                assert t // N == (e // G) // N, f"replica of {e} on rank {t} outside its domain"
+
+    split = dense_split(plan, E)
+    assert (split >= 0).all()
+    assert np.array_equal(split.sum(2), load), "split does not route exactly the load"
+    assert np.array_equal(split.sum(0), quota), "split does not realize the quotas"
+    assert not (split * ~instance[None]).any(), "tokens sent to a rank without an instance"
+    assert (quota[~instance] == 0).all()
+    assert np.array_equal(plan.split.cpu().numpy(), split), "Plan.split disagrees"
+
+    # Replica floor.
+    floor = expected_min_quota(load, min_quota)
+    if check_min_quota:
+        for t in range(R):
+            for e in slot_expert[t]:
+                if e >= 0:
+                    assert quota[e, t] >= floor, f"replica of {e} on {t}: {quota[e, t]} < {floor}"
+
+    # Locality: a source's own tokens use the instance on its own rank first.
+    if check_locality:
+        for s in range(R):
+            for e in range(E):
+                if instance[e, s]:
+                    assert split[s, e, s] == min(load[s, e], quota[e, s]), (s, e)
+
+    # Threshold is the max rank load after reroute; never better than the average and (for the
+    # UltraEP planner, not for EPLB) never worse than no balancing.
+    after = quota.sum(0)
+    assert plan.threshold == int(after.max())
+    before = load.sum(0).reshape(R, G).sum(1)
+    total = int(load.sum())
+    if check_no_worse:
+        assert plan.threshold <= int(before.max())
+    assert plan.threshold >= (total + R - 1) // R
+    assert plan.threshold >= domain_bound(load, N)
+    return split
+
+
+LOAD_KINDS = ("drawn", "uniform", "zipf", "sparse", "one_expert", "equal", "binary",
+              "empty_rank", "one_rank_hot", "huge", "all_zero")
+
+
+def make_load(draw, kind: str, R: int, G: int) -> np.ndarray:
+    """A random or adversarial int64 [R, R*G] load of the given kind."""
+    E = R * G
+    if kind == "drawn":  # fully hypothesis-controlled (shrinks to minimal counterexamples)
+        values = draw(st.lists(st.integers(0, 30), min_size=R * E, max_size=R * E))
+        return np.array(values, np.int64).reshape(R, E)
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    if kind == "uniform":
+        return rng.integers(0, int(rng.choice([3, 100, 10_000])), (R, E))
+    if kind == "zipf":
+        p = (np.arange(E) + 1.0) ** -rng.uniform(0.3, 3.0)
+        p = p[rng.permutation(E)]
+        return np.stack([rng.multinomial(int(rng.integers(0, 5000)), p / p.sum())
+                         for _ in range(R)])
+    if kind == "sparse":
+        return rng.integers(0, 1000, (R, E)) * (rng.random((R, E)) < 0.1)
+    if kind == "one_expert":  # one expert takes every token
+        load = np.zeros((R, E), np.int64)
+        load[:, rng.integers(E)] = rng.integers(0, 1000, R)
+        return load
+    if kind == "equal":  # ties everywhere
+        return np.full((R, E), int(rng.integers(0, 50)), np.int64)
+    if kind == "binary":
+        return rng.integers(0, 2, (R, E))
+    if kind == "empty_rank":  # a source with no tokens and a rank whose experts get none
+        load = rng.integers(0, 500, (R, E))
+        load[rng.integers(R)] = 0
+        r = rng.integers(R)
+        load[:, r * G:(r + 1) * G] = 0
+        return load
+    if kind == "one_rank_hot":
+        load = rng.integers(0, 20, (R, E))
+        r = rng.integers(R)
+        load[:, r * G:(r + 1) * G] += rng.integers(0, 5000, (R, G))
+        return load
+    if kind == "huge":  # far from int32, sums stay far from int64 overflow
+        return rng.integers(0, 10**12, (R, E))
+    if kind == "all_zero":
+        return np.zeros((R, E), np.int64)
+    raise AssertionError(kind)
+
+
+@st.composite
+def problems(draw, max_ranks: int = 12, max_experts_per_rank: int = 4, max_slots: int = 4):
+    R = draw(st.integers(1, max_ranks))
+    G = draw(st.integers(1, max_experts_per_rank))
+    S = draw(st.integers(0, max_slots))
+    kind = draw(st.sampled_from(LOAD_KINDS))
+    if kind == "drawn":  # keep hypothesis' buffer small
+        R, G = min(R, 4), min(G, 3)
+    load = torch.from_numpy(make_load(draw, kind, R, G).astype(np.int64))
+    min_quota = draw(st.one_of(st.none(), st.integers(1, 3), st.integers(1, 2000)))
+    return load, S, min_quota
+
+
+@st.composite
+def domain_problems(draw, max_ranks: int = 12, max_experts_per_rank: int = 4, max_slots: int = 4):
+    """``problems`` plus an NVLink domain size dividing R."""
+    load, S, min_quota = draw(problems(max_ranks, max_experts_per_rank, max_slots))
+    R = load.shape[0]
+    N = draw(st.sampled_from([d for d in range(1, R + 1) if R % d == 0]))
+    return load, S, min_quota, N

@@ -1,0 +1,366 @@
+"""The balanced token dispatchers: megatron's own, working in *physical-slot space*.
+
+Every EP rank owns ``P = G + S`` physical slots (its G main experts, then its S redundant slots), so
+the parent dispatcher's permutation / all-to-all / chunk-sort machinery runs unchanged on ``R * P``
+"experts". What the balanced dispatchers add (:class:`_PhysicalSlotRouting`): the exact load ``[R, E]``
+of the EP group, crossing to the host once (the invocation's one host wait), the invocation's plan
+(``BalancingContext.plan``), and the logical -> physical rewrite of the routing, on the device.
+
+* :class:`BalancedAlltoAllDispatcher`: megatron's all-to-all dispatcher; splits and per-slot counts
+  come from the host plan, and its unfused permutation and chunk sort are computed from the plan;
+* :class:`BalancedFlexDispatcher`: megatron's flex dispatcher (DeepEP / HybridEP), GPU-only.
+
+Vocabulary (docs/glossary.md): R EP ranks, E experts, G = E // R main experts per rank, S redundant
+slots per rank, P = G + S physical slots per rank.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import TYPE_CHECKING, Optional
+
+import numpy as np
+import torch
+
+from megatron.core.transformer.moe.token_dispatcher import (
+    MoEAlltoAllTokenDispatcher,
+    MoEFlexTokenDispatcher,
+)
+
+from ultraep_megatron.megatron.capabilities import flex_backend_problem
+from ultraep_megatron.megatron.invocation import Invocation
+from ultraep_megatron.megatron.native_torch import native_torch
+
+if TYPE_CHECKING:
+    from ultraep_megatron.megatron.context import BalancingContext
+
+
+def _in_backward_pass() -> bool:
+    """True while autograd's engine is executing a backward (e.g. an activation-recompute replay)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _copy_to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """The one device-to-host copy of an invocation: into pinned memory, non-blocking, then one wait
+    on an event (megatron's dispatcher waits for its token counts the same way)."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    copied.synchronize()
+    return host
+
+
+class _PhysicalSlotRouting:
+    """What both balanced dispatchers add to megatron's: physical-slot geometry, the exact load of
+    the EP group, the invocation's plan, and the logical -> physical rewrite of the routing.
+
+    Physical slot ``r * P + j`` (``P = G + S``) is rank ``r``'s main expert ``j`` for
+    ``j < G = E // R`` and its redundant slot ``j - G`` otherwise. The parent dispatcher is built
+    over ``R * P`` "experts", ``P`` of them local, so its permutation and communication run unchanged.
+    """
+
+    def __init__(self, num_local_experts, local_expert_indices, config, pg_collection, layer):
+        """Args: as megatron's dispatcher (logical ``num_local_experts = G`` and expert ids, the
+        model's config), plus the owning ``layer`` (its layer number, balancer and context)."""
+        ep_size, ep_rank = pg_collection.ep.size(), pg_collection.ep.rank()
+        self.num_logical_experts = config.num_moe_experts
+        self.num_slots = layer.balancer_config.num_slots
+        self.slots_per_rank = num_local_experts + self.num_slots  # P = G + S physical slots
+        physical_config = copy.copy(config)
+        physical_config.num_moe_experts = ep_size * self.slots_per_rank
+        local = [ep_rank * self.slots_per_rank + j for j in range(self.slots_per_rank)]
+        self._layer = layer
+        self.invocation: Optional[Invocation] = None
+        super().__init__(self.slots_per_rank, local, config=physical_config, pg_collection=pg_collection)
+
+    def plan(self, routing_map: torch.Tensor) -> Invocation:
+        """This invocation's plan, from the exact load of the EP group (the one host wait), or the
+        stored plan when this is an activation-recompute replay.
+
+        Args:
+            routing_map: [T, E] bool, exactly ``topk`` experts per token (dropless).
+        """
+        layer = self._layer
+        balancing: BalancingContext = layer.balancing
+        if routing_map.dtype != torch.bool or routing_map.dim() != 2:
+            raise ValueError("expected a [tokens, experts] bool routing map")
+        if _in_backward_pass():
+            invocation = balancing.replay(layer.layer_number)
+        else:
+            load = _copy_to_host(self._gather_load(routing_map))
+            invocation = balancing.plan(layer, load, self.ep_rank, training=layer.training,
+                                        grad_enabled=torch.is_grad_enabled())
+        self.invocation = invocation
+        return invocation
+
+    @native_torch
+    def _gather_load(self, routing_map: torch.Tensor) -> torch.Tensor:
+        """[T, E] bool -> [R, E] int64 on the device: exact per-source load of the whole EP group."""
+        local = routing_map.sum(dim=0)
+        if self.ep_size == 1:
+            return local.unsqueeze(0)
+        # With expert-TP 1 the tp_ep group is the EP group, in EP-rank order. The all-to-all
+        # dispatcher makes this exchange anyway for its splits (its ``preprocess`` then reuses it).
+        # Counts need no autograd: the collective itself, not megatron's differentiable gather.
+        gathered = local.new_empty(self.ep_size * self.num_logical_experts)
+        torch.distributed.all_gather_into_tensor(gathered, local, group=self.tp_ep_group)
+        return gathered.view(self.ep_size, self.num_logical_experts)
+
+    def dispatch_preprocess(self, hidden_states, routing_map, probs):
+        physical_map, physical_probs = self._reroute(routing_map, probs)
+        return super().dispatch_preprocess(hidden_states, physical_map, physical_probs)
+
+    def dispatch_postprocess_parts(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        """``dispatch_postprocess`` with its rows split into the main experts' and the redundant
+        slots' parts.
+
+        Returns:
+            (main_tokens [M, H], replica_tokens [N, H], rows_per_slot (megatron's tokens per local
+            expert, ``P`` physical slots), main_probs [M], replica_probs [N]); ``M`` is the
+            invocation's ``main_rows``.
+        """
+        tokens, rows_per_slot, permuted_probs = self.dispatch_postprocess(hidden_states, probs)
+        # A split, not two slices: the backward of two slices zero-fills and adds two full-size
+        # gradients, a split's concatenates once.
+        rows = [self.invocation.main_rows, tokens.shape[0] - self.invocation.main_rows]
+        main_tokens, replica_tokens = torch.split(tokens, rows)
+        main_probs, replica_probs = torch.split(permuted_probs, rows)
+        return main_tokens, replica_tokens, rows_per_slot, main_probs, replica_probs
+
+    def combine_preprocess_parts(self, main_out: torch.Tensor, replica_out: torch.Tensor) -> torch.Tensor:
+        """``combine_preprocess`` of the main experts' and the redundant slots' outputs, stacked."""
+        return self.combine_preprocess(torch.cat([main_out, replica_out]))
+
+    def _check_plan(self, routing_map: torch.Tensor) -> None:
+        """With ``--moe-balancer-check-plans`` only (a device read): the routing is the load the
+        invocation's plan was solved for."""
+        if self._layer.balancing.check_plans and not torch.equal(
+                routing_map.sum(dim=0).cpu(), self.invocation.load[self.ep_rank]):
+            raise RuntimeError(f"MoE layer {self._layer.layer_number}: the routing differs from the load "
+                               "its plan was solved for (not exactly top-k per token, or a recompute "
+                               "replay that is not deterministic)")
+
+    def _instances(self, routing_map: torch.Tensor):
+        """Each (token, expert) entry's expert-major position and the plan's instance for it (the
+        plan check first, with ``--moe-balancer-check-plans``).
+
+        Dense over [T, E], no sort, few ops (host time per layer): a pair's position in the
+        expert-major, token-ascending order is the routed tokens of its expert up to it plus the
+        expert's offset (from the host load); positions past the last instance hit the sentinel.
+        Unrouted entries get a position too (their expert's count so far), which callers mask.
+
+        Returns:
+            (reroute table on the device [4, E * R + 1], position [T * E], instance [T * E]).
+        """
+        self._check_plan(routing_map)
+        table = self.invocation.reroute_table.to(routing_map.device, non_blocking=True)
+        # The running count scans the [E, T] layout along its last dimension, not [T, E] along dim 0:
+        # torch's CUDA scan over an outer dimension is not parallel along it, which cost milliseconds
+        # per layer at production sizes (docs/integration.md, "On a GPU").
+        counts = routing_map.t().contiguous().cumsum(dim=1)
+        position = (counts + table[2, : self.num_logical_experts].unsqueeze(1)).t().reshape(-1)
+        return table, position, torch.searchsorted(table[0], position, right=True)
+
+    @native_torch
+    def _reroute(self, routing_map: torch.Tensor, probs: torch.Tensor):
+        """Rewrite the routing from logical experts to physical slots, exactly per the plan. Device
+        work only: no host read, fixed shapes.
+
+        The plan gives each (expert, instance) a quota of this rank's pairs; pairs of an expert are
+        taken in token order (the order megatron's permutation sorts them in), so the pair at
+        position ``i`` of the expert-major order goes to the instance whose running quota total
+        first exceeds ``i``.
+
+        Args:
+            routing_map: [T, E] bool, exactly ``topk`` experts per token.
+            probs: [T, E] router probabilities (differentiable).
+
+        Returns:
+            (physical_map [T, R * P] bool, physical_probs [T, R * P], differentiable in
+            ``probs``).
+        """
+        t0 = time.perf_counter()
+        num_tokens = routing_map.size(0)
+        device = routing_map.device
+        table, _, instance = self._instances(routing_map)
+        num_physical = self.ep_size * self.slots_per_rank
+        # index_select, not advanced indexing: the same gather, with less host time per call
+        # (docs/integration.md, the CPU benchmark).
+        instance_slot = table[1].index_select(0, instance).view(num_tokens, self.num_logical_experts)
+        # Unrouted (token, expert) entries go to a spare last column, dropped below. Routed pairs
+        # of a token land in distinct columns, so the scatters are exact (no masking of probs).
+        slot = torch.where(routing_map, instance_slot, num_physical)
+        physical_map = torch.zeros(num_tokens, num_physical + 1, dtype=torch.bool, device=device)
+        physical_map = physical_map.scatter_(1, slot, routing_map)[:, :num_physical].contiguous()
+        physical_probs = torch.zeros(num_tokens, num_physical + 1, dtype=probs.dtype, device=device)
+        physical_probs = physical_probs.scatter(1, slot, probs)[:, :num_physical].contiguous()
+        self._layer.balancing.overheads.reroute_seconds += time.perf_counter() - t0
+        return physical_map, physical_probs
+
+
+class BalancedAlltoAllDispatcher(_PhysicalSlotRouting, MoEAlltoAllTokenDispatcher):
+    """megatron's all-to-all dispatcher over physical slots, driven by a per-microbatch plan.
+    Its ``preprocess`` takes every split from the invocation's host metadata: no communication, no
+    device-to-host copy, no host wait (megatron's own sync point stays unset)."""
+
+    def preprocess(self, routing_map: torch.Tensor) -> torch.Tensor:
+        """All-to-all metadata from the plan: splits and per-slot row counts, on the host."""
+        invocation = self.invocation
+        self.num_out_tokens = routing_map.size(0) * self.config.moe_router_topk
+        if self.ep_size > 1:
+            self.input_splits = invocation.input_splits
+            self.output_splits = invocation.output_splits
+            self.output_splits_tp = np.array([invocation.output_splits.sum()])
+        # [R_src, P]; megatron's fused chunk sort reads it on the device.
+        rows = invocation.rows_per_source_slot
+        self.num_global_tokens_per_local_expert = (
+            rows.to(routing_map.device, non_blocking=True) if self.config.moe_permute_fusion else rows)
+        return invocation.rows_per_slot
+
+    def _permutes_from_plan(self) -> bool:
+        """Whether :meth:`dispatch_preprocess` permutes the tokens straight from the plan: megatron's
+        unfused permutation, which it replaces (the fused one, TE's kernels on the physical map,
+        stays megatron's)."""
+        return not (self.config.moe_permute_fusion or self.drop_and_pad or self.tp_size > 1
+                    or self.config.moe_router_padding_for_quantization)
+
+    def dispatch_preprocess(self, hidden_states, routing_map, probs):
+        """megatron's ``dispatch_preprocess`` (the same dispatcher state, its shared-expert and sync
+        hooks), with the permutation computed from the plan instead of from a physical routing map.
+
+        megatron's unfused permutation argsorts the whole ``[T, R * P]`` physical map to sort the
+        (token, slot) pairs slot-major; the plan already says where each pair goes
+        (:meth:`_permutation`), so neither the physical map nor the sort is built.
+
+        Args:
+            routing_map: [T, E] bool, logical experts, exactly ``topk`` per token.
+            probs: [T, E] router probabilities.
+
+        Returns:
+            (permuted tokens [N, H], their probabilities [N]), ``N = T * topk``, physical-slot-major
+            and token-ascending within a slot, as megatron's permutation of the physical map.
+        """
+        if not self._permutes_from_plan():
+            return super().dispatch_preprocess(hidden_states, routing_map, probs)
+        self.hidden_shape = hidden_states.shape
+        self.probs = probs
+        # Read only by megatron's fused or drop-and-pad unpermute, neither of which runs here; None
+        # so that nothing can mistake the logical map for the physical one.
+        self.routing_map = None
+        hidden_states = hidden_states.view(-1, self.hidden_shape[-1])
+        self.tokens_per_expert = self.preprocess(routing_map)
+        if self.shared_experts is not None:
+            self.shared_experts.pre_forward_comm(hidden_states.view(self.hidden_shape))
+        self.tokens_per_expert = self._maybe_dtoh_and_synchronize("before_permutation_1", self.tokens_per_expert)
+        self.hidden_shape_before_permute = hidden_states.shape
+        sorted_tokens, permuted_probs = self._permutation(routing_map, probs)
+        self.reversed_local_input_permutation_mapping = sorted_tokens
+        return hidden_states.index_select(0, sorted_tokens), permuted_probs
+
+    @native_torch
+    def _permutation(self, routing_map: torch.Tensor, probs: torch.Tensor):
+        """Where each routed (token, expert) pair goes in the all-to-all's send buffer, exactly per
+        the plan. Device work only: no host read, fixed shapes, no sort.
+
+        A pair's expert-major position picks its instance (:meth:`_instances`); row 3 of the
+        plan's reroute table turns the position into its send-buffer row (the instance's slot's
+        first row, plus the pair's rank among the instance's pairs, which the plan hands out in
+        token order). Unrouted entries land in a spare row past the buffer, dropped.
+
+        Args:
+            routing_map: [T, E] bool, exactly ``topk`` experts per token.
+            probs: [T, E] router probabilities (differentiable).
+
+        Returns:
+            (sorted_tokens [N] int64: the token of each send-buffer row, permuted_probs [N],
+            differentiable in ``probs``), ``N = T * topk``.
+        """
+        t0 = time.perf_counter()
+        num_tokens, num_experts = routing_map.shape
+        device = routing_map.device
+        table, position, instance = self._instances(routing_map)
+        num_rows = self.num_out_tokens
+        row = torch.where(routing_map.view(-1), table[3].index_select(0, instance) + position, num_rows)
+        # Every row below num_rows is written once; -1 would fail the token gather loudly if the
+        # routing ever left one unwritten (a routing other than the plan's load).
+        # Not repeat_interleave: without an output size it reads the repeats' sum on the host.
+        tokens = torch.arange(num_tokens, device=device).unsqueeze(1).expand(-1, num_experts).reshape(-1)
+        sorted_tokens = torch.full((num_rows + 1,), -1, dtype=torch.int64, device=device)
+        sorted_tokens = sorted_tokens.scatter_(0, row, tokens)[:num_rows]
+        permuted_probs = probs.new_zeros(num_rows + 1).scatter(0, row, probs.reshape(-1))[:num_rows]
+        self._layer.balancing.overheads.reroute_seconds += time.perf_counter() - t0
+        return sorted_tokens, permuted_probs
+
+    def _sorts_chunks_on_host(self) -> bool:
+        """Whether megatron's chunk sort here is the unfused split-and-concatenate over (physical
+        slot, source rank) chunks, which the two ``*_parts`` methods reproduce directly. Other paths
+        (fused sort, expert TP, capacity padding, one slot per rank) go through megatron's."""
+        # Capacity padding and expert TP are refused at startup (unsupported_moe_settings); tested
+        # here as well, so that lifting a refusal cannot silently take the wrong chunk order.
+        return not (self.config.moe_permute_fusion or self.drop_and_pad or self.tp_size > 1
+                    or self.num_local_experts == 1)
+
+    def dispatch_postprocess_parts(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        """``dispatch_postprocess`` split into main and replica parts, concatenating each part's
+        chunks directly (unfused sort).
+
+        megatron's unfused sort splits the all-to-all output into (source rank, physical slot)
+        chunks and concatenates them slot-major; concatenating the main slots' and the redundant
+        slots' chunks separately gives the two parts with the same copy, and no split whose backward
+        copies the whole gradient once more. Chunk sizes and order come from the host plan.
+        """
+        if not self._sorts_chunks_on_host():
+            return super().dispatch_postprocess_parts(hidden_states, probs)
+        rows = self.invocation.rows_per_source_slot.numpy()  # [R_src, P], host
+        R, P = rows.shape
+        G = P - self.num_slots
+        sizes = rows.ravel().tolist()  # source-major: source r, slot p
+        parts = []
+        for tensor in (hidden_states, probs):
+            chunks = tensor.split(sizes)
+            parts.append([torch.cat([chunks[r * P + p] for p in slots for r in range(R)])
+                          for slots in (range(G), range(G, P))])
+        (main_tokens, replica_tokens), (main_probs, replica_probs) = parts
+        self.tokens_per_expert = None  # as megatron's postprocess leaves it
+        return main_tokens, replica_tokens, self.invocation.rows_per_slot, main_probs, replica_probs
+
+    def combine_preprocess_parts(self, main_out: torch.Tensor, replica_out: torch.Tensor) -> torch.Tensor:
+        """``combine_preprocess`` of the main experts' and the redundant slots' outputs stacked
+        (``[main rows + replica rows, H]``), without stacking them first (unfused sort).
+
+        megatron's unfused chunk sort splits its input into (physical slot, source rank) chunks and
+        concatenates them source-major; taking the chunks from the two parts directly makes one
+        copy of the expert outputs instead of two. Chunk sizes and order come from the host plan.
+        """
+        if not self._sorts_chunks_on_host():
+            return super().combine_preprocess_parts(main_out, replica_out)
+        rows = self.invocation.rows_per_source_slot.numpy()  # [R_src, P], host
+        R, P = rows.shape
+        G = P - self.num_slots
+        chunks = [*main_out.split(rows[:, :G].T.ravel().tolist()),  # slot-major: slot p, source r
+                  *replica_out.split(rows[:, G:].T.ravel().tolist())]
+        return torch.cat([chunks[p * R + r] for r in range(R) for p in range(P)])
+
+
+class BalancedFlexDispatcher(_PhysicalSlotRouting, MoEFlexTokenDispatcher):
+    """megatron's flex dispatcher (DeepEP / HybridEP fused all-to-all) over physical slots.
+
+    Small by design: the fused kernels route on top-k indices, so handing them the physical routing
+    is all it takes; they compute their own layout (one small all-gather of the load is added for
+    the plan). GPU-only: :func:`flex_backend_problem` says why it cannot run where it cannot.
+    """
+
+    def __init__(self, num_local_experts, local_expert_indices, config, pg_collection, layer):
+        problem = flex_backend_problem(config)
+        if problem:
+            raise ValueError(f"--moe-balancer {layer.balancer_config.name}: {problem}")
+        super().__init__(num_local_experts, local_expert_indices, config, pg_collection, layer)
+
+
+def balanced_dispatcher_class(config):
+    """The balanced dispatcher for ``--moe-token-dispatcher-type``."""
+    if config.moe_token_dispatcher_type == "flex":
+        return BalancedFlexDispatcher
+    return BalancedAlltoAllDispatcher

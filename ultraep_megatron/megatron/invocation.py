@@ -1,0 +1,109 @@
+"""One balanced MoE invocation (a layer on a microbatch), planned on the host: :class:`Invocation`.
+
+The dispatcher produces it from the exact load (:func:`plan_invocation`, through
+``BalancingContext.plan``); the layer, its autograd functions and the transfers consume it. It is
+immutable, and every tensor in it is a host tensor: nothing here reads device memory.
+
+Vocabulary (docs/glossary.md): R EP ranks, E experts, G = E // R main experts per rank, S redundant
+slots per rank, P = G + S *physical* slots per rank (its main experts, then its redundant slots).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Callable, Optional, Tuple
+
+import numpy as np
+import torch
+
+from ultraep_megatron import planner
+from ultraep_megatron.dataplane import TransferSchedule
+
+
+@dataclass(frozen=True, eq=False)
+class Invocation:
+    """One balanced MoE invocation, planned on the host (every tensor here is a host tensor).
+
+    Attributes:
+        layer_number: the MoE layer's global layer number.
+        vid: its virtual layer id in the ring; ``None`` when no backward follows (evaluation).
+        ep_rank: this rank's index in the EP group.
+        load: int64 ``[R, E]``, the exact load it was planned on.
+        plan: the planner's plan for ``load``.
+        schedule_builder: builds the data plane's transfer schedule of the plan's replicas;
+            ``None`` when the plan has none (then no transfer runs, identically on every rank).
+        input_splits / output_splits: int64 ``[R]`` (token, expert) rows this rank sends to / receives
+            from each EP rank (the all-to-all's splits).
+        rows_per_source_slot: int64 ``[R, P]`` rows each source rank sends to each of this rank's
+            physical slots (megatron's ``num_global_tokens_per_local_expert``; pinned on CUDA: the
+            fused chunk sort reads it on the device).
+        rows_per_slot: int64 ``[P]`` rows each of this rank's physical slots receives.
+        main_rows: rows its G main experts receive (the first ``main_rows`` dispatched rows).
+        replica_rows: rows each of its S redundant slots receives.
+        balanced: whether the load reached the balancer's trigger (``LayerBalancer.balances``;
+            below it ultraep plans no replica).
+        reroute_table: int64 ``[4, E * R + 1]``, ``planner.RankDispatch.reroute_table`` (the
+            reroute's spare column is its last physical slot + 1). Pinned on CUDA, so its upload is
+            non-blocking.
+        plan_seconds: host time of the planner.
+    """
+
+    layer_number: int
+    vid: Optional[int]
+    ep_rank: int
+    load: torch.Tensor
+    plan: planner.Plan
+    schedule_builder: Optional[Callable[[], TransferSchedule]]
+    input_splits: np.ndarray
+    output_splits: np.ndarray
+    rows_per_source_slot: torch.Tensor
+    rows_per_slot: torch.Tensor
+    main_rows: int
+    replica_rows: Tuple[int, ...]
+    balanced: bool
+    reroute_table: torch.Tensor
+    plan_seconds: float
+
+    @cached_property
+    def replicated_local_experts(self) -> Tuple[int, ...]:
+        """Local indices of this rank's main experts that have a replica (ascending): the only
+        experts whose gradients the replica-gradient reduction changes here."""
+        G = self.load.shape[1] // self.load.shape[0]
+        first = self.ep_rank * G
+        replicated = set(self.plan.slot_expert.reshape(-1).tolist())  # host plan
+        return tuple(g for g in range(G) if first + g in replicated)
+
+    @cached_property
+    def schedule(self) -> Optional[TransferSchedule]:
+        """The transfer schedule, built on first use: by the weight distribution, once the reroute
+        is queued, not between the wait for the load and the reroute."""
+        return self.schedule_builder() if self.schedule_builder is not None else None
+
+
+def plan_invocation(plan: planner.Plan, load: torch.Tensor, ep_rank: int, *, layer_number: int,
+                    vid: Optional[int], schedule_builder: Optional[Callable[[], TransferSchedule]],
+                    balanced: bool, plan_seconds: float) -> Invocation:
+    """Derive everything one rank needs from a plan, on the host (``planner.rank_dispatch``: one
+    compiled pass, into pinned memory on CUDA, from which its two device tables upload).
+
+    Args:
+        plan: solved for ``load`` (host tensors).
+        load: int64 ``[R, E]``.
+        ep_rank: this rank.
+    """
+    R, E = load.shape
+    G, P = E // R, plan.physical_slots_per_rank
+    pinned = torch.cuda.is_available()  # what is uploaded is pinned: a non-blocking upload
+    rows_per_source_slot = torch.empty(R, P, dtype=torch.int64, pin_memory=pinned)
+    table = torch.empty(4, E * R + 1, dtype=torch.int64, pin_memory=pinned)
+    dispatch = planner.rank_dispatch(plan, load, ep_rank, rows_per_source_slot=rows_per_source_slot.numpy(),
+                                     reroute_table=table.numpy())
+    rows_per_slot = dispatch.rows_per_slot
+    return Invocation(
+        layer_number=layer_number, vid=vid, ep_rank=ep_rank, load=load, plan=plan,
+        schedule_builder=schedule_builder,
+        input_splits=dispatch.input_splits, output_splits=dispatch.output_splits,
+        rows_per_source_slot=rows_per_source_slot, rows_per_slot=torch.from_numpy(rows_per_slot),
+        main_rows=int(rows_per_slot[:G].sum()), replica_rows=tuple(rows_per_slot[G:].tolist()),
+        balanced=balanced, reroute_table=table, plan_seconds=plan_seconds)

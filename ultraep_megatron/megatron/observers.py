@@ -1,0 +1,131 @@
+"""Observers of every balanced invocation, fed by ``BalancingContext.observe`` once the layer's work
+is queued (off the stretch between the wait for the load and the reroute):
+
+* :class:`BalancerStats`: per-layer balancing figures for the training log and the dashboards;
+* :class:`TraceRecorder`: the exact load of every training invocation, to a trace file
+  (``--moe-balancer-trace-dir``).
+
+An observer has ``on_invocation(layer, invocation, training)``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Dict, Optional
+
+from ultraep_megatron import planner
+from ultraep_megatron.planner import BalancerConfig
+
+if TYPE_CHECKING:
+    from ultraep_megatron.megatron.invocation import Invocation
+
+
+class BalancerStats:
+    """Observer: per-layer balancing figures (``planner.metrics`` on each plan, with the model's
+    NVLink domains; whether the load reached the balancer's trigger; plan time) of the training
+    invocations, averaged over the microbatches since the last :meth:`pop`. Evaluation is balanced
+    too, but does not mix into the training iteration's figures."""
+
+    METRICS = ("imbalance_before", "imbalance_after", "replicas", "max_fanout", "inflight_ratio",
+               "cross_domain_replicas", "memory_spread_before", "memory_spread_after")
+    #: Every figure :meth:`pop` returns: ``planner.metrics``' above, plus the balancer's own.
+    RECORDED = METRICS + ("balanced_fraction", "plan_ms")
+
+    def __init__(self):
+        self._sums: Dict[int, Dict[str, float]] = {}
+
+    def on_invocation(self, layer, invocation: Invocation, training: bool) -> None:
+        if not training:
+            return
+        balancer = layer.balancer
+        m = planner.metrics(invocation.load, invocation.plan, domain_size=balancer.config.domain_size)
+        entry = self._sums.setdefault(invocation.layer_number, {"count": 0})
+        entry["count"] += 1
+        for key in self.METRICS:
+            entry[key] = entry.get(key, 0.0) + float(m[key])
+        # Share of the microbatches balanced at all (ultraep's trigger skips the others).
+        entry["balanced_fraction"] = entry.get("balanced_fraction", 0.0) + float(invocation.balanced)
+        entry["plan_ms"] = entry.get("plan_ms", 0.0) + invocation.plan_seconds * 1e3
+
+    def pop(self) -> Dict[int, Dict[str, float]]:
+        """{layer: {metric: mean}} since the last call."""
+        out = {layer: {k: v / s["count"] for k, v in s.items() if k != "count"}
+               for layer, s in sorted(self._sums.items())}
+        self._sums = {}
+        return out
+
+
+class TraceRecorder:
+    """Observer: appends the exact ``[R, E]`` load of every training invocation to the trace file of
+    its EP group (written by EP rank 0 of each group; ``--moe-balancer-trace-dir``)."""
+
+    def __init__(self, trace_dir: str, balancer_config: BalancerConfig, hardware: Optional[str]):
+        self.trace_dir, self.balancer_config, self.hardware = trace_dir, balancer_config, hardware
+        self.iteration: Optional[int] = None
+        self._microbatch: Dict[int, int] = {}
+        self._writer = None
+
+    def on_invocation(self, layer, invocation: Invocation, training: bool) -> None:
+        if not training:
+            return
+        if self.iteration is None:
+            self.iteration = _megatron_iteration() + 1
+        microbatch = self._microbatch.get(invocation.layer_number, 0)
+        self._microbatch[invocation.layer_number] = microbatch + 1
+        if invocation.ep_rank != 0:
+            return
+        if self._writer is None:
+            self._writer = self._open(layer, invocation.load.shape)
+        self._writer.append(self.iteration, microbatch, invocation.layer_number, invocation.load)
+
+    def _open(self, layer, shape):
+        import torch.distributed as dist
+
+        from ultraep_megatron.traces import TraceWriter, trace_path
+
+        group = layer.token_dispatcher.ep_group
+        first_global_rank = dist.get_global_rank(group, 0) if dist.is_initialized() else 0
+        cfg = layer.config
+        config = self.balancer_config
+        meta = {
+            "balancer": config.name,
+            "num_slots": config.num_slots,
+            "min_quota": config.min_quota,
+            "trigger": config.trigger,
+            "domain_size": config.domain_size,
+            "hardware": self.hardware,
+            "hidden_size": cfg.hidden_size,
+            "moe_ffn_hidden_size": cfg.moe_ffn_hidden_size,
+            "swiglu": bool(cfg.gated_linear_unit),
+            "topk": cfg.moe_router_topk,
+            "num_layers": cfg.num_layers,  # MTP layers have ids num_layers + 1, ...
+            "mtp_num_layers": cfg.mtp_num_layers or 0,
+            # One shared MTP layer (id num_layers + 1) whose depths are recorded as microbatches.
+            "mtp_use_repeated_layer": bool(getattr(cfg, "mtp_use_repeated_layer", False)),
+            "first_global_rank": first_global_rank,
+        }
+        path = trace_path(self.trace_dir, first_global_rank)
+        writer = TraceWriter(path, num_ranks=shape[0], num_experts=shape[1], meta=meta)
+        weakref.finalize(self, writer.close)  # commit the last records on a clean exit
+        return writer
+
+    def end_iteration(self, iteration: int) -> None:
+        if self._writer is not None:
+            self._writer.flush_iteration(self.iteration if self.iteration is not None else iteration)
+        self.iteration = iteration + 1
+        self._microbatch.clear()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+def _megatron_iteration() -> int:
+    """The iteration Megatron's training loop starts from (0, or the resumed checkpoint's)."""
+    try:
+        from megatron.training.global_vars import get_args
+
+        return int(get_args().iteration)
+    except Exception:
+        return 0

@@ -1,0 +1,38 @@
+"""Check a launch recipe on this machine, without GPUs: arguments, rank layout, memory per rank.
+
+For each recipe (a bash script under ``recipes/`` that ends in ``python -m torch.distributed.run
+... pretrain_gpt.py ARGS``):
+
+1. the launch is captured, not run (:mod:`.launch`);
+2. Megatron's own argument parser and ``validate_args`` run on ARGS for that world size, then
+   UltraEP's ``validate_ultraep_args``, then what Megatron checks only when it starts
+   (:mod:`.validate`);
+3. the rank layout is printed from Megatron's own ``RankGenerator`` (:mod:`.layout`);
+4. memory per rank and pipeline stage is estimated (:mod:`.memory`, from the model's parameters
+   per layer, :mod:`.model`), with UltraEP's redundant slots with and without cross-layer reuse.
+
+:func:`check_launch` runs steps 2-4 and :func:`format_report` prints them (:mod:`.report`).
+Activations are not estimated. The command line is ``ultraep check-recipe``
+(``ultraep_megatron/cli/check_recipe.py``). No Megatron import at module level: the checker is a
+tool, not part of a training run.
+"""
+
+from .launch import Launch, NotARecipe, RecipeError, capture_launch, parse_torchrun_command
+from .layout import DEFAULT_RACK_SIZE, RankLayout, rank_layout
+from .memory import MemoryEstimate, StageMemory, estimate_memory, stage_layers
+from .model import (
+    LayerParams, attention_params, balanced_moe_layer_ids, built_mtp_layers, flops_per_iteration,
+    layer_params, moe_layer_pattern,
+)
+from .report import RecipeReport, check_launch, format_report
+from .validate import startup_problems, validate_arguments
+
+__all__ = [
+    "Launch", "NotARecipe", "RecipeError", "capture_launch", "parse_torchrun_command",
+    "validate_arguments", "startup_problems",
+    "DEFAULT_RACK_SIZE", "RankLayout", "rank_layout",
+    "LayerParams", "attention_params", "layer_params", "moe_layer_pattern", "built_mtp_layers",
+    "balanced_moe_layer_ids", "flops_per_iteration",
+    "MemoryEstimate", "StageMemory", "estimate_memory", "stage_layers",
+    "RecipeReport", "check_launch", "format_report",
+]

@@ -1,0 +1,172 @@
+"""Step 4 of the recipe checker: memory per rank and pipeline stage.
+
+bf16 weights, fp32 main gradients, the distributed optimizer's fp32 master weights and Adam moments
+(sharded over data parallelism, expert parameters over expert data parallelism), and UltraEP's
+redundant expert slots with cross-layer buffer reuse (one weight + fp32 gradient buffer per
+redundant slot for all MoE layers, no optimizer state; paper §4.1) against the same slots without
+reuse (one set per MoE layer). Activations are not estimated (they depend on recomputation and the
+pipeline schedule).
+"""
+
+from __future__ import annotations
+
+import argparse
+import types
+from dataclasses import dataclass, field
+
+from ultraep_megatron.megatron.recipe_check.launch import RecipeError
+from ultraep_megatron.megatron.recipe_check.model import (
+    built_mtp_layers, layer_params, moe_layer_pattern, norm_params,
+)
+from ultraep_megatron.planner.baselines import registry
+
+
+def stage_layers(args: argparse.Namespace) -> list[list[int]]:
+    """1-based global decoder layers of every pipeline stage (all virtual stages together),
+    from megatron-core's own ``get_num_layers_to_build`` / ``get_transformer_layer_offset``."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    if args.pipeline_model_parallel_layout is not None:
+        raise RecipeError("--pipeline-model-parallel-layout: the memory estimate splits layers by "
+                          "--decoder-first/last-pipeline-num-layers or evenly; not by a layout")
+    # The fields these two functions read, from the validated arguments (a TransformerConfig
+    # would refuse the GPU-only fusions of a GPU recipe on this machine).
+    config = types.SimpleNamespace(
+        num_layers=args.num_layers,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
+        account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split,
+        pipeline_model_parallel_layout=None,
+    )
+    vp_stages = [None]
+    if config.virtual_pipeline_model_parallel_size:
+        vp_stages = list(range(config.virtual_pipeline_model_parallel_size))
+    stages = []
+    for pp_rank in range(args.pipeline_model_parallel_size):
+        layers = []
+        for vp in vp_stages:
+            count = get_num_layers_to_build(config, vp_stage=vp, pp_rank=pp_rank)
+            offset = get_transformer_layer_offset(config, vp_stage=vp, pp_rank=pp_rank)
+            layers += list(range(offset + 1, offset + count + 1))
+        stages.append(layers)
+    built = sorted(layer for stage in stages for layer in stage)
+    if built != list(range(1, args.num_layers + 1)):
+        raise RecipeError(f"pipeline stages build layers {built}, not 1..{args.num_layers}")
+    return stages
+
+
+@dataclass
+class StageMemory:
+    """Bytes per rank of one pipeline stage (all ranks of a stage hold the same shares)."""
+
+    stage: int
+    layers: list[int]
+    moe_layers: int                  # MoE layers on the rank (decoder + MTP)
+    dense_params: int                # this rank's share of non-expert parameters
+    expert_params: int               # this rank's share of routed-expert parameters
+    model_states: int                # weights + main grads + optimizer states
+    slot_weight_bytes: int           # one redundant slot's weight buffer
+    slot_grad_bytes: int             # one redundant slot's fp32 gradient buffer
+    num_slots: int
+
+    @property
+    def slots_with_reuse(self) -> int:
+        """Replica slots shared by all MoE layers of the rank (§4.1)."""
+        return self.num_slots * (self.slot_weight_bytes + self.slot_grad_bytes)
+
+    @property
+    def slots_without_reuse(self) -> int:
+        """The same slots, one set per MoE layer."""
+        return self.slots_with_reuse * self.moe_layers
+
+    @property
+    def total(self) -> int:
+        return self.model_states + self.slots_with_reuse
+
+
+@dataclass
+class MemoryEstimate:
+    total_params: int
+    active_params: int
+    stages: list[StageMemory] = field(default_factory=list)
+
+
+def _bytes_per_param(args) -> tuple[int, int, int]:
+    """(weight, main gradient, optimizer state) bytes per parameter, as Megatron allocates
+    them: bf16/fp16 weights, fp32 main grads (``--accumulate-allreduce-grads-in-fp32``, the
+    bf16 default) and Adam's fp32 master copy + two moments (the master copy only with bf16/fp16)."""
+    half = args.bf16 or args.fp16
+    weight = 2 if half else 4
+    grad = 4 if (not half or args.accumulate_allreduce_grads_in_fp32) else 2
+    optimizer = (4 if half else 0) + (8 if args.optimizer == "adam" else 4)
+    return weight, grad, optimizer
+
+
+def estimate_memory(args: argparse.Namespace) -> MemoryEstimate:
+    """Parameters of the model and the model-state memory of one rank per pipeline stage.
+
+    A stage's rank holds: its decoder layers (non-expert parts / TP; routed experts / (EP x
+    ETP)); the word embedding on the first stage, the final norm and untied output layer on the
+    last; MTP layers (and, with PP > 1, a copy of the word embedding) on the last stage.
+    """
+    h = args.hidden_size
+    tp = args.tensor_model_parallel_size
+    etp = args.expert_tensor_parallel_size or tp
+    ep, pp = args.expert_model_parallel_size, args.pipeline_model_parallel_size
+    pattern = moe_layer_pattern(args)
+    per_layer = {is_moe: layer_params(args, is_moe) for is_moe in {False, *pattern}}
+    embedding = args.padded_vocab_size * h
+    output = embedding if args.untie_embeddings_and_output_weights else 0
+    final_norm = norm_params(args) * h
+    mtp_layers = built_mtp_layers(args)
+    mtp_is_moe = pattern[-1]
+    mtp_extra = 2 * norm_params(args) * h + 2 * h * h + norm_params(args) * h  # enorm, hnorm, eh_proj, norm
+
+    def main_model_params(active: bool) -> int:
+        # Published totals leave MTP out (DeepSeek-V3's 671B), and so does this count.
+        count = embedding + output + final_norm
+        for is_moe in pattern:
+            p = per_layer[is_moe]
+            experts = p.expert_numel * args.moe_router_topk if (active and is_moe) else p.experts
+            count += p.attention + p.mlp + experts
+        return count
+
+    estimate = MemoryEstimate(total_params=main_model_params(False),
+                              active_params=main_model_params(True))
+    weight_b, grad_b, optim_b = _bytes_per_param(args)
+    dense_shard = args.data_parallel_size * args.context_parallel_size
+    expert_shard = args.world_size // (etp * ep * pp)
+    if not args.use_distributed_optimizer:
+        dense_shard = expert_shard = 1
+    num_slots = args.moe_balancer_num_slots if args.moe_balancer != registry.NONE else 0
+    expert_numel = per_layer[True].expert_numel if True in per_layer else 0
+    for stage, layers in enumerate(stage_layers(args)):
+        dense = sum(per_layer[pattern[l - 1]].attention + per_layer[pattern[l - 1]].mlp
+                    for l in layers) / tp
+        experts = sum(per_layer[pattern[l - 1]].experts for l in layers) / (ep * etp)
+        moe_layers = sum(pattern[l - 1] for l in layers)
+        if stage == 0:
+            dense += embedding / tp
+        if stage == pp - 1:
+            dense += (output + final_norm) / tp
+            if mtp_layers:
+                p = per_layer[mtp_is_moe]
+                dense += mtp_layers * (p.attention + p.mlp + mtp_extra) / tp
+                experts += mtp_layers * p.experts / (ep * etp)
+                moe_layers += mtp_layers * mtp_is_moe
+                if pp > 1:
+                    dense += embedding / tp  # MTP embeds the shifted tokens itself
+            if pp > 1 and not args.untie_embeddings_and_output_weights:
+                dense += embedding / tp
+        model_states = (dense * (weight_b + grad_b + optim_b / dense_shard)
+                        + experts * (weight_b + grad_b + optim_b / expert_shard))
+        estimate.stages.append(StageMemory(
+            stage=stage, layers=layers, moe_layers=int(moe_layers), dense_params=int(dense),
+            expert_params=int(experts), model_states=int(model_states),
+            slot_weight_bytes=expert_numel // etp * weight_b,
+            slot_grad_bytes=expert_numel // etp * 4, num_slots=num_slots))
+    return estimate

@@ -1,0 +1,190 @@
+"""The autograd functions of a balanced MoE layer: where its backward starts and completes the
+invocation's replica transfers (the order autograd runs them: ``balanced_moe``'s docstring).
+
+* :class:`StartInBackward`: an identity whose backward starts a transfer (the re-materialization of
+  the replica weights at the layer's output; a replica-less rank's part of the gradient reduction);
+* :class:`ReplicaWeights` / :func:`run_replicas_in_graph`: the redundant slots' weights in the
+  layer's graph, saved as geometry of the shared buffer; its backward starts the reduction;
+* :class:`ReduceReplicaGrads`: completes the reduction into the main experts' gradients, in a
+  plan-independent order for Megatron DDP.
+
+Only the virtual layer id crosses to the backward when there is one (the ring owns the invocation).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, List
+
+import torch
+
+from ultraep_megatron.megatron.invocation import Invocation
+from ultraep_megatron.megatron.native_torch import native_torch
+
+if TYPE_CHECKING:
+    from ultraep_megatron.megatron.context import BalancingContext
+
+
+def _keep(ctx, layer, invocation: Invocation) -> None:
+    # Only the virtual layer id crosses to the backward when there is one; the ring owns the state.
+    ctx.layer, ctx.vid = layer, invocation.vid
+    ctx.invocation = invocation if invocation.vid is None else None
+
+
+def _invocation(ctx) -> Invocation:
+    """The forward's invocation: from the virtual-layer ring (training) or kept in ``ctx``."""
+    return ctx.layer.balancing.invocation(ctx.vid) if ctx.vid is not None else ctx.invocation
+
+
+class StartInBackward(torch.autograd.Function):
+    """Identity on a tensor of the layer; its backward starts one of the invocation's transfers
+    (``start``, a bound :class:`BalancingContext` method) where the tensor's gradient arrives:
+
+    * ``start_weights`` on the layer's output, the first of the layer's backward: copies this
+      invocation's replicated main experts back into the shared weight buffer (later layers
+      overwrote it), overlapped with the combine's backward (re-materialization);
+    * ``start_reduction`` on the main experts' output of a rank whose redundant slots received no
+      rows: its part in the collective reduction starts where a replica's backward would have
+      started it (before the main experts' backward), so its peers never wait on it.
+    """
+
+    @staticmethod
+    def forward(ctx, layer, invocation, start, tensor):
+        _keep(ctx, layer, invocation)
+        ctx.start = start
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.start(ctx.layer, _invocation(ctx))
+        return None, None, None, grad
+
+
+class ReduceReplicaGrads(torch.autograd.Function):
+    """Identity on the tokens the all-to-all received ``[N, H]`` (before megatron's chunk sort); its
+    backward, after the experts' and the sort's, completes the reduction of the replica gradients
+    into the main experts' gradients.
+
+    The trainable parameters of *every* local main expert are inputs, whatever the plan, so that
+    their gradient accumulation, and so Megatron DDP's hook that marks a parameter ready for its
+    (possibly overlapped) bucket reduction, runs after this backward, in the same order on every
+    rank. Only the experts with a replica need their reduced gradient; the others are inputs for
+    the order: with ``--overlap-grad-reduce`` a bucket's reduce-scatter starts when its last
+    parameter is ready, and the ranks of one expert-data-parallel group belong to different EP
+    groups with different plans. Were only the replicated experts held back, each rank would
+    complete its buckets in an order of its own plan's making and issue the bucket collectives out of
+    step: gloo and NCCL match collectives by issue order, so buckets of one rank were reduced with
+    other buckets of another (silently wrong where sizes agree, a hang where not). The cost: the
+    local experts' weight gradients live until this backward, across megatron's chunk sort backward
+    (none with gradient-accumulation fusion, which writes them into ``main_grad`` directly).
+
+    If neither the tokens nor any local expert's parameter needs a gradient (every local expert, the
+    router and the layers below frozen), this backward never runs on this rank; megatron's own
+    all-to-all backward would not run there either.
+    """
+
+    @staticmethod
+    def inputs(layer) -> List[torch.Tensor]:
+        """The parameters ``apply`` takes after the tokens: every local expert's trainable ones,
+        expert-major (plan-independent, see the class docstring)."""
+        return [p for expert in layer.main_expert_param_lists() for p in expert if p.requires_grad]
+
+    @staticmethod
+    def forward(ctx, layer, invocation, received, *params):
+        _keep(ctx, layer, invocation)
+        ctx.params = params
+        return received.view_as(received)
+
+    @staticmethod
+    def backward(ctx, grad_received):
+        invocation = _invocation(ctx)
+        layer = ctx.layer
+        reduced = layer.balancing.finish_reduction(layer, invocation)  # [local expert][k]
+        layer.balancing.release(invocation)
+        by_param = {id(p): g for expert, grads in zip(layer.main_expert_param_lists(), reduced)
+                    for p, g in zip(expert, grads)}
+        return (None, None, grad_received, *(by_param[id(p)] for p in ctx.params))
+
+
+class ReplicaWeights(torch.autograd.Function):
+    """The redundant slots' weights as tensors of the layer's autograd graph: views of the shared
+    weight buffer, flat (slot-major, ``expert_param_shapes`` order). The forward waits for the
+    invocation's weight distribution; the backward, once autograd has every replica weight
+    gradient, starts their reduction towards the home ranks with them (which copies them into the
+    shared fp32 gradient buffer on its stream; collective, so every rank runs it, with replica rows
+    or not).
+
+    The replica experts then run in the layer's graph (:func:`run_replicas_in_graph`), not in a
+    graph of their own differentiated by a nested backward call. Their saved weights are stored as
+    (offset, shape, stride) of the buffer instead of being kept alive (saved-tensor hooks), because
+    later layers overwrite the buffer; unpacking them waits for its re-materialization, so no replica
+    activation is recomputed. ``tokens`` and ``probs`` (the replica rows and their router
+    probabilities) get no gradient here: they make the weights need one whenever the replica output
+    does. The rows need one whenever a local main expert of this rank is trainable, even with the
+    router and the layers below frozen: they come out of :class:`ReduceReplicaGrads`, whose inputs
+    include such a parameter. (With every local expert, the router and the layers below frozen on
+    one rank but not on another, megatron's own all-to-all backward would not run on that rank
+    either.)
+
+    The weights are returned as aliases of the buffer that autograd does not track as views
+    (``detach``): later layers write the buffer in place, and autograd would refuse a tracked view
+    of it afterwards (a custom function's view whose base changed), e.g. where a kernel keeps the
+    weight tensors for its backward.
+    """
+
+    @staticmethod
+    def forward(ctx, layer, invocation, tokens, probs):
+        _keep(ctx, layer, invocation)
+        ctx.set_materialize_grads(False)  # an unused weight's gradient stays None, not a zero tensor
+        layer.balancing.wait_weights(invocation)
+        return tuple(w.detach() for slot in layer.replica_weight_views() for w in slot)
+
+    @staticmethod
+    def backward(ctx, *weight_grads):
+        ctx.layer.balancing.start_reduction(ctx.layer, _invocation(ctx), weight_grads)
+        return None, None, None, None
+
+
+def run_replicas_in_graph(layer, invocation: Invocation, tokens: torch.Tensor, probs: torch.Tensor):
+    """Expert compute of this rank's redundant slots, differentiable: ``tokens [N, H]`` (sorted by
+    slot) and their ``probs [N]`` -> ``[N, H]``, with the replica weight gradients reduced into the
+    main experts' in the backward (:class:`ReplicaWeights`)."""
+    flat = ReplicaWeights.apply(layer, invocation, tokens, probs)
+    per_slot = len(layer.expert_param_shapes)
+    weights = [flat[s * per_slot : (s + 1) * per_slot] for s in range(len(flat) // per_slot)]
+    buffer = layer.balancing.buffer.replica_weights
+    with torch.autograd.graph.saved_tensors_hooks(
+        _buffer_packer(buffer), _buffer_unpacker(buffer, layer.balancing, invocation)
+    ):
+        return layer.run_replicas(weights, tokens, probs, invocation.replica_rows)
+
+
+def _buffer_packer(buffer: torch.Tensor):
+    """Saved-tensor pack hook: a view of ``buffer`` is saved as its geometry, not its storage."""
+    storage = buffer.untyped_storage().data_ptr()
+
+    @native_torch  # our code, several times per layer and microbatch: no device mapping needed
+    def pack(tensor):
+        if tensor.untyped_storage().data_ptr() == storage:
+            return ("replica-buffer", tensor.storage_offset(), tuple(tensor.shape), tensor.stride())
+        return tensor
+
+    return pack
+
+
+def _buffer_unpacker(buffer: torch.Tensor, balancing: BalancingContext, invocation: Invocation):
+    """Saved-tensor unpack hook: a saved view of ``buffer`` is resolved against the buffer once it
+    holds ``invocation``'s replicas again (re-materialized; raises if it was not). The first unpack
+    of the invocation's backward waits for the transfer; later ones only check the holder."""
+    waited = []
+
+    @native_torch
+    def unpack(saved):
+        if isinstance(saved, tuple):
+            if not waited or balancing.holder is not invocation:
+                balancing.wait_weights(invocation)
+                waited.append(True)
+            _, offset, shape, stride = saved
+            return buffer.as_strided(shape, stride, offset)
+        return saved
+
+    return unpack

@@ -1,0 +1,156 @@
+"""One MoE layer's balancing loop: a balancer and its settings (plain numbers), and the per-layer
+state that turns each microbatch's exact load into a :class:`Plan`.
+
+    config = BalancerConfig("ultraep", num_slots=2)  # validated
+    balancer = config.build()                        # one per MoE layer (EPLB keeps history)
+    plan = balancer.plan(load)                       # load int64 [R, E] -> Plan
+
+The command-line flags that set these numbers, and the hardware presets a quota floor may be
+derived from, belong to the Megatron integration (``megatron/arguments.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from .baselines import fixed_layout
+from .baselines.registry import BALANCERS, EPLB, EPLB_EXACT, IDEAL, MOE_BALANCERS, NONE, ULTRAEP
+from .dispatch import rank_dispatch
+from .metrics import host_imbalance, host_rank_load, metrics
+from .plan import Plan
+from .solve import default_min_quota, solve
+
+__all__ = ["BalancerConfig", "LayerBalancer", "DEFAULT_NUM_SLOTS", "DEFAULT_EPLB_WINDOW",
+           "DEFAULT_EPLB_INTERVAL"]
+
+#: Redundant slots per EP rank. Two: the paper's Table 3 uses 1-2 per rank; the planner reaches
+#: ~1.00 max/mean with 2 on rack-scale loads (docs/planner.md); each costs one expert's weights +
+#: fp32 gradients per rank, shared by all MoE layers.
+DEFAULT_NUM_SLOTS = 2
+DEFAULT_EPLB_WINDOW = 16
+DEFAULT_EPLB_INTERVAL = 16
+
+#: Smallest valid value of each numeric setting (``None`` is valid where it is the default).
+MINIMUMS = {"num_slots": 0, "min_quota": 1, "trigger": 1.0, "domain_size": 1, "eplb_window": 1,
+            "eplb_interval": 1}
+
+
+@dataclass(frozen=True)
+class BalancerConfig:
+    """A balancer and its settings, validated on construction.
+
+    Attributes:
+        name: a balancer of ``registry.BALANCERS``, or ``registry.IDEAL`` (replay only: no plan).
+        num_slots: S, redundant slots per EP rank.
+        min_quota: ultraep's smallest replica quota (``None``: 1 % of the mean rank load).
+        trigger: ultraep balances a load only if its rank imbalance reaches this (``None``:
+            ``1 + min quota / mean rank load``; see :meth:`LayerBalancer.balances`).
+        domain_size: EP ranks per NVLink domain; ultraep keeps replicas inside their home's domain
+            (``None``: one domain).
+        eplb_window / eplb_interval: eplb's history and re-plan period, in microbatches of a layer.
+    """
+
+    name: str = ULTRAEP
+    num_slots: int = DEFAULT_NUM_SLOTS
+    min_quota: Optional[int] = None
+    trigger: Optional[float] = None
+    domain_size: Optional[int] = None
+    eplb_window: int = DEFAULT_EPLB_WINDOW
+    eplb_interval: int = DEFAULT_EPLB_INTERVAL
+
+    def __post_init__(self):
+        if self.name not in BALANCERS and self.name != IDEAL:
+            raise ValueError(f"unknown balancer {self.name!r}; choose from {', '.join(MOE_BALANCERS)}")
+        for field, minimum in MINIMUMS.items():
+            value = getattr(self, field)
+            if value is None and field in ("min_quota", "trigger", "domain_size"):
+                continue
+            number = (int, float) if field == "trigger" else (int, np.integer)
+            if isinstance(value, bool) or not isinstance(value, number):
+                raise ValueError(f"{field} must be {'a number' if field == 'trigger' else 'an integer'}, "
+                                 f"got {value!r}")
+            if not value >= minimum:
+                raise ValueError(f"{field} must be >= {minimum}, got {value}")
+
+    def replace(self, **changes) -> "BalancerConfig":
+        return dataclasses.replace(self, **changes)
+
+    def build(self) -> "LayerBalancer":
+        """A fresh per-layer balancer (EPLB keeps per-layer history)."""
+        return LayerBalancer(self)
+
+
+class LayerBalancer:
+    """One MoE layer's balancing loop: each microbatch's exact load ``[R, E]`` -> a ``Plan``.
+
+    Deterministic: every EP rank feeding the same loads gets the same plans. ``ultraep`` solves only
+    loads that reach its trigger (:meth:`balances`); the others get the identity plan. ``eplb``
+    keeps this layer's load history: its placement is computed from the last ``eplb_window`` loads
+    (the current one on the first call) and refreshed every ``eplb_interval`` calls; the current load
+    goes round-robin over the placement's instances.
+    """
+
+    def __init__(self, config: BalancerConfig):
+        self.config = config
+        self._history: list[torch.Tensor] = []
+        self._placement: Optional[torch.Tensor] = None  # eplb: slot_expert [R, S] in force
+        self._calls = 0
+
+    def balances(self, load: torch.Tensor) -> bool:
+        """Whether ``load`` (int64 [R, E]) is balanced at all (always, except for ultraep below its
+        trigger). With an explicit trigger X: ``rank_imbalance(load) >= X``. By default the busiest
+        rank's excess over the mean must reach the min quota q, ``max - mean >= q``, i.e. the
+        imbalance reaches ``1 + q / mean``: below it, bringing every rank to the mean moves fewer
+        tokens off the busiest rank than one replica must carry to pay for itself, so no plan can
+        pay. Host arithmetic on the exact load: the same answer on every EP rank."""
+        cfg = self.config
+        if cfg.name != ULTRAEP:
+            return True
+        R = load.shape[0]
+        rank_load = host_rank_load(load)
+        total = int(rank_load.sum())
+        if cfg.trigger is not None:
+            return host_imbalance(rank_load) >= cfg.trigger
+        q = cfg.min_quota if cfg.min_quota is not None else default_min_quota(total, R)
+        return total > 0 and R * int(rank_load.max()) - total >= R * q
+
+    def warm_up(self) -> None:
+        """Load the compiled kernels this balancer's plans run (numba: 0.2-0.5 s even from its
+        cache) on a small skewed load, past the trigger, in this balancer's NVLink domains, and the
+        per-rank dispatch and metrics kernels every planned invocation runs; no state of this
+        balancer changes."""
+        R = 2 * (self.config.domain_size or 1)
+        load = torch.ones(R, 2 * R, dtype=torch.int64)
+        load[:, 0] += 64  # all on rank 0's first expert: a replica to place
+        plan = LayerBalancer(dataclasses.replace(self.config, trigger=1.0)).plan(load)
+        if plan is not None:
+            rank_dispatch(plan, load, 0)
+            metrics(load, plan, domain_size=self.config.domain_size)
+
+    def plan(self, load: torch.Tensor, *, balances: Optional[bool] = None) -> Optional[Plan]:
+        """load: int64 [R, E] host tensor -> Plan; ``None`` for the ideal (the router spreads the
+        tokens). ``balances``: :meth:`balances` of ``load``, when the caller has it already."""
+        cfg = self.config
+        if cfg.name == ULTRAEP:
+            if not (self.balances(load) if balances is None else balances):
+                return fixed_layout.identity_plan(load, cfg.num_slots)
+            return solve(load, cfg.num_slots, min_quota=cfg.min_quota, domain_size=cfg.domain_size)
+        if cfg.name == EPLB_EXACT:
+            return fixed_layout.eplb_exact(load, cfg.num_slots)
+        if cfg.name == NONE:
+            return fixed_layout.identity_plan(load)
+        if cfg.name == IDEAL:
+            return None
+        assert cfg.name == EPLB
+        if self._placement is None or self._calls % cfg.eplb_interval == 0:
+            history = torch.stack(self._history[-cfg.eplb_window:]) if self._history else load.unsqueeze(0)
+            self._placement = fixed_layout.eplb(history, cfg.num_slots).slot_expert
+        self._calls += 1
+        self._history.append(load.clone())
+        del self._history[:-cfg.eplb_window]
+        return fixed_layout.round_robin(load, self._placement)
