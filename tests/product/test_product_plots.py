@@ -25,7 +25,8 @@ from matplotlib.figure import Figure
 from ultraep_megatron import traces
 from ultraep_megatron.analysis import resume_experiment as rx
 from ultraep_megatron.analysis import resume_runs
-from ultraep_megatron.analysis.plotting import BALANCER_COLORS, balancer_of
+from ultraep_megatron.analysis.plotting import balancer_of
+from ultraep_megatron.planner.baselines.registry import COLORS as BALANCER_COLORS
 from ultraep_megatron.cli import main
 from ultraep_megatron.cli.common import EXIT_OK
 from ultraep_megatron.megatron.dashboards import Dashboard

@@ -16,8 +16,6 @@ import numpy as np
 
 from ultraep_megatron.planner.baselines import registry
 
-#: One colour per balancer in every figure (the registry's).
-BALANCER_COLORS: dict[str, str] = registry.COLORS
 _OTHER_COLORS = ("#17becf", "#bcbd22", "#d62728", "#7f7f7f")
 
 #: Load relative to the mean, 1.0 = the mean (balanced): blue below, white at 1.0, red above
@@ -34,8 +32,8 @@ def balancer_of(label: str) -> str:
 def balancer_color(label: str) -> str:
     """The colour of the balancer ``label`` names (others: a fixed colour per name)."""
     name = balancer_of(label)
-    if name in BALANCER_COLORS:
-        return BALANCER_COLORS[name]
+    if name in registry.COLORS:
+        return registry.COLORS[name]
     return _OTHER_COLORS[zlib.crc32(name.encode()) % len(_OTHER_COLORS)]
 
 

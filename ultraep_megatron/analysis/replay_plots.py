@@ -45,7 +45,7 @@ def plot_replay(result: ReplayResult, labels: Sequence[str], plot_dir: Path,
     """PNG files: imbalance over time per layer (up to 16 layers) and as a layer x iteration
     heatmap (every layer), load heatmaps, EPLB staleness, estimated layer time (with ``cost``, when
     the replay carries the cost model and its estimate applies). Colours: one per
-    balancer (``plotting.BALANCER_COLORS``); loads relative to the mean white at 1.0, as in the
+    balancer (``registry.COLORS``); loads relative to the mean white at 1.0, as in the
     training dashboards. Returns the paths."""
     plt = plotting.pyplot()
     written = []

@@ -199,7 +199,7 @@ def write_tables(summaries: Sequence[Summary], results: Sequence[RunResult], out
 def plot(summaries: Sequence[Summary], results: Sequence[RunResult], output_dir: Path,
          warmup: int, title: str) -> Path:
     """comparison.png: TFLOP/s/GPU per balancer, per iteration, and per-layer imbalance, each
-    balancer in its colour (``plotting.BALANCER_COLORS``); a failed run is a hatched grey bar."""
+    balancer in its colour (``registry.COLORS``); a failed run is a hatched grey bar."""
     plt = plotting.pyplot()
     fig, (bars, lines, layers) = plt.subplots(1, 3, figsize=(16, 4.8), layout="constrained")
     for i, s in enumerate(summaries):
