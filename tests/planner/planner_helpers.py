@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from hypothesis import HealthCheck
 from hypothesis import strategies as st
 
 
@@ -196,3 +197,30 @@ def domain_problems(draw, max_ranks: int = 12, max_experts_per_rank: int = 4, ma
     R = load.shape[0]
     N = draw(st.sampled_from([d for d in range(1, R + 1) if R % d == 0]))
     return load, S, min_quota, N
+
+
+# ---- placements (the balancers that may move main experts) ----
+
+#: Hypothesis settings of the slower property tests.
+SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def holdings(physical_expert: np.ndarray, num_experts: int) -> list[list[int]]:
+    """Per expert, the ranks of its physical copies in physical-slot order (plain loops)."""
+    ranks: list[list[int]] = [[] for _ in range(num_experts)]
+    for t in range(physical_expert.shape[0]):
+        for e in physical_expert[t]:
+            if e >= 0:
+                ranks[e].append(t)
+    return ranks
+
+
+def copy_counts(physical_expert: np.ndarray, num_experts: int, domain_size: int):
+    """(weight copies, main moves, cross-domain copies) by plain loops over the layout."""
+    R = physical_expert.shape[0]
+    G = num_experts // R
+    held = {(int(e), t) for t in range(R) for e in physical_expert[t] if e >= 0}
+    copies = sum(1 for e, t in held if t != e // G)
+    moves = sum(1 for e in range(num_experts) if (e, e // G) not in held)
+    cross = sum(1 for e, t in held if t // domain_size != (e // G) // domain_size)
+    return copies, moves, cross

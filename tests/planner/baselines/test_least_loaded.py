@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner_helpers import check_plan, problems
+from planner_helpers import check_plan, problems, SETTINGS
 from ultraep_megatron.planner import baselines
 from ultraep_megatron.planner.baselines import Placement, llep
 from ultraep_megatron.planner.baselines.placement import main_moves
-
-
-SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def test_llep_by_hand():

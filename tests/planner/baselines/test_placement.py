@@ -2,42 +2,16 @@
 
 from __future__ import annotations
 
-
-import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 
-from planner_helpers import domain_problems
+from planner_helpers import copy_counts, domain_problems, SETTINGS
 from ultraep_megatron.planner import metrics, solve
 from ultraep_megatron.planner import baselines
 from ultraep_megatron.planner.baselines import Placement, deepseek_eplb, llep, placement_metrics
 from ultraep_megatron.planner.baselines.placement import cross_domain_copies, main_moves, weight_copies
 from ultraep_megatron.traces.synthetic import zipf_load
-
-
-SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-def copy_counts(physical_expert: np.ndarray, num_experts: int, domain_size: int):
-    """(weight copies, main moves, cross-domain copies) by plain loops over the layout."""
-    R = physical_expert.shape[0]
-    G = num_experts // R
-    held = {(int(e), t) for t in range(R) for e in physical_expert[t] if e >= 0}
-    copies = sum(1 for e, t in held if t != e // G)
-    moves = sum(1 for e in range(num_experts) if (e, e // G) not in held)
-    cross = sum(1 for e, t in held if t // domain_size != (e // G) // domain_size)
-    return copies, moves, cross
-
-
-def holdings(physical_expert: np.ndarray, num_experts: int) -> list[list[int]]:
-    """Per expert, the ranks of its physical copies in physical-slot order (plain loops)."""
-    ranks: list[list[int]] = [[] for _ in range(num_experts)]
-    for t in range(physical_expert.shape[0]):
-        for e in physical_expert[t]:
-            if e >= 0:
-                ranks[e].append(t)
-    return ranks
 
 
 @settings(max_examples=300, **SETTINGS)
