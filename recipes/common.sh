@@ -4,30 +4,61 @@
 # Environment (all optional; MASTER_ADDR is needed as soon as there is more than one node):
 #   MASTER_ADDR, MASTER_PORT   rendezvous host/port (default localhost:6000)
 #   NNODES, NODE_RANK          nodes in the job and this node's index (defaults: the recipe's
-#                              layout; $SLURM_NODEID or 0); GPUS_PER_NODE (default 4: a GB200/
-#                              GB300 compute tray; 16 trays in use per 64-GPU rack)
+#                              layout; $SLURM_NODEID or 0)
+#   GPUS_PER_NODE              processes per node (default: the recipe's DEFAULT_GPUS_PER_NODE,
+#                              else 4: a GB200/GB300 compute tray, 16 trays in use per 64-GPU
+#                              rack; the HGX recipes set 8: an H100/H200 node, its NVLink domain)
 #   PRETRAIN_SCRIPT            pretrain_gpt.py to run (default: this repository's; a Megatron-LM
 #                              checkout patched with patches/ works the same)
 #   ULTRAEP_PYTHON             python with torch + megatron-core + ultraep_megatron
 #   DATA_PATH                  Megatron --data-path (a blend "w1 p1 w2 p2" or one prefix); unset:
 #                              --mock-data with a NullTokenizer of the model's vocabulary size
-#   TOKENIZER_MODEL            HuggingFace tokenizer (default: the model's hub id)
+#   TOKENIZER_MODEL            HuggingFace tokenizer DATA_PATH was made with: a local directory
+#                              (a cluster without internet) or a hub id (needs the hub from every
+#                              node). Required with DATA_PATH: the recipe refuses to start without
+#                              it rather than fail on the hub after the job has started
 #   CHECKPOINT_DIR             --load and --save directory (unset: neither)
 #   SAVE_CHECKPOINTS           0: load from CHECKPOINT_DIR but never save (the resume experiment)
 #   MOE_BALANCER               default --moe-balancer (default ultraep); extra arguments win
-#   WANDB_PROJECT, WANDB_EXP_NAME, WANDB_SAVE_DIR, TENSORBOARD_DIR, METRICS_JSONL
+#   WANDB_PROJECT              wandb logging (Megatron's --wandb-project) only when set; unset or
+#                              WANDB_MODE=disabled: no wandb flag (WANDB_MODE=offline: log to disk)
+#   WANDB_EXP_NAME, WANDB_SAVE_DIR   (default run name: the recipe's); TENSORBOARD_DIR, METRICS_JSONL
 #   GLOBAL_BATCH_SIZE, MICRO_BATCH_SIZE, SEQ_LENGTH, TRAIN_ITERS
 #
-# A recipe sets RECIPE_NAME, DEFAULT_NNODES, HF_TOKENIZER, VOCAB_SIZE, VOCAB_DIVISOR and its
-# MODEL_ARGS / MOE_ARGS / PARALLEL_ARGS arrays, then calls `ultraep_launch "$@"`.
+# A malformed value (NNODES=abc, NODE_RANK >= NNODES, DATA_PATH without TOKENIZER_MODEL) stops the
+# recipe before torchrun with one line naming the variable, exit status 2.
+#
+# A recipe sets RECIPE_NAME, DEFAULT_NNODES, HF_TOKENIZER, VOCAB_SIZE, VOCAB_DIVISOR (and, if not
+# 4, DEFAULT_GPUS_PER_NODE) and its MODEL_ARGS / MOE_ARGS / PARALLEL_ARGS arrays, then calls
+# `ultraep_launch "$@"`.
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+
+# One line naming the environment variable, exit status 2 (before torchrun starts).
+ultraep_env_error() {
+    echo "$(basename "$0"): $*" >&2
+    exit 2
+}
+
+# ultraep_env_int NAME VALUE MIN WHAT: VALUE must be a whole number >= MIN.
+ultraep_env_int() {
+    if ! [[ "$2" =~ ^[0-9]+$ ]] || (( 10#$2 < $3 )); then
+        ultraep_env_error "$1=$2: expected a whole number >= $3 ($4)"
+    fi
+}
 
 ultraep_launch() {
     local python=${ULTRAEP_PYTHON:-$(command -v python3 || command -v python)}
     local script=${PRETRAIN_SCRIPT:-$REPO/pretrain_gpt.py}
-    local gpus_per_node=${GPUS_PER_NODE:-4}
+    local gpus_per_node=${GPUS_PER_NODE:-${DEFAULT_GPUS_PER_NODE:-4}}
     local nnodes=${NNODES:-$DEFAULT_NNODES}
+    local node_rank=${NODE_RANK:-${SLURM_NODEID:-0}}
+
+    ultraep_env_int NNODES "$nnodes" 1 "nodes in the job"
+    ultraep_env_int GPUS_PER_NODE "$gpus_per_node" 1 "processes per node"
+    ultraep_env_int NODE_RANK "$node_rank" 0 "this node's index"
+    (( 10#$node_rank < 10#$nnodes )) || ultraep_env_error "NODE_RANK=$node_rank: expected less than NNODES=$nnodes"
+    ultraep_env_int MASTER_PORT "${MASTER_PORT:-6000}" 1 "the rendezvous port"
 
     export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
     export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
@@ -35,7 +66,7 @@ ultraep_launch() {
     local distributed_args=(
         --nproc-per-node "$gpus_per_node"
         --nnodes "$nnodes"
-        --node-rank "${NODE_RANK:-${SLURM_NODEID:-0}}"
+        --node-rank "$node_rank"
         --master-addr "${MASTER_ADDR:-localhost}"
         --master-port "${MASTER_PORT:-6000}"
     )
@@ -69,13 +100,18 @@ ultraep_launch() {
 
     local data_args
     if [[ -n "${DATA_PATH:-}" ]]; then
+        # No default: the data was tokenized with a tokenizer the user holds, and the model's hub
+        # id would only fail later, on every rank, on a cluster without internet.
+        [[ -n "${TOKENIZER_MODEL:-}" ]] || ultraep_env_error "DATA_PATH is set but TOKENIZER_MODEL is not:" \
+            "set it to the tokenizer DATA_PATH was made with, a local directory on every node (a cluster" \
+            "without internet) or a HuggingFace hub id (this model's: $HF_TOKENIZER)"
         # --vocab-size is what NullTokenizer uses; a HuggingFace tokenizer brings its own and
         # pads it to a multiple of VOCAB_DIVISOR, i.e. to the model's embedding size.
         data_args=(
             --data-path $DATA_PATH
             --split 99,1,0
             --tokenizer-type HuggingFaceTokenizer
-            --tokenizer-model "${TOKENIZER_MODEL:-$HF_TOKENIZER}"
+            --tokenizer-model "$TOKENIZER_MODEL"
             --make-vocab-size-divisible-by "$VOCAB_DIVISOR"
             --vocab-size "$VOCAB_SIZE"
         )
@@ -101,10 +137,12 @@ ultraep_launch() {
         --log-throughput
         --eval-interval 1000
         --eval-iters 0
-        --wandb-project "${WANDB_PROJECT:-ultraep}"
-        --wandb-exp-name "${WANDB_EXP_NAME:-$RECIPE_NAME}"
     )
-    [[ -n "${WANDB_SAVE_DIR:-}" ]] && logging_args+=(--wandb-save-dir "$WANDB_SAVE_DIR")
+    # wandb only when asked for: unset WANDB_PROJECT or WANDB_MODE=disabled start no wandb run.
+    if [[ -n "${WANDB_PROJECT:-}" && "${WANDB_MODE:-}" != disabled ]]; then
+        logging_args+=(--wandb-project "$WANDB_PROJECT" --wandb-exp-name "${WANDB_EXP_NAME:-$RECIPE_NAME}")
+        [[ -n "${WANDB_SAVE_DIR:-}" ]] && logging_args+=(--wandb-save-dir "$WANDB_SAVE_DIR")
+    fi
     [[ -n "${TENSORBOARD_DIR:-}" ]] && logging_args+=(--tensorboard-dir "$TENSORBOARD_DIR")
     [[ -n "${METRICS_JSONL:-}" ]] && logging_args+=(--metrics-jsonl "$METRICS_JSONL")
 

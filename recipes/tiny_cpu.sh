@@ -2,19 +2,23 @@
 # Tiny MoE GPT on 4 CPU ranks over gloo, expert parallel EP=4: megatron-core's own GPT model and
 # training loop (pretrain_gpt.py), run on CPU by ultraep_megatron's CPU backend.
 #
-#   bash recipes/tiny_cpu.sh [extra pretrain_gpt.py arguments, e.g. --moe-balancer ultraep]
+#   bash recipes/tiny_cpu.sh [extra pretrain_gpt.py arguments, e.g. --moe-balancer none]
 #
-# Logs loss and, per MoE layer, the expert-load imbalance (max/mean tokens per EP rank) to the
-# console and to wandb (offline, under $RUN_DIR/wandb). Routing is kept visibly skewed by
-# megatron's --moe-router-force-biased (a fixed per-layer bias on the router logits).
+# Balances with --moe-balancer ultraep and its default 2 redundant slots per rank, as the rack
+# recipes do (MOE_BALANCER below; extra arguments win). Logs loss and, per MoE layer, the
+# expert-load imbalance (max/mean tokens per EP rank) to the console and to wandb (offline, under
+# $RUN_DIR/wandb). Routing is kept visibly skewed by megatron's --moe-router-force-biased (a fixed
+# per-layer bias on the router logits).
 # Environment: ULTRAEP_PYTHON (python with torch + megatron-core; default: python on PATH),
-# RUN_DIR (default: runs/tiny_cpu), TRAIN_ITERS (default 40).
+# RUN_DIR (default: runs/tiny_cpu), TRAIN_ITERS (default 40), MOE_BALANCER (default --moe-balancer:
+# ultraep, as in recipes/common.sh).
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PYTHON=${ULTRAEP_PYTHON:-$(command -v python3 || command -v python)}
 RUN_DIR=${RUN_DIR:-$REPO/runs/tiny_cpu}
 TRAIN_ITERS=${TRAIN_ITERS:-40}
+MOE_BALANCER=${MOE_BALANCER:-ultraep}
 NPROC=4
 mkdir -p "$RUN_DIR"
 
@@ -64,6 +68,7 @@ MOE_ARGS=(
     --moe-router-load-balancing-type aux_loss
     --moe-aux-loss-coeff 1e-3
     --moe-router-force-biased -1.0
+    --moe-balancer "$MOE_BALANCER"
 )
 
 PARALLEL_ARGS=(

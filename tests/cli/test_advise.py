@@ -114,3 +114,28 @@ def test_advisor_on_the_shipped_trace(capsys):
     flags = parser.parse_args(report["flags"].split())
     config = balancer_flags.balancer_config_from_args(flags)  # validated: names a real balancer, slots, floor
     assert (config.name, config.num_slots, config.min_quota) == ("ultraep", advice["num_slots"], advice["min_quota"])
+
+
+def test_memory_budget_lists_no_slot_count_over_it_and_floors_are_in_pairs(trace_dir, capsys):
+    """--memory-budget-gb: slot counts whose slots take more memory per rank are neither swept nor
+    listed, only named as over the budget; when no slot count with replicas fits, no recommendation,
+    saying so. The quota floor and the loads are (token, expert) pairs (docs/glossary.md), never
+    "tokens"."""
+    common = [str(trace_dir), "--hidden-size", "4096", "--moe-ffn-hidden-size", "1536", "--load-scale", "16",
+              "--plan-time-us", "100", "--no-progress"]
+    # One slot of a 36 MiB expert: 108 MiB per rank (bf16 weights + fp32 gradients).
+    assert main(["advise", *common, "--slots", "0,1,2,4", "--memory-budget-gb", "0.25", "--json"]) == EXIT_OK
+    report = json.loads(capsys.readouterr().out)
+    assert report["rows"] and all(r["memory_bytes"] <= 0.25 * 2**30 for r in report["rows"])
+    assert {r["num_slots"] for r in report["rows"]} == {0, 1, 2}
+    assert list(report["over_budget_slots"]) == ["4"] and report["recommendation"]["num_slots"] in (0, 1, 2)
+    assert main(["advise", *common, "--memory-budget-gb", "0.001"]) == EXIT_FAILED
+    out = capsys.readouterr().out
+    sweep = out[out.index("Sweep over"):].split("\n\n")[0].splitlines()[3:]
+    assert [line.split()[:2] for line in sweep] == [["ultraep", "0"]]  # only 0 slots fit
+    assert "slot counts 1 (108 MiB), 2 (216 MiB)" in out and "are over it, not swept" in out
+    assert "no recommendation: no slot count with replicas fits the memory budget of 1 MiB per rank" in out
+    assert "Recommendation" not in out
+    floor = out[out.index("Quota floor from the hardware"):out.index("Memory budget")]
+    assert "token" not in floor.replace("(token, expert) pair", "")
+    assert f"= {report['hardware_min_quota']} pairs" in floor and "pairs per microbatch" in floor

@@ -34,4 +34,4 @@ def test_output_dir_is_made_and_checked_before_the_work(trace_dir, tmp_path, cap
     corrupt.write_bytes(bytes(data))
     assert main(["trace", "info", str(corrupt)]) == EXIT_USAGE
     err = capsys.readouterr().err
-    assert err.startswith("ultraep trace: error:") and "checksum" in err and len(err.strip().splitlines()) == 1
+    assert err.startswith("ultraep trace info: error:") and "checksum" in err and len(err.strip().splitlines()) == 1

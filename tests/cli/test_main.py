@@ -1,11 +1,12 @@
-"""The `ultraep` command as a whole (``cli/__init__.py``): every --help, the exit codes on truncated,
-foreign and bad input, and no test importing tools/."""
+"""The `ultraep` command as a whole (``cli/__init__.py``): every --help, usage errors and warnings in
+one line, the exit codes on truncated, foreign and bad input, and no test importing tools/."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -42,14 +43,62 @@ def test_help_of_the_console_command_and_every_subcommand(capsys):
     assert exc.value.code == EXIT_USAGE
 
 
+# A usage error of each (sub)command: what is missing or wrong.
+BAD_USAGE = {("replay",): [], ("advise",): ["T", "--slots", "x"], ("check-recipe",): ["--rack-size", "q"],
+             ("resume-experiment",): ["--iterations", "1"], ("trace",): [], ("trace", "info"): [],
+             ("trace", "convert"): ["DIR"], ("trace", "merge"): ["OUT"], ("trace", "synth"): ["s.uetrace", "--skew", "x"],
+             (): ["bogus"]}
+
+
+def test_usage_errors_are_one_line_naming_the_command_and_its_help(capsys):
+    """argparse's usage block is not printed before the error: one line, `ultraep CMD: error: ...`,
+    with where the help is; exit status 2. Unknown arguments and arguments after -- are the
+    subcommand's errors too."""
+    assert {words for words in BAD_USAGE if words} == {tuple(words) for words in SUBCOMMANDS}
+    cases = [*BAD_USAGE.items(), (("replay",), ["T", "--bogus"]), (("trace", "info"), ["T", "--", "x"])]
+    for words, rest in cases:
+        with pytest.raises(SystemExit) as exc:
+            main([*words, *rest])
+        err = capsys.readouterr().err
+        prog = " ".join(["ultraep", *words])
+        assert exc.value.code == EXIT_USAGE, words
+        assert len(err.splitlines()) == 1 and err.startswith(f"{prog}: error: "), err
+        assert err.rstrip().endswith(f"(see {prog} --help)"), err
+    assert "error: unrecognized arguments: --bogus (see" in err_of(["replay", "T", "--bogus"], capsys)
+    assert "error: takes no arguments after -- (see" in err_of(["trace", "info", "T", "--", "x"], capsys)
+
+
+def err_of(argv, capsys) -> str:
+    with pytest.raises(SystemExit):
+        main(argv)
+    return capsys.readouterr().err
+
+
+def test_warnings_are_one_line_under_the_command(trace_dir, tmp_path, capsys):
+    """A truncated trace's warning is one line, `ultraep replay: warning: ...`, not Python's
+    `file:line: Category: message` with the source line below it."""
+    torn = tmp_path / "torn.uetrace"
+    torn.write_bytes(traces.trace_path(trace_dir, 0).read_bytes()[:-45])
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")  # whatever PYTHONWARNINGS says (tools/run_tests.sh ignores UserWarning)
+        assert main(["replay", str(torn), "--balancers", "none", "--no-staleness", "--no-cost",
+                     "--no-progress"]) == EXIT_OK
+    err = capsys.readouterr().err
+    assert err.splitlines() == [line for line in err.splitlines() if line.startswith("ultraep replay: warning: ")]
+    assert len(err.splitlines()) == 1 and "torn.uetrace is truncated" in err and "Warning:" not in err
+
+
 def test_exit_codes_on_truncated_foreign_and_bad_input(trace_dir, tmp_path, capsys):
     blob = traces.trace_path(trace_dir, 0).read_bytes()
     torn = tmp_path / "torn.uetrace"
     torn.write_bytes(blob[:-45])
-    with pytest.warns(traces.TraceTruncatedWarning):
-        code = main(["replay", str(torn), "--balancers", "none,ultraep", "--no-staleness", "--no-cost", "--no-progress"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        code = main(["replay", str(torn), "--balancers", "none,ultraep", "--no-staleness", "--no-cost",
+                     "--no-progress"])
     assert code == EXIT_OK
-    assert "TRUNCATED tail of" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "TRUNCATED tail of" in printed.out and "ultraep replay: warning: " in printed.err
     assert main(["replay", str(torn), "--strict", "--no-cost", "--no-progress"]) == EXIT_USAGE
     assert "is truncated" in capsys.readouterr().err
     foreign = tmp_path / "notes.uetrace"

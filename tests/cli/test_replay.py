@@ -1,5 +1,6 @@
 """``ultraep replay`` (``cli/replay.py``): the report, its JSON / CSV / PNG outputs against the
-library's figures, and the peer table on the shipped KJV trace and on synthetic loads."""
+library's figures, and the peer table on the shipped KJV trace and on synthetic loads (and none with
+--no-peers)."""
 
 from __future__ import annotations
 
@@ -111,10 +112,20 @@ def test_replay_of_synthetic_loads_prints_the_peer_table(tmp_path, capsys):
     for label in ("ultraep", "llep (alpha=1.1, m=64, lambda=off)", "deepseek-eplb (global, S=2)",
                   "deepseek-eplb (hierarchical, nodes of 4, S=2)"):
         assert f"\n{label} " in table, label
-    report = json.loads(run_replay(capsys, path, "--no-staleness", "--no-peers", "--json"))
-    assert set(report["peer_table"]) == set(registry.COMPARED)
     # Domains that do not divide the EP group are refused, naming what is wrong.
     assert main(["replay", str(path), "--moe-balancer-domain-size", "3", "--no-progress"]) == EXIT_USAGE
     assert "--moe-balancer-domain-size 3 must divide the trace's 8 EP ranks" in capsys.readouterr().err
     assert main(["replay", str(path), "--scale-up-domain", "3", "--no-progress"]) == EXIT_USAGE
     assert "does not split into scale-up domains of 3" in capsys.readouterr().err
+
+
+def test_no_peers_prints_no_peer_table(trace_dir, capsys):
+    """--no-peers: no peer table, neither printed (not even the balancers' rows of it) nor in the
+    JSON; the rest of the report stays."""
+    out = run_replay(capsys, trace_dir, "--no-staleness", "--no-peers")
+    assert "Balancing quality over all loads" in out and "ESTIMATE" in out
+    assert "Peers (" not in out and "deepseek-eplb" not in out and "llep" not in out
+    report = json.loads(run_replay(capsys, trace_dir, "--no-staleness", "--no-peers", "--json"))
+    assert report["peer_table"] == {} and set(report["quality"]) == set(registry.COMPARED)
+    with_peers = json.loads(run_replay(capsys, trace_dir, "--no-staleness", "--json"))
+    assert set(with_peers["peer_table"]) > set(registry.COMPARED)

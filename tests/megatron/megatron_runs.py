@@ -222,7 +222,8 @@ def argument_verdicts(cases: dict[str, list[str]]) -> dict[str, dict]:
     distributed setup.
 
     Returns:
-        {name: {"error": None or the first message, "warnings": [UltraEP's warnings]}}.
+        {name: {"error": None or the first message, "errors": [every message of UltraEP's startup
+        checks], "warnings": [UltraEP's warnings]}}.
     """
     with tempfile.TemporaryDirectory(prefix="argument_verdicts_") as tmp:
         path = Path(tmp) / "cases.json"

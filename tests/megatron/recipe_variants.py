@@ -13,6 +13,13 @@ nothing is started); every flag of that launch is then kept as it is, except
 A flag added to a recipe therefore reaches its variant unchanged (and a flag no rule knows that the
 CPU cannot run makes the variant fail loudly, not vanish). The batch keeps several microbatches per
 rank (global batch 16 of micro-batches 2).
+
+Variants run per distinct behaviour (:func:`covering_runs`): what a variant exercises is its
+layout and each of its flags, with the value where the value is a word (``softmax``,
+``seq_aux_loss``, ``selective``, ``moe``: a choice of code path); numbers (loss coefficients,
+epsilons, RoPE bases) and the shrunk sizes tune the same code. A recipe whose every such flag and
+layout is already exercised by the variants that run is covered by them and adds no run (an HGX
+recipe of a rack recipe's model, say).
 """
 
 from __future__ import annotations
@@ -49,6 +56,15 @@ DROPPED = {
     "--rotary-scaling-factor": "YaRN RoPE scaling, used by multi-latent attention (dropped with it)",
     "--mscale": "YaRN RoPE scaling, used by multi-latent attention (dropped with it)",
     "--mscale-all-dim": "YaRN RoPE scaling, used by multi-latent attention (dropped with it)",
+    "--moe-grouped-gemm": "Transformer Engine's grouped-GEMM experts (TEGroupedMLP) need a GPU: "
+                          "megatron's local spec builds SequentialMLP experts (and its argument check "
+                          "asks the GPU's compute capability); ultraep with TEGroupedMLP runs in "
+                          "test_balanced_moe_layer.py's grouped scenario, with torch_grouped_linear "
+                          "in TE's place",
+    "--moe-balancer-hardware": "its quota floor is in tokens of a full-size expert's GEMM (hundreds), "
+                               "more than a variant's whole microbatch routes to an expert: "
+                               "nothing would be replicated; the variant keeps the default floor "
+                               "(1% of the mean rank load). The preset's floor: test_arguments.py",
 }
 
 
@@ -91,6 +107,10 @@ DERIVED: dict[str, Callable[[Layout, list[str]], str]] = {
     "--pipeline-model-parallel-size": lambda layout, values: str(layout.pipeline),
     "--decoder-first-pipeline-num-layers": lambda layout, values: str(TINY_LAYERS // layout.pipeline),
     "--decoder-last-pipeline-num-layers": lambda layout, values: str(TINY_LAYERS // layout.pipeline),
+    # The recipes' node-sized domain (8 EP ranks per NVLink domain) becomes the variant's whole EP
+    # group: a domain must divide the EP size, and a smaller one (1) would leave no rank to host a
+    # replica. Domains smaller than the EP group train in test_domain_training.py.
+    "--moe-balancer-domain-size": lambda layout, values: str(EP),
 }
 
 
@@ -147,6 +167,11 @@ class Variant:
         return self.recipe.stem
 
     @property
+    def key(self) -> tuple:
+        """What the variant runs: recipes whose variants share it share their runs."""
+        return (self.layout.pipeline, self.layout.expert_data, tuple(self.args))
+
+    @property
     def floor_ep(self) -> int:
         """The EP size of the noise-floor partner: the same ranks and PP, another EP (4, or 1 where
         the data-parallel size is below 4), so every expert's gradient is summed over other
@@ -162,6 +187,50 @@ class Variant:
                             ("--expert-model-parallel-size", str(ep))):
             args[args.index(flag) + 1] = value
         return args
+
+
+#: Flags each run of a variant sets itself (``Variant.launch_args``).
+PER_RUN = ("--moe-balancer", "--train-iters", "--expert-model-parallel-size")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def behaviour(variant: "Variant") -> frozenset:
+    """What a variant exercises: its layout; each flag, with its word values (a size or number
+    tunes, a word selects: module docstring); a shrunk flag by its presence."""
+    out = {("layout", f"PP{variant.layout.pipeline} expert-DP{variant.layout.expert_data}")}
+    for flag, values in parse_flags(variant.args):
+        if flag in PER_RUN:
+            continue
+        words = () if flag in variant.shrunk else tuple(v for v in values if not _is_number(v))
+        out.add((flag, words))
+    return frozenset(out)
+
+
+def covering_runs(variants: list["Variant"]) -> dict[str, list[str]]:
+    """{name of a covered variant: the variants that run what it exercises}; every other variant
+    runs. Largest behaviours first, so a variant is covered only by variants that run."""
+    running: list[Variant] = []
+    covered = {}
+    for variant in sorted(variants, key=lambda v: (-len(behaviour(v)), v.name)):
+        mine = behaviour(variant)
+        seen = set().union(*(behaviour(r) for r in running))
+        if mine <= seen:
+            left, by = set(mine), []
+            while left:  # the running variants that exercise most of what is left, greedily
+                best = max(running, key=lambda r: len(left & behaviour(r)))
+                by.append(best.name)
+                left -= behaviour(best)
+            covered[variant.name] = by
+        else:
+            running.append(variant)
+    return covered
 
 
 def small_scale_variant(recipe: Path) -> Variant:

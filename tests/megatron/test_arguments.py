@@ -71,6 +71,23 @@ def test_validation_names_the_flag(changes, flag):
         arguments.balancer_config_from_args(args)
 
 
+def test_every_problem_is_named_not_only_the_first():
+    """validate_ultraep_args collects: four problems of a command line, four lines, each naming its
+    flag (knobs, the model, the settings a balanced layer refuses)."""
+    args = argparse.Namespace(
+        **vars(parsed("--moe-balancer", "ultraep", "--moe-balancer-num-slots", "-1",
+                      "--moe-balancer-trigger", "0.5")),
+        num_experts=6, expert_model_parallel_size=4, moe_token_dispatcher_type="allgather")
+    with pytest.raises(ValueError) as raised:
+        arguments.validate_ultraep_args(args)
+    lines = str(raised.value).splitlines()
+    assert raised.value.problems == lines
+    flags = ["--moe-balancer-num-slots", "--moe-balancer-trigger", "--num-experts 6",
+             "--moe-token-dispatcher-type allgather"]
+    assert len(lines) == len(flags) and all(flag in line for flag, line in zip(flags, lines)), lines
+    assert arguments.startup_problems(args) == (lines, [])
+
+
 def test_hardware_presets_are_named_in_the_flag_help():
     help_text = next(k.help for k in arguments.KNOBS if k.field == "hardware")
     assert all(name in help_text for name in HARDWARE_PRESETS)
@@ -128,6 +145,9 @@ COMMAND_LINES = {
     "resume_into_its_trace": ([*ULTRAEP, "--moe-balancer-trace-dir", "{tmp}/held",
                                "--load", "{tmp}/ckpt"], None),
     "new_trace_dir": ([*ULTRAEP, "--moe-balancer-trace-dir", "{tmp}/new/trace"], None),
+    # Three problems at once: three lines (test_three_problems_are_three_lines).
+    "three_problems": ([*ULTRAEP, "--moe-balancer-num-slots", "-1", "--moe-balancer-domain-size", "0",
+                        "--moe-balancer-trace-dir", A_FILE], "--moe-balancer-num-slots"),
 }
 # Every command line runs at EP=1: a balancer whose flags are valid is warned about it.
 WARNED = {"valid_ultraep", "valid_eplb", "valid_domain_trigger_hardware",
@@ -158,3 +178,12 @@ def test_command_line(verdicts, name):
         assert len(warnings) == 1 and "--expert-model-parallel-size 1" in warnings[0], warnings
     else:
         assert warnings == [], warnings
+
+
+def test_three_problems_are_three_lines(verdicts):
+    """pretrain_gpt.py's startup checks report every problem, one line each naming its flag (the
+    trace directory's too), not the first alone."""
+    errors = verdicts["three_problems"]["errors"]
+    assert [e.split(" ", 1)[0] for e in errors] == [
+        "--moe-balancer-num-slots", "--moe-balancer-domain-size", "--moe-balancer-trace-dir"], errors
+    assert "not a directory" in errors[2] and all("\n" not in e for e in errors)

@@ -10,7 +10,9 @@ partitions, the same mathematics), the noise floor. In bf16 that floor is bf16 r
 expert GEMMs, which is what balancing changes too (a replica computes some of an expert's rows);
 a floor pair that only changed the data-parallel size would share every GEMM and measure fp32
 reduction order alone. ``LR0`` iterations at learning rate 0 compare every reduced gradient per
-step; ``ADAM`` more the trajectory.
+step; ``ADAM`` more the trajectory. A recipe whose variant exercises nothing the running variants
+do not (its layout and every flag with its word values: ``recipe_variants.covering_runs``) is
+covered by them and adds no run; recipes whose variants are the same share one set of runs.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import pytest
 
 from equivalence import failures, per_step_comparisons, summary, trajectory_comparisons
 from megatron_runs import launch_dump_run, save_initial_checkpoint
-from recipe_variants import EP, RECIPES, small_scale_variant
+from recipe_variants import EP, RECIPES, behaviour, covering_runs, small_scale_variant
 
 pytestmark = pytest.mark.slow
 
@@ -33,12 +35,13 @@ TRAINED = list(range(LR0 + 1, LR0 + ADAM + 1))
 
 @pytest.fixture(scope="module")
 def variant_runs(tmp_path_factory):
-    """recipe name -> (variant, {run: DumpRun}), launched once, on first use."""
+    """recipe -> (variant, {run: DumpRun}, the recipe whose runs these are), launched once per
+    distinct variant, on first use."""
     done = {}
 
     def get(recipe):
-        if recipe.name not in done:
-            variant = small_scale_variant(recipe)
+        variant = small_scale_variant(recipe)
+        if variant.key not in done:
             root = tmp_path_factory.mktemp(variant.name)
             save_initial_checkpoint(root / "initial", variant.launch_args("none", train_iters=1))
             load = ["--load", str(root / "initial" / "ckpt"), "--finetune", "--ckpt-format", "torch_dist"]
@@ -48,8 +51,9 @@ def variant_runs(tmp_path_factory):
                 args = variant.launch_args(balancer, train_iters=LR0 + ADAM, ep=ep)
                 runs[run] = launch_dump_run(root / run, variant.layout.world, [*args, *load],
                                             {"ULTRAEP_LR0_ITERS": str(LR0)})
-            done[recipe.name] = (variant, runs)
-        return done[recipe.name]
+            done[variant.key] = (runs, variant.name)
+        runs, owner = done[variant.key]
+        return variant, runs, owner
 
     return get
 
@@ -59,11 +63,27 @@ def test_every_recipe_has_a_variant():
     assert len(names) >= 4 and all(name.endswith(".sh") for name in names), names
 
 
+@pytest.fixture(scope="module")
+def covered():
+    """{recipe stem: the variants that exercise all its variant does}, for the covered ones."""
+    return covering_runs([small_scale_variant(recipe) for recipe in RECIPES])
+
+
 @pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
-def test_small_scale_variant_matches_none(variant_runs, recipe):
-    variant, runs = variant_runs(recipe)
+def test_small_scale_variant_matches_none(variant_runs, covered, recipe):
+    if recipe.stem in covered:
+        by = covered[recipe.stem]
+        variant = small_scale_variant(recipe)
+        exercised = set().union(*(behaviour(small_scale_variant(recipe.parent / f"{name}.sh")) for name in by))
+        assert behaviour(variant) <= exercised
+        assert all(name not in covered for name in by)  # those run (their own parametrization)
+        print(f"\n{variant.name}: covered, no run of its own: its layout and every flag (with its word "
+              f"values) run in the variants of {', '.join(by)}")
+        return
+    variant, runs, owner = variant_runs(recipe)
     print(f"\n{variant.name}: {variant.layout.world} ranks (PP {variant.layout.pipeline}, EP {EP}, "
-          f"expert-DP {variant.layout.expert_data}); floor partner EP {variant.floor_ep}")
+          f"expert-DP {variant.layout.expert_data}); floor partner EP {variant.floor_ep}"
+          + (f"; the same variant as {owner}'s: its runs" if owner != variant.name else ""))
     for flag, reason in variant.dropped.items():
         print(f"  dropped {flag}: {reason}")
     print(f"  shrunk {', '.join(variant.shrunk)}; kept as in the recipe: {' '.join(variant.kept)}")

@@ -1,6 +1,7 @@
 """Every recipe passes `ultraep check-recipe`: Megatron's own argument validation for the full world
-size, EP groups inside one 64-GPU rack, the published model shapes, and a per-rank memory
-estimate that agrees with Megatron's own estimator and reproduces the paper's §4.1 slot figures.
+size, EP groups inside one 64-GPU rack (the HGX recipes: every balancer domain inside one 8-GPU
+node), the published model shapes, and a per-rank memory estimate that agrees with Megatron's own
+estimator, reproduces the paper's §4.1 slot figures and fits the GPU (186 GiB GB200, 80 GiB H100).
 
 Reference values are independent of the checker: the models' published configs and parameter
 counts, Table 3 of the paper (parallel layout, slots), §4.1 (36 MB / 72 MB per slot of
@@ -36,8 +37,12 @@ LAYOUT = {
     "qwen3_235b_a22b_ep64_dp4.sh": (256, 64, 1, 4, 2),
     "deepseek_v3_671b_a37b_ep64_pp4.sh": (256, 64, 4, 1, 2),
     "refmoe_288b_a16b_ep32_pp4_dp20.sh": (2560, 32, 4, 20, 4),
-    "tiny_cpu.sh": (4, 4, 1, 1, None),
+    "tiny_cpu.sh": (4, 4, 1, 1, 2),  # ultraep by default (MOE_BALANCER), its default 2 slots
+    # HGX H100/H200 nodes of 8 GPUs (docs/recipes.md): one node; EP32 across 4 nodes, PP4.
+    "deepseek_v2_lite_16b_a2b_ep8_hgx.sh": (8, 8, 1, 1, 2),
+    "qwen3_235b_a22b_ep32_pp4_hgx.sh": (128, 32, 4, 1, 2),
 }
+HGX = {name for name in LAYOUT if name.endswith("_hgx.sh")}
 
 # Published configs (HF config.json of zai-org/GLM-4.5-Air, Qwen/Qwen3-235B-A22B,
 # deepseek-ai/DeepSeek-V3; the paper for RefMoE): layers, first dense layers, hidden, query heads,
@@ -52,6 +57,12 @@ SHAPES = {
         (61, 3, 7168, 128, 256, 8, 2048, 2048, "sigmoid", "seq_aux_loss", 1e-4, True),
     "refmoe_288b_a16b_ep32_pp4_dp20.sh":
         (46, 1, None, None, 256, 8, None, None, "sigmoid", "seq_aux_loss", 1e-4, True),
+    "qwen3_235b_a22b_ep32_pp4_hgx.sh":
+        (94, 0, 4096, 64, 128, 8, 1536, None, "softmax", "aux_loss", 1e-2, False),
+    # deepseek-ai/DeepSeek-V2-Lite: 2 shared experts of 1408 = one shared FFN of 2816; its
+    # expert-level balance loss alpha 0.001.
+    "deepseek_v2_lite_16b_a2b_ep8_hgx.sh":
+        (27, 1, 2048, 16, 64, 6, 1408, 2816, "softmax", "seq_aux_loss", 1e-3, False),
 }
 
 # Published sizes in parameters: (total, active).
@@ -60,6 +71,8 @@ PUBLISHED = {
     "qwen3_235b_a22b_ep64_dp4.sh": (235e9, 22e9),
     "deepseek_v3_671b_a37b_ep64_pp4.sh": (671e9, 37e9),
     "refmoe_288b_a16b_ep32_pp4_dp20.sh": (288e9, 16e9),
+    "qwen3_235b_a22b_ep32_pp4_hgx.sh": (235e9, 22e9),
+    "deepseek_v2_lite_16b_a2b_ep8_hgx.sh": (15.7e9, 2.4e9),
 }
 
 
@@ -89,14 +102,35 @@ def test_recipe_passes_checker_with_table3_layout(reports, name):
     if slots:
         assert a.moe_balancer_num_slots == slots
     assert report.problems() == []
-    # Independently of the checker's own test: each EP group lies in one rack of 64, each PP
-    # group's stages in distinct racks.
+    # Independently of the checker's own test: each EP group lies in one rack of 64 (HGX: each
+    # balancer domain of 8 EP ranks in one node of 8), each PP group's stages in distinct racks
+    # (nodes).
     layout = report.layout
+    domain, size = (8, a.moe_balancer_domain_size) if name in HGX else (64, ep)
     assert sorted(r for g in layout.ep_groups for r in g) == list(range(world))
-    assert all(len(g) == ep and len({r // 64 for r in g}) == 1 for g in layout.ep_groups)
-    assert all(len({r // 64 for r in g}) == pp for g in layout.pp_groups)
+    assert all(len(g) == ep for g in layout.ep_groups)
+    assert all(len({r // domain for r in g[i:i + size]}) == 1
+               for g in layout.ep_groups for i in range(0, ep, size))
+    assert all(len({r // domain for r in g}) == pp for g in layout.pp_groups)
     text = check_recipe.format_report(report)
-    assert "EP groups inside one rack: yes" in text and "passed" in text
+    assert re.search(r"^  EP groups .*: yes$", text, re.M) and "passed" in text
+    assert report.margin_bytes() > 0 and ": fits" in text
+
+
+def test_the_docs_table_gives_the_balancer_and_slots_each_recipe_runs_with(reports):
+    """docs/recipes.md's "slots / rank" column is what the recipe launches, as its user runs it (no
+    MOE_BALANCER in the environment): `ultraep` with that many redundant slots ("(default)": the
+    flag's default); the tiny CPU recipe included."""
+    rows = re.findall(r"^\| `recipes/([\w.]+\.sh)` \|.*\| (\d+)( \(default\))? \|$",
+                      (REPO / "docs" / "recipes.md").read_text(), re.M)
+    assert "tiny_cpu.sh" in {name for name, *_ in rows}
+    for name, slots, default in rows:
+        launch = check_recipe.capture_launch(RECIPES / name, {"MOE_BALANCER": ""})
+        checked = reports.get(name)
+        args = (checked.args if checked is not None and checked.launch.args == launch.args
+                else check_recipe.check_launch(launch).args)
+        assert (args.moe_balancer, args.moe_balancer_num_slots) == ("ultraep", int(slots)), name
+        assert ("--moe-balancer-num-slots" not in launch.args) == bool(default), name
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
@@ -113,7 +147,7 @@ def test_recipe_has_the_published_model_shape(reports, name):
     assert a.moe_aux_loss_coeff == coeff and a.moe_router_enable_expert_bias == bias
     if bias:
         assert a.moe_router_bias_update_rate == 1e-3
-    assert a.bf16 and a.transformer_impl == "transformer_engine"
+    assert a.bf16 and a.transformer_impl == "transformer_engine" and a.moe_grouped_gemm
 
 
 @pytest.mark.parametrize("name", list(PUBLISHED))
@@ -189,7 +223,8 @@ def test_a_repeated_mtp_layer_is_one_balanced_layer(repeated, ids):
 def test_checker_rejects_an_ep_group_larger_than_a_rack(reports):
     report = reports["qwen3_235b_a22b_ep64_dp4.sh"]
     layout = check_recipe.rank_layout(report.args, gpus_per_node=4, rack_size=32)
-    assert any("spans racks" in p for p in layout.problems())
+    assert any("spans scale-up domains" in p and "--moe-balancer-domain-size 32" in p
+               for p in layout.problems())
 
 
 def test_checker_reports_megatron_and_ultraep_rejections(capsys):

@@ -1,5 +1,6 @@
-"""Reading traces (``traces/reader.py``): crash and truncation semantics at every cut, the torn-tail
-policies, foreign, corrupt and unsupported files, and reading while the writer runs."""
+"""Reading traces (``traces/reader.py``): crash and truncation semantics at every cut, what
+``trace_info`` counts at every cut, the torn-tail policies, foreign, corrupt and unsupported files,
+and reading while the writer runs."""
 
 from __future__ import annotations
 
@@ -16,11 +17,13 @@ from traces_helpers import E, R, random_load, sample_iterations, write_iteration
 from ultraep_megatron.traces import (
     TraceFormatError,
     TraceReader,
+    TraceRecords,
     TraceTruncatedError,
     TraceTruncatedWarning,
     TraceWriter,
     read_trace,
 )
+from ultraep_megatron.traces.reader import trace_info
 
 
 def record_ends(path: Path) -> list[tuple[bytes, int]]:
@@ -63,6 +66,26 @@ def test_every_truncation_point_keeps_exactly_the_committed_iterations(tmp_path)
             assert trace.status == "truncated"
             previous = max(b for b in boundaries if b < cut)
             assert trace.truncated_bytes == cut - previous
+
+
+def test_trace_info_counts_what_a_replay_reads_at_every_cut(tmp_path):
+    """One definition of a trace's loads and iterations, the committed ones: ``trace_info`` (``ultraep
+    trace info``) counts what ``read_trace`` and a replay's ``TraceRecords`` read, wherever the
+    file is cut, and the loads after the last commit apart."""
+    full = tmp_path / "full.uetrace"
+    write_iterations(full, sample_iterations(iterations=3), compress=True)
+    blob = full.read_bytes()
+    cut_path = tmp_path / "cut.uetrace"
+    for cut in range(blob.index(b"\n", 14) + 1, len(blob) + 1, 11):
+        cut_path.write_bytes(blob[:cut])
+        info = trace_info(cut_path)
+        trace = read_trace(cut_path, on_truncated="ignore")
+        assert (info["loads"], info["iterations"]) == (trace.num_records, len(set(trace.iteration.tolist()))), cut
+        assert sum(info["layers"].values()) == info["loads"]
+        everything = read_trace(cut_path, on_truncated="ignore", include_uncommitted=True)
+        assert info["uncommitted"] == everything.num_records - trace.num_records
+        described = TraceRecords([cut_path], on_truncated="ignore").describe()[0]
+        assert f" {info['loads']} loads in {info['iterations']} iterations" in described, (cut, described)
 
 
 class _no_warning:

@@ -16,7 +16,7 @@ from ultraep_megatron.planner.baselines import registry
 
 from . import plotting
 from .advisor import advise_slots, slot_sweep
-from .cost import ExpertShape, Hardware, min_quota_from_hardware
+from .cost import ExpertShape, Hardware, min_quota_from_hardware, slot_memory_bytes
 from .replay import replay
 from .summary import estimate_problem, metric_summary
 from .tables import ESTIMATE, dump_json, fmt, format_table, write_csv
@@ -73,17 +73,30 @@ def complete_report(report: dict, records: Iterable, shape: ExpertShape, hardwar
     """The sweep (:func:`.advisor.slot_sweep`) and the recommendation (:func:`.advisor.advise_slots`)
     added to ``report`` (of :func:`start_report`): its rows, the recommendation or why there is
     none, the per-layer imbalance of the recommended floor and trigger, and the training flags.
-    Returns (rows, the advice or None)."""
+    Slot counts over ``memory_budget_bytes`` (per rank) are neither swept nor listed
+    (``report["over_budget_slots"]``); when every slot count with replicas is over it, there is no
+    recommendation, saying so. Returns (rows, the advice or None)."""
+    slots = sorted(set(int(s) for s in slots))
+    over = [] if memory_budget_bytes is None else [s for s in slots if slot_memory_bytes(shape, s) > memory_budget_bytes]
+    slots = [s for s in slots if s not in over]
     rows, result = slot_sweep(
         records, slots, min_quotas, shape, hardware, triggers=triggers, domain_size=domain_size, relay=relay,
         include_eplb_exact=include_eplb_exact, num_layers=num_layers, plan_seconds=plan_seconds, progress=progress)
-    try:
-        advice = advise_slots(rows, tolerance=tolerance, min_gain_per_slot=min_gain_per_slot,
-                              memory_budget_bytes=memory_budget_bytes)
-        problem = None
-    except ValueError as exc:
-        advice, problem = None, str(exc)
+    if over and not any(s > 0 for s in slots):
+        advice, problem = None, (
+            f"no slot count with replicas fits the memory budget of {memory_budget_bytes / 2**20:.0f} MiB per rank: "
+            f"{over[0]} slot(s) take {slot_memory_bytes(shape, over[0]) / 2**20:.0f} MiB (weights + fp32 gradients); "
+            "raise --memory-budget-gb, or train without balancing")
+    else:
+        try:
+            advice = advise_slots(rows, tolerance=tolerance, min_gain_per_slot=min_gain_per_slot,
+                                  memory_budget_bytes=memory_budget_bytes)
+            problem = None
+        except ValueError as exc:
+            advice, problem = None, str(exc)
     report.update({
+        "memory_budget_bytes": memory_budget_bytes,
+        "over_budget_slots": {s: slot_memory_bytes(shape, s) for s in over},
         "num_records": result.num_records, "layers": result.layers,
         "mean_rank_load": float(result.metrics[registry.IDEAL]["lower_bound"].mean()),
         "rows": rows,
@@ -128,17 +141,21 @@ def render(report: dict) -> str:
             f"{hw['scale_up_gbps']:g} GB/s: {report['expert_transfer_us']:.2f} us",
             f"  one (token, expert) pair of compute at {hw['peak_tflops']:g} TFLOP/s: {report['pair_compute_ns']:.3f} ns "
             "forward" + (f", x{k} with backward" if k > 1 else ""),
-            f"  one expert GEMM's fixed cost: {report['gemm_overhead_tokens']:g} tokens' worth (small-M efficiency)",
+            f"  one expert GEMM's fixed cost: {report['gemm_overhead_tokens']:g} pairs' worth (small-M efficiency)",
             f"  => a replica pays from q = ceil({report['expert_transfer_us']:.2f} us / ({k} x "
-            f"{report['pair_compute_ns']:.3f} ns) + {report['gemm_overhead_tokens']:g}) = {hw_quota} tokens"]
+            f"{report['pair_compute_ns']:.3f} ns) + {report['gemm_overhead_tokens']:g}) = {hw_quota} pairs"]
     mean_load = report["mean_rank_load"]
-    out.append(f"  the traced mean rank load is {mean_load:.0f} tokens per microbatch: q = {hw_quota} is "
+    out.append(f"  the traced mean rank load is {mean_load:.0f} (token, expert) pairs per microbatch: q = {hw_quota} is "
                f"{hw_quota / max(mean_load, 1):.1%} of it (the planner default is 1%)"
                + (" — replicas will rarely pay at this load; try --load-scale to project a larger microbatch"
                   if hw_quota > 0.25 * mean_load else ""))
     out.append(f"  trigger (default): a load is balanced only if its busiest rank's excess over the mean reaches the "
                f"floor q, i.e. from rank imbalance 1 + q / mean rank load: {1 + hw_quota / max(mean_load, 1):.3f} with "
                f"q = {hw_quota} at the traced mean load")
+    over = report.get("over_budget_slots") or {}
+    if over:
+        out += ["", f"Memory budget {report['memory_budget_bytes'] / 2**20:.0f} MiB per rank: slot counts "
+                    + ", ".join(f"{s} ({b / 2**20:.0f} MiB)" for s, b in over.items()) + " are over it, not swept"]
     table = []
     for r in report["rows"]:
         ultraep = r["balancer"] == registry.ULTRAEP
@@ -178,9 +195,10 @@ def render(report: dict) -> str:
             f"  {advice['reason']}",
             f"  imbalance {row['imbalance_mean']:.3f} (p95 {row['imbalance_p95']:.3f}), {row['replicas_mean']:.1f} "
             f"replicas per layer and microbatch, balanced on {row['balanced_share']:.0%} of the loads, "
-            f"{row['memory_bytes'] / 2**20:.0f} MiB per rank",
-            "  benefit per slot (speedup gained per slot over no replicas): "
-            + ", ".join(f"S={s}: {b:+.3f}x" for s, b in advice["benefit_per_slot"].items())]
+            f"{row['memory_bytes'] / 2**20:.0f} MiB per rank"]
+    if advice["benefit_per_slot"]:
+        out.append("  benefit per slot (speedup gained per slot over no replicas): "
+                   + ", ".join(f"S={s}: {b:+.3f}x" for s, b in advice["benefit_per_slot"].items()))
     if report.get("files"):
         out += ["", "wrote: " + ", ".join(str(p) for p in report["files"])]
     return "\n".join(out)

@@ -90,6 +90,10 @@ class Hardware:
             runs at ``M / (M + M0)`` of the plateau (half of it at M = M0). 100: fitted to the
             grouped-GEMM efficiencies DeepSeek published for DeepGEMM (the points and the fit:
             docs/traces.md, "Small GEMMs"); Hopper's tiles are 64-256 rows whatever the dtype.
+        memory_gb: memory per GPU in GiB (what ``ultraep check-recipe`` budgets a rank against).
+            Default: a GB200's 186 (HBM3e).
+        gpus_per_node: GPUs per node (one torchrun node): 4 on a GB200 compute tray, 8 on an HGX
+            board.
     """
 
     scale_up_gbps: float = 900.0
@@ -101,9 +105,11 @@ class Hardware:
     inter_domain_gbps: float = 50.0
     scale_up_domain: Optional[int] = None
     gemm_overhead_tokens: float = 100.0
+    memory_gb: float = 186.0
+    gpus_per_node: int = 4
 
     def __post_init__(self):
-        for name in ("scale_up_gbps", "peak_tflops", "hbm_tbps", "inter_domain_gbps"):
+        for name in ("scale_up_gbps", "peak_tflops", "hbm_tbps", "inter_domain_gbps", "memory_gb"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("compute_efficiency", "comm_efficiency"):
@@ -113,6 +119,9 @@ class Hardware:
             raise ValueError(f"transfer_overlap must lie in [0, 1], got {self.transfer_overlap}")
         if not self.gemm_overhead_tokens >= 0:
             raise ValueError(f"gemm_overhead_tokens must be >= 0, got {self.gemm_overhead_tokens}")
+        if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) \
+                or self.gpus_per_node < 1:
+            raise ValueError(f"gpus_per_node must be an int >= 1, got {self.gpus_per_node!r}")
         N = self.scale_up_domain
         if N is not None and (isinstance(N, bool) or not isinstance(N, int) or N < 1):
             raise ValueError(f"scale_up_domain must be an int >= 1 or None, got {N!r}")
@@ -150,12 +159,13 @@ class Hardware:
 #: Named hardware descriptions (``--moe-balancer-hardware``); sources in docs/traces.md.
 HARDWARE_PRESETS: dict[str, Hardware] = {
     # UltraEP paper, Table 2: 64 GPUs per rack on a 900 GB/s scale-up fabric, 2250 TFLOP/s bf16,
-    # 8 TB/s HBM, 400 Gb/s between racks.
+    # 8 TB/s HBM, 400 Gb/s between racks; GB200 GPUs (186 GB of HBM3e), 4 per compute tray.
     "paper-rack": Hardware(scale_up_domain=64),
     # NVIDIA H100 SXM5 in an 8-GPU HGX/DGX node: 989 TFLOP/s dense bf16, 3.35 TB/s HBM3, NVLink 4 at
-    # 900 GB/s bidirectional (450 per direction), one 400 Gb/s ConnectX-7 NIC per GPU.
+    # 900 GB/s bidirectional (450 per direction), one 400 Gb/s ConnectX-7 NIC per GPU; 80 GB HBM3;
+    # the NVLink domain is the node.
     "h100-hgx": Hardware(scale_up_gbps=450.0, peak_tflops=989.0, hbm_tbps=3.35, inter_domain_gbps=50.0,
-                         scale_up_domain=8),
+                         scale_up_domain=8, memory_gb=80.0, gpus_per_node=8),
 }
 
 

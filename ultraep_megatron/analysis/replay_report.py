@@ -23,7 +23,8 @@ __all__ = ["build_report", "display_label", "render", "write_outputs"]
 def build_report(result: ReplayResult, labels: Sequence[str], *, inputs: Sequence[str], min_quota: Optional[int],
                  shape: ExpertShape, source: str, hardware: Hardware, plan_time_us: Optional[float] = None,
                  relay: bool = True) -> dict:
-    """Everything the replay found, JSON-ready (the peers in ``peer_table``).
+    """Everything the replay found, JSON-ready (the peers next to the balancers in ``peer_table``,
+    empty when no peer was replayed).
 
     Args:
         result: the replay; labels: the compared balancers' labels (the others: the staleness sweep).
@@ -53,8 +54,9 @@ def build_report(result: ReplayResult, labels: Sequence[str], *, inputs: Sequenc
         "ranks_per_domain": result.ranks_per_domain,
         "peer_labels": {**{label: display_label(result.balancers[label]) for label in labels},
                         **{label: label for label in result.peers}},
+        # No peers replayed (ultraep replay --no-peers): no peer table.
         "peer_table": {label: row for label, row in peer_summary(result).items()
-                       if label in labels or label in result.peers},
+                       if label in labels or label in result.peers} if result.peers else {},
     }
     if result.costs is not None:
         report["estimate_note"] = "cost figures are estimates from ultraep_megatron.analysis.cost, not measurements"

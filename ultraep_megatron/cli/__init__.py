@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 import traceback
+import warnings
 from typing import Optional, Sequence
 
 from . import advise, check_recipe, common, replay, resume_experiment, trace
@@ -33,7 +34,7 @@ pass, a failed run, no recommendation); {common.EXIT_USAGE} bad arguments or unr
 def build_parser() -> argparse.ArgumentParser:
     from importlib.metadata import PackageNotFoundError, version
 
-    parser = argparse.ArgumentParser(
+    parser = common.Parser(
         prog="ultraep", description=__doc__.split("\n\n")[0],
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     try:
@@ -43,7 +44,18 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in SUBCOMMANDS:
         module.add_parser(subparsers)
+    mark_commands(parser)
     return parser
+
+
+def mark_commands(parser: argparse.ArgumentParser) -> None:
+    """Give every (sub)command's parser itself as the default ``command_parser``: after parsing, the
+    innermost command's (e.g. ``ultraep trace synth``), whose prog errors are reported under."""
+    parser.set_defaults(command_parser=parser)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                mark_commands(sub)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -53,11 +65,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         split = argv.index("--")
         argv, passthrough = argv[:split], argv[split + 1:]
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    command = args.command_parser  # errors are the innermost command's: "ultraep trace synth: error: ..."
+    if unknown:
+        command.error(f"unrecognized arguments: {' '.join(unknown)}")
     if passthrough and not getattr(args, "takes_passthrough", False):
-        parser.error(f"ultraep {args.command} takes no arguments after --")
+        command.error("takes no arguments after --")
     args.passthrough = passthrough
-    prog = f"ultraep {args.command}"
+    prog = command.prog
+    with warnings.catch_warnings():
+        warnings.showwarning = one_line_warnings(prog)
+        return run_command(args, prog)
+
+
+def one_line_warnings(prog: str):
+    """A ``warnings.showwarning``: a warning (a truncated trace's, a library's) as one line under
+    the command's name, ``PROG: warning: MESSAGE``, instead of Python's ``file:line: Category:
+    message`` with the source line below it."""
+    def show(message, *_, **__) -> None:
+        print(f"{prog}: warning: {' '.join(str(message).split())}", file=sys.stderr)
+    return show
+
+
+def run_command(args, prog: str) -> int:
+    """``args.run(args)``, its failures reported in one line as the exit status says."""
     try:
         return args.run(args)
     except common.CliError as error:

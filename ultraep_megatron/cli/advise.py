@@ -5,9 +5,10 @@ Replays the trace through ultraep for every (slots, min quota, trigger) combinat
 balance, the ESTIMATED speedup over no balancing and the memory each choice costs, then recommends
 the smallest slot count past which extra slots stop paying (CRAFT's benefit per replica, applied to
 real-time balancing). It also derives the quota floor from the hardware: a replica pays only if the
-tokens it takes off the busiest rank save more compute time than moving the expert's weights and
-running a GEMM of its own cost (HarMoEny's threshold plus the GEMM's small-M overhead); by default the
-trigger follows from the floor (a load is balanced only if its busiest rank's excess reaches it).
+(token, expert) pairs it takes off the busiest rank save more compute time than moving the expert's
+weights and running a GEMM of its own cost (HarMoEny's threshold plus the GEMM's small-M overhead);
+by default the trigger follows from the floor (a load is balanced only if its busiest rank's excess
+reaches it).
 The recommendation is printed as the --moe-balancer-* flags to train with; when no slot count pays,
 the advice is to train without balancing. A trace whose model is too small for the cost model (its
 MoE layer estimated below the latencies the model leaves out, e.g. a tiny CPU run) gets no
@@ -61,7 +62,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                        help="redundant slots per rank to try (default: 0,1,2,3,4,6,8)")
     sweep.add_argument("--min-quotas", type=quota_list, default=[None, "hw"], metavar="Q,Q",
                        help="quota floors to try: 'default' (1%% of the mean rank load), 'hw' (from the "
-                            "hardware), or tokens (default: default,hw)")
+                            "hardware), or a number of (token, expert) pairs (default: default,hw)")
     sweep.add_argument("--triggers", type=trigger_list, default=[None], metavar="X,X",
                        help="triggers to try: 'default' (1 + floor / mean rank load of each load) or rank "
                             "imbalances, 1 = always balance (default: default)")
@@ -73,7 +74,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                      help="recommend the fewest slots within this fraction of the best speedup (%(default)s)")
     rec.add_argument("--min-gain-per-slot", type=float, default=0.005,
                      help="stop adding slots once one buys less speedup than this (%(default)s)")
-    rec.add_argument("--memory-budget-gb", type=float, default=None, help="skip slot counts over this (GiB per rank)")
+    rec.add_argument("--memory-budget-gb", type=common.non_negative_float, default=None,
+                     help="skip slot counts whose slots (weights + fp32 gradients) take more than this, GiB per rank")
     rec.add_argument("--num-moe-layers", type=int, default=None,
                      help="MoE layers of the model, for the per-layer-replica memory column (default: as traced)")
     common.add_model_hardware_args(parser)

@@ -1,17 +1,28 @@
 """ultraep check-recipe: check a launch recipe on this machine, without GPUs.
 
 For each recipe (a bash script that ends in $ULTRAEP_PYTHON -m torch.distributed.run ...
-pretrain_gpt.py ARGS) the launch is captured, not run; then Megatron's own argument parser and
+pretrain_gpt.py ARGS) the launch is captured, not run (arguments after -- are appended, as the
+recipe appends its own command-line arguments); then Megatron's own argument parser and
 validate_args run for the full world size, then UltraEP's validation; the rank layout is printed
-from Megatron's own RankGenerator (every EP group must sit inside one rack's scale-up domain), and
-memory per rank and pipeline stage is estimated: weights, fp32 main gradients, optimizer states,
-and the redundant expert slots with and without cross-layer reuse. Activations are not estimated.
+from Megatron's own RankGenerator, and memory per rank and pipeline stage is estimated: weights,
+fp32 main gradients, optimizer states, the redundant expert slots with and without cross-layer
+reuse, activations (sequence, micro batch, TP/CP/SP, recompute, pipeline microbatches in flight)
+and a fixed runtime allowance, against the GPU's memory (--gpu-memory-gb).
+
+Scale-up domain: the GPUs one NVLink fabric joins, consecutive global ranks: a GB200 NVL72 rack
+(64 GPUs in use, 4 per node) or an HGX H100/H200 node (8 GPUs: the domain is the node). A recipe
+with --moe-balancer-hardware h100-hgx gets domains of 8 and an 80 GiB budget; --rack-size and
+--gpu-memory-gb override. An EP group must sit inside one domain, or span domains with
+--moe-balancer-domain-size D such that every D consecutive EP ranks (a balancer domain, where an
+expert's replicas live) sit inside one: EP16-64 across HGX nodes needs
+--moe-balancer-domain-size 8.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from ultraep_megatron.analysis.tables import dump_json
 
@@ -21,25 +32,48 @@ SUMMARY = "validate launch recipes with Megatron's own checks for the full world
 EXAMPLES = """examples:
   ultraep check-recipe recipes/qwen3_235b_a22b_ep64_dp4.sh
   ultraep check-recipe --env NNODES=128 recipes/qwen3_235b_a22b_ep64_dp4.sh      # another size
+  ultraep check-recipe recipes/deepseek_v2_lite_16b_a2b_ep8_hgx.sh -- --moe-balancer-num-slots 3
+                                                                  # the recipe with your overrides
+  ultraep check-recipe --gpu-memory-gb 141 recipes/qwen3_235b_a22b_ep32_pp4_hgx.sh  # H200 nodes
   ultraep check-recipe --world-size 256 --gpus-per-node 4 -- --num-layers 94 ...  # bare pretrain_gpt.py arguments
 
-exit status: 0 when every recipe passes, 1 when one fails, 2 on bad usage.
+exit status: 0 when every recipe passes, 1 when one fails (a PROBLEM line each), 2 on bad usage
+(one error line).
 """
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    from ultraep_megatron.megatron.recipe_check import DEFAULT_RACK_SIZE
+def _positive(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+        return value
+    return parse
 
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("check-recipe", help=SUMMARY, description=__doc__.split("\n\n", 1)[1],
                                    epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
                                    usage="%(prog)s [options] RECIPE ... | %(prog)s --world-size N [options] -- ARGS")
-    parser.add_argument("recipes", nargs="*", metavar="RECIPE", help="recipe scripts to check")
-    parser.add_argument("--rack-size", type=int, default=DEFAULT_RACK_SIZE,
-                        help="GPUs per rack (scale-up domain); default %(default)s")
-    parser.add_argument("--world-size", type=int, default=None,
+    parser.add_argument("recipes", nargs="*", metavar="RECIPE",
+                        help="recipe scripts to check; arguments after -- are appended to each")
+    parser.add_argument("--rack-size", "--scale-up-domain", dest="rack_size", type=_positive(int), default=None,
+                        metavar="GPUS",
+                        help="GPUs per scale-up (NVLink) domain, consecutive ranks: a GB200 rack's 64 in use, "
+                             "an HGX node's 8. Default: the recipe's --moe-balancer-hardware preset's "
+                             "(h100-hgx: 8, the node; paper-rack: 64), else 64")
+    parser.add_argument("--gpu-memory-gb", type=_positive(float), default=None, metavar="GIB",
+                        help="memory per GPU in GiB that each rank's estimated peak must fit. Default: the "
+                             "recipe's --moe-balancer-hardware preset's (h100-hgx: 80), else 186 (GB200)")
+    parser.add_argument("--world-size", type=_positive(int), default=None,
                         help="check bare pretrain_gpt.py arguments (after --) for this world size")
-    parser.add_argument("--gpus-per-node", type=int, default=4,
-                        help="with --world-size: GPUs per node; default %(default)s")
+    parser.add_argument("--gpus-per-node", type=_positive(int), default=None,
+                        help="with --world-size: GPUs per node. Default: the --moe-balancer-hardware "
+                             "preset's in the arguments (h100-hgx: 8), else 4 (a GB200 tray). A recipe's "
+                             "comes from its launch (--env GPUS_PER_NODE=N)")
     parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                         help="environment for the recipes (e.g. NNODES=8); repeatable")
     parser.add_argument("--json", action="store_true", help="print the reports as JSON on stdout")
@@ -54,17 +88,31 @@ def run(args) -> int:
     if bad_env:
         raise common.CliError(f"--env takes KEY=VALUE, got {bad_env}")
     env = dict(item.split("=", 1) for item in args.env)
+    missing = [r for r in args.recipes if not Path(r).is_file()]
+    if missing:
+        raise common.CliError(f"no such recipe file: {', '.join(missing)}")
+    if args.world_size is not None and args.recipes and args.passthrough:
+        raise common.CliError("arguments after -- go to the recipes, or with --world-size to a bare launch; "
+                              "not both (check a recipe at another size with --env NNODES=N)")
+    if args.gpus_per_node is not None and args.world_size is None:
+        raise common.CliError("--gpus-per-node applies to --world-size; a recipe's comes from its launch "
+                              "(--env GPUS_PER_NODE=N)")
     launches, skipped = [], []
     if args.world_size is not None:
-        if args.world_size % args.gpus_per_node:
-            raise common.CliError("--world-size must be a multiple of --gpus-per-node")
-        launches.append(rc.Launch(args.gpus_per_node, args.world_size // args.gpus_per_node,
+        if not args.passthrough:
+            raise common.CliError("--world-size checks bare pretrain_gpt.py arguments: give them after --")
+        gpus_per_node = args.gpus_per_node or rc.default_gpus_per_node(args.passthrough)
+        if args.world_size % gpus_per_node:
+            raise common.CliError(f"--world-size {args.world_size} is not a multiple of {gpus_per_node} "
+                                  "GPUs per node (--gpus-per-node)")
+        launches.append(rc.Launch(gpus_per_node, args.world_size // gpus_per_node,
                                   "pretrain_gpt.py", args.passthrough))
-    elif args.passthrough:
-        raise common.CliError("bare arguments after -- need --world-size")
+    elif args.passthrough and not args.recipes:
+        raise common.CliError("bare arguments after -- need --world-size (or a recipe to append them to)")
+    extra = args.passthrough if args.world_size is None else []
     for recipe in args.recipes:
         try:
-            launches.append(rc.capture_launch(recipe, env))
+            launches.append(rc.capture_launch(recipe, env, extra_args=extra))
         except rc.NotARecipe as note:
             skipped.append(str(recipe))
             if not args.json:
@@ -80,7 +128,7 @@ def run(args) -> int:
             result = failure(str(launch[0]), launch[1])
         else:
             try:
-                report = rc.check_launch(launch, args.rack_size)
+                report = rc.check_launch(launch, args.rack_size, args.gpu_memory_gb)
                 result = {"source": launch.source, "passed": not report.problems(), "problems": report.problems(),
                           "text": rc.format_report(report), **summary(report)}
             except rc.RecipeError as error:
@@ -118,8 +166,12 @@ def summary(report) -> dict:
         "total_params": report.memory.total_params, "active_params": report.memory.active_params,
         "flops_per_iteration": report.flops,
         "ep_groups": layout.ep_groups, "rack_size": layout.rack_size,
+        "moe_balancer_domain_size": layout.balancer_domain,
+        "gpu_memory_gb": report.gpu_memory_gb, "margin_bytes": report.margin_bytes(),
         "stages": [{"stage": s.stage, "layers": s.layers, "moe_layers": s.moe_layers,
                     "model_state_bytes": s.model_states, "slot_bytes_with_reuse": s.slots_with_reuse,
-                    "slot_bytes_without_reuse": s.slots_without_reuse, "total_bytes": s.total}
+                    "slot_bytes_without_reuse": s.slots_without_reuse, "total_bytes": s.total,
+                    "activation_bytes": s.activations, "runtime_reserve_bytes": s.runtime_reserve,
+                    "peak_bytes": s.peak}
                    for s in report.memory.stages],
     }

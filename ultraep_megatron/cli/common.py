@@ -5,6 +5,7 @@ and the traces' (``ultraep_megatron.analysis``, ``ultraep_megatron.traces``)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import tempfile
 import time
@@ -20,6 +21,15 @@ EXIT_INTERNAL = 3   # a bug: the traceback is printed
 
 class CliError(Exception):
     """A problem with the command's arguments or inputs: one line on stderr, exit status 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    """The parser of ``ultraep`` and of every subcommand (``add_subparsers`` makes its subparsers of
+    its own class): a usage error is one line, ``PROG: error: MESSAGE (see PROG --help)``, exit
+    status 2 as argparse's, instead of argparse's usage block before it."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -80,6 +90,29 @@ def positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
+    return value
+
+
+def int_at_least(minimum: int):
+    """An argparse type: an int >= ``minimum``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
+        return value
+    return parse
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
     return value
 
 
@@ -259,9 +292,10 @@ def add_output_args(parser: argparse.ArgumentParser, *, files: str) -> argparse.
     return group
 
 
-def prepare_output_dir(path: Optional[Path]) -> Optional[Path]:
-    """Create ``path`` (saying so on stderr) and check, by writing a file there, that the outputs
-    can be written, before any long work (None passes through)."""
+def prepare_output_dir(path: Optional[Path], name: str = "--output-dir", *, announce: bool = True) -> Optional[Path]:
+    """Create ``path`` (saying so on stderr, naming it as the argument ``name`` the user gave) and
+    check, by writing a file there, that the outputs can be written, before any long work (None
+    passes through)."""
     if path is None:
         return None
     created = not path.exists()
@@ -270,10 +304,34 @@ def prepare_output_dir(path: Optional[Path]) -> Optional[Path]:
         with tempfile.TemporaryFile(dir=path):
             pass
     except OSError as exc:
-        raise CliError(f"--output-dir {path}: {exc.strerror or exc}") from None
-    if created:
-        print(f"created --output-dir {path}", file=sys.stderr)
+        raise CliError(f"{name} {path}: {exc.strerror or exc}") from None
+    if created and announce:
+        print(f"created {name} {path}", file=sys.stderr)
     return path
+
+
+@contextlib.contextmanager
+def output_dir_undone_on_failure(path: Path, name: str):
+    """:func:`prepare_output_dir` for a command whose output is all or nothing (``trace merge``,
+    ``trace convert``): when the body fails, the files it added to ``path`` and the directories made
+    for it are removed again, so a failed command leaves no empty or half-written output behind."""
+    made = [d for d in (path, *path.parents) if not d.exists()]  # innermost first
+    before = set(path.iterdir()) if path.is_dir() else set()
+    prepare_output_dir(path, name, announce=False)
+    try:
+        yield path
+    except BaseException:
+        for item in set(path.iterdir()) - before:
+            if item.is_file() or item.is_symlink():
+                item.unlink()
+        for directory in made:
+            try:
+                directory.rmdir()
+            except OSError:  # not empty: something else wrote there meanwhile
+                break
+        raise
+    if made:
+        print(f"created {name} {path}", file=sys.stderr)
 
 
 class Progress:

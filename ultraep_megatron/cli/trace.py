@@ -60,13 +60,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                            description="Write a synthetic drifting-Zipf routing trace "
                                        "(ultraep_megatron.traces.synthetic.synthetic_loads).")
     synth.add_argument("output", type=Path, metavar="OUTPUT.uetrace")
-    for flag, default in (("--num-iterations", 8), ("--num-microbatches", 2), ("--num-layers", 4),
-                          ("--num-ranks", 8), ("--num-experts", 32), ("--tokens-per-rank", 512),
-                          ("--topk", 2), ("--seed", 0)):
-        synth.add_argument(flag, type=int, default=default, help="default: %(default)s")
-    synth.add_argument("--skew", type=float, default=1.0, help="Zipf exponent (default: %(default)s)")
-    synth.add_argument("--drift", type=float, default=0.3, help="random-walk step of the logits per "
-                                                                "iteration (default: %(default)s)")
+    for flag, default, minimum in (("--num-iterations", 8, 1), ("--num-microbatches", 2, 1), ("--num-layers", 4, 1),
+                                   ("--num-ranks", 8, 1), ("--num-experts", 32, 1), ("--tokens-per-rank", 512, 1),
+                                   ("--topk", 2, 1), ("--seed", 0, 0)):
+        synth.add_argument(flag, type=common.int_at_least(minimum), default=default,
+                           help=f">= {minimum}; default: %(default)s")
+    synth.add_argument("--skew", type=common.non_negative_float, default=1.0,
+                       help="Zipf exponent, >= 0 (0: uniform popularity; default: %(default)s)")
+    synth.add_argument("--drift", type=common.non_negative_float, default=0.3,
+                       help="random-walk step of the logits per iteration, >= 0 (default: %(default)s)")
+    synth.add_argument("--force", action="store_true", help="overwrite OUTPUT.uetrace if it exists")
     synth.set_defaults(run=run_synth)
     return parser
 
@@ -90,8 +93,10 @@ def run_info(args) -> int:
         groups = f", {e['rank_files']} rank files = {e['ep_groups']} EP group(s)" if "rank_files" in e else ""
         print(f"{e['path']}: {e['format']}, R={e['num_ranks']}, E={e['num_experts']}{groups}, "
               f"status={e['status']}{torn}")
-        uncommitted = f" ({e['uncommitted']} uncommitted)" if "uncommitted" in e else ""
-        print(f"  {e['loads']} loads{uncommitted}, {e['iterations']} iterations, layers {list(e['layers'])}")
+        # Committed loads and iterations, as replay and advise count them; the uncommitted tail apart.
+        uncommitted = (f", {e['uncommitted']} uncommitted loads after the last commit (replay and advise skip them)"
+                       if e.get("uncommitted") else "")
+        print(f"  {e['loads']} loads in {e['iterations']} iterations{uncommitted}, layers {list(e['layers'])}")
         print(f"  meta: {json.dumps(e['meta'], sort_keys=True)}")
     return common.EXIT_OK
 
@@ -101,12 +106,12 @@ def run_convert(args) -> int:
 
     records = RouterTraceRecords(args.source, common.megatron_layout(args),
                                  on_truncated="error" if args.strict else "warn")
-    common.prepare_output_dir(args.output_dir)
-    progress = common.progress_for(args, "convert", records)
-    try:
-        written = convert_router_trace(records, args.output_dir, progress=progress)
-    finally:
-        progress.close()
+    with common.output_dir_undone_on_failure(args.output_dir, "OUTPUT_DIR"):
+        progress = common.progress_for(args, "convert", records)
+        try:
+            written = convert_router_trace(records, args.output_dir, progress=progress)
+        finally:
+            progress.close()
     print(f"converted {progress.done} loads of {records.num_groups} EP group(s) "
           f"({records.status}): " + ", ".join(str(p) for p in written))
     return common.EXIT_OK
@@ -115,12 +120,13 @@ def run_convert(args) -> int:
 def run_merge(args) -> int:
     from ultraep_megatron import traces
 
-    common.prepare_output_dir(args.output_dir)
-    progress = common.Progress("merge", enabled=not args.no_progress, unit="loads")
-    try:
-        written = traces.merge_traces(args.traces, args.output_dir, progress=progress)
-    finally:
-        progress.close()
+    traces.find_trace_files(args.traces)  # a missing input fails before OUTPUT_DIR is made
+    with common.output_dir_undone_on_failure(args.output_dir, "OUTPUT_DIR"):
+        progress = common.Progress("merge", enabled=not args.no_progress, unit="loads")
+        try:
+            written = traces.merge_traces(args.traces, args.output_dir, progress=progress)
+        finally:
+            progress.close()
     print(f"merged {progress.done} loads into " + ", ".join(str(p) for p in written))
     return common.EXIT_OK
 
@@ -128,6 +134,14 @@ def run_merge(args) -> int:
 def run_synth(args) -> int:
     from ultraep_megatron import traces
 
+    if args.num_experts % args.num_ranks:
+        raise common.CliError(f"--num-experts {args.num_experts} must be a multiple of --num-ranks {args.num_ranks}")
+    if args.topk > args.num_experts:
+        raise common.CliError(f"--topk {args.topk} must be at most --num-experts {args.num_experts}")
+    if args.output.is_dir():
+        raise common.CliError(f"{args.output} is a directory: name the trace file to write")
+    if args.output.exists() and not args.force:
+        raise common.CliError(f"{args.output} exists; pass --force to overwrite it")
     kwargs = {k: getattr(args, k) for k in ("num_iterations", "num_microbatches", "num_layers", "num_ranks",
                                             "num_experts", "tokens_per_rank", "topk", "seed", "skew", "drift")}
     path = traces.write_synthetic_trace(args.output, **kwargs)

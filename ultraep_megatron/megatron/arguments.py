@@ -7,6 +7,7 @@ receives plain numbers (:func:`balancer_config_from_args`) and the model's balan
 settings (:func:`balancing_context_from_args`). :func:`validate_ultraep_args` checks the
 combination (the Megatron settings a balanced layer cannot run: :mod:`.capabilities`);
 :func:`startup_problems` adds the trace directory's checks, for ``startup.startup_checks_or_exit``.
+Every check collects: each problem found is one line naming its flag (:func:`ultraep_arg_problems`).
 
 ``ultraep`` (the console command) builds its balancer flags from the same table. No Megatron import
 at module level.
@@ -142,13 +143,14 @@ def add_balancer_arguments(parser, *, runtime: bool = True, balancer_flag: bool 
                             dest=knob.dest, metavar=knob.metavar, help=knob.help)
 
 
-def knob_values(args: argparse.Namespace) -> dict[str, Any]:
+def knob_problems(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
     """The ``--moe-balancer-*`` values of parsed ``args`` (knobs a parser did not define: their
-    defaults), each validated; errors name the flag."""
+    defaults) and every problem with them, one line each naming its flag (empty: all valid)."""
+    problems = []
     name = getattr(args, "moe_balancer", registry.NONE)
     if name not in registry.BALANCERS:
-        raise ValueError(f"--moe-balancer: unknown balancer {name!r}; choose from "
-                         f"{', '.join(registry.MOE_BALANCERS)}")
+        problems.append(f"--moe-balancer: unknown balancer {name!r}; choose from "
+                        f"{', '.join(registry.MOE_BALANCERS)}")
     values = {}
     for knob in KNOBS:
         value = getattr(args, knob.dest, knob.default)
@@ -157,23 +159,48 @@ def knob_values(args: argparse.Namespace) -> dict[str, Any]:
             continue
         if knob.type is bool:
             if not isinstance(value, bool):
-                raise ValueError(f"{knob.flag} is a switch (True or False), got {value!r}")
+                problems.append(f"{knob.flag} is a switch (True or False), got {value!r}")
         elif knob.type in (int, float):
             if isinstance(value, bool) or not isinstance(value, (int, float) if knob.type is float else int):
-                raise ValueError(f"{knob.flag} must be {'a number' if knob.type is float else 'an integer'}, "
-                                 f"got {value!r}")
-            if knob.minimum is not None and not value >= knob.minimum:
-                raise ValueError(f"{knob.flag} must be >= {knob.minimum}, got {value}")
+                problems.append(f"{knob.flag} must be {'a number' if knob.type is float else 'an integer'}, "
+                                f"got {value!r}")
+            elif knob.minimum is not None and not value >= knob.minimum:
+                problems.append(f"{knob.flag} must be >= {knob.minimum}, got {value}")
         elif not isinstance(value, knob.type):
-            raise ValueError(f"{knob.flag} must be a {knob.type.__name__}, got {value!r}")
-    if values["hardware"] is not None:
-        hardware_min_quota(values["hardware"])  # an unknown name fails here, naming the flag
+            problems.append(f"{knob.flag} must be a {knob.type.__name__}, got {value!r}")
+    if isinstance(values["hardware"], str):
+        try:
+            hardware_min_quota(values["hardware"])  # an unknown name fails here, naming the flag
+        except ValueError as error:
+            problems.append(str(error))
     if values["trace_dir"] and name == registry.NONE:
-        raise ValueError("--moe-balancer-trace-dir records the load the balanced dispatcher gathers: use it "
-                         f"with --moe-balancer {', '.join(sorted(registry.EXACT_LOAD | {registry.EPLB}))} "
-                         "(balancing never changes the routing it records; megatron's own "
-                         "--moe-routing-trace-path records an unbalanced run)")
+        problems.append("--moe-balancer-trace-dir records the load the balanced dispatcher gathers: use it "
+                        f"with --moe-balancer {', '.join(sorted(registry.EXACT_LOAD | {registry.EPLB}))} "
+                        "(balancing never changes the routing it records; megatron's own "
+                        "--moe-routing-trace-path records an unbalanced run)")
+    return values, problems
+
+
+def knob_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``--moe-balancer-*`` values of parsed ``args`` (knobs a parser did not define: their
+    defaults), each validated (:func:`knob_problems`).
+
+    Raises:
+        UltraEPArgumentError: naming every invalid flag, one line each.
+    """
+    values, problems = knob_problems(args)
+    if problems:
+        raise UltraEPArgumentError(problems)
     return values
+
+
+class UltraEPArgumentError(ValueError):
+    """UltraEP's arguments cannot run: every problem found, one line each naming its flag
+    (``problems``; the message is the lines joined by newlines)."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__("\n".join(problems))
+        self.problems = list(problems)
 
 
 def hardware_min_quota(name: str) -> int:
@@ -265,21 +292,37 @@ def balancing_context_from_args(args: argparse.Namespace):
                             **{field: values[field] for field in RUN_SETTINGS})
 
 
+def ultraep_arg_problems(args: argparse.Namespace) -> list[str]:
+    """Every problem of UltraEP's arguments against Megatron's (parsed ``args``), one line each
+    naming its flag: every knob, then the model and the settings a balanced layer cannot run
+    (:mod:`.capabilities`). Empty when they can run (and for ``--moe-balancer none`` with valid
+    knobs)."""
+    values, problems = knob_problems(args)
+    name = getattr(args, "moe_balancer", registry.NONE)
+    if name == registry.NONE or name not in registry.BALANCERS:
+        return problems
+    domain_size = values["domain_size"]
+    if not (isinstance(domain_size, int) and not isinstance(domain_size, bool) and domain_size >= 1):
+        domain_size = None  # already reported by its knob
+    model = capabilities.moe_model_problems(args, domain_size)
+    problems += [f"--moe-balancer {name}: {problem}" for problem in model]
+    if args.num_experts is not None:  # a dense model: the MoE settings do not apply
+        problems += [f"--moe-balancer {name}: {problem}"
+                     for problem in capabilities.unsupported_moe_settings(args)]
+    return problems
+
+
 def validate_ultraep_args(args: argparse.Namespace) -> None:
     """Check UltraEP's arguments against Megatron's (after Megatron's own validation): every knob,
-    then the model and the settings a balanced layer cannot run (:mod:`.capabilities`).
+    then the model and the settings a balanced layer cannot run (:func:`ultraep_arg_problems`).
 
     Raises:
-        ValueError: on a combination that cannot run, naming the first problem's flag.
+        UltraEPArgumentError: a ``ValueError`` naming every problem's flag, one line each (its
+            ``problems``).
     """
-    config = balancer_config_from_args(args)  # validates every knob, naming the flag
-    if config is None:
-        return
-    problems = capabilities.moe_model_problems(args, config.domain_size)
-    if not problems:
-        problems = capabilities.unsupported_moe_settings(args)
+    problems = ultraep_arg_problems(args)
     if problems:
-        raise ValueError(f"--moe-balancer {args.moe_balancer}: {problems[0]}")
+        raise UltraEPArgumentError(problems)
 
 
 def trace_dir_problem(args: argparse.Namespace) -> str | None:
@@ -315,19 +358,17 @@ def trace_dir_problem(args: argparse.Namespace) -> str | None:
 
 def startup_problems(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     """(errors, warnings) about UltraEP's arguments, on Megatron's parsed, not yet validated
-    ``args``; each names its flag."""
-    errors, warnings = [], []
-    try:
-        validate_ultraep_args(args)
-    except ValueError as error:
-        errors.append(str(error))
-    if args.moe_balancer == registry.NONE or errors:
+    ``args``: every problem found (:func:`ultraep_arg_problems`, the trace directory's), one line
+    each naming its flag."""
+    errors, warnings = ultraep_arg_problems(args), []
+    name = getattr(args, "moe_balancer", registry.NONE)
+    if name == registry.NONE or name not in registry.BALANCERS:
         return errors, warnings
-    if args.moe_balancer_trace_dir:
+    warning = capabilities.nothing_to_balance(args) if not errors else None
+    if warning:
+        warnings.append(warning)
+    if isinstance(args.moe_balancer_trace_dir, str) and args.moe_balancer_trace_dir:
         problem = trace_dir_problem(args)
         if problem:
             errors.append(problem)
-    warning = capabilities.nothing_to_balance(args)
-    if warning:
-        warnings.append(warning)
     return errors, warnings

@@ -283,18 +283,18 @@ def read_trace(path: str | os.PathLike, *, layers: Optional[Iterable[int]] = Non
 
 def trace_info(path: str | os.PathLike) -> dict:
     """What a trace file holds (``ultraep trace info``): ``path``, ``format``, ``num_ranks``,
-    ``num_experts``, ``loads`` (uncommitted ones included; ``uncommitted``: those), ``iterations``,
-    ``layers`` (layer -> loads), ``status`` and ``truncated_bytes`` (as :class:`TraceReader`'s) and
-    ``meta``. A torn tail is read up to the tear, silently."""
+    ``num_experts``, ``loads`` and ``iterations`` (the committed ones, as a replay reads them:
+    :class:`TraceReader`'s ``committed_records`` and ``committed_iterations``), ``uncommitted``
+    (the loads after the last commit, which a replay skips), ``layers`` (layer -> committed loads),
+    ``status`` and ``truncated_bytes`` (as :class:`TraceReader`'s) and ``meta``. A torn tail is read
+    up to the tear, silently."""
     reader = TraceReader(path, on_truncated="ignore")
     layers: dict[int, int] = {}
-    iterations = set()
-    for rec in reader.records(include_uncommitted=True):
+    for rec in reader.records():
         layers[rec.layer] = layers.get(rec.layer, 0) + 1
-        iterations.add(rec.iteration)
     h = reader.header
     return {"path": str(path), "format": f"ultraep trace v{h.version}", "num_ranks": h.num_ranks,
-            "num_experts": h.num_experts, "loads": sum(layers.values()),
-            "uncommitted": reader.uncommitted_records, "iterations": len(iterations),
+            "num_experts": h.num_experts, "loads": reader.committed_records,
+            "uncommitted": reader.uncommitted_records, "iterations": reader.committed_iterations,
             "layers": dict(sorted(layers.items())), "status": reader.status,
             "truncated_bytes": reader.truncated_bytes, "meta": h.meta}

@@ -107,6 +107,9 @@ def synthetic_loads(*, num_iterations: int, num_microbatches: int, num_layers: i
     source rank adds a fixed per-(layer, rank) offset of spread ``rank_spread`` (its data domain),
     and each microbatch samples ``tokens_per_rank * topk`` (token, expert) pairs per source rank
     multinomially (microbatch jitter). Row sums are exactly ``tokens_per_rank * topk``.
+
+    The arguments are checked on the call, before the first load (a ValueError), so that
+    :func:`write_synthetic_trace` opens no file for bad ones.
     """
     for name, v in (("num_iterations", num_iterations), ("num_microbatches", num_microbatches),
                     ("num_layers", num_layers), ("num_ranks", num_ranks), ("num_experts", num_experts),
@@ -116,12 +119,22 @@ def synthetic_loads(*, num_iterations: int, num_microbatches: int, num_layers: i
         raise ValueError(f"num_experts ({num_experts}) must be a multiple of num_ranks ({num_ranks})")
     if topk > num_experts:
         raise ValueError(f"topk ({topk}) must be <= num_experts ({num_experts})")
+    for name, v in (("skew", skew), ("drift", drift), ("rank_spread", rank_spread)):
+        if not 0 <= v < float("inf"):
+            raise ValueError(f"{name} must be a number >= 0, got {v}")
+    return _drifting_loads(num_iterations, num_microbatches, num_layers, num_ranks, num_experts,
+                           tokens_per_rank * topk, skew, drift, rank_spread, seed)
+
+
+def _drifting_loads(num_iterations: int, num_microbatches: int, num_layers: int, num_ranks: int, num_experts: int,
+                    pairs: int, skew: float, drift: float, rank_spread: float, seed: int
+                    ) -> Iterator[tuple[int, int, int, torch.Tensor]]:
+    """The generator of :func:`synthetic_loads` (checked arguments; ``pairs`` per source rank)."""
     rng = np.random.default_rng(seed)
     R, E = num_ranks, num_experts
     zipf = -skew * np.log(np.arange(1, E + 1, dtype=np.float64))
     logits = np.stack([zipf[rng.permutation(E)] for _ in range(num_layers)])  # [L, E]
     domain = rng.normal(0.0, rank_spread, size=(num_layers, R, E))  # [L, R, E]
-    pairs = tokens_per_rank * topk
     for it in range(1, num_iterations + 1):
         if it > 1:
             logits = logits + rng.normal(0.0, drift, size=logits.shape)
@@ -137,10 +150,11 @@ def synthetic_loads(*, num_iterations: int, num_microbatches: int, num_layers: i
 def write_synthetic_trace(path: str | os.PathLike, *, meta: Optional[dict] = None, **kwargs) -> Path:
     """Write :func:`synthetic_loads` (``kwargs``) to ``path`` as a trace; returns the path."""
     meta = {"source": "synthetic drifting Zipf", **{k: v for k, v in kwargs.items()}, **(meta or {})}
+    loads = synthetic_loads(**kwargs)  # checks the arguments before the file is opened
     with TraceWriter(path, num_ranks=kwargs["num_ranks"], num_experts=kwargs["num_experts"],
                      meta=meta, fsync=False, mode="overwrite") as writer:
         current = None
-        for it, mb, layer, load in synthetic_loads(**kwargs):
+        for it, mb, layer, load in loads:
             if current is not None and it != current:
                 writer.flush_iteration(current)
             current = it

@@ -24,3 +24,11 @@ def test_conflicting_cpu_flag_is_refused_naming_what_to_pass(argv):
     flag = argv[0].split("=")[0]
     with pytest.raises(ValueError, match=f"pass {flag} {cpu_flags.CPU_FLAGS[flag][0]}"):
         cpu_flags.apply_required_args(argv)
+
+
+def test_every_conflicting_cpu_flag_is_refused_one_line_each():
+    with pytest.raises(ValueError) as raised:
+        cpu_flags.apply_required_args(["--transformer-impl", "transformer_engine", "--distributed-backend=nccl"])
+    lines = str(raised.value).splitlines()
+    assert len(lines) == 2, lines
+    assert "pass --distributed-backend gloo" in lines[0] and "pass --transformer-impl local" in lines[1]

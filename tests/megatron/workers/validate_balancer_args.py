@@ -2,8 +2,8 @@
 
 Reads a JSON list of {"name", "argv"} from argv[1]; for each, runs UltraEP's startup checks on
 Megatron's parse of the command line (``arguments.startup_problems``), then, if they pass,
-Megatron's own parse and validation, and prints one JSON line {"name", "error", "warnings"}
-(error: None or the first message). One process for all cases: parsing needs no distributed setup.
+Megatron's own parse and validation, and prints one JSON line {"name", "error", "errors", "warnings"}
+(error: None or the first message; errors: every message of UltraEP's startup checks). One process for all cases: parsing needs no distributed setup.
 """
 
 import contextlib
@@ -26,7 +26,7 @@ def main():
     cases = json.loads(open(sys.argv[1]).read())
     for case in cases:
         sys.argv = ["pretrain_gpt.py", *case["argv"]]
-        error, warnings = None, []
+        error, errors, warnings = None, [], []
         destroy_global_vars()  # each case parses from scratch
         destroy_num_microbatches_calculator()
         usage = io.StringIO()  # argparse reports a bad choice on stderr, then exits
@@ -39,7 +39,8 @@ def main():
                                         args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
         except (ValueError, AssertionError, SystemExit) as exc:
             error = f"{type(exc).__name__}: {exc} {usage.getvalue().strip().splitlines()[-1:]}"
-        print("RESULT " + json.dumps({"name": case["name"], "error": error, "warnings": warnings}),
+        print("RESULT " + json.dumps({"name": case["name"], "error": error, "errors": errors,
+                                          "warnings": warnings}),
               flush=True)
 
 

@@ -33,19 +33,21 @@ def apply_required_args(argv: list[str]) -> tuple[list[str], list[str]]:
         (the completed argv, one line per flag applied, naming it and why).
 
     Raises:
-        ValueError: naming the conflicting flag and the value a CPU run needs.
+        ValueError: naming every conflicting flag and the value a CPU run needs, one line each.
     """
     given: dict[str, str | None] = {}
     for i, token in enumerate(argv):
         flag, sep, value = token.partition("=")
         if flag in CPU_FLAGS:
             given[flag] = value if sep else (argv[i + 1] if i + 1 < len(argv) else None)
-    argv, applied = list(argv), []
+    argv, applied, conflicts = list(argv), [], []
     for flag, (value, why) in CPU_FLAGS.items():
         if flag not in given:
             argv += [flag] if value is None else [flag, value]
             applied.append(f"{flag}{'' if value is None else ' ' + value} ({why})")
         elif value is not None and given[flag] != value:
-            raise ValueError(f"{flag} {given[flag]} cannot run without a CUDA device ({why}); "
+            conflicts.append(f"{flag} {given[flag]} cannot run without a CUDA device ({why}); "
                              f"pass {flag} {value} or run on a GPU machine")
+    if conflicts:
+        raise ValueError("\n".join(conflicts))
     return argv, applied

@@ -9,15 +9,22 @@ For each recipe (a bash script under ``recipes/`` that ends in ``python -m torch
    (:mod:`.validate`);
 3. the rank layout is printed from Megatron's own ``RankGenerator`` (:mod:`.layout`);
 4. memory per rank and pipeline stage is estimated (:mod:`.memory`, from the model's parameters
-   per layer, :mod:`.model`), with UltraEP's redundant slots with and without cross-layer reuse.
+   per layer, :mod:`.model`), with UltraEP's redundant slots with and without cross-layer reuse,
+   and activations (:mod:`.activations`), against the GPU's memory.
 
-:func:`check_launch` runs steps 2-4 and :func:`format_report` prints them (:mod:`.report`).
-Activations are not estimated. The command line is ``ultraep check-recipe``
+:func:`check_launch` runs steps 2-4 and :func:`format_report` prints them (:mod:`.report`). The
+command line is ``ultraep check-recipe``
 (``ultraep_megatron/cli/check_recipe.py``). No Megatron import at module level: the checker is a
 tool, not part of a training run.
 """
 
-from .launch import Launch, NotARecipe, RecipeError, capture_launch, parse_torchrun_command
+from .activations import (
+    RUNTIME_RESERVE_GIB, StageActivations, estimate_activations, in_flight_microbatches,
+    layer_activation_bytes, logits_bytes,
+)
+from .launch import (
+    Launch, NotARecipe, RecipeError, capture_launch, default_gpus_per_node, parse_torchrun_command,
+)
 from .layout import DEFAULT_RACK_SIZE, RankLayout, rank_layout
 from .memory import MemoryEstimate, StageMemory, estimate_memory, stage_layers
 from .model import (
@@ -28,7 +35,10 @@ from .report import RecipeReport, check_launch, format_report
 from .validate import startup_problems, validate_arguments
 
 __all__ = [
-    "Launch", "NotARecipe", "RecipeError", "capture_launch", "parse_torchrun_command",
+    "Launch", "NotARecipe", "RecipeError", "capture_launch", "default_gpus_per_node",
+    "parse_torchrun_command",
+    "RUNTIME_RESERVE_GIB", "StageActivations", "estimate_activations", "in_flight_microbatches",
+    "layer_activation_bytes", "logits_bytes",
     "validate_arguments", "startup_problems",
     "DEFAULT_RACK_SIZE", "RankLayout", "rank_layout",
     "LayerParams", "attention_params", "layer_params", "moe_layer_pattern", "built_mtp_layers",

@@ -84,8 +84,24 @@ def parse_torchrun_command(argv: Sequence[str], source: str = "<arguments>") -> 
                   args=list(options.training_script_args), source=source)
 
 
+def default_gpus_per_node(script_args: Sequence[str]) -> int:
+    """GPUs per node of a bare launch: the ``--moe-balancer-hardware`` preset's among
+    ``script_args`` (h100-hgx: 8), else a GB200 tray's 4 (also for an unknown preset name, which
+    the validation then reports, naming the flag).
+    """
+    from ultraep_megatron.analysis.cost import HARDWARE_PRESETS, Hardware
+
+    name = None
+    for i, arg in enumerate(script_args):
+        if arg == "--moe-balancer-hardware" and i + 1 < len(script_args):
+            name = script_args[i + 1]
+        elif arg.startswith("--moe-balancer-hardware="):
+            name = arg.split("=", 1)[1]
+    return HARDWARE_PRESETS.get(name, Hardware()).gpus_per_node
+
+
 def capture_launch(recipe: str | Path, env: dict[str, str] | None = None,
-                   timeout_s: float = 60.0) -> Launch:
+                   timeout_s: float = 60.0, extra_args: Sequence[str] = ()) -> Launch:
     """Run ``recipe`` with a python shim that records its torchrun line; nothing is launched.
 
     The recipe's own shell code does run (it assembles the arguments), with ``RUN_DIR`` (the
@@ -96,6 +112,8 @@ def capture_launch(recipe: str | Path, env: dict[str, str] | None = None,
         recipe: path of a bash recipe.
         env: extra environment for the recipe (e.g. ``NNODES``, ``DATA_PATH``, ``RUN_DIR``).
         timeout_s: limit for the recipe's own shell code.
+        extra_args: the recipe's command-line arguments (a user's overrides: the recipes append
+            them to the training script's arguments, where the last value of a flag wins).
 
     Raises:
         RecipeError: when the recipe fails or never calls ``python -m torch.distributed.run``.
@@ -111,7 +129,7 @@ def capture_launch(recipe: str | Path, env: dict[str, str] | None = None,
         run_env = {**os.environ, "RUN_DIR": str(Path(tmp) / "run"), **(env or {}),
                    "ULTRAEP_PYTHON": str(shim),
                    "ULTRAEP_CAPTURE_FILE": str(capture)}
-        completed = subprocess.run(["bash", str(recipe)], env=run_env, capture_output=True,
+        completed = subprocess.run(["bash", str(recipe), *extra_args], env=run_env, capture_output=True,
                                    text=True, timeout=timeout_s)
         if completed.returncode != 0:
             raise RecipeError(f"{recipe}: the recipe exited with {completed.returncode}",

@@ -4,8 +4,9 @@ bf16 weights, fp32 main gradients, the distributed optimizer's fp32 master weigh
 (sharded over data parallelism, expert parameters over expert data parallelism), and UltraEP's
 redundant expert slots with cross-layer buffer reuse (one weight + fp32 gradient buffer per
 redundant slot for all MoE layers, no optimizer state; paper §4.1) against the same slots without
-reuse (one set per MoE layer). Activations are not estimated (they depend on recomputation and the
-pipeline schedule).
+reuse (one set per MoE layer). Activations (:mod:`.activations`: recomputation, sequence and
+pipeline schedule) and a fixed runtime allowance are added per stage; the sum is the rank's peak,
+which the report holds against the GPU's memory.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ import argparse
 import types
 from dataclasses import dataclass, field
 
+from ultraep_megatron.megatron.recipe_check.activations import (
+    RUNTIME_RESERVE_GIB, StageActivations, estimate_activations,
+)
 from ultraep_megatron.megatron.recipe_check.launch import RecipeError
 from ultraep_megatron.megatron.recipe_check.model import (
     built_mtp_layers, layer_params, moe_layer_pattern, norm_params,
@@ -72,6 +76,8 @@ class StageMemory:
     slot_weight_bytes: int           # one redundant slot's weight buffer
     slot_grad_bytes: int             # one redundant slot's fp32 gradient buffer
     num_slots: int
+    activations: int = 0             # activations at the stage's peak (.activations)
+    runtime_reserve: int = int(RUNTIME_RESERVE_GIB * 1024 ** 3)
 
     @property
     def slots_with_reuse(self) -> int:
@@ -85,7 +91,13 @@ class StageMemory:
 
     @property
     def total(self) -> int:
+        """Model states and replica slots (what does not depend on the batch)."""
         return self.model_states + self.slots_with_reuse
+
+    @property
+    def peak(self) -> int:
+        """The rank's estimated peak: model states, slots, activations, runtime allowance."""
+        return self.total + self.activations + self.runtime_reserve
 
 
 @dataclass
@@ -93,6 +105,7 @@ class MemoryEstimate:
     total_params: int
     active_params: int
     stages: list[StageMemory] = field(default_factory=list)
+    activations: list[StageActivations] = field(default_factory=list)  # the detail, per stage
 
 
 def _bytes_per_param(args) -> tuple[int, int, int]:
@@ -144,7 +157,10 @@ def estimate_memory(args: argparse.Namespace) -> MemoryEstimate:
         dense_shard = expert_shard = 1
     num_slots = args.moe_balancer_num_slots if args.moe_balancer != registry.NONE else 0
     expert_numel = per_layer[True].expert_numel if True in per_layer else 0
-    for stage, layers in enumerate(stage_layers(args)):
+    stages = stage_layers(args)
+    activations = estimate_activations(args, stages)
+    estimate.activations = activations
+    for stage, layers in enumerate(stages):
         dense = sum(per_layer[pattern[l - 1]].attention + per_layer[pattern[l - 1]].mlp
                     for l in layers) / tp
         experts = sum(per_layer[pattern[l - 1]].experts for l in layers) / (ep * etp)
@@ -168,5 +184,6 @@ def estimate_memory(args: argparse.Namespace) -> MemoryEstimate:
             stage=stage, layers=layers, moe_layers=int(moe_layers), dense_params=int(dense),
             expert_params=int(experts), model_states=int(model_states),
             slot_weight_bytes=expert_numel // etp * weight_b,
-            slot_grad_bytes=expert_numel // etp * 4, num_slots=num_slots))
+            slot_grad_bytes=expert_numel // etp * 4, num_slots=num_slots,
+            activations=activations[stage].total))
     return estimate

@@ -5,9 +5,10 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
 
+from ultraep_megatron.megatron.recipe_check.activations import RUNTIME_RESERVE_GIB
 from ultraep_megatron.megatron.recipe_check.launch import Launch, RecipeError
 from ultraep_megatron.megatron.recipe_check.layout import DEFAULT_RACK_SIZE, RankLayout, rank_layout, span
 from ultraep_megatron.megatron.recipe_check.memory import MemoryEstimate, estimate_memory
@@ -28,25 +29,87 @@ class RecipeReport:
     layout: RankLayout
     memory: MemoryEstimate
     flops: float
+    gpu_memory_gb: float = 186.0     # the budget a rank's peak must fit, GiB
+    memory_source: str = ""          # where the budget comes from (for the report)
+    domain_source: str = ""          # where the scale-up domain comes from
+    hardware_problems: list[str] = field(default_factory=list)
+
+    @property
+    def budget_bytes(self) -> int:
+        return int(self.gpu_memory_gb * GIB)
+
+    def margin_bytes(self) -> int:
+        """Budget less the largest stage's estimated peak (negative: it does not fit)."""
+        return self.budget_bytes - max(s.peak for s in self.memory.stages)
+
+    def memory_problems(self) -> list[str]:
+        out = []
+        for s in self.memory.stages:
+            if s.peak > self.budget_bytes:
+                out.append(
+                    f"stage {s.stage}: estimated peak {_gib(s.peak)} per rank exceeds the "
+                    f"{self.gpu_memory_gb:g} GiB budget ({self.memory_source}) by "
+                    f"{_gib(s.peak - self.budget_bytes)}: model states {_gib(s.model_states)}, slots "
+                    f"{_gib(s.slots_with_reuse)}, activations {_gib(s.activations)}; use activation "
+                    "recompute, more pipeline stages or expert-data parallelism, or a smaller micro batch")
+        return out
 
     def problems(self) -> list[str]:
-        return self.layout.problems()
+        return self.hardware_problems + self.layout.problems() + self.memory_problems()
 
 
-def check_launch(launch: Launch, rack_size: int = DEFAULT_RACK_SIZE) -> RecipeReport:
+def check_launch(launch: Launch, rack_size: Optional[int] = None,
+                 gpu_memory_gb: Optional[float] = None) -> RecipeReport:
     """Validate a captured launch and build its layout and memory report.
+
+    Args:
+        launch: the captured launch.
+        rack_size: GPUs per scale-up (NVLink) domain, consecutive global ranks. ``None``: the
+            recipe's ``--moe-balancer-hardware`` preset's domain (``h100-hgx``: 8, the node), else
+            :data:`DEFAULT_RACK_SIZE` (a GB200 rack's 64 GPUs in use).
+        gpu_memory_gb: GiB per GPU the estimated peak of a rank must fit. ``None``: the hardware
+            preset's memory (``h100-hgx``: 80), else a GB200's 186.
 
     Raises:
         RecipeError: when Megatron or UltraEP rejects the arguments or the layout (one problem
             per line).
     """
+    from ultraep_megatron.analysis.cost import Hardware, hardware_preset
+
     args, _ = validate_arguments(launch.args, launch.world_size)
     problems = startup_problems(args)
     if problems:
         raise RecipeError("\n".join(problems))
+    name = getattr(args, "moe_balancer_hardware", None)
+    hardware = hardware_preset(name) if name else None
+    hardware_problems = []
+    if rack_size is not None:
+        domain_source = "--rack-size"
+        if hardware is not None and hardware.scale_up_domain and rack_size != hardware.scale_up_domain:
+            hardware_problems.append(
+                f"--rack-size {rack_size} contradicts --moe-balancer-hardware {name} (NVLink domains "
+                f"of {hardware.scale_up_domain} GPUs)")
+    elif hardware is not None and hardware.scale_up_domain:
+        rack_size, domain_source = hardware.scale_up_domain, f"--moe-balancer-hardware {name}"
+    else:
+        rack_size, domain_source = DEFAULT_RACK_SIZE, "the default, a GB200 NVL72 rack's 64 in use"
+    if hardware is not None and hardware.scale_up_domain == hardware.gpus_per_node \
+            and launch.nproc_per_node != hardware.gpus_per_node:
+        hardware_problems.append(
+            f"--moe-balancer-hardware {name}: the NVLink domain is one node of "
+            f"{hardware.gpus_per_node} GPUs, but the launch runs {launch.nproc_per_node} processes per "
+            f"node; launch {hardware.gpus_per_node} per node (GPUS_PER_NODE={hardware.gpus_per_node})")
+    if gpu_memory_gb is not None:
+        memory_source = "--gpu-memory-gb"
+    elif hardware is not None:
+        gpu_memory_gb, memory_source = hardware.memory_gb, f"--moe-balancer-hardware {name}"
+    else:
+        gpu_memory_gb, memory_source = Hardware().memory_gb, "the default, a GB200's"
     with quiet_megatron():
         layout = rank_layout(args, launch.nproc_per_node, rack_size)
-        return RecipeReport(launch, args, layout, estimate_memory(args), flops_per_iteration(args))
+        return RecipeReport(launch, args, layout, estimate_memory(args), flops_per_iteration(args),
+                            gpu_memory_gb=gpu_memory_gb, memory_source=memory_source,
+                            domain_source=domain_source, hardware_problems=hardware_problems)
 
 
 def _gib(n: float) -> str:
@@ -69,7 +132,8 @@ def format_report(report: RecipeReport) -> str:
     lines = [
         f"== {report.launch.source}",
         f"world size {a.world_size} = {report.launch.nnodes} nodes x "
-        f"{report.launch.nproc_per_node} GPUs ({racks} rack(s) of {layout.rack_size}); "
+        f"{report.launch.nproc_per_node} GPUs ({racks} scale-up domain(s) of {layout.rack_size} GPUs: "
+        f"{report.domain_source}); "
         f"TP{a.tensor_model_parallel_size} PP{pp} EP{ep} expert-DP{edp} "
         f"(attention DP{a.data_parallel_size})",
         "Megatron validate_args + validate_ultraep_args: passed (--moe-balancer "
@@ -97,10 +161,20 @@ def format_report(report: RecipeReport) -> str:
         spans = [len(layout.racks(g)) for g in groups]
         shown = "; ".join(span(g) for g in groups[:3]) + (" ..." if len(groups) > 3 else "")
         lines.append(f"  {len(groups):4d} {name:9s} groups of {len(groups[0]):4d}: {shown}  "
-                     f"-> each spans {min(spans)}-{max(spans)} rack(s)")
+                     f"-> each spans {min(spans)}-{max(spans)} domain(s)")
     problems = report.problems()
-    lines.append("  EP groups inside one rack: " + ("yes" if not problems else "NO"))
-    lines.append("memory per rank (weights + fp32 main grads + optimizer states; replica slots):")
+    layout_ok = not layout.problems()
+    if not layout.spans_domains():
+        lines.append("  EP groups inside one scale-up domain: " + ("yes" if layout_ok else "NO"))
+    elif not layout.replicas:
+        lines.append("  EP groups span scale-up domains (no replicas with --moe-balancer none): "
+                     + ("yes" if layout_ok else "NO"))
+    else:
+        lines.append(f"  EP groups span scale-up domains; balancer domains of "
+                     f"--moe-balancer-domain-size {layout.balancer_domain} inside one: "
+                     + ("yes" if layout_ok else "NO"))
+    lines.append("memory per rank (weights + fp32 main grads + optimizer states; replica slots; "
+                 "activations):")
     mtp_moe = built_mtp_layers(a) * moe_layer_pattern(a)[-1]
     for s in mem.stages:
         mtp_here = mtp_moe if s.stage == len(mem.stages) - 1 else 0
@@ -109,14 +183,31 @@ def format_report(report: RecipeReport) -> str:
             f"{f' + {mtp_here} MTP' if mtp_here else ''}), {_count(s.dense_params)} dense + "
             f"{_count(s.expert_params)} expert params: model states {_gib(s.model_states)}; "
             f"{s.num_slots} slots {_gib(s.slots_with_reuse)} (without cross-layer reuse "
-            f"{_gib(s.slots_without_reuse)}); total {_gib(s.total)}")
+            f"{_gib(s.slots_without_reuse)}); activations {_gib(s.activations)}; peak {_gib(s.peak)}")
     s = max(mem.stages, key=lambda st: st.moe_layers)
     lines.append(
         f"  one redundant slot (§4.1), per rank: {_mib(s.slot_weight_bytes)} weights + "
         f"{_mib(s.slot_grad_bytes)} fp32 grads with cross-layer reuse, vs "
         f"{_gib(s.slot_weight_bytes * s.moe_layers)} + {_gib(s.slot_grad_bytes * s.moe_layers)} "
         f"without ({s.moe_layers} MoE layers on the rank)")
-    lines.append("  (activations not included)")
+    act = mem.activations[0] if mem.activations else None
+    if act is not None:
+        recompute = (f"full recompute ({a.recompute_method}, {a.recompute_num_layers} layer(s))"
+                     if a.recompute_granularity == "full" else
+                     f"selective recompute of {', '.join(a.recompute_modules or [])}"
+                     if a.recompute_granularity == "selective" else "no recompute")
+        sp = ", sequence parallel" if a.sequence_parallel else ""
+        lines.append(
+            f"  activations: sequence {a.seq_length} x micro batch {a.micro_batch_size}, TP{a.tensor_model_parallel_size}"
+            f" CP{a.context_parallel_size}{sp}, {recompute}; stage 0 holds {act.in_flight:g} "
+            f"microbatch(es) of {_gib(act.per_microbatch)}; last stage's logits "
+            f"{_gib(mem.activations[-1].logits)}; + {RUNTIME_RESERVE_GIB:g} GiB runtime allowance per rank")
+    peak = max(mem.stages, key=lambda st: st.peak)
+    margin = report.margin_bytes()
+    lines.append(
+        f"  budget {report.gpu_memory_gb:g} GiB per GPU ({report.memory_source}): largest peak "
+        f"{_gib(peak.peak)} (stage {peak.stage}), margin "
+        f"{'-' if margin < 0 else ''}{_gib(abs(margin))}: " + ("fits" if margin >= 0 else "DOES NOT FIT"))
     for problem in problems:
         lines.append(f"  PROBLEM: {problem}")
     return "\n".join(lines)

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Qwen3-235B-A22B pretraining with UltraEP on HGX H100 nodes: EP32-PP4 on 128 GPUs (16 nodes of
+# 8). Each EP group spans 4 nodes; NVLink ends at the node, so ultraep balances within node-sized
+# domains (--moe-balancer-domain-size 8): an expert's replicas live on its home node, no expert
+# weight or replica gradient crosses InfiniBand, only the tokens' all-to-all does. 2 redundant
+# expert slots per rank. To fit 80 GB: 4 pipeline stages (23/24/24/23 decoder layers) and
+# recompute of the MoE layers in the backward (--recompute-modules moe).
+#
+#   MASTER_ADDR=<node 0> NODE_RANK=<0..15> DATA_PATH=<megatron data prefix> \
+#       bash recipes/qwen3_235b_a22b_ep32_pp4_hgx.sh [extra pretrain_gpt.py arguments]
+#
+# Shape: the published Qwen3-235B-A22B (HF config.json of Qwen/Qwen3-235B-A22B: 94 layers, all
+# MoE; hidden 4096; 64 query heads in 4 KV groups of head dim 128 with QK-norm; 128 experts,
+# top-8, expert FFN 1536, no shared expert; softmax router renormalized over the top-8), as the
+# rack recipe qwen3_235b_a22b_ep64_dp4.sh. Load balancing: GShard auxiliary loss, weight 1e-2.
+# Check it without GPUs: ultraep check-recipe <this file> (H200 nodes: --gpu-memory-gb 141).
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+
+RECIPE_NAME=qwen3-235b-a22b-ep32-pp4-hgx
+DEFAULT_NNODES=16                  # x 8 GPUs = 128 GPUs
+DEFAULT_GPUS_PER_NODE=8            # an HGX node = one NVLink domain
+HF_TOKENIZER=Qwen/Qwen3-235B-A22B
+VOCAB_SIZE=151936                  # embedding rows of the released checkpoint
+VOCAB_DIVISOR=1187                 # 151936 = 128 x 1187
+
+MODEL_ARGS=(
+    --num-layers 94
+    --hidden-size 4096
+    --ffn-hidden-size 12288
+    --num-attention-heads 64
+    --group-query-attention
+    --num-query-groups 4
+    --kv-channels 128
+    --qk-layernorm
+    --normalization RMSNorm
+    --norm-epsilon 1e-6
+    --swiglu
+    --disable-bias-linear
+    --untie-embeddings-and-output-weights
+    --position-embedding-type rope
+    --rotary-percent 1.0
+    --rotary-base 1000000
+    --max-position-embeddings 40960
+)
+
+MOE_ARGS=(
+    --num-experts 128
+    --moe-ffn-hidden-size 1536
+    --moe-router-topk 8
+    --moe-router-score-function softmax
+    --moe-router-dtype fp32
+    --moe-router-load-balancing-type aux_loss
+    --moe-aux-loss-coeff 1e-2
+    --moe-token-dispatcher-type alltoall
+    --moe-grouped-gemm                  # Transformer Engine's grouped-GEMM experts (TEGroupedMLP)
+    --moe-balancer-num-slots 2
+    --moe-balancer-domain-size 8        # EP ranks per node = per NVLink domain
+    --moe-balancer-hardware h100-hgx
+)
+
+PARALLEL_ARGS=(
+    --tensor-model-parallel-size 1
+    --pipeline-model-parallel-size 4
+    --decoder-first-pipeline-num-layers 23
+    --decoder-last-pipeline-num-layers 23
+    --expert-model-parallel-size 32     # one EP group = 4 nodes
+    --expert-tensor-parallel-size 1
+    --recompute-granularity selective   # activations: recompute the MoE layers in the backward
+    --recompute-modules moe
+)
+
+ultraep_launch "$@"

@@ -1,0 +1,94 @@
+"""``ultraep check-recipe`` (``cli/check_recipe.py``): a recipe checked with the user's overrides
+after ``--``, the memory budget and scale-up domain options, and every usage error as one error
+line with exit status 2 (1 stays "a recipe fails")."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ultraep_megatron.cli import main
+from ultraep_megatron.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+HGX = str(RECIPES / "deepseek_v2_lite_16b_a2b_ep8_hgx.sh")
+TINY = str(RECIPES / "tiny_cpu.sh")
+
+
+def test_overrides_after_double_dash_reach_the_recipe(capsys):
+    assert main(["check-recipe", "--json", HGX, "--", "--moe-balancer-num-slots", "3"]) == EXIT_OK
+    report = json.loads(capsys.readouterr().out)["recipes"][0]
+    assert report["moe_balancer_num_slots"] == 3 and report["passed"]
+    assert (report["gpu_memory_gb"], report["rack_size"], report["moe_balancer_domain_size"]) == (80, 8, 8)
+    stage = report["stages"][0]
+    assert stage["peak_bytes"] == (stage["total_bytes"] + stage["activation_bytes"]
+                                   + stage["runtime_reserve_bytes"])
+    assert report["margin_bytes"] == 80 * 1024 ** 3 - stage["peak_bytes"]
+
+
+def test_gpu_memory_budget_option_passes_and_fails(capsys):
+    assert main(["check-recipe", "--gpu-memory-gb", "80", HGX]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "budget 80 GiB per GPU (--gpu-memory-gb)" in out and "1/1 recipe(s) passed" in out
+    assert main(["check-recipe", "--gpu-memory-gb", "24", HGX]) == EXIT_FAILED
+    problems = [line for line in capsys.readouterr().out.splitlines() if "PROBLEM:" in line]
+    assert len(problems) == 1 and "exceeds the 24 GiB budget (--gpu-memory-gb)" in problems[0]
+
+
+def test_the_issue_layout_names_the_domain_flag_and_passes_with_it(capsys):
+    """EP16 on two HGX nodes (--world-size 16 --gpus-per-node 8 --rack-size 8): refused without
+    a balancer domain, naming --moe-balancer-domain-size 8; accepted with it."""
+    from ultraep_megatron.megatron.recipe_check import capture_launch
+
+    args = capture_launch(HGX).args
+    i = args.index("--moe-balancer-domain-size")
+    bare = [*args[:i], *args[i + 2:], "--expert-model-parallel-size", "16"]
+    command = ["check-recipe", "--world-size", "16", "--gpus-per-node", "8", "--rack-size", "8", "--"]
+    assert main([*command, *bare]) == EXIT_FAILED
+    problems = [line for line in capsys.readouterr().out.splitlines() if "PROBLEM:" in line]
+    assert len(problems) == 1
+    assert "EP group [0-15] spans scale-up domains [0, 1]" in problems[0]
+    assert "add --moe-balancer-domain-size 8" in problems[0]
+    assert main([*command, *bare, "--moe-balancer-domain-size", "8"]) == EXIT_OK
+    assert "balancer domains of --moe-balancer-domain-size 8 inside one: yes" in capsys.readouterr().out
+    # The preset alone gives 8 GPUs per node and 8-GPU domains to a bare launch.
+    assert main(["check-recipe", "--world-size", "16", "--", *bare, "--moe-balancer-domain-size", "8"]) == EXIT_OK
+    assert "2 nodes x 8 GPUs (2 scale-up domain(s) of 8 GPUs" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["no/such/recipe.sh"], "no such recipe file: no/such/recipe.sh"),
+    (["--gpus-per-node", "8", TINY], "--gpus-per-node applies to --world-size"),
+    (["--world-size", "12", "--gpus-per-node", "8", "--", "--num-layers", "2"],
+     "--world-size 12 is not a multiple of 8 GPUs per node"),
+    (["--world-size", "8"], "--world-size checks bare pretrain_gpt.py arguments"),
+    (["--world-size", "8", TINY, "--", "--num-layers", "2"], "not both"),
+    (["--", "--num-layers", "2"], "need --world-size"),
+    (["--env", "NNODES", TINY], "--env takes KEY=VALUE"),
+    ([], "give recipes, or --world-size N -- ARGS"),
+    ([str(RECIPES / "common.sh")], "no recipe to check"),
+])
+def test_usage_errors_exit_2_with_one_line(capsys, argv, message):
+    assert main(["check-recipe", *argv]) == EXIT_USAGE
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("ultraep check-recipe: error: ") and message in err[0], err
+    assert "PROBLEM" not in captured.out
+
+
+@pytest.mark.parametrize("option, value", [("--gpu-memory-gb", "0"), ("--gpu-memory-gb", "lots"),
+                                           ("--rack-size", "0"), ("--world-size", "-8"),
+                                           ("--gpus-per-node", "0")])
+def test_bad_option_values_exit_2_naming_the_option(capsys, option, value):
+    with pytest.raises(SystemExit) as exc:
+        main(["check-recipe", option, value, TINY])
+    assert exc.value.code == EXIT_USAGE
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("ultraep check-recipe: error: argument") and option in err[-1], err
+
+
+def test_a_failing_recipe_still_exits_1(capsys):
+    assert main(["check-recipe", TINY, "--", "--num-experts", "6"]) == EXIT_FAILED
+    assert "0/1 recipe(s) passed" in capsys.readouterr().out

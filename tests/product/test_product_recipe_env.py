@@ -1,0 +1,98 @@
+"""The rack recipes' environment (``recipes/common.sh``), on the launch line each recipe would run:
+the recipe runs with the checker's python shim (``recipe_check.capture_launch``), nothing is
+launched.
+
+* wandb only when ``WANDB_PROJECT`` is set, and never with ``WANDB_MODE=disabled``;
+* ``DATA_PATH`` needs ``TOKENIZER_MODEL`` (no hub-id default that fails late on a cluster without
+  internet): refused before torchrun, one line naming it;
+* a malformed ``NNODES`` / ``GPUS_PER_NODE`` / ``NODE_RANK`` / ``MASTER_PORT`` is one line naming
+  the variable, exit status 2, also through ``ultraep check-recipe --env``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from ultraep_megatron.cli import main
+from ultraep_megatron.megatron import recipe_check
+
+REPO = Path(__file__).resolve().parents[2]
+#: Every recipe that sources common.sh (the rack and node recipes).
+RECIPES = sorted(p.name for p in (REPO / "recipes").glob("*.sh")
+                 if re.search(r"^source .*/common\.sh", p.read_text(), re.M))
+#: The variables under test, cleared whatever the test's own environment holds.
+CLEAN = {name: "" for name in ("WANDB_PROJECT", "WANDB_MODE", "WANDB_EXP_NAME", "WANDB_SAVE_DIR",
+                               "DATA_PATH", "TOKENIZER_MODEL", "NNODES", "GPUS_PER_NODE", "NODE_RANK",
+                               "SLURM_NODEID", "MASTER_PORT")}
+
+
+def launch_args(recipe: str, **env: str) -> list[str]:
+    return recipe_check.capture_launch(REPO / "recipes" / recipe, {**CLEAN, **env}).args
+
+
+def refusal(recipe: str, **env: str) -> recipe_check.RecipeError:
+    with pytest.raises(recipe_check.RecipeError) as raised:
+        recipe_check.capture_launch(REPO / "recipes" / recipe, {**CLEAN, **env})
+    return raised.value
+
+
+def flag_value(args: list[str], flag: str) -> str | None:
+    return args[args.index(flag) + 1] if flag in args else None
+
+
+def test_the_recipes_source_common_sh():
+    assert "qwen3_235b_a22b_ep64_dp4.sh" in RECIPES and len(RECIPES) >= 4, RECIPES
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_wandb_only_when_a_project_is_given_and_not_disabled(recipe):
+    assert not [a for a in launch_args(recipe) if a.startswith("--wandb")]
+    args = launch_args(recipe, WANDB_PROJECT="moe", WANDB_SAVE_DIR="/runs/w")
+    assert flag_value(args, "--wandb-project") == "moe"
+    assert flag_value(args, "--wandb-exp-name")  # the recipe's name
+    assert flag_value(args, "--wandb-save-dir") == "/runs/w"
+    assert flag_value(launch_args(recipe, WANDB_PROJECT="moe", WANDB_EXP_NAME="first"),
+                      "--wandb-exp-name") == "first"
+    offline = launch_args(recipe, WANDB_PROJECT="moe", WANDB_MODE="offline")
+    assert flag_value(offline, "--wandb-project") == "moe"
+    disabled = launch_args(recipe, WANDB_PROJECT="moe", WANDB_MODE="disabled", WANDB_SAVE_DIR="/runs/w")
+    assert not [a for a in disabled if a.startswith("--wandb")], disabled
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_data_path_needs_a_tokenizer_model(recipe):
+    error = refusal(recipe, DATA_PATH="/data/corpus_text_document")
+    assert "exited with 2" in error.problem
+    lines = [line for line in error.details.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"{recipe}: DATA_PATH is set but TOKENIZER_MODEL is not"), lines
+    args = launch_args(recipe, DATA_PATH="/data/corpus_text_document", TOKENIZER_MODEL="/models/tok")
+    assert flag_value(args, "--tokenizer-model") == "/models/tok"
+    assert flag_value(args, "--data-path") == "/data/corpus_text_document"
+    assert "--mock-data" in launch_args(recipe)  # without DATA_PATH: mock data, no tokenizer asked
+
+
+@pytest.mark.parametrize("env,needle", [
+    ({"NNODES": "abc"}, "NNODES=abc: expected a whole number >= 1"),
+    ({"NNODES": "0"}, "NNODES=0: expected a whole number >= 1"),
+    ({"GPUS_PER_NODE": "8x"}, "GPUS_PER_NODE=8x: expected a whole number >= 1"),
+    ({"NODE_RANK": "-1"}, "NODE_RANK=-1: expected a whole number >= 0"),
+    ({"NNODES": "2", "NODE_RANK": "2"}, "NODE_RANK=2: expected less than NNODES=2"),
+    ({"NNODES": "2", "SLURM_NODEID": "5"}, "NODE_RANK=5: expected less than NNODES=2"),
+    ({"MASTER_PORT": "http"}, "MASTER_PORT=http: expected a whole number >= 1"),
+])
+def test_a_malformed_layout_variable_is_one_line_naming_it(env, needle):
+    error = refusal("qwen3_235b_a22b_ep64_dp4.sh", **env)
+    lines = [line for line in error.details.splitlines() if line.strip()]
+    assert len(lines) == 1 and needle in lines[0], lines
+
+
+def test_check_recipe_names_the_variable_instead_of_a_raw_int_error(capsys, monkeypatch):
+    for name in CLEAN:
+        monkeypatch.delenv(name, raising=False)
+    assert main(["check-recipe", "--env", "NNODES=abc", str(REPO / "recipes" / "qwen3_235b_a22b_ep64_dp4.sh")]) == 1
+    out = capsys.readouterr().out
+    assert "NNODES=abc: expected a whole number >= 1 (nodes in the job)" in out, out
+    assert "invalid literal for int()" not in out and "Traceback" not in out
