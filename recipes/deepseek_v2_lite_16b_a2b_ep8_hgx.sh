@@ -3,7 +3,8 @@
 # GPUs joined by NVLink, 2 redundant expert slots per rank. The first run on H100/H200 hardware
 # (docs/first_gpu_run.md): one node, no MASTER_ADDR.
 #
-#   DATA_PATH=<megatron data prefix> bash recipes/deepseek_v2_lite_16b_a2b_ep8_hgx.sh \
+#   DATA_PATH=<megatron data prefix> TOKENIZER_MODEL=<tokenizer> \
+#       bash recipes/deepseek_v2_lite_16b_a2b_ep8_hgx.sh \
 #       [extra pretrain_gpt.py arguments]
 #
 # Shape: the published DeepSeek-V2-Lite (HF config.json of deepseek-ai/DeepSeek-V2-Lite: 27

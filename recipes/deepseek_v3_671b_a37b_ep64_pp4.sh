@@ -2,7 +2,7 @@
 # DeepSeek-V3 (671B-A37B) pretraining with UltraEP: EP64-PP4 on 256 GPUs (4 racks of 64; one
 # pipeline stage per rack), 2 redundant expert slots per rank (UltraEP paper, Table 3 and §8.1).
 #
-#   MASTER_ADDR=<node 0> NODE_RANK=<0..63> DATA_PATH=<megatron data prefix> \
+#   MASTER_ADDR=<node 0> NODE_RANK=<0..63> DATA_PATH=<megatron data prefix> TOKENIZER_MODEL=<tokenizer> \
 #       bash recipes/deepseek_v3_671b_a37b_ep64_pp4.sh [extra pretrain_gpt.py arguments]
 #
 # Shape: the published DeepSeek-V3 (61 layers, the first 3 dense and 58 MoE; hidden 7168; MLA

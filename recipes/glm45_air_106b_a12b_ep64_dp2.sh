@@ -2,7 +2,7 @@
 # GLM-4.5-Air (106B-A12B) pretraining with UltraEP: EP64-DP2 on 128 GPUs (2 racks of 64), 2
 # redundant expert slots per rank (UltraEP paper, Table 3 and §8.1).
 #
-#   MASTER_ADDR=<node 0> NODE_RANK=<0..31> DATA_PATH=<megatron data prefix> \
+#   MASTER_ADDR=<node 0> NODE_RANK=<0..31> DATA_PATH=<megatron data prefix> TOKENIZER_MODEL=<tokenizer> \
 #       bash recipes/glm45_air_106b_a12b_ep64_dp2.sh [extra pretrain_gpt.py arguments]
 #
 # Shape: the published GLM-4.5-Air (46 layers, the first dense and 45 MoE; hidden 4096; 96

@@ -6,7 +6,7 @@
 # expert slots per rank. To fit 80 GB: 4 pipeline stages (23/24/24/23 decoder layers) and
 # recompute of the MoE layers in the backward (--recompute-modules moe).
 #
-#   MASTER_ADDR=<node 0> NODE_RANK=<0..15> DATA_PATH=<megatron data prefix> \
+#   MASTER_ADDR=<node 0> NODE_RANK=<0..15> DATA_PATH=<megatron data prefix> TOKENIZER_MODEL=<tokenizer> \
 #       bash recipes/qwen3_235b_a22b_ep32_pp4_hgx.sh [extra pretrain_gpt.py arguments]
 #
 # Shape: the published Qwen3-235B-A22B (HF config.json of Qwen/Qwen3-235B-A22B: 94 layers, all
@@ -20,41 +20,8 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 RECIPE_NAME=qwen3-235b-a22b-ep32-pp4-hgx
 DEFAULT_NNODES=16                  # x 8 GPUs = 128 GPUs
 DEFAULT_GPUS_PER_NODE=8            # an HGX node = one NVLink domain
-HF_TOKENIZER=Qwen/Qwen3-235B-A22B
-VOCAB_SIZE=151936                  # embedding rows of the released checkpoint
-VOCAB_DIVISOR=1187                 # 151936 = 128 x 1187
-
-MODEL_ARGS=(
-    --num-layers 94
-    --hidden-size 4096
-    --ffn-hidden-size 12288
-    --num-attention-heads 64
-    --group-query-attention
-    --num-query-groups 4
-    --kv-channels 128
-    --qk-layernorm
-    --normalization RMSNorm
-    --norm-epsilon 1e-6
-    --swiglu
-    --disable-bias-linear
-    --untie-embeddings-and-output-weights
-    --position-embedding-type rope
-    --rotary-percent 1.0
-    --rotary-base 1000000
-    --max-position-embeddings 40960
-)
-
-MOE_ARGS=(
-    --num-experts 128
-    --moe-ffn-hidden-size 1536
-    --moe-router-topk 8
-    --moe-router-score-function softmax
-    --moe-router-dtype fp32
-    --moe-router-load-balancing-type aux_loss
-    --moe-aux-loss-coeff 1e-2
-    --moe-token-dispatcher-type alltoall
-    --moe-grouped-gemm                  # Transformer Engine's grouped-GEMM experts (TEGroupedMLP)
-    --moe-balancer-num-slots 2
+source "$(dirname "${BASH_SOURCE[0]}")/models/qwen3_235b_a22b.sh"
+MOE_ARGS+=(
     --moe-balancer-domain-size 8        # EP ranks per node = per NVLink domain
     --moe-balancer-hardware h100-hgx
 )

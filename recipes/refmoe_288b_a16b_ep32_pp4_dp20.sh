@@ -3,7 +3,7 @@
 # with UltraEP: EP32-PP4-DP20 on 2560 GPUs (40 racks of 64), 4 redundant expert slots per rank
 # (UltraEP paper, Table 3 and §8.1).
 #
-#   MASTER_ADDR=<node 0> NODE_RANK=<0..639> DATA_PATH=<megatron data prefix> \
+#   MASTER_ADDR=<node 0> NODE_RANK=<0..639> DATA_PATH=<megatron data prefix> TOKENIZER_MODEL=<tokenizer> \
 #       bash recipes/refmoe_288b_a16b_ep32_pp4_dp20.sh [extra pretrain_gpt.py arguments]
 #
 # Shape: RefMoE itself is unpublished; the paper gives 46 layers (the first dense, 45 MoE), 256

@@ -92,3 +92,26 @@ def test_bad_option_values_exit_2_naming_the_option(capsys, option, value):
 def test_a_failing_recipe_still_exits_1(capsys):
     assert main(["check-recipe", TINY, "--", "--num-experts", "6"]) == EXIT_FAILED
     assert "0/1 recipe(s) passed" in capsys.readouterr().out
+
+
+def test_a_bare_megatron_assertion_is_reported_with_its_flag(capsys):
+    """megatron's validate_args asserts without messages (``assert args.micro_batch_size is not
+    None``): the PROBLEM line quotes the failing check and names its flag, never a bare
+    ``AssertionError:``."""
+    assert main(["check-recipe", "--world-size", "8", "--gpus-per-node", "8", "--", "--num-layers", "2"]) \
+        == EXIT_FAILED
+    problems = [line for line in capsys.readouterr().out.splitlines() if "PROBLEM:" in line]
+    assert len(problems) == 1, problems
+    assert "`assert args.micro_batch_size is not None`" in problems[0]
+    assert problems[0].endswith("check --micro-batch-size"), problems[0]
+
+
+def test_every_balancer_problem_is_its_own_line(capsys):
+    """Several bad --moe-balancer* values: one PROBLEM line each, naming its flag (not one line
+    prefixed with an exception's class name)."""
+    assert main(["check-recipe", TINY, "--", "--moe-balancer-num-slots", "-1", "--moe-balancer-min-quota", "0"]) \
+        == EXIT_FAILED
+    problems = [line for line in capsys.readouterr().out.splitlines() if "PROBLEM:" in line]
+    assert any("--moe-balancer-num-slots" in p for p in problems), problems
+    assert any("--moe-balancer-min-quota" in p for p in problems), problems
+    assert not any("Error:" in p for p in problems), problems

@@ -215,6 +215,21 @@ def make_initial_checkpoint(run_dir: Path) -> DumpRun:
     return save_initial_checkpoint(run_dir, args, {"ULTRAEP_EXPERT_BIAS": SKEWED_EXPERT_BIAS})
 
 
+def check_verdict(verdict: dict, name: str, expected: str | None, *, warned: bool) -> None:
+    """One command line's verdict of :func:`argument_verdicts`: accepted (``expected`` None) or
+    refused with ``expected`` in its error; the EP-size-1 warning exactly when ``warned``."""
+    error, warnings = verdict["error"], verdict["warnings"]
+    if expected is None:
+        assert error is None, error
+    else:
+        assert error is not None, f"{name} was accepted"
+        assert expected in error, error
+    if warned:
+        assert len(warnings) == 1 and "--expert-model-parallel-size 1" in warnings[0], warnings
+    else:
+        assert warnings == [], warnings
+
+
 def argument_verdicts(cases: dict[str, list[str]]) -> dict[str, dict]:
     """pretrain_gpt.py's argument checks, in its order, on each command line of ``cases``
     ({name: argv}): UltraEP's startup checks on Megatron's parse, then, if they pass, Megatron's own

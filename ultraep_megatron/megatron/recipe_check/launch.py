@@ -80,6 +80,8 @@ def parse_torchrun_command(argv: Sequence[str], source: str = "<arguments>") -> 
     except ValueError:
         raise RecipeError(f"{source}: --nproc-per-node {options.nproc_per_node!r} is not a number "
                           "of processes") from None
+    if not nnodes.isdigit():
+        raise RecipeError(f"{source}: --nnodes {nnodes!r} is not a number of nodes")
     return Launch(nproc_per_node=nproc, nnodes=int(nnodes), script=options.training_script,
                   args=list(options.training_script_args), source=source)
 

@@ -14,8 +14,11 @@ import contextlib
 import io
 import logging
 import os
+import re
 import sys
+import traceback
 import warnings
+from pathlib import Path
 from typing import Sequence
 from unittest import mock
 
@@ -76,7 +79,9 @@ def validate_arguments(script_args: Sequence[str], world_size: int) -> tuple[arg
         from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
         from megatron.training.arguments import parse_args, validate_args
 
-        from ultraep_megatron.megatron.arguments import add_ultraep_args, validate_ultraep_args
+        from ultraep_megatron.megatron.arguments import (
+            UltraEPArgumentError, add_ultraep_args, validate_ultraep_args,
+        )
 
     import torch
 
@@ -101,7 +106,9 @@ def validate_arguments(script_args: Sequence[str], world_size: int) -> tuple[arg
     except AssertionError as error:
         if str(error).startswith("eval_global_batch_size") and not eval_batch_given:
             raise RecipeError(batch_problem(args)) from None
-        raise RecipeError(f"AssertionError: {error}") from None
+        raise RecipeError(assertion_problem(error)) from None
+    except UltraEPArgumentError as error:  # every problem, one line each, naming its flag
+        raise RecipeError("\n".join(error.problems)) from None
     except (ValueError, RuntimeError, TypeError) as error:
         raise RecipeError(f"{type(error).__name__}: {error}") from None
     if args.vocab_size is None:
@@ -140,3 +147,16 @@ def startup_problems(args: argparse.Namespace) -> list[str]:
             args.global_batch_size % (args.micro_batch_size * args.data_parallel_size):
         problems.append(batch_problem(args))
     return problems
+
+
+def assertion_problem(error: AssertionError) -> str:
+    """One line for an assertion of Megatron's argument validation. Many are bare (``assert
+    args.micro_batch_size is not None``): the failing line is then the message, with the flags its
+    ``args.<name>`` attributes stand for."""
+    if str(error):
+        return f"AssertionError: {error}"
+    frame = traceback.extract_tb(error.__traceback__)[-1]
+    flags = sorted({f"--{name.replace('_', '-')}" for name in re.findall(r"\bargs\.(\w+)", frame.line or "")})
+    where = f"{Path(frame.filename).parent.name}/{Path(frame.filename).name}:{frame.lineno}"
+    return (f"Megatron's validate_args failed `{frame.line}` ({where})"
+            + (f": check {', '.join(flags)}" if flags else ""))
