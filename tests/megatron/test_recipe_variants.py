@@ -17,6 +17,8 @@ covered by them and adds no run; recipes whose variants are the same share one s
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 from equivalence import failures, per_step_comparisons, summary, trajectory_comparisons
@@ -103,13 +105,11 @@ def test_a_flag_added_to_a_recipe_reaches_its_variant(tmp_path):
     """The variant is the recipe's launch: a flag added to the recipe file is in the variant's
     arguments, as the recipe has it, with nobody editing the test."""
     recipes = tmp_path / "recipes"
-    recipes.mkdir()
-    for source in RECIPES[0].parent.glob("*.sh"):
-        (recipes / source.name).write_text(source.read_text())
+    shutil.copytree(RECIPES[0].parent, recipes)  # with what the recipes source (common.sh, models/)
     recipe = recipes / "qwen3_235b_a22b_ep64_dp4.sh"
     text = recipe.read_text()
-    assert "MOE_ARGS=(\n" in text
-    recipe.write_text(text.replace("MOE_ARGS=(\n", "MOE_ARGS=(\n    --moe-z-loss-coeff 1e-3\n", 1))
+    assert "\nPARALLEL_ARGS=(\n" in text
+    recipe.write_text(text.replace("\nPARALLEL_ARGS=(\n", "\nMOE_ARGS+=(--moe-z-loss-coeff 1e-3)\nPARALLEL_ARGS=(\n", 1))
     before, after = small_scale_variant(RECIPES[0].parent / recipe.name), small_scale_variant(recipe)
     assert "--moe-z-loss-coeff" not in before.args
     i = after.args.index("--moe-z-loss-coeff")
