@@ -25,6 +25,7 @@ from typing import Any, Callable, Mapping, Optional
 from ultraep_megatron.megatron import capabilities
 from ultraep_megatron.planner import BalancerConfig
 from ultraep_megatron.planner import balancer as planner_balancer
+from ultraep_megatron.planner.balancer import MINIMUMS
 from ultraep_megatron.planner.baselines import registry
 
 
@@ -63,21 +64,22 @@ class Knob:
 
 
 KNOBS: tuple[Knob, ...] = (
-    Knob("num_slots", "--moe-balancer-num-slots", int, planner_balancer.DEFAULT_NUM_SLOTS, minimum=0,
+    Knob("num_slots", "--moe-balancer-num-slots", int, planner_balancer.DEFAULT_NUM_SLOTS,
+         minimum=MINIMUMS["num_slots"],
          metavar="S",
          help="Redundant expert slots per expert-parallel rank (ultraep, eplb, eplb-exact). Their "
               "weight and fp32 gradient buffers are shared by all MoE layers. Default: %(default)s."),
-    Knob("min_quota", "--moe-balancer-min-quota", int, None, minimum=1,
+    Knob("min_quota", "--moe-balancer-min-quota", int, None, minimum=MINIMUMS["min_quota"],
          help="ultraep: smallest number of (token, expert) pairs a replica may carry. Default: "
               "derived from --moe-balancer-hardware when given, else 1%% of the mean per-rank load "
               "of the microbatch."),
-    Knob("trigger", "--moe-balancer-trigger", float, None, minimum=1.0, metavar="X",
+    Knob("trigger", "--moe-balancer-trigger", float, None, minimum=MINIMUMS["trigger"], metavar="X",
          help="ultraep: a layer-microbatch whose rank imbalance before balancing (max/mean tokens "
               "per EP rank, from the exact load) is below X keeps every token at home: no replica, "
               "no transfer, no re-materialization, no reduction. 1 balances every one. Default: "
               "1 + min quota / mean rank load of the microbatch, below which even perfect balancing "
               "saves less than one replica must carry to pay for itself (docs/traces.md)."),
-    Knob("domain_size", "--moe-balancer-domain-size", int, None, minimum=1,
+    Knob("domain_size", "--moe-balancer-domain-size", int, None, minimum=MINIMUMS["domain_size"],
          help="EP ranks per NVLink (scale-up) domain; consecutive EP ranks form a domain, and it "
               "must divide the EP size. ultraep hosts a replica only in its expert's home domain, so "
               "no expert weight or replica gradient crosses a domain (tokens still go anywhere); the "
@@ -88,11 +90,12 @@ KNOBS: tuple[Knob, ...] = (
               "trigger) is derived from: paper-rack (the UltraEP paper's 64-GPU rack) or h100-hgx "
               "(8 x H100 SXM per NVLink domain); figures and derivation in docs/traces.md. Default: "
               "none, the min quota is 1%% of the mean rank load."),
-    Knob("eplb_window", "--moe-balancer-eplb-window", int, planner_balancer.DEFAULT_EPLB_WINDOW, minimum=1,
+    Knob("eplb_window", "--moe-balancer-eplb-window", int, planner_balancer.DEFAULT_EPLB_WINDOW,
+         minimum=MINIMUMS["eplb_window"],
          help="eplb: microbatches of load history the placement is computed from. "
               "Default: %(default)s."),
     Knob("eplb_interval", "--moe-balancer-eplb-interval", int, planner_balancer.DEFAULT_EPLB_INTERVAL,
-         minimum=1,
+         minimum=MINIMUMS["eplb_interval"],
          help="eplb: re-plan the replica placement every this many microbatches of a layer. "
               "Default: %(default)s."),
     Knob("ring_size", "--moe-balancer-ring-size", int, None, minimum=1, runtime_only=True,
@@ -282,13 +285,12 @@ def balancer_config_from_args(args: argparse.Namespace) -> Optional[BalancerConf
 
 def balancing_context_from_args(args: argparse.Namespace):
     """The model's ``BalancingContext`` for ``--moe-balancer*``; ``None`` for ``none``."""
-    config = balancer_config_from_args(args)
-    if config is None:
+    values = knob_values(args)
+    if args.moe_balancer == registry.NONE:
         return None
     from ultraep_megatron.megatron.context import BalancingContext
 
-    values = knob_values(args)
-    return BalancingContext(config, hardware=values["hardware"],
+    return BalancingContext(planner_config(args.moe_balancer, values), hardware=values["hardware"],
                             **{field: values[field] for field in RUN_SETTINGS})
 
 
