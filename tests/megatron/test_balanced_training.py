@@ -25,9 +25,11 @@ none / ultraep ep4    EP=4 x DP=4, MoE activation recompute, overlap-grad-reduce
 none / ultraep pp2    EP=2 x PP=2 x DP=2, full recompute                          8 lr-0 + 10 Adam
 ultraep vpp           EP=2 x PP=2, interleaved (1 layer per virtual stage),       8 lr-0
                       distributed optimizer, overlap-grad-reduce
-bf16 none ep4 / pp2,  bf16 with fp32 main grads                                  3 lr-0 + 10 Adam
-ultraep ep4
 ====================  =========================================================  ===============
+
+bf16 runs elsewhere, in the layouts that use it: test_production_layouts.py (expert-DP 2, the
+distributed optimizer with overlapped reduce and gather, bf16 gradient reduction) and every recipe
+variant (test_recipe_variants.py, per step and trajectory).
 
 With the distributed optimizer a rank keeps only a shard of each reduced gradient: that layout
 compares losses and grad norms.
@@ -44,7 +46,7 @@ from megatron_runs import launch_dump_run, recipe_moe_args
 pytestmark = pytest.mark.slow
 
 WORLD = 4
-LR0_ITERS, ADAM_ITERS, BF16_LR0_ITERS = 8, 10, 3
+LR0_ITERS, ADAM_ITERS = 8, 10
 # The negative controls: one fault of the balancer per iteration, after the clean iterations.
 FAULTS = {6: "no_replica_grad_reduction", 7: "skip_rematerialization",
           8: "replica_gets_other_layer_weights"}
@@ -60,27 +62,21 @@ LAYOUTS = {  # name: (EP size, flags)
     "vpp": (2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
                 "--use-distributed-optimizer", "--overlap-grad-reduce"]),
 }
-RUNS = {  # name: (layout, balanced, bf16, lr-0 iterations, Adam iterations, faults)
-    "none_ep4": ("ep4", False, False, LR0_ITERS, ADAM_ITERS, {}),
-    "none_pp2": ("pp2", False, False, LR0_ITERS, ADAM_ITERS, {}),
-    "ultraep_ep4": ("ep4", True, False, LR0_ITERS, 0, FAULTS),
-    "ultraep_pp2": ("pp2", True, False, LR0_ITERS, ADAM_ITERS, {}),
-    "ultraep_vpp": ("vpp", True, False, LR0_ITERS, 0, {}),
-    "none_ep4_bf16": ("ep4", False, True, BF16_LR0_ITERS, ADAM_ITERS, {}),
-    "none_pp2_bf16": ("pp2", False, True, BF16_LR0_ITERS, ADAM_ITERS, {}),
-    "ultraep_ep4_bf16": ("ep4", True, True, BF16_LR0_ITERS, ADAM_ITERS, {}),
+RUNS = {  # name: (layout, balanced, lr-0 iterations, Adam iterations, faults)
+    "none_ep4": ("ep4", False, LR0_ITERS, ADAM_ITERS, {}),
+    "none_pp2": ("pp2", False, LR0_ITERS, ADAM_ITERS, {}),
+    "ultraep_ep4": ("ep4", True, LR0_ITERS, 0, FAULTS),
+    "ultraep_pp2": ("pp2", True, LR0_ITERS, ADAM_ITERS, {}),
+    "ultraep_vpp": ("vpp", True, LR0_ITERS, 0, {}),
 }
 # The balanced runs compared per step: (run, its reference, the noise-floor pair, iterations).
 PER_STEP = {
     "ultraep_ep4": ("none_ep4", ("none_ep4", "none_pp2"), CLEAN_ITERS),
     "ultraep_pp2": ("none_pp2", ("none_ep4", "none_pp2"), list(range(1, LR0_ITERS + 1))),
     "ultraep_vpp": ("none_pp2", ("none_ep4", "none_pp2"), list(range(1, LR0_ITERS + 1))),
-    "ultraep_ep4_bf16": ("none_ep4_bf16", ("none_ep4_bf16", "none_pp2_bf16"),
-                         list(range(1, BF16_LR0_ITERS + 1))),
 }
 TRAJECTORY = {  # run: (reference, noise-floor pair), over the Adam iterations
     "ultraep_pp2": ("none_pp2", ("none_ep4", "none_pp2")),
-    "ultraep_ep4_bf16": ("none_ep4_bf16", ("none_ep4_bf16", "none_pp2_bf16")),
 }
 
 
@@ -92,15 +88,13 @@ def runs(tmp_path_factory, initial_checkpoint):
 
     def get(name):
         if name not in done:
-            layout, balanced, bf16, lr0, adam, faults = RUNS[name]
+            layout, balanced, lr0, adam, faults = RUNS[name]
             ep, flags = LAYOUTS[layout]
             run_dir = tmp_path_factory.mktemp(name)
             # No gradient clipping: it scales every gradient by the global norm, so one wrong
             # gradient would show in all of them.
             args = [*recipe_moe_args(ep=ep, train_iters=lr0 + adam), *flags, "--clip-grad", "0.0",
                     "--load", str(checkpoint), "--finetune", "--ckpt-format", "torch_dist"]
-            if bf16:
-                args.append("--bf16")
             if balanced:
                 args += [*BALANCED, "--moe-balancer-trace-dir", str(run_dir / "trace")]
             env = {"ULTRAEP_LR0_ITERS": str(lr0),
@@ -121,7 +115,7 @@ def grad_norms(run, iterations):
 
 def per_step_gradient_comparisons(runs, name, iterations):
     reference, (x, y) = PER_STEP[name][:2]
-    lr0 = range(1, RUNS[x][3] + 1)
+    lr0 = range(1, RUNS[x][2] + 1)
     floors = gradient_floors(runs(x).grads, runs(y).grads, [*lr0])
     return compare_gradients(runs(name).grads, runs(reference).grads, floors, iterations)
 
@@ -137,7 +131,7 @@ def test_per_step_gradient_of_every_parameter(runs, name):
 @pytest.mark.parametrize("name", list(PER_STEP))
 def test_per_step_losses_and_grad_norms(runs, name):
     reference, (x, y), iterations = PER_STEP[name]
-    lr0 = list(range(1, RUNS[x][3] + 1))
+    lr0 = list(range(1, RUNS[x][2] + 1))
     comparisons = []
     for what, values in (("lm loss", losses), ("grad norm", grad_norms)):
         floor_x, floor_y = values(runs(x), lr0), values(runs(y), lr0)
@@ -152,7 +146,7 @@ def test_per_step_losses_and_grad_norms(runs, name):
 @pytest.mark.parametrize("name", list(TRAJECTORY))
 def test_trajectory_losses_and_grad_norms(runs, name):
     reference, (x, y) = TRAJECTORY[name]
-    lr0 = RUNS[name][3]
+    lr0 = RUNS[name][2]
     adam = list(range(lr0 + 1, lr0 + ADAM_ITERS + 1))
     comparisons = []
     for what, values in (("lm loss", losses), ("grad norm", grad_norms)):
