@@ -15,7 +15,8 @@ from gloo_launch import WORKERS, launch_gloo_ranks
 WORLD = 4
 NUM_SLOTS = 1
 EXPERT_NUMEL = 2 * 32 * 48  # fc1 [48, 32] + fc2 [32, 48]
-SCENARIOS = ("single", "pipelined", "recompute", "eplb", "eplb-exact", "flex", "grouped", "mixed",
+SCENARIOS = ("single", "pipelined", "recompute", "eplb", "eplb-exact", "flex", "flex-hybridep",
+             "flex-hybridep-padded", "grouped", "mixed",
              "frozen_input", "frozen_router", "relayed", "idle_replica")
 # A negative control must miss by more than this many times its tolerance (not a borderline miss).
 NOISE_MULTIPLE = 10
@@ -73,7 +74,7 @@ def test_negative_control_unreduced_replica_gradients_fail_the_comparison(ranks)
     assert all(c.ratio > NOISE_MULTIPLE for c in failed), failed
 
 
-@pytest.mark.parametrize("scenario", ["single", "pipelined", "recompute", "flex", "grouped"])
+@pytest.mark.parametrize("scenario", ["single", "pipelined", "recompute", "flex", "flex-hybridep", "grouped"])
 def test_ultraep_balances_the_received_load(ranks, scenario):
     rows = torch.tensor([r[f"{scenario}/balanced"]["received_rows"] for r in ranks], dtype=torch.float)
     skewed = torch.tensor([r[f"{scenario}/none"]["received_rows"] for r in ranks], dtype=torch.float)
@@ -133,7 +134,8 @@ def test_replica_backward_does_not_recompute_the_replica_forward(ranks):
     """Replica weights are re-materialized for the backward; replica activations are saved, so
     the replica experts run once per microbatch, and again only in a recompute replay."""
     for rank, result in enumerate(ranks):
-        for scenario, microbatches in (("single", 1), ("pipelined", 3), ("flex", 3), ("grouped", 3)):
+        for scenario, microbatches in (("single", 1), ("pipelined", 3), ("flex", 3), ("flex-hybridep", 3),
+                                       ("flex-hybridep-padded", 2), ("grouped", 3)):
             calls = result[f"{scenario}/balanced"]["replica_calls"]
             assert calls["backward"] == 0, f"rank {rank} {scenario}: replica forward recomputed {calls}"
             assert calls["forward"] <= microbatches
@@ -181,6 +183,18 @@ def test_flex_scenario_ran_megatrons_deepep_path(ranks):
         assert result["flex/balanced"]["dispatcher_class"] == "BalancedFlexDispatcher"
         assert result["flex/balanced"]["manager_class"] == "_DeepepManager"
         assert result["flex/none"]["dispatcher_class"] == "MoEAlltoAllTokenDispatcher"
+
+
+def test_hybridep_scenarios_ran_megatrons_hybridep_path(ranks):
+    """The HybridEP scenarios went through megatron's HybridEP manager (over the gloo stand-in), and
+    the padded one really split padded layouts (a replica host's rows not a multiple of 8)."""
+    for result in ranks:
+        for scenario in ("flex-hybridep", "flex-hybridep-padded"):
+            assert result[f"{scenario}/balanced"]["dispatcher_class"] == "BalancedFlexDispatcher"
+            assert result[f"{scenario}/balanced"]["manager_class"] == "_HybridEPManager"
+        assert not any(result["flex-hybridep/balanced"]["padded_layouts"])
+    assert any(any(r["flex-hybridep-padded/balanced"]["padded_layouts"]) for r in ranks), \
+        "no replica host received a padded layout"
 
 
 def test_grouped_scenario_ran_grouped_experts(ranks):

@@ -25,11 +25,6 @@ COMMAND_LINES = {
     "flex_ncclep": ([*ULTRAEP, "--moe-token-dispatcher-type", "flex",
                      "--moe-flex-dispatcher-backend", "ncclep"], "--moe-flex-dispatcher-backend ncclep"),
     "te_op_fuser": ([*ULTRAEP, "--use-transformer-engine-op-fuser"], "--use-transformer-engine-op-fuser"),
-    # The replica experts share one module across layers: TE's cached fp8 weights would leak.
-    "fp8": ([*ULTRAEP, "--fp8-format", "hybrid"], "--fp8-format"),
-    # Its saved-tensor hooks would keep the shared replica weights as a later layer leaves them.
-    "offload_experts": ([*ULTRAEP, "--fine-grained-activation-offloading", "--offload-modules", "attn_norm",
-                         "expert_fc1"], "--offload-modules expert_fc1"),
     # FSDP gathers an expert only in its own hooks; the replica transfers read and write it outside.
     "megatron_fsdp": ([*ULTRAEP, "--use-megatron-fsdp", "--use-distributed-optimizer",
                        "--data-parallel-sharding-strategy", "optim_grads_params"], "--use-megatron-fsdp"),
@@ -45,6 +40,44 @@ COMMAND_LINES = {
 # Every command line runs at EP=1: a balancer whose settings are valid is warned about it.
 WARNED = {"valid_production_ddp"}
 
+# The production envelope (issue 35), judged by UltraEP's startup check alone (arguments.startup_problems
+# on Megatron's parse, as pretrain_gpt.py runs it): Megatron's own validation of fp8 or CUDA graphs needs
+# Transformer Engine and a GPU, which this machine lacks. name: (extra argv, substring one of UltraEP's
+# errors must contain; None = UltraEP accepts it).
+FP8 = ["--fp8-format", "hybrid", "--fp8-recipe"]
+GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-modules"]
+ENVELOPE = {
+    **{f"fp8_{recipe}{'_param_gather' if gather else ''}": ([*ULTRAEP, *FP8, recipe, *gather], None)
+       for recipe in ("tensorwise", "blockwise", "mxfp8") for gather in ([], ["--fp8-param-gather"])},
+    "fp8_e4m3_tensorwise": ([*ULTRAEP, "--fp8-format", "e4m3", "--fp8-recipe", "tensorwise"], None),
+    # One shared replica module would mix every layer's amax history.
+    "fp8_delayed": ([*ULTRAEP, *FP8, "delayed"], "--fp8-recipe delayed"),
+    "fp8_delayed_by_default": ([*ULTRAEP, "--fp8-format", "hybrid"], "--fp8-recipe delayed"),
+    "fp8_custom": ([*ULTRAEP, *FP8, "custom"], "--fp8-recipe custom"),
+    "fp8_reuse_grad_buf": ([*ULTRAEP, *FP8, "mxfp8", "--fp8-param-gather", "--reuse-grad-buf-for-mxfp8-param-ag"],
+                           "--reuse-grad-buf-for-mxfp8-param-ag"),
+    "fp4": ([*ULTRAEP, "--fp4-format", "e2m1"], "--fp4-format e2m1"),
+    "graphs_attn_router": ([*ULTRAEP, *GRAPHS, "attn", "moe_router"], None),
+    "graphs_te_attn_router_mlp": ([*ULTRAEP, "--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules",
+                                   "attn", "moe_router", "mlp"], None),
+    "graphs_older_spelling_attn": ([*ULTRAEP, "--external-cuda-graph", "--cuda-graph-scope", "attn"], None),
+    # Graphs that would capture the plan's host wait or the transfers it sizes.
+    "graphs_moe_preprocess": ([*ULTRAEP, "--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules",
+                               "attn", "moe_router", "moe_preprocess"], "--cuda-graph-modules moe_preprocess"),
+    "graphs_moe": ([*ULTRAEP, *GRAPHS, "moe"], "--cuda-graph-modules moe "),
+    "graphs_whole_layer": ([*ULTRAEP, "--cuda-graph-impl", "local"], "whole-layer capture"),
+    "graphs_whole_layer_older_spelling": ([*ULTRAEP, "--enable-cuda-graph"], "--enable-cuda-graph"),
+    "graphs_full_iteration": ([*ULTRAEP, "--cuda-graph-impl", "full_iteration"],
+                              "--cuda-graph-impl full_iteration"),
+    "graphs_full_iteration_module": ([*ULTRAEP, *GRAPHS, "full_iteration"], "--cuda-graph-modules full_iteration"),
+    # The replica experts are built without offloading; the main experts' activations offload as usual.
+    "offload_experts": ([*ULTRAEP, "--fine-grained-activation-offloading", "--offload-modules", "attn_norm",
+                         "expert_fc1", "moe_act"], None),
+    "latent_moe": ([*ULTRAEP, "--moe-latent-size", "32"], "--moe-latent-size"),
+    "hybridep_rank_capacity": ([*ULTRAEP, "--moe-expert-rank-capacity-factor", "1.5"],
+                               "--moe-expert-rank-capacity-factor"),
+}
+
 
 def command_line(extra):
     if extra is not DENSE:
@@ -59,9 +92,28 @@ def command_line(extra):
 
 @pytest.fixture(scope="module")
 def verdicts():
-    return argument_verdicts({name: command_line(extra) for name, (extra, _) in COMMAND_LINES.items()})
+    cases = {**COMMAND_LINES, **{f"envelope/{name}": case for name, case in ENVELOPE.items()}}
+    return argument_verdicts({name: command_line(extra) for name, (extra, _) in cases.items()})
 
 
 @pytest.mark.parametrize("name", list(COMMAND_LINES))
 def test_command_line(verdicts, name):
     check_verdict(verdicts[name], name, COMMAND_LINES[name][1], warned=name in WARNED)
+
+
+@pytest.mark.parametrize("name", list(ENVELOPE))
+def test_production_envelope(verdicts, name):
+    """UltraEP's startup check accepts the envelope's settings and refuses the rest, each refusal
+    naming its flag and saying why with the settings that work."""
+    verdict, expected = verdicts[f"envelope/{name}"], ENVELOPE[name][1]
+    if expected is None:
+        assert verdict["errors"] == [], verdict["errors"]
+        assert len(verdict["warnings"]) == 1, verdict["warnings"]  # EP=1: nothing to balance
+        return
+    refusals = [e for e in verdict["errors"] if expected in e]
+    assert len(refusals) == 1, verdict["errors"]
+    assert ": " in refusals[0].split(expected, 1)[1], f"no reason given: {refusals[0]}"
+    if name.startswith(("fp8_delayed", "fp8_custom", "fp4")):
+        assert "tensorwise, blockwise or mxfp8" in refusals[0], refusals[0]
+    if "graphs" in name:
+        assert "capture only attn, moe_router, mlp, mamba" in refusals[0], refusals[0]

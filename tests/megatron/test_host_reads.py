@@ -5,7 +5,9 @@ A GPU's host waits for its queue whenever it reads device memory (``.item()``, `
 which tensors would live on the GPU and counts such reads while the layer runs on gloo CPU ranks;
 the worker measures megatron's MoELayer and UltraEP's BalancedMoELayer on the same weights and
 tokens, forward and backward, two microbatches, EP=2 and EP=4, with skewed routing (so replicas are
-really created and moved) and with MoE activation recompute. The replica transfers run on the
+really created and moved) and with MoE activation recompute; and with megatron's flex dispatcher over
+``deepep_gloo``'s HybridEP and DeepEP stand-ins, which report where the real libraries make the host
+wait. The replica transfers run on the
 caller's thread, as on CUDA, so their host code is counted too.
 """
 
@@ -16,8 +18,10 @@ import pytest
 from gloo_launch import WORKERS, launch_gloo_ranks
 
 WORLD = 4
-LAYOUTS = ("ep2", "ep4", "ep2-recompute", "ep4-recompute")
-NEGATIVE_CONTROLS = ("ep4-tolist", "ep4-item-in-backward", "ep4-item-in-transfer")
+# ep4-hybridep: the flex dispatcher over HybridEP's stand-in (deepep_gloo reports its host waits).
+LAYOUTS = ("ep2", "ep4", "ep2-recompute", "ep4-recompute", "ep4-hybridep")
+NEGATIVE_CONTROLS = ("ep4-tolist", "ep4-item-in-backward", "ep4-item-in-transfer", "ep4-hybridep-unmodified")
+PLAN_WAIT = "Event.synchronize"  # the plan's one wait (dispatchers._copy_to_host)
 
 pytestmark = pytest.mark.slow
 
@@ -86,3 +90,38 @@ def test_negative_control_reads_inside_the_transfers_are_counted(ranks):
         added = added_reads(result["ep4-item-in-transfer"])
         assert added["sync"] >= made[rank], (
             f"rank {rank}: {made[rank]} deliberate reads in the transfers, {added['sync']} counted")
+
+
+def _waits(counts_and_events: dict) -> list[str]:
+    return [operation for kind, operation, _ in counts_and_events["events"] if kind == "sync"]
+
+
+def test_hybridep_layer_waits_once_megatrons_path_twice(ranks):
+    """With HybridEP the balanced layer's one host wait per microbatch is the plan's: HybridEP is told
+    the permuted size and per-slot counts from the plan. megatron's own HybridEP path waits twice (the
+    dispatch reads the permuted size from the GPU; the experts read the device counts)."""
+    for rank, result in enumerate(ranks):
+        measured = result["ep4-hybridep"]
+        assert _waits(measured["balanced"]) == [PLAN_WAIT] * 2, measured["balanced"]["events"]
+        megatron = _waits(measured["none"])
+        assert len(megatron) == 4 and sum("HybridEP dispatch" in w for w in megatron) == 2, megatron
+
+
+def test_negative_control_megatrons_hybridep_dispatch_waits_more(ranks):
+    """The balanced layer with megatron's own fused dispatch (no counts handed to HybridEP) waits
+    more than once per microbatch: the one-wait test above would fail."""
+    for rank, result in enumerate(ranks):
+        waits = _waits(result["ep4-hybridep-unmodified"]["balanced"])
+        assert len(waits) >= 6 and waits.count(PLAN_WAIT) == 2, waits
+
+
+def test_deepep_layer_waits_for_the_plan_and_deepeps_own_dispatch(ranks):
+    """DeepEP's normal dispatch polls for its received counts on the host whatever it is told
+    (megatron's fused_dispatch has no way to skip it): the balanced layer waits for its plan and
+    there, one wait more than megatron's DeepEP path."""
+    for rank, result in enumerate(ranks):
+        measured = result["ep4-deepep"]
+        waits = _waits(measured["balanced"])
+        assert waits.count(PLAN_WAIT) == 2 and len(waits) == 4, waits
+        assert all(w == PLAN_WAIT or w.startswith("DeepEP dispatch") for w in waits), waits
+        assert len(_waits(measured["none"])) == 2, measured["none"]["events"]

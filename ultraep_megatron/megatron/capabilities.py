@@ -43,39 +43,29 @@ def unsupported_moe_settings(config) -> list[str]:
         if problem:
             problems.append(problem)
     elif dispatcher != 'alltoall':
-        problems.append(f"--moe-token-dispatcher-type {dispatcher} is not supported; use alltoall "
-                        "(or flex with DeepEP/HybridEP on GPUs)")
+        problems.append(f"--moe-token-dispatcher-type {dispatcher} is not supported: the balanced "
+                        "dispatchers are megatron's all-to-all and flex ones over physical slots; use "
+                        "alltoall (or flex with DeepEP/HybridEP on GPUs)")
     if get('moe_expert_capacity_factor') is not None or get('moe_pad_expert_input_to_capacity'):
         problems.append("token dropping (--moe-expert-capacity-factor / "
                         "--moe-pad-expert-input-to-capacity) is not supported: balancing "
                         "needs dropless routing")
     # Megatron's default expert-TP size is the TP size (set by its validation).
     if (get('expert_tensor_parallel_size') or get('tensor_model_parallel_size') or 1) > 1:
-        problems.append("--expert-tensor-parallel-size > 1 is not supported")
+        problems.append("--expert-tensor-parallel-size > 1 is not supported: a replica is a whole expert "
+                        "copied between EP ranks, and expert TP shards every expert over other ranks")
     if get('use_transformer_engine_op_fuser'):
         problems.append("--use-transformer-engine-op-fuser is not supported (its fused grouped MLP "
                         "has no per-expert weights to replicate)")
     if get('moe_router_padding_for_quantization'):
-        problems.append("--moe-router-padding-for-quantization is not supported")
+        problems.append("--moe-router-padding-for-quantization is not supported: it adds padding rows to "
+                        "the routing that the plan's exact per-slot row counts do not hold")
     if get('overlap_moe_expert_parallel_comm') or get('delay_wgrad_compute') or \
             get('overlap_dispatch_backward_with_experts_wgrad'):
-        problems.append("--overlap-moe-expert-parallel-comm / --delay-wgrad-compute are not "
-                        "supported")
-    if get('fp8') or get('fp4'):
-        # The redundant slots of every layer run one shared experts module; Transformer Engine
-        # caches a module's low-precision weight casts and scales across calls, so a layer's
-        # replica could run on another layer's cast weights.
-        problems.append("--fp8-format / --fp4-format are not supported: the replica experts share one module "
-                        "across layers and Transformer Engine would reuse its cached low-precision "
-                        "weights between them; train in bf16")
-    offloaded = sorted({'expert_fc1', 'moe_act', 'fused_group_mlp'} & set(get('offload_modules') or []))
-    if get('fine_grained_activation_offloading') and offloaded:
-        # Its saved-tensor hooks wrap the experts' own: they would keep (or offload) the replica
-        # experts' weights, views of the shared buffer that later layers overwrite, as they are at
-        # offload time, never waiting for the backward's re-materialization.
-        problems.append(f"--offload-modules {' '.join(offloaded)} with --fine-grained-activation-offloading "
-                        "is not supported: it would store the replica experts' weights, which share one "
-                        "buffer across layers; offload other modules")
+        problems.append("--overlap-moe-expert-parallel-comm / --delay-wgrad-compute are not supported: they "
+                        "run the MoE layer's parts as separately scheduled pieces, and the balanced layer "
+                        "orders its replica transfers within its own forward and backward")
+    problems += _low_precision_problems(get)
     for flag in ('use_megatron_fsdp', 'use_torch_fsdp2'):
         if get(flag):
             # FSDP shards every expert across the expert-data-parallel ranks and gathers it only in
@@ -86,13 +76,108 @@ def unsupported_moe_settings(config) -> list[str]:
                             "write whole main-expert weights and gradients outside the experts' FSDP hooks; "
                             "use --use-distributed-optimizer")
     if get('moe_latent_size'):
-        problems.append("--moe-latent-size is not supported")
-    cuda_graph = get('cuda_graph_impl') or 'none'
-    if cuda_graph != 'none':
-        problems.append(f"--cuda-graph-impl {cuda_graph} is not supported")
-    elif get('enable_cuda_graph') or get('external_cuda_graph'):  # Megatron's older spellings
-        problems.append("CUDA graphs (--enable-cuda-graph / --external-cuda-graph) are not supported")
+        # Megatron projects the tokens to the latent size before dispatch_preprocess and back after
+        # combine_postprocess, and builds the experts (the replica module too) at the latent size, so
+        # the balanced part sees latent tokens only; but the projections need Transformer Engine's
+        # linear, so no test has run them here.
+        problems.append("--moe-latent-size is not supported yet: megatron's latent projections need Transformer "
+                        "Engine, and the balanced layer has not been tested with them")
+    if get('moe_expert_rank_capacity_factor') is not None:
+        problems.append("--moe-expert-rank-capacity-factor is not supported: HybridEP drops the tokens over a "
+                        "rank's budget, and balancing needs dropless routing (the plan gives HybridEP each "
+                        "rank's exact row count instead)")
+    problem = _cuda_graph_problem(get)
+    if problem:
+        problems.append(problem)
     return problems
+
+
+#: fp8 recipes with current scaling: a weight's quantization is a pure function of that weight, so a
+#: replica that quantizes its main expert's weight at every call computes with exactly its fp8 weight.
+FP8_RECIPES = ("tensorwise", "blockwise", "mxfp8")
+_FP8_REFUSED = {
+    "delayed": "delayed scaling keeps an amax history per module: the one replica module all layers share "
+               "would mix every layer's history and register amaxes only on ranks whose slots got rows, so "
+               "the amax reduction could hang or misalign",
+    "custom": "a custom recipe's quantizers are not known to be pure functions of the weight, which a "
+              "replica quantizing its main expert's weight at every call relies on",
+}
+#: CUDA-graph modules (megatron's ``--cuda-graph-modules``) whose graphs end before a balanced MoE
+#: layer's own part (its plan's host wait, then transfers sized by the plan) begins.
+CUDA_GRAPH_MODULES = ("attn", "moe_router", "mlp", "mamba")
+_CUDA_GRAPH_REFUSED = {
+    "moe_preprocess": "it captures the MoE preprocessing, where the balanced layer waits on the host for its plan",
+    "moe": "it captures the whole MoE layer",
+    "full_iteration": "it captures the whole iteration",
+    "full_iteration_inference": "it captures whole inference iterations",
+}
+_CUDA_GRAPH_WHY = ("a graph cannot capture the balanced layer's host wait for its plan nor its transfers, "
+                   "whose sizes the plan sets; capture only " + ", ".join(CUDA_GRAPH_MODULES))
+
+
+def _name(value) -> str:
+    """An enum's name or a string setting as written (megatron gives either, args or config)."""
+    return getattr(value, "name", value) if not isinstance(value, str) else value
+
+
+def _low_precision_problems(get) -> list[str]:
+    """fp8 with current scaling runs (the replica experts re-quantize their weights at every call);
+    delayed and custom fp8 recipes and every fp4 recipe are refused."""
+    problems = []
+    working = "use --fp8-recipe " + ", ".join(FP8_RECIPES[:-1]) + " or " + FP8_RECIPES[-1]
+    if get('fp8'):
+        recipe = _name(getattr(get('fp8_recipe'), "value", get('fp8_recipe')))
+        if recipe not in FP8_RECIPES:
+            why = _FP8_REFUSED.get(recipe, "only current-scaling recipes are supported")
+            # Megatron's default recipe is delayed: say so when the user gave only --fp8-format.
+            problems.append(f"--fp8-recipe {recipe} (with --fp8-format {get('fp8')}) is not supported: "
+                            f"{why}; {working}")
+    if get('reuse_grad_buf_for_mxfp8_param_ag'):
+        problems.append("--reuse-grad-buf-for-mxfp8-param-ag is not supported: it gathers the mxfp8 parameters "
+                        "through the gradient buffer the replica-gradient reduction writes into, which has not "
+                        "been checked yet; leave it off")
+    if get('fp4'):
+        recipe = _name(getattr(get('fp4_recipe'), "value", get('fp4_recipe')))
+        problems.append(f"--fp4-format {get('fp4')} (--fp4-recipe {recipe}) is not supported: the replica "
+                        "experts' fp4 path (re-quantization, scales, the replica weight transfer) has not "
+                        f"been checked yet; use --fp8-format with {working[4:]}")
+    return problems
+
+
+def _cuda_graph_problem(get) -> Optional[str]:
+    """Per-layer CUDA graphs of modules that end before the balanced part run; a graph that would
+    capture it (``moe_preprocess``, ``moe``, a whole layer, the whole iteration) is refused, named
+    as given (``--cuda-graph-impl``, or Megatron's older ``--enable-cuda-graph`` /
+    ``--external-cuda-graph`` and ``--cuda-graph-scope``)."""
+    impl, flag = get('cuda_graph_impl') or 'none', None
+    if impl == 'none' and get('enable_cuda_graph'):
+        impl, flag = 'local', '--enable-cuda-graph'
+    elif impl == 'none' and get('external_cuda_graph'):
+        impl, flag = 'transformer_engine', '--external-cuda-graph'
+    flag = flag or f"--cuda-graph-impl {impl}"
+    modules = get('cuda_graph_modules') or get('cuda_graph_scope_deprecated') or get('cuda_graph_scope') or []
+    if isinstance(modules, str):  # a TransformerConfig built by hand: "full" or comma-separated
+        modules = modules.split(',') if modules else []
+    elif not isinstance(modules, (list, tuple)):
+        modules = [modules]
+    names = [_name(m) for m in modules]
+    if 'full_iteration' in names and impl in ('none', 'local'):  # megatron migrates this spelling
+        impl, flag = 'full_iteration', '--cuda-graph-modules full_iteration'
+    if impl == 'none':
+        return None
+    if impl == 'full_iteration':
+        return (f"{flag} is not supported with a balancer: {_CUDA_GRAPH_REFUSED['full_iteration']}; "
+                f"{_CUDA_GRAPH_WHY}")
+    refused = [n for n in names if n not in CUDA_GRAPH_MODULES and n != 'full']
+    if refused:
+        name = refused[0]
+        why = _CUDA_GRAPH_REFUSED.get(name, "it is not known to end before the balanced layer's part")
+        return (f"--cuda-graph-modules {' '.join(refused)} (with {flag}) is not supported with a balancer: "
+                f"{why}; {_CUDA_GRAPH_WHY}")
+    if not [n for n in names if n != 'full']:
+        return (f"{flag} without --cuda-graph-modules (whole-layer capture) is not supported with a "
+                f"balancer: it captures every MoE layer whole; {_CUDA_GRAPH_WHY}")
+    return None
 
 
 def flex_backend_problem(config) -> Optional[str]:

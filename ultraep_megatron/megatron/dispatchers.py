@@ -23,9 +23,11 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 import torch
 
+from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
 from megatron.core.transformer.moe.token_dispatcher import (
     MoEAlltoAllTokenDispatcher,
     MoEFlexTokenDispatcher,
+    _HybridEPManager,
 )
 
 from ultraep_megatron.megatron.capabilities import flex_backend_problem
@@ -347,9 +349,17 @@ class BalancedAlltoAllDispatcher(_PhysicalSlotRouting, MoEAlltoAllTokenDispatche
 class BalancedFlexDispatcher(_PhysicalSlotRouting, MoEFlexTokenDispatcher):
     """megatron's flex dispatcher (DeepEP / HybridEP fused all-to-all) over physical slots.
 
-    Small by design: the fused kernels route on top-k indices, so handing them the physical routing
-    is all it takes; they compute their own layout (one small all-gather of the load is added for
-    the plan). GPU-only: :func:`flex_backend_problem` says why it cannot run where it cannot.
+    The fused kernels route on the physical routing as they would on the logical one; what is added
+    is what the plan already knows. HybridEP gets every local slot's row count from the host plan
+    (``num_permuted_tokens`` and the per-slot counts), so its dispatch does not wait for the GPU and
+    the experts get host counts: the layer's one host wait is the plan's. DeepEP's dispatch (megatron's
+    ``fused_dispatch``, DeepEP's normal kernels) polls for its received counts on the host itself,
+    whatever it is told: one wait more. GPU-only: :func:`flex_backend_problem` says why it cannot run
+    where it cannot.
+
+    When the fused kernels pad each local slot's rows (HybridEP under fp8 / fp4, to the quantization
+    alignment; DeepEP's fused permute-and-pad), the main experts take the padded rows, as megatron's
+    experts do, and the redundant slots only their real rows (their outputs padded back for combine).
     """
 
     def __init__(self, num_local_experts, local_expert_indices, config, pg_collection, layer):
@@ -357,6 +367,73 @@ class BalancedFlexDispatcher(_PhysicalSlotRouting, MoEFlexTokenDispatcher):
         if problem:
             raise ValueError(f"--moe-balancer {layer.balancer_config.name}: {problem}")
         super().__init__(num_local_experts, local_expert_indices, config, pg_collection, layer)
+        self._slot_layout = None  # (rows per local slot as dispatched, their real rows), when padded
+
+    def _hybridep_alignment(self) -> int:
+        """The multiple HybridEP pads each local slot's rows to: megatron's ``pad_multiple`` rule (the
+        quantization alignment under fp8 / fp4), 1 for none."""
+        if self.config.fp8 or self.config.fp4:
+            return get_align_size_for_quantization(self.config)
+        return self._comm_manager.pad_multiple or 1
+
+    def token_dispatch(self, hidden_states, probs=None, async_finish=True, allocate_on_comm_stream=True):
+        """megatron's fused dispatch; HybridEP is told the permuted size and per-slot counts from
+        the plan (host integers), so it neither waits for the GPU nor returns device counts."""
+        manager = self._comm_manager
+        if not isinstance(manager, _HybridEPManager):
+            return super().token_dispatch(hidden_states, probs, async_finish, allocate_on_comm_stream)
+        align = self._hybridep_alignment()
+        rows = self.invocation.rows_per_slot  # [P] int64, host
+        padded = (rows + align - 1) // align * align
+        # megatron's manager reads the size from the GPU only when it is None (and then sets the
+        # counts from the device); it is reset after every combine.
+        manager.num_permuted_tokens = int(padded.sum())
+        dispatched = super().token_dispatch(hidden_states, probs, async_finish, allocate_on_comm_stream)
+        manager.tokens_per_expert = padded
+        return dispatched
+
+    def dispatch_postprocess_parts(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        """``dispatch_postprocess`` split into the main experts' rows (as dispatched, padding
+        included) and the redundant slots' real rows. Sizes from host counts only: the plan's, and
+        the dispatched per-slot counts (HybridEP: the plan's, handed over in :meth:`token_dispatch`;
+        DeepEP: its own host list)."""
+        tokens, rows_per_slot, permuted_probs = self.dispatch_postprocess(hidden_states, probs)
+        dispatched = [int(n) for n in rows_per_slot.tolist()]  # host tensor
+        real = [int(n) for n in self.invocation.rows_per_slot.tolist()]
+        G = self.slots_per_rank - self.num_slots
+        main_rows = sum(dispatched[:G])
+        if dispatched == real and tokens.shape[0] == sum(real):
+            self._slot_layout = None
+            sizes = [main_rows, tokens.shape[0] - main_rows]
+            (main_tokens, replica_tokens), (main_probs, replica_probs) = (
+                torch.split(tokens, sizes), torch.split(permuted_probs, sizes))
+            return main_tokens, replica_tokens, rows_per_slot, main_probs, replica_probs
+        self._slot_layout = (dispatched, real, tokens.shape[0])
+        # main | slot G real, its padding | slot G+1 real, padding | ... | rows past the last slot
+        sizes = [main_rows]
+        for slot in range(G, self.slots_per_rank):
+            sizes += [real[slot], dispatched[slot] - real[slot]]
+        sizes.append(tokens.shape[0] - sum(dispatched))
+        parts = []
+        for tensor in (tokens, permuted_probs):
+            pieces = torch.split(tensor, sizes)
+            parts.append((pieces[0], torch.cat(pieces[1:-1:2])))
+        (main_tokens, replica_tokens), (main_probs, replica_probs) = parts
+        return main_tokens, replica_tokens, rows_per_slot, main_probs, replica_probs
+
+    def combine_preprocess_parts(self, main_out: torch.Tensor, replica_out: torch.Tensor) -> torch.Tensor:
+        """``combine_preprocess`` of the main experts' and the redundant slots' outputs in the
+        dispatched layout (the redundant slots' padding rows zero, as the rows past the last slot)."""
+        if self._slot_layout is None:
+            return self.combine_preprocess(torch.cat([main_out, replica_out]))
+        dispatched, real, total = self._slot_layout
+        G = self.slots_per_rank - self.num_slots
+        pieces = [main_out]
+        for slot, out in zip(range(G, self.slots_per_rank), torch.split(replica_out, real[G:])):
+            pieces += [out, out.new_zeros((dispatched[slot] - real[slot], out.shape[1]))]
+        pieces.append(main_out.new_zeros((total - sum(dispatched), main_out.shape[1])))
+        self._slot_layout = None
+        return self.combine_preprocess(torch.cat(pieces))
 
 
 def balanced_dispatcher_class(config):

@@ -29,7 +29,10 @@ experts' router rows) so the balancer must replicate. Scenarios, each saved to
   rows, and their gradient slots must still be written (zeros) before the reduction reads them;
 * ``flex``: the balanced flex dispatcher (``--moe-token-dispatcher-type flex``, DeepEP backend) over
   megatron's real ``_DeepepManager``, with ``deepep_gloo`` standing in for DeepEP's CUDA kernels;
-  three microbatches in flight, against megatron's all-to-all MoELayer.
+  three microbatches in flight, against megatron's all-to-all MoELayer;
+* ``flex-hybridep`` / ``flex-hybridep-padded``: the same over megatron's ``_HybridEPManager``
+  (``deepep_gloo``'s HybridEP stand-in), handed the plan's row counts; ``-padded`` with every local
+  slot's rows padded to a multiple of 8, as HybridEP pads them to the fp8 alignment under fp8.
 
 Run:  torchrun --standalone --nproc-per-node 4 balanced_moe_layer.py --out-dir DIR
 """
@@ -71,7 +74,7 @@ def rank_inputs(rank: int, microbatch: int) -> tuple[torch.Tensor, torch.Tensor]
 
 def build_layer(ep_size: int, balancer: str | None, num_slots: int, recompute: bool,
                 dispatcher: str = "alltoall", grouped: bool = False, balancer_config=None,
-                use_cpu_initialization: bool = True):
+                use_cpu_initialization: bool = True, flex_backend: str = "deepep", pad_multiple=None):
     """megatron's MoELayer (``balancer`` None) or a BalancedMoELayer with ``balancer_config`` (by
     default ``balancer`` with ``num_slots`` slots and a floor of 1). Parameters are made on the CPU,
     or with ``use_cpu_initialization=False`` on the current CUDA device (megatron's default)."""
@@ -98,7 +101,9 @@ def build_layer(ep_size: int, balancer: str | None, num_slots: int, recompute: b
         num_layers=1, hidden_size=HIDDEN, ffn_hidden_size=FFN, moe_ffn_hidden_size=FFN,
         num_attention_heads=4, num_moe_experts=NUM_EXPERTS, moe_router_topk=TOPK,
         moe_token_dispatcher_type=dispatcher, expert_model_parallel_size=ep_size,
-        moe_flex_dispatcher_backend="deepep",
+        moe_flex_dispatcher_backend=flex_backend,
+        # HybridEP takes float32 probabilities (megatron casts them with a warning otherwise).
+        moe_router_dtype="fp32" if flex_backend == "hybridep" else None,
         moe_aux_loss_coeff=0.0, add_bias_linear=False, use_cpu_initialization=use_cpu_initialization,
         bias_dropout_fusion=False, gradient_accumulation_fusion=False, **extra,
     )
@@ -118,6 +123,8 @@ def build_layer(ep_size: int, balancer: str | None, num_slots: int, recompute: b
     layer = builder(config=config, pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
                     is_mtp_layer=False)
     layer.set_layer_number(1)
+    if pad_multiple is not None:  # HybridEP's padding of each expert's rows (megatron sets it under fp8)
+        layer.token_dispatcher._comm_manager.pad_multiple = pad_multiple
     return layer
 
 
@@ -184,12 +191,14 @@ def run(layer, weights, rank, microbatches: int, permute_tokens: bool = False, h
         return rows, tokens_per_expert, permuted_probs
 
     layer.token_dispatcher.dispatch_postprocess = counting_postprocess
+    padded_layouts = []  # per split into parts: whether the dispatched rows held padding
     if hasattr(layer.token_dispatcher, "dispatch_postprocess_parts"):  # replica hosts skip the above
         postprocess_parts = layer.token_dispatcher.dispatch_postprocess_parts
 
         def counting_postprocess_parts(hidden_states, probs):
             counted = len(received_rows)
             parts = postprocess_parts(hidden_states, probs)
+            padded_layouts.append(getattr(layer.token_dispatcher, "_slot_layout", None) is not None)
             # Unless it went through megatron's postprocess (counted there).
             if torch._C._current_graph_task_id() == -1 and len(received_rows) == counted:
                 received_rows.append(parts[0].shape[0] + parts[1].shape[0])
@@ -272,6 +281,7 @@ def run(layer, weights, rank, microbatches: int, permute_tokens: bool = False, h
         "ring_live_after_backward": balancing.ring.live if balancing is not None else 0,
         "stats": stats,
         "received_rows": received_rows,
+        "padded_layouts": padded_layouts,
         "replica_calls": replica_calls,
         "accumulation_events": accumulation_events,
         "replica_buffer_numel": balancing.buffer.replica_weights.numel() if balancing is not None else 0,
@@ -284,6 +294,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out-dir", required=True)
     parser.add_argument("--num-slots", type=int, default=1)
+    parser.add_argument("--only", nargs="*", help="run only these scenarios (for debugging)")
     cli = parser.parse_args()
 
     cpu_backend.activate()
@@ -306,6 +317,11 @@ def main():
         "eplb": dict(microbatches=3, recompute=False, balancer="eplb"),
         "eplb-exact": dict(microbatches=1, recompute=False, balancer="eplb-exact"),
         "flex": dict(microbatches=3, recompute=False, balancer="ultraep", dispatcher="flex"),
+        "flex-hybridep": dict(microbatches=3, recompute=False, balancer="ultraep", dispatcher="flex",
+                              flex_backend="hybridep"),
+        # HybridEP pads every local slot's rows to 8 (as it pads to the fp8 alignment under fp8).
+        "flex-hybridep-padded": dict(microbatches=2, recompute=False, balancer="ultraep", dispatcher="flex",
+                                     flex_backend="hybridep", pad_multiple=8),
         "grouped": dict(microbatches=3, recompute=False, balancer="ultraep", grouped=True),
     }
     # The negative control: the single scenario with replica gradients never reduced (one of the
@@ -319,6 +335,8 @@ def main():
     scenarios["relayed"] = dict(scenarios["single"], hot=(0,), relay=True)
     scenarios["idle_replica"] = dict(scenarios["single"], balancer="eplb", idle_replica=True)
     for name, sc in scenarios.items():
+        if cli.only and name not in cli.only:
+            continue
         scenario_weights = weights
         if sc.get("idle_replica"):  # expert 7's router row against the direction tokens are pushed in
             scenario_weights = dict(weights, router=weights["router"].clone())
@@ -328,7 +346,8 @@ def main():
                                        ("balanced", sc["balancer"], False)):
             dispatcher = sc.get("dispatcher", "alltoall") if balancer else "alltoall"
             layer = build_layer(world, balancer, cli.num_slots, sc["recompute"],
-                                dispatcher, sc.get("grouped", False))
+                                dispatcher, sc.get("grouped", False), flex_backend=sc.get("flex_backend", "deepep"),
+                                pad_multiple=sc.get("pad_multiple") if balancer else None)
             load_weights(layer, scenario_weights)
             if balancer and sc.get("idle_replica"):  # kept: not refreshed at this call
                 slots = torch.full((world, cli.num_slots), -1, dtype=torch.int64)

@@ -8,7 +8,10 @@ the balanced layer really replicates. Negative controls, the balanced layer with
 gradient reduction, ``ep4-item-in-transfer`` an ``.item()`` of the replica weight buffer inside the
 weight distribution's program (the code a CUDA run issues on the caller's thread).
 ``ep4-recompute-check-plans`` runs with ``--moe-balancer-check-plans``, whose checks read device
-memory (by design, for debugging). Each rank writes ``<out-dir>/rank<r>.json``:
+memory (by design, for debugging). ``ep4-hybridep`` / ``ep4-deepep``: the flex dispatcher (megatron's
+for ``none``) over ``deepep_gloo``'s stand-ins, which report where the real HybridEP / DeepEP make
+the host wait; ``ep4-hybridep-unmodified``, the negative control: the balanced layer with megatron's
+own fused dispatch (no plan counts handed to HybridEP). Each rank writes ``<out-dir>/rank<r>.json``:
 {scenario: {"none"|"balanced": {"counts", "events", "replicas"}}}.
 
 The replica transfers run on the caller's thread here, not on the replica buffer's
@@ -38,6 +41,11 @@ SCENARIOS = {
     "ep4-item-in-backward": dict(ep=4, recompute=False, fault="item"),
     "ep4-item-in-transfer": dict(ep=4, recompute=False, fault="item-in-transfer"),
     "ep4-recompute-check-plans": dict(ep=4, recompute=True, check_plans=True),
+    # The flex dispatcher over deepep_gloo's stand-ins, which report the real libraries' host waits.
+    "ep4-hybridep": dict(ep=4, recompute=False, dispatcher="flex", flex_backend="hybridep"),
+    "ep4-deepep": dict(ep=4, recompute=False, dispatcher="flex", flex_backend="deepep"),
+    "ep4-hybridep-unmodified": dict(ep=4, recompute=False, dispatcher="flex", flex_backend="hybridep",
+                                    fault="megatron-flex-dispatch"),
 }
 
 _COUNTER = None
@@ -101,15 +109,22 @@ def main():
     from balanced_moe_layer import build_layer, global_weights, load_weights
     from device_reads import DeviceReadCounter, install_sync_counting
     from megatron.core import parallel_state
+    from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher
+
+    import deepep_gloo
 
     install_sync_counting(lambda: _COUNTER)
+    deepep_gloo.install()
+    deepep_gloo.on_host_wait = lambda what: _COUNTER is not None and _COUNTER.count("sync", what)
+    deepep_gloo.on_device_outputs = lambda *tensors: _COUNTER is not None and _COUNTER.tag(*tensors)
     rank = torch.distributed.get_rank()
     weights = global_weights()
     results = {}
     for name, sc in SCENARIOS.items():
         results[name] = {}
         for which in ("none", "balanced"):
-            layer = build_layer(sc["ep"], None if which == "none" else "ultraep", 2, sc["recompute"])
+            layer = build_layer(sc["ep"], None if which == "none" else "ultraep", 2, sc["recompute"],
+                                sc.get("dispatcher", "alltoall"), flex_backend=sc.get("flex_backend", "deepep"))
             load_weights(layer, weights)
             if which == "balanced" and sc.get("check_plans"):
                 layer.balancing.check_plans = True
@@ -121,6 +136,11 @@ def main():
                     return _plan(routing_map)
 
                 layer.token_dispatcher.plan = plan_reading_the_routing
+            if which == "balanced" and sc.get("fault") == "megatron-flex-dispatch":
+                # megatron's own fused dispatch, without the plan's counts handed to HybridEP
+                dispatcher = layer.token_dispatcher
+                dispatcher.token_dispatch = lambda *a, _d=dispatcher, **k: MoEFlexTokenDispatcher.token_dispatch(
+                    _d, *a, **k)
             if which == "balanced" and sc.get("fault") == "item":
                 start = layer.balancing.start_reduction
 
