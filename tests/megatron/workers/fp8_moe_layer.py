@@ -189,7 +189,6 @@ def run(layers, balancing, rank: int, permute_tokens: bool) -> dict:
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out-dir", required=True)
-    parser.add_argument("--stale-recipes", nargs="*", default=list(RECIPES))
     cli = parser.parse_args()
 
     cpu_backend.activate()
@@ -200,9 +199,8 @@ def main():
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     results = {}
     for recipe in RECIPES:
-        runs = [("none", False, False, False), ("none_permuted", False, True, False), ("balanced", True, False, False)]
-        if recipe in cli.stale_recipes:
-            runs.append(("stale", True, False, True))
+        runs = [("none", False, False, False), ("none_permuted", False, True, False),
+                ("balanced", True, False, False), ("stale", True, False, True)]
         for key, balanced, permute, stale in runs:
             layers, balancing = build_layers(world, recipe, balanced, stale)
             results[f"{recipe}/{key}"] = run(layers, balancing, rank, permute)
