@@ -192,7 +192,7 @@ class TorchGroupedLinear(torch.nn.Module):
         self.is_first_microbatch = True
         self.disable_parameter_transpose_cache = config.disable_parameter_transpose_cache
         self._fp8_weight_cache: Optional[list[torch.Tensor]] = None  # TE's _fp8_workspaces
-        self.fp8_quantizations = 0  # weight casts made (tests count them)
+        self.fp8_quantizations = 0  # forwards that cast the weights (not served from the cache)
         # TE's attribute, which megatron sets (set_save_original_input) where the experts' inputs
         # are offloaded or recomputed; this module always saves its original input.
         self.save_original_input = False
