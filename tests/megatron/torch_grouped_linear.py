@@ -25,6 +25,23 @@ Forward is :func:`grouped_matmul`, a loop of per-expert matmuls over the token c
 weight gradient during the normal backward, so ``backward_dw`` has nothing to do and
 delayed-wgrad configs are refused.
 
+fp8 (``config.fp8`` with a current-scaling ``config.fp8_recipe``: tensorwise, blockwise, mxfp8):
+the forward computes with the weights quantized by ``toy_fp8.quantize_weight``, following the
+contract of TE's ``GroupedLinear.forward(inp, m_splits, is_first_microbatch)`` and of megatron's
+wrapper around it (``TEGroupedLinear``):
+
+* the wrapper passes ``is_first_microbatch=None`` when ``config.disable_parameter_transpose_cache``
+  (read at construction into ``disable_parameter_transpose_cache``), else its own
+  ``is_first_microbatch`` attribute, and sets that attribute False after every call; megatron's
+  ``MegatronModule.set_is_first_microbatch`` sets it True again on the model's modules each step;
+* TE with ``is_first_microbatch=True`` quantizes the weights and caches the cast, with ``False``
+  computes with the cached cast (the weights are assumed unchanged within a step), with ``None``
+  quantizes and caches nothing.
+
+The quantized weight enters the forward as ``w + (q(w) - w).detach()``: the output and the input
+gradient use the cast, the weight gradient flows to the high-precision weight (TE's wgrad is
+computed in high precision into the fp32 / bf16 gradient of the master weight).
+
 Usage (megatron's MoELayer with grouped experts)::
 
     spec = grouped_moe_layer_spec()                 # partial(MoELayer, submodules=...)
@@ -39,6 +56,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+import toy_fp8
 from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron.core.extensions.transformer_engine import _set_expert_parameter_attributes
 from megatron.core.models.backends import LocalSpecProvider
@@ -128,8 +146,9 @@ class TorchGroupedLinear(torch.nn.Module):
     are the widths after expert-TP partitioning.
 
     Raises:
-        ValueError: for an unsupported configuration (non-expert use, FP8/FP4, fused gradient
-            accumulation, delayed wgrad, single grouped weight/bias parameters).
+        ValueError: for an unsupported configuration (non-expert use, FP4, an fp8 recipe without
+            current scaling, fused gradient accumulation, delayed wgrad, single grouped
+            weight/bias parameters).
     """
 
     def __init__(
@@ -158,7 +177,7 @@ class TorchGroupedLinear(torch.nn.Module):
         unsupported = [
             flag
             for flag in (
-                "fp8", "fp4", "gradient_accumulation_fusion", "delay_wgrad_compute",
+                "fp4", "gradient_accumulation_fusion", "delay_wgrad_compute",
                 "overlap_dispatch_backward_with_experts_wgrad", "moe_single_grouped_weight",
                 "moe_single_grouped_bias",
             )
@@ -166,6 +185,17 @@ class TorchGroupedLinear(torch.nn.Module):
         ]
         if unsupported:
             raise ValueError(f"TorchGroupedLinear does not support config flags {unsupported}")
+        if getattr(config, "fp8", None) and config.fp8_recipe not in toy_fp8.CURRENT_SCALING_RECIPES:
+            raise ValueError(f"TorchGroupedLinear: fp8 recipe {config.fp8_recipe!r} is not modelled "
+                             f"(current scaling only: {toy_fp8.CURRENT_SCALING_RECIPES})")
+        # Megatron's TEGroupedLinear wrapper state (see the module docstring).
+        self.is_first_microbatch = True
+        self.disable_parameter_transpose_cache = config.disable_parameter_transpose_cache
+        self._fp8_weight_cache: Optional[list[torch.Tensor]] = None  # TE's _fp8_workspaces
+        self.fp8_quantizations = 0  # forwards that cast the weights (not served from the cache)
+        # TE's attribute, which megatron sets (set_save_original_input) where the experts' inputs
+        # are offloaded or recomputed; this module always saves its original input.
+        self.save_original_input = False
 
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups()
@@ -248,9 +278,26 @@ class TorchGroupedLinear(torch.nn.Module):
             raise ValueError(f"x has width {x.shape[-1]}, expected {self.in_features}")
         rows = x.reshape(-1, self.in_features)
         biases = self.biases()
-        out = grouped_matmul(rows, self.weights(), tokens_per_expert,
+        is_first_microbatch = None if self.disable_parameter_transpose_cache else self.is_first_microbatch
+        weights = self._forward_weights(is_first_microbatch)
+        self.is_first_microbatch = False
+        out = grouped_matmul(rows, weights, tokens_per_expert,
                              None if self.te_return_bias else biases)
         return out.view(*x.shape[:-1], self.out_features), (biases if self.te_return_bias else None)
+
+    def _forward_weights(self, is_first_microbatch: Optional[bool]) -> list[torch.Tensor]:
+        """The weights the GEMMs use: the parameters, or under fp8 their casts (TE's caching
+        contract, module docstring)."""
+        weights = self.weights()
+        if not getattr(self.config, "fp8", None):
+            return weights
+        if is_first_microbatch is False and self._fp8_weight_cache is not None:
+            casts = self._fp8_weight_cache
+        else:
+            casts = [toy_fp8.quantize_weight(w, self.config.fp8_recipe) for w in weights]
+            self.fp8_quantizations += 1
+            self._fp8_weight_cache = casts if is_first_microbatch is not None else None
+        return [w + (cast - w).detach() for w, cast in zip(weights, casts)]
 
     def backward_dw(self) -> None:
         """No deferred weight gradients: autograd computed them during backward."""

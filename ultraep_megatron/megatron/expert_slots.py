@@ -77,15 +77,44 @@ def build_replica_experts(layer, num_slots: int) -> "ReplicaExperts":
     Built with initialization off and the RNG state restored, so building it never changes the
     model's own initialization (``--moe-balancer none`` and ``ultraep`` start from the same weights).
     """
-    config = copy.copy(layer.config)
-    config.perform_initialization = False
-    # Replica weight gradients come back through autograd into the shared fp32 buffer; they must not
-    # be fused into a ``main_grad`` the views do not have.
-    config.gradient_accumulation_fusion = False
+    config = replica_experts_config(layer.config)
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
         module = layer.submodules.experts(num_slots, config, pg_collection=layer.balancer_pg_collection)
     return ReplicaExperts(module, expert_param_names(module, num_slots))
+
+
+def replica_experts_config(config):
+    """The copy of a layer's ``TransformerConfig`` the replica experts are built with.
+
+    What differs from the main experts', and why:
+
+    * ``perform_initialization`` off: its parameters are released at once (no storage of its own).
+    * ``gradient_accumulation_fusion`` off: replica weight gradients come back through autograd
+      into the shared fp32 gradient buffer; they must not be fused into a ``main_grad`` the views
+      do not have.
+    * ``disable_parameter_transpose_cache`` on (fp8/fp4): megatron's TE linears then pass
+      ``is_first_microbatch=None`` to Transformer Engine, which quantizes the weights at every call
+      and caches no cast. The module is shared by every MoE layer and every microbatch and is no
+      submodule of the model, so megatron's ``set_is_first_microbatch`` never resets it: with the
+      cache on it would quantize once, at its first call, and from then on compute with that cast
+      of another layer's (or an earlier step's) weights. With current scaling (``tensorwise``,
+      ``blockwise``, ``mxfp8``) a weight's quantization is a function of that weight alone, so
+      re-quantizing the replica's copy gives exactly the main expert's quantized weight. The cost:
+      one cast of the S replica weights per layer and microbatch (the main experts cast theirs
+      once per step).
+    * ``fine_grained_activation_offloading`` off: its saved-tensor hooks would take over from the
+      balanced layer's own (``replica_autograd``), which store the replica weights, views of the
+      shared buffer later layers overwrite, as geometry to be re-materialized; offloading would
+      keep or offload those views as they are at save time. The replica experts' activations are
+      a small part of the layer's (S of P slots); the main experts keep offloading theirs.
+    """
+    config = copy.copy(config)
+    config.perform_initialization = False
+    config.gradient_accumulation_fusion = False
+    config.disable_parameter_transpose_cache = True
+    config.fine_grained_activation_offloading = False
+    return config
 
 
 class ReplicaExperts:

@@ -1,0 +1,214 @@
+"""Worker: fp8 (toy current scaling) balanced MoE layers against megatron's, on N gloo CPU ranks.
+
+Two MoE layers of megatron's ``TEGroupedMLP`` experts over ``torch_grouped_linear`` (which under
+fp8 computes with ``toy_fp8``'s quantized weights and follows TE's ``is_first_microbatch`` caching
+contract) share one ``BalancingContext``, hence one replica experts module. Each of two steps loads
+new weights into both (the same for every run: a step's weight update without its rounding
+history), resets ``is_first_microbatch`` as megatron's schedule does at a step's first microbatch
+(``set_is_first_microbatch``, on the layers: the replica module is no submodule), and runs three
+microbatches through both layers, forwards before backwards. The layers' hot experts differ, so a
+replica module that reused a cast of its first call would compute another layer's (or an earlier
+step's) experts.
+
+Per fp8 recipe (tensorwise, blockwise, mxfp8): megatron's MoELayer (``none``), the same on
+permuted tokens (``none_permuted``, the noise floor), the balanced layers (``balanced``); and for
+the negative control (``stale``) the balanced layers with the replica module's cache left on, as
+it was before it was built with ``disable_parameter_transpose_cache``.
+
+Run:  torchrun --standalone --nproc-per-node 2 fp8_moe_layer.py --out-dir DIR
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+
+from ultraep_megatron.megatron.cpu import backend as cpu_backend
+
+from balanced_moe_layer import BATCH, HIDDEN, NUM_EXPERTS, SEQ, TOPK, permuted, skew, token_order
+
+FFN = 64  # mxfp8 blocks are 1 x 32 along each weight's input dimension (H = 32, F = 64)
+LAYERS = 2
+STEPS = 2
+MICROBATCHES = 3
+HOT = ((0, 1), (2, 3))  # per layer, all on EP rank 0 at EP2: the replicas of both layers run on rank 1
+RECIPES = ("tensorwise", "blockwise", "mxfp8")
+
+
+def layer_weights(layer: int, step: int) -> dict[str, torch.Tensor]:
+    """Shapes: router [E, H], fc1 [E, F, H], fc2 [E, H, F]; new for every layer and step."""
+    gen = torch.Generator().manual_seed(4321 + 100 * layer + step)
+    return {
+        "router": torch.randn(NUM_EXPERTS, HIDDEN, generator=gen) * 0.5,
+        "fc1": torch.randn(NUM_EXPERTS, FFN, HIDDEN, generator=gen) * HIDDEN ** -0.5,
+        "fc2": torch.randn(NUM_EXPERTS, HIDDEN, FFN, generator=gen) * FFN ** -0.5,
+    }
+
+
+def build_layers(ep_size: int, recipe: str, balanced: bool, stale_replica_cache: bool):
+    """``LAYERS`` MoE layers (grouped experts, fp8 with ``recipe``); balanced ones share one
+    BalancingContext."""
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    import toy_fp8
+    import torch_grouped_linear
+    from ultraep_megatron.megatron.balanced_moe import BalancedMoELayer
+    from ultraep_megatron.megatron.context import BalancingContext
+    from ultraep_megatron.planner import BalancerConfig
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(expert_model_parallel_size=ep_size)
+    model_parallel_cuda_manual_seed(123)
+    config = TransformerConfig(
+        num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=FFN, moe_ffn_hidden_size=FFN,
+        num_attention_heads=4, num_moe_experts=NUM_EXPERTS, moe_router_topk=TOPK,
+        moe_token_dispatcher_type="alltoall", expert_model_parallel_size=ep_size,
+        moe_aux_loss_coeff=0.0, add_bias_linear=False, use_cpu_initialization=True,
+        bias_dropout_fusion=False, gradient_accumulation_fusion=False, moe_grouped_gemm=True,
+    )
+    toy_fp8.install_fp8_standins(recipe)
+    toy_fp8.enable_fp8(config, recipe)
+    spec = torch_grouped_linear.grouped_moe_layer_spec()
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    balancing = BalancingContext(BalancerConfig(name="ultraep", num_slots=1, min_quota=1),
+                                 ring_size=LAYERS * MICROBATCHES) if balanced else None
+    layers = []
+    for number in range(1, LAYERS + 1):
+        if balanced:
+            layer = BalancedMoELayer(config=config, submodules=spec.keywords["submodules"],
+                                     pg_collection=pgs, is_mtp_layer=False, balancing=balancing)
+        else:
+            layer = spec(config=config, pg_collection=pgs, is_mtp_layer=False)
+        layer.set_layer_number(number)
+        layers.append(layer)
+    if stale_replica_cache:  # the negative control: the replica module's TE cast cache left on
+        for module in balancing.replica_experts.module.modules():
+            if hasattr(module, "disable_parameter_transpose_cache"):
+                module.disable_parameter_transpose_cache = False
+    return layers, balancing
+
+
+def offloading_flags(ep_size: int) -> dict:
+    """A balanced layer built with ``--fine-grained-activation-offloading --offload-modules
+    expert_fc1 moe_act`` (no fp8): the offloading settings megatron's TEGroupedMLP took, for its
+    main experts and for the replica experts module."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    import torch_grouped_linear
+    from ultraep_megatron.megatron.balanced_moe import BalancedMoELayer
+    from ultraep_megatron.megatron.context import BalancingContext
+    from ultraep_megatron.planner import BalancerConfig
+
+    config = TransformerConfig(
+        num_layers=1, hidden_size=HIDDEN, ffn_hidden_size=FFN, moe_ffn_hidden_size=FFN,
+        num_attention_heads=4, num_moe_experts=NUM_EXPERTS, moe_router_topk=TOPK,
+        moe_token_dispatcher_type="alltoall", expert_model_parallel_size=ep_size,
+        moe_aux_loss_coeff=0.0, add_bias_linear=False, use_cpu_initialization=True,
+        bias_dropout_fusion=False, gradient_accumulation_fusion=False, moe_grouped_gemm=True,
+        fine_grained_activation_offloading=True, offload_modules=["expert_fc1", "moe_act"],
+    )
+    spec = torch_grouped_linear.grouped_moe_layer_spec()
+    layer = BalancedMoELayer(config=config, submodules=spec.keywords["submodules"],
+                             pg_collection=ProcessGroupCollection.use_mpu_process_groups(), is_mtp_layer=False,
+                             balancing=BalancingContext(BalancerConfig(name="ultraep", num_slots=1, min_quota=1)))
+
+    def flags(experts):
+        return {"offload_expert_fc1": experts.offload_expert_fc1, "offload_moe_act": experts.offload_moe_act,
+                "fc1_saves_original_input": experts.linear_fc1.save_original_input}
+
+    return {"main": flags(layer.experts), "replica": flags(layer.balancing.replica_experts.module)}
+
+
+def load_weights(layer, weights):
+    with torch.no_grad():
+        layer.router.weight.copy_(weights["router"])
+        for local, expert in enumerate(layer.local_expert_indices):
+            getattr(layer.experts.linear_fc1, f"weight{local}").copy_(weights["fc1"][expert])
+            getattr(layer.experts.linear_fc2, f"weight{local}").copy_(weights["fc2"][expert])
+
+
+def expert_grads(layer) -> dict:
+    return {(int(expert), name): getattr(getattr(layer.experts, f"linear_{name}"), f"weight{local}").grad.clone()
+            for local, expert in enumerate(layer.local_expert_indices) for name in ("fc1", "fc2")}
+
+
+def run(layers, balancing, rank: int, permute_tokens: bool) -> dict:
+    """``STEPS`` steps of ``MICROBATCHES`` microbatches through the layers; per step the outputs,
+    input gradients, router and expert gradients (in the original token order)."""
+    replica_calls = [0] * LAYERS  # per layer, calls with rows for this rank's redundant slots
+    if balancing is not None:
+        for index, layer in enumerate(layers):
+            def counting(*args, index=index, run_replicas=layer.run_replicas):
+                replica_calls[index] += 1
+                return run_replicas(*args)
+
+            layer.run_replicas = counting
+    steps = []
+    for step in range(STEPS):
+        weights = [layer_weights(index, step) for index in range(LAYERS)]
+        for layer, w in zip(layers, weights):
+            load_weights(layer, w)
+            layer.zero_grad(set_to_none=True)
+            layer.train()
+            layer.set_is_first_microbatch()  # megatron's schedule, at a step's first microbatch
+        xs, outs, ups, backs = [], [], [], []
+        for mb in range(MICROBATCHES):
+            gen = torch.Generator().manual_seed(1000 * (10 * step + mb) + rank)
+            x, up = torch.randn(SEQ, BATCH, HIDDEN, generator=gen), torch.randn(SEQ, BATCH, HIDDEN, generator=gen)
+            order = token_order(10 * step + mb, permute_tokens)
+            x = permuted(skew(x, weights[0], HOT[0]), order).requires_grad_(True)
+            hidden = x
+            for layer, w, hot in zip(layers, weights, HOT):
+                hidden, _ = layer(skew(hidden, w, hot) if layer is not layers[0] else hidden)
+                hidden = hidden + x  # a residual, so later layers see tokens of their own
+            xs.append(x), outs.append(hidden), ups.append(permuted(up, order)), backs.append(order.argsort())
+        for out, up in zip(outs, ups):  # backwards in forward order, as a 1F1B stage does
+            (out * up).sum().backward()
+        steps.append({
+            "out": [permuted(o.detach(), back).clone() for o, back in zip(outs, backs)],
+            "dx": [permuted(x.grad, back).clone() for x, back in zip(xs, backs)],
+            "router_grads": [layer.router.weight.grad.clone() for layer in layers],
+            "expert_grads": [expert_grads(layer) for layer in layers],
+        })
+    result = {"steps": steps, "replica_calls": replica_calls}
+    if balancing is not None:
+        result["replica_grad_dtype"] = str(balancing.buffer.replica_grads.dtype)
+        result["replica_quantizations"] = balancing.replica_experts.module.linear_fc1.fp8_quantizations
+        result["replica_cache_disabled"] = balancing.replica_experts.module.linear_fc1.disable_parameter_transpose_cache
+        result["main_cache_disabled"] = layers[0].experts.linear_fc1.disable_parameter_transpose_cache
+    # Casts of the main experts' fc1 weights (the first layer's): once per step, the cache between.
+    result["main_quantizations"] = layers[0].experts.linear_fc1.fp8_quantizations
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out-dir", required=True)
+    cli = parser.parse_args()
+
+    cpu_backend.activate()
+    torch.distributed.init_process_group("gloo")
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from megatron.core import parallel_state
+
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    results = {}
+    for recipe in RECIPES:
+        runs = [("none", False, False, False), ("none_permuted", False, True, False),
+                ("balanced", True, False, False), ("stale", True, False, True)]
+        for key, balanced, permute, stale in runs:
+            layers, balancing = build_layers(world, recipe, balanced, stale)
+            results[f"{recipe}/{key}"] = run(layers, balancing, rank, permute)
+    results["offloading"] = offloading_flags(world)
+    torch.save(results, os.path.join(cli.out_dir, f"rank{rank}.pt"))
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
