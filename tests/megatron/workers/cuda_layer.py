@@ -277,9 +277,9 @@ def main():
                 if sc.get("fault") == "tolist":
                     plan = layer.token_dispatcher.plan
 
-                    def plan_reading_the_routing(routing_map, _plan=plan):
+                    def plan_reading_the_routing(routing_map, *args, _plan=plan):
                         routing_map.tolist()
-                        return _plan(routing_map)
+                        return _plan(routing_map, *args)
 
                     layer.token_dispatcher.plan = plan_reading_the_routing
                 return layer
