@@ -266,8 +266,8 @@ class BalancedAlltoAllDispatcher(_PhysicalSlotRouting, MoEAlltoAllTokenDispatche
         self.num_out_tokens = routing_map.size(0) * self.config.moe_router_topk
         if self.invocation is None:
             self.input_splits = self.output_splits = self.output_splits_tp = None
-            if self.config.moe_permute_fusion:
-                self.num_global_tokens_per_local_expert = self._pending.rows_per_source_slot
+            self.num_global_tokens_per_local_expert = (
+                self._pending.rows_per_source_slot if self.config.moe_permute_fusion else None)
             return None
         self._take_splits(self.invocation, upload=True)
         return self.invocation.rows_per_slot
