@@ -17,7 +17,7 @@ import torch
 from ultraep_megatron import planner
 from ultraep_megatron.megatron import device_planning
 from ultraep_megatron.megatron.context import Overheads
-from ultraep_megatron.megatron.dispatchers import BalancedAlltoAllDispatcher
+from ultraep_megatron.megatron.dispatchers import BalancedAlltoAllDispatcher, instances_of_positions
 from ultraep_megatron.megatron.invocation import plan_invocation
 from ultraep_megatron.planner import BalancerConfig
 from ultraep_megatron.planner.baselines import fixed_layout
@@ -142,6 +142,18 @@ def test_negative_control_token_descending_order_differs():
     d._pairs = descending_pairs
     sorted_tokens, _ = d._permutation(probs)
     assert not torch.equal(sorted_tokens, dense_reference(d, routing_map, probs)[2])
+
+
+@pytest.mark.parametrize("R,E,S,k,T,seed", list(cases()))
+def test_both_instance_searches_agree(R, E, S, k, T, seed):
+    """The CPU's repeat (the tests above) and CUDA's binary search give the same instances."""
+    routings, load, plans = planned(R, E, S, k, T, seed)
+    for plan in plans:
+        for rank in range(R):
+            running = torch.from_numpy(planner.rank_dispatch(plan, load, rank).reroute_table[0])
+            positions = torch.arange(T * k)
+            assert torch.equal(instances_of_positions(running, positions, binary_search=True),
+                               instances_of_positions(running, positions, binary_search=False))
 
 
 @pytest.mark.parametrize("R,E,S,k,T,seed", list(cases()))

@@ -54,6 +54,23 @@ def _copy_to_host(tensor: torch.Tensor) -> torch.Tensor:
     return host
 
 
+def instances_of_positions(running: torch.Tensor, positions: torch.Tensor, *, binary_search: bool) -> torch.Tensor:
+    """The reroute table column of each expert-major position: the first whose running total
+    (``running``, the table's row 0, int64 [E * R + 1] ending in a sentinel) exceeds it.
+
+    ``positions`` is ``arange(N)``, ``N`` the pairs the plan hands out. ``binary_search`` (CUDA):
+    one binary search per position, all in parallel, O(N log(E * R)). Otherwise (CPU, where each
+    search misses the cache and costs ~3x more): instance ``k`` repeated for its count of
+    positions, O(N + E * R); its output size makes it a device op (without one it reads the
+    counts' sum). The same columns either way.
+    """
+    if binary_search:
+        return torch.searchsorted(running, positions, right=True)
+    counts = torch.diff(running[:-1], prepend=running.new_zeros(1))
+    return torch.repeat_interleave(torch.arange(running.numel() - 1, device=running.device), counts,
+                                   output_size=positions.numel())
+
+
 class _PhysicalSlotRouting:
     """What both balanced dispatchers add to megatron's: physical-slot geometry, the exact load of
     the EP group, the invocation's plan, and the logical -> physical rewrite of the routing.
@@ -201,8 +218,8 @@ class _PhysicalSlotRouting:
         permutation sorts them in, the plan's quotas are handed out in) is its rank in a stable
         sort of the ``N = T * k`` pairs by expert: pairs of one token have distinct experts, so
         among an expert's pairs the row-major order is the token order. The instance of position
-        ``i`` is the reroute table's first instance whose running quota total exceeds ``i``. O(N)
-        data and an O(N log(E * R)) search: nothing over ``[T, E]``, no host read, fixed shapes.
+        ``i`` is the reroute table's first instance whose running quota total exceeds ``i``.
+        Nothing over ``[T, E]``, no host read, fixed shapes.
 
         Returns:
             (order [N]: the row-major pair index at each expert-major position, positions [N]
@@ -211,7 +228,7 @@ class _PhysicalSlotRouting:
         flat = self.topk_ids.reshape(-1)
         order = torch.sort(flat.to(self._sort_key_dtype), stable=True).indices
         positions = torch.arange(flat.numel(), device=flat.device)
-        instance = torch.searchsorted(self._table[0], positions, right=True)
+        instance = instances_of_positions(self._table[0], positions, binary_search=flat.is_cuda)
         return order, positions, instance
 
     @native_torch

@@ -23,7 +23,7 @@ def device_solve(load: torch.Tensor, num_slots: int, *, min_quota: int | None = 
                  domain_size: int | None = None, implementation: str = "auto") -> Plan:
     """``solve(load, num_slots, ...)`` with the plan on ``load``'s device (TEMPORARY stand-in)."""
     del implementation
-    plan = solve(load.cpu(), num_slots, min_quota=min_quota, domain_size=domain_size)
+    plan = solve(load.to("cpu", copy=True), num_slots, min_quota=min_quota, domain_size=domain_size)
     device = load.device
     return Plan(plan.slot_expert.to(device), plan.quota.to(device), plan.physical_split.to(device),
                 torch.tensor(plan.threshold, dtype=torch.int64, device=device))
