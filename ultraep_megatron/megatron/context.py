@@ -345,7 +345,7 @@ class BalancingContext:
 def resolve_planner(planner: Optional[str], balancer: str) -> str:
     """``--moe-balancer-planner``: ``planner`` as given, or by default ``device`` for ultraep on
     CUDA and ``host`` otherwise (the CPU backend, the other balancers, whose plans are host
-    code)."""
+    code; and while ``planner.device_solve`` is its host stand-in)."""
     if planner is not None:
         if planner not in PLANNERS:
             raise ValueError(f"planner must be one of {', '.join(PLANNERS)}, got {planner!r}")
@@ -355,7 +355,9 @@ def resolve_planner(planner: Optional[str], balancer: str) -> str:
     from ultraep_megatron.megatron.cpu import backend as cpu_backend
 
     on_cuda = torch.cuda.is_available() and not cpu_backend.is_active()
-    return "device" if on_cuda and balancer == ULTRAEP else "host"
+    # TEMPORARY, until the device solver is merged: its host stand-in would make the device
+    # planner read the load on the host before the permutation, so the default stays host.
+    return "device" if on_cuda and balancer == ULTRAEP and device_planning.device_solver_ready() else "host"
 
 
 def _data_plane_group(ep_group):

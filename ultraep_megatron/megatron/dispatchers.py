@@ -3,8 +3,10 @@
 Every EP rank owns ``P = G + S`` physical slots (its G main experts, then its S redundant slots), so
 the parent dispatcher's permutation / all-to-all / chunk-sort machinery runs unchanged on ``R * P``
 "experts". What the balanced dispatchers add (:class:`_PhysicalSlotRouting`): the exact load ``[R, E]``
-of the EP group, crossing to the host once (the invocation's one host wait), the invocation's plan
-(``BalancingContext.plan``), and the logical -> physical rewrite of the routing, on the device.
+of the EP group, the invocation's plan (made on the host from the load after its one host wait,
+``BalancingContext.plan``, or on the device, its host half crossing once the permutation is queued,
+``BalancingContext.plan_on_device``), and the logical -> physical rewrite of the routed ``[T, k]``
+(token, expert) pairs, on the device.
 
 * :class:`BalancedAlltoAllDispatcher`: megatron's all-to-all dispatcher; splits and per-slot counts
   come from the host plan, and its unfused permutation and chunk sort are computed from the plan;
