@@ -187,3 +187,35 @@ def test_device_plan_equals_the_host_balancer(trigger, min_quota):
             assert plan_back.threshold == expected.threshold and torch.equal(plan_back.physical_split, expected.physical_split)
     if (trigger, min_quota) == (None, None):
         assert seen == {True, False}, "the loads must fall on both sides of the trigger"
+
+
+def test_top_k_indices_from_the_tap_or_the_routing_map():
+    """The tap hands over the indices megatron's top-k selected (or its RouterReplay's), once; a
+    routing that never asked the hook gets them from the routing map."""
+    from ultraep_megatron.megatron.router_topk import TopKIndicesTap, topk_indices
+
+    ids, routing_map, _ = random_routing(9, 16, 3, [0], torch.Generator().manual_seed(0))
+    scores = torch.rand(9, 16)
+
+    def compute_topk(scores, topk, num_groups=None, group_topk=None):
+        return torch.topk(scores, k=topk, dim=1)
+
+    tap = TopKIndicesTap()
+    tap.layer_number = 5
+    values, picked = tap.get_replay_topk(scores, 3, None, None, compute_topk)
+    assert torch.equal(picked, scores.topk(3, dim=1).indices) and tap.layer_number == 5
+    assert topk_indices(tap, torch.zeros(9, 16, dtype=torch.bool).scatter_(1, picked, True), 3) is picked
+    assert tap.indices is None  # used once: the next routing must bring its own
+    from_map = topk_indices(tap, routing_map, 3)
+    assert torch.equal(from_map.sort(1).values, ids.sort(1).values)
+
+    class Replay:  # megatron's RouterReplay, replaying recorded indices
+        layer_number = None
+
+        def get_replay_topk(self, scores, topk, num_groups, group_topk, default_compute_topk):
+            return scores.gather(1, ids), ids
+
+    replaying = TopKIndicesTap(Replay())
+    replaying.layer_number = 7
+    assert replaying.get_replay_topk(scores, 3, None, None, compute_topk)[1] is ids
+    assert replaying.indices is ids and replaying.replay.layer_number == 7
