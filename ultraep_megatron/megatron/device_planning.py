@@ -133,7 +133,7 @@ def plan_on_device(load: torch.Tensor, config: BalancerConfig, rank: int, *, tra
     plan_, balanced = plan(load, config)
     P = plan_.physical_slots_per_rank
     host_half = torch.cat([load.reshape(-1), plan_.slot_expert.reshape(-1), plan_.quota.reshape(-1),
-                           plan_.physical_split.reshape(-1), plan_.threshold.reshape(1),
+                           plan_.physical_split.reshape(-1), plan_.threshold.reshape(1).to(torch.int64),
                            balanced.reshape(1).to(torch.int64)])
     return DevicePlanned(plan_, reroute_table(plan_, load, rank),
                          plan_.physical_split[:, rank * P:(rank + 1) * P].contiguous(), host_half,
