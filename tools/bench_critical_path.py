@@ -1,24 +1,34 @@
 """Benchmark: what balancing adds to one MoE layer's critical path on a GPU, for one rank of an
 R-rank expert-parallel group, from the router's output to the permuted tokens.
 
-Both paths start from the same routing (``[T, E]`` top-k of a Zipf-skewed router) and end with the
-tokens in the all-to-all's send order, on the device:
+Every path starts from the same routing (``[T, E]`` top-k of a Zipf-skewed router, and its ``[T, k]``
+top-k indices) and ends with the tokens in the all-to-all's send order, on the device:
 
-  megatron   megatron-core's own: the per-expert counts, their copy to the host and the wait for
-             it (its dispatcher's one synchronization), its unfused argsort permutation;
-  ultraep    the balanced dispatcher's: the ``[R, E]`` load (this rank's row counted from the
-             routing, the other ranks' rows standing in for the all-gather, which both paths
-             make), its one copy to the host and wait (``_copy_to_host``), the plan on the host
-             (trigger, solve, this rank's dispatch metadata: ``BalancingContext.plan``'s work), the
-             reroute table's upload and the permutation from the plan (``_permutation``).
+  megatron        megatron-core's own: the per-expert counts, their copy to the host and the wait
+                  for it (its dispatcher's one synchronization), its unfused argsort permutation;
+  ultraep host    the balanced dispatcher with ``--moe-balancer-planner host``: the ``[R, E]`` load
+                  (this rank's row counted from the routing, the other ranks' rows standing in for
+                  the all-gather, which both paths make), its one copy to the host and wait
+                  (``_copy_to_host``), the plan on the host (trigger, solve, this rank's dispatch
+                  metadata: ``BalancingContext.plan``'s work), the reroute table's upload and the
+                  permutation from the plan over the routed pairs (``_permutation``);
+  ultraep device  with ``--moe-balancer-planner device``: the load stays on the device, the plan and
+                  the reroute table are made there (``device_planning``), the permutation is queued,
+                  then the plan's host half crosses in one copy and wait and the host metadata is
+                  derived from it (``BalancingContext.complete_device_plan``'s work).
 
 Each iteration ends with a device synchronization, so a path's time includes its kernels; the
 difference is the latency balancing adds where the GPU waits for the host (the UltraEP paper keeps
 its balancing overhead on the critical path at 300 us or less per layer). Times are wall clock,
 medians over the timed iterations.
 
+``--sweep-experts 64,128,256,512`` adds the permutation's own time (``_permutation`` over the
+``T x k`` routed pairs, and megatron's argsort permutation of the ``[T, E]`` map for scale) against
+E at the same T and k: the pairs' cost does not grow with E.
+
     python tools/bench_critical_path.py                      # on a machine with a GPU
     python tools/bench_critical_path.py --device cpu         # a dry run of the same code on the CPU
+    python tools/bench_critical_path.py --device cpu --sweep-experts 64,128,256,512
 """
 
 from __future__ import annotations
@@ -49,21 +59,93 @@ def parse_args():
     p.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent of the experts' popularity")
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--sweep-experts", type=str, default=None, metavar="E1,E2,...",
+                   help="also time the permutation alone for these expert counts (same T, top-k)")
     return p.parse_args()
 
 
-def routing(cfg, device, generator):
-    """Top-k of logits skewed towards Zipf-popular experts: (routing_map [T, E] bool, probs [T, E]).
-    The experts' popularity order is ``zipf_topk_load``'s (seed 0), which makes the other ranks' rows."""
-    order = torch.randperm(cfg.num_experts, generator=torch.Generator().manual_seed(0))
-    popularity = torch.empty(cfg.num_experts)
-    popularity[order] = 1.0 / torch.arange(1, cfg.num_experts + 1, dtype=torch.float64).pow(cfg.zipf).float()
-    gumbel = -torch.log(-torch.log(torch.rand(cfg.tokens, cfg.num_experts, generator=generator)))
+def routing(cfg, device, generator, num_experts=None):
+    """Top-k of logits skewed towards Zipf-popular experts: (routing_map [T, E] bool, probs [T, E],
+    topk_ids [T, k]). The experts' popularity order is ``zipf_topk_load``'s (seed 0), which makes
+    the other ranks' rows."""
+    E = num_experts or cfg.num_experts
+    order = torch.randperm(E, generator=torch.Generator().manual_seed(0))
+    popularity = torch.empty(E)
+    popularity[order] = 1.0 / torch.arange(1, E + 1, dtype=torch.float64).pow(cfg.zipf).float()
+    gumbel = -torch.log(-torch.log(torch.rand(cfg.tokens, E, generator=generator)))
     logits = (popularity.log() + gumbel).to(device)
     top = logits.topk(cfg.topk, dim=-1)
     routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, top.indices, True)
     probs = torch.zeros_like(logits).scatter_(1, top.indices, torch.softmax(top.values, dim=-1))
-    return routing_map, probs
+    return routing_map, probs, top.indices
+
+
+def permutation_stand_in(dispatchers, num_experts, num_slots, ep_size, topk_ids, overheads):
+    """The balanced all-to-all dispatcher's state its permutation reads (no process group here):
+    ``_permutation`` and ``_pairs`` bound to it; ``invocation`` / ``_table`` set per plan."""
+    d = object.__new__(dispatchers.BalancedAlltoAllDispatcher)
+    d.num_logical_experts, d.ep_size, d.slots_per_rank = num_experts, ep_size, num_experts // ep_size + num_slots
+    d.num_out_tokens, d.topk_ids, d.invocation, d._table = topk_ids.numel(), topk_ids, None, None
+    d._sort_key_dtype = torch.int16 if num_experts <= torch.iinfo(torch.int16).max else torch.int32
+    d._layer = types.SimpleNamespace(balancing=types.SimpleNamespace(overheads=overheads, check_plans=False))
+    return d
+
+
+def timed(fn, cfg, sync) -> float:
+    """Median wall time of ``fn`` in microseconds, each call ending in a device synchronization."""
+    times = []
+    for i in range(cfg.warmup + cfg.iters):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        if i >= cfg.warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def sweep_experts(cfg, device, sync):
+    """The permutation alone against E at fixed T and top-k: the balanced dispatcher's over the
+    routed pairs (from a host plan of a Zipf load) and megatron's argsort of the [T, E] map."""
+    from megatron.core.transformer.moe.moe_utils import permute
+
+    from ultraep_megatron.megatron import dispatchers
+    from ultraep_megatron.megatron.context import Overheads
+    from ultraep_megatron.megatron.invocation import plan_invocation
+    from ultraep_megatron.planner import BalancerConfig
+    from ultraep_megatron.planner.baselines import registry
+    from ultraep_megatron.traces.synthetic import zipf_topk_load
+
+    R, S, T, k = cfg.ep_size, cfg.num_slots, cfg.tokens, cfg.topk
+    print(f"Permutation alone, T={T}, top-{k} (T x k = {T * k} routed pairs), one rank of EP={R}, S={S}, "
+          f"hidden {cfg.hidden_size} bf16 (token gather included), on {device_name(cfg)}; medians of "
+          f"{cfg.iters} iterations")
+    print("  E     ultraep pairs   megatron argsort")
+    for E in [int(e) for e in cfg.sweep_experts.split(",")]:
+        generator = torch.Generator().manual_seed(0)
+        routing_map, probs, topk_ids = routing(cfg, device, generator, num_experts=E)
+        tokens = torch.randn(T, cfg.hidden_size, generator=generator).to(device=device, dtype=torch.bfloat16)
+        load = zipf_topk_load(R, E, tokens_per_rank=T, top_k=k, exponent=cfg.zipf, seed=0)
+        load[0] = routing_map.sum(dim=0).cpu()
+        balancer = BalancerConfig(name=registry.ULTRAEP, num_slots=S).build()
+        plan = balancer.plan(load)
+        d = permutation_stand_in(dispatchers, E, S, R, topk_ids, Overheads())
+        d.invocation = plan_invocation(plan, load, 0, layer_number=1, vid=None, schedule_builder=None,
+                                       balanced=True, plan_seconds=0.0)
+        d._table = d.invocation.reroute_table.to(device)
+
+        def ours():
+            sorted_tokens, _ = d._permutation(probs)
+            return tokens.index_select(0, sorted_tokens)
+
+        def theirs():
+            return permute(tokens, routing_map, probs=probs, num_out_tokens=T * k)[0]
+
+        print(f"  {E:<5} {timed(ours, cfg, sync):10.1f} us   {timed(theirs, cfg, sync):10.1f} us")
+
+
+def device_name(cfg) -> str:
+    return torch.cuda.get_device_name(0) if cfg.device == "cuda" else "CPU (dry run)"
 
 
 def main():
@@ -77,29 +159,25 @@ def main():
         cpu_backend.activate()
     from megatron.core.transformer.moe.moe_utils import permute
 
-    from ultraep_megatron.megatron import dispatchers
+    from ultraep_megatron.megatron import device_planning, dispatchers
     from ultraep_megatron.megatron.context import Overheads
     from ultraep_megatron.megatron.invocation import plan_invocation
-    from ultraep_megatron.planner.baselines import registry
     from ultraep_megatron.planner import BalancerConfig
+    from ultraep_megatron.planner.baselines import registry
     from ultraep_megatron.traces.synthetic import zipf_topk_load
 
     device = torch.device(cfg.device)
+    sync = torch.cuda.synchronize if cfg.device == "cuda" else (lambda: None)
     R, E, S, T, k = cfg.ep_size, cfg.num_experts, cfg.num_slots, cfg.tokens, cfg.topk
     rank = 0
     generator = torch.Generator().manual_seed(0)
-    routing_map, probs = routing(cfg, device, generator)
+    routing_map, probs, topk_ids = routing(cfg, device, generator)
     tokens = torch.randn(T, cfg.hidden_size, generator=generator).to(device=device, dtype=torch.bfloat16)
     others = zipf_topk_load(R, E, tokens_per_rank=T, top_k=k, exponent=cfg.zipf, seed=0).to(device)  # the other ranks' rows
-    balancer = BalancerConfig(name=registry.ULTRAEP, num_slots=S).build()
+    config = BalancerConfig(name=registry.ULTRAEP, num_slots=S)
+    balancer = config.build()
     balancer.warm_up()
-    # The balanced dispatcher's permutation, on a stand-in for its state (no process group here).
-    dispatcher = types.SimpleNamespace(
-        num_logical_experts=E, num_out_tokens=T * k, invocation=None, _check_plan=lambda routing_map: None,
-        _layer=types.SimpleNamespace(balancing=types.SimpleNamespace(overheads=Overheads())))
-    dispatcher._instances = dispatchers._PhysicalSlotRouting._instances.__get__(dispatcher)
-    permutation = dispatchers.BalancedAlltoAllDispatcher._permutation.__get__(dispatcher)
-    sync = torch.cuda.synchronize if cfg.device == "cuda" else (lambda: None)
+    dispatcher = permutation_stand_in(dispatchers, E, S, R, topk_ids, Overheads())
 
     def megatron_path():
         counts = routing_map.sum(dim=0)
@@ -109,9 +187,9 @@ def main():
         done.synchronize()
         return permute(tokens, routing_map, probs=probs, num_out_tokens=int(T * k))[0], host
 
-    host_stretch = []
+    host_stretch = {"host": [], "device": []}
 
-    def ultraep_path():
+    def host_planner_path():
         load = others.clone()
         load[rank] = routing_map.sum(dim=0)
         host_load = dispatchers._copy_to_host(load)
@@ -120,14 +198,30 @@ def main():
         plan = balancer.plan(host_load, balances=balanced)
         dispatcher.invocation = plan_invocation(plan, host_load, rank, layer_number=1, vid=None,
                                                 schedule_builder=None, balanced=balanced, plan_seconds=0.0)
-        host_stretch.append(time.perf_counter() - h0)
-        sorted_tokens, _ = permutation(routing_map, probs)
+        host_stretch["host"].append(time.perf_counter() - h0)
+        dispatcher._table = dispatcher.invocation.reroute_table.to(device, non_blocking=True)
+        sorted_tokens, _ = dispatcher._permutation(probs)
         return tokens.index_select(0, sorted_tokens)
 
-    balanced_label = registry.ULTRAEP
-    times = {"megatron": [], balanced_label: []}
+    def device_planner_path():
+        load = others.clone()
+        load[rank] = routing_map.sum(dim=0)
+        planned = device_planning.plan_on_device(load, config, rank, training=False, grad_enabled=False)
+        dispatcher._table = planned.reroute_table
+        sorted_tokens, _ = dispatcher._permutation(probs)
+        permuted = tokens.index_select(0, sorted_tokens)
+        host_half = dispatchers._copy_to_host(planned.host_half)
+        h0 = time.perf_counter()
+        host_load, plan, balanced = device_planning.unpack_host_half(host_half, R, E, S)
+        dispatcher.invocation = plan_invocation(plan, host_load, rank, layer_number=1, vid=None,
+                                                schedule_builder=None, balanced=balanced, plan_seconds=0.0)
+        host_stretch["device"].append(time.perf_counter() - h0)
+        return permuted
+
+    paths = {"megatron": megatron_path, "ultraep host": host_planner_path, "ultraep device": device_planner_path}
+    times = {name: [] for name in paths}
     for i in range(cfg.warmup + cfg.iters):
-        for name, path in (("megatron", megatron_path), (balanced_label, ultraep_path)):
+        for name, path in paths.items():
             sync()
             t0 = time.perf_counter()
             path()
@@ -136,16 +230,24 @@ def main():
                 times[name].append(time.perf_counter() - t0)
     plan = dispatcher.invocation.plan
     replicas = int((plan.slot_expert >= 0).sum())
-    name = torch.cuda.get_device_name(0) if cfg.device == "cuda" else "CPU (dry run)"
     median_us = {key: statistics.median(v) * 1e6 for key, v in times.items()}
+    stretch_us = {key: statistics.median(v[cfg.warmup:]) * 1e6 for key, v in host_stretch.items()}
+    stand_in = "" if device_planning.device_solver_ready() else \
+        " [planner.device_solve is the TEMPORARY host stand-in: it solves on the host after a blocking read]"
     print(f"Critical path of one MoE layer's routing -> permuted tokens, one rank of EP={R}, E={E}, "
-          f"S={S}, T={T}, top-{k}, hidden {cfg.hidden_size} bf16, on {name}; medians of {cfg.iters} "
+          f"S={S}, T={T}, top-{k}, hidden {cfg.hidden_size} bf16, on {device_name(cfg)}; medians of {cfg.iters} "
           f"iterations (torch {torch.__version__})")
     print(f"  megatron (counts to host, wait, argsort permute): {median_us['megatron']:8.1f} us")
-    print(f"  ultraep  (load to host, wait, plan, permute from the plan): {median_us[balanced_label]:8.1f} us")
-    print(f"  added by balancing: {median_us[balanced_label] - median_us['megatron']:8.1f} us, of which the "
-          f"host plan (trigger + solve + dispatch metadata) {statistics.median(host_stretch[cfg.warmup:]) * 1e6:.1f} us; "
-          f"{replicas} replicas in the last plan")
+    print(f"  ultraep host planner (load to host, wait, plan, permute from the plan): "
+          f"{median_us['ultraep host']:8.1f} us")
+    print(f"  ultraep device planner (plan on the device, permute, plan to host, wait): "
+          f"{median_us['ultraep device']:8.1f} us{stand_in}")
+    print(f"  added by balancing: host planner {median_us['ultraep host'] - median_us['megatron']:8.1f} us, "
+          f"of which the host plan (trigger + solve + dispatch metadata) {stretch_us['host']:.1f} us; "
+          f"device planner {median_us['ultraep device'] - median_us['megatron']:8.1f} us, of which the host "
+          f"metadata after the wait {stretch_us['device']:.1f} us; {replicas} replicas in the last plan")
+    if cfg.sweep_experts:
+        sweep_experts(cfg, device, sync)
 
 
 if __name__ == "__main__":

@@ -177,3 +177,24 @@ def test_three_problems_are_three_lines(verdicts):
     assert [e.split(" ", 1)[0] for e in errors] == [
         "--moe-balancer-num-slots", "--moe-balancer-domain-size", "--moe-balancer-trace-dir"], errors
     assert "not a directory" in errors[2] and all("\n" not in e for e in errors)
+
+
+def test_planner_flag_choices_and_balancers():
+    """--moe-balancer-planner: host or device; device plans ultraep only; by default host here (no
+    CUDA, or the CPU backend)."""
+    from ultraep_megatron.megatron.context import resolve_planner
+
+    assert parsed("--moe-balancer-planner", "device").moe_balancer_planner == "device"
+    with pytest.raises(SystemExit):
+        parsed("--moe-balancer-planner", "gpu")
+    for balancer, planner, bad in (("ultraep", "device", False), ("ultraep", "host", False),
+                                   ("eplb", "device", True), ("eplb-exact", "host", False),
+                                   ("ultraep", "gpu", True)):
+        args = argparse.Namespace(moe_balancer=balancer, moe_balancer_planner=planner)
+        problems = arguments.knob_problems(args)[1]
+        assert bool(problems) == bad and all("--moe-balancer-planner" in p for p in problems), problems
+    if not torch.cuda.is_available():
+        assert resolve_planner(None, "ultraep") == "host"
+    assert resolve_planner("device", "ultraep") == "device" and resolve_planner(None, "eplb") == "host"
+    with pytest.raises(ValueError, match="ultraep only"):
+        resolve_planner("device", "eplb")

@@ -17,7 +17,8 @@ NUM_SLOTS = 1
 EXPERT_NUMEL = 2 * 32 * 48  # fc1 [48, 32] + fc2 [32, 48]
 SCENARIOS = ("single", "pipelined", "recompute", "eplb", "eplb-exact", "flex", "flex-hybridep",
              "flex-hybridep-padded", "grouped", "mixed",
-             "frozen_input", "frozen_router", "relayed", "idle_replica")
+             "frozen_input", "frozen_router", "relayed", "idle_replica", "device_planner",
+             "device_planner_recompute", "device_planner_flex")
 # A negative control must miss by more than this many times its tolerance (not a borderline miss).
 NOISE_MULTIPLE = 10
 EXPERT_PARAMS = 2  # fc1, fc2
@@ -74,7 +75,8 @@ def test_negative_control_unreduced_replica_gradients_fail_the_comparison(ranks)
     assert all(c.ratio > NOISE_MULTIPLE for c in failed), failed
 
 
-@pytest.mark.parametrize("scenario", ["single", "pipelined", "recompute", "flex", "flex-hybridep", "grouped"])
+@pytest.mark.parametrize("scenario", ["single", "pipelined", "recompute", "flex", "flex-hybridep", "grouped",
+                                      "device_planner", "device_planner_recompute", "device_planner_flex"])
 def test_ultraep_balances_the_received_load(ranks, scenario):
     rows = torch.tensor([r[f"{scenario}/balanced"]["received_rows"] for r in ranks], dtype=torch.float)
     skewed = torch.tensor([r[f"{scenario}/none"]["received_rows"] for r in ranks], dtype=torch.float)
@@ -88,6 +90,26 @@ def test_ultraep_balances_the_received_load(ranks, scenario):
     assert stats["replicas"] >= 1
     replica_rows = rows.sum() - skewed.sum()
     assert replica_rows == 0, "balancing moves tokens, never adds or drops any"
+
+
+@pytest.mark.parametrize("device,host", [("device_planner", "pipelined"), ("device_planner_recompute", "recompute"),
+                                         ("device_planner_flex", "flex")])
+def test_device_planner_balances_as_the_host_planner(ranks, device, host):
+    """--moe-balancer-planner device plans on the device from the same exact load: every rank's
+    experts receive as many rows as with the host planner, in every microbatch."""
+    for rank, result in enumerate(ranks):
+        assert result[f"{device}/balanced"]["planner"] == "device"
+        assert result[f"{host}/balanced"]["planner"] == "host"  # the CPU backend's default
+        assert result[f"{device}/balanced"]["received_rows"] == result[f"{host}/balanced"]["received_rows"], rank
+
+
+@pytest.mark.parametrize("scenario", ["single", "pipelined", "recompute", "device_planner", "grouped"])
+def test_top_k_indices_come_from_the_router(ranks, scenario):
+    """The reroute's [T, k] pairs are the router's own top-k indices (its tap), one per routing:
+    every forward, and every recompute replay."""
+    calls = {"single": 1, "pipelined": 3, "recompute": 4, "device_planner": 3, "grouped": 3}[scenario]
+    for result in ranks:
+        assert result[f"{scenario}/balanced"]["tapped_routings"] == calls
 
 
 def test_eplb_baselines_do_not_balance_as_well(ranks):

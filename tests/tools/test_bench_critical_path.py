@@ -1,6 +1,6 @@
 """``tools/bench_critical_path.py`` keeps running: it drives the balanced dispatcher's permutation on a
-stand-in for the dispatcher's state, so a change to what that method reads must show here, not on
-the next GPU machine. A dry run on the CPU, small shapes."""
+stand-in for the dispatcher's state, with the host and the device planner, so a change to what that
+method reads must show here, not on the next GPU machine. A dry run on the CPU, small shapes."""
 
 import re
 import subprocess
@@ -13,12 +13,14 @@ def test_critical_path_benchmark_runs_on_the_cpu():
     completed = subprocess.run(
         [sys.executable, str(REPO_ROOT / "tools" / "bench_critical_path.py"), "--device", "cpu",
          "--ep-size", "8", "--num-experts", "32", "--tokens", "256", "--hidden-size", "32",
-         "--iters", "3", "--warmup", "1"],
+         "--iters", "3", "--warmup", "1", "--sweep-experts", "16,64"],
         capture_output=True, text=True, timeout=300, env=gloo_env(), cwd=REPO_ROOT)
     assert completed.returncode == 0, completed.stderr[-3000:]
     out = completed.stdout
     assert "one rank of EP=8, E=32, S=2, T=256" in out, out
-    for path in ("megatron", "ultraep"):
-        assert re.search(rf"^  {path} .*: +\d+\.\d us$", out, re.M), out
+    for path in ("megatron", "ultraep host planner", "ultraep device planner"):
+        assert re.search(rf"^  {path} .*: +\d+\.\d us( \[.*\])?$", out, re.M), out
+    for experts in (16, 64):  # the permutation alone against E
+        assert re.search(rf"^  {experts} +\d+\.\d us +\d+\.\d us$", out, re.M), out
     replicas = int(re.search(r"(\d+) replicas in the last plan", out).group(1))
     assert replicas > 0, out

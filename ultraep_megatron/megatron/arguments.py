@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
 from ultraep_megatron.megatron import capabilities
+from ultraep_megatron.megatron.device_planning import PLANNERS
 from ultraep_megatron.planner import BalancerConfig
 from ultraep_megatron.planner import balancer as planner_balancer
 from ultraep_megatron.planner.balancer import MINIMUMS
@@ -45,6 +46,7 @@ class Knob:
         runtime_only: a setting of a training run (not of the balancing policy): not offered by replay.
         metavar: the value's name in ``--help``.
         action: ``store_true`` / ``store_false`` for a switch (``type`` is then ``bool``).
+        choices: the values a string setting may take (``None``: any).
     """
 
     field: str
@@ -56,6 +58,7 @@ class Knob:
     runtime_only: bool = False
     metavar: str = "N"
     action: Optional[str] = None
+    choices: Optional[tuple[str, ...]] = None
 
     @property
     def dest(self) -> str:
@@ -108,6 +111,14 @@ KNOBS: tuple[Knob, ...] = (
     Knob("overlap", "--moe-balancer-no-overlap", bool, True, runtime_only=True, action="store_false",
          help="Wait for each replica weight/gradient transfer where it is issued instead of "
               "overlapping it with the layer's other work (to measure what the overlap hides)."),
+    Knob("planner", "--moe-balancer-planner", str, None, runtime_only=True, metavar="WHERE",
+         choices=PLANNERS,
+         help="Where ultraep plans each layer-microbatch. host: the exact load crosses to the host, "
+              "which plans, then the device reroutes and permutes the tokens. device: the plan, the "
+              "reroute table, the reroute and the permutation are queued on the device, and the "
+              "plan crosses to the host afterwards, where megatron's dispatcher waits for its splits "
+              "anyway (the planner leaves the host's critical path; ultraep only). Default: device "
+              "for ultraep on CUDA, host on the CPU backend and for the other balancers."),
     Knob("check_plans", "--moe-balancer-check-plans", bool, False, runtime_only=True,
          action="store_true",
          help="Check in every MoE layer that the routing matches the load its plan was solved for "
@@ -143,7 +154,8 @@ def add_balancer_arguments(parser, *, runtime: bool = True, balancer_flag: bool 
             parser.add_argument(knob.flag, action=knob.action, dest=knob.dest, help=knob.help)
             continue
         parser.add_argument(knob.flag, type=(types or {}).get(knob.field, knob.type), default=knob.default,
-                            dest=knob.dest, metavar=knob.metavar, help=knob.help)
+                            dest=knob.dest, metavar=knob.metavar, help=knob.help,
+                            **({"choices": knob.choices} if knob.choices else {}))
 
 
 def knob_problems(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
@@ -171,11 +183,16 @@ def knob_problems(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
                 problems.append(f"{knob.flag} must be >= {knob.minimum}, got {value}")
         elif not isinstance(value, knob.type):
             problems.append(f"{knob.flag} must be a {knob.type.__name__}, got {value!r}")
+        elif knob.choices is not None and value not in knob.choices:
+            problems.append(f"{knob.flag} must be one of {', '.join(knob.choices)}, got {value!r}")
     if isinstance(values["hardware"], str):
         try:
             hardware_min_quota(values["hardware"])  # an unknown name fails here, naming the flag
         except ValueError as error:
             problems.append(str(error))
+    if values["planner"] == "device" and name in registry.BALANCERS and name not in (registry.NONE, registry.ULTRAEP):
+        problems.append(f"--moe-balancer-planner device plans {registry.ULTRAEP} only; --moe-balancer {name} "
+                        "plans on the host (leave the flag out)")
     if values["trace_dir"] and name == registry.NONE:
         problems.append("--moe-balancer-trace-dir records the load the balanced dispatcher gathers: use it "
                         f"with --moe-balancer {', '.join(sorted(registry.EXACT_LOAD | {registry.EPLB}))} "

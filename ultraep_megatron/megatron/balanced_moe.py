@@ -66,6 +66,7 @@ from ultraep_megatron.megatron.dispatchers import balanced_dispatcher_class
 from ultraep_megatron.megatron.expert_slots import ExpertParamLookup, expert_param_names
 from ultraep_megatron.megatron.layer_ids import moe_layer_id
 from ultraep_megatron.megatron.replica_autograd import ReduceReplicaGrads, StartInBackward, run_replicas_in_graph
+from ultraep_megatron.megatron.router_topk import install_topk_tap, topk_indices
 
 
 class BalancedMoELayer(MoELayer):
@@ -92,6 +93,8 @@ class BalancedMoELayer(MoELayer):
         self.token_dispatcher = balanced_dispatcher_class(config)(
             self.num_local_experts, self.local_expert_indices, config, pg_collection, self
         )
+        # The router's [T, k] top-k indices: the reroute and permutation work on the routed pairs.
+        self._topk_tap = install_topk_tap(self.router)
         # [local expert][k] parameter names; every expert's k-th parameter has the same shape.
         self.expert_param_names = expert_param_names(self.experts, self.num_local_experts)
         self._lookup_main_params = ExpertParamLookup(self.experts, self.expert_param_names)
@@ -151,10 +154,18 @@ class BalancedMoELayer(MoELayer):
                 else:
                     hook(module, ())
 
+    def route(self, hidden_states, padding_mask=None):
+        if self._topk_tap is not None:
+            self._topk_tap.indices = None  # only this routing's indices count
+        return super().route(hidden_states, padding_mask)
+
     def preprocess(self, hidden_states, probs, routing_map):
-        invocation = self.token_dispatcher.plan(routing_map)
-        # Reroute and permutation first: the device waits for them after the plan's host wait.
+        topk_ids = topk_indices(self._topk_tap, routing_map, self.config.moe_router_topk)
+        self.token_dispatcher.plan(routing_map, topk_ids)
+        # Reroute and permutation first: with the host planner the device waits for them after the
+        # plan's host wait; with the device planner the host waits once, after they are queued.
         hidden_states, probs = super().preprocess(hidden_states, probs, routing_map)
+        invocation = self.token_dispatcher.invocation
         self._prepare_main_params()
         # Overlaps the token all-to-all and the main experts.
         self.balancing.start_weights(self, invocation)

@@ -22,6 +22,7 @@ slots per rank, P = G + S *physical* slots per rank (its main experts, then its 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from dataclasses import dataclass
@@ -30,12 +31,15 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ultraep_megatron.dataplane import ReplicaBuffer, TransferHandle
+from ultraep_megatron.megatron import device_planning
+from ultraep_megatron.megatron.device_planning import PLANNERS, DevicePlanned
 from ultraep_megatron.megatron.expert_slots import ReplicaExperts, build_replica_experts
 from ultraep_megatron.megatron.invocation import Invocation, plan_invocation
 from ultraep_megatron.megatron.native_torch import native_torch
 from ultraep_megatron.megatron.observers import BalancerStats, TraceRecorder
 from ultraep_megatron.megatron.ring import VirtualLayerRing, invocations_per_forward, max_inflight_microbatches
 from ultraep_megatron.planner import BalancerConfig
+from ultraep_megatron.planner.baselines.registry import ULTRAEP
 
 
 @dataclass
@@ -82,11 +86,14 @@ class BalancingContext:
             (``--moe-balancer-no-overlap`` waits for each where it is issued).
         check_plans: compare every plan with the routing it is applied to (device reads in every
             layer, for debugging).
+        planner: ``"host"`` (the load crosses to the host, the plan is made there) or ``"device"``
+            (the plan and the reroute are made on the device, the plan crosses afterwards; ultraep
+            only); ``None``: device on CUDA for ultraep, else host (:func:`resolve_planner`).
     """
 
     def __init__(self, config: BalancerConfig, *, hardware: Optional[str] = None,
                  ring_size: Optional[int] = None, trace_dir: Optional[str] = None, overlap: bool = True,
-                 check_plans: bool = False):
+                 check_plans: bool = False, planner: Optional[str] = None):
         # The planner's kernels now, not in the first layer of the first iteration, whose plan time
         # (ultraep/plan_ms) they would be.
         config.build().warm_up()
@@ -94,6 +101,8 @@ class BalancingContext:
         self.ring_size = ring_size
         self.overlap = overlap
         self.check_plans = check_plans
+        self.planner = resolve_planner(planner, config.name)
+        self.plans_on_device = self.planner == "device"
         self.layers: List[object] = []
         self.buffer: Optional[ReplicaBuffer] = None
         self.replica_experts: Optional[ReplicaExperts] = None  # the redundant slots' module
@@ -132,7 +141,7 @@ class BalancingContext:
             self.ring = VirtualLayerRing(self.ring_size or per_forward * _schedule_inflight())
         return self.ring
 
-    # -- planning (host only) ----------------------------------------------------------------------
+    # -- planning ----------------------------------------------------------------------------------
     @native_torch
     def plan(self, layer, load: torch.Tensor, ep_rank: int, *, training: bool,
              grad_enabled: bool) -> Invocation:
@@ -142,6 +151,35 @@ class BalancingContext:
         balanced = layer.balancer.balances(load)
         plan = layer.balancer.plan(load, balances=balanced)
         plan_seconds = time.perf_counter() - t0
+        return self._invocation(layer, load, plan, ep_rank, balanced=balanced, training=training,
+                                grad_enabled=grad_enabled, plan_seconds=plan_seconds, t0=t0)
+
+    @native_torch
+    def plan_on_device(self, layer, load: torch.Tensor, ep_rank: int, *, training: bool,
+                       grad_enabled: bool) -> DevicePlanned:
+        """Queue one invocation's plan on the device (``--moe-balancer-planner device``): the load
+        ``[R, E]`` on the device, nothing read on the host. :meth:`complete_device_plan` makes the
+        invocation once its host half has crossed."""
+        t0 = time.perf_counter()
+        planned = device_planning.plan_on_device(load, self.config, ep_rank, training=training,
+                                                 grad_enabled=grad_enabled)
+        seconds = time.perf_counter() - t0
+        self.overheads.host_seconds += seconds
+        return dataclasses.replace(planned, plan_seconds=seconds)
+
+    @native_torch
+    def complete_device_plan(self, layer, planned: DevicePlanned, host_half: torch.Tensor) -> Invocation:
+        """The invocation of a plan made on the device, from the host copy of its host half."""
+        t0 = time.perf_counter()
+        R, E = planned.plan.num_ranks, planned.plan.num_experts
+        load, plan, balanced = device_planning.unpack_host_half(host_half, R, E, self.config.num_slots)
+        return self._invocation(layer, load, plan, layer.token_dispatcher.ep_rank, balanced=balanced,
+                                training=planned.training, grad_enabled=planned.grad_enabled,
+                                plan_seconds=planned.plan_seconds, t0=t0)
+
+    def _invocation(self, layer, load: torch.Tensor, plan, ep_rank: int, *, balanced: bool, training: bool,
+                    grad_enabled: bool, plan_seconds: float, t0: float) -> Invocation:
+        """The invocation of a host plan; in training parked in the ring for its backward."""
         replicated = self.config.num_slots > 0 and bool((plan.slot_expert.numpy() >= 0).any())
         schedule_builder = (functools.partial(self.buffer.schedule, plan.slot_expert, plan.num_experts)
                             if replicated else None)
@@ -302,6 +340,24 @@ class BalancingContext:
     def close(self) -> None:
         if self.trace is not None:
             self.trace.close()
+
+
+def resolve_planner(planner: Optional[str], balancer: str) -> str:
+    """``--moe-balancer-planner``: ``planner`` as given, or by default ``device`` for ultraep on
+    CUDA and ``host`` otherwise (the CPU backend, the other balancers, whose plans are host
+    code; and while ``planner.device_solve`` is its host stand-in)."""
+    if planner is not None:
+        if planner not in PLANNERS:
+            raise ValueError(f"planner must be one of {', '.join(PLANNERS)}, got {planner!r}")
+        if planner == "device" and balancer != ULTRAEP:
+            raise ValueError(f"the device planner plans {ULTRAEP} only, not {balancer}")
+        return planner
+    from ultraep_megatron.megatron.cpu import backend as cpu_backend
+
+    on_cuda = torch.cuda.is_available() and not cpu_backend.is_active()
+    # TEMPORARY, until the device solver is merged: its host stand-in would make the device
+    # planner read the load on the host before the permutation, so the default stays host.
+    return "device" if on_cuda and balancer == ULTRAEP and device_planning.device_solver_ready() else "host"
 
 
 def _data_plane_group(ep_group):

@@ -3,8 +3,10 @@
 Every EP rank owns ``P = G + S`` physical slots (its G main experts, then its S redundant slots), so
 the parent dispatcher's permutation / all-to-all / chunk-sort machinery runs unchanged on ``R * P``
 "experts". What the balanced dispatchers add (:class:`_PhysicalSlotRouting`): the exact load ``[R, E]``
-of the EP group, crossing to the host once (the invocation's one host wait), the invocation's plan
-(``BalancingContext.plan``), and the logical -> physical rewrite of the routing, on the device.
+of the EP group, the invocation's plan (made on the host from the load after its one host wait,
+``BalancingContext.plan``, or on the device, its host half crossing once the permutation is queued,
+``BalancingContext.plan_on_device``), and the logical -> physical rewrite of the routed ``[T, k]``
+(token, expert) pairs, on the device.
 
 * :class:`BalancedAlltoAllDispatcher`: megatron's all-to-all dispatcher; splits and per-slot counts
   come from the host plan, and its unfused permutation and chunk sort are computed from the plan;
@@ -31,7 +33,9 @@ from megatron.core.transformer.moe.token_dispatcher import (
 )
 
 from ultraep_megatron.megatron.capabilities import flex_backend_problem
+from ultraep_megatron.megatron.device_planning import DevicePlanned
 from ultraep_megatron.megatron.invocation import Invocation
+from ultraep_megatron.megatron.router_topk import topk_indices
 from ultraep_megatron.megatron.native_torch import native_torch
 
 if TYPE_CHECKING:
@@ -52,6 +56,23 @@ def _copy_to_host(tensor: torch.Tensor) -> torch.Tensor:
     copied.record()
     copied.synchronize()
     return host
+
+
+def instances_of_positions(running: torch.Tensor, positions: torch.Tensor, *, binary_search: bool) -> torch.Tensor:
+    """The reroute table column of each expert-major position: the first whose running total
+    (``running``, the table's row 0, int64 [E * R + 1] ending in a sentinel) exceeds it.
+
+    ``positions`` is ``arange(N)``, ``N`` the pairs the plan hands out. ``binary_search`` (CUDA):
+    one binary search per position, all in parallel, O(N log(E * R)). Otherwise (CPU, where each
+    search misses the cache and costs ~3x more): instance ``k`` repeated for its count of
+    positions, O(N + E * R); its output size makes it a device op (without one it reads the
+    counts' sum). The same columns either way.
+    """
+    if binary_search:
+        return torch.searchsorted(running, positions, right=True)
+    counts = torch.diff(running[:-1], prepend=running.new_zeros(1))
+    return torch.repeat_interleave(torch.arange(running.numel() - 1, device=running.device), counts,
+                                   output_size=positions.numel())
 
 
 class _PhysicalSlotRouting:
@@ -75,27 +96,68 @@ class _PhysicalSlotRouting:
         local = [ep_rank * self.slots_per_rank + j for j in range(self.slots_per_rank)]
         self._layer = layer
         self.invocation: Optional[Invocation] = None
+        # The invocation's routed pairs, [T, k] logical experts, and the reroute table on the device.
+        self.topk_ids: Optional[torch.Tensor] = None
+        self._table: Optional[torch.Tensor] = None
+        # A plan made on the device whose host half has not crossed yet (--moe-balancer-planner device).
+        self._pending: Optional[DevicePlanned] = None
+        # Sorting the pairs by expert on the narrowest integer that holds an expert id: the radix
+        # sort's passes are over the key's bytes (CPU and CUDA).
+        self._sort_key_dtype = torch.int16 if config.num_moe_experts <= torch.iinfo(torch.int16).max else torch.int32
         super().__init__(self.slots_per_rank, local, config=physical_config, pg_collection=pg_collection)
 
-    def plan(self, routing_map: torch.Tensor) -> Invocation:
-        """This invocation's plan, from the exact load of the EP group (the one host wait), or the
-        stored plan when this is an activation-recompute replay.
+    def plan(self, routing_map: torch.Tensor, topk_ids: Optional[torch.Tensor] = None) -> Optional[Invocation]:
+        """Plan this invocation from the exact load of the EP group, or take the stored plan when
+        this is an activation-recompute replay.
+
+        With the host planner (and in a replay) the load crosses to the host here, the host waits
+        for it (the invocation's one host wait) and the invocation is returned. With the device
+        planner the plan and the reroute table are queued on the device and ``None`` is returned:
+        the host half of the plan crosses once the reroute and permutation are queued
+        (:meth:`_complete_plan`).
 
         Args:
             routing_map: [T, E] bool, exactly ``topk`` experts per token (dropless).
+            topk_ids: [T, k] int64, its experts (the router's top-k indices); ``None``: taken from
+                ``routing_map``.
         """
         layer = self._layer
         balancing: BalancingContext = layer.balancing
         if routing_map.dtype != torch.bool or routing_map.dim() != 2:
             raise ValueError("expected a [tokens, experts] bool routing map")
+        self.topk_ids = topk_ids if topk_ids is not None else topk_indices(None, routing_map, self.config.moe_router_topk)
+        self._pending = None
         if _in_backward_pass():
             invocation = balancing.replay(layer.layer_number)
+        elif balancing.plans_on_device:
+            self.invocation = None
+            self._pending = balancing.plan_on_device(layer, self._gather_load(routing_map), self.ep_rank,
+                                                     training=layer.training, grad_enabled=torch.is_grad_enabled())
+            self._table = self._pending.reroute_table
+            self._check_plan(routing_map)
+            return None
         else:
             load = _copy_to_host(self._gather_load(routing_map))
             invocation = balancing.plan(layer, load, self.ep_rank, training=layer.training,
                                         grad_enabled=torch.is_grad_enabled())
         self.invocation = invocation
+        self._table = invocation.reroute_table.to(routing_map.device, non_blocking=True)
+        self._check_plan(routing_map)
         return invocation
+
+    def _complete_plan(self) -> None:
+        """With the device planner, once the reroute and permutation are queued: the plan's host
+        half crosses in one device-to-host copy and one wait (where megatron's dispatcher waits for
+        its splits), and becomes the invocation. Nothing to do otherwise."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        self.invocation = self._layer.balancing.complete_device_plan(self._layer, pending,
+                                                                     _copy_to_host(pending.host_half))
+        self._take_invocation(self.invocation)
+
+    def _take_invocation(self, invocation: Invocation) -> None:
+        """Hook: the host metadata of a plan that arrived after the permutation was queued."""
 
     @native_torch
     def _gather_load(self, routing_map: torch.Tensor) -> torch.Tensor:
@@ -112,7 +174,9 @@ class _PhysicalSlotRouting:
 
     def dispatch_preprocess(self, hidden_states, routing_map, probs):
         physical_map, physical_probs = self._reroute(routing_map, probs)
-        return super().dispatch_preprocess(hidden_states, physical_map, physical_probs)
+        out = super().dispatch_preprocess(hidden_states, physical_map, physical_probs)
+        self._complete_plan()
+        return out
 
     def dispatch_postprocess_parts(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """``dispatch_postprocess`` with its rows split into the main experts' and the redundant
@@ -136,34 +200,48 @@ class _PhysicalSlotRouting:
         return self.combine_preprocess(torch.cat([main_out, replica_out]))
 
     def _check_plan(self, routing_map: torch.Tensor) -> None:
-        """With ``--moe-balancer-check-plans`` only (a device read): the routing is the load the
-        invocation's plan was solved for."""
-        if self._layer.balancing.check_plans and not torch.equal(
+        """With ``--moe-balancer-check-plans`` only (device reads): the top-k pairs are the routing
+        map's, and the routing is the load the invocation's plan was solved for (a plan made on the
+        device is solved for this very routing's load)."""
+        if not self._layer.balancing.check_plans:
+            return
+        pairs = torch.zeros_like(routing_map).scatter_(1, self.topk_ids, True)
+        if not torch.equal(pairs, routing_map):
+            raise RuntimeError(f"MoE layer {self._layer.layer_number}: the router's top-k indices are not "
+                               "its routing map's (not exactly top-k distinct experts per token)")
+        if self.invocation is not None and not torch.equal(
                 routing_map.sum(dim=0).cpu(), self.invocation.load[self.ep_rank]):
             raise RuntimeError(f"MoE layer {self._layer.layer_number}: the routing differs from the load "
                                "its plan was solved for (not exactly top-k per token, or a recompute "
                                "replay that is not deterministic)")
 
-    def _instances(self, routing_map: torch.Tensor):
-        """Each (token, expert) entry's expert-major position and the plan's instance for it (the
-        plan check first, with ``--moe-balancer-check-plans``).
+    def _pairs(self):
+        """The invocation's routed pairs in the expert-major order, and each one's instance.
 
-        Dense over [T, E], no sort, few ops (host time per layer): a pair's position in the
-        expert-major, token-ascending order is the routed tokens of its expert up to it plus the
-        expert's offset (from the host load); positions past the last instance hit the sentinel.
-        Unrouted entries get a position too (their expert's count so far), which callers mask.
+        A pair's expert-major position (expert-major, token-ascending: the order megatron's
+        permutation sorts them in, the plan's quotas are handed out in) is its rank in a stable
+        sort of the ``N = T * k`` pairs by expert: pairs of one token have distinct experts, so
+        among an expert's pairs the row-major order is the token order. The instance of position
+        ``i`` is the reroute table's first instance whose running quota total exceeds ``i``.
+        Nothing over ``[T, E]``, no host read, fixed shapes.
 
         Returns:
-            (reroute table on the device [4, E * R + 1], position [T * E], instance [T * E]).
+            (order [N]: the row-major pair index at each expert-major position, positions [N]
+            (``arange``), instance [N]: the reroute table column of each position).
         """
-        self._check_plan(routing_map)
-        table = self.invocation.reroute_table.to(routing_map.device, non_blocking=True)
-        # The running count scans the [E, T] layout along its last dimension, not [T, E] along dim 0:
-        # torch's CUDA scan over an outer dimension is not parallel along it, which cost milliseconds
-        # per layer at production sizes (docs/integration.md, "On a GPU").
-        counts = routing_map.t().contiguous().cumsum(dim=1)
-        position = (counts + table[2, : self.num_logical_experts].unsqueeze(1)).t().reshape(-1)
-        return table, position, torch.searchsorted(table[0], position, right=True)
+        flat = self.topk_ids.reshape(-1)
+        order = torch.sort(flat.to(self._sort_key_dtype), stable=True).indices
+        positions = torch.arange(flat.numel(), device=flat.device)
+        instance = instances_of_positions(self._table[0], positions, binary_search=flat.is_cuda)
+        return order, positions, instance
+
+    @native_torch
+    def physical_topk_ids(self) -> torch.Tensor:
+        """[T, k] int64: the physical slot of each routed pair, exactly per the plan (the pairs of
+        :attr:`topk_ids`, rewritten from logical experts to physical slots)."""
+        order, _, instance = self._pairs()
+        slot = self._table[1].index_select(0, instance)
+        return torch.empty_like(order).scatter_(0, order, slot).view_as(self.topk_ids)
 
     @native_torch
     def _reroute(self, routing_map: torch.Tensor, probs: torch.Tensor):
@@ -173,10 +251,11 @@ class _PhysicalSlotRouting:
         The plan gives each (expert, instance) a quota of this rank's pairs; pairs of an expert are
         taken in token order (the order megatron's permutation sorts them in), so the pair at
         position ``i`` of the expert-major order goes to the instance whose running quota total
-        first exceeds ``i``.
+        first exceeds ``i`` (:meth:`_pairs`).
 
         Args:
-            routing_map: [T, E] bool, exactly ``topk`` experts per token.
+            routing_map: [T, E] bool, exactly ``topk`` experts per token (the pairs of
+                :attr:`topk_ids`).
             probs: [T, E] router probabilities (differentiable).
 
         Returns:
@@ -185,19 +264,13 @@ class _PhysicalSlotRouting:
         """
         t0 = time.perf_counter()
         num_tokens = routing_map.size(0)
-        device = routing_map.device
-        table, _, instance = self._instances(routing_map)
         num_physical = self.ep_size * self.slots_per_rank
-        # index_select, not advanced indexing: the same gather, with less host time per call
-        # (docs/integration.md, the CPU benchmark).
-        instance_slot = table[1].index_select(0, instance).view(num_tokens, self.num_logical_experts)
-        # Unrouted (token, expert) entries go to a spare last column, dropped below. Routed pairs
-        # of a token land in distinct columns, so the scatters are exact (no masking of probs).
-        slot = torch.where(routing_map, instance_slot, num_physical)
-        physical_map = torch.zeros(num_tokens, num_physical + 1, dtype=torch.bool, device=device)
-        physical_map = physical_map.scatter_(1, slot, routing_map)[:, :num_physical].contiguous()
-        physical_probs = torch.zeros(num_tokens, num_physical + 1, dtype=probs.dtype, device=device)
-        physical_probs = physical_probs.scatter(1, slot, probs)[:, :num_physical].contiguous()
+        physical_ids = self.physical_topk_ids()
+        # A token's pairs land in distinct slots: the scatters are exact.
+        physical_map = torch.zeros(num_tokens, num_physical, dtype=torch.bool, device=routing_map.device)
+        physical_map.scatter_(1, physical_ids, True)
+        physical_probs = probs.new_zeros(num_tokens, num_physical).scatter(
+            1, physical_ids, probs.gather(1, self.topk_ids))
         self._layer.balancing.overheads.reroute_seconds += time.perf_counter() - t0
         return physical_map, physical_probs
 
@@ -207,19 +280,34 @@ class BalancedAlltoAllDispatcher(_PhysicalSlotRouting, MoEAlltoAllTokenDispatche
     Its ``preprocess`` takes every split from the invocation's host metadata: no communication, no
     device-to-host copy, no host wait (megatron's own sync point stays unset)."""
 
-    def preprocess(self, routing_map: torch.Tensor) -> torch.Tensor:
-        """All-to-all metadata from the plan: splits and per-slot row counts, on the host."""
-        invocation = self.invocation
+    def preprocess(self, routing_map: torch.Tensor) -> Optional[torch.Tensor]:
+        """All-to-all metadata from the plan: splits and per-slot row counts, on the host. A plan
+        still on the device (device planner) leaves them to :meth:`_take_invocation`; only the fused
+        chunk sort's device counts are there already."""
         self.num_out_tokens = routing_map.size(0) * self.config.moe_router_topk
+        if self.invocation is None:
+            self.input_splits = self.output_splits = self.output_splits_tp = None
+            self.num_global_tokens_per_local_expert = (
+                self._pending.rows_per_source_slot if self.config.moe_permute_fusion else None)
+            return None
+        self._take_splits(self.invocation, upload=True)
+        return self.invocation.rows_per_slot
+
+    def _take_splits(self, invocation: Invocation, *, upload: bool) -> None:
         if self.ep_size > 1:
             self.input_splits = invocation.input_splits
             self.output_splits = invocation.output_splits
             self.output_splits_tp = np.array([invocation.output_splits.sum()])
         # [R_src, P]; megatron's fused chunk sort reads it on the device.
         rows = invocation.rows_per_source_slot
-        self.num_global_tokens_per_local_expert = (
-            rows.to(routing_map.device, non_blocking=True) if self.config.moe_permute_fusion else rows)
-        return invocation.rows_per_slot
+        if not self.config.moe_permute_fusion:
+            self.num_global_tokens_per_local_expert = rows
+        elif upload:
+            self.num_global_tokens_per_local_expert = rows.to(self._table.device, non_blocking=True)
+
+    def _take_invocation(self, invocation: Invocation) -> None:
+        self._take_splits(invocation, upload=False)
+        self.tokens_per_expert = invocation.rows_per_slot
 
     def _permutes_from_plan(self) -> bool:
         """Whether :meth:`dispatch_preprocess` permutes the tokens straight from the plan: megatron's
@@ -234,7 +322,7 @@ class BalancedAlltoAllDispatcher(_PhysicalSlotRouting, MoEAlltoAllTokenDispatche
 
         megatron's unfused permutation argsorts the whole ``[T, R * P]`` physical map to sort the
         (token, slot) pairs slot-major; the plan already says where each pair goes
-        (:meth:`_permutation`), so neither the physical map nor the sort is built.
+        (:meth:`_permutation`), so neither the physical map nor that sort is built.
 
         Args:
             routing_map: [T, E] bool, logical experts, exactly ``topk`` per token.
@@ -257,22 +345,24 @@ class BalancedAlltoAllDispatcher(_PhysicalSlotRouting, MoEAlltoAllTokenDispatche
             self.shared_experts.pre_forward_comm(hidden_states.view(self.hidden_shape))
         self.tokens_per_expert = self._maybe_dtoh_and_synchronize("before_permutation_1", self.tokens_per_expert)
         self.hidden_shape_before_permute = hidden_states.shape
-        sorted_tokens, permuted_probs = self._permutation(routing_map, probs)
+        sorted_tokens, permuted_probs = self._permutation(probs)
         self.reversed_local_input_permutation_mapping = sorted_tokens
-        return hidden_states.index_select(0, sorted_tokens), permuted_probs
+        permuted = hidden_states.index_select(0, sorted_tokens)
+        self._complete_plan()
+        return permuted, permuted_probs
 
     @native_torch
-    def _permutation(self, routing_map: torch.Tensor, probs: torch.Tensor):
+    def _permutation(self, probs: torch.Tensor):
         """Where each routed (token, expert) pair goes in the all-to-all's send buffer, exactly per
-        the plan. Device work only: no host read, fixed shapes, no sort.
+        the plan. Device work only: no host read, fixed shapes, nothing over ``[T, E]`` but the
+        gather of the pairs' probabilities.
 
-        A pair's expert-major position picks its instance (:meth:`_instances`); row 3 of the
-        plan's reroute table turns the position into its send-buffer row (the instance's slot's
-        first row, plus the pair's rank among the instance's pairs, which the plan hands out in
-        token order). Unrouted entries land in a spare row past the buffer, dropped.
+        A pair's expert-major position picks its instance (:meth:`_pairs`); row 3 of the plan's
+        reroute table turns the position into its send-buffer row (the instance's slot's first
+        row, plus the pair's rank among the instance's pairs, which the plan hands out in token
+        order).
 
         Args:
-            routing_map: [T, E] bool, exactly ``topk`` experts per token.
             probs: [T, E] router probabilities (differentiable).
 
         Returns:
@@ -280,18 +370,14 @@ class BalancedAlltoAllDispatcher(_PhysicalSlotRouting, MoEAlltoAllTokenDispatche
             differentiable in ``probs``), ``N = T * topk``.
         """
         t0 = time.perf_counter()
-        num_tokens, num_experts = routing_map.shape
-        device = routing_map.device
-        table, position, instance = self._instances(routing_map)
-        num_rows = self.num_out_tokens
-        row = torch.where(routing_map.view(-1), table[3].index_select(0, instance) + position, num_rows)
-        # Every row below num_rows is written once; -1 would fail the token gather loudly if the
-        # routing ever left one unwritten (a routing other than the plan's load).
-        # Not repeat_interleave: without an output size it reads the repeats' sum on the host.
-        tokens = torch.arange(num_tokens, device=device).unsqueeze(1).expand(-1, num_experts).reshape(-1)
-        sorted_tokens = torch.full((num_rows + 1,), -1, dtype=torch.int64, device=device)
-        sorted_tokens = sorted_tokens.scatter_(0, row, tokens)[:num_rows]
-        permuted_probs = probs.new_zeros(num_rows + 1).scatter(0, row, probs.reshape(-1))[:num_rows]
+        topk = self.topk_ids.size(1)
+        order, positions, instance = self._pairs()
+        row = self._table[3].index_select(0, instance) + positions
+        # Every row is written once; -1 would fail the token gather loudly if the routing ever
+        # left one unwritten (a routing other than the plan's load).
+        sorted_tokens = torch.full_like(order, -1).scatter_(0, row, torch.div(order, topk, rounding_mode="floor"))
+        pair_probs = probs.gather(1, self.topk_ids).reshape(-1).index_select(0, order)
+        permuted_probs = pair_probs.new_zeros(pair_probs.shape).scatter(0, row, pair_probs)
         self._layer.balancing.overheads.reroute_seconds += time.perf_counter() - t0
         return sorted_tokens, permuted_probs
 

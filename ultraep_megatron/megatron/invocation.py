@@ -1,7 +1,8 @@
-"""One balanced MoE invocation (a layer on a microbatch), planned on the host: :class:`Invocation`.
+"""One balanced MoE invocation (a layer on a microbatch), its plan on the host: :class:`Invocation`.
 
 The dispatcher produces it from the exact load (:func:`plan_invocation`, through
-``BalancingContext.plan``); the layer, its autograd functions and the transfers consume it. It is
+``BalancingContext.plan``, or from a plan made on the device once it crossed, through
+``BalancingContext.complete_device_plan``); the layer, its autograd functions and the transfers consume it. It is
 immutable, and every tensor in it is a host tensor: nothing here reads device memory.
 
 Vocabulary (docs/glossary.md): R EP ranks, E experts, G = E // R main experts per rank, S redundant

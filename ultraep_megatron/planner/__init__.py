@@ -15,6 +15,7 @@ See ``docs/planner.md`` for the algorithm, ``min_quota`` and the benchmark.
 
 from .balancer import BalancerConfig, LayerBalancer
 from .baselines import registry
+from .device_solve import device_solve  # TEMPORARY stand-in, replaced at merge
 from .dispatch import RankDispatch, assign_tokens, rank_dispatch
 from .metrics import load_imbalance, metrics, rank_imbalance
 from .plan import Plan
@@ -23,6 +24,7 @@ from .solve import domain_lower_bound, solve, validate_load
 __all__ = [
     "Plan",
     "solve",
+    "device_solve",
     "domain_lower_bound",
     "validate_load",
     "assign_tokens",

@@ -74,10 +74,12 @@ def rank_inputs(rank: int, microbatch: int) -> tuple[torch.Tensor, torch.Tensor]
 
 def build_layer(ep_size: int, balancer: str | None, num_slots: int, recompute: bool,
                 dispatcher: str = "alltoall", grouped: bool = False, balancer_config=None,
-                use_cpu_initialization: bool = True, flex_backend: str = "deepep", pad_multiple=None):
+                use_cpu_initialization: bool = True, flex_backend: str = "deepep", pad_multiple=None,
+                planner: str | None = None):
     """megatron's MoELayer (``balancer`` None) or a BalancedMoELayer with ``balancer_config`` (by
-    default ``balancer`` with ``num_slots`` slots and a floor of 1). Parameters are made on the CPU,
-    or with ``use_cpu_initialization=False`` on the current CUDA device (megatron's default)."""
+    default ``balancer`` with ``num_slots`` slots and a floor of 1), planning on the ``planner``
+    (``--moe-balancer-planner``; ``None``: its default). Parameters are made on the CPU, or with
+    ``use_cpu_initialization=False`` on the current CUDA device (megatron's default)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -118,7 +120,8 @@ def build_layer(ep_size: int, balancer: str | None, num_slots: int, recompute: b
         builder = functools.partial(
             BalancedMoELayer, submodules=builder.keywords["submodules"],
             balancing=BalancingContext(balancer_config or BalancerConfig(
-                name=balancer, num_slots=num_slots, min_quota=1, eplb_window=2, eplb_interval=2), ring_size=4),
+                name=balancer, num_slots=num_slots, min_quota=1, eplb_window=2, eplb_interval=2), ring_size=4,
+                planner=planner),
         )
     layer = builder(config=config, pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
                     is_mtp_layer=False)
@@ -208,6 +211,17 @@ def run(layer, weights, rank, microbatches: int, permute_tokens: bool = False, h
     # Replica expert compute, split into first forwards and calls made inside a backward (a replica
     # backward that recomputed its forward, or an activation-recompute replay, would show there).
     replica_calls = {"forward": 0, "backward": 0}
+    # Routings whose top-k indices the router's tap handed over (not taken from the routing map).
+    tapped = []
+    tap = getattr(layer, "_topk_tap", None)
+    if tap is not None:
+        get_replay_topk = tap.get_replay_topk
+
+        def counting_tap(*args, **kwargs):
+            tapped.append(1)
+            return get_replay_topk(*args, **kwargs)
+
+        tap.get_replay_topk = counting_tap
     if balancing is not None:
         run_replicas = layer.run_replicas
 
@@ -287,6 +301,8 @@ def run(layer, weights, rank, microbatches: int, permute_tokens: bool = False, h
         "replica_buffer_numel": balancing.buffer.replica_weights.numel() if balancing is not None else 0,
         "relayed": relayed,
         "idle_hosted": idle_hosted,
+        "tapped_routings": len(tapped),
+        "planner": balancing.planner if balancing is not None else None,
     }
 
 
@@ -334,6 +350,10 @@ def main():
     scenarios["frozen_router"] = dict(scenarios["frozen_input"], router_grad=False)
     scenarios["relayed"] = dict(scenarios["single"], hot=(0,), relay=True)
     scenarios["idle_replica"] = dict(scenarios["single"], balancer="eplb", idle_replica=True)
+    # --moe-balancer-planner device: the plan and the reroute table made from the load on the device.
+    scenarios["device_planner"] = dict(scenarios["pipelined"], planner="device")
+    scenarios["device_planner_recompute"] = dict(scenarios["recompute"], planner="device")
+    scenarios["device_planner_flex"] = dict(scenarios["flex"], planner="device")
     for name, sc in scenarios.items():
         if cli.only and name not in cli.only:
             continue
@@ -347,7 +367,8 @@ def main():
             dispatcher = sc.get("dispatcher", "alltoall") if balancer else "alltoall"
             layer = build_layer(world, balancer, cli.num_slots, sc["recompute"],
                                 dispatcher, sc.get("grouped", False), flex_backend=sc.get("flex_backend", "deepep"),
-                                pad_multiple=sc.get("pad_multiple") if balancer else None)
+                                pad_multiple=sc.get("pad_multiple") if balancer else None,
+                                planner=sc.get("planner") if balancer else None)
             load_weights(layer, scenario_weights)
             if balancer and sc.get("idle_replica"):  # kept: not refreshed at this call
                 slots = torch.full((world, cli.num_slots), -1, dtype=torch.int64)

@@ -26,7 +26,8 @@ TF32 is off: fp32 products in both layers.
 
 Scenarios: ``single`` (one microbatch), ``pipelined`` (three in flight), ``recompute`` (MoE
 activation recompute, two), ``grouped`` (``TEGroupedMLP`` with ``torch_grouped_linear`` in
-Transformer Engine's place, two).
+Transformer Engine's place, two), all with ``--moe-balancer-planner host``; ``device-planner`` and
+``device-planner-recompute`` (three in flight; recompute, two) with the plan made on the device.
 
 Each rank writes ``<out-dir>/rank<r>.pt``. ``--device cpu`` is a dry run of the same code on a
 machine without a GPU (no sync debug mode there: every record is empty).
@@ -45,14 +46,20 @@ import warnings
 import torch
 
 SCENARIOS = {
-    "single": dict(microbatches=1, recompute=False, grouped=False),
-    "pipelined": dict(microbatches=3, recompute=False, grouped=False),
-    "recompute": dict(microbatches=2, recompute=True, grouped=False),
-    "grouped": dict(microbatches=2, recompute=False, grouped=True),
+    "single": dict(microbatches=1, recompute=False, grouped=False, planner="host"),
+    "pipelined": dict(microbatches=3, recompute=False, grouped=False, planner="host"),
+    "recompute": dict(microbatches=2, recompute=True, grouped=False, planner="host"),
+    "grouped": dict(microbatches=2, recompute=False, grouped=True, planner="host"),
+    # --moe-balancer-planner device (the default on CUDA): the plan made on the GPU, crossing once.
+    "device-planner": dict(microbatches=3, recompute=False, grouped=False, planner="device"),
+    "device-planner-recompute": dict(microbatches=2, recompute=True, grouped=False, planner="device"),
     # The negative control: the balanced layer with a deliberate ``.tolist()`` of the routing in its
     # dispatcher's forward (a sync the check must catch); no reference runs.
-    "single-tolist": dict(microbatches=1, recompute=False, grouped=False, fault="tolist"),
+    "single-tolist": dict(microbatches=1, recompute=False, grouped=False, fault="tolist", planner="host"),
 }
+#: Scenarios that need the device solver: the TEMPORARY host stand-in of ``planner.device_solve``
+#: reads the load on the host, so on CUDA they wait for the real one (merged from another branch).
+DEVICE_PLANNER_SCENARIOS = ("device-planner", "device-planner-recompute")
 _ON_CUDA = torch.cuda.is_available()
 #: The sync watch: "off", "warn" (record every synchronization) or "error" (refuse all but the
 #: measured layer's designated wait, ``allowed``); how deep inside a designated wait; how many
@@ -170,7 +177,8 @@ def make_layer(world: int, balancer, sc: dict, device):
     from balanced_moe_layer import build_layer
 
     return build_layer(world, balancer, 1, sc["recompute"], grouped=sc["grouped"],
-                       use_cpu_initialization=device.type == "cpu").to(device)
+                       use_cpu_initialization=device.type == "cpu",
+                       planner=sc["planner"] if balancer else None).to(device)
 
 
 def run(layer, batches) -> list:
@@ -261,7 +269,11 @@ def main():
     weights = global_weights()
     results = {"device": torch.cuda.get_device_name(0) if cli.device == "cuda" else "cpu",
                "torch": torch.__version__}
+    from ultraep_megatron.megatron.device_planning import device_solver_ready
+
     for name, sc in SCENARIOS.items():
+        if name in DEVICE_PLANNER_SCENARIOS and cli.device == "cuda" and not device_solver_ready():
+            continue
         # Outside the watch, once per scenario and layer kind: what a first forward and backward
         # set up (CUDA's RNG, cuBLAS handles, the pinned host pool) is not the per-layer path.
         for balancer in (None, "ultraep"):
@@ -277,9 +289,9 @@ def main():
                 if sc.get("fault") == "tolist":
                     plan = layer.token_dispatcher.plan
 
-                    def plan_reading_the_routing(routing_map, _plan=plan):
+                    def plan_reading_the_routing(routing_map, *args, _plan=plan):
                         routing_map.tolist()
-                        return _plan(routing_map)
+                        return _plan(routing_map, *args)
 
                     layer.token_dispatcher.plan = plan_reading_the_routing
                 return layer

@@ -2,11 +2,13 @@
 MoELayer against UltraEP's BalancedMoELayer on the same weights and tokens (``device_reads``).
 
 Scenarios ``ep{2,4}`` and ``ep{2,4}-recompute`` (MoE activation recompute) with skewed routing, so
-the balanced layer really replicates. Negative controls, the balanced layer with one deliberate read:
+the balanced layer really replicates; ``ep2-device``, ``ep4-device`` and ``ep4-recompute-device``
+the same with ``--moe-balancer-planner device``. Negative controls, the balanced layer with one deliberate read:
 ``ep4-tolist`` a ``.tolist()`` of the routing map in its dispatcher's forward,
 ``ep4-item-in-backward`` an ``.item()`` of a main expert's weight where the backward starts the
 gradient reduction, ``ep4-item-in-transfer`` an ``.item()`` of the replica weight buffer inside the
-weight distribution's program (the code a CUDA run issues on the caller's thread).
+weight distribution's program (the code a CUDA run issues on the caller's thread),
+``ep4-device-item-in-plan`` an ``.item()`` of the device plan's threshold where it is queued.
 ``ep4-recompute-check-plans`` runs with ``--moe-balancer-check-plans``, whose checks read device
 memory (by design, for debugging). ``ep4-hybridep`` / ``ep4-deepep``: the flex dispatcher (megatron's
 for ``none``) over ``deepep_gloo``'s stand-ins, which report where the real HybridEP / DeepEP make
@@ -46,6 +48,11 @@ SCENARIOS = {
     "ep4-deepep": dict(ep=4, recompute=False, dispatcher="flex", flex_backend="deepep"),
     "ep4-hybridep-unmodified": dict(ep=4, recompute=False, dispatcher="flex", flex_backend="hybridep",
                                     fault="megatron-flex-dispatch"),
+    # --moe-balancer-planner device: the plan made on the device, crossing once after the permutation.
+    "ep2-device": dict(ep=2, recompute=False, planner="device"),
+    "ep4-device": dict(ep=4, recompute=False, planner="device"),
+    "ep4-recompute-device": dict(ep=4, recompute=True, planner="device"),
+    "ep4-device-item-in-plan": dict(ep=4, recompute=False, planner="device", fault="item-in-device-plan"),
 }
 
 _COUNTER = None
@@ -124,16 +131,17 @@ def main():
         results[name] = {}
         for which in ("none", "balanced"):
             layer = build_layer(sc["ep"], None if which == "none" else "ultraep", 2, sc["recompute"],
-                                sc.get("dispatcher", "alltoall"), flex_backend=sc.get("flex_backend", "deepep"))
+                                sc.get("dispatcher", "alltoall"), flex_backend=sc.get("flex_backend", "deepep"),
+                                planner=sc.get("planner") if which == "balanced" else None)
             load_weights(layer, weights)
             if which == "balanced" and sc.get("check_plans"):
                 layer.balancing.check_plans = True
             if which == "balanced" and sc.get("fault") == "tolist":
                 plan = layer.token_dispatcher.plan
 
-                def plan_reading_the_routing(routing_map, _plan=plan):
+                def plan_reading_the_routing(routing_map, *args, _plan=plan):
                     routing_map.tolist()
-                    return _plan(routing_map)
+                    return _plan(routing_map, *args)
 
                 layer.token_dispatcher.plan = plan_reading_the_routing
             if which == "balanced" and sc.get("fault") == "megatron-flex-dispatch":
@@ -149,6 +157,15 @@ def main():
                     return _start(layer_, invocation, *args)
 
                 layer.balancing.start_reduction = start_reading_a_weight
+            if which == "balanced" and sc.get("fault") == "item-in-device-plan":
+                plan_on_device = layer.balancing.plan_on_device
+
+                def plan_reading_the_threshold(*args, _plan=plan_on_device, **kwargs):
+                    planned = _plan(*args, **kwargs)
+                    planned.plan.threshold.item()
+                    return planned
+
+                layer.balancing.plan_on_device = plan_reading_the_threshold
             if which == "balanced" and sc.get("fault") == "item-in-transfer":
                 with reading_inside_the_distribution() as deliberate:
                     results[name][which] = measure(layer, weights, rank, DeviceReadCounter())

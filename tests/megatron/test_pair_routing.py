@@ -1,0 +1,221 @@
+"""The balanced dispatchers' reroute and permutation over the routed (token, expert) pairs.
+
+``_PhysicalSlotRouting._reroute`` and ``BalancedAlltoAllDispatcher._permutation`` work on the
+``[T, k]`` top-k pairs (a stable sort by expert and a search into the plan's reroute table). The
+reference is the implementation they replaced, kept here: dense over the ``[T, E]`` routing map (a
+running count per expert over the tokens, a search per map entry). Both must give bit-identical
+dispatched tokens, probabilities and physical maps, over random routings and plans of several
+R / E / S / k. ``device_planning``'s torch form of the reroute table must equal
+``planner.rank_dispatch``'s, and its trigger and plan the host balancer's.
+"""
+
+import types
+
+import pytest
+import torch
+
+from ultraep_megatron import planner
+from ultraep_megatron.megatron import device_planning
+from ultraep_megatron.megatron.context import Overheads
+from ultraep_megatron.megatron.dispatchers import BalancedAlltoAllDispatcher, instances_of_positions
+from ultraep_megatron.megatron.invocation import plan_invocation
+from ultraep_megatron.planner import BalancerConfig
+from ultraep_megatron.planner.baselines import fixed_layout
+
+# (R, E, S, k, T)
+SHAPES = [(2, 4, 1, 1, 7), (2, 8, 1, 2, 16), (4, 16, 2, 3, 33), (8, 64, 2, 8, 64), (4, 32, 0, 4, 20),
+          (8, 256, 3, 8, 48)]
+SEEDS = range(3)
+
+
+def random_routing(T, E, k, hot, generator):
+    """[T, k] distinct experts per token, skewed towards ``hot`` experts; (topk_ids, routing_map
+    [T, E] bool, probs [T, E] zero off the routing)."""
+    weights = torch.ones(E)
+    weights[hot] = 20.0
+    ids = torch.stack([torch.multinomial(weights, k, replacement=False, generator=generator) for _ in range(T)])
+    routing_map = torch.zeros(T, E, dtype=torch.bool).scatter_(1, ids, True)
+    values = torch.rand(T, k, generator=generator)
+    probs = torch.zeros(T, E).scatter_(1, ids, values / values.sum(1, keepdim=True))
+    return ids, routing_map, probs
+
+
+def stand_in(R, E, S, invocation, topk_ids):
+    """The balanced all-to-all dispatcher's state that the reroute and permutation read."""
+    d = object.__new__(BalancedAlltoAllDispatcher)
+    d.num_logical_experts, d.ep_size, d.slots_per_rank, d.num_out_tokens = E, R, E // R + S, topk_ids.numel()
+    d.invocation, d.topk_ids, d._table = invocation, topk_ids, invocation.reroute_table
+    d._sort_key_dtype = torch.int16
+    d._layer = types.SimpleNamespace(balancing=types.SimpleNamespace(overheads=Overheads(), check_plans=False))
+    return d
+
+
+def dense_reference(d, routing_map, probs):
+    """The replaced implementation: (physical_map, physical_probs, sorted_tokens, permuted_probs)."""
+    num_tokens, num_experts = routing_map.shape
+    table = d.invocation.reroute_table
+    counts = routing_map.t().contiguous().cumsum(dim=1)
+    position = (counts + table[2, :num_experts].unsqueeze(1)).t().reshape(-1)
+    instance = torch.searchsorted(table[0], position, right=True)
+    num_physical = d.ep_size * d.slots_per_rank
+    instance_slot = table[1].index_select(0, instance).view(num_tokens, num_experts)
+    slot = torch.where(routing_map, instance_slot, num_physical)
+    physical_map = torch.zeros(num_tokens, num_physical + 1, dtype=torch.bool)
+    physical_map = physical_map.scatter_(1, slot, routing_map)[:, :num_physical].contiguous()
+    physical_probs = torch.zeros(num_tokens, num_physical + 1, dtype=probs.dtype)
+    physical_probs = physical_probs.scatter(1, slot, probs)[:, :num_physical].contiguous()
+    num_rows = d.num_out_tokens
+    row = torch.where(routing_map.view(-1), table[3].index_select(0, instance) + position, num_rows)
+    tokens = torch.arange(num_tokens).unsqueeze(1).expand(-1, num_experts).reshape(-1)
+    sorted_tokens = torch.full((num_rows + 1,), -1, dtype=torch.int64).scatter_(0, row, tokens)[:num_rows]
+    permuted_probs = probs.new_zeros(num_rows + 1).scatter(0, row, probs.reshape(-1))[:num_rows]
+    return physical_map, physical_probs, sorted_tokens, permuted_probs
+
+
+def cases():
+    """(R, E, S, k, T, seed, plan kind) over SHAPES and SEEDS."""
+    for R, E, S, k, T in SHAPES:
+        for seed in SEEDS:
+            yield pytest.param(R, E, S, k, T, seed, id=f"R{R}-E{E}-S{S}-k{k}-T{T}-seed{seed}")
+
+
+def planned(R, E, S, k, T, seed):
+    """Every rank's routing, the load, and the plans to test: ultraep's (min quota 1, so skewed
+    loads replicate), the identity and eplb-exact's."""
+    generator = torch.Generator().manual_seed(seed)
+    hot = [0, E // R] if E > 2 else [0]
+    routings = [random_routing(T, E, k, hot, generator) for _ in range(R)]
+    load = torch.stack([m.sum(0) for _, m, _ in routings])
+    plans = [planner.solve(load, S, min_quota=1), fixed_layout.identity_plan(load, S)]
+    if S > 0:
+        plans.append(fixed_layout.eplb_exact(load, S))
+    return routings, load, plans
+
+
+@pytest.mark.parametrize("R,E,S,k,T,seed", list(cases()))
+def test_pairs_match_the_dense_implementation_bit_for_bit(R, E, S, k, T, seed):
+    routings, load, plans = planned(R, E, S, k, T, seed)
+    replicated = 0
+    for plan in plans:
+        replicated += int((plan.slot_expert >= 0).sum())
+        for rank, (ids, routing_map, probs) in enumerate(routings):
+            invocation = plan_invocation(plan, load, rank, layer_number=1, vid=None, schedule_builder=None,
+                                         balanced=True, plan_seconds=0.0)
+            # The router's indices come in any order within a token.
+            shuffled = ids.gather(1, torch.argsort(torch.rand(ids.shape, generator=torch.Generator().manual_seed(rank)), 1))
+            d = stand_in(R, E, S, invocation, shuffled)
+            probs = probs.clone().requires_grad_(True)
+            physical_map, physical_probs = d._reroute(routing_map, probs)
+            sorted_tokens, permuted_probs = d._permutation(probs)
+            reference = dense_reference(d, routing_map, probs)
+            for name, got, want in zip(("physical map", "physical probs", "sorted tokens", "permuted probs"),
+                                       (physical_map, physical_probs, sorted_tokens, permuted_probs), reference):
+                assert got.dtype == want.dtype and torch.equal(got.detach(), want.detach()), f"rank {rank}: {name} differs"
+            # The same gradient in probs, through both differentiable outputs.
+            generator = torch.Generator().manual_seed(seed)
+            for got, want in ((physical_probs, reference[1]), (permuted_probs, reference[3])):
+                upstream = torch.rand(got.shape, generator=generator)
+                assert torch.equal(torch.autograd.grad(got, probs, upstream)[0],
+                                   torch.autograd.grad(want, probs, upstream)[0])
+            assert torch.equal(d.physical_topk_ids().sort(1).values,
+                               planner.assign_tokens(plan, rank, ids).sort(1).values)
+    if S > 0 and E > 4:
+        assert replicated > 0, "the routings must make some plan replicate"
+
+
+def test_negative_control_token_descending_order_differs():
+    """Pairs of an expert taken in token-descending order (an unstable order) must fail the
+    comparison: it depends on the order the plan hands quotas out in."""
+    routings, load, plans = planned(4, 16, 2, 3, 33, 0)
+    ids, routing_map, probs = routings[0]
+    invocation = plan_invocation(plans[0], load, 0, layer_number=1, vid=None, schedule_builder=None,
+                                 balanced=True, plan_seconds=0.0)
+    d = stand_in(4, 16, 2, invocation, ids)
+    pairs = d._pairs
+
+    def descending_pairs():
+        order, positions, instance = pairs()
+        flat = ids.reshape(-1)
+        descending = torch.sort(flat * flat.numel() + (flat.numel() - 1 - torch.arange(flat.numel()))).indices
+        return descending, positions, instance
+
+    d._pairs = descending_pairs
+    sorted_tokens, _ = d._permutation(probs)
+    assert not torch.equal(sorted_tokens, dense_reference(d, routing_map, probs)[2])
+
+
+@pytest.mark.parametrize("R,E,S,k,T,seed", list(cases()))
+def test_both_instance_searches_agree(R, E, S, k, T, seed):
+    """The CPU's repeat (the tests above) and CUDA's binary search give the same instances."""
+    routings, load, plans = planned(R, E, S, k, T, seed)
+    for plan in plans:
+        for rank in range(R):
+            running = torch.from_numpy(planner.rank_dispatch(plan, load, rank).reroute_table[0])
+            positions = torch.arange(T * k)
+            assert torch.equal(instances_of_positions(running, positions, binary_search=True),
+                               instances_of_positions(running, positions, binary_search=False))
+
+
+@pytest.mark.parametrize("R,E,S,k,T,seed", list(cases()))
+def test_device_reroute_table_equals_rank_dispatch(R, E, S, k, T, seed):
+    _, load, plans = planned(R, E, S, k, T, seed)
+    for plan in plans:
+        for rank in range(R):
+            host = planner.rank_dispatch(plan, load, rank)
+            assert torch.equal(device_planning.reroute_table(plan, load, rank), torch.from_numpy(host.reroute_table))
+
+
+@pytest.mark.parametrize("trigger,min_quota", [(None, None), (None, 1), (None, 10 ** 6), (1.0, None), (1.5, 1), (50.0, None)])
+def test_device_plan_equals_the_host_balancer(trigger, min_quota):
+    config = BalancerConfig("ultraep", num_slots=2, min_quota=min_quota, trigger=trigger)
+    seen = set()
+    for seed in range(4):
+        _, load, _ = planned(4, 16, 2, 3, 33 * (seed + 1), seed)
+        for candidate in (load, torch.zeros_like(load), torch.ones_like(load)):
+            host = config.build()
+            balanced = host.balances(candidate)
+            expected = host.plan(candidate, balances=balanced)
+            plan, device_balanced = device_planning.plan(candidate, config)
+            seen.add(balanced)
+            assert bool(device_balanced) == balanced
+            for field in ("slot_expert", "quota", "physical_split"):
+                assert torch.equal(getattr(plan, field), getattr(expected, field)), field
+            assert int(plan.threshold) == expected.threshold
+            planned_ = device_planning.plan_on_device(candidate, config, 1, training=True, grad_enabled=True)
+            load_back, plan_back, balanced_back = device_planning.unpack_host_half(planned_.host_half.clone(), 4, 16, 2)
+            assert torch.equal(load_back, candidate) and balanced_back == balanced
+            assert plan_back.threshold == expected.threshold and torch.equal(plan_back.physical_split, expected.physical_split)
+    if (trigger, min_quota) == (None, None):
+        assert seen == {True, False}, "the loads must fall on both sides of the trigger"
+
+
+def test_top_k_indices_from_the_tap_or_the_routing_map():
+    """The tap hands over the indices megatron's top-k selected (or its RouterReplay's), once; a
+    routing that never asked the hook gets them from the routing map."""
+    from ultraep_megatron.megatron.router_topk import TopKIndicesTap, topk_indices
+
+    ids, routing_map, _ = random_routing(9, 16, 3, [0], torch.Generator().manual_seed(0))
+    scores = torch.rand(9, 16)
+
+    def compute_topk(scores, topk, num_groups=None, group_topk=None):
+        return torch.topk(scores, k=topk, dim=1)
+
+    tap = TopKIndicesTap()
+    tap.layer_number = 5
+    values, picked = tap.get_replay_topk(scores, 3, None, None, compute_topk)
+    assert torch.equal(picked, scores.topk(3, dim=1).indices) and tap.layer_number == 5
+    assert topk_indices(tap, torch.zeros(9, 16, dtype=torch.bool).scatter_(1, picked, True), 3) is picked
+    assert tap.indices is None  # used once: the next routing must bring its own
+    from_map = topk_indices(tap, routing_map, 3)
+    assert torch.equal(from_map.sort(1).values, ids.sort(1).values)
+
+    class Replay:  # megatron's RouterReplay, replaying recorded indices
+        layer_number = None
+
+        def get_replay_topk(self, scores, topk, num_groups, group_topk, default_compute_topk):
+            return scores.gather(1, ids), ids
+
+    replaying = TopKIndicesTap(Replay())
+    replaying.layer_number = 7
+    assert replaying.get_replay_topk(scores, 3, None, None, compute_topk)[1] is ids
+    assert replaying.indices is ids and replaying.replay.layer_number == 7
