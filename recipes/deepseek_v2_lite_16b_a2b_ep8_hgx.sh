@@ -26,8 +26,8 @@ DEFAULT_NNODES=1
 DEFAULT_GPUS_PER_NODE=8            # one HGX node = 8 GPUs = one NVLink domain
 # Production envelope (env PRECISION, CUDA_GRAPH_MODULES, DISPATCHER: recipes/common.sh), after
 # Megatron-Bridge's H100 perf recipes (none for DeepSeek-V2-Lite; their H100 MoE ones,
-# scripts/performance/configs/deepseek/deepseek_workload_base_configs.py
-# DEEPSEEK_V3_PRETRAIN_CONFIG_H100_*_V2 and
+# src/megatron/bridge/perf_recipes/deepseek/h100/deepseek_v3.py,
+# deepseek_v3_pretrain_1024gpu_h100_{bf16,fp8cs,fp8sc}_config, and scripts/performance/configs/
 # qwen/qwen3_workload_base_configs.py QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_*_V1):
 # BF16, FP8_CS (and FP8_SC for DeepSeek-V3); the flex dispatcher with HybridEP; CUDA graphs
 # none (DeepSeek-V3, Qwen3-30B FP8_CS) or TE moe_router + moe_preprocess (Qwen3-30B BF16).
@@ -36,7 +36,8 @@ DEFAULT_GPUS_PER_NODE=8            # one HGX node = 8 GPUs = one NVLink domain
 # CUDA graphs by default (CUDA_GRAPH_MODULES=moe_router is Qwen3-30B BF16's, less the refused
 # moe_preprocess).
 # Left out: HybridEP as the default (DISPATCHER=hybridep: needs HybridEP installed, which the
-# recipe checker and the CPU variants have not); activation offloading (none in these recipes).
+# recipe checker and the CPU variants have not); activation offloading (none in these H100
+# recipes).
 PRECISIONS="bf16 fp8_cs fp8_sc"     # Hopper: no mxfp8 (Blackwell only)
 HF_TOKENIZER=deepseek-ai/DeepSeek-V2-Lite
 VOCAB_SIZE=102400                  # embedding rows of the released checkpoint
