@@ -24,13 +24,27 @@
 #                              WANDB_MODE=disabled: no wandb flag (WANDB_MODE=offline: log to disk)
 #   WANDB_EXP_NAME, WANDB_SAVE_DIR   (default run name: the recipe's); TENSORBOARD_DIR, METRICS_JSONL
 #   GLOBAL_BATCH_SIZE, MICRO_BATCH_SIZE, SEQ_LENGTH, TRAIN_ITERS
+#   PRECISION                  bf16 (default, as Megatron-Bridge's perf scripts' --compute_dtype),
+#                              fp8_cs, fp8_sc or fp8_mx: Megatron-Bridge's mixed-precision presets
+#                              (utils/precision.py, training/mixed_precision.py); the ones the
+#                              recipe's GPU runs are in its PRECISIONS (Hopper: fp8_cs fp8_sc;
+#                              Blackwell: fp8_cs fp8_mx). nvfp4 is refused: --moe-balancer
+#                              ultraep refuses fp4 (docs/integration.md)
+#   CUDA_GRAPH_MODULES         per-layer CUDA graphs (--cuda-graph-impl transformer_engine
+#                              --cuda-graph-modules ...) within attn moe_router mlp mamba; none: no
+#                              graphs (default: the recipe's DEFAULT_CUDA_GRAPH_MODULES, else none)
+#   DISPATCHER                 alltoall (default) or hybridep / deepep: --moe-token-dispatcher-type
+#                              flex with that backend (needs DeepEP / HybridEP installed; the
+#                              recipe checker and the CPU variants refuse it without them)
 #
 # A malformed value (NNODES=abc, NODE_RANK >= NNODES, DATA_PATH without TOKENIZER_MODEL) stops the
 # recipe before torchrun with one line naming the variable, exit status 2.
 #
 # A recipe sets RECIPE_NAME, DEFAULT_NNODES, HF_TOKENIZER, VOCAB_SIZE, VOCAB_DIVISOR (and, if not
-# 4, DEFAULT_GPUS_PER_NODE) and its MODEL_ARGS / MOE_ARGS / PARALLEL_ARGS arrays, then calls
-# `ultraep_launch "$@"`.
+# 4, DEFAULT_GPUS_PER_NODE), PRECISIONS (what its GPU runs), optionally DEFAULT_CUDA_GRAPH_MODULES,
+# and its MODEL_ARGS / MOE_ARGS / PARALLEL_ARGS arrays, then calls `ultraep_launch "$@"`.
+# A PRECISION outside PRECISIONS, an unknown CUDA graph module or DISPATCHER is one line naming the
+# variable, exit status 2.
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
@@ -148,7 +162,61 @@ ultraep_launch() {
 
     local balancer_args=(--moe-balancer "${MOE_BALANCER:-ultraep}")
 
+    local precision_args
+    ultraep_precision_args "${PRECISION:-bf16}"
+    local cuda_graph_args
+    ultraep_cuda_graph_args "${CUDA_GRAPH_MODULES:-${DEFAULT_CUDA_GRAPH_MODULES:-none}}"
+    local dispatcher_args
+    ultraep_dispatcher_args "${DISPATCHER:-alltoall}"
+
     exec "$python" -m torch.distributed.run "${distributed_args[@]}" "$script" \
         "${MODEL_ARGS[@]}" "${MOE_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${system_args[@]}" \
+        "${precision_args[@]}" "${cuda_graph_args[@]}" "${dispatcher_args[@]}" \
         "${data_args[@]}" "${checkpoint_args[@]}" "${logging_args[@]}" "${balancer_args[@]}" "$@"
+}
+
+# PRECISION -> precision_args (the caller's array): Megatron-Bridge's presets (training/
+# mixed_precision.py), as its perf scripts apply them (utils/precision.py: fp8_cs without the bf16
+# first and last layers).
+ultraep_precision_args() {
+    [[ "$1" != nvfp4 ]] || ultraep_env_error "PRECISION=nvfp4: --moe-balancer ultraep refuses fp4" \
+        "(docs/integration.md); use bf16 or an fp8 preset"
+    local supported=" ${PRECISIONS:-bf16} "
+    [[ "$supported" == *" $1 "* ]] || ultraep_env_error "PRECISION=$1: expected one of${supported% }" \
+        "(what this recipe's GPU runs)"
+    case "$1" in
+        bf16) precision_args=() ;;
+        # bf16_with_fp8_current_scaling_mixed: hybrid, tensorwise, fp8 parameters gathered
+        fp8_cs) precision_args=(--fp8-format hybrid --fp8-recipe tensorwise --fp8-param-gather) ;;
+        # bf16_with_fp8_subchannel_scaling_mixed: hybrid, blockwise (128x128 weights, 1x128
+        # activations), bf16 parameters
+        fp8_sc) precision_args=(--fp8-format hybrid --fp8-recipe blockwise) ;;
+        # bf16_with_mxfp8_mixed: e4m3, mxfp8, fp8 parameters gathered (its
+        # reuse_grad_buf_for_mxfp8_param_ag is refused by --moe-balancer ultraep: left out)
+        fp8_mx) precision_args=(--fp8-format e4m3 --fp8-recipe mxfp8 --fp8-param-gather) ;;
+        *) ultraep_env_error "PRECISION=$1: no such preset (bf16, fp8_cs, fp8_sc, fp8_mx)" ;;
+    esac
+}
+
+# CUDA_GRAPH_MODULES -> cuda_graph_args: per-layer graphs only of modules that end before the
+# balanced part of a MoE layer (moe_preprocess, moe and full_iteration capture its plan wait).
+ultraep_cuda_graph_args() {
+    cuda_graph_args=()
+    [[ "$1" == none ]] && return
+    local module
+    for module in $1; do
+        [[ " attn moe_router mlp mamba " == *" $module "* ]] || ultraep_env_error \
+            "CUDA_GRAPH_MODULES=$1: $module is not one of attn moe_router mlp mamba (or none)"
+    done
+    cuda_graph_args=(--cuda-graph-impl transformer_engine --cuda-graph-modules $1)
+}
+
+# DISPATCHER -> dispatcher_args: the recipe's alltoall dispatcher, or the flex one with a backend.
+ultraep_dispatcher_args() {
+    case "$1" in
+        alltoall) dispatcher_args=() ;;
+        hybridep|deepep)
+            dispatcher_args=(--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend "$1") ;;
+        *) ultraep_env_error "DISPATCHER=$1: expected alltoall, hybridep or deepep" ;;
+    esac
 }

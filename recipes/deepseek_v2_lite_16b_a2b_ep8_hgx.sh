@@ -24,6 +24,21 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 RECIPE_NAME=deepseek-v2-lite-16b-a2b-ep8-hgx
 DEFAULT_NNODES=1
 DEFAULT_GPUS_PER_NODE=8            # one HGX node = 8 GPUs = one NVLink domain
+# Production envelope (env PRECISION, CUDA_GRAPH_MODULES, DISPATCHER: recipes/common.sh), after
+# Megatron-Bridge's H100 perf recipes (none for DeepSeek-V2-Lite; their H100 MoE ones,
+# src/megatron/bridge/perf_recipes/deepseek/h100/deepseek_v3.py,
+# deepseek_v3_pretrain_1024gpu_h100_{bf16,fp8cs,fp8sc}_config, and scripts/performance/configs/
+# qwen/qwen3_workload_base_configs.py QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_*_V1):
+# BF16, FP8_CS (and FP8_SC for DeepSeek-V3); the flex dispatcher with HybridEP; CUDA graphs
+# none (DeepSeek-V3, Qwen3-30B FP8_CS) or TE moe_router + moe_preprocess (Qwen3-30B BF16).
+# Adopted: the precisions (PRECISION=bf16, the perf scripts' default; fp8_cs: hybrid tensorwise
+# with --fp8-param-gather; fp8_sc: hybrid blockwise, the DeepSeek-V3 H100 FP8_SC preset), no
+# CUDA graphs by default (CUDA_GRAPH_MODULES=moe_router is Qwen3-30B BF16's, less the refused
+# moe_preprocess).
+# Left out: HybridEP as the default (DISPATCHER=hybridep: needs HybridEP installed, which the
+# recipe checker and the CPU variants have not); activation offloading (none in these H100
+# recipes).
+PRECISIONS="bf16 fp8_cs fp8_sc"     # Hopper: no mxfp8 (Blackwell only)
 HF_TOKENIZER=deepseek-ai/DeepSeek-V2-Lite
 VOCAB_SIZE=102400                  # embedding rows of the released checkpoint
 VOCAB_DIVISOR=1024                 # 102400 = 1024 x 100

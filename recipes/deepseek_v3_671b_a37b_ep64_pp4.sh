@@ -17,6 +17,24 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 RECIPE_NAME=deepseek-v3-671b-a37b-ep64-pp4
 DEFAULT_NNODES=64                  # x 4 GPUs = 256 GPUs
+# Production envelope (env PRECISION, CUDA_GRAPH_MODULES, DISPATCHER: recipes/common.sh), after
+# Megatron-Bridge's perf recipes (src/megatron/bridge/perf_recipes/deepseek/gb200/deepseek_v3.py,
+# deepseek_v3_pretrain_256gpu_gb200_{bf16,fp8cs,fp8mx}_config; scripts/performance/configs/
+# deepseek/deepseek_workload_base_configs.py, DEEPSEEK_V3_PRETRAIN_CONFIG_GB200_*_V2):
+# 256 GB200 GPUs in PP4 (VP4) x EP64 as here; BF16, FP8_CS and FP8_MX; the flex dispatcher
+# with HybridEP; TE CUDA graphs of attn, moe_router and moe_preprocess (FP8_MX: full_iteration).
+# Adopted: the precisions (PRECISION=bf16, the perf scripts' default; fp8_cs: hybrid tensorwise
+# with --fp8-param-gather; fp8_mx: e4m3 mxfp8 with --fp8-param-gather) and TE per-layer CUDA
+# graphs of attn and moe_router (default on). Left out: the moe_preprocess graph and fp8_mx's
+# full_iteration graph (they capture the balanced layer's plan wait: refused), nvfp4 and mxfp8's
+# reuse_grad_buf_for_mxfp8_param_ag (refused), HybridEP as the default (DISPATCHER=hybridep: it
+# needs HybridEP installed, which the recipe checker and the CPU variants have not), VP4,
+# the recompute choices (mlp, mla_up_proj) and
+# activation offloading (none in these recipes; DeepSeek-V3 GB200's non-default
+# fp8mx_partial_cg variant offloads expert_fc1: append --fine-grained-activation-offloading
+# --offload-modules expert_fc1).
+PRECISIONS="bf16 fp8_cs fp8_mx"     # Blackwell: mxfp8 needs it; fp8_sc is Bridge's H100 preset
+DEFAULT_CUDA_GRAPH_MODULES="attn moe_router"
 HF_TOKENIZER=deepseek-ai/DeepSeek-V3
 VOCAB_SIZE=129280                  # embedding rows of the released checkpoint
 VOCAB_DIVISOR=1280                 # 129280 = 1280 x 101

@@ -20,6 +20,17 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 RECIPE_NAME=qwen3-235b-a22b-ep32-pp4-hgx
 DEFAULT_NNODES=16                  # x 8 GPUs = 128 GPUs
 DEFAULT_GPUS_PER_NODE=8            # an HGX node = one NVLink domain
+# Production envelope (env PRECISION, CUDA_GRAPH_MODULES, DISPATCHER: recipes/common.sh), after
+# Megatron-Bridge's H100 perf recipes (src/megatron/bridge/perf_recipes/qwen/h100/qwen3_moe.py,
+# qwen3_235b_a22b_pretrain_256gpu_h100_{bf16,fp8cs}_config):
+# 256 H100 GPUs in TP2 x PP8 (VP4) x EP32; BF16 and FP8_CS; the alltoall dispatcher (with
+# its all-to-all overlap); no CUDA graphs; no activation offloading.
+# Adopted: the precisions (PRECISION=bf16, the perf scripts' default; fp8_cs: hybrid tensorwise
+# with --fp8-param-gather; fp8_sc: hybrid blockwise, the DeepSeek-V3 H100 FP8_SC preset), the
+# alltoall dispatcher and no CUDA graphs (as here).
+# Left out: TP2, PP8/VP4 and the all-to-all overlap (layout and scheduling, not this envelope;
+# its --delay-wgrad-compute is refused by ultraep).
+PRECISIONS="bf16 fp8_cs fp8_sc"     # Hopper: no mxfp8 (Blackwell only)
 source "$(dirname "${BASH_SOURCE[0]}")/models/qwen3_235b_a22b.sh"
 MOE_ARGS+=(
     --moe-balancer-domain-size 8        # EP ranks per node = per NVLink domain

@@ -14,6 +14,25 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 RECIPE_NAME=qwen3-235b-a22b-ep64-dp4
 DEFAULT_NNODES=64                  # x 4 GPUs = 256 GPUs
+# Production envelope (env PRECISION, CUDA_GRAPH_MODULES, DISPATCHER: recipes/common.sh), after
+# Megatron-Bridge's perf recipes (src/megatron/bridge/perf_recipes/qwen/gb200/qwen3_moe.py,
+# qwen3_235b_a22b_pretrain_*gpu_gb200_{bf16,fp8cs,fp8mx}_config; scripts/performance/configs/
+# qwen/qwen3_workload_base_configs.py, QWEN3_235B_A22B_PRETRAIN_CONFIG_GB200_*_V2):
+# 256 GB200 GPUs in PP8 with EP8 (BF16) or EP32 (FP8); BF16, FP8_CS, FP8_MX; the flex
+# dispatcher with HybridEP; TE CUDA graphs of attn, moe_router and moe_preprocess (FP8_MX:
+# full_iteration).
+# Adopted: the precisions (PRECISION=bf16, the perf scripts' default; fp8_cs: hybrid tensorwise
+# with --fp8-param-gather; fp8_mx: e4m3 mxfp8 with --fp8-param-gather) and TE per-layer CUDA
+# graphs of attn and moe_router (default on). Left out: the moe_preprocess graph and fp8_mx's
+# full_iteration graph (they capture the balanced layer's plan wait: refused), nvfp4 and mxfp8's
+# reuse_grad_buf_for_mxfp8_param_ag (refused), HybridEP as the default (DISPATCHER=hybridep: it
+# needs HybridEP installed, which the recipe checker and the CPU variants have not), their
+# PP8 layouts (this recipe is the paper's EP64-DP4) and
+# activation offloading (none in these recipes; DeepSeek-V3 GB200's non-default
+# fp8mx_partial_cg variant offloads expert_fc1: append --fine-grained-activation-offloading
+# --offload-modules expert_fc1).
+PRECISIONS="bf16 fp8_cs fp8_mx"     # Blackwell: mxfp8 needs it; fp8_sc is Bridge's H100 preset
+DEFAULT_CUDA_GRAPH_MODULES="attn moe_router"
 source "$(dirname "${BASH_SOURCE[0]}")/models/qwen3_235b_a22b.sh"
 
 PARALLEL_ARGS=(

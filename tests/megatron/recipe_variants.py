@@ -61,6 +61,19 @@ DROPPED = {
                           "asks the GPU's compute capability); ultraep with TEGroupedMLP runs in "
                           "test_balanced_moe_layer.py's grouped scenario, with torch_grouped_linear "
                           "in TE's place",
+    "--fp8-format": "fp8 GEMMs are Transformer Engine's (GPU only); the replicas' fp8 numerics run in "
+                    "tests/megatron/test_fp8_experts.py against a CPU stand-in of TE's grouped linear "
+                    "and a current-scaling quantizer",
+    "--fp8-recipe": "an fp8 setting (dropped with --fp8-format; tests/megatron/test_fp8_experts.py)",
+    "--fp8-param-gather": "TE's quantized parameters need a GPU; the replica weight transfer of "
+                          "quantized weights runs in tests/megatron/test_fp8_experts.py",
+    "--cuda-graph-impl": "CUDA graphs need a GPU; the modules a balancer accepts and refuses: "
+                         "tests/megatron/test_capabilities.py's startup acceptance",
+    "--cuda-graph-modules": "CUDA graphs need a GPU (dropped with --cuda-graph-impl; "
+                            "tests/megatron/test_capabilities.py)",
+    "--moe-flex-dispatcher-backend": "DeepEP / HybridEP need CUDA; the balanced flex dispatcher runs "
+                                     "over their gloo stand-ins in test_balanced_moe_layer.py's "
+                                     "flex and flex-hybridep scenarios",
     "--moe-balancer-hardware": "its quota floor is in tokens of a full-size expert's GEMM (hundreds), "
                                "more than a variant's whole microbatch routes to an expert: "
                                "nothing would be replicated; the variant keeps the default floor "

@@ -6,7 +6,10 @@ launched.
 * ``DATA_PATH`` needs ``TOKENIZER_MODEL`` (no hub-id default that fails late on a cluster without
   internet): refused before torchrun, one line naming it;
 * a malformed ``NNODES`` / ``GPUS_PER_NODE`` / ``NODE_RANK`` / ``MASTER_PORT`` is one line naming
-  the variable, exit status 2, also through ``ultraep check-recipe --env``.
+  the variable, exit status 2, also through ``ultraep check-recipe --env``;
+* the production envelope (docs/recipes.md): ``PRECISION`` (bf16 by default; the recipe's
+  ``PRECISIONS`` map to Megatron-Bridge's presets, others are refused naming it),
+  ``CUDA_GRAPH_MODULES`` (the recipe's default; never the balanced part) and ``DISPATCHER``.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ RECIPES = sorted(p.name for p in (REPO / "recipes").glob("*.sh")
 #: The variables under test, cleared whatever the test's own environment holds.
 CLEAN = {name: "" for name in ("WANDB_PROJECT", "WANDB_MODE", "WANDB_EXP_NAME", "WANDB_SAVE_DIR",
                                "DATA_PATH", "TOKENIZER_MODEL", "NNODES", "GPUS_PER_NODE", "NODE_RANK",
-                               "SLURM_NODEID", "MASTER_PORT")}
+                               "SLURM_NODEID", "MASTER_PORT", "PRECISION", "CUDA_GRAPH_MODULES",
+                               "DISPATCHER")}
 
 
 def launch_args(recipe: str, **env: str) -> list[str]:
@@ -96,3 +100,58 @@ def test_check_recipe_names_the_variable_instead_of_a_raw_int_error(capsys, monk
     out = capsys.readouterr().out
     assert "NNODES=abc: expected a whole number >= 1 (nodes in the job)" in out, out
     assert "invalid literal for int()" not in out and "Traceback" not in out
+
+
+#: PRECISION -> the flags docs/recipes.md gives it.
+PRECISION_FLAGS = {
+    "bf16": [],
+    "fp8_cs": ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--fp8-param-gather"],
+    "fp8_sc": ["--fp8-format", "hybrid", "--fp8-recipe", "blockwise"],
+    "fp8_mx": ["--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", "--fp8-param-gather"],
+}
+
+
+def fp8_flags(args: list[str]) -> list[str]:
+    out = []
+    for i, arg in enumerate(args):
+        if arg.startswith("--fp8"):
+            out += [arg] + ([args[i + 1]] if arg != "--fp8-param-gather" else [])
+    return out
+
+
+def last_value(args: list[str], flag: str) -> str | None:
+    """Megatron keeps a flag's last occurrence."""
+    return args[len(args) - 1 - args[::-1].index(flag) + 1] if flag in args else None
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_precision_maps_to_the_bridge_presets_and_refuses_others(recipe):
+    supported = re.search(r'^PRECISIONS="([^"]+)"', (REPO / "recipes" / recipe).read_text(), re.M).group(1).split()
+    assert "bf16" in supported and ("fp8_mx" in supported) != ("fp8_sc" in supported), supported
+    assert fp8_flags(launch_args(recipe)) == []  # bf16 unless asked
+    for precision in supported:
+        assert fp8_flags(launch_args(recipe, PRECISION=precision)) == PRECISION_FLAGS[precision]
+    for precision in [p for p in PRECISION_FLAGS if p not in supported] + ["nvfp4", "fp16"]:
+        lines = [line for line in refusal(recipe, PRECISION=precision).details.splitlines() if line.strip()]
+        assert len(lines) == 1 and f"PRECISION={precision}:" in lines[0], lines
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_cuda_graphs_and_dispatcher_switches(recipe):
+    default = launch_args(recipe)
+    graphs = launch_args(recipe, CUDA_GRAPH_MODULES="attn moe_router")
+    i = graphs.index("--cuda-graph-modules")
+    assert graphs[i + 1:i + 3] == ["attn", "moe_router"] and flag_value(graphs, "--cuda-graph-impl") == "transformer_engine"
+    assert "--cuda-graph-impl" not in launch_args(recipe, CUDA_GRAPH_MODULES="none")
+    if "--cuda-graph-impl" in default:  # a GB200 recipe: NVIDIA's per-layer graphs, less moe_preprocess
+        assert default == graphs
+    for module in ("moe_preprocess", "moe", "full_iteration"):
+        lines = [line for line in refusal(recipe, CUDA_GRAPH_MODULES=f"attn {module}").details.splitlines()
+                 if line.strip()]
+        assert len(lines) == 1 and "CUDA_GRAPH_MODULES=" in lines[0] and module in lines[0], lines
+    assert last_value(default, "--moe-token-dispatcher-type") == "alltoall"
+    flex = launch_args(recipe, DISPATCHER="hybridep")
+    assert last_value(flex, "--moe-token-dispatcher-type") == "flex"
+    assert flag_value(flex, "--moe-flex-dispatcher-backend") == "hybridep"
+    lines = [line for line in refusal(recipe, DISPATCHER="ncclep").details.splitlines() if line.strip()]
+    assert len(lines) == 1 and "DISPATCHER=ncclep:" in lines[0], lines

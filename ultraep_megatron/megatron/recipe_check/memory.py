@@ -1,7 +1,9 @@
 """Step 4 of the recipe checker: memory per rank and pipeline stage.
 
-bf16 weights, fp32 main gradients, the distributed optimizer's fp32 master weights and Adam moments
-(sharded over data parallelism, expert parameters over expert data parallelism), and UltraEP's
+bf16 weights (with ``--fp8-param-gather``, the linear layers' weights in fp8, 1 byte: what the
+distributed optimizer gathers), fp32 main gradients, the distributed optimizer's fp32 master weights
+and Adam moments (sharded over data parallelism, expert parameters over expert data parallelism;
+unchanged by fp8), and UltraEP's
 redundant expert slots with cross-layer buffer reuse (one weight + fp32 gradient buffer per
 redundant slot for all MoE layers, no optimizer state; paper §4.1) against the same slots without
 reuse (one set per MoE layer). Activations (:mod:`.activations`: recomputation, sequence and
@@ -20,7 +22,7 @@ from ultraep_megatron.megatron.recipe_check.activations import (
 )
 from ultraep_megatron.megatron.recipe_check.launch import RecipeError
 from ultraep_megatron.megatron.recipe_check.model import (
-    built_mtp_layers, layer_params, moe_layer_pattern, norm_params,
+    built_mtp_layers, layer_params, linear_weight_params, moe_layer_pattern, norm_params,
 )
 from ultraep_megatron.planner.baselines import registry
 
@@ -119,6 +121,13 @@ def _bytes_per_param(args) -> tuple[int, int, int]:
     return weight, grad, optimizer
 
 
+#: Bytes of one weight element Transformer Engine holds quantized with ``--fp8-param-gather``:
+#: fp8 data, which megatron's parameter buffer stores as uint8 and the distributed optimizer
+#: gathers (scales, and the transposed or column-wise copies TE makes for the backward, are not
+#: counted).
+FP8_PARAM_BYTES = 1
+
+
 def estimate_memory(args: argparse.Namespace) -> MemoryEstimate:
     """Parameters of the model and the model-state memory of one rank per pipeline stage.
 
@@ -151,6 +160,10 @@ def estimate_memory(args: argparse.Namespace) -> MemoryEstimate:
     estimate = MemoryEstimate(total_params=main_model_params(False),
                               active_params=main_model_params(True))
     weight_b, grad_b, optim_b = _bytes_per_param(args)
+    # With --fp8-param-gather the linear layers' weights are fp8: each weighs FP8_PARAM_BYTES
+    # instead of weight_b; main gradients and the fp32 master shards stay as they are.
+    fp8_saving = weight_b - FP8_PARAM_BYTES if getattr(args, "fp8_param_gather", False) else 0
+    linear = {is_moe: linear_weight_params(args, is_moe) for is_moe in per_layer}
     dense_shard = args.data_parallel_size * args.context_parallel_size
     expert_shard = args.world_size // (etp * ep * pp)
     if not args.use_distributed_optimizer:
@@ -164,6 +177,8 @@ def estimate_memory(args: argparse.Namespace) -> MemoryEstimate:
         dense = sum(per_layer[pattern[l - 1]].attention + per_layer[pattern[l - 1]].mlp
                     for l in layers) / tp
         experts = sum(per_layer[pattern[l - 1]].experts for l in layers) / (ep * etp)
+        quantized = (sum(linear[pattern[l - 1]][0] for l in layers) / tp
+                     + sum(linear[True][1] * args.num_experts for l in layers if pattern[l - 1]) / (ep * etp))
         moe_layers = sum(pattern[l - 1] for l in layers)
         if stage == 0:
             dense += embedding / tp
@@ -173,17 +188,23 @@ def estimate_memory(args: argparse.Namespace) -> MemoryEstimate:
                 p = per_layer[mtp_is_moe]
                 dense += mtp_layers * (p.attention + p.mlp + mtp_extra) / tp
                 experts += mtp_layers * p.experts / (ep * etp)
+                quantized += mtp_layers * linear[mtp_is_moe][0] / tp  # eh_proj counted high precision
+                if mtp_is_moe:
+                    quantized += mtp_layers * linear[True][1] * args.num_experts / (ep * etp)
                 moe_layers += mtp_layers * mtp_is_moe
                 if pp > 1:
                     dense += embedding / tp  # MTP embeds the shifted tokens itself
             if pp > 1 and not args.untie_embeddings_and_output_weights:
                 dense += embedding / tp
         model_states = (dense * (weight_b + grad_b + optim_b / dense_shard)
-                        + experts * (weight_b + grad_b + optim_b / expert_shard))
+                        + experts * (weight_b + grad_b + optim_b / expert_shard)
+                        - quantized * fp8_saving)
+        # A redundant slot holds what its main expert holds: fp8 weights where those are.
+        expert_linear = linear[True][1] if True in linear else 0
         estimate.stages.append(StageMemory(
             stage=stage, layers=layers, moe_layers=int(moe_layers), dense_params=int(dense),
             expert_params=int(experts), model_states=int(model_states),
-            slot_weight_bytes=expert_numel // etp * weight_b,
+            slot_weight_bytes=(expert_numel * weight_b - expert_linear * fp8_saving) // etp,
             slot_grad_bytes=expert_numel // etp * 4, num_slots=num_slots,
             activations=activations[stage].total))
     return estimate

@@ -83,6 +83,34 @@ def attention_params(args: argparse.Namespace) -> int:
     return params + norm * h
 
 
+def linear_weight_params(args: argparse.Namespace, is_moe: bool) -> tuple[int, int]:
+    """(non-expert, one routed expert's) weights of one decoder layer's linear layers: what
+    Transformer Engine quantizes with ``--fp8-param-gather`` (attention projections, the dense MLP
+    or shared expert, the routed experts); norms, biases and the router stay high precision."""
+    h = args.hidden_size
+    if args.multi_latent_attention:
+        heads = args.num_attention_heads
+        qk = args.qk_head_dim + args.qk_pos_emb_head_dim
+        q = h * heads * qk if args.q_lora_rank is None else \
+            h * args.q_lora_rank + args.q_lora_rank * heads * qk
+        kv = h * (args.kv_lora_rank + args.qk_pos_emb_head_dim) + \
+            args.kv_lora_rank * heads * (args.qk_head_dim + args.v_head_dim)
+        attention = q + kv + heads * args.v_head_dim * h
+    else:
+        kv_channels = args.kv_channels or h // args.num_attention_heads
+        groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
+        q_width = args.num_attention_heads * kv_channels
+        attention = h * (q_width + 2 * groups * kv_channels) + q_width * h
+
+    def weights(ffn: int) -> int:
+        return h * (2 * ffn if args.swiglu else ffn) + ffn * h
+
+    if not is_moe:
+        return attention + weights(args.ffn_hidden_size), 0
+    shared = args.moe_shared_expert_intermediate_size
+    return attention + (weights(shared) if shared else 0), weights(args.moe_ffn_hidden_size)
+
+
 def _mlp_params(args, ffn: int) -> int:
     h = args.hidden_size
     up = 2 * ffn if args.swiglu else ffn

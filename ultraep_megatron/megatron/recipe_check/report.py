@@ -173,7 +173,9 @@ def format_report(report: RecipeReport) -> str:
         lines.append(f"  EP groups span scale-up domains; balancer domains of "
                      f"--moe-balancer-domain-size {layout.balancer_domain} inside one: "
                      + ("yes" if layout_ok else "NO"))
-    lines.append("memory per rank (weights + fp32 main grads + optimizer states; replica slots; "
+    weights = "weights (linear layers' in fp8: --fp8-param-gather)" if getattr(a, "fp8_param_gather", False) \
+        else "weights"
+    lines.append(f"memory per rank ({weights} + fp32 main grads + optimizer states; replica slots; "
                  "activations):")
     mtp_moe = built_mtp_layers(a) * moe_layer_pattern(a)[-1]
     for s in mem.stages:
