@@ -62,11 +62,11 @@ DROPPED = {
                           "test_balanced_moe_layer.py's grouped scenario, with torch_grouped_linear "
                           "in TE's place",
     "--fp8-format": "fp8 GEMMs are Transformer Engine's (GPU only); the replicas' fp8 numerics run in "
-                    "tests/megatron/test_fp8_experts.py against a CPU stand-in of TE's grouped linear "
+                    "tests/megatron/test_fp8_layer.py against a CPU stand-in of TE's grouped linear "
                     "and a current-scaling quantizer",
-    "--fp8-recipe": "an fp8 setting (dropped with --fp8-format; tests/megatron/test_fp8_experts.py)",
+    "--fp8-recipe": "an fp8 setting (dropped with --fp8-format; tests/megatron/test_fp8_layer.py)",
     "--fp8-param-gather": "TE's quantized parameters need a GPU; the replica weight transfer of "
-                          "quantized weights runs in tests/megatron/test_fp8_experts.py",
+                          "quantized weights runs in tests/megatron/test_fp8_layer.py",
     "--cuda-graph-impl": "CUDA graphs need a GPU; the modules a balancer accepts and refuses: "
                          "tests/megatron/test_capabilities.py's startup acceptance",
     "--cuda-graph-modules": "CUDA graphs need a GPU (dropped with --cuda-graph-impl; "
