@@ -1,0 +1,349 @@
+"""The device planner: the same kind of plan as ``solve``, computed where the load lives.
+
+``device_solve`` never reads device data on the host: every shape and loop count follows from
+R, E, S (host ints), everything else is integer tensor arithmetic on ``load``'s device, and ties are
+broken by rank / expert id / creation order, so every rank computes the identical plan.
+
+    plan = device_solve(load, num_slots)                 # load int64 [R, E] on any device
+    plan = device_solve(load, num_slots, domain_size=8)  # replicas inside 8-rank NVLink domains
+
+The algorithm (docs/planner.md, "Device planner"):
+
+1. The oracle is the host planner's greedy (``reference.greedy_replicas``: overloaded ranks by
+   descending load shed their excess, top-ups first, best-fit hosts, last slot filled, relay of
+   the overshoot), written as one step function over fixed-size state (slack [R], free slots [R],
+   and the current rank's main load left [G] and its replicas [G, R]).
+2. The threshold search probes K = ``PROBES_PER_ROUND`` thresholds side by side per round on the
+   grid ``lower + k * resolution`` (``resolution = max(1, lower >> 10)``, as the host's), k in
+   (bad, good]: k = 0 is the lower bound, the grid point at or past the initial max rank load is
+   feasible with no replica. Each round keeps the first feasible probe as ``good`` and the probe
+   before it as ``bad``; the number of rounds is fixed by R and K (``search_rounds``), rounds after
+   convergence probe the initial max (a probe with no overloaded rank, which ends at once).
+3. The chosen threshold is probed once more, writing its replicas; the plan (slot layout in
+   creation order per host, quotas, reroute: local first, then sources in rank order fill the
+   instances in rank order) is built by tensor operations.
+
+Two implementations of the probe give the same plan bit for bit: ``reference_probe`` (torch,
+vectorized across the K probes, any device; the CPU path) and ``_triton_solve.probe`` (one Triton
+program per probe; the CUDA path).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from .plan import Plan
+from .solve import DEFAULT_MIN_QUOTA_DIVISOR, validate_domain_size, validate_load
+
+__all__ = ["device_solve", "reference_probe", "search_rounds", "PROBES_PER_ROUND",
+           "triton_available"]
+
+#: Thresholds probed side by side in one search round (one Triton program each on a GPU).
+PROBES_PER_ROUND = 32
+#: Order of a replica that does not exist (larger than any creation index).
+NO_REPLICA = torch.iinfo(torch.int64).max
+_BIG = torch.iinfo(torch.int64).max
+
+
+def triton_available() -> bool:
+    """Whether ``triton`` imports (the CUDA path of ``device_solve``)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def search_rounds(num_ranks: int, probes: int = PROBES_PER_ROUND) -> int:
+    """Rounds that narrow any search interval to one grid step.
+
+    The grid has at most ``2048 * R`` steps: ``highest <= total <= R * lower`` and
+    ``lower / resolution <= 2048``. A round over an interval of w steps leaves at most
+    ``ceil((w - 1) / K)`` steps."""
+    width, rounds = 2048 * num_ranks + 1, 0
+    while width > 1:
+        width = max(1, -(-(width - 1) // probes))
+        rounds += 1
+    return rounds
+
+
+def max_probe_steps(num_ranks: int, num_slots: int) -> int:
+    """A bound on the lockstep steps of one probe: every step creates a replica (at most R * S),
+    tops one up (at most one more than the rank's replicas per rank: each top-up that does not end
+    the rank exhausts a host's slack or an expert's load) or fails (once)."""
+    return 2 * num_ranks * num_slots + num_ranks + 2
+
+
+def reference_probe(taus: torch.Tensor, expert_load: torch.Tensor, rank_load: torch.Tensor,
+                    rank_order: torch.Tensor, min_quota: torch.Tensor, num_slots: int,
+                    domain_size: int, write_plan: bool = True):
+    """The greedy oracle at K thresholds at once, in lockstep (torch; any device).
+
+    Args:
+        taus: int64 [K] thresholds.
+        expert_load: int64 [E]; rank_load: int64 [R]; rank_order: int64 [R], ranks by descending
+            load, ties by rank id; min_quota: int64 0-dim.
+    Returns:
+        success bool [K]; main_left int64 [K, E] (quota of each main instance); rep_quota int64
+        [K, E, R] (quota of the replica of e on t, 0 if none); rep_order int64 [K, E, R] (its
+        creation index, ``NO_REPLICA`` if none). The last three only with ``write_plan``
+        (else None), and meaningful only where ``success``.
+    """
+    device = taus.device
+    K, R, E = taus.shape[0], rank_load.shape[0], expert_load.shape[0]
+    G, S, N = E // R, num_slots, domain_size
+    ar = torch.arange(R, device=device)
+    ag = torch.arange(G, device=device)
+    ks = torch.arange(K, device=device)
+    tau = taus.view(K, 1)
+    over = rank_load.view(1, R) > tau
+    slack = torch.where(over, 0, tau - rank_load.view(1, R))            # [K, R]
+    free = torch.full((K, R), S, dtype=torch.int64, device=device)
+    num_over = over.sum(1)                                             # [K]
+    position = torch.full((K,), -1, dtype=torch.int64, device=device)  # in rank_order
+    rank = torch.zeros(K, dtype=torch.int64, device=device)
+    need = torch.zeros(K, dtype=torch.int64, device=device)
+    failed = torch.zeros(K, dtype=torch.bool, device=device)
+    created = torch.zeros(K, dtype=torch.int64, device=device)
+    main_left_rank = torch.zeros((K, G), dtype=torch.int64, device=device)
+    mine_quota = torch.zeros((K, G, R), dtype=torch.int64, device=device)
+    mine_order = torch.full((K, G, R), NO_REPLICA, dtype=torch.int64, device=device)
+    if write_plan:
+        main_left = expert_load.view(1, E).repeat(K, 1)
+        rep_quota = torch.zeros((K, E, R), dtype=torch.int64, device=device)
+        rep_order = torch.full((K, E, R), NO_REPLICA, dtype=torch.int64, device=device)
+    early_exit = device.type == "cpu"  # a host read of host data; on a device: fixed steps
+
+    for _ in range(max_probe_steps(R, S)):
+        active = ~failed & ((need > 0) | (position + 1 < num_over))
+        if early_exit and not bool(active.any()):
+            break
+        # Next overloaded rank.
+        advance = active & (need == 0)
+        position = torch.where(advance, position + 1, position)
+        rank = torch.where(advance, rank_order[position.clamp(0, R - 1)], rank)
+        need = torch.where(advance, rank_load[rank] - taus, need)
+        main_left_rank = torch.where(advance.view(K, 1),
+                                     expert_load[rank.view(K, 1) * G + ag.view(1, G)],
+                                     main_left_rank)
+        mine_quota = torch.where(advance.view(K, 1, 1), 0, mine_quota)
+        mine_order = torch.where(advance.view(K, 1, 1), NO_REPLICA, mine_order)
+
+        # 1. Top up one of this rank's replicas: the largest room, ties by creation order.
+        has = mine_quota > 0
+        room = torch.minimum(torch.minimum(need.view(K, 1, 1), slack.view(K, 1, R)),
+                             main_left_rank.view(K, G, 1))
+        room = torch.where(has, room, 0)
+        best_room = room.amax((1, 2))
+        top_order = torch.where(has & (room == best_room.view(K, 1, 1)), mine_order,
+                                NO_REPLICA).amin((1, 2))
+        top_cell = has & (mine_order == top_order.view(K, 1, 1))
+        top_g = (top_cell * ag.view(1, G, 1)).sum((1, 2))
+        top_t = (top_cell * ar.view(1, 1, R)).sum((1, 2))
+        topping = best_room > 0
+
+        # 2. Else a new replica of the rank's main expert with the most load left (lowest id).
+        cap = main_left_rank.amax(1)
+        new_g = torch.where(main_left_rank == cap.view(K, 1), ag.view(1, G), G).amin(1)
+        row = mine_quota[ks, new_g.clamp(max=G - 1)]                   # [K, R]
+        hosts = ((ar.view(1, R) // N == (rank // N).view(K, 1)) & (ar.view(1, R) != rank.view(K, 1))
+                 & (free > 0) & (slack >= min_quota) & (row == 0))
+        want = torch.maximum(torch.minimum(need, cap), min_quota)
+        fitting = hosts & (slack >= want.view(K, 1))
+        fit_slack = torch.where(fitting, slack, _BIG).amin(1)
+        fit_t = torch.where(fitting & (slack == fit_slack.view(K, 1)), ar.view(1, R), R).amin(1)
+        big_slack = torch.where(hosts, slack, -1).amax(1)
+        big_t = torch.where(hosts & (slack == big_slack.view(K, 1)), ar.view(1, R), R).amin(1)
+        new_t = torch.where(fit_t < R, fit_t, big_t)
+        cannot = (cap < min_quota) | (big_t >= R)
+        host_slack = slack[ks, new_t.clamp(max=R - 1)]
+        host_free = free[ks, new_t.clamp(max=R - 1)]
+        new_amount = torch.where(
+            host_free == 1, torch.minimum(host_slack, cap),
+            torch.minimum(torch.minimum(torch.maximum(need, min_quota), host_slack), cap))
+
+        creating = active & ~topping & ~cannot
+        applying = active & (topping | ~cannot)
+        failed = failed | (active & ~topping & cannot)
+        t = torch.where(topping, top_t, new_t)
+        g = torch.where(topping, top_g, new_g)
+        amount = torch.where(applying, torch.where(topping, best_room, new_amount), 0)
+        at_t = ar.view(1, R) == t.view(K, 1)
+        at_g = ag.view(1, G) == g.view(K, 1)
+        cell = at_g.view(K, G, 1) & at_t.view(K, 1, R)
+        slack = slack - at_t * amount.view(K, 1)
+        main_left_rank = main_left_rank - at_g * amount.view(K, 1)
+        mine_quota = mine_quota + cell * amount.view(K, 1, 1)
+        mine_order = torch.where(cell & creating.view(K, 1, 1), created.view(K, 1, 1), mine_order)
+        free = free - (at_t & creating.view(K, 1)).long()
+        created = created + creating.long()
+        # Shedding more than the excess: the rank ends below tau and can host (the relay).
+        overshoot = torch.where(applying & (amount >= need), amount - need, 0)
+        slack = slack + (ar.view(1, R) == rank.view(K, 1)) * overshoot.view(K, 1)
+        need = torch.where(applying, (need - amount).clamp(min=0), need)
+
+        if write_plan:  # write through the current rank's state (idempotent)
+            started = (position >= 0).view(K, 1)
+            rows = rank.view(K, 1) * G + ag.view(1, G)                 # [K, G]
+            main_left.scatter_(1, rows, torch.where(started, main_left_rank,
+                                                    main_left.gather(1, rows)))
+            rows3 = rows.view(K, G, 1).expand(K, G, R)
+            rep_quota.scatter_(1, rows3, torch.where(started.view(K, 1, 1), mine_quota,
+                                                     rep_quota.gather(1, rows3)))
+            rep_order.scatter_(1, rows3, torch.where(started.view(K, 1, 1), mine_order,
+                                                     rep_order.gather(1, rows3)))
+    if not write_plan:
+        return ~failed, None, None, None
+    return ~failed, main_left, rep_quota, rep_order
+
+
+def _probe(implementation: str, taus, expert_load, rank_load, rank_order, min_quota, num_slots,
+           domain_size, write_plan):
+    if implementation == "triton":
+        from . import _triton_solve
+        return _triton_solve.probe(taus, expert_load, rank_load, rank_order, min_quota,
+                                   num_slots, domain_size, write_plan)
+    return reference_probe(taus, expert_load, rank_load, rank_order, min_quota, num_slots,
+                           domain_size, write_plan)
+
+
+def search_threshold(expert_load: torch.Tensor, rank_load: torch.Tensor, rank_order: torch.Tensor,
+                     lower: torch.Tensor, min_quota: torch.Tensor, num_slots: int,
+                     domain_size: int, implementation: str,
+                     probes: int = PROBES_PER_ROUND) -> torch.Tensor:
+    """The threshold the planner plans for (0-dim int64 tensor): the first feasible grid point of
+    the last search interval (the initial max rank load when nothing is feasible below it)."""
+    device = expert_load.device
+    R = rank_load.shape[0]
+    highest = rank_load.max()
+    if num_slots == 0 or R == 1:
+        return highest
+    resolution = (lower >> 10).clamp(min=1)
+    # Grid index k <-> threshold min(lower + k * resolution, highest); k = steps is feasible.
+    steps = (-((lower - highest) // resolution)).clamp(min=0)
+    bad = torch.full((), -1, dtype=torch.int64, device=device)
+    good = steps
+    index = torch.arange(probes, device=device)
+    for _ in range(search_rounds(R, probes)):
+        width = good - bad
+        converged = width <= 1
+        ks = bad + 1 + ((width - 1) * index) // probes
+        taus = torch.where(converged, highest, torch.minimum(lower + ks * resolution, highest))
+        success = _probe(implementation, taus, expert_load, rank_load, rank_order, min_quota,
+                         num_slots, domain_size, write_plan=False)[0]
+        first = torch.where(success, index, probes).amin()
+        found = first < probes
+        new_good = torch.where(found, ks[first.clamp(max=probes - 1)], good)
+        new_bad = torch.where(found, torch.where(first > 0, ks[(first - 1).clamp(min=0)], bad),
+                              ks[probes - 1])
+        good = torch.where(converged, good, new_good)
+        bad = torch.where(converged, bad, new_bad)
+    return torch.minimum(lower + good * resolution, highest)
+
+
+def build_plan(load: torch.Tensor, num_slots: int, main_left: torch.Tensor,
+               rep_quota: torch.Tensor, rep_order: torch.Tensor) -> Plan:
+    """The Plan of one probe's replicas (tensor operations only).
+
+    main_left [E], rep_quota [E, R], rep_order [E, R] (creation index, NO_REPLICA if none)."""
+    device = load.device
+    R, E = load.shape
+    G, S = E // R, num_slots
+    P = G + S
+    ar = torch.arange(R, device=device)
+    experts = torch.arange(E, device=device)
+    home = experts // G
+    is_main = home.view(E, 1) == ar.view(1, R)                        # [E, R]
+    quota = torch.where(is_main, main_left.view(E, 1), rep_quota)
+
+    # Redundant slots of a host are filled in creation order.
+    order, expert_by_order = torch.sort(rep_order, dim=0, stable=True)  # [E, R]
+    slot_expert = torch.full((R, S), -1, dtype=torch.int64, device=device)
+    filled = min(S, E)
+    if filled:
+        taken = order[:filled] != NO_REPLICA
+        slot_expert[:, :filled] = torch.where(taken, expert_by_order[:filled], -1).t()
+    has_replica = rep_order != NO_REPLICA
+    slot_of = torch.empty_like(rep_order)  # rank of each replica in its host's creation order
+    slot_of.scatter_(0, expert_by_order, experts.view(E, 1).expand(E, R).contiguous())
+    instance_slot = torch.where(
+        is_main, ar.view(1, R) * P + (experts % G).view(E, 1),
+        torch.where(has_replica, ar.view(1, R) * P + G + slot_of, -1))
+
+    # Reroute: a host's own tokens use its instance first; then the remaining demand of the
+    # sources (rank order) fills the remaining quotas of the instances (rank order): the overlap
+    # of the two cumulative intervals.
+    demand = load.t()                                                 # [E, R] by source
+    instance = instance_slot >= 0
+    local = torch.where(instance, torch.minimum(demand, quota), 0)    # [E, R]
+    demand_left = demand - local
+    quota_left = quota - local
+    demand_hi = demand_left.cumsum(1)
+    quota_hi = quota_left.cumsum(1)
+    demand_lo, quota_lo = demand_hi - demand_left, quota_hi - quota_left
+    overlap = (torch.minimum(demand_hi.view(E, R, 1), quota_hi.view(E, 1, R))
+               - torch.maximum(demand_lo.view(E, R, 1), quota_lo.view(E, 1, R))).clamp(min=0)
+    split = overlap + torch.diag_embed(local)                         # [E, R source, R target]
+    physical = torch.zeros((R, R * P + 1), dtype=torch.int64, device=device)
+    column = torch.where(instance, instance_slot, R * P)              # spare last column
+    physical.scatter_add_(1, column.view(1, E, R).expand(R, E, R).reshape(R, E * R),
+                          split.permute(1, 0, 2).reshape(R, E * R))
+    threshold = quota.sum(0).max()
+    return Plan(slot_expert, quota, physical[:, :R * P].contiguous(), threshold)
+
+
+def device_solve(load: torch.Tensor, num_slots: int, *, min_quota: int | None = None,
+                 domain_size: int | None = None,
+                 implementation: Literal["auto", "triton", "reference"] = "auto") -> Plan:
+    """Replication and reroute plan for the exact load of one MoE layer, on ``load``'s device.
+
+    Same arguments and plan meaning as ``solve`` (docs/planner.md); the plan is the device
+    planner's (``Device planner``), not ``solve``'s bit for bit.
+
+    Args:
+        load: int64 [R, E] on any device. Negative entries are checked on CPU only (checking a
+            device tensor would read it on the host).
+        num_slots: S >= 0; min_quota: int >= 1 or None (1 % of the mean rank load, computed on
+            the device); domain_size: N dividing R, or None.
+        implementation: "triton" (CUDA tensors), "reference" (torch, any device) or "auto"
+            (triton for a CUDA load when triton imports, else reference). Same plan bit for bit.
+
+    Returns:
+        A ``Plan`` whose tensors, ``threshold`` included (0-dim int64), live on ``load``'s device.
+    """
+    R, E = validate_load(load)
+    if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 0:
+        raise ValueError(f"num_slots must be an int >= 0, got {num_slots!r}")
+    N = validate_domain_size(domain_size, R)
+    if min_quota is not None and (isinstance(min_quota, bool) or not isinstance(min_quota, int)
+                                  or min_quota < 1):
+        raise ValueError(f"min_quota must be an int >= 1 or None, got {min_quota!r}")
+    if implementation == "auto":
+        implementation = "triton" if load.is_cuda and triton_available() else "reference"
+    if implementation not in ("triton", "reference"):
+        raise ValueError(f"implementation must be 'auto', 'triton' or 'reference', "
+                         f"got {implementation!r}")
+    if load.device.type == "cpu" and bool((load < 0).any()):
+        raise ValueError("load has negative entries")
+
+    device = load.device
+    load = load.contiguous()
+    G = E // R
+    expert_load = load.sum(0)                                           # [E]
+    rank_load = expert_load.view(R, G).sum(1)                           # [R]
+    total = rank_load.sum()
+    if min_quota is None:
+        floor = (-(-total // (DEFAULT_MIN_QUOTA_DIVISOR * R))).clamp(min=1)
+    else:
+        floor = torch.full((), min_quota, dtype=torch.int64, device=device)
+    lower = (-(-rank_load.view(R // N, N).sum(1) // N)).max()           # domain bound
+    rank_order = torch.sort(rank_load, descending=True, stable=True).indices
+
+    tau = search_threshold(expert_load, rank_load, rank_order, lower, floor, num_slots, N,
+                           implementation)
+    _, main_left, rep_quota, rep_order = _probe(
+        implementation, tau.view(1), expert_load, rank_load, rank_order, floor, num_slots, N,
+        write_plan=True)
+    return build_plan(load, num_slots, main_left[0], rep_quota[0], rep_order[0])
