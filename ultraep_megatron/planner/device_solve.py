@@ -30,6 +30,7 @@ program per probe; the CUDA path).
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Literal
 
 import torch
@@ -48,12 +49,8 @@ _BIG = torch.iinfo(torch.int64).max
 
 
 def triton_available() -> bool:
-    """Whether ``triton`` imports (the CUDA path of ``device_solve``)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Whether ``triton`` is installed (the CUDA path of ``device_solve``)."""
+    return importlib.util.find_spec("triton") is not None
 
 
 def search_rounds(num_ranks: int, probes: int = PROBES_PER_ROUND) -> int:
@@ -235,9 +232,11 @@ def search_threshold(expert_load: torch.Tensor, rank_load: torch.Tensor, rank_or
                          num_slots, domain_size, write_plan=False)[0]
         first = torch.where(success, index, probes).amin()
         found = first < probes
-        new_good = torch.where(found, ks[first.clamp(max=probes - 1)], good)
-        new_bad = torch.where(found, torch.where(first > 0, ks[(first - 1).clamp(min=0)], bad),
-                              ks[probes - 1])
+        # Gathers, not ks[first]: indexing with a 0-dim tensor reads it on the host.
+        first_k = ks.gather(0, first.clamp(max=probes - 1).view(1)).view(())
+        before_k = ks.gather(0, (first - 1).clamp(min=0).view(1)).view(())
+        new_good = torch.where(found, first_k, good)
+        new_bad = torch.where(found, torch.where(first > 0, before_k, bad), ks[probes - 1])
         good = torch.where(converged, good, new_good)
         bad = torch.where(converged, bad, new_bad)
     return torch.minimum(lower + good * resolution, highest)
@@ -294,6 +293,24 @@ def build_plan(load: torch.Tensor, num_slots: int, main_left: torch.Tensor,
     return Plan(slot_expert, quota, physical[:, :R * P].contiguous(), threshold)
 
 
+def probe_inputs(load: torch.Tensor, min_quota: int | None, domain_size: int):
+    """What every probe reads, from ``load`` int64 [R, E] (device tensors, no host read):
+    expert_load [E], rank_load [R], rank_order [R] (descending load, ties by rank id), lower
+    (0-dim: the domain bound ``max_d ceil(total_d / N)``), min_quota (0-dim: the given floor or
+    ``max(1, ceil(total / (100 R)))``)."""
+    R, E = load.shape
+    N = domain_size
+    expert_load = load.sum(0)
+    rank_load = expert_load.view(R, E // R).sum(1)
+    if min_quota is None:
+        floor = (-(-rank_load.sum() // (DEFAULT_MIN_QUOTA_DIVISOR * R))).clamp(min=1)
+    else:
+        floor = torch.full((), min_quota, dtype=torch.int64, device=load.device)
+    lower = (-(-rank_load.view(R // N, N).sum(1) // N)).max()
+    rank_order = torch.sort(rank_load, descending=True, stable=True).indices
+    return expert_load, rank_load, rank_order, lower, floor
+
+
 def device_solve(load: torch.Tensor, num_slots: int, *, min_quota: int | None = None,
                  domain_size: int | None = None,
                  implementation: Literal["auto", "triton", "reference"] = "auto") -> Plan:
@@ -328,19 +345,8 @@ def device_solve(load: torch.Tensor, num_slots: int, *, min_quota: int | None = 
     if load.device.type == "cpu" and bool((load < 0).any()):
         raise ValueError("load has negative entries")
 
-    device = load.device
     load = load.contiguous()
-    G = E // R
-    expert_load = load.sum(0)                                           # [E]
-    rank_load = expert_load.view(R, G).sum(1)                           # [R]
-    total = rank_load.sum()
-    if min_quota is None:
-        floor = (-(-total // (DEFAULT_MIN_QUOTA_DIVISOR * R))).clamp(min=1)
-    else:
-        floor = torch.full((), min_quota, dtype=torch.int64, device=device)
-    lower = (-(-rank_load.view(R // N, N).sum(1) // N)).max()           # domain bound
-    rank_order = torch.sort(rank_load, descending=True, stable=True).indices
-
+    expert_load, rank_load, rank_order, lower, floor = probe_inputs(load, min_quota, N)
     tau = search_threshold(expert_load, rank_load, rank_order, lower, floor, num_slots, N,
                            implementation)
     _, main_left, rep_quota, rep_order = _probe(
