@@ -196,6 +196,30 @@ def test_triton_probe_matches_reference_bit_for_bit():
     assert summary["shifted_mismatches"] > 8
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_triton_on_cuda_matches_reference_without_a_sync():
+    """On a GPU: the default (Triton) plan equals the torch reference's and the host planner's
+    balance, is valid, and the solve runs under ``set_sync_debug_mode("error")`` (any
+    synchronizing host read raises)."""
+    pytest.importorskip("triton")
+    for R, E, S, imbalance, N in [(8, 64, 2, 3.0, None), (64, 256, 2, 4.0, None),
+                                  (64, 256, 4, 1.3, 8), (16, 64, 1, 2.0, 4)]:
+        load = zipf_load(R, E, imbalance, seed=R + S).cuda()
+        device_solve(load, S, domain_size=N)  # compile outside the sync check
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            fast = device_solve(load, S, domain_size=N)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        slow = device_solve(load, S, domain_size=N, implementation="reference")
+        for name in (*PLAN_TENSORS, "threshold"):
+            assert torch.equal(getattr(fast, name), getattr(slow, name)), name
+        check_plan(load, fast, S, domain_size=N)
+        host = solve(load.cpu(), S, domain_size=N)
+        assert int(fast.threshold) <= 1.002 * host.threshold
+
+
 # ---- bad input ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs,message", [

@@ -264,33 +264,30 @@ def build_plan(load: torch.Tensor, num_slots: int, main_left: torch.Tensor,
     if filled:
         taken = order[:filled] != NO_REPLICA
         slot_expert[:, :filled] = torch.where(taken, expert_by_order[:filled], -1).t()
-    has_replica = rep_order != NO_REPLICA
-    slot_of = torch.empty_like(rep_order)  # rank of each replica in its host's creation order
-    slot_of.scatter_(0, expert_by_order, experts.view(E, 1).expand(E, R).contiguous())
-    instance_slot = torch.where(
-        is_main, ar.view(1, R) * P + (experts % G).view(E, 1),
-        torch.where(has_replica, ar.view(1, R) * P + G + slot_of, -1))
 
     # Reroute: a host's own tokens use its instance first; then the remaining demand of the
-    # sources (rank order) fills the remaining quotas of the instances (rank order): the overlap
-    # of the two cumulative intervals.
+    # sources (rank order) fills the remaining quotas of the instances (rank order). Source s
+    # sends to instance (e, t) the overlap of its demand interval with the instance's quota
+    # interval on the cumulative axis, computed per physical slot: [R, R * P], not [E, R, R].
     demand = load.t()                                                 # [E, R] by source
-    instance = instance_slot >= 0
+    instance = is_main | (rep_order != NO_REPLICA)
     local = torch.where(instance, torch.minimum(demand, quota), 0)    # [E, R]
     demand_left = demand - local
     quota_left = quota - local
     demand_hi = demand_left.cumsum(1)
     quota_hi = quota_left.cumsum(1)
     demand_lo, quota_lo = demand_hi - demand_left, quota_hi - quota_left
-    overlap = (torch.minimum(demand_hi.view(E, R, 1), quota_hi.view(E, 1, R))
-               - torch.maximum(demand_lo.view(E, R, 1), quota_lo.view(E, 1, R))).clamp(min=0)
-    split = overlap + torch.diag_embed(local)                         # [E, R source, R target]
-    physical = torch.zeros((R, R * P + 1), dtype=torch.int64, device=device)
-    column = torch.where(instance, instance_slot, R * P)              # spare last column
-    physical.scatter_add_(1, column.view(1, E, R).expand(R, E, R).reshape(R, E * R),
-                          split.permute(1, 0, 2).reshape(R, E * R))
+    mains = experts.view(R, G)
+    slot_owner = torch.cat([mains, slot_expert], dim=1).reshape(R * P)  # -1: empty slot
+    holder = torch.arange(R * P, device=device) // P                  # rank of each physical slot
+    e = slot_owner.clamp(min=0)
+    overlap = (torch.minimum(demand_hi[e].t(), quota_hi[e, holder].view(1, R * P))
+               - torch.maximum(demand_lo[e].t(), quota_lo[e, holder].view(1, R * P))).clamp(min=0)
+    own = ar.view(R, 1) == holder.view(1, R * P)                      # source is the holder
+    physical = torch.where(slot_owner.view(1, R * P) >= 0,
+                           overlap + own * local[e, holder].view(1, R * P), 0)
     threshold = quota.sum(0).max()
-    return Plan(slot_expert, quota, physical[:, :R * P].contiguous(), threshold)
+    return Plan(slot_expert, quota, physical, threshold)
 
 
 def probe_inputs(load: torch.Tensor, min_quota: int | None, domain_size: int):
