@@ -17,7 +17,7 @@ from hypothesis import given, settings
 
 from planner_helpers import SETTINGS, check_plan, domain_problems
 from ultraep_megatron.planner import device_solve, metrics, solve
-from ultraep_megatron.planner.device_solve import search_rounds
+from ultraep_megatron.planner.device_solve import probe_inputs, reference_probe, search_rounds
 from ultraep_megatron.traces.synthetic import zipf_load
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,6 +34,21 @@ def test_device_plans_are_valid(problem):
     assert isinstance(plan.threshold, torch.Tensor) and plan.threshold.dim() == 0
     assert plan.threshold.dtype == torch.int64 and plan.threshold.device == load.device
     check_plan(load, plan, S, min_quota=min_quota, domain_size=N)
+
+
+@settings(max_examples=60, **SETTINGS)
+@given(domain_problems(max_ranks=8, max_slots=3))
+def test_reference_numpy_and_torch_calls_agree(problem):
+    """The reference runs numpy on CPU and torch elsewhere (fixed step count, as on a GPU): both
+    give the same outputs for 6 thresholds from the lower bound to past the initial max."""
+    load, S, min_quota, N = problem
+    expert_load, rank_load, order, lower, floor = probe_inputs(load, min_quota, N)
+    taus = torch.linspace(int(lower), int(rank_load.max()) + 1, 6).long()
+    args = (taus, expert_load, rank_load, order, floor, S, N, True)
+    fast, slow = reference_probe(*args), reference_probe(*args, use_numpy=False)
+    assert torch.equal(fast[0], slow[0])
+    for a, b in zip(fast[1:], slow[1:]):
+        assert torch.equal(a[fast[0]], b[fast[0]])
 
 
 @pytest.mark.parametrize("control", [False, True])

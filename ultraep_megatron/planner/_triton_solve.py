@@ -110,6 +110,14 @@ def _probe_kernel(taus_ptr, expert_load_ptr, rank_load_ptr, rank_order_ptr, min_
     tl.store(success_ptr + k, (failed == 0).to(tl.int64))
 
 
+def num_warps(block_r: int, block_g: int) -> int:
+    """One warp per 256 elements of the [BLOCK_G, BLOCK_R] state (1 to 8): a program is one
+    serial greedy whose every step is a dozen reductions, cheapest inside one warp (shuffles, no
+    barrier). From ptxas register counts for sm_90 (no spills up to 256 elements a warp, e.g.
+    64 x 4 at 123 registers), not from timings."""
+    return min(8, max(1, block_r * block_g // 256))
+
+
 def probe(taus: torch.Tensor, expert_load: torch.Tensor, rank_load: torch.Tensor,
           rank_order: torch.Tensor, min_quota: torch.Tensor, num_slots: int, domain_size: int,
           write_plan: bool):
@@ -124,12 +132,13 @@ def probe(taus: torch.Tensor, expert_load: torch.Tensor, rank_load: torch.Tensor
         rep_order = torch.full((K, E, R), NO_REPLICA, dtype=torch.int64, device=device)
     else:
         main_left = rep_quota = rep_order = torch.empty(1, dtype=torch.int64, device=device)
+    block_r, block_g = triton.next_power_of_2(R), triton.next_power_of_2(G)
     _probe_kernel[(K,)](
         taus.contiguous(), expert_load.contiguous(), rank_load.contiguous(),
         rank_order.contiguous(), min_quota.reshape(1), success, main_left, rep_quota, rep_order,
         R, E, G, num_slots, domain_size,
-        BLOCK_R=triton.next_power_of_2(R), BLOCK_G=triton.next_power_of_2(G),
-        WRITE_PLAN=write_plan)
+        BLOCK_R=block_r, BLOCK_G=block_g, WRITE_PLAN=write_plan,
+        num_warps=num_warps(block_r, block_g))
     if not write_plan:
         return success.bool(), None, None, None
     return success.bool(), main_left, rep_quota, rep_order
