@@ -17,9 +17,9 @@ fails on small remainders and averages 1.25). Columns (means over seeds):
     fan        max instances of one expert;  infl: in-flight token ratio
     us         median solve time per call in microseconds (wall clock, this process, one thread)
     dev imb, dev rep, dev ms
-               the device planner (``planner.device_solve``) run by its torch reference on this
-               CPU: imbalance after, replicas, median solve time in milliseconds (the reference
-               steps K = 32 probes in lockstep with torch calls; on a GPU the Triton probe runs)
+               the device planner (``planner.device_solve``) run by its reference on this CPU:
+               imbalance after, replicas, median solve time in milliseconds (the reference steps
+               K = 32 probes in lockstep with numpy calls; on a GPU the Triton probe runs)
 
 Timing runs one thread (torch/numba single-threaded, OMP_NUM_THREADS=1). On a shared machine wall
 times are noisy: the summary also gives CPU time (thread_time) for the R=64, E=256, S=2 case, with
@@ -300,7 +300,7 @@ def main_table(shapes, slots, seeds, repeats) -> None:
           f"none {avg('n_infl'):.3f}")
     print(f"  solve time (median us): ultraep {avg('u_us'):.0f}, "
           f"eplb++ {avg('e_us'):.0f} (Python baseline)")
-    print(f"  device planner (torch reference on CPU) vs ultraep: imbalance {avg('d_imb'):.4f} "
+    print(f"  device planner (reference on CPU) vs ultraep: imbalance {avg('d_imb'):.4f} "
           f"(worst {worst('d_imb'):.4f}) vs {avg('u_imb'):.4f} (worst {worst('u_imb'):.4f}); "
           f"replicas {avg('d_rep'):.1f} vs {avg('u_rep'):.1f}; "
           f"solve {statistics.median(m['d_us'] for m in ms) / 1e3:.0f} ms vs "

@@ -6,7 +6,7 @@ bit, with no communication.
 
     plan = solve(load, num_slots)                        # load int64 [R, E]  (solve.py)
     plan = solve(load, num_slots, domain_size=8)         # replicas inside 8-rank NVLink domains
-    plan = device_solve(load, num_slots)                 # on load's device, no host read (device_solve.py)
+    plan = device_solve(load, num_slots)                 # on load's device, no host read
     physical_ids = assign_tokens(plan, rank, topk_ids)   # [T, k] logical -> physical (dispatch.py)
     balancer = BalancerConfig("ultraep").build()         # one MoE layer's loop (balancer.py)
 

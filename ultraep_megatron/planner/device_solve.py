@@ -23,9 +23,9 @@ The algorithm (docs/planner.md, "Device planner"):
    creation order per host, quotas, reroute: local first, then sources in rank order fill the
    instances in rank order) is built by tensor operations.
 
-Two implementations of the probe give the same plan bit for bit: ``reference_probe`` (torch,
-vectorized across the K probes, any device; the CPU path) and ``_triton_solve.probe`` (one Triton
-program per probe; the CUDA path).
+Two implementations of the probe give the same plan bit for bit: ``reference_probe`` (the K
+probes in lockstep; numpy on CPU, the CPU path; torch on any other device) and
+``_triton_solve.probe`` (one Triton program per probe; the CUDA path).
 """
 
 from __future__ import annotations
@@ -77,7 +77,8 @@ def max_probe_steps(num_ranks: int, num_slots: int) -> int:
 class _Numpy:
     """The few array calls of ``reference_probe``, on numpy (CPU: ~4x fewer µs per call than
     torch on these small arrays)."""
-    where, minimum, maximum = staticmethod(np.where), staticmethod(np.minimum), staticmethod(np.maximum)
+    where = staticmethod(np.where)
+    minimum, maximum = staticmethod(np.minimum), staticmethod(np.maximum)
 
     @staticmethod
     def amax(x, dims):
@@ -105,7 +106,8 @@ class _Numpy:
 
 class _Torch:
     """The same calls on torch tensors of one device."""
-    where, minimum, maximum = staticmethod(torch.where), staticmethod(torch.minimum), staticmethod(torch.maximum)
+    where = staticmethod(torch.where)
+    minimum, maximum = staticmethod(torch.minimum), staticmethod(torch.maximum)
 
     @staticmethod
     def amax(x, dims):
@@ -393,19 +395,21 @@ def device_solve(load: torch.Tensor, num_slots: int, *, min_quota: int | None = 
             device tensor would read it on the host).
         num_slots: S >= 0; min_quota: int >= 1 or None (1 % of the mean rank load, computed on
             the device); domain_size: N dividing R, or None.
-        implementation: "triton" (CUDA tensors), "reference" (torch, any device) or "auto"
-            (triton for a CUDA load when triton imports, else reference). Same plan bit for bit.
+        implementation: "triton" (CUDA tensors; CPU tensors under ``TRITON_INTERPRET=1``),
+            "reference" (numpy for a CPU load, torch on any other device) or "auto" (triton for
+            a CUDA load when triton is installed, else reference). Same plan bit for bit.
 
     Returns:
         A ``Plan`` whose tensors, ``threshold`` included (0-dim int64), live on ``load``'s device.
     """
     R, E = validate_load(load)
-    if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 0:
+    if isinstance(num_slots, bool) or not isinstance(num_slots, (int, np.integer)) or num_slots < 0:
         raise ValueError(f"num_slots must be an int >= 0, got {num_slots!r}")
     N = validate_domain_size(domain_size, R)
-    if min_quota is not None and (isinstance(min_quota, bool) or not isinstance(min_quota, int)
-                                  or min_quota < 1):
+    if min_quota is not None and (isinstance(min_quota, bool)
+                                  or not isinstance(min_quota, (int, np.integer)) or min_quota < 1):
         raise ValueError(f"min_quota must be an int >= 1 or None, got {min_quota!r}")
+    num_slots, min_quota = int(num_slots), None if min_quota is None else int(min_quota)
     if implementation == "auto":
         implementation = "triton" if load.is_cuda and triton_available() else "reference"
     if implementation not in ("triton", "reference"):
