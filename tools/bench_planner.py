@@ -2,7 +2,7 @@
 
     python tools/bench_planner.py              # three tables (markdown) + solve-time summary
     python tools/bench_planner.py --quick      # one seed, fewer settings
-    python tools/bench_planner.py --only domains   # one part: main, domains, peers or timing
+    python tools/bench_planner.py --only domains   # one part: main, domains, peers, timing, device
 
 For every setting (R ranks, E experts, S slots per rank, target initial rank imbalance) and seed it
 draws a Zipf load (``traces.synthetic.zipf_load``: top-8, 4096 tokens per rank) and plans it with
@@ -256,6 +256,36 @@ def host_stretch_summary(repeats: int) -> str:
             + f"; total {median_us['total']:.1f} us")
 
 
+def device_timing_summary(repeats: int) -> str:
+    """Median time of ``device_solve`` on the GPU (its Triton probe), R=64, E=256, S=2, over the
+    loads of cpu_time_summary, one and 8-rank domains: per call, synchronized (the latency a
+    layer waits when nothing overlaps it), and the Triton plan checked against the reference."""
+    if not torch.cuda.is_available():
+        return "device_solve on a GPU: no CUDA device here"
+    lines = []
+    for domain_size in (None, 8):
+        samples = []
+        for imbalance in IMBALANCES:
+            for seed in range(3):
+                load = zipf_load(64, 256, imbalance, seed=100 + seed).cuda()
+                plan = device_solve(load, 2, domain_size=domain_size)  # compiles on first use
+                reference = device_solve(load.cpu(), 2, domain_size=domain_size)
+                assert torch.equal(plan.physical_split.cpu(), reference.physical_split)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                for _ in range(max(3, repeats // 10)):
+                    torch.cuda.synchronize()
+                    start.record()
+                    device_solve(load, 2, domain_size=domain_size)
+                    end.record()
+                    end.synchronize()
+                    samples.append(start.elapsed_time(end) * 1e3)
+        domains = "" if domain_size is None else f" domain {domain_size}"
+        lines.append(f"device_solve on {torch.cuda.get_device_name()} R=64 E=256 S=2{domains} over "
+                     f"{len(samples)} calls: median {statistics.median(samples):.0f} us, "
+                     f"p90 {sorted(samples)[len(samples) * 9 // 10]:.0f} us (Triton = reference)")
+    return "\n".join(lines)
+
+
 def main_table(shapes, slots, seeds, repeats) -> None:
     """The first table: ultraep, Algorithm 1 and eplb++ with one domain."""
     header = ("| R | E | S | init | ultraep imb | tau/LB | rep | fan | infl | us "
@@ -374,7 +404,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one seed, S in {1, 2}, R=64 only")
     parser.add_argument("--seeds", type=int, default=3, help="loads per setting")
     parser.add_argument("--repeats", type=int, default=200, help="timed solve calls per load")
-    parser.add_argument("--only", choices=["main", "domains", "peers", "timing"],
+    parser.add_argument("--only", choices=["main", "domains", "peers", "timing", "device"],
                         help="run one part only (default: all)")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -396,6 +426,8 @@ def main() -> None:
         print(cpu_time_summary(args.repeats))
         print(cpu_time_summary(args.repeats, domain_size=8))
         print(host_stretch_summary(args.repeats))
+    if args.only in (None, "device"):
+        print(device_timing_summary(args.repeats))
 
 
 if __name__ == "__main__":
