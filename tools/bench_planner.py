@@ -2,7 +2,7 @@
 
     python tools/bench_planner.py              # three tables (markdown) + solve-time summary
     python tools/bench_planner.py --quick      # one seed, fewer settings
-    python tools/bench_planner.py --only domains   # one part: main, domains, peers or timing
+    python tools/bench_planner.py --only domains   # one part: main, domains, peers, timing, device
 
 For every setting (R ranks, E experts, S slots per rank, target initial rank imbalance) and seed it
 draws a Zipf load (``traces.synthetic.zipf_load``: top-8, 4096 tokens per rank) and plans it with
@@ -16,6 +16,10 @@ fails on small remainders and averages 1.25). Columns (means over seeds):
     rep        replicas (filled redundant slots; EPLB fills all R*S it can)
     fan        max instances of one expert;  infl: in-flight token ratio
     us         median solve time per call in microseconds (wall clock, this process, one thread)
+    dev imb, dev rep, dev ms
+               the device planner (``planner.device_solve``) run by its reference on this CPU:
+               imbalance after, replicas, median solve time in milliseconds (the reference steps
+               K = 32 probes in lockstep with numpy calls; on a GPU the Triton probe runs)
 
 Timing runs one thread (torch/numba single-threaded, OMP_NUM_THREADS=1). On a shared machine wall
 times are noisy: the summary also gives CPU time (thread_time) for the R=64, E=256, S=2 case, with
@@ -53,7 +57,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from ultraep_megatron.planner import BalancerConfig, domain_lower_bound, metrics, rank_dispatch, solve  # noqa: E402
+from ultraep_megatron.planner import (  # noqa: E402
+    BalancerConfig,
+    device_solve,
+    domain_lower_bound,
+    metrics,
+    rank_dispatch,
+    solve,
+)
 from ultraep_megatron.planner.baselines import (  # noqa: E402
     Placement,
     deepseek_eplb,
@@ -72,6 +83,7 @@ DOMAIN_SHAPES = [(32, 128), (32, 256), (64, 128), (64, 256)]
 DOMAIN_SIZES = [8, 16]
 PEER_SLOTS = 2
 PEER_DOMAIN = 8
+DEVICE_REPEATS = 3  # timed device_solve calls per load (its CPU reference takes ~0.1 s)
 
 
 def algorithm1_threshold(load: torch.Tensor, num_slots: int, min_quota: int) -> int:
@@ -140,6 +152,7 @@ def run_setting(R: int, E: int, S: int, imbalance: float, seeds: list[int], repe
         mu, me, mn = metrics(load, ultra), metrics(load, eplbpp), metrics(load, identity)
         alg1 = algorithm1_threshold(load, S, 1)
         exact_floor = metrics(load, solve(load, S, min_quota=1))
+        md = metrics(load, device_solve(load, S))
         rows.append({
             "init": mu["imbalance_before"],
             "u_imb": mu["imbalance_after"], "u_gap": mu["threshold"] / mu["lower_bound"],
@@ -151,6 +164,8 @@ def run_setting(R: int, E: int, S: int, imbalance: float, seeds: list[int], repe
             "e_infl": me["inflight_ratio"],
             "e_us": median_time_us(lambda: eplb_exact(load, S), max(3, repeats // 50)),
             "n_infl": mn["inflight_ratio"],
+            "d_imb": md["imbalance_after"], "d_rep": md["replicas"],
+            "d_us": median_time_us(lambda: device_solve(load, S), DEVICE_REPEATS),
         })
     return {k: statistics.fmean(r[k] for r in rows) for k in rows[0]}
 
@@ -164,11 +179,13 @@ def run_domain_setting(R: int, E: int, S: int, N: int, imbalance: float, seeds: 
         bound = domain_lower_bound(load, N)
         plan = solve(load, S, domain_size=N)
         m = metrics(load, plan, domain_size=N)
-        assert m["cross_domain_replicas"] == 0
+        md = metrics(load, device_solve(load, S, domain_size=N), domain_size=N)
+        assert m["cross_domain_replicas"] == 0 and md["cross_domain_replicas"] == 0
         rows.append({
             "init": m["imbalance_before"], "lb": bound / mean, "imb": m["imbalance_after"],
             "gap": plan.threshold / bound, "rep": m["replicas"],
             "us": median_time_us(lambda: solve(load, S, domain_size=N), repeats),
+            "d_imb": md["imbalance_after"], "d_rep": md["replicas"],
         })
     return {k: statistics.fmean(r[k] for r in rows) for k in rows[0]}
 
@@ -239,10 +256,41 @@ def host_stretch_summary(repeats: int) -> str:
             + f"; total {median_us['total']:.1f} us")
 
 
+def device_timing_summary(repeats: int) -> str:
+    """Median time of ``device_solve`` on the GPU (its Triton probe), R=64, E=256, S=2, over the
+    loads of cpu_time_summary, one and 8-rank domains: per call, synchronized (the latency a
+    layer waits when nothing overlaps it), and the Triton plan checked against the reference."""
+    if not torch.cuda.is_available():
+        return "device_solve on a GPU: no CUDA device here"
+    lines = []
+    for domain_size in (None, 8):
+        samples = []
+        for imbalance in IMBALANCES:
+            for seed in range(3):
+                load = zipf_load(64, 256, imbalance, seed=100 + seed).cuda()
+                plan = device_solve(load, 2, domain_size=domain_size)  # compiles on first use
+                reference = device_solve(load.cpu(), 2, domain_size=domain_size)
+                assert torch.equal(plan.physical_split.cpu(), reference.physical_split)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                for _ in range(max(3, repeats // 10)):
+                    torch.cuda.synchronize()
+                    start.record()
+                    device_solve(load, 2, domain_size=domain_size)
+                    end.record()
+                    end.synchronize()
+                    samples.append(start.elapsed_time(end) * 1e3)
+        domains = "" if domain_size is None else f" domain {domain_size}"
+        lines.append(f"device_solve on {torch.cuda.get_device_name()} R=64 E=256 S=2{domains} over "
+                     f"{len(samples)} calls: median {statistics.median(samples):.0f} us, "
+                     f"p90 {sorted(samples)[len(samples) * 9 // 10]:.0f} us (Triton = reference)")
+    return "\n".join(lines)
+
+
 def main_table(shapes, slots, seeds, repeats) -> None:
     """The first table: ultraep, Algorithm 1 and eplb++ with one domain."""
     header = ("| R | E | S | init | ultraep imb | tau/LB | rep | fan | infl | us "
-              "| alg1 imb | eplb++ imb | rep | fan | infl | us | none infl |")
+              "| alg1 imb | eplb++ imb | rep | fan | infl | us | none infl | dev imb | dev rep "
+              "| dev ms |")
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     totals = []
@@ -254,7 +302,8 @@ def main_table(shapes, slots, seeds, repeats) -> None:
                 print(f"| {R} | {E} | {S} | {m['init']:.2f} | {m['u_imb']:.4f} | {m['u_gap']:.4f} "
                       f"| {m['u_rep']:.1f} | {m['u_fan']:.1f} | {m['u_infl']:.3f} | {m['u_us']:.0f} "
                       f"| {m['a_imb']:.3f} | {m['e_imb']:.3f} | {m['e_rep']:.1f} | {m['e_fan']:.1f} "
-                      f"| {m['e_infl']:.3f} | {m['e_us']:.0f} | {m['n_infl']:.3f} |", flush=True)
+                      f"| {m['e_infl']:.3f} | {m['e_us']:.0f} | {m['n_infl']:.3f} "
+                      f"| {m['d_imb']:.4f} | {m['d_rep']:.1f} | {m['d_us'] / 1e3:.0f} |", flush=True)
     ms = [m for _, m in totals]
 
     def avg(key):
@@ -281,12 +330,17 @@ def main_table(shapes, slots, seeds, repeats) -> None:
           f"none {avg('n_infl'):.3f}")
     print(f"  solve time (median us): ultraep {avg('u_us'):.0f}, "
           f"eplb++ {avg('e_us'):.0f} (Python baseline)")
+    print(f"  device planner (reference on CPU) vs ultraep: imbalance {avg('d_imb'):.4f} "
+          f"(worst {worst('d_imb'):.4f}) vs {avg('u_imb'):.4f} (worst {worst('u_imb'):.4f}); "
+          f"replicas {avg('d_rep'):.1f} vs {avg('u_rep'):.1f}; "
+          f"solve {statistics.median(m['d_us'] for m in ms) / 1e3:.0f} ms vs "
+          f"{statistics.median(m['u_us'] for m in ms):.0f} us (medians of rows)")
 
 
 def domain_table(shapes, slots, seeds, repeats) -> None:
     """The second table: ultraep with NVLink domains of DOMAIN_SIZES ranks."""
     print()
-    header = "| R | E | S | N | init | LB_N | imb | tau/LB_N | rep | us |"
+    header = "| R | E | S | N | init | LB_N | imb | tau/LB_N | rep | us | dev imb | dev rep |"
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     rows = []
@@ -297,8 +351,8 @@ def domain_table(shapes, slots, seeds, repeats) -> None:
                     m = run_domain_setting(R, E, S, N, imbalance, seeds, repeats)
                     rows.append((R, N, m))
                     print(f"| {R} | {E} | {S} | {N} | {m['init']:.2f} | {m['lb']:.4f} "
-                          f"| {m['imb']:.4f} | {m['gap']:.4f} | {m['rep']:.1f} | {m['us']:.0f} |",
-                          flush=True)
+                          f"| {m['imb']:.4f} | {m['gap']:.4f} | {m['rep']:.1f} | {m['us']:.0f} "
+                          f"| {m['d_imb']:.4f} | {m['d_rep']:.1f} |", flush=True)
     print()
     print(f"domain summary ({len(seeds)} seeds per row):")
     for R in sorted({r for r, _, _ in rows}):
@@ -311,7 +365,10 @@ def domain_table(shapes, slots, seeds, repeats) -> None:
                       f"{statistics.fmean(m['gap'] for m in ms):.4f} worst "
                       f"{max(m['gap'] for m in ms):.4f}, replicas "
                       f"{statistics.fmean(m['rep'] for m in ms):.1f}, solve "
-                      f"{statistics.median(m['us'] for m in ms):.0f} us (median of rows)")
+                      f"{statistics.median(m['us'] for m in ms):.0f} us (median of rows); device "
+                      f"planner imbalance {statistics.fmean(m['d_imb'] for m in ms):.4f} (worst "
+                      f"{max(m['d_imb'] for m in ms):.4f}), replicas "
+                      f"{statistics.fmean(m['d_rep'] for m in ms):.1f}")
 
 
 def peer_table(shapes, seeds) -> None:
@@ -347,7 +404,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one seed, S in {1, 2}, R=64 only")
     parser.add_argument("--seeds", type=int, default=3, help="loads per setting")
     parser.add_argument("--repeats", type=int, default=200, help="timed solve calls per load")
-    parser.add_argument("--only", choices=["main", "domains", "peers", "timing"],
+    parser.add_argument("--only", choices=["main", "domains", "peers", "timing", "device"],
                         help="run one part only (default: all)")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -369,6 +426,8 @@ def main() -> None:
         print(cpu_time_summary(args.repeats))
         print(cpu_time_summary(args.repeats, domain_size=8))
         print(host_stretch_summary(args.repeats))
+    if args.only in (None, "device"):
+        print(device_timing_summary(args.repeats))
 
 
 if __name__ == "__main__":

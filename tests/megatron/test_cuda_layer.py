@@ -19,13 +19,9 @@ import torch
 from equivalence import UNIT_ROUNDOFF, Comparison, failures, relative_difference, summary
 from gloo_launch import WORKERS, launch_gloo_ranks
 
-from ultraep_megatron.megatron.device_planning import device_solver_ready
-
 HOST_PLANNER = ("single", "pipelined", "recompute", "grouped")
 DEVICE_PLANNER = ("device-planner", "device-planner-recompute")
-# On CUDA the device-planner scenarios wait for the real device solver (the TEMPORARY host stand-in
-# of planner.device_solve reads the load on the host); the dry run runs them all.
-SCENARIOS = HOST_PLANNER + (DEVICE_PLANNER if device_solver_ready() else ())
+SCENARIOS = HOST_PLANNER + DEVICE_PLANNER
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 

@@ -17,7 +17,6 @@ import json
 import pytest
 
 from gloo_launch import WORKERS, launch_gloo_ranks
-from ultraep_megatron.megatron.device_planning import device_solver_ready
 
 WORLD = 4
 # ep4-hybridep: the flex dispatcher over HybridEP's stand-in (deepep_gloo reports its host waits).
@@ -38,15 +37,8 @@ def ranks(tmp_path_factory):
 
 
 def planner_counts(balanced: dict) -> dict:
-    """The balanced layer's read counts, less the reads of the TEMPORARY host stand-in of
-    ``planner.device_solve`` (one ``load.cpu()`` per plan; the device solver that replaces it at
-    merge reads nothing, and then nothing is discounted)."""
-    counts = collections.Counter(balanced["counts"])
-    if not device_solver_ready():
-        for kind, _, where in balanced["events"]:
-            if where.startswith("device_solve.py:"):
-                counts[kind] -= 1
-    return {kind: n for kind, n in counts.items() if n}
+    """The balanced layer's read counts, by kind (kinds counted zero left out)."""
+    return {kind: n for kind, n in collections.Counter(balanced["counts"]).items() if n}
 
 
 def added_reads(measured: dict) -> dict:

@@ -355,9 +355,7 @@ def resolve_planner(planner: Optional[str], balancer: str) -> str:
     from ultraep_megatron.megatron.cpu import backend as cpu_backend
 
     on_cuda = torch.cuda.is_available() and not cpu_backend.is_active()
-    # TEMPORARY, until the device solver is merged: its host stand-in would make the device
-    # planner read the load on the host before the permutation, so the default stays host.
-    return "device" if on_cuda and balancer == ULTRAEP and device_planning.device_solver_ready() else "host"
+    return "device" if on_cuda and balancer == ULTRAEP else "host"
 
 
 def _data_plane_group(ep_group):

@@ -50,14 +50,6 @@ class DevicePlanned:
     plan_seconds: float
 
 
-def device_solver_ready() -> bool:
-    """Whether ``planner.device_solve`` plans on the device (False while it is the TEMPORARY host
-    stand-in, which reads the load on the host)."""
-    import importlib
-
-    return not getattr(importlib.import_module(planner.device_solve.__module__), "STAND_IN", False)
-
-
 def balances(load: torch.Tensor, config: BalancerConfig) -> torch.Tensor:
     """``LayerBalancer.balances`` on the device: a 0-dim bool tensor, the same answer."""
     R, E = load.shape

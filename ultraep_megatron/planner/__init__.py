@@ -6,6 +6,7 @@ bit, with no communication.
 
     plan = solve(load, num_slots)                        # load int64 [R, E]  (solve.py)
     plan = solve(load, num_slots, domain_size=8)         # replicas inside 8-rank NVLink domains
+    plan = device_solve(load, num_slots)                 # on load's device, no host read
     physical_ids = assign_tokens(plan, rank, topk_ids)   # [T, k] logical -> physical (dispatch.py)
     balancer = BalancerConfig("ultraep").build()         # one MoE layer's loop (balancer.py)
 
@@ -15,7 +16,7 @@ See ``docs/planner.md`` for the algorithm, ``min_quota`` and the benchmark.
 
 from .balancer import BalancerConfig, LayerBalancer
 from .baselines import registry
-from .device_solve import device_solve  # TEMPORARY stand-in, replaced at merge
+from .device_solve import device_solve
 from .dispatch import RankDispatch, assign_tokens, rank_dispatch
 from .metrics import load_imbalance, metrics, rank_imbalance
 from .plan import Plan

@@ -57,9 +57,6 @@ SCENARIOS = {
     # dispatcher's forward (a sync the check must catch); no reference runs.
     "single-tolist": dict(microbatches=1, recompute=False, grouped=False, fault="tolist", planner="host"),
 }
-#: Scenarios that need the device solver: the TEMPORARY host stand-in of ``planner.device_solve``
-#: reads the load on the host, so on CUDA they wait for the real one (merged from another branch).
-DEVICE_PLANNER_SCENARIOS = ("device-planner", "device-planner-recompute")
 _ON_CUDA = torch.cuda.is_available()
 #: The sync watch: "off", "warn" (record every synchronization) or "error" (refuse all but the
 #: measured layer's designated wait, ``allowed``); how deep inside a designated wait; how many
@@ -269,11 +266,7 @@ def main():
     weights = global_weights()
     results = {"device": torch.cuda.get_device_name(0) if cli.device == "cuda" else "cpu",
                "torch": torch.__version__}
-    from ultraep_megatron.megatron.device_planning import device_solver_ready
-
     for name, sc in SCENARIOS.items():
-        if name in DEVICE_PLANNER_SCENARIOS and cli.device == "cuda" and not device_solver_ready():
-            continue
         # Outside the watch, once per scenario and layer kind: what a first forward and backward
         # set up (CUDA's RNG, cuBLAS handles, the pinned host pool) is not the per-layer path.
         for balancer in (None, "ultraep"):
