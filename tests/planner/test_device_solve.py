@@ -49,6 +49,11 @@ def test_reference_numpy_and_torch_calls_agree(problem):
     assert torch.equal(fast[0], slow[0])
     for a, b in zip(fast[1:], slow[1:]):
         assert torch.equal(a[fast[0]], b[fast[0]])
+    # Whole solves: "torch" (what the CPU backend's device path runs) plans as "reference".
+    numpy_plan = device_solve(load, S, min_quota=min_quota, domain_size=N, implementation="reference")
+    torch_plan = device_solve(load, S, min_quota=min_quota, domain_size=N, implementation="torch")
+    for field in ("slot_expert", "quota", "physical_split", "threshold"):
+        assert torch.equal(getattr(numpy_plan, field), getattr(torch_plan, field)), field
 
 
 @pytest.mark.parametrize("control", [False, True])

@@ -85,8 +85,11 @@ def plan(load: torch.Tensor, config: BalancerConfig) -> tuple[Plan, torch.Tensor
     0-dim bool tensor). Below the trigger the identity plan, as on the host; both are computed and
     one is selected on the device (no host branch on device data)."""
     balanced = balances(load, config)
+    # On the CPU the reference's torch calls, as a device runs them (no host read, fixed step
+    # counts): the CPU backend exercises the device path as CUDA takes it.
     solved = planner.device_solve(load, config.num_slots, min_quota=config.min_quota,
-                                  domain_size=config.domain_size)
+                                  domain_size=config.domain_size,
+                                  implementation="auto" if load.is_cuda else "torch")
     identity = identity_plan(load, config.num_slots)
     chosen = [torch.where(balanced, a, b) for a, b in
               ((solved.slot_expert, identity.slot_expert), (solved.quota, identity.quota),

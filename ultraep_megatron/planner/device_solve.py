@@ -277,7 +277,7 @@ def _probe(implementation: str, taus, expert_load, rank_load, rank_order, min_qu
         return _triton_solve.probe(taus, expert_load, rank_load, rank_order, min_quota,
                                    num_slots, domain_size, write_plan)
     return reference_probe(taus, expert_load, rank_load, rank_order, min_quota, num_slots,
-                           domain_size, write_plan)
+                           domain_size, write_plan, use_numpy=False if implementation == "torch" else None)
 
 
 def search_threshold(expert_load: torch.Tensor, rank_load: torch.Tensor, rank_order: torch.Tensor,
@@ -384,7 +384,7 @@ def probe_inputs(load: torch.Tensor, min_quota: int | None, domain_size: int):
 
 def device_solve(load: torch.Tensor, num_slots: int, *, min_quota: int | None = None,
                  domain_size: int | None = None,
-                 implementation: Literal["auto", "triton", "reference"] = "auto") -> Plan:
+                 implementation: Literal["auto", "triton", "reference", "torch"] = "auto") -> Plan:
     """Replication and reroute plan for the exact load of one MoE layer, on ``load``'s device.
 
     Same arguments and plan meaning as ``solve`` (docs/planner.md); the plan is the device
@@ -396,8 +396,10 @@ def device_solve(load: torch.Tensor, num_slots: int, *, min_quota: int | None = 
         num_slots: S >= 0; min_quota: int >= 1 or None (1 % of the mean rank load, computed on
             the device); domain_size: N dividing R, or None.
         implementation: "triton" (CUDA tensors; CPU tensors under ``TRITON_INTERPRET=1``),
-            "reference" (numpy for a CPU load, torch on any other device) or "auto" (triton for
-            a CUDA load when triton is installed, else reference). Same plan bit for bit.
+            "reference" (numpy for a CPU load, torch on any other device), "torch" (the
+            reference's torch calls on any device, a CPU load included: fixed step counts, no
+            host read, what a device runs without Triton) or "auto" (triton for a CUDA load when
+            triton is installed, else reference). Same plan bit for bit.
 
     Returns:
         A ``Plan`` whose tensors, ``threshold`` included (0-dim int64), live on ``load``'s device.
@@ -412,10 +414,10 @@ def device_solve(load: torch.Tensor, num_slots: int, *, min_quota: int | None = 
     num_slots, min_quota = int(num_slots), None if min_quota is None else int(min_quota)
     if implementation == "auto":
         implementation = "triton" if load.is_cuda and triton_available() else "reference"
-    if implementation not in ("triton", "reference"):
-        raise ValueError(f"implementation must be 'auto', 'triton' or 'reference', "
+    if implementation not in ("triton", "reference", "torch"):
+        raise ValueError(f"implementation must be 'auto', 'triton', 'reference' or 'torch', "
                          f"got {implementation!r}")
-    if load.device.type == "cpu" and bool((load < 0).any()):
+    if implementation == "reference" and load.device.type == "cpu" and bool((load < 0).any()):
         raise ValueError("load has negative entries")
 
     load = load.contiguous()
