@@ -47,10 +47,8 @@ WARNED = {"valid_production_ddp"}
 FP8 = ["--fp8-format", "hybrid", "--fp8-recipe"]
 GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-modules"]
 ENVELOPE = {
-    **{f"fp8_{recipe}": ([*ULTRAEP, *FP8, recipe], None) for recipe in ("tensorwise", "blockwise", "mxfp8")},
-    # The replica weight transfer does not move quantized parameters (data plus scales) yet.
-    **{f"fp8_{recipe}_param_gather": ([*ULTRAEP, *FP8, recipe, "--fp8-param-gather"], "--fp8-param-gather")
-       for recipe in ("tensorwise", "blockwise", "mxfp8")},
+    **{f"fp8_{recipe}{'_param_gather' if gather else ''}": ([*ULTRAEP, *FP8, recipe, *gather], None)
+       for recipe in ("tensorwise", "blockwise", "mxfp8") for gather in ([], ["--fp8-param-gather"])},
     "fp8_e4m3_tensorwise": ([*ULTRAEP, "--fp8-format", "e4m3", "--fp8-recipe", "tensorwise"], None),
     # One shared replica module would mix every layer's amax history.
     "fp8_delayed": ([*ULTRAEP, *FP8, "delayed"], "--fp8-recipe delayed"),

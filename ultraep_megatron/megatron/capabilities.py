@@ -132,10 +132,6 @@ def _low_precision_problems(get) -> list[str]:
             # Megatron's default recipe is delayed: say so when the user gave only --fp8-format.
             problems.append(f"--fp8-recipe {recipe} (with --fp8-format {get('fp8')}) is not supported: "
                             f"{why}; {working}")
-    if get('fp8_param_gather') or get('fp8_param'):  # args' name, TransformerConfig's name
-        problems.append("--fp8-param-gather is not supported yet: the main expert weights are then quantized "
-                        "tensors (fp8 data plus scales), which the replica weight transfer does not move yet; "
-                        "leave it off (fp8 compute with high-precision parameters works)")
     if get('reuse_grad_buf_for_mxfp8_param_ag'):
         problems.append("--reuse-grad-buf-for-mxfp8-param-ag is not supported: it gathers the mxfp8 parameters "
                         "through the gradient buffer the replica-gradient reduction writes into, which has not "

@@ -13,10 +13,11 @@ Only the virtual layer id crosses to the backward when there is one (the ring ow
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List
+from typing import TYPE_CHECKING, List, NamedTuple
 
 import torch
 
+from ultraep_megatron.megatron.expert_slots import is_quantized
 from ultraep_megatron.megatron.invocation import Invocation
 from ultraep_megatron.megatron.native_torch import native_torch
 
@@ -136,7 +137,7 @@ class ReplicaWeights(torch.autograd.Function):
         _keep(ctx, layer, invocation)
         ctx.set_materialize_grads(False)  # an unused weight's gradient stays None, not a zero tensor
         layer.balancing.wait_weights(invocation)
-        return tuple(w.detach() for slot in layer.replica_weight_views() for w in slot)
+        return tuple(w for slot in layer.replica_weight_views() for w in slot)
 
     @staticmethod
     def backward(ctx, *weight_grads):
@@ -158,14 +159,38 @@ def run_replicas_in_graph(layer, invocation: Invocation, tokens: torch.Tensor, p
         return layer.run_replicas(weights, tokens, probs, invocation.replica_rows)
 
 
+class _BufferView(NamedTuple):
+    """A saved view of the replica weight buffer, as its geometry (in elements of its dtype)."""
+
+    offset: int
+    shape: tuple
+    stride: tuple
+    dtype: torch.dtype
+
+
+class _SavedQuantized(NamedTuple):
+    """A saved quantized weight (``--fp8-param-gather``; a wrapper without storage of its own): its
+    class, shape, dtype and ``get_metadata()``, storage tensors packed."""
+
+    cls: type
+    shape: tuple
+    dtype: torch.dtype
+    metadata: dict
+
+
 def _buffer_packer(buffer: torch.Tensor):
-    """Saved-tensor pack hook: a view of ``buffer`` is saved as its geometry, not its storage."""
+    """Saved-tensor pack hook: a view of ``buffer`` is saved as its geometry, not its storage; a
+    quantized weight as its metadata with its storage tensors packed alike."""
     storage = buffer.untyped_storage().data_ptr()
 
     @native_torch  # our code, several times per layer and microbatch: no device mapping needed
     def pack(tensor):
+        if is_quantized(tensor):  # before untyped_storage(): a wrapper subclass has none
+            return _SavedQuantized(type(tensor), tuple(tensor.shape), tensor.dtype,
+                                   {key: pack(value) if isinstance(value, torch.Tensor) else value
+                                    for key, value in tensor.get_metadata().items()})
         if tensor.untyped_storage().data_ptr() == storage:
-            return ("replica-buffer", tensor.storage_offset(), tuple(tensor.shape), tensor.stride())
+            return _BufferView(tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
         return tensor
 
     return pack
@@ -173,18 +198,21 @@ def _buffer_packer(buffer: torch.Tensor):
 
 def _buffer_unpacker(buffer: torch.Tensor, balancing: BalancingContext, invocation: Invocation):
     """Saved-tensor unpack hook: a saved view of ``buffer`` is resolved against the buffer once it
-    holds ``invocation``'s replicas again (re-materialized; raises if it was not). The first unpack
-    of the invocation's backward waits for the transfer; later ones only check the holder."""
+    holds ``invocation``'s replicas again (re-materialized; raises if it was not), a saved quantized
+    weight rebuilt over such views. The first unpack of the invocation's backward waits for the
+    transfer; later ones only check the holder."""
     waited = []
 
     @native_torch
     def unpack(saved):
-        if isinstance(saved, tuple):
+        if isinstance(saved, _SavedQuantized):
+            return saved.cls(shape=saved.shape, dtype=saved.dtype, requires_grad=False,
+                             **{key: unpack(value) for key, value in saved.metadata.items()})
+        if isinstance(saved, _BufferView):
             if not waited or balancing.holder is not invocation:
                 balancing.wait_weights(invocation)
                 waited.append(True)
-            _, offset, shape, stride = saved
-            return buffer.as_strided(shape, stride, offset)
+            return buffer.view(saved.dtype).as_strided(saved.shape, saved.stride, saved.offset)
         return saved
 
     return unpack
