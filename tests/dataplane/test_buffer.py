@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dataplane_helpers import SHAPES, expert_weights, flat, main_grad, random_plan, replica_grad, run_world
+from dataplane_helpers import SHAPES, expert_weights, flat, main_grad, random_plan, run_world
 from ultraep_megatron.dataplane import ReplicaBuffer, build_schedule
 from ultraep_megatron.dataplane.tags import _TAG_BITS
 
@@ -129,55 +129,3 @@ def test_each_buffer_numbers_its_own_transfers_and_handles_are_done_after_wait()
         assert seen == expected, f"rank {rank}"
         assert arrived, f"rank {rank}: a replica differs from its expert"
 
-
-def _weight_bytes(seed: int, expert: int) -> list[torch.Tensor]:
-    """An expert's weights in a layout of their own: the bytes of its fp32 tensors (as fp8 data
-    would be) and 12 bytes standing for its scales; uint8 ``[360]``, ``[12]``."""
-    scales = torch.arange(12, dtype=torch.uint8) + 3 * expert + seed
-    return [flat(expert_weights(seed, expert)).view(torch.uint8), scales]
-
-
-def _separate_weight_layout(rank, world_size):
-    """A buffer whose weights (376 bytes per expert) are laid out apart from its gradients (90 fp32
-    values): chunks, relay rounds and tags of the distribution follow the weights' size, the
-    reduction the gradients'. Returns failures."""
-    from test_transfers import expected_grad
-
-    num_experts, seed = 2 * world_size, 5
-    plan = random_plan(world_size, num_experts, 2, seed=seed, hot_expert=1, local_replica=True)
-    buffer = ReplicaBuffer(2, SHAPES, torch.uint8, weight_shapes=[(360,), (12,)], chunk_numel=13,
-                           relay="always", relay_threshold=1)
-    failures = []
-    if buffer.replica_weights.shape != (2, 372) or buffer.replica_grads.shape != (2, 90):
-        failures.append(f"buffers {buffer.replica_weights.shape}, {buffer.replica_grads.shape}")
-    sched = buffer.schedule(plan, num_experts)
-    resized = sched.with_expert_numel(372)
-    if sched.expert_numel != 90 or resized.expert_numel != 372 or sched.with_expert_numel(372) is not resized:
-        failures.append("the weight schedule is not the gradient schedule resized once")
-    if not sched.uses_relay or resized.num_rounds != 30 or sched.num_rounds != 8:
-        failures.append(f"rounds {sched.num_rounds}, {resized.num_rounds}: the relayed chunks do not follow the size")
-    main = [_weight_bytes(seed, 2 * rank + j) for j in range(2)]
-    for attempt in range(2):  # the second: a re-materialization after the buffer was overwritten
-        buffer.replica_weights.fill_(111)
-        buffer.distribute_weights(sched, main)
-        for s, e in enumerate(plan[rank].tolist()):
-            want = flat(_weight_bytes(seed, e)) if e >= 0 else torch.full((372,), 111, dtype=torch.uint8)
-            if not torch.equal(buffer.replica_weights[s], want):
-                failures.append(f"attempt {attempt}: slot {s} (expert {e}) holds other bytes")
-            if e >= 0 and not torch.equal(buffer.weight_views(s)[1], _weight_bytes(seed, e)[1]):
-                failures.append(f"slot {s}: its scale view is not the expert's")
-    grads = [main_grad(seed, 2 * rank + j, True) for j in range(2)]
-    buffer.replica_grads.copy_(torch.stack([replica_grad(seed, rank, s, True) for s in range(2)]))
-    buffer.reduce_gradients(sched, grads)
-    for j in range(2):
-        if not torch.equal(flat(grads[j]), expected_grad(rank, plan, num_experts, seed, j, True).float()):
-            failures.append(f"main grad of local expert {j} != main + sum of replicas")
-    return failures
-
-
-def test_weights_in_a_layout_of_their_own_move_along_the_gradients_schedule():
-    """uint8 weights of another size than the fp32 gradients (quantized parameters): every replica
-    receives its expert's bytes bit for bit, through relays whose chunking follows the weights'
-    size; the gradient reduction on the same schedule is unchanged."""
-    for rank, failures in enumerate(run_world(4, _separate_weight_layout)):
-        assert not failures, (rank, failures)
