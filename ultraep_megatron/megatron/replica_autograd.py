@@ -108,7 +108,9 @@ class ReduceReplicaGrads(torch.autograd.Function):
 
 class ReplicaWeights(torch.autograd.Function):
     """The redundant slots' weights as tensors of the layer's autograd graph: views of the shared
-    weight buffer, flat (slot-major, ``expert_param_shapes`` order). The forward waits for the
+    weight buffer, or quantized tensors over its bytes with ``--fp8-param-gather``
+    (``BalancedMoELayer.replica_weight_views``), flat (slot-major, ``expert_param_shapes`` order).
+    Their gradients have the high-precision shapes. The forward waits for the
     invocation's weight distribution; the backward, once autograd has every replica weight
     gradient, starts their reduction towards the home ranks with them (which copies them into the
     shared fp32 gradient buffer on its stream; collective, so every rank runs it, with replica rows
@@ -116,7 +118,8 @@ class ReplicaWeights(torch.autograd.Function):
 
     The replica experts then run in the layer's graph (:func:`run_replicas_in_graph`), not in a
     graph of their own differentiated by a nested backward call. Their saved weights are stored as
-    (offset, shape, stride) of the buffer instead of being kept alive (saved-tensor hooks), because
+    (offset, shape, stride, dtype) of the buffer (a quantized one as its metadata over such views)
+    instead of being kept alive (saved-tensor hooks), because
     later layers overwrite the buffer; unpacking them waits for its re-materialization, so no replica
     activation is recomputed. ``tokens`` and ``probs`` (the replica rows and their router
     probabilities) get no gradient here: they make the weights need one whenever the replica output
@@ -127,7 +130,7 @@ class ReplicaWeights(torch.autograd.Function):
     either.)
 
     The weights are returned as aliases of the buffer that autograd does not track as views
-    (``detach``): later layers write the buffer in place, and autograd would refuse a tracked view
+    (``detach``, or quantized tensors built over it): later layers write the buffer in place, and autograd would refuse a tracked view
     of it afterwards (a custom function's view whose base changed), e.g. where a kernel keeps the
     weight tensors for its backward.
     """
