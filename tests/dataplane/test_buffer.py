@@ -128,4 +128,3 @@ def test_each_buffer_numbers_its_own_transfers_and_handles_are_done_after_wait()
     for rank, (seen, arrived) in enumerate(run_world(4, _numbered_transfers)):
         assert seen == expected, f"rank {rank}"
         assert arrived, f"rank {rank}: a replica differs from its expert"
-
