@@ -3,7 +3,8 @@ real gloo worlds of 4 and 8 ranks.
 
 One process spawn per world size runs every case: direct, relay and adaptive schedules, fan-out R-1,
 odd chunk counts (90 elements in chunks of 13 = 7 chunks), one chunk, local replicas, empty plans,
-bf16 weights, bf16 and fp32 main grads, strided main weights and hosted gradients, bad inputs, and
+bf16 weights, uint8 weights in a layout of their own (quantized parameters), bf16 and fp32 main
+grads, strided main weights and hosted gradients, bad inputs, and
 the asynchronous handle API (transfers in flight together, waited out of order).
 
 Every rank regenerates every expert's tensors from seeds (``dataplane_helpers``), so expectations
@@ -454,6 +455,49 @@ def check_handles(rank, world_size, comm_stream=None) -> list[str]:
     return failures
 
 
+def _weight_bytes(seed: int, expert: int) -> list[torch.Tensor]:
+    """An expert's weights in a layout of their own: the bytes of its fp32 tensors (as fp8 data
+    would be) and 12 bytes standing for its scales; uint8 ``[360]``, ``[12]``."""
+    scales = torch.arange(12, dtype=torch.uint8) + 3 * expert + seed
+    return [flat(expert_weights(seed, expert)).view(torch.uint8), scales]
+
+
+def check_weight_layout(rank, world_size) -> list[str]:
+    """A buffer whose weights (376 bytes per expert) are laid out apart from its gradients (90 fp32
+    values): chunks, relay rounds and tags of the distribution follow the weights' size, the
+    reduction the gradients' (quantized parameters: uint8 weights, fp32 gradients)."""
+    num_experts, seed = 2 * world_size, 5
+    plan = random_plan(world_size, num_experts, 2, seed=seed, hot_expert=1, local_replica=True)
+    buffer = ReplicaBuffer(2, SHAPES, torch.uint8, weight_shapes=[(360,), (12,)], chunk_numel=13,
+                           relay="always", relay_threshold=1)
+    failures = []
+    if buffer.replica_weights.shape != (2, 372) or buffer.replica_grads.shape != (2, 90):
+        failures.append(f"buffers {buffer.replica_weights.shape}, {buffer.replica_grads.shape}")
+    sched = buffer.schedule(plan, num_experts)
+    resized = sched.with_expert_numel(372)
+    if sched.expert_numel != 90 or resized.expert_numel != 372 or sched.with_expert_numel(372) is not resized:
+        failures.append("the weight schedule is not the gradient schedule resized once")
+    if not sched.uses_relay or resized.num_rounds != 30 or sched.num_rounds != 8:
+        failures.append(f"rounds {sched.num_rounds}, {resized.num_rounds}: the relayed chunks do not follow the size")
+    main = [_weight_bytes(seed, 2 * rank + j) for j in range(2)]
+    for attempt in range(2):  # the second: a re-materialization after the buffer was overwritten
+        buffer.replica_weights.fill_(111)
+        buffer.distribute_weights(sched, main)
+        for s, e in enumerate(plan[rank].tolist()):
+            want = flat(_weight_bytes(seed, e)) if e >= 0 else torch.full((372,), 111, dtype=torch.uint8)
+            if not torch.equal(buffer.replica_weights[s], want):
+                failures.append(f"attempt {attempt}: slot {s} (expert {e}) holds other bytes")
+            if e >= 0 and not torch.equal(buffer.weight_views(s)[1], _weight_bytes(seed, e)[1]):
+                failures.append(f"slot {s}: its scale view is not the expert's")
+    grads = [main_grad(seed, 2 * rank + j, True) for j in range(2)]
+    buffer.replica_grads.copy_(torch.stack([replica_grad(seed, rank, s, True) for s in range(2)]))
+    buffer.reduce_gradients(sched, grads)
+    for j in range(2):
+        if not torch.equal(flat(grads[j]), expected_grad(rank, plan, num_experts, seed, j, True).float()):
+            failures.append(f"main grad of local expert {j} != main + sum of replicas")
+    return failures
+
+
 def run_all(rank: int, world_size: int) -> dict[str, list[str]]:
     """Entry point per rank: case name -> failures seen by this rank."""
     results = {}
@@ -473,6 +517,7 @@ def run_all(rank: int, world_size: int) -> dict[str, list[str]]:
     results["replica-buffer"] = check_replica_buffer(rank, world_size)
     results["replica-buffer-async"] = check_buffer_async(rank, world_size)
     results["tensor-layouts"] = check_tensor_layouts(rank, world_size)
+    results["weight-layout"] = check_weight_layout(rank, world_size)
     results["handles"] = check_handles(rank, world_size)
     # The same with the transfers handed to a HostCommStream (the CPU's stand-in for a communication stream).
     results["handles-host-comm-stream"] = check_handles(rank, world_size, HostCommStream())
@@ -483,7 +528,7 @@ def run_all(rank: int, world_size: int) -> dict[str, list[str]]:
 @pytest.mark.parametrize("world_size", [4, 8])
 def test_distribution_and_reduction(world_size):
     per_rank = run_world(world_size, run_all)
-    expected_cases = {c["name"] for c in plan_cases(world_size)} | {"bad-inputs", "replica-buffer", "replica-buffer-async", "tensor-layouts", "handles",
+    expected_cases = {c["name"] for c in plan_cases(world_size)} | {"bad-inputs", "replica-buffer", "replica-buffer-async", "tensor-layouts", "weight-layout", "handles",
                                                                  "handles-host-comm-stream"}
     for rank, results in enumerate(per_rank):
         assert set(results) == expected_cases

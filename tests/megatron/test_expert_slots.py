@@ -7,7 +7,14 @@ TEGroupedMLP); here the layout rules themselves, on small stand-in modules with 
 import pytest
 import torch
 
-from ultraep_megatron.megatron.expert_slots import ExpertParamLookup, expert_param_names
+import toy_fp8
+from ultraep_megatron.dataplane import expert_views
+from ultraep_megatron.megatron.expert_slots import (
+    PART_ALIGNMENT,
+    ExpertParamLookup,
+    ExpertWeightLayout,
+    expert_param_names,
+)
 
 
 def expert_params(module, names):
@@ -91,3 +98,65 @@ def test_the_lookup_refuses_a_name_that_is_no_parameter():
     names[0][0] = names[0][0].replace("weight", "bias")  # the stand-in's linears have no bias
     with pytest.raises(ValueError, match="not a parameter"):
         ExpertParamLookup(module, names)
+
+
+def test_high_precision_weights_move_as_the_parameters_themselves():
+    expert = [torch.randn(6, 4), torch.randn(4, 3)]
+    layout = ExpertWeightLayout(expert)
+    assert not layout.quantized and layout.dtype == torch.float32
+    assert layout.shapes == [torch.Size([6, 4]), torch.Size([4, 3])]
+    assert layout.main_weights(expert) == expert
+    slot = torch.randn(36)
+    views = expert_views(slot, layout.shapes)
+    replica = layout.replica_weights(views, None)
+    assert all(r.data_ptr() == v.data_ptr() and r.grad_fn is None for r, v in zip(replica, views))
+
+
+@pytest.mark.parametrize("recipe", toy_fp8.CURRENT_SCALING_RECIPES)
+def test_quantized_weights_move_as_aligned_bytes_and_come_back_bit_for_bit(recipe):
+    """``--fp8-param-gather``: a quantized expert (TE's QuantizedTensor contract, here the toy
+    classes; beside it a plain bias) moves as the bytes of its storage tensors, each part at a
+    16-byte offset; the replica rebuilt over a slot holding them has its main expert's storages bit
+    for bit, as views of the slot, and the metadata of the expert it was modelled on otherwise."""
+    quantizer = toy_fp8.ToyQuantizer(recipe)
+    gen = torch.Generator().manual_seed(3)
+
+    def make_expert():
+        return [quantizer.quantize(torch.randn(64, 32, generator=gen)),
+                quantizer.quantize(torch.randn(32, 64, generator=gen)), torch.randn(7, generator=gen)]
+
+    expert, other = make_expert(), make_expert()
+    layout = ExpertWeightLayout(expert)
+    assert layout.quantized and layout.dtype == torch.uint8
+    sizes = [s.numel() for s in layout.shapes]
+    starts = [sum(sizes[:i]) for i, pad in enumerate(layout.padding) if pad is None]
+    assert all(start % PART_ALIGNMENT == 0 for start in starts) and sum(sizes) % PART_ALIGNMENT == 0
+    keys = [key for parts in layout.parts for key, _, _ in parts]
+    kept = {"tensorwise": ["data", "data_transpose", "fp8_scale_inv"]}.get(
+        recipe, ["columnwise_data", "columnwise_scale_inv", "rowwise_data", "rowwise_scale_inv"])
+    assert keys == kept * 2 + [None]
+
+    sent = layout.main_weights(expert)
+    assert [t.shape for t in sent] == layout.shapes and all(t.dtype == torch.uint8 for t in sent)
+    buffer = torch.full((2, sum(sizes)), 0xAB, dtype=torch.uint8)  # slot 1 receives, as the data plane would
+    views = expert_views(buffer[1], layout.shapes)
+    for view, tensor in zip(views, sent):
+        view.copy_(tensor)
+    replica = layout.replica_weights(views, other)
+    lo, hi = buffer[1].data_ptr(), buffer[1].data_ptr() + sum(sizes)
+    for rebuilt, main in zip(replica[:2], expert[:2]):
+        assert type(rebuilt) is type(main) and rebuilt.shape == main.shape and rebuilt.dtype == main.dtype
+        assert rebuilt.get_metadata()["quantizer"] is other[0].get_metadata()["quantizer"]
+        for key, value in main.get_metadata().items():
+            if isinstance(value, torch.Tensor):
+                got = rebuilt.get_metadata()[key]
+                assert got.dtype == value.dtype and got.shape == value.shape and lo <= got.data_ptr() < hi
+                assert torch.equal(got.view(torch.uint8), value.view(torch.uint8)), key
+        assert torch.equal(rebuilt.dequantize(), main.dequantize())
+        assert torch.equal(rebuilt.columnwise_values(), main.columnwise_values())
+    assert torch.equal(replica[2], expert[2]) and lo <= replica[2].data_ptr() < hi
+
+    # A parameter whose parts changed (its column-wise copy dropped) is refused, not misread.
+    rowwise_only = toy_fp8.ToyQuantizer(recipe, columnwise=False).quantize(torch.randn(64, 32, generator=gen))
+    with pytest.raises(ValueError, match="differ from the replica slots' layout"):
+        layout.main_weights([rowwise_only, *expert[1:]])

@@ -33,13 +33,14 @@ def ranks(tmp_path_factory):
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
-def comparisons(ranks, recipe: str, key: str) -> list[Comparison]:
+def comparisons(ranks, recipe: str, key: str, param: bool = False) -> list[Comparison]:
     """Every step's outputs, input gradients, router and expert gradients of both layers, ``key``
     (balanced, stale) against megatron's, each with its floor: megatron's layers on permuted tokens
     against themselves."""
     out = []
     for rank, result in enumerate(ranks):
-        runs = [result[f"{recipe}/{k}"]["steps"] for k in (key, "none", "none_permuted")]
+        prefix = f"{recipe}/param/" if param else f"{recipe}/"
+        runs = [result[f"{prefix}{k}"]["steps"] for k in (key, "none", "none_permuted")]
         for step, (actual, reference, permuted) in enumerate(zip(*runs)):
             quantities = [(f"{what} {mb}", actual[what][mb], reference[what][mb], permuted[what][mb])
                           for what in ("out", "dx") for mb in range(MICROBATCHES)]
@@ -76,6 +77,45 @@ def test_negative_control_a_cached_replica_cast_fails_the_comparison(ranks, reci
     failed = [c for c in compared if not c.passed]
     assert failed, "a stale replica cast changed nothing"
     print(f"\n{recipe} stale: {len(failed)} of {len(compared)} over tolerance, error/tolerance "
+          f"{min(c.ratio for c in failed):.3g} to {max(c.ratio for c in failed):.3g}")
+    assert max(c.ratio for c in failed) > 1e3 * NOISE_MULTIPLE, failed[:5]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_parameters_balanced_layers_give_megatrons_outputs_and_gradients(ranks, recipe):
+    """``--fp8-param-gather``: the main expert weights are quantized tensors (row- and column-wise
+    fp8 data and scales); the replicas receive their bytes and compute with them as they are, the
+    input gradient with the column-wise copy; replica gradients in fp32."""
+    compared = comparisons(ranks, recipe, "balanced", param=True)
+    print(f"\n{recipe} fp8 params: {summary(compared)}")
+    assert not failures(compared), failures(compared)
+    for result in ranks:
+        assert result[f"{recipe}/param/balanced"]["replica_grad_dtype"] == "torch.float32"
+        quantized = type(toy_fp8.ToyQuantizer(recipe).quantize(torch.zeros(32, 32))).__name__
+        assert all(result[f"{recipe}/param/{key}"]["weight_class"] == quantized
+                   for key in ("none", "none_permuted", "balanced")), quantized
+        assert result[f"{recipe}/balanced"]["weight_class"] == "Parameter"
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_replicas_hold_their_main_experts_quantized_bytes(ranks, recipe):
+    """Every quantized weight a replica call ran with holds its main expert's storage tensors bit
+    for bit (data, scales, column-wise copy); in the negative control (row-wise data moved alone,
+    stale scales and column-wise copy) they do not."""
+    matches = [m for result in ranks for m in result[f"{recipe}/param/balanced"]["byte_matches"]]
+    assert matches and all(matches), matches
+    stale = [m for result in ranks for m in result[f"{recipe}/param/stale_parts"]["byte_matches"]]
+    assert stale and not all(stale), stale
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_negative_control_stale_scales_and_columnwise_copies_fail_the_comparison(ranks, recipe):
+    """The replicas receive each quantized weight's row-wise fp8 data alone, with the scales and
+    column-wise copy of another expert (the first one moved): the comparison must fail."""
+    compared = comparisons(ranks, recipe, "stale_parts", param=True)
+    failed = [c for c in compared if not c.passed]
+    assert failed, "stale scales changed nothing"
+    print(f"\n{recipe} stale parts: {len(failed)} of {len(compared)} over tolerance, error/tolerance "
           f"{min(c.ratio for c in failed):.3g} to {max(c.ratio for c in failed):.3g}")
     assert max(c.ratio for c in failed) > 1e3 * NOISE_MULTIPLE, failed[:5]
 

@@ -42,6 +42,13 @@ The quantized weight enters the forward as ``w + (q(w) - w).detach()``: the outp
 gradient use the cast, the weight gradient flows to the high-precision weight (TE's wgrad is
 computed in high precision into the fp32 / bf16 gradient of the master weight).
 
+fp8 parameters (``config.fp8_param``, megatron's ``--fp8-param-gather``; in megatron TE's
+``fp8_model_init`` context around the layer's construction does this): every ``weight{i}`` is a
+quantized tensor (``toy_fp8.ToyQuantizedTensor``, TE's ``QuantizedTensor`` contract) with row- and
+column-wise copies, and the GEMMs compute with them as given, cast nowhere: the forward with the
+row-wise values, the input gradient with the column-wise ones, the weight gradient in high
+precision (returned as a plain tensor of the weight's shape and dtype, as TE's).
+
 Usage (megatron's MoELayer with grouped experts)::
 
     spec = grouped_moe_layer_spec()                 # partial(MoELayer, submodules=...)
@@ -88,6 +95,22 @@ __all__ = [
 ]
 
 
+class _QuantizedWeightLinear(torch.autograd.Function):
+    """``rows [T, in] @ weight.T`` for a quantized ``weight`` [out, in]: row-wise values forward,
+    column-wise values for the input gradient, a high-precision weight gradient. Saves the
+    quantized weight itself for the backward."""
+
+    @staticmethod
+    def forward(ctx, rows, weight):
+        ctx.save_for_backward(rows, weight)
+        return rows @ weight.dequantize(dtype=rows.dtype).t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, weight = ctx.saved_tensors
+        return grad @ weight.columnwise_values().to(grad.dtype), (grad.t() @ rows).to(weight.dtype)
+
+
 def grouped_matmul(
     rows: torch.Tensor,
     weights: Sequence[torch.Tensor],
@@ -114,7 +137,11 @@ def grouped_matmul(
         raise ValueError(f"tokens_per_expert sums to {sum(tokens_per_expert)}, "
                          f"but there are {rows.shape[0]} rows")
     chunks = torch.split(rows, list(tokens_per_expert))
-    if biases is None:
+    if isinstance(weights[0], toy_fp8.ToyQuantizedTensor):
+        outs = [_QuantizedWeightLinear.apply(chunk, weight) for chunk, weight in zip(chunks, weights)]
+        if biases is not None:
+            outs = [out + bias for out, bias in zip(outs, biases)]
+    elif biases is None:
         outs = [chunk @ weight.t() for chunk, weight in zip(chunks, weights)]
     else:
         outs = [torch.addmm(bias, chunk, weight.t())
@@ -237,6 +264,11 @@ class TorchGroupedLinear(torch.nn.Module):
                 )
             else:
                 _initialize_affine_weight_gpu(weight, init_method, partition_dim, is_expert=True)
+            if getattr(config, "fp8", None) and getattr(config, "fp8_param", False):
+                quantized = toy_fp8.ToyQuantizer(config.fp8_recipe).quantize(weight.data, requires_grad=True)
+                for attr, value in vars(weight).items():  # megatron's TP attributes
+                    setattr(quantized, attr, value)
+                weight = torch.nn.Parameter(quantized)
             self.register_parameter(f"weight{i}", weight)
             if bias:
                 bias_param = torch.nn.Parameter(
@@ -289,8 +321,8 @@ class TorchGroupedLinear(torch.nn.Module):
         """The weights the GEMMs use: the parameters, or under fp8 their casts (TE's caching
         contract, module docstring)."""
         weights = self.weights()
-        if not getattr(self.config, "fp8", None):
-            return weights
+        if not getattr(self.config, "fp8", None) or isinstance(weights[0], toy_fp8.ToyQuantizedTensor):
+            return weights  # fp8 parameters: TE computes with them as they are (nothing to cast)
         if is_first_microbatch is False and self._fp8_weight_cache is not None:
             casts = self._fp8_weight_cache
         else:

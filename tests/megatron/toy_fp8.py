@@ -45,30 +45,237 @@ def _round_e4m3(scaled: torch.Tensor) -> torch.Tensor:
     return scaled.to(torch.float8_e4m3fn).to(scaled.dtype)
 
 
-def quantize_weight(weight: torch.Tensor, recipe: str) -> torch.Tensor:
-    """The dequantized fp8 value of ``weight`` [out, in] under ``recipe`` (same shape and dtype):
-    what a GEMM on the quantized weight computes with."""
+def _row_quantization(weight: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` [out, in] quantized along its rows: (e4m3 values ``float8_e4m3fn`` [out, in], fp32
+    dequantization scales: [1] per tensor, [out / BLOCK, in / BLOCK] per block, or powers of two
+    [out, in / MX_BLOCK])."""
     w = weight.detach().float()
+    tiny = torch.finfo(torch.float32).tiny
     if recipe == "tensorwise":
-        scale = (w.abs().amax() / E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny)
-        return (_round_e4m3(w / scale) * scale).to(weight.dtype)
+        scale = (w.abs().amax() / E4M3_MAX).clamp_min(tiny)
+        return (w / scale).to(torch.float8_e4m3fn), scale.reshape(1)
+    out_dim, in_dim = w.shape
     if recipe == "blockwise":
-        out_dim, in_dim = w.shape
         if out_dim % BLOCK or in_dim % BLOCK:
             raise ValueError(f"blockwise: weight {tuple(w.shape)} is not a multiple of {BLOCK}")
         blocks = w.view(out_dim // BLOCK, BLOCK, in_dim // BLOCK, BLOCK)
-        scale = (blocks.abs().amax(dim=(1, 3), keepdim=True) / E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny)
-        return (_round_e4m3(blocks / scale) * scale).view_as(w).to(weight.dtype)
+        scale = (blocks.abs().amax(dim=(1, 3), keepdim=True) / E4M3_MAX).clamp_min(tiny)
+        return (blocks / scale).to(torch.float8_e4m3fn).view_as(w), scale.view(out_dim // BLOCK, in_dim // BLOCK)
     if recipe == "mxfp8":
-        out_dim, in_dim = w.shape
         if in_dim % MX_BLOCK:
             raise ValueError(f"mxfp8: input dimension {in_dim} is not a multiple of {MX_BLOCK}")
         blocks = w.view(out_dim, in_dim // MX_BLOCK, MX_BLOCK)
-        amax = blocks.abs().amax(dim=2, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+        amax = blocks.abs().amax(dim=2, keepdim=True).clamp_min(tiny)
         scale = torch.exp2(torch.ceil(torch.log2(amax / E4M3_MAX)))  # power of two, E8M0
-        return (_round_e4m3(blocks / scale) * scale).view_as(w).to(weight.dtype)
+        return (blocks / scale).to(torch.float8_e4m3fn).view_as(w), scale.view(out_dim, in_dim // MX_BLOCK)
     raise ValueError(f"toy fp8 quantizer: recipe {recipe!r} is not a current-scaling recipe "
                      f"({', '.join(CURRENT_SCALING_RECIPES)})")
+
+
+def _row_values(data: torch.Tensor, scale: torch.Tensor, recipe: str) -> torch.Tensor:
+    """fp32 values of row-quantized ``data`` (e4m3, [out, in]) with its ``scale``."""
+    values = data.float()
+    out_dim, in_dim = values.shape
+    if recipe == "tensorwise":
+        return values * scale
+    if recipe == "blockwise":
+        blocks = values.view(out_dim // BLOCK, BLOCK, in_dim // BLOCK, BLOCK)
+        return (blocks * scale.view(out_dim // BLOCK, 1, in_dim // BLOCK, 1)).view_as(values)
+    return (values.view(out_dim, in_dim // MX_BLOCK, MX_BLOCK) * scale.unsqueeze(-1)).view_as(values)
+
+
+def quantize_weight(weight: torch.Tensor, recipe: str) -> torch.Tensor:
+    """The dequantized fp8 value of ``weight`` [out, in] under ``recipe`` (same shape and dtype):
+    what a GEMM on the quantized weight computes with."""
+    return _row_values(*_row_quantization(weight, recipe), recipe).to(weight.dtype)
+
+
+# -- quantized parameters (--fp8-param-gather) -------------------------------------------------------
+
+def _e4m3_bytes(values: torch.Tensor) -> torch.Tensor:
+    return values.view(torch.uint8)  # TE keeps fp8 data as uint8
+
+
+def _e4m3(data: torch.Tensor) -> torch.Tensor:
+    return data.view(torch.float8_e4m3fn)
+
+
+class ToyQuantizer:
+    """A weight quantizer of ``recipe`` (TE's ``Quantizer``: ``quantize(tensor)`` -> a quantized
+    tensor; ``rowwise_usage`` / ``columnwise_usage``: which copies it keeps)."""
+
+    def __init__(self, recipe: str, *, columnwise: bool = True):
+        if recipe not in CURRENT_SCALING_RECIPES:
+            raise ValueError(f"recipe {recipe!r}: the toy quantizer has current scaling only")
+        self.recipe, self.rowwise_usage, self.columnwise_usage = recipe, True, columnwise
+
+    def storages(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The storage tensors of ``weight`` [out, in] quantized, keyed as the quantized class's
+        constructor takes them."""
+        return QUANTIZED_CLASSES[self.recipe].storages_of(weight, self)
+
+    def quantize(self, weight: torch.Tensor, *, requires_grad: bool = False) -> "ToyQuantizedTensor":
+        cls = QUANTIZED_CLASSES[self.recipe]
+        return cls(shape=weight.shape, dtype=weight.dtype, requires_grad=requires_grad, fp8_dtype="e4m3",
+                   quantizer=self, **self.storages(weight))
+
+
+class ToyQuantizedTensor(torch.Tensor):
+    """A quantized weight as TE's ``QuantizedTensor``: a wrapper subclass with the high-precision
+    shape and dtype whose values live in storage tensors (attributes ``STORAGES``); ``get_metadata()``
+    returns the constructor's keyword arguments, so ``type(t)(shape=, dtype=, requires_grad=,
+    **t.get_metadata())`` rebuilds it; ``dequantize()`` gives the row-wise values. Ordinary torch
+    ops see the dequantized values; ``copy_`` into it quantizes the source into its storages in
+    place (what megatron's optimizer does to fp8 parameters after its step); ``detach`` shares them.
+
+    The GEMMs of :mod:`torch_grouped_linear` use the row-wise copy for the forward and the
+    column-wise one (:meth:`columnwise_values`) for the input gradient, as TE's kernels do.
+    """
+
+    #: constructor keyword -> attribute, for the storage tensors (``None`` where not kept).
+    STORAGES: dict[str, str] = {}
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, *, shape, dtype, requires_grad=False, fp8_dtype="e4m3", quantizer=None, **storages):
+        present = [t for t in storages.values() if t is not None]
+        self = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=present[0].device,
+                                                   requires_grad=requires_grad)
+        for key, attr in cls.STORAGES.items():
+            setattr(self, attr, storages.get(key))
+        self._fp8_dtype, self._quantizer = fp8_dtype, quantizer
+        return self
+
+    def get_metadata(self) -> dict:
+        return {**{key: getattr(self, attr) for key, attr in self.STORAGES.items()},
+                "fp8_dtype": self._fp8_dtype, "quantizer": self._quantizer}
+
+    @classmethod
+    def storages_of(cls, weight: torch.Tensor, quantizer: ToyQuantizer) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def dequantize(self, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return self._rowwise_values().to(dtype or self.dtype)
+
+    def columnwise_values(self) -> torch.Tensor:
+        """[out, in] values of the column-wise copy (the row-wise ones where none is kept)."""
+        return self._rowwise_values()
+
+    def _rowwise_values(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten.detach.default:
+            (tensor,) = args
+            return type(tensor)(shape=tensor.shape, dtype=tensor.dtype, **tensor.get_metadata())
+        if func is torch.ops.aten.copy_.default and isinstance(args[0], ToyQuantizedTensor):
+            target, source = args[0], args[1]
+            if isinstance(source, ToyQuantizedTensor):
+                source = source.dequantize()
+            fresh = target._quantizer.storages(source.to(target.dtype))
+            for key, attr in target.STORAGES.items():
+                if getattr(target, attr) is not None:
+                    getattr(target, attr).copy_(fresh[key])
+            return target
+
+        def plain(value):
+            return value.dequantize() if isinstance(value, ToyQuantizedTensor) else value
+
+        return func(*torch.utils._pytree.tree_map(plain, args), **torch.utils._pytree.tree_map(plain, kwargs))
+
+    def __repr__(self):
+        return f"{type(self).__name__}(shape={tuple(self.shape)}, dtype={self.dtype})"
+
+
+class ToyFloat8Tensor(ToyQuantizedTensor):
+    """``tensorwise`` (TE's ``Float8Tensor``): ``_data`` uint8 [out, in], ``_scale_inv`` fp32 [1],
+    ``_transpose`` uint8 [in, out] (the column-wise copy) or ``None``."""
+
+    STORAGES = {"data": "_data", "fp8_scale_inv": "_scale_inv", "data_transpose": "_transpose"}
+
+    @classmethod
+    def storages_of(cls, weight, quantizer):
+        data, scale = _row_quantization(weight, "tensorwise")
+        transpose = _e4m3_bytes(data.t().contiguous()) if quantizer.columnwise_usage else None
+        return {"data": _e4m3_bytes(data), "fp8_scale_inv": scale, "data_transpose": transpose}
+
+    def _rowwise_values(self):
+        return _e4m3(self._data).float() * self._scale_inv
+
+    def columnwise_values(self):
+        if self._transpose is None:
+            return self._rowwise_values()
+        return (_e4m3(self._transpose).float() * self._scale_inv).t()
+
+
+class ToyBlockwiseTensor(ToyQuantizedTensor):
+    """``blockwise`` (TE's ``Float8BlockwiseQTensor``): ``_rowwise_data`` uint8 [out, in] with
+    ``_rowwise_scale_inv`` fp32 [out / B, in / B]; ``_columnwise_data`` uint8 [in, out] (the
+    transpose, quantized in its own blocks) with ``_columnwise_scale_inv`` [in / B, out / B]."""
+
+    STORAGES = {"rowwise_data": "_rowwise_data", "rowwise_scale_inv": "_rowwise_scale_inv",
+                "columnwise_data": "_columnwise_data", "columnwise_scale_inv": "_columnwise_scale_inv"}
+
+    @classmethod
+    def storages_of(cls, weight, quantizer):
+        data, scale = _row_quantization(weight, "blockwise")
+        out = {"rowwise_data": _e4m3_bytes(data), "rowwise_scale_inv": scale,
+               "columnwise_data": None, "columnwise_scale_inv": None}
+        if quantizer.columnwise_usage:
+            column_data, column_scale = _row_quantization(weight.t(), "blockwise")
+            out.update(columnwise_data=_e4m3_bytes(column_data), columnwise_scale_inv=column_scale)
+        return out
+
+    def _rowwise_values(self):
+        return _row_values(_e4m3(self._rowwise_data), self._rowwise_scale_inv, "blockwise")
+
+    def columnwise_values(self):
+        if self._columnwise_data is None:
+            return self._rowwise_values()
+        return _row_values(_e4m3(self._columnwise_data), self._columnwise_scale_inv, "blockwise").t()
+
+
+class ToyMXFP8Tensor(ToyQuantizedTensor):
+    """``mxfp8`` (TE's ``MXFP8Tensor``): ``_rowwise_data`` uint8 [out, in] with ``_rowwise_scale_inv``
+    uint8 E8M0 [out, in / 32] (1 x 32 blocks); ``_columnwise_data`` uint8 [out, in] quantized in
+    32 x 1 blocks with ``_columnwise_scale_inv`` uint8 [out / 32, in]: other values than the
+    row-wise copy's, which TE's input-gradient GEMM uses."""
+
+    STORAGES = {"rowwise_data": "_rowwise_data", "rowwise_scale_inv": "_rowwise_scale_inv",
+                "columnwise_data": "_columnwise_data", "columnwise_scale_inv": "_columnwise_scale_inv"}
+
+    @staticmethod
+    def _e8m0(scale: torch.Tensor) -> torch.Tensor:
+        return (torch.log2(scale) + 127).round().to(torch.uint8)
+
+    @staticmethod
+    def _scale(e8m0: torch.Tensor) -> torch.Tensor:
+        return torch.exp2(e8m0.float() - 127)
+
+    @classmethod
+    def storages_of(cls, weight, quantizer):
+        data, scale = _row_quantization(weight, "mxfp8")
+        out = {"rowwise_data": _e4m3_bytes(data), "rowwise_scale_inv": cls._e8m0(scale),
+               "columnwise_data": None, "columnwise_scale_inv": None}
+        if quantizer.columnwise_usage:
+            column_data, column_scale = _row_quantization(weight.t(), "mxfp8")  # [in, out], 1 x 32 along out
+            out.update(columnwise_data=_e4m3_bytes(column_data.t().contiguous()),
+                       columnwise_scale_inv=cls._e8m0(column_scale).t().contiguous())
+        return out
+
+    def _rowwise_values(self):
+        return _row_values(_e4m3(self._rowwise_data), self._scale(self._rowwise_scale_inv), "mxfp8")
+
+    def columnwise_values(self):
+        if self._columnwise_data is None:
+            return self._rowwise_values()
+        return _row_values(_e4m3(self._columnwise_data).t(), self._scale(self._columnwise_scale_inv).t(),
+                           "mxfp8").t()
+
+
+QUANTIZED_CLASSES = {"tensorwise": ToyFloat8Tensor, "blockwise": ToyBlockwiseTensor, "mxfp8": ToyMXFP8Tensor}
 
 
 def align_size(recipe: str) -> int:

@@ -38,7 +38,7 @@ __all__ = ["ReplicaBuffer"]
 class ReplicaBuffer:
     """Replica state shared by all MoE layers of a model, plus the transfers that fill and drain it.
 
-    Owns ``replica_weights`` ``[num_slots, expert_numel]`` (weight dtype) and ``replica_grads``
+    Owns ``replica_weights`` ``[num_slots, weight_numel]`` (weight dtype) and ``replica_grads``
     ``[num_slots, expert_numel]`` (grad dtype, each hosted slot written by the caller before a
     reduction), and the stream its transfers run on, ``comm_stream`` (on CUDA a stream of its own,
     on the CPU a :class:`HostCommStream`; ``None``: issued from the caller's thread). Typical use per
@@ -56,6 +56,11 @@ class ReplicaBuffer:
     rank of a lazily created communicator to take part in the first batched P2P call, which a
     schedule does not guarantee: ranks without edges skip a round).
 
+    The weights may have a layout of their own (``weight_shapes``, e.g. the bytes of quantized
+    weights: fp8 data plus scales, as uint8), distinct from the gradients' (``expert_shapes``, the
+    high-precision shapes); by default both are ``expert_shapes``. Schedules are built for the
+    gradient layout; :meth:`distribute_weights` moves the weight layout along the same edges.
+
     Its transfers' message tags carry its own sequence numbers (:mod:`.tags`): on gloo, two buffers
     sharing a group must not have transfers in flight together.
     """
@@ -72,6 +77,7 @@ class ReplicaBuffer:
         chunk_numel: int = DEFAULT_CHUNK_NUMEL,
         relay: str = "adaptive",
         relay_threshold: int = DEFAULT_RELAY_THRESHOLD,
+        weight_shapes: Sequence[Sequence[int]] | None = None,
     ) -> None:
         if not isinstance(num_slots, int) or num_slots < 0:
             raise ValueError(f"num_slots must be a non-negative int, got {num_slots!r}")
@@ -79,6 +85,11 @@ class ReplicaBuffer:
         if not self.expert_shapes:
             raise ValueError("expert_shapes must list at least one tensor shape")
         self.expert_numel = sum(s.numel() for s in self.expert_shapes)
+        self.weight_shapes = ([torch.Size(s) for s in weight_shapes] if weight_shapes is not None
+                              else list(self.expert_shapes))
+        if not self.weight_shapes:
+            raise ValueError("weight_shapes must list at least one tensor shape")
+        self.weight_numel = sum(s.numel() for s in self.weight_shapes)
         self.group = group
         self.chunk_numel = chunk_numel
         self.relay = relay
@@ -86,7 +97,7 @@ class ReplicaBuffer:
         self._schedules = ScheduleCache(self.SCHEDULE_CACHE_SIZE)
         self._checked_schedules: "weakref.WeakSet[TransferSchedule]" = weakref.WeakSet()
         self._tags = TagSequence()  # numbers this buffer's transfers, in call order
-        self.replica_weights = torch.zeros(num_slots, self.expert_numel, dtype=weight_dtype, device=device)
+        self.replica_weights = torch.zeros(num_slots, self.weight_numel, dtype=weight_dtype, device=device)
         self.replica_grads = torch.zeros(num_slots, self.expert_numel, dtype=grad_dtype, device=device)
         on_cuda = self.replica_weights.is_cuda
         self.comm_stream = torch.cuda.Stream(device=self.replica_weights.device) if on_cuda else HostCommStream()
@@ -119,8 +130,8 @@ class ReplicaBuffer:
                 on every rank.
             main_weights: this rank's ``E // R`` main experts, each a sequence of tensors (e.g.
                 ``[linear_fc1.weight, linear_fc2.weight]``), in local-expert order, in the dtype of
-                ``replica_weights``. Slots hosting a replica are overwritten, other slots are left
-                alone.
+                ``replica_weights`` and shaped as ``weight_shapes``. Slots hosting a replica are
+                overwritten, other slots are left alone.
             async_op: return a :class:`~.handle.TransferHandle` instead of waiting. The main
                 weights and the slots being written must not be modified, nor the slots read,
                 before ``wait()``.
@@ -130,8 +141,9 @@ class ReplicaBuffer:
         order of the calls: an asynchronous one returns once handed over, and its bad inputs raise
         in ``wait()`` (still before any communication); elsewhere they raise here. See
         :func:`~.distribute._distribute_weights`."""
+        schedule = schedule.with_expert_numel(self.weight_numel)  # the same schedule by default
         if isinstance(self.comm_stream, HostCommStream):
-            self._before_hand_over(schedule, start_after)
+            self._before_hand_over(schedule, start_after, len(self.weight_shapes))
             return self._on_host_stream(lambda: _distribute_weights(
                 schedule, main_weights, self.replica_weights, group=self.group, tags=self._tags,
                 async_op=True)._completed(finish=True), async_op)
@@ -168,7 +180,7 @@ class ReplicaBuffer:
         the stream's thread, as :meth:`distribute_weights`; without ``fold_on_stream`` the fold
         still waits for ``wait()``, on the caller's thread."""
         if isinstance(self.comm_stream, HostCommStream):
-            self._before_hand_over(schedule, start_after)
+            self._before_hand_over(schedule, start_after, len(self.expert_shapes))
             return self._on_host_stream(lambda: _reduce_gradients(
                 schedule, main_grads, self.replica_grads, group=self.group, tags=self._tags, async_op=True,
                 hosted_grads=hosted_grads)._completed(finish=fold_on_stream), async_op)
@@ -177,14 +189,15 @@ class ReplicaBuffer:
                                  comm_stream=self.comm_stream, hosted_grads=hosted_grads,
                                  fold_on_stream=fold_on_stream)
 
-    def _before_hand_over(self, schedule: TransferSchedule, start_after: TransferHandle | None) -> None:
+    def _before_hand_over(self, schedule: TransferSchedule, start_after: TransferHandle | None,
+                          tensors_per_expert: int) -> None:
         """Before handing a call to the HostCommStream, on the caller's thread: wait for
         ``start_after``, and refuse a schedule of another group at the call, not in ``wait()``."""
         if start_after is not None:
             start_after.wait()
         if schedule not in self._checked_schedules:  # immutable, and recurring (the schedule cache)
             _check_schedule(schedule, _group_rank(self.group)[1])
-            _check_tag_space(schedule, len(self.expert_shapes))
+            _check_tag_space(schedule, tensors_per_expert)
             self._checked_schedules.add(schedule)
 
     def _on_host_stream(self, call: Callable[[], TransferHandle], async_op: bool) -> TransferHandle | None:
@@ -198,7 +211,7 @@ class ReplicaBuffer:
         return None
 
     def weight_views(self, slot: int) -> list[torch.Tensor]:
-        """Views of replica slot ``slot`` shaped like one expert's tensors."""
+        """Views of replica slot ``slot`` shaped as ``weight_shapes``."""
         return self._views[0][slot]
 
     def grad_views(self, slot: int) -> list[torch.Tensor]:
@@ -209,6 +222,7 @@ class ReplicaBuffer:
     def _views(self) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
         # Made once: the buffers live as long as this object, and every replica forward and
         # backward asks for them.
-        return tuple([expert_views(buffer[s], self.expert_shapes) for s in range(self.num_slots)]
-                     for buffer in (self.replica_weights, self.replica_grads))
+        return tuple([expert_views(buffer[s], shapes) for s in range(self.num_slots)]
+                     for buffer, shapes in ((self.replica_weights, self.weight_shapes),
+                                            (self.replica_grads, self.expert_shapes)))
 

@@ -25,6 +25,7 @@ Relay trees (which experts get one, which hosts relay, which leaves each feeds) 
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -134,6 +135,7 @@ class TransferSchedule:
     local_slot: torch.Tensor
     relayed_experts: torch.Tensor
     _rank_transfers: dict = field(default_factory=dict, repr=False, compare=False)
+    _resized: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_ranks(self) -> int:
@@ -168,6 +170,21 @@ class TransferSchedule:
         if self.num_edges == 0:
             return 0
         return self.num_chunks + 1 if self.uses_relay else 1
+
+    def with_expert_numel(self, expert_numel: int) -> "TransferSchedule":
+        """The same edges, relay trees and local copies for an expert state of ``expert_numel``
+        elements (e.g. the weights' bytes where they differ from the gradients' layout): chunk
+        ranges, rounds and tag counts follow from it. Made once per size and kept on this schedule,
+        so every rank (same plan, same sizes) derives the same one."""
+        if expert_numel == self.expert_numel:
+            return self
+        if not isinstance(expert_numel, int) or expert_numel < 1:
+            raise ValueError(f"expert_numel must be a positive int, got {expert_numel!r}")
+        resized = self._resized.get(expert_numel)
+        if resized is None:  # the per-rank edges do not depend on the size: shared
+            resized = self._resized[expert_numel] = dataclasses.replace(
+                self, expert_numel=expert_numel, _rank_transfers=self._rank_transfers, _resized={})
+        return resized
 
     def home_rank(self, expert: torch.Tensor | int):
         """Home rank(s) of logical expert(s)."""

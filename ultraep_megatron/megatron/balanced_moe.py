@@ -63,7 +63,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from ultraep_megatron.megatron.capabilities import unsupported_moe_settings
 from ultraep_megatron.megatron.context import BalancingContext
 from ultraep_megatron.megatron.dispatchers import balanced_dispatcher_class
-from ultraep_megatron.megatron.expert_slots import ExpertParamLookup, expert_param_names
+from ultraep_megatron.megatron.expert_slots import ExpertParamLookup, ExpertWeightLayout, expert_param_names
 from ultraep_megatron.megatron.layer_ids import moe_layer_id
 from ultraep_megatron.megatron.replica_autograd import ReduceReplicaGrads, StartInBackward, run_replicas_in_graph
 from ultraep_megatron.megatron.router_topk import install_topk_tap, topk_indices
@@ -99,7 +99,10 @@ class BalancedMoELayer(MoELayer):
         self.expert_param_names = expert_param_names(self.experts, self.num_local_experts)
         self._lookup_main_params = ExpertParamLookup(self.experts, self.expert_param_names)
         first = self._lookup_main_params()[0]
+        # The high-precision shapes: the replica gradients' layout, and the weights' unless the
+        # parameters are quantized (--fp8-param-gather), whose bytes move instead (the layout).
         self.expert_param_shapes = [(n, tuple(p.shape)) for n, p in zip(self.expert_param_names[0], first)]
+        self.expert_weight_layout = ExpertWeightLayout(first)
         self.balancer = balancing.config.build()
         self._main_params: Optional[List[List[torch.Tensor]]] = None
         # The modules holding the main experts' parameters (their forward pre-hooks, see
@@ -126,10 +129,19 @@ class BalancedMoELayer(MoELayer):
             return self._lookup_main_params()
         return self._main_params
 
+    def main_expert_weights(self) -> List[List[torch.Tensor]]:
+        """``[local expert][part]`` what the weight distribution moves: the parameters, or the bytes
+        of quantized ones (:class:`~ultraep_megatron.megatron.expert_slots.ExpertWeightLayout`)."""
+        layout = self.expert_weight_layout
+        return [layout.main_weights(params) for params in self.main_expert_param_lists()]
+
     def replica_weight_views(self) -> List[List[torch.Tensor]]:
-        """``[redundant slot][k]`` views of the shared weight buffer, shaped like this layer's experts."""
-        buffer = self.balancing.buffer
-        return [buffer.weight_views(s) for s in range(buffer.num_slots)]
+        """``[redundant slot][k]`` the replica experts' weights over the shared weight buffer, not
+        tracked by autograd as its views: the buffer's views shaped like this layer's experts, or
+        quantized parameters rebuilt over the bytes the slot holds."""
+        buffer, layout = self.balancing.buffer, self.expert_weight_layout
+        like = self.main_expert_param_lists()[0] if layout.quantized else None
+        return [layout.replica_weights(buffer.weight_views(s), like) for s in range(buffer.num_slots)]
 
     def run_replicas(self, slot_weights, tokens, probs, rows_per_slot: Sequence[int]) -> torch.Tensor:
         """Redundant slots' expert compute: [N, H] tokens sorted by slot -> [N, H] outputs."""

@@ -120,16 +120,19 @@ class BalancingContext:
     def register(self, layer) -> None:
         """Add a balanced MoE layer; the first one sizes the shared buffers."""
         shapes = [shape for _, shape in layer.expert_param_shapes]
-        param = layer.main_expert_param_lists()[0][0]
+        param, layout = layer.main_expert_param_lists()[0][0], layer.expert_weight_layout
         if self.buffer is None:
-            self.buffer = ReplicaBuffer(self.config.num_slots, shapes, param.dtype, device=param.device,
-                                        group=_data_plane_group(layer.token_dispatcher.ep_group))
+            # Replica gradients in the parameters' high-precision shapes; weights in the layout
+            # of what the main experts hold (bytes of quantized parameters).
+            self.buffer = ReplicaBuffer(self.config.num_slots, shapes, layout.dtype, device=param.device,
+                                        group=_data_plane_group(layer.token_dispatcher.ep_group),
+                                        weight_shapes=layout.shapes)
             if self.config.num_slots > 0:
                 # Built now, not at the first forward: by then the training loop has hung
                 # process-group handles on the config, which the experts' constructor cannot copy.
                 self.replica_experts = build_replica_experts(layer, self.config.num_slots)
         elif self.buffer.expert_shapes != [torch.Size(s) for s in shapes] or \
-                self.buffer.replica_weights.dtype != param.dtype:
+                self.buffer.weight_shapes != layout.shapes or self.buffer.replica_weights.dtype != layout.dtype:
             raise ValueError("UltraEP shares replica slots across the MoE layers of a model: all must "
                              "have the same expert shapes and dtype")
         self.layers.append(layer)
@@ -244,7 +247,7 @@ class BalancingContext:
         if invocation.schedule_builder is None or self.holder is invocation:
             return
         self._wait(self._transfer)
-        handle = self.buffer.distribute_weights(invocation.schedule, layer.main_expert_param_lists(),
+        handle = self.buffer.distribute_weights(invocation.schedule, layer.main_expert_weights(),
                                                 async_op=True)
         self.holder = invocation
         self._issued(handle)
@@ -287,7 +290,8 @@ class BalancingContext:
             replicated = set(invocation.replicated_local_experts)
             has_replica = [g in replicated for g in range(len(params))]
             zero = torch.zeros((), dtype=torch.float32, device=params[0][0].device)
-            targets = [[torch.zeros_like(p, dtype=torch.float32) if has else zero.expand(p.shape) for p in ps]
+            targets = [[torch.zeros(p.shape, dtype=torch.float32, device=p.device) if has else zero.expand(p.shape)
+                        for p in ps]
                        for ps, has in zip(params, has_replica)]
             fold_on_stream = True
         handle = self.buffer.reduce_gradients(invocation.schedule, targets, async_op=True,

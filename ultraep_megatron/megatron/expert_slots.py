@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import copy
 import re
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -68,6 +68,115 @@ class ExpertParamLookup:
     def __call__(self) -> List[List[torch.Tensor]]:
         """``[local expert][k]`` parameters, nested as the names."""
         return [[table[attr] for table, attr in per_expert] for per_expert in self._owners]
+
+
+def is_quantized(tensor) -> bool:
+    """Whether ``tensor`` is a quantized parameter of Transformer Engine's contract (``--fp8-param-gather``:
+    its ``QuantizedTensor`` classes), duck-typed: ``get_metadata()`` returns its constructor's keyword
+    arguments, storage tensors included, and ``type(t)(shape=, dtype=, requires_grad=, **metadata)``
+    rebuilds it."""
+    return callable(getattr(tensor, "get_metadata", None)) and callable(getattr(tensor, "dequantize", None))
+
+
+#: Byte alignment of each part of a quantized expert in a replica weight slot: a part's bytes can be
+#: reinterpreted as its own dtype (fp32 scales) in place, aligned as the GPU kernels load them.
+PART_ALIGNMENT = 16
+
+
+class ExpertWeightLayout:
+    """How one expert's weights lie in a redundant slot of the shared weight buffer, and how the
+    replica experts get them back.
+
+    High-precision parameters: the parameters themselves (``shapes``, their dtype); the gradient
+    layout is the same. Quantized parameters (``--fp8-param-gather``): bytes (``dtype`` uint8),
+    per parameter the tensor-valued entries of its ``get_metadata()`` (fp8 data, scales, row- and
+    column-wise where the recipe keeps both), in key order, each as its flat bytes starting at a
+    multiple of :data:`PART_ALIGNMENT` (padding parts between them; a plain parameter beside
+    quantized ones is one part). The replica weight transfer then moves exactly what the main
+    expert holds; the replica is rebuilt over the views (:meth:`replica_weights`).
+
+    Attributes:
+        quantized: whether the weights move as bytes.
+        dtype: the weight buffer's dtype.
+        shapes: ``[part]`` shapes of one slot's tensors, padding included (the data plane's
+            ``weight_shapes``).
+        parts: ``[parameter][part]`` ``(metadata key or None, dtype, shape)``; ``None`` per parameter
+            without quantization.
+        padding: per entry of ``shapes``: ``None`` for a part, the byte count of a padding entry.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor]):
+        self.quantized = any(is_quantized(p) for p in params)
+        self.dtype = torch.uint8 if self.quantized else params[0].dtype
+        self.shapes: List[torch.Size] = []
+        self.parts: List[Optional[List[Tuple[Optional[str], torch.dtype, torch.Size]]]] = []
+        self.padding: List[Optional[int]] = []
+        for p in params:
+            if not self.quantized:
+                self.parts.append(None)
+                self.shapes.append(torch.Size(p.shape))
+                self.padding.append(None)
+                continue
+            parts = _parts(p)
+            self.parts.append([(key, t.dtype, torch.Size(t.shape)) for key, t in parts])
+            for _, t in parts:
+                size = t.numel() * t.element_size()
+                self.shapes.append(torch.Size([size]))
+                self.padding.append(None)
+                if size % PART_ALIGNMENT:
+                    self.shapes.append(torch.Size([PART_ALIGNMENT - size % PART_ALIGNMENT]))
+                    self.padding.append(PART_ALIGNMENT - size % PART_ALIGNMENT)
+        self._zeros: Dict[Tuple[int, torch.device], torch.Tensor] = {}
+
+    def main_weights(self, params: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """One main expert's tensors as the weight buffer lays them out (``shapes``): its
+        parameters, or the bytes of their parts with padding. Raises where a parameter's parts
+        differ from the layout (host metadata only)."""
+        if not self.quantized:
+            return list(params)
+        out: List[torch.Tensor] = []
+        for p, layout in zip(params, self.parts):
+            parts = _parts(p)
+            if [(k, t.dtype, torch.Size(t.shape)) for k, t in parts] != layout:
+                raise ValueError(f"UltraEP: a quantized expert weight's parts {[(k, t.dtype, tuple(t.shape)) for k, t in parts]} "
+                                 f"differ from the replica slots' layout {layout}")
+            out += [t.reshape(-1).view(torch.uint8) for _, t in parts]
+        device = out[0].device
+        parts = iter(out)
+        return [next(parts) if pad is None else self._zero_bytes(pad, device) for pad in self.padding]
+
+    def replica_weights(self, views: Sequence[torch.Tensor], like: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """One redundant slot's weights for the replica experts, over the slot's ``views`` (the
+        weight buffer's, shaped as ``shapes``): the views (detached) for high-precision weights;
+        else each quantized parameter rebuilt as ``like``'s class (a main expert's parameter: its
+        non-tensor metadata, e.g. the quantizer) over its parts' bytes reinterpreted in place."""
+        if not self.quantized:
+            return [v.detach() for v in views]
+        parts = iter(v for v, pad in zip(views, self.padding) if pad is None)
+        out = []
+        for p, layout in zip(like, self.parts):
+            tensors = {key: next(parts).view(dtype).view(shape) for key, dtype, shape in layout}
+            if not is_quantized(p):
+                out.append(tensors[None])
+                continue
+            metadata = {**p.get_metadata(), **tensors}
+            out.append(type(p)(shape=p.shape, dtype=p.dtype, requires_grad=False, **metadata))
+        return out
+
+    def _zero_bytes(self, size: int, device: torch.device) -> torch.Tensor:
+        key = (size, device)
+        if key not in self._zeros:
+            self._zeros[key] = torch.zeros(size, dtype=torch.uint8, device=device)
+        return self._zeros[key]
+
+
+def _parts(param: torch.Tensor) -> List[Tuple[Optional[str], torch.Tensor]]:
+    """A parameter's storage tensors, ``(metadata key, tensor)`` in key order: the tensor-valued
+    entries of a quantized one's ``get_metadata()``; a plain one is its own part (key ``None``)."""
+    if not is_quantized(param):
+        return [(None, param.detach())]
+    metadata = param.get_metadata()
+    return [(key, metadata[key]) for key in sorted(metadata) if isinstance(metadata[key], torch.Tensor)]
 
 
 def build_replica_experts(layer, num_slots: int) -> "ReplicaExperts":
@@ -134,9 +243,14 @@ class ReplicaExperts:
 
     def __init__(self, module: torch.nn.Module, names: Sequence[Sequence[str]]):
         self.module, self.names = module, [list(slot) for slot in names]
-        for param in module.parameters():  # storage comes from the replica buffer at every call
-            param.data = param.data.new_empty(0)
         self._owners = [_owner(module, name) for slot in self.names for name in slot]
+        for table, attr in self._owners:  # storage comes from the replica buffer at every call
+            param = table[attr]
+            if is_quantized(param):  # built as quantized parameters (TE's fp8_model_init): an empty stand-in
+                table[attr] = torch.nn.Parameter(torch.empty(0, dtype=param.dtype, device=param.device),
+                                                 requires_grad=param.requires_grad)
+            else:
+                param.data = param.data.new_empty(0)
 
     def __call__(self, slot_weights: Sequence[Sequence[torch.Tensor]], tokens: torch.Tensor,
                  tokens_per_slot: Sequence[int], probs: torch.Tensor) -> torch.Tensor:

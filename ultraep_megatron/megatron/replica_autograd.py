@@ -13,10 +13,11 @@ Only the virtual layer id crosses to the backward when there is one (the ring ow
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List
+from typing import TYPE_CHECKING, List, NamedTuple
 
 import torch
 
+from ultraep_megatron.megatron.expert_slots import is_quantized
 from ultraep_megatron.megatron.invocation import Invocation
 from ultraep_megatron.megatron.native_torch import native_torch
 
@@ -107,7 +108,9 @@ class ReduceReplicaGrads(torch.autograd.Function):
 
 class ReplicaWeights(torch.autograd.Function):
     """The redundant slots' weights as tensors of the layer's autograd graph: views of the shared
-    weight buffer, flat (slot-major, ``expert_param_shapes`` order). The forward waits for the
+    weight buffer, or quantized tensors over its bytes with ``--fp8-param-gather``
+    (``BalancedMoELayer.replica_weight_views``), flat (slot-major, ``expert_param_shapes`` order).
+    Their gradients have the high-precision shapes. The forward waits for the
     invocation's weight distribution; the backward, once autograd has every replica weight
     gradient, starts their reduction towards the home ranks with them (which copies them into the
     shared fp32 gradient buffer on its stream; collective, so every rank runs it, with replica rows
@@ -115,7 +118,8 @@ class ReplicaWeights(torch.autograd.Function):
 
     The replica experts then run in the layer's graph (:func:`run_replicas_in_graph`), not in a
     graph of their own differentiated by a nested backward call. Their saved weights are stored as
-    (offset, shape, stride) of the buffer instead of being kept alive (saved-tensor hooks), because
+    (offset, shape, stride, dtype) of the buffer (a quantized one as its metadata over such views)
+    instead of being kept alive (saved-tensor hooks), because
     later layers overwrite the buffer; unpacking them waits for its re-materialization, so no replica
     activation is recomputed. ``tokens`` and ``probs`` (the replica rows and their router
     probabilities) get no gradient here: they make the weights need one whenever the replica output
@@ -126,7 +130,7 @@ class ReplicaWeights(torch.autograd.Function):
     either.)
 
     The weights are returned as aliases of the buffer that autograd does not track as views
-    (``detach``): later layers write the buffer in place, and autograd would refuse a tracked view
+    (``detach``, or quantized tensors built over it): later layers write the buffer in place, and autograd would refuse a tracked view
     of it afterwards (a custom function's view whose base changed), e.g. where a kernel keeps the
     weight tensors for its backward.
     """
@@ -136,7 +140,7 @@ class ReplicaWeights(torch.autograd.Function):
         _keep(ctx, layer, invocation)
         ctx.set_materialize_grads(False)  # an unused weight's gradient stays None, not a zero tensor
         layer.balancing.wait_weights(invocation)
-        return tuple(w.detach() for slot in layer.replica_weight_views() for w in slot)
+        return tuple(w for slot in layer.replica_weight_views() for w in slot)
 
     @staticmethod
     def backward(ctx, *weight_grads):
@@ -158,14 +162,38 @@ def run_replicas_in_graph(layer, invocation: Invocation, tokens: torch.Tensor, p
         return layer.run_replicas(weights, tokens, probs, invocation.replica_rows)
 
 
+class _BufferView(NamedTuple):
+    """A saved view of the replica weight buffer, as its geometry (in elements of its dtype)."""
+
+    offset: int
+    shape: tuple
+    stride: tuple
+    dtype: torch.dtype
+
+
+class _SavedQuantized(NamedTuple):
+    """A saved quantized weight (``--fp8-param-gather``; a wrapper without storage of its own): its
+    class, shape, dtype and ``get_metadata()``, storage tensors packed."""
+
+    cls: type
+    shape: tuple
+    dtype: torch.dtype
+    metadata: dict
+
+
 def _buffer_packer(buffer: torch.Tensor):
-    """Saved-tensor pack hook: a view of ``buffer`` is saved as its geometry, not its storage."""
+    """Saved-tensor pack hook: a view of ``buffer`` is saved as its geometry, not its storage; a
+    quantized weight as its metadata with its storage tensors packed alike."""
     storage = buffer.untyped_storage().data_ptr()
 
     @native_torch  # our code, several times per layer and microbatch: no device mapping needed
     def pack(tensor):
+        if is_quantized(tensor):  # before untyped_storage(): a wrapper subclass has none
+            return _SavedQuantized(type(tensor), tuple(tensor.shape), tensor.dtype,
+                                   {key: pack(value) if isinstance(value, torch.Tensor) else value
+                                    for key, value in tensor.get_metadata().items()})
         if tensor.untyped_storage().data_ptr() == storage:
-            return ("replica-buffer", tensor.storage_offset(), tuple(tensor.shape), tensor.stride())
+            return _BufferView(tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
         return tensor
 
     return pack
@@ -173,18 +201,21 @@ def _buffer_packer(buffer: torch.Tensor):
 
 def _buffer_unpacker(buffer: torch.Tensor, balancing: BalancingContext, invocation: Invocation):
     """Saved-tensor unpack hook: a saved view of ``buffer`` is resolved against the buffer once it
-    holds ``invocation``'s replicas again (re-materialized; raises if it was not). The first unpack
-    of the invocation's backward waits for the transfer; later ones only check the holder."""
+    holds ``invocation``'s replicas again (re-materialized; raises if it was not), a saved quantized
+    weight rebuilt over such views. The first unpack of the invocation's backward waits for the
+    transfer; later ones only check the holder."""
     waited = []
 
     @native_torch
     def unpack(saved):
-        if isinstance(saved, tuple):
+        if isinstance(saved, _SavedQuantized):
+            return saved.cls(shape=saved.shape, dtype=saved.dtype, requires_grad=False,
+                             **{key: unpack(value) for key, value in saved.metadata.items()})
+        if isinstance(saved, _BufferView):
             if not waited or balancing.holder is not invocation:
                 balancing.wait_weights(invocation)
                 waited.append(True)
-            _, offset, shape, stride = saved
-            return buffer.as_strided(shape, stride, offset)
+            return buffer.view(saved.dtype).as_strided(saved.shape, saved.stride, saved.offset)
         return saved
 
     return unpack

@@ -46,9 +46,9 @@ def layer_weights(layer: int, step: int) -> dict[str, torch.Tensor]:
     }
 
 
-def build_layers(ep_size: int, recipe: str, balanced: bool, stale_replica_cache: bool):
-    """``LAYERS`` MoE layers (grouped experts, fp8 with ``recipe``); balanced ones share one
-    BalancingContext."""
+def build_layers(ep_size: int, recipe: str, balanced: bool, stale_replica_cache: bool, fp8_param: bool = False):
+    """``LAYERS`` MoE layers (grouped experts, fp8 with ``recipe``; quantized parameters with
+    ``fp8_param``, megatron's ``--fp8-param-gather``); balanced ones share one BalancingContext."""
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -72,6 +72,7 @@ def build_layers(ep_size: int, recipe: str, balanced: bool, stale_replica_cache:
     )
     toy_fp8.install_fp8_standins(recipe)
     toy_fp8.enable_fp8(config, recipe)
+    config.fp8_param = fp8_param
     spec = torch_grouped_linear.grouped_moe_layer_spec()
     pgs = ProcessGroupCollection.use_mpu_process_groups()
     balancing = BalancingContext(BalancerConfig(name="ultraep", num_slots=1, min_quota=1),
@@ -90,6 +91,27 @@ def build_layers(ep_size: int, recipe: str, balanced: bool, stale_replica_cache:
             if hasattr(module, "disable_parameter_transpose_cache"):
                 module.disable_parameter_transpose_cache = False
     return layers, balancing
+
+
+def move_stale_parts(layers) -> None:
+    """The negative control of fp8 parameters: the weight distribution moves each quantized
+    weight's row-wise fp8 data alone; its scales and column-wise copy come from the first expert
+    the first call moved (layer 1, step 1), as if the replica slots kept stale ones."""
+    snapshot = {}
+    for layer in layers:
+        layout = layer.expert_weight_layout
+        keys = iter(key for parts in layout.parts for key, _, _ in parts)
+        fresh = [pad is not None or next(keys) in ("data", "rowwise_data") for pad in layout.padding]
+        moved = layer.main_expert_weights
+
+        def stale(moved=moved, fresh=fresh):
+            experts = moved()
+            for position, keep in enumerate(fresh):
+                snapshot.setdefault(position, experts[0][position].clone())
+            return [[t if keep else snapshot[i] for i, (t, keep) in enumerate(zip(tensors, fresh))]
+                    for tensors in experts]
+
+        layer.main_expert_weights = stale
 
 
 def offloading_flags(ep_size: int) -> dict:
@@ -137,20 +159,44 @@ def expert_grads(layer) -> dict:
             for local, expert in enumerate(layer.local_expert_indices) for name in ("fc1", "fc2")}
 
 
-def run(layers, balancing, rank: int, permute_tokens: bool) -> dict:
+def replica_bytes_match(layer, weights, slot_weights, recipe: str) -> list[bool]:
+    """Per quantized replica weight: whether every storage tensor equals, bit for bit, its main
+    expert's (the toy quantizer's storages of the high-precision weight the main expert was loaded
+    with, as ``copy_`` quantized it)."""
+    import toy_fp8
+
+    invocation = layer.token_dispatcher.invocation
+    quantizer = toy_fp8.ToyQuantizer(recipe)
+    matches = []
+    for expert, tensors in zip(invocation.plan.slot_expert[invocation.ep_rank].tolist(), slot_weights):
+        if expert < 0:
+            continue
+        for name, weight in zip(("fc1", "fc2"), tensors):
+            metadata, want = weight.get_metadata(), quantizer.storages(weights[name][expert])
+            matches.append(all(torch.equal(metadata[key].view(torch.uint8), value.view(torch.uint8))
+                               for key, value in want.items() if value is not None))
+    return matches
+
+
+def run(layers, balancing, rank: int, permute_tokens: bool, recipe: str | None = None) -> dict:
     """``STEPS`` steps of ``MICROBATCHES`` microbatches through the layers; per step the outputs,
-    input gradients, router and expert gradients (in the original token order)."""
+    input gradients, router and expert gradients (in the original token order). With fp8
+    parameters (``recipe``) the replica weights' bytes are checked against their main experts'."""
     replica_calls = [0] * LAYERS  # per layer, calls with rows for this rank's redundant slots
+    byte_matches = []  # per quantized replica weight a replica call ran with
+    current = {}
     if balancing is not None:
         for index, layer in enumerate(layers):
-            def counting(*args, index=index, run_replicas=layer.run_replicas):
+            def counting(*args, index=index, layer=layer, run_replicas=layer.run_replicas):
                 replica_calls[index] += 1
+                if recipe is not None:
+                    byte_matches.extend(replica_bytes_match(layer, current["weights"][index], args[0], recipe))
                 return run_replicas(*args)
 
             layer.run_replicas = counting
     steps = []
     for step in range(STEPS):
-        weights = [layer_weights(index, step) for index in range(LAYERS)]
+        weights = current["weights"] = [layer_weights(index, step) for index in range(LAYERS)]
         for layer, w in zip(layers, weights):
             load_weights(layer, w)
             layer.zero_grad(set_to_none=True)
@@ -175,9 +221,11 @@ def run(layers, balancing, rank: int, permute_tokens: bool) -> dict:
             "router_grads": [layer.router.weight.grad.clone() for layer in layers],
             "expert_grads": [expert_grads(layer) for layer in layers],
         })
-    result = {"steps": steps, "replica_calls": replica_calls}
+    result = {"steps": steps, "replica_calls": replica_calls, "byte_matches": byte_matches,
+              "weight_class": type(layers[0].experts.linear_fc1.weight0).__name__}
     if balancing is not None:
         result["replica_grad_dtype"] = str(balancing.buffer.replica_grads.dtype)
+    if balancing is not None and recipe is None:
         result["replica_quantizations"] = balancing.replica_experts.module.linear_fc1.fp8_quantizations
         result["replica_cache_disabled"] = balancing.replica_experts.module.linear_fc1.disable_parameter_transpose_cache
         result["main_cache_disabled"] = layers[0].experts.linear_fc1.disable_parameter_transpose_cache
@@ -204,6 +252,14 @@ def main():
         for key, balanced, permute, stale in runs:
             layers, balancing = build_layers(world, recipe, balanced, stale)
             results[f"{recipe}/{key}"] = run(layers, balancing, rank, permute)
+        # fp8 parameters (--fp8-param-gather): the replicas receive the main experts' quantized bytes.
+        runs = [("none", False, False), ("none_permuted", False, True), ("balanced", True, False),
+                ("stale_parts", True, False)]
+        for key, balanced, permute in runs:
+            layers, balancing = build_layers(world, recipe, balanced, False, fp8_param=True)
+            if key == "stale_parts":
+                move_stale_parts(layers)
+            results[f"{recipe}/param/{key}"] = run(layers, balancing, rank, permute, recipe if balanced else None)
     results["offloading"] = offloading_flags(world)
     torch.save(results, os.path.join(cli.out_dir, f"rank{rank}.pt"))
     parallel_state.destroy_model_parallel()
