@@ -1,7 +1,7 @@
 """Step 4 of the recipe checker: memory per rank and pipeline stage.
 
-bf16 weights (with ``--fp8-param-gather``, the linear layers' weights in fp8, 1 byte: what the
-distributed optimizer gathers), fp32 main gradients, the distributed optimizer's fp32 master weights
+bf16 weights (under fp8 the linear layers' weights as Transformer Engine keeps them for training:
+see :data:`FP8_WEIGHT_BYTES`), fp32 main gradients, the distributed optimizer's fp32 master weights
 and Adam moments (sharded over data parallelism, expert parameters over expert data parallelism;
 unchanged by fp8), and UltraEP's
 redundant expert slots with cross-layer buffer reuse (one weight + fp32 gradient buffer per
@@ -121,11 +121,16 @@ def _bytes_per_param(args) -> tuple[int, int, int]:
     return weight, grad, optimizer
 
 
-#: Bytes of one weight element Transformer Engine holds quantized with ``--fp8-param-gather``:
-#: fp8 data, which megatron's parameter buffer stores as uint8 and the distributed optimizer
-#: gathers (scales, and the transposed or column-wise copies TE makes for the backward, are not
-#: counted).
-FP8_PARAM_BYTES = 1
+#: Bytes of one linear weight element Transformer Engine keeps in fp8 for training: the row-wise
+#: copy the forward reads and the column-wise (``blockwise``, ``mxfp8``) or transposed
+#: (``tensorwise`` on Hopper) copy the backward's input gradient reads, one byte each. With
+#: ``--fp8-param-gather`` these are the parameter (the distributed optimizer gathers the row-wise
+#: bytes; the redundant slots hold both copies, as their main experts); with fp8 GEMMs on
+#: high-precision parameters TE keeps them as a cast cached across microbatches, on top of the
+#: parameter (the replica experts cache nothing). Scales (under 4 % for ``mxfp8``'s 1 x 32 blocks,
+#: less for the others) are not counted; Blackwell's ``tensorwise`` needs no transposed copy, so
+#: this is an upper bound there.
+FP8_WEIGHT_BYTES = 2
 
 
 def estimate_memory(args: argparse.Namespace) -> MemoryEstimate:
@@ -160,9 +165,13 @@ def estimate_memory(args: argparse.Namespace) -> MemoryEstimate:
     estimate = MemoryEstimate(total_params=main_model_params(False),
                               active_params=main_model_params(True))
     weight_b, grad_b, optim_b = _bytes_per_param(args)
-    # With --fp8-param-gather the linear layers' weights are fp8: each weighs FP8_PARAM_BYTES
-    # instead of weight_b; main gradients and the fp32 master shards stay as they are.
-    fp8_saving = weight_b - FP8_PARAM_BYTES if getattr(args, "fp8_param_gather", False) else 0
+    # Under fp8 a linear layer's weight weighs FP8_WEIGHT_BYTES instead of weight_b (fp8
+    # parameters) or on top of it (TE's cached cast of high-precision ones); main gradients and the
+    # fp32 master shards stay as they are. A negative saving is a cost.
+    fp8_params = bool(getattr(args, "fp8", None)) and getattr(args, "fp8_param_gather", False)
+    fp8_saving = (weight_b - FP8_WEIGHT_BYTES if fp8_params
+                  else -FP8_WEIGHT_BYTES if getattr(args, "fp8", None) else 0)
+    slot_fp8_saving = fp8_saving if fp8_params else 0  # the replica experts cache no cast
     linear = {is_moe: linear_weight_params(args, is_moe) for is_moe in per_layer}
     dense_shard = args.data_parallel_size * args.context_parallel_size
     expert_shard = args.world_size // (etp * ep * pp)
@@ -204,7 +213,7 @@ def estimate_memory(args: argparse.Namespace) -> MemoryEstimate:
         estimate.stages.append(StageMemory(
             stage=stage, layers=layers, moe_layers=int(moe_layers), dense_params=int(dense),
             expert_params=int(experts), model_states=int(model_states),
-            slot_weight_bytes=(expert_numel * weight_b - expert_linear * fp8_saving) // etp,
+            slot_weight_bytes=(expert_numel * weight_b - expert_linear * slot_fp8_saving) // etp,
             slot_grad_bytes=expert_numel // etp * 4, num_slots=num_slots,
             activations=activations[stage].total))
     return estimate

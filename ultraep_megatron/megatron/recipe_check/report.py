@@ -173,8 +173,9 @@ def format_report(report: RecipeReport) -> str:
         lines.append(f"  EP groups span scale-up domains; balancer domains of "
                      f"--moe-balancer-domain-size {layout.balancer_domain} inside one: "
                      + ("yes" if layout_ok else "NO"))
-    weights = "weights (linear layers' in fp8: --fp8-param-gather)" if getattr(a, "fp8_param_gather", False) \
-        else "weights"
+    weights = ("weights (linear layers' as two fp8 copies: --fp8-param-gather)" if getattr(a, "fp8_param_gather", False)
+               else "weights (+ two cached fp8 copies of the linear layers': fp8)" if getattr(a, "fp8", None)
+               else "weights")
     lines.append(f"memory per rank ({weights} + fp32 main grads + optimizer states; replica slots; "
                  "activations):")
     mtp_moe = built_mtp_layers(a) * moe_layer_pattern(a)[-1]
