@@ -15,10 +15,11 @@ from gloo_launch import WORKERS, launch_gloo_ranks
 WORLD = 4
 NUM_SLOTS = 1
 EXPERT_NUMEL = 2 * 32 * 48  # fc1 [48, 32] + fc2 [32, 48]
+LATENT_EXPERT_NUMEL = 2 * 16 * 48  # --moe-latent-size 16: fc1 [48, 16] + fc2 [16, 48]
 SCENARIOS = ("single", "pipelined", "recompute", "eplb", "eplb-exact", "flex", "flex-hybridep",
              "flex-hybridep-padded", "grouped", "mixed",
              "frozen_input", "frozen_router", "relayed", "idle_replica", "device_planner",
-             "device_planner_recompute", "device_planner_flex")
+             "device_planner_recompute", "device_planner_flex", "latent")
 # A negative control must miss by more than this many times its tolerance (not a borderline miss).
 NOISE_MULTIPLE = 10
 EXPERT_PARAMS = 2  # fc1, fc2
@@ -46,6 +47,8 @@ def comparisons(ranks, scenario) -> list[Comparison]:
         if reference["router_grad"] is not None:  # a frozen router has none
             quantities.append((f"rank {rank} router grad", balanced["router_grad"],
                                reference["router_grad"], permuted["router_grad"]))
+        quantities += [(f"rank {rank} {key} projection grad", balanced["latent_grads"][key], grad,
+                        permuted["latent_grads"][key]) for key, grad in reference["latent_grads"].items()]
         quantities += [(f"rank {rank} expert {expert} {name} grad", b, r, p)
                        for expert, grads in reference["expert_grads"].items()
                        for name, b, r, p in zip(("fc1", "fc2"), balanced["expert_grads"][expert],
@@ -62,13 +65,14 @@ def test_same_outputs_and_gradients_as_megatron(ranks, scenario):
     assert not failures(compared), failures(compared)
 
 
-def test_negative_control_unreduced_replica_gradients_fail_the_comparison(ranks):
-    """The single scenario again, with the replica-gradient reduction broken in the worker
-    (pretrain_grad_dump.FAULTS): the replicated experts' gradients must fail, nothing else."""
-    compared = comparisons(ranks, "no_replica_grad_reduction")
+@pytest.mark.parametrize("control", ["no_replica_grad_reduction", "latent_no_replica_grad_reduction"])
+def test_negative_control_unreduced_replica_gradients_fail_the_comparison(ranks, control):
+    """The single (or latent) scenario again, with the replica-gradient reduction broken in the
+    worker (pretrain_grad_dump.FAULTS): the replicated experts' gradients must fail, nothing else."""
+    compared = comparisons(ranks, control)
     failed = [c for c in compared if not c.passed]
     assert failed, "breaking the replica-gradient reduction changed no gradient"
-    print(f"\nno_replica_grad_reduction: {len(failed)} of {len(compared)} over tolerance, "
+    print(f"\n{control}: {len(failed)} of {len(compared)} over tolerance, "
           f"error/tolerance {min(c.ratio for c in failed):.3g} to {max(c.ratio for c in failed):.3g}")
     assert all(" expert 0 " in c.what or " expert 1 " in c.what for c in failed), failed
     # Not a borderline miss: wrong by far more than this run's rounding noise.
@@ -76,7 +80,8 @@ def test_negative_control_unreduced_replica_gradients_fail_the_comparison(ranks)
 
 
 @pytest.mark.parametrize("scenario", ["single", "pipelined", "recompute", "flex", "flex-hybridep", "grouped",
-                                      "device_planner", "device_planner_recompute", "device_planner_flex"])
+                                      "device_planner", "device_planner_recompute", "device_planner_flex",
+                                      "latent"])
 def test_ultraep_balances_the_received_load(ranks, scenario):
     rows = torch.tensor([r[f"{scenario}/balanced"]["received_rows"] for r in ranks], dtype=torch.float)
     skewed = torch.tensor([r[f"{scenario}/none"]["received_rows"] for r in ranks], dtype=torch.float)
@@ -157,15 +162,16 @@ def test_replica_backward_does_not_recompute_the_replica_forward(ranks):
     the replica experts run once per microbatch, and again only in a recompute replay."""
     for rank, result in enumerate(ranks):
         for scenario, microbatches in (("single", 1), ("pipelined", 3), ("flex", 3), ("flex-hybridep", 3),
-                                       ("flex-hybridep-padded", 2), ("grouped", 3)):
+                                       ("flex-hybridep-padded", 2), ("grouped", 3), ("latent", 3)):
             calls = result[f"{scenario}/balanced"]["replica_calls"]
             assert calls["backward"] == 0, f"rank {rank} {scenario}: replica forward recomputed {calls}"
             assert calls["forward"] <= microbatches
         # MoE activation recompute: one no-grad pass and one replay per microbatch, both counted.
         calls = result["recompute/balanced"]["replica_calls"]
         assert calls["backward"] == calls["forward"], calls
-    hosts = sum(r["pipelined/balanced"]["replica_calls"]["forward"] > 0 for r in ranks)
-    assert hosts >= 1, "no rank ran a replica: the test routing does not exercise the replicas"
+    for scenario in ("pipelined", "latent"):
+        hosts = sum(r[f"{scenario}/balanced"]["replica_calls"]["forward"] > 0 for r in ranks)
+        assert hosts >= 1, f"{scenario}: no rank ran a replica: the test routing does not exercise the replicas"
 
 
 @pytest.mark.parametrize("scenario", ["single", "mixed"])
@@ -225,3 +231,14 @@ def test_grouped_scenario_ran_grouped_experts(ranks):
         assert result["grouped/balanced"]["experts_class"] == "TEGroupedMLP"
         assert result["grouped/none"]["experts_class"] == "TEGroupedMLP"
         assert result["grouped/balanced"]["replica_buffer_numel"] == NUM_SLOTS * EXPERT_NUMEL
+
+
+def test_latent_scenario_ran_latent_projections_and_latent_replicas(ranks):
+    """In the latent scenario both layers ran megatron's latent projections (their gradients are
+    compared above) and the redundant slots hold experts of the latent size, as the main experts:
+    the replica experts are built from the layer's config, moe_latent_size included."""
+    for result in ranks:
+        for key in ("balanced", "none"):
+            assert sorted(result[f"latent/{key}"]["latent_grads"]) == ["fc1_latent", "fc2_latent"]
+        assert result["latent/balanced"]["replica_buffer_numel"] == NUM_SLOTS * LATENT_EXPERT_NUMEL
+        assert result["single/balanced"]["latent_grads"] == {}

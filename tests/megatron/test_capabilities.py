@@ -73,7 +73,9 @@ ENVELOPE = {
     # The replica experts are built without offloading; the main experts' activations offload as usual.
     "offload_experts": ([*ULTRAEP, "--fine-grained-activation-offloading", "--offload-modules", "attn_norm",
                          "expert_fc1", "moe_act"], None),
-    "latent_moe": ([*ULTRAEP, "--moe-latent-size", "32"], "--moe-latent-size"),
+    # Latent MoE: the balanced part runs on latent tokens, the replica experts at the latent size
+    # (test_balanced_moe_layer.py's latent scenario).
+    "latent_moe": ([*ULTRAEP, "--moe-latent-size", "32"], None),
     "hybridep_rank_capacity": ([*ULTRAEP, "--moe-expert-rank-capacity-factor", "1.5"],
                                "--moe-expert-rank-capacity-factor"),
 }

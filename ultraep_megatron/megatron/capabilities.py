@@ -75,13 +75,6 @@ def unsupported_moe_settings(config) -> list[str]:
             problems.append(f"--{flag.replace('_', '-')} is not supported: the replica transfers read and "
                             "write whole main-expert weights and gradients outside the experts' FSDP hooks; "
                             "use --use-distributed-optimizer")
-    if get('moe_latent_size'):
-        # Megatron projects the tokens to the latent size before dispatch_preprocess and back after
-        # combine_postprocess, and builds the experts (the replica module too) at the latent size, so
-        # the balanced part sees latent tokens only; but the projections need Transformer Engine's
-        # linear, so no test has run them here.
-        problems.append("--moe-latent-size is not supported yet: megatron's latent projections need Transformer "
-                        "Engine, and the balanced layer has not been tested with them")
     if get('moe_expert_rank_capacity_factor') is not None:
         problems.append("--moe-expert-rank-capacity-factor is not supported: HybridEP drops the tokens over a "
                         "rank's budget, and balancing needs dropless routing (the plan gives HybridEP each "

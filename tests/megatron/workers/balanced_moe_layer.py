@@ -32,7 +32,13 @@ experts' router rows) so the balancer must replicate. Scenarios, each saved to
   three microbatches in flight, against megatron's all-to-all MoELayer;
 * ``flex-hybridep`` / ``flex-hybridep-padded``: the same over megatron's ``_HybridEPManager``
   (``deepep_gloo``'s HybridEP stand-in), handed the plan's row counts; ``-padded`` with every local
-  slot's rows padded to a multiple of 8, as HybridEP pads them to the fp8 alignment under fp8.
+  slot's rows padded to a multiple of 8, as HybridEP pads them to the fp8 alignment under fp8;
+* ``latent``: latent MoE (``--moe-latent-size``): megatron's MoELayer projects the tokens hidden ->
+  latent before ``dispatch_preprocess`` and latent -> hidden after ``combine_postprocess``
+  (``te_linear_standin`` in Transformer Engine's linear's place), and builds the experts, the
+  replica experts too, at the latent size; three microbatches in flight;
+* ``latent_no_replica_grad_reduction``: ``latent`` with the replica-gradient reduction broken (its
+  negative control; compared against ``latent``'s references).
 
 Run:  torchrun --standalone --nproc-per-node 4 balanced_moe_layer.py --out-dir DIR
 """
@@ -53,6 +59,7 @@ FFN = 48
 TOPK = 2
 SEQ, BATCH = 16, 2
 HOT_EXPERTS = (0, 1)  # both on EP rank 0 at EP=4: rank 0 is the straggler without balancing
+LATENT = 16  # --moe-latent-size of the latent scenarios
 
 
 def global_weights() -> dict[str, torch.Tensor]:
@@ -62,6 +69,18 @@ def global_weights() -> dict[str, torch.Tensor]:
         "router": torch.randn(NUM_EXPERTS, HIDDEN, generator=gen) * 0.5,
         "fc1": torch.randn(NUM_EXPERTS, FFN, HIDDEN, generator=gen) * HIDDEN ** -0.5,
         "fc2": torch.randn(NUM_EXPERTS, HIDDEN, FFN, generator=gen) * FFN ** -0.5,
+    }
+
+
+def latent_weights() -> dict[str, torch.Tensor]:
+    """The latent scenarios' experts and projections. Shapes (L = LATENT): fc1 [E, F, L], fc2
+    [E, L, F], fc1_latent [L, H], fc2_latent [H, L]."""
+    gen = torch.Generator().manual_seed(8765)
+    return {
+        "fc1": torch.randn(NUM_EXPERTS, FFN, LATENT, generator=gen) * LATENT ** -0.5,
+        "fc2": torch.randn(NUM_EXPERTS, LATENT, FFN, generator=gen) * FFN ** -0.5,
+        "fc1_latent": torch.randn(LATENT, HIDDEN, generator=gen) * HIDDEN ** -0.5,
+        "fc2_latent": torch.randn(HIDDEN, LATENT, generator=gen) * LATENT ** -0.5,
     }
 
 
@@ -75,10 +94,11 @@ def rank_inputs(rank: int, microbatch: int) -> tuple[torch.Tensor, torch.Tensor]
 def build_layer(ep_size: int, balancer: str | None, num_slots: int, recompute: bool,
                 dispatcher: str = "alltoall", grouped: bool = False, balancer_config=None,
                 use_cpu_initialization: bool = True, flex_backend: str = "deepep", pad_multiple=None,
-                planner: str | None = None):
+                planner: str | None = None, latent_size: int | None = None):
     """megatron's MoELayer (``balancer`` None) or a BalancedMoELayer with ``balancer_config`` (by
     default ``balancer`` with ``num_slots`` slots and a floor of 1), planning on the ``planner``
-    (``--moe-balancer-planner``; ``None``: its default). Parameters are made on the CPU, or with
+    (``--moe-balancer-planner``; ``None``: its default), with latent projections to ``latent_size``
+    (``--moe-latent-size``) if given. Parameters are made on the CPU, or with
     ``use_cpu_initialization=False`` on the current CUDA device (megatron's default)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
@@ -107,7 +127,7 @@ def build_layer(ep_size: int, balancer: str | None, num_slots: int, recompute: b
         # HybridEP takes float32 probabilities (megatron casts them with a warning otherwise).
         moe_router_dtype="fp32" if flex_backend == "hybridep" else None,
         moe_aux_loss_coeff=0.0, add_bias_linear=False, use_cpu_initialization=use_cpu_initialization,
-        bias_dropout_fusion=False, gradient_accumulation_fusion=False, **extra,
+        bias_dropout_fusion=False, gradient_accumulation_fusion=False, moe_latent_size=latent_size, **extra,
     )
     if grouped:  # TEGroupedMLP experts, a pure-torch grouped linear in Transformer Engine's place
         import torch_grouped_linear
@@ -139,6 +159,16 @@ def load_weights(layer, weights):
             fc1, fc2 = expert_weights(layer, local)
             fc1.copy_(weights["fc1"][expert_index])
             fc2.copy_(weights["fc2"][expert_index])
+        for projection, key in latent_projections(layer):
+            projection.weight.copy_(weights[key])
+
+
+def latent_projections(layer) -> list:
+    """[(fc1_latent_proj, "fc1_latent"), (fc2_latent_proj, "fc2_latent")] of a latent MoE layer,
+    [] otherwise."""
+    if not layer.config.moe_latent_size:
+        return []
+    return [(layer.fc1_latent_proj, "fc1_latent"), (layer.fc2_latent_proj, "fc2_latent")]
 
 
 def expert_weights(layer, local: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -291,6 +321,8 @@ def run(layer, weights, rank, microbatches: int, permute_tokens: bool = False, h
             int(idx): tuple(w.grad.detach().clone() for w in expert_weights(layer, local))
             for local, idx in enumerate(layer.local_expert_indices)
         },
+        "latent_grads": {key: projection.weight.grad.detach().clone()
+                         for projection, key in latent_projections(layer)},
         "ring_live_before_backward": ring_live,
         "ring_live_after_backward": balancing.ring.live if balancing is not None else 0,
         "stats": stats,
@@ -319,8 +351,10 @@ def main():
     # (and torch_grouped_linear stands in for Transformer Engine's grouped GEMM).
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     import deepep_gloo
+    import te_linear_standin
 
     deepep_gloo.install()
+    te_linear_standin.install()  # megatron's latent projections are Transformer Engine linears
     from megatron.core import parallel_state
 
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -354,6 +388,10 @@ def main():
     scenarios["device_planner"] = dict(scenarios["pipelined"], planner="device")
     scenarios["device_planner_recompute"] = dict(scenarios["recompute"], planner="device")
     scenarios["device_planner_flex"] = dict(scenarios["flex"], planner="device")
+    # Latent MoE, and its negative control (compared with the same references: they are not rerun).
+    scenarios["latent"] = dict(scenarios["pipelined"], latent=True)
+    scenarios["latent_no_replica_grad_reduction"] = dict(scenarios["latent"], fault="no_replica_grad_reduction",
+                                                         references="latent")
     for name, sc in scenarios.items():
         if cli.only and name not in cli.only:
             continue
@@ -361,14 +399,23 @@ def main():
         if sc.get("idle_replica"):  # expert 7's router row against the direction tokens are pushed in
             scenario_weights = dict(weights, router=weights["router"].clone())
             scenario_weights["router"][7] = -2.0 * weights["router"][list(HOT_EXPERTS)].sum(0)
+        if sc.get("latent"):
+            scenario_weights = dict(weights, **latent_weights())
+        references = sc.get("references")
+        if references is not None:  # the same references as the ``references`` scenario's
+            for key in ("none", "none_permuted"):
+                results[f"{name}/{key}"] = results[f"{references}/{key}"]
         # The reference is always megatron's own all-to-all MoELayer, also fed permuted tokens.
         for key, balancer, permute in (("none", None, False), ("none_permuted", None, True),
                                        ("balanced", sc["balancer"], False)):
+            if references is not None and balancer is None:
+                continue
             dispatcher = sc.get("dispatcher", "alltoall") if balancer else "alltoall"
             layer = build_layer(world, balancer, cli.num_slots, sc["recompute"],
                                 dispatcher, sc.get("grouped", False), flex_backend=sc.get("flex_backend", "deepep"),
                                 pad_multiple=sc.get("pad_multiple") if balancer else None,
-                                planner=sc.get("planner") if balancer else None)
+                                planner=sc.get("planner") if balancer else None,
+                                latent_size=LATENT if sc.get("latent") else None)
             load_weights(layer, scenario_weights)
             if balancer and sc.get("idle_replica"):  # kept: not refreshed at this call
                 slots = torch.full((world, cli.num_slots), -1, dtype=torch.int64)
