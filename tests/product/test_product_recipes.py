@@ -171,6 +171,22 @@ def test_memory_estimate_agrees_with_megatrons_estimator(reports, name):
     assert abs(report.memory.stages[0].model_states / expected - 1) < 0.005
 
 
+
+def test_latent_moe_memory_agrees_with_megatrons_estimator(reports):
+    """Qwen3-235B with --moe-latent-size 1024: the routed experts (and a redundant slot) at the
+    latent size, the two latent projections per MoE layer, as Megatron's estimator counts them."""
+    from megatron.training.theoretical_memory_usage import compute_weight_and_optimizer_memory
+
+    plain = reports["qwen3_235b_a22b_ep64_dp4.sh"]
+    args = copy.copy(plain.args)
+    args.moe_latent_size = 1024
+    expected = compute_weight_and_optimizer_memory(copy.copy(args))
+    memory = check_recipe.estimate_memory(args)
+    assert abs(memory.stages[0].model_states / expected - 1) < 0.005
+    # A slot holds one latent-size expert: fc1 [2 x 1536, 1024] and fc2 [1024, 1536], bf16.
+    assert memory.stages[0].slot_weight_bytes == 2 * 3 * 1536 * 1024
+    assert plain.memory.stages[0].slot_weight_bytes == 2 * 3 * 1536 * 4096
+
 def test_qwen3_slot_memory_reproduces_paper_section_4_1(reports):
     """§4.1: one redundant slot of Qwen3-235B is ~36 MB weights + ~72 MB fp32 gradients per rank
     with cross-layer reuse, against 3.3 GB + 6.6 GB without."""

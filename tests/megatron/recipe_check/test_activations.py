@@ -62,6 +62,15 @@ def test_dense_layer_and_shared_expert():
     assert act.layer_activation_bytes(args, True) == LAYER + 2 * (2 * 8 + 8) * TOKENS
 
 
+
+def test_latent_moe_rows_carry_the_latent_width():
+    """--moe-latent-size 8: each of the 2 routed rows keeps an 8-wide dispatched input instead of
+    16 (2 x 2 x (16 - 8) bytes less per token), and the back-projection keeps its 8-wide input
+    (2 x 8 bytes more)."""
+    args = small_args(moe_latent_size=8)
+    assert act.layer_activation_bytes(args, True) == LAYER + (-2 * 2 * (16 - 8) + 2 * 8) * TOKENS
+
+
 @pytest.mark.parametrize("modules, expected", [
     (["moe"], (ATTENTION + 2 * 16) * TOKENS),                       # the MoE layer keeps its input
     (["moe_act"], LAYER - 2 * 2 * 8 * TOKENS),                      # 2 rows' activation output

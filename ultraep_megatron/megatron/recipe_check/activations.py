@@ -24,11 +24,13 @@ MLP / MoE block, per token
     * MoE router: logits and scores, ``2 x experts`` in ``--moe-router-dtype`` (fp32: 4 bytes);
     * routed experts: ``top-k`` rows per token reach the experts, spread evenly over the EP ranks
       (what balancing aims at; an unbalanced layer's hottest rank holds more): each row keeps the
-      dispatched input ``h``, fc1's output (``2 x expert FFN`` gated), the activation output
-      (``expert FFN``; dropped by ``moe_act``) and its router probability (fp32: megatron weighs
-      the activation by it, so the combine keeps nothing); expert TP gathers rows and shards
-      widths alike;
+      dispatched input ``h`` (``latent`` with ``--moe-latent-size``), fc1's output (``2 x expert
+      FFN`` gated), the activation output (``expert FFN``; dropped by ``moe_act``) and its router
+      probability (fp32: megatron weighs the activation by it, so the combine keeps nothing);
+      expert TP gathers rows and shards widths alike;
     * shared expert: fc1 output and activation output ``/ t`` (dropped by ``shared_experts``);
+    * latent MoE (``--moe-latent-size``): the back-projection's input, ``latent`` sequence-sharded
+      (the down-projection's input is the pre-MLP norm's output, counted above);
     * ``--recompute-modules moe`` keeps of the MoE layer only its input.
 
 Full recompute (``--recompute-granularity full``) keeps only each checkpointed chunk's input:
@@ -50,7 +52,7 @@ import argparse
 import math
 from dataclasses import dataclass
 
-from ultraep_megatron.megatron.recipe_check.model import built_mtp_layers, moe_layer_pattern
+from ultraep_megatron.megatron.recipe_check.model import built_mtp_layers, moe_latent_size, moe_layer_pattern
 
 BF16 = 2
 #: GiB per GPU not modeled (CUDA context, NCCL and communication buffers, allocator
@@ -125,13 +127,15 @@ def layer_activation_bytes(args: argparse.Namespace, is_moe: bool) -> int:
     router = router_bytes * 2 * args.num_experts
     ffn = args.moe_ffn_hidden_size
     act = 0 if "moe_act" in modules else ffn
-    routed = args.moe_router_topk * (BF16 * (h + gate * ffn + act) + 4)
+    latent = moe_latent_size(args)
+    routed = args.moe_router_topk * (BF16 * ((latent or h) + gate * ffn + act) + 4)
+    back_projection = BF16 * latent if latent else 0  # fc2_latent_proj's input
     shared = 0
     if args.moe_shared_expert_intermediate_size and "shared_experts" not in modules:
         shared = BF16 * (gate + 1) * args.moe_shared_expert_intermediate_size / t * tokens
     # Routed rows: the rank's sequence-sharded tokens' top-k copies (an EP rank receives, on
     # average, as many rows as its tokens send).
-    return int(per_token + (pre_mlp + router + routed) * seq_tokens + shared)
+    return int(per_token + (pre_mlp + router + routed + back_projection) * seq_tokens + shared)
 
 
 def layer_input_bytes(args: argparse.Namespace) -> int:

@@ -86,7 +86,8 @@ def attention_params(args: argparse.Namespace) -> int:
 def linear_weight_params(args: argparse.Namespace, is_moe: bool) -> tuple[int, int]:
     """(non-expert, one routed expert's) weights of one decoder layer's linear layers: what
     Transformer Engine quantizes with ``--fp8-param-gather`` (attention projections, the dense MLP
-    or shared expert, the routed experts); norms, biases and the router stay high precision."""
+    or shared expert, the latent projections, the routed experts); norms, biases and the router stay
+    high precision."""
     h = args.hidden_size
     if args.multi_latent_attention:
         heads = args.num_attention_heads
@@ -102,17 +103,27 @@ def linear_weight_params(args: argparse.Namespace, is_moe: bool) -> tuple[int, i
         q_width = args.num_attention_heads * kv_channels
         attention = h * (q_width + 2 * groups * kv_channels) + q_width * h
 
-    def weights(ffn: int) -> int:
-        return h * (2 * ffn if args.swiglu else ffn) + ffn * h
+    def weights(ffn: int, width: int = h) -> int:
+        return width * (2 * ffn if args.swiglu else ffn) + ffn * width
 
     if not is_moe:
         return attention + weights(args.ffn_hidden_size), 0
     shared = args.moe_shared_expert_intermediate_size
-    return attention + (weights(shared) if shared else 0), weights(args.moe_ffn_hidden_size)
+    latent = moe_latent_size(args)
+    projections = 2 * h * latent if latent else 0
+    return attention + (weights(shared) if shared else 0) + projections, \
+        weights(args.moe_ffn_hidden_size, latent or h)
 
 
-def _mlp_params(args, ffn: int) -> int:
-    h = args.hidden_size
+def moe_latent_size(args: argparse.Namespace):
+    """``--moe-latent-size`` (``None`` without latent MoE): the routed experts' input and output
+    width, the tokens projected hidden -> latent before the dispatch and back after the combine."""
+    return getattr(args, "moe_latent_size", None)
+
+
+def _mlp_params(args, ffn: int, width: int = None) -> int:
+    """An MLP of FFN ``ffn`` on tokens of ``width`` (the hidden size by default)."""
+    h = width or args.hidden_size
     up = 2 * ffn if args.swiglu else ffn
     bias = (up + h) if args.add_bias_linear else 0
     return h * up + ffn * h + bias
@@ -124,13 +135,16 @@ def layer_params(args: argparse.Namespace, is_moe: bool) -> LayerParams:
     attention = attention_params(args)
     if not is_moe:
         return LayerParams(attention, _mlp_params(args, args.ffn_hidden_size) + norm * h, 0, 0)
-    expert = _mlp_params(args, args.moe_ffn_hidden_size)
+    latent = moe_latent_size(args)
+    expert = _mlp_params(args, args.moe_ffn_hidden_size, latent)  # routed experts at the latent size
     shared = (_mlp_params(args, args.moe_shared_expert_intermediate_size)
               if args.moe_shared_expert_intermediate_size else 0)
     if shared and args.moe_shared_expert_gate:
         shared += h
     router = h * args.num_experts + (args.num_experts if args.add_bias_linear else 0)
-    return LayerParams(attention, shared + router + norm * h, expert * args.num_experts, expert)
+    # fc1_latent_proj [latent, h] and fc2_latent_proj [h, latent], duplicated over TP.
+    projections = 2 * h * latent + ((latent + h) if args.add_bias_linear else 0) if latent else 0
+    return LayerParams(attention, shared + router + projections + norm * h, expert * args.num_experts, expert)
 
 
 def flops_per_iteration(args: argparse.Namespace) -> float:
