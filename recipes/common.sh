@@ -33,16 +33,19 @@
 #   CUDA_GRAPH_MODULES         per-layer CUDA graphs (--cuda-graph-impl transformer_engine
 #                              --cuda-graph-modules ...) within attn moe_router mlp mamba; none: no
 #                              graphs (default: the recipe's DEFAULT_CUDA_GRAPH_MODULES, else none)
-#   DISPATCHER                 alltoall (default) or hybridep / deepep: --moe-token-dispatcher-type
-#                              flex with that backend (needs DeepEP / HybridEP installed; the
-#                              recipe checker and the CPU variants refuse it without them)
+#   DISPATCHER                 alltoall, hybridep or deepep: --moe-token-dispatcher-type alltoall, or
+#                              flex with that backend (needs DeepEP / HybridEP installed on the GPU
+#                              nodes: pretrain_gpt.py refuses it without; the recipe checker notes
+#                              it, the CPU variants run alltoall). Default: the recipe's
+#                              DEFAULT_DISPATCHER (the GB200 recipes: hybridep), else alltoall
 #
 # A malformed value (NNODES=abc, NODE_RANK >= NNODES, DATA_PATH without TOKENIZER_MODEL) stops the
 # recipe before torchrun with one line naming the variable, exit status 2.
 #
 # A recipe sets RECIPE_NAME, DEFAULT_NNODES, HF_TOKENIZER, VOCAB_SIZE, VOCAB_DIVISOR (and, if not
-# 4, DEFAULT_GPUS_PER_NODE), PRECISIONS (what its GPU runs), optionally DEFAULT_CUDA_GRAPH_MODULES,
-# and its MODEL_ARGS / MOE_ARGS / PARALLEL_ARGS arrays, then calls `ultraep_launch "$@"`.
+# 4, DEFAULT_GPUS_PER_NODE), PRECISIONS (what its GPU runs), optionally DEFAULT_CUDA_GRAPH_MODULES
+# and DEFAULT_DISPATCHER, and its MODEL_ARGS / MOE_ARGS / PARALLEL_ARGS arrays, then calls
+# `ultraep_launch "$@"`.
 # A PRECISION outside PRECISIONS, an unknown CUDA graph module or DISPATCHER is one line naming the
 # variable, exit status 2.
 
@@ -167,7 +170,7 @@ ultraep_launch() {
     local cuda_graph_args
     ultraep_cuda_graph_args "${CUDA_GRAPH_MODULES:-${DEFAULT_CUDA_GRAPH_MODULES:-none}}"
     local dispatcher_args
-    ultraep_dispatcher_args "${DISPATCHER:-alltoall}"
+    ultraep_dispatcher_args "${DISPATCHER:-${DEFAULT_DISPATCHER:-alltoall}}"
 
     exec "$python" -m torch.distributed.run "${distributed_args[@]}" "$script" \
         "${MODEL_ARGS[@]}" "${MOE_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${system_args[@]}" \

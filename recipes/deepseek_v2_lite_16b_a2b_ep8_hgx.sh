@@ -35,9 +35,13 @@ DEFAULT_GPUS_PER_NODE=8            # one HGX node = 8 GPUs = one NVLink domain
 # with --fp8-param-gather; fp8_sc: hybrid blockwise, the DeepSeek-V3 H100 FP8_SC preset), no
 # CUDA graphs by default (CUDA_GRAPH_MODULES=moe_router is Qwen3-30B BF16's, less the refused
 # moe_preprocess).
-# Left out: HybridEP as the default (DISPATCHER=hybridep: needs HybridEP installed, which the
-# recipe checker and the CPU variants have not); activation offloading (none in these H100
-# recipes).
+# Left out: HybridEP as the default, which Bridge's DeepSeek-V3 and Qwen3-30B-A3B H100 recipes
+# use (DEEPSEEK_V3_PRETRAIN_CONFIG_H100_V1, QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_*_V1:
+# moe_flex_dispatcher_backend="hybridep") but their Qwen3-235B H100 one does not
+# (QWEN3_235B_A22B_PRETRAIN_CONFIG_H100_*_V1: moe_token_dispatcher_type="alltoall"): this is the
+# first GPU run (docs/first_gpu_run.md), on a stock megatron-core without DeepEP/HybridEP built,
+# and its EP8 all-to-all stays inside one node's NVLink (DISPATCHER=hybridep where it is
+# installed); activation offloading (none in these H100 recipes).
 PRECISIONS="bf16 fp8_cs fp8_sc"     # Hopper: no mxfp8 (Blackwell only)
 HF_TOKENIZER=deepseek-ai/DeepSeek-V2-Lite
 VOCAB_SIZE=102400                  # embedding rows of the released checkpoint

@@ -27,7 +27,9 @@ DEFAULT_GPUS_PER_NODE=8            # an HGX node = one NVLink domain
 # its all-to-all overlap); no CUDA graphs; no activation offloading.
 # Adopted: the precisions (PRECISION=bf16, the perf scripts' default; fp8_cs: hybrid tensorwise
 # with --fp8-param-gather; fp8_sc: hybrid blockwise, the DeepSeek-V3 H100 FP8_SC preset), the
-# alltoall dispatcher and no CUDA graphs (as here).
+# alltoall dispatcher (QWEN3_235B_A22B_PRETRAIN_CONFIG_H100_*_V1: moe_token_dispatcher_type=
+# "alltoall"; HybridEP, the GB200 recipes' default, stays DISPATCHER=hybridep here: it needs
+# DeepEP's hybrid_ep built on the nodes) and no CUDA graphs (as here).
 # Left out: TP2, PP8/VP4 and the all-to-all overlap (layout and scheduling, not this envelope;
 # its --delay-wgrad-compute is refused by ultraep).
 PRECISIONS="bf16 fp8_cs fp8_sc"     # Hopper: no mxfp8 (Blackwell only)

@@ -115,3 +115,23 @@ def test_every_balancer_problem_is_its_own_line(capsys):
     assert any("--moe-balancer-num-slots" in p for p in problems), problems
     assert any("--moe-balancer-min-quota" in p for p in problems), problems
     assert not any("Error:" in p for p in problems), problems
+
+
+def test_a_gb200_recipe_passes_with_a_note_where_hybridep_is_not_installed(capsys, monkeypatch):
+    """The recipe is checked for its GPU nodes: HybridEP (the GB200 recipes' default dispatcher
+    backend) not importable here is one NOTE line and the recipe passes (exit 0); in --json, its
+    "notes"."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    monkeypatch.setattr(token_dispatcher, "hybrid_ep_dispatch", None, raising=False)
+    monkeypatch.delenv("DISPATCHER", raising=False)
+    gb200 = str(RECIPES / "qwen3_235b_a22b_ep64_dp4.sh")
+    assert main(["check-recipe", gb200]) == EXIT_OK
+    out = capsys.readouterr().out
+    notes = [line for line in out.splitlines() if line.strip().startswith("NOTE:")]
+    assert len(notes) == 1 and "HybridEP (deep_ep's hybrid_ep) must be installed on the GPU nodes: " \
+        "not importable here" in notes[0], out
+    assert "PROBLEM" not in out and "1/1 recipe(s) passed" in out
+    assert main(["check-recipe", "--json", gb200]) == EXIT_OK
+    report = json.loads(capsys.readouterr().out)["recipes"][0]
+    assert report["passed"] and report["problems"] == [] and report["notes"] == [notes[0].split("NOTE: ", 1)[1]]

@@ -6,7 +6,8 @@ nothing is started); every flag of that launch is then kept as it is, except
 * the sizes (:data:`TINY`, :data:`DERIVED`): layers, widths, heads, experts, vocabulary, sequence,
   batch, the parallel sizes (EP 2; PP 2 where the recipe pipelines; expert-data-parallel 2 where
   the recipe's is above 1), so that the model trains on 4-8 CPU ranks;
-* the flags a CPU run cannot take (:data:`DROPPED`), each with its reason, which the test prints;
+* the flags a CPU run cannot take (:data:`DROPPED`), each with its reason, which the test prints,
+  and the values it cannot take (:data:`REPLACED`: the flex dispatcher runs as alltoall), likewise;
 * megatron's gradient bucket, which the recipes leave at its default, scaled with the expert
   (:func:`scaled_bucket_size`), so experts span buckets as they do at full scale.
 
@@ -78,6 +79,16 @@ DROPPED = {
                                "more than a variant's whole microbatch routes to an expert: "
                                "nothing would be replicated; the variant keeps the default floor "
                                "(1% of the mean rank load). The preset's floor: test_arguments.py",
+}
+
+#: flag -> {a value a CPU run cannot take: (the variant's value, why)}. The variant's value is a word
+#: as the recipe's was, so the variant exercises what a recipe that sets it does (covering_runs).
+REPLACED = {
+    "--moe-token-dispatcher-type": {
+        "flex": ("alltoall", "the flex dispatcher's DeepEP / HybridEP need CUDA: the variant runs "
+                             "megatron's all-to-all; the balanced flex path runs over their gloo "
+                             "stand-ins in test_balanced_moe_layer.py's flex and flex-hybridep scenarios"),
+    },
 }
 
 
@@ -265,6 +276,12 @@ def small_scale_variant(recipe: Path) -> Variant:
         if flag in DROPPED:
             variant.dropped[flag] = DROPPED[flag]
             continue
+        if len(values) == 1 and values[0] in REPLACED.get(flag, {}):
+            new, why = REPLACED[flag][values[0]]
+            variant.dropped[f"{flag} {values[0]}"] = f"{new} instead: {why}"
+            values = [new]
+            if _value(parse_flags(variant.args), flag) == new:
+                continue  # already the variant's value (megatron takes a flag's last)
         if flag in TINY or flag in DERIVED:
             new = [TINY[flag]] if flag in TINY else [DERIVED[flag](layout, values)]
             variant.shrunk[flag] = (values, new)

@@ -9,7 +9,8 @@ launched.
   the variable, exit status 2, also through ``ultraep check-recipe --env``;
 * the production envelope (docs/recipes.md): ``PRECISION`` (bf16 by default; the recipe's
   ``PRECISIONS`` map to Megatron-Bridge's presets, others are refused naming it),
-  ``CUDA_GRAPH_MODULES`` (the recipe's default; never the balanced part) and ``DISPATCHER``.
+  ``CUDA_GRAPH_MODULES`` (the recipe's default; never the balanced part) and ``DISPATCHER`` (the
+  GB200 recipes' default hybridep, the HGX ones' alltoall).
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ REPO = Path(__file__).resolve().parents[2]
 #: Every recipe that sources common.sh (the rack and node recipes).
 RECIPES = sorted(p.name for p in (REPO / "recipes").glob("*.sh")
                  if re.search(r"^source .*/common\.sh", p.read_text(), re.M))
+#: The GB200 rack recipes (4 GPUs per node), whose default dispatcher is flex with HybridEP.
+GB200 = {"deepseek_v3_671b_a37b_ep64_pp4.sh", "glm45_air_106b_a12b_ep64_dp2.sh", "qwen3_235b_a22b_ep64_dp4.sh",
+         "refmoe_288b_a16b_ep32_pp4_dp20.sh"}
 #: The variables under test, cleared whatever the test's own environment holds.
 CLEAN = {name: "" for name in ("WANDB_PROJECT", "WANDB_MODE", "WANDB_EXP_NAME", "WANDB_SAVE_DIR",
                                "DATA_PATH", "TOKENIZER_MODEL", "NNODES", "GPUS_PER_NODE", "NODE_RANK",
@@ -149,9 +153,17 @@ def test_cuda_graphs_and_dispatcher_switches(recipe):
         lines = [line for line in refusal(recipe, CUDA_GRAPH_MODULES=f"attn {module}").details.splitlines()
                  if line.strip()]
         assert len(lines) == 1 and "CUDA_GRAPH_MODULES=" in lines[0] and module in lines[0], lines
-    assert last_value(default, "--moe-token-dispatcher-type") == "alltoall"
-    flex = launch_args(recipe, DISPATCHER="hybridep")
-    assert last_value(flex, "--moe-token-dispatcher-type") == "flex"
-    assert flag_value(flex, "--moe-flex-dispatcher-backend") == "hybridep"
+    # Megatron-Bridge's GB200 recipes run HybridEP, and so do ours; the HGX ones keep alltoall.
+    gb200 = recipe in GB200
+    assert gb200 != recipe.endswith("_hgx.sh")
+    assert last_value(default, "--moe-token-dispatcher-type") == ("flex" if gb200 else "alltoall")
+    assert flag_value(default, "--moe-flex-dispatcher-backend") == ("hybridep" if gb200 else None)
+    for dispatcher in ("hybridep", "deepep"):
+        flex = launch_args(recipe, DISPATCHER=dispatcher)
+        assert last_value(flex, "--moe-token-dispatcher-type") == "flex"
+        assert flag_value(flex, "--moe-flex-dispatcher-backend") == dispatcher
+    alltoall = launch_args(recipe, DISPATCHER="alltoall")
+    assert last_value(alltoall, "--moe-token-dispatcher-type") == "alltoall"
+    assert "--moe-flex-dispatcher-backend" not in alltoall
     lines = [line for line in refusal(recipe, DISPATCHER="ncclep").details.splitlines() if line.strip()]
     assert len(lines) == 1 and "DISPATCHER=ncclep:" in lines[0], lines

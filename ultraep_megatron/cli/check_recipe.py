@@ -16,6 +16,10 @@ with --moe-balancer-hardware h100-hgx gets domains of 8 and an 80 GiB budget; --
 --moe-balancer-domain-size D such that every D consecutive EP ranks (a balancer domain, where an
 expert's replicas live) sit inside one: EP16-64 across HGX nodes needs
 --moe-balancer-domain-size 8.
+
+The recipe is checked for the cluster it targets: what the GPU nodes need installed and this
+machine cannot import (DeepEP / HybridEP for the flex dispatcher, the GB200 recipes' default) is a
+NOTE line, not a problem; pretrain_gpt.py refuses to start without it.
 """
 
 from __future__ import annotations
@@ -130,7 +134,7 @@ def run(args) -> int:
             try:
                 report = rc.check_launch(launch, args.rack_size, args.gpu_memory_gb)
                 result = {"source": launch.source, "passed": not report.problems(), "problems": report.problems(),
-                          "text": rc.format_report(report), **summary(report)}
+                          "notes": report.notes, "text": rc.format_report(report), **summary(report)}
             except rc.RecipeError as error:
                 result = failure(launch.source, error)
         results.append(result)

@@ -311,11 +311,13 @@ def balancing_context_from_args(args: argparse.Namespace):
                             **{field: values[field] for field in RUN_SETTINGS})
 
 
-def ultraep_arg_problems(args: argparse.Namespace) -> list[str]:
+def ultraep_arg_problems(args: argparse.Namespace, environment: bool = True) -> list[str]:
     """Every problem of UltraEP's arguments against Megatron's (parsed ``args``), one line each
     naming its flag: every knob, then the model and the settings a balanced layer cannot run
     (:mod:`.capabilities`). Empty when they can run (and for ``--moe-balancer none`` with valid
-    knobs)."""
+    knobs). ``environment``: also what this machine lacks to run them (a flex dispatcher backend
+    it cannot import); ``False`` for a check of the configuration for other machines
+    (``ultraep check-recipe``, which notes it instead: ``capabilities.missing_packages``)."""
     values, problems = knob_problems(args)
     name = getattr(args, "moe_balancer", registry.NONE)
     if name == registry.NONE or name not in registry.BALANCERS:
@@ -327,19 +329,20 @@ def ultraep_arg_problems(args: argparse.Namespace) -> list[str]:
     problems += [f"--moe-balancer {name}: {problem}" for problem in model]
     if args.num_experts is not None:  # a dense model: the MoE settings do not apply
         problems += [f"--moe-balancer {name}: {problem}"
-                     for problem in capabilities.unsupported_moe_settings(args)]
+                     for problem in capabilities.unsupported_moe_settings(args, environment)]
     return problems
 
 
-def validate_ultraep_args(args: argparse.Namespace) -> None:
+def validate_ultraep_args(args: argparse.Namespace, environment: bool = True) -> None:
     """Check UltraEP's arguments against Megatron's (after Megatron's own validation): every knob,
-    then the model and the settings a balanced layer cannot run (:func:`ultraep_arg_problems`).
+    then the model and the settings a balanced layer cannot run (:func:`ultraep_arg_problems`;
+    ``environment``: also what this machine lacks to run them).
 
     Raises:
         UltraEPArgumentError: a ``ValueError`` naming every problem's flag, one line each (its
             ``problems``).
     """
-    problems = ultraep_arg_problems(args)
+    problems = ultraep_arg_problems(args, environment)
     if problems:
         raise UltraEPArgumentError(problems)
 

@@ -5,6 +5,11 @@ One place for the checks, used twice: at startup on Megatron's parsed arguments
 anything is built) and again in ``BalancedMoELayer``'s constructor on the model's
 ``TransformerConfig`` (a model built some other way). The attribute names of the two are the same.
 
+Two kinds of problem: a configuration's (a setting the balanced layer cannot run, anywhere) and an
+environment's (what this machine lacks to run a supported setting: :func:`missing_packages`).
+``ultraep check-recipe`` judges a recipe for the cluster it targets, so it refuses only the first
+and notes the second; ``pretrain_gpt.py``, on the machine that runs it, refuses both.
+
 Imports neither the layer nor its context, and Megatron only inside :func:`flex_backend_problem`.
 """
 
@@ -31,15 +36,17 @@ def moe_model_problems(args, domain_size: Optional[int]) -> list[str]:
     return problems
 
 
-def unsupported_moe_settings(config) -> list[str]:
+def unsupported_moe_settings(config, environment: bool = True) -> list[str]:
     """What a balanced MoE layer cannot run, named by flag. ``config``: Megatron's args or a
-    TransformerConfig (the attribute names are the same)."""
+    TransformerConfig (the attribute names are the same). ``environment``: also what this machine
+    lacks (:func:`missing_packages`); ``False`` judges the configuration alone, for the
+    machines it targets (``ultraep check-recipe``)."""
     problems = []
     get = lambda name, default=None: getattr(config, name, default)  # noqa: E731
     dispatcher = get('moe_token_dispatcher_type')
     if dispatcher == 'flex':
         # GPU-only (DeepEP / HybridEP); the check is whether megatron's bindings import.
-        problem = flex_backend_problem(config)
+        problem = flex_backend_problem(config) if environment else _flex_backend_name_problem(config)
         if problem:
             problems.append(problem)
     elif dispatcher != 'alltoall':
@@ -173,27 +180,58 @@ def _cuda_graph_problem(get) -> Optional[str]:
     return None
 
 
-def flex_backend_problem(config) -> Optional[str]:
-    """Why megatron's flex dispatcher cannot run with ``config`` here (``None`` if it can).
+#: --moe-flex-dispatcher-backend -> (megatron's name bound when the package imports, the package).
+FLEX_BACKENDS = {
+    "deepep": ("fused_dispatch", "DeepEP (deep_ep)"),
+    "hybridep": ("hybrid_ep_dispatch", "HybridEP (deep_ep's hybrid_ep)"),
+}
 
-    The check is megatron's own: its DeepEP / HybridEP bindings are importable (they need CUDA).
-    """
+
+def _flex_backend_name_problem(config) -> Optional[str]:
+    """A configuration problem: a flex backend the balanced dispatcher does not know."""
+    backend = getattr(config, "moe_flex_dispatcher_backend", None)
+    if backend in FLEX_BACKENDS:
+        return None
+    return (f"--moe-flex-dispatcher-backend {backend} is not supported with a balancer; "
+            "use deepep or hybridep")
+
+
+def missing_flex_backend(config) -> Optional[str]:
+    """An environment problem: the package of ``config``'s flex dispatcher backend
+    (``--moe-flex-dispatcher-backend``) when this machine cannot import it; ``None`` if it can, or
+    for a backend not in :data:`FLEX_BACKENDS`. The check is megatron's own: its DeepEP / HybridEP
+    bindings are importable (they need CUDA)."""
+    backend = getattr(config, "moe_flex_dispatcher_backend", None)
+    if backend not in FLEX_BACKENDS:
+        return None
     from megatron.core.transformer.moe import token_dispatcher as token_dispatcher_module
 
+    bound, package = FLEX_BACKENDS[backend]
+    return None if getattr(token_dispatcher_module, bound, None) is not None else package
+
+
+def missing_packages(config) -> list[tuple[str, str]]:
+    """The environment problems of ``config``: (package, the flags that need it) for each package
+    its settings need that this machine cannot import (the flex dispatcher's backend)."""
+    if getattr(config, "moe_token_dispatcher_type", None) != "flex":
+        return []
+    package = missing_flex_backend(config)
     backend = getattr(config, "moe_flex_dispatcher_backend", None)
-    if backend == "deepep":
-        available = getattr(token_dispatcher_module, "fused_dispatch", None) is not None
-        package = "DeepEP (deep_ep)"
-    elif backend == "hybridep":
-        available = getattr(token_dispatcher_module, "hybrid_ep_dispatch", None) is not None
-        package = "HybridEP (deep_ep's hybrid_ep)"
-    else:
-        return (f"--moe-flex-dispatcher-backend {backend} is not supported with a balancer; "
-                "use deepep or hybridep")
-    if not available:
-        return (f"--moe-token-dispatcher-type flex with --moe-flex-dispatcher-backend {backend} "
-                f"needs {package}, which is not installed (it needs CUDA); use "
-                "--moe-token-dispatcher-type alltoall")
+    return [(package, f"--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend {backend}")] \
+        if package else []
+
+
+def flex_backend_problem(config) -> Optional[str]:
+    """Why megatron's flex dispatcher cannot run with ``config`` here (``None`` if it can): a
+    backend it does not know, or one this machine cannot import (:func:`missing_flex_backend`)."""
+    problem = _flex_backend_name_problem(config)
+    if problem:
+        return problem
+    package = missing_flex_backend(config)
+    if package:
+        return (f"--moe-token-dispatcher-type flex with --moe-flex-dispatcher-backend "
+                f"{config.moe_flex_dispatcher_backend} needs {package}, which is not installed (it "
+                "needs CUDA); use --moe-token-dispatcher-type alltoall")
     return None
 
 

@@ -15,7 +15,9 @@ from ultraep_megatron.megatron.recipe_check.memory import MemoryEstimate, estima
 from ultraep_megatron.megatron.recipe_check.model import (
     balanced_moe_layer_ids, built_mtp_layers, flops_per_iteration, moe_layer_pattern,
 )
-from ultraep_megatron.megatron.recipe_check.validate import quiet_megatron, startup_problems, validate_arguments
+from ultraep_megatron.megatron.recipe_check.validate import (
+    environment_notes, quiet_megatron, startup_problems, validate_arguments,
+)
 from ultraep_megatron.planner.baselines import registry
 
 GIB = 1024 ** 3
@@ -33,6 +35,7 @@ class RecipeReport:
     memory_source: str = ""          # where the budget comes from (for the report)
     domain_source: str = ""          # where the scale-up domain comes from
     hardware_problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)   # what the GPU nodes need, not this machine
 
     @property
     def budget_bytes(self) -> int:
@@ -109,7 +112,8 @@ def check_launch(launch: Launch, rack_size: Optional[int] = None,
         layout = rank_layout(args, launch.nproc_per_node, rack_size)
         return RecipeReport(launch, args, layout, estimate_memory(args), flops_per_iteration(args),
                             gpu_memory_gb=gpu_memory_gb, memory_source=memory_source,
-                            domain_source=domain_source, hardware_problems=hardware_problems)
+                            domain_source=domain_source, hardware_problems=hardware_problems,
+                            notes=environment_notes(args))
 
 
 def _gib(n: float) -> str:
@@ -211,6 +215,8 @@ def format_report(report: RecipeReport) -> str:
         f"  budget {report.gpu_memory_gb:g} GiB per GPU ({report.memory_source}): largest peak "
         f"{_gib(peak.peak)} (stage {peak.stage}), margin "
         f"{'-' if margin < 0 else ''}{_gib(abs(margin))}: " + ("fits" if margin >= 0 else "DOES NOT FIT"))
+    for note in report.notes:
+        lines.append(f"  NOTE: {note}")
     for problem in problems:
         lines.append(f"  PROBLEM: {problem}")
     return "\n".join(lines)

@@ -5,6 +5,10 @@ size (``RANK=0``, ``WORLD_SIZE=N`` in the environment, no process group, no devi
 ``validate_ultraep_args``; :func:`startup_problems` adds what Megatron checks only when it starts:
 the world size against the expert grid (ETP x EP x PP x expert-DP, ``initialize_model_parallel``)
 and the global batch against micro batch x DP (the microbatch calculator).
+
+The recipe is checked for the cluster it targets, not for this machine: what this machine lacks
+(DeepEP / HybridEP for the flex dispatcher) is no problem here but a note (:func:`environment_notes`);
+``pretrain_gpt.py``'s startup check refuses it on the machine that runs it.
 """
 
 from __future__ import annotations
@@ -97,7 +101,7 @@ def validate_arguments(script_args: Sequence[str], world_size: int) -> tuple[arg
                 args.eval_global_batch_size = args.eval_micro_batch_size = None
                 eval_batch_given = False
             validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
-            validate_ultraep_args(args)
+            validate_ultraep_args(args, environment=False)  # this machine's: environment_notes
     except SystemExit:  # argparse: unknown flag or bad value; its last line says which
         lines = printed.getvalue().strip().splitlines()
         error = next((line for line in reversed(lines) if ": error: " in line), lines[-1] if lines else "")
@@ -147,6 +151,17 @@ def startup_problems(args: argparse.Namespace) -> list[str]:
             args.global_batch_size % (args.micro_batch_size * args.data_parallel_size):
         problems.append(batch_problem(args))
     return problems
+
+
+def environment_notes(args: argparse.Namespace) -> list[str]:
+    """What the recipe's GPU nodes need installed that this machine cannot import, one line each
+    (``capabilities.missing_packages``): no problem of the recipe, which this machine does not run."""
+    from ultraep_megatron.megatron import capabilities
+
+    with quiet_megatron():
+        missing = capabilities.missing_packages(args)
+    return [f"{package} must be installed on the GPU nodes: not importable here ({flags}; "
+            "pretrain_gpt.py refuses to start without it)" for package, flags in missing]
 
 
 def assertion_problem(error: AssertionError) -> str:
