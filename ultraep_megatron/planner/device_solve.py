@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from .plan import Plan
-from .solve import DEFAULT_MIN_QUOTA_DIVISOR, validate_domain_size, validate_load
+from .solve import DEFAULT_MIN_QUOTA_DIVISOR, validate_solve_args
 
 __all__ = ["device_solve", "reference_probe", "search_rounds", "PROBES_PER_ROUND",
            "triton_available"]
@@ -404,14 +404,7 @@ def device_solve(load: torch.Tensor, num_slots: int, *, min_quota: int | None = 
     Returns:
         A ``Plan`` whose tensors, ``threshold`` included (0-dim int64), live on ``load``'s device.
     """
-    R, E = validate_load(load)
-    if isinstance(num_slots, bool) or not isinstance(num_slots, (int, np.integer)) or num_slots < 0:
-        raise ValueError(f"num_slots must be an int >= 0, got {num_slots!r}")
-    N = validate_domain_size(domain_size, R)
-    if min_quota is not None and (isinstance(min_quota, bool)
-                                  or not isinstance(min_quota, (int, np.integer)) or min_quota < 1):
-        raise ValueError(f"min_quota must be an int >= 1 or None, got {min_quota!r}")
-    num_slots, min_quota = int(num_slots), None if min_quota is None else int(min_quota)
+    R, E, num_slots, min_quota, N = validate_solve_args(load, num_slots, min_quota, domain_size)
     if implementation == "auto":
         implementation = "triton" if load.is_cuda and triton_available() else "reference"
     if implementation not in ("triton", "reference", "torch"):

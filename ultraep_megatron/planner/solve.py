@@ -67,6 +67,19 @@ def validate_domain_size(domain_size, num_ranks: int) -> int:
     return int(domain_size)
 
 
+def validate_solve_args(load: torch.Tensor, num_slots, min_quota, domain_size) -> tuple[int, int, int, int | None, int]:
+    """The arguments a planner (``solve``, ``device_solve``) takes, checked: (R, E, S, min_quota or
+    None, N); ``domain_size`` None becomes R (one domain)."""
+    R, E = validate_load(load)
+    if isinstance(num_slots, bool) or not isinstance(num_slots, (int, np.integer)) or num_slots < 0:
+        raise ValueError(f"num_slots must be an int >= 0, got {num_slots!r}")
+    domain_size = validate_domain_size(domain_size, R)
+    if min_quota is not None and (isinstance(min_quota, bool)
+                                  or not isinstance(min_quota, (int, np.integer)) or min_quota < 1):
+        raise ValueError(f"min_quota must be an int >= 1 or None, got {min_quota!r}")
+    return R, E, int(num_slots), None if min_quota is None else int(min_quota), domain_size
+
+
 def domain_lower_bound(load: torch.Tensor, domain_size: int | None = None) -> int:
     """``max_d ceil(total_d / N)`` for ``load`` int64 [R, E]: no plan whose replicas stay inside
     their home's domain of N = ``domain_size`` ranks has a lower max rank load (domain d's experts'
@@ -102,13 +115,7 @@ def solve(load: torch.Tensor, num_slots: int, *, min_quota: int | None = None,
     Returns:
         A ``Plan`` whose tensors live on ``load``'s device.
     """
-    R, E = validate_load(load)
-    if isinstance(num_slots, bool) or not isinstance(num_slots, (int, np.integer)) or num_slots < 0:
-        raise ValueError(f"num_slots must be an int >= 0, got {num_slots!r}")
-    domain_size = validate_domain_size(domain_size, R)
-    if min_quota is not None and (isinstance(min_quota, bool)
-                                  or not isinstance(min_quota, (int, np.integer)) or min_quota < 1):
-        raise ValueError(f"min_quota must be an int >= 1 or None, got {min_quota!r}")
+    R, E, num_slots, min_quota, domain_size = validate_solve_args(load, num_slots, min_quota, domain_size)
     device = load.device
     array = host_array(load)
 
