@@ -59,6 +59,10 @@ ENVELOPE = {
     "fp8_custom": ([*ULTRAEP, *FP8, "custom"], "--fp8-recipe custom"),
     "fp8_reuse_grad_buf": ([*ULTRAEP, *FP8, "mxfp8", "--fp8-param-gather", "--reuse-grad-buf-for-mxfp8-param-ag"],
                            "--reuse-grad-buf-for-mxfp8-param-ag"),
+    # Plain experts in the bf16 layers, quantized ones elsewhere: one replica-slot layout cannot hold both.
+    "fp8_params_bf16_ends": ([*ULTRAEP, *FP8, "tensorwise", "--fp8-param-gather", "--first-last-layers-bf16"],
+                             "--first-last-layers-bf16 with --fp8-param-gather"),
+    "fp8_bf16_ends": ([*ULTRAEP, *FP8, "tensorwise", "--first-last-layers-bf16"], None),
     "fp4": ([*ULTRAEP, "--fp4-format", "e2m1"], "--fp4-format e2m1"),
     "graphs_attn_router": ([*ULTRAEP, *GRAPHS, "attn", "moe_router"], None),
     "graphs_te_attn_router_mlp": ([*ULTRAEP, "--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules",

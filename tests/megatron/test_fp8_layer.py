@@ -120,6 +120,18 @@ def test_negative_control_stale_scales_and_columnwise_copies_fail_the_comparison
     assert max(c.ratio for c in failed) > 1e3 * NOISE_MULTIPLE, failed[:5]
 
 
+def test_negative_control_a_moved_stale_transpose_fails_the_comparison(ranks):
+    """tensorwise fp8 parameters: TE leaves a Float8Tensor's transpose cache stale when megatron
+    re-quantizes the parameter, and get_metadata() still returns it. Moved as if it were data (not
+    rebuilt from the moved data), the replicas' input gradients use last step's transpose."""
+    compared = comparisons(ranks, "tensorwise", "stale_transpose", param=True)
+    failed = [c for c in compared if not c.passed]
+    assert failed, "a stale transpose changed nothing"
+    print(f"\ntensorwise stale transpose: {len(failed)} of {len(compared)} over tolerance, error/tolerance "
+          f"{min(c.ratio for c in failed):.3g} to {max(c.ratio for c in failed):.3g}")
+    assert max(c.ratio for c in failed) > 1e3 * NOISE_MULTIPLE, failed[:5]
+
+
 def test_the_replica_module_quantizes_its_weights_at_every_call(ranks):
     """The mechanism behind the equivalence: the replica module is built with megatron's
     ``disable_parameter_transpose_cache`` (TE gets ``is_first_microbatch=None``), the main experts

@@ -134,6 +134,9 @@ class ToyQuantizedTensor(torch.Tensor):
 
     #: constructor keyword -> attribute, for the storage tensors (``None`` where not kept).
     STORAGES: dict[str, str] = {}
+    #: storages that are a cache TE leaves stale when the tensor is re-quantized (marked invalid,
+    #: still returned by ``get_metadata()``), rebuilt from the others when used.
+    CACHES: tuple[str, ...] = ()
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
@@ -143,6 +146,8 @@ class ToyQuantizedTensor(torch.Tensor):
                                                    requires_grad=requires_grad)
         for key, attr in cls.STORAGES.items():
             setattr(self, attr, storages.get(key))
+        # A cache given to the constructor is valid (TE: ``_transpose_invalid = transpose is None``).
+        self._caches_invalid = {key: storages.get(key) is None for key in cls.CACHES}
         self._fp8_dtype, self._quantizer = fp8_dtype, quantizer
         return self
 
@@ -176,7 +181,9 @@ class ToyQuantizedTensor(torch.Tensor):
                 source = source.dequantize()
             fresh = target._quantizer.storages(source.to(target.dtype))
             for key, attr in target.STORAGES.items():
-                if getattr(target, attr) is not None:
+                if key in target.CACHES:  # megatron's re-quantization resets TE's caches: stale now
+                    target._caches_invalid[key] = True
+                elif getattr(target, attr) is not None:
                     getattr(target, attr).copy_(fresh[key])
             return target
 
@@ -191,9 +198,12 @@ class ToyQuantizedTensor(torch.Tensor):
 
 class ToyFloat8Tensor(ToyQuantizedTensor):
     """``tensorwise`` (TE's ``Float8Tensor``): ``_data`` uint8 [out, in], ``_scale_inv`` fp32 [1],
-    ``_transpose`` uint8 [in, out] (the column-wise copy) or ``None``."""
+    ``_transpose`` uint8 [in, out] (the column-wise copy, a byte transpose of ``_data``) or
+    ``None``: a cache, left stale by a re-quantization (``copy_``) and then made from ``_data`` where
+    the input gradient needs it, as TE's ``update_usage`` does."""
 
     STORAGES = {"data": "_data", "fp8_scale_inv": "_scale_inv", "data_transpose": "_transpose"}
+    CACHES = ("data_transpose",)
 
     @classmethod
     def storages_of(cls, weight, quantizer):
@@ -205,8 +215,8 @@ class ToyFloat8Tensor(ToyQuantizedTensor):
         return _e4m3(self._data).float() * self._scale_inv
 
     def columnwise_values(self):
-        if self._transpose is None:
-            return self._rowwise_values()
+        if self._transpose is None or self._caches_invalid["data_transpose"]:
+            return self._rowwise_values()  # the transpose made from _data: the same values
         return (_e4m3(self._transpose).float() * self._scale_inv).t()
 
 

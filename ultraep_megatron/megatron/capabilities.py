@@ -136,6 +136,10 @@ def _low_precision_problems(get) -> list[str]:
         problems.append("--reuse-grad-buf-for-mxfp8-param-ag is not supported: it gathers the mxfp8 parameters "
                         "through the gradient buffer the replica-gradient reduction writes into, which has not "
                         "been checked yet; leave it off")
+    if get('fp8') and get('fp8_param_gather') and get('first_last_layers_bf16'):
+        problems.append("--first-last-layers-bf16 with --fp8-param-gather is not supported: the bf16 layers' "
+                        "experts hold plain weights and the others quantized ones, and the replica slots all "
+                        "MoE layers share have one layout; leave the first and last layers in fp8")
     if get('fp4'):
         recipe = _name(getattr(get('fp4_recipe'), "value", get('fp4_recipe')))
         problems.append(f"--fp4-format {get('fp4')} (--fp4-recipe {recipe}) is not supported: the replica "

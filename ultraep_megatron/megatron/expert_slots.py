@@ -160,6 +160,9 @@ class ExpertWeightLayout:
                 out.append(tensors[None])
                 continue
             metadata = {**p.get_metadata(), **tensors}
+            for key in DERIVED_PARTS:  # the main expert's caches are not the replica's: none
+                if key in metadata:
+                    metadata[key] = None
             out.append(type(p)(shape=p.shape, dtype=p.dtype, requires_grad=False, **metadata))
         return out
 
@@ -170,13 +173,23 @@ class ExpertWeightLayout:
         return self._zeros[key]
 
 
+#: Storage tensors of a quantized weight that are a cache derived from the others, not moved: TE's
+#: ``Float8Tensor`` transpose (``data_transpose``) is a byte transpose of ``data``, which TE marks
+#: stale (``_transpose_invalid``) without clearing it when the parameter is re-quantized, and which
+#: ``get_metadata()`` returns either way. A replica is rebuilt without it; TE makes it from the moved
+#: ``data`` when the replica's backward needs it (``update_usage``), bit for bit the main expert's.
+DERIVED_PARTS = ("data_transpose",)
+
+
 def _parts(param: torch.Tensor) -> List[Tuple[Optional[str], torch.Tensor]]:
     """A parameter's storage tensors, ``(metadata key, tensor)`` in key order: the tensor-valued
-    entries of a quantized one's ``get_metadata()``; a plain one is its own part (key ``None``)."""
+    entries of a quantized one's ``get_metadata()`` but :data:`DERIVED_PARTS`; a plain one is its
+    own part (key ``None``)."""
     if not is_quantized(param):
         return [(None, param.detach())]
     metadata = param.get_metadata()
-    return [(key, metadata[key]) for key in sorted(metadata) if isinstance(metadata[key], torch.Tensor)]
+    return [(key, metadata[key]) for key in sorted(metadata)
+            if isinstance(metadata[key], torch.Tensor) and key not in DERIVED_PARTS]
 
 
 def build_replica_experts(layer, num_slots: int) -> "ReplicaExperts":

@@ -13,7 +13,10 @@ step's) experts.
 Per fp8 recipe (tensorwise, blockwise, mxfp8): megatron's MoELayer (``none``), the same on
 permuted tokens (``none_permuted``, the noise floor), the balanced layers (``balanced``); and for
 the negative control (``stale``) the balanced layers with the replica module's cache left on, as
-it was before it was built with ``disable_parameter_transpose_cache``.
+it was before it was built with ``disable_parameter_transpose_cache``. With fp8 parameters
+(``param/``): ``stale_parts`` (the replicas get row-wise data alone, stale scales and column-wise
+copies) and, for tensorwise, ``stale_transpose`` (the main expert's transpose cache moved as if it
+were data: after a re-quantization TE leaves it stale, ``expert_slots.DERIVED_PARTS``).
 
 Run:  torchrun --standalone --nproc-per-node 2 fp8_moe_layer.py --out-dir DIR
 """
@@ -24,6 +27,7 @@ import sys
 
 import torch
 
+from ultraep_megatron.megatron import expert_slots
 from ultraep_megatron.megatron.cpu import backend as cpu_backend
 
 from balanced_moe_layer import BATCH, HIDDEN, NUM_EXPERTS, SEQ, TOPK, permuted, skew, token_order
@@ -173,7 +177,9 @@ def replica_bytes_match(layer, weights, slot_weights, recipe: str) -> list[bool]
             continue
         for name, weight in zip(("fc1", "fc2"), tensors):
             metadata, want = weight.get_metadata(), quantizer.storages(weights[name][expert])
+            # A cache derived from the moved parts is not moved (expert_slots.DERIVED_PARTS).
             matches.append(all(torch.equal(metadata[key].view(torch.uint8), value.view(torch.uint8))
+                               if metadata[key] is not None else key in expert_slots.DERIVED_PARTS
                                for key, value in want.items() if value is not None))
     return matches
 
@@ -254,12 +260,19 @@ def main():
             results[f"{recipe}/{key}"] = run(layers, balancing, rank, permute)
         # fp8 parameters (--fp8-param-gather): the replicas receive the main experts' quantized bytes.
         runs = [("none", False, False), ("none_permuted", False, True), ("balanced", True, False),
-                ("stale_parts", True, False)]
+                ("stale_parts", True, False)] + ([("stale_transpose", True, False)] if recipe == "tensorwise" else [])
         for key, balanced, permute in runs:
-            layers, balancing = build_layers(world, recipe, balanced, False, fp8_param=True)
-            if key == "stale_parts":
-                move_stale_parts(layers)
-            results[f"{recipe}/param/{key}"] = run(layers, balancing, rank, permute, recipe if balanced else None)
+            derived = expert_slots.DERIVED_PARTS
+            if key == "stale_transpose":  # the transpose cache moved and used as it stands
+                expert_slots.DERIVED_PARTS = ()
+            try:
+                layers, balancing = build_layers(world, recipe, balanced, False, fp8_param=True)
+                if key == "stale_parts":
+                    move_stale_parts(layers)
+                results[f"{recipe}/param/{key}"] = run(layers, balancing, rank, permute,
+                                                       recipe if balanced else None)
+            finally:
+                expert_slots.DERIVED_PARTS = derived
     results["offloading"] = offloading_flags(world)
     torch.save(results, os.path.join(cli.out_dir, f"rank{rank}.pt"))
     parallel_state.destroy_model_parallel()
