@@ -64,7 +64,12 @@ ENVELOPE = {
                              "--first-last-layers-bf16 with --fp8-param-gather"),
     "fp8_bf16_ends": ([*ULTRAEP, *FP8, "tensorwise", "--first-last-layers-bf16"], None),
     "fp4": ([*ULTRAEP, "--fp4-format", "e2m1"], "--fp4-format e2m1"),
-    "graphs_attn_router": ([*ULTRAEP, *GRAPHS, "attn", "moe_router"], None),
+    "graphs_attn": ([*ULTRAEP, *GRAPHS, "attn"], None),
+    "graphs_te_attn_router": ([*ULTRAEP, "--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules",
+                               "attn", "moe_router"], None),
+    # megatron's local partial capture of the router runs the MoE preprocessing too.
+    "graphs_local_attn_router": ([*ULTRAEP, *GRAPHS, "attn", "moe_router"],
+                                 "--cuda-graph-modules moe_router with --cuda-graph-impl local"),
     "graphs_te_attn_router_mlp": ([*ULTRAEP, "--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules",
                                    "attn", "moe_router", "mlp"], None),
     "graphs_older_spelling_attn": ([*ULTRAEP, "--external-cuda-graph", "--cuda-graph-scope", "attn"], None),

@@ -181,6 +181,13 @@ def _cuda_graph_problem(get) -> Optional[str]:
     if not [n for n in names if n != 'full']:
         return (f"{flag} without --cuda-graph-modules (whole-layer capture) is not supported with a "
                 f"balancer: it captures every MoE layer whole; {_CUDA_GRAPH_WHY}")
+    if impl == 'local' and 'moe_router' in names:
+        # megatron's local partial capture graphs _forward_mlp_router, which runs the MoE layer's
+        # route *and* preprocess; only Transformer Engine's capture stops after the router.
+        return (f"--cuda-graph-modules moe_router with {flag} is not supported with a balancer: megatron's "
+                "local graph of the router also captures the MoE preprocessing, where the balanced layer "
+                "waits on the host for its plan; use --cuda-graph-impl transformer_engine, whose router "
+                "graph ends after the router")
     return None
 
 
