@@ -129,5 +129,7 @@ def test_production_envelope(verdicts, name):
     assert ": " in refusals[0].split(expected, 1)[1], f"no reason given: {refusals[0]}"
     if name.startswith(("fp8_delayed", "fp8_custom", "fp4")):
         assert "tensorwise, blockwise or mxfp8" in refusals[0], refusals[0]
-    if "graphs" in name:
+    if name == "graphs_local_attn_router":
+        assert "use --cuda-graph-impl transformer_engine" in refusals[0], refusals[0]
+    elif "graphs" in name:
         assert "capture only attn, moe_router, mlp, mamba" in refusals[0], refusals[0]
