@@ -17,7 +17,7 @@ NUM_SLOTS = 1
 EXPERT_NUMEL = 2 * 32 * 48  # fc1 [48, 32] + fc2 [32, 48]
 LATENT_EXPERT_NUMEL = 2 * 16 * 48  # --moe-latent-size 16: fc1 [48, 16] + fc2 [16, 48]
 SCENARIOS = ("single", "pipelined", "recompute", "eplb", "eplb-exact", "flex", "flex-hybridep",
-             "flex-hybridep-padded", "grouped", "mixed",
+             "flex-hybridep-padded", "flex-hybridep-fp8", "grouped", "mixed",
              "frozen_input", "frozen_router", "relayed", "idle_replica", "device_planner",
              "device_planner_recompute", "device_planner_flex", "latent")
 # A negative control must miss by more than this many times its tolerance (not a borderline miss).
@@ -217,12 +217,13 @@ def test_hybridep_scenarios_ran_megatrons_hybridep_path(ranks):
     """The HybridEP scenarios went through megatron's HybridEP manager (over the gloo stand-in), and
     the padded one really split padded layouts (a replica host's rows not a multiple of 8)."""
     for result in ranks:
-        for scenario in ("flex-hybridep", "flex-hybridep-padded"):
+        for scenario in ("flex-hybridep", "flex-hybridep-padded", "flex-hybridep-fp8"):
             assert result[f"{scenario}/balanced"]["dispatcher_class"] == "BalancedFlexDispatcher"
             assert result[f"{scenario}/balanced"]["manager_class"] == "_HybridEPManager"
         assert not any(result["flex-hybridep/balanced"]["padded_layouts"])
-    assert any(any(r["flex-hybridep-padded/balanced"]["padded_layouts"]) for r in ranks), \
-        "no replica host received a padded layout"
+    for scenario in ("flex-hybridep-padded", "flex-hybridep-fp8"):
+        assert any(any(r[f"{scenario}/balanced"]["padded_layouts"]) for r in ranks), \
+            f"{scenario}: no replica host received a padded layout"
 
 
 def test_grouped_scenario_ran_grouped_experts(ranks):

@@ -308,6 +308,12 @@ class TorchGroupedLinear(torch.nn.Module):
             )
         if x.shape[-1] != self.in_features:
             raise ValueError(f"x has width {x.shape[-1]}, expected {self.in_features}")
+        recipe = getattr(self.config, "fp8_recipe", None) if getattr(self.config, "fp8", None) else None
+        if recipe is not None:  # TE's fp8 grouped GEMM takes row counts of the alignment only
+            align = toy_fp8.align_size(getattr(recipe, "value", recipe))
+            if any(n % align for n in tokens_per_expert):
+                raise ValueError(f"fp8 grouped GEMM: rows per expert {tokens_per_expert} are not multiples "
+                                 f"of {align} (the caller must pad them, as megatron's Fp8Padding does)")
         rows = x.reshape(-1, self.in_features)
         biases = self.biases()
         is_first_microbatch = None if self.disable_parameter_transpose_cache else self.is_first_microbatch

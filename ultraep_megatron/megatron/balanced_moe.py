@@ -205,11 +205,12 @@ class BalancedMoELayer(MoELayer):
             dispatcher.dispatch_postprocess_parts(hidden_states, probs)
         main_out, mlp_bias = self.experts(main_tokens, rows_per_slot[: self.num_local_experts], main_probs)
         if track:
-            replica_out = run_replicas_in_graph(self, invocation, replica_tokens, replica_probs)
+            replica_out = run_replicas_in_graph(self, invocation, replica_tokens, replica_probs,
+                                                dispatcher.replica_rows)
         else:  # eval, or the no-grad first pass of activation recompute
             self.balancing.wait_weights(invocation)
             replica_out = self.run_replicas(self.replica_weight_views(), replica_tokens, replica_probs,
-                                            invocation.replica_rows)
+                                            dispatcher.replica_rows)
         return dispatcher.combine_preprocess_parts(main_out, replica_out), mlp_bias
 
     def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):

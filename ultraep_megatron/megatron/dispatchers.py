@@ -195,6 +195,11 @@ class _PhysicalSlotRouting:
         main_probs, replica_probs = torch.split(permuted_probs, rows)
         return main_tokens, replica_tokens, rows_per_slot, main_probs, replica_probs
 
+    @property
+    def replica_rows(self):
+        """Rows each redundant slot's experts compute in this invocation (host ints): the plan's."""
+        return self.invocation.replica_rows
+
     def combine_preprocess_parts(self, main_out: torch.Tensor, replica_out: torch.Tensor) -> torch.Tensor:
         """``combine_preprocess`` of the main experts' and the redundant slots' outputs, stacked."""
         return self.combine_preprocess(torch.cat([main_out, replica_out]))
@@ -444,8 +449,8 @@ class BalancedFlexDispatcher(_PhysicalSlotRouting, MoEFlexTokenDispatcher):
     where it cannot.
 
     When the fused kernels pad each local slot's rows (HybridEP under fp8 / fp4, to the quantization
-    alignment; DeepEP's fused permute-and-pad), the main experts take the padded rows, as megatron's
-    experts do, and the redundant slots only their real rows (their outputs padded back for combine).
+    alignment; DeepEP's fused permute-and-pad), the main experts and the redundant slots take their
+    padded rows alike, as megatron's experts do.
     """
 
     def __init__(self, num_local_experts, local_expert_indices, config, pg_collection, layer):
@@ -453,7 +458,8 @@ class BalancedFlexDispatcher(_PhysicalSlotRouting, MoEFlexTokenDispatcher):
         if problem:
             raise ValueError(f"--moe-balancer {layer.balancer_config.name}: {problem}")
         super().__init__(num_local_experts, local_expert_indices, config, pg_collection, layer)
-        self._slot_layout = None  # (rows per local slot as dispatched, their real rows), when padded
+        self._replica_rows: tuple = ()  # per redundant slot, as dispatched (padding included)
+        self._rows_past_slots = 0       # dispatched rows past the last local slot
 
     def _hybridep_alignment(self) -> int:
         """The multiple HybridEP pads each local slot's rows to: megatron's ``pad_multiple`` rule (the
@@ -479,46 +485,37 @@ class BalancedFlexDispatcher(_PhysicalSlotRouting, MoEFlexTokenDispatcher):
         return dispatched
 
     def dispatch_postprocess_parts(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        """``dispatch_postprocess`` split into the main experts' rows (as dispatched, padding
-        included) and the redundant slots' real rows. Sizes from host counts only: the plan's, and
-        the dispatched per-slot counts (HybridEP: the plan's, handed over in :meth:`token_dispatch`;
-        DeepEP: its own host list)."""
+        """``dispatch_postprocess`` split into the main experts' rows and the redundant slots' rows,
+        each as dispatched: where the kernels pad every local slot's rows (HybridEP under fp8 /
+        fp4, to the GEMM alignment), the replica experts take their slots' padded rows as the main
+        experts take theirs (built from the layer's config, they skip their own padding as the main
+        experts do, and fp8 GEMMs need aligned row counts); padding rows are zero and carry
+        probability 0. Rows past the last slot (a kernel's over-allocation) are kept aside and get
+        zero outputs in :meth:`combine_preprocess_parts`. Sizes from host counts only (HybridEP: the
+        plan's, handed over in :meth:`token_dispatch`; DeepEP: its own host list)."""
         tokens, rows_per_slot, permuted_probs = self.dispatch_postprocess(hidden_states, probs)
         dispatched = [int(n) for n in rows_per_slot.tolist()]  # host tensor
-        real = [int(n) for n in self.invocation.rows_per_slot.tolist()]
         G = self.slots_per_rank - self.num_slots
-        main_rows = sum(dispatched[:G])
-        if dispatched == real and tokens.shape[0] == sum(real):
-            self._slot_layout = None
-            sizes = [main_rows, tokens.shape[0] - main_rows]
-            (main_tokens, replica_tokens), (main_probs, replica_probs) = (
-                torch.split(tokens, sizes), torch.split(permuted_probs, sizes))
-            return main_tokens, replica_tokens, rows_per_slot, main_probs, replica_probs
-        self._slot_layout = (dispatched, real, tokens.shape[0])
-        # main | slot G real, its padding | slot G+1 real, padding | ... | rows past the last slot
-        sizes = [main_rows]
-        for slot in range(G, self.slots_per_rank):
-            sizes += [real[slot], dispatched[slot] - real[slot]]
-        sizes.append(tokens.shape[0] - sum(dispatched))
-        parts = []
-        for tensor in (tokens, permuted_probs):
-            pieces = torch.split(tensor, sizes)
-            parts.append((pieces[0], torch.cat(pieces[1:-1:2])))
-        (main_tokens, replica_tokens), (main_probs, replica_probs) = parts
+        main_rows, replica_rows = sum(dispatched[:G]), sum(dispatched[G:])
+        self._replica_rows = tuple(dispatched[G:])
+        self._rows_past_slots = tokens.shape[0] - main_rows - replica_rows
+        sizes = [main_rows, replica_rows, self._rows_past_slots]
+        (main_tokens, replica_tokens, _), (main_probs, replica_probs, _) = (
+            torch.split(tokens, sizes), torch.split(permuted_probs, sizes))
         return main_tokens, replica_tokens, rows_per_slot, main_probs, replica_probs
+
+    @property
+    def replica_rows(self):
+        """Rows of each redundant slot as dispatched (padding included), from the latest
+        :meth:`dispatch_postprocess_parts`."""
+        return self._replica_rows
 
     def combine_preprocess_parts(self, main_out: torch.Tensor, replica_out: torch.Tensor) -> torch.Tensor:
         """``combine_preprocess`` of the main experts' and the redundant slots' outputs in the
-        dispatched layout (the redundant slots' padding rows zero, as the rows past the last slot)."""
-        if self._slot_layout is None:
-            return self.combine_preprocess(torch.cat([main_out, replica_out]))
-        dispatched, real, total = self._slot_layout
-        G = self.slots_per_rank - self.num_slots
-        pieces = [main_out]
-        for slot, out in zip(range(G, self.slots_per_rank), torch.split(replica_out, real[G:])):
-            pieces += [out, out.new_zeros((dispatched[slot] - real[slot], out.shape[1]))]
-        pieces.append(main_out.new_zeros((total - sum(dispatched), main_out.shape[1])))
-        self._slot_layout = None
+        dispatched layout (zero rows past the last slot)."""
+        pieces = [main_out, replica_out]
+        if self._rows_past_slots:
+            pieces.append(main_out.new_zeros((self._rows_past_slots, main_out.shape[1])))
         return self.combine_preprocess(torch.cat(pieces))
 
 

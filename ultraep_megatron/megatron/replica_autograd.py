@@ -148,10 +148,12 @@ class ReplicaWeights(torch.autograd.Function):
         return None, None, None, None
 
 
-def run_replicas_in_graph(layer, invocation: Invocation, tokens: torch.Tensor, probs: torch.Tensor):
+def run_replicas_in_graph(layer, invocation: Invocation, tokens: torch.Tensor, probs: torch.Tensor,
+                          rows_per_slot):
     """Expert compute of this rank's redundant slots, differentiable: ``tokens [N, H]`` (sorted by
-    slot) and their ``probs [N]`` -> ``[N, H]``, with the replica weight gradients reduced into the
-    main experts' in the backward (:class:`ReplicaWeights`)."""
+    slot, ``rows_per_slot`` host ints: the plan's rows, or as the dispatcher padded them) and their
+    ``probs [N]`` -> ``[N, H]``, with the replica weight gradients reduced into the main experts' in
+    the backward (:class:`ReplicaWeights`)."""
     flat = ReplicaWeights.apply(layer, invocation, tokens, probs)
     per_slot = len(layer.expert_param_shapes)
     weights = [flat[s * per_slot : (s + 1) * per_slot] for s in range(len(flat) // per_slot)]
@@ -159,7 +161,7 @@ def run_replicas_in_graph(layer, invocation: Invocation, tokens: torch.Tensor, p
     with torch.autograd.graph.saved_tensors_hooks(
         _buffer_packer(buffer), _buffer_unpacker(buffer, layer.balancing, invocation)
     ):
-        return layer.run_replicas(weights, tokens, probs, invocation.replica_rows)
+        return layer.run_replicas(weights, tokens, probs, rows_per_slot)
 
 
 class _BufferView(NamedTuple):

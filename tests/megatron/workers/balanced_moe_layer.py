@@ -94,7 +94,7 @@ def rank_inputs(rank: int, microbatch: int) -> tuple[torch.Tensor, torch.Tensor]
 def build_layer(ep_size: int, balancer: str | None, num_slots: int, recompute: bool,
                 dispatcher: str = "alltoall", grouped: bool = False, balancer_config=None,
                 use_cpu_initialization: bool = True, flex_backend: str = "deepep", pad_multiple=None,
-                planner: str | None = None, latent_size: int | None = None):
+                planner: str | None = None, latent_size: int | None = None, fp8: str | None = None):
     """megatron's MoELayer (``balancer`` None) or a BalancedMoELayer with ``balancer_config`` (by
     default ``balancer`` with ``num_slots`` slots and a floor of 1), planning on the ``planner``
     (``--moe-balancer-planner``; ``None``: its default), with latent projections to ``latent_size``
@@ -129,6 +129,11 @@ def build_layer(ep_size: int, balancer: str | None, num_slots: int, recompute: b
         moe_aux_loss_coeff=0.0, add_bias_linear=False, use_cpu_initialization=use_cpu_initialization,
         bias_dropout_fusion=False, gradient_accumulation_fusion=False, moe_latent_size=latent_size, **extra,
     )
+    if fp8 is not None:  # toy current-scaling fp8 (grouped experts only): TE's pieces stood in for
+        import toy_fp8
+
+        toy_fp8.install_fp8_standins(fp8)
+        toy_fp8.enable_fp8(config, fp8)
     if grouped:  # TEGroupedMLP experts, a pure-torch grouped linear in Transformer Engine's place
         import torch_grouped_linear
 
@@ -231,7 +236,9 @@ def run(layer, weights, rank, microbatches: int, permute_tokens: bool = False, h
         def counting_postprocess_parts(hidden_states, probs):
             counted = len(received_rows)
             parts = postprocess_parts(hidden_states, probs)
-            padded_layouts.append(getattr(layer.token_dispatcher, "_slot_layout", None) is not None)
+            # Padded: the rows per local slot as dispatched are not the plan's.
+            plan_rows = layer.token_dispatcher.invocation.rows_per_slot
+            padded_layouts.append([int(n) for n in parts[2].tolist()] != [int(n) for n in plan_rows.tolist()])
             # Unless it went through megatron's postprocess (counted there).
             if torch._C._current_graph_task_id() == -1 and len(received_rows) == counted:
                 received_rows.append(parts[0].shape[0] + parts[1].shape[0])
@@ -373,6 +380,10 @@ def main():
         "flex-hybridep-padded": dict(microbatches=2, recompute=False, balancer="ultraep", dispatcher="flex",
                                      flex_backend="hybridep", pad_multiple=8),
         "grouped": dict(microbatches=3, recompute=False, balancer="ultraep", grouped=True),
+        # HybridEP under (toy) fp8 with grouped experts: every local slot's rows padded to the fp8
+        # alignment, which the grouped GEMM stand-in requires of main and replica experts alike.
+        "flex-hybridep-fp8": dict(microbatches=2, recompute=False, balancer="ultraep", dispatcher="flex",
+                                  flex_backend="hybridep", grouped=True, fp8="tensorwise"),
     }
     # The negative control: the single scenario with replica gradients never reduced (one of the
     # faults of pretrain_grad_dump.py, which holds every way the tests break the balancer).
@@ -415,7 +426,7 @@ def main():
                                 dispatcher, sc.get("grouped", False), flex_backend=sc.get("flex_backend", "deepep"),
                                 pad_multiple=sc.get("pad_multiple") if balancer else None,
                                 planner=sc.get("planner") if balancer else None,
-                                latent_size=LATENT if sc.get("latent") else None)
+                                latent_size=LATENT if sc.get("latent") else None, fp8=sc.get("fp8"))
             load_weights(layer, scenario_weights)
             if balancer and sc.get("idle_replica"):  # kept: not refreshed at this call
                 slots = torch.full((world, cli.num_slots), -1, dtype=torch.int64)
