@@ -28,6 +28,7 @@ from ultraep_megatron.planner import BalancerConfig
 from ultraep_megatron.planner import balancer as planner_balancer
 from ultraep_megatron.planner.balancer import MINIMUMS
 from ultraep_megatron.planner.baselines import registry
+from ultraep_megatron.planner.device_solve import triton_available
 
 
 @dataclass(frozen=True)
@@ -391,6 +392,10 @@ def startup_problems(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     warning = capabilities.nothing_to_balance(args) if not errors else None
     if warning:
         warnings.append(warning)
+    if getattr(args, "moe_balancer_planner", None) == "device" and not triton_available():
+        warnings.append("--moe-balancer-planner device without triton installed: the device planner runs "
+                        "its torch reference step by step (hundreds of small kernels per layer); install "
+                        "triton, or plan on the host (leave the flag out)")
     if isinstance(args.moe_balancer_trace_dir, str) and args.moe_balancer_trace_dir:
         problem = trace_dir_problem(args)
         if problem:

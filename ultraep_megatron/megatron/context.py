@@ -40,6 +40,7 @@ from ultraep_megatron.megatron.observers import BalancerStats, TraceRecorder
 from ultraep_megatron.megatron.ring import VirtualLayerRing, invocations_per_forward, max_inflight_microbatches
 from ultraep_megatron.planner import BalancerConfig
 from ultraep_megatron.planner.baselines.registry import ULTRAEP
+from ultraep_megatron.planner.device_solve import triton_available
 
 
 @dataclass
@@ -115,6 +116,7 @@ class BalancingContext:
         self._transfer: Optional[TransferHandle] = None  # the latest transfer issued
         self._reductions: Dict[int, Tuple[TransferHandle, list]] = {}  # id(invocation) -> (handle, targets)
         self._unobserved: List[tuple] = []  # (layer, invocation, training) not yet seen by the observers
+        self._host_copy_streams: Dict[torch.device, object] = {}
 
     # -- setup ---------------------------------------------------------------------------------
     def register(self, layer) -> None:
@@ -135,6 +137,11 @@ class BalancingContext:
                 self.buffer.weight_shapes != layout.shapes or self.buffer.replica_weights.dtype != layout.dtype:
             raise ValueError("UltraEP shares replica slots across the MoE layers of a model: all must "
                              "have the same expert shapes and dtype")
+        if self.plans_on_device and param.is_cuda and len(self.layers) == 0:
+            # The device planner's kernels compiled now (Triton specializes on R, E, S, N), not in
+            # the first layer's first forward: a load rising with the expert id, which replicates.
+            R, E = layer.token_dispatcher.ep_size, layer.config.num_moe_experts
+            device_planning.plan(torch.arange(E, device=param.device).repeat(R, 1), self.config)
         self.layers.append(layer)
         self.ring = None  # sized lazily, once the model (and the schedule) is known
 
@@ -156,6 +163,14 @@ class BalancingContext:
         plan_seconds = time.perf_counter() - t0
         return self._invocation(layer, load, plan, ep_rank, balanced=balanced, training=training,
                                 grad_enabled=grad_enabled, plan_seconds=plan_seconds, t0=t0)
+
+    def host_copy_stream(self, device: torch.device):
+        """The CUDA stream the device plans' host halves cross on (``None`` off CUDA)."""
+        if device.type != "cuda":
+            return None
+        if device not in self._host_copy_streams:
+            self._host_copy_streams[device] = torch.cuda.Stream(device=device)
+        return self._host_copy_streams[device]
 
     @native_torch
     def plan_on_device(self, layer, load: torch.Tensor, ep_rank: int, *, training: bool,
@@ -359,7 +374,8 @@ def resolve_planner(planner: Optional[str], balancer: str) -> str:
     from ultraep_megatron.megatron.cpu import backend as cpu_backend
 
     on_cuda = torch.cuda.is_available() and not cpu_backend.is_active()
-    return "device" if on_cuda and balancer == ULTRAEP else "host"
+    # Without Triton the device planner would run its reference step by step on the GPU.
+    return "device" if on_cuda and balancer == ULTRAEP and triton_available() else "host"
 
 
 def _data_plane_group(ep_group):

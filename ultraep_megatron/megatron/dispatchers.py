@@ -50,12 +50,29 @@ def _in_backward_pass() -> bool:
 def _copy_to_host(tensor: torch.Tensor) -> torch.Tensor:
     """The one device-to-host copy of an invocation: into pinned memory, non-blocking, then one wait
     on an event (megatron's dispatcher waits for its token counts the same way)."""
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
-    host.copy_(tensor, non_blocking=True)
-    copied = torch.cuda.Event()
-    copied.record()
+    host, copied = _start_copy_to_host(tensor)
     copied.synchronize()
     return host
+
+
+def _start_copy_to_host(tensor: torch.Tensor, stream=None):
+    """Start the copy of ``tensor`` into pinned host memory: (host tensor, event to wait on).
+
+    With ``stream`` (CUDA) the copy runs there, after what the current stream queued so far, so its
+    wait ends when ``tensor`` is ready, not when work queued after it (the token permutation) is done:
+    megatron copies its token counts on a side stream the same way."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
+    copied = torch.cuda.Event()
+    if stream is None:
+        host.copy_(tensor, non_blocking=True)
+        copied.record()
+        return host, copied
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        host.copy_(tensor, non_blocking=True)
+        tensor.record_stream(stream)  # the caller's stream may free it before the copy ran
+        copied.record(stream)
+    return host, copied
 
 
 def instances_of_positions(running: torch.Tensor, positions: torch.Tensor, *, binary_search: bool) -> torch.Tensor:
@@ -101,6 +118,7 @@ class _PhysicalSlotRouting:
         self._table: Optional[torch.Tensor] = None
         # A plan made on the device whose host half has not crossed yet (--moe-balancer-planner device).
         self._pending: Optional[DevicePlanned] = None
+        self._pending_host = None  # (pinned host copy of the device plan's host half, its event)
         # Sorting the pairs by expert on the narrowest integer that holds an expert id: the radix
         # sort's passes are over the key's bytes (CPU and CUDA).
         self._sort_key_dtype = torch.int16 if config.num_moe_experts <= torch.iinfo(torch.int16).max else torch.int32
@@ -133,6 +151,9 @@ class _PhysicalSlotRouting:
             self.invocation = None
             self._pending = balancing.plan_on_device(layer, self._gather_load(routing_map), self.ep_rank,
                                                      training=layer.training, grad_enabled=torch.is_grad_enabled())
+            # The host half starts crossing now, beside the reroute and permutation queued next.
+            self._pending_host = _start_copy_to_host(self._pending.host_half,
+                                                     balancing.host_copy_stream(routing_map.device))
             self._table = self._pending.reroute_table
             self._check_plan(routing_map)
             return None
@@ -152,8 +173,10 @@ class _PhysicalSlotRouting:
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        self.invocation = self._layer.balancing.complete_device_plan(self._layer, pending,
-                                                                     _copy_to_host(pending.host_half))
+        host_half, copied = self._pending_host
+        self._pending_host = None
+        copied.synchronize()
+        self.invocation = self._layer.balancing.complete_device_plan(self._layer, pending, host_half)
         self._take_invocation(self.invocation)
 
     def _take_invocation(self, invocation: Invocation) -> None:
