@@ -3,8 +3,8 @@
 The gathered load ``[R, E]`` stays on the device: ultraep's trigger, ``planner.device_solve`` and
 this rank's reroute table (a torch form of ``planner.rank_dispatch``'s) are queued there, the reroute
 and permutation read them there, and the host half of the plan (the load, the plan, whether it was
-balanced) crosses afterwards in one copy, where megatron's dispatcher waits for its splits anyway
-(``dispatchers._PhysicalSlotRouting._complete_plan``). Every function here is device work only:
+balanced) crosses in one copy, started on a side stream once the plan is queued and waited for where
+megatron's dispatcher waits for its splits anyway (``dispatchers._PhysicalSlotRouting._complete_plan``). Every function here is device work only:
 no host read, fixed shapes.
 
 Vocabulary (docs/glossary.md): R EP ranks, E experts, G = E // R main experts per rank, S redundant
