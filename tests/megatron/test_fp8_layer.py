@@ -108,28 +108,29 @@ def test_replicas_hold_their_main_experts_quantized_bytes(ranks, recipe):
     assert stale and not all(stale), stale
 
 
+def assert_fp8_parameter_control_fails(ranks, recipe: str, run: str) -> None:
+    """A negative control of fp8 parameters (``param/<run>``) fails the comparison by far more than
+    its tolerance."""
+    compared = comparisons(ranks, recipe, run, param=True)
+    failed = [c for c in compared if not c.passed]
+    assert failed, f"{recipe} {run} changed nothing"
+    print(f"\n{recipe} {run}: {len(failed)} of {len(compared)} over tolerance, error/tolerance "
+          f"{min(c.ratio for c in failed):.3g} to {max(c.ratio for c in failed):.3g}")
+    assert max(c.ratio for c in failed) > 1e3 * NOISE_MULTIPLE, failed[:5]
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_negative_control_stale_scales_and_columnwise_copies_fail_the_comparison(ranks, recipe):
     """The replicas receive each quantized weight's row-wise fp8 data alone, with the scales and
     column-wise copy of another expert (the first one moved): the comparison must fail."""
-    compared = comparisons(ranks, recipe, "stale_parts", param=True)
-    failed = [c for c in compared if not c.passed]
-    assert failed, "stale scales changed nothing"
-    print(f"\n{recipe} stale parts: {len(failed)} of {len(compared)} over tolerance, error/tolerance "
-          f"{min(c.ratio for c in failed):.3g} to {max(c.ratio for c in failed):.3g}")
-    assert max(c.ratio for c in failed) > 1e3 * NOISE_MULTIPLE, failed[:5]
+    assert_fp8_parameter_control_fails(ranks, recipe, "stale_parts")
 
 
 def test_negative_control_a_moved_stale_transpose_fails_the_comparison(ranks):
     """tensorwise fp8 parameters: TE leaves a Float8Tensor's transpose cache stale when megatron
     re-quantizes the parameter, and get_metadata() still returns it. Moved as if it were data (not
     rebuilt from the moved data), the replicas' input gradients use last step's transpose."""
-    compared = comparisons(ranks, "tensorwise", "stale_transpose", param=True)
-    failed = [c for c in compared if not c.passed]
-    assert failed, "a stale transpose changed nothing"
-    print(f"\ntensorwise stale transpose: {len(failed)} of {len(compared)} over tolerance, error/tolerance "
-          f"{min(c.ratio for c in failed):.3g} to {max(c.ratio for c in failed):.3g}")
-    assert max(c.ratio for c in failed) > 1e3 * NOISE_MULTIPLE, failed[:5]
+    assert_fp8_parameter_control_fails(ranks, "tensorwise", "stale_transpose")
 
 
 def test_the_replica_module_quantizes_its_weights_at_every_call(ranks):
