@@ -16,6 +16,7 @@ import torch
 
 from ultraep_megatron import planner
 from ultraep_megatron.megatron import device_planning
+from ultraep_megatron.planner import device_dispatch
 from ultraep_megatron.megatron.context import Overheads
 from ultraep_megatron.megatron.dispatchers import BalancedAlltoAllDispatcher, instances_of_positions
 from ultraep_megatron.megatron.invocation import plan_invocation
@@ -162,7 +163,7 @@ def test_device_reroute_table_equals_rank_dispatch(R, E, S, k, T, seed):
     for plan in plans:
         for rank in range(R):
             host = planner.rank_dispatch(plan, load, rank)
-            assert torch.equal(device_planning.reroute_table(plan, load, rank), torch.from_numpy(host.reroute_table))
+            assert torch.equal(device_dispatch.reroute_table(plan, load, rank), torch.from_numpy(host.reroute_table))
 
 
 @pytest.mark.parametrize("trigger,min_quota", [(None, None), (None, 1), (None, 10 ** 6), (1.0, None), (1.5, 1), (50.0, None)])

@@ -1,7 +1,7 @@
 """The balanced layer's plan made on the device (``--moe-balancer-planner device``).
 
 The gathered load ``[R, E]`` stays on the device: ultraep's trigger, ``planner.device_solve`` and
-this rank's reroute table (a torch form of ``planner.rank_dispatch``'s) are queued there, the reroute
+this rank's reroute table (``planner.device_dispatch``) are queued there, the reroute
 and permutation read them there, and the host half of the plan (the load, the plan, whether it was
 balanced) crosses in one copy, started on a side stream once the plan is queued and waited for where
 megatron's dispatcher waits for its splits anyway (``dispatchers._PhysicalSlotRouting._complete_plan``). Every function here is device work only:
@@ -19,9 +19,7 @@ import torch
 
 from ultraep_megatron import planner
 from ultraep_megatron.planner import BalancerConfig, Plan
-from ultraep_megatron.planner.solve import DEFAULT_MIN_QUOTA_DIVISOR
-
-_INT64_MAX = torch.iinfo(torch.int64).max
+from ultraep_megatron.planner.device_dispatch import balances, identity_plan, reroute_table
 
 #: Where a balanced layer plans (``--moe-balancer-planner``).
 PLANNERS = ("host", "device")
@@ -50,36 +48,6 @@ class DevicePlanned:
     plan_seconds: float
 
 
-def balances(load: torch.Tensor, config: BalancerConfig) -> torch.Tensor:
-    """``LayerBalancer.balances`` on the device: a 0-dim bool tensor, the same answer."""
-    R, E = load.shape
-    rank_load = load.sum(0).view(R, E // R).sum(1)
-    total, maximum = rank_load.sum(), rank_load.max()
-    if config.trigger is not None:  # float64 max / mean, as on the host; 1.0 for an empty load
-        imbalance = torch.where(total > 0, maximum.double() / (total.double() / R), 1.0)
-        return imbalance >= config.trigger
-    if config.min_quota is not None:
-        min_quota = torch.full_like(total, config.min_quota)
-    else:  # planner.solve.default_min_quota: max(1, ceil(total / (100 R)))
-        divisor = DEFAULT_MIN_QUOTA_DIVISOR * R
-        min_quota = torch.clamp(torch.div(total + divisor - 1, divisor, rounding_mode="floor"), min=1)
-    return (total > 0) & (R * maximum - total >= R * min_quota)
-
-
-def identity_plan(load: torch.Tensor, num_slots: int) -> Plan:
-    """``planner.baselines.identity_plan(load, num_slots)`` on the device."""
-    R, E = load.shape
-    G = E // R
-    device = load.device
-    home = torch.div(torch.arange(E, device=device), G, rounding_mode="floor")
-    quota = torch.zeros(E, R, dtype=torch.int64, device=device).scatter_(1, home.view(E, 1),
-                                                                          load.sum(0).view(E, 1))
-    physical = torch.zeros(R, R, G + num_slots, dtype=torch.int64, device=device)
-    physical[:, :, :G] = load.view(R, R, G)
-    slot_expert = torch.full((R, num_slots), -1, dtype=torch.int64, device=device)
-    return Plan(slot_expert, quota, physical.view(R, R * (G + num_slots)), quota.sum(0).max())
-
-
 def plan(load: torch.Tensor, config: BalancerConfig) -> tuple[Plan, torch.Tensor]:
     """ultraep's ``LayerBalancer.plan`` on the device: (the plan, whether the load was balanced, a
     0-dim bool tensor). Below the trigger the identity plan, as on the host; both are computed and
@@ -95,29 +63,6 @@ def plan(load: torch.Tensor, config: BalancerConfig) -> tuple[Plan, torch.Tensor
               ((solved.slot_expert, identity.slot_expert), (solved.quota, identity.quota),
                (solved.physical_split, identity.physical_split), (solved.threshold, identity.threshold))]
     return Plan(*chosen), balanced
-
-
-def reroute_table(plan_: Plan, load: torch.Tensor, rank: int) -> torch.Tensor:
-    """``planner.rank_dispatch(plan, load, rank).reroute_table`` on the device: int64
-    [4, E * R + 1] (the rows are documented at ``planner.RankDispatch``)."""
-    R, E = load.shape
-    P = plan_.physical_slots_per_rank
-    device = load.device
-    instance_slot = plan_.instance_slot  # [E, R], -1 where none
-    present = instance_slot >= 0
-    slot = torch.where(present, instance_slot, 0).view(-1)  # row 1 (0 where there is no instance)
-    sent = plan_.physical_split[rank]  # [R * P] rows this rank sends to each physical slot
-    counts = torch.where(present.view(-1), sent.index_select(0, slot), 0)
-    running = counts.cumsum(0)
-    own = load[rank]
-    slot_first_row = sent.cumsum(0) - sent  # the send buffer is physical-slot-major
-    tail = lambda value: torch.full((1,), value, dtype=torch.int64, device=device)  # noqa: E731
-    return torch.stack([
-        torch.cat([running, tail(_INT64_MAX)]),
-        torch.cat([slot, tail(R * P)]),
-        torch.cat([own.cumsum(0) - own - 1, torch.zeros(E * R + 1 - E, dtype=torch.int64, device=device)]),
-        torch.cat([slot_first_row.index_select(0, slot) - (running - counts), own.sum().view(1) + 1]),
-    ])
 
 
 def plan_on_device(load: torch.Tensor, config: BalancerConfig, rank: int, *, training: bool,

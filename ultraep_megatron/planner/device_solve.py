@@ -39,7 +39,7 @@ import torch
 from .plan import Plan
 from .solve import DEFAULT_MIN_QUOTA_DIVISOR, validate_solve_args
 
-__all__ = ["device_solve", "reference_probe", "search_rounds", "PROBES_PER_ROUND",
+__all__ = ["device_solve", "device_min_quota", "reference_probe", "search_rounds", "PROBES_PER_ROUND",
            "triton_available"]
 
 #: Thresholds probed side by side in one search round (one Triton program each on a GPU).
@@ -364,6 +364,14 @@ def build_plan(load: torch.Tensor, num_slots: int, main_left: torch.Tensor,
     return Plan(slot_expert, quota, physical, threshold)
 
 
+def device_min_quota(total: torch.Tensor, num_ranks: int, min_quota: int | None) -> torch.Tensor:
+    """The quota floor as a 0-dim int64 tensor on ``total``'s device: ``min_quota``, or
+    ``solve.default_min_quota`` (``max(1, ceil(total / (100 R)))``) of the 0-dim ``total``."""
+    if min_quota is not None:
+        return torch.full((), min_quota, dtype=torch.int64, device=total.device)
+    return (-(-total // (DEFAULT_MIN_QUOTA_DIVISOR * num_ranks))).clamp(min=1)
+
+
 def probe_inputs(load: torch.Tensor, min_quota: int | None, domain_size: int):
     """What every probe reads, from ``load`` int64 [R, E] (device tensors, no host read):
     expert_load [E], rank_load [R], rank_order [R] (descending load, ties by rank id), lower
@@ -373,10 +381,7 @@ def probe_inputs(load: torch.Tensor, min_quota: int | None, domain_size: int):
     N = domain_size
     expert_load = load.sum(0)
     rank_load = expert_load.view(R, E // R).sum(1)
-    if min_quota is None:
-        floor = (-(-rank_load.sum() // (DEFAULT_MIN_QUOTA_DIVISOR * R))).clamp(min=1)
-    else:
-        floor = torch.full((), min_quota, dtype=torch.int64, device=load.device)
+    floor = device_min_quota(rank_load.sum(), R, min_quota)
     lower = (-(-rank_load.view(R // N, N).sum(1) // N)).max()
     rank_order = torch.sort(rank_load, descending=True, stable=True).indices
     return expert_load, rank_load, rank_order, lower, floor
