@@ -1,9 +1,10 @@
-"""Pretrain a GPT (dense or MoE) with megatron-core 0.19's training loop, plus UltraEP.
+"""Pretrain a GPT (dense or MoE) with megatron-core's training loop (0.19 or 0.18), plus UltraEP.
 
-megatron-core's wheel has no ``pretrain_gpt.py``; this is ours, on the 0.19 training API
-(``parse_and_validate_args`` -> ``gpt_config_from_args`` -> ``pretrain_cfg_container_from_args``
--> ``pretrain``). On top of Megatron's arguments it takes the ``moe balancer`` and
-``ultraep telemetry`` groups (see ``ultraep_megatron/megatron/arguments.py``).
+megatron-core's wheel has no ``pretrain_gpt.py``; this is ours, on the training API
+(``parse_and_validate_args`` -> the GPT model's config -> ``pretrain_cfg_container_from_args`` ->
+``pretrain``; 0.19 builds the model from ``gpt_config_from_args``, 0.18 from a model provider:
+``ultraep_megatron/megatron/compat.py`` says what differs). On top of Megatron's arguments it takes
+the ``moe balancer`` and ``ultraep telemetry`` groups (see ``ultraep_megatron/megatron/arguments.py``).
 
 Without a CUDA device the CPU backend (``ultraep_megatron.megatron.cpu``) runs the
 same loop on CPU processes over gloo; the flags it needs (``cpu.flags.CPU_FLAGS``) are applied
@@ -40,17 +41,15 @@ skip_dataset_helper_build()
 from megatron.core import mpu
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
-from megatron.core.enums import ModelType
 from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.core.utils import (
     get_attr_wrapped_model, get_batch_on_this_cp_rank, get_batch_on_this_tp_rank,
 )
-from megatron.training import get_args, get_tokenizer, pretrain, print_rank_0
-from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
+from megatron.training import get_args, get_tokenizer, print_rank_0
 from megatron.training.arguments import parse_and_validate_args
 from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
 
-from ultraep_megatron.megatron import telemetry
+from ultraep_megatron.megatron import compat, telemetry
 from ultraep_megatron.megatron.arguments import add_ultraep_args, balancing_context_from_args
 from ultraep_megatron.megatron.layer_spec import balance_moe_layers
 from ultraep_megatron.megatron.startup import startup_checks_or_exit
@@ -72,7 +71,7 @@ def get_batch(data_iterator, vp_stage=None):
                  for key in BATCH_KEYS}
     batch = get_batch_on_this_tp_rank(
         batch,
-        has_cu_seqlens=False,
+        False,  # no packed sequences (0.19 calls it has_cu_seqlens, 0.18 is_sft)
         is_hybrid_cp=False,
         create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
         broadcast_src_rank=mpu.get_tensor_model_parallel_src_rank(),
@@ -169,18 +168,13 @@ def main() -> None:
     sys.argv[1:] = startup_checks_or_exit(sys.argv[1:])
     args = parse_and_validate_args(extra_args_provider=add_ultraep_args,
                                    args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
-    model_cfg = gpt_config_from_args(args)
+    model_cfg = compat.gpt_model_from_args(args)
     # The model's balancing context (None for --moe-balancer none), handed to its balanced MoE
     # layers through Megatron's default layer spec (decoder and MTP block).
     balancing = balancing_context_from_args(args)
     balance_moe_layers(model_cfg, balancing)
     telemetry.install(model_cfg, args, balancing)
-    pretrain(
-        pretrain_cfg_container_from_args(args, model_cfg),
-        train_valid_test_datasets_provider,
-        ModelType.encoder_or_decoder,
-        forward_step,
-    )
+    compat.pretrain(args, model_cfg, train_valid_test_datasets_provider, forward_step)
     if balancing is not None:
         balancing.close()
     report_peak_memory()

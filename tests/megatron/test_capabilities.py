@@ -7,10 +7,12 @@ distributed setup). What production runs is accepted.
 import pytest
 
 from megatron_runs import argument_verdicts, check_verdict, tiny_moe_args
+from ultraep_megatron.megatron import compat
 
 BASE = tiny_moe_args(ep=1, train_iters=2)
 ULTRAEP = ["--moe-balancer", "ultraep"]
 DENSE = None  # the tiny model without its MoE flags
+MTP = ["--mtp-num-layers", "1", "--position-embedding-type", "rope"]
 
 COMMAND_LINES = {
     # name: (extra argv, substring the error must contain; None = must pass)
@@ -26,7 +28,10 @@ COMMAND_LINES = {
                                "--moe-flex-dispatcher-backend", "hybridep"],
                               "--moe-flex-dispatcher-backend hybridep needs HybridEP"),
     "flex_ncclep": ([*ULTRAEP, "--moe-token-dispatcher-type", "flex",
-                     "--moe-flex-dispatcher-backend", "ncclep"], "--moe-flex-dispatcher-backend ncclep"),
+                     "--moe-flex-dispatcher-backend", "ncclep"],
+                    # megatron-core 0.18 has no ncclep backend: its own parser refuses the value.
+                    "--moe-flex-dispatcher-backend: invalid choice: 'ncclep'" if compat.is_018()
+                    else "--moe-flex-dispatcher-backend ncclep"),
     "te_op_fuser": ([*ULTRAEP, "--use-transformer-engine-op-fuser"], "--use-transformer-engine-op-fuser"),
     # FSDP gathers an expert only in its own hooks; the replica transfers read and write it outside.
     "megatron_fsdp": ([*ULTRAEP, "--use-megatron-fsdp", "--use-distributed-optimizer",
@@ -90,6 +95,14 @@ ENVELOPE = {
     "latent_moe": ([*ULTRAEP, "--moe-latent-size", "32"], None),
     "hybridep_rank_capacity": ([*ULTRAEP, "--moe-expert-rank-capacity-factor", "1.5"],
                                "--moe-expert-rank-capacity-factor"),
+    # megatron-core 0.18's MTP layer fails under full recompute (compat.REFUSED_ON_018); 0.19 runs it
+    # (test_balanced_training.py's PP 2 layout), and selective recompute runs on both.
+    "mtp_full_recompute": ([*ULTRAEP, *MTP, "--recompute-granularity", "full", "--recompute-method", "uniform",
+                            "--recompute-num-layers", "1"],
+                           "--mtp-num-layers with --recompute-granularity full is not supported on megatron-core 0.18"
+                           if compat.is_018() else None),
+    "mtp_selective_recompute": ([*ULTRAEP, *MTP, "--recompute-granularity", "selective", "--recompute-modules",
+                                 "moe"], None),
 }
 
 

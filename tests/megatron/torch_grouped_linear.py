@@ -9,11 +9,14 @@ parameter layout, so code that reads or swaps expert weights sees what it would 
 
 * one parameter per local expert, ``weight{i}`` of shape [out, in] (the TP partition), and
   ``bias{i}`` of shape [out] when ``bias=True``; no ``_extra_state`` (no FP8 metadata);
-* the attributes megatron's DDP / optimizer / grad-norm read, set by megatron's own
-  ``_set_expert_parameter_attributes`` exactly as for the TE wrappers: ``allreduce`` (False
-  when the parameter is reduced over the expert-DP group), ``tensor_model_parallel``,
-  ``partition_dim``, ``partition_stride``; row-parallel biases also get ``sequence_parallel=False``
-  (TE's value once megatron makes expert TP communication explicit);
+* the attributes megatron's DDP / optimizer / grad-norm read, as the TE wrapper of the installed
+  megatron-core leaves them (:func:`mark_expert_parameters`). 0.19: megatron's own
+  ``_set_expert_parameter_attributes``: ``allreduce`` (False when the parameter is reduced over
+  the expert-DP group), ``tensor_model_parallel``, ``partition_dim``, ``partition_stride``;
+  row-parallel biases also get ``sequence_parallel=False`` (TE's value once megatron makes expert
+  TP communication explicit). 0.18: TE's ``GroupedLinear.reset_parameters`` marking for the
+  parallel mode megatron hands TE (none when expert communication is explicit), then 0.18's
+  ``allreduce`` (False with EP > 1) and its ``partition_dim`` / ``partition_stride`` stamp;
 * weights initialised as megatron's ``ColumnParallelLinear`` / ``RowParallelLinear`` do
   (``use_cpu_initialization``: a full [out, in] master weight per expert, init_method, then this
   TP rank's slice; otherwise the rank's slice under the expert-parallel RNG tracker); biases zero;
@@ -65,9 +68,7 @@ import torch
 
 import toy_fp8
 from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
-from megatron.core.extensions.transformer_engine import _set_expert_parameter_attributes
 from megatron.core.models.backends import LocalSpecProvider
-from megatron.core.models.gpt.moe_module_specs import _build_shared_experts
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.layers import (
     _initialize_affine_weight_cpu,
@@ -83,6 +84,8 @@ from megatron.core.transformer.utils import (
     make_sharded_tensors_for_checkpoint,
 )
 from megatron.core.utils import divide, get_pg_rank, get_pg_size
+
+from ultraep_megatron.megatron import compat
 
 __all__ = [
     "grouped_matmul",
@@ -240,11 +243,6 @@ class TorchGroupedLinear(torch.nn.Module):
         self.use_bias = bias
         self.te_return_bias = bias and skip_bias_add
         self.delay_wgrad_compute = False
-        # Expert params go to the expert-DP grad buckets when EP > 1 or expert TP differs from TP.
-        use_expert_pgs = (
-            config.expert_model_parallel_size > 1
-            or config.expert_tensor_parallel_size != config.tensor_model_parallel_size
-        )
         partition_dim = 0 if parallel_mode == "column" else 1
         device = None if config.use_cpu_initialization else torch.cuda.current_device()
 
@@ -274,11 +272,8 @@ class TorchGroupedLinear(torch.nn.Module):
                 bias_param = torch.nn.Parameter(
                     torch.zeros(self.out_features, dtype=config.params_dtype, device=device)
                 )
-                if parallel_mode == "row":
-                    bias_param.sequence_parallel = False
                 self.register_parameter(f"bias{i}", bias_param)
-        # Megatron's own marking of TE grouped-linear params (allreduce / TP partitioning).
-        _set_expert_parameter_attributes(self, parallel_mode, use_expert_pgs)
+        mark_expert_parameters(self, config, parallel_mode)
 
     def weights(self) -> list[torch.Tensor]:
         """The G expert weights, each [out_p, in_p]."""
@@ -394,6 +389,39 @@ class TorchColumnGroupedLinear(TorchGroupedLinear):
         super().__init__(num_gemms, input_size, output_size, parallel_mode="column", **kwargs)
 
 
+def mark_expert_parameters(module: TorchGroupedLinear, config: TransformerConfig, parallel_mode: str) -> None:
+    """The attributes megatron's DDP / optimizer / grad-norm read on a grouped linear's
+    parameters (``weight{i}`` already carry the TP attributes of their initialisation), as the
+    installed megatron-core's ``TEGroupedLinear`` leaves them."""
+    if not compat.is_018():
+        from megatron.core.extensions.transformer_engine import _set_expert_parameter_attributes
+
+        for i in range(module.num_gemms) if module.use_bias and parallel_mode == "row" else ():
+            getattr(module, f"bias{i}").sequence_parallel = False
+        # Expert params go to the expert-DP grad buckets when EP > 1 or expert TP differs from TP.
+        use_expert_pgs = (config.expert_model_parallel_size > 1
+                          or config.expert_tensor_parallel_size != config.tensor_model_parallel_size)
+        _set_expert_parameter_attributes(module, parallel_mode, use_expert_pgs)
+        return
+    # 0.18: megatron hands TE no parallel mode when it communicates expert TP / EP itself.
+    expert_parallel = config.expert_model_parallel_size > 1
+    explicit_expert_comm = get_pg_size(module._tp_group) > 1 or expert_parallel
+    te_mode = None if explicit_expert_comm else parallel_mode
+    for i in range(module.num_gemms) if module.use_bias else ():
+        bias = getattr(module, f"bias{i}")
+        if te_mode == "row":
+            bias.sequence_parallel = config.sequence_parallel
+        elif te_mode == "column":
+            set_tensor_model_parallel_attributes(bias, True, 0, 1)
+    for param in module.parameters(recurse=False):
+        param.allreduce = not expert_parallel
+    if explicit_expert_comm:
+        for i in range(module.num_gemms):
+            weight = getattr(module, f"weight{i}")
+            weight.partition_dim = 0 if parallel_mode == "column" else 1
+            weight.partition_stride = 1
+
+
 class TorchRowGroupedLinear(TorchGroupedLinear):
     """``linear_fc2`` builder: row-parallel (in split over expert-TP); see TorchGroupedLinear."""
 
@@ -419,10 +447,14 @@ def grouped_moe_layer_spec() -> Callable[..., MoELayer]:
     shared_mlp = MLPSubmodules(linear_fc1=local.column_parallel_linear(),
                                linear_fc2=local.row_parallel_linear(),
                                activation_func=local.activation_func())
+    if compat.is_018():  # 0.18's get_moe_module_spec builds SharedExpertMLP directly
+        from megatron.core.transformer.moe.shared_experts import SharedExpertMLP as shared_experts
+    else:
+        from megatron.core.models.gpt.moe_module_specs import _build_shared_experts as shared_experts
     return functools.partial(
         MoELayer,
         submodules=MoESubmodules(
             experts=grouped_experts_builder(),
-            shared_experts=functools.partial(_build_shared_experts, submodules=shared_mlp),
+            shared_experts=functools.partial(shared_experts, submodules=shared_mlp),
         ),
     )

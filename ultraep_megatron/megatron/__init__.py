@@ -41,6 +41,13 @@ The balanced layer (the training hot path):
 * :mod:`~ultraep_megatron.megatron.native_torch` -- the decorator that runs the balancer's host
   code without the CPU backend's device mapping.
 
+megatron-core releases (0.19.x, 0.18.x):
+
+* :mod:`~ultraep_megatron.megatron.compat` -- everything that differs between them, keyed on the
+  installed release: the training API, what 0.18 refuses;
+* :mod:`~ultraep_megatron.megatron.legacy_model` -- 0.18's GPT model provider (0.18 has no
+  ``GPTModelConfig``).
+
 Development, CI and tools:
 
 * :mod:`~ultraep_megatron.megatron.cpu` -- the CPU backend: megatron-core's MoE layer and

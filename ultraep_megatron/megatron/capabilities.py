@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ultraep_megatron.megatron import compat
+
 
 def moe_model_problems(args, domain_size: Optional[int]) -> list[str]:
     """Why Megatron's parsed ``args`` give no MoE model a balancer can run (before the settings of
@@ -40,8 +42,9 @@ def unsupported_moe_settings(config, environment: bool = True) -> list[str]:
     """What a balanced MoE layer cannot run, named by flag. ``config``: Megatron's args or a
     TransformerConfig (the attribute names are the same). ``environment``: also what this machine
     lacks (:func:`missing_packages`); ``False`` judges the configuration alone, for the
-    machines it targets (``ultraep check-recipe``)."""
-    problems = []
+    machines it targets (``ultraep check-recipe``). First, what the installed megatron-core release
+    cannot run (``compat.release_problems``)."""
+    problems = compat.release_problems(config)
     get = lambda name, default=None: getattr(config, name, default)  # noqa: E731
     dispatcher = get('moe_token_dispatcher_type')
     if dispatcher == 'flex':

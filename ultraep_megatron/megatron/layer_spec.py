@@ -1,9 +1,10 @@
 """The one place where ``--moe-balancer`` chooses the MoE layers of a GPT model.
 
-``pretrain_gpt.py`` calls :func:`balance_moe_layers` on its ``GPTModelConfig`` with the model's
+``pretrain_gpt.py`` calls :func:`balance_moe_layers` on what its GPT model is built from (0.19's
+``GPTModelConfig``, 0.18's model provider: ``compat.gpt_model_from_args``) with the model's
 ``BalancingContext``. That sets ``transformer_layer_spec`` to
 ``functools.partial(moe_balanced_layer_spec, balancing=context)``; Megatron's ``GPTModelBuilder``
-then calls it per (virtual) pipeline stage. The layer spec is
+(0.18: the provider) then calls it per (virtual) pipeline stage. The layer spec is
 Megatron's own default (the local, non-TE spec on CPU; the Transformer Engine spec when
 ``--transformer-impl transformer_engine``), and :func:`apply_moe_balancer` may swap the MoE
 ``mlp`` builder of every MoE layer. In megatron-core 0.19 that builder is
@@ -84,11 +85,11 @@ def apply_moe_balancer(spec: Any, balancing: Optional[BalancingContext]) -> Any:
 def moe_balanced_layer_spec(config: Any, vp_stage: int | None = None, *,
                             balancing: Optional[BalancingContext] = None):
     """``GPTModelConfig.transformer_layer_spec`` callable: Megatron's default spec for
-    ``config`` (a GPTModelConfig) and ``vp_stage``, with the MoE layers balanced by
-    ``balancing`` (``None``: unchanged)."""
-    from megatron.training.models.gpt import default_layer_spec
+    ``config`` (a GPTModelConfig; on 0.18 the model provider) and ``vp_stage``, with the MoE layers
+    balanced by ``balancing`` (``None``: unchanged)."""
+    from ultraep_megatron.megatron import compat
 
-    return apply_moe_balancer(default_layer_spec(config, vp_stage), balancing)
+    return apply_moe_balancer(compat.default_layer_spec(config, vp_stage), balancing)
 
 
 def _balancing_of(model_cfg: Any) -> Optional[BalancingContext]:
@@ -138,18 +139,18 @@ def balance_moe_layers(model_cfg: Any, balancing: Optional[BalancingContext]) ->
     the built model is not balanced, naming it. ``None`` (``--moe-balancer none``) changes nothing.
 
     Args:
-        model_cfg: the ``GPTModelConfig`` handed to ``pretrain``.
+        model_cfg: the ``GPTModelConfig`` handed to ``pretrain`` (0.18: the model provider,
+            ``compat.gpt_model_from_args``).
         balancing: the model's balancing context, or ``None``.
     """
     if balancing is None:
         return
-    from megatron.training.models import gpt
+    from ultraep_megatron.megatron import compat
 
     model_cfg.transformer_layer_spec = functools.partial(moe_balanced_layer_spec, balancing=balancing)
-    # GPTModelBuilder.build_model calls the module-level mtp_block_spec, which rebuilds the MTP
-    # layer from Megatron's decoder specs; the wrapper leaves models without a balancer alone.
-    if not getattr(gpt.mtp_block_spec, "ultraep_balanced", False):
-        gpt.mtp_block_spec = _balanced_mtp_block_spec(gpt.mtp_block_spec)
+    # The builder calls a module-level mtp_block_spec, which rebuilds the MTP layer from Megatron's
+    # decoder specs; the wrapper leaves models without a balancer alone.
+    compat.wrap_mtp_block_spec(_balanced_mtp_block_spec)
 
     def refuse_unbalanced_moe_layers(model_chunks):
         unbalanced = unbalanced_moe_layers(model_chunks)

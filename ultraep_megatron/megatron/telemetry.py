@@ -336,8 +336,9 @@ def install(model_cfg: Any, args: Any, balancing: Optional[BalancingContext] = N
     """Hook expert-load telemetry and the per-iteration JSONL record into Megatron's training.
 
     Args:
-        model_cfg: the GPTModelConfig given to ``pretrain``; a post-wrap hook attaches the
-            router hooks once the model is built.
+        model_cfg: the GPTModelConfig given to ``pretrain`` (0.18: the model provider,
+            ``compat.gpt_model_from_args``); a post-wrap hook attaches the router hooks once the
+            model is built.
         args: Megatron's parsed arguments (``--moe-load-telemetry``, ``--metrics-jsonl``).
         balancing: the model's ``BalancingContext`` (``None`` for ``--moe-balancer none``): its
             per-layer figures are logged too, and it is told when an iteration ends.

@@ -1,4 +1,4 @@
-"""CPU backend for megatron-core 0.19.2: run the real MoE layer and training loop over gloo.
+"""CPU backend for megatron-core 0.19.2 and 0.18.2: run the real MoE layer and training loop over gloo.
 
 Development and CI only. Megatron-core assumes a CUDA device everywhere on its training path. On a
 machine without one (developer laptops, CI), :func:`backend.activate` makes "the CUDA device" an

@@ -47,7 +47,7 @@ def _patch(owner: Any, attribute: str, replacement: Any, reason: str) -> None:
     if not hasattr(owner, attribute):
         raise AttributeError(
             f"{getattr(owner, '__name__', owner)}.{attribute} is missing: the CPU backend targets "
-            "megatron-core 0.19.2"
+            "megatron-core 0.19.2 and 0.18.2"
         )
     setattr(owner, attribute, replacement)
     PATCHES.append((f"{getattr(owner, '__name__', type(owner).__name__)}.{attribute}", reason))
