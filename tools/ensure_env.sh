@@ -2,16 +2,28 @@
 # Create or reuse the project's Python environment, then print its python path on stdout.
 #
 #   PY=$(bash tools/ensure_env.sh)
+#   PY=$(ULTRAEP_MCORE=0.18 bash tools/ensure_env.sh)   # the same with megatron-core 0.18
 #
 # The venv lives outside the checkout (default ~/.cache/ultraep-megatron/venv, override with
 # ULTRAEP_VENV) so fresh clones on the same machine reuse the ~5 GB torch install. Dependencies come
 # from the exact, hashed lock (requirements/lock.txt; pyproject.toml holds the ranges): they are
 # reinstalled when the lock or pyproject.toml changes, and the package is (re)installed in editable
 # mode, without dependencies, when the checkout moves.
+#
+# ULTRAEP_MCORE=0.18 (default 0.19): megatron-core 0.18's environment (requirements/lock-mcore018.txt),
+# a small venv layered on the main one (default <main venv>-mcore018, override with
+# ULTRAEP_VENV_MCORE018): it sees the main environment's packages (torch, the editable install of
+# this checkout) and installs only the lines of its lock that differ from lock.txt (megatron-core);
+# it is remade when either lock or pyproject.toml changes.
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${ULTRAEP_VENV:-$HOME/.cache/ultraep-megatron/venv}
+mcore=${ULTRAEP_MCORE:-0.19}
 log() { echo "[ensure_env] $*" >&2; }
+case "$mcore" in
+  0.19|0.18) ;;
+  *) log "ULTRAEP_MCORE=$mcore: the megatron-core releases supported are 0.19 (the default) and 0.18"; exit 1 ;;
+esac
 
 find_python312() {
   local c
@@ -29,7 +41,7 @@ deps_stamp=$(cat "$repo/pyproject.toml" "$lock" | sha256sum | cut -c1-16)
 stamp_file="$venv/.ultraep-deps"
 if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp_file" 2>/dev/null)" != "$deps_stamp" ]; then
   base=$(find_python312) || {
-    log "Python 3.12 not found (megatron-core 0.19.2 ships cp312 wheels only)."
+    log "Python 3.12 not found (megatron-core 0.18 and 0.19 ship cp312 wheels only)."
     log "Install it (e.g. 'pyenv install 3.12') or point ULTRAEP_BASE_PYTHON at a python3.12."
     exit 1
   }
@@ -50,4 +62,51 @@ if [ "$(cat "$venv/.ultraep-src" 2>/dev/null)" != "$repo" ]; then
   "$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$repo" >&2
   echo "$repo" > "$venv/.ultraep-src"
 fi
-echo "$venv/bin/python"
+if [ "$mcore" = 0.19 ]; then
+  echo "$venv/bin/python"
+  exit 0
+fi
+
+# megatron-core 0.18: a venv layered on the main one.
+layer=${ULTRAEP_VENV_MCORE018:-$venv-mcore018}
+layer_lock="$repo/requirements/lock-mcore018.txt"
+base_site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+layer_stamp=$(cat "$repo/pyproject.toml" "$lock" "$layer_lock" <(echo "$base_site") | sha256sum | cut -c1-16)
+if [ ! -x "$layer/bin/python" ] || [ "$(cat "$layer/.ultraep-deps" 2>/dev/null)" != "$layer_stamp" ]; then
+  base=$(find_python312) || { log "Python 3.12 not found"; exit 1; }
+  log "creating $layer (megatron-core 0.18: $layer_lock), layered on $venv"
+  rm -rf "$layer"
+  "$base" -m venv "$layer"
+  layer_site=$("$layer/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  # After the layer's own packages: the main environment's, its .pth files processed (its editable
+  # install of this checkout, and its own layers).
+  echo "import site; site.addsitedir('$base_site')" > "$layer_site/zz_ultraep_main_venv.pth"
+  differing=$(mktemp)
+  trap 'rm -f "$differing"' EXIT
+  "$layer/bin/python" - "$lock" "$layer_lock" > "$differing" <<'PY'
+import sys
+
+def requirements(path):
+    """name -> its lines (requirement and hashes) in a hashed lock file."""
+    found, name = {}, None
+    for line in open(path):
+        if line.startswith("#") or not line.strip():
+            continue
+        if not line[0].isspace():
+            name = line.split("==")[0].lower()
+            found[name] = ""
+        found[name] += line
+    return found
+
+main, layer = requirements(sys.argv[1]), requirements(sys.argv[2])
+missing = sorted(set(main) - set(layer))
+if missing:
+    sys.exit(f"{sys.argv[2]} lacks {', '.join(missing)} of {sys.argv[1]}: a layer cannot remove them")
+sys.stdout.write("".join(lines for name, lines in layer.items() if main.get(name) != lines))
+PY
+  log "installing what differs from $lock: $(grep -o '^[^ ]*==[^ ]*' "$differing" | tr '\n' ' ')"
+  "$layer/bin/python" -m pip install -q --progress-bar off --require-hashes --no-deps -r "$differing" >&2
+  "$layer/bin/python" -m pip check >&2 || { log "$layer_lock does not satisfy pyproject.toml's ranges: run tools/update_lock.py"; exit 1; }
+  echo "$layer_stamp" > "$layer/.ultraep-deps"
+fi
+echo "$layer/bin/python"
