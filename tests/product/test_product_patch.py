@@ -1,11 +1,16 @@
-"""patches/megatron-lm-core_v0.19.0-pretrain_gpt.patch: `--moe-balancer` in a user's Megatron-LM
-checkout (tag core_v0.19.0) by a three-hunk change to its pretrain_gpt.py.
+"""patches/: `--moe-balancer` in a user's Megatron-LM checkout by a small change to its
+pretrain_gpt.py, one patch per release: megatron-lm-core_v0.19.0-pretrain_gpt.patch (tag
+core_v0.19.0, three hunks) and megatron-lm-core_v0.18.x-pretrain_gpt.patch (tags core_v0.18.0 /
+core_v0.18.2, branch core_r0.18.0: one file; two hunks).
 
-Megatron-LM's file cannot be fetched on this machine (only package registries are reachable and
-no package ships it), so these tests check the patch itself: that it is a well-formed diff that
-applies (git apply) to a file holding its context, and that the code it adds -- run in the
-context it expects, with Megatron's own parser and GPT config -- adds the flags, swaps the MoE
-layers of Megatron's default spec for balanced ones and installs the telemetry.
+Megatron-LM's file cannot be fetched by CI (no package ships it), so these tests check each patch
+itself: that it is a well-formed diff that applies (git apply) to a file holding its context, and
+that the code it adds -- run in the context it expects, with Megatron's own parser and GPT model
+config (0.19) or model provider (0.18) -- adds the flags, swaps the MoE layers of Megatron's default
+spec for balanced ones and installs the telemetry. The code of a patch runs on its own megatron-core
+release: the 0.19 patch in the whole suite, the 0.18 one in CI's megatron-core 0.18 run
+(``ULTRAEP_MCORE=0.18 bash tools/run_tests.sh tests/product/test_product_patch.py``); on the other
+release it is skipped, saying so.
 """
 
 from __future__ import annotations
@@ -18,8 +23,11 @@ import sys
 import pytest
 
 from product_runs import REPO, recipe_env
+from ultraep_megatron.megatron import compat
 
-PATCH = REPO / "patches" / "megatron-lm-core_v0.19.0-pretrain_gpt.patch"
+#: megatron-core release -> (its patch, the number of hunks).
+PATCHES = {"0.19": (REPO / "patches" / "megatron-lm-core_v0.19.0-pretrain_gpt.patch", 3),
+           "0.18": (REPO / "patches" / "megatron-lm-core_v0.18.x-pretrain_gpt.patch", 2)}
 WORKER = REPO / "tests" / "product" / "workers" / "patch_hook.py"
 HUNK = re.compile(r"^@@ -(\d+),(\d+) \+(\d+),(\d+) @@")
 
@@ -55,11 +63,13 @@ def hunks(text: str):
     return [(start, old[1:], new, old[0]) for start, old, new in out]
 
 
-def test_patch_is_a_well_formed_diff_of_pretrain_gpt(tmp_path):
-    text = PATCH.read_text()
+@pytest.mark.parametrize("release", PATCHES)
+def test_patch_is_a_well_formed_diff_of_pretrain_gpt(tmp_path, release):
+    patch, num_hunks = PATCHES[release]
+    text = patch.read_text()
     assert text.startswith("diff --git a/pretrain_gpt.py b/pretrain_gpt.py\n")
     parsed = hunks(text)
-    assert len(parsed) == 3
+    assert len(parsed) == num_hunks
     for _, old, new, (old_count, new_count) in parsed:
         assert (len(old), len(new)) == (old_count, new_count)
     # A file holding each hunk's context at its line numbers, filler elsewhere: the patch must
@@ -69,7 +79,7 @@ def test_patch_is_a_well_formed_diff_of_pretrain_gpt(tmp_path):
     for start, old, _, _ in parsed:
         lines[start - 1:start - 1 + len(old)] = old
     (tmp_path / "pretrain_gpt.py").write_text("\n".join(lines) + "\n")
-    applied = subprocess.run(["git", "apply", "--verbose", str(PATCH)], cwd=tmp_path,
+    applied = subprocess.run(["git", "apply", "--verbose", str(patch)], cwd=tmp_path,
                              capture_output=True, text=True)
     assert applied.returncode == 0, applied.stderr
     patched = (tmp_path / "pretrain_gpt.py").read_text().splitlines()
@@ -80,8 +90,16 @@ def test_patch_is_a_well_formed_diff_of_pretrain_gpt(tmp_path):
         offset += len(new) - len(old)
 
 
-def run_hook(*args: str) -> dict:
-    completed = subprocess.run([sys.executable, str(WORKER), str(PATCH), *TINY_ARGS, *args],
+def on_release(release: str):
+    """Skip unless the installed megatron-core is ``release``: a patch's code runs on its own."""
+    if compat.release() != release:
+        pytest.skip(f"the {release} patch's code needs megatron-core {release} (installed: "
+                    f"{compat.version_string()}; run with ULTRAEP_MCORE={release})")
+
+
+def run_hook(release: str, *args: str) -> dict:
+    on_release(release)
+    completed = subprocess.run([sys.executable, str(WORKER), release, str(PATCHES[release][0]), *TINY_ARGS, *args],
                                env=recipe_env(), capture_output=True, text=True, timeout=300)
     assert completed.returncode == 0, (completed.stdout + completed.stderr)[-4000:]
     line = next(l for l in completed.stdout.splitlines() if l.startswith("PATCH_HOOK "))
@@ -89,8 +107,9 @@ def run_hook(*args: str) -> dict:
 
 
 @pytest.mark.slow
-def test_patched_code_balances_the_moe_layers_of_megatrons_default_spec():
-    report = run_hook("--moe-balancer", "ultraep", "--moe-balancer-num-slots", "3")
+@pytest.mark.parametrize("release", PATCHES)
+def test_patched_code_balances_the_moe_layers_of_megatrons_default_spec(release):
+    report = run_hook(release, "--moe-balancer", "ultraep", "--moe-balancer-num-slots", "3")
     assert report["moe_balancer"] == "ultraep" and report["spec_replaced"]
     # Layer 1 is dense (--moe-layer-freq), layers 2-3 are balanced MoE layers.
     assert "MoE" not in report["mlp_classes"][0]
@@ -100,12 +119,17 @@ def test_patched_code_balances_the_moe_layers_of_megatrons_default_spec():
     # The MTP block's spec is balanced too, and the built model is checked for unbalanced layers.
     assert report["mtp_spec_balanced"]
     assert "refuse_unbalanced_moe_layers" in report["post_wrap_hooks"]
+    if release == "0.18":  # the model is built from the balanced specs, not by the checkout's builder
+        assert report["checkout_builder_used"] is False
 
 
 @pytest.mark.slow
-def test_patched_code_leaves_megatron_unchanged_without_a_balancer():
-    report = run_hook("--moe-balancer", "none")
+@pytest.mark.parametrize("release", PATCHES)
+def test_patched_code_leaves_megatron_unchanged_without_a_balancer(release):
+    report = run_hook(release, "--moe-balancer", "none")
     assert not report["spec_replaced"] and not report["mtp_spec_balanced"]
+    if release == "0.18":  # the checkout's own builder builds the model
+        assert report["checkout_builder_used"] is True
     assert "MoE" not in report["mlp_classes"][0]
     assert report["mlp_classes"][1:] == ["MoELayer", "MoELayer"]
     # Telemetry still reports the router's per-layer imbalance.
