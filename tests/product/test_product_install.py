@@ -1,25 +1,42 @@
-"""Installing beside a cluster's torch: pip's own resolver, in dry-run mode, installs
-ultraep-megatron into an environment that already holds an NVIDIA-container torch build
-(2.9.0a0+<git>.nv25.05) and megatron-core from a Megatron-LM core_v0.19.0 checkout, and takes
-nothing else: no second torch, no second megatron. Negative controls: the same environment with a
-torch below the supported range, and the package with the old exact pins, cannot resolve without
-replacing torch.
+"""Installing beside a cluster's torch.
 
-Cheap by design: the environment is a bare venv holding only the installed packages' metadata
-(dist-info directories), the package is a wheel built from pyproject.toml alone, and pip runs
-offline (--no-index) in --dry-run mode, reading its --report."""
+The container route (README.md, docs/user_guide.md, docs/first_gpu_run.md, patches/README.md):
+``pip install -e "/path/to/ultraep-megatron[dev]"`` into an environment that already holds torch and
+megatron-core. Two checks:
+
+* pip's own resolver, in dry-run mode, against an environment holding an NVIDIA-container torch
+  build (2.9.0a0+<git>.nv25.05) and megatron-core from a Megatron-LM checkout (0.19.0 or 0.18.0):
+  it installs ultraep-megatron and nothing else: no second torch, no second megatron. Negative
+  controls: a torch below the supported range, and the package with the old exact pins, cannot
+  resolve without replacing torch. Cheap: a bare venv holding only dist-info directories, the
+  package a wheel built from pyproject.toml alone, pip offline (--no-index), --report.
+* the container route's command itself, run for real (not a dry run) in a fresh venv layered on a
+  "container": this test environment's own torch and megatron-core installs and the packages they
+  need (linked, not copied). pip keeps both where they are, installs the package and every runtime
+  dependency the container lacks (numba, wandb, einops, ...), and ``pip check`` finds every
+  requirement satisfied. Offline and cheap: the other distributions come from wheels holding this
+  environment's metadata (name, version, requirements) and no files, so pip resolves and installs
+  them exactly as from an index, in seconds. Negative control: the old ``pip install --no-deps``
+  of patches/README.md leaves numba, wandb and einops missing, and the same check names them.
+
+Not tested here: the NVIDIA container itself (it cannot be pulled on this machine) and real wheels
+of the dependencies (no index is reached)."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -83,8 +100,9 @@ def wheels(tmp_path_factory):
     return build_wheel((REPO / "pyproject.toml").read_text(), tmp_path_factory.mktemp("wheel"))
 
 
-def test_install_keeps_the_clusters_torch_and_megatron(wheels, tmp_path):
-    python = cluster_env(tmp_path / "env", CLUSTER)
+@pytest.mark.parametrize("megatron_core", ["0.19.0", "0.18.0"])
+def test_install_keeps_the_clusters_torch_and_megatron(wheels, tmp_path, megatron_core):
+    python = cluster_env(tmp_path / "env", {**CLUSTER, "megatron-core": megatron_core})
     report = tmp_path / "report.json"
     done = dry_run(python, wheels, report)
     assert done.returncode == 0, done.stderr
@@ -106,3 +124,132 @@ def test_the_old_exact_pins_would_replace_the_clusters_torch(tmp_path):
     python = cluster_env(tmp_path / "env", CLUSTER)
     done = dry_run(python, wheels, tmp_path / "report.json")
     assert done.returncode != 0 and re.search(r"torch==2\.14\.1|megatron-core==0\.19\.2", done.stderr), done.stderr
+
+
+# The container route, run for real ------------------------------------------------------------
+
+#: The container route's command, as the docs give it (`pip install -e "/path/to/ultraep-megatron[dev]"`),
+#: offline here: wheels from --find-links, and the build backend (setuptools) the container's.
+CONTAINER_ROUTE = ["install", "-e", f"{REPO}[dev]"]
+#: The runtime dependencies a container without them must get (pyproject.toml's).
+RUNTIME = ("numba", "matplotlib", "pyyaml", "wandb", "psutil", "einops")
+
+
+def installed() -> dict[str, importlib.metadata.Distribution]:
+    """This environment's distributions by canonical name (the first on sys.path wins)."""
+    found = {}
+    for dist in importlib.metadata.distributions():
+        found.setdefault(canonicalize_name(dist.metadata["Name"]), dist)
+    return found
+
+
+def requirement_closure(roots: list[str], dists: dict[str, importlib.metadata.Distribution]) -> set[str]:
+    """The canonical names of ``roots`` and everything they require here (markers and extras
+    evaluated for this interpreter)."""
+    todo, seen = [(canonicalize_name(r), frozenset()) for r in roots], set()
+    names = set()
+    while todo:
+        name, extras = todo.pop()
+        if (name, extras) in seen or name not in dists:
+            continue
+        seen.add((name, extras))
+        names.add(name)
+        for line in dists[name].requires or []:
+            req = Requirement(line)
+            if req.marker and not any(req.marker.evaluate({"extra": e}) for e in {"", *extras}):
+                continue
+            todo.append((canonicalize_name(req.name), frozenset(req.extras)))
+    return names
+
+
+def link_container(site: Path, names: set[str], dists) -> None:
+    """A site directory holding ``names``' installs, linked from this environment's."""
+    site.mkdir(parents=True)
+    for name in names:
+        tops = {Path(f).parts[0] for f in dists[name].files or [] if not str(f).startswith("..")}
+        for top in tops:
+            if not (site / top).exists():
+                (site / top).symlink_to(dists[name].locate_file(top))
+
+
+def metadata_wheel(dist: importlib.metadata.Distribution, out: Path) -> None:
+    """A wheel holding ``dist``'s name, version and requirements, and no files."""
+    name, version = dist.metadata["Name"], dist.version
+    stem = f"{re.sub(r'[-_.]+', '_', name)}-{version}"
+    lines = [f"Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}"]
+    if dist.metadata["Requires-Python"]:
+        lines.append(f"Requires-Python: {dist.metadata['Requires-Python']}")
+    lines += [f"Provides-Extra: {e}" for e in dist.metadata.get_all("Provides-Extra") or []]
+    lines += [f"Requires-Dist: {r}" for r in dist.requires or []]
+    files = {f"{stem}.dist-info/METADATA": "\n".join(lines) + "\n",
+             f"{stem}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files[f"{stem}.dist-info/RECORD"] = "".join(f"{path},,\n" for path in [*files, f"{stem}.dist-info/RECORD"])
+    with zipfile.ZipFile(out / f"{stem}-py3-none-any.whl", "w") as wheel:
+        for path, text in files.items():
+            wheel.writestr(path, text)
+
+
+@pytest.fixture(scope="module")
+def container(tmp_path_factory):
+    """(container site, wheel directory, {name: version}) for the container route."""
+    root = tmp_path_factory.mktemp("container")
+    dists = installed()
+    names = requirement_closure(["torch", "megatron-core"], dists)
+    link_container(root / "site", names, dists)
+    (root / "wheels").mkdir()
+    for name, dist in dists.items():
+        if name not in names and name != "ultraep-megatron":
+            metadata_wheel(dist, root / "wheels")
+    return root / "site", root / "wheels", {name: dists[name].version for name in names}
+
+
+def install_into_container(tmp_path: Path, container, *extra: str):
+    """A fresh venv on the container's site, the container route's command run in it: (pip's
+    output, `pip check`'s result, {canonical name: (version, location)} in the venv)."""
+    site, wheels, _ = container
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "env")], check=True, timeout=120)
+    env_site = next((tmp_path / "env").glob("lib/python3*/site-packages"))
+    (env_site / "zz_container.pth").write_text(f"{site}\n")
+    python = tmp_path / "env" / "bin" / "python"
+    pip = [sys.executable, "-m", "pip", "--python", str(python)]
+    done = subprocess.run([*pip, *CONTAINER_ROUTE[:1], "--no-index", "--find-links", str(wheels),
+                           "--no-build-isolation", *extra, *CONTAINER_ROUTE[1:]],
+                          env=pip_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    check = subprocess.run([*pip, "check"], env=pip_env(), capture_output=True, text=True, timeout=300)
+    where = subprocess.run([str(python), "-c", (
+        "import importlib.metadata as m, json, re\n"
+        "out = {}\n"
+        "for d in m.distributions():\n"
+        "    out.setdefault(re.sub(r'[-_.]+', '-', d.metadata['Name']).lower(), (d.version, str(d.locate_file(''))))\n"
+        "print(json.dumps(out))")], cwd=tmp_path, capture_output=True, text=True, timeout=120, check=True)
+    return done.stdout, check, {k: tuple(v) for k, v in json.loads(where.stdout).items()}, env_site
+
+
+def test_container_route_keeps_torch_and_megatron_and_installs_the_runtime_dependencies(tmp_path, container):
+    site, _, kept = container
+    output, check, dists, env_site = install_into_container(tmp_path, container)
+    # torch and megatron-core (and what they need) stay the container's: same versions, same place.
+    for name in ("torch", "megatron-core"):
+        assert dists[name] == (kept[name], str(site)), (name, dists[name])
+    installed_now = re.search(r"Successfully installed (.*)", output)[1].split()
+    print(f"\ncontainer route: {len(installed_now)} installed, torch {kept['torch']} and megatron-core "
+          f"{kept['megatron-core']} kept ({len(kept)} container packages)")
+    assert not [p for p in installed_now if re.match(r"(torch|megatron[-_]core)-\d", p)], installed_now
+    # The package and each runtime dependency the container lacks are installed into the venv.
+    assert dists["ultraep-megatron"][1] == str(env_site)
+    for name in RUNTIME:
+        assert name not in kept and dists[name][1] == str(env_site), (name, dists.get(name))
+    # Every requirement of every distribution is satisfied (pip's own check).
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_the_old_no_deps_install_leaves_runtime_dependencies_missing(tmp_path, container):
+    """Negative control: patches/README.md's former `pip install --no-deps` -- the check above
+    must fail, naming the runtime dependencies it left out."""
+    _, check, dists, _ = install_into_container(tmp_path, container, "--no-deps")
+    missing = set(re.findall(r"ultraep-megatron 0\.1\.0 requires ([A-Za-z0-9_.-]+), which is not installed",
+                             check.stdout))
+    print(f"\n--no-deps: pip check finds ultraep-megatron missing {sorted(missing)}")
+    assert check.returncode != 0 and {"numba", "wandb", "einops"} <= missing, check.stdout
+    assert not {"numba", "wandb", "einops"} & set(dists)
