@@ -24,7 +24,7 @@ from typing import Sequence
 
 import torch
 
-from gloo_launch import PYTHON, REPO_ROOT, WORKERS, gloo_env, launch_gloo_ranks, run_process_group, torchrun_command
+from gloo_launch import PYTHON, REPO_ROOT, WORKERS, gloo_env, launch_gloo_ranks, run_ranks
 
 from ultraep_megatron.megatron.cpu.flags import CPU_FLAGS, REQUIRED_ARGS
 
@@ -258,6 +258,5 @@ def argument_verdicts(cases: dict[str, list[str]]) -> dict[str, dict]:
 def torchrun(script: str | Path, nproc: int, args: Sequence[str], env: dict[str, str] | None = None,
              timeout_s: float = 300) -> tuple[int, str]:
     """(exit status, combined output) of ``script`` on ``nproc`` gloo ranks, failing or not."""
-    completed = run_process_group(torchrun_command(script, nproc, args), cwd=REPO_ROOT, env=gloo_env(env),
-                                  timeout_s=timeout_s)
+    completed = run_ranks(script, nproc, args, env=env, timeout_s=timeout_s)
     return completed.returncode, completed.stdout + completed.stderr
