@@ -188,16 +188,21 @@ def _read_line(connection: socket.socket, timeout_s: Optional[float]) -> Optiona
 
 
 def launch(script: str | os.PathLike, nproc: int, args: Sequence[str], *, env: dict[str, str], cwd: str | os.PathLike,
-           timeout_s: Optional[float], stdout: int, stderr: int, master_port: Optional[int] = None) -> int:
+           timeout_s: Optional[float], stdout: int, stderr: int, master_port: Optional[int] = None,
+           torchrun: bool = True) -> int:
     """Run ``script args`` on ``nproc`` local ranks forked from the server, writing to the file
     descriptors ``stdout``/``stderr``; return torchrun's exit status (0, or 1 when a rank failed).
+    With ``torchrun=False``: one process, as ``python script args`` (no torchrun variables, no
+    session of its own), and its own exit status.
 
     Raises:
         subprocess.TimeoutExpired: past ``timeout_s``, once every rank (and whatever it started)
             is gone.
     """
+    if not torchrun and nproc != 1:
+        raise ValueError("a launch without torchrun is one process")
     message = {"script": os.fspath(script), "args": [str(a) for a in args], "nproc": nproc, "env": env,
-               "cwd": os.fspath(cwd), "master_port": master_port}
+               "cwd": os.fspath(cwd), "master_port": master_port, "torchrun": torchrun}
     connection = _request(server_socket(), message, [stdout, stderr])
     with connection:
         try:
@@ -279,16 +284,24 @@ def parse_torchrun(argv: Sequence[str]) -> Optional[dict]:
     return {"nproc": nproc, "master_port": port, "script": rest[0], "args": rest[1:]}
 
 
+def parse_script(argv: Sequence[str]) -> Optional[dict]:
+    """``SCRIPT.py ARGS`` (no interpreter option) -> a one-process launch, or None."""
+    if not argv or argv[0].startswith("-") or not argv[0].endswith(".py") or not os.path.isfile(argv[0]):
+        return None
+    return {"nproc": 1, "master_port": None, "script": argv[0], "args": list(argv[1:]), "torchrun": False}
+
+
 def shim_main(argv: Sequence[str]) -> None:
-    """The ``warm_python`` shim: a torchrun launch to the server, anything else to the interpreter."""
+    """The ``warm_python`` shim: a torchrun launch or a script to the server, anything else (``-c``,
+    ``-m`` of another module, options) to the interpreter."""
     real = os.environ.get(REAL_PYTHON_ENV) or sys.executable
-    launch_request = parse_torchrun(argv)
+    launch_request = parse_torchrun(argv) or parse_script(argv)
     path = os.environ.get(SOCKET_ENV)
     if launch_request is None or not path or not os.path.exists(path):
         os.execv(real, [real, *argv])
     message = {"script": os.path.abspath(launch_request["script"]), "args": launch_request["args"],
                "nproc": launch_request["nproc"], "env": dict(os.environ), "cwd": os.getcwd(),
-               "master_port": launch_request["master_port"]}
+               "master_port": launch_request["master_port"], "torchrun": launch_request.get("torchrun", True)}
     sys.stdout.flush()
     sys.stderr.flush()
     connection = _request(path, message, [1, 2])
@@ -412,7 +425,7 @@ class _Server:
                 if supervisor == 0:
                     listener.close()
                     try:
-                        status = _Supervisor(self, message, connection, fds).run()
+                        _Supervisor(self, message, connection, fds).run()
                     finally:
                         os._exit(0)
                 self.supervisors[supervisor] = message["env"].get(LAUNCH_MARKER)
@@ -448,6 +461,7 @@ class _Supervisor:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         start = time.monotonic()
         nproc = self.message["nproc"]
+        torchrun = self.message.get("torchrun", True)
         port = self.message.get("master_port") or _free_port()
         run_id = os.urandom(8).hex()
         for rank in range(nproc):
@@ -457,7 +471,9 @@ class _Supervisor:
             self.ranks[pid] = rank
         status, first_failure, killed = self._wait()
         seconds = time.monotonic() - start
-        if first_failure is not None and not killed:
+        if not torchrun:  # the process's own status, as subprocess.run returns it
+            status = -signal.SIGKILL if killed else (first_failure[1] if first_failure else 0)
+        elif first_failure is not None and not killed:
             self._print_failure(*first_failure)
         self._record(seconds, status, killed)
         with contextlib.suppress(OSError):
@@ -488,10 +504,8 @@ class _Supervisor:
                 terminate_at = None
             readable, _, _ = select.select([self.connection], [], [], 0.05)
             if readable:
-                try:
-                    request = self.connection.recv(65536)
-                except OSError:
-                    request = b""
+                with contextlib.suppress(OSError):
+                    self.connection.recv(65536)
                 # A kill request, or the client gone (a timed-out or interrupted test, a killed shim).
                 _kill_tree(list(self.ranks))
                 self.connection.setblocking(True)
@@ -522,9 +536,14 @@ class _Supervisor:
             handle.write(json.dumps(record) + "\n")
 
     def _run_rank(self, rank: int, nproc: int, port: int, run_id: str) -> None:
-        """In the forked rank: become what torchrun's worker would be, then run the script."""
+        """In the forked rank: become what torchrun's worker would be (or, without torchrun, what
+        ``python SCRIPT`` would be), then run the script."""
+        torchrun = self.message.get("torchrun", True)
         try:
-            os.setsid()
+            if torchrun:
+                os.setsid()
+            else:  # its own process group all the same: the supervisor kills it with what it started
+                os.setpgid(0, 0)
             self.connection.close()
             os.dup2(self.stdout, 1)
             os.dup2(self.stderr, 2)
@@ -533,13 +552,9 @@ class _Supervisor:
             for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
                 signal.signal(signum, signal.SIG_DFL if signum != signal.SIGINT else signal.default_int_handler)
             env = dict(self.message["env"])
-            env.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
-                       ROLE_NAME="default", WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-                       GROUP_WORLD_SIZE="1", ROLE_WORLD_SIZE=str(nproc), MASTER_ADDR="localhost",
-                       MASTER_PORT=str(port), TORCHELASTIC_RUN_ID=run_id, TORCHELASTIC_RESTART_COUNT="0",
-                       TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_USE_AGENT_STORE="False",
-                       TORCHELASTIC_SIGNALS_TO_HANDLE="SIGTERM,SIGINT,SIGHUP,SIGQUIT")
-            env.setdefault("OMP_NUM_THREADS", "1")
+            if torchrun:
+                env.update(self._torchrun_variables(rank, nproc, port, run_id))
+                env.setdefault("OMP_NUM_THREADS", "1")
             for name, value in self.server.import_environ.items():
                 env.setdefault(name, value)
             os.environ.clear()
@@ -552,6 +567,16 @@ class _Supervisor:
             traceback.print_exc()
             os._exit(1)
         _run_script(self.message["script"], self.message["args"], self.server.base_sys_path, env)
+
+    @staticmethod
+    def _torchrun_variables(rank: int, nproc: int, port: int, run_id: str) -> dict[str, str]:
+        """What torchrun's agent sets for a worker (``torch.distributed.elastic``'s local agent)."""
+        return dict(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
+                    ROLE_NAME="default", WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                    GROUP_WORLD_SIZE="1", ROLE_WORLD_SIZE=str(nproc), MASTER_ADDR="localhost",
+                    MASTER_PORT=str(port), TORCHELASTIC_RUN_ID=run_id, TORCHELASTIC_RESTART_COUNT="0",
+                    TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_USE_AGENT_STORE="False",
+                    TORCHELASTIC_SIGNALS_TO_HANDLE="SIGTERM,SIGINT,SIGHUP,SIGQUIT")
 
     def _fresh_interpreter_state(self, env: dict[str, str]) -> None:
         import io

@@ -75,6 +75,25 @@ def run_ranks(script: str | Path, nproc: int, args: Sequence[str] = (), *, env: 
                                      "seconds": round(time.monotonic() - start, 3), "status": completed.returncode,
                                      "test": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]})
         return completed
+    return _warm(script, nproc, args, env=env, cwd=REPO_ROOT, timeout_s=timeout_s, torchrun=True)
+
+
+def run_python(script: str | Path, args: Sequence[str] = (), *, env: dict[str, str], cwd: str | Path = REPO_ROOT,
+               timeout_s: float = 300.0) -> subprocess.CompletedProcess:
+    """``python script args`` as one process with environment ``env``, forked from the warm
+    launcher where it can be served, else a fresh interpreter; its status and output (text).
+
+    Raises:
+        subprocess.TimeoutExpired: past ``timeout_s``, once it (and what it started) is gone.
+    """
+    if not rank_launcher.servable(PYTHON, env):
+        return subprocess.run([PYTHON, str(script), *map(str, args)], cwd=cwd, env=env, capture_output=True,
+                              text=True, timeout=timeout_s)
+    return _warm(script, 1, args, env=env, cwd=cwd, timeout_s=timeout_s, torchrun=False)
+
+
+def _warm(script, nproc, args, *, env, cwd, timeout_s, torchrun) -> subprocess.CompletedProcess:
+    """A launch through ``rank_launcher``, its output collected in temporary files."""
     with tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:
         def output() -> tuple[str, str]:
             texts = []
@@ -84,8 +103,9 @@ def run_ranks(script: str | Path, nproc: int, args: Sequence[str] = (), *, env: 
             return texts[0], texts[1]
 
         try:
-            status = rank_launcher.launch(script, nproc, [str(a) for a in args], env=env, cwd=REPO_ROOT,
-                                          timeout_s=timeout_s, stdout=stdout.fileno(), stderr=stderr.fileno())
+            status = rank_launcher.launch(script, nproc, [str(a) for a in args], env=env, cwd=cwd,
+                                          timeout_s=timeout_s, stdout=stdout.fileno(), stderr=stderr.fileno(),
+                                          torchrun=torchrun)
         except subprocess.TimeoutExpired as error:
             error.output, error.stderr = output()
             raise
