@@ -56,11 +56,13 @@ def imbalance(ranks, scenario) -> torch.Tensor:
     return rows.max(0).values / rows.mean(0)
 
 
-@pytest.mark.parametrize("scenario", ["router", "preprocess"])
+@pytest.mark.parametrize("scenario", ["router", "router_hybridep", "preprocess"])
 def test_capture_and_replay_match_megatrons_layer(ranks, scenario):
-    """``router``: graphs of ``attn moe_router`` (host planner); ``preprocess``: graphs of ``attn
-    moe_router moe_preprocess`` with the device planner. Three replayed steps, each routing
-    differently, give megatron's outputs and gradients, with the load balanced."""
+    """``router``: graphs of ``attn moe_router`` (host planner); ``router_hybridep``: the same with
+    the flex dispatcher over HybridEP (the GB200 recipes' defaults); ``preprocess``: graphs of
+    ``attn moe_router moe_preprocess`` with the device planner. Three replayed steps, each routing
+    differently, give megatron's outputs and gradients (its all-to-all layer), with the load
+    balanced."""
     compared = comparisons(ranks, scenario)
     print(f"\n{scenario}: {summary(compared)}")
     assert not failures(compared), failures(compared)
@@ -74,15 +76,19 @@ def test_capture_and_replay_match_megatrons_layer(ranks, scenario):
     assert after.max() <= 1.05, f"post-balancing imbalance {after} (before {before})"
 
 
-def test_capture_router_graph_leaves_the_balanced_part_to_the_replay(ranks):
+@pytest.mark.parametrize("scenario", ["router", "router_hybridep"])
+def test_capture_router_graph_leaves_the_balanced_part_to_the_replay(ranks, scenario):
     """Under the ``attn moe_router`` graph the router's Python runs only at capture (its warm-up and
     the capture itself); on replay megatron hands the MoE layer the graph's routing through its
     tensor store, and the balanced layer plans from it eagerly, once per step."""
     for result in ranks:
-        router = result["router"]
+        router = result[scenario]
         assert router["capture_calls"] == {"router": 2, "plan": 0}, router["capture_calls"]
         assert router["replay_calls"] == {"router": 0, "plan": STEPS}, router["replay_calls"]
         assert router["planner"] == "host"
+    expected = {"router": ("BalancedAlltoAllDispatcher", None),
+                "router_hybridep": ("BalancedFlexDispatcher", "_HybridEPManager")}[scenario]
+    assert all((r[scenario]["dispatcher_class"], r[scenario]["manager_class"]) == expected for r in ranks)
 
 
 def test_capture_preprocess_graph_runs_the_device_plan_on_replay(ranks):

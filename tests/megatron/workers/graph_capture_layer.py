@@ -23,6 +23,8 @@ step, and what ran):
   floor (in bf16 an expert's gradient summed in two parts rounds each part: the split's floor is
   the one a replicated expert's gradient, main part plus replica part, is measured against);
 * ``router``: ultraep (host planner) with graphs of ``attn moe_router``;
+* ``router_hybridep``: the same with megatron's flex dispatcher over HybridEP (``deepep_gloo``'s
+  stand-in), the GB200 recipes' default dispatcher with their default graphs;
 * ``preprocess``: ultraep, device planner, graphs of ``attn moe_router moe_preprocess``: the load
   gather, device plan, reroute and permutation replay in the graph, the plan's host half crosses
   after it;
@@ -62,6 +64,7 @@ SCENARIOS = {
     "none_permuted": dict(balancer=None, modules=ROUTER, permute=True),
     "none_split": dict(balancer=None, modules=ROUTER, split=True),
     "router": dict(balancer="ultraep", planner="host", modules=ROUTER),
+    "router_hybridep": dict(balancer="ultraep", planner="host", modules=ROUTER, dispatcher="flex"),
     "preprocess": dict(balancer="ultraep", planner="device", modules=PREPROCESS),
     "stale_plan": dict(balancer="ultraep", planner="device", modules=PREPROCESS, fault="stale_plan"),
     "host_planner_preprocess": dict(balancer="ultraep", planner="device", modules=PREPROCESS,
@@ -84,9 +87,11 @@ class GraphChunk(torch.nn.Module):
         self.zero_grad(set_to_none=True)
 
 
-def build_layer(world: int, balancer, planner, modules: str):
+def build_layer(world: int, balancer, planner, modules: str, dispatcher: str = "alltoall"):
     """A TransformerLayer (local spec, MoE MLP with a shared expert), its MoE MLP balanced by
-    ``balancer`` (``None``: megatron's MoELayer), with TE graphs of ``modules``."""
+    ``balancer`` (``None``: megatron's MoELayer), with TE graphs of ``modules``; ``dispatcher``
+    ``flex``: megatron's flex dispatcher over HybridEP. The router computes in fp32 (HybridEP takes
+    fp32 probabilities), in every scenario alike."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -103,7 +108,8 @@ def build_layer(world: int, balancer, planner, modules: str):
     config = TransformerConfig(
         num_layers=1, hidden_size=HIDDEN, ffn_hidden_size=FFN, moe_ffn_hidden_size=FFN, num_attention_heads=4,
         num_moe_experts=NUM_EXPERTS, moe_router_topk=TOPK, moe_shared_expert_intermediate_size=SHARED_FFN,
-        moe_token_dispatcher_type="alltoall", expert_model_parallel_size=world, moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type=dispatcher, moe_flex_dispatcher_backend="hybridep", moe_router_dtype="fp32",
+        expert_model_parallel_size=world, moe_aux_loss_coeff=0.0,
         add_bias_linear=False, use_cpu_initialization=True, bias_dropout_fusion=False,
         gradient_accumulation_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,
         bf16=True, params_dtype=torch.bfloat16,
@@ -173,11 +179,13 @@ def train_step(layer, rank: int, step: int, router_weight, permute: bool = False
 def run_scenario(name: str, sc: dict, world: int, rank: int, state: dict, standin) -> dict:
     from megatron.core.transformer import cuda_graphs
 
-    layer = build_layer(world, sc["balancer"], sc.get("planner"), sc["modules"])
+    layer = build_layer(world, sc["balancer"], sc.get("planner"), sc["modules"], sc.get("dispatcher", "alltoall"))
     layer.load_state_dict(state, strict=True)
     router_weight = layer.mlp.router.weight.detach().clone()
     moe = layer.mlp
-    result = {"moe_class": type(moe).__name__, "dispatcher_class": type(moe.token_dispatcher).__name__}
+    manager = getattr(moe.token_dispatcher, "_comm_manager", None)
+    result = {"moe_class": type(moe).__name__, "dispatcher_class": type(moe.token_dispatcher).__name__,
+              "manager_class": type(manager).__name__ if manager is not None else None}
     balancing = getattr(moe, "balancing", None)
     feed = dict(permute=sc.get("permute", False), split=sc.get("split", False))
     train_step(layer, rank, 0, router_weight, **feed)  # the eager warm-up step
@@ -264,7 +272,10 @@ def main():
     cpu_backend.activate()
     torch.distributed.init_process_group("gloo")
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    import deepep_gloo
     import te_graph_standin
+
+    deepep_gloo.install()  # HybridEP's fused dispatch and combine, over gloo
     from megatron.core import parallel_state
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
 
