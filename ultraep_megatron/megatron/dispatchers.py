@@ -162,7 +162,9 @@ class _PhysicalSlotRouting:
             self.plan_host_half = self._pending.host_half
             self._table = self._pending.reroute_table
             if layer.preprocess_captured_in_cuda_graph():
-                return None  # the host half crosses after each replay of the graph
+                # The host half crosses after each replay of the graph; --moe-balancer-check-plans
+                # (device reads) does not check a plan made inside one.
+                return None
             # The host half starts crossing now, beside the reroute and permutation queued next.
             self._pending_host = _start_copy_to_host(self._pending.host_half,
                                                      balancing.host_copy_stream(routing_map.device))
