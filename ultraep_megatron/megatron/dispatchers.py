@@ -51,8 +51,14 @@ def _copy_to_host(tensor: torch.Tensor) -> torch.Tensor:
     """The one device-to-host copy of an invocation: into pinned memory, non-blocking, then one wait
     on an event (megatron's dispatcher waits for its token counts the same way)."""
     host, copied = _start_copy_to_host(tensor)
-    copied.synchronize()
+    _wait_for_host_copy(copied)
     return host
+
+
+def _wait_for_host_copy(copied) -> None:
+    """The invocation's one host wait: for the load (host planner) or the plan's host half (device
+    planner) to have crossed, where megatron's dispatcher waits for its token counts."""
+    copied.synchronize()
 
 
 def _start_copy_to_host(tensor: torch.Tensor, stream=None):
@@ -188,7 +194,7 @@ class _PhysicalSlotRouting:
         pending, self._pending = self._pending, None
         host_half, copied = self._pending_host
         self._pending_host = None
-        copied.synchronize()
+        _wait_for_host_copy(copied)
         self.invocation = self._layer.balancing.complete_device_plan(
             self._layer, host_half, training=pending.training, grad_enabled=pending.grad_enabled,
             plan_seconds=pending.plan_seconds)
@@ -208,7 +214,7 @@ class _PhysicalSlotRouting:
         self._pending = None
         host_half, copied = _start_copy_to_host(self.plan_host_half,
                                                 layer.balancing.host_copy_stream(self.plan_host_half.device))
-        copied.synchronize()
+        _wait_for_host_copy(copied)
         self.invocation = layer.balancing.complete_device_plan(
             layer, host_half, training=layer.training, grad_enabled=torch.is_grad_enabled(), plan_seconds=0.0)
         self._take_invocation(self.invocation)
