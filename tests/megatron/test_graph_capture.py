@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from equivalence import NOISE_MULTIPLE, Comparison, failures, noise_floor, relative_difference, summary
-from gloo_launch import WORKERS, launch_gloo_ranks
+from gloo_launch import WORKERS, gloo_env, launch_gloo_ranks, run_python
 
 WORLD = 4
 STEPS = 3  # replayed training steps per scenario (workers/graph_capture_layer.py: ITERATIONS)
@@ -136,3 +136,14 @@ def test_capture_negative_control_host_planner_fails_the_guard(ranks):
         error = result["host_planner_preprocess"].get("capture_error")
         assert error is not None, f"rank {rank}: the host planner was captured"
         assert error.startswith("CaptureViolation") and "device-to-host" in error, error
+
+
+def test_capture_preprocess_gpu_check_dry_run():
+    """``workers/capture_preprocess.py`` (a check of ``tools/gpu_check.sh``: the device planner's
+    preprocessing captured with ``torch.cuda.graph`` and replayed on a GPU) keeps running: its dry
+    run captures the same work on the CPU graph stand-in, under its guard, and replays it."""
+    completed = run_python(WORKERS / "capture_preprocess.py", ["--device", "cpu", "--trials", "3"], env=gloo_env())
+    assert completed.returncode == 0, completed.stdout[-2000:] + completed.stderr[-3000:]
+    line = completed.stdout.strip().splitlines()[-1]
+    assert line.startswith("capture_replay_device_planner: SKIP"), line
+    assert "dry run on the CPU graph stand-in: pass, 3 replays" in line and "3 distinct plans" in line, line

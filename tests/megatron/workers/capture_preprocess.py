@@ -1,5 +1,6 @@
-"""GPU check: the balanced layer's preprocessing with the device planner, captured in a CUDA graph
-(``torch.cuda.graph``) and replayed, against the same work run eagerly.
+"""Worker (GPU check, ``tools/gpu_check.sh``): the balanced layer's preprocessing with the device
+planner, captured in a CUDA graph (``torch.cuda.graph``) and replayed, against the same work run
+eagerly.
 
 One process on one GPU, one rank (``--rank``) of an R-rank expert-parallel group: what
 ``--cuda-graph-modules moe_preprocess`` with ``--moe-balancer-planner device`` captures of a
@@ -21,11 +22,13 @@ balance the load it was solved for (``imbalance after <= 1.05``). Prints one lin
 
     capture_replay_device_planner: PASS|FAIL <detail>
 
-Without CUDA it is a dry run: the same capture and replay on the CPU through the tests' graph
-stand-in (``tests/megatron/te_graph_standin.py``, which refuses what CUDA's capture refuses), and it
-prints ``SKIP`` with that result. Exit status 0 on PASS or SKIP, 1 on FAIL.
+``--device cpu`` (the default without CUDA) is a dry run: the same capture and replay on the CPU
+through the tests' graph stand-in (``tests/megatron/te_graph_standin.py``, which refuses what CUDA's
+capture refuses), small sizes; it prints ``SKIP`` with that result. Exit status 0 on PASS or SKIP
+(a dry run that passed), 1 otherwise.
 
-    python tools/gpu_capture_check.py            # on a GPU machine (about a minute with Triton's compile)
+    python tests/megatron/workers/capture_preprocess.py --device cuda   # on a GPU (a minute with Triton's compile)
+    python tests/megatron/workers/capture_preprocess.py --device cpu    # the dry run
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO))
 
 NAME = "capture_replay_device_planner"
@@ -46,6 +49,8 @@ NAME = "capture_replay_device_planner"
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cuda: the check; cpu: its dry run on the CPU graph stand-in (the default without CUDA)")
     p.add_argument("--ep-size", type=int, default=None, help="R (default 8; 4 in the dry run)")
     p.add_argument("--num-experts", type=int, default=None, help="E (default 64; 16 in the dry run)")
     p.add_argument("--num-slots", type=int, default=2, help="S, redundant slots per rank")
@@ -57,9 +62,10 @@ def parse_args():
     p.add_argument("--trials", type=int, default=4, help="replays, each with another routing")
     cfg = p.parse_args()
     # The dry run is small: the device planner's torch reference runs step by step on the CPU.
+    on_gpu = cfg.device == "cuda" and torch.cuda.is_available()
     for name, gpu, cpu in (("ep_size", 8, 4), ("num_experts", 64, 16), ("tokens", 2048, 256)):
         if getattr(cfg, name) is None:
-            setattr(cfg, name, gpu if torch.cuda.is_available() else cpu)
+            setattr(cfg, name, gpu if on_gpu else cpu)
     return cfg
 
 
@@ -102,7 +108,7 @@ def preprocess_function(cfg, static, dispatcher, config):
 
 def dispatcher_stand_in(cfg, topk_ids):
     """The balanced all-to-all dispatcher's state its permutation reads (no process group):
-    ``_permutation`` and ``_pairs`` bound to it, as ``bench_critical_path.py`` builds it."""
+    ``_permutation`` and ``_pairs`` bound to it, as ``tools/bench_critical_path.py`` builds it."""
     from ultraep_megatron.megatron import dispatchers
     from ultraep_megatron.megatron.context import Overheads
 
@@ -142,7 +148,7 @@ class _StandinGraph:
     """The CPU dry run's graph: the tests' stand-in (same capture rules, replays recorded ops)."""
 
     def __init__(self):
-        sys.path.insert(0, str(REPO / "tests" / "megatron"))
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
         import te_graph_standin
 
         self.graph = te_graph_standin.StandinGraph()
@@ -211,7 +217,7 @@ def _eager(function):
 
 def main() -> int:
     cfg = parse_args()
-    if torch.cuda.is_available():
+    if cfg.device == "cuda" and torch.cuda.is_available():
         try:
             ok, detail = run_check(cfg, torch.device("cuda"))
         except Exception as error:  # the check's one line says why, whatever failed
@@ -223,7 +229,8 @@ def main() -> int:
         dry = f"dry run on the CPU graph stand-in: {'pass' if ok else 'FAIL'}, {detail}"
     except Exception as error:
         ok, dry = False, f"dry run on the CPU graph stand-in failed: {type(error).__name__}: {error}"
-    print(f"{NAME}: SKIP no CUDA device ({dry})")
+    why = "no CUDA device" if not torch.cuda.is_available() else "--device cpu"
+    print(f"{NAME}: SKIP {why} ({dry})")
     return 0 if ok else 1
 
 
