@@ -186,14 +186,16 @@ class BalancingContext:
         return dataclasses.replace(planned, plan_seconds=seconds)
 
     @native_torch
-    def complete_device_plan(self, layer, planned: DevicePlanned, host_half: torch.Tensor) -> Invocation:
-        """The invocation of a plan made on the device, from the host copy of its host half."""
+    def complete_device_plan(self, layer, host_half: torch.Tensor, *, training: bool, grad_enabled: bool,
+                             plan_seconds: float) -> Invocation:
+        """The invocation of a plan made on the device (:class:`DevicePlanned`), from the host copy
+        of its host half; ``training`` / ``grad_enabled``: the layer's mode when it was planned."""
         t0 = time.perf_counter()
-        R, E = planned.plan.num_ranks, planned.plan.num_experts
-        load, plan, balanced = device_planning.unpack_host_half(host_half, R, E, self.config.num_slots)
-        return self._invocation(layer, load, plan, layer.token_dispatcher.ep_rank, balanced=balanced,
-                                training=planned.training, grad_enabled=planned.grad_enabled,
-                                plan_seconds=planned.plan_seconds, t0=t0)
+        dispatcher = layer.token_dispatcher
+        load, plan, balanced = device_planning.unpack_host_half(host_half, dispatcher.ep_size,
+                                                                dispatcher.num_logical_experts, self.config.num_slots)
+        return self._invocation(layer, load, plan, dispatcher.ep_rank, balanced=balanced, training=training,
+                                grad_enabled=grad_enabled, plan_seconds=plan_seconds, t0=t0)
 
     def _invocation(self, layer, load: torch.Tensor, plan, ep_rank: int, *, balanced: bool, training: bool,
                     grad_enabled: bool, plan_seconds: float, t0: float) -> Invocation:
