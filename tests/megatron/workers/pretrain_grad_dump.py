@@ -195,10 +195,59 @@ def _replicas_before_param_gather():
     return _patched(BalancedMoELayer, "_prepare_main_params", lambda original: lambda self: None)
 
 
+def _device_planner_kernel(broken, only_rank=None):
+    """The device planner's probe kernel (``device_solve._probe``: Triton on CUDA, the reference's
+    torch calls on the CPU) replaced by ``broken(original, *args)`` wherever the device planner runs
+    it (not where the self-check's numpy reference does), on global rank ``only_rank`` alone if
+    given."""
+    import importlib
+
+    device_solve = importlib.import_module("ultraep_megatron.planner.device_solve")  # the module
+
+    def replacement(original):
+        def probe(implementation, *args, **kwargs):
+            if implementation == "reference" or (
+                    only_rank is not None and torch.distributed.is_initialized()
+                    and torch.distributed.get_rank() != only_rank):
+                return original(implementation, *args, **kwargs)
+            return broken(original, implementation, *args, **kwargs)
+        return probe
+
+    return _patched(device_solve, "_probe", replacement)
+
+
+def _says_nothing_is_feasible(original, *args, **kwargs):
+    """A wrong plan: the kernel reports every threshold infeasible (no replica is placed)."""
+    success, *rest = original(*args, **kwargs)
+    return (torch.zeros_like(success), *rest)
+
+
+def _raises(original, *args, **kwargs):
+    raise RuntimeError("triton compilation failed (a fault of the tests)")
+
+
+def _device_planner_wrong_plan():
+    """The device planner's kernel returns a wrong plan (every threshold infeasible)."""
+    return _device_planner_kernel(_says_nothing_is_feasible)
+
+
+def _device_planner_wrong_plan_on_rank_1():
+    """The same on global rank 1 only: the other ranks' self-checks pass."""
+    return _device_planner_kernel(_says_nothing_is_feasible, only_rank=1)
+
+
+def _device_planner_raises():
+    """The device planner's kernel raises (as a Triton compilation error would)."""
+    return _device_planner_kernel(_raises)
+
+
 FAULTS = {
     "grads_ready_in_plan_order": _grads_ready_in_plan_order,
     "replicas_before_param_gather": _replicas_before_param_gather,
     "plan_dependent_node_before_dispatch": _plan_dependent_node_before_dispatch,
+    "device_planner_wrong_plan": _device_planner_wrong_plan,
+    "device_planner_wrong_plan_on_rank_1": _device_planner_wrong_plan_on_rank_1,
+    "device_planner_raises": _device_planner_raises,
     "no_replica_grad_reduction": _no_replica_grad_reduction,
     "skip_rematerialization": _skip_rematerialization,
     "replica_gets_other_layer_weights": _replica_gets_other_layer_weights,
