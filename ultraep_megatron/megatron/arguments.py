@@ -119,7 +119,11 @@ KNOBS: tuple[Knob, ...] = (
               "reroute table, the reroute and the permutation are queued on the device, and the "
               "plan crosses to the host afterwards, where megatron's dispatcher waits for its splits "
               "anyway (the planner leaves the host's critical path; ultraep only). Default: device "
-              "for ultraep on CUDA, host on the CPU backend and for the other balancers. On the CPU "
+              "for ultraep on CUDA with triton installed, host otherwise (the CPU backend, the other "
+              "balancers). When the model is built, the device planner compiles its kernels and "
+              "checks its plans of probe loads against the host's references; rank 0 prints "
+              "'device planner ready in X s' once, or, on any failure, one warning saying why, and "
+              "the model plans on the host. host skips the check and the warning. On the CPU "
               "backend, device runs the device planner's torch calls step by step as a GPU would "
               "(to test that path; about 0.9 s per layer at EP=64, E=256)."),
     Knob("check_plans", "--moe-balancer-check-plans", bool, False, runtime_only=True,

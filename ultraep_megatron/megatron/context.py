@@ -11,9 +11,11 @@ applied (``pretrain_gpt.py``) and handed to every ``BalancedMoELayer`` through t
 * the observers of every invocation (:mod:`.observers`: per-layer statistics for the training log,
   and the load trace).
 
-Each balanced MoE invocation (a layer on a microbatch) is planned once, on the host, into an
-immutable :class:`~.invocation.Invocation`: the dispatcher produces it from the exact load (one
-device-to-host copy), the layer and its backward consume it. Nothing here reads device memory.
+Each balanced MoE invocation (a layer on a microbatch) is planned once into an immutable
+:class:`~.invocation.Invocation`: the dispatcher produces it from the exact load (one
+device-to-host copy: of the load with the host planner, of the plan with the device planner), the
+layer and its backward consume it. Nothing here reads device memory, except the device planner's
+self-check, once, when the first layer registers.
 
 Vocabulary (docs/glossary.md): R EP ranks, E experts, G = E // R main experts per rank, S redundant
 slots per rank, P = G + S *physical* slots per rank (its main experts, then its redundant slots); a
@@ -89,7 +91,9 @@ class BalancingContext:
             layer, for debugging).
         planner: ``"host"`` (the load crosses to the host, the plan is made there) or ``"device"``
             (the plan and the reroute are made on the device, the plan crosses afterwards; ultraep
-            only); ``None``: device on CUDA for ultraep, else host (:func:`resolve_planner`).
+            only); ``None``: device on CUDA for ultraep, else host (:func:`resolve_planner`). The
+            device planner checks itself when the first layer registers and hands over to the host
+            planner if it fails (:meth:`_check_device_planner`).
     """
 
     def __init__(self, config: BalancerConfig, *, hardware: Optional[str] = None,
@@ -104,6 +108,9 @@ class BalancingContext:
         self.check_plans = check_plans
         self.planner = resolve_planner(planner, config.name)
         self.plans_on_device = self.planner == "device"
+        # The device planner's self-check at the first layer's registration (None before it, and
+        # with the host planner); a failed one left the model planning on the host.
+        self.device_planner_check: Optional[device_planning.SelfCheck] = None
         self.layers: List[object] = []
         self.buffer: Optional[ReplicaBuffer] = None
         self.replica_experts: Optional[ReplicaExperts] = None  # the redundant slots' module
@@ -137,13 +144,39 @@ class BalancingContext:
                 self.buffer.weight_shapes != layout.shapes or self.buffer.replica_weights.dtype != layout.dtype:
             raise ValueError("UltraEP shares replica slots across the MoE layers of a model: all must "
                              "have the same expert shapes and dtype")
-        if self.plans_on_device and param.is_cuda and len(self.layers) == 0:
-            # The device planner's kernels compiled now (Triton specializes on R, E, S, N), not in
-            # the first layer's first forward: a load rising with the expert id, which replicates.
-            R, E = layer.token_dispatcher.ep_size, layer.config.num_moe_experts
-            device_planning.plan(torch.arange(E, device=param.device).repeat(R, 1), self.config)
+        if self.plans_on_device and len(self.layers) == 0:
+            self._check_device_planner(layer, param.device)
         self.layers.append(layer)
         self.ring = None  # sized lazily, once the model (and the schedule) is known
+
+    @native_torch
+    def _check_device_planner(self, layer, device: torch.device) -> None:
+        """At the first layer's registration: compile the device planner for this model and check
+        it against the host references on probe loads (:func:`device_planning.self_check`; the
+        compilation is then not in the first layer's first forward, whose plan time it would be).
+        The EP group agrees on the outcome (every rank of it must plan alike: one object gather,
+        at startup); on any rank's failure the whole group plans on the host for this model, and
+        global rank 0 prints one warning line saying why. Otherwise rank 0 prints the time the
+        compilation and the check took, once."""
+        dispatcher = layer.token_dispatcher
+        check = device_planning.self_check(self.config, dispatcher.ep_size, layer.config.num_moe_experts,
+                                           device, dispatcher.ep_rank)
+        outcomes = _gather_on(dispatcher.ep_group, check.failure)
+        failures = [(rank, failure) for rank, failure in enumerate(outcomes) if failure is not None]
+        self.device_planner_check = check
+        if failures:
+            self.planner, self.plans_on_device = "host", False
+            rank, failure = failures[0]
+            where = "" if len(failures) == len(outcomes) else \
+                f" on EP rank{'s' if len(failures) > 1 else ''} {', '.join(str(r) for r, _ in failures)}"
+            _print_on_rank_zero(f"ultraep: warning: the device planner failed its self-check{where} "
+                                f"({check.implementation}): {failure}; planning on the host for this model "
+                                f"(--moe-balancer-planner host skips the check and this warning)")
+        else:
+            _print_on_rank_zero(f"ultraep: device planner ready in {check.seconds:.2f} s ({check.implementation}; "
+                                f"its plans of probe loads at R={dispatcher.ep_size}, "
+                                f"E={layer.config.num_moe_experts}, S={self.config.num_slots} "
+                                f"({check.replicas} replicas) equal the host's references)")
 
     def _ensure_ring(self) -> VirtualLayerRing:
         if self.ring is None:
@@ -378,6 +411,25 @@ def resolve_planner(planner: Optional[str], balancer: str) -> str:
     on_cuda = torch.cuda.is_available() and not cpu_backend.is_active()
     # Without Triton the device planner would run its reference step by step on the GPU.
     return "device" if on_cuda and balancer == ULTRAEP and triton_available() else "host"
+
+
+def _gather_on(group, value) -> list:
+    """``value`` of every rank of ``group``, in group-rank order (startup only: a blocking object
+    gather); ``[value]`` without torch.distributed."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [value]
+    values = [None] * dist.get_world_size(group)
+    dist.all_gather_object(values, value, group=group)
+    return values
+
+
+def _print_on_rank_zero(line: str) -> None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(line, flush=True)
 
 
 def _data_plane_group(ep_group):
