@@ -145,20 +145,21 @@ def compute_scale_from_amax(amax: torch.Tensor, fp8_max: float, pow_2: bool) -> 
 
 def float_to_e8m0(value: torch.Tensor) -> torch.Tensor:
     """TE's ``ptx::float_to_e8m0`` (non-Blackwell branch): the biased exponent of ``value`` (fp32,
-    >= 0) rounded up, as uint8."""
+    >= 0) rounded up, as uint8 (0xFE for inf, 0xFF for nan)."""
     bits = value.float().view(torch.int32)
     exponent = (bits >> 23) & 0xFF
     mantissa = bits & 0x7FFFFF
-    up = (mantissa > 0) & (exponent != 0xFE) & ~((exponent == 0) & (mantissa <= 0x400000))
-    exponent = torch.where(up, exponent + 1, exponent)
-    exponent = torch.where(torch.isinf(value), 0xFE, exponent)
-    exponent = torch.where(torch.isnan(value), 0xFF, exponent)
+    up = (mantissa > 0) & (exponent < 0xFE) & ((exponent > 0) | (mantissa > 0x400000))
+    exponent = exponent + up.to(torch.int32)
+    exponent = torch.where((exponent == 0xFF) & (mantissa == 0), 0xFE, exponent)  # inf
     return exponent.to(torch.uint8)
 
 
 def e8m0_to_scale(e8m0: torch.Tensor) -> torch.Tensor:
-    """2^(e - 127) as fp32 (the dequantization factor)."""
-    return torch.exp2(e8m0.float() - 127.0)
+    """2^(e - 127) as fp32 (the dequantization factor), exact: ``e`` placed in the exponent bits
+    (e = 0, a subnormal 2^-127, by exp2)."""
+    e = e8m0.to(torch.int32)
+    return torch.where(e > 0, (e << 23).view(torch.float32), torch.exp2(e.float() - 127.0))
 
 
 def _cast(scaled: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -180,23 +181,31 @@ class Quantized(NamedTuple):
     values: torch.Tensor
 
 
-def _blocks(x: torch.Tensor, block_rows: int, block_cols: int) -> tuple[torch.Tensor, int, int]:
+def _blocks(x: torch.Tensor, block_rows: int, block_cols: int) -> torch.Tensor:
     """``x`` [M, K] zero-padded to whole blocks, viewed [M / br, br, K / bc, bc]."""
     m, k = x.shape
-    padded = x.new_zeros(round_up(m, block_rows), round_up(k, block_cols))
-    padded[:m, :k] = x
-    return padded.view(padded.shape[0] // block_rows, block_rows, padded.shape[1] // block_cols, block_cols), m, k
-
-
-def _dequantize_blocks(data: torch.Tensor, block_scale_inv: torch.Tensor, block_rows: int,
-                       block_cols: int) -> torch.Tensor:
-    blocks, m, k = _blocks(data.float(), block_rows, block_cols)
-    return _unblock(blocks * block_scale_inv[:, None, :, None], m, k)
+    if m % block_rows or k % block_cols:
+        padded = x.new_zeros(round_up(m, block_rows), round_up(k, block_cols))
+        padded[:m, :k] = x
+        x = padded
+    return x.view(x.shape[0] // block_rows, block_rows, x.shape[1] // block_cols, block_cols)
 
 
 def _unblock(blocks: torch.Tensor, m: int, k: int) -> torch.Tensor:
     """[M / br, br, K / bc, bc] back to [M, K] (the padding dropped)."""
     return blocks.reshape(blocks.shape[0] * blocks.shape[1], blocks.shape[2] * blocks.shape[3])[:m, :k]
+
+
+def _quantize_blocks(x: torch.Tensor, fmt: str, block_rows: int, block_cols: int, scales):
+    """Per ``block_rows x block_cols`` block of ``x`` [M, K] (partial blocks at the edges): its
+    amax, ``scales(amax) -> (multiplier, scale_inv)``, the cast of ``x * multiplier``. Returns
+    (data [M, K], values [M, K], scale_inv per block [M / br, K / bc])."""
+    m, k = x.shape
+    blocks = _blocks(x.detach().float(), block_rows, block_cols)
+    multiplier, scale_inv = scales(blocks.abs().amax(dim=(1, 3)))
+    data = _cast(blocks * multiplier[:, None, :, None], fmt)
+    values = data.float() * scale_inv[:, None, :, None]
+    return _unblock(data, m, k), _unblock(values, m, k), scale_inv
 
 
 def quantize_tensorwise(x: torch.Tensor, fmt: str, pow_2: bool = False) -> Quantized:
@@ -209,32 +218,23 @@ def quantize_tensorwise(x: torch.Tensor, fmt: str, pow_2: bool = False) -> Quant
     return Quantized(data, scale_inv, data.float() * scale_inv)
 
 
-def _quantize_fp32_blocks(x: torch.Tensor, fmt: str, block_rows: int, block_cols: int, pow_2: bool):
-    """Per block: amax, scale, cast. (data [M, K], block scale_inv [M/br, K/bc])."""
-    blocks, m, k = _blocks(x.detach().float(), block_rows, block_cols)
-    scale = compute_scale_from_amax(blocks.abs().amax(dim=(1, 3)), FORMATS[fmt][1], pow_2)
-    data = _unblock(_cast(blocks * scale[:, None, :, None], fmt), m, k)
-    return data, 1.0 / scale
-
-
 def quantize_blockwise(x: torch.Tensor, fmt: str, *, columnwise: bool, two_d: bool = False,
                        pow_2: bool = True) -> Quantized:
     """``Float8BlockQuantizer`` (``block_scaling_dim`` 1 or 2 with ``two_d``) of ``x`` [M, K]:
     row-wise 1 x 128 blocks (along K), column-wise 128 x 1 (along M), 2-D 128 x 128 for weights;
     power-of-two scales unless ``pow_2`` is False. ``scale_inv`` shaped as TE's ``get_scale_shape``
     (padded to multiples of 4)."""
-    m, k = x.shape
+    def scales(amax):
+        scale = compute_scale_from_amax(amax, FORMATS[fmt][1], pow_2)
+        return scale, 1.0 / scale
+
     if two_d:
-        data, block_inv = _quantize_fp32_blocks(x, fmt, BLOCK_LEN, BLOCK_LEN, pow_2)
-        values = _dequantize_blocks(data, block_inv, BLOCK_LEN, BLOCK_LEN)
+        data, values, block_inv = _quantize_blocks(x, fmt, BLOCK_LEN, BLOCK_LEN, scales)
         stored = block_inv.t() if columnwise else block_inv  # the transpose's blocks
     elif columnwise:
-        data, block_inv = _quantize_fp32_blocks(x, fmt, BLOCK_LEN, 1, pow_2)  # [M/128, K]
-        values = _dequantize_blocks(data, block_inv, BLOCK_LEN, 1)
-        stored = block_inv
+        data, values, stored = _quantize_blocks(x, fmt, BLOCK_LEN, 1, scales)  # [M/128, K]
     else:
-        data, block_inv = _quantize_fp32_blocks(x, fmt, 1, BLOCK_LEN, pow_2)  # [M, K/128]
-        values = _dequantize_blocks(data, block_inv, 1, BLOCK_LEN)
+        data, values, block_inv = _quantize_blocks(x, fmt, 1, BLOCK_LEN, scales)  # [M, K/128]
         stored = block_inv.t()  # TE keeps 1 x 128 scales K-block major: [K/128, M]
     scale_inv = stored.new_zeros(stored.shape[0], round_up(stored.shape[1], 4))
     scale_inv[:, :stored.shape[1]] = stored
@@ -259,14 +259,16 @@ def quantize_mxfp8(x: torch.Tensor, fmt: str, *, columnwise: bool) -> Quantized:
         raise ValueError(f"MXFP8 quantization: shape {(m, k)} is not a multiple of {MX_BLOCK} in both "
                          f"dimensions (TE's MXFP8Quantizer.is_quantizable; megatron pads each expert's rows)")
     block_rows, block_cols = (MX_BLOCK, 1) if columnwise else (1, MX_BLOCK)
-    blocks, _, _ = _blocks(x.detach().float(), block_rows, block_cols)
-    fp8_max = FORMATS[fmt][1]
-    amax = blocks.abs().amax(dim=(1, 3))
-    e8m0 = float_to_e8m0(amax * torch.tensor(1.0 / fp8_max, dtype=torch.float32))
-    data = _unblock(_cast(blocks * torch.exp2(127.0 - e8m0.float())[:, None, :, None], fmt), m, k)
-    values = _dequantize_blocks(data, e8m0_to_scale(e8m0), block_rows, block_cols)
-    shape = mxfp8_scale_shape((m, k), columnwise=columnwise)
-    scale_inv = torch.zeros(shape, dtype=torch.uint8)
+    reciprocal_max = torch.tensor(1.0 / FORMATS[fmt][1], dtype=torch.float32)  # max_norm_rcp
+    e8m0 = None
+
+    def scales(amax):
+        nonlocal e8m0
+        e8m0 = float_to_e8m0(amax * reciprocal_max)
+        return e8m0_to_scale(254 - e8m0.to(torch.int32)), e8m0_to_scale(e8m0)  # 2^(127 - e), 2^(e - 127)
+
+    data, values, _ = _quantize_blocks(x, fmt, block_rows, block_cols, scales)
+    scale_inv = torch.zeros(mxfp8_scale_shape((m, k), columnwise=columnwise), dtype=torch.uint8)
     scale_inv[:e8m0.shape[0], :e8m0.shape[1]] = e8m0
     return Quantized(data, scale_inv, values)
 
@@ -335,8 +337,10 @@ class WeightOperand:
         return self.quantized if self.quantized is not None else self.columnwise
 
     @staticmethod
-    def dgrad_values(saved) -> torch.Tensor:
-        return saved.columnwise_values().float() if hasattr(saved, "columnwise_values") else saved
+    def dgrad_values(saved: torch.Tensor, quantized: bool) -> torch.Tensor:
+        """The column-wise values from what :meth:`saved` gave (after the saved-tensor hooks):
+        a quantized parameter's, made now as TE makes them for the backward."""
+        return saved.columnwise_values().float() if quantized else saved
 
 
 class _Fp8GroupedLinear(torch.autograd.Function):
@@ -352,7 +356,8 @@ class _Fp8GroupedLinear(torch.autograd.Function):
             x_row, x_col = quantize_activation(chunk, recipe, recipe.forward_format)
             outs.append(x_row @ operand.rowwise.t())
             saved_inputs.append(x_col)
-        ctx.recipe, ctx.m_splits, ctx.num_gemms = recipe, tuple(m_splits), len(operands)
+        ctx.recipe, ctx.m_splits = recipe, tuple(m_splits)
+        ctx.quantized = [operand.quantized is not None for operand in operands]  # no tensor kept in ctx
         ctx.weight_dtypes = [w.dtype for w in weights]
         ctx.save_for_backward(*saved_inputs, *[operand.saved() for operand in operands])
         out = torch.cat(outs) if outs else rows.new_zeros(0, 0)
@@ -360,12 +365,12 @@ class _Fp8GroupedLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        saved = ctx.saved_tensors
-        inputs, weights = saved[:ctx.num_gemms], saved[ctx.num_gemms:]
+        saved, num_gemms = ctx.saved_tensors, len(ctx.quantized)
+        inputs, weights = saved[:num_gemms], saved[num_gemms:]
         grad_inputs, grad_weights = [], []
-        for dy, x_col, weight in zip(torch.split(grad, list(ctx.m_splits)), inputs, weights):
+        for dy, x_col, weight, quantized in zip(torch.split(grad, list(ctx.m_splits)), inputs, weights, ctx.quantized):
             dy_row, dy_col = quantize_activation(dy, ctx.recipe, ctx.recipe.backward_format)
-            grad_inputs.append(dy_row @ WeightOperand.dgrad_values(weight))
+            grad_inputs.append(dy_row @ WeightOperand.dgrad_values(weight, quantized))
             grad_weights.append(dy_col.t() @ x_col)
         grad_rows = torch.cat(grad_inputs).to(grad.dtype) if ctx.needs_input_grad[0] else None
         return (grad_rows, None, None, None,
