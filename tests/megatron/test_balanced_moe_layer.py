@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from equivalence import Comparison, failures, noise_floor, relative_difference, summary
+from fp8_equivalence import GateRow, concatenated
 from gloo_launch import WORKERS, launch_gloo_ranks
 
 WORLD = 4
@@ -17,7 +18,7 @@ NUM_SLOTS = 1
 EXPERT_NUMEL = 2 * 32 * 48  # fc1 [48, 32] + fc2 [32, 48]
 LATENT_EXPERT_NUMEL = 2 * 16 * 48  # --moe-latent-size 16: fc1 [48, 16] + fc2 [16, 48]
 SCENARIOS = ("single", "pipelined", "recompute", "eplb", "eplb-exact", "flex", "flex-hybridep",
-             "flex-hybridep-padded", "flex-hybridep-fp8", "grouped", "mixed",
+             "flex-hybridep-padded", "grouped", "mixed",
              "frozen_input", "frozen_router", "relayed", "idle_replica", "device_planner",
              "device_planner_recompute", "device_planner_flex", "device_planner_fallback", "latent")
 # A negative control must miss by more than this many times its tolerance (not a borderline miss).
@@ -63,6 +64,24 @@ def test_same_outputs_and_gradients_as_megatron(ranks, scenario):
     compared = comparisons(ranks, scenario)
     print(f"\n{scenario}: {summary(compared)}")
     assert not failures(compared), failures(compared)
+
+
+def test_fp8_scenario_passes_the_fp8_equivalence_gate(ranks):
+    """``flex-hybridep-fp8`` (blockwise fp8, TE's quantization per GEMM group stood in): a replicated
+    expert's rows, split between its main instance and replicas, are quantized by different groups'
+    quantizers, so the balanced layer is compared with megatron's in fp8 against megatron's in fp32
+    (fp8_equivalence.py): within 10 % of its distance, and closer to it than either is to the
+    reference, per kind of quantity."""
+    kinds = {"outputs": lambda r: r["out"], "input grads": lambda r: r["dx"],
+             "router grads": lambda r: [r["router_grad"]],
+             "expert grads": lambda r: [g for _, grads in sorted(r["expert_grads"].items()) for g in grads]}
+    rows = []
+    for kind, of in kinds.items():
+        runs = {key: concatenated([t for result in ranks for t in of(result[f"flex-hybridep-fp8/{key}"])])
+                for key in ("none", "balanced", "reference")}
+        rows.append(GateRow.of(kind, runs["none"], runs["balanced"], runs["reference"]))
+    print("\nflex-hybridep-fp8:\n  " + "\n  ".join(map(str, rows)))
+    assert all(row.passed for row in rows), [str(row) for row in rows if not row.passed]
 
 
 @pytest.mark.parametrize("control", ["no_replica_grad_reduction", "latent_no_replica_grad_reduction"])

@@ -33,6 +33,10 @@ experts' router rows) so the balancer must replicate. Scenarios, each saved to
 * ``flex-hybridep`` / ``flex-hybridep-padded``: the same over megatron's ``_HybridEPManager``
   (``deepep_gloo``'s HybridEP stand-in), handed the plan's row counts; ``-padded`` with every local
   slot's rows padded to a multiple of 8, as HybridEP pads them to the fp8 alignment under fp8;
+* ``flex-hybridep-fp8``: HybridEP under blockwise fp8 with grouped experts (``te_grouped_fp8``'s GEMMs),
+  every local slot's rows padded to the fp8 alignment; its references are megatron's layer in fp8
+  and in fp32 (``reference``): fp8 may round a replicated expert's split rows otherwise, so it is
+  compared under the fp8 gate, not to a noise floor;
 * ``latent``: latent MoE (``--moe-latent-size``): megatron's MoELayer projects the tokens hidden ->
   latent before ``dispatch_preprocess`` and latent -> hidden after ``combine_postprocess``
   (``te_linear_standin`` in Transformer Engine's linear's place), and builds the experts, the
@@ -385,10 +389,12 @@ def main():
         "flex-hybridep-padded": dict(microbatches=2, recompute=False, balancer="ultraep", dispatcher="flex",
                                      flex_backend="hybridep", pad_multiple=8),
         "grouped": dict(microbatches=3, recompute=False, balancer="ultraep", grouped=True),
-        # HybridEP under (toy) fp8 with grouped experts: every local slot's rows padded to the fp8
+        # HybridEP under fp8 with grouped experts: every local slot's rows padded to the fp8
         # alignment, which the grouped GEMM stand-in requires of main and replica experts alike.
+        # Compared under the fp8 gate (fp8_equivalence.py) against fp32. blockwise: mxfp8 would
+        # refuse FFN = 48 (not a multiple of 32), as TE's MXFP8 quantizer does.
         "flex-hybridep-fp8": dict(microbatches=2, recompute=False, balancer="ultraep", dispatcher="flex",
-                                  flex_backend="hybridep", grouped=True, fp8="tensorwise"),
+                                  flex_backend="hybridep", grouped=True, fp8="blockwise"),
     }
     # The negative control: the single scenario with replica gradients never reduced (one of the
     # faults of pretrain_grad_dump.py, which holds every way the tests break the balancer).
@@ -425,9 +431,13 @@ def main():
         if references is not None:  # the same references as the ``references`` scenario's
             for key in ("none", "none_permuted"):
                 results[f"{name}/{key}"] = results[f"{references}/{key}"]
-        # The reference is always megatron's own all-to-all MoELayer, also fed permuted tokens.
-        for key, balancer, permute in (("none", None, False), ("none_permuted", None, True),
-                                       ("balanced", sc["balancer"], False)):
+        # The reference is always megatron's own all-to-all MoELayer, also fed permuted tokens; under
+        # fp8 (no noise floor: the balanced layer rounds a replicated expert's rows otherwise) also
+        # in fp32 with the same tokens, weights and routing.
+        runs = [("none", None, False), ("none_permuted", None, True), ("balanced", sc["balancer"], False)]
+        if sc.get("fp8"):
+            runs = [("reference", None, False)] + [run_ for run_ in runs if run_[0] != "none_permuted"]
+        for key, balancer, permute in runs:
             if references is not None and balancer is None:
                 continue
             dispatcher = sc.get("dispatcher", "alltoall") if balancer else "alltoall"
@@ -440,7 +450,8 @@ def main():
                                     dispatcher, sc.get("grouped", False), flex_backend=sc.get("flex_backend", "deepep"),
                                     pad_multiple=sc.get("pad_multiple") if balancer else None,
                                     planner=sc.get("planner") if balancer else None,
-                                    latent_size=LATENT if sc.get("latent") else None, fp8=sc.get("fp8"))
+                                    latent_size=LATENT if sc.get("latent") else None,
+                                    fp8=sc.get("fp8") if key != "reference" else None)
             print(printed.getvalue(), end="", flush=True)
             load_weights(layer, scenario_weights)
             if balancer and sc.get("idle_replica"):  # kept: not refreshed at this call
