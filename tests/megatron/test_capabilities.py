@@ -78,7 +78,7 @@ ENVELOPE = {
     # TE's graph of the preprocessing: with the device planner (whose plan needs no host read:
     # test_graph_capture.py), not with the host planner, whose plan it would capture, nor where the
     # planner is left to its default (host on this machine).
-    "graphs_moe_preprocess": ([*ULTRAEP, *TE_PREPROCESS], "--cuda-graph-modules moe_preprocess"),
+    "graphs_moe_preprocess": ([*ULTRAEP, *TE_PREPROCESS], None),  # the default planner: device
     "graphs_moe_preprocess_host_planner": ([*ULTRAEP, *TE_PREPROCESS, "--moe-balancer-planner", "host"],
                                            "--cuda-graph-modules moe_preprocess"),
     "graphs_moe_preprocess_device_planner": ([*ULTRAEP, *TE_PREPROCESS, "--moe-balancer-planner", "device"], None),
@@ -143,7 +143,7 @@ def test_production_envelope(verdicts, name):
     if name == "graphs_local_attn_router":
         assert "use --cuda-graph-impl transformer_engine" in refusals[0], refusals[0]
     elif name.startswith("graphs_moe_preprocess"):
-        why = "--moe-permute-fusion" if name.endswith("fusion") else "add --moe-balancer-planner device"
+        why = "--moe-permute-fusion" if name.endswith("fusion") else "leave --moe-balancer-planner out or pass device"
         assert why in refusals[0], refusals[0]
     elif "graphs" in name:
         assert "capture only attn, moe_router, mlp, mamba" in refusals[0], refusals[0]
@@ -152,12 +152,13 @@ def test_production_envelope(verdicts, name):
 def test_preprocess_graph_needs_the_device_planner():
     """The balanced layer's own check (on its TransformerConfig, with its context's resolved
     planner) agrees with the startup check: TE's graph of the preprocessing with the device planner
-    and the all-to-all dispatcher's unfused permutation (what test_graph_capture.py runs); refused,
-    each naming its flag, with the host planner, the flex dispatcher or the fused permutation."""
+    (the default planner when the preprocessing is captured, host otherwise) and the all-to-all
+    dispatcher's unfused permutation (what test_graph_capture.py runs); refused, each naming its
+    flag, with the host planner, the flex dispatcher or the fused permutation."""
     import enum
     from types import SimpleNamespace
 
-    from ultraep_megatron.megatron.capabilities import unsupported_moe_settings
+    from ultraep_megatron.megatron.capabilities import default_planner, preprocess_graphed, unsupported_moe_settings
 
     # A TransformerConfig holds megatron's CudaGraphModule members (an Enum; not imported here:
     # importing megatron-core costs this process seconds).
@@ -167,9 +168,15 @@ def test_preprocess_graph_needs_the_device_planner():
                   cuda_graph_modules=modules)
     assert unsupported_moe_settings(SimpleNamespace(**config), planner="device") == []
     assert unsupported_moe_settings(SimpleNamespace(**config, moe_balancer_planner="device")) == []
+    assert unsupported_moe_settings(SimpleNamespace(**config)) == []  # the default: device
+    assert preprocess_graphed(SimpleNamespace(**config))
+    assert not preprocess_graphed(SimpleNamespace(**{**config, "cuda_graph_modules": modules[:2]}))
+    assert not preprocess_graphed(SimpleNamespace(**{**config, "cuda_graph_impl": "local"}))
+    assert [default_planner(b, g) for b, g in (("ultraep", True), ("ultraep", False), ("eplb-exact", True))] == \
+        ["device", "host", "host"]
     refusals = {
         "host planner": unsupported_moe_settings(SimpleNamespace(**config), planner="host"),
-        "default planner": unsupported_moe_settings(SimpleNamespace(**config)),
+        "eplb-exact": unsupported_moe_settings(SimpleNamespace(**config, moe_balancer="eplb-exact")),
         "flex": unsupported_moe_settings(SimpleNamespace(**{**config, "moe_token_dispatcher_type": "flex"},
                                                          moe_flex_dispatcher_backend="hybridep"),
                                          environment=False, planner="device"),
@@ -178,6 +185,6 @@ def test_preprocess_graph_needs_the_device_planner():
     for case, problems in refusals.items():
         assert len(problems) == 1 and problems[0].startswith("--cuda-graph-modules moe_preprocess"), (case, problems)
     assert "--moe-balancer-planner host" in refusals["host planner"][0]
-    assert "add --moe-balancer-planner device" in refusals["default planner"][0]
+    assert "leave --moe-balancer-planner out or pass device" in refusals["eplb-exact"][0]
     assert "--moe-token-dispatcher-type alltoall" in refusals["flex"][0]
     assert "--moe-permute-fusion" in refusals["fusion"][0]

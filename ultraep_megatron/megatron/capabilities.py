@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ultraep_megatron.planner.baselines import registry
+
 
 def moe_model_problems(args, domain_size: Optional[int]) -> list[str]:
     """Why Megatron's parsed ``args`` give no MoE model a balancer can run (before the settings of
@@ -45,7 +47,7 @@ def unsupported_moe_settings(config, environment: bool = True, planner: Optional
     say ``device`` where a setting needs the device planner."""
     problems = []
     get = lambda name, default=None: getattr(config, name, default)  # noqa: E731
-    planner = planner or get('moe_balancer_planner')
+    planner = planner or get('moe_balancer_planner') or default_planner(get('moe_balancer'), preprocess_graphed(config))
     dispatcher = get('moe_token_dispatcher_type')
     if dispatcher == 'flex':
         # GPU-only (DeepEP / HybridEP); the check is whether megatron's bindings import.
@@ -122,9 +124,9 @@ _CUDA_GRAPH_WHY = ("a graph cannot capture the balanced layer's transfers, whose
                    "--cuda-graph-impl transformer_engine and --moe-balancer-planner device")
 _PREPROCESS_GRAPH_WHY = {
     "planner": "the host planner copies the exact load to the host and plans there, inside the captured "
-               "preprocessing, which a CUDA graph cannot capture (a host read of device data); add "
-               "--moe-balancer-planner device, whose plan, reroute and permutation stay on the device and "
-               "whose host half crosses after the graph",
+               "preprocessing, which a CUDA graph cannot capture (a host read of device data); leave "
+               "--moe-balancer-planner out or pass device, whose plan, reroute and permutation stay on the "
+               "device and whose host half crosses after the graph",
     "flex": "the flex dispatcher's (DeepEP / HybridEP) preprocessing has not been checked under capture yet; "
             "use --moe-token-dispatcher-type alltoall, or leave moe_preprocess out",
     "fusion": "the fused permutation (Transformer Engine's kernel over the physical routing map) has not been "
@@ -163,6 +165,23 @@ def _low_precision_problems(get) -> list[str]:
                         "experts' fp4 path (re-quantization, scales, the replica weight transfer) has not "
                         f"been checked yet; use --fp8-format with {working[4:]}")
     return problems
+
+
+def preprocess_graphed(config) -> bool:
+    """Whether Transformer Engine's per-layer graphs capture the MoE preprocessing
+    (``--cuda-graph-impl transformer_engine --cuda-graph-modules ... moe_preprocess``)."""
+    modules = getattr(config, "cuda_graph_modules", None) or []
+    modules = modules.split(",") if isinstance(modules, str) else modules
+    return getattr(config, "cuda_graph_impl", None) == "transformer_engine" and \
+        DEVICE_PLANNER_GRAPH_MODULE in [_name(m) for m in modules]
+
+
+def default_planner(balancer: Optional[str], graphed: bool) -> str:
+    """``--moe-balancer-planner`` left out: ``host`` (eagerly the faster: one compiled solve against
+    the device planner's hundreds of small kernels, docs/integration.md "On a GPU"), or ``device``
+    for ultraep where the preprocessing is captured in a CUDA graph, which needs a plan without a
+    host read and replays its kernels in one launch."""
+    return "device" if graphed and balancer in (None, registry.ULTRAEP) else "host"
 
 
 def _cuda_graph_problem(get, planner: Optional[str]) -> Optional[str]:

@@ -35,6 +35,7 @@ import torch
 from ultraep_megatron.dataplane import ReplicaBuffer, TransferHandle
 from ultraep_megatron.megatron import device_planning
 from ultraep_megatron.megatron.device_planning import PLANNERS, DevicePlanned
+from ultraep_megatron.megatron.capabilities import preprocess_graphed
 from ultraep_megatron.megatron.expert_slots import ReplicaExperts, build_replica_experts
 from ultraep_megatron.megatron.invocation import Invocation, plan_invocation
 from ultraep_megatron.megatron.native_torch import native_torch
@@ -42,7 +43,6 @@ from ultraep_megatron.megatron.observers import BalancerStats, TraceRecorder
 from ultraep_megatron.megatron.ring import VirtualLayerRing, invocations_per_forward, max_inflight_microbatches
 from ultraep_megatron.planner import BalancerConfig
 from ultraep_megatron.planner.baselines.registry import ULTRAEP
-from ultraep_megatron.planner.device_solve import triton_available
 
 
 @dataclass
@@ -165,10 +165,14 @@ class BalancingContext:
         failures = [(rank, failure) for rank, failure in enumerate(outcomes) if failure is not None]
         self.device_planner_check = check
         if failures:
-            self.planner, self.plans_on_device = "host", False
             rank, failure = failures[0]
             where = "" if len(failures) == len(outcomes) else \
                 f" on EP rank{'s' if len(failures) > 1 else ''} {', '.join(str(r) for r, _ in failures)}"
+            if preprocess_graphed(layer.config):  # the host planner cannot run inside that graph
+                raise RuntimeError(f"the device planner failed its self-check{where} ({check.implementation}): "
+                                   f"{failure}; --cuda-graph-modules moe_preprocess needs it: leave moe_preprocess "
+                                   "out of --cuda-graph-modules to plan on the host")
+            self.planner, self.plans_on_device = "host", False
             _print_on_rank_zero(f"ultraep: warning: the device planner failed its self-check{where} "
                                 f"({check.implementation}): {failure}; planning on the host for this model "
                                 f"(--moe-balancer-planner host skips the check and this warning)")
@@ -397,20 +401,16 @@ class BalancingContext:
 
 
 def resolve_planner(planner: Optional[str], balancer: str) -> str:
-    """``--moe-balancer-planner``: ``planner`` as given, or by default ``device`` for ultraep on
-    CUDA and ``host`` otherwise (the CPU backend, the other balancers, whose plans are host
-    code; and while ``planner.device_solve`` is its host stand-in)."""
-    if planner is not None:
-        if planner not in PLANNERS:
-            raise ValueError(f"planner must be one of {', '.join(PLANNERS)}, got {planner!r}")
-        if planner == "device" and balancer != ULTRAEP:
-            raise ValueError(f"the device planner plans {ULTRAEP} only, not {balancer}")
-        return planner
-    from ultraep_megatron.megatron.cpu import backend as cpu_backend
-
-    on_cuda = torch.cuda.is_available() and not cpu_backend.is_active()
-    # Without Triton the device planner would run its reference step by step on the GPU.
-    return "device" if on_cuda and balancer == ULTRAEP and triton_available() else "host"
+    """``--moe-balancer-planner``: ``planner`` as given, else ``host``
+    (``balancing_context_from_args`` passes ``device`` where the preprocessing is captured:
+    ``capabilities.default_planner``)."""
+    if planner is None:
+        return "host"
+    if planner not in PLANNERS:
+        raise ValueError(f"planner must be one of {', '.join(PLANNERS)}, got {planner!r}")
+    if planner == "device" and balancer != ULTRAEP:
+        raise ValueError(f"the device planner plans {ULTRAEP} only, not {balancer}")
+    return planner
 
 
 def _gather_on(group, value) -> list:
