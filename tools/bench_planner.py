@@ -457,7 +457,10 @@ def main() -> None:
         domain_shapes = [s for s in DOMAIN_SHAPES if s[0] == 64]
 
     if args.only == "self-check":
-        print(self_check_summary())
+        summary = self_check_summary()
+        print(summary)
+        if "FAILED" in summary:
+            raise SystemExit(1)
         return
     solve(zipf_load(8, 16, 2.0), 1)  # compile or load the numba cache before timing
     if args.only in (None, "main"):

@@ -20,12 +20,12 @@ export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore::UserWarning} PYTHONUNBUFFERED=1
 
 # name | seconds allowed | command | what the table shows (a regex on the log; its last match)
 CHECKS=(
-  "triton planner vs reference, property set|240|$PY -m pytest -q -p no:cacheprovider tests/planner/test_device_solve.py -k cuda -s|[0-9]+ passed[^\n]*|\{\"loads\"[^}]*\}"
   "balanced layer on CUDA, host and device planners (sync check, vs megatron)|300|$PY -m pytest -q -p no:cacheprovider tests/megatron/test_cuda_layer.py|[0-9]+ passed[^\n]*"
-  "device planner: compile + self-check|120|$PY tools/bench_planner.py --only device-ready|device planner ready[^\n]*"
   "capture + replay of the balanced preprocess (device planner)|180|$PY tests/megatron/workers/capture_preprocess.py --device cuda|capture_replay_device_planner: [^\n]*"
-  "critical path, T=4096, both planners|180|$PY tools/bench_critical_path.py --tokens 4096 --iters 100|added by balancing:[^\n]*"
-  "critical path, T=16384, both planners|180|$PY tools/bench_critical_path.py --tokens 16384 --iters 100|added by balancing:[^\n]*"
+  "device planner: compile + self-check (fresh Triton cache)|150|$PY tools/bench_planner.py --only self-check|R=64 E=256[^\n]*"
+  "critical path, T=4096, both planners (device: eager and graphed)|180|$PY tools/bench_critical_path.py --tokens 4096 --iters 100|added by balancing:[^\n]*|CUDA graph[^\n]*"
+  "critical path, T=16384, both planners (device: eager and graphed)|180|$PY tools/bench_critical_path.py --tokens 16384 --iters 100|added by balancing:[^\n]*|CUDA graph[^\n]*"
+  "triton planner vs reference, property set|240|$PY -m pytest -q -p no:cacheprovider tests/planner/test_device_solve.py -k cuda -s|[0-9]+ passed[^\n]*|\{\"loads\"[^}]*\}"
 )
 
 if [ "${1:-}" = "--list" ] || ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
@@ -70,6 +70,7 @@ print(" ; ".join(found)[:400] or "(no figure in the log)")
 EOF
 )
   results+=("$verdict|$seconds|$name|$figure")
+  echo "-> | $name | $verdict | $seconds | $figure |"
 done
 
 echo

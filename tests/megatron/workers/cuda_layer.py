@@ -50,7 +50,7 @@ SCENARIOS = {
     "pipelined": dict(microbatches=3, recompute=False, grouped=False, planner="host"),
     "recompute": dict(microbatches=2, recompute=True, grouped=False, planner="host"),
     "grouped": dict(microbatches=2, recompute=False, grouped=True, planner="host"),
-    # --moe-balancer-planner device (the default on CUDA): the plan made on the GPU, crossing once.
+    # --moe-balancer-planner device: the plan made on the GPU, crossing once.
     "device-planner": dict(microbatches=3, recompute=False, grouped=False, planner="device"),
     "device-planner-recompute": dict(microbatches=2, recompute=True, grouped=False, planner="device"),
     # The negative control: the balanced layer with a deliberate ``.tolist()`` of the routing in its
