@@ -50,6 +50,9 @@ def pytest_terminal_summary(terminalreporter):
         for nodeid, seconds in sorted(_ITEM_SECONDS.items(), key=lambda item: -item[1])[:15]:
             write(f"{seconds:8.1f} s  {nodeid}")
     launches = rank_launcher.read_stats()
+    if rank_launcher.unavailable:
+        terminalreporter.section("multi-rank launches")
+        write(f"the warm rank launcher did not start ({rank_launcher.unavailable}): every launch was cold")
     if launches:
         terminalreporter.section("multi-rank launches")
         warm = [launch for launch in launches if launch.get("warm")]

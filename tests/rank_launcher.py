@@ -72,11 +72,13 @@ LAUNCH_MARKER = "ULTRAEP_TEST_LAUNCH"
 SHIM = Path(__file__).resolve().parent / "warm_python"
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
-#: What the server imports once (in this order). Not the package under test beyond its planner,
-#: whose compiled kernels each rank would otherwise load from numba's cache.
+#: What the server imports once (in this order): torch, megatron-core and megatron's training
+#: package, matplotlib (the dashboards' heatmaps; the backend is chosen where it is used), and of the
+#: package under test only its planner, whose compiled kernels each rank would otherwise load from
+#: numba's cache. Each import here must start no thread (a fork copies only the forking one).
 PRELOAD = ("torch", "torch.distributed", "numpy", "megatron.core", "megatron.core.models.gpt",
            "megatron.training", "megatron.training.training", "megatron.training.arguments",
-           "ultraep_megatron.planner")
+           "matplotlib.pyplot", "ultraep_megatron.planner")
 #: Top-level packages the server holds: a launch whose PYTHONPATH would find another copy of one
 #: is not served.
 PRELOADED_PACKAGES = ("torch", "numpy", "megatron", "ultraep_megatron")
@@ -113,7 +115,23 @@ def servable(python: str, env: dict[str, str]) -> bool:
         real = os.path.realpath(entry)
         if real not in served and any(Path(real, name).exists() for name in PRELOADED_PACKAGES):
             return False
-    return True
+    return available()
+
+
+#: Why the server could not start in this session (then every launch is cold), or None.
+unavailable: Optional[str] = None
+
+
+def available() -> bool:
+    """Whether this session's server runs (started on first use); if it cannot start, every launch
+    of the session is cold and :data:`unavailable` says why."""
+    global unavailable
+    if unavailable is None:
+        try:
+            server_socket()
+        except (OSError, RuntimeError) as error:
+            unavailable = str(error)
+    return unavailable is None
 
 
 def _server_pythonpath() -> list[str]:
@@ -140,7 +158,9 @@ def server_socket() -> str:
                                start_new_session=True, text=True)
     ready = _server.stdout.readline().strip()
     if ready != "ready":
-        raise RuntimeError(f"the warm rank launcher did not start ({ready!r}, status {_server.poll()})")
+        _server.wait()
+        _server = None
+        raise RuntimeError(f"the warm rank launcher did not start: {ready or 'no answer'}")
     os.environ[SOCKET_ENV], os.environ[STATS_ENV] = path, stats
     os.environ[REAL_PYTHON_ENV] = sys.executable
     return path
@@ -158,10 +178,7 @@ def stop_server() -> None:
 def shim_python() -> str:
     """``ULTRAEP_PYTHON`` for scripts that launch with ``$ULTRAEP_PYTHON -m torch.distributed.run``
     (the server started), or the real interpreter when launches are cold."""
-    if not enabled():
-        return sys.executable
-    server_socket()
-    return str(SHIM)
+    return str(SHIM) if servable(sys.executable, dict(os.environ)) else sys.executable
 
 
 def _request(path: str, message: dict, fds: Sequence[int] = ()) -> socket.socket:
@@ -398,6 +415,10 @@ class _Server:
         self.base_sys_path = [p for p in sys.path if os.path.realpath(p) != os.path.realpath(os.path.dirname(__file__))]
 
     def serve(self) -> None:
+        threads = len(os.listdir("/proc/self/task"))
+        if threads != 1:  # a fork copies the forking thread alone: another one's locks would be held
+            print(f"refused: the preloaded imports started {threads - 1} thread(s)", flush=True)
+            return
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(self.path)
         listener.listen(16)
