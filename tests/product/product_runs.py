@@ -25,8 +25,9 @@ CHECKPOINT_ITERATION = 2
 def recipe_env(**extra: str) -> dict[str, str]:
     """Environment for running a CPU recipe from a test: this interpreter (its torchrun launches
     through the session's warm rank launcher: ``rank_launcher.shim_python``), wandb offline."""
+    python = rank_launcher.shim_python()  # starts the launcher, whose variables the shim reads
     env = dict(os.environ)
-    env.update(ULTRAEP_PYTHON=rank_launcher.shim_python(), WANDB_MODE="offline", WANDB_SILENT="true",
+    env.update(ULTRAEP_PYTHON=python, WANDB_MODE="offline", WANDB_SILENT="true",
                OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     env.update(extra)
     return env
