@@ -37,25 +37,55 @@ def test_gpu_memory_budget_option_passes_and_fails(capsys):
     assert len(problems) == 1 and "exceeds the 24 GiB budget (--gpu-memory-gb)" in problems[0]
 
 
-def test_the_issue_layout_names_the_domain_flag_and_passes_with_it(capsys):
-    """EP16 on two HGX nodes (--world-size 16 --gpus-per-node 8 --rack-size 8): refused without
-    a balancer domain, naming --moe-balancer-domain-size 8; accepted with it."""
+def problem_lines(out: str) -> list[str]:
+    return [line.split("PROBLEM: ", 1)[1] for line in out.splitlines() if "PROBLEM:" in line]
+
+
+def test_ep_across_nodes_needs_the_hardware_named(capsys):
+    """Issue 45: EP16 on two nodes of 8 as bare arguments. Without a hardware the report says loudly
+    what it assumed and refuses EP across the nodes, naming what it needs (with or without a
+    balancer domain: the network between the nodes is what it was not told). Named by --rack-size
+    or a preset, it is the domain check's business: refused without --moe-balancer-domain-size 8,
+    accepted with it; a GB200 rack (paper-rack) holds both nodes in one NVLink domain."""
     from ultraep_megatron.megatron.recipe_check import capture_launch
 
     args = capture_launch(HGX).args
-    i = args.index("--moe-balancer-domain-size")
-    bare = [*args[:i], *args[i + 2:], "--expert-model-parallel-size", "16"]
-    command = ["check-recipe", "--world-size", "16", "--gpus-per-node", "8", "--rack-size", "8", "--"]
-    assert main([*command, *bare]) == EXIT_FAILED
-    problems = [line for line in capsys.readouterr().out.splitlines() if "PROBLEM:" in line]
-    assert len(problems) == 1
-    assert "EP group [0-15] spans scale-up domains [0, 1]" in problems[0]
-    assert "add --moe-balancer-domain-size 8" in problems[0]
-    assert main([*command, *bare, "--moe-balancer-domain-size", "8"]) == EXIT_OK
-    assert "balancer domains of --moe-balancer-domain-size 8 inside one: yes" in capsys.readouterr().out
-    # The preset alone gives 8 GPUs per node and 8-GPU domains to a bare launch.
-    assert main(["check-recipe", "--world-size", "16", "--", *bare, "--moe-balancer-domain-size", "8"]) == EXIT_OK
-    assert "2 nodes x 8 GPUs (2 scale-up domain(s) of 8 GPUs" in capsys.readouterr().out
+    for flag in ("--moe-balancer-domain-size", "--moe-balancer-hardware"):
+        i = args.index(flag)
+        args = [*args[:i], *args[i + 2:]]
+    bare = [*args, "--expert-model-parallel-size", "16"]
+    command = ["check-recipe", "--world-size", "16", "--gpus-per-node", "8"]
+
+    for extra in ([], ["--moe-balancer-domain-size", "8"]):
+        assert main([*command, "--", *bare, *extra]) == EXIT_FAILED
+        out = capsys.readouterr().out
+        assert "hardware: NOT NAMED, ASSUMED NVLink domains of one node (8 GPUs" in out
+        assert "80 GiB per GPU (an H100's)" in out
+        problems = problem_lines(out)
+        assert len(problems) == 1, problems
+        assert problems[0].startswith("EP group [0-15] spans nodes [0, 1] and no hardware is named")
+        assert "--moe-balancer-hardware h100-hgx, h200-hgx or paper-rack" in problems[0]
+
+    assert main([*command, "--rack-size", "8", "--", *bare]) == EXIT_FAILED
+    problems = problem_lines(capsys.readouterr().out)
+    assert len(problems) == 1 and "add --moe-balancer-domain-size 8" in problems[0], problems
+    assert main([*command, "--rack-size", "8", "--", *bare, "--moe-balancer-domain-size", "8"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "ASSUMED 80 GiB per GPU (an H100's)" in out and "NVLink domains of 8 GPUs (--rack-size)" in out
+
+    hgx = [*bare, "--moe-balancer-hardware", "h100-hgx"]
+    assert main([*command, "--", *hgx]) == EXIT_FAILED
+    problems = problem_lines(capsys.readouterr().out)
+    assert len(problems) == 1 and "add --moe-balancer-domain-size 8" in problems[0], problems
+    # The preset alone gives a bare launch 8 GPUs per node and 8-GPU domains.
+    assert main(["check-recipe", "--world-size", "16", "--", *hgx, "--moe-balancer-domain-size", "8"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "2 nodes x 8 GPUs in 2 scale-up domains of 8 GPUs" in out and "ASSUMED" not in out
+    assert "balancer domains of --moe-balancer-domain-size 8 inside one: yes" in out
+
+    assert main([*command, "--", *bare, "--moe-balancer-hardware", "paper-rack"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "1 scale-up domain of 64 GPUs" in out and "EP groups inside one scale-up domain: yes" in out
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -166,6 +166,11 @@ HARDWARE_PRESETS: dict[str, Hardware] = {
     # the NVLink domain is the node.
     "h100-hgx": Hardware(scale_up_gbps=450.0, peak_tflops=989.0, hbm_tbps=3.35, inter_domain_gbps=50.0,
                          scale_up_domain=8, memory_gb=80.0, gpus_per_node=8),
+    # NVIDIA H200 SXM in an 8-GPU HGX/DGX node (NVIDIA's H200 datasheet): the H100's compute (989
+    # TFLOP/s dense bf16) and NVLink 4 (900 GB/s bidirectional), 141 GB of HBM3e at 4.8 TB/s; one
+    # 400 Gb/s NIC per GPU; the NVLink domain is the node.
+    "h200-hgx": Hardware(scale_up_gbps=450.0, peak_tflops=989.0, hbm_tbps=4.8, inter_domain_gbps=50.0,
+                         scale_up_domain=8, memory_gb=141.0, gpus_per_node=8),
 }
 
 

@@ -32,6 +32,16 @@ class Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def did_you_mean(given: str, candidates, *, cutoff: float = 0.6) -> str:
+    """'' or '; did you mean X?' (or 'X or Y?'): the candidates closest to ``given`` (a list of
+    them is taken as already chosen when ``cutoff`` is None)."""
+    import difflib
+
+    close = list(candidates) if cutoff is None else difflib.get_close_matches(given, list(candidates), n=2,
+                                                                              cutoff=cutoff)
+    return f"; did you mean {' or '.join(close)}?" if close else ""
+
+
 # ---------------------------------------------------------------------------------------------
 # Argument types
 # ---------------------------------------------------------------------------------------------

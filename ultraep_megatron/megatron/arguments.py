@@ -91,9 +91,11 @@ KNOBS: tuple[Knob, ...] = (
               "balancer that cross a domain. Default: the whole EP group is one domain."),
     Knob("hardware", "--moe-balancer-hardware", str, None, metavar="NAME",
          help="ultraep: the GPU system the default --moe-balancer-min-quota (and so the default "
-              "trigger) is derived from: paper-rack (the UltraEP paper's 64-GPU rack) or h100-hgx "
-              "(8 x H100 SXM per NVLink domain); figures and derivation in docs/traces.md. Default: "
-              "none, the min quota is 1%% of the mean rank load."),
+              "trigger) is derived from, and the hardware `ultraep check-recipe` checks the layout and "
+              "memory against: paper-rack (the UltraEP paper's GB200 NVL72 rack, 64 GPUs in use), "
+              "h100-hgx or h200-hgx (8 x H100 / H200 SXM per node, the node is the NVLink domain); "
+              "figures and derivation in docs/traces.md. Default: none, the min quota is 1%% of the "
+              "mean rank load."),
     Knob("eplb_window", "--moe-balancer-eplb-window", int, planner_balancer.DEFAULT_EPLB_WINDOW,
          minimum=MINIMUMS["eplb_window"],
          help="eplb: microbatches of load history the placement is computed from. "
