@@ -175,17 +175,34 @@ def add_megatron_layout_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-layers", type=int, default=None, metavar="N",
                        help="decoder layers (numbers MTP layers after them; needed with pipeline parallelism)")
     group.add_argument("--pipeline-model-parallel-size", type=int, default=None, metavar="PP",
-                       help="pipeline stages (layers split evenly)")
+                       help="pipeline stages (layers split as megatron-core splits them: evenly, or with "
+                            "the two flags below)")
+    group.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None, metavar="N",
+                       help="decoder layers of the first pipeline stage, as in the training command")
+    group.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None, metavar="N",
+                       help="decoder layers of the last pipeline stage, as in the training command")
 
 
 def megatron_layout(args):
     """The :class:`~ultraep_megatron.traces.RouterTraceLayout` from ``--run-args`` and the layout flags."""
     from ultraep_megatron.traces.router import RouterTraceLayout, read_run_args
 
-    run_args = read_run_args(args.run_args) if args.run_args else None
-    return RouterTraceLayout.resolve(ep_size=args.expert_model_parallel_size, num_experts=args.num_experts,
-                                     num_layers=args.num_layers, pp_size=args.pipeline_model_parallel_size,
-                                     run_args=run_args)
+    run_args = None
+    if args.run_args is not None:
+        if not args.run_args.is_file():
+            raise CliError(f"--run-args {args.run_args}: no such file; give the run's log (Megatron prints its "
+                           "arguments at start-up), its wandb config.yaml or a JSON/YAML mapping of them")
+        try:
+            run_args = read_run_args(args.run_args)
+        except ValueError as error:
+            raise CliError(f"--run-args {error}") from None
+    try:
+        return RouterTraceLayout.resolve(
+            ep_size=args.expert_model_parallel_size, num_experts=args.num_experts, num_layers=args.num_layers,
+            pp_size=args.pipeline_model_parallel_size, first_stage_layers=args.decoder_first_pipeline_num_layers,
+            last_stage_layers=args.decoder_last_pipeline_num_layers, run_args=run_args)
+    except ValueError as error:
+        raise CliError(str(error)) from None
 
 
 def open_records(args):

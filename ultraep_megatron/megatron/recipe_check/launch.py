@@ -421,6 +421,9 @@ def capture_launch(recipe: str | Path, env: dict[str, str] | None = None,
     launches = [launch for call in calls
                 if (launch := read_launch(call["program"], call["argv"], str(recipe))) is not None]
     if completed.returncode != 0:
+        said = completed.stderr.strip().splitlines()[-1:]
+        if said and said[0].startswith(f"{recipe.name}: "):  # the recipes' one line naming a variable
+            raise RecipeError(said[0])
         raise RecipeError(f"{recipe}: the recipe exited with {completed.returncode}",
                           (completed.stdout + completed.stderr)[-3000:])
     if not launches:

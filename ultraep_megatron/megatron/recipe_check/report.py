@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 
 from ultraep_megatron.megatron.recipe_check.activations import RUNTIME_RESERVE_GIB
 from ultraep_megatron.megatron.recipe_check.launch import Launch, RecipeError
-from ultraep_megatron.megatron.recipe_check.layout import DEFAULT_RACK_SIZE, RankLayout, rank_layout, span
+from ultraep_megatron.megatron.recipe_check.layout import RankLayout, rank_layout, span
 from ultraep_megatron.megatron.recipe_check.memory import MemoryEstimate, estimate_memory
 from ultraep_megatron.megatron.recipe_check.model import (
     balanced_moe_layer_ids, built_mtp_layers, flops_per_iteration, moe_layer_pattern,
