@@ -135,6 +135,8 @@ def render(report: dict) -> str:
     hw_quota, training = report["hardware_min_quota"], report["training"]
     k = 3 if training else 1
     out = ["Slot advisor on:"] + [f"  {line}" for line in report["inputs"]]
+    if hw.get("named"):
+        out += ["", f"Hardware: {hw['named']}"]
     out += ["", f"Quota floor from the hardware ({'training: fwd+bwd compute saved' if training else 'inference: forward only'}):",
             f"  moving one expert ({shape['weight_bytes'] / 2**20:.1f} MiB, h={shape['hidden_size']}, "
             f"f={shape['ffn_hidden_size']}, {'SwiGLU' if shape['gated'] else '2-matrix'}; {shape['source']}) over "

@@ -240,7 +240,7 @@ class ExpertShape:
         if h is None or f is None:
             h, f = DEFAULT_SHAPE.hidden_size, DEFAULT_SHAPE.ffn_hidden_size
             meta_g = DEFAULT_SHAPE.gated
-            source = "default: a Qwen3-235B-A22B expert"
+            source = "default: a Qwen3-235B-A22B expert; give --hidden-size and --moe-ffn-hidden-size for yours"
         elif hidden_size is None and ffn_hidden_size is None:
             source = "trace meta"
         else:

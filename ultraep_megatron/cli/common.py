@@ -282,6 +282,36 @@ HARDWARE_FLAGS = {"scale_up_bandwidth": "scale_up_gbps", "peak_tflops": "peak_tf
                   "gemm_overhead_tokens": "gemm_overhead_tokens"}
 
 
+def apply_traced_run_settings(args, records) -> str:
+    """Fill ``--moe-balancer-hardware`` and ``--moe-balancer-domain-size`` the user left out from the
+    traced run (the project's trace meta, or a Megatron trace's ``--run-args``), and, for a named
+    hardware whose NVLink domain is smaller than the trace's EP group (an HGX node), the domain size
+    from it, as the HGX recipes train. Returns where the hardware comes from, for the report."""
+    from ultraep_megatron.analysis.cost import hardware_preset
+
+    meta = records.meta
+    if args.moe_balancer_hardware is not None:
+        where = f"{args.moe_balancer_hardware} (--moe-balancer-hardware)"
+    elif meta.get("hardware"):
+        args.moe_balancer_hardware = str(meta["hardware"])
+        where = f"{args.moe_balancer_hardware} (the traced run's --moe-balancer-hardware)"
+    else:
+        where = ("none named, the default: the UltraEP paper's GB200-class rack (Table 2); name yours with "
+                 "--moe-balancer-hardware h100-hgx, h200-hgx or paper-rack")
+    if args.moe_balancer_domain_size is None:
+        if meta.get("domain_size"):
+            args.moe_balancer_domain_size = int(meta["domain_size"])
+        elif args.moe_balancer_hardware is not None:
+            try:
+                domain = hardware_preset(args.moe_balancer_hardware).scale_up_domain
+            except ValueError as error:
+                raise CliError(str(error)) from None
+            if domain and domain < records.num_ranks and records.num_ranks % domain == 0:
+                args.moe_balancer_domain_size = domain
+                where += f"; --moe-balancer-domain-size {domain}, its NVLink domain"
+    return where
+
+
 def shape_and_hardware(args, meta: dict):
     """(ExpertShape, where h and f came from, Hardware) from the flags and the trace's meta
     (``analysis.inputs.resolve_hardware``: ``--moe-balancer-hardware``'s preset, else the paper's

@@ -225,7 +225,8 @@ class RouterTraceLayout:
             microbatches = int(gbs) // (int(mbs) * int(dp))
         meta = {"source": "megatron --moe-routing-trace-path"}
         for key, arg in (("hidden_size", "hidden_size"), ("moe_ffn_hidden_size", "moe_ffn_hidden_size"),
-                         ("swiglu", "swiglu"), ("topk", "moe_router_topk"), ("num_layers", "num_layers")):
+                         ("swiglu", "swiglu"), ("topk", "moe_router_topk"), ("num_layers", "num_layers"),
+                         ("hardware", "moe_balancer_hardware"), ("domain_size", "moe_balancer_domain_size")):
             if args.get(arg) is not None:
                 meta[key] = args[arg]
         if layers is not None:
