@@ -127,7 +127,11 @@ def run(args) -> int:
     extra = args.passthrough if args.world_size is None else []
     for recipe in args.recipes:
         try:
-            launches.append(rc.capture_launch(recipe, env, extra_args=extra))
+            found = rc.capture_launches(recipe, env, extra_args=extra)
+            for k, launch in enumerate(found, 1):
+                if len(found) > 1:  # a job script starting a run and its baseline: each checked
+                    launch.source = f"{recipe} (launch {k} of {len(found)})"
+                launches.append(launch)
         except rc.NotARecipe as note:
             skipped.append(str(recipe))
             if not args.json:

@@ -148,10 +148,22 @@ def test_a_job_submission_is_recorded_not_run(tmp_path, real_programs):
     assert list(real_programs.iterdir()) == []
 
 
-def test_srun_of_the_recipe_reads_the_recipe_s_launch(tmp_path, real_programs):
-    """The user guide's SLURM line, `srun --ntasks-per-node 1 bash RECIPE`: the recipe's shell code
-    runs under the same shims and its torchrun is read; nothing starts."""
-    job = write_recipe(tmp_path, "job", f"srun --ntasks-per-node 1 bash {RECIPE}")
-    launch = rc.capture_launch(job)
-    assert (launch.nproc_per_node, launch.nnodes) == (8, 1) and launch.args == rc.capture_launch(RECIPE).args
+def test_the_user_guide_s_slurm_job_is_read_and_starts_nothing(tmp_path, real_programs, monkeypatch):
+    """The user guide's SLURM example as a job script (`srun --ntasks-per-node 1 bash RECIPE`, then
+    its baseline): each srun's recipe runs under the same shims and both launches are read, a full
+    8-GPU HGX node each (16 nodes); nothing starts."""
+    guide = (REPO / "docs" / "user_guide.md").read_text()
+    block = guide[guide.index("SLURM example"):].split("```bash\n", 1)[1].split("```", 1)[0]
+    job = tmp_path / "job.sh"
+    job.write_text("#!/bin/bash\n" + block)
+    monkeypatch.chdir(REPO)
+    run, baseline = rc.capture_launches(job)
+    assert (run.nproc_per_node, run.nnodes) == (8, 16) == (baseline.nproc_per_node, baseline.nnodes)
+    assert baseline.args == [*run.args, "--moe-balancer", "none"]
+    assert rc.capture_launch(RECIPES / "qwen3_235b_a22b_ep32_pp4_hgx.sh",
+                             {"DATA_PATH": "/data/corpus_text_document",
+                              "TOKENIZER_MODEL": "/models/Qwen3-235B-A22B", "CHECKPOINT_DIR": "/ckpt/qwen3",
+                              "WANDB_PROJECT": "moe"}).args == run.args
     assert list(real_programs.iterdir()) == []
+    with pytest.raises(rc.RecipeError, match="launches 2 different trainings"):
+        rc.capture_launch(job)

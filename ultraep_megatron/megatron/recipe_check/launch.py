@@ -379,9 +379,24 @@ def write_shims(directory: Path, programs: Sequence[str] = SHIMMED_PROGRAMS) -> 
 
 def capture_launch(recipe: str | Path, env: dict[str, str] | None = None,
                    timeout_s: float = 60.0, extra_args: Sequence[str] = ()) -> Launch:
+    """The one training launch of ``recipe`` (:func:`capture_launches`).
+
+    Raises:
+        RecipeError: as :func:`capture_launches`, and when the recipe launches several different
+            trainings.
+    """
+    launches = capture_launches(recipe, env, timeout_s, extra_args)
+    if len(launches) > 1:
+        raise RecipeError(f"{recipe}: the recipe launches {len(launches)} different trainings "
+                          f"({'; '.join(lc.launcher for lc in launches)}); check one launch per recipe")
+    return launches[0]
+
+
+def capture_launches(recipe: str | Path, env: dict[str, str] | None = None,
+                     timeout_s: float = 60.0, extra_args: Sequence[str] = ()) -> list[Launch]:
     """Run ``recipe``'s shell code with recording shims in place of its launchers and read the
-    launch it would start; nothing is launched (the module docstring says what the shims cannot
-    catch).
+    launches it would start, in order, the same launch once (a job script may start a run and its
+    baseline); nothing is launched (the module docstring says what the shims cannot catch).
 
     The recipe runs with ``RUN_DIR`` (the output directory of the CPU recipes) in a scratch
     directory unless ``env`` sets it; python calls that are not a launch (a data preparation step)
@@ -396,7 +411,7 @@ def capture_launch(recipe: str | Path, env: dict[str, str] | None = None,
 
     Raises:
         RecipeError: when the recipe calls a launcher by its path (refused before anything runs),
-            fails, launches nothing, launches twice differently, or submits a job.
+            fails, launches nothing, or submits a job.
     """
     recipe = Path(recipe)
     if not recipe.is_file():
@@ -432,8 +447,7 @@ def capture_launch(recipe: str | Path, env: dict[str, str] | None = None,
         ran = "; ".join(_command_text([c["program"], *c["argv"]], 4) for c in calls)
         raise RecipeError(f"{recipe}: the recipe launched no training (no torchrun, python -m "
                           f"torch.distributed.run, srun, deepspeed or mpirun)" + (f"; it ran {ran}" if ran else ""))
-    distinct = {(lc.nproc_per_node, lc.nnodes, lc.script, tuple(lc.args)) for lc in launches}
-    if len(distinct) > 1:
-        raise RecipeError(f"{recipe}: the recipe launches {len(distinct)} different trainings "
-                          f"({'; '.join(lc.launcher for lc in launches)}); check one launch per recipe")
-    return launches[-1]
+    distinct = {}
+    for lc in launches:
+        distinct.setdefault((lc.nproc_per_node, lc.nnodes, lc.script, tuple(lc.args)), lc)
+    return list(distinct.values())
