@@ -24,7 +24,9 @@ What the shims cannot catch, and how the checker deals with it:
 * a launcher outside :data:`SHIMMED_PROGRAMS` (``accelerate launch``, ``ray``, a site's wrapper):
   it would run;
 * the rest of the recipe's shell code does run: ``mkdir``, data downloads, ``nvidia-smi``. The
-  checker sets ``RUN_DIR`` (the CPU recipes' output directory) to a scratch directory.
+  checker sets ``RUN_DIR`` (the CPU recipes' output directory) to a scratch directory;
+* a python call the recipe makes for a value (``GPUS=$(python -c ...)``) is a shim too: it prints
+  nothing, so give that value with ``--env``.
 
 A file without a ``#!`` line that launches nothing, like ``recipes/common.sh``, is a library the
 recipes source: skipped (:class:`NotARecipe`). Also the checker's error, :class:`RecipeError`,
