@@ -202,14 +202,20 @@ ultraep_precision_args() {
 }
 
 # CUDA_GRAPH_MODULES -> cuda_graph_args: per-layer graphs only of modules that end before the
-# balanced part of a MoE layer (moe_preprocess, moe and full_iteration capture its plan wait).
+# balanced part of a MoE layer (moe and full_iteration capture the transfers the plan sizes;
+# moe_preprocess runs with the device planner and the alltoall dispatcher only).
 ultraep_cuda_graph_args() {
     cuda_graph_args=()
     [[ "$1" == none ]] && return
-    local module
+    local module why
     for module in $1; do
-        [[ " attn moe_router mlp mamba " == *" $module "* ]] || ultraep_env_error \
-            "CUDA_GRAPH_MODULES=$1: $module is not one of attn moe_router mlp mamba (or none)"
+        case "$module" in
+            attn|moe_router|mlp|mamba) continue ;;
+            moe|moe_preprocess) why="its graph would capture the balanced MoE layer's host wait for its plan and the transfers the plan sizes, which a replayed graph cannot redo" ;;
+            full_iteration) why="its graph would capture the whole iteration, the balanced layers' plan waits included" ;;
+            *) why="not one of megatron's per-layer CUDA-graph modules" ;;
+        esac
+        ultraep_env_error "CUDA_GRAPH_MODULES=$1: $module is refused: $why; use modules within attn moe_router mlp mamba, or none"
     done
     cuda_graph_args=(--cuda-graph-impl transformer_engine --cuda-graph-modules $1)
 }

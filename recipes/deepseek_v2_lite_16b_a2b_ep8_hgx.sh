@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # DeepSeek-V2-Lite (16B-A2.4B) pretraining with UltraEP on one HGX node: EP8 on 8 H100 (or H200)
-# GPUs joined by NVLink, 2 redundant expert slots per rank. The first run on H100/H200 hardware
+# GPUs joined by NVLink, 4 redundant expert slots per rank (the slot rule, docs/recipes.md: 8 experts
+# per rank, max(2, 8 / 2) = 4). The first run on H100/H200 hardware
 # (docs/first_gpu_run.md): one node, no MASTER_ADDR.
 #
 #   DATA_PATH=<megatron data prefix> TOKENIZER_MODEL=<tokenizer> \
@@ -86,7 +87,7 @@ MOE_ARGS=(
     --moe-aux-loss-coeff 1e-3
     --moe-token-dispatcher-type alltoall
     --moe-grouped-gemm                  # Transformer Engine's grouped-GEMM experts (TEGroupedMLP)
-    --moe-balancer-num-slots 2
+    --moe-balancer-num-slots 4          # the slot rule: max(2, ceil(64 experts / (2 x EP 8)))
     --moe-balancer-domain-size 8        # the node's 8 GPUs: one NVLink domain
     --moe-balancer-hardware h100-hgx
 )

@@ -89,6 +89,7 @@ MOE_ARGS=(
     --moe-token-dispatcher-type alltoall
     --moe-grouped-gemm                  # Transformer Engine's grouped-GEMM experts (TEGroupedMLP)
     --moe-balancer-num-slots 2
+    --moe-balancer-hardware paper-rack  # a GB200 NVL72 rack (64 GPUs in use): quota floor, 186 GiB, the rack is the NVLink domain
 )
 
 PARALLEL_ARGS=(

@@ -36,6 +36,9 @@ PRECISIONS="bf16 fp8_cs fp8_mx"     # Blackwell: mxfp8 needs it; fp8_sc is Bridg
 DEFAULT_CUDA_GRAPH_MODULES="attn moe_router"
 DEFAULT_DISPATCHER=hybridep        # Bridge's GB200 moe_flex_dispatcher_backend
 source "$(dirname "${BASH_SOURCE[0]}")/models/qwen3_235b_a22b.sh"
+MOE_ARGS+=(
+    --moe-balancer-hardware paper-rack  # a GB200 NVL72 rack (64 GPUs in use): quota floor, 186 GiB, the rack is the NVLink domain
+)
 
 PARALLEL_ARGS=(
     --tensor-model-parallel-size 1

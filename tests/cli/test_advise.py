@@ -139,3 +139,34 @@ def test_memory_budget_lists_no_slot_count_over_it_and_floors_are_in_pairs(trace
     floor = out[out.index("Quota floor from the hardware"):out.index("Memory budget")]
     assert "token" not in floor.replace("(token, expert) pair", "")
     assert f"= {report['hardware_min_quota']} pairs" in floor and "pairs per microbatch" in floor
+
+
+def test_advise_sees_loads_two_slots_cannot_balance(tmp_path, capsys):
+    """Issue 45's slot rule on a trace: EP32, E=256, top-8, half the experts receive no tokens (the
+    routing of the other half sampled per load). The advisor reports the capacity bound, about 1.5
+    at two slots and 1.0 at four (what the real planner reaches: tests/analysis/test_advisor.py),
+    recommends four, and names the recipes' rule for this shape, the same four."""
+    import torch
+
+    from ultraep_megatron.analysis.advisor import half_cold_load
+
+    generator = torch.Generator().manual_seed(5)
+    hot = (half_cold_load(32, 256).sum(0) > 0).nonzero().flatten()
+    with traces.TraceWriter(traces.trace_path(tmp_path, 0), num_ranks=32, num_experts=256, meta={"topk": 8}) as writer:
+        for iteration in (1, 2):
+            load = torch.stack([torch.bincount(hot[torch.randint(0, len(hot), (4096 * 8,), generator=generator)],
+                                               minlength=256) for _ in range(32)])
+            writer.append(iteration, 0, 1, load)
+            writer.flush_iteration(iteration)
+    assert main(["advise", str(tmp_path), "--slots", "0,1,2,4", "--min-quotas", "default", "--json",
+                 "--no-progress"]) == EXIT_OK
+    report = json.loads(capsys.readouterr().out)
+    bound = {r["num_slots"]: r["capacity_bound_p95"] for r in report["rows"]}
+    assert abs(bound[2] - 1.5) < 0.03 and bound[4] == 1.0 and bound[0] > 1.95, bound
+    assert report["recommendation"]["num_slots"] == 4 == report["recipe_slots"]
+    assert report["recommendation"]["capacity_need"] == 4
+    assert main(["advise", str(tmp_path), "--slots", "0,1,2,4", "--min-quotas", "default", "--no-progress"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "slot rule, capacity: a rank's S slots carry at most S expert loads" in out
+    assert "the fewest slots reaching 1.05 on 95% of the loads: 4" in out
+    assert "a recipe without a trace takes max(2, ceil(E / 2R)) = 4 slot(s) for E=256 over R=32" in out

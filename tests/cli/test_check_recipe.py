@@ -37,25 +37,55 @@ def test_gpu_memory_budget_option_passes_and_fails(capsys):
     assert len(problems) == 1 and "exceeds the 24 GiB budget (--gpu-memory-gb)" in problems[0]
 
 
-def test_the_issue_layout_names_the_domain_flag_and_passes_with_it(capsys):
-    """EP16 on two HGX nodes (--world-size 16 --gpus-per-node 8 --rack-size 8): refused without
-    a balancer domain, naming --moe-balancer-domain-size 8; accepted with it."""
+def problem_lines(out: str) -> list[str]:
+    return [line.split("PROBLEM: ", 1)[1] for line in out.splitlines() if "PROBLEM:" in line]
+
+
+def test_ep_across_nodes_needs_the_hardware_named(capsys):
+    """Issue 45: EP16 on two nodes of 8 as bare arguments. Without a hardware the report says loudly
+    what it assumed and refuses EP across the nodes, naming what it needs (with or without a
+    balancer domain: the network between the nodes is what it was not told). Named by --rack-size
+    or a preset, it is the domain check's business: refused without --moe-balancer-domain-size 8,
+    accepted with it; a GB200 rack (paper-rack) holds both nodes in one NVLink domain."""
     from ultraep_megatron.megatron.recipe_check import capture_launch
 
     args = capture_launch(HGX).args
-    i = args.index("--moe-balancer-domain-size")
-    bare = [*args[:i], *args[i + 2:], "--expert-model-parallel-size", "16"]
-    command = ["check-recipe", "--world-size", "16", "--gpus-per-node", "8", "--rack-size", "8", "--"]
-    assert main([*command, *bare]) == EXIT_FAILED
-    problems = [line for line in capsys.readouterr().out.splitlines() if "PROBLEM:" in line]
-    assert len(problems) == 1
-    assert "EP group [0-15] spans scale-up domains [0, 1]" in problems[0]
-    assert "add --moe-balancer-domain-size 8" in problems[0]
-    assert main([*command, *bare, "--moe-balancer-domain-size", "8"]) == EXIT_OK
-    assert "balancer domains of --moe-balancer-domain-size 8 inside one: yes" in capsys.readouterr().out
-    # The preset alone gives 8 GPUs per node and 8-GPU domains to a bare launch.
-    assert main(["check-recipe", "--world-size", "16", "--", *bare, "--moe-balancer-domain-size", "8"]) == EXIT_OK
-    assert "2 nodes x 8 GPUs (2 scale-up domain(s) of 8 GPUs" in capsys.readouterr().out
+    for flag in ("--moe-balancer-domain-size", "--moe-balancer-hardware"):
+        i = args.index(flag)
+        args = [*args[:i], *args[i + 2:]]
+    bare = [*args, "--expert-model-parallel-size", "16"]
+    command = ["check-recipe", "--world-size", "16", "--gpus-per-node", "8"]
+
+    for extra in ([], ["--moe-balancer-domain-size", "8"]):
+        assert main([*command, "--", *bare, *extra]) == EXIT_FAILED
+        out = capsys.readouterr().out
+        assert "hardware: NOT NAMED, ASSUMED NVLink domains of one node (8 GPUs" in out
+        assert "80 GiB per GPU (an H100's)" in out
+        problems = problem_lines(out)
+        assert len(problems) == 1, problems
+        assert problems[0].startswith("EP group [0-15] spans nodes [0, 1] and no hardware is named")
+        assert "--moe-balancer-hardware h100-hgx, h200-hgx or paper-rack" in problems[0]
+
+    assert main([*command, "--rack-size", "8", "--", *bare]) == EXIT_FAILED
+    problems = problem_lines(capsys.readouterr().out)
+    assert len(problems) == 1 and "add --moe-balancer-domain-size 8" in problems[0], problems
+    assert main([*command, "--rack-size", "8", "--", *bare, "--moe-balancer-domain-size", "8"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "ASSUMED 80 GiB per GPU (an H100's)" in out and "NVLink domains of 8 GPUs (--rack-size)" in out
+
+    hgx = [*bare, "--moe-balancer-hardware", "h100-hgx"]
+    assert main([*command, "--", *hgx]) == EXIT_FAILED
+    problems = problem_lines(capsys.readouterr().out)
+    assert len(problems) == 1 and "add --moe-balancer-domain-size 8" in problems[0], problems
+    # The preset alone gives a bare launch 8 GPUs per node and 8-GPU domains.
+    assert main(["check-recipe", "--world-size", "16", "--", *hgx, "--moe-balancer-domain-size", "8"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "2 nodes x 8 GPUs in 2 scale-up domains of 8 GPUs" in out and "ASSUMED" not in out
+    assert "balancer domains of --moe-balancer-domain-size 8 inside one: yes" in out
+
+    assert main([*command, "--", *bare, "--moe-balancer-hardware", "paper-rack"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "1 scale-up domain of 64 GPUs" in out and "EP groups inside one scale-up domain: yes" in out
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -135,3 +165,70 @@ def test_a_gb200_recipe_passes_with_a_note_where_hybridep_is_not_installed(capsy
     assert main(["check-recipe", "--json", gb200]) == EXIT_OK
     report = json.loads(capsys.readouterr().out)["recipes"][0]
     assert report["passed"] and report["problems"] == [] and report["notes"] == [notes[0].split("NOTE: ", 1)[1]]
+
+
+TRACE_FIX = "use a directory the training job can write (the ranks that record it are each EP group's first)"
+#: Issue 45, items 6-7: a mistake added to the HGX recipe -> the one PROBLEM line check-recipe prints
+#: (exit status 1); the same inputs at pretrain_gpt.py's startup: tests/megatron/test_megatron_checks.py.
+MISTAKES = {
+    "num_slots_0": (["--moe-balancer-num-slots", "0"],
+                    "--moe-balancer-num-slots 0 with --moe-balancer ultraep: no redundant slot, so no replica: "
+                    "balancing does nothing (every layer is still planned); use --moe-balancer-num-slots 2 or "
+                    "more (the slot rule: docs/recipes.md) or --moe-balancer none"),
+    "train_iters_below_warmup": (["--train-iters", "50"],
+                                 "--train-iters 50 does not reach past the learning-rate warm-up (--lr-warmup-iters "
+                                 "100): Megatron's learning-rate scheduler refuses it once the model is built (the "
+                                 "warm-up must end before the decay); use --train-iters above 100 or a shorter "
+                                 "--lr-warmup-iters"),
+    "unwritable_trace_dir": (["--moe-balancer-trace-dir", "/proc/ultraep_trace"],
+                             "--moe-balancer-trace-dir /proc/ultraep_trace: cannot be created, /proc here (No such "
+                             f"file or directory); {TRACE_FIX}"),
+    "experts_not_a_multiple_of_ep": (["--num-experts", "60"],
+                                     "--num-experts 60 is not a multiple of --expert-model-parallel-size 8: every EP "
+                                     "rank holds the same number of experts (Megatron asserts it); use 56 or 64 "
+                                     "experts, or --expert-model-parallel-size 6"),
+    "pp2_over_27_layers": (["--pipeline-model-parallel-size", "2"],
+                           "--num-layers 27 does not split evenly over --pipeline-model-parallel-size 2 stages "
+                           "(Megatron refuses it); give the first stage its own count, e.g. "
+                           "--decoder-first-pipeline-num-layers 13 (or the last stage, "
+                           "--decoder-last-pipeline-num-layers)"),
+    "misspelt_balancer": (["--moe-balancer", "ultrep"],
+                          "Megatron's parser refused the arguments: argument --moe-balancer: invalid choice: "
+                          "'ultrep' (choose from 'none', 'ultraep', 'eplb', 'eplb-exact'); did you mean "
+                          "--moe-balancer ultraep?"),
+    "misspelt_flag": (["--moe-balancer-slots", "2"],
+                      "Megatron's parser refused the arguments: unrecognized arguments: --moe-balancer-slots 2 "
+                      "(--moe-balancer-slots: did you mean --moe-balancer-num-slots?)"),
+    "fp4": (["--fp4-format", "e2m1"],
+            "--moe-balancer ultraep: --fp4-format e2m1 (--fp4-recipe nvfp4) is not supported: the replica experts' "
+            "fp4 path (re-quantization, scales, the replica weight transfer) has not been checked yet; use "
+            "--fp8-format with --fp8-recipe tensorwise, blockwise or mxfp8"),
+}
+
+
+@pytest.mark.parametrize("name", list(MISTAKES))
+def test_each_mistake_is_one_problem_line_naming_the_flag_and_the_fix(capsys, name):
+    extra, problem = MISTAKES[name]
+    assert main(["check-recipe", HGX, "--", *extra]) == EXIT_FAILED
+    captured = capsys.readouterr()
+    out = captured.out.splitlines()
+    assert problem_lines(captured.out) == [problem], captured.out
+    assert not [line for line in out if line.startswith("    |")], captured.out  # no usage dump, no details
+    assert "Traceback" not in captured.out + captured.err and "usage:" not in captured.out + captured.err
+
+
+def test_a_refused_recipe_variable_gives_its_reason(capsys):
+    assert main(["check-recipe", "--env", "CUDA_GRAPH_MODULES=moe", HGX]) == EXIT_FAILED
+    assert problem_lines(capsys.readouterr().out) == [
+        "deepseek_v2_lite_16b_a2b_ep8_hgx.sh: CUDA_GRAPH_MODULES=moe: moe is refused: its graph would capture the "
+        "balanced MoE layer's host wait for its plan and the transfers the plan sizes, which a replayed graph "
+        "cannot redo; use modules within attn moe_router mlp mamba, or none"]
+
+
+def test_a_recipe_path_typo_gets_the_close_names(capsys):
+    typo = str(RECIPES / "deepseek_v2_lite.sh")
+    assert main(["check-recipe", typo]) == EXIT_USAGE
+    assert capsys.readouterr().err.strip() == (
+        f"ultraep check-recipe: error: no such recipe file: {typo}; did you mean {HGX}?")
+    assert main(["check-recipe", str(RECIPES / "nothing_like_it.sh")]) == EXIT_USAGE
+    assert capsys.readouterr().err.strip().endswith("nothing_like_it.sh")  # no suggestion when none is close

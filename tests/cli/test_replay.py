@@ -10,6 +10,7 @@ import re
 
 import numpy as np
 import pytest
+import torch
 
 from cli_helpers import assert_png, run_replay
 from traces_helpers import KJV_TRACE
@@ -129,3 +130,58 @@ def test_no_peers_prints_no_peer_table(trace_dir, capsys):
     assert report["peer_table"] == {} and set(report["quality"]) == set(registry.COMPARED)
     with_peers = json.loads(run_replay(capsys, trace_dir, "--no-staleness", "--json"))
     assert set(with_peers["peer_table"]) > set(registry.COMPARED)
+
+
+@pytest.fixture
+def megatron_trace(tmp_path):
+    """A two-rank Megatron --moe-routing-trace-path directory (4 decoder layers, 8 experts)."""
+    from megatron.core.transformer.moe.router_trace import RouterTracer
+
+    directory = tmp_path / "megatron_trace"
+    for rank in range(2):
+        tracer = RouterTracer(str(directory), max_steps=10, rank=rank, training_mode=True)
+        for layer in range(4):
+            tracer.record_indices([torch.tensor([[rank, layer + 2], [layer, 7]])], layer_ids=[layer])
+        tracer.advance_step(0)
+        tracer.flush()
+    return directory
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--run-args", "nope.log"],
+     "--run-args nope.log: no such file; give the run's log (Megatron prints its arguments at start-up), its "
+     "wandb config.yaml or a JSON/YAML mapping of them"),
+    (["--expert-model-parallel-size", "1", "--num-experts", "8", "--pipeline-model-parallel-size", "2",
+      "--num-layers", "27"],
+     "--num-layers 27 does not split evenly over --pipeline-model-parallel-size 2 stages, so the run must have "
+     "split them otherwise: give its --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers "
+     "(or --run-args with its log or config)"),
+])
+def test_a_megatron_trace_layout_mistake_is_one_line_naming_the_flag(megatron_trace, capsys, argv, message):
+    """Issue 45, item 6-7: replay of a Megatron trace whose --run-args file is missing names the
+    flag (not a raw [Errno 2]); a pipeline split that cannot be says so (not "need --num-layers")."""
+    assert main(["replay", str(megatron_trace), *argv, "--no-progress"]) == EXIT_USAGE
+    assert capsys.readouterr().err.strip() == f"ultraep replay: error: {message}"
+
+
+def test_the_traced_runs_hgx_hardware_is_the_default(tmp_path, capsys):
+    """Issue 45, item 8: a trace recorded with --moe-balancer-hardware h100-hgx replays on that
+    hardware (the H100's figures, its quota floor, replicas inside its 8-GPU NVLink domains) without
+    the flag; a trace that names none is costed on the paper's rack, and the report says so."""
+    for name, meta in (("hgx", {"hardware": "h100-hgx"}), ("plain", {})):
+        traces.write_synthetic_trace(tmp_path / f"{name}.uetrace", num_iterations=2, num_microbatches=1, num_layers=2,
+                                     num_ranks=16, num_experts=64, tokens_per_rank=256, topk=4, seed=1, meta=meta)
+    out = run_replay(capsys, tmp_path / "hgx.uetrace", "--balancers", "none,ultraep", "--no-staleness", "--json")
+    report = json.loads(out)
+    assert report["hardware"]["scale_up_gbps"] == 450 and report["hardware"]["peak_tflops"] == 989
+    assert report["hardware"]["named"] == ("h100-hgx (the traced run's --moe-balancer-hardware); "
+                                           "--moe-balancer-domain-size 8, its NVLink domain")
+    ultraep = report["balancers"]["ultraep"]
+    assert (ultraep["domain_size"], ultraep["min_quota"]) == (8, 833)  # docs/traces.md's h100-hgx floor
+    plain = run_replay(capsys, tmp_path / "plain.uetrace", "--balancers", "none,ultraep", "--no-staleness")
+    assert "Hardware: none named, the default: the UltraEP paper's GB200-class rack (Table 2); name yours with " \
+           "--moe-balancer-hardware h100-hgx, h200-hgx or paper-rack: 900 GB/s scale-up" in plain
+    # The flag wins over the trace.
+    report = json.loads(run_replay(capsys, tmp_path / "hgx.uetrace", "--moe-balancer-hardware", "h200-hgx",
+                                   "--balancers", "none,ultraep", "--no-staleness", "--json"))
+    assert report["hardware"]["hbm_tbps"] == 4.8 and report["hardware"]["named"].startswith("h200-hgx (--moe")

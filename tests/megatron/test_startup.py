@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from gloo_launch import PYTHON, REPO_ROOT, gloo_env
+from gloo_launch import REPO_ROOT, gloo_env, run_python
 from megatron_runs import tiny_moe_args, torchrun
 
 from ultraep_megatron.megatron.cpu.flags import CPU_FLAGS
@@ -59,8 +59,7 @@ def _pretrain_gpt_alone(args: list[str]) -> subprocess.CompletedProcess:
     env = gloo_env({"PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": ""})  # the CPU backend's checks too
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(name, None)
-    return subprocess.run([PYTHON, str(REPO_ROOT / "pretrain_gpt.py"), *args], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return run_python(REPO_ROOT / "pretrain_gpt.py", args, env=env)
 
 
 def _our_lines(completed: subprocess.CompletedProcess) -> list[str]:
@@ -93,10 +92,11 @@ def test_every_startup_problem_is_reported_one_line_each():
     errors = [line for line in _our_lines(completed) if line.startswith("pretrain_gpt.py: error: ")]
     expected = ["--distributed-backend nccl cannot run without a CUDA device",
                 "--transformer-impl transformer_engine cannot run without a CUDA device",
-                "unrecognized arguments: --moe-balancer-num-slot 3",
+                "unrecognized arguments: --moe-balancer-num-slot 3 (--moe-balancer-num-slot: did you mean "
+                "--moe-balancer-num-slots?)",
+                "--num-experts 6 is not a multiple of --expert-model-parallel-size 4",
                 "--moe-balancer-num-slots must be >= 0, got -1",
                 "--moe-balancer-trigger must be >= 1.0, got 0.5",
-                "--num-experts 6 is not divisible by --expert-model-parallel-size 4",
                 "--moe-token-dispatcher-type allgather is not supported"]
     assert len(errors) == len(expected), completed.stderr[-3000:]
     for line, needle in zip(errors, expected):

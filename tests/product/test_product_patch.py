@@ -18,10 +18,10 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 
 import pytest
 
+from gloo_launch import run_python
 from product_runs import REPO, recipe_env
 from ultraep_megatron.megatron import compat
 
@@ -99,8 +99,7 @@ def on_release(release: str):
 
 def run_hook(release: str, *args: str) -> dict:
     on_release(release)
-    completed = subprocess.run([sys.executable, str(WORKER), release, str(PATCHES[release][0]), *TINY_ARGS, *args],
-                               env=recipe_env(), capture_output=True, text=True, timeout=300)
+    completed = run_python(WORKER, [release, str(PATCHES[release][0]), *TINY_ARGS, *args], env=recipe_env())
     assert completed.returncode == 0, (completed.stdout + completed.stderr)[-4000:]
     line = next(l for l in completed.stdout.splitlines() if l.startswith("PATCH_HOOK "))
     return json.loads(line[len("PATCH_HOOK "):])

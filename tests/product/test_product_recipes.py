@@ -31,7 +31,8 @@ REPO = Path(__file__).resolve().parents[2]
 RECIPES = REPO / "recipes"
 GIB, MIB = 1024 ** 3, 1024 ** 2
 
-# Table 3 (+ §8.1): world size, EP, PP, expert-DP, redundant slots per rank.
+# Table 3 (+ §8.1): world size, EP, PP, expert-DP, redundant slots per rank (the slot rule's:
+# test_every_recipe_follows_the_slot_rule).
 LAYOUT = {
     "glm45_air_106b_a12b_ep64_dp2.sh": (128, 64, 1, 2, 2),
     "qwen3_235b_a22b_ep64_dp4.sh": (256, 64, 1, 4, 2),
@@ -39,7 +40,7 @@ LAYOUT = {
     "refmoe_288b_a16b_ep32_pp4_dp20.sh": (2560, 32, 4, 20, 4),
     "tiny_cpu.sh": (4, 4, 1, 1, 2),  # ultraep by default (MOE_BALANCER), its default 2 slots
     # HGX H100/H200 nodes of 8 GPUs (docs/recipes.md): one node; EP32 across 4 nodes, PP4.
-    "deepseek_v2_lite_16b_a2b_ep8_hgx.sh": (8, 8, 1, 1, 2),
+    "deepseek_v2_lite_16b_a2b_ep8_hgx.sh": (8, 8, 1, 1, 4),  # the slot rule (8 experts per rank)
     "qwen3_235b_a22b_ep32_pp4_hgx.sh": (128, 32, 4, 1, 2),
 }
 HGX = {name for name in LAYOUT if name.endswith("_hgx.sh")}
@@ -359,3 +360,25 @@ def test_recipes_switch_to_grouped_gemm_or_flex_as_the_docs_say():
     assert report.problems() == []
     deepep_here = getattr(token_dispatcher, "fused_dispatch", None) is not None
     assert [n.split(" must be installed")[0] for n in report.notes] == ([] if deepep_here else ["DeepEP (deep_ep)"])
+
+
+@pytest.mark.parametrize("name", list(LAYOUT))
+def test_every_recipe_follows_the_slot_rule(reports, name):
+    """docs/recipes.md's slot rule, which `ultraep advise` applies to a trace: a recipe takes
+    max(2, ceil(E / 2R)) redundant slots per rank, the fewest (at least two) with which the real
+    planner balances the rule's design load (half of every NVLink domain's experts receive no
+    tokens, their owners idle) to a rank imbalance of 1.0; one slot fewer leaves it above (the
+    capacity bound, 2 - 2 S R / E, where the floor of two does not decide)."""
+    from ultraep_megatron import planner
+    from ultraep_megatron.analysis.advisor import half_cold_load, recipe_slots, slot_capacity_bound
+
+    a = reports[name].args
+    E, R, D = a.num_experts, a.expert_model_parallel_size, a.moe_balancer_domain_size
+    S = a.moe_balancer_num_slots
+    assert S == recipe_slots(E, R)
+    load = half_cold_load(R, E, domain_size=D)
+    after = {s: planner.metrics(load, planner.solve(load, s, domain_size=D), domain_size=D)["imbalance_after"]
+             for s in (S - 1, S)}
+    assert after[S] == pytest.approx(1.0, abs=1e-9) == slot_capacity_bound(load, S, D)
+    if S > 2:
+        assert after[S - 1] == pytest.approx(2 - 2 * (S - 1) * R / E) == slot_capacity_bound(load, S - 1, D)

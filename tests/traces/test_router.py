@@ -210,3 +210,142 @@ def test_convert_writes_the_projects_traces(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a complete trace converts without a warning
         convert_router_trace(RouterTraceRecords(tmp_path / "m", layout), tmp_path / "again")
+
+
+def write_pipeline_run(directory: Path, *, ep: int, stage_layers: list[int], microbatches: int, steps: int = 1,
+                       recompute: bool = False, num_experts: int = E, tokens: int = TOKENS, topk: int = TOPK,
+                       broken_recompute: bool = False) -> dict:
+    """A pipelined run's trace as megatron's RouterTracer records it: ranks in blocks of one stage
+    (stage = rank // (ranks per stage)), each stage's layers named by their index on the stage;
+    per step the 1F1B schedule's calls: warm-up forwards, then a forward and a backward alternately,
+    then the cool-down backwards; a forward routes the stage's layers in order, a backward (with
+    ``recompute``) routes them again in reverse, exactly as the forward did (``broken_recompute``:
+    as the next microbatch's forward did). Returns {(rank, step, microbatch, layer index): ids}."""
+    pp = len(stage_layers)
+    world = ep * pp
+    rng = np.random.default_rng(7)
+    written = {}
+    for rank in range(world):
+        stage = rank // ep
+        tracer = RouterTracer(str(directory), max_steps=10_000, rank=rank, training_mode=True)
+        for step in range(steps):
+            ids = {(mb, layer): torch.tensor(np.stack([rng.choice(num_experts, topk, replace=False)
+                                                       for _ in range(tokens)]))
+                   for mb in range(microbatches) for layer in range(stage_layers[stage])}
+            written.update({(rank, step, mb, layer): v for (mb, layer), v in ids.items()})
+            warmup = min(pp - stage - 1, microbatches)
+            events = ["F"] * warmup + ["F", "B"] * (microbatches - warmup) + ["B"] * warmup
+            forward = backward = 0
+            for event in events:
+                if event == "F":
+                    for layer in range(stage_layers[stage]):
+                        tracer.record_indices([ids[(forward, layer)]], layer_ids=[layer])
+                    forward += 1
+                    continue
+                if recompute:
+                    again = min(backward + 1, microbatches - 1) if broken_recompute else backward
+                    for layer in reversed(range(stage_layers[stage])):
+                        tracer.record_indices([ids[(again, layer)]], layer_ids=[layer])
+                backward += 1
+            tracer.advance_step(step)
+        tracer.flush()
+    return written
+
+
+def test_an_uneven_first_stage_is_numbered_as_megatron_numbers_it(tmp_path):
+    """Issue 45: decoder_first_pipeline_num_layers 12 in the run's arguments (28 layers on 2
+    stages): stage 1's layers are 13-28, as megatron-core's get_transformer_layer_offset numbers
+    them (tests/traces/test_pipeline.py), not 15-30 (the even split's offset)."""
+    written = write_pipeline_run(tmp_path, ep=2, stage_layers=[12, 16], microbatches=1)
+    run_args = {"expert_model_parallel_size": 2, "num_experts": E, "num_layers": 28,
+                "pipeline_model_parallel_size": 2, "decoder_first_pipeline_num_layers": 12,
+                "decoder_last_pipeline_num_layers": None}
+    records = list(RouterTraceRecords(tmp_path, RouterTraceLayout.resolve(run_args=run_args)))
+    layers = {g: sorted(layer for group, _, _, layer, _ in records if group == g) for g in (0, 1)}
+    assert layers == {0: list(range(1, 13)), 1: list(range(13, 29))}
+    for group, _, microbatch, layer, load in records:
+        index = layer - 1 - (12 if group else 0)
+        expected = np.stack([histogram(written[(group * 2 + r, 0, microbatch, index)]) for r in range(2)])
+        assert np.array_equal(load.numpy(), expected)
+    # The same through flags; and a split that cannot be says so instead of "need --num-layers".
+    flagged = RouterTraceLayout.resolve(ep_size=2, num_experts=E, num_layers=28, pp_size=2, first_stage_layers=12)
+    assert [r[3] for r in RouterTraceRecords(tmp_path, flagged)] == [r[3] for r in records]
+    with pytest.raises(ValueError, match=r"^--num-layers 27 does not split evenly over "
+                                         r"--pipeline-model-parallel-size 2 stages, so the run must have split "
+                                         r"them otherwise: give its --decoder-first-pipeline-num-layers"):
+        RouterTraceLayout.resolve(ep_size=2, num_experts=E, num_layers=27, pp_size=2)
+    # A layout that builds fewer layers on a stage than the trace names is refused, not mislabelled.
+    short = RouterTraceLayout.resolve(ep_size=2, num_experts=E, num_layers=20, pp_size=2, first_stage_layers=12)
+    with pytest.raises(traces.TraceFormatError, match="decoder layer index 8 on pipeline stage 1, which builds 8"):
+        list(RouterTraceRecords(tmp_path, short))
+
+
+@pytest.mark.parametrize("pp", [1, 3])
+def test_moe_recompute_calls_are_dropped_by_the_1f1b_schedule(tmp_path, pp):
+    """With --recompute-modules moe each layer's router runs again in every microbatch's backward:
+    2M calls per step. The forwards are picked by the 1F1B schedule of the rank's stage and the
+    loads are theirs (each once); a backward call that does not repeat its forward is refused.
+    Without the recompute in the run's arguments, 2M calls are not M microbatches: refused."""
+    M = 3
+    written = write_pipeline_run(tmp_path / "run", ep=2, stage_layers=[2] * pp, microbatches=M, steps=2,
+                                 recompute=True)
+    run_args = {"expert_model_parallel_size": 2, "num_experts": E, "num_layers": 2 * pp,
+                "pipeline_model_parallel_size": pp, "global_batch_size": M * 2, "micro_batch_size": 1,
+                "data_parallel_size": 2, "recompute_granularity": "selective", "recompute_modules": ["moe"]}
+    records = list(RouterTraceRecords(tmp_path / "run", RouterTraceLayout.resolve(run_args=run_args),
+                                      on_truncated="error"))
+    assert len(records) == pp * 2 * M * 2  # groups x steps x microbatches x layers on a stage
+    for group, iteration, microbatch, layer, load in records:
+        index = (layer - 1) % 2
+        expected = np.stack([histogram(written[(group * 2 + r, iteration - 1, microbatch, index)])
+                             for r in range(2)])
+        assert np.array_equal(load.numpy(), expected), (group, iteration, microbatch, layer)
+    plain = {k: v for k, v in run_args.items() if not k.startswith("recompute")}
+    with pytest.raises(traces.TraceFormatError, match=f"{2 * M} router calls on rank 0, the run has {M} "
+                                                      "microbatches per step"):
+        list(RouterTraceRecords(tmp_path / "run", RouterTraceLayout.resolve(run_args=plain)))
+    write_pipeline_run(tmp_path / "broken", ep=2, stage_layers=[2] * pp, microbatches=M, recompute=True,
+                       broken_recompute=True)
+    with pytest.raises(traces.TraceFormatError, match="routes differently from its forward"):
+        list(RouterTraceRecords(tmp_path / "broken", RouterTraceLayout.resolve(run_args=run_args)))
+    with pytest.raises(ValueError, match="recomputes its MoE layers"):
+        RouterTraceLayout.resolve(run_args={k: v for k, v in run_args.items() if k != "global_batch_size"})
+
+
+def test_a_trace_of_the_qwen3_hgx_recipe_layout_replays(tmp_path, capsys):
+    """Issue 45: a megatron-native trace of recipes/qwen3_235b_a22b_ep32_pp4_hgx.sh's layout (94
+    layers on PP4 as 23/24/24/23, EP32, MoE recompute), the run's log being what Megatron prints
+    for that recipe (the checker's validation of it, global batch cut to 2 microbatches): every
+    stage's layers are numbered as megatron-core's own functions number them, each layer and
+    microbatch is one load, and `ultraep trace info` and `ultraep replay` read it."""
+    import json
+
+    from ultraep_megatron.cli import main
+    from ultraep_megatron.megatron import recipe_check
+
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "qwen3_235b_a22b_ep32_pp4_hgx.sh"
+    launch = recipe_check.capture_launch(recipe, {"GLOBAL_BATCH_SIZE": "64", "DISPATCHER": "alltoall"})
+    args, printed = recipe_check.validate_arguments(launch.args, launch.world_size)
+    log = tmp_path / "log.txt"
+    log.write_text(printed)
+    assert "------------------------ arguments ------------------------" in printed
+    stages = [list(s) for s in recipe_check.stage_layers(args)]  # megatron-core's own numbering
+    assert [len(s) for s in stages] == [23, 24, 24, 23]
+    M = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+    assert (args.expert_model_parallel_size, args.pipeline_model_parallel_size, M) == (32, 4, 2)
+    write_pipeline_run(tmp_path / "trace", ep=32, stage_layers=[len(s) for s in stages], microbatches=M,
+                       recompute=True, num_experts=128, tokens=2, topk=8)
+
+    assert main(["trace", "info", str(tmp_path / "trace"), "--run-args", str(log), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)["traces"][0]
+    assert info["ep_groups"] == 4 and info["status"] == "complete"
+    assert info["layers"] == {str(n): M for n in range(1, 95)}
+    records = RouterTraceRecords(tmp_path / "trace", RouterTraceLayout.resolve(run_args=read_run_args(log)))
+    by_group = {}
+    for group, _, _, layer, load in records:
+        by_group.setdefault(group, set()).add(layer)
+        assert int(load.sum()) == 32 * 2 * 8
+    assert [sorted(by_group[g]) for g in range(4)] == stages  # EP group g is pipeline stage g
+    assert main(["replay", str(tmp_path / "trace"), "--run-args", str(log), "--balancers", "none,ultraep",
+                 "--no-cost", "--no-peers", "--no-staleness", "--no-progress"]) == 0
+    assert "ultraep" in capsys.readouterr().out

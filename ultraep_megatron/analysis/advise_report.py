@@ -15,7 +15,7 @@ from ultraep_megatron.planner import BalancerConfig
 from ultraep_megatron.planner.baselines import registry
 
 from . import plotting
-from .advisor import advise_slots, slot_sweep
+from .advisor import CAPACITY_TAIL, CAPACITY_TARGET, advise_slots, recipe_slots, slot_sweep
 from .cost import ExpertShape, Hardware, min_quota_from_hardware, slot_memory_bytes
 from .replay import replay
 from .summary import estimate_problem, metric_summary
@@ -95,6 +95,8 @@ def complete_report(report: dict, records: Iterable, shape: ExpertShape, hardwar
         except ValueError as exc:
             advice, problem = None, str(exc)
     report.update({
+        "num_ranks": result.num_ranks, "num_experts": result.num_experts,
+        "recipe_slots": recipe_slots(result.num_experts, result.num_ranks),
         "memory_budget_bytes": memory_budget_bytes,
         "over_budget_slots": {s: slot_memory_bytes(shape, s) for s in over},
         "num_records": result.num_records, "layers": result.layers,
@@ -135,6 +137,8 @@ def render(report: dict) -> str:
     hw_quota, training = report["hardware_min_quota"], report["training"]
     k = 3 if training else 1
     out = ["Slot advisor on:"] + [f"  {line}" for line in report["inputs"]]
+    if hw.get("named"):
+        out += ["", f"Hardware: {hw['named']}"]
     out += ["", f"Quota floor from the hardware ({'training: fwd+bwd compute saved' if training else 'inference: forward only'}):",
             f"  moving one expert ({shape['weight_bytes'] / 2**20:.1f} MiB, h={shape['hidden_size']}, "
             f"f={shape['ffn_hidden_size']}, {'SwiGLU' if shape['gated'] else '2-matrix'}; {shape['source']}) over "
@@ -166,16 +170,18 @@ def render(report: dict) -> str:
                       fmt(r["balanced_share"], ".0%"),
                       fmt(r["imbalance_mean"]), fmt(r["imbalance_p95"]), fmt(r["replicas_mean"], ".1f"),
                       fmt(r["fanout_max"], ".0f"), fmt(r["inflight_mean"], ".0%"),
+                      fmt(r.get("capacity_bound_p95")),
                       fmt(r["speedup_vs_none"], ".3f") + "x", fmt(r["frac_ideal"], ".1%"),
                       fmt(r["speedup_vs_none_excl_plan"], ".3f") + "x",
                       f"{r['memory_bytes'] / 2**20:.0f}", f"{r['memory_bytes_per_layer_layout'] / 2**20:.0f}"])
     if table:
         out += ["", format_table(
             ["balancer", "slots", "min quota", "trigger", "balanced", "imb mean", "imb p95", "replicas", "fan max",
-             "in-flight", "speedup", "of ideal", "speedup*", "MiB/rank", "MiB/rank per-layer"], table,
+             "in-flight", "cap p95", "speedup", "of ideal", "speedup*", "MiB/rank", "MiB/rank per-layer"], table,
             title=f"Sweep over {report['num_records']} loads (speedup, of ideal: ESTIMATE from the cost model; * = "
-                  "without the plan term; balanced: loads the trigger let through; MiB/rank: weights + fp32 grads "
-                  "of the slots, shared across layers as UltraEP does, vs one set per MoE layer)")]
+                  "without the plan term; balanced: loads the trigger let through; cap p95: the capacity bound, "
+                  "the lowest imbalance any plan with that many slots reaches, 95th percentile; MiB/rank: weights "
+                  "+ fp32 grads of the slots, shared across layers as UltraEP does, vs one set per MoE layer)")]
     advice = report["recommendation"]
     if advice is None:
         out += ["", f"no recommendation: {report['no_recommendation']}"]
@@ -196,6 +202,18 @@ def render(report: dict) -> str:
             f"  imbalance {row['imbalance_mean']:.3f} (p95 {row['imbalance_p95']:.3f}), {row['replicas_mean']:.1f} "
             f"replicas per layer and microbatch, balanced on {row['balanced_share']:.0%} of the loads, "
             f"{row['memory_bytes'] / 2**20:.0f} MiB per rank"]
+    capacity = {r["num_slots"]: r["capacity_bound_p95"] for r in report["rows"]
+                if r["balancer"] == registry.ULTRAEP and "capacity_bound_p95" in r}
+    if capacity:
+        need = advice.get("capacity_need")
+        out.append("  slot rule, capacity: a rank's S slots carry at most S expert loads; lowest imbalance any plan "
+                   "reaches (95th percentile) " + ", ".join(f"S={s}: {b:.3f}" for s, b in sorted(capacity.items()))
+                   + (f"; the fewest slots reaching {CAPACITY_TARGET:g} on {1 - CAPACITY_TAIL:.0%} of the loads: {need}"
+                      if need is not None else f"; no slot count swept reaches {CAPACITY_TARGET:g} on "
+                      f"{1 - CAPACITY_TAIL:.0%} of the loads (the NVLink domains, or more slots than swept)"))
+    if report.get("recipe_slots") is not None:
+        out.append(f"  a recipe without a trace takes max(2, ceil(E / 2R)) = {report['recipe_slots']} slot(s) for "
+                   f"E={report['num_experts']} over R={report['num_ranks']} (docs/recipes.md, the slot rule)")
     if advice["benefit_per_slot"]:
         out.append("  benefit per slot (speedup gained per slot over no replicas): "
                    + ", ".join(f"S={s}: {b:+.3f}x" for s, b in advice["benefit_per_slot"].items()))

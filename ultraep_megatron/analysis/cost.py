@@ -166,6 +166,11 @@ HARDWARE_PRESETS: dict[str, Hardware] = {
     # the NVLink domain is the node.
     "h100-hgx": Hardware(scale_up_gbps=450.0, peak_tflops=989.0, hbm_tbps=3.35, inter_domain_gbps=50.0,
                          scale_up_domain=8, memory_gb=80.0, gpus_per_node=8),
+    # NVIDIA H200 SXM in an 8-GPU HGX/DGX node (NVIDIA's H200 datasheet): the H100's compute (989
+    # TFLOP/s dense bf16) and NVLink 4 (900 GB/s bidirectional), 141 GB of HBM3e at 4.8 TB/s; one
+    # 400 Gb/s NIC per GPU; the NVLink domain is the node.
+    "h200-hgx": Hardware(scale_up_gbps=450.0, peak_tflops=989.0, hbm_tbps=4.8, inter_domain_gbps=50.0,
+                         scale_up_domain=8, memory_gb=141.0, gpus_per_node=8),
 }
 
 
@@ -235,7 +240,7 @@ class ExpertShape:
         if h is None or f is None:
             h, f = DEFAULT_SHAPE.hidden_size, DEFAULT_SHAPE.ffn_hidden_size
             meta_g = DEFAULT_SHAPE.gated
-            source = "default: a Qwen3-235B-A22B expert"
+            source = "default: a Qwen3-235B-A22B expert; give --hidden-size and --moe-ffn-hidden-size for yours"
         elif hidden_size is None and ffn_hidden_size is None:
             source = "trace meta"
         else:

@@ -199,7 +199,8 @@ def cost_tables(report: dict, labels: Sequence[str]) -> str:
     plan = report["plan_time_us"]
     header = (f"{ESTIMATE} — cost model, not a measurement. Expert h={shape['hidden_size']}, "
               f"f={shape['ffn_hidden_size']}, {'SwiGLU' if shape['gated'] else '2-matrix'} ({shape['source']}); "
-              f"{shape['weight_bytes'] / 2**20:.1f} MiB of weights. Hardware: {hw['scale_up_gbps']:g} GB/s scale-up, "
+              f"{shape['weight_bytes'] / 2**20:.1f} MiB of weights. Hardware: "
+              + (f"{hw['named']}: " if hw.get("named") else "") + f"{hw['scale_up_gbps']:g} GB/s scale-up, "
               f"{hw['peak_tflops']:g} TFLOP/s, {hw['hbm_tbps']:g} TB/s HBM (efficiency "
               f"{hw['compute_efficiency']:g}/{hw['comm_efficiency']:g}). Plan time: "
               f"{'fixed ' + format(plan, 'g') + ' us' if plan is not None else 'median of the times measured on this host (CPU)'}; "

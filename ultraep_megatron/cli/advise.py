@@ -92,12 +92,14 @@ def run(args) -> int:
 
     output_dir = common.prepare_output_dir(args.output_dir)
     records = common.open_records(args)
+    hardware_source = common.apply_traced_run_settings(args, records)
     shape, source, hardware = common.shape_and_hardware(args, records.meta)
     common.check_balancer_flags(args)
     training = not args.inference
     quotas = list(dict.fromkeys(resolve_min_quota(q, shape, hardware, training=training) for q in args.min_quotas))
     report, problem = advise_report.start_report(records, shape, source, hardware, training=training,
                                                  inputs=records.describe())
+    report["hardware"]["named"] = hardware_source
     if problem is not None:
         return finish(report, args, output_dir, [])
     progress = common.progress_for(args, "advise", records)

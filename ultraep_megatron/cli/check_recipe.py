@@ -1,21 +1,25 @@
 """ultraep check-recipe: check a launch recipe on this machine, without GPUs.
 
-For each recipe (a bash script that ends in $ULTRAEP_PYTHON -m torch.distributed.run ...
-pretrain_gpt.py ARGS) the launch is captured, not run (arguments after -- are appended, as the
-recipe appends its own command-line arguments); then Megatron's own argument parser and
-validate_args run for the full world size, then UltraEP's validation; the rank layout is printed
-from Megatron's own RankGenerator, and memory per rank and pipeline stage is estimated: weights,
-fp32 main gradients, optimizer states, the redundant expert slots with and without cross-layer
-reuse, activations (sequence, micro batch, TP/CP/SP, recompute, pipeline microbatches in flight)
-and a fixed runtime allowance, against the GPU's memory (--gpu-memory-gb).
+For each recipe (a bash script that ends in a launch: torchrun, python -m torch.distributed.run,
+srun, deepspeed or mpirun ... pretrain_gpt.py ARGS) the launch is read, never run: the recipe's
+shell code runs with recording shims first on PATH in place of every launcher (and of
+$ULTRAEP_PYTHON), so nothing starts; a recipe that calls a launcher by its path (/usr/bin/python3,
+which no shim can stand in for) is refused before any of it runs. Arguments after -- are appended,
+as the recipe appends its own command-line arguments. Then UltraEP's checks and Megatron's own
+argument parser and validate_args run for the full world size; the rank layout is printed from
+Megatron's own RankGenerator, and memory per rank and pipeline stage is estimated: weights, fp32
+main gradients, optimizer states, the redundant expert slots with and without cross-layer reuse,
+activations (sequence, micro batch, TP/CP/SP, recompute, pipeline microbatches in flight) and a
+fixed runtime allowance, against the GPU's memory.
 
-Scale-up domain: the GPUs one NVLink fabric joins, consecutive global ranks: a GB200 NVL72 rack
-(64 GPUs in use, 4 per node) or an HGX H100/H200 node (8 GPUs: the domain is the node). A recipe
-with --moe-balancer-hardware h100-hgx gets domains of 8 and an 80 GiB budget; --rack-size and
---gpu-memory-gb override. An EP group must sit inside one domain, or span domains with
---moe-balancer-domain-size D such that every D consecutive EP ranks (a balancer domain, where an
-expert's replicas live) sit inside one: EP16-64 across HGX nodes needs
---moe-balancer-domain-size 8.
+Hardware: the recipe's --moe-balancer-hardware preset (h100-hgx, h200-hgx: nodes of 8 GPUs, the
+node is the NVLink domain, 80 / 141 GiB; paper-rack: a GB200 NVL72 rack of 64 GPUs in use, 4 per
+node, 186 GiB), or --rack-size and --gpu-memory-gb. Without them the checker says loudly what it
+assumed (NVLink ends at the node, 80 GiB per GPU) and refuses an EP group that spans nodes: whether
+it crosses NVLink or InfiniBand is exactly what it was not told. An EP group must sit inside one
+scale-up domain, or span domains with --moe-balancer-domain-size D such that every D consecutive EP
+ranks (a balancer domain, where an expert's replicas live) sit inside one: EP16-64 across HGX nodes
+needs --moe-balancer-domain-size 8.
 
 The recipe is checked for the cluster it targets: what the GPU nodes need installed and this
 machine cannot import (DeepEP / HybridEP for the flex dispatcher, the GB200 recipes' default) is a
@@ -38,8 +42,8 @@ EXAMPLES = """examples:
   ultraep check-recipe --env NNODES=128 recipes/qwen3_235b_a22b_ep64_dp4.sh      # another size
   ultraep check-recipe recipes/deepseek_v2_lite_16b_a2b_ep8_hgx.sh -- --moe-balancer-num-slots 3
                                                                   # the recipe with your overrides
-  ultraep check-recipe --gpu-memory-gb 141 recipes/qwen3_235b_a22b_ep32_pp4_hgx.sh  # H200 nodes
-  ultraep check-recipe --world-size 256 --gpus-per-node 4 -- --num-layers 94 ...  # bare pretrain_gpt.py arguments
+  ultraep check-recipe recipes/qwen3_235b_a22b_ep32_pp4_hgx.sh -- --moe-balancer-hardware h200-hgx  # H200 nodes
+  ultraep check-recipe --world-size 16 -- --moe-balancer-hardware h100-hgx --num-layers 27 ...  # bare arguments
 
 exit status: 0 when every recipe passes, 1 when one fails (a PROBLEM line each), 2 on bad usage
 (one error line).
@@ -68,16 +72,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         metavar="GPUS",
                         help="GPUs per scale-up (NVLink) domain, consecutive ranks: a GB200 rack's 64 in use, "
                              "an HGX node's 8. Default: the recipe's --moe-balancer-hardware preset's "
-                             "(h100-hgx: 8, the node; paper-rack: 64), else 64")
+                             "(h100-hgx, h200-hgx: 8, the node; paper-rack: 64); without one, assumed to "
+                             "be the node, and EP across nodes is refused until the hardware is named")
     parser.add_argument("--gpu-memory-gb", type=_positive(float), default=None, metavar="GIB",
                         help="memory per GPU in GiB that each rank's estimated peak must fit. Default: the "
-                             "recipe's --moe-balancer-hardware preset's (h100-hgx: 80), else 186 (GB200)")
+                             "recipe's --moe-balancer-hardware preset's (h100-hgx: 80, h200-hgx: 141, "
+                             "paper-rack: 186); without one, assumed 80 (an H100's), as the report says")
     parser.add_argument("--world-size", type=_positive(int), default=None,
                         help="check bare pretrain_gpt.py arguments (after --) for this world size")
     parser.add_argument("--gpus-per-node", type=_positive(int), default=None,
                         help="with --world-size: GPUs per node. Default: the --moe-balancer-hardware "
-                             "preset's in the arguments (h100-hgx: 8), else 4 (a GB200 tray). A recipe's "
-                             "comes from its launch (--env GPUS_PER_NODE=N)")
+                             "preset's in the arguments (h100-hgx, h200-hgx: 8; paper-rack: 4, a GB200 "
+                             "tray), else assumed 8, as the report says. A recipe's comes from its launch "
+                             "(--env GPUS_PER_NODE=N)")
     parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                         help="environment for the recipes (e.g. NNODES=8); repeatable")
     parser.add_argument("--json", action="store_true", help="print the reports as JSON on stdout")
@@ -94,7 +101,8 @@ def run(args) -> int:
     env = dict(item.split("=", 1) for item in args.env)
     missing = [r for r in args.recipes if not Path(r).is_file()]
     if missing:
-        raise common.CliError(f"no such recipe file: {', '.join(missing)}")
+        raise common.CliError("; ".join(f"no such recipe file: {r}{common.did_you_mean(r, close_recipes(r), cutoff=None)}"
+                                        for r in missing))
     if args.world_size is not None and args.recipes and args.passthrough:
         raise common.CliError("arguments after -- go to the recipes, or with --world-size to a bare launch; "
                               "not both (check a recipe at another size with --env NNODES=N)")
@@ -106,17 +114,24 @@ def run(args) -> int:
         if not args.passthrough:
             raise common.CliError("--world-size checks bare pretrain_gpt.py arguments: give them after --")
         gpus_per_node = args.gpus_per_node or rc.default_gpus_per_node(args.passthrough)
+        assumed = gpus_per_node is None
+        if assumed:  # no hardware named: an HGX node's 8, or the largest divisor below (the report says so)
+            gpus_per_node = max(n for n in range(1, ASSUMED_GPUS_PER_NODE + 1) if args.world_size % n == 0)
         if args.world_size % gpus_per_node:
             raise common.CliError(f"--world-size {args.world_size} is not a multiple of {gpus_per_node} "
                                   "GPUs per node (--gpus-per-node)")
         launches.append(rc.Launch(gpus_per_node, args.world_size // gpus_per_node,
-                                  "pretrain_gpt.py", args.passthrough))
+                                  "pretrain_gpt.py", args.passthrough, gpus_per_node_assumed=assumed))
     elif args.passthrough and not args.recipes:
         raise common.CliError("bare arguments after -- need --world-size (or a recipe to append them to)")
     extra = args.passthrough if args.world_size is None else []
     for recipe in args.recipes:
         try:
-            launches.append(rc.capture_launch(recipe, env, extra_args=extra))
+            found = rc.capture_launches(recipe, env, extra_args=extra)
+            for k, launch in enumerate(found, 1):
+                if len(found) > 1:  # a job script starting a run and its baseline: each checked
+                    launch.source = f"{recipe} (launch {k} of {len(found)})"
+                launches.append(launch)
         except rc.NotARecipe as note:
             skipped.append(str(recipe))
             if not args.json:
@@ -150,6 +165,27 @@ def run(args) -> int:
     return common.EXIT_FAILED if failed else common.EXIT_OK
 
 
+#: GPUs per node of bare arguments when neither --gpus-per-node nor a hardware preset says (HGX).
+ASSUMED_GPUS_PER_NODE = 8
+
+
+def close_recipes(path: str) -> list[str]:
+    """Recipe files whose names are close to a path that does not exist: in its directory (or, when
+    that does not exist, the repository's ``recipes/``), by spelling or by a shared prefix."""
+    import difflib
+
+    given = Path(path)
+    directory = given.parent if given.parent.is_dir() else Path(__file__).resolve().parents[2] / "recipes"
+    if not directory.is_dir():
+        return []
+    names = sorted(p.name for p in directory.glob("*.sh"))
+    stem = given.name.removesuffix(".sh")
+    close = difflib.get_close_matches(given.name, names, n=3, cutoff=0.6)
+    close += [n for n in names if stem and n.startswith(stem) and n not in close]
+    where = given.parent if given.parent.is_dir() else directory
+    return [str(where / n) for n in close[:3]]
+
+
 def failure(source: str, error) -> dict:
     """A recipe that does not pass: one PROBLEM line per problem, then what was printed with it."""
     problems = error.problem.splitlines()
@@ -170,6 +206,7 @@ def summary(report) -> dict:
         "total_params": report.memory.total_params, "active_params": report.memory.active_params,
         "flops_per_iteration": report.flops,
         "ep_groups": layout.ep_groups, "rack_size": layout.rack_size,
+        "launcher": report.launch.launcher, "hardware": report.hardware_named, "assumed": report.assumed,
         "moe_balancer_domain_size": layout.balancer_domain,
         "gpu_memory_gb": report.gpu_memory_gb, "margin_bytes": report.margin_bytes(),
         "stages": [{"stage": s.stage, "layers": s.layers, "moe_layers": s.moe_layers,

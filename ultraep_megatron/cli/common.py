@@ -32,6 +32,16 @@ class Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def did_you_mean(given: str, candidates, *, cutoff: float = 0.6) -> str:
+    """'' or '; did you mean X?' (or 'X or Y?'): the candidates closest to ``given`` (a list of
+    them is taken as already chosen when ``cutoff`` is None)."""
+    import difflib
+
+    close = list(candidates) if cutoff is None else difflib.get_close_matches(given, list(candidates), n=2,
+                                                                              cutoff=cutoff)
+    return f"; did you mean {' or '.join(close)}?" if close else ""
+
+
 # ---------------------------------------------------------------------------------------------
 # Argument types
 # ---------------------------------------------------------------------------------------------
@@ -165,17 +175,34 @@ def add_megatron_layout_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-layers", type=int, default=None, metavar="N",
                        help="decoder layers (numbers MTP layers after them; needed with pipeline parallelism)")
     group.add_argument("--pipeline-model-parallel-size", type=int, default=None, metavar="PP",
-                       help="pipeline stages (layers split evenly)")
+                       help="pipeline stages (layers split as megatron-core splits them: evenly, or with "
+                            "the two flags below)")
+    group.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None, metavar="N",
+                       help="decoder layers of the first pipeline stage, as in the training command")
+    group.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None, metavar="N",
+                       help="decoder layers of the last pipeline stage, as in the training command")
 
 
 def megatron_layout(args):
     """The :class:`~ultraep_megatron.traces.RouterTraceLayout` from ``--run-args`` and the layout flags."""
     from ultraep_megatron.traces.router import RouterTraceLayout, read_run_args
 
-    run_args = read_run_args(args.run_args) if args.run_args else None
-    return RouterTraceLayout.resolve(ep_size=args.expert_model_parallel_size, num_experts=args.num_experts,
-                                     num_layers=args.num_layers, pp_size=args.pipeline_model_parallel_size,
-                                     run_args=run_args)
+    run_args = None
+    if args.run_args is not None:
+        if not args.run_args.is_file():
+            raise CliError(f"--run-args {args.run_args}: no such file; give the run's log (Megatron prints its "
+                           "arguments at start-up), its wandb config.yaml or a JSON/YAML mapping of them")
+        try:
+            run_args = read_run_args(args.run_args)
+        except ValueError as error:
+            raise CliError(f"--run-args {error}") from None
+    try:
+        return RouterTraceLayout.resolve(
+            ep_size=args.expert_model_parallel_size, num_experts=args.num_experts, num_layers=args.num_layers,
+            pp_size=args.pipeline_model_parallel_size, first_stage_layers=args.decoder_first_pipeline_num_layers,
+            last_stage_layers=args.decoder_last_pipeline_num_layers, run_args=run_args)
+    except ValueError as error:
+        raise CliError(str(error)) from None
 
 
 def open_records(args):
@@ -253,6 +280,36 @@ HARDWARE_FLAGS = {"scale_up_bandwidth": "scale_up_gbps", "peak_tflops": "peak_tf
                   "comm_efficiency": "comm_efficiency", "transfer_overlap": "transfer_overlap",
                   "scale_up_domain": "scale_up_domain", "inter_domain_bandwidth": "inter_domain_gbps",
                   "gemm_overhead_tokens": "gemm_overhead_tokens"}
+
+
+def apply_traced_run_settings(args, records) -> str:
+    """Fill ``--moe-balancer-hardware`` and ``--moe-balancer-domain-size`` the user left out from the
+    traced run (the project's trace meta, or a Megatron trace's ``--run-args``), and, for a named
+    hardware whose NVLink domain is smaller than the trace's EP group (an HGX node), the domain size
+    from it, as the HGX recipes train. Returns where the hardware comes from, for the report."""
+    from ultraep_megatron.analysis.cost import hardware_preset
+
+    meta = records.meta
+    if args.moe_balancer_hardware is not None:
+        where = f"{args.moe_balancer_hardware} (--moe-balancer-hardware)"
+    elif meta.get("hardware"):
+        args.moe_balancer_hardware = str(meta["hardware"])
+        where = f"{args.moe_balancer_hardware} (the traced run's --moe-balancer-hardware)"
+    else:
+        where = ("none named, the default: the UltraEP paper's GB200-class rack (Table 2); name yours with "
+                 "--moe-balancer-hardware h100-hgx, h200-hgx or paper-rack")
+    if args.moe_balancer_domain_size is None:
+        if meta.get("domain_size"):
+            args.moe_balancer_domain_size = int(meta["domain_size"])
+        elif args.moe_balancer_hardware is not None:
+            try:
+                domain = hardware_preset(args.moe_balancer_hardware).scale_up_domain
+            except ValueError as error:
+                raise CliError(str(error)) from None
+            if domain and domain < records.num_ranks and records.num_ranks % domain == 0:
+                args.moe_balancer_domain_size = domain
+                where += f"; --moe-balancer-domain-size {domain}, its NVLink domain"
+    return where
 
 
 def shape_and_hardware(args, meta: dict):

@@ -91,6 +91,7 @@ def run(args) -> int:
 
     output_dir = common.prepare_output_dir(args.output_dir)
     records = common.open_records(args)
+    hardware_source = common.apply_traced_run_settings(args, records)
     shape, source, hardware = common.shape_and_hardware(args, records.meta)
     min_quota = inputs.resolve_min_quota(args.moe_balancer_min_quota, shape, hardware,
                                          from_hardware=args.moe_balancer_hardware is not None)
@@ -124,6 +125,8 @@ def run(args) -> int:
     report = replay_report.build_report(result, list(main), inputs=records.describe(), min_quota=min_quota,
                                         shape=shape, source=source, hardware=hardware,
                                         plan_time_us=args.plan_time_us, relay=not args.no_relay)
+    if "hardware" in report:
+        report["hardware"]["named"] = hardware_source
     if output_dir is not None:
         report["files"] = replay_report.write_outputs(result, report, list(main), output_dir, args.heatmap_layers)
     if args.json:

@@ -142,6 +142,7 @@ def run_synth(args) -> int:
         raise common.CliError(f"{args.output} is a directory: name the trace file to write")
     if args.output.exists() and not args.force:
         raise common.CliError(f"{args.output} exists; pass --force to overwrite it")
+    common.prepare_output_dir(args.output.parent, "the directory of OUTPUT.uetrace")
     kwargs = {k: getattr(args, k) for k in ("num_iterations", "num_microbatches", "num_layers", "num_ranks",
                                             "num_experts", "tokens_per_rank", "topk", "seed", "skew", "drift")}
     path = traces.write_synthetic_trace(args.output, **kwargs)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
@@ -91,9 +92,11 @@ KNOBS: tuple[Knob, ...] = (
               "balancer that cross a domain. Default: the whole EP group is one domain."),
     Knob("hardware", "--moe-balancer-hardware", str, None, metavar="NAME",
          help="ultraep: the GPU system the default --moe-balancer-min-quota (and so the default "
-              "trigger) is derived from: paper-rack (the UltraEP paper's 64-GPU rack) or h100-hgx "
-              "(8 x H100 SXM per NVLink domain); figures and derivation in docs/traces.md. Default: "
-              "none, the min quota is 1%% of the mean rank load."),
+              "trigger) is derived from, and the hardware `ultraep check-recipe` checks the layout and "
+              "memory against: paper-rack (the UltraEP paper's GB200 NVL72 rack, 64 GPUs in use), "
+              "h100-hgx or h200-hgx (8 x H100 / H200 SXM per node, the node is the NVLink domain); "
+              "figures and derivation in docs/traces.md. Default: none, the min quota is 1%% of the "
+              "mean rank load."),
     Knob("eplb_window", "--moe-balancer-eplb-window", int, planner_balancer.DEFAULT_EPLB_WINDOW,
          minimum=MINIMUMS["eplb_window"],
          help="eplb: microbatches of load history the placement is computed from. "
@@ -118,8 +121,13 @@ KNOBS: tuple[Knob, ...] = (
               "which plans, then the device reroutes and permutes the tokens. device: the plan, the "
               "reroute table, the reroute and the permutation are queued on the device, and the "
               "plan crosses to the host afterwards, where megatron's dispatcher waits for its splits "
-              "anyway (the planner leaves the host's critical path; ultraep only). Default: device "
-              "for ultraep on CUDA, host on the CPU backend and for the other balancers. On the CPU "
+              "anyway (ultraep only). Default: host, which is faster unless the preprocessing is "
+              "captured in a CUDA graph (one compiled solve against the device planner's hundreds of "
+              "small kernels); device where --cuda-graph-modules captures moe_preprocess, which needs "
+              "a plan without a host read. When the model is built, the device planner compiles its kernels and "
+              "checks its plans of probe loads against the host's references; rank 0 prints "
+              "'device planner ready in X s' once, or, on any failure, one warning saying why, and "
+              "the model plans on the host. host skips the check and the warning. On the CPU "
               "backend, device runs the device planner's torch calls step by step as a GPU would "
               "(to test that path; about 0.9 s per layer at EP=64, E=256)."),
     Knob("check_plans", "--moe-balancer-check-plans", bool, False, runtime_only=True,
@@ -310,8 +318,10 @@ def balancing_context_from_args(args: argparse.Namespace):
         return None
     from ultraep_megatron.megatron.context import BalancingContext
 
-    return BalancingContext(planner_config(args.moe_balancer, values), hardware=values["hardware"],
-                            **{field: values[field] for field in RUN_SETTINGS})
+    settings = {field: values[field] for field in RUN_SETTINGS}
+    settings["planner"] = settings["planner"] or capabilities.default_planner(
+        args.moe_balancer, capabilities.preprocess_graphed(args))
+    return BalancingContext(planner_config(args.moe_balancer, values), hardware=values["hardware"], **settings)
 
 
 def ultraep_arg_problems(args: argparse.Namespace, environment: bool = True) -> list[str]:
@@ -350,25 +360,40 @@ def validate_ultraep_args(args: argparse.Namespace, environment: bool = True) ->
         raise UltraEPArgumentError(problems)
 
 
-def trace_dir_problem(args: argparse.Namespace) -> str | None:
+def trace_dir_problem(args: argparse.Namespace, create: bool = True) -> str | None:
     """Why ``--moe-balancer-trace-dir`` cannot take this run's trace (``None`` if it can).
 
-    The directory must be (made) writable. A trace already there is appended to only by a run
-    that resumes a checkpoint (``--load`` with one to load, not ``--finetune``); a fresh run
-    would mix its iterations into another run's trace, so it is refused.
+    The directory must be (made) writable: ``create`` makes it, as the run that writes it does;
+    without (``ultraep check-recipe``) writability is probed by making and removing a scratch entry
+    in it, or in its nearest existing parent, on this machine. A trace already there is appended
+    to only by a run that resumes a checkpoint (``--load`` with one to load, not ``--finetune``); a
+    fresh run would mix its iterations into another run's trace, so it is refused.
     """
     from ultraep_megatron.traces import TRACE_SUFFIX
 
     flag = f"--moe-balancer-trace-dir {args.moe_balancer_trace_dir}"
+    fix = "use a directory the training job can write (the ranks that record it are each EP group's first)"
     path = Path(args.moe_balancer_trace_dir)
     if path.exists() and not path.is_dir():
-        return f"{flag}: not a directory"
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        return f"{flag}: cannot create the directory ({error.strerror})"
-    if not os.access(path, os.W_OK | os.X_OK):
-        return f"{flag}: the directory is not writable"
+        return f"{flag}: not a directory; {fix}"
+    if create:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            return f"{flag}: cannot create the directory ({error.strerror}); {fix}"
+        if not os.access(path, os.W_OK | os.X_OK):
+            return f"{flag}: the directory is not writable; {fix}"
+    else:
+        existing = next(p for p in (path, *path.parents) if p.exists())
+        try:
+            if not existing.is_dir():
+                raise NotADirectoryError(20, "Not a directory")
+            tempfile.TemporaryDirectory(dir=existing).cleanup()
+        except OSError as error:
+            where = "not writable" if existing == path else f"cannot be created, {existing}"
+            return f"{flag}: {where} here ({error.strerror}); {fix}"
+        if existing != path:
+            return None  # the run creates it: no trace in it yet
     traces = sorted(p.name for p in path.glob(f"*{TRACE_SUFFIX}"))
     from megatron.training.checkpointing import checkpoint_exists
 
@@ -381,23 +406,50 @@ def trace_dir_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
-def startup_problems(args: argparse.Namespace) -> tuple[list[str], list[str]]:
-    """(errors, warnings) about UltraEP's arguments, on Megatron's parsed, not yet validated
-    ``args``: every problem found (:func:`ultraep_arg_problems`, the trace directory's), one line
-    each naming its flag."""
-    errors, warnings = ultraep_arg_problems(args), []
+def balancing_noop_problems(args: argparse.Namespace) -> list[str]:
+    """Settings with which a balancer plans every layer but can move no token: one EP rank, or no
+    redundant slot. ``pretrain_gpt.py`` warns (training is still correct); ``ultraep check-recipe``
+    fails the recipe (a recipe that asks for balancing should get it)."""
+    out = []
+    nothing = capabilities.nothing_to_balance(args)
+    if nothing:
+        out.append(nothing)
+    if getattr(args, "moe_balancer_num_slots", None) == 0:
+        out.append(f"--moe-balancer-num-slots 0 with --moe-balancer {args.moe_balancer}: no redundant slot, so "
+                   "no replica: balancing does nothing (every layer is still planned); use "
+                   "--moe-balancer-num-slots 2 or more (the slot rule: docs/recipes.md) or --moe-balancer none")
+    return out
+
+
+def startup_problems(args: argparse.Namespace, environment: bool = True) -> tuple[list[str], list[str]]:
+    """(errors, warnings) about a training command line, on Megatron's parsed, not yet validated
+    ``args``: what Megatron would refuse with a bare assertion or only after starting
+    (``megatron_checks.megatron_arg_problems``), every problem of UltraEP's arguments
+    (:func:`ultraep_arg_problems`), the trace directory's; warnings for balancing that does nothing
+    (:func:`balancing_noop_problems`). One line each naming its flag. ``environment``: also what
+    this machine lacks, and the trace directory is created; ``False`` judges the configuration for
+    the machines it targets (``ultraep check-recipe``), probing the trace directory without making
+    it."""
+    from ultraep_megatron.megatron.megatron_checks import megatron_arg_problems
+
+    errors, warnings = megatron_arg_problems(args), []
+    balancer = ultraep_arg_problems(args, environment)
+    if any(p.startswith("--num-experts ") for p in errors):  # said once, with the fix
+        balancer = [p for p in balancer if "is not divisible by --expert-model-parallel-size" not in p]
+    errors += balancer
     name = getattr(args, "moe_balancer", registry.NONE)
     if name == registry.NONE or name not in registry.BALANCERS:
         return errors, warnings
-    warning = capabilities.nothing_to_balance(args) if not errors else None
-    if warning:
-        warnings.append(warning)
-    if getattr(args, "moe_balancer_planner", None) == "device" and not triton_available():
-        warnings.append("--moe-balancer-planner device without triton installed: the device planner runs "
-                        "its torch reference step by step (hundreds of small kernels per layer); install "
-                        "triton, or plan on the host (leave the flag out)")
+    if not errors:
+        warnings += balancing_noop_problems(args)
+    planner = getattr(args, "moe_balancer_planner", None) or capabilities.default_planner(
+        name, capabilities.preprocess_graphed(args))
+    if environment and planner == "device" and not triton_available():
+        warnings.append("the device planner (--moe-balancer-planner device, or the default with "
+                        "--cuda-graph-modules moe_preprocess) without triton installed runs its torch "
+                        "reference step by step (hundreds of small kernels per layer); install triton")
     if isinstance(args.moe_balancer_trace_dir, str) and args.moe_balancer_trace_dir:
-        problem = trace_dir_problem(args)
+        problem = trace_dir_problem(args, create=environment)
         if problem:
             errors.append(problem)
     return errors, warnings

@@ -20,6 +20,7 @@ from typing import Sequence
 from unittest import mock
 
 from ultraep_megatron.megatron.arguments import add_ultraep_args, startup_problems
+from ultraep_megatron.megatron.megatron_checks import parser_error_hint
 from ultraep_megatron.megatron.cpu import backend as cpu_backend
 from ultraep_megatron.megatron.cpu import flags as cpu_flags
 
@@ -40,23 +41,27 @@ class _ParserError(Exception):
 
 class _OneLineErrorParser(argparse.ArgumentParser):
     """Megatron's parser with argparse's errors raised instead of printed after the whole usage
-    (megatron-core 0.19's runs to ~750 lines), and the arguments it did not recognize kept."""
+    (megatron-core 0.19's runs to ~750 lines), with a "did you mean" for a misspelt flag or choice
+    (``megatron_checks.parser_error_hint``), and the arguments it did not recognize kept."""
 
     unrecognized: list[str] = []
+    options: list[str] = []
 
     def error(self, message):
-        raise _ParserError(message)
+        raise _ParserError(parser_error_hint(message, self._option_string_actions))
 
     def parse_known_args(self, args=None, namespace=None):
+        type(self).options = list(self._option_string_actions)
         namespace, extras = super().parse_known_args(args, namespace)
         type(self).unrecognized = list(extras)
         return namespace, extras
 
 
-def _parse_megatron_args(log_rank: bool) -> tuple[argparse.Namespace | None, list[str]]:
+def parse_megatron_args(log_rank: bool = True) -> tuple[argparse.Namespace | None, list[str]]:
     """Megatron's parse of ``sys.argv`` with UltraEP's groups: (args, parser errors), args
     ``None`` when argparse refused a value. Unknown flags are one error (args still parsed, so
-    the other problems are reported with it). ``--help`` prints Megatron's help and exits 0."""
+    the other problems are reported with it), with a "did you mean" where one is close.
+    ``--help`` prints Megatron's help and exits 0."""
     from megatron.training import arguments as megatron_arguments
 
     # Megatron's parse_args builds its parser as ``argparse.ArgumentParser(...)``: hand its module a
@@ -72,7 +77,8 @@ def _parse_megatron_args(log_rank: bool) -> tuple[argparse.Namespace | None, lis
     except _ParserError as error:
         return None, [str(error)]
     unknown = proxy.ArgumentParser.unrecognized
-    return args, ([f"unrecognized arguments: {' '.join(unknown)}"] if unknown else [])
+    return args, ([parser_error_hint(f"unrecognized arguments: {' '.join(unknown)}", proxy.ArgumentParser.options)]
+                  if unknown else [])
 
 
 def startup_checks_or_exit(argv: Sequence[str], *, prog: str = "pretrain_gpt.py") -> list[str]:
@@ -113,7 +119,7 @@ def startup_checks_or_exit(argv: Sequence[str], *, prog: str = "pretrain_gpt.py"
     saved_argv = sys.argv
     sys.argv = [prog, *argv]
     try:
-        args, parser_errors = _parse_megatron_args(log_rank)
+        args, parser_errors = parse_megatron_args(log_rank)
     except SystemExit as parser_exit:  # --help (status 0)
         if parser_exit.code:
             _let_rank_zero_report(log_rank)

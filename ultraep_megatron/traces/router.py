@@ -13,13 +13,20 @@ They become the project's replay records (:mod:`.records`) as follows:
   of its load is the expert histogram of ``top_indices`` on rank ``g*EP + r``.
 * **Iterations.** The tracer stamps a step with Megatron's iteration counter before the increment:
   ``iteration = step + 1``, the number Megatron logs (and the project's traces record).
-* **Microbatches.** The k-th line of a (block, layer) on a rank within a step is microbatch k;
+* **Microbatches.** The k-th forward of a (block, layer) on a rank within a step is microbatch k;
   every rank of a group must have the same count. Megatron's tracer also records eval forwards
-  (into the next step) and activation-recompute forwards: given the run's arguments the count is
-  checked against the number of microbatches.
+  (into the next step), checked against the number of microbatches the run's arguments give, and
+  activation-recompute forwards: with MoE or full recompute (``--recompute-modules moe``,
+  ``--recompute-granularity full``) a layer's router runs again in each microbatch's backward. Its
+  calls are then 2M per step, and which are forwards follows from Megatron's 1F1B schedule
+  (:func:`forward_positions`: the stage's warm-up forwards, then a forward and a backward
+  alternately, then the cool-down backwards); each recompute must repeat its forward's routing
+  exactly, or the trace is refused.
 * **Layers.** Decoder layer index n is layer ``n + 1 + offset`` (1-based, as Megatron numbers
-  layers), the offset of the rank's pipeline stage with layers split evenly over
-  ``--pipeline-model-parallel-size``; MTP head i is layer ``num_layers + 1 + i``.
+  layers), the offset of the rank's pipeline stage: the layers split evenly over
+  ``--pipeline-model-parallel-size``, or with ``--decoder-first/last-pipeline-num-layers`` or
+  ``--account-for-embedding/loss-in-pipeline-split`` as megatron-core splits them
+  (:mod:`.pipeline`); MTP head i is layer ``num_layers + 1 + i``.
 
 The run's layout comes from flags (``ep_size``, ``num_experts``...) or from its arguments
 (:func:`read_run_args`: Megatron's log, a wandb ``config.yaml``, or a JSON/YAML mapping).
@@ -41,6 +48,7 @@ import numpy as np
 import torch
 
 from .format import TraceFormatError, TraceTruncatedError, TraceTruncatedWarning, trace_path
+from .pipeline import PipelineSplitError, pipeline_stages
 from .records import Record, select_records
 from .writer import TraceWriter
 
@@ -119,7 +127,11 @@ class RouterTraceLayout:
         ep_size: ``--expert-model-parallel-size`` (R, ranks per EP group).
         num_experts: ``--num-experts`` (E).
         num_layers: ``--num-layers``; needed for MTP records and pipeline parallelism.
-        pp_size: ``--pipeline-model-parallel-size`` (layers split evenly over the stages).
+        pp_size: ``--pipeline-model-parallel-size``.
+        first_stage_layers / last_stage_layers: ``--decoder-first/last-pipeline-num-layers``.
+        account_for_embedding / account_for_loss: ``--account-for-embedding/loss-in-pipeline-split``.
+        recompute: the MoE layers' routers run again in the backward (MoE or full activation
+            recompute): 2 calls per microbatch, the second dropped (see the module docstring).
         num_microbatches: microbatches per step; when known, every (rank, step, layer) must have
             this many records.
         world_size: the run's world size; when known, the number of rank files must equal it.
@@ -134,10 +146,37 @@ class RouterTraceLayout:
     num_microbatches: Optional[int] = None
     world_size: Optional[int] = None
     meta: Optional[dict] = None
+    first_stage_layers: Optional[int] = None
+    last_stage_layers: Optional[int] = None
+    account_for_embedding: bool = False
+    account_for_loss: bool = False
+    recompute: bool = False
+
+    def stages(self) -> Optional[list[range]]:
+        """The 1-based global decoder layers of each pipeline stage (``None``: no pipeline, or
+        ``num_layers`` unknown).
+
+        Raises:
+            ValueError: the layers do not split so, naming the flags.
+        """
+        if self.pp_size == 1 and self.first_stage_layers is None and self.last_stage_layers is None:
+            return None
+        if self.num_layers is None:
+            raise ValueError(f"with --pipeline-model-parallel-size {self.pp_size} the layer numbers need "
+                             "--num-layers (or --run-args with the run's log or config)")
+        try:
+            return pipeline_stages(self.num_layers, self.pp_size, first=self.first_stage_layers,
+                                   last=self.last_stage_layers, account_for_embedding=self.account_for_embedding,
+                                   account_for_loss=self.account_for_loss)
+        except PipelineSplitError as error:
+            raise ValueError(f"{error}, so the run must have split them otherwise: give its "
+                             "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers "
+                             "(or --run-args with its log or config)") from None
 
     @classmethod
     def resolve(cls, *, ep_size: Optional[int] = None, num_experts: Optional[int] = None,
                 num_layers: Optional[int] = None, pp_size: Optional[int] = None,
+                first_stage_layers: Optional[int] = None, last_stage_layers: Optional[int] = None,
                 run_args: Optional[dict] = None) -> "RouterTraceLayout":
         """The layout from explicit values (flags) and the run's arguments, which must agree.
 
@@ -160,6 +199,16 @@ class RouterTraceLayout:
         experts = pick("--num-experts", "num_experts", num_experts, True)
         layers = pick("--num-layers", "num_layers", num_layers, False)
         pp = pick("--pipeline-model-parallel-size", "pipeline_model_parallel_size", pp_size, False) or 1
+        first = pick("--decoder-first-pipeline-num-layers", "decoder_first_pipeline_num_layers",
+                     first_stage_layers, False)
+        last = pick("--decoder-last-pipeline-num-layers", "decoder_last_pipeline_num_layers",
+                    last_stage_layers, False)
+        if args.get("pipeline_model_parallel_layout") not in (None, "None"):
+            raise ValueError("the run sets --pipeline-model-parallel-layout: layer numbers from a layout "
+                             "string are not read here")
+        if args.get("use_tp_pp_dp_mapping"):
+            raise ValueError("the run uses --use-tp-pp-dp-mapping: its pipeline stages are not blocks of "
+                             "consecutive ranks, as read here")
         if ep < 1 or experts < 1 or experts % ep:
             raise ValueError(f"--num-experts {experts} must be a positive multiple of "
                              f"--expert-model-parallel-size {ep}")
@@ -176,13 +225,28 @@ class RouterTraceLayout:
             microbatches = int(gbs) // (int(mbs) * int(dp))
         meta = {"source": "megatron --moe-routing-trace-path"}
         for key, arg in (("hidden_size", "hidden_size"), ("moe_ffn_hidden_size", "moe_ffn_hidden_size"),
-                         ("swiglu", "swiglu"), ("topk", "moe_router_topk"), ("num_layers", "num_layers")):
+                         ("swiglu", "swiglu"), ("topk", "moe_router_topk"), ("num_layers", "num_layers"),
+                         ("hardware", "moe_balancer_hardware"), ("domain_size", "moe_balancer_domain_size")):
             if args.get(arg) is not None:
                 meta[key] = args[arg]
         if layers is not None:
             meta["num_layers"] = layers
         world = args.get("world_size")
-        return cls(ep, experts, layers, pp, microbatches, None if world is None else int(world), meta)
+        modules = args.get("recompute_modules") or []
+        recompute = args.get("recompute_granularity") == "full" or (
+            args.get("recompute_granularity") == "selective" and "moe" in modules)
+        layout = cls(ep, experts, layers, pp, microbatches, None if world is None else int(world), meta,
+                     first_stage_layers=first, last_stage_layers=last,
+                     account_for_embedding=bool(args.get("account_for_embedding_in_pipeline_split")),
+                     account_for_loss=bool(args.get("account_for_loss_in_pipeline_split")),
+                     recompute=recompute)
+        layout.stages()  # a split that cannot be is refused here, naming the flags
+        if recompute and microbatches is None:
+            raise ValueError("the run recomputes its MoE layers in the backward (--recompute-granularity "
+                             f"{args.get('recompute_granularity')}), so each router runs twice per "
+                             "microbatch: give --run-args with the run's log, whose global batch, micro "
+                             "batch and data-parallel size say which calls are forwards")
+        return layout
 
 
 @dataclass
@@ -294,9 +358,7 @@ class RouterTraceRecords:
         if world % layout.pp_size:
             raise TraceFormatError(f"{world} rank files do not split into "
                                    f"--pipeline-model-parallel-size {layout.pp_size} stages")
-        if layout.pp_size > 1 and (layout.num_layers is None or layout.num_layers % layout.pp_size):
-            raise ValueError("with --pipeline-model-parallel-size > 1 the layer numbers need --num-layers, "
-                             "split evenly over the stages")
+        self.stages = layout.stages()
         self.num_ranks, self.num_experts = layout.ep_size, layout.num_experts
         self.num_groups = world // layout.ep_size
         self.on_truncated = on_truncated
@@ -313,10 +375,18 @@ class RouterTraceRecords:
                 raise ValueError("the trace has MTP records: give --num-layers (or --run-args) to number "
                                  "MTP layers after the decoder's")
             return self.layout.num_layers + 1 + int(mtp_idx or 0)
-        if self.layout.pp_size == 1:
+        if self.stages is None:
             return layer + 1
-        stage = group * self.num_ranks // (len(self.files) // self.layout.pp_size)
-        return layer + 1 + stage * (self.layout.num_layers // self.layout.pp_size)
+        stage = self.stages[self._stage(group)]
+        if layer >= len(stage):
+            raise TraceFormatError(f"{self.directory}: decoder layer index {layer} on pipeline stage "
+                                   f"{self._stage(group)}, which builds {len(stage)} layers "
+                                   f"({stage.start}-{stage.stop - 1}): the layout given is not the run's")
+        return stage[layer]
+
+    def _stage(self, group: int) -> int:
+        """The pipeline stage of EP group ``group`` (stages are blocks of consecutive ranks)."""
+        return group * self.num_ranks // (len(self.files) // self.layout.pp_size)
 
     def _truncated(self, message: str) -> None:
         self.status = "truncated"
@@ -369,24 +439,54 @@ class RouterTraceRecords:
                             f"{sorted(sizes.items())} per (block, mtp_idx, layer), rank {group * R} "
                             f"{sorted(leader.items())} (files of different runs mixed?)", True)
             for key, calls in leader.items():
-                if M is not None and calls != M:
+                if M is not None and calls != M and not (self.layout.recompute and calls == 2 * M):
+                    expected = f"{M} microbatches per step" + (
+                        f" (or {2 * M} calls with its recompute)" if self.layout.recompute else "")
                     return (f"{self.directory}: step {step}, {key[0]} layer {key[2]}: {calls} router calls on "
-                            f"rank {group * R}, the run has {M} microbatches per step (eval or "
-                            "activation-recompute forwards recorded? trace with --eval-iters 0 and without "
-                            "MoE recompute)", False)
+                            f"rank {group * R}, the run has {expected} (eval forwards recorded? trace with "
+                            "--eval-iters 0" + ("" if self.layout.recompute else
+                                                 "; a recompute of the MoE layers needs --run-args") + ")",
+                            False)
         return None, False
+
+    def _forwards(self, step: int, group: int, members: list[_Step]) -> dict:
+        """Per (block, mtp_idx, layer) of an EP group's step: its forward calls' histograms on every
+        member rank, the recompute calls dropped (checked to repeat their forwards exactly)."""
+        M = self.layout.num_microbatches
+        out = {}
+        for key, calls in members[0].counts.items():
+            if not (self.layout.recompute and M is not None and len(calls) == 2 * M):
+                out[key] = [member.counts[key] for member in members]
+                continue
+            forward = forward_positions(M, self.layout.pp_size, self._stage(group))
+            backward = sorted(set(range(2 * M)) - set(forward))
+            kept = []
+            for offset, member in enumerate(members):
+                rank_calls = member.counts[key]
+                firsts = [rank_calls[i] for i in forward]
+                again = [rank_calls[i] for i in backward]
+                for k, (first, second) in enumerate(zip(firsts, again)):
+                    if not np.array_equal(first, second):
+                        raise TraceFormatError(
+                            f"{self.directory}: step {step}, {key[0]} layer {key[2]}, rank {group * self.num_ranks + offset}: "
+                            f"the backward's router call of microbatch {k} routes differently from its forward, "
+                            "so it is no activation recompute of it (another schedule than 1F1B, or "
+                            "files of different runs?)")
+                kept.append(firsts)
+            out[key] = kept
+        return out
 
     def _step_records(self, step: int, heads: list[_Step]) -> Iterator[Record]:
         R = self.num_ranks
         for group in range(self.num_groups):
             members = heads[group * R:(group + 1) * R]
-            leader = members[0].counts
-            layer_of = {key: self._layer_number(group, key) for key in leader}
+            forwards = self._forwards(step, group, members)
+            layer_of = {key: self._layer_number(group, key) for key in forwards}
             seen: dict[tuple, int] = {}
-            for key in self._call_order(leader):
+            for key in self._call_order({key: calls[0] for key, calls in forwards.items()}):
                 k = seen.get(key, 0)
                 seen[key] = k + 1
-                load = np.stack([member.counts[key][k] for member in members])
+                load = np.stack([calls[k] for calls in forwards[key]])
                 yield group, step + 1, k, layer_of[key], torch.from_numpy(load)
 
     @staticmethod
@@ -400,7 +500,8 @@ class RouterTraceRecords:
 
     @property
     def total(self) -> int:
-        """Records the stream yields (for progress): lines of the groups' first ranks, by a scan."""
+        """Records the stream yields (for progress): lines of the groups' first ranks, by a scan
+        (halved under recompute, where a layer's router runs twice per microbatch)."""
         if self._total is None:
             wanted = self.selection["layers"]
             wanted = None if wanted is None else set(int(x) for x in wanted)
@@ -419,6 +520,7 @@ class RouterTraceRecords:
                             if self._layer_number(group, key) not in wanted:
                                 continue
                         n += 1
+                n = n // 2 if self.layout.recompute else n
                 total += n if limit is None else min(n, limit)
             self._total = total
         return self._total
@@ -429,6 +531,18 @@ class RouterTraceRecords:
         return [f"Megatron routing trace {self.directory}: {len(self.files)} rank files ({sizes / 2**20:.1f} MiB), "
                 f"{self.num_groups} EP group(s) of {self.num_ranks} ranks, E={self.num_experts}"
                 + (f", {self.layout.num_microbatches} microbatches per step" if self.layout.num_microbatches else "")]
+
+
+def forward_positions(num_microbatches: int, pp_size: int, stage: int) -> list[int]:
+    """Which of a layer's 2M router calls in a step are forwards, when each microbatch's backward
+    runs the router again (activation recompute): megatron-core's 1F1B schedule
+    (``forward_backward_pipelining_without_interleaving``; ``forward_backward_no_pipelining`` at
+    PP 1) runs ``min(pp_size - stage - 1, M)`` warm-up forwards, then a forward and a backward
+    alternately, then the remaining backwards."""
+    M = num_microbatches
+    warmup = min(pp_size - stage - 1, M)
+    events = ["F"] * warmup + ["F", "B"] * (M - warmup) + ["B"] * warmup
+    return [i for i, event in enumerate(events) if event == "F"]
 
 
 def router_trace_info(records: RouterTraceRecords) -> dict:

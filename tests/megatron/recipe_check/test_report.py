@@ -47,14 +47,21 @@ def test_hgx_recipes_pass_for_their_full_world_size_on_80_gb(reports, name):
 
 def test_hardware_preset_sets_the_domain_and_the_budget(launches):
     """Without --rack-size / --gpu-memory-gb the recipe's --moe-balancer-hardware h100-hgx gives
-    8-GPU NVLink domains and 80 GiB; a rack recipe (no preset) keeps 64 and a GB200's 186."""
+    8-GPU NVLink domains and 80 GiB, h200-hgx the same domains and 141 GiB, a rack recipe's
+    paper-rack 64 and a GB200's 186; none of them is an assumption."""
     report = rc.check_launch(launches["qwen3_235b_a22b_ep32_pp4_hgx.sh"])
-    assert (report.layout.rack_size, report.gpu_memory_gb) == (8, 80)
-    assert "16 scale-up domain(s) of 8 GPUs: --moe-balancer-hardware h100-hgx" in rc.format_report(report)
+    assert (report.layout.rack_size, report.gpu_memory_gb, report.assumed) == (8, 80, [])
+    text = rc.format_report(report)
+    assert "hardware: h100-hgx (--moe-balancer-hardware): NVLink domains of 8 GPUs, 80 GiB per GPU" in text
+    assert "16 nodes x 8 GPUs in 16 scale-up domains of 8 GPUs" in text and "ASSUMED" not in text
     assert "EP groups span scale-up domains; balancer domains of --moe-balancer-domain-size 8 inside one: yes" \
-        in rc.format_report(report)
+        in text
+    launch = launches["qwen3_235b_a22b_ep32_pp4_hgx.sh"]
+    h200 = rc.check_launch(rc.Launch(8, 16, launch.script, [*launch.args, "--moe-balancer-hardware", "h200-hgx"]))
+    assert (h200.layout.rack_size, h200.gpu_memory_gb, h200.problems()) == (8, 141, [])
     rack = rc.check_launch(rc.capture_launch(RECIPES / "glm45_air_106b_a12b_ep64_dp2.sh"))
-    assert (rack.layout.rack_size, rack.gpu_memory_gb) == (64, 186)
+    assert (rack.layout.rack_size, rack.gpu_memory_gb, rack.assumed) == (64, 186, [])
+    assert "hardware: paper-rack (--moe-balancer-hardware): NVLink domains of 64 GPUs" in rc.format_report(rack)
 
 
 def test_a_contradicting_rack_size_or_node_size_is_a_problem(launches):

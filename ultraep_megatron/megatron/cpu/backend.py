@@ -112,6 +112,12 @@ def activate() -> bool:
     _patch(mtraining, "build_train_valid_test_data_iterators",
            megatron_patches.rng_neutral(mtraining.build_train_valid_test_data_iterators),
            "DataLoader iterators draw a seed from the generator CPU dropout uses (breaks resume)")
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    _patch(filesystem_async, "get_write_results_queue",
+           megatron_patches.forked_write_results_queue(filesystem_async.get_write_results_queue),
+           "torch_dist saves start a spawned multiprocessing manager (a fresh interpreter re-importing "
+           "the script, ~5 s per saving rank); forked on the CPU")
     from megatron.core.optimizer import distrib_optimizer
 
     if not distrib_optimizer.HAVE_APEX_OR_TE:

@@ -23,7 +23,8 @@ from .activations import (
     layer_activation_bytes, logits_bytes,
 )
 from .launch import (
-    Launch, NotARecipe, RecipeError, capture_launch, default_gpus_per_node, parse_torchrun_command,
+    Launch, NotARecipe, RecipeError, capture_launch, capture_launches, default_gpus_per_node,
+    parse_torchrun_command,
 )
 from .layout import DEFAULT_RACK_SIZE, RankLayout, rank_layout
 from .memory import MemoryEstimate, StageMemory, estimate_memory, stage_layers
@@ -35,7 +36,7 @@ from .report import RecipeReport, check_launch, format_report
 from .validate import startup_problems, validate_arguments
 
 __all__ = [
-    "Launch", "NotARecipe", "RecipeError", "capture_launch", "default_gpus_per_node",
+    "Launch", "NotARecipe", "RecipeError", "capture_launch", "capture_launches", "default_gpus_per_node",
     "parse_torchrun_command",
     "RUNTIME_RESERVE_GIB", "StageActivations", "estimate_activations", "in_flight_microbatches",
     "layer_activation_bytes", "logits_bytes",

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional, Sequence
 
 from ultraep_megatron.megatron.recipe_check.activations import RUNTIME_RESERVE_GIB
 from ultraep_megatron.megatron.recipe_check.launch import Launch, RecipeError
-from ultraep_megatron.megatron.recipe_check.layout import DEFAULT_RACK_SIZE, RankLayout, rank_layout, span
+from ultraep_megatron.megatron.recipe_check.layout import RankLayout, rank_layout, span
 from ultraep_megatron.megatron.recipe_check.memory import MemoryEstimate, estimate_memory
 from ultraep_megatron.megatron.recipe_check.model import (
     balanced_moe_layer_ids, built_mtp_layers, flops_per_iteration, moe_layer_pattern,
@@ -36,6 +37,9 @@ class RecipeReport:
     domain_source: str = ""          # where the scale-up domain comes from
     hardware_problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)   # what the GPU nodes need, not this machine
+    assumed: list[str] = field(default_factory=list)  # hardware the checker was not told and assumed
+    hardware_named: Optional[str] = None              # --moe-balancer-hardware, if given
+    domain_known: bool = True                         # the scale-up domain was named, not assumed
 
     @property
     def budget_bytes(self) -> int:
@@ -58,26 +62,38 @@ class RecipeReport:
         return out
 
     def problems(self) -> list[str]:
-        return self.hardware_problems + self.layout.problems() + self.memory_problems()
+        layout = self.layout.problems()
+        if not self.domain_known and self.hardware_problems:  # EP across nodes of unknown hardware:
+            layout = [p for p in layout if "spans scale-up domains" not in p]  # said once, above
+        return self.hardware_problems + layout + self.memory_problems()
+
+
+#: Memory per GPU assumed when no hardware is named: an H100's, the smallest GPU the recipes target.
+ASSUMED_GPU_MEMORY_GB = 80.0
+#: What to name when the hardware is not named (the assumption line and the EP-across-nodes problem).
+NAME_THE_HARDWARE = ("name it: --moe-balancer-hardware h100-hgx, h200-hgx or paper-rack (a GB200 NVL72 "
+                     "rack, 64 GPUs in use), or check-recipe's --rack-size GPUS and --gpu-memory-gb GIB")
 
 
 def check_launch(launch: Launch, rack_size: Optional[int] = None,
                  gpu_memory_gb: Optional[float] = None) -> RecipeReport:
-    """Validate a captured launch and build its layout and memory report.
+    """Validate a launch and build its layout and memory report.
 
     Args:
-        launch: the captured launch.
+        launch: the launch read from a recipe (or bare arguments).
         rack_size: GPUs per scale-up (NVLink) domain, consecutive global ranks. ``None``: the
-            recipe's ``--moe-balancer-hardware`` preset's domain (``h100-hgx``: 8, the node), else
-            :data:`DEFAULT_RACK_SIZE` (a GB200 rack's 64 GPUs in use).
+            recipe's ``--moe-balancer-hardware`` preset's domain (``h100-hgx``, ``h200-hgx``: 8, the
+            node; ``paper-rack``: 64, a GB200 rack). With neither, the hardware is not named: the
+            domain is assumed to end at the node, said loudly in the report, and an EP group
+            spanning nodes is a problem (over a network the checker was not told about).
         gpu_memory_gb: GiB per GPU the estimated peak of a rank must fit. ``None``: the hardware
-            preset's memory (``h100-hgx``: 80), else a GB200's 186.
+            preset's memory, else :data:`ASSUMED_GPU_MEMORY_GB` (assumed, said in the report).
 
     Raises:
         RecipeError: when Megatron or UltraEP rejects the arguments or the layout (one problem
             per line).
     """
-    from ultraep_megatron.analysis.cost import Hardware, hardware_preset
+    from ultraep_megatron.analysis.cost import hardware_preset
 
     args, _ = validate_arguments(launch.args, launch.world_size)
     problems = startup_problems(args)
@@ -85,17 +101,22 @@ def check_launch(launch: Launch, rack_size: Optional[int] = None,
         raise RecipeError("\n".join(problems))
     name = getattr(args, "moe_balancer_hardware", None)
     hardware = hardware_preset(name) if name else None
-    hardware_problems = []
+    hardware_problems, assumed = [], []
+    domain_known = rack_size is not None or (hardware is not None and bool(hardware.scale_up_domain))
     if rack_size is not None:
         domain_source = "--rack-size"
         if hardware is not None and hardware.scale_up_domain and rack_size != hardware.scale_up_domain:
             hardware_problems.append(
                 f"--rack-size {rack_size} contradicts --moe-balancer-hardware {name} (NVLink domains "
                 f"of {hardware.scale_up_domain} GPUs)")
-    elif hardware is not None and hardware.scale_up_domain:
+    elif domain_known:
         rack_size, domain_source = hardware.scale_up_domain, f"--moe-balancer-hardware {name}"
     else:
-        rack_size, domain_source = DEFAULT_RACK_SIZE, "the default, a GB200 NVL72 rack's 64 in use"
+        rack_size, domain_source = launch.nproc_per_node, "ASSUMED: the node"
+        assumed.append(f"NVLink domains of one node ({_plural(rack_size, 'GPU')}, nothing faster than "
+                       "the network between nodes)")
+    if launch.gpus_per_node_assumed:
+        assumed.insert(0, f"{_plural(launch.nproc_per_node, 'GPU')} per node (--gpus-per-node)")
     if hardware is not None and hardware.scale_up_domain == hardware.gpus_per_node \
             and launch.nproc_per_node != hardware.gpus_per_node:
         hardware_problems.append(
@@ -107,13 +128,26 @@ def check_launch(launch: Launch, rack_size: Optional[int] = None,
     elif hardware is not None:
         gpu_memory_gb, memory_source = hardware.memory_gb, f"--moe-balancer-hardware {name}"
     else:
-        gpu_memory_gb, memory_source = Hardware().memory_gb, "the default, a GB200's"
+        gpu_memory_gb, memory_source = ASSUMED_GPU_MEMORY_GB, "ASSUMED: an H100's"
+        assumed.append(f"{ASSUMED_GPU_MEMORY_GB:g} GiB per GPU (an H100's)")
     with quiet_megatron():
         layout = rank_layout(args, launch.nproc_per_node, rack_size)
+        if not domain_known and layout.spans_domains():
+            group = next(g for g in layout.ep_groups if len(layout.racks(g)) > 1)
+            hardware_problems.append(
+                f"EP group {span(group)} spans nodes {layout.racks(group)} and no hardware is named: the "
+                "checker cannot tell whether the nodes share an NVLink domain (a GB200 NVL72 rack) or "
+                "only a network (HGX H100/H200 nodes over InfiniBand, where replicas must stay in the "
+                f"node); {NAME_THE_HARDWARE}")
         return RecipeReport(launch, args, layout, estimate_memory(args), flops_per_iteration(args),
                             gpu_memory_gb=gpu_memory_gb, memory_source=memory_source,
                             domain_source=domain_source, hardware_problems=hardware_problems,
-                            notes=environment_notes(args))
+                            notes=environment_notes(args), assumed=assumed, hardware_named=name,
+                            domain_known=domain_known)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
 
 
 def _gib(n: float) -> str:
@@ -133,13 +167,19 @@ def format_report(report: RecipeReport) -> str:
     ep, pp = a.expert_model_parallel_size, a.pipeline_model_parallel_size
     edp = a.world_size // (ep * (a.expert_tensor_parallel_size or a.tensor_model_parallel_size) * pp)
     racks = -(-a.world_size // layout.rack_size)
-    lines = [
-        f"== {report.launch.source}",
-        f"world size {a.world_size} = {report.launch.nnodes} nodes x "
-        f"{report.launch.nproc_per_node} GPUs ({racks} scale-up domain(s) of {layout.rack_size} GPUs: "
-        f"{report.domain_source}); "
+    launch = report.launch
+    nodes = f"{_plural(launch.nnodes, 'node')} x {_plural(launch.nproc_per_node, 'GPU')}"
+    lines = [f"== {launch.source}"]
+    if launch.launcher:
+        lines.append(f"launch (read from the recipe, not run): {launch.launcher} {Path(launch.script).name} "
+                     f"-> {nodes}")
+    lines.append(hardware_line(report))
+    lines += [
+        f"world size {a.world_size} = {nodes} in {_plural(racks, 'scale-up domain')} of "
+        f"{_plural(layout.rack_size, 'GPU')}; "
         f"TP{a.tensor_model_parallel_size} PP{pp} EP{ep} expert-DP{edp} "
         f"(attention DP{a.data_parallel_size})",
+        f"precision: {precision_text(a)}",
         "Megatron validate_args + validate_ultraep_args: passed (--moe-balancer "
         f"{a.moe_balancer}" + (f", {a.moe_balancer_num_slots} redundant slots per rank)"
                                if a.moe_balancer != registry.NONE else ")"),
@@ -165,13 +205,16 @@ def format_report(report: RecipeReport) -> str:
         spans = [len(layout.racks(g)) for g in groups]
         shown = "; ".join(span(g) for g in groups[:3]) + (" ..." if len(groups) > 3 else "")
         lines.append(f"  {len(groups):4d} {name:9s} groups of {len(groups[0]):4d}: {shown}  "
-                     f"-> each spans {min(spans)}-{max(spans)} domain(s)")
+                     f"-> {_domains_spanned(min(spans), max(spans))}")
     problems = report.problems()
     layout_ok = not layout.problems()
     if not layout.spans_domains():
         lines.append("  EP groups inside one scale-up domain: " + ("yes" if layout_ok else "NO"))
     elif not layout.replicas:
         lines.append("  EP groups span scale-up domains (no replicas with --moe-balancer none): "
+                     + ("yes" if layout_ok else "NO"))
+    elif layout.balancer_domain is None:
+        lines.append("  EP groups span scale-up domains, without --moe-balancer-domain-size: "
                      + ("yes" if layout_ok else "NO"))
     else:
         lines.append(f"  EP groups span scale-up domains; balancer domains of "
@@ -193,10 +236,10 @@ def format_report(report: RecipeReport) -> str:
             f"{_gib(s.slots_without_reuse)}); activations {_gib(s.activations)}; peak {_gib(s.peak)}")
     s = max(mem.stages, key=lambda st: st.moe_layers)
     lines.append(
-        f"  one redundant slot (§4.1), per rank: {_mib(s.slot_weight_bytes)} weights + "
-        f"{_mib(s.slot_grad_bytes)} fp32 grads with cross-layer reuse, vs "
-        f"{_gib(s.slot_weight_bytes * s.moe_layers)} + {_gib(s.slot_grad_bytes * s.moe_layers)} "
-        f"without ({s.moe_layers} MoE layers on the rank)")
+        f"  one redundant slot, per rank: {_mib(s.slot_weight_bytes)} weights + "
+        f"{_mib(s.slot_grad_bytes)} fp32 grads, one buffer shared by the rank's {s.moe_layers} MoE layers "
+        f"(cross-layer reuse, UltraEP paper §4.1); {_gib(s.slot_weight_bytes * s.moe_layers)} + "
+        f"{_gib(s.slot_grad_bytes * s.moe_layers)} if every layer had its own")
     act = mem.activations[0] if mem.activations else None
     if act is not None:
         recompute = (f"full recompute ({a.recompute_method}, {a.recompute_num_layers} layer(s))"
@@ -207,7 +250,7 @@ def format_report(report: RecipeReport) -> str:
         lines.append(
             f"  activations: sequence {a.seq_length} x micro batch {a.micro_batch_size}, TP{a.tensor_model_parallel_size}"
             f" CP{a.context_parallel_size}{sp}, {recompute}; stage 0 holds {act.in_flight:g} "
-            f"microbatch(es) of {_gib(act.per_microbatch)}; last stage's logits "
+            f"microbatch{'' if act.in_flight == 1 else 'es'} of {_gib(act.per_microbatch)}; last stage's logits "
             f"{_gib(mem.activations[-1].logits)}; + {RUNTIME_RESERVE_GIB:g} GiB runtime allowance per rank")
     peak = max(mem.stages, key=lambda st: st.peak)
     margin = report.margin_bytes()
@@ -215,11 +258,71 @@ def format_report(report: RecipeReport) -> str:
         f"  budget {report.gpu_memory_gb:g} GiB per GPU ({report.memory_source}): largest peak "
         f"{_gib(peak.peak)} (stage {peak.stage}), margin "
         f"{'-' if margin < 0 else ''}{_gib(abs(margin))}: " + ("fits" if margin >= 0 else "DOES NOT FIT"))
-    for note in report.notes:
+    for note in [*report.notes, *batch_notes(report)]:
         lines.append(f"  NOTE: {note}")
     for problem in problems:
         lines.append(f"  PROBLEM: {problem}")
     return "\n".join(lines)
+
+
+def _domains_spanned(low: int, high: int) -> str:
+    if high == 1:
+        return "each inside one scale-up domain"
+    if low == high:
+        return f"each spans {low} scale-up domains"
+    return f"each spans {low} to {high} scale-up domains"
+
+
+def hardware_line(report: RecipeReport) -> str:
+    """What hardware the recipe is checked for: named (the preset, or the checker's options), or,
+    loudly, what was assumed and how to name it."""
+    domain = f"NVLink domains of {_plural(report.layout.rack_size, 'GPU')}"
+    memory = f"{report.gpu_memory_gb:g} GiB per GPU"
+    preset = f"--moe-balancer-hardware {report.hardware_named}" if report.hardware_named else None
+    if report.domain_source != preset:
+        domain += f" ({report.domain_source})"
+    if report.memory_source != preset:
+        memory += f" ({report.memory_source})"
+    if report.assumed and not preset:
+        given = [text for text, source in ((domain, report.domain_source), (memory, report.memory_source))
+                 if not source.startswith("ASSUMED")]
+        return ("hardware: " + "".join(f"{text}, " for text in given)
+                + f"NOT NAMED, ASSUMED {'; '.join(report.assumed)}; {NAME_THE_HARDWARE}")
+    if preset:
+        from ultraep_megatron.analysis.cost import hardware_preset
+
+        hw = hardware_preset(report.hardware_named)
+        return (f"hardware: {report.hardware_named} ({preset.split()[0]}): {domain}, {memory}, "
+                f"{hw.peak_tflops:g} TFLOP/s bf16, {hw.hbm_tbps:g} TB/s HBM")
+    return f"hardware: {domain}, {memory}"
+
+
+def precision_text(a: argparse.Namespace) -> str:
+    """The training precision in words: bf16 / fp16 / fp32, or fp8 with its format and recipe."""
+    base = "bf16" if a.bf16 else "fp16" if a.fp16 else "fp32"
+    if not getattr(a, "fp8", None):
+        return base
+    recipe = getattr(getattr(a, "fp8_recipe", None), "value", getattr(a, "fp8_recipe", None))
+    params = ("fp8 parameters (--fp8-param-gather)" if getattr(a, "fp8_param_gather", False)
+              else f"{base} parameters")
+    return f"fp8 GEMMs (--fp8-format {a.fp8}, --fp8-recipe {recipe}), {params}, {base} elsewhere"
+
+
+#: Microbatches per data-parallel rank and iteration above which the report notes the batch.
+MANY_MICROBATCHES = 256
+
+
+def batch_notes(report: RecipeReport) -> list[str]:
+    """A note when the global batch makes one iteration very long for the job's size: many
+    microbatches per data-parallel rank (a rack-scale batch on a few nodes)."""
+    a = report.args
+    per_rank = a.global_batch_size // (a.micro_batch_size * a.data_parallel_size)
+    if per_rank <= MANY_MICROBATCHES:
+        return []
+    return [f"global batch {a.global_batch_size} on {_plural(report.launch.nnodes, 'node')} is {per_rank} "
+            f"microbatches of {a.micro_batch_size} per data-parallel rank in every iteration (the rack "
+            "recipes' batch); for a first run set a smaller one, GLOBAL_BATCH_SIZE=... (recipes) or "
+            "--global-batch-size"]
 
 
 def _id_ranges(ids: Sequence[int]) -> str:

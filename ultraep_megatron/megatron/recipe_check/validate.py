@@ -18,11 +18,8 @@ import contextlib
 import io
 import logging
 import os
-import re
 import sys
-import traceback
 import warnings
-from pathlib import Path
 from typing import Sequence
 from unittest import mock
 
@@ -66,8 +63,12 @@ def _rank0_of(world_size: int, argv: Sequence[str]):
 
 
 def validate_arguments(script_args: Sequence[str], world_size: int) -> tuple[argparse.Namespace, str]:
-    """Megatron's parse + ``validate_args`` and UltraEP's ``validate_ultraep_args`` on rank 0 of
-    a ``world_size`` job. No process group is created and no device is touched.
+    """``pretrain_gpt.py``'s checks in its order on rank 0 of a ``world_size`` job: Megatron's parse
+    (one line per refused flag or value, with a "did you mean"), UltraEP's startup checks
+    (``arguments.startup_problems`` for the target machines: Megatron's settings it would refuse with
+    a bare assertion or only after starting, UltraEP's arguments, the trace directory probed, not
+    made; balancing that would do nothing is a problem here), then Megatron's ``validate_args`` and
+    UltraEP's ``validate_ultraep_args``. No process group is created and no device is touched.
 
     With ``--eval-iters 0`` evaluation never runs, so its batch sizes are left to their defaults
     (the training ones): Megatron's eval-batch check then is the training batch's divisibility,
@@ -77,15 +78,17 @@ def validate_arguments(script_args: Sequence[str], world_size: int) -> tuple[arg
         (validated arguments, everything Megatron printed while validating).
 
     Raises:
-        RecipeError: with Megatron's (or UltraEP's) message when the arguments are rejected.
+        RecipeError: every problem found, one line each.
     """
     with quiet_megatron():
         from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
-        from megatron.training.arguments import parse_args, validate_args
+        from megatron.training.arguments import validate_args
 
         from ultraep_megatron.megatron.arguments import (
-            UltraEPArgumentError, add_ultraep_args, validate_ultraep_args,
+            UltraEPArgumentError, startup_problems as ultraep_startup_problems, validate_ultraep_args,
         )
+        from ultraep_megatron.megatron.megatron_checks import assertion_problem
+        from ultraep_megatron.megatron.startup import parse_megatron_args
 
     import torch
 
@@ -95,18 +98,23 @@ def validate_arguments(script_args: Sequence[str], world_size: int) -> tuple[arg
     try:
         with _rank0_of(world_size, ["pretrain_gpt.py", *script_args]), quiet_megatron(), no_gpu, \
                 contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
-            args = parse_args(extra_args_provider=add_ultraep_args)
+            args, parser_errors = parse_megatron_args()
+            if parser_errors:
+                raise RecipeError("\n".join(f"Megatron's parser refused the arguments: {e}" for e in parser_errors))
+            problems, noop = ultraep_startup_problems(args, environment=False)  # noop: warnings there
+            problems = problems or noop
+            if problems:
+                raise RecipeError("\n".join(problems))
             eval_batch_given = (args.eval_global_batch_size, args.eval_micro_batch_size) != (None, None)
             if args.eval_iters == 0:
                 args.eval_global_batch_size = args.eval_micro_batch_size = None
                 eval_batch_given = False
             validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
             validate_ultraep_args(args, environment=False)  # this machine's: environment_notes
-    except SystemExit:  # argparse: unknown flag or bad value; its last line says which
+    except SystemExit:  # argparse beyond the one-line parser (a --help or a config file's error)
         lines = printed.getvalue().strip().splitlines()
         error = next((line for line in reversed(lines) if ": error: " in line), lines[-1] if lines else "")
-        raise RecipeError(f"Megatron's parser refused the arguments: {error.split(': error: ', 1)[-1]}",
-                          "\n".join(lines[-20:])) from None
+        raise RecipeError(f"Megatron's parser refused the arguments: {error.split(': error: ', 1)[-1]}") from None
     except AssertionError as error:
         if str(error).startswith("eval_global_batch_size") and not eval_batch_given:
             raise RecipeError(batch_problem(args)) from None
@@ -114,7 +122,7 @@ def validate_arguments(script_args: Sequence[str], world_size: int) -> tuple[arg
     except UltraEPArgumentError as error:  # every problem, one line each, naming its flag
         raise RecipeError("\n".join(error.problems)) from None
     except (ValueError, RuntimeError, TypeError) as error:
-        raise RecipeError(f"{type(error).__name__}: {error}") from None
+        raise RecipeError(f"Megatron's argument check failed: {' '.join(str(error).split())}") from None
     if args.vocab_size is None:
         raise RecipeError("--vocab-size is needed to size the embeddings (a HuggingFace "
                           "tokenizer ignores it; recipes pass the model's vocabulary size)")
@@ -164,14 +172,3 @@ def environment_notes(args: argparse.Namespace) -> list[str]:
             "pretrain_gpt.py refuses to start without it)" for package, flags in missing]
 
 
-def assertion_problem(error: AssertionError) -> str:
-    """One line for an assertion of Megatron's argument validation. Many are bare (``assert
-    args.micro_batch_size is not None``): the failing line is then the message, with the flags its
-    ``args.<name>`` attributes stand for."""
-    if str(error):
-        return f"AssertionError: {error}"
-    frame = traceback.extract_tb(error.__traceback__)[-1]
-    flags = sorted({f"--{name.replace('_', '-')}" for name in re.findall(r"\bargs\.(\w+)", frame.line or "")})
-    where = f"{Path(frame.filename).parent.name}/{Path(frame.filename).name}:{frame.lineno}"
-    return (f"Megatron's validate_args failed `{frame.line}` ({where})"
-            + (f": check {', '.join(flags)}" if flags else ""))
