@@ -204,7 +204,8 @@ ultraep_precision_args() {
 }
 
 # CUDA_GRAPH_MODULES -> cuda_graph_args: per-layer graphs only of modules that end before the
-# balanced part of a MoE layer (moe_preprocess, moe and full_iteration capture its plan wait).
+# balanced part of a MoE layer (moe and full_iteration capture the transfers the plan sizes;
+# moe_preprocess runs with the device planner and the alltoall dispatcher only).
 ultraep_cuda_graph_args() {
     cuda_graph_args=()
     [[ "$1" == none ]] && return

@@ -15,6 +15,8 @@ import time
 import uuid
 from typing import Sequence
 
+import rank_launcher
+
 #: The environment variable that marks every process of one launch (inherited by all descendants,
 #: whatever session they start): how a timed-out launch finds them all.
 LAUNCH_MARKER = "ULTRAEP_TEST_LAUNCH"
@@ -44,11 +46,15 @@ def kill_launch(marker: str, process_group: int | None = None, timeout_s: float 
 
     torchrun starts each rank in a session of its own, so killing torchrun's process group leaves
     the ranks running, re-parented to init: each with hundreds of gloo threads, they slowed every
-    later test on the machine tenfold. The marker in their inherited environment finds them.
+    later test on the machine tenfold. The marker in their inherited environment finds them; the
+    warm launcher (``rank_launcher``) finds the ranks it forked for the command.
     """
     if process_group is not None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process_group, signal.SIGKILL)
+    # Ranks the command launched through the warm launcher's shim are the launcher's children, forked
+    # without a new environment: it kills them and confirms.
+    rank_launcher.kill_marked(marker)
     deadline = time.monotonic() + timeout_s
     while (pids := launched_processes(marker)) and time.monotonic() < deadline:
         for pid in pids:

@@ -15,7 +15,10 @@ top-k indices) and ends with the tokens in the all-to-all's send order, on the d
   ultraep device  with ``--moe-balancer-planner device``: the load stays on the device, the plan and
                   the reroute table are made there (``device_planning``), the permutation is queued,
                   then the plan's host half crosses in one copy and wait and the host metadata is
-                  derived from it (``BalancingContext.complete_device_plan``'s work).
+                  derived from it (``BalancingContext.complete_device_plan``'s work);
+  ultraep device graphed   the same, the plan replayed from a CUDA graph captured once on a static
+                  load (what runs when ``moe_preprocess`` is captured: the plan's many small
+                  kernels cost one launch).
 
 Each iteration ends with a device synchronization, so a path's time includes its kernels; the
 difference is the latency balancing adds where the GPU waits for the host (the UltraEP paper keeps
@@ -144,6 +147,30 @@ def sweep_experts(cfg, device, sync):
         print(f"  {E:<5} {timed(ours, cfg, sync):10.1f} us   {timed(theirs, cfg, sync):10.1f} us")
 
 
+def graphed_device_planner(cfg, device, others, routing_map, config, rank):
+    """The device planner's plan (trigger, solve, reroute table, host half) captured once into a
+    CUDA graph on a static load: ``(static load, graph, its planned outputs)``, or why it could not
+    be captured (a message). In a captured ``moe_preprocess`` the plan replays this way: its
+    hundreds of small kernels cost one launch."""
+    from ultraep_megatron.megatron import device_planning
+
+    static_load = others.clone()
+    static_load[rank] = routing_map.sum(dim=0)
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the capture (Triton compiles, allocator pools)
+            for _ in range(3):
+                device_planning.plan_on_device(static_load, config, rank, training=False, grad_enabled=False)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            planned = device_planning.plan_on_device(static_load, config, rank, training=False, grad_enabled=False)
+        return static_load, graph, planned
+    except Exception as error:  # noqa: BLE001  (reported in the table, the other paths still run)
+        return f"capture failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
+
+
 def device_name(cfg) -> str:
     return torch.cuda.get_device_name(0) if cfg.device == "cuda" else "CPU (dry run)"
 
@@ -219,6 +246,27 @@ def main():
         return permuted
 
     paths = {"megatron": megatron_path, "ultraep host": host_planner_path, "ultraep device": device_planner_path}
+    graphed = graphed_device_planner(cfg, device, others, routing_map, config, rank) if cfg.device == "cuda" else None
+    if isinstance(graphed, tuple):
+        static_load, graph, planned_in_graph = graphed
+        host_stretch["graphed"] = []
+
+        def graphed_device_planner_path():
+            static_load.copy_(others)
+            static_load[rank] = routing_map.sum(dim=0)
+            graph.replay()
+            dispatcher._table = planned_in_graph.reroute_table
+            sorted_tokens, _ = dispatcher._permutation(probs)
+            permuted = tokens.index_select(0, sorted_tokens)
+            host_half = dispatchers._copy_to_host(planned_in_graph.host_half)
+            h0 = time.perf_counter()
+            host_load, plan, balanced = device_planning.unpack_host_half(host_half, R, E, S)
+            dispatcher.invocation = plan_invocation(plan, host_load, rank, layer_number=1, vid=None,
+                                                    schedule_builder=None, balanced=balanced, plan_seconds=0.0)
+            host_stretch["graphed"].append(time.perf_counter() - h0)
+            return permuted
+
+        paths["ultraep device graphed"] = graphed_device_planner_path
     times = {name: [] for name in paths}
     for i in range(cfg.warmup + cfg.iters):
         for name, path in paths.items():
@@ -240,6 +288,12 @@ def main():
           f"{median_us['ultraep host']:8.1f} us")
     print(f"  ultraep device planner (plan on the device, permute, plan to host, wait): "
           f"{median_us['ultraep device']:8.1f} us")
+    if "ultraep device graphed" in median_us:
+        print(f"  ultraep device planner, plan replayed from a CUDA graph (what a captured moe_preprocess "
+              f"runs): {median_us['ultraep device graphed']:8.1f} us; added by balancing "
+              f"{median_us['ultraep device graphed'] - median_us['megatron']:8.1f} us")
+    elif graphed is not None:
+        print(f"  ultraep device planner in a CUDA graph: {graphed}")
     print(f"  added by balancing: host planner {median_us['ultraep host'] - median_us['megatron']:8.1f} us, "
           f"of which the host plan (trigger + solve + dispatch metadata) {stretch_us['host']:.1f} us; "
           f"device planner {median_us['ultraep device'] - median_us['megatron']:8.1f} us, of which the host "

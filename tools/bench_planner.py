@@ -3,6 +3,7 @@
     python tools/bench_planner.py              # three tables (markdown) + solve-time summary
     python tools/bench_planner.py --quick      # one seed, fewer settings
     python tools/bench_planner.py --only domains   # one part: main, domains, peers, timing, device
+    python tools/bench_planner.py --only self-check   # the device planner's compile + self-check time
 
 For every setting (R ranks, E experts, S slots per rank, target initial rank imbalance) and seed it
 draws a Zipf load (``traces.synthetic.zipf_load``: top-8, 4096 tokens per rank) and plans it with
@@ -26,6 +27,13 @@ times are noisy: the summary also gives CPU time (thread_time) for the R=64, E=2
 one NVLink domain and with domains of 8 ranks, and the host stretch of one invocation in that case:
 the trigger, the solve and the rank's dispatch metadata (``rank_dispatch``), the host work between
 the load reaching the host and the reroute tables being ready, while a GPU waits.
+
+``--only self-check`` times what a balanced model's first MoE layer runs when it registers with
+the device planner (``device_planning.self_check``: the Triton kernels compiled and the plans of the
+probe loads checked against the host references), for the recipes' EP groups (R=8 E=64, R=32
+E=128 in domains of 8, R=64 E=256; S=2), in a fresh Triton cache (as on a new node; set
+``TRITON_CACHE_DIR`` to time a warm one) and again warm. On a machine without CUDA it times the CPU
+path (the reference's torch calls).
 
 A second table plans the R = 32/64 loads with NVLink domains of N = 8 and 16 ranks
 (``solve(..., domain_size=N)``: replicas only inside their home's domain):
@@ -286,6 +294,40 @@ def device_timing_summary(repeats: int) -> str:
     return "\n".join(lines)
 
 
+SELF_CHECK_SHAPES = [(8, 64, None), (32, 128, 8), (64, 256, None)]  # R, E, NVLink domain size
+
+
+def self_check_summary() -> str:
+    """The device planner's compile + self-check time, per SELF_CHECK_SHAPES (module docstring)."""
+    import tempfile
+
+    from ultraep_megatron.megatron import device_planning
+
+    fresh_cache = "TRITON_CACHE_DIR" not in os.environ
+    if fresh_cache:  # read when a kernel compiles: a new node's first run compiles everything
+        os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="ultraep-triton-")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.zeros(1, device=device)  # the CUDA context exists before a layer registers
+        where = torch.cuda.get_device_name(device)
+    else:
+        where = "CPU (no CUDA device)"
+    lines = []
+    for R, E, N in SELF_CHECK_SHAPES:
+        config = BalancerConfig(registry.ULTRAEP, num_slots=2, domain_size=N)
+        config.build().warm_up()  # the host planner's kernels: loaded before any layer registers
+        first = device_planning.self_check(config, R, E, device, rank=0)
+        again = device_planning.self_check(config, R, E, device, rank=0)
+        domains = f" domains of {N}" if N else ""
+        verdict = "passed" if first.failure is None and again.failure is None else \
+            f"FAILED: {first.failure or again.failure}"
+        lines.append(f"device planner self-check ({first.implementation} on {where}"
+                     f"{', fresh Triton cache' if fresh_cache and device.type == 'cuda' else ''}) "
+                     f"R={R} E={E} S=2{domains}: ready in {first.seconds:.2f} s (again: {again.seconds:.3f} s), "
+                     f"{first.replicas} replicas in the probe plans, {verdict}")
+    return "\n".join(lines)
+
+
 def main_table(shapes, slots, seeds, repeats) -> None:
     """The first table: ultraep, Algorithm 1 and eplb++ with one domain."""
     header = ("| R | E | S | init | ultraep imb | tau/LB | rep | fan | infl | us "
@@ -404,7 +446,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one seed, S in {1, 2}, R=64 only")
     parser.add_argument("--seeds", type=int, default=3, help="loads per setting")
     parser.add_argument("--repeats", type=int, default=200, help="timed solve calls per load")
-    parser.add_argument("--only", choices=["main", "domains", "peers", "timing", "device"],
+    parser.add_argument("--only", choices=["main", "domains", "peers", "timing", "device", "self-check"],
                         help="run one part only (default: all)")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -414,6 +456,12 @@ def main() -> None:
         shapes, slots, seeds = [s for s in SHAPES if s[0] == 64], [1, 2], [0]
         domain_shapes = [s for s in DOMAIN_SHAPES if s[0] == 64]
 
+    if args.only == "self-check":
+        summary = self_check_summary()
+        print(summary)
+        if "FAILED" in summary:
+            raise SystemExit(1)
+        return
     solve(zipf_load(8, 16, 2.0), 1)  # compile or load the numba cache before timing
     if args.only in (None, "main"):
         main_table(shapes, slots, seeds, args.repeats)

@@ -7,4 +7,4 @@ PY=$(bash "$repo/tools/ensure_env.sh")
 cd "$repo"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} WANDB_MODE=offline WANDB_SILENT=true
 export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore::UserWarning}
-exec "$PY" -m pytest "${@:-tests}" -p no:cacheprovider --durations=15
+exec "$PY" -m pytest "${@:-tests}" -p no:cacheprovider

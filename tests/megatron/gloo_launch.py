@@ -1,8 +1,10 @@
-"""Launch N CPU ranks over gloo with torchrun, for tests that run real megatron-core.
+"""Launch N CPU ranks over gloo, for tests that run real megatron-core.
 
-Each rank is a fresh Python process running a script (a worker under ``workers/`` or the
+Each rank is a process of its own running a script (a worker under ``workers/`` or the
 repository's ``pretrain_gpt.py``), so a test never shares megatron's global state with pytest.
-Workers hand results back through files in a directory the test owns.
+The ranks are forked from the session's warm launcher (``rank_launcher``: torch and megatron-core
+already imported), or started by torchrun where it cannot serve the launch (another interpreter,
+``ULTRAEP_COLD_LAUNCH=1``). Workers hand results back through files in a directory the test owns.
 
 Usage::
 
@@ -15,9 +17,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import Sequence
 
+import rank_launcher
 from processes import run_process_group  # noqa: F401  (tests import it from here too)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -53,6 +58,60 @@ def torchrun_command(script: str | Path, nproc: int, args: Sequence[str] = ()) -
             str(FAST_EXIT), str(script), *map(str, args)]
 
 
+def run_ranks(script: str | Path, nproc: int, args: Sequence[str] = (), *, env: dict[str, str] | None = None,
+              timeout_s: float = 600.0) -> subprocess.CompletedProcess:
+    """``script args`` on ``nproc`` gloo ranks, warm (``rank_launcher``) where it can be served, else
+    with torchrun; the combined status and output, failing or not.
+
+    Raises:
+        subprocess.TimeoutExpired: past ``timeout_s``, once every rank (and what it started) is gone.
+    """
+    env = gloo_env(env)
+    if not rank_launcher.servable(PYTHON, env):
+        start = time.monotonic()
+        completed = run_process_group(torchrun_command(script, nproc, args), cwd=REPO_ROOT, env=env,
+                                      timeout_s=timeout_s)
+        rank_launcher.record_launch({"script": Path(script).name, "nproc": nproc, "warm": False,
+                                     "seconds": round(time.monotonic() - start, 3), "status": completed.returncode,
+                                     "test": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]})
+        return completed
+    return _warm(script, nproc, args, env=env, cwd=REPO_ROOT, timeout_s=timeout_s, torchrun=True)
+
+
+def run_python(script: str | Path, args: Sequence[str] = (), *, env: dict[str, str], cwd: str | Path = REPO_ROOT,
+               timeout_s: float = 300.0) -> subprocess.CompletedProcess:
+    """``python script args`` as one process with environment ``env``, forked from the warm
+    launcher where it can be served, else a fresh interpreter; its status and output (text).
+
+    Raises:
+        subprocess.TimeoutExpired: past ``timeout_s``, once it (and what it started) is gone.
+    """
+    if not rank_launcher.servable(PYTHON, env):
+        return subprocess.run([PYTHON, str(script), *map(str, args)], cwd=cwd, env=env, capture_output=True,
+                              text=True, timeout=timeout_s)
+    return _warm(script, 1, args, env=env, cwd=cwd, timeout_s=timeout_s, torchrun=False)
+
+
+def _warm(script, nproc, args, *, env, cwd, timeout_s, torchrun) -> subprocess.CompletedProcess:
+    """A launch through ``rank_launcher``, its output collected in temporary files."""
+    with tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:
+        def output() -> tuple[str, str]:
+            texts = []
+            for handle in (stdout, stderr):
+                handle.seek(0)
+                texts.append(handle.read().decode(errors="replace"))
+            return texts[0], texts[1]
+
+        try:
+            status = rank_launcher.launch(script, nproc, [str(a) for a in args], env=env, cwd=cwd,
+                                          timeout_s=timeout_s, stdout=stdout.fileno(), stderr=stderr.fileno(),
+                                          torchrun=torchrun)
+        except subprocess.TimeoutExpired as error:
+            error.output, error.stderr = output()
+            raise
+        return subprocess.CompletedProcess([str(script), *map(str, args)], status, *output())
+
+
 def launch_gloo_ranks(
     script: str | Path,
     nproc: int,
@@ -62,7 +121,7 @@ def launch_gloo_ranks(
     timeout_s: float = 600.0,
     log_path: str | Path | None = None,
 ) -> str:
-    """Run ``script`` on ``nproc`` local ranks with torchrun; return the combined output.
+    """Run ``script`` on ``nproc`` local ranks (:func:`run_ranks`); return the combined output.
 
     Args:
         script: Python file every rank runs.
@@ -85,9 +144,8 @@ def launch_gloo_ranks(
     """
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
-    command = torchrun_command(script, nproc, args)
     try:
-        completed = run_process_group(command, cwd=REPO_ROOT, env=gloo_env(env), timeout_s=timeout_s)
+        completed = run_ranks(script, nproc, args, env=env, timeout_s=timeout_s)
     except subprocess.TimeoutExpired as error:
         output = (error.stdout or "") + (error.stderr or "")
         if isinstance(output, bytes):

@@ -16,7 +16,6 @@ Usage::
 from __future__ import annotations
 
 import json
-import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ from typing import Sequence
 
 import torch
 
-from gloo_launch import PYTHON, REPO_ROOT, WORKERS, gloo_env, launch_gloo_ranks, run_process_group, torchrun_command
+from gloo_launch import REPO_ROOT, WORKERS, gloo_env, launch_gloo_ranks, run_python, run_ranks
 
 from ultraep_megatron.megatron.cpu.flags import CPU_FLAGS, REQUIRED_ARGS
 
@@ -243,9 +242,8 @@ def argument_verdicts(cases: dict[str, list[str]]) -> dict[str, dict]:
     with tempfile.TemporaryDirectory(prefix="argument_verdicts_") as tmp:
         path = Path(tmp) / "cases.json"
         path.write_text(json.dumps([{"name": name, "argv": argv} for name, argv in cases.items()]))
-        out = subprocess.run([PYTHON, str(WORKERS / "validate_balancer_args.py"), str(path)],
-                             env=gloo_env({"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}),
-                             capture_output=True, text=True, timeout=300)
+        out = run_python(WORKERS / "validate_balancer_args.py", [str(path)],
+                         env=gloo_env({"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}))
     found = {}
     for line in (out.stdout + out.stderr).splitlines():
         if line.startswith("RESULT "):
@@ -258,8 +256,7 @@ def argument_verdicts(cases: dict[str, list[str]]) -> dict[str, dict]:
 def torchrun(script: str | Path, nproc: int, args: Sequence[str], env: dict[str, str] | None = None,
              timeout_s: float = 300) -> tuple[int, str]:
     """(exit status, combined output) of ``script`` on ``nproc`` gloo ranks, failing or not."""
-    completed = run_process_group(torchrun_command(script, nproc, args), cwd=REPO_ROOT, env=gloo_env(env),
-                                  timeout_s=timeout_s)
+    completed = run_ranks(script, nproc, args, env=env, timeout_s=timeout_s)
     return completed.returncode, completed.stdout + completed.stderr
 
 

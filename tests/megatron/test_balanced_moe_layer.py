@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from equivalence import Comparison, failures, noise_floor, relative_difference, summary
+from fp8_equivalence import GateRow, concatenated
 from gloo_launch import WORKERS, launch_gloo_ranks
 
 WORLD = 4
@@ -17,9 +18,9 @@ NUM_SLOTS = 1
 EXPERT_NUMEL = 2 * 32 * 48  # fc1 [48, 32] + fc2 [32, 48]
 LATENT_EXPERT_NUMEL = 2 * 16 * 48  # --moe-latent-size 16: fc1 [48, 16] + fc2 [16, 48]
 SCENARIOS = ("single", "pipelined", "recompute", "eplb", "eplb-exact", "flex", "flex-hybridep",
-             "flex-hybridep-padded", "flex-hybridep-fp8", "grouped", "mixed",
+             "flex-hybridep-padded", "grouped", "mixed",
              "frozen_input", "frozen_router", "relayed", "idle_replica", "device_planner",
-             "device_planner_recompute", "device_planner_flex", "latent")
+             "device_planner_recompute", "device_planner_flex", "device_planner_fallback", "latent")
 # A negative control must miss by more than this many times its tolerance (not a borderline miss).
 NOISE_MULTIPLE = 10
 EXPERT_PARAMS = 2  # fc1, fc2
@@ -65,6 +66,24 @@ def test_same_outputs_and_gradients_as_megatron(ranks, scenario):
     assert not failures(compared), failures(compared)
 
 
+def test_fp8_scenario_passes_the_fp8_equivalence_gate(ranks):
+    """``flex-hybridep-fp8`` (blockwise fp8, TE's quantization per GEMM group stood in): a replicated
+    expert's rows, split between its main instance and replicas, are quantized by different groups'
+    quantizers, so the balanced layer is compared with megatron's in fp8 against megatron's in fp32
+    (fp8_equivalence.py): within 10 % of its distance, and closer to it than either is to the
+    reference, per kind of quantity."""
+    kinds = {"outputs": lambda r: r["out"], "input grads": lambda r: r["dx"],
+             "router grads": lambda r: [r["router_grad"]],
+             "expert grads": lambda r: [g for _, grads in sorted(r["expert_grads"].items()) for g in grads]}
+    rows = []
+    for kind, of in kinds.items():
+        runs = {key: concatenated([t for result in ranks for t in of(result[f"flex-hybridep-fp8/{key}"])])
+                for key in ("none", "balanced", "reference")}
+        rows.append(GateRow.of(kind, runs["none"], runs["balanced"], runs["reference"]))
+    print("\nflex-hybridep-fp8:\n  " + "\n  ".join(map(str, rows)))
+    assert all(row.passed for row in rows), [str(row) for row in rows if not row.passed]
+
+
 @pytest.mark.parametrize("control", ["no_replica_grad_reduction", "latent_no_replica_grad_reduction"])
 def test_negative_control_unreduced_replica_gradients_fail_the_comparison(ranks, control):
     """The single (or latent) scenario again, with the replica-gradient reduction broken in the
@@ -81,7 +100,7 @@ def test_negative_control_unreduced_replica_gradients_fail_the_comparison(ranks,
 
 @pytest.mark.parametrize("scenario", ["single", "pipelined", "recompute", "flex", "flex-hybridep", "grouped",
                                       "device_planner", "device_planner_recompute", "device_planner_flex",
-                                      "latent"])
+                                      "device_planner_fallback", "latent"])
 def test_ultraep_balances_the_received_load(ranks, scenario):
     rows = torch.tensor([r[f"{scenario}/balanced"]["received_rows"] for r in ranks], dtype=torch.float)
     skewed = torch.tensor([r[f"{scenario}/none"]["received_rows"] for r in ranks], dtype=torch.float)
@@ -106,6 +125,37 @@ def test_device_planner_balances_as_the_host_planner(ranks, device, host):
         assert result[f"{device}/balanced"]["planner"] == "device"
         assert result[f"{host}/balanced"]["planner"] == "host"  # the CPU backend's default
         assert result[f"{device}/balanced"]["received_rows"] == result[f"{host}/balanced"]["received_rows"], rank
+
+
+def test_the_device_planner_checks_itself_once_and_says_so(ranks):
+    """The device planner's self-check passed at the layer's registration: rank 0 printed its
+    ready line (with the time), once; the other ranks printed nothing."""
+    for name in ("device_planner", "device_planner_recompute", "device_planner_flex"):
+        for rank, result in enumerate(ranks):
+            printed = result[f"{name}/balanced"]["printed_by_balancer"]
+            assert printed == [] if rank else (len(printed) == 1 and "device planner ready in" in printed[0]), \
+                (name, rank, printed)
+    assert ranks[0]["pipelined/balanced"]["printed_by_balancer"] == []  # the host planner checks nothing
+
+
+def test_a_failed_self_check_hands_over_to_the_host_planner_with_one_warning(ranks):
+    """``device_planner_fallback``: the self-check failed on rank 1 alone (a kernel returning a wrong
+    plan); every rank of the EP group plans on the host (they must plan alike), and rank 0 printed
+    one warning line naming the failing rank, why, and ``--moe-balancer-planner host``. The layer
+    then balances and computes as with the host planner (the comparisons above)."""
+    for rank, result in enumerate(ranks):
+        balanced = result["device_planner_fallback/balanced"]
+        assert balanced["planner"] == "host", rank
+        assert balanced["received_rows"] == result["pipelined/balanced"]["received_rows"], rank
+        printed = balanced["printed_by_balancer"]
+        if rank:
+            assert printed == [], (rank, printed)
+            continue
+        assert len(printed) == 1, printed
+        line = printed[0]
+        print(f"\n{line}")
+        assert line.startswith("ultraep: warning: the device planner failed its self-check on EP rank 1 "), line
+        assert "differs from the reference in: " in line and "--moe-balancer-planner host" in line, line
 
 
 @pytest.mark.parametrize("scenario", ["single", "pipelined", "recompute", "device_planner", "grouped"])

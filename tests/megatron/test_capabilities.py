@@ -50,6 +50,8 @@ WARNED = {"valid_production_ddp"}
 FP8 = ["--fp8-format", "hybrid", "--fp8-recipe"]
 GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-modules"]
 REUSE = "--reuse-grad-buf-for-mxfp8-param-ag"
+TE_PREPROCESS = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules", "attn", "moe_router",
+                 "moe_preprocess"]
 ENVELOPE = {
     **{f"fp8_{recipe}{'_param_gather' if gather else ''}": ([*ULTRAEP, *FP8, recipe, *gather], None)
        for recipe in ("tensorwise", "blockwise", "mxfp8") for gather in ([], ["--fp8-param-gather"])
@@ -81,9 +83,16 @@ ENVELOPE = {
     "graphs_te_attn_router_mlp": ([*ULTRAEP, "--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules",
                                    "attn", "moe_router", "mlp"], None),
     "graphs_older_spelling_attn": ([*ULTRAEP, "--external-cuda-graph", "--cuda-graph-scope", "attn"], None),
-    # Graphs that would capture the plan's host wait or the transfers it sizes.
-    "graphs_moe_preprocess": ([*ULTRAEP, "--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules",
-                               "attn", "moe_router", "moe_preprocess"], "--cuda-graph-modules moe_preprocess"),
+    # TE's graph of the preprocessing: with the device planner (whose plan needs no host read:
+    # test_graph_capture.py), not with the host planner, whose plan it would capture, nor where the
+    # planner is left to its default (host on this machine).
+    "graphs_moe_preprocess": ([*ULTRAEP, *TE_PREPROCESS], None),  # the default planner: device
+    "graphs_moe_preprocess_host_planner": ([*ULTRAEP, *TE_PREPROCESS, "--moe-balancer-planner", "host"],
+                                           "--cuda-graph-modules moe_preprocess"),
+    "graphs_moe_preprocess_device_planner": ([*ULTRAEP, *TE_PREPROCESS, "--moe-balancer-planner", "device"], None),
+    "graphs_moe_preprocess_permute_fusion": ([*ULTRAEP, *TE_PREPROCESS, "--moe-balancer-planner", "device",
+                                              "--moe-permute-fusion"], "--cuda-graph-modules moe_preprocess"),
+    # Graphs that would capture the transfers the plan sizes.
     "graphs_moe": ([*ULTRAEP, *GRAPHS, "moe"], "--cuda-graph-modules moe "),
     "graphs_whole_layer": ([*ULTRAEP, "--cuda-graph-impl", "local"], "whole-layer capture"),
     "graphs_whole_layer_older_spelling": ([*ULTRAEP, "--enable-cuda-graph"], "--enable-cuda-graph"),
@@ -130,7 +139,9 @@ def test_production_envelope(verdicts, name):
     verdict, expected = verdicts[f"envelope/{name}"], ENVELOPE[name][1]
     if expected is None:
         assert verdict["errors"] == [], verdict["errors"]
-        assert len(verdict["warnings"]) == 1, verdict["warnings"]  # EP=1: nothing to balance
+        # EP=1: nothing to balance (and, without triton, the device planner's warning)
+        warnings = [w for w in verdict["warnings"] if "without triton installed" not in w]
+        assert len(warnings) == 1, verdict["warnings"]
         return
     refusals = [e for e in verdict["errors"] if expected in e]
     assert len(refusals) == 1, verdict["errors"]
@@ -139,5 +150,49 @@ def test_production_envelope(verdicts, name):
         assert "tensorwise, blockwise or mxfp8" in refusals[0], refusals[0]
     if name == "graphs_local_attn_router":
         assert "use --cuda-graph-impl transformer_engine" in refusals[0], refusals[0]
+    elif name.startswith("graphs_moe_preprocess"):
+        why = "--moe-permute-fusion" if name.endswith("fusion") else "leave --moe-balancer-planner out or pass device"
+        assert why in refusals[0], refusals[0]
     elif "graphs" in name:
         assert "capture only attn, moe_router, mlp, mamba" in refusals[0], refusals[0]
+
+
+def test_preprocess_graph_needs_the_device_planner():
+    """The balanced layer's own check (on its TransformerConfig, with its context's resolved
+    planner) agrees with the startup check: TE's graph of the preprocessing with the device planner
+    (the default planner when the preprocessing is captured, host otherwise) and the all-to-all
+    dispatcher's unfused permutation (what test_graph_capture.py runs); refused, each naming its
+    flag, with the host planner, the flex dispatcher or the fused permutation."""
+    import enum
+    from types import SimpleNamespace
+
+    from ultraep_megatron.megatron.capabilities import default_planner, preprocess_graphed, unsupported_moe_settings
+
+    # A TransformerConfig holds megatron's CudaGraphModule members (an Enum; not imported here:
+    # importing megatron-core costs this process seconds).
+    CudaGraphModule = enum.Enum("CudaGraphModule", ["attn", "moe_router", "moe_preprocess"])
+    modules = [CudaGraphModule.attn, CudaGraphModule.moe_router, CudaGraphModule.moe_preprocess]
+    config = dict(moe_token_dispatcher_type="alltoall", cuda_graph_impl="transformer_engine",
+                  cuda_graph_modules=modules)
+    assert unsupported_moe_settings(SimpleNamespace(**config), planner="device") == []
+    assert unsupported_moe_settings(SimpleNamespace(**config, moe_balancer_planner="device")) == []
+    assert unsupported_moe_settings(SimpleNamespace(**config)) == []  # the default: device
+    assert preprocess_graphed(SimpleNamespace(**config))
+    assert not preprocess_graphed(SimpleNamespace(**{**config, "cuda_graph_modules": modules[:2]}))
+    assert not preprocess_graphed(SimpleNamespace(**{**config, "cuda_graph_impl": "local"}))
+    assert [default_planner(b, g) for b, g in (("ultraep", True), ("ultraep", False), ("eplb-exact", True))] == \
+        ["device", "host", "host"]
+    refusals = {
+        "host planner": unsupported_moe_settings(SimpleNamespace(**config), planner="host"),
+        "eplb-exact": unsupported_moe_settings(SimpleNamespace(**config, moe_balancer="eplb-exact")),
+        "flex": unsupported_moe_settings(SimpleNamespace(**{**config, "moe_token_dispatcher_type": "flex"},
+                                                         moe_flex_dispatcher_backend="hybridep"),
+                                         environment=False, planner="device"),
+        "fusion": unsupported_moe_settings(SimpleNamespace(**config, moe_permute_fusion=True), planner="device"),
+    }
+    for case, problems in refusals.items():
+        assert len(problems) == 1 and problems[0].startswith("--cuda-graph-modules moe_preprocess"), (case, problems)
+    assert "--moe-balancer-planner host" in refusals["host planner"][0]
+    assert "leave --moe-balancer-planner out or pass device" in refusals["eplb-exact"][0]
+    assert "--moe-token-dispatcher-type alltoall" in refusals["flex"][0]
+    assert "--moe-permute-fusion" in refusals["fusion"][0]

@@ -67,8 +67,9 @@ def places_in(places: collections.Counter, function: str) -> int:
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_no_synchronization_beyond_megatrons(cuda_ranks, scenario):
     """megatron's layer waits only at its dispatcher's sync point, at least once per microbatch; the
-    balanced layer only at its load copy, exactly once per microbatch (a recompute replay reuses
-    the plan), and under ``error`` each passes with its own designated wait alone."""
+    balanced layer only at its one host wait (``_wait_for_host_copy``: the load, or with the device
+    planner the plan's host half), exactly once per microbatch (a recompute replay reuses the plan),
+    and under ``error`` each passes with its own designated wait alone."""
     for rank, result in enumerate(cuda_ranks):
         none, balanced = result[f"{scenario}/none"], result[f"{scenario}/balanced"]
         theirs, ours = sync_places(none), sync_places(balanced)
@@ -79,7 +80,7 @@ def test_no_synchronization_beyond_megatrons(cuda_ranks, scenario):
         assert places_in(theirs, "_maybe_dtoh_and_synchronize") == sum(theirs.values()) >= MICROBATCHES[scenario]
         assert balanced["error"]["error"] is None, (
             f"rank {rank} {scenario}: the balanced layer synchronizes: {balanced['error']['error']}")
-        assert places_in(ours, "_copy_to_host") == sum(ours.values()) == MICROBATCHES[scenario], (
+        assert places_in(ours, "_wait_for_host_copy") == sum(ours.values()) == MICROBATCHES[scenario], (
             f"rank {rank} {scenario}: balanced {dict(ours)} vs megatron {dict(theirs)}")
 
 

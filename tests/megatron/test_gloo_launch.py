@@ -1,15 +1,18 @@
 """The test launcher leaves nothing running behind a timed-out job: not the job's children, not
-torchrun's ranks, which torchrun starts in sessions of their own."""
+torchrun's ranks, which torchrun starts in sessions of their own, not the ranks the warm launcher
+forked; and a warm rank gets what a torchrun rank gets."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
 
 import pytest
 
-from gloo_launch import WORKERS, launch_gloo_ranks, run_process_group
+import rank_launcher
+from gloo_launch import WORKERS, gloo_env, launch_gloo_ranks, run_process_group, run_ranks
 
 # A parent that starts a long-lived child in a session of its own (as torchrun starts its ranks)
 # and reports its pid.
@@ -61,3 +64,73 @@ def test_a_timed_out_torchrun_job_leaves_no_rank_behind(tmp_path):
         time.sleep(0.05)
     assert not any(_alive(pid) for pid in pids), "a rank outlived its launch's timeout"
     assert time.monotonic() - start < 45
+
+
+def _probe(tmp_path, name, env=None, nproc=2):
+    out = tmp_path / name
+    out.mkdir()
+    completed = run_ranks(WORKERS / "launch_probe.py", nproc, [str(out)], env=env, timeout_s=300)
+    return completed, [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+#: What torchrun's agent puts in a worker's environment for its own machinery (error files, its
+#: store, NCCL defaults), which a warm rank, launched without the agent, does not get.
+AGENT_ONLY = {"TORCHELASTIC_ERROR_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCHELASTIC_ENABLE_FILE_TIMER",
+              "TORCHELASTIC_TIMER_FILE", "TORCHELASTIC_HEALTH_CHECK_PORT", "TORCH_NCCL_DUMP_ON_TIMEOUT",
+              "NCCL_ASYNC_ERROR_HANDLING",
+              # this test's own: the cold launch's switch and run_process_group's marker
+              rank_launcher.COLD_ENV, rank_launcher.LAUNCH_MARKER}
+
+
+def test_a_warm_rank_gets_what_a_torchrun_rank_gets(tmp_path, monkeypatch):
+    """The same probe launched by torchrun and by the warm launcher: the same worker variables,
+    sys.path, argv, working directory, warning filters, a session of its own and generators seeded
+    per process."""
+    monkeypatch.setenv(rank_launcher.COLD_ENV, "1")
+    cold_run, cold = _probe(tmp_path, "cold")
+    monkeypatch.delenv(rank_launcher.COLD_ENV)
+    warm_run, warm = _probe(tmp_path, "warm")
+    launches = rank_launcher.read_stats()
+    assert [l["warm"] for l in launches if l["script"] == "launch_probe.py"][-2:] == [False, True]
+    for rank, (c, w) in enumerate(zip(cold, warm)):
+        missing = set(c["env"]) - set(w["env"]) - AGENT_ONLY
+        assert not missing, f"torchrun sets {sorted(missing)}, the warm launcher does not"
+        for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                     "MASTER_ADDR", "OMP_NUM_THREADS", "PYTHONPATH", "GLOO_SOCKET_IFNAME"):
+            assert w["env"].get(name) == c["env"].get(name), name
+        assert w["env"]["RANK"] == str(rank)
+        for key in ("path", "cwd", "warning_filters", "main_module"):
+            assert w[key] == c[key], key
+        assert (w["argv"], c["argv"]) == ([str(WORKERS / "launch_probe.py"), str(tmp_path / "warm")],
+                                          [str(WORKERS / "launch_probe.py"), str(tmp_path / "cold")])
+        assert w["session_leader"] and c["session_leader"]
+    assert len({r["torch_seed"] for r in warm}) == len(warm)  # not the server's generator, shared
+    for line in ("probe rank 0 out", "probe rank 1 err"):
+        assert line in warm_run.stdout + warm_run.stderr
+    assert (warm_run.returncode, cold_run.returncode) == (0, 0)
+
+
+def test_a_failing_rank_fails_the_launch_as_torchrun_reports_it(tmp_path):
+    """Rank 1 exits with status 3 while rank 0 waits: rank 0 is stopped, the launch fails with
+    torchrun's status and summary naming the first failure."""
+    start = time.monotonic()
+    completed, _ = _probe(tmp_path, "failing", env={"FAIL_RANK": "1"})
+    assert completed.returncode == 1
+    assert "exitcode  : 3" in completed.stderr and "rank      : 1 (local_rank: 1)" in completed.stderr
+    assert time.monotonic() - start < 60  # rank 0's sleep of 600 s was cut short
+
+
+def test_a_timed_out_script_leaves_no_rank_of_its_shim_launch_behind(tmp_path):
+    """A bash script launching through $ULTRAEP_PYTHON (the warm launcher's shim, as the recipes
+    do) times out: its ranks, forked by the launcher rather than started by the script, are killed
+    all the same."""
+    script = f'exec "$ULTRAEP_PYTHON" -m torch.distributed.run --standalone --nproc-per-node 2 {WORKERS / "hang.py"} {tmp_path}'
+    env = gloo_env({"ULTRAEP_PYTHON": rank_launcher.shim_python()})
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_process_group(["bash", "-c", script], env=env, timeout_s=20)
+    ranks = [tuple(map(int, p.read_text().split())) for p in sorted(tmp_path.glob("rank*.pid"))]
+    assert len(ranks) == 2, "both ranks started before the timeout"
+    assert not any(_alive(pid) for pid, _ in ranks), "a rank outlived its launch's timeout"
+    launches = [l for l in rank_launcher.read_stats()
+                if l["test"].endswith("::test_a_timed_out_script_leaves_no_rank_of_its_shim_launch_behind")]
+    assert [(l["script"], l["warm"], l["killed"]) for l in launches] == [("hang.py", True, True)]

@@ -49,13 +49,19 @@ ultraep_order_fault    4      balanced with the experts' gradients handed to DDP
 ultraep_gather_fault   4      balanced with replicas copied before megatron's parameter
                               all-gather completes (negative control)
 =====================  =====  ============================================================
+
+One more launch checks the mechanism the order fix rests on, directly (:func:`grad_order_run`): the
+order in which megatron's DDP sees each gradient ready is the same on every rank that reduces it
+together, whatever each rank's plan.
 """
 
 from __future__ import annotations
 
 import re
+from collections import Counter
 
 import pytest
+import torch
 
 from equivalence import failures, per_step_comparisons, summary, trajectory_comparisons
 from megatron_runs import launch_dump_run, quantized_weights, save_initial_checkpoint, tiny_moe_args
@@ -239,3 +245,116 @@ def test_negative_control_replicas_read_before_the_parameter_gather(runs):
     worst = max(comparisons, key=lambda c: c.ratio)
     print(f"\ngather fault: {len(failed)} of {len(comparisons)} over tolerance, worst {worst.ratio:.3g} ({worst.what})")
     assert failed, summary(comparisons)
+
+
+# ---- gradient order ----------------------------------------------------------------------------
+# The fix above rests on every autograd node before the dispatch being independent of the plan
+# (AccumulateGrad nodes share one priority in autograd's ready queue, which is not stable): then the
+# experts' gradients are accumulated, and DDP's grad-ready hook fires, in one order on every rank.
+# One launch (workers/pretrain_grad_dump.py, ULTRAEP_GRAD_ORDER=1) records DDP's own view of it
+# (``GradReadyOrder``): the tiny model with a shared expert, buckets of one expert weight each
+# (8 whole buckets per MoE layer and rank), 3 microbatches per rank and iteration, lr 0 throughout.
+# Iterations 1-3 run the balancer as shipped (1: megatron's first batch, which only counts the
+# hooks; 2-3 overlapped); iterations 4-5 the negative control, an identity before the dispatch whose
+# inputs include the parameters of the local experts this rank's plan replicates.
+ORDER_CLEAN, ORDER_FAULTED = [1, 2, 3], [4, 5]
+ORDER_MICROBATCHES = 3
+SHARED_EXPERT = ["--moe-shared-expert-intermediate-size", "64"]
+
+
+@pytest.fixture(scope="module")
+def grad_order_run(tmp_path_factory):
+    """Every rank's ``grad_order`` record (workers/pretrain_grad_dump.GradReadyOrder), by rank."""
+    run_dir = tmp_path_factory.mktemp("grad_order")
+    iterations = len(ORDER_CLEAN) + len(ORDER_FAULTED)
+    args = [*tiny_moe_args(ep=EP, train_iters=iterations), *PRODUCTION_DDP, *BALANCED, *SHARED_EXPERT,
+            "--global-batch-size", str(2 * ORDER_MICROBATCHES * WORLD)]  # micro-batch 2, DP 4
+    faults = ",".join(f"plan_dependent_node_before_dispatch@{it}" for it in ORDER_FAULTED)
+    launch_dump_run(run_dir, WORLD, args, {"ULTRAEP_LR0_ITERS": str(iterations), "ULTRAEP_FAULTS": faults,
+                                           "ULTRAEP_GRAD_ORDER": "1"})
+    return [torch.load(run_dir / f"rank{r}.pt")["grad_order"] for r in range(WORLD)]
+
+
+def layer_of(name: str) -> str:
+    return re.search(r"layers\.(\d+)\.", name).group(1)
+
+
+def reduction_groups(records) -> dict[tuple[str, tuple[int, ...]], list[int]]:
+    """{(bucket family, the ranks its collectives run over): those ranks}, from every rank's buckets."""
+    return {(b["family"], tuple(b["ranks"])): list(b["ranks"]) for record in records for b in record["buckets"]}
+
+
+def order_mismatches(records, iterations) -> list[str]:
+    """Where DDP's view of the backward differs between ranks that reduce together: for each
+    iteration and each group of ranks one bucket family reduces over, every rank's sequence of
+    grad-ready calls (parameter, last microbatch or not) and bucket-collective starts of that family
+    must be its first rank's. One line per rank that differs, with how many events and how many
+    collective starts (its collectives issued out of step) differ."""
+    out = []
+    for iteration in iterations:
+        for (family, _), ranks in sorted(reduction_groups(records).items()):
+            sequences = {r: [e for e in records[r]["events"][iteration] if e[1] == family] for r in ranks}
+            first = sequences[ranks[0]]
+            for r in ranks[1:]:
+                differing = [i for i, (a, b) in enumerate(zip(first, sequences[r])) if a != b]
+                if differing or len(first) != len(sequences[r]):
+                    syncs = [[e for e in sequence if e[0] == "sync"] for sequence in (first, sequences[r])]
+                    out_of_step = sum(a != b for a, b in zip(*syncs)) + abs(len(syncs[0]) - len(syncs[1]))
+                    i = differing[0] if differing else min(len(first), len(sequences[r]))
+                    out.append(f"iteration {iteration}, {family} buckets of ranks {ranks}: rank {r} differs "
+                               f"from rank {ranks[0]} at {len(differing)} of {len(first)} events "
+                               f"({out_of_step} of {len(syncs[0])} collective starts), first at {i}: "
+                               f"{first[i:i + 1]} vs {sequences[r][i:i + 1]}")
+    return out
+
+
+def test_grad_order_setup_exercises_the_hazard(grad_order_run):
+    """What the order check below covers: a shared expert among the dense buckets; at least 3 whole
+    expert buckets per MoE layer on every rank; every parameter's hook in each of the 3
+    microbatches; expert-data-parallel partners (different EP groups) whose plans replicate, and
+    differ, in every iteration."""
+    records = grad_order_run
+    groups = reduction_groups(records)
+    assert {family for family, _ in groups} == {"dense", "expert"}
+    assert all(len(ranks) == WORLD // EP for (family, _), ranks in groups.items() if family == "expert")
+    for rank, record in enumerate(records):
+        expert_buckets = [bucket for group in record["buckets"] if group["family"] == "expert"
+                          for bucket in group["buckets"]]
+        whole = [bucket for bucket in expert_buckets if len({layer_of(name) for name in bucket}) == 1]
+        layers = Counter(layer_of(bucket[0]) for bucket in whole)
+        assert len(layers) == 2 and min(layers.values()) >= 3, f"rank {rank}: whole buckets per layer {layers}"
+        for iteration in ORDER_CLEAN + ORDER_FAULTED:
+            ready = Counter(e[3] for e in record["events"][iteration] if e[0] == "ready")
+            assert set(ready.values()) == {ORDER_MICROBATCHES}, (rank, iteration, ready)
+            assert any("shared_experts" in name for name in ready), "no shared expert"
+            assert sum(1 for e in record["events"][iteration] if e[0] == "ready" and e[4]) == len(ready)
+            assert len(record["plans"][iteration]) == 2 * ORDER_MICROBATCHES  # MoE layers x microbatches
+        assert any(e[0] == "sync" for e in record["events"][2]), "no overlapped bucket collective"
+    partners = [ranks for (family, _), ranks in groups.items() if family == "expert"]
+    for iteration in ORDER_CLEAN + ORDER_FAULTED:
+        for ranks in partners:
+            plans = [records[r]["plans"][iteration] for r in ranks]
+            assert any(experts for plan in plans for _, experts in plan), f"iteration {iteration}: no replica"
+            assert plans[0] != plans[1], f"iteration {iteration}: ranks {ranks} planned alike"
+
+
+def test_grad_order_is_the_same_on_every_rank_that_reduces_together(grad_order_run):
+    """In every microbatch of every iteration, every rank of an expert-data-parallel group sees its
+    experts' gradients ready in one order and starts their bucket collectives in one order (and the
+    whole data-parallel group likewise for the dense parameters, the shared expert's included),
+    although the ranks' plans differ."""
+    mismatches = order_mismatches(grad_order_run, ORDER_CLEAN)
+    assert not mismatches, "\n".join(mismatches)
+
+
+def test_negative_control_a_plan_dependent_node_before_the_dispatch_breaks_the_order(grad_order_run):
+    """The check above catches the hazard: with a plan-dependent identity before the dispatch
+    (iterations 4-5), the expert-data-parallel partners see their experts' gradients ready in
+    different orders and start their bucket collectives out of step; the dense buckets' order is
+    untouched."""
+    mismatches = order_mismatches(grad_order_run, ORDER_FAULTED)
+    print("\norder control:\n" + "\n".join(mismatches))
+    assert any(", expert buckets" in m for m in mismatches), "the plan-dependent node changed no order"
+    assert not any(", dense buckets" in m for m in mismatches), mismatches
+    # The consequence megatron suffers: bucket collectives issued out of step.
+    assert any(re.search(r"\(([1-9]\d*) of \d+ collective starts\)", m) for m in mismatches), mismatches

@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from gloo_launch import PYTHON, REPO_ROOT, gloo_env
+from gloo_launch import REPO_ROOT, gloo_env, run_python
 from megatron_runs import tiny_moe_args, torchrun
 
 from ultraep_megatron.megatron.cpu.flags import CPU_FLAGS
@@ -59,8 +59,7 @@ def _pretrain_gpt_alone(args: list[str]) -> subprocess.CompletedProcess:
     env = gloo_env({"PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": ""})  # the CPU backend's checks too
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(name, None)
-    return subprocess.run([PYTHON, str(REPO_ROOT / "pretrain_gpt.py"), *args], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return run_python(REPO_ROOT / "pretrain_gpt.py", args, env=env)
 
 
 def _our_lines(completed: subprocess.CompletedProcess) -> list[str]:

@@ -26,9 +26,11 @@ weight gradient during the normal backward, so ``backward_dw`` has nothing to do
 delayed-wgrad configs are refused.
 
 fp8 (``config.fp8`` with a current-scaling ``config.fp8_recipe``: tensorwise, blockwise, mxfp8):
-the forward computes with the weights quantized by ``toy_fp8.quantize_weight``, following the
-contract of TE's ``GroupedLinear.forward(inp, m_splits, is_first_microbatch)`` and of megatron's
-wrapper around it (``TEGroupedLinear``):
+the GEMMs are ``te_grouped_fp8.fp8_grouped_linear``, which quantizes each group's input, weight and
+output gradient as TE's grouped GEMM does (one quantizer per group; see that module for what it
+follows and leaves out), following the contract of TE's
+``GroupedLinear.forward(inp, m_splits, is_first_microbatch)`` and of megatron's wrapper around it
+(``TEGroupedLinear``) for the weight casts:
 
 * the wrapper passes ``is_first_microbatch=None`` when ``config.disable_parameter_transpose_cache``
   (read at construction into ``disable_parameter_transpose_cache``), else its own
@@ -38,16 +40,16 @@ wrapper around it (``TEGroupedLinear``):
   computes with the cached cast (the weights are assumed unchanged within a step), with ``None``
   quantizes and caches nothing.
 
-The quantized weight enters the forward as ``w + (q(w) - w).detach()``: the output and the input
-gradient use the cast, the weight gradient flows to the high-precision weight (TE's wgrad is
-computed in high precision into the fp32 / bf16 gradient of the master weight).
+The output and the input gradient use the cast, the weight gradient (computed from the quantized
+input and output gradient) flows to the high-precision weight in its dtype, as TE's.
 
 fp8 parameters (``config.fp8_param``, megatron's ``--fp8-param-gather``; in megatron TE's
 ``fp8_model_init`` context around the layer's construction does this): every ``weight{i}`` is a
 quantized tensor (``toy_fp8.ToyQuantizedTensor``, TE's ``QuantizedTensor`` contract) with row- and
 column-wise copies, and the GEMMs compute with them as given, cast nowhere: the forward with the
 row-wise values, the input gradient with the column-wise ones, the weight gradient in high
-precision (returned as a plain tensor of the weight's shape and dtype, as TE's).
+precision (returned as a plain tensor of the weight's shape and dtype, as TE's). Their block
+layout is ``toy_fp8``'s (smaller blocks than TE's for blockwise weights).
 
 Usage (megatron's MoELayer with grouped experts)::
 
@@ -63,6 +65,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+import te_grouped_fp8
 import toy_fp8
 from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron.core.extensions.transformer_engine import _set_expert_parameter_attributes
@@ -218,7 +221,7 @@ class TorchGroupedLinear(torch.nn.Module):
         # Megatron's TEGroupedLinear wrapper state (see the module docstring).
         self.is_first_microbatch = True
         self.disable_parameter_transpose_cache = config.disable_parameter_transpose_cache
-        self._fp8_weight_cache: Optional[list[torch.Tensor]] = None  # TE's _fp8_workspaces
+        self._fp8_weight_cache: Optional[list] = None  # TE's _fp8_workspaces
         self.fp8_quantizations = 0  # forwards that cast the weights (not served from the cache)
         # TE's attribute, which megatron sets (set_save_original_input) where the experts' inputs
         # are offloaded or recomputed; this module always saves its original input.
@@ -317,25 +320,32 @@ class TorchGroupedLinear(torch.nn.Module):
         rows = x.reshape(-1, self.in_features)
         biases = self.biases()
         is_first_microbatch = None if self.disable_parameter_transpose_cache else self.is_first_microbatch
-        weights = self._forward_weights(is_first_microbatch)
         self.is_first_microbatch = False
-        out = grouped_matmul(rows, weights, tokens_per_expert,
-                             None if self.te_return_bias else biases)
+        if recipe is None:
+            out = grouped_matmul(rows, self.weights(), tokens_per_expert,
+                                 None if self.te_return_bias else biases)
+        else:
+            fp8_recipe = te_grouped_fp8.Fp8Recipe.of_config(self.config)
+            out = te_grouped_fp8.fp8_grouped_linear(rows, tokens_per_expert, self.weights(),
+                                                    self._fp8_weight_operands(is_first_microbatch, fp8_recipe),
+                                                    fp8_recipe)
+            if biases is not None and not self.te_return_bias:
+                out = out + torch.cat([b.expand(n, -1) for b, n in zip(biases, tokens_per_expert)])
         return out.view(*x.shape[:-1], self.out_features), (biases if self.te_return_bias else None)
 
-    def _forward_weights(self, is_first_microbatch: Optional[bool]) -> list[torch.Tensor]:
-        """The weights the GEMMs use: the parameters, or under fp8 their casts (TE's caching
-        contract, module docstring)."""
+    def _fp8_weight_operands(self, is_first_microbatch: Optional[bool],
+                             recipe: "te_grouped_fp8.Fp8Recipe") -> list["te_grouped_fp8.WeightOperand"]:
+        """What the fp8 GEMMs compute with: quantized parameters as they are, or the casts of the
+        high-precision weights (TE's caching contract, module docstring)."""
         weights = self.weights()
-        if not getattr(self.config, "fp8", None) or isinstance(weights[0], toy_fp8.ToyQuantizedTensor):
-            return weights  # fp8 parameters: TE computes with them as they are (nothing to cast)
+        if isinstance(weights[0], toy_fp8.ToyQuantizedTensor):
+            return [te_grouped_fp8.WeightOperand.of_quantized_parameter(w) for w in weights]
         if is_first_microbatch is False and self._fp8_weight_cache is not None:
-            casts = self._fp8_weight_cache
-        else:
-            casts = [toy_fp8.quantize_weight(w, self.config.fp8_recipe) for w in weights]
-            self.fp8_quantizations += 1
-            self._fp8_weight_cache = casts if is_first_microbatch is not None else None
-        return [w + (cast - w).detach() for w, cast in zip(weights, casts)]
+            return self._fp8_weight_cache
+        casts = [te_grouped_fp8.WeightOperand.of_cast(w, recipe) for w in weights]
+        self.fp8_quantizations += 1
+        self._fp8_weight_cache = casts if is_first_microbatch is not None else None
+        return casts
 
     def backward_dw(self) -> None:
         """No deferred weight gradients: autograd computed them during backward."""

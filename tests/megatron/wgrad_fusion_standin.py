@@ -7,8 +7,8 @@ d_output, d_weight)`` with ``input [N, in]``, ``d_output [N, out]`` and the fp32
 in]`` does ``d_weight += d_output^T @ input``; ``wgrad_gemm_accum_fp16`` the same into a 16-bit
 ``d_weight``. Here the product is the same matmul an unfused backward computes, so an fp32 run gives
 the gradients the unfused path gives. Installed by the test worker with
-``ULTRAEP_WGRAD_FUSION_STANDIN=1``, before megatron is imported (megatron looks the module up once,
-at import).
+``ULTRAEP_WGRAD_FUSION_STANDIN=1`` (megatron looks the module up once, at import: :func:`install`
+redoes that lookup where megatron is imported already).
 """
 
 from __future__ import annotations
@@ -34,8 +34,14 @@ def wgrad_gemm_accum_fp16(input: torch.Tensor, d_output: torch.Tensor, d_weight:
 
 
 def install() -> None:
-    """Make ``import fused_weight_gradient_mlp_cuda`` find this stand-in."""
+    """Make ``import fused_weight_gradient_mlp_cuda`` find this stand-in. Where megatron's linear
+    layers are imported already (the tests' warm launcher preloads megatron), redo their one
+    import-time lookup of the kernel, as a fresh import would have found it."""
     module = types.ModuleType(MODULE, __doc__)
     module.wgrad_gemm_accum_fp32 = wgrad_gemm_accum_fp32
     module.wgrad_gemm_accum_fp16 = wgrad_gemm_accum_fp16
     sys.modules[MODULE] = module
+    layers = sys.modules.get("megatron.core.tensor_parallel.layers")
+    if layers is not None:
+        layers.fused_weight_gradient_mlp_cuda = module
+        layers._grad_accum_fusion_available = True

@@ -155,6 +155,7 @@ from ultraep_megatron.planner.device_solve import probe_inputs, reference_probe
 from ultraep_megatron.planner._triton_solve import probe
 
 rng = np.random.default_rng(int(sys.argv[2]))
+device = torch.device(sys.argv[4] if len(sys.argv) > 4 else "cpu")
 draw = lambda strategy: int(rng.integers(2**32))  # the seed make_load draws
 summary = {"loads": 0, "probes": 0, "feasible": 0, "mismatches": 0, "shifted_mismatches": 0,
            "solves": 0}
@@ -169,11 +170,11 @@ for case in range(int(sys.argv[3])):
     R = int(rng.choice([4, 8, 16])); G = int(rng.integers(1, 5))
     S = int(rng.integers(0, 5)); N = int(rng.choice([d for d in (1, 2, 4, 8, 16) if R % d == 0]))
     kind = str(rng.choice([k for k in LOAD_KINDS if k != "drawn"]))
-    load = torch.from_numpy(make_load(draw, kind, R, G).astype(np.int64))
+    load = torch.from_numpy(make_load(draw, kind, R, G).astype(np.int64)).to(device)
     min_quota = [None, 1, int(rng.integers(1, 500))][case % 3]
     expert_load, rank_load, order, lower, floor = probe_inputs(load, min_quota, N)
     highest = int(rank_load.max()); low = int(lower)
-    taus = torch.tensor(sorted(rng.integers(max(low - 2, 0), highest + 2, 8)), dtype=torch.int64)
+    taus = torch.tensor(sorted(rng.integers(max(low - 2, 0), highest + 2, 8)), dtype=torch.int64, device=device)
     taus[0] = low
     args = (expert_load, rank_load, order, floor, S, N, True)
     ref, tri = reference_probe(taus, *args), probe(taus, *args)
@@ -184,7 +185,7 @@ for case in range(int(sys.argv[3])):
 
 from ultraep_megatron.traces.synthetic import zipf_load
 for R, G, S, N, min_quota in [(4, 2, 1, 2, None), (8, 2, 2, 8, 1), (4, 4, 3, 1, 200)]:
-    load = zipf_load(R, R * G, 3.0, seed=R + S)  # whole solves: same plan, and a valid one
+    load = zipf_load(R, R * G, 3.0, seed=R + S).to(device)  # whole solves: same plan, and a valid one
     a = device_solve(load, S, min_quota=min_quota, domain_size=N, implementation="triton")
     b = device_solve(load, S, min_quota=min_quota, domain_size=N, implementation="reference")
     check_plan(load, a, S, min_quota=min_quota, domain_size=N)
@@ -212,6 +213,23 @@ def test_triton_probe_matches_reference_bit_for_bit():
     print(summary)
     assert summary["loads"] == 48 and summary["solves"] == 3
     assert summary["feasible"] > 48  # the comparison covers outputs, not only failures
+    assert summary["mismatches"] == 0
+    assert summary["shifted_mismatches"] > 8
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_triton_probe_on_cuda_matches_reference_bit_for_bit():
+    """The same property set as the interpreter's, compiled for the GPU, on 160 loads."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env.pop("TRITON_INTERPRET", None)
+    result = subprocess.run([sys.executable, "-c", _TRITON_SCRIPT, str(REPO / "tests" / "planner"),
+                             "11", "160", "cuda"], capture_output=True, text=True, cwd=REPO, env=env,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    print(summary)
+    assert summary["loads"] == 160 and summary["solves"] == 3 and summary["feasible"] > 160
     assert summary["mismatches"] == 0
     assert summary["shifted_mismatches"] > 8
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import rank_launcher
 from processes import run_process_group
 
 REPO = Path(__file__).resolve().parents[2]
@@ -23,9 +23,10 @@ CHECKPOINT_ITERATION = 2
 
 
 def recipe_env(**extra: str) -> dict[str, str]:
-    """Environment for running a CPU recipe from a test: this interpreter, wandb offline."""
+    """Environment for running a CPU recipe from a test: this interpreter (its torchrun launches
+    through the session's warm rank launcher: ``rank_launcher.shim_python``), wandb offline."""
     env = dict(os.environ)
-    env.update(ULTRAEP_PYTHON=sys.executable, WANDB_MODE="offline", WANDB_SILENT="true",
+    env.update(ULTRAEP_PYTHON=rank_launcher.shim_python(), WANDB_MODE="offline", WANDB_SILENT="true",
                OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     env.update(extra)
     return env

@@ -6,11 +6,10 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 
+from gloo_launch import run_python
 from product_runs import REPO
 
 from ultraep_megatron.megatron.arguments import add_ultraep_args, escape_stray_percent_in_help
@@ -22,8 +21,7 @@ from ultraep_megatron.megatron.arguments import KNOBS
 def help_run():
     env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
     env["CUDA_VISIBLE_DEVICES"] = ""  # no GPU, whatever machine the suite runs on
-    return subprocess.run([sys.executable, str(REPO / "pretrain_gpt.py"), "--help"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return run_python(REPO / "pretrain_gpt.py", ["--help"], cwd=REPO, env=env)
 
 
 def test_help_exits_0_without_a_gpu_and_prints_only_the_help(help_run):

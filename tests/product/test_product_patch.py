@@ -13,10 +13,10 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 
 import pytest
 
+from gloo_launch import run_python
 from product_runs import REPO, recipe_env
 
 PATCH = REPO / "patches" / "megatron-lm-core_v0.19.0-pretrain_gpt.patch"
@@ -81,8 +81,7 @@ def test_patch_is_a_well_formed_diff_of_pretrain_gpt(tmp_path):
 
 
 def run_hook(*args: str) -> dict:
-    completed = subprocess.run([sys.executable, str(WORKER), str(PATCH), *TINY_ARGS, *args],
-                               env=recipe_env(), capture_output=True, text=True, timeout=300)
+    completed = run_python(WORKER, [str(PATCH), *TINY_ARGS, *args], env=recipe_env())
     assert completed.returncode == 0, (completed.stdout + completed.stderr)[-4000:]
     line = next(l for l in completed.stdout.splitlines() if l.startswith("PATCH_HOOK "))
     return json.loads(line[len("PATCH_HOOK "):])

@@ -2,9 +2,11 @@
 `none`, `ultraep` and the force-balanced ideal for 3 iterations each, with the same data; the
 table's TFLOP/s/GPU, fractions and imbalance figures are recomputed here from the runs' own logs
 (Megatron's iteration times), Megatron's FLOPs formula on the recipe's arguments and the
-per-iteration records. The launch is the recipe as a user types it: no ULTRAEP_PYTHON exported,
-and a TRAIN_ITERS other than the checkpoint's (Megatron refuses another LR schedule length; the
-driver passes the checkpoint's). Failed runs are reported, not hidden."""
+per-iteration records. The launch is the recipe as a user types it, with a TRAIN_ITERS other than
+the checkpoint's (Megatron refuses another LR schedule length; the driver passes the checkpoint's);
+its ranks start from the session's warm launcher (ULTRAEP_PYTHON: its shim; the driver's default,
+the running interpreter, is test_one_iteration_and_the_running_python's). Failed runs are
+reported, not hidden."""
 
 from __future__ import annotations
 
@@ -39,7 +41,6 @@ def experiment(tiny_balanced_run, tmp_path_factory):
                "--ideal-args", "--moe-router-force-biased 0",
                "--", "bash", str(TINY_RECIPE)]
     env = recipe_env(TRAIN_ITERS="10")  # the checkpoint's run: the recipe's default 40
-    del env["ULTRAEP_PYTHON"]  # the driver launches with its own python
     completed = run_process_group(command, env=env, timeout_s=1200)
     with open(out / "comparison.csv") as handle:
         table = {row["balancer"]: row for row in csv.DictReader(handle)}

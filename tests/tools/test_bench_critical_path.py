@@ -3,18 +3,15 @@ stand-in for the dispatcher's state, with the host and the device planner, so a 
 method reads must show here, not on the next GPU machine. A dry run on the CPU, small shapes."""
 
 import re
-import subprocess
-import sys
 
-from gloo_launch import REPO_ROOT, gloo_env
+from gloo_launch import REPO_ROOT, gloo_env, run_python
 
 
 def test_critical_path_benchmark_runs_on_the_cpu():
-    completed = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "tools" / "bench_critical_path.py"), "--device", "cpu",
-         "--ep-size", "8", "--num-experts", "32", "--tokens", "256", "--hidden-size", "32",
-         "--iters", "3", "--warmup", "1", "--sweep-experts", "16,64"],
-        capture_output=True, text=True, timeout=300, env=gloo_env(), cwd=REPO_ROOT)
+    completed = run_python(
+        REPO_ROOT / "tools" / "bench_critical_path.py",
+        ["--device", "cpu", "--ep-size", "8", "--num-experts", "32", "--tokens", "256", "--hidden-size", "32",
+         "--iters", "3", "--warmup", "1", "--sweep-experts", "16,64"], env=gloo_env())
     assert completed.returncode == 0, completed.stderr[-3000:]
     out = completed.stdout
     assert "one rank of EP=8, E=32, S=2, T=256" in out, out

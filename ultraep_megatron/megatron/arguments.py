@@ -118,8 +118,13 @@ KNOBS: tuple[Knob, ...] = (
               "which plans, then the device reroutes and permutes the tokens. device: the plan, the "
               "reroute table, the reroute and the permutation are queued on the device, and the "
               "plan crosses to the host afterwards, where megatron's dispatcher waits for its splits "
-              "anyway (the planner leaves the host's critical path; ultraep only). Default: device "
-              "for ultraep on CUDA, host on the CPU backend and for the other balancers. On the CPU "
+              "anyway (ultraep only). Default: host, which is faster unless the preprocessing is "
+              "captured in a CUDA graph (one compiled solve against the device planner's hundreds of "
+              "small kernels); device where --cuda-graph-modules captures moe_preprocess, which needs "
+              "a plan without a host read. When the model is built, the device planner compiles its kernels and "
+              "checks its plans of probe loads against the host's references; rank 0 prints "
+              "'device planner ready in X s' once, or, on any failure, one warning saying why, and "
+              "the model plans on the host. host skips the check and the warning. On the CPU "
               "backend, device runs the device planner's torch calls step by step as a GPU would "
               "(to test that path; about 0.9 s per layer at EP=64, E=256)."),
     Knob("check_plans", "--moe-balancer-check-plans", bool, False, runtime_only=True,
@@ -310,8 +315,10 @@ def balancing_context_from_args(args: argparse.Namespace):
         return None
     from ultraep_megatron.megatron.context import BalancingContext
 
-    return BalancingContext(planner_config(args.moe_balancer, values), hardware=values["hardware"],
-                            **{field: values[field] for field in RUN_SETTINGS})
+    settings = {field: values[field] for field in RUN_SETTINGS}
+    settings["planner"] = settings["planner"] or capabilities.default_planner(
+        args.moe_balancer, capabilities.preprocess_graphed(args))
+    return BalancingContext(planner_config(args.moe_balancer, values), hardware=values["hardware"], **settings)
 
 
 def ultraep_arg_problems(args: argparse.Namespace, environment: bool = True) -> list[str]:
@@ -392,10 +399,12 @@ def startup_problems(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     warning = capabilities.nothing_to_balance(args) if not errors else None
     if warning:
         warnings.append(warning)
-    if getattr(args, "moe_balancer_planner", None) == "device" and not triton_available():
-        warnings.append("--moe-balancer-planner device without triton installed: the device planner runs "
-                        "its torch reference step by step (hundreds of small kernels per layer); install "
-                        "triton, or plan on the host (leave the flag out)")
+    planner = getattr(args, "moe_balancer_planner", None) or capabilities.default_planner(
+        name, capabilities.preprocess_graphed(args))
+    if planner == "device" and not triton_available():
+        warnings.append("the device planner (--moe-balancer-planner device, or the default with "
+                        "--cuda-graph-modules moe_preprocess) without triton installed runs its torch "
+                        "reference step by step (hundreds of small kernels per layer); install triton")
     if isinstance(args.moe_balancer_trace_dir, str) and args.moe_balancer_trace_dir:
         problem = trace_dir_problem(args)
         if problem:

@@ -50,6 +50,16 @@ The backward, in the order autograd runs it::
 
 Every transfer is collective on the EP group and every rank issues them in the same order; a rank
 with nothing to send or receive still takes part.
+
+Under Transformer Engine's per-layer CUDA graphs (``--cuda-graph-impl transformer_engine``,
+megatron's ``TECudaGraphHelper``): while megatron captures ``moe_router`` its early-return signal
+ends the layer's forward after the router (``forward`` returns megatron's list of graph outputs),
+and at each replay megatron hands the layer the graph's routing through its tensor store; steps 1-5
+then run as above. With ``moe_preprocess`` as well (device planner only) the graph also holds the
+load gather, the device plan, the reroute and the permutation; the plan's host half is one of the
+graph's outputs (the dispatcher's ``cudagraph_attrs``), and after each replay it crosses to the
+host, the layer's one host wait, and becomes the invocation (``preprocess``). Nothing the capture
+computed on the host is reused by a replay.
 """
 
 from __future__ import annotations
@@ -58,6 +68,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from megatron.core.transformer.cuda_graphs import is_graph_capturing
+from megatron.core.transformer.enums import CudaGraphModule
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from ultraep_megatron.megatron.capabilities import unsupported_moe_settings
@@ -78,7 +90,7 @@ class BalancedMoELayer(MoELayer):
 
     def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, *,
                  balancing: BalancingContext, **kwargs):
-        problems = unsupported_moe_settings(config)
+        problems = unsupported_moe_settings(config, planner=balancing.planner)
         if problems:
             raise ValueError(f"--moe-balancer {balancing.config.name}: " + "; ".join(problems))
         if pg_collection is None:
@@ -172,16 +184,41 @@ class BalancedMoELayer(MoELayer):
         return super().route(hidden_states, padding_mask)
 
     def preprocess(self, hidden_states, probs, routing_map):
-        topk_ids = topk_indices(self._topk_tap, routing_map, self.config.moe_router_topk)
-        self.token_dispatcher.plan(routing_map, topk_ids)
-        # Reroute and permutation first: with the host planner the device waits for them after the
-        # plan's host wait; with the device planner the host waits once, after they are queued.
-        hidden_states, probs = super().preprocess(hidden_states, probs, routing_map)
+        if self._preprocess_replayed():
+            # A Transformer Engine graph of the preprocessing ran it (megatron's moe_preprocess
+            # graph, device planner only): its outputs are in the tensor store, and the plan's host
+            # half, a graph output too, is in the dispatcher (its cudagraph_attrs). It crosses now.
+            hidden_states, probs = super().preprocess(hidden_states, probs, routing_map)
+            self.token_dispatcher.complete_plan_after_graph()
+        else:
+            topk_ids = topk_indices(self._topk_tap, routing_map, self.config.moe_router_topk)
+            self.token_dispatcher.plan(routing_map, topk_ids)
+            # Reroute and permutation first: with the host planner the device waits for them after
+            # the plan's host wait; with the device planner the host waits once, after they are
+            # queued. While megatron captures the preprocessing, its signal leaves from here: the
+            # rest runs after each replay of the graph.
+            hidden_states, probs = super().preprocess(hidden_states, probs, routing_map)
         invocation = self.token_dispatcher.invocation
         self._prepare_main_params()
         # Overlaps the token all-to-all and the main experts.
         self.balancing.start_weights(self, invocation)
         return hidden_states, probs
+
+    def preprocess_captured_in_cuda_graph(self) -> bool:
+        """Whether this preprocessing is being captured into a Transformer Engine graph that ends
+        after it (megatron's ``maybe_skip_or_early_return_by_cudagraph("preprocess")`` condition:
+        warm-up and capture of ``--cuda-graph-modules moe_preprocess``): then its plan's host half
+        crosses after each replay of the graph, not here."""
+        config = self.config
+        return (config.cuda_graph_impl == "transformer_engine" and self.training and is_graph_capturing()
+                and CudaGraphModule.moe_preprocess in config.cuda_graph_modules)
+
+    def _preprocess_replayed(self) -> bool:
+        """Whether a replayed graph already ran the preprocessing: megatron's tensor store holds its
+        outputs (the same condition under which its ``preprocess`` returns them)."""
+        store = self.cudagraph_tensor_store
+        return self.config.cuda_graph_impl == "transformer_engine" and not store.is_empty() \
+            and store.routing_map is None
 
     def routed_experts_compute(self, hidden_states, probs):
         dispatcher = self.token_dispatcher
@@ -215,7 +252,13 @@ class BalancedMoELayer(MoELayer):
 
     def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
         self._main_params = self._lookup_main_params()
-        output, mlp_bias = super().forward(hidden_states, intermediate_tensors, padding_mask)
+        outputs = super().forward(hidden_states, intermediate_tensors, padding_mask)
+        if isinstance(outputs, list):
+            # megatron's early return while capturing a partial Transformer Engine graph of the
+            # layer (--cuda-graph-modules moe_router / moe_preprocess): the graph's outputs, which
+            # the rest of this forward takes from its store after each replay.
+            return outputs
+        output, mlp_bias = outputs
         if torch.is_grad_enabled():
             output = StartInBackward.apply(self, self.token_dispatcher.invocation,
                                            self.balancing.start_weights, output)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ultraep_megatron.planner.baselines import registry
+
 
 def moe_model_problems(args, domain_size: Optional[int]) -> list[str]:
     """Why Megatron's parsed ``args`` give no MoE model a balancer can run (before the settings of
@@ -36,13 +38,16 @@ def moe_model_problems(args, domain_size: Optional[int]) -> list[str]:
     return problems
 
 
-def unsupported_moe_settings(config, environment: bool = True) -> list[str]:
+def unsupported_moe_settings(config, environment: bool = True, planner: Optional[str] = None) -> list[str]:
     """What a balanced MoE layer cannot run, named by flag. ``config``: Megatron's args or a
     TransformerConfig (the attribute names are the same). ``environment``: also what this machine
     lacks (:func:`missing_packages`); ``False`` judges the configuration alone, for the
-    machines it targets (``ultraep check-recipe``)."""
+    machines it targets (``ultraep check-recipe``). ``planner``: where the layer plans (the
+    balancing context's, resolved); ``None``: as ``--moe-balancer-planner`` gives it, which must then
+    say ``device`` where a setting needs the device planner."""
     problems = []
     get = lambda name, default=None: getattr(config, name, default)  # noqa: E731
+    planner = planner or get('moe_balancer_planner') or default_planner(get('moe_balancer'), preprocess_graphed(config))
     dispatcher = get('moe_token_dispatcher_type')
     if dispatcher == 'flex':
         # GPU-only (DeepEP / HybridEP); the check is whether megatron's bindings import.
@@ -86,7 +91,7 @@ def unsupported_moe_settings(config, environment: bool = True) -> list[str]:
         problems.append("--moe-expert-rank-capacity-factor is not supported: HybridEP drops the tokens over a "
                         "rank's budget, and balancing needs dropless routing (the plan gives HybridEP each "
                         "rank's exact row count instead)")
-    problem = _cuda_graph_problem(get)
+    problem = _cuda_graph_problem(get, planner)
     if problem:
         problems.append(problem)
     return problems
@@ -103,16 +108,30 @@ _FP8_REFUSED = {
               "replica quantizing its main expert's weight at every call relies on",
 }
 #: CUDA-graph modules (megatron's ``--cuda-graph-modules``) whose graphs end before a balanced MoE
-#: layer's own part (its plan's host wait, then transfers sized by the plan) begins.
+#: layer's own part (its plan, then transfers sized by the plan) begins.
 CUDA_GRAPH_MODULES = ("attn", "moe_router", "mlp", "mamba")
+#: The module whose Transformer Engine graph captures the balanced layer's preprocessing (load
+#: gather, plan, reroute, permutation): with the device planner only, whose plan needs no host read;
+#: the plan's host half crosses after the graph, where megatron's dispatcher waits for its splits.
+DEVICE_PLANNER_GRAPH_MODULE = "moe_preprocess"
 _CUDA_GRAPH_REFUSED = {
-    "moe_preprocess": "it captures the MoE preprocessing, where the balanced layer waits on the host for its plan",
     "moe": "it captures the whole MoE layer",
     "full_iteration": "it captures the whole iteration",
     "full_iteration_inference": "it captures whole inference iterations",
 }
-_CUDA_GRAPH_WHY = ("a graph cannot capture the balanced layer's host wait for its plan nor its transfers, "
-                   "whose sizes the plan sets; capture only " + ", ".join(CUDA_GRAPH_MODULES))
+_CUDA_GRAPH_WHY = ("a graph cannot capture the balanced layer's transfers, whose sizes the plan sets; capture "
+                   "only " + ", ".join(CUDA_GRAPH_MODULES) + f", and {DEVICE_PLANNER_GRAPH_MODULE} with "
+                   "--cuda-graph-impl transformer_engine and --moe-balancer-planner device")
+_PREPROCESS_GRAPH_WHY = {
+    "planner": "the host planner copies the exact load to the host and plans there, inside the captured "
+               "preprocessing, which a CUDA graph cannot capture (a host read of device data); leave "
+               "--moe-balancer-planner out or pass device, whose plan, reroute and permutation stay on the "
+               "device and whose host half crosses after the graph",
+    "flex": "the flex dispatcher's (DeepEP / HybridEP) preprocessing has not been checked under capture yet; "
+            "use --moe-token-dispatcher-type alltoall, or leave moe_preprocess out",
+    "fusion": "the fused permutation (Transformer Engine's kernel over the physical routing map) has not been "
+              "checked under capture yet; leave --moe-permute-fusion off, or leave moe_preprocess out",
+}
 
 
 def _name(value) -> str:
@@ -181,11 +200,29 @@ def _mxfp8_parameter_problems(get) -> list[str]:
     return []
 
 
-def _cuda_graph_problem(get) -> Optional[str]:
-    """Per-layer CUDA graphs of modules that end before the balanced part run; a graph that would
-    capture it (``moe_preprocess``, ``moe``, a whole layer, the whole iteration) is refused, named
-    as given (``--cuda-graph-impl``, or Megatron's older ``--enable-cuda-graph`` /
-    ``--external-cuda-graph`` and ``--cuda-graph-scope``)."""
+def preprocess_graphed(config) -> bool:
+    """Whether Transformer Engine's per-layer graphs capture the MoE preprocessing
+    (``--cuda-graph-impl transformer_engine --cuda-graph-modules ... moe_preprocess``)."""
+    modules = getattr(config, "cuda_graph_modules", None) or []
+    modules = modules.split(",") if isinstance(modules, str) else modules
+    return getattr(config, "cuda_graph_impl", None) == "transformer_engine" and \
+        DEVICE_PLANNER_GRAPH_MODULE in [_name(m) for m in modules]
+
+
+def default_planner(balancer: Optional[str], graphed: bool) -> str:
+    """``--moe-balancer-planner`` left out: ``host`` (eagerly the faster: one compiled solve against
+    the device planner's hundreds of small kernels, docs/integration.md "On a GPU"), or ``device``
+    for ultraep where the preprocessing is captured in a CUDA graph, which needs a plan without a
+    host read and replays its kernels in one launch."""
+    return "device" if graphed and balancer in (None, registry.ULTRAEP) else "host"
+
+
+def _cuda_graph_problem(get, planner: Optional[str]) -> Optional[str]:
+    """Per-layer CUDA graphs of modules that end before the balanced part run, and Transformer
+    Engine's graph of the preprocessing with the device planner; a graph that would capture the
+    balanced part (``moe``, a whole layer, the whole iteration) is refused, named as given
+    (``--cuda-graph-impl``, or Megatron's older ``--enable-cuda-graph`` / ``--external-cuda-graph``
+    and ``--cuda-graph-scope``)."""
     impl, flag = get('cuda_graph_impl') or 'none', None
     if impl == 'none' and get('enable_cuda_graph'):
         impl, flag = 'local', '--enable-cuda-graph'
@@ -205,7 +242,8 @@ def _cuda_graph_problem(get) -> Optional[str]:
     if impl == 'full_iteration':
         return (f"{flag} is not supported with a balancer: {_CUDA_GRAPH_REFUSED['full_iteration']}; "
                 f"{_CUDA_GRAPH_WHY}")
-    refused = [n for n in names if n not in CUDA_GRAPH_MODULES and n != 'full']
+    accepted = CUDA_GRAPH_MODULES + (DEVICE_PLANNER_GRAPH_MODULE, 'full')
+    refused = [n for n in names if n not in accepted]
     if refused:
         name = refused[0]
         why = _CUDA_GRAPH_REFUSED.get(name, "it is not known to end before the balanced layer's part")
@@ -214,13 +252,27 @@ def _cuda_graph_problem(get) -> Optional[str]:
     if not [n for n in names if n != 'full']:
         return (f"{flag} without --cuda-graph-modules (whole-layer capture) is not supported with a "
                 f"balancer: it captures every MoE layer whole; {_CUDA_GRAPH_WHY}")
-    if impl == 'local' and 'moe_router' in names:
+    if impl == 'local' and ('moe_router' in names or DEVICE_PLANNER_GRAPH_MODULE in names):
         # megatron's local partial capture graphs _forward_mlp_router, which runs the MoE layer's
-        # route *and* preprocess; only Transformer Engine's capture stops after the router.
-        return (f"--cuda-graph-modules moe_router with {flag} is not supported with a balancer: megatron's "
-                "local graph of the router also captures the MoE preprocessing, where the balanced layer "
-                "waits on the host for its plan; use --cuda-graph-impl transformer_engine, whose router "
-                "graph ends after the router")
+        # route *and* preprocess through its own graph runner (it adds moe_preprocess to
+        # moe_router); Transformer Engine's capture ends where megatron's early-return signal says.
+        graphed = ' '.join(n for n in names if n in ('moe_router', DEVICE_PLANNER_GRAPH_MODULE))
+        return (f"--cuda-graph-modules {graphed} with {flag} is not supported with a balancer: megatron's "
+                "local graph of the router also captures the MoE preprocessing, through megatron's own "
+                "graph runner, which has not been checked with the balanced layer; use --cuda-graph-impl "
+                "transformer_engine")
+    if DEVICE_PLANNER_GRAPH_MODULE in names:
+        if planner != "device":
+            why = _PREPROCESS_GRAPH_WHY["planner"]
+        elif get('moe_token_dispatcher_type') == 'flex':
+            why = _PREPROCESS_GRAPH_WHY["flex"]
+        elif get('moe_permute_fusion'):
+            why = _PREPROCESS_GRAPH_WHY["fusion"]
+        else:
+            return None
+        planner_flag = f"--moe-balancer-planner {planner}" if planner else "no --moe-balancer-planner"
+        return (f"--cuda-graph-modules {DEVICE_PLANNER_GRAPH_MODULE} (with {flag}, {planner_flag}) is not "
+                f"supported with a balancer: {why}")
     return None
 
 

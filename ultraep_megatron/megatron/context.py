@@ -11,9 +11,11 @@ applied (``pretrain_gpt.py``) and handed to every ``BalancedMoELayer`` through t
 * the observers of every invocation (:mod:`.observers`: per-layer statistics for the training log,
   and the load trace).
 
-Each balanced MoE invocation (a layer on a microbatch) is planned once, on the host, into an
-immutable :class:`~.invocation.Invocation`: the dispatcher produces it from the exact load (one
-device-to-host copy), the layer and its backward consume it. Nothing here reads device memory.
+Each balanced MoE invocation (a layer on a microbatch) is planned once into an immutable
+:class:`~.invocation.Invocation`: the dispatcher produces it from the exact load (one
+device-to-host copy: of the load with the host planner, of the plan with the device planner), the
+layer and its backward consume it. Nothing here reads device memory, except the device planner's
+self-check, once, when the first layer registers.
 
 Vocabulary (docs/glossary.md): R EP ranks, E experts, G = E // R main experts per rank, S redundant
 slots per rank, P = G + S *physical* slots per rank (its main experts, then its redundant slots); a
@@ -33,6 +35,7 @@ import torch
 from ultraep_megatron.dataplane import ReplicaBuffer, TransferHandle
 from ultraep_megatron.megatron import device_planning
 from ultraep_megatron.megatron.device_planning import PLANNERS, DevicePlanned
+from ultraep_megatron.megatron.capabilities import preprocess_graphed
 from ultraep_megatron.megatron.expert_slots import ReplicaExperts, build_replica_experts
 from ultraep_megatron.megatron.invocation import Invocation, plan_invocation
 from ultraep_megatron.megatron.native_torch import native_torch
@@ -40,7 +43,6 @@ from ultraep_megatron.megatron.observers import BalancerStats, TraceRecorder
 from ultraep_megatron.megatron.ring import VirtualLayerRing, invocations_per_forward, max_inflight_microbatches
 from ultraep_megatron.planner import BalancerConfig
 from ultraep_megatron.planner.baselines.registry import ULTRAEP
-from ultraep_megatron.planner.device_solve import triton_available
 
 
 @dataclass
@@ -89,7 +91,9 @@ class BalancingContext:
             layer, for debugging).
         planner: ``"host"`` (the load crosses to the host, the plan is made there) or ``"device"``
             (the plan and the reroute are made on the device, the plan crosses afterwards; ultraep
-            only); ``None``: device on CUDA for ultraep, else host (:func:`resolve_planner`).
+            only); ``None``: device on CUDA for ultraep, else host (:func:`resolve_planner`). The
+            device planner checks itself when the first layer registers and hands over to the host
+            planner if it fails (:meth:`_check_device_planner`).
     """
 
     def __init__(self, config: BalancerConfig, *, hardware: Optional[str] = None,
@@ -104,6 +108,9 @@ class BalancingContext:
         self.check_plans = check_plans
         self.planner = resolve_planner(planner, config.name)
         self.plans_on_device = self.planner == "device"
+        # The device planner's self-check at the first layer's registration (None before it, and
+        # with the host planner); a failed one left the model planning on the host.
+        self.device_planner_check: Optional[device_planning.SelfCheck] = None
         self.layers: List[object] = []
         self.buffer: Optional[ReplicaBuffer] = None
         self.replica_experts: Optional[ReplicaExperts] = None  # the redundant slots' module
@@ -137,13 +144,43 @@ class BalancingContext:
                 self.buffer.weight_shapes != layout.shapes or self.buffer.replica_weights.dtype != layout.dtype:
             raise ValueError("UltraEP shares replica slots across the MoE layers of a model: all must "
                              "have the same expert shapes and dtype")
-        if self.plans_on_device and param.is_cuda and len(self.layers) == 0:
-            # The device planner's kernels compiled now (Triton specializes on R, E, S, N), not in
-            # the first layer's first forward: a load rising with the expert id, which replicates.
-            R, E = layer.token_dispatcher.ep_size, layer.config.num_moe_experts
-            device_planning.plan(torch.arange(E, device=param.device).repeat(R, 1), self.config)
+        if self.plans_on_device and len(self.layers) == 0:
+            self._check_device_planner(layer, param.device)
         self.layers.append(layer)
         self.ring = None  # sized lazily, once the model (and the schedule) is known
+
+    @native_torch
+    def _check_device_planner(self, layer, device: torch.device) -> None:
+        """At the first layer's registration: compile the device planner for this model and check
+        it against the host references on probe loads (:func:`device_planning.self_check`; the
+        compilation is then not in the first layer's first forward, whose plan time it would be).
+        The EP group agrees on the outcome (every rank of it must plan alike: one object gather,
+        at startup); on any rank's failure the whole group plans on the host for this model, and
+        global rank 0 prints one warning line saying why. Otherwise rank 0 prints the time the
+        compilation and the check took, once."""
+        dispatcher = layer.token_dispatcher
+        check = device_planning.self_check(self.config, dispatcher.ep_size, layer.config.num_moe_experts,
+                                           device, dispatcher.ep_rank)
+        outcomes = _gather_on(dispatcher.ep_group, check.failure)
+        failures = [(rank, failure) for rank, failure in enumerate(outcomes) if failure is not None]
+        self.device_planner_check = check
+        if failures:
+            rank, failure = failures[0]
+            where = "" if len(failures) == len(outcomes) else \
+                f" on EP rank{'s' if len(failures) > 1 else ''} {', '.join(str(r) for r, _ in failures)}"
+            if preprocess_graphed(layer.config):  # the host planner cannot run inside that graph
+                raise RuntimeError(f"the device planner failed its self-check{where} ({check.implementation}): "
+                                   f"{failure}; --cuda-graph-modules moe_preprocess needs it: leave moe_preprocess "
+                                   "out of --cuda-graph-modules to plan on the host")
+            self.planner, self.plans_on_device = "host", False
+            _print_on_rank_zero(f"ultraep: warning: the device planner failed its self-check{where} "
+                                f"({check.implementation}): {failure}; planning on the host for this model "
+                                f"(--moe-balancer-planner host skips the check and this warning)")
+        else:
+            _print_on_rank_zero(f"ultraep: device planner ready in {check.seconds:.2f} s ({check.implementation}; "
+                                f"its plans of probe loads at R={dispatcher.ep_size}, "
+                                f"E={layer.config.num_moe_experts}, S={self.config.num_slots} "
+                                f"({check.replicas} replicas) equal the host's references)")
 
     def _ensure_ring(self) -> VirtualLayerRing:
         if self.ring is None:
@@ -186,14 +223,16 @@ class BalancingContext:
         return dataclasses.replace(planned, plan_seconds=seconds)
 
     @native_torch
-    def complete_device_plan(self, layer, planned: DevicePlanned, host_half: torch.Tensor) -> Invocation:
-        """The invocation of a plan made on the device, from the host copy of its host half."""
+    def complete_device_plan(self, layer, host_half: torch.Tensor, *, training: bool, grad_enabled: bool,
+                             plan_seconds: float) -> Invocation:
+        """The invocation of a plan made on the device (:class:`DevicePlanned`), from the host copy
+        of its host half; ``training`` / ``grad_enabled``: the layer's mode when it was planned."""
         t0 = time.perf_counter()
-        R, E = planned.plan.num_ranks, planned.plan.num_experts
-        load, plan, balanced = device_planning.unpack_host_half(host_half, R, E, self.config.num_slots)
-        return self._invocation(layer, load, plan, layer.token_dispatcher.ep_rank, balanced=balanced,
-                                training=planned.training, grad_enabled=planned.grad_enabled,
-                                plan_seconds=planned.plan_seconds, t0=t0)
+        dispatcher = layer.token_dispatcher
+        load, plan, balanced = device_planning.unpack_host_half(host_half, dispatcher.ep_size,
+                                                                dispatcher.num_logical_experts, self.config.num_slots)
+        return self._invocation(layer, load, plan, dispatcher.ep_rank, balanced=balanced, training=training,
+                                grad_enabled=grad_enabled, plan_seconds=plan_seconds, t0=t0)
 
     def _invocation(self, layer, load: torch.Tensor, plan, ep_rank: int, *, balanced: bool, training: bool,
                     grad_enabled: bool, plan_seconds: float, t0: float) -> Invocation:
@@ -362,20 +401,35 @@ class BalancingContext:
 
 
 def resolve_planner(planner: Optional[str], balancer: str) -> str:
-    """``--moe-balancer-planner``: ``planner`` as given, or by default ``device`` for ultraep on
-    CUDA and ``host`` otherwise (the CPU backend, the other balancers, whose plans are host
-    code; and while ``planner.device_solve`` is its host stand-in)."""
-    if planner is not None:
-        if planner not in PLANNERS:
-            raise ValueError(f"planner must be one of {', '.join(PLANNERS)}, got {planner!r}")
-        if planner == "device" and balancer != ULTRAEP:
-            raise ValueError(f"the device planner plans {ULTRAEP} only, not {balancer}")
-        return planner
-    from ultraep_megatron.megatron.cpu import backend as cpu_backend
+    """``--moe-balancer-planner``: ``planner`` as given, else ``host``
+    (``balancing_context_from_args`` passes ``device`` where the preprocessing is captured:
+    ``capabilities.default_planner``)."""
+    if planner is None:
+        return "host"
+    if planner not in PLANNERS:
+        raise ValueError(f"planner must be one of {', '.join(PLANNERS)}, got {planner!r}")
+    if planner == "device" and balancer != ULTRAEP:
+        raise ValueError(f"the device planner plans {ULTRAEP} only, not {balancer}")
+    return planner
 
-    on_cuda = torch.cuda.is_available() and not cpu_backend.is_active()
-    # Without Triton the device planner would run its reference step by step on the GPU.
-    return "device" if on_cuda and balancer == ULTRAEP and triton_available() else "host"
+
+def _gather_on(group, value) -> list:
+    """``value`` of every rank of ``group``, in group-rank order (startup only: a blocking object
+    gather); ``[value]`` without torch.distributed."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [value]
+    values = [None] * dist.get_world_size(group)
+    dist.all_gather_object(values, value, group=group)
+    return values
+
+
+def _print_on_rank_zero(line: str) -> None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(line, flush=True)
 
 
 def _data_plane_group(ep_group):

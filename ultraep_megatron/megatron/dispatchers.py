@@ -51,8 +51,14 @@ def _copy_to_host(tensor: torch.Tensor) -> torch.Tensor:
     """The one device-to-host copy of an invocation: into pinned memory, non-blocking, then one wait
     on an event (megatron's dispatcher waits for its token counts the same way)."""
     host, copied = _start_copy_to_host(tensor)
-    copied.synchronize()
+    _wait_for_host_copy(copied)
     return host
+
+
+def _wait_for_host_copy(copied) -> None:
+    """The invocation's one host wait: for the load (host planner) or the plan's host half (device
+    planner) to have crossed, where megatron's dispatcher waits for its token counts."""
+    copied.synchronize()
 
 
 def _start_copy_to_host(tensor: torch.Tensor, stream=None):
@@ -119,10 +125,15 @@ class _PhysicalSlotRouting:
         # A plan made on the device whose host half has not crossed yet (--moe-balancer-planner device).
         self._pending: Optional[DevicePlanned] = None
         self._pending_host = None  # (pinned host copy of the device plan's host half, its event)
+        # The device plan's host half (int64, on the device): a graph output when megatron captures
+        # the preprocessing (--cuda-graph-modules moe_preprocess: it is in cudagraph_attrs, and
+        # megatron sets it from the graph's outputs at each replay), crossing after the graph.
+        self.plan_host_half: Optional[torch.Tensor] = None
         # Sorting the pairs by expert on the narrowest integer that holds an expert id: the radix
         # sort's passes are over the key's bytes (CPU and CUDA).
         self._sort_key_dtype = torch.int16 if config.num_moe_experts <= torch.iinfo(torch.int16).max else torch.int32
         super().__init__(self.slots_per_rank, local, config=physical_config, pg_collection=pg_collection)
+        self.cudagraph_attrs = [*self.cudagraph_attrs, "plan_host_half"]
 
     def plan(self, routing_map: torch.Tensor, topk_ids: Optional[torch.Tensor] = None) -> Optional[Invocation]:
         """Plan this invocation from the exact load of the EP group, or take the stored plan when
@@ -132,7 +143,10 @@ class _PhysicalSlotRouting:
         for it (the invocation's one host wait) and the invocation is returned. With the device
         planner the plan and the reroute table are queued on the device and ``None`` is returned:
         the host half of the plan crosses once the reroute and permutation are queued
-        (:meth:`_complete_plan`).
+        (:meth:`_complete_plan`), or, while the preprocessing is being captured into a CUDA graph
+        that ends after it (``BalancedMoELayer.preprocess_captured_in_cuda_graph``), after each
+        replay of the graph (:meth:`complete_plan_after_graph`): nothing here then reads the device
+        on the host (the host planner cannot be captured: it reads the load).
 
         Args:
             routing_map: [T, E] bool, exactly ``topk`` experts per token (dropless).
@@ -144,17 +158,22 @@ class _PhysicalSlotRouting:
         if routing_map.dtype != torch.bool or routing_map.dim() != 2:
             raise ValueError("expected a [tokens, experts] bool routing map")
         self.topk_ids = topk_ids if topk_ids is not None else topk_indices(None, routing_map, self.config.moe_router_topk)
-        self._pending = None
+        self._pending = self._pending_host = self.plan_host_half = None
         if _in_backward_pass():
             invocation = balancing.replay(layer.layer_number)
         elif balancing.plans_on_device:
             self.invocation = None
             self._pending = balancing.plan_on_device(layer, self._gather_load(routing_map), self.ep_rank,
                                                      training=layer.training, grad_enabled=torch.is_grad_enabled())
+            self.plan_host_half = self._pending.host_half
+            self._table = self._pending.reroute_table
+            if layer.preprocess_captured_in_cuda_graph():
+                # The host half crosses after each replay of the graph; --moe-balancer-check-plans
+                # (device reads) does not check a plan made inside one.
+                return None
             # The host half starts crossing now, beside the reroute and permutation queued next.
             self._pending_host = _start_copy_to_host(self._pending.host_half,
                                                      balancing.host_copy_stream(routing_map.device))
-            self._table = self._pending.reroute_table
             self._check_plan(routing_map)
             return None
         else:
@@ -170,13 +189,34 @@ class _PhysicalSlotRouting:
         """With the device planner, once the reroute and permutation are queued: the plan's host
         half crosses in one device-to-host copy and one wait (where megatron's dispatcher waits for
         its splits), and becomes the invocation. Nothing to do otherwise."""
-        pending, self._pending = self._pending, None
-        if pending is None:
+        if self._pending_host is None:  # nothing pending, or its host half crosses after a graph
             return
+        pending, self._pending = self._pending, None
         host_half, copied = self._pending_host
         self._pending_host = None
-        copied.synchronize()
-        self.invocation = self._layer.balancing.complete_device_plan(self._layer, pending, host_half)
+        _wait_for_host_copy(copied)
+        self.invocation = self._layer.balancing.complete_device_plan(
+            self._layer, host_half, training=pending.training, grad_enabled=pending.grad_enabled,
+            plan_seconds=pending.plan_seconds)
+        self._take_invocation(self.invocation)
+
+    def complete_plan_after_graph(self) -> None:
+        """After a replay of a CUDA graph of the preprocessing (device planner): the plan's host
+        half, which megatron set from the graph's outputs (:attr:`plan_host_half`), crosses in one
+        device-to-host copy and one wait, and becomes the invocation. Nothing the capture ran on the
+        host is used: a replay runs none of it (the graph ran this invocation's load gather, plan,
+        reroute and permutation on the device)."""
+        if self.plan_host_half is None:
+            raise RuntimeError(f"MoE layer {self._layer.layer_number}: a graph of the preprocessing was "
+                               "replayed without the device plan's host half among its outputs (the "
+                               "preprocessing graph needs --moe-balancer-planner device)")
+        layer = self._layer
+        self._pending = None
+        host_half, copied = _start_copy_to_host(self.plan_host_half,
+                                                layer.balancing.host_copy_stream(self.plan_host_half.device))
+        _wait_for_host_copy(copied)
+        self.invocation = layer.balancing.complete_device_plan(
+            layer, host_half, training=layer.training, grad_enabled=torch.is_grad_enabled(), plan_seconds=0.0)
         self._take_invocation(self.invocation)
 
     def _take_invocation(self, invocation: Invocation) -> None:

@@ -33,10 +33,18 @@ experts' router rows) so the balancer must replicate. Scenarios, each saved to
 * ``flex-hybridep`` / ``flex-hybridep-padded``: the same over megatron's ``_HybridEPManager``
   (``deepep_gloo``'s HybridEP stand-in), handed the plan's row counts; ``-padded`` with every local
   slot's rows padded to a multiple of 8, as HybridEP pads them to the fp8 alignment under fp8;
+* ``flex-hybridep-fp8``: HybridEP under blockwise fp8 with grouped experts (``te_grouped_fp8``'s GEMMs),
+  every local slot's rows padded to the fp8 alignment; its references are megatron's layer in fp8
+  and in fp32 (``reference``): fp8 may round a replicated expert's split rows otherwise, so it is
+  compared under the fp8 gate, not to a noise floor;
 * ``latent``: latent MoE (``--moe-latent-size``): megatron's MoELayer projects the tokens hidden ->
   latent before ``dispatch_preprocess`` and latent -> hidden after ``combine_postprocess``
   (``te_linear_standin`` in Transformer Engine's linear's place), and builds the experts, the
   replica experts too, at the latent size; three microbatches in flight;
+* ``device_planner`` (``_recompute``, ``_flex``): ``pipelined`` (``recompute``, ``flex``) planned on
+  the device (``--moe-balancer-planner device``: on the CPU the device planner's torch calls);
+* ``device_planner_fallback``: ``device_planner`` whose self-check fails on rank 1 alone (its kernel
+  returns a wrong plan while the layer is built): the EP group hands over to the host planner;
 * ``latent_no_replica_grad_reduction``: ``latent`` with the replica-gradient reduction broken (its
   negative control; compared against ``latent``'s references).
 
@@ -46,6 +54,7 @@ Run:  torchrun --standalone --nproc-per-node 4 balanced_moe_layer.py --out-dir D
 import argparse
 import contextlib
 import functools
+import io
 import os
 import sys
 
@@ -380,10 +389,12 @@ def main():
         "flex-hybridep-padded": dict(microbatches=2, recompute=False, balancer="ultraep", dispatcher="flex",
                                      flex_backend="hybridep", pad_multiple=8),
         "grouped": dict(microbatches=3, recompute=False, balancer="ultraep", grouped=True),
-        # HybridEP under (toy) fp8 with grouped experts: every local slot's rows padded to the fp8
+        # HybridEP under fp8 with grouped experts: every local slot's rows padded to the fp8
         # alignment, which the grouped GEMM stand-in requires of main and replica experts alike.
+        # Compared under the fp8 gate (fp8_equivalence.py) against fp32. blockwise: mxfp8 would
+        # refuse FFN = 48 (not a multiple of 32), as TE's MXFP8 quantizer does.
         "flex-hybridep-fp8": dict(microbatches=2, recompute=False, balancer="ultraep", dispatcher="flex",
-                                  flex_backend="hybridep", grouped=True, fp8="tensorwise"),
+                                  flex_backend="hybridep", grouped=True, fp8="blockwise"),
     }
     # The negative control: the single scenario with replica gradients never reduced (one of the
     # faults of pretrain_grad_dump.py, which holds every way the tests break the balancer).
@@ -399,6 +410,10 @@ def main():
     scenarios["device_planner"] = dict(scenarios["pipelined"], planner="device")
     scenarios["device_planner_recompute"] = dict(scenarios["recompute"], planner="device")
     scenarios["device_planner_flex"] = dict(scenarios["flex"], planner="device")
+    # Its self-check failing on global rank 1 alone (a kernel returning a wrong plan, while the
+    # layer is built): the whole EP group plans on the host (the references: pipelined's).
+    scenarios["device_planner_fallback"] = dict(scenarios["device_planner"], references="pipelined",
+                                                build_fault="device_planner_wrong_plan_on_rank_1")
     # Latent MoE, and its negative control (compared with the same references: they are not rerun).
     scenarios["latent"] = dict(scenarios["pipelined"], latent=True)
     scenarios["latent_no_replica_grad_reduction"] = dict(scenarios["latent"], fault="no_replica_grad_reduction",
@@ -416,17 +431,28 @@ def main():
         if references is not None:  # the same references as the ``references`` scenario's
             for key in ("none", "none_permuted"):
                 results[f"{name}/{key}"] = results[f"{references}/{key}"]
-        # The reference is always megatron's own all-to-all MoELayer, also fed permuted tokens.
-        for key, balancer, permute in (("none", None, False), ("none_permuted", None, True),
-                                       ("balanced", sc["balancer"], False)):
+        # The reference is always megatron's own all-to-all MoELayer, also fed permuted tokens; under
+        # fp8 (no noise floor: the balanced layer rounds a replicated expert's rows otherwise) also
+        # in fp32 with the same tokens, weights and routing.
+        runs = [("none", None, False), ("none_permuted", None, True), ("balanced", sc["balancer"], False)]
+        if sc.get("fp8"):
+            runs = [("reference", None, False)] + [run_ for run_ in runs if run_[0] != "none_permuted"]
+        for key, balancer, permute in runs:
             if references is not None and balancer is None:
                 continue
             dispatcher = sc.get("dispatcher", "alltoall") if balancer else "alltoall"
-            layer = build_layer(world, balancer, cli.num_slots, sc["recompute"],
-                                dispatcher, sc.get("grouped", False), flex_backend=sc.get("flex_backend", "deepep"),
-                                pad_multiple=sc.get("pad_multiple") if balancer else None,
-                                planner=sc.get("planner") if balancer else None,
-                                latent_size=LATENT if sc.get("latent") else None, fp8=sc.get("fp8"))
+            # What the balancing context prints while the layer is built (the device planner's
+            # self-check: its ready line, or the warning of its hand-over to the host planner).
+            printed = io.StringIO()
+            with FAULTS[sc["build_fault"]]() if balancer and "build_fault" in sc else contextlib.nullcontext(), \
+                    contextlib.redirect_stdout(printed):
+                layer = build_layer(world, balancer, cli.num_slots, sc["recompute"],
+                                    dispatcher, sc.get("grouped", False), flex_backend=sc.get("flex_backend", "deepep"),
+                                    pad_multiple=sc.get("pad_multiple") if balancer else None,
+                                    planner=sc.get("planner") if balancer else None,
+                                    latent_size=LATENT if sc.get("latent") else None,
+                                    fp8=sc.get("fp8") if key != "reference" else None)
+            print(printed.getvalue(), end="", flush=True)
             load_weights(layer, scenario_weights)
             if balancer and sc.get("idle_replica"):  # kept: not refreshed at this call
                 slots = torch.full((world, cli.num_slots), -1, dtype=torch.int64)
@@ -439,6 +465,8 @@ def main():
                 results[key] = run(layer, scenario_weights, rank, sc["microbatches"], permute,
                                    hot=sc.get("hot", HOT_EXPERTS), input_grad=sc.get("input_grad", True),
                                    router_grad=sc.get("router_grad", True))
+            results[key]["printed_by_balancer"] = [line for line in printed.getvalue().splitlines()
+                                                   if line.startswith("ultraep:")]
             results[key]["dispatcher_class"] = type(layer.token_dispatcher).__name__
             manager = getattr(layer.token_dispatcher, "_comm_manager", None)
             results[key]["manager_class"] = type(manager).__name__ if manager is not None else None

@@ -10,7 +10,7 @@ its microbatches' forwards, then their backwards:
    which that mode does not report (torch 2.11), are recorded the same way.
 2. ``error``: under ``set_sync_debug_mode("error")``, with the measured layer's own designated
    wait allowed (megatron's layer: its ``_maybe_dtoh_and_synchronize``; the balanced layer: its
-   dispatcher's ``_copy_to_host``; calls counted): any other synchronization raises, also one inside
+   dispatcher's ``_wait_for_host_copy``, for the load or the device plan's host half; calls counted): any other synchronization raises, also one inside
    a C++ autograd node, whose warning in (1) autograd replays after the backward without the place.
 
 A first forward and backward of each scenario's two layer kinds runs before any of this, unwatched:
@@ -50,7 +50,7 @@ SCENARIOS = {
     "pipelined": dict(microbatches=3, recompute=False, grouped=False, planner="host"),
     "recompute": dict(microbatches=2, recompute=True, grouped=False, planner="host"),
     "grouped": dict(microbatches=2, recompute=False, grouped=True, planner="host"),
-    # --moe-balancer-planner device (the default on CUDA): the plan made on the GPU, crossing once.
+    # --moe-balancer-planner device: the plan made on the GPU, crossing once.
     "device-planner": dict(microbatches=3, recompute=False, grouped=False, planner="device"),
     "device-planner-recompute": dict(microbatches=2, recompute=True, grouped=False, planner="device"),
     # The negative control: the balanced layer with a deliberate ``.tolist()`` of the routing in its
@@ -118,7 +118,7 @@ def install_watch() -> None:
 
     MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _designated(
         "megatron", MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize)
-    dispatchers._copy_to_host = _designated("ultraep", dispatchers._copy_to_host)
+    dispatchers._wait_for_host_copy = _designated("ultraep", dispatchers._wait_for_host_copy)
     if _ON_CUDA:
         torch.cuda.Event.synchronize = _watched("event synchronize", torch.cuda.Event.synchronize)
         torch.cuda.synchronize = _watched("device synchronize", torch.cuda.synchronize)

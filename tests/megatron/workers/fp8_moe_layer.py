@@ -1,27 +1,39 @@
-"""Worker: fp8 (toy current scaling) balanced MoE layers against megatron's, on N gloo CPU ranks.
+"""Worker: fp8 balanced MoE layers against megatron's and a high-precision reference, on N gloo
+CPU ranks, with a CPU stand-in for Transformer Engine's fp8 grouped GEMM.
 
-Two MoE layers of megatron's ``TEGroupedMLP`` experts over ``torch_grouped_linear`` (which under
-fp8 computes with ``toy_fp8``'s quantized weights and follows TE's ``is_first_microbatch`` caching
-contract) share one ``BalancingContext``, hence one replica experts module. Each of two steps loads
-new weights into both (the same for every run: a step's weight update without its rounding
-history), resets ``is_first_microbatch`` as megatron's schedule does at a step's first microbatch
+Two MoE layers of megatron's ``TEGroupedMLP`` experts over ``torch_grouped_linear`` (whose fp8
+GEMMs, ``te_grouped_fp8``, quantize each group's input, weight and output gradient as TE's grouped
+GEMM does, and which follows TE's ``is_first_microbatch`` caching contract) share one
+``BalancingContext``, hence one replica experts module. Each of two steps loads new weights into
+both (the same for every run: a step's weight update without its rounding history), resets
+``is_first_microbatch`` as megatron's schedule does at a step's first microbatch
 (``set_is_first_microbatch``, on the layers: the replica module is no submodule), and runs three
 microbatches through both layers, forwards before backwards. The layers' hot experts differ, so a
 replica module that reused a cast of its first call would compute another layer's (or an earlier
-step's) experts.
+step's) experts. Each layer takes the microbatch's tokens (pushed towards its hot experts), not
+the previous layer's output: the router runs in high precision, so every run, the fp32 reference
+included, routes every token alike.
 
-Per fp8 recipe (tensorwise, blockwise, mxfp8): megatron's MoELayer (``none``), the same on
-permuted tokens (``none_permuted``, the noise floor), the balanced layers (``balanced``); and for
-the negative control (``stale``) the balanced layers with the replica module's cache left on, as
-it was before it was built with ``disable_parameter_transpose_cache``. With fp8 parameters
-(``param/``): ``stale_parts`` (the replicas get row-wise data alone, stale scales and column-wise
-copies) and, for tensorwise, ``stale_transpose`` (the main expert's transpose cache moved as if it
-were data: after a re-quantization TE leaves it stale, ``expert_slots.DERIVED_PARTS``).
+Tokens: ``TOKENS`` per rank, top-2 of 8 experts: a hot expert gets a few hundred rows, more than one
+128-row block along the tokens, split between its main instance and a replica by the balancer.
+
+Runs: ``reference`` (megatron's MoELayer, fp8 off: fp32 GEMMs, the same tokens, weights and
+routing) and ``reference_balanced`` (the balanced layers in fp32: the noise floor of the plan's
+reordered sums). Per fp8 recipe (tensorwise, blockwise, mxfp8): megatron's MoELayer (``none``), the
+balanced layers (``balanced``), and the negative controls ``stale`` (the replica module's cache
+left on, as it was before it was built with ``disable_parameter_transpose_cache``) and
+``no_reduction`` (replica gradients never reach the main experts). With fp8 parameters
+(``param/``): ``none``, ``balanced``, ``no_reduction``, ``stale_parts`` (the replicas get row-wise
+data alone, stale scales and column-wise copies) and, for tensorwise, ``stale_transpose`` (the main
+expert's transpose cache moved as if it were data: after a re-quantization TE leaves it stale,
+``expert_slots.DERIVED_PARTS``). And ``none`` and ``balanced`` with TE's switches of the scales'
+form (``SCALE_VARIANTS``).
 
 Run:  torchrun --standalone --nproc-per-node 2 fp8_moe_layer.py --out-dir DIR
 """
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -30,14 +42,20 @@ import torch
 from ultraep_megatron.megatron import expert_slots
 from ultraep_megatron.megatron.cpu import backend as cpu_backend
 
-from balanced_moe_layer import BATCH, HIDDEN, NUM_EXPERTS, SEQ, TOPK, permuted, skew, token_order
+from balanced_moe_layer import HIDDEN, NUM_EXPERTS, TOPK, skew
 
 FFN = 64  # mxfp8 blocks are 1 x 32 along each weight's input dimension (H = 32, F = 64)
+SEQ, BATCH = 128, 2  # TOKENS = 256 per rank: a hot expert spans several 128-row blocks
+TOKENS = SEQ * BATCH
 LAYERS = 2
 STEPS = 2
 MICROBATCHES = 3
 HOT = ((0, 1), (2, 3))  # per layer, all on EP rank 0 at EP2: the replicas of both layers run on rank 1
 RECIPES = ("tensorwise", "blockwise", "mxfp8")
+#: TE's switches of a recipe's scales (``te_grouped_fp8.POWER_2_SCALES_ENV``), measured without
+#: fp8 parameters: tensorwise with power-of-two scales, blockwise with fp32 scales.
+SCALE_VARIANTS = {"tensorwise-pow2-scales": ("tensorwise", "NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES"),
+                  "blockwise-fp32-scales": ("blockwise", "NVTE_FP8_BLOCK_SCALING_FP32_SCALES")}
 
 
 def layer_weights(layer: int, step: int) -> dict[str, torch.Tensor]:
@@ -50,9 +68,10 @@ def layer_weights(layer: int, step: int) -> dict[str, torch.Tensor]:
     }
 
 
-def build_layers(ep_size: int, recipe: str, balanced: bool, stale_replica_cache: bool, fp8_param: bool = False):
-    """``LAYERS`` MoE layers (grouped experts, fp8 with ``recipe``; quantized parameters with
-    ``fp8_param``, megatron's ``--fp8-param-gather``); balanced ones share one BalancingContext."""
+def build_layers(ep_size: int, recipe: str | None, balanced: bool, stale_replica_cache: bool, fp8_param: bool = False):
+    """``LAYERS`` MoE layers (grouped experts, fp8 with ``recipe``, high precision without;
+    quantized parameters with ``fp8_param``, megatron's ``--fp8-param-gather``); balanced ones share
+    one BalancingContext."""
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -74,9 +93,10 @@ def build_layers(ep_size: int, recipe: str, balanced: bool, stale_replica_cache:
         moe_aux_loss_coeff=0.0, add_bias_linear=False, use_cpu_initialization=True,
         bias_dropout_fusion=False, gradient_accumulation_fusion=False, moe_grouped_gemm=True,
     )
-    toy_fp8.install_fp8_standins(recipe)
-    toy_fp8.enable_fp8(config, recipe)
-    config.fp8_param = fp8_param
+    if recipe is not None:
+        toy_fp8.install_fp8_standins(recipe)
+        toy_fp8.enable_fp8(config, recipe)
+        config.fp8_param = fp8_param
     spec = torch_grouped_linear.grouped_moe_layer_spec()
     pgs = ProcessGroupCollection.use_mpu_process_groups()
     balancing = BalancingContext(BalancerConfig(name="ultraep", num_slots=1, min_quota=1),
@@ -184,10 +204,11 @@ def replica_bytes_match(layer, weights, slot_weights, recipe: str) -> list[bool]
     return matches
 
 
-def run(layers, balancing, rank: int, permute_tokens: bool, recipe: str | None = None) -> dict:
+def run(layers, balancing, rank: int, recipe: str | None = None) -> dict:
     """``STEPS`` steps of ``MICROBATCHES`` microbatches through the layers; per step the outputs,
-    input gradients, router and expert gradients (in the original token order). With fp8
-    parameters (``recipe``) the replica weights' bytes are checked against their main experts'."""
+    input gradients, router and expert gradients, and per layer the experts the plans replicated.
+    With fp8 parameters (``recipe``) the replica weights' bytes are checked against their main
+    experts'."""
     replica_calls = [0] * LAYERS  # per layer, calls with rows for this rank's redundant slots
     byte_matches = []  # per quantized replica weight a replica call ran with
     current = {}
@@ -208,24 +229,31 @@ def run(layers, balancing, rank: int, permute_tokens: bool, recipe: str | None =
             layer.zero_grad(set_to_none=True)
             layer.train()
             layer.set_is_first_microbatch()  # megatron's schedule, at a step's first microbatch
-        xs, outs, ups, backs = [], [], [], []
+        replicated = [set() for _ in layers]  # per layer, experts with a redundant slot in a plan
+        rows = []  # per microbatch and layer: this rank's rows per physical slot (main, then redundant), the plan
+        xs, outs, ups = [], [], []
         for mb in range(MICROBATCHES):
             gen = torch.Generator().manual_seed(1000 * (10 * step + mb) + rank)
-            x, up = torch.randn(SEQ, BATCH, HIDDEN, generator=gen), torch.randn(SEQ, BATCH, HIDDEN, generator=gen)
-            order = token_order(10 * step + mb, permute_tokens)
-            x = permuted(skew(x, weights[0], HOT[0]), order).requires_grad_(True)
-            hidden = x
-            for layer, w, hot in zip(layers, weights, HOT):
-                hidden, _ = layer(skew(hidden, w, hot) if layer is not layers[0] else hidden)
-                hidden = hidden + x  # a residual, so later layers see tokens of their own
-            xs.append(x), outs.append(hidden), ups.append(permuted(up, order)), backs.append(order.argsort())
+            x = torch.randn(SEQ, BATCH, HIDDEN, generator=gen).requires_grad_(True)
+            up = torch.randn(SEQ, BATCH, HIDDEN, generator=gen)
+            out = x
+            for index, (layer, w, hot) in enumerate(zip(layers, weights, HOT)):
+                out = out + layer(skew(x, w, hot))[0]
+                if balancing is not None:
+                    invocation = layer.token_dispatcher.invocation
+                    replicated[index].update(e for e in invocation.plan.slot_expert.reshape(-1).tolist() if e >= 0)
+                    rows.append({"layer": index, "rows_per_slot": invocation.rows_per_slot.tolist(),
+                                 "slot_expert": invocation.plan.slot_expert.tolist()})
+            xs.append(x), outs.append(out), ups.append(up)
         for out, up in zip(outs, ups):  # backwards in forward order, as a 1F1B stage does
             (out * up).sum().backward()
         steps.append({
-            "out": [permuted(o.detach(), back).clone() for o, back in zip(outs, backs)],
-            "dx": [permuted(x.grad, back).clone() for x, back in zip(xs, backs)],
+            "out": [o.detach().clone() for o in outs],
+            "dx": [x.grad.clone() for x in xs],
             "router_grads": [layer.router.weight.grad.clone() for layer in layers],
             "expert_grads": [expert_grads(layer) for layer in layers],
+            "replicated": [sorted(r) for r in replicated],
+            "invocations": rows,
         })
     result = {"steps": steps, "replica_calls": replica_calls, "byte_matches": byte_matches,
               "weight_class": type(layers[0].experts.linear_fc1.weight0).__name__}
@@ -250,18 +278,26 @@ def main():
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     from megatron.core import parallel_state
 
+    from pretrain_grad_dump import FAULTS
+
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    no_reduction = FAULTS["no_replica_grad_reduction"]  # the gate's negative control
     results = {}
+    # fp32: the same tokens, weights and routing; balanced, it gives the fp32 noise floor.
+    for key, balanced in (("reference", False), ("reference_balanced", True)):
+        layers, balancing = build_layers(world, None, balanced, False)
+        results[key] = run(layers, balancing, rank)
     for recipe in RECIPES:
-        runs = [("none", False, False, False), ("none_permuted", False, True, False),
-                ("balanced", True, False, False), ("stale", True, False, True)]
-        for key, balanced, permute, stale in runs:
+        runs = [("none", False, False), ("balanced", True, False), ("stale", True, True),
+                ("no_reduction", True, False)]
+        for key, balanced, stale in runs:
             layers, balancing = build_layers(world, recipe, balanced, stale)
-            results[f"{recipe}/{key}"] = run(layers, balancing, rank, permute)
+            with no_reduction() if key == "no_reduction" else contextlib.nullcontext():
+                results[f"{recipe}/{key}"] = run(layers, balancing, rank)
         # fp8 parameters (--fp8-param-gather): the replicas receive the main experts' quantized bytes.
-        runs = [("none", False, False), ("none_permuted", False, True), ("balanced", True, False),
-                ("stale_parts", True, False)] + ([("stale_transpose", True, False)] if recipe == "tensorwise" else [])
-        for key, balanced, permute in runs:
+        runs = ["none", "balanced", "no_reduction", "stale_parts"] + (["stale_transpose"] if recipe == "tensorwise" else [])
+        for key in runs:
+            balanced = key != "none"
             derived = expert_slots.DERIVED_PARTS
             if key == "stale_transpose":  # the transpose cache moved and used as it stands
                 expert_slots.DERIVED_PARTS = ()
@@ -269,10 +305,18 @@ def main():
                 layers, balancing = build_layers(world, recipe, balanced, False, fp8_param=True)
                 if key == "stale_parts":
                     move_stale_parts(layers)
-                results[f"{recipe}/param/{key}"] = run(layers, balancing, rank, permute,
-                                                       recipe if balanced else None)
+                with no_reduction() if key == "no_reduction" else contextlib.nullcontext():
+                    results[f"{recipe}/param/{key}"] = run(layers, balancing, rank, recipe if balanced else None)
             finally:
                 expert_slots.DERIVED_PARTS = derived
+    for variant, (recipe, switch) in SCALE_VARIANTS.items():
+        os.environ[switch] = "1"  # read by the stand-in at every GEMM, as TE's recipe reads it
+        try:
+            for key in ("none", "balanced"):
+                layers, balancing = build_layers(world, recipe, key == "balanced", False)
+                results[f"{variant}/{key}"] = run(layers, balancing, rank)
+        finally:
+            del os.environ[switch]
     results["offloading"] = offloading_flags(world)
     torch.save(results, os.path.join(cli.out_dir, f"rank{rank}.pt"))
     parallel_state.destroy_model_parallel()

@@ -33,6 +33,11 @@ Everything below is controlled by environment variables; the training itself is 
   quantized parameters, stood in by ``fp8_param_standin`` (TE's parts of megatron's fp8-parameter
   path: building, buffer mapping, the optimizer's cast, the gather's post-processing).
 
+* ``ULTRAEP_GRAD_ORDER=1``: the dump also gets ``grad_order`` (:class:`GradReadyOrder`): per
+  iteration, the order in which megatron's DDP was told each parameter's gradient was ready and in
+  which its bucket groups started their collectives, the buckets and the ranks each group reduces
+  over, and the experts each training invocation's plan replicated.
+
 * ``ULTRAEP_FAULTS``: comma-separated faults from :data:`FAULTS`, each ``name@iteration`` (active
   during that iteration's ``train_step`` only) or ``name`` (the whole run). They break the
   balancer on purpose, for the negative controls.
@@ -149,6 +154,42 @@ def _grads_ready_in_plan_order():
     return _patched(replica_autograd.ReduceReplicaGrads, "apply", replacement)
 
 
+class _PlanDependentIdentity(torch.autograd.Function):
+    """Identity on the tokens; its other inputs are parameters whose gradient it gives zeros."""
+
+    @staticmethod
+    def forward(ctx, tokens, *params):
+        ctx.shapes = [p.shape for p in params]
+        return tokens.view_as(tokens)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad, *(grad.new_zeros(shape) for shape in ctx.shapes))
+
+
+def _plan_dependent_node_before_dispatch():
+    """The gradient-order fault: an autograd node before the dispatch that depends on the plan.
+    The permuted tokens pass through an identity whose inputs also include the parameters of the
+    local main experts this rank's plan replicates; it adds zeros to their gradients, so the values
+    stay right, but their gradient accumulation (and DDP's grad-ready hook) now waits for the
+    dispatch's backward: DDP sees the experts' gradients ready in an order of the local plan's
+    making."""
+    from ultraep_megatron.megatron.balanced_moe import BalancedMoELayer
+
+    def replacement(original):
+        def preprocess(self, hidden_states, probs, routing_map):
+            hidden_states, probs = original(self, hidden_states, probs, routing_map)
+            if not torch.is_grad_enabled():
+                return hidden_states, probs
+            main = self.main_expert_param_lists()
+            replicated = [p for g in self.token_dispatcher.invocation.replicated_local_experts for p in main[g]
+                          if p.requires_grad]
+            return _PlanDependentIdentity.apply(hidden_states, *replicated), probs
+        return preprocess
+
+    return _patched(BalancedMoELayer, "preprocess", replacement)
+
+
 def _replicas_before_param_gather():
     """The gather fault: the replicas are copied from the main experts without first completing
     megatron's parameter all-gather for them (--overlap-param-gather), i.e. from the previous step's
@@ -166,9 +207,59 @@ def _mxfp8_parameters_without_reuse_accepted():
     return _patched(capabilities, "_mxfp8_parameter_problems", lambda original: lambda get: [])
 
 
+def _device_planner_kernel(broken, only_rank=None):
+    """The device planner's probe kernel (``device_solve._probe``: Triton on CUDA, the reference's
+    torch calls on the CPU) replaced by ``broken(original, *args)`` wherever the device planner runs
+    it (not where the self-check's numpy reference does), on global rank ``only_rank`` alone if
+    given."""
+    import importlib
+
+    device_solve = importlib.import_module("ultraep_megatron.planner.device_solve")  # the module
+
+    def replacement(original):
+        def probe(implementation, *args, **kwargs):
+            if implementation == "reference" or (
+                    only_rank is not None and torch.distributed.is_initialized()
+                    and torch.distributed.get_rank() != only_rank):
+                return original(implementation, *args, **kwargs)
+            return broken(original, implementation, *args, **kwargs)
+        return probe
+
+    return _patched(device_solve, "_probe", replacement)
+
+
+def _says_nothing_is_feasible(original, *args, **kwargs):
+    """A wrong plan: the kernel reports every threshold infeasible (no replica is placed)."""
+    success, *rest = original(*args, **kwargs)
+    return (torch.zeros_like(success), *rest)
+
+
+def _raises(original, *args, **kwargs):
+    raise RuntimeError("triton compilation failed (a fault of the tests)")
+
+
+def _device_planner_wrong_plan():
+    """The device planner's kernel returns a wrong plan (every threshold infeasible)."""
+    return _device_planner_kernel(_says_nothing_is_feasible)
+
+
+def _device_planner_wrong_plan_on_rank_1():
+    """The same on global rank 1 only: the other ranks' self-checks pass."""
+    return _device_planner_kernel(_says_nothing_is_feasible, only_rank=1)
+
+
+def _device_planner_raises():
+    """The device planner's kernel raises (as a Triton compilation error would)."""
+    return _device_planner_kernel(_raises)
+
+
 FAULTS = {
     "grads_ready_in_plan_order": _grads_ready_in_plan_order,
     "replicas_before_param_gather": _replicas_before_param_gather,
+    "plan_dependent_node_before_dispatch": _plan_dependent_node_before_dispatch,
+    "device_planner_wrong_plan": _device_planner_wrong_plan,
+    "device_planner_wrong_plan_on_rank_1": _device_planner_wrong_plan_on_rank_1,
+    "device_planner_raises": _device_planner_raises,
     "no_replica_grad_reduction": _no_replica_grad_reduction,
     "skip_rematerialization": _skip_rematerialization,
     "replica_gets_other_layer_weights": _replica_gets_other_layer_weights,
@@ -322,6 +413,73 @@ def record_quantized_weights(out: dict, current_iteration) -> None:
     BalancedMoELayer.run_replicas = run
 
 
+class GradReadyOrder:
+    """Megatron DDP's view of the backward, recorded per iteration: every call of
+    ``_ParamAndGradBucketGroup.register_grad_ready`` (DDP's backward post-hook of a parameter calls
+    it in every microbatch, once the parameter's gradient is accumulated; it counts only in the
+    last microbatch, where a bucket group whose every parameter is ready starts its gradient
+    collective) and every collective it starts.
+
+    ``result()``: ``{"events": {iteration: [event]}, "buckets": [bucket group], "plans":
+    {iteration: [(layer, replicated experts)]}}``. An event is ``("ready", family, group, name,
+    last_microbatch)`` or ``("sync", family, group)``; ``family`` is ``"dense"`` (DDP's
+    ``bucket_groups``, reduced over the data-parallel group) or ``"expert"``
+    (``expert_parallel_bucket_groups``, over the expert-data-parallel group), ``group`` the bucket
+    group's index there, ``name`` the parameter's name in its model chunk (``chunk index/name``: the
+    same expert on every rank of an expert-data-parallel group). A bucket group is ``{"family",
+    "index", "ranks": the global ranks its collectives run over, "buckets": [[parameter name]]}``.
+    """
+
+    def __init__(self):
+        self.names = {}   # id(parameter) -> name
+        self.groups = {}  # id(bucket group) -> (family, index)
+        self.buckets = []
+        self.events = {}
+        self.plans = {}
+        self.iteration = None
+
+    def install(self) -> None:
+        from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
+
+        original = _ParamAndGradBucketGroup.register_grad_ready
+        recorder = self
+
+        def register_grad_ready(group, param, force_all_reduce=False):
+            started = group.grad_reduce_handle is not None
+            result = original(group, param, force_all_reduce)
+            events = recorder.events.setdefault(recorder.iteration, [])
+            family, index = recorder.groups[id(group)]
+            events.append(("ready", family, index, recorder.names[id(param)], bool(group.is_last_microbatch)))
+            if not started and group.grad_reduce_handle is not None:
+                events.append(("sync", family, index))
+            return result
+
+        _ParamAndGradBucketGroup.register_grad_ready = register_grad_ready
+
+    def begin(self, iteration: int, model_chunks) -> None:
+        self.iteration = iteration
+        if self.names:
+            return
+        import torch.distributed as dist
+
+        for c, chunk in enumerate(model_chunks):
+            self.names.update({id(p): f"{c}/{name}" for name, p in chunk.named_parameters()})
+            for family, groups in (("dense", chunk.bucket_groups), ("expert", chunk.expert_parallel_bucket_groups)):
+                for group in groups:
+                    self.groups[id(group)] = (family, len([b for b in self.buckets if b["family"] == family]))
+                    self.buckets.append({
+                        "family": family, "index": self.groups[id(group)][1],
+                        "ranks": dist.get_process_group_ranks(group.intra_distributed_optimizer_instance_group),
+                        "buckets": [[self.names[id(p)] for p in bucket.params_list] for bucket in group.buckets]})
+
+    def on_plan(self, layer, invocation) -> None:
+        experts = sorted(int(e) for e in invocation.plan.slot_expert.reshape(-1).tolist() if e >= 0)
+        self.plans.setdefault(self.iteration, []).append((layer.layer_number, experts))
+
+    def result(self) -> dict:
+        return {"events": self.events, "buckets": self.buckets, "plans": self.plans}
+
+
 def main():
     dump_dir = Path(os.environ["ULTRAEP_GRAD_DUMP_DIR"])
     dump_dir.mkdir(parents=True, exist_ok=True)
@@ -330,6 +488,7 @@ def main():
     whole_run_faults, iteration_faults = parse_faults(os.environ.get("ULTRAEP_FAULTS", ""))
     wgrad_fusion = os.environ.get("ULTRAEP_WGRAD_FUSION_STANDIN") == "1"
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' stand-ins
+    grad_order = GradReadyOrder() if os.environ.get("ULTRAEP_GRAD_ORDER") == "1" else None
     if wgrad_fusion:  # before megatron is imported: it looks the kernel up once
         import wgrad_fusion_standin
 
@@ -367,6 +526,8 @@ def main():
         return scheduler_lr(self, param_group)
 
     OptimizerParamScheduler.get_lr = get_lr
+    if grad_order is not None:
+        grad_order.install()
 
     original_train_step = megatron_training.train_step
 
@@ -375,6 +536,8 @@ def main():
         iteration += 1
         if iteration == 1 and expert_bias:
             set_expert_bias(model, [float(b) for b in expert_bias.split(",")])
+        if grad_order is not None:
+            grad_order.begin(iteration, model)
         with contextlib.ExitStack() as faults:
             for name in iteration_faults.get(iteration, []):
                 faults.enter_context(FAULTS[name]())
@@ -398,6 +561,8 @@ def main():
         invocation = original_plan(self, layer, load, ep_rank, training=training, grad_enabled=grad_enabled)
         if not training:
             eval_plans.append(planner.metrics(load, invocation.plan)["imbalance_after"])
+        elif grad_order is not None:
+            grad_order.on_plan(layer, invocation)
         return invocation
 
     BalancingContext.plan = plan
@@ -436,6 +601,8 @@ def main():
         except SystemExit as done:
             if done.code not in (0, None):
                 raise
+    if grad_order is not None:
+        out["grad_order"] = grad_order.result()
     torch.save(out, dump_dir / f"rank{os.environ['RANK']}.pt")
 
 

@@ -117,6 +117,12 @@ def activate() -> bool:
     _patch(param_and_grad_buffer, "_coalescing_manager", megatron_patches.coalescing_per_dtype,
            "gloo's coalesced all-gather/reduce-scatter run all tensors as one dtype; fp8 parameters "
            "put a uint8 bucket beside bf16 ones: one coalesced call per dtype")
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    _patch(filesystem_async, "get_write_results_queue",
+           megatron_patches.forked_write_results_queue(filesystem_async.get_write_results_queue),
+           "torch_dist saves start a spawned multiprocessing manager (a fresh interpreter re-importing "
+           "the script, ~5 s per saving rank); forked on the CPU")
     from megatron.core.optimizer import distrib_optimizer
 
     if not distrib_optimizer.HAVE_APEX_OR_TE:

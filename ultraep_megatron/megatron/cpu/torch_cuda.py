@@ -3,13 +3,45 @@
 
 Only functions that raise (or silently do nothing) without a device are replaced;
 ``is_available()`` / ``device_count()`` stay truthful.
+
+Stream capture: a CUDA-graph stand-in marks the stretch it captures with :func:`stream_capture`.
+Inside it, as on a capturing CUDA stream, waiting on the host (``synchronize`` of the device, a
+stream or an event) and polling (``query``) raise, and ``is_current_stream_capturing()`` is True;
+recording an event and making a stream wait for one or for another stream are allowed (a graph
+captures them as dependencies).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
+
+_CAPTURES = 0  # stream captures open in this process (a stand-in graph's capture; nested ones count)
+
+
+@contextlib.contextmanager
+def stream_capture():
+    """The stretch a CUDA-graph stand-in captures (see the module docstring)."""
+    global _CAPTURES
+    _CAPTURES += 1
+    try:
+        yield
+    finally:
+        _CAPTURES -= 1
+
+
+def is_capturing() -> bool:
+    """Whether a :func:`stream_capture` is open (``torch.cuda.is_current_stream_capturing``)."""
+    return _CAPTURES > 0
+
+
+def refuse_in_capture(what: str) -> None:
+    """Raise as CUDA does for a host wait or poll on a capturing stream."""
+    if _CAPTURES:
+        raise RuntimeError(f"{what}: operation not permitted when stream is capturing (a CUDA graph "
+                           "cannot capture a host wait for the device)")
 
 
 class CpuEvent:
@@ -25,10 +57,11 @@ class CpuEvent:
         pass
 
     def query(self) -> bool:
+        refuse_in_capture("torch.cuda.Event.query")
         return True
 
     def synchronize(self):
-        pass
+        refuse_in_capture("torch.cuda.Event.synchronize")
 
     def elapsed_time(self, end_event) -> float:
         return 0.0
@@ -50,9 +83,10 @@ class CpuStream:
         return event if event is not None else CpuEvent()
 
     def synchronize(self):
-        pass
+        refuse_in_capture("torch.cuda.Stream.synchronize")
 
     def query(self) -> bool:
+        refuse_in_capture("torch.cuda.Stream.query")
         return True
 
 
@@ -82,6 +116,10 @@ def noop(*args, **kwargs):
     return None
 
 
+def _synchronize(*args, **kwargs) -> None:
+    refuse_in_capture("torch.cuda.synchronize")
+
+
 def _zero(*args, **kwargs) -> int:
     return 0
 
@@ -109,7 +147,8 @@ TORCH_CUDA_PATCHES: dict[str, tuple[Any, str]] = {
     "default_stream": (_current_stream, "callers compare and wait on streams; one CPU stream"),
     "stream": (_StreamContext, "side-stream scopes are no-ops on the CPU"),
     "set_stream": (noop, "side-stream selection is a no-op on the CPU"),
-    "synchronize": (noop, "CPU work is complete when the host reaches the call"),
+    "synchronize": (_synchronize, "CPU work is complete when the host reaches the call (refused inside a "
+                                  "stand-in graph's capture, as on CUDA)"),
     "empty_cache": (noop, "no caching allocator to release on the CPU"),
     "get_rng_state": (cpu_get_rng_state, "the CUDA generator is the CPU generator (dropout on CPU draws from it)"),
     "set_rng_state": (_cpu_set_rng_state, "the CUDA generator is the CPU generator (checkpoint resume restores it)"),
@@ -120,5 +159,6 @@ TORCH_CUDA_PATCHES: dict[str, tuple[Any, str]] = {
     "max_memory_reserved": (_zero, "memory reports read CUDA allocator counters; the CPU has none"),
     "reset_peak_memory_stats": (noop, "memory reports read CUDA allocator counters; the CPU has none"),
     "memory_stats": (lambda *a, **k: {}, "memory reports read CUDA allocator counters; the CPU has none"),
-    "is_current_stream_capturing": (lambda: False, "megatron's router tracer (--moe-routing-trace-path) skips CUDA-graph capture; the CPU never captures"),
+    "is_current_stream_capturing": (is_capturing, "megatron's router tracer (--moe-routing-trace-path) skips "
+                                    "CUDA-graph capture; True only inside a stand-in graph's capture"),
 }

@@ -1,0 +1,677 @@
+"""The tests' warm rank launcher: torchrun's local launch, with every rank forked from a server that
+has already imported torch and megatron-core.
+
+A cold launch (``python -m torch.distributed.run``) costs each rank a fresh interpreter importing
+torch, megatron-core and megatron's training package (about 5 s of CPU per rank here), before the
+test's work starts; 4-8 ranks share 2 cores. The server imports them once per test session and
+forks the ranks of every launch from itself, so a launch costs its work.
+
+What a rank gets is what torchrun gives it (``torch.distributed.run --standalone``, one node):
+
+* the environment the launch asked for, plus torchrun's worker variables (``RANK``, ``LOCAL_RANK``,
+  ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``ROLE_RANK``, ``MASTER_ADDR``,
+  ``MASTER_PORT``, ``TORCHELASTIC_RUN_ID``, ...); rank 0 hosts the rendezvous store
+  (``init_process_group``'s ``env://``);
+* a session of its own, as torchrun starts each rank (a process-group kill of the launcher does
+  not reach it: the launcher kills every rank itself);
+* the script run as ``__main__`` with its directory first on ``sys.path`` (the launch's
+  ``PYTHONPATH`` after it), Python's teardown skipped as ``megatron/fast_exit.py`` does;
+* what a fresh interpreter has: reseeded torch, numpy and ``random`` generators, the warning filters
+  of a fresh interpreter with the launch's ``PYTHONWARNINGS``, its own stdout/stderr;
+* torchrun's failure handling: when a rank fails, the others get SIGTERM, then SIGKILL, and the
+  launch fails with torchrun's status 1 and its summary (``exitcode  : N``) naming the first rank
+  that failed.
+
+Not served (the client runs real torchrun instead, see :func:`servable`): another interpreter than
+the server's, a machine with CUDA (its driver, initialized by the imports, does not survive a
+fork), more than one node, torchrun options beyond the local ones, a ``PYTHONPATH`` that would
+import another copy of a preloaded package, or ``ULTRAEP_COLD_LAUNCH=1`` (every launch cold, to
+compare).
+
+Three ways in:
+
+* :func:`launch` from the test process (``gloo_launch.launch_gloo_ranks`` and ``megatron_runs``);
+* the ``shim`` command, installed as ``ULTRAEP_PYTHON`` for scripts that launch through
+  ``$ULTRAEP_PYTHON -m torch.distributed.run`` (the recipes, the main job): a torchrun command line
+  goes to the server with the shim's own stdout/stderr, anything else runs the real interpreter;
+* :func:`kill_marked` from ``processes.kill_launch``: a timed-out command's ranks, found by the
+  launch marker its shim passed on.
+
+On a timeout, an interrupt, or a client that goes away (its connection closes), the server kills the
+launch's ranks and every process they started (any session), and confirms.
+Every launch appends a line (script, ranks, wall seconds, status, test) to the session's statistics
+file, which ``tests/conftest.py`` summarizes at the end of the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+#: Where the server of this test session listens (set in the test process's environment, so that
+#: scripts it runs, and their shims, find it).
+SOCKET_ENV = "ULTRAEP_RANK_LAUNCHER"
+#: The real interpreter behind the shim.
+REAL_PYTHON_ENV = "ULTRAEP_REAL_PYTHON"
+#: Set to 1: every launch is a cold torchrun (to compare, or to rule the launcher out).
+COLD_ENV = "ULTRAEP_COLD_LAUNCH"
+#: The statistics file (one JSON line per launch).
+STATS_ENV = "ULTRAEP_LAUNCH_STATS"
+#: processes.LAUNCH_MARKER, repeated here: this module runs as a script without tests/ on its path.
+LAUNCH_MARKER = "ULTRAEP_TEST_LAUNCH"
+
+SHIM = Path(__file__).resolve().parent / "warm_python"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+#: What the server imports once (in this order): torch, megatron-core and megatron's training
+#: package, matplotlib (the dashboards' heatmaps; the backend is chosen where it is used), and of the
+#: package under test only its planner, whose compiled kernels each rank would otherwise load from
+#: numba's cache. Each import here must start no thread (a fork copies only the forking one).
+PRELOAD = ("torch", "torch.distributed", "numpy", "megatron.core", "megatron.core.models.gpt",
+           "megatron.training", "megatron.training.training", "megatron.training.arguments",
+           "matplotlib.pyplot", "ultraep_megatron.planner")
+#: Top-level packages the server holds: a launch whose PYTHONPATH would find another copy of one
+#: is not served.
+PRELOADED_PACKAGES = ("torch", "numpy", "megatron", "ultraep_megatron")
+
+#: Seconds a rank gets to exit after SIGTERM once another rank failed (torchrun: 30).
+TERM_GRACE_S = 5.0
+#: torchrun's local options the launcher understands (value-taking ones), the rest is refused.
+_TORCHRUN_VALUE_OPTIONS = {"--nproc-per-node", "--nproc_per_node", "--nnodes", "--node-rank", "--node_rank",
+                           "--master-addr", "--master_addr", "--master-port", "--master_port",
+                           "--max-restarts", "--max_restarts", "--rdzv-backend", "--rdzv_backend",
+                           "--rdzv-endpoint", "--rdzv_endpoint", "--rdzv-id", "--rdzv_id",
+                           "--monitor-interval", "--monitor_interval"}
+_TORCHRUN_FLAGS = {"--standalone"}
+
+
+# -- the client side --------------------------------------------------------------------------------
+
+def enabled() -> bool:
+    return os.environ.get(COLD_ENV, "") not in ("1", "true", "yes")
+
+
+def servable(python: str, env: dict[str, str]) -> bool:
+    """Whether a launch with interpreter ``python`` and environment ``env`` can be forked from this
+    session's server: the same interpreter, and no ``PYTHONPATH`` entry outside the server's that
+    holds a package the server has already imported."""
+    if not enabled() or os.path.realpath(python) != os.path.realpath(sys.executable):
+        return False
+    import torch
+
+    if torch.cuda.is_available():  # CUDA is not fork-safe once imports have initialized its driver
+        return False
+    served = {os.path.realpath(p) for p in _server_pythonpath()}
+    for entry in filter(None, env.get("PYTHONPATH", "").split(os.pathsep)):
+        real = os.path.realpath(entry)
+        if real not in served and any(Path(real, name).exists() for name in PRELOADED_PACKAGES):
+            return False
+    return available()
+
+
+#: Why the server could not start in this session (then every launch is cold), or None.
+unavailable: Optional[str] = None
+
+
+def available() -> bool:
+    """Whether this session's server runs (started on first use); if it cannot start, every launch
+    of the session is cold and :data:`unavailable` says why."""
+    global unavailable
+    if unavailable is None:
+        try:
+            server_socket()
+        except (OSError, RuntimeError) as error:
+            unavailable = str(error)
+    return unavailable is None
+
+
+def _server_pythonpath() -> list[str]:
+    return [str(REPO_ROOT)]
+
+
+_server: Optional[subprocess.Popen] = None
+
+
+def server_socket() -> str:
+    """The socket of this session's server, started on first use (it imports for ~10 s)."""
+    global _server
+    if _server is not None and _server.poll() is None:
+        return os.environ[SOCKET_ENV]
+    directory = tempfile.mkdtemp(prefix="ultraep_ranks_")
+    path = os.path.join(directory, "launcher.sock")
+    stats = os.environ.get(STATS_ENV) or os.path.join(directory, "launches.jsonl")
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(_server_pythonpath()))
+    env.pop("PYTHONWARNINGS", None)  # each rank applies its launch's own
+    env.pop(LAUNCH_MARKER, None)
+    _server = subprocess.Popen([sys.executable, __file__, "serve", path, stats, str(os.getpid())], env=env,
+                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                               start_new_session=True, text=True)
+    ready = _server.stdout.readline().strip()
+    if ready != "ready":
+        _server.wait()
+        _server = None
+        raise RuntimeError(f"the warm rank launcher did not start: {ready or 'no answer'}")
+    os.environ[SOCKET_ENV], os.environ[STATS_ENV] = path, stats
+    os.environ[REAL_PYTHON_ENV] = sys.executable
+    return path
+
+
+def stop_server() -> None:
+    global _server
+    if _server is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(_server.pid, signal.SIGKILL)
+        _server.wait()
+        _server = None
+
+
+def shim_python() -> str:
+    """``ULTRAEP_PYTHON`` for scripts that launch with ``$ULTRAEP_PYTHON -m torch.distributed.run``
+    (the server started), or the real interpreter when launches are cold."""
+    return str(SHIM) if servable(sys.executable, dict(os.environ)) else sys.executable
+
+
+def _request(path: str, message: dict, fds: Sequence[int] = ()) -> socket.socket:
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    connection.connect(path)
+    data = (json.dumps(message) + "\n").encode()
+    socket.send_fds(connection, [data], list(fds)) if fds else connection.sendall(data)
+    return connection
+
+
+def _read_line(connection: socket.socket, timeout_s: Optional[float]) -> Optional[dict]:
+    """The next JSON line, or None past the timeout."""
+    connection.settimeout(timeout_s)
+    data = b""
+    try:
+        while not data.endswith(b"\n"):
+            chunk = connection.recv(65536)
+            if not chunk:
+                raise ConnectionError("the warm rank launcher closed the connection")
+            data += chunk
+    except socket.timeout:
+        return None
+    return json.loads(data)
+
+
+def launch(script: str | os.PathLike, nproc: int, args: Sequence[str], *, env: dict[str, str], cwd: str | os.PathLike,
+           timeout_s: Optional[float], stdout: int, stderr: int, master_port: Optional[int] = None,
+           torchrun: bool = True) -> int:
+    """Run ``script args`` on ``nproc`` local ranks forked from the server, writing to the file
+    descriptors ``stdout``/``stderr``; return torchrun's exit status (0, or 1 when a rank failed).
+    With ``torchrun=False``: one process, as ``python script args`` (no torchrun variables, no
+    session of its own), and its own exit status.
+
+    Raises:
+        subprocess.TimeoutExpired: past ``timeout_s``, once every rank (and whatever it started)
+            is gone.
+    """
+    if not torchrun and nproc != 1:
+        raise ValueError("a launch without torchrun is one process")
+    message = {"script": os.fspath(script), "args": [str(a) for a in args], "nproc": nproc, "env": env,
+               "cwd": os.fspath(cwd), "master_port": master_port, "torchrun": torchrun}
+    connection = _request(server_socket(), message, [stdout, stderr])
+    with connection:
+        try:
+            reply = _read_line(connection, timeout_s)
+        except BaseException:  # an interrupt: the ranks go with the connection
+            _kill_on(connection)
+            raise
+        if reply is None:
+            _kill_on(connection)
+            raise subprocess.TimeoutExpired([script, *args], timeout_s)
+    return reply["status"]
+
+
+def _kill_on(connection: socket.socket) -> None:
+    """Ask the launch's supervisor to kill its ranks, and wait until it says they are gone."""
+    with contextlib.suppress(OSError):
+        connection.sendall(b'{"kill": true}\n')
+        _read_line(connection, 60)
+
+
+def kill_marked(marker: str) -> None:
+    """Kill the ranks of every launch whose environment carried ``LAUNCH_MARKER=marker`` (launched
+    through the shim by a command that timed out), and wait until they are gone."""
+    path = os.environ.get(SOCKET_ENV)
+    if not path or _server is None or _server.poll() is not None:
+        return
+    with contextlib.suppress(OSError), _request(path, {"kill_marker": marker}) as connection:
+        _read_line(connection, 60)
+
+
+def record_launch(stats: dict) -> None:
+    """Append one launch's statistics (a cold one: the warm ones are the server's to record)."""
+    path = os.environ.get(STATS_ENV)
+    if path:
+        with open(path, "a") as handle:
+            handle.write(json.dumps(stats) + "\n")
+
+
+def read_stats(path: Optional[str] = None) -> list[dict]:
+    path = path or os.environ.get(STATS_ENV)
+    if not path or not os.path.exists(path):
+        return []
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+# -- the shim ---------------------------------------------------------------------------------------
+
+def parse_torchrun(argv: Sequence[str]) -> Optional[dict]:
+    """``-m torch.distributed.run OPTIONS SCRIPT ARGS`` -> {nproc, master_port, script, args}, or
+    None for anything the launcher does not serve (another module, several nodes, other options)."""
+    if list(argv[:2]) != ["-m", "torch.distributed.run"]:
+        return None
+    rest, nproc, port = list(argv[2:]), 1, None
+    while rest and rest[0].startswith("--"):
+        option, _, value = rest.pop(0).partition("=")
+        if option in _TORCHRUN_FLAGS:
+            continue
+        if option not in _TORCHRUN_VALUE_OPTIONS:
+            return None
+        if not value:
+            if not rest:
+                return None
+            value = rest.pop(0)
+        key = option.lstrip("-").replace("_", "-")
+        if key == "nproc-per-node":
+            if not value.isdigit():
+                return None
+            nproc = int(value)
+        elif key == "nnodes" and value not in ("1", "1:1"):
+            return None
+        elif key == "node-rank" and value != "0":
+            return None
+        elif key == "master-port":
+            port = int(value)
+        elif key == "max-restarts" and value != "0":
+            return None
+    if not rest or rest[0].startswith("-"):
+        return None
+    return {"nproc": nproc, "master_port": port, "script": rest[0], "args": rest[1:]}
+
+
+def parse_script(argv: Sequence[str]) -> Optional[dict]:
+    """``SCRIPT.py ARGS`` (no interpreter option) -> a one-process launch, or None."""
+    if not argv or argv[0].startswith("-") or not argv[0].endswith(".py") or not os.path.isfile(argv[0]):
+        return None
+    return {"nproc": 1, "master_port": None, "script": argv[0], "args": list(argv[1:]), "torchrun": False}
+
+
+def shim_main(argv: Sequence[str]) -> None:
+    """The ``warm_python`` shim: a torchrun launch or a script to the server, anything else (``-c``,
+    ``-m`` of another module, options) to the interpreter."""
+    real = os.environ.get(REAL_PYTHON_ENV) or sys.executable
+    launch_request = parse_torchrun(argv) or parse_script(argv)
+    path = os.environ.get(SOCKET_ENV)
+    if launch_request is None or not path or not os.path.exists(path):
+        os.execv(real, [real, *argv])
+    message = {"script": os.path.abspath(launch_request["script"]), "args": launch_request["args"],
+               "nproc": launch_request["nproc"], "env": dict(os.environ), "cwd": os.getcwd(),
+               "master_port": launch_request["master_port"], "torchrun": launch_request.get("torchrun", True)}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    connection = _request(path, message, [1, 2])
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # the ranks go with the shim
+        signal.signal(signum, lambda *_: os._exit(128 + signal.SIGTERM))
+    reply = _read_line(connection, None)
+    os._exit(reply["status"])
+
+
+# -- the server -------------------------------------------------------------------------------------
+
+def _descendants(roots: Sequence[int]) -> list[int]:
+    """Every live process below ``roots`` (by parent pid, whatever their session)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as handle:
+                    fields = handle.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] != "Z":
+                children.setdefault(int(fields[1]), []).append(int(entry))
+    found, stack = [], list(roots)
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def _kill_tree(pids: Sequence[int], timeout_s: float = 30.0) -> None:
+    """SIGKILL ``pids`` and everything they started, until none is left."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive = [pid for pid in [*pids, *_descendants(pids)] if _alive(pid)]
+        if not alive:
+            return
+        for pid in alive:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for pid in pids:  # reap our own children, so they stop being zombies
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
+        time.sleep(0.02)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class _Server:
+    def __init__(self, path: str, stats: str, parent: int):
+        self.path, self.stats, self.parent = path, stats, parent
+        self.supervisors: dict[int, Optional[str]] = {}  # supervisor pid -> its launch's marker
+        import warnings
+
+        self.fresh_warning_filters = list(warnings.filters)  # before any import adds to them
+
+    def preload(self) -> None:
+        import importlib
+        import warnings
+
+        environ = dict(os.environ)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            silencer = warnings.filters[0]
+            for name in PRELOAD:
+                importlib.import_module(name)
+            # What the imports added (each rank has them, as an interpreter that imported these has).
+            self.import_warning_filters = warnings.filters[:warnings.filters.index(silencer)]
+            # Indexed once, lazily, by dynamo, before the CPU backend patches torch.cuda: the same in
+            # every rank.
+            from torch._dynamo import trace_rules
+
+            trace_rules.get_torch_obj_rule_map()
+            from ultraep_megatron.planner import BalancerConfig
+
+            BalancerConfig().build().warm_up()  # numba's cached kernels, loaded once
+        # What the imports put in the environment (torch's inductor cache directory, ...), which
+        # each rank's own imports would have put in its environment where unset.
+        self.import_environ = {k: v for k, v in os.environ.items() if environ.get(k) != v}
+        # The interpreter's path as the imports left it (they may append to it), less this script's folder.
+        self.base_sys_path = [p for p in sys.path if os.path.realpath(p) != os.path.realpath(os.path.dirname(__file__))]
+
+    def serve(self) -> None:
+        threads = len(os.listdir("/proc/self/task"))
+        if threads != 1:  # a fork copies the forking thread alone: another one's locks would be held
+            print(f"refused: the preloaded imports started {threads - 1} thread(s)", flush=True)
+            return
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(self.path)
+        listener.listen(16)
+        listener.settimeout(1.0)
+        print("ready", flush=True)
+        while os.getppid() == self.parent or self.parent == 0:
+            self._reap()
+            try:
+                connection, _ = listener.accept()
+            except socket.timeout:
+                continue
+            with connection:
+                data, fds, _, _ = socket.recv_fds(connection, 1 << 20, 2)
+                while not data.endswith(b"\n"):
+                    more = connection.recv(1 << 20)
+                    if not more:
+                        break
+                    data += more
+                message = json.loads(data)
+                if "kill_marker" in message:
+                    self._kill_marker(message["kill_marker"])
+                    connection.sendall(b'{"killed": true}\n')
+                    continue
+                supervisor = os.fork()
+                if supervisor == 0:
+                    listener.close()
+                    try:
+                        _Supervisor(self, message, connection, fds).run()
+                    finally:
+                        os._exit(0)
+                self.supervisors[supervisor] = message["env"].get(LAUNCH_MARKER)
+                for fd in fds:
+                    os.close(fd)
+        _kill_tree(list(self.supervisors))  # the test session is gone
+
+    def _reap(self) -> None:
+        for pid in list(self.supervisors):
+            with contextlib.suppress(ChildProcessError):
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    del self.supervisors[pid]
+
+    def _kill_marker(self, marker: str) -> None:
+        """Kill the ranks of the launches carrying ``marker``; their supervisors record and reply."""
+        launches = [pid for pid, launch_marker in self.supervisors.items() if launch_marker == marker]
+        _kill_tree(_descendants(launches))
+        deadline = time.monotonic() + 30
+        while any(pid in self.supervisors for pid in launches) and time.monotonic() < deadline:
+            self._reap()
+            time.sleep(0.02)
+
+
+class _Supervisor:
+    """One launch: forks the ranks, waits for them (or a kill, or the client going away), replies."""
+
+    def __init__(self, server: _Server, message: dict, connection: socket.socket, fds: Sequence[int]):
+        self.server, self.message, self.connection = server, message, connection
+        self.stdout, self.stderr = fds
+        self.ranks: dict[int, int] = {}  # pid -> rank
+
+    def run(self) -> int:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        start = time.monotonic()
+        nproc = self.message["nproc"]
+        torchrun = self.message.get("torchrun", True)
+        port = self.message.get("master_port") or _free_port()
+        run_id = os.urandom(8).hex()
+        for rank in range(nproc):
+            pid = os.fork()
+            if pid == 0:
+                self._run_rank(rank, nproc, port, run_id)  # never returns
+            self.ranks[pid] = rank
+        status, first_failure, killed = self._wait()
+        seconds = time.monotonic() - start
+        if not torchrun:  # the process's own status, as subprocess.run returns it
+            status = -signal.SIGKILL if killed else (first_failure[1] if first_failure else 0)
+        elif first_failure is not None and not killed:
+            self._print_failure(*first_failure)
+        self._record(seconds, status, killed)
+        with contextlib.suppress(OSError):
+            self.connection.sendall((json.dumps({"status": status, "killed": killed}) + "\n").encode())
+        return status
+
+    def _wait(self) -> tuple[int, Optional[tuple], bool]:
+        """(torchrun's status, (rank, exit code, pid, time) of the first failure, killed)."""
+        import select
+
+        running, first_failure = dict(self.ranks), None
+        terminate_at = None
+        self.connection.setblocking(False)
+        while running:
+            pid, wait_status = os.waitpid(-1, os.WNOHANG)
+            if pid in running:
+                rank = running.pop(pid)
+                code = os.waitstatus_to_exitcode(wait_status)
+                if code != 0 and first_failure is None:
+                    first_failure = (rank, code, pid, time.time())
+                    for other in running:  # torchrun stops the others
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(other, signal.SIGTERM)
+                    terminate_at = time.monotonic() + TERM_GRACE_S
+                continue
+            if terminate_at is not None and time.monotonic() > terminate_at:
+                _kill_tree(list(running))
+                terminate_at = None
+            readable, _, _ = select.select([self.connection], [], [], 0.05)
+            if readable:
+                with contextlib.suppress(OSError):
+                    self.connection.recv(65536)
+                # A kill request, or the client gone (a timed-out or interrupted test, a killed shim).
+                _kill_tree(list(self.ranks))
+                self.connection.setblocking(True)
+                return -signal.SIGKILL, first_failure, True
+        return (0 if first_failure is None else 1), first_failure, False
+
+    def _print_failure(self, rank: int, code: int, pid: int, when: float) -> None:
+        """torchrun's summary of a failed launch (the lines tests read)."""
+        script = self.message["script"]
+        text = (f"{'=' * 60}\n{script} FAILED\n{'-' * 60}\nFailures:\n  <NO_OTHER_FAILURES>\n{'-' * 60}\n"
+                f"Root Cause (first observed failure):\n[0]:\n"
+                f"  time      : {time.strftime('%Y-%m-%d_%H:%M:%S', time.localtime(when))}\n"
+                f"  host      : {socket.gethostname()}\n"
+                f"  rank      : {rank} (local_rank: {rank})\n"
+                f"  exitcode  : {code} (pid: {pid})\n"
+                f"  error_file: <N/A>\n"
+                f"  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html\n"
+                f"{'=' * 60}\n")
+        with contextlib.suppress(OSError):
+            os.write(self.stderr, text.encode())
+
+    def _record(self, seconds: float, status: int, killed: bool) -> None:
+        env = self.message["env"]
+        record = {"script": os.path.basename(self.message["script"]), "nproc": self.message["nproc"],
+                  "seconds": round(seconds, 3), "status": status, "killed": killed, "warm": True,
+                  "test": env.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]}
+        with open(self.server.stats, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+    def _run_rank(self, rank: int, nproc: int, port: int, run_id: str) -> None:
+        """In the forked rank: become what torchrun's worker would be (or, without torchrun, what
+        ``python SCRIPT`` would be), then run the script."""
+        torchrun = self.message.get("torchrun", True)
+        try:
+            if torchrun:
+                os.setsid()
+            else:  # its own process group all the same: the supervisor kills it with what it started
+                os.setpgid(0, 0)
+            self.connection.close()
+            os.dup2(self.stdout, 1)
+            os.dup2(self.stderr, 2)
+            os.close(self.stdout)
+            os.close(self.stderr)
+            for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
+                signal.signal(signum, signal.SIG_DFL if signum != signal.SIGINT else signal.default_int_handler)
+            env = dict(self.message["env"])
+            if torchrun:
+                env.update(self._torchrun_variables(rank, nproc, port, run_id))
+                env.setdefault("OMP_NUM_THREADS", "1")
+            for name, value in self.server.import_environ.items():
+                env.setdefault(name, value)
+            os.environ.clear()
+            os.environ.update(env)
+            os.chdir(self.message["cwd"])
+            self._fresh_interpreter_state(env)
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+            os._exit(1)
+        _run_script(self.message["script"], self.message["args"], self.server.base_sys_path, env)
+
+    @staticmethod
+    def _torchrun_variables(rank: int, nproc: int, port: int, run_id: str) -> dict[str, str]:
+        """What torchrun's agent sets for a worker (``torch.distributed.elastic``'s local agent)."""
+        return dict(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
+                    ROLE_NAME="default", WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                    GROUP_WORLD_SIZE="1", ROLE_WORLD_SIZE=str(nproc), MASTER_ADDR="localhost",
+                    MASTER_PORT=str(port), TORCHELASTIC_RUN_ID=run_id, TORCHELASTIC_RESTART_COUNT="0",
+                    TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_USE_AGENT_STORE="False",
+                    TORCHELASTIC_SIGNALS_TO_HANDLE="SIGTERM,SIGINT,SIGHUP,SIGQUIT")
+
+    def _fresh_interpreter_state(self, env: dict[str, str]) -> None:
+        import io
+        import random
+        import warnings
+
+        import numpy
+        import torch
+
+        unbuffered = bool(env.get("PYTHONUNBUFFERED"))
+        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=unbuffered,
+                                      line_buffering=False)
+        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True,
+                                      line_buffering=False, errors="backslashreplace")
+        # A fresh interpreter's defaults, the launch's PYTHONWARNINGS before them, then what the
+        # imports added.
+        warnings.filters[:] = self.server.fresh_warning_filters
+        sys.warnoptions[:] = [o for o in env.get("PYTHONWARNINGS", "").split(",") if o]
+        warnings._processoptions(sys.warnoptions)
+        warnings.filters[:0] = self.server.import_warning_filters
+        warnings._filters_mutated()
+        random.seed()
+        numpy.random.seed()
+        torch.seed()
+
+
+def _run_script(script: str, args: Sequence[str], base_sys_path: Sequence[str], env: dict[str, str]) -> None:
+    """As ``python SCRIPT ARGS`` would (sys.path: the script's folder, PYTHONPATH, the rest), with
+    fast_exit's ending: exit handlers run, Python's teardown skipped."""
+    import atexit
+    import runpy
+    import threading
+
+    script = os.path.abspath(script)
+    pythonpath = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    rest = [p for p in base_sys_path if p not in pythonpath and os.path.realpath(p) not in map(os.path.realpath, pythonpath)]
+    sys.path[:] = [os.path.dirname(script), *pythonpath, *rest]
+    sys.argv = [script, *args]
+    try:
+        runpy.run_path(script, run_name="__main__")
+        status = 0
+    except SystemExit as exit_request:
+        code = exit_request.code
+        if code is None:
+            status = 0
+        elif isinstance(code, int):
+            status = code
+        else:
+            print(code, file=sys.stderr)
+            status = 1
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        status = 1
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(status)
+
+
+def main(argv: Sequence[str]) -> None:
+    if argv[:1] == ["serve"]:
+        path, stats, parent = argv[1], argv[2], int(argv[3])
+        server = _Server(path, stats, parent)
+        server.preload()
+        server.serve()
+    elif argv[:1] == ["shim"]:
+        shim_main(argv[1:])
+    else:
+        raise SystemExit(f"usage: {sys.argv[0]} serve SOCKET STATS PARENT_PID | shim PYTHON_ARGS...")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Every GPU-only check that needs no Transformer Engine, in one call, with one table at the end.
+#
+#   bash tools/gpu_check.sh              # on a machine with a CUDA GPU (about 5 minutes on one H200)
+#   bash tools/gpu_check.sh --list       # what it runs, anywhere (also what it prints without CUDA)
+#
+# Whoever is lent a GPU runs it in one call. Without CUDA it says what it would run and exits 0.
+# The interpreter is $ULTRAEP_PYTHON, else python3; it needs torch with CUDA, Triton, megatron-core
+# and the project's test dependencies (pytest, hypothesis, numba). Logs go to $GPU_CHECK_LOGS
+# (default: a new temporary folder), one file per check; the exit status is 1 if any check failed.
+# GPU_CHECK_ONLY=1,3 runs only those checks (numbered as --list shows them).
+set -uo pipefail
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$repo"
+PY=${ULTRAEP_PYTHON:-python3}
+logs=${GPU_CHECK_LOGS:-$(mktemp -d -t gpu_check.XXXXXX)}
+mkdir -p "$logs"
+export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
+export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore::UserWarning} PYTHONUNBUFFERED=1
+
+# name | seconds allowed | command | what the table shows (a regex on the log; its last match)
+CHECKS=(
+  "balanced layer on CUDA, host and device planners (sync check, vs megatron)|300|$PY -m pytest -q -p no:cacheprovider tests/megatron/test_cuda_layer.py|[0-9]+ passed[^\n]*"
+  "capture + replay of the balanced preprocess (device planner)|180|$PY tests/megatron/workers/capture_preprocess.py --device cuda|capture_replay_device_planner: [^\n]*"
+  "device planner: compile + self-check (fresh Triton cache)|150|$PY tools/bench_planner.py --only self-check|R=64 E=256[^\n]*"
+  "critical path, T=4096, both planners (device: eager and graphed)|180|$PY tools/bench_critical_path.py --tokens 4096 --iters 100|added by balancing:[^\n]*|CUDA graph[^\n]*"
+  "critical path, T=16384, both planners (device: eager and graphed)|180|$PY tools/bench_critical_path.py --tokens 16384 --iters 100|added by balancing:[^\n]*|CUDA graph[^\n]*"
+  "triton planner vs reference, property set|240|$PY -m pytest -q -p no:cacheprovider tests/planner/test_device_solve.py -k cuda -s|[0-9]+ passed[^\n]*|\{\"loads\"[^}]*\}"
+)
+
+if [ "${1:-}" = "--list" ] || ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  [ "${1:-}" = "--list" ] || echo "gpu_check: no CUDA device for $PY: nothing run. On a GPU machine it runs:"
+  n=0
+  for check in "${CHECKS[@]}"; do
+    IFS='|' read -r name limit command _ <<<"$check"
+    n=$((n + 1))
+    printf '  [%s] %-75s (<= %ss)\n      %s\n' "$n" "$name" "$limit" "$command"
+  done
+  exit 0
+fi
+
+"$PY" - <<'EOF'
+import torch
+print(f"gpu_check on {torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}")
+EOF
+status=0
+results=()
+i=0
+for check in "${CHECKS[@]}"; do
+  IFS='|' read -r name limit command figure_regex <<<"$check"
+  i=$((i + 1))
+  case ",${GPU_CHECK_ONLY:-$i}," in *",$i,"*) ;; *) continue ;; esac
+  log="$logs/check$i.log"
+  echo "== [$i/${#CHECKS[@]}] $name: $command"
+  start=$SECONDS
+  timeout --kill-after=10 "$limit" bash -c "$command" >"$log" 2>&1
+  rc=$?
+  seconds=$((SECONDS - start))
+  tail -n 5 "$log"
+  if [ $rc -eq 0 ]; then verdict=PASS; elif [ $rc -eq 124 ] || [ $rc -eq 137 ]; then verdict=TIMEOUT; status=1; else verdict=FAIL; status=1; fi
+  figure=$("$PY" - "$log" "$figure_regex" <<'EOF'
+import re, sys
+text = open(sys.argv[1], errors="replace").read()
+found = []
+for pattern in sys.argv[2].split("|"):
+    matches = re.findall(pattern, text)
+    if matches:
+        found.append(matches[-1].strip())
+print(" ; ".join(found)[:400] or "(no figure in the log)")
+EOF
+)
+  results+=("$verdict|$seconds|$name|$figure")
+  echo "-> | $name | $verdict | $seconds | $figure |"
+done
+
+echo
+echo "| check | verdict | seconds | figure |"
+echo "| --- | --- | --- | --- |"
+for row in "${results[@]}"; do
+  IFS='|' read -r verdict seconds name figure <<<"$row"
+  echo "| $name | $verdict | $seconds | $figure |"
+done
+echo "logs: $logs"
+exit $status
