@@ -39,9 +39,11 @@ release 2.18), on ``toy_fp8``'s quantized tensors.
 
 Left out: TE's kernels and their numerics (``toy_fp8``'s quantizers: scale formulas, block sizes,
 no MXFP8 scale padding), delayed scaling (refused by the balancer), NVFP4, FSDP's sharded model
-weights, TE's grouped weights (``--moe-grouped-gemm`` with a single grouped parameter), and every
+weights, TE's grouped weights (``--moe-grouped-gemm`` with a single grouped parameter), every
 weight but the routed experts' (attention, dense and shared-expert linears stay high precision
-here).
+here), and saving checkpoints of the quantized tensors (torch_dist needs TE's serialization of
+them; saved as they are, they garbled the checkpoint's other tensors): runs start from a
+high-precision checkpoint, which megatron quantizes as it loads it.
 """
 
 from __future__ import annotations
