@@ -54,18 +54,26 @@ WARNED = {"valid_production_ddp"}
 # errors must contain; None = UltraEP accepts it).
 FP8 = ["--fp8-format", "hybrid", "--fp8-recipe"]
 GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-modules"]
+REUSE = "--reuse-grad-buf-for-mxfp8-param-ag"
 TE_PREPROCESS = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules", "attn", "moe_router",
                  "moe_preprocess"]
 ENVELOPE = {
     **{f"fp8_{recipe}{'_param_gather' if gather else ''}": ([*ULTRAEP, *FP8, recipe, *gather], None)
-       for recipe in ("tensorwise", "blockwise", "mxfp8") for gather in ([], ["--fp8-param-gather"])},
+       for recipe in ("tensorwise", "blockwise", "mxfp8") for gather in ([], ["--fp8-param-gather"])
+       if (recipe, gather) != ("mxfp8", ["--fp8-param-gather"])},
+    # MXFP8 parameters are gathered through the gradient buffer: megatron cannot map them into its
+    # parameter buffer (TE's replace_raw_data refuses MXFP8), so the flag is required, and it is
+    # only for them.
+    "fp8_mxfp8_param_gather_reuse_grad_buf": ([*ULTRAEP, *FP8, "mxfp8", "--fp8-param-gather", REUSE], None),
+    "fp8_mxfp8_param_gather_without_reuse": ([*ULTRAEP, *FP8, "mxfp8", "--fp8-param-gather"], f"needs {REUSE}"),
+    "fp8_reuse_grad_buf_tensorwise": ([*ULTRAEP, *FP8, "tensorwise", "--fp8-param-gather", REUSE],
+                                      f"{REUSE} is only for MXFP8"),
+    "fp8_reuse_grad_buf_without_fp8_params": ([*ULTRAEP, *FP8, "mxfp8", REUSE], f"{REUSE} is only for MXFP8"),
     "fp8_e4m3_tensorwise": ([*ULTRAEP, "--fp8-format", "e4m3", "--fp8-recipe", "tensorwise"], None),
     # One shared replica module would mix every layer's amax history.
     "fp8_delayed": ([*ULTRAEP, *FP8, "delayed"], "--fp8-recipe delayed"),
     "fp8_delayed_by_default": ([*ULTRAEP, "--fp8-format", "hybrid"], "--fp8-recipe delayed"),
     "fp8_custom": ([*ULTRAEP, *FP8, "custom"], "--fp8-recipe custom"),
-    "fp8_reuse_grad_buf": ([*ULTRAEP, *FP8, "mxfp8", "--fp8-param-gather", "--reuse-grad-buf-for-mxfp8-param-ag"],
-                           "--reuse-grad-buf-for-mxfp8-param-ag"),
     # Plain experts in the bf16 layers, quantized ones elsewhere: one replica-slot layout cannot hold both.
     "fp8_params_bf16_ends": ([*ULTRAEP, *FP8, "tensorwise", "--fp8-param-gather", "--first-last-layers-bf16"],
                              "--first-last-layers-bf16 with --fp8-param-gather"),
