@@ -79,7 +79,9 @@ ENVELOPE = {
                              "--first-last-layers-bf16 with --fp8-param-gather"),
     "fp8_bf16_ends": ([*ULTRAEP, *FP8, "tensorwise", "--first-last-layers-bf16"], None),
     "fp4": ([*ULTRAEP, "--fp4-format", "e2m1"], "--fp4-format e2m1"),
-    "graphs_attn": ([*ULTRAEP, *GRAPHS, "attn"], None),
+    # megatron's local graphs: no test runs them with a balanced layer.
+    "graphs_local_attn": ([*ULTRAEP, *GRAPHS, "attn"], "--cuda-graph-impl local (--cuda-graph-modules attn)"),
+    "graphs_te_attn": ([*ULTRAEP, "--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules", "attn"], None),
     "graphs_te_attn_router": ([*ULTRAEP, "--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules",
                                "attn", "moe_router"], None),
     # megatron's local partial capture of the router runs the MoE preprocessing too.
@@ -104,9 +106,9 @@ ENVELOPE = {
     "graphs_full_iteration": ([*ULTRAEP, "--cuda-graph-impl", "full_iteration"],
                               "--cuda-graph-impl full_iteration"),
     "graphs_full_iteration_module": ([*ULTRAEP, *GRAPHS, "full_iteration"], "--cuda-graph-modules full_iteration"),
-    # The replica experts are built without offloading; the main experts' activations offload as usual.
+    # Megatron offloads CUDA tensors only: no CPU test runs its offloading with a balanced layer.
     "offload_experts": ([*ULTRAEP, "--fine-grained-activation-offloading", "--offload-modules", "attn_norm",
-                         "expert_fc1", "moe_act"], None),
+                         "expert_fc1", "moe_act"], "--fine-grained-activation-offloading"),
     # Latent MoE: the balanced part runs on latent tokens, the replica experts at the latent size
     # (test_balanced_moe_layer.py's latent scenario).
     "latent_moe": ([*ULTRAEP, "--moe-latent-size", "32"], None),
@@ -161,7 +163,7 @@ def test_production_envelope(verdicts, name):
     assert ": " in refusals[0].split(expected, 1)[1], f"no reason given: {refusals[0]}"
     if name.startswith(("fp8_delayed", "fp8_custom", "fp4")):
         assert "tensorwise, blockwise or mxfp8" in refusals[0], refusals[0]
-    if name == "graphs_local_attn_router":
+    if name in ("graphs_local_attn_router", "graphs_local_attn"):
         assert "use --cuda-graph-impl transformer_engine" in refusals[0], refusals[0]
     elif name.startswith("graphs_moe_preprocess"):
         why = "--moe-permute-fusion" if name.endswith("fusion") else "leave --moe-balancer-planner out or pass device"

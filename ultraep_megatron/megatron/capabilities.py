@@ -89,6 +89,12 @@ def unsupported_moe_settings(config, environment: bool = True, planner: Optional
             problems.append(f"--{flag.replace('_', '-')} is not supported: the replica transfers read and "
                             "write whole main-expert weights and gradients outside the experts' FSDP hooks; "
                             "use --use-distributed-optimizer")
+    if get('fine_grained_activation_offloading'):
+        # Megatron offloads only CUDA tensors, so on the CPU backend its offloading path leaves every
+        # activation in place: no test here runs it with a balanced layer.
+        problems.append("--fine-grained-activation-offloading is not supported with a balancer: megatron's "
+                        "offloading of the experts' activations has not run with a balanced layer (it "
+                        "offloads CUDA tensors only, so no CPU test exercises it); leave it out")
     if get('moe_expert_rank_capacity_factor') is not None:
         problems.append("--moe-expert-rank-capacity-factor is not supported: HybridEP drops the tokens over a "
                         "rank's budget, and balancing needs dropless routing (the plan gives HybridEP each "
@@ -254,6 +260,12 @@ def _cuda_graph_problem(get, planner: Optional[str]) -> Optional[str]:
     if not [n for n in names if n != 'full']:
         return (f"{flag} without --cuda-graph-modules (whole-layer capture) is not supported with a "
                 f"balancer: it captures every MoE layer whole; {_CUDA_GRAPH_WHY}")
+    if impl == 'local' and not ('moe_router' in names or DEVICE_PLANNER_GRAPH_MODULE in names):
+        # megatron's local graphs (its CudaGraphManager over torch.cuda.CUDAGraph) have no stand-in
+        # here, so no test runs them with a balanced layer; Transformer Engine's do.
+        return (f"{flag} (--cuda-graph-modules {' '.join(names)}) is not supported with a balancer: megatron's "
+                "local CUDA graphs have not run with a balanced layer; use --cuda-graph-impl transformer_engine "
+                "(its graphs of attn, moe_router and moe_preprocess run with one: tests/megatron/test_graph_capture.py)")
     if impl == 'local' and ('moe_router' in names or DEVICE_PLANNER_GRAPH_MODULE in names):
         # megatron's local partial capture graphs _forward_mlp_router, which runs the MoE layer's
         # route *and* preprocess through its own graph runner (it adds moe_preprocess to
