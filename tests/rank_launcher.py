@@ -250,6 +250,21 @@ def kill_marked(marker: str) -> None:
         _read_line(connection, 60)
 
 
+def launch_key(script: str, nproc: int, args: Sequence[str], env: dict[str, str]) -> str:
+    """What makes two launches the same run: script, ranks, arguments and the ``ULTRAEP_*``
+    variables (the tests' switches), with the launch's own directories (pytest's temporary ones)
+    left out, so that a run launched twice shows as a duplicate."""
+    import hashlib
+    import re
+
+    temporary = re.compile(r"/tmp/pytest-of-[^/]+/pytest-\d+/[^/\s]+")
+    switches = sorted((k, v) for k, v in env.items() if k.startswith("ULTRAEP_") and k not in
+                      (LAUNCH_MARKER, SOCKET_ENV, STATS_ENV, REAL_PYTHON_ENV, COLD_ENV, "ULTRAEP_GRAD_DUMP_DIR"))
+    text = json.dumps([os.path.basename(script), nproc, [temporary.sub("TMP", str(a)) for a in args],
+                       [(k, temporary.sub("TMP", v)) for k, v in switches]])
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
 def record_launch(stats: dict) -> None:
     """Append one launch's statistics (a cold one: the warm ones are the server's to record)."""
     path = os.environ.get(STATS_ENV)
@@ -552,7 +567,8 @@ class _Supervisor:
         env = self.message["env"]
         record = {"script": os.path.basename(self.message["script"]), "nproc": self.message["nproc"],
                   "seconds": round(seconds, 3), "status": status, "killed": killed, "warm": True,
-                  "test": env.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]}
+                  "test": env.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0],
+                  "launch": launch_key(self.message["script"], self.message["nproc"], self.message["args"], env)}
         with open(self.server.stats, "a") as handle:
             handle.write(json.dumps(record) + "\n")
 
