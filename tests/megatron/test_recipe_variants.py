@@ -210,3 +210,19 @@ def test_negative_control_replicas_read_before_the_mxfp8_parameter_gather(varian
           f"{len(at_control)} replica calls there with the previous step's bytes, 0 of "
           f"{len(record.replicas) - len(at_control)} before; its loss and grad norm: {summary(numerics)}")
     assert stale and {key[0] for key in stale} == {CONTROL}, stale[:10]
+
+
+def test_a_flag_added_to_a_recipe_reaches_its_variant(tmp_path):
+    """The variant is the recipe's launch: a flag added to the recipe file is in the variant's
+    arguments, as the recipe has it, with nobody editing the test."""
+    recipes = tmp_path / "recipes"
+    shutil.copytree(RECIPES[0].parent, recipes)  # with what the recipes source (common.sh, models/)
+    recipe = recipes / "qwen3_235b_a22b_ep64_dp4.sh"
+    text = recipe.read_text()
+    assert "\nPARALLEL_ARGS=(\n" in text
+    recipe.write_text(text.replace("\nPARALLEL_ARGS=(\n", "\nMOE_ARGS+=(--moe-z-loss-coeff 1e-3)\nPARALLEL_ARGS=(\n", 1))
+    before, after = small_scale_variant(RECIPES[0].parent / recipe.name), small_scale_variant(recipe)
+    assert "--moe-z-loss-coeff" not in before.args
+    i = after.args.index("--moe-z-loss-coeff")
+    assert after.args[i + 1] == "1e-3" and "--moe-z-loss-coeff" in after.kept
+    assert [a for a in after.args if a not in ("--moe-z-loss-coeff", "1e-3")] == before.args
