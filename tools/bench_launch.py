@@ -27,6 +27,8 @@ sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "megatron")]
 import rank_launcher  # noqa: E402
 from megatron_runs import run_pretrain, tiny_moe_args  # noqa: E402
 
+from ultraep_megatron.planner.baselines.registry import ULTRAEP  # noqa: E402
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -36,7 +38,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="launches of each kind (alternating)")
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    launch_args = [*tiny_moe_args(ep=args.ep, train_iters=args.iters), "--moe-balancer", "ultraep"]
+    launch_args = [*tiny_moe_args(ep=args.ep, train_iters=args.iters), "--moe-balancer", ULTRAEP]
     t0 = time.monotonic()
     if not rank_launcher.available():
         raise SystemExit(f"bench_launch.py: the warm launcher did not start: {rank_launcher.unavailable}")
