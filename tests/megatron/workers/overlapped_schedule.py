@@ -25,7 +25,10 @@ microbatches, learning rate 0: every step's reduced gradients compare):
   run in ``backward_dw()``, DDP's gradient hooks fired there);
 * ``delay_hybridep``: ``delay`` over HybridEP;
 * ``delay_reduced_before_dw`` (negative control): ``delay`` with the replica gradients reduced in
-  the experts' backward, before ``backward_dw()`` computed them.
+  the experts' backward, before ``backward_dw()`` computed them;
+* ``delay_hooks_in_plan_order`` (negative control of the order check): ``delay`` with a layer
+  whose plan replicated one of its experts running the held-back DDP hooks of its experts' linears
+  in reverse.
 
 Each scenario runs ``none`` (megatron's ``MoELayer``) and ``ultraep`` at EP 2, and ``none`` at EP 4
 on the same ranks (``none_floor``: every expert's rows computed on one rank, the same mathematics
@@ -68,6 +71,7 @@ SCENARIOS = {
     "delay": dict(delay=True),
     "delay_hybridep": dict(delay=True, dispatcher="flex"),
     "delay_reduced_before_dw": dict(delay=True, fault="reduced_before_backward_dw", references="delay"),
+    "delay_hooks_in_plan_order": dict(delay=True, fault="dw_hooks_in_plan_order", references="delay"),
 }
 
 
@@ -180,6 +184,7 @@ class NodeCalls:
 
     def __init__(self):
         self.calls = set()
+        self.delayed_wgrad_calls = 0  # the replica experts' delayed weight gradients computed
 
     @contextlib.contextmanager
     def installed(self):
@@ -215,11 +220,21 @@ class NodeCalls:
 
             wrapped[method] = original
             setattr(BalancedMoELayer, method, recording)
+        from ultraep_megatron.megatron.expert_slots import ReplicaExperts
+
+        delayed = ReplicaExperts.delayed_weight_grads
+
+        def counting_delayed(replicas):
+            self.delayed_wgrad_calls += 1
+            return delayed(replicas)
+
+        ReplicaExperts.delayed_weight_grads = counting_delayed
         TransformerLayerNode.forward_impl = recording_forward_impl
         dispatchers._wait_for_host_copy = recording_wait
         try:
             yield self
         finally:
+            ReplicaExperts.delayed_weight_grads = delayed
             TransformerLayerNode.forward_impl = forward_impl
             dispatchers._wait_for_host_copy = wait
             for method, original in wrapped.items():
@@ -245,7 +260,44 @@ def _reduced_before_backward_dw():
         BalancedMoELayer.__init__ = original
 
 
-FAULTS = {"reduced_before_backward_dw": contextlib.contextmanager(_reduced_before_backward_dw)}
+def _dw_hooks_in_plan_order():
+    """The order fault: a balanced layer whose invocation replicated one of its local experts runs
+    the held-back DDP hooks of its experts' linears in reverse (the order then depends on the plan)."""
+    from ultraep_megatron.megatron import balanced_moe
+
+    original = balanced_moe._deferred_wgrad_hooks
+
+    @contextlib.contextmanager
+    def deferred(modules):
+        with original(modules) as fired:
+            yield fired
+            layer = _CURRENT_DW_LAYER[-1] if _CURRENT_DW_LAYER else None
+            if layer is not None and layer._dw_invocation.replicated_local_experts:
+                fired.reverse()
+
+    backward_dw = balanced_moe.BalancedMoELayer.backward_dw
+
+    def recording_backward_dw(self, *args, **kwargs):
+        self._dw_invocation = self._awaiting_dw[0] if self._awaiting_dw else None
+        _CURRENT_DW_LAYER.append(self)
+        try:
+            return backward_dw(self, *args, **kwargs)
+        finally:
+            _CURRENT_DW_LAYER.pop()
+
+    balanced_moe._deferred_wgrad_hooks = deferred
+    balanced_moe.BalancedMoELayer.backward_dw = recording_backward_dw
+    try:
+        yield
+    finally:
+        balanced_moe._deferred_wgrad_hooks = original
+        balanced_moe.BalancedMoELayer.backward_dw = backward_dw
+
+
+_CURRENT_DW_LAYER: list = []
+
+FAULTS = {"reduced_before_backward_dw": contextlib.contextmanager(_reduced_before_backward_dw),
+          "dw_hooks_in_plan_order": contextlib.contextmanager(_dw_hooks_in_plan_order)}
 
 
 def grouped_expert_names(ddp, names: dict) -> dict:
@@ -353,7 +405,11 @@ def main():
                 result["grad_order"] = order.result()
                 result["node_calls"] = sorted(nodes.calls, key=str)
                 result["experts_class"] = type(ddp.module.decoder.layers[0].mlp.experts).__name__
-                result["dispatcher_class"] = type(ddp.module.decoder.layers[0].mlp.token_dispatcher).__name__
+                dispatcher = ddp.module.decoder.layers[0].mlp.token_dispatcher
+                result["dispatcher_class"] = type(dispatcher).__name__
+                manager = getattr(dispatcher, "_comm_manager", None)
+                result["manager_class"] = type(manager).__name__ if manager is not None else None
+                result["delayed_wgrad_calls"] = nodes.delayed_wgrad_calls
                 results[f"{name}/{key}"] = result
     torch.save(results, os.path.join(cli.out_dir, f"rank{rank}.pt"))
     parallel_state.destroy_model_parallel()
