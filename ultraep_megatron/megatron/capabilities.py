@@ -99,6 +99,11 @@ def unsupported_moe_settings(config, environment: bool = True, planner: Optional
     problem = _cuda_graph_problem(get, planner)
     if problem:
         problems.append(problem)
+    elif get('overlap_moe_expert_parallel_comm') and (get('cuda_graph_impl') or 'none') != 'none':
+        problems.append(f"--overlap-moe-expert-parallel-comm with --cuda-graph-impl {get('cuda_graph_impl')} is not "
+                        "supported with a balancer: megatron's graph replay then runs the MoE layer's routing and "
+                        "preprocessing from inside the replayed layer, which has not been checked with the balanced "
+                        "layer; leave out one of them")
     return problems
 
 
