@@ -197,9 +197,7 @@ TRAINED = list(range(LR0 + 1, LR0 + ADAM + 1))
 def training_runs(tmp_path_factory):
     """name -> DumpRun, each launched once, on first use, from one initial checkpoint."""
     root = tmp_path_factory.mktemp("overlapped_training")
-    checkpoint_args = [*tiny_moe_args(ep=1, train_iters=1), *OVERLAP]
-    checkpoint_args.remove("--overlap-moe-expert-parallel-comm")  # megatron needs EP > 1 for it
-    save_initial_checkpoint(root / "initial", checkpoint_args)
+    save_initial_checkpoint(root / "initial", [*tiny_moe_args(ep=1, train_iters=1), *OVERLAP])
     load = ["--load", str(root / "initial" / "ckpt"), "--finetune", "--ckpt-format", "torch_dist"]
     done = {}
 
