@@ -188,7 +188,10 @@ class NodeCalls:
 
     @contextlib.contextmanager
     def installed(self):
-        from megatron.core.models.common.utils import TransformerLayerNode
+        try:
+            from megatron.core.models.common.utils import TransformerLayerNode
+        except ImportError:  # megatron-core 0.18 keeps it beside the GPT callables
+            from megatron.core.models.gpt.fine_grained_callables import TransformerLayerNode
 
         from ultraep_megatron.megatron.balanced_moe import BalancedMoELayer
         from ultraep_megatron.megatron import dispatchers
