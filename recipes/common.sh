@@ -194,9 +194,11 @@ ultraep_precision_args() {
         # bf16_with_fp8_subchannel_scaling_mixed: hybrid, blockwise (128x128 weights, 1x128
         # activations), bf16 parameters
         fp8_sc) precision_args=(--fp8-format hybrid --fp8-recipe blockwise) ;;
-        # bf16_with_mxfp8_mixed: e4m3, mxfp8, fp8 parameters gathered (its
-        # reuse_grad_buf_for_mxfp8_param_ag is refused by --moe-balancer ultraep: left out)
-        fp8_mx) precision_args=(--fp8-format e4m3 --fp8-recipe mxfp8 --fp8-param-gather) ;;
+        # bf16_with_mxfp8_mixed: e4m3, mxfp8, fp8 parameters gathered through the gradient
+        # buffer (reuse_grad_buf_for_mxfp8_param_ag; without it megatron cannot map MXFP8
+        # parameters into its parameter buffer)
+        fp8_mx) precision_args=(--fp8-format e4m3 --fp8-recipe mxfp8 --fp8-param-gather
+                                --reuse-grad-buf-for-mxfp8-param-ag) ;;
         *) ultraep_env_error "PRECISION=$1: no such preset (bf16, fp8_cs, fp8_sc, fp8_mx)" ;;
     esac
 }

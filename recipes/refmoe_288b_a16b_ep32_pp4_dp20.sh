@@ -26,12 +26,12 @@ DEFAULT_NNODES=640                 # x 4 GPUs = 2560 GPUs
 # DeepSeek-V3 and Qwen3-235B on GB200: BF16, FP8_CS, FP8_MX; HybridEP; TE CUDA graphs of
 # attn, moe_router and moe_preprocess (FP8_MX: full_iteration).
 # Adopted: the precisions (PRECISION=bf16, the perf scripts' default; fp8_cs: hybrid tensorwise
-# with --fp8-param-gather; fp8_mx: e4m3 mxfp8 with --fp8-param-gather), the flex dispatcher with
+# with --fp8-param-gather; fp8_mx: e4m3 mxfp8 with --fp8-param-gather and
+# --reuse-grad-buf-for-mxfp8-param-ag, as Bridge's bf16_with_mxfp8_mixed), the flex dispatcher with
 # HybridEP (default on: HybridEP must be installed on the GPU nodes, pretrain_gpt.py refuses to
 # start without it; DISPATCHER=alltoall where it is not) and TE per-layer CUDA graphs of attn and
 # moe_router (default on). Left out: the moe_preprocess graph and fp8_mx's
-# full_iteration graph (they capture the balanced layer's plan wait: refused), nvfp4 and mxfp8's
-# reuse_grad_buf_for_mxfp8_param_ag (refused) and
+# full_iteration graph (they capture the balanced layer's plan wait: refused), nvfp4 and
 # activation offloading (none in these recipes; DeepSeek-V3 GB200's non-default
 # fp8mx_partial_cg variant offloads expert_fc1: append --fine-grained-activation-offloading
 # --offload-modules expert_fc1).

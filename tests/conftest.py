@@ -64,3 +64,12 @@ def pytest_terminal_summary(terminalreporter):
             by_test.setdefault(launch.get("test") or "(outside a test)", []).append(launch["seconds"])
         for test, seconds in sorted(by_test.items(), key=lambda item: -sum(item[1]))[:10]:
             write(f"{sum(seconds):8.1f} s  {len(seconds):3d} launch(es)  {test}")
+        # The same run launched twice (a reference two tests could share) shows here.
+        runs: dict[str, list[dict]] = {}
+        for launch in launches:
+            if launch.get("launch") and launch.get("status") == 0:
+                runs.setdefault(launch["launch"], []).append(launch)
+        repeated = {key: same for key, same in runs.items() if len(same) > 1}
+        write(f"runs launched more than once: {len(repeated)}" + ("" if not repeated else ", ".join(
+            f" {same[0]['script']} x{len(same)} ({', '.join(sorted({l['test'] for l in same}))})"
+            for same in repeated.values())))

@@ -147,11 +147,19 @@ def per_step_comparisons(actual, reference, floor_x, floor_y, floor_iterations: 
     return comparisons
 
 
-def trajectory_comparisons(actual, reference, floor_x, floor_y, iterations: Sequence[int]) -> list[Comparison]:
+def trajectory_comparisons(actual, reference, floor_x, floor_y, iterations: Sequence[int], *,
+                           shared_floor: bool = False) -> list[Comparison]:
     """Losses and grad norms of ``actual`` against ``reference`` over the trained ``iterations``,
-    the floor from ``floor_x`` against ``floor_y`` over the same iterations."""
+    the floor from ``floor_x`` against ``floor_y`` over the same iterations: per readout, or with
+    ``shared_floor`` the larger of the two for both. Both read out one drift, the floor pair's
+    parameters parting; with quantized (fp8) weights, which absorb drifts below their rounding step,
+    that drift comes in rare jumps and one readout can miss it (a floor pair's losses agreed to the
+    last bit while its grad norms differed by 2.6e-5)."""
     comparisons = []
     for what, values in (("lm loss", losses), ("grad norm", grad_norms)):
         comparisons += compare_series(what, values(actual, iterations), values(reference, iterations),
                                       values(floor_x, iterations), values(floor_y, iterations))
+    if shared_floor:
+        floor = max(c.floor for c in comparisons)
+        comparisons = [Comparison(c.what, c.error, floor) for c in comparisons]
     return comparisons

@@ -73,7 +73,8 @@ def run_ranks(script: str | Path, nproc: int, args: Sequence[str] = (), *, env: 
                                       timeout_s=timeout_s)
         rank_launcher.record_launch({"script": Path(script).name, "nproc": nproc, "warm": False,
                                      "seconds": round(time.monotonic() - start, 3), "status": completed.returncode,
-                                     "test": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]})
+                                     "test": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0],
+                                     "launch": rank_launcher.launch_key(str(script), nproc, args, env)})
         return completed
     return _warm(script, nproc, args, env=env, cwd=REPO_ROOT, timeout_s=timeout_s, torchrun=True)
 

@@ -261,3 +261,35 @@ def torchrun(script: str | Path, nproc: int, args: Sequence[str], env: dict[str,
     """(exit status, combined output) of ``script`` on ``nproc`` gloo ranks, failing or not."""
     completed = run_ranks(script, nproc, args, env=env, timeout_s=timeout_s)
     return completed.returncode, completed.stdout + completed.stderr
+
+
+@dataclass
+class QuantizedWeights:
+    """What a run with fp8 parameters recorded (workers/pretrain_grad_dump.record_quantized_weights),
+    merged over ranks: digests of the quantized bytes each replica computed with and of its main
+    expert's, keyed (iteration, layer, global expert, EP group ranks); the expert weights'
+    classes; how often each stood-in TE function ran (summed over ranks)."""
+
+    replicas: list[tuple[tuple, str]]
+    homes: dict[tuple, set[str]]
+    weight_classes: set[str]
+    calls: dict[str, int]
+
+    def mismatches(self) -> list[tuple]:
+        """Keys of the replica calls whose bytes were not their main expert's at that iteration
+        (or whose main expert had no one set of bytes in it)."""
+        return [key for key, digest in self.replicas if self.homes.get(key) != {digest}]
+
+
+def quantized_weights(run: DumpRun) -> QuantizedWeights:
+    """The fp8-parameter record of ``run`` (all its ranks)."""
+    record = QuantizedWeights([], {}, set(), {})
+    for path in sorted(run.run_dir.glob("rank*.pt")):
+        dump = torch.load(path, weights_only=False)["fp8_params"]
+        record.replicas += dump["replicas"]
+        for key, digests in dump["homes"].items():
+            record.homes.setdefault(key, set()).update(digests)
+        record.weight_classes |= dump["weight_classes"]
+        for name, count in dump["calls"].items():
+            record.calls[name] = record.calls.get(name, 0) + count
+    return record

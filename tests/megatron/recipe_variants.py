@@ -1,13 +1,17 @@
 """Small-scale variants of the shipped recipes, derived from the recipe files themselves.
 
-A recipe (``recipes/*.sh``) is run with a shim that records its launch (``recipe_check.capture_launch``:
-nothing is started); every flag of that launch is then kept as it is, except
+A recipe (``recipes/*.sh``) is run, once per ``PRECISION`` preset it lists (:data:`RECIPE_PRESETS`),
+with a shim that records its launch (``recipe_check.capture_launch``: nothing is started); every
+flag of that launch is then kept as it is, except
 
 * the sizes (:data:`TINY`, :data:`DERIVED`): layers, widths, heads, experts, vocabulary, sequence,
   batch, the parallel sizes (EP 2; PP 2 where the recipe pipelines; expert-data-parallel 2 where
   the recipe's is above 1), so that the model trains on 4-8 CPU ranks;
 * the flags a CPU run cannot take (:data:`DROPPED`), each with its reason, which the test prints,
   and the values it cannot take (:data:`REPLACED`: the flex dispatcher runs as alltoall), likewise;
+  the fp8 flags are kept where the parameters are fp8 (:data:`FP8_PARAMETER_FLAGS`: megatron's
+  fp8-parameter path runs with a stand-in of TE's quantized parameters) and dropped otherwise
+  (:data:`FP8_NUMERICS_DROPPED`: fp8 GEMMs alone are TE's kernels);
 * megatron's gradient bucket, which the recipes leave at its default, scaled with the expert
   (:func:`scaled_bucket_size`), so experts span buckets as they do at full scale.
 
@@ -20,7 +24,7 @@ layout and each of its flags, with the value where the value is a word (``softma
 ``seq_aux_loss``, ``selective``, ``moe``: a choice of code path); numbers (loss coefficients,
 epsilons, RoPE bases) and the shrunk sizes tune the same code. A recipe whose every such flag and
 layout is already exercised by the variants that run is covered by them and adds no run (an HGX
-recipe of a rack recipe's model, say).
+recipe of a rack recipe's model, say; a recipe's bf16 variant beside its fp8-parameter one).
 """
 
 from __future__ import annotations
@@ -62,12 +66,6 @@ DROPPED = {
                           "asks the GPU's compute capability); ultraep with TEGroupedMLP runs in "
                           "test_balanced_moe_layer.py's grouped scenario, with torch_grouped_linear "
                           "in TE's place",
-    "--fp8-format": "fp8 GEMMs are Transformer Engine's (GPU only); the replicas' fp8 numerics run in "
-                    "tests/megatron/test_fp8_layer.py against a CPU stand-in of TE's grouped linear "
-                    "and a current-scaling quantizer",
-    "--fp8-recipe": "an fp8 setting (dropped with --fp8-format; tests/megatron/test_fp8_layer.py)",
-    "--fp8-param-gather": "TE's quantized parameters need a GPU; the replica weight transfer of "
-                          "quantized weights runs in tests/megatron/test_fp8_layer.py",
     "--cuda-graph-impl": "CUDA graphs need a GPU; the modules a balancer accepts and refuses: "
                          "tests/megatron/test_capabilities.py's startup acceptance",
     "--cuda-graph-modules": "CUDA graphs need a GPU (dropped with --cuda-graph-impl; "
@@ -90,6 +88,32 @@ DROPPED = {
                                "nothing would be replicated; the variant keeps the default floor "
                                "(1% of the mean rank load). The preset's floor: test_arguments.py",
 }
+
+#: fp8 flags a variant keeps where its parameters are fp8 (``--fp8-param-gather``): the expert
+#: weights are then Transformer Engine's quantized parameters, stood in by ``fp8_param_standin``
+#: through megatron's own DDP buffers, distributed-optimizer cast and parameter gather (the
+#: experts' GEMMs compute on the quantized weights' values; activations stay high precision).
+FP8_PARAMETER_FLAGS = ("--fp8-format", "--fp8-recipe", "--fp8-param-gather", "--reuse-grad-buf-for-mxfp8-param-ag")
+#: Why a variant without fp8 parameters drops its fp8 flags.
+FP8_NUMERICS_DROPPED = {
+    "--fp8-format": "fp8 GEMMs without fp8 parameters: their numerics are Transformer Engine's "
+                    "kernels' (GPU only), stood in at the layer level by tests/megatron/test_fp8_layer.py "
+                    "(TE's grouped linear and a current-scaling quantizer); no fp8 parameter goes "
+                    "through megatron's DDP, so the variant runs as the bf16 one",
+    "--fp8-recipe": "an fp8 GEMM setting (dropped with --fp8-format; tests/megatron/test_fp8_layer.py)",
+}
+
+
+def recipe_precisions(recipe: Path) -> list[str]:
+    """The ``PRECISION`` presets a recipe runs (its ``PRECISIONS``; recipes/common.sh): bf16 where
+    it lists none."""
+    found = re.search(r'^PRECISIONS="([^"]*)"', recipe.read_text(), re.MULTILINE)
+    return found.group(1).split() if found else ["bf16"]
+
+
+#: Every recipe with every PRECISION preset it runs: (recipe, precision).
+RECIPE_PRESETS = [(recipe, precision) for recipe in RECIPES for precision in recipe_precisions(recipe)]
+
 
 #: flag -> {a value a CPU run cannot take: (the variant's value, why)}. The variant's value is a word
 #: as the recipe's was, so the variant exercises what a recipe that sets it does (covering_runs).
@@ -192,18 +216,26 @@ def _value(flags, name, default=None):
 
 @dataclass
 class Variant:
-    """A recipe's small-scale variant: its launch and the layouts it runs in."""
+    """A recipe's small-scale variant in one ``PRECISION`` preset: its launch and the layouts it
+    runs in."""
 
     recipe: Path
     layout: Layout
     args: list[str]
+    precision: str = "bf16"
     dropped: dict[str, str] = field(default_factory=dict)
     shrunk: dict[str, tuple[list[str], list[str]]] = field(default_factory=dict)
     kept: list[str] = field(default_factory=list)
 
     @property
     def name(self) -> str:
-        return self.recipe.stem
+        """``<recipe stem>`` (bf16, the recipes' default) or ``<recipe stem>:<precision>``."""
+        return self.recipe.stem if self.precision == "bf16" else f"{self.recipe.stem}:{self.precision}"
+
+    @property
+    def fp8_parameters(self) -> bool:
+        """Whether its expert weights are fp8 parameters (``--fp8-param-gather`` kept)."""
+        return "--fp8-param-gather" in self.args
 
     @property
     def key(self) -> tuple:
@@ -219,9 +251,15 @@ class Variant:
         data_parallel = self.layout.world // self.layout.pipeline
         return 4 if data_parallel % 4 == 0 else 1
 
-    def launch_args(self, balancer: str, *, train_iters: int, ep: int = EP) -> list[str]:
-        """The variant's arguments with ``--moe-balancer balancer``, ``train_iters`` and EP ``ep``."""
-        args = list(self.args)
+    def launch_args(self, balancer: str, *, train_iters: int, ep: int = EP, fp8_parameters: bool = True) -> list[str]:
+        """The variant's arguments with ``--moe-balancer balancer``, ``train_iters`` and EP ``ep``;
+        without its fp8-parameter flags if not ``fp8_parameters`` (the initial checkpoint: the
+        stand-in of TE's quantized parameters saves no checkpoint, and megatron loads a
+        high-precision one into fp8 parameters by quantizing it)."""
+        flags = parse_flags(self.args)
+        if not fp8_parameters:
+            flags = [(flag, values) for flag, values in flags if flag not in FP8_PARAMETER_FLAGS]
+        args = [token for flag, values in flags for token in (flag, *values)]
         for flag, value in (("--moe-balancer", balancer), ("--train-iters", str(train_iters)),
                             ("--expert-model-parallel-size", str(ep))):
             args[args.index(flag) + 1] = value
@@ -242,8 +280,14 @@ def _is_number(text: str) -> bool:
 
 def behaviour(variant: "Variant") -> frozenset:
     """What a variant exercises: its layout; each flag, with its word values (a size or number
-    tunes, a word selects: module docstring); a shrunk flag by its presence."""
+    tunes, a word selects: module docstring); a shrunk flag by its presence. fp8 parameters also
+    by the expert-data-parallel size they run at: only above 1 does megatron all-gather the
+    quantized bytes (or, with ``--reuse-grad-buf-for-mxfp8-param-ag``, the staged main parameters)
+    that other ranks updated, and reduce the scales' amaxes over the group."""
     out = {("layout", f"PP{variant.layout.pipeline} expert-DP{variant.layout.expert_data}")}
+    if variant.fp8_parameters:
+        recipe = _value(parse_flags(variant.args), "--fp8-recipe")
+        out.add(("fp8 parameters", (recipe, f"expert-DP{variant.layout.expert_data}")))
     for flag, values in parse_flags(variant.args):
         if flag in PER_RUN:
             continue
@@ -254,28 +298,50 @@ def behaviour(variant: "Variant") -> frozenset:
 
 def covering_runs(variants: list["Variant"]) -> dict[str, list[str]]:
     """{name of a covered variant: the variants that run what it exercises}; every other variant
-    runs. Largest behaviours first, so a variant is covered only by variants that run."""
-    running: list[Variant] = []
+    runs. The variants that run are a cheapest set whose behaviours together hold every variant's
+    (cost: ranks, what a run's CPU time grows with; then fewer runs; then names), found exactly
+    (branching on the behaviour the fewest variants have): e.g. a recipe's bf16 variant is covered
+    by its fp8-parameter one, and the recipes' fp8 presets share the runs of their other flags.
+    Variants with the same behaviour count once (the first by ranks and name)."""
+    behaviours = {v.name: behaviour(v) for v in variants}
+    candidates: dict[frozenset, Variant] = {}
+    for variant in sorted(variants, key=lambda v: (v.layout.world, v.name)):
+        candidates.setdefault(behaviours[variant.name], variant)
+    options = list(candidates.values())
+    best: list = [None]  # ((ranks, runs), [variants])
+
+    def search(chosen: list, uncovered: frozenset, ranks: int) -> None:
+        score = (ranks, len(chosen))
+        if best[0] is not None and score >= best[0][0]:
+            return
+        if not uncovered:
+            best[0] = (score, list(chosen))
+            return
+        item = min(uncovered, key=lambda i: (sum(i in behaviours[o.name] for o in options), repr(i)))
+        for option in options:
+            if item in behaviours[option.name]:
+                search([*chosen, option], uncovered - behaviours[option.name], ranks + option.layout.world)
+
+    search([], frozenset().union(*behaviours.values()), 0)
+    running = best[0][1]
     covered = {}
-    for variant in sorted(variants, key=lambda v: (-len(behaviour(v)), v.name)):
-        mine = behaviour(variant)
-        seen = set().union(*(behaviour(r) for r in running))
-        if mine <= seen:
-            left, by = set(mine), []
-            while left:  # the running variants that exercise most of what is left, greedily
-                best = max(running, key=lambda r: len(left & behaviour(r)))
-                by.append(best.name)
-                left -= behaviour(best)
-            covered[variant.name] = by
-        else:
-            running.append(variant)
+    for variant in variants:
+        if variant in running:
+            continue
+        left, by = set(behaviours[variant.name]), []
+        while left:  # the running variants that exercise most of what is left, greedily
+            most = max(running, key=lambda r: (len(left & behaviours[r.name]), r.name))
+            by.append(most.name)
+            left -= behaviours[most.name]
+        covered[variant.name] = by
     return covered
 
 
-def small_scale_variant(recipe: Path) -> Variant:
-    """The variant of ``recipe`` (module docstring)."""
-    launch = capture_launch(recipe)
+def small_scale_variant(recipe: Path, precision: str = "bf16") -> Variant:
+    """The variant of ``recipe`` with ``PRECISION=precision`` (module docstring)."""
+    launch = capture_launch(recipe, env={"PRECISION": precision})
     flags = parse_flags(launch.args)
+    fp8_parameters = any(flag == "--fp8-param-gather" for flag, _ in flags)
     pipeline = int(_value(flags, "--pipeline-model-parallel-size", "1"))
     ep = int(_value(flags, "--expert-model-parallel-size", "1"))
     context = int(_value(flags, "--context-parallel-size", "1"))
@@ -286,12 +352,15 @@ def small_scale_variant(recipe: Path) -> Variant:
     # expert-DP 2, so that EP 4 fits on the same ranks.
     overlapped = any(flag == "--overlap-moe-expert-parallel-comm" for flag, _ in flags)
     layout = Layout(pipeline=min(pipeline, 2), expert_data=2 if expert_data > 1 or overlapped else 1)
-    variant = Variant(recipe=recipe, layout=layout, args=[])
+    variant = Variant(recipe=recipe, layout=layout, args=[], precision=precision)
     if not any(flag == "--ddp-bucket-size" for flag, _ in flags):
         flags.append(("--ddp-bucket-size", [str(scaled_bucket_size(flags))]))
     for flag, values in flags:
         if flag in DROPPED:
             variant.dropped[flag] = DROPPED[flag]
+            continue
+        if flag in FP8_NUMERICS_DROPPED and not fp8_parameters:
+            variant.dropped[flag] = FP8_NUMERICS_DROPPED[flag]
             continue
         if len(values) == 1 and values[0] in REPLACED.get(flag, {}):
             new, why = REPLACED[flag][values[0]]

@@ -54,24 +54,34 @@ WARNED = {"valid_production_ddp"}
 # errors must contain; None = UltraEP accepts it).
 FP8 = ["--fp8-format", "hybrid", "--fp8-recipe"]
 GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-modules"]
+REUSE = "--reuse-grad-buf-for-mxfp8-param-ag"
 TE_PREPROCESS = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules", "attn", "moe_router",
                  "moe_preprocess"]
 ENVELOPE = {
     **{f"fp8_{recipe}{'_param_gather' if gather else ''}": ([*ULTRAEP, *FP8, recipe, *gather], None)
-       for recipe in ("tensorwise", "blockwise", "mxfp8") for gather in ([], ["--fp8-param-gather"])},
+       for recipe in ("tensorwise", "blockwise", "mxfp8") for gather in ([], ["--fp8-param-gather"])
+       if (recipe, gather) != ("mxfp8", ["--fp8-param-gather"])},
+    # MXFP8 parameters are gathered through the gradient buffer: megatron cannot map them into its
+    # parameter buffer (TE's replace_raw_data refuses MXFP8), so the flag is required, and it is
+    # only for them.
+    "fp8_mxfp8_param_gather_reuse_grad_buf": ([*ULTRAEP, *FP8, "mxfp8", "--fp8-param-gather", REUSE], None),
+    "fp8_mxfp8_param_gather_without_reuse": ([*ULTRAEP, *FP8, "mxfp8", "--fp8-param-gather"], f"needs {REUSE}"),
+    "fp8_reuse_grad_buf_tensorwise": ([*ULTRAEP, *FP8, "tensorwise", "--fp8-param-gather", REUSE],
+                                      f"{REUSE} is only for MXFP8"),
+    "fp8_reuse_grad_buf_without_fp8_params": ([*ULTRAEP, *FP8, "mxfp8", REUSE], f"{REUSE} is only for MXFP8"),
     "fp8_e4m3_tensorwise": ([*ULTRAEP, "--fp8-format", "e4m3", "--fp8-recipe", "tensorwise"], None),
     # One shared replica module would mix every layer's amax history.
     "fp8_delayed": ([*ULTRAEP, *FP8, "delayed"], "--fp8-recipe delayed"),
     "fp8_delayed_by_default": ([*ULTRAEP, "--fp8-format", "hybrid"], "--fp8-recipe delayed"),
     "fp8_custom": ([*ULTRAEP, *FP8, "custom"], "--fp8-recipe custom"),
-    "fp8_reuse_grad_buf": ([*ULTRAEP, *FP8, "mxfp8", "--fp8-param-gather", "--reuse-grad-buf-for-mxfp8-param-ag"],
-                           "--reuse-grad-buf-for-mxfp8-param-ag"),
     # Plain experts in the bf16 layers, quantized ones elsewhere: one replica-slot layout cannot hold both.
     "fp8_params_bf16_ends": ([*ULTRAEP, *FP8, "tensorwise", "--fp8-param-gather", "--first-last-layers-bf16"],
                              "--first-last-layers-bf16 with --fp8-param-gather"),
     "fp8_bf16_ends": ([*ULTRAEP, *FP8, "tensorwise", "--first-last-layers-bf16"], None),
     "fp4": ([*ULTRAEP, "--fp4-format", "e2m1"], "--fp4-format e2m1"),
-    "graphs_attn": ([*ULTRAEP, *GRAPHS, "attn"], None),
+    # megatron's local graphs: no test runs them with a balanced layer.
+    "graphs_local_attn": ([*ULTRAEP, *GRAPHS, "attn"], "--cuda-graph-impl local (--cuda-graph-modules attn)"),
+    "graphs_te_attn": ([*ULTRAEP, "--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules", "attn"], None),
     "graphs_te_attn_router": ([*ULTRAEP, "--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules",
                                "attn", "moe_router"], None),
     # megatron's local partial capture of the router runs the MoE preprocessing too.
@@ -96,9 +106,9 @@ ENVELOPE = {
     "graphs_full_iteration": ([*ULTRAEP, "--cuda-graph-impl", "full_iteration"],
                               "--cuda-graph-impl full_iteration"),
     "graphs_full_iteration_module": ([*ULTRAEP, *GRAPHS, "full_iteration"], "--cuda-graph-modules full_iteration"),
-    # The replica experts are built without offloading; the main experts' activations offload as usual.
+    # Megatron offloads CUDA tensors only: no CPU test runs its offloading with a balanced layer.
     "offload_experts": ([*ULTRAEP, "--fine-grained-activation-offloading", "--offload-modules", "attn_norm",
-                         "expert_fc1", "moe_act"], None),
+                         "expert_fc1", "moe_act"], "--fine-grained-activation-offloading"),
     # Latent MoE: the balanced part runs on latent tokens, the replica experts at the latent size
     # (test_balanced_moe_layer.py's latent scenario).
     "latent_moe": ([*ULTRAEP, "--moe-latent-size", "32"], None),
@@ -163,7 +173,7 @@ def test_production_envelope(verdicts, name):
     assert ": " in refusals[0].split(expected, 1)[1], f"no reason given: {refusals[0]}"
     if name.startswith(("fp8_delayed", "fp8_custom", "fp4")):
         assert "tensorwise, blockwise or mxfp8" in refusals[0], refusals[0]
-    if name == "graphs_local_attn_router":
+    if name in ("graphs_local_attn_router", "graphs_local_attn"):
         assert "use --cuda-graph-impl transformer_engine" in refusals[0], refusals[0]
     elif name.startswith("graphs_moe_preprocess"):
         why = "--moe-permute-fusion" if name.endswith("fusion") else "leave --moe-balancer-planner out or pass device"

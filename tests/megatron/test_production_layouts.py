@@ -38,6 +38,12 @@ ultraep_wgrad_fusion   4      balanced with ``--gradient-accumulation-fusion`` (
                               kernel replaced by a CPU stand-in of the same contract
                               (``wgrad_fusion_standin.py``; the fp32 product is the unfused one, so
                               ``none`` unfused is its reference)
+ultraep_fp8_blockwise  4      balanced in bf16 with fp8 parameters (``--fp8-format hybrid
+                              --fp8-recipe blockwise --fp8-param-gather``: TE's blockwise weights,
+                              stood in by ``fp8_param_standin.py``, through megatron's buffers,
+                              optimizer cast and parameter gather); no recipe preset has them (the
+                              presets' fp8 parameters run in test_recipe_variants.py). Checked: every
+                              replica computed with its main expert's quantized bytes
 ultraep_order_fault    4      balanced with the experts' gradients handed to DDP in the local
                               plan's order (negative control), lr-0 iterations only
 ultraep_gather_fault   4      balanced with replicas copied before megatron's parameter
@@ -58,7 +64,7 @@ import pytest
 import torch
 
 from equivalence import failures, per_step_comparisons, summary, trajectory_comparisons
-from megatron_runs import launch_dump_run, save_initial_checkpoint, tiny_moe_args
+from megatron_runs import launch_dump_run, quantized_weights, save_initial_checkpoint, tiny_moe_args
 
 from ultraep_megatron.planner import BalancerConfig
 from ultraep_megatron.traces import find_trace_files, read_trace
@@ -89,6 +95,8 @@ RUNS = {  # name: (EP size, extra flags, lr-0 iterations, Adam iterations, fault
     "none_bf16_floor": (4, BF16, LR0, ADAM, ""),
     "ultraep_bf16": (EP, [*BF16, *BALANCED], LR0, ADAM, ""),
     "ultraep_wgrad_fusion": (EP, BALANCED, LR0, ADAM, ""),
+    "ultraep_fp8_blockwise": (EP, [*BF16, *BALANCED, "--fp8-format", "hybrid", "--fp8-recipe", "blockwise",
+                                   "--fp8-param-gather"], LR0, ADAM, ""),
     "ultraep_order_fault": (EP, BALANCED, LR0, 0, "grads_ready_in_plan_order"),
     "ultraep_gather_fault": (EP, BALANCED, LR0, ADAM, "replicas_before_param_gather"),
 }
@@ -195,6 +203,24 @@ def test_weights_stay_identical_across_data_parallel_replicas(runs):
     log = runs("ultraep_ddp_options").log
     for iteration in range(1, LR0 + ADAM + 1):
         assert f"Weight hashes match after {iteration} iterations" in log, iteration
+
+
+def test_blockwise_fp8_parameters_reach_the_replicas_through_megatrons_gather(runs):
+    """Blockwise fp8 parameters: megatron mapped their row-wise bytes into its parameter buffer,
+    cast the optimizer's shards into them, gathered them and made their column-wise copies (the
+    stand-in's TE functions ran), and every replica computed with its main expert's quantized
+    bytes of that iteration (data, scales, column-wise copy), also after the weights changed."""
+    run = runs("ultraep_fp8_blockwise")
+    record = quantized_weights(run)
+    assert record.weight_classes == {"ToyBlockwiseTensor"}, record.weight_classes
+    for name in ("replace_raw_data", "cast_master_weights_to_fp8", "post_all_gather_processing"):
+        assert record.calls.get(name, 0) > 0, record.calls
+    assert {key[0] for key, _ in record.replicas} >= set(TRAINED), "replicas in every trained iteration"
+    assert not record.mismatches(), record.mismatches()[:10]
+    trained = [run.records[it]["losses"]["lm loss"] for it in TRAINED]
+    print(f"\nblockwise fp8 parameters: {len(record.replicas)} replica calls with their main experts' bytes; "
+          f"stand-in calls {record.calls}; losses {trained}")
+    assert trained[-1] < trained[0], "the model must be training"
 
 
 def test_negative_control_gradients_handed_over_in_plan_order(runs):

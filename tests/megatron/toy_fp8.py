@@ -187,6 +187,13 @@ class ToyQuantizedTensor(torch.Tensor):
                     getattr(target, attr).copy_(fresh[key])
             return target
 
+        if func is torch.ops.aten.mm.default and isinstance(args[1], ToyQuantizedTensor) \
+                and not isinstance(args[0], ToyQuantizedTensor):
+            # grad_output @ weight: a linear layer's input gradient (megatron's local linear; its
+            # forward multiplies by weight.t(), which gives the row-wise values). TE's dgrad GEMM
+            # reads the column-wise copy.
+            return func(args[0], args[1].columnwise_values().to(args[1].dtype), **kwargs)
+
         def plain(value):
             return value.dequantize() if isinstance(value, ToyQuantizedTensor) else value
 

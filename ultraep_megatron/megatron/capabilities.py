@@ -92,6 +92,12 @@ def unsupported_moe_settings(config, environment: bool = True, planner: Optional
             problems.append(f"--{flag.replace('_', '-')} is not supported: the replica transfers read and "
                             "write whole main-expert weights and gradients outside the experts' FSDP hooks; "
                             "use --use-distributed-optimizer")
+    if get('fine_grained_activation_offloading'):
+        # Megatron offloads only CUDA tensors, so on the CPU backend its offloading path leaves every
+        # activation in place: no test here runs it with a balanced layer.
+        problems.append("--fine-grained-activation-offloading is not supported with a balancer: megatron's "
+                        "offloading of the experts' activations has not run with a balanced layer (it "
+                        "offloads CUDA tensors only, so no CPU test exercises it); leave it out")
     if get('moe_expert_rank_capacity_factor') is not None:
         problems.append("--moe-expert-rank-capacity-factor is not supported: HybridEP drops the tokens over a "
                         "rank's budget, and balancing needs dropless routing (the plan gives HybridEP each "
@@ -161,10 +167,7 @@ def _low_precision_problems(get) -> list[str]:
             # Megatron's default recipe is delayed: say so when the user gave only --fp8-format.
             problems.append(f"--fp8-recipe {recipe} (with --fp8-format {get('fp8')}) is not supported: "
                             f"{why}; {working}")
-    if get('reuse_grad_buf_for_mxfp8_param_ag'):
-        problems.append("--reuse-grad-buf-for-mxfp8-param-ag is not supported: it gathers the mxfp8 parameters "
-                        "through the gradient buffer the replica-gradient reduction writes into, which has not "
-                        "been checked yet; leave it off")
+    problems += _mxfp8_parameter_problems(get)
     if get('fp8') and get('fp8_param_gather') and get('first_last_layers_bf16'):
         problems.append("--first-last-layers-bf16 with --fp8-param-gather is not supported: the bf16 layers' "
                         "experts hold plain weights and the others quantized ones, and the replica slots all "
@@ -175,6 +178,42 @@ def _low_precision_problems(get) -> list[str]:
                         "experts' fp4 path (re-quantization, scales, the replica weight transfer) has not "
                         f"been checked yet; use --fp8-format with {working[4:]}")
     return problems
+
+
+#: megatron's flag for gathering MXFP8 parameters through the gradient buffer.
+REUSE_GRAD_BUF_FLAG = "--reuse-grad-buf-for-mxfp8-param-ag"
+_ABSENT = object()
+
+
+def _mxfp8_parameter_problems(get) -> list[str]:
+    """MXFP8 parameters (``--fp8-recipe mxfp8 --fp8-param-gather``) need megatron's
+    ``--reuse-grad-buf-for-mxfp8-param-ag``, and the flag needs them.
+
+    Without the flag, megatron's DDP maps each quantized parameter into its parameter buffer with
+    Transformer Engine's ``replace_raw_data``, which refuses MXFP8 tensors: the run fails building
+    its buffers. With it, an MXFP8 parameter keeps its own storage; the distributed optimizer
+    stages the bf16 main parameters in the gradient buffer, megatron all-gathers them there and
+    quantizes them into the parameters when a module's forward pre-hook completes the gather, then
+    zeroes that part of the buffer for the gradients. The balanced layer copies replicas from the
+    parameters after running those hooks (``BalancedMoELayer._prepare_main_params``), so after the
+    quantization, and never reads the shared buffer. With another recipe's fp8 parameters the flag
+    would stage the main parameters in their uint8 buffer. Only Megatron's arguments carry the flag
+    (a layer's ``TransformerConfig`` does not): the layer's own check skips this."""
+    if get('reuse_grad_buf_for_mxfp8_param_ag', _ABSENT) is _ABSENT:
+        return []
+    recipe = _name(getattr(get('fp8_recipe'), "value", get('fp8_recipe')))
+    mxfp8_params = bool(get('fp8')) and recipe == "mxfp8" and bool(get('fp8_param_gather'))
+    reuse = bool(get('reuse_grad_buf_for_mxfp8_param_ag'))
+    if mxfp8_params and not reuse:
+        return [f"--fp8-recipe mxfp8 with --fp8-param-gather needs {REUSE_GRAD_BUF_FLAG}: without it megatron "
+                "maps each MXFP8 parameter into its parameter buffer with Transformer Engine's replace_raw_data, "
+                f"which does not support MXFP8 (the run fails building its buffers); add {REUSE_GRAD_BUF_FLAG}, "
+                "as NVIDIA recommends for MXFP8"]
+    if reuse and not mxfp8_params:
+        return [f"{REUSE_GRAD_BUF_FLAG} is only for MXFP8 parameters (--fp8-format with --fp8-recipe mxfp8 "
+                "--fp8-param-gather): with other parameters megatron would stage the main parameters in a "
+                f"buffer of another type, or refuse it; leave {REUSE_GRAD_BUF_FLAG} off"]
+    return []
 
 
 def preprocess_graphed(config) -> bool:
@@ -229,6 +268,12 @@ def _cuda_graph_problem(get, planner: Optional[str]) -> Optional[str]:
     if not [n for n in names if n != 'full']:
         return (f"{flag} without --cuda-graph-modules (whole-layer capture) is not supported with a "
                 f"balancer: it captures every MoE layer whole; {_CUDA_GRAPH_WHY}")
+    if impl == 'local' and not ('moe_router' in names or DEVICE_PLANNER_GRAPH_MODULE in names):
+        # megatron's local graphs (its CudaGraphManager over torch.cuda.CUDAGraph) have no stand-in
+        # here, so no test runs them with a balanced layer; Transformer Engine's do.
+        return (f"{flag} (--cuda-graph-modules {' '.join(names)}) is not supported with a balancer: megatron's "
+                "local CUDA graphs have not run with a balanced layer; use --cuda-graph-impl transformer_engine "
+                "(its graphs of attn, moe_router and moe_preprocess run with one: tests/megatron/test_graph_capture.py)")
     if impl == 'local' and ('moe_router' in names or DEVICE_PLANNER_GRAPH_MODULE in names):
         # megatron's local partial capture graphs _forward_mlp_router, which runs the MoE layer's
         # route *and* preprocess through its own graph runner (it adds moe_preprocess to

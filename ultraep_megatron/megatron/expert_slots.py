@@ -225,17 +225,11 @@ def replica_experts_config(config):
       re-quantizing the replica's copy gives exactly the main expert's quantized weight. The cost:
       one cast of the S replica weights per layer and microbatch (the main experts cast theirs
       once per step).
-    * ``fine_grained_activation_offloading`` off: its saved-tensor hooks would take over from the
-      balanced layer's own (``replica_autograd``), which store the replica weights, views of the
-      shared buffer later layers overwrite, as geometry to be re-materialized; offloading would
-      keep or offload those views as they are at save time. The replica experts' activations are
-      a small part of the layer's (S of P slots); the main experts keep offloading theirs.
     """
     config = copy.copy(config)
     config.perform_initialization = False
     config.gradient_accumulation_fusion = False
     config.disable_parameter_transpose_cache = True
-    config.fine_grained_activation_offloading = False
     return config
 
 

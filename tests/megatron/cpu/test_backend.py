@@ -59,6 +59,15 @@ def test_rng_snapshot_restore_replays_draws(probe):
     assert before == after
 
 
+def test_coalesced_bucket_collectives_keep_their_dtypes(probe):
+    """megatron's buffers gather a uint8 bucket (fp8 parameters) and a bf16 one in one coalesced
+    call: the backend's manager returns both as sent; torch's over gloo (the negative control)
+    runs them as one dtype and garbles both."""
+    gathered = probe["coalesced_mixed_dtypes"]
+    assert gathered["megatron"] == [[10] * 4, [1.5] * 4], gathered
+    assert gathered["torch"] != gathered["megatron"], gathered
+
+
 def test_dataset_helper_build_is_skipped(probe):
     assert probe["compile_helpers_skipped"] is True
 

@@ -153,6 +153,22 @@ def main():
     result["rng_replay"] = [before, after]
     result["rng_warnings"] = sum("RNG state changed" in r.getMessage() for r in records)
 
+    # Megatron's buffers coalesce a uint8 bucket's gather with bf16 ones: through the manager its
+    # module uses here, and through torch's (what gloo does with mixed dtypes in one call).
+    from torch.distributed.distributed_c10d import _coalescing_manager as torch_coalescing
+    from megatron.core.distributed import param_and_grad_buffer
+
+    def coalesced_gathers(manager):
+        outputs = [torch.zeros(4, dtype=torch.uint8), torch.zeros(4, dtype=torch.bfloat16)]
+        with manager(None, async_ops=True) as handle:
+            torch.distributed.all_gather_into_tensor(outputs[0], torch.full((4,), 10, dtype=torch.uint8))
+            torch.distributed.all_gather_into_tensor(outputs[1], torch.full((4,), 1.5, dtype=torch.bfloat16))
+        handle.wait()
+        return [t.tolist() for t in outputs]
+
+    result["coalesced_mixed_dtypes"] = {"megatron": coalesced_gathers(param_and_grad_buffer._coalescing_manager),
+                                        "torch": coalesced_gathers(torch_coalescing)}
+
     from megatron.core.datasets import utils as dataset_utils
 
     dataset_utils.compile_helpers()  # must not run make

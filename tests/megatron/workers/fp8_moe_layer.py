@@ -138,10 +138,10 @@ def move_stale_parts(layers) -> None:
         layer.main_expert_weights = stale
 
 
-def offloading_flags(ep_size: int) -> dict:
+def offloading_refusal(ep_size: int) -> str:
     """A balanced layer built with ``--fine-grained-activation-offloading --offload-modules
-    expert_fc1 moe_act`` (no fp8): the offloading settings megatron's TEGroupedMLP took, for its
-    main experts and for the replica experts module."""
+    expert_fc1 moe_act`` (no fp8): the layer's own check refuses it (as the startup check does);
+    its message, or an empty string if it was built."""
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -159,15 +159,13 @@ def offloading_flags(ep_size: int) -> dict:
         fine_grained_activation_offloading=True, offload_modules=["expert_fc1", "moe_act"],
     )
     spec = torch_grouped_linear.grouped_moe_layer_spec()
-    layer = BalancedMoELayer(config=config, submodules=spec.keywords["submodules"],
-                             pg_collection=ProcessGroupCollection.use_mpu_process_groups(), is_mtp_layer=False,
-                             balancing=BalancingContext(BalancerConfig(name="ultraep", num_slots=1, min_quota=1)))
-
-    def flags(experts):
-        return {"offload_expert_fc1": experts.offload_expert_fc1, "offload_moe_act": experts.offload_moe_act,
-                "fc1_saves_original_input": experts.linear_fc1.save_original_input}
-
-    return {"main": flags(layer.experts), "replica": flags(layer.balancing.replica_experts.module)}
+    try:
+        BalancedMoELayer(config=config, submodules=spec.keywords["submodules"],
+                         pg_collection=ProcessGroupCollection.use_mpu_process_groups(), is_mtp_layer=False,
+                         balancing=BalancingContext(BalancerConfig(name="ultraep", num_slots=1, min_quota=1)))
+    except ValueError as refusal:
+        return str(refusal)
+    return ""
 
 
 def load_weights(layer, weights):
@@ -317,7 +315,7 @@ def main():
                 results[f"{variant}/{key}"] = run(layers, balancing, rank)
         finally:
             del os.environ[switch]
-    results["offloading"] = offloading_flags(world)
+    results["offloading_refusal"] = offloading_refusal(world)
     torch.save(results, os.path.join(cli.out_dir, f"rank{rank}.pt"))
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()

@@ -29,6 +29,10 @@ Everything below is controlled by environment variables; the training itself is 
   for its Apex kernel (``wgrad_fusion_standin.py``); the CPU backend then no longer adds
   ``--no-gradient-accumulation-fusion``.
 
+* ``--fp8-param-gather`` with ``--fp8-format``: the expert weights are Transformer Engine's
+  quantized parameters, stood in by ``fp8_param_standin`` (TE's parts of megatron's fp8-parameter
+  path: building, buffer mapping, the optimizer's cast, the gather's post-processing).
+
 * ``ULTRAEP_GRAD_ORDER=1``: the dump also gets ``grad_order`` (:class:`GradReadyOrder`): per
   iteration, the order in which megatron's DDP was told each parameter's gradient was ready and in
   which its bucket groups started their collectives, the buckets and the ranks each group reduces
@@ -214,6 +218,14 @@ def _replicas_before_param_gather():
     return _patched(BalancedMoELayer, "_prepare_main_params", lambda original: lambda self: None)
 
 
+def _mxfp8_parameters_without_reuse_accepted():
+    """The startup check accepts MXFP8 parameters without --reuse-grad-buf-for-mxfp8-param-ag (to
+    show what megatron then does with them)."""
+    from ultraep_megatron.megatron import capabilities
+
+    return _patched(capabilities, "_mxfp8_parameter_problems", lambda original: lambda get: [])
+
+
 def _device_planner_kernel(broken, only_rank=None):
     """The device planner's probe kernel (``device_solve._probe``: Triton on CUDA, the reference's
     torch calls on the CPU) replaced by ``broken(original, *args)`` wherever the device planner runs
@@ -273,6 +285,7 @@ FAULTS = {
     "unbalanced_mtp_layer": _unbalanced_mtp_layer,
     "rematerialized_from_another_microbatch": _rematerialized_from_another_microbatch,
     "replays_in_forward_order": _replays_in_forward_order,
+    "mxfp8_parameters_without_reuse_accepted": _mxfp8_parameters_without_reuse_accepted,
 }
 
 
@@ -369,6 +382,57 @@ def expert_biases(model_chunks, names) -> dict:
     return out
 
 
+def record_quantized_weights(out: dict, current_iteration) -> None:
+    """With fp8 parameters: digests of the quantized bytes every replica computed with (each
+    forward replica call) and of its main expert's at that iteration (each balanced forward, after
+    the main experts' own forward, whose pre-hook completes megatron's parameter gather), keyed
+    (iteration, layer, global expert, EP group ranks), in ``out["fp8_params"]``, with the expert
+    weights' classes and the stand-in's call counts."""
+    import hashlib
+
+    import fp8_param_standin
+    from ultraep_megatron.megatron import expert_slots
+    from ultraep_megatron.megatron.balanced_moe import BalancedMoELayer
+
+    record = out["fp8_params"] = {"replicas": [], "homes": {}, "weight_classes": set(),
+                                  "calls": fp8_param_standin.CALLS}
+
+    def digest(tensors) -> str:
+        sha = hashlib.sha1()
+        for tensor in tensors:
+            for key, part in sorted(tensor.get_metadata().items()):
+                if isinstance(part, torch.Tensor) and key not in expert_slots.DERIVED_PARTS:
+                    sha.update(key.encode() + part.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        return sha.hexdigest()
+
+    def ep_ranks(layer) -> tuple:
+        return tuple(torch.distributed.get_process_group_ranks(layer.balancer_pg_collection.ep))
+
+    compute = BalancedMoELayer.routed_experts_compute
+
+    def routed_experts_compute(self, hidden_states, probs):
+        result = compute(self, hidden_states, probs)  # the experts' forward completed their gather
+        for expert, params in zip(self.local_expert_indices, self.main_expert_param_lists()):
+            record["weight_classes"].update(type(p).__name__ for p in params)
+            key = (current_iteration(), self.layer_number, int(expert), ep_ranks(self))
+            record["homes"].setdefault(key, set()).add(digest(params))
+        return result
+
+    run_replicas = BalancedMoELayer.run_replicas
+
+    def run(self, slot_weights, tokens, probs, rows_per_slot):
+        invocation = self.token_dispatcher.invocation
+        for expert, weights, rows in zip(invocation.plan.slot_expert[invocation.ep_rank].tolist(),
+                                         slot_weights, rows_per_slot):
+            if expert >= 0 and rows > 0:
+                record["replicas"].append(((current_iteration(), self.layer_number, int(expert), ep_ranks(self)),
+                                           digest(weights)))
+        return run_replicas(self, slot_weights, tokens, probs, rows_per_slot)
+
+    BalancedMoELayer.routed_experts_compute = routed_experts_compute
+    BalancedMoELayer.run_replicas = run
+
+
 class GradReadyOrder:
     """Megatron DDP's view of the backward, recorded per iteration: every call of
     ``_ParamAndGradBucketGroup.register_grad_ready`` (DDP's backward post-hook of a parameter calls
@@ -443,9 +507,9 @@ def main():
     expert_bias = os.environ.get("ULTRAEP_EXPERT_BIAS")
     whole_run_faults, iteration_faults = parse_faults(os.environ.get("ULTRAEP_FAULTS", ""))
     wgrad_fusion = os.environ.get("ULTRAEP_WGRAD_FUSION_STANDIN") == "1"
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' stand-ins
     grad_order = GradReadyOrder() if os.environ.get("ULTRAEP_GRAD_ORDER") == "1" else None
     if wgrad_fusion:  # before megatron is imported: it looks the kernel up once
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
         import wgrad_fusion_standin
 
         wgrad_fusion_standin.install()
@@ -456,6 +520,10 @@ def main():
         del cpu_flags.CPU_FLAGS["--no-gradient-accumulation-fusion"]
 
     cpu_backend.activate()  # pretrain_gpt.py does it too (idempotent); before megatron imports
+    import fp8_param_standin
+
+    if fp8_param_standin.needed_by(sys.argv[1:]):  # TE's fp8 parameters, stood in (its docstring)
+        fp8_param_standin.install()
     import megatron.training.training as megatron_training
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.training.global_vars import get_args
@@ -466,6 +534,8 @@ def main():
     out = {"grads": {}, "expert_bias": {}, "eval": []}
     names = {}
     iteration = 0
+    if fp8_param_standin.needed_by(sys.argv[1:]):
+        record_quantized_weights(out, lambda: iteration)
 
     scheduler_lr = OptimizerParamScheduler.get_lr
 

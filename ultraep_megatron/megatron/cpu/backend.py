@@ -121,6 +121,11 @@ def activate() -> bool:
     _patch(mtraining, "build_train_valid_test_data_iterators",
            megatron_patches.rng_neutral(mtraining.build_train_valid_test_data_iterators),
            "DataLoader iterators draw a seed from the generator CPU dropout uses (breaks resume)")
+    from megatron.core.distributed import param_and_grad_buffer
+
+    _patch(param_and_grad_buffer, "_coalescing_manager", megatron_patches.coalescing_per_dtype,
+           "gloo's coalesced all-gather/reduce-scatter run all tensors as one dtype; fp8 parameters "
+           "put a uint8 bucket beside bf16 ones: one coalesced call per dtype")
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     _patch(filesystem_async, "get_write_results_queue",

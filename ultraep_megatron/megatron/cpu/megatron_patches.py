@@ -1,7 +1,8 @@
 """Replacements for Megatron's CUDA-only code, applied by :func:`~.backend.activate`: the device
 check and set-up of ``megatron.training.initialize``, the alltoall dispatcher's split sizes, the
 RNG tracker (its named states in the CPU generator CPU dropout draws from), the data iterators'
-seed draw, and resuming the DistributedOptimizer around torch's Adam.
+seed draw, resuming the DistributedOptimizer around torch's Adam, and the gradient buffers'
+coalesced collectives over gloo (one dtype per call).
 
 :func:`skip_dataset_helper_build` is the one patch that applies with CUDA present too.
 """
@@ -182,6 +183,46 @@ def torch_adam_resume_patches(distrib_optimizer_cls) -> list[tuple[str, Callable
          "torch Adam's per-param step is lost/shared on load, and fp32 main params are views of leaf "
          "params"),
     ]
+
+
+class PerDtypeCoalescedWork:
+    """The handle of :func:`coalescing_per_dtype`: waits for every dtype's coalesced call."""
+
+    def __init__(self):
+        self.works: list = []
+
+    def wait(self, timeout=None) -> None:
+        for work in self.works:
+            work.wait()
+
+
+@contextlib.contextmanager
+def coalescing_per_dtype(group=None, device=None, async_ops: bool = False):
+    """torch's ``_coalescing_manager`` with one coalesced call per dtype, for megatron's
+    gradient and parameter buffers over gloo.
+
+    gloo's coalesced all-gather and reduce-scatter run every tensor of the call as one dtype's
+    (two ranks gathering a uint8 and a bf16 tensor in one call get garbage in both), and megatron
+    coalesces a uint8 bucket of fp8 parameters with the bf16 buckets of its other parameters
+    (``partition_buckets``); NCCL runs each tensor as its own. The ops are recorded as torch
+    records them, then replayed into torch's manager one dtype at a time (its fast path), in the
+    order of their first op."""
+    from torch.distributed import distributed_c10d as c10d
+
+    group = group or c10d._get_default_group()
+    if c10d._world.pg_coalesce_state.get(group):
+        raise ValueError("ProcessGroup has non-empty op list at the start of coalescing")
+    c10d._world.pg_coalesce_state[group] = []
+    handle = PerDtypeCoalescedWork()
+    try:
+        yield handle
+    finally:
+        ops = c10d._world.pg_coalesce_state.pop(group, [])
+    dtypes = list(dict.fromkeys(op.tensor.dtype for op in ops))
+    for dtype in dtypes:
+        with c10d._coalescing_manager(group, device, async_ops) as coalesced:
+            c10d._world.pg_coalesce_state[group] = [op for op in ops if op.tensor.dtype == dtype]
+        handle.works.append(coalesced)
 
 
 def forked_write_results_queue(original: Callable) -> Callable:
