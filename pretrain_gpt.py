@@ -107,11 +107,21 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, num_tokens, report
 
 
-def forward_step(data_iterator, model):
-    """Forward one micro-batch; returns the per-token losses and the function reducing them."""
+def forward_step(data_iterator, model, return_schedule_plan: bool = False):
+    """Forward one micro-batch; returns the per-token losses and the function reducing them.
+
+    With ``--overlap-moe-expert-parallel-comm`` megatron's combined 1F1B schedule
+    (``pipeline_parallel/combined_1f1b.py``) asks for the micro-batch's schedule plan instead
+    (``return_schedule_plan=True``, ``model`` then the unwrapped GPT model): the model chunk cut into
+    per-layer nodes (attention and pre-dispatch, dispatch, experts, combine) that megatron runs
+    interleaved with another micro-batch's backward. Its loss goes through the same function."""
     # The model chunk may be wrapped (DDP, Float16Module): ask the innermost module.
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(
         data_iterator, vp_stage=get_attr_wrapped_model(model, "vp_stage"))
+    if return_schedule_plan:
+        schedule_plan = model.build_schedule_plan(tokens, position_ids, attention_mask, labels=labels,
+                                                  loss_mask=loss_mask)
+        return schedule_plan, partial(loss_func, loss_mask)
     output_tensor = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
     return output_tensor, partial(loss_func, loss_mask)
 

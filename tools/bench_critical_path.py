@@ -29,9 +29,20 @@ medians over the timed iterations.
 ``T x k`` routed pairs, and megatron's argsort permutation of the ``[T, E]`` map for scale) against
 E at the same T and k: the pairs' cost does not grow with E.
 
+``--overlapped`` times the same paths as megatron's overlapped 1F1B schedule
+(``--overlap-moe-expert-parallel-comm``) runs them: the layer's pre-dispatch node (megatron: the
+counts and their copy to the host started, the permutation; ultraep host planner: the load and its
+copy started, the pairs sorted by logical expert; device planner: the plan, the reroute table and
+the permutation on the device, its host half's copy started), then the other microbatch's experts
+backward queued (``--moe-ffn-hidden-size`` experts over the ``T x k`` rows: the input-gradient and
+weight-gradient GEMMs), then the dispatch node (the one host wait; ultraep: the plan or its host
+half, the rows moved to their instances). The backward runs on the device while the host waits,
+so what balancing adds is what its wait and host work exceed that backward by, per layer.
+
     python tools/bench_critical_path.py                      # on a machine with a GPU
     python tools/bench_critical_path.py --device cpu         # a dry run of the same code on the CPU
     python tools/bench_critical_path.py --device cpu --sweep-experts 64,128,256,512
+    python tools/bench_critical_path.py --overlapped         # as the overlapped schedule runs it
 """
 
 from __future__ import annotations
@@ -64,6 +75,12 @@ def parse_args():
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--sweep-experts", type=str, default=None, metavar="E1,E2,...",
                    help="also time the permutation alone for these expert counts (same T, top-k)")
+    p.add_argument("--overlapped", action="store_true",
+                   help="also time the paths as megatron's overlapped 1F1B schedule runs them "
+                        "(--overlap-moe-expert-parallel-comm): the other microbatch's experts backward "
+                        "queued between the pre-dispatch and the dispatch node")
+    p.add_argument("--moe-ffn-hidden-size", type=int, default=2048,
+                   help="the experts' FFN width, for --overlapped's experts backward")
     return p.parse_args()
 
 
@@ -90,7 +107,13 @@ def permutation_stand_in(dispatchers, num_experts, num_slots, ep_size, topk_ids,
     d.num_logical_experts, d.ep_size, d.slots_per_rank = num_experts, ep_size, num_experts // ep_size + num_slots
     d.num_out_tokens, d.topk_ids, d.invocation, d._table = topk_ids.numel(), topk_ids, None, None
     d._sort_key_dtype = torch.int16 if num_experts <= torch.iinfo(torch.int16).max else torch.int32
-    d._layer = types.SimpleNamespace(balancing=types.SimpleNamespace(overheads=overheads, check_plans=False))
+    d._layer = types.SimpleNamespace(balancing=types.SimpleNamespace(overheads=overheads, check_plans=False,
+                                                                     plans_on_device=False))
+    # What the deferred plan's two halves read (the overlapped schedule's pre-dispatch and dispatch
+    # nodes: _deferred_dispatch_preprocess, _dispatch_inputs_of_plan)
+    d.config = types.SimpleNamespace(moe_permute_fusion=False, moe_router_padding_for_quantization=False,
+                                     moe_router_topk=topk_ids.size(1))
+    d.drop_and_pad, d.tp_size, d.num_slots = False, 1, num_slots
     return d
 
 
@@ -169,6 +192,101 @@ def graphed_device_planner(cfg, device, others, routing_map, config, rank):
         return static_load, graph, planned
     except Exception as error:  # noqa: BLE001  (reported in the table, the other paths still run)
         return f"capture failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
+
+
+def experts_backward(cfg, device, generator):
+    """The other microbatch's experts backward on this rank, as the overlapped schedule queues it
+    between a layer's pre-dispatch and dispatch nodes: the ``T x k`` rows this rank receives on
+    average, through gated experts of width ``--moe-ffn-hidden-size`` (fc1 [2F, H], fc2 [H, F]):
+    the input-gradient and weight-gradient GEMMs of both, bf16. Returns a function queueing them."""
+    rows, H, F = cfg.tokens * cfg.topk, cfg.hidden_size, cfg.moe_ffn_hidden_size
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=generator).to(device=device, dtype=torch.bfloat16)
+
+    x, act, fc1, fc2, dy = rand(rows, H), rand(rows, F), rand(2 * F, H), rand(H, F), rand(rows, H)
+
+    def queue():
+        d_act = dy @ fc2                    # fc2 input gradient
+        d_fc2 = dy.t() @ act                # fc2 weight gradient
+        d_h = torch.cat([d_act, d_act], dim=1)
+        d_x = d_h @ fc1                     # fc1 input gradient
+        d_fc1 = d_h.t() @ x                 # fc1 weight gradient
+        return d_x, d_fc1, d_fc2
+
+    return queue
+
+
+def overlapped(cfg, device, sync, paths_inputs):
+    """The paths as megatron's overlapped schedule runs them (module docstring, ``--overlapped``):
+    pre-dispatch node, the other microbatch's experts backward queued, dispatch node."""
+    (dispatchers, device_planning, plan_invocation, permute, balancer, config, others, routing_map, probs,
+     topk_ids, tokens, dispatcher, rank) = paths_inputs
+    R, E, S, T, k = cfg.ep_size, cfg.num_experts, cfg.num_slots, cfg.tokens, cfg.topk
+    backward = experts_backward(cfg, device, torch.Generator().manual_seed(1))
+    side = torch.cuda.Stream() if cfg.device == "cuda" else None
+
+    def load_on_device():
+        load = others.clone()
+        load[rank] = routing_map.sum(dim=0)
+        return load
+
+    def megatron_path():
+        copied = dispatchers._start_copy_to_host(routing_map.sum(dim=0), side)  # its dtoh point
+        permuted = permute(tokens, routing_map, probs=probs, num_out_tokens=int(T * k))[0]
+        backward()                                                            # the other microbatch
+        dispatchers._wait_for_host_copy(copied[1])                            # its sync point
+        return permuted
+
+    def host_planner_path():
+        copied = dispatchers._start_copy_to_host(load_on_device(), side)      # pre-dispatch node
+        logical, logical_probs = dispatcher._deferred_dispatch_preprocess(tokens, routing_map, probs)
+        backward()                                                            # the other microbatch
+        host_load, event = copied                                             # dispatch node
+        dispatchers._wait_for_host_copy(event)
+        balanced = balancer.balances(host_load)
+        plan = balancer.plan(host_load, balances=balanced)
+        dispatcher.invocation = plan_invocation(plan, host_load, rank, layer_number=1, vid=None,
+                                                schedule_builder=None, balanced=balanced, plan_seconds=0.0)
+        dispatcher._table = dispatcher.invocation.reroute_table.to(device, non_blocking=True)
+        return dispatcher._dispatch_inputs_of_plan(logical, logical_probs, routing_map)[0]
+
+    def device_planner_path():
+        planned = device_planning.plan_on_device(load_on_device(), config, rank, training=False, grad_enabled=False)
+        dispatcher._table = planned.reroute_table
+        sorted_tokens, _ = dispatcher._permutation(probs)
+        permuted = tokens.index_select(0, sorted_tokens)
+        copied = dispatchers._start_copy_to_host(planned.host_half, side)
+        backward()                                                            # the other microbatch
+        dispatchers._wait_for_host_copy(copied[1])                            # dispatch node
+        host_load, plan, balanced = device_planning.unpack_host_half(copied[0], R, E, S)
+        dispatcher.invocation = plan_invocation(plan, host_load, rank, layer_number=1, vid=None,
+                                                schedule_builder=None, balanced=balanced, plan_seconds=0.0)
+        return permuted
+
+    def backward_alone():
+        backward()
+
+    paths = {"experts backward alone": backward_alone, "megatron": megatron_path,
+             "ultraep host": host_planner_path, "ultraep device": device_planner_path}
+    times = {name: [] for name in paths}
+    for i in range(cfg.warmup + cfg.iters):
+        for name, path in paths.items():
+            sync()
+            t0 = time.perf_counter()
+            path()
+            sync()
+            if i >= cfg.warmup:
+                times[name].append(time.perf_counter() - t0)
+    us = {name: statistics.median(v) * 1e6 for name, v in times.items()}
+    print(f"Overlapped 1F1B schedule (--overlap-moe-expert-parallel-comm): a layer's pre-dispatch node, the other "
+          f"microbatch's experts backward ({T * k} rows, hidden {cfg.hidden_size}, expert FFN {cfg.moe_ffn_hidden_size}, "
+          f"bf16), the dispatch node; medians of {cfg.iters} iterations")
+    print(f"  experts backward alone: {us['experts backward alone']:8.1f} us")
+    for name in ("megatron", "ultraep host", "ultraep device"):
+        print(f"  {name} step: {us[name]:8.1f} us")
+    print(f"  added by balancing per layer under the overlapped schedule: host planner "
+          f"{us['ultraep host'] - us['megatron']:8.1f} us, device planner {us['ultraep device'] - us['megatron']:8.1f} us")
 
 
 def device_name(cfg) -> str:
@@ -294,6 +412,9 @@ def main():
           f"of which the host plan (trigger + solve + dispatch metadata) {stretch_us['host']:.1f} us; "
           f"device planner {median_us['ultraep device'] - median_us['megatron']:8.1f} us, of which the host "
           f"metadata after the wait {stretch_us['device']:.1f} us; {replicas} replicas in the last plan")
+    if cfg.overlapped:
+        overlapped(cfg, device, sync, (dispatchers, device_planning, plan_invocation, permute, balancer, config,
+                                       others, routing_map, probs, topk_ids, tokens, dispatcher, rank))
     if cfg.sweep_experts:
         sweep_experts(cfg, device, sync)
 

@@ -193,10 +193,13 @@ def save_initial_checkpoint(run_dir: Path, args: Sequence[str], env: dict[str, s
         The run that saved it (its checkpoint: ``run_dir/ckpt``).
     """
     args = list(args)
-    for flag in (*ONE_RANK_LAYOUT, "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers"):
+    for flag in (*ONE_RANK_LAYOUT, "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
+                 "--num-virtual-stages-per-pipeline-rank"):
         while flag in args:
             i = args.index(flag)
             del args[i:i + 2]
+    # Schedules of more ranks, which change no weight: megatron's overlapped schedule needs EP > 1.
+    args = [a for a in args if a not in ("--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute")]
     args += [token for flag, value in ONE_RANK_LAYOUT.items() for token in (flag, value)]
     args += ["--train-iters", "1", "--lr", "0.0", "--min-lr", "0.0", "--lr-warmup-iters", "0",
              "--lr-decay-style", "constant", "--moe-router-bias-update-rate", "0.0", "--eval-iters", "0",

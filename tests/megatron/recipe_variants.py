@@ -73,6 +73,16 @@ DROPPED = {
     "--moe-flex-dispatcher-backend": "DeepEP / HybridEP need CUDA; the balanced flex dispatcher runs "
                                      "over their gloo stand-ins in test_balanced_moe_layer.py's "
                                      "flex and flex-hybridep scenarios",
+    "--delay-wgrad-compute": "megatron delays the weight gradients only of Transformer Engine's linears "
+                             "(its argument check asserts --transformer-impl transformer_engine); ultraep "
+                             "with them runs in test_overlapped_schedule.py's delay scenarios, over a "
+                             "stand-in of TE's delayed-wgrad contract",
+    "--sequence-parallel": "the variant runs TP 1 (see --tensor-model-parallel-size), where sequence "
+                           "parallelism has nothing to split",
+    "--account-for-embedding-in-pipeline-split": "the variant's 4 layers fill its virtual stages evenly "
+                                                 "without counting the embedding (the recipe's 94 + 2 do)",
+    "--account-for-loss-in-pipeline-split": "the variant's 4 layers fill its virtual stages evenly without "
+                                            "counting the loss (the recipe's 94 + 2 do)",
     "--moe-balancer-hardware": "its quota floor is in tokens of a full-size expert's GEMM (hundreds), "
                                "more than a variant's whole microbatch routes to an expert: "
                                "nothing would be replicated; the variant keeps the default floor "
@@ -155,6 +165,11 @@ DERIVED: dict[str, Callable[[Layout, list[str]], str]] = {
     "--pipeline-model-parallel-size": lambda layout, values: str(layout.pipeline),
     "--decoder-first-pipeline-num-layers": lambda layout, values: str(TINY_LAYERS // layout.pipeline),
     "--decoder-last-pipeline-num-layers": lambda layout, values: str(TINY_LAYERS // layout.pipeline),
+    # Interleaved: one layer per virtual stage (TINY_LAYERS = PP x VPP at PP 2).
+    "--num-virtual-stages-per-pipeline-rank": lambda layout, values: str(TINY_LAYERS // layout.pipeline),
+    # A few CPU ranks: TP 1 (ultraep's experts run at expert-TP 1 whatever the TP size; attention TP
+    # is megatron's own code path, not the balanced layer's).
+    "--tensor-model-parallel-size": lambda layout, values: "1",
     # The recipes' node-sized domain (8 EP ranks per NVLink domain) becomes the variant's whole EP
     # group: a domain must divide the EP size, and a smaller one (1) would leave no rank to host a
     # replica. Domains smaller than the EP group train in test_domain_training.py.
@@ -329,12 +344,14 @@ def small_scale_variant(recipe: Path, precision: str = "bf16") -> Variant:
     fp8_parameters = any(flag == "--fp8-param-gather" for flag, _ in flags)
     pipeline = int(_value(flags, "--pipeline-model-parallel-size", "1"))
     ep = int(_value(flags, "--expert-model-parallel-size", "1"))
-    tensor = int(_value(flags, "--tensor-model-parallel-size", "1"))
     context = int(_value(flags, "--context-parallel-size", "1"))
     expert_data = launch.world_size // (pipeline * ep)  # expert-TP 1: EP x expert-DP = TP x CP x DP
-    if tensor * context != 1:
-        raise ValueError(f"{recipe.name}: TP/CP > 1 have no CPU variant here")
-    layout = Layout(pipeline=min(pipeline, 2), expert_data=2 if expert_data > 1 else 1)
+    if context != 1:
+        raise ValueError(f"{recipe.name}: CP > 1 has no CPU variant here")
+    # megatron's overlapped schedule needs EP > 1, also in the noise floor's partner (Variant.floor_ep):
+    # expert-DP 2, so that EP 4 fits on the same ranks.
+    overlapped = any(flag == "--overlap-moe-expert-parallel-comm" for flag, _ in flags)
+    layout = Layout(pipeline=min(pipeline, 2), expert_data=2 if expert_data > 1 or overlapped else 1)
     variant = Variant(recipe=recipe, layout=layout, args=[], precision=precision)
     if not any(flag == "--ddp-bucket-size" for flag, _ in flags):
         flags.append(("--ddp-bucket-size", [str(scaled_bucket_size(flags))]))

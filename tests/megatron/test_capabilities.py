@@ -114,6 +114,16 @@ ENVELOPE = {
     "latent_moe": ([*ULTRAEP, "--moe-latent-size", "32"], None),
     "hybridep_rank_capacity": ([*ULTRAEP, "--moe-expert-rank-capacity-factor", "1.5"],
                                "--moe-expert-rank-capacity-factor"),
+    # megatron's overlapped 1F1B schedule and its delayed weight gradients (test_overlapped_schedule.py);
+    # not with CUDA graphs, whose replay runs the MoE layer's routing from inside the replayed layer.
+    "ep_overlap": ([*ULTRAEP, "--bf16", "--overlap-moe-expert-parallel-comm"], None),
+    "ep_overlap_delay_wgrad": ([*ULTRAEP, "--bf16", "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"],
+                               None),
+    "ep_overlap_cuda_graph_impl": ([*ULTRAEP, "--bf16", "--overlap-moe-expert-parallel-comm", "--cuda-graph-impl",
+                           "transformer_engine", "--cuda-graph-modules", "attn"],
+                          "--overlap-moe-expert-parallel-comm with --cuda-graph-impl transformer_engine"),
+    "dispatch_backward_wgrad": ([*ULTRAEP, "--overlap-dispatch-backward-with-experts-wgrad"],
+                                "--overlap-dispatch-backward-with-experts-wgrad"),
     # megatron-core 0.18's MTP layer fails under full recompute (compat.REFUSED_ON_018); 0.19 runs it
     # (test_balanced_training.py's PP 2 layout), and selective recompute runs on both.
     "mtp_full_recompute": ([*ULTRAEP, *MTP, "--recompute-granularity", "full", "--recompute-method", "uniform",

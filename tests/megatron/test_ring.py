@@ -82,3 +82,16 @@ def test_only_the_repeated_mtp_layer_runs_more_than_once_per_forward():
     assert invocations_per_forward(layer(is_mtp_layer=True, repeated=True)) == 3
     assert invocations_per_forward(layer(is_mtp_layer=True, repeated=False)) == 1
     assert invocations_per_forward(layer(is_mtp_layer=False, repeated=True)) == 1
+
+
+def test_the_overlapped_schedule_has_one_more_microbatch_in_flight():
+    """megatron's combined 1F1B schedule runs microbatch i + 1's forward of a layer before
+    microbatch i's backward of it ends (without a pipeline: two in flight, not one), and under
+    interleaving schedules one more warm-up forward (megatron's get_pp_rank_microbatches)."""
+    from ultraep_megatron.megatron.ring import max_inflight_microbatches
+
+    assert [max_inflight_microbatches(1, 0, 8, overlapped=o) for o in (False, True)] == [1, 2]
+    assert max_inflight_microbatches(1, 0, 1, overlapped=True) == 1  # a single microbatch
+    for rank in range(2):
+        plain = max_inflight_microbatches(2, rank, 16, vpp_size=2)
+        assert max_inflight_microbatches(2, rank, 16, vpp_size=2, overlapped=True) == plain + 1

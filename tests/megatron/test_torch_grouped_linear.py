@@ -210,6 +210,49 @@ def init_statistics() -> dict:
     return stats
 
 
+def delayed_wgrad_contract() -> dict:
+    """The grouped linear under ``delay_wgrad_compute`` (TE's contract, torch_grouped_linear's
+    docstring) against the same linear without it, on two microbatches: outputs and input gradients;
+    the weights' gradients after the backward (the not yet computed tensors), after each
+    ``backward_dw`` (oldest microbatch first), the hook calls, the parameters' marks."""
+    import copy
+
+    from torch_grouped_linear import TorchColumnGroupedLinear
+
+    config = make_config(False, "gelu", False, grouped=True)
+    delayed_config = copy.copy(config)
+    delayed_config.delay_wgrad_compute = True  # megatron's config asserts the overlap it goes with
+    common = dict(bias=False, skip_bias_add=False, is_expert=True, tp_comm_buffer_name=None, pg_collection=None)
+    plain = TorchColumnGroupedLinear(4, HIDDEN, FFN, config=config, init_method=config.init_method, **common)
+    delayed = TorchColumnGroupedLinear(4, HIDDEN, FFN, config=delayed_config, init_method=config.init_method,
+                                       **common)
+    delayed.load_state_dict(plain.state_dict())
+    hook_calls = []
+    delayed.register_wgrad_accumulation_and_reduce_hooks(lambda: hook_calls.append(
+        [w.grad.clone() for w in delayed.weights()]))
+    out = {"plain": [], "delayed": [], "after_backward": [], "skip_backward_post_hook":
+           [getattr(p, "skip_backward_post_hook", False) for p in delayed.parameters()]}
+    for mb, counts in enumerate(([5, 0, 7, 4], [3, 9, 1, 3])):
+        gen = torch.Generator().manual_seed(mb)
+        x, up = torch.randn(sum(counts), HIDDEN, generator=gen), torch.randn(sum(counts), FFN, generator=gen)
+        for key, module in (("plain", plain), ("delayed", delayed)):
+            module.zero_grad(set_to_none=True)
+            rows = x.clone().requires_grad_()
+            y, _ = module(rows, counts)
+            (y * up).sum().backward()
+            out[key].append({"y": y.detach(), "dx": rows.grad, "wgrad": [w.grad.clone() for w in module.weights()]})
+        out["after_backward"].append([w.grad.clone() for w in delayed.weights()])
+        for w in delayed.weights():
+            w.grad = None
+    out["hook_calls_before_dw"] = len(hook_calls)
+    for _ in range(2):
+        delayed.backward_dw()
+    out["dw"] = hook_calls  # the hook sees each backward_dw's gradients, as megatron's DDP would
+    delayed.backward_dw()  # nothing left: nothing happens (TE's GroupedLinear)
+    out["hook_calls_after_empty_dw"] = len(hook_calls)
+    return out
+
+
 def checkpoint_round_trip(seq_layer, grouped_layer, directory: Path) -> dict:
     """Save the SequentialMLP layer as a distributed checkpoint, load it into the grouped layer."""
     import queue
@@ -275,6 +318,7 @@ def worker(out_file: Path) -> None:
                 "expected": {n: w for n, w in weights.items() if not n.startswith("router")},
             }
     results["ep2/attributes"] = ep2_attributes()
+    results["delayed"] = delayed_wgrad_contract()
     results["init"] = init_statistics()
     torch.save(results, out_file)
     parallel_state.destroy_model_parallel()
@@ -376,3 +420,21 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True, type=Path)
     worker(parser.parse_args().out)
+
+
+def test_delayed_weight_gradients_follow_transformer_engines_contract(results):
+    """``delay_wgrad_compute`` (megatron's --delay-wgrad-compute): the same outputs and input
+    gradients; after the backward the weights hold gradients not computed yet (zeros here; TE:
+    uninitialized), each ``backward_dw`` computes the oldest microbatch's and runs the registered
+    hooks once; with nothing stashed it does nothing; the parameters are marked for megatron's DDP
+    to register its hook on the module."""
+    delayed = results["delayed"]
+    assert all(delayed["skip_backward_post_hook"])
+    for plain, late, after in zip(delayed["plain"], delayed["delayed"], delayed["after_backward"]):
+        assert torch.equal(late["y"], plain["y"]) and torch.equal(late["dx"], plain["dx"])
+        assert all(float(g.abs().sum()) == 0.0 for g in after), "weight gradients computed in the backward"
+    assert delayed["hook_calls_before_dw"] == 0 and delayed["hook_calls_after_empty_dw"] == 2
+    for plain, dw in zip(delayed["plain"], delayed["dw"]):  # first backward_dw: first microbatch
+        for expected, actual in zip(plain["wgrad"], dw):
+            assert_close(actual, expected, "delayed weight gradient")
+    assert not torch.equal(delayed["dw"][0][0], delayed["dw"][1][0]), "the two microbatches must differ"

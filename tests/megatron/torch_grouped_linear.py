@@ -25,8 +25,33 @@ parameter layout, so code that reads or swaps expert weights sees what it would 
 
 Forward is :func:`grouped_matmul`, a loop of per-expert matmuls over the token chunks
 (``torch.split`` by ``tokens_per_expert``; no CUDA grouped-GEMM path); autograd computes every
-weight gradient during the normal backward, so ``backward_dw`` has nothing to do and
-delayed-wgrad configs are refused.
+weight gradient during the normal backward, and ``backward_dw`` has nothing to do, unless
+``config.delay_wgrad_compute``.
+
+Delayed weight gradients (``config.delay_wgrad_compute``, megatron's ``--delay-wgrad-compute`` in its
+overlapped 1F1B schedule) follow Transformer Engine's contract (``module/grouped_linear.py``,
+``module/base.py``, ``module/_common.py``'s ``WeightGradStore``; megatron's ``TEGroupedLinear`` passes
+``delay_wgrad_compute`` to TE and calls TE's ``backward_dw`` from its own):
+
+* the module keeps a ``wgrad_store``, a FIFO of stashed weight-gradient computations; its
+  parameters are marked ``skip_backward_post_hook`` (so megatron's DDP registers its gradient hook
+  with :meth:`TorchGroupedLinear.register_wgrad_accumulation_and_reduce_hooks` instead of on the
+  parameter's gradient accumulator);
+* the backward computes the input gradient only; the weight gradients' GEMMs go into the store
+  with their operands and the output tensors they will write, and those output tensors are what
+  the backward returns for the weights (TE: not computed yet; here zeros, so a reader before
+  ``backward_dw`` sees a definite wrong value rather than uninitialized memory); bias gradients are
+  ``None`` (bf16);
+* ``backward_dw()`` (nothing when the store is empty) pops the oldest computation, runs it into
+  those tensors, sets each weight's ``.grad`` to its gradient (and a bias's where it has none),
+  and runs the hooks registered with ``register_wgrad_accumulation_and_reduce_hooks``
+  (``_trigger_wgrad_accumulation_and_reduce_hooks``), where megatron's DDP adds ``.grad`` to
+  ``main_grad`` and marks the parameter ready for its bucket reduction.
+
+Left out: fp8 under delay (refused), TE's fused gradient accumulation under delay (``main_grad``
+written by ``backward_dw``'s GEMMs; fusion is refused here, as above), ``ub_bulk_wgrad``, the
+grouped-tensor path. The products are the undelayed path's (``grad_i^T @ rows_i`` per group),
+computed later.
 
 fp8 (``config.fp8`` with a current-scaling ``config.fp8_recipe``: tensorwise, blockwise, mxfp8):
 the GEMMs are ``te_grouped_fp8.fp8_grouped_linear``, which quantizes each group's input, weight and
@@ -64,6 +89,7 @@ Usage (megatron's MoELayer with grouped experts)::
 from __future__ import annotations
 
 import functools
+import queue
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -155,6 +181,65 @@ def grouped_matmul(
     return torch.cat(outs)
 
 
+class WeightGradStore:
+    """Transformer Engine's ``WeightGradStore`` (``module/_common.py``): a FIFO of weight-gradient
+    computations a module's backward stashed for its ``backward_dw``."""
+
+    def __init__(self, delay_wgrad_compute: bool = False):
+        self.enabled = delay_wgrad_compute
+        self.context = queue.Queue() if delay_wgrad_compute else None
+
+    def delay_wgrad_compute(self) -> bool:
+        return self.enabled
+
+    def put(self, tensor_list, func) -> None:
+        assert self.enabled, "delay_wgrad_compute is not enabled"
+        self.context.put([tensor_list, func])
+
+    def pop(self):
+        """Run the oldest stashed computation: ``(its result, its tensors)``."""
+        assert self.enabled, "delay_wgrad_compute is not enabled"
+        if self.context.qsize() == 0:
+            raise RuntimeError("Pop empty queue.")
+        tensor_list, func = self.context.get()
+        return func(*tensor_list), tensor_list
+
+
+class _DelayedWgradGroupedLinear(torch.autograd.Function):
+    """A grouped linear in high precision whose weight gradients wait for ``backward_dw`` (TE's
+    ``_GroupedLinear`` under ``delay_wgrad_compute``; module docstring): the backward computes the
+    input gradient and stashes the weight-gradient GEMMs with their operands (the input rows and
+    the output gradient of each group, as TE stashes ``inputmats`` and ``grad_output``: not the
+    weights) and the tensors they will write, which it returns for the weights (zeros until then);
+    ``None`` for biases (their gradients come with the weights')."""
+
+    @staticmethod
+    def forward(ctx, rows, store, m_splits, num_weights, *params):
+        weights, biases = params[:num_weights], params[num_weights:]
+        out = grouped_matmul(rows.detach(), [w.detach() for w in weights], m_splits,
+                             [b.detach() for b in biases] or None)
+        ctx.store, ctx.m_splits, ctx.num_biases = store, tuple(m_splits), len(biases)
+        ctx.save_for_backward(rows, *weights)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, *weights = ctx.saved_tensors
+        m_splits = list(ctx.m_splits)
+        row_chunks, grad_chunks = torch.split(rows, m_splits), torch.split(grad, m_splits)
+        grad_rows = torch.cat([g @ w for g, w in zip(grad_chunks, weights)]) if ctx.needs_input_grad[0] else None
+        wgrad_list = [torch.zeros_like(w) for w in weights]  # TE: written by backward_dw's GEMMs
+
+        def weight_gradients(row_chunks, grad_chunks, wgrad_list, num_biases):
+            for buffer, x, g in zip(wgrad_list, row_chunks, grad_chunks):
+                buffer.copy_(g.t() @ x)
+            bias_grads = [g.sum(dim=0) for g in grad_chunks] if num_biases else []
+            return wgrad_list, bias_grads
+
+        ctx.store.put([row_chunks, grad_chunks, wgrad_list, ctx.num_biases], weight_gradients)
+        return (grad_rows, None, None, None, *wgrad_list, *(None for _ in range(ctx.num_biases)))
+
+
 class TorchGroupedLinear(torch.nn.Module):
     """``G`` linears ``y_i = x_i @ weight{i}.T (+ bias{i})`` over contiguous chunks of tokens.
 
@@ -180,7 +265,7 @@ class TorchGroupedLinear(torch.nn.Module):
 
     Raises:
         ValueError: for an unsupported configuration (non-expert use, FP4, an fp8 recipe without
-            current scaling, fused gradient accumulation, delayed wgrad, single grouped
+            current scaling, fused gradient accumulation, single grouped
             weight/bias parameters).
     """
 
@@ -210,7 +295,7 @@ class TorchGroupedLinear(torch.nn.Module):
         unsupported = [
             flag
             for flag in (
-                "fp4", "gradient_accumulation_fusion", "delay_wgrad_compute",
+                "fp4", "gradient_accumulation_fusion",
                 "overlap_dispatch_backward_with_experts_wgrad", "moe_single_grouped_weight",
                 "moe_single_grouped_bias",
             )
@@ -218,6 +303,8 @@ class TorchGroupedLinear(torch.nn.Module):
         ]
         if unsupported:
             raise ValueError(f"TorchGroupedLinear does not support config flags {unsupported}")
+        if getattr(config, "fp8", None) and getattr(config, "delay_wgrad_compute", False):
+            raise ValueError("TorchGroupedLinear: delayed weight gradients are modelled in high precision only")
         if getattr(config, "fp8", None) and config.fp8_recipe not in toy_fp8.CURRENT_SCALING_RECIPES:
             raise ValueError(f"TorchGroupedLinear: fp8 recipe {config.fp8_recipe!r} is not modelled "
                              f"(current scaling only: {toy_fp8.CURRENT_SCALING_RECIPES})")
@@ -245,7 +332,9 @@ class TorchGroupedLinear(torch.nn.Module):
                              else output_size)
         self.use_bias = bias
         self.te_return_bias = bias and skip_bias_add
-        self.delay_wgrad_compute = False
+        self.delay_wgrad_compute = bool(getattr(config, "delay_wgrad_compute", False))
+        self.wgrad_store = WeightGradStore(self.delay_wgrad_compute)
+        self.wgrad_accumulation_and_reduce_hooks: list = []
         partition_dim = 0 if parallel_mode == "column" else 1
         device = None if config.use_cpu_initialization else torch.cuda.current_device()
 
@@ -277,6 +366,9 @@ class TorchGroupedLinear(torch.nn.Module):
                 )
                 self.register_parameter(f"bias{i}", bias_param)
         mark_expert_parameters(self, config, parallel_mode)
+        if self.delay_wgrad_compute:  # TE: DDP's hook goes to the module, run by backward_dw
+            for param in self.parameters():
+                param.skip_backward_post_hook = True
 
     def weights(self) -> list[torch.Tensor]:
         """The G expert weights, each [out_p, in_p]."""
@@ -316,16 +408,19 @@ class TorchGroupedLinear(torch.nn.Module):
         biases = self.biases()
         is_first_microbatch = None if self.disable_parameter_transpose_cache else self.is_first_microbatch
         self.is_first_microbatch = False
-        if recipe is None:
-            out = grouped_matmul(rows, self.weights(), tokens_per_expert,
-                                 None if self.te_return_bias else biases)
+        added = None if self.te_return_bias else biases
+        if self.wgrad_store.delay_wgrad_compute():
+            out = _DelayedWgradGroupedLinear.apply(rows, self.wgrad_store, tokens_per_expert, self.num_gemms,
+                                                   *self.weights(), *(added or ()))
+        elif recipe is None:
+            out = grouped_matmul(rows, self.weights(), tokens_per_expert, added)
         else:
             fp8_recipe = te_grouped_fp8.Fp8Recipe.of_config(self.config)
             out = te_grouped_fp8.fp8_grouped_linear(rows, tokens_per_expert, self.weights(),
                                                     self._fp8_weight_operands(is_first_microbatch, fp8_recipe),
                                                     fp8_recipe)
-            if biases is not None and not self.te_return_bias:
-                out = out + torch.cat([b.expand(n, -1) for b, n in zip(biases, tokens_per_expert)])
+            if added is not None:
+                out = out + torch.cat([b.expand(n, -1) for b, n in zip(added, tokens_per_expert)])
         return out.view(*x.shape[:-1], self.out_features), (biases if self.te_return_bias else None)
 
     def _fp8_weight_operands(self, is_first_microbatch: Optional[bool],
@@ -342,8 +437,30 @@ class TorchGroupedLinear(torch.nn.Module):
         self._fp8_weight_cache = casts if is_first_microbatch is not None else None
         return casts
 
+    def register_wgrad_accumulation_and_reduce_hooks(self, hook) -> None:
+        """TE's: ``hook`` runs at the end of every :meth:`backward_dw` (megatron's DDP registers its
+        gradient hook here for parameters marked ``skip_backward_post_hook``)."""
+        self.wgrad_accumulation_and_reduce_hooks.append(hook)
+
+    def need_backward_dw(self) -> bool:
+        return self.wgrad_store.delay_wgrad_compute()
+
+    def _trigger_wgrad_accumulation_and_reduce_hooks(self) -> None:
+        for hook in self.wgrad_accumulation_and_reduce_hooks:
+            hook()
+
     def backward_dw(self) -> None:
-        """No deferred weight gradients: autograd computed them during backward."""
+        """The oldest delayed weight-gradient computation (module docstring); nothing without
+        delayed weight gradients (autograd computed them in the backward) or with none stashed."""
+        if not self.need_backward_dw() or self.wgrad_store.context.empty():
+            return
+        (weight_grads, bias_grads), _ = self.wgrad_store.pop()
+        for weight, grad in zip(self.weights(), weight_grads):
+            weight.grad = grad.to(weight.dtype)
+        for bias, grad in zip(self.biases() or (), bias_grads):
+            if bias.grad is None and grad is not None:
+                bias.grad = grad.to(bias.dtype)
+        self._trigger_wgrad_accumulation_and_reduce_hooks()
 
     def sharded_state_dict(
         self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None

@@ -39,9 +39,9 @@ LAYOUT = {
     "deepseek_v3_671b_a37b_ep64_pp4.sh": (256, 64, 4, 1, 2),
     "refmoe_288b_a16b_ep32_pp4_dp20.sh": (2560, 32, 4, 20, 4),
     "tiny_cpu.sh": (4, 4, 1, 1, 2),  # ultraep by default (MOE_BALANCER), its default 2 slots
-    # HGX H100/H200 nodes of 8 GPUs (docs/recipes.md): one node; EP32 across 4 nodes, PP4.
+    # HGX H100/H200 nodes of 8 GPUs (docs/recipes.md): one node; EP32 across 4 nodes, TP2 x PP8.
     "deepseek_v2_lite_16b_a2b_ep8_hgx.sh": (8, 8, 1, 1, 4),  # the slot rule (8 experts per rank)
-    "qwen3_235b_a22b_ep32_pp4_hgx.sh": (128, 32, 4, 1, 2),
+    "qwen3_235b_a22b_ep32_pp8_hgx.sh": (256, 32, 8, 1, 2),
 }
 HGX = {name for name in LAYOUT if name.endswith("_hgx.sh")}
 
@@ -58,7 +58,7 @@ SHAPES = {
         (61, 3, 7168, 128, 256, 8, 2048, 2048, "sigmoid", "seq_aux_loss", 1e-4, True),
     "refmoe_288b_a16b_ep32_pp4_dp20.sh":
         (46, 1, None, None, 256, 8, None, None, "sigmoid", "seq_aux_loss", 1e-4, True),
-    "qwen3_235b_a22b_ep32_pp4_hgx.sh":
+    "qwen3_235b_a22b_ep32_pp8_hgx.sh":
         (94, 0, 4096, 64, 128, 8, 1536, None, "softmax", "aux_loss", 1e-2, False),
     # deepseek-ai/DeepSeek-V2-Lite: 2 shared experts of 1408 = one shared FFN of 2816; its
     # expert-level balance loss alpha 0.001.
@@ -72,7 +72,7 @@ PUBLISHED = {
     "qwen3_235b_a22b_ep64_dp4.sh": (235e9, 22e9),
     "deepseek_v3_671b_a37b_ep64_pp4.sh": (671e9, 37e9),
     "refmoe_288b_a16b_ep32_pp4_dp20.sh": (288e9, 16e9),
-    "qwen3_235b_a22b_ep32_pp4_hgx.sh": (235e9, 22e9),
+    "qwen3_235b_a22b_ep32_pp8_hgx.sh": (235e9, 22e9),
     "deepseek_v2_lite_16b_a2b_ep8_hgx.sh": (15.7e9, 2.4e9),
 }
 
@@ -353,7 +353,7 @@ def test_recipes_switch_to_grouped_gemm_or_flex_as_the_docs_say():
     report = check_recipe.check_launch(check_recipe.Launch(4, 64, "pretrain_gpt.py", [*launch.args, "--moe-grouped-gemm"]))
     assert report.args.moe_grouped_gemm and report.args.moe_balancer == "ultraep" and report.problems() == []
     assert (report.args.moe_token_dispatcher_type, report.args.moe_flex_dispatcher_backend) == ("flex", "hybridep")
-    hgx = check_recipe.capture_launch(RECIPES / "qwen3_235b_a22b_ep32_pp4_hgx.sh", {"DISPATCHER": ""})
+    hgx = check_recipe.capture_launch(RECIPES / "qwen3_235b_a22b_ep32_pp8_hgx.sh", {"DISPATCHER": ""})
     assert check_recipe.check_launch(hgx).args.moe_token_dispatcher_type == "alltoall"
     flex = ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "deepep"]
     report = check_recipe.check_launch(check_recipe.Launch(4, 64, "pretrain_gpt.py", [*launch.args, *flex]))

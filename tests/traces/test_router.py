@@ -312,20 +312,45 @@ def test_moe_recompute_calls_are_dropped_by_the_1f1b_schedule(tmp_path, pp):
         RouterTraceLayout.resolve(run_args={k: v for k, v in run_args.items() if k != "global_batch_size"})
 
 
-def test_a_trace_of_the_qwen3_hgx_recipe_layout_replays(tmp_path, capsys):
-    """Issue 45: a megatron-native trace of recipes/qwen3_235b_a22b_ep32_pp4_hgx.sh's layout (94
-    layers on PP4 as 23/24/24/23, EP32, MoE recompute), the run's log being what Megatron prints
-    for that recipe (the checker's validation of it, global batch cut to 2 microbatches): every
-    stage's layers are numbered as megatron-core's own functions number them, each layer and
-    microbatch is one load, and `ultraep trace info` and `ultraep replay` read it."""
+#: The Qwen3 HGX recipe's layout until issue 44 (Megatron-Bridge's interleaved TP2 x PP8 (VP4) layout
+#: since): PP4 as 23/24/24/23, EP32, MoE recompute, on 16 nodes. Megatron names a virtual pipeline's
+#: layers in its trace by their virtual stage, which the reader refuses (RouterTraceLayout).
+PP4_LAYOUT = {"--tensor-model-parallel-size": "1", "--pipeline-model-parallel-size": "4",
+              "--decoder-first-pipeline-num-layers": "23", "--decoder-last-pipeline-num-layers": "23",
+              "--recompute-granularity": "selective", "--recompute-modules": "moe"}
+PP4_DROPPED = ("--sequence-parallel", "--num-virtual-stages-per-pipeline-rank", "--account-for-embedding-in-pipeline-split",
+               "--account-for-loss-in-pipeline-split", "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute")
+
+
+def pp4_layout(args: list[str]) -> list[str]:
+    """``args`` with :data:`PP4_DROPPED` removed and :data:`PP4_LAYOUT` set (appended: megatron takes
+    a flag's last value)."""
+    out, skip = [], False
+    for i, token in enumerate(args):
+        if skip:
+            skip = False
+            continue
+        if token in PP4_DROPPED:
+            skip = token == "--num-virtual-stages-per-pipeline-rank"  # the only one with a value
+            continue
+        out.append(token)
+    return out + [token for flag, value in PP4_LAYOUT.items() for token in (flag, value)]
+
+
+def test_a_trace_of_the_qwen3_hgx_recipe_model_in_a_pp4_layout_replays(tmp_path, capsys):
+    """Issue 45: a megatron-native trace of recipes/qwen3_235b_a22b_ep32_pp8_hgx.sh's model in
+    :data:`PP4_LAYOUT` (94 layers on PP4 as 23/24/24/23, EP32, MoE recompute), the run's log being
+    what Megatron prints for that launch (the checker's validation of it, global batch cut to 2
+    microbatches): every stage's layers are numbered as megatron-core's own functions number them,
+    each layer and microbatch is one load, and `ultraep trace info` and `ultraep replay` read it."""
     import json
 
     from ultraep_megatron.cli import main
     from ultraep_megatron.megatron import recipe_check
 
-    recipe = Path(__file__).resolve().parents[2] / "recipes" / "qwen3_235b_a22b_ep32_pp4_hgx.sh"
-    launch = recipe_check.capture_launch(recipe, {"GLOBAL_BATCH_SIZE": "64", "DISPATCHER": "alltoall"})
-    args, printed = recipe_check.validate_arguments(launch.args, launch.world_size)
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "qwen3_235b_a22b_ep32_pp8_hgx.sh"
+    launch = recipe_check.capture_launch(recipe, {"GLOBAL_BATCH_SIZE": "64", "DISPATCHER": "alltoall", "NNODES": "16"})
+    args, printed = recipe_check.validate_arguments(pp4_layout(launch.args), launch.world_size)
     log = tmp_path / "log.txt"
     log.write_text(printed)
     assert "------------------------ arguments ------------------------" in printed

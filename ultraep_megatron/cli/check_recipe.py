@@ -42,7 +42,7 @@ EXAMPLES = """examples:
   ultraep check-recipe --env NNODES=128 recipes/qwen3_235b_a22b_ep64_dp4.sh      # another size
   ultraep check-recipe recipes/deepseek_v2_lite_16b_a2b_ep8_hgx.sh -- --moe-balancer-num-slots 3
                                                                   # the recipe with your overrides
-  ultraep check-recipe recipes/qwen3_235b_a22b_ep32_pp4_hgx.sh -- --moe-balancer-hardware h200-hgx  # H200 nodes
+  ultraep check-recipe recipes/qwen3_235b_a22b_ep32_pp8_hgx.sh -- --moe-balancer-hardware h200-hgx  # H200 nodes
   ultraep check-recipe --world-size 16 -- --moe-balancer-hardware h100-hgx --num-layers 27 ...  # bare arguments
 
 exit status: 0 when every recipe passes, 1 when one fails (a PROBLEM line each), 2 on bad usage

@@ -64,7 +64,10 @@ computed on the host is reused by a replay.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+import contextlib
+import functools
+from collections import deque
+from typing import Deque, List, Optional, Sequence
 
 import torch
 
@@ -76,6 +79,7 @@ from ultraep_megatron.megatron.capabilities import unsupported_moe_settings
 from ultraep_megatron.megatron.context import BalancingContext
 from ultraep_megatron.megatron.dispatchers import balanced_dispatcher_class
 from ultraep_megatron.megatron.expert_slots import ExpertParamLookup, ExpertWeightLayout, expert_param_names
+from ultraep_megatron.megatron.invocation import Invocation
 from ultraep_megatron.megatron.layer_ids import moe_layer_id
 from ultraep_megatron.megatron.replica_autograd import ReduceReplicaGrads, StartInBackward, run_replicas_in_graph
 from ultraep_megatron.megatron.router_topk import install_topk_tap, topk_indices
@@ -121,6 +125,15 @@ class BalancedMoELayer(MoELayer):
         # _prepare_main_params).
         self._main_param_owners = [m for m in self.experts.modules()
                                    if next(m.parameters(recurse=False), None) is not None]
+        # True inside forward(); megatron's overlapped schedule (--overlap-moe-expert-parallel-comm)
+        # calls the layer's parts from its nodes instead (see "Overlapped schedule" above).
+        self._whole_forward = False
+        # --delay-wgrad-compute: the experts' weight gradients are computed in backward_dw(), and
+        # so are the replicas'; their reduction follows it. The invocations whose experts'
+        # backward ran and whose backward_dw has not, oldest first.
+        self.delays_wgrad = bool(getattr(config, "delay_wgrad_compute", False))
+        self.reduces_after_dw = self.delays_wgrad
+        self._awaiting_dw: Deque[Invocation] = deque()
         balancing.register(self)
 
     def set_layer_number(self, layer_number: int) -> None:
@@ -184,25 +197,50 @@ class BalancedMoELayer(MoELayer):
         return super().route(hidden_states, padding_mask)
 
     def preprocess(self, hidden_states, probs, routing_map):
+        dispatcher = self.token_dispatcher
+        # Called from megatron's pre-dispatch node (overlapped schedule): the plan's host wait and
+        # the weight distribution wait for the dispatch node (:meth:`dispatch`).
+        in_nodes = not self._whole_forward
+        if in_nodes:
+            self._main_params = self._lookup_main_params()
         if self._preprocess_replayed():
             # A Transformer Engine graph of the preprocessing ran it (megatron's moe_preprocess
             # graph, device planner only): its outputs are in the tensor store, and the plan's host
-            # half, a graph output too, is in the dispatcher (its cudagraph_attrs). It crosses now.
+            # half, a graph output too, is in the dispatcher (its cudagraph_attrs). It crosses now,
+            # or in the dispatch node.
             hidden_states, probs = super().preprocess(hidden_states, probs, routing_map)
-            self.token_dispatcher.complete_plan_after_graph()
+            if in_nodes:
+                dispatcher.defer_after_graph()
+            else:
+                dispatcher.complete_plan_after_graph()
         else:
             topk_ids = topk_indices(self._topk_tap, routing_map, self.config.moe_router_topk)
-            self.token_dispatcher.plan(routing_map, topk_ids)
+            dispatcher.plan(routing_map, topk_ids, defer=in_nodes and dispatcher.can_defer())
             # Reroute and permutation first: with the host planner the device waits for them after
             # the plan's host wait; with the device planner the host waits once, after they are
             # queued. While megatron captures the preprocessing, its signal leaves from here: the
             # rest runs after each replay of the graph.
             hidden_states, probs = super().preprocess(hidden_states, probs, routing_map)
-        invocation = self.token_dispatcher.invocation
         self._prepare_main_params()
-        # Overlaps the token all-to-all and the main experts.
-        self.balancing.start_weights(self, invocation)
+        if not in_nodes:
+            # Overlaps the token all-to-all and the main experts.
+            self.balancing.start_weights(self, dispatcher.invocation)
         return hidden_states, probs
+
+    def dispatch(self, hidden_states, probs):
+        """megatron's dispatch; in its overlapped schedule's dispatch node, first the plan's one
+        host wait (where megatron's own dispatcher waits for its splits, after the other
+        microbatch's experts backward is queued) and what needs the plan: the tokens' rows per
+        instance, and the weight distribution (on the data plane's stream: it overlaps the token
+        all-to-all and the main experts)."""
+        dispatcher = self.token_dispatcher
+        if not self._whole_forward:
+            if dispatcher.deferred is not None:
+                hidden_states, probs = dispatcher.complete_deferred_plan(hidden_states, probs)
+            # Here, not in the pre-dispatch node: the other microbatch's experts backward, queued
+            # between the two, reads its re-materialized replicas from the same buffer.
+            self.balancing.start_weights(self, dispatcher.invocation)
+        return super().dispatch(hidden_states, probs)
 
     def preprocess_captured_in_cuda_graph(self) -> bool:
         """Whether this preprocessing is being captured into a Transformer Engine graph that ends
@@ -233,7 +271,7 @@ class BalancedMoELayer(MoELayer):
             # backward, wait here.
             dispatched, rows_per_slot, permuted_probs = dispatcher.dispatch_postprocess(hidden_states, probs)
             main_out, mlp_bias = self.experts(dispatched, rows_per_slot[: self.num_local_experts], permuted_probs)
-            if track:
+            if track and not self.reduces_after_dw:  # (else backward_dw starts it)
                 main_out = StartInBackward.apply(self, invocation, self.balancing.start_reduction, main_out)
             else:
                 self.balancing.wait_weights(invocation)
@@ -250,9 +288,22 @@ class BalancedMoELayer(MoELayer):
                                             dispatcher.replica_rows)
         return dispatcher.combine_preprocess_parts(main_out, replica_out), mlp_bias
 
+    def postprocess(self, output, shared_expert_output):
+        output = super().postprocess(output, shared_expert_output)
+        if not self._whole_forward:  # megatron's combine node: the layer's last part
+            if torch.is_grad_enabled():  # the first of the layer's backward (its combine node's)
+                output = StartInBackward.apply(self, self.token_dispatcher.invocation,
+                                               self.balancing.start_rematerialization, output)
+            self.balancing.observe()
+        return output
+
     def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
         self._main_params = self._lookup_main_params()
-        outputs = super().forward(hidden_states, intermediate_tensors, padding_mask)
+        self._whole_forward = True
+        try:
+            outputs = super().forward(hidden_states, intermediate_tensors, padding_mask)
+        finally:
+            self._whole_forward = False
         if isinstance(outputs, list):
             # megatron's early return while capturing a partial Transformer Engine graph of the
             # layer (--cuda-graph-modules moe_router / moe_preprocess): the graph's outputs, which
@@ -261,6 +312,64 @@ class BalancedMoELayer(MoELayer):
         output, mlp_bias = outputs
         if torch.is_grad_enabled():
             output = StartInBackward.apply(self, self.token_dispatcher.invocation,
-                                           self.balancing.start_weights, output)
+                                           self.balancing.start_rematerialization, output)
         self.balancing.observe()  # the layer's work is queued: host time is off the critical path
         return output, mlp_bias
+
+    def await_backward_dw(self, invocation: Invocation) -> None:
+        """The experts' backward of ``invocation`` ran with their weight gradients delayed
+        (``--delay-wgrad-compute``): its :meth:`backward_dw` comes next."""
+        self._awaiting_dw.append(invocation)
+
+    def backward_dw(self, routed_experts: bool = True, shared_experts: bool = False):
+        """megatron's delayed weight gradients (``--delay-wgrad-compute``, called by its
+        overlapped schedule right after the experts' backward), and the replicas' with them.
+
+        In order, for the invocation whose experts' backward ran last: the replicas' weight
+        gradients (the replica experts' own delayed computation), the start of their reduction
+        towards the home ranks (on the data plane's stream), the main experts' weight gradients
+        (megatron's, which the reduction overlaps), the reduction's completion into the main
+        experts' gradients, and only then Megatron DDP's hooks of the experts' linears, in the
+        order the linears ran them: a parameter is marked ready for its (possibly overlapped)
+        bucket reduction with its replicas' gradients in it, in an order that does not depend on
+        the plan (the production-DDP rule of :class:`ReduceReplicaGrads`, for hooks that fire here
+        instead of in autograd)."""
+        if not (routed_experts and self.delays_wgrad):
+            return super().backward_dw(routed_experts, shared_experts)
+        invocation = self._awaiting_dw.popleft()
+        balancing = self.balancing
+        weight_grads = None
+        if sum(invocation.replica_rows) > 0:  # the replica experts ran: their delayed computation
+            weight_grads = balancing.replica_experts.delayed_weight_grads()
+        if not self.reduces_after_dw:  # reduced in the backward already (a negative control's fault)
+            return super().backward_dw(routed_experts, shared_experts)
+        balancing.start_reduction(self, invocation, weight_grads)
+        with _deferred_wgrad_hooks(self.experts.modules()) as fired:
+            super().backward_dw(routed_experts, shared_experts)
+        reduced = balancing.finish_reduction(self, invocation)
+        balancing.release(invocation)
+        for expert, grads in zip(self.main_expert_param_lists(), reduced):
+            for param, grad in zip(expert, grads):
+                if grad is not None:  # without Megatron DDP: into the gradient the linear set
+                    param.grad = grad if param.grad is None else param.grad + grad
+        for module in fired:
+            module._trigger_wgrad_accumulation_and_reduce_hooks()
+
+
+@contextlib.contextmanager
+def _deferred_wgrad_hooks(modules):
+    """Hold back the weight-gradient hooks Transformer Engine's linears run at the end of their
+    ``backward_dw`` (``_trigger_wgrad_accumulation_and_reduce_hooks``: where Megatron DDP, under
+    ``--delay-wgrad-compute``, adds the gradient to ``main_grad`` and marks the parameter ready):
+    yields the list of the linears that would have run them, in order, for the caller to run them
+    later."""
+    fired, held = [], []
+    for module in modules:
+        if callable(getattr(module, "_trigger_wgrad_accumulation_and_reduce_hooks", None)):
+            module._trigger_wgrad_accumulation_and_reduce_hooks = functools.partial(fired.append, module)
+            held.append(module)
+    try:
+        yield fired
+    finally:
+        for module in held:
+            del module._trigger_wgrad_accumulation_and_reduce_hooks

@@ -74,11 +74,14 @@ def unsupported_moe_settings(config, environment: bool = True, planner: Optional
     if get('moe_router_padding_for_quantization'):
         problems.append("--moe-router-padding-for-quantization is not supported: it adds padding rows to "
                         "the routing that the plan's exact per-slot row counts do not hold")
-    if get('overlap_moe_expert_parallel_comm') or get('delay_wgrad_compute') or \
-            get('overlap_dispatch_backward_with_experts_wgrad'):
-        problems.append("--overlap-moe-expert-parallel-comm / --delay-wgrad-compute are not supported: they "
-                        "run the MoE layer's parts as separately scheduled pieces, and the balanced layer "
-                        "orders its replica transfers within its own forward and backward")
+    if get('overlap_dispatch_backward_with_experts_wgrad'):
+        # megatron's overlapped 1F1B schedule (--overlap-moe-expert-parallel-comm) and its delayed
+        # weight gradients (--delay-wgrad-compute) run: the balanced layer's plan, transfers and
+        # replica-gradient reduction sit in that schedule's nodes (docs/integration.md).
+        problems.append("--overlap-dispatch-backward-with-experts-wgrad is not supported: it computes the "
+                        "experts' delayed weight gradients inside the dispatch's backward, where the "
+                        "replicas' would have to be computed and reduced too, which has not been checked; use "
+                        "--overlap-moe-expert-parallel-comm with --delay-wgrad-compute")
     problems += _low_precision_problems(get)
     for flag in ('use_megatron_fsdp', 'use_torch_fsdp2'):
         if get(flag):
@@ -102,6 +105,11 @@ def unsupported_moe_settings(config, environment: bool = True, planner: Optional
     problem = _cuda_graph_problem(get, planner)
     if problem:
         problems.append(problem)
+    elif get('overlap_moe_expert_parallel_comm') and (get('cuda_graph_impl') or 'none') != 'none':
+        problems.append(f"--overlap-moe-expert-parallel-comm with --cuda-graph-impl {get('cuda_graph_impl')} is not "
+                        "supported with a balancer: megatron's graph replay then runs the MoE layer's routing and "
+                        "preprocessing from inside the replayed layer, which has not been checked with the balanced "
+                        "layer; leave out one of them")
     return problems
 
 

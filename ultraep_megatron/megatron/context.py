@@ -185,7 +185,8 @@ class BalancingContext:
     def _ensure_ring(self) -> VirtualLayerRing:
         if self.ring is None:
             per_forward = sum(invocations_per_forward(layer) for layer in self.layers)
-            self.ring = VirtualLayerRing(self.ring_size or per_forward * _schedule_inflight())
+            overlapped = any(overlapped_schedule(layer.config) for layer in self.layers)
+            self.ring = VirtualLayerRing(self.ring_size or per_forward * _schedule_inflight(overlapped))
         return self.ring
 
     # -- planning ----------------------------------------------------------------------------------
@@ -295,9 +296,8 @@ class BalancingContext:
     @native_torch
     def start_weights(self, layer, invocation: Invocation) -> None:
         """Start copying the invocation's replicated main experts into the shared weight buffer
-        (forward, and backward re-materialization: later layers overwrote it). Collective on the EP
-        group; nothing to do when the buffer already holds them. Asynchronous: see
-        :meth:`wait_weights`."""
+        (forward). Collective on the EP group; nothing to do when the buffer already holds them.
+        Asynchronous: see :meth:`wait_weights`."""
         if invocation.schedule_builder is None or self.holder is invocation:
             return
         self._wait(self._transfer)
@@ -305,6 +305,12 @@ class BalancingContext:
                                                 async_op=True)
         self.holder = invocation
         self._issued(handle)
+
+    def start_rematerialization(self, layer, invocation: Invocation) -> None:
+        """The backward's copy of the invocation's replicas back into the shared weight buffer
+        (later layers, or under the overlapped schedule another microbatch's forward, overwrote
+        them); nothing to do when the buffer still holds them."""
+        self.start_weights(layer, invocation)
 
     @native_torch
     def wait_weights(self, invocation: Invocation) -> None:
@@ -447,8 +453,9 @@ def _data_plane_group(ep_group):
                           use_local_synchronization=True)
 
 
-def _schedule_inflight() -> int:
-    """Max in-flight microbatches per MoE layer on this rank, from Megatron's pipeline state."""
+def _schedule_inflight(overlapped: bool = False) -> int:
+    """Max in-flight microbatches per MoE layer on this rank, from Megatron's pipeline state
+    (``overlapped``: megatron's combined 1F1B schedule)."""
     try:
         from megatron.core import parallel_state as ps
         from megatron.core.num_microbatches_calculator import get_num_microbatches
@@ -458,6 +465,15 @@ def _schedule_inflight() -> int:
             ps.get_pipeline_model_parallel_rank(),
             get_num_microbatches(),
             ps.get_virtual_pipeline_model_parallel_world_size(),
+            overlapped=overlapped,
         )
     except Exception:  # outside Megatron's training loop (a bare MoE layer): one microbatch
-        return 1
+        return 2 if overlapped else 1
+
+
+def overlapped_schedule(config) -> bool:
+    """Whether megatron runs the layer in its overlapped 1F1B schedule
+    (``--overlap-moe-expert-parallel-comm``, ``pipeline_parallel/combined_1f1b.py``): each layer cut
+    into nodes (attention and pre-dispatch, dispatch, experts, combine) and one microbatch's forward
+    interleaved with another's backward, on a computation and a communication stream."""
+    return bool(getattr(config, "overlap_moe_expert_parallel_comm", False))

@@ -124,6 +124,14 @@ class _PhysicalSlotRouting:
         self._table: Optional[torch.Tensor] = None
         # A plan made on the device whose host half has not crossed yet (--moe-balancer-planner device).
         self._pending: Optional[DevicePlanned] = None
+        # Under megatron's overlapped schedule the plan is completed in the dispatch node, where
+        # megatron's dispatcher waits for its splits (:meth:`complete_deferred_plan`): what is left
+        # to complete there ("host": the load is crossing, "device": the device plan's host half,
+        # "graph": the host half a replayed graph produced), or None.
+        self.deferred: Optional[str] = None
+        self._load_copy = None  # (pinned host copy of the load, its event) of a deferred host plan
+        self._deferred_inputs = None  # (routing_map, training, grad_enabled, hidden_shape) of a deferred host plan
+        self._expert_major: Optional[torch.Tensor] = None  # the deferred host plan's pair order
         self._pending_host = None  # (pinned host copy of the device plan's host half, its event)
         # The device plan's host half (int64, on the device): a graph output when megatron captures
         # the preprocessing (--cuda-graph-modules moe_preprocess: it is in cudagraph_attrs, and
@@ -135,9 +143,15 @@ class _PhysicalSlotRouting:
         super().__init__(self.slots_per_rank, local, config=physical_config, pg_collection=pg_collection)
         self.cudagraph_attrs = [*self.cudagraph_attrs, "plan_host_half"]
 
-    def plan(self, routing_map: torch.Tensor, topk_ids: Optional[torch.Tensor] = None) -> Optional[Invocation]:
+    def plan(self, routing_map: torch.Tensor, topk_ids: Optional[torch.Tensor] = None, *,
+             defer: bool = False) -> Optional[Invocation]:
         """Plan this invocation from the exact load of the EP group, or take the stored plan when
         this is an activation-recompute replay.
+
+        ``defer`` (megatron's overlapped schedule, from its pre-dispatch node): the host wait moves
+        to the dispatch node (:meth:`complete_deferred_plan`), where megatron's own dispatcher
+        waits for its splits, so the host queues the other microbatch's backward of the experts
+        before it waits. With the host planner the load then only starts crossing here.
 
         With the host planner (and in a replay) the load crosses to the host here, the host waits
         for it (the invocation's one host wait) and the invocation is returned. With the device
@@ -159,6 +173,7 @@ class _PhysicalSlotRouting:
             raise ValueError("expected a [tokens, experts] bool routing map")
         self.topk_ids = topk_ids if topk_ids is not None else topk_indices(None, routing_map, self.config.moe_router_topk)
         self._pending = self._pending_host = self.plan_host_half = None
+        self.deferred = self._load_copy = self._deferred_inputs = self._expert_major = None
         if _in_backward_pass():
             invocation = balancing.replay(layer.layer_number)
         elif balancing.plans_on_device:
@@ -174,7 +189,16 @@ class _PhysicalSlotRouting:
             # The host half starts crossing now, beside the reroute and permutation queued next.
             self._pending_host = _start_copy_to_host(self._pending.host_half,
                                                      balancing.host_copy_stream(routing_map.device))
+            self.deferred = "device" if defer else None
             self._check_plan(routing_map)
+            return None
+        elif defer:
+            # The load starts crossing now; the plan is made in the dispatch node, after the wait.
+            self.invocation = None
+            self._load_copy = _start_copy_to_host(self._gather_load(routing_map),
+                                                  balancing.host_copy_stream(routing_map.device))
+            self._deferred_inputs = (routing_map, layer.training, torch.is_grad_enabled())
+            self.deferred = "host"
             return None
         else:
             load = _copy_to_host(self._gather_load(routing_map))
@@ -222,6 +246,48 @@ class _PhysicalSlotRouting:
     def _take_invocation(self, invocation: Invocation) -> None:
         """Hook: the host metadata of a plan that arrived after the permutation was queued."""
 
+    def defer_after_graph(self) -> None:
+        """After a replay of a CUDA graph of the preprocessing, under the overlapped schedule: the
+        plan's host half crosses in the dispatch node (:meth:`complete_deferred_plan`)."""
+        self.deferred = "graph"
+
+    def can_defer(self) -> bool:
+        """Whether the plan can be completed in the dispatch node (each dispatcher says): not
+        where megatron's fused permutation (Transformer Engine's kernel over the physical routing
+        map) runs in the pre-dispatch node on a plan made on the host, which that node must then
+        wait for."""
+        raise NotImplementedError
+
+    @native_torch
+    def complete_deferred_plan(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        """In megatron's dispatch node (overlapped schedule), before the all-to-all: the one host
+        wait of the invocation, for the load (host planner: the plan is made now) or the device
+        plan's host half, where megatron's own dispatcher waits for its splits; then what needs
+        the plan before the tokens move. Returns the tokens and probabilities to dispatch."""
+        deferred, self.deferred = self.deferred, None
+        if deferred == "device":
+            self._complete_plan()
+        elif deferred == "graph":
+            self.complete_plan_after_graph()
+        elif deferred == "host":
+            routing_map, training, grad_enabled = self._deferred_inputs
+            self._deferred_inputs = None
+            host_load, copied = self._load_copy
+            self._load_copy = None
+            _wait_for_host_copy(copied)
+            layer = self._layer
+            self.invocation = layer.balancing.plan(layer, host_load, self.ep_rank, training=training,
+                                                   grad_enabled=grad_enabled)
+            self._table = self.invocation.reroute_table.to(routing_map.device, non_blocking=True)
+            self._check_plan(routing_map)
+            return self._dispatch_inputs_of_plan(hidden_states, probs, routing_map)
+        return hidden_states, probs
+
+    def _dispatch_inputs_of_plan(self, hidden_states, probs, routing_map):
+        """A deferred host plan's dispatch inputs from the pre-dispatch node's outputs (each
+        dispatcher: :meth:`_deferred_dispatch_preprocess`)."""
+        raise NotImplementedError
+
     @native_torch
     def _gather_load(self, routing_map: torch.Tensor) -> torch.Tensor:
         """[T, E] bool -> [R, E] int64 on the device: exact per-source load of the whole EP group."""
@@ -236,10 +302,17 @@ class _PhysicalSlotRouting:
         return gathered.view(self.ep_size, self.num_logical_experts)
 
     def dispatch_preprocess(self, hidden_states, routing_map, probs):
+        if self.deferred == "host":
+            return self._deferred_dispatch_preprocess(hidden_states, routing_map, probs)
         physical_map, physical_probs = self._reroute(routing_map, probs)
         out = super().dispatch_preprocess(hidden_states, physical_map, physical_probs)
-        self._complete_plan()
+        if self.deferred is None:
+            self._complete_plan()
         return out
+
+    def _deferred_dispatch_preprocess(self, hidden_states, routing_map, probs):
+        """The pre-dispatch node's part of a deferred host plan: what needs no plan."""
+        raise NotImplementedError
 
     def dispatch_postprocess_parts(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """``dispatch_postprocess`` with its rows split into the main experts' and the redundant
@@ -297,11 +370,16 @@ class _PhysicalSlotRouting:
             (order [N]: the row-major pair index at each expert-major position, positions [N]
             (``arange``), instance [N]: the reroute table column of each position).
         """
-        flat = self.topk_ids.reshape(-1)
-        order = torch.sort(flat.to(self._sort_key_dtype), stable=True).indices
-        positions = torch.arange(flat.numel(), device=flat.device)
-        instance = instances_of_positions(self._table[0], positions, binary_search=flat.is_cuda)
+        order = self._expert_major_order()
+        positions = torch.arange(order.numel(), device=order.device)
+        instance = instances_of_positions(self._table[0], positions, binary_search=order.is_cuda)
         return order, positions, instance
+
+    def _expert_major_order(self) -> torch.Tensor:
+        """[N] the row-major pair index at each expert-major position (:meth:`_pairs`); needs no
+        plan."""
+        flat = self.topk_ids.reshape(-1)
+        return torch.sort(flat.to(self._sort_key_dtype), stable=True).indices
 
     @native_torch
     def physical_topk_ids(self) -> torch.Tensor:
@@ -377,6 +455,12 @@ class BalancedAlltoAllDispatcher(_PhysicalSlotRouting, MoEAlltoAllTokenDispatche
         self._take_splits(invocation, upload=False)
         self.tokens_per_expert = invocation.rows_per_slot
 
+    def can_defer(self) -> bool:
+        """A host plan can wait for the dispatch node where the permutation is computed from the
+        plan (:meth:`_deferred_dispatch_preprocess`), not by megatron's fused kernel; a device plan
+        always can."""
+        return self._permutes_from_plan() or self._layer.balancing.plans_on_device
+
     def _permutes_from_plan(self) -> bool:
         """Whether :meth:`dispatch_preprocess` permutes the tokens straight from the plan: megatron's
         unfused permutation, which it replaces (the fused one, TE's kernels on the physical map,
@@ -400,6 +484,8 @@ class BalancedAlltoAllDispatcher(_PhysicalSlotRouting, MoEAlltoAllTokenDispatche
             (permuted tokens [N, H], their probabilities [N]), ``N = T * topk``, physical-slot-major
             and token-ascending within a slot, as megatron's permutation of the physical map.
         """
+        if self.deferred == "host":
+            return self._deferred_dispatch_preprocess(hidden_states, routing_map, probs)
         if not self._permutes_from_plan():
             return super().dispatch_preprocess(hidden_states, routing_map, probs)
         self.hidden_shape = hidden_states.shape
@@ -416,8 +502,51 @@ class BalancedAlltoAllDispatcher(_PhysicalSlotRouting, MoEAlltoAllTokenDispatche
         sorted_tokens, permuted_probs = self._permutation(probs)
         self.reversed_local_input_permutation_mapping = sorted_tokens
         permuted = hidden_states.index_select(0, sorted_tokens)
-        self._complete_plan()
+        if self.deferred is None:
+            self._complete_plan()
         return permuted, permuted_probs
+
+    def _deferred_dispatch_preprocess(self, hidden_states, routing_map, probs):
+        """A deferred host plan's pre-dispatch part (overlapped schedule): the routed pairs sorted
+        expert-major by *logical* expert, which needs no plan (megatron's permutation of the
+        logical routing, computed as :meth:`_permutation` computes the physical one), so megatron
+        can free this node's outputs after the dispatch as it frees its own permuted tokens. The
+        dispatch node then moves each expert's run of pairs to its instances' rows
+        (:meth:`_dispatch_inputs_of_plan`).
+
+        Returns:
+            (tokens [N, H] and their probabilities [N], expert-major), ``N = T * topk``.
+        """
+        if not self._permutes_from_plan():
+            raise RuntimeError("a deferred plan needs the permutation from the plan (can_defer)")
+        self.hidden_shape = hidden_states.shape
+        self.probs = probs
+        self.routing_map = None  # as in dispatch_preprocess: never the logical map for the physical
+        hidden_states = hidden_states.view(-1, self.hidden_shape[-1])
+        self.hidden_shape_before_permute = hidden_states.shape
+        self.num_out_tokens = routing_map.size(0) * self.config.moe_router_topk
+        self.input_splits = self.output_splits = self.output_splits_tp = None
+        self._expert_major = order = self._expert_major_order()
+        topk = self.topk_ids.size(1)
+        tokens = hidden_states.index_select(0, torch.div(order, topk, rounding_mode="floor"))
+        pair_probs = probs.gather(1, self.topk_ids).reshape(-1).index_select(0, order)
+        return tokens, pair_probs
+
+    @native_torch
+    def _dispatch_inputs_of_plan(self, hidden_states, probs, routing_map):
+        """The all-to-all's send buffer from the expert-major pairs, exactly per the plan: the same
+        rows :meth:`dispatch_preprocess` builds without deferral (the send row of expert-major
+        position ``i`` is row 3 of the reroute table at its instance, plus ``i``)."""
+        self._take_invocation(self.invocation)
+        order, self._expert_major = self._expert_major, None
+        positions = torch.arange(order.numel(), device=order.device)
+        instance = instances_of_positions(self._table[0], positions, binary_search=order.is_cuda)
+        row = self._table[3].index_select(0, instance) + positions
+        # position of each send row: a permutation, so the gathers' backward scatters exactly
+        source = torch.empty_like(row).scatter_(0, row, positions)
+        topk = self.topk_ids.size(1)
+        self.reversed_local_input_permutation_mapping = torch.div(order, topk, rounding_mode="floor").index_select(0, source)
+        return hidden_states.index_select(0, source), probs.index_select(0, source)
 
     @native_torch
     def _permutation(self, probs: torch.Tensor):
@@ -523,6 +652,27 @@ class BalancedFlexDispatcher(_PhysicalSlotRouting, MoEFlexTokenDispatcher):
         super().__init__(num_local_experts, local_expert_indices, config, pg_collection, layer)
         self._replica_rows: tuple = ()  # per redundant slot, as dispatched (padding included)
         self._rows_past_slots = 0       # dispatched rows past the last local slot
+
+    def can_defer(self) -> bool:
+        """The fused dispatch permutes: a plan can always wait for the dispatch node."""
+        return True
+
+    def _deferred_dispatch_preprocess(self, hidden_states, routing_map, probs):
+        """A deferred host plan's pre-dispatch part (overlapped schedule): nothing that needs the
+        plan. The fused dispatch permutes, so the tokens go on as they are (megatron keeps the
+        flex dispatcher's dispatch inputs for the backward) and the router's probabilities are
+        rerouted in the dispatch node (:meth:`_dispatch_inputs_of_plan`)."""
+        self._deferred_hidden_shape = hidden_states.shape
+        return hidden_states.view(-1, hidden_states.shape[-1]), probs
+
+    def _dispatch_inputs_of_plan(self, hidden_states, probs, routing_map):
+        """The fused dispatch's inputs per the plan: megatron's ``dispatch_preprocess`` on the
+        rerouted (physical) routing map and probabilities, in the dispatch node."""
+        physical_map, physical_probs = self._reroute(routing_map, probs)
+        hidden_states, token_probs = super(_PhysicalSlotRouting, self).dispatch_preprocess(
+            hidden_states, physical_map, physical_probs)
+        self.hidden_shape = self._deferred_hidden_shape  # the layer's [S, B, H], for the combine
+        return hidden_states, token_probs
 
     def _hybridep_alignment(self) -> int:
         """The multiple HybridEP pads each local slot's rows to: megatron's ``pad_multiple`` rule (the

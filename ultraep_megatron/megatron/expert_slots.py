@@ -251,6 +251,10 @@ class ReplicaExperts:
     def __init__(self, module: torch.nn.Module, names: Sequence[Sequence[str]]):
         self.module, self.names = module, [list(slot) for slot in names]
         self._owners = [_owner(module, name) for slot in self.names for name in slot]
+        # shape, dtype and device of each parameter, before its storage is released
+        self._shapes = [(table[attr].shape, table[attr].dtype, table[attr].device, table[attr].requires_grad)
+                        for table, attr in self._owners]
+        self._grad_holders: Optional[List[torch.Tensor]] = None  # delayed_weight_grads's stand-ins
         for table, attr in self._owners:  # storage comes from the replica buffer at every call
             param = table[attr]
             if is_quantized(param):  # built as quantized parameters (TE's fp8_model_init): an empty stand-in
@@ -287,6 +291,34 @@ class ReplicaExperts:
         if bias is not None:  # megatron's experts add their biases inside; keep that invariant explicit
             raise ValueError("replica experts returned a separate bias; expected it folded into the output")
         return output
+
+
+    def delayed_weight_grads(self) -> List[Optional[torch.Tensor]]:
+        """The replica weights' gradients of the latest call whose weight gradients the experts
+        delayed (``--delay-wgrad-compute``): the module's own ``backward_dw`` computes them
+        (Transformer Engine's linears: the oldest computation they stashed in the backward, a
+        queue per linear). Transformer Engine sets each gradient as ``.grad`` of the parameter the
+        linear holds at that moment, so the call puts stand-ins of the parameters' shapes and
+        dtypes in their place (no storage), and reads their ``.grad``.
+
+        Returns:
+            flat, slot-major in ``names`` order: each gradient, ``None`` where none was set."""
+        if self._grad_holders is None:
+            self._grad_holders = [torch.empty_strided(shape, (0,) * len(shape), dtype=dtype,
+                                                      device=device).requires_grad_(requires_grad)
+                                  for shape, dtype, device, requires_grad in self._shapes]
+        released = [table[attr] for table, attr in self._owners]
+        for (table, attr), holder in zip(self._owners, self._grad_holders):
+            table[attr] = holder
+        try:
+            self.module.backward_dw()
+        finally:
+            for (table, attr), param in zip(self._owners, released):
+                table[attr] = param
+        grads = [holder.grad for holder in self._grad_holders]
+        for holder in self._grad_holders:
+            holder.grad = None
+        return grads
 
 
 def _owner(module: torch.nn.Module, name: str) -> Tuple[Dict[str, torch.nn.Parameter], str]:

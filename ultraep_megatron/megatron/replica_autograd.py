@@ -40,8 +40,8 @@ class StartInBackward(torch.autograd.Function):
     """Identity on a tensor of the layer; its backward starts one of the invocation's transfers
     (``start``, a bound :class:`BalancingContext` method) where the tensor's gradient arrives:
 
-    * ``start_weights`` on the layer's output, the first of the layer's backward: copies this
-      invocation's replicated main experts back into the shared weight buffer (later layers
+    * ``start_rematerialization`` on the layer's output, the first of the layer's backward: copies
+      this invocation's replicated main experts back into the shared weight buffer (later layers
       overwrote it), overlapped with the combine's backward (re-materialization);
     * ``start_reduction`` on the main experts' output of a rank whose redundant slots received no
       rows: its part in the collective reduction starts where a replica's backward would have
@@ -99,6 +99,10 @@ class ReduceReplicaGrads(torch.autograd.Function):
     def backward(ctx, grad_received):
         invocation = _invocation(ctx)
         layer = ctx.layer
+        if layer.delays_wgrad:  # --delay-wgrad-compute: the layer's backward_dw comes next
+            layer.await_backward_dw(invocation)
+        if layer.reduces_after_dw:  # the weight gradients do not exist yet: backward_dw reduces
+            return (None, None, grad_received, *(None for _ in ctx.params))
         reduced = layer.balancing.finish_reduction(layer, invocation)  # [local expert][k]
         layer.balancing.release(invocation)
         by_param = {id(p): g for expert, grads in zip(layer.main_expert_param_lists(), reduced)
@@ -144,7 +148,11 @@ class ReplicaWeights(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *weight_grads):
-        ctx.layer.balancing.start_reduction(ctx.layer, _invocation(ctx), weight_grads)
+        # With --delay-wgrad-compute the replica experts' linears hand autograd gradients they
+        # have not computed yet (Transformer Engine fills them in backward_dw): the layer's
+        # backward_dw reduces what that computes.
+        if not ctx.layer.reduces_after_dw:
+            ctx.layer.balancing.start_reduction(ctx.layer, _invocation(ctx), weight_grads)
         return None, None, None, None
 
 

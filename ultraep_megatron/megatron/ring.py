@@ -148,7 +148,8 @@ class VirtualLayerRing:
 
 
 def max_inflight_microbatches(
-    pp_size: int, pp_rank: int, num_microbatches: int, vpp_size: Optional[int] = None
+    pp_size: int, pp_rank: int, num_microbatches: int, vpp_size: Optional[int] = None,
+    overlapped: bool = False,
 ) -> int:
     """Most forward passes of one model chunk whose backward has not run yet, per pipeline schedule.
 
@@ -158,12 +159,16 @@ def max_inflight_microbatches(
     ``(pp_size - pp_rank - 1) * 2 + (vpp_size - 1) * pp_size`` forwards over all chunks; one chunk
     sees at most that many plus one of them, bounded by ``num_microbatches``. We bound per chunk by
     the whole count, which over-provisions by at most a factor ``vpp_size`` (slots are small).
+    ``overlapped`` (megatron's combined 1F1B schedule, ``--overlap-moe-expert-parallel-comm``): each
+    step runs one microbatch's forward before another's backward ends, one more in flight (without
+    a pipeline: two; interleaved: megatron adds one warm-up forward for it).
     """
+    extra = 1 if overlapped else 0
     if pp_size <= 1:
-        return 1
+        return min(1 + extra, max(num_microbatches, 1))
     if vpp_size is None or vpp_size <= 1:
-        return min(pp_size - pp_rank, num_microbatches)
-    warmup = (pp_size - pp_rank - 1) * 2 + (vpp_size - 1) * pp_size
+        return min(pp_size - pp_rank + extra, num_microbatches)
+    warmup = (pp_size - pp_rank - 1) * 2 + (vpp_size - 1) * pp_size + extra
     return min(warmup + 1, num_microbatches)
 
 

@@ -158,9 +158,9 @@ def test_the_user_guide_s_slurm_job_is_read_and_starts_nothing(tmp_path, real_pr
     job.write_text("#!/bin/bash\n" + block)
     monkeypatch.chdir(REPO)
     run, baseline = rc.capture_launches(job)
-    assert (run.nproc_per_node, run.nnodes) == (8, 16) == (baseline.nproc_per_node, baseline.nnodes)
+    assert (run.nproc_per_node, run.nnodes) == (8, 32) == (baseline.nproc_per_node, baseline.nnodes)
     assert baseline.args == [*run.args, "--moe-balancer", "none"]
-    assert rc.capture_launch(RECIPES / "qwen3_235b_a22b_ep32_pp4_hgx.sh",
+    assert rc.capture_launch(RECIPES / "qwen3_235b_a22b_ep32_pp8_hgx.sh",
                              {"DATA_PATH": "/data/corpus_text_document",
                               "TOKENIZER_MODEL": "/models/Qwen3-235B-A22B", "CHECKPOINT_DIR": "/ckpt/qwen3",
                               "WANDB_PROJECT": "moe"}).args == run.args

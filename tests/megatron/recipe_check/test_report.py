@@ -12,7 +12,7 @@ import pytest
 from ultraep_megatron.megatron import recipe_check as rc
 
 RECIPES = Path(__file__).resolve().parents[3] / "recipes"
-HGX = {"deepseek_v2_lite_16b_a2b_ep8_hgx.sh": (8, 1, 8), "qwen3_235b_a22b_ep32_pp4_hgx.sh": (128, 16, 32)}
+HGX = {"deepseek_v2_lite_16b_a2b_ep8_hgx.sh": (8, 1, 8), "qwen3_235b_a22b_ep32_pp8_hgx.sh": (256, 32, 32)}
 GIB = 1024 ** 3
 
 
@@ -49,15 +49,15 @@ def test_hardware_preset_sets_the_domain_and_the_budget(launches):
     """Without --rack-size / --gpu-memory-gb the recipe's --moe-balancer-hardware h100-hgx gives
     8-GPU NVLink domains and 80 GiB, h200-hgx the same domains and 141 GiB, a rack recipe's
     paper-rack 64 and a GB200's 186; none of them is an assumption."""
-    report = rc.check_launch(launches["qwen3_235b_a22b_ep32_pp4_hgx.sh"])
+    report = rc.check_launch(launches["qwen3_235b_a22b_ep32_pp8_hgx.sh"])
     assert (report.layout.rack_size, report.gpu_memory_gb, report.assumed) == (8, 80, [])
     text = rc.format_report(report)
     assert "hardware: h100-hgx (--moe-balancer-hardware): NVLink domains of 8 GPUs, 80 GiB per GPU" in text
-    assert "16 nodes x 8 GPUs in 16 scale-up domains of 8 GPUs" in text and "ASSUMED" not in text
+    assert "32 nodes x 8 GPUs in 32 scale-up domains of 8 GPUs" in text and "ASSUMED" not in text
     assert "EP groups span scale-up domains; balancer domains of --moe-balancer-domain-size 8 inside one: yes" \
         in text
-    launch = launches["qwen3_235b_a22b_ep32_pp4_hgx.sh"]
-    h200 = rc.check_launch(rc.Launch(8, 16, launch.script, [*launch.args, "--moe-balancer-hardware", "h200-hgx"]))
+    launch = launches["qwen3_235b_a22b_ep32_pp8_hgx.sh"]
+    h200 = rc.check_launch(rc.Launch(8, 32, launch.script, [*launch.args, "--moe-balancer-hardware", "h200-hgx"]))
     assert (h200.layout.rack_size, h200.gpu_memory_gb, h200.problems()) == (8, 141, [])
     rack = rc.check_launch(rc.capture_launch(RECIPES / "glm45_air_106b_a12b_ep64_dp2.sh"))
     assert (rack.layout.rack_size, rack.gpu_memory_gb, rack.assumed) == (64, 186, [])
@@ -65,10 +65,10 @@ def test_hardware_preset_sets_the_domain_and_the_budget(launches):
 
 
 def test_a_contradicting_rack_size_or_node_size_is_a_problem(launches):
-    launch = launches["qwen3_235b_a22b_ep32_pp4_hgx.sh"]
+    launch = launches["qwen3_235b_a22b_ep32_pp8_hgx.sh"]
     report = rc.check_launch(launch, rack_size=64)
     assert any("--rack-size 64 contradicts --moe-balancer-hardware h100-hgx" in p for p in report.problems())
-    half = rc.Launch(4, 32, launch.script, launch.args)
+    half = rc.Launch(4, 64, launch.script, launch.args)
     problems = rc.check_launch(half).problems()
     assert any("runs 4 processes per node" in p and "GPUS_PER_NODE=8" in p for p in problems)
 
@@ -88,15 +88,18 @@ def test_ep_across_nodes_without_a_node_sized_domain_fails_naming_the_flag(launc
 
 
 def test_peak_is_model_states_slots_activations_and_the_allowance(reports):
-    report = reports["qwen3_235b_a22b_ep32_pp4_hgx.sh"]
+    report = reports["qwen3_235b_a22b_ep32_pp8_hgx.sh"]
     stages = rc.stage_layers(report.args)
     expected = rc.estimate_activations(report.args, stages)
     for stage, acts in zip(report.memory.stages, expected):
         assert stage.activations == acts.total > 0
         assert stage.peak == stage.model_states + stage.slots_with_reuse + acts.total \
             + int(rc.RUNTIME_RESERVE_GIB * GIB)
-    # 1F1B: stage 0 holds PP = 4 microbatches, the last stage one (and the logits).
-    assert [a.in_flight for a in report.memory.activations] == [4, 3, 2, 1]
+    # Interleaved (PP 8, VP 4), overlapped: megatron's warm-up 2 (PP - stage - 1) + (VP - 1) PP, one
+    # more for the overlapped schedule, plus the model chunk running, in whole stages.
+    pp, vp = 8, 4
+    assert [a.in_flight for a in report.memory.activations] == [(2 * (pp - s - 1) + (vp - 1) * pp + 2) / vp
+                                                                for s in range(pp)]
     assert report.memory.activations[-1].logits > 0 == report.memory.activations[0].logits
     assert report.margin_bytes() == 80 * GIB - max(s.peak for s in report.memory.stages)
 
@@ -113,10 +116,8 @@ def test_memory_budget_pass_and_fail(launches):
     assert len(problems) == 1 and problems[0].startswith("stage 0: estimated peak")
     assert "budget (--gpu-memory-gb) by 1.00 GiB" in problems[0]
     assert "DOES NOT FIT" in rc.format_report(short)
-    # Without activation recompute the Qwen3-235B HGX layout does not fit 80 GB; the recipe's
-    # MoE recompute is what makes it fit.
-    qwen = launches["qwen3_235b_a22b_ep32_pp4_hgx.sh"]
-    i = qwen.args.index("--recompute-granularity")
-    plain = rc.Launch(8, 16, qwen.script, qwen.args[:i] + qwen.args[i + 4:])
-    assert "--recompute-modules" not in plain.args
+    # Without sequence parallelism (each TP rank keeping every token's activations) the Qwen3-235B
+    # HGX layout does not fit 80 GB; the recipe's --sequence-parallel is what makes it fit.
+    qwen = launches["qwen3_235b_a22b_ep32_pp8_hgx.sh"]
+    plain = rc.Launch(8, 32, qwen.script, [a for a in qwen.args if a != "--sequence-parallel"])
     assert any("exceeds the 80 GiB budget" in p for p in rc.check_launch(plain).problems())

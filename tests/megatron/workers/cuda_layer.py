@@ -282,9 +282,9 @@ def main():
                 if sc.get("fault") == "tolist":
                     plan = layer.token_dispatcher.plan
 
-                    def plan_reading_the_routing(routing_map, *args, _plan=plan):
+                    def plan_reading_the_routing(routing_map, *args, _plan=plan, **kwargs):
                         routing_map.tolist()
-                        return _plan(routing_map, *args)
+                        return _plan(routing_map, *args, **kwargs)
 
                     layer.token_dispatcher.plan = plan_reading_the_routing
                 return layer

@@ -116,6 +116,25 @@ def _replica_gets_other_layer_weights():
     return _patched(BalancingContext, "start_weights", replacement)
 
 
+def _rematerialized_from_another_microbatch():
+    """The backward re-materializes a layer's replicas per the plan whose replicas the buffer holds
+    when it starts (under megatron's overlapped schedule: the other microbatch's latest forward),
+    not per its own invocation's, and then counts the buffer as holding its own."""
+    from ultraep_megatron.megatron.context import BalancingContext
+
+    def replacement(original):
+        def start_rematerialization(self, layer, invocation):
+            other = self.holder
+            if other is None or other is invocation or other.schedule_builder is None \
+                    or invocation.schedule_builder is None:
+                return original(self, layer, invocation)
+            self.start_weights(layer, other)
+            self.holder = invocation
+        return start_rematerialization
+
+    return _patched(BalancingContext, "start_rematerialization", replacement)
+
+
 def _unbalanced_mtp_layer():
     """The MTP block keeps Megatron's own MoELayer (its spec is not balanced)."""
     from ultraep_megatron.megatron import layer_spec
@@ -264,6 +283,7 @@ FAULTS = {
     "skip_rematerialization": _skip_rematerialization,
     "replica_gets_other_layer_weights": _replica_gets_other_layer_weights,
     "unbalanced_mtp_layer": _unbalanced_mtp_layer,
+    "rematerialized_from_another_microbatch": _rematerialized_from_another_microbatch,
     "replays_in_forward_order": _replays_in_forward_order,
     "mxfp8_parameters_without_reuse_accepted": _mxfp8_parameters_without_reuse_accepted,
 }

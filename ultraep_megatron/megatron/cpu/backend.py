@@ -18,7 +18,9 @@ import torch
 from ultraep_megatron.megatron import native_torch
 from ultraep_megatron.megatron.cpu import megatron_patches
 from ultraep_megatron.megatron.cpu.device_mapping import CudaAsCpuMode
-from ultraep_megatron.megatron.cpu.torch_cuda import TORCH_CUDA_PATCHES, cpu_get_rng_state, noop
+from ultraep_megatron.megatron.cpu.torch_cuda import (
+    TORCH_CUDA_PATCHES, cpu_get_rng_state, noop, record_stream_patch,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +81,8 @@ def activate() -> bool:
         _patch(torch.cuda, name, replacement, reason)
     _patch(torch.cuda.random, "get_rng_state", cpu_get_rng_state,
            "megatron reads torch.cuda.random.get_rng_state directly; the CPU generator")
+    _patch(torch.Tensor, "record_stream", record_stream_patch(torch.Tensor.record_stream),
+           "an allocator hint for tensors used on another stream; CPU work is complete when issued")
     mode = CudaAsCpuMode()
     # Pushed for good (never popped): the whole process runs with CUDA arguments mapped.
     torch._C._push_on_torch_function_stack(mode)
@@ -92,6 +96,7 @@ def activate() -> bool:
                     "compiled fusions probe CUDA and compile for minutes on small CPUs; eager is exact"))
 
     # Megatron level.
+    from megatron.core.pipeline_parallel.utils import ScheduleNode
     from megatron.core.tensor_parallel import random as mcore_random
     from megatron.core.transformer.moe import token_dispatcher
     from megatron.training import initialize as mtraining_initialize
@@ -109,6 +114,10 @@ def activate() -> bool:
            "recompute/rerun RNG snapshots read the CUDA generator, here the CPU one")
     _patch(mcore_random, "_set_cuda_rng_state", megatron_patches.set_cpu_rng_state,
            "recompute/rerun RNG snapshots write the CUDA generator, here the CPU one")
+    _patch(ScheduleNode, "default_backward_func",
+           megatron_patches.backward_under_device_mapping(ScheduleNode.default_backward_func, mode),
+           "the overlapped schedule's nodes start autograd's engine directly, where the device mapping "
+           "would be off for megatron's Python backward functions (they allocate on 'cuda')")
     _patch(mtraining, "build_train_valid_test_data_iterators",
            megatron_patches.rng_neutral(mtraining.build_train_valid_test_data_iterators),
            "DataLoader iterators draw a seed from the generator CPU dropout uses (breaks resume)")

@@ -237,6 +237,25 @@ def forked_write_results_queue(original: Callable) -> Callable:
     return get_write_results_queue
 
 
+def backward_under_device_mapping(default_backward_func: Callable, mode) -> Callable:
+    """``ScheduleNode.default_backward_func`` (megatron's overlapped 1F1B schedule,
+    ``--overlap-moe-expert-parallel-comm``) with the device mapping ``mode`` active inside the
+    backward pass it runs. The node starts autograd's engine itself
+    (``Variable._execution_engine.run_backward``), not through ``torch.autograd.backward``, whose
+    entry the mode wraps (``CudaAsCpuMode._backward``); autograd captures the torch-function modes
+    when a backward pass starts, and the mode is off inside its own handler."""
+
+    def backward_func(self, outputs, output_grad):
+        torch._C._push_on_torch_function_stack(mode)
+        try:
+            return default_backward_func(self, outputs, output_grad)
+        finally:
+            torch._C._pop_torch_function_stack()
+
+    backward_func.__wrapped__ = default_backward_func
+    return backward_func
+
+
 def get_cpu_rng_state(device="cuda", clone: bool = False, graph_safe: bool = False):
     return torch.get_rng_state()
 

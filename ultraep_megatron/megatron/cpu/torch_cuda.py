@@ -116,6 +116,24 @@ def noop(*args, **kwargs):
     return None
 
 
+def record_stream_patch(original):
+    """``Tensor.record_stream`` that accepts the CPU stand-in streams.
+
+    On CUDA it tells the caching allocator that another stream still uses the tensor, so that its
+    memory is not reused before that stream's queued work is done (megatron's overlapped schedule
+    calls it on every input a node frees early, and on every gradient that crossed streams). On the
+    CPU every operation is complete when the host issues the next one, so a tensor the host frees
+    has no pending reader on any stream: nothing to record. Real streams keep torch's behaviour."""
+
+    def record_stream(self, stream):
+        if isinstance(stream, CpuStream):
+            return None
+        return original(self, stream)
+
+    record_stream.__wrapped__ = original
+    return record_stream
+
+
 def _synchronize(*args, **kwargs) -> None:
     refuse_in_capture("torch.cuda.synchronize")
 

@@ -40,7 +40,9 @@ stage one by one and keeps the others whole.
 
 Per stage: one microbatch's layers times the microbatches in flight (1F1B: ``PP - stage``;
 interleaved: Megatron's warm-up ``2 (PP - stage - 1) + (VPP - 1) PP`` plus one model chunk; never
-more than the microbatches of the iteration), plus, on the last stage, one microbatch's logits
+more than the microbatches of the iteration; megatron's overlapped 1F1B schedule,
+``--overlap-moe-expert-parallel-comm``, runs one microbatch's forward before another's backward
+ends: one more, two without a pipeline), plus, on the last stage, one microbatch's logits
 (``T x vocabulary / t``: the bf16 logits and the cross entropy's fp32 copy, 6 bytes, and 4 bytes
 for each MTP depth's). Not counted: CUDA context, NCCL and all-to-all buffers, allocator
 fragmentation (:data:`RUNTIME_RESERVE_GIB`, a fixed allowance) and transient workspaces.
@@ -148,12 +150,13 @@ def in_flight_microbatches(args: argparse.Namespace, stage: int) -> float:
     pp = args.pipeline_model_parallel_size
     dp = args.data_parallel_size
     microbatches = max(1, args.global_batch_size // (args.micro_batch_size * dp))
+    overlapped = int(bool(getattr(args, "overlap_moe_expert_parallel_comm", False)))
     if pp == 1:
-        return 1.0
+        return float(min(1 + overlapped, microbatches))
     vpp = args.virtual_pipeline_model_parallel_size
     if not vpp:
-        return float(min(pp - stage, microbatches))
-    chunks = min(2 * (pp - stage - 1) + (vpp - 1) * pp + 1, microbatches * vpp)
+        return float(min(pp - stage + overlapped, microbatches))
+    chunks = min(2 * (pp - stage - 1) + (vpp - 1) * pp + 1 + overlapped, microbatches * vpp)
     return chunks / vpp
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import io
 import logging
 import os
@@ -26,8 +27,13 @@ from unittest import mock
 from ultraep_megatron.megatron.recipe_check.launch import RecipeError
 
 #: What validation on a machine without a GPU answers when Megatron asks the device's compute
-#: capability (``--moe-grouped-gemm`` needs >= 8): a Hopper GPU's, the oldest the recipes target.
+#: capability (``--moe-grouped-gemm`` needs >= 8; with TP or CP > 1 below 10 it checks
+#: ``CUDA_DEVICE_MAX_CONNECTIONS``): a Hopper GPU's, the oldest the recipes target.
 TARGET_CAPABILITY = (9, 0)
+#: What validation on a machine without Transformer Engine answers when Megatron asks its version
+#: (``is_te_min_version``; e.g. ``--delay-wgrad-compute`` with ``--overlap-grad-reduce`` needs 2.8):
+#: the newest megatron-core 0.19.2's argument checks ask for, which the recipes' GPU nodes install.
+TARGET_TE_VERSION = "2.12.0"
 
 
 @contextlib.contextmanager
@@ -93,8 +99,13 @@ def validate_arguments(script_args: Sequence[str], world_size: int) -> tuple[arg
     import torch
 
     printed = io.StringIO()
-    no_gpu = contextlib.nullcontext() if torch.cuda.is_available() else \
-        mock.patch("torch.cuda.get_device_capability", return_value=TARGET_CAPABILITY)
+    no_gpu = contextlib.ExitStack()
+    if not torch.cuda.is_available():
+        no_gpu.enter_context(mock.patch("torch.cuda.get_device_capability", return_value=TARGET_CAPABILITY))
+        no_gpu.enter_context(mock.patch("megatron.training.arguments.get_device_arch_version",
+                                        return_value=TARGET_CAPABILITY[0]))
+    if importlib.util.find_spec("transformer_engine") is None:
+        no_gpu.enter_context(mock.patch("megatron.training.arguments.is_te_min_version", _target_te_min_version))
     try:
         with _rank0_of(world_size, ["pretrain_gpt.py", *script_args]), quiet_megatron(), no_gpu, \
                 contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
@@ -128,6 +139,14 @@ def validate_arguments(script_args: Sequence[str], world_size: int) -> tuple[arg
                           "tokenizer ignores it; recipes pass the model's vocabulary size)")
     args.padded_vocab_size = vocab_size_with_padding(args.vocab_size, args, logging_enabled=False)
     return args, printed.getvalue()
+
+
+def _target_te_min_version(version: str, check_equality: bool = True) -> bool:
+    """megatron's ``is_te_min_version`` answered for :data:`TARGET_TE_VERSION`."""
+    from packaging.version import Version
+
+    target = Version(TARGET_TE_VERSION)
+    return target >= Version(version) if check_equality else target > Version(version)
 
 
 def batch_problem(args: argparse.Namespace) -> str:
