@@ -1,11 +1,11 @@
 """The architecture, checked on the source (docs/architecture.md).
 
-* Imports only point down the layers, planner -> dataplane -> traces -> analysis -> megatron -> cli
-  (a package imports only the packages before it; planner and dataplane nothing of the package), with
+* Imports only point down the layers, planner -> settings -> dataplane -> traces -> analysis -> megatron
+  -> cli (a package imports only the packages before it; planner and dataplane nothing of the package), with
   no cycle between modules (imports inside functions included), and only ``megatron/`` imports
   Megatron (megatron-core, Megatron-LM's training package, Transformer Engine, Apex).
 * One owner per name: balancer names in ``planner/baselines/registry.py``, the knobs' defaults in
-  ``planner/balancer.py``, the ``--moe-balancer*`` flags in ``megatron/arguments.py``.
+  ``planner/balancer.py``, the ``--moe-balancer*`` flags in ``settings/knobs.py``.
 Each rule has a negative control: a made-up module breaking it is caught.
 """
 
@@ -16,17 +16,17 @@ from pathlib import Path
 
 import pytest
 
-from ultraep_megatron.megatron.arguments import KNOBS
 from ultraep_megatron.planner.baselines import registry
+from ultraep_megatron.settings.knobs import KNOBS
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "ultraep_megatron"
 PRODUCT = [*sorted(PACKAGE.rglob("*.py")), *sorted((REPO / "tools").glob("*.py")), REPO / "pretrain_gpt.py"]
 OWNERS = {PACKAGE / "planner" / "baselines" / "registry.py", PACKAGE / "planner" / "balancer.py",
-          PACKAGE / "megatron" / "arguments.py"}
+          PACKAGE / "settings" / "knobs.py"}
 
 #: The layers, bottom first: a module may import its own layer and the layers before it.
-LAYERS = ("planner", "dataplane", "traces", "analysis", "megatron", "cli")
+LAYERS = ("planner", "settings", "dataplane", "traces", "analysis", "megatron", "cli")
 #: What only the Megatron integration may import.
 MEGATRON_PACKAGES = ("megatron", "transformer_engine", "apex")
 

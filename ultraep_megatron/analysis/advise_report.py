@@ -13,10 +13,11 @@ from typing import Callable, Iterable, Optional, Sequence
 
 from ultraep_megatron.planner import BalancerConfig
 from ultraep_megatron.planner.baselines import registry
+from ultraep_megatron.settings.hardware import ExpertShape, Hardware, min_quota_from_hardware
 
 from . import plotting
 from .advisor import CAPACITY_TAIL, CAPACITY_TARGET, advise_slots, recipe_slots, slot_sweep
-from .cost import ExpertShape, Hardware, min_quota_from_hardware, slot_memory_bytes
+from .cost import slot_memory_bytes
 from .replay import replay
 from .summary import estimate_problem, metric_summary
 from .tables import ESTIMATE, dump_json, fmt, format_table, write_csv

@@ -10,8 +10,8 @@ from typing import Optional, Sequence
 
 from ultraep_megatron.planner import BalancerConfig
 from ultraep_megatron.planner.baselines import registry
+from ultraep_megatron.settings.hardware import ExpertShape, Hardware
 
-from .cost import ExpertShape, Hardware
 from .replay import ReplayResult
 from .replay_plots import plot_replay
 from .summary import cost_summary, estimate_problem, load_summary, metric_summary, peer_summary, staleness_summary

@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ultraep_megatron.megatron.arguments import add_balancer_arguments
+from ultraep_megatron.settings.knobs import add_balancer_arguments
 
 from . import common
 

@@ -129,7 +129,7 @@ def non_negative_float(text: str) -> float:
 def check_balancer_flags(args) -> None:
     """Validate the ``--moe-balancer-*`` values of ``args`` as training does (a ValueError naming the
     flag); a min quota of ``hw`` stands for a valid one."""
-    from ultraep_megatron.megatron.arguments import knob_values
+    from ultraep_megatron.settings.knobs import knob_values
 
     values = dict(vars(args))
     if values.get("moe_balancer_min_quota") == "hw":
@@ -287,7 +287,7 @@ def apply_traced_run_settings(args, records) -> str:
     traced run (the project's trace meta, or a Megatron trace's ``--run-args``), and, for a named
     hardware whose NVLink domain is smaller than the trace's EP group (an HGX node), the domain size
     from it, as the HGX recipes train. Returns where the hardware comes from, for the report."""
-    from ultraep_megatron.analysis.cost import hardware_preset
+    from ultraep_megatron.settings.hardware import hardware_preset
 
     meta = records.meta
     if args.moe_balancer_hardware is not None:
@@ -316,7 +316,7 @@ def shape_and_hardware(args, meta: dict):
     """(ExpertShape, where h and f came from, Hardware) from the flags and the trace's meta
     (``analysis.inputs.resolve_hardware``: ``--moe-balancer-hardware``'s preset, else the paper's
     rack, with the hardware flags given on top)."""
-    from ultraep_megatron.analysis.cost import ExpertShape
+    from ultraep_megatron.settings.hardware import ExpertShape
     from ultraep_megatron.analysis.inputs import resolve_hardware
 
     try:

@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ultraep_megatron.megatron.arguments import add_balancer_arguments
 from ultraep_megatron.planner.baselines import registry
+from ultraep_megatron.settings.knobs import add_balancer_arguments
 
 from . import common
 

@@ -24,9 +24,7 @@ from ultraep_megatron.planner import BalancerConfig, Plan
 from ultraep_megatron.planner import baselines
 from ultraep_megatron.planner.device_dispatch import balances, identity_plan, reroute_table
 from ultraep_megatron.planner.device_solve import triton_available
-
-#: Where a balanced layer plans (``--moe-balancer-planner``).
-PLANNERS = ("host", "device")
+from ultraep_megatron.settings.knobs import PLANNERS  # noqa: F401 (context.py imports it from here)
 
 
 @dataclass(frozen=True, eq=False)
