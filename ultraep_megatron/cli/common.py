@@ -71,16 +71,24 @@ def name_list(choices: Sequence[str]):
 
 
 def min_quota_arg(text: str):
-    """'hw' (derived from the hardware flags) or an int >= 1."""
+    """'hw' (derived from the hardware flags) or a min quota (the planner's rule: an int >= 1)."""
     if text == "hw":
         return text
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected 'hw' or an int >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"min quota must be >= 1, got {value}")
+    setting_problem("min_quota", value, "min quota")
     return value
+
+
+def setting_problem(field: str, value, name: str) -> None:
+    """An argparse error, naming the setting ``name``, if ``value`` breaks the planner's rule for
+    :class:`~ultraep_megatron.planner.BalancerConfig` field ``field`` (a value of a sweep)."""
+    from ultraep_megatron.planner import BalancerConfig
+
+    for problem in BalancerConfig.problems(**{field: value}):
+        raise argparse.ArgumentTypeError(problem.naming(name))
 
 
 def fraction(text: str) -> float:
