@@ -208,10 +208,10 @@ def _mxfp8_parameters_without_reuse_accepted():
 
 
 def _device_planner_kernel(broken, only_rank=None):
-    """The device planner's probe kernel (``device_solve._probe``: Triton on CUDA, the reference's
-    torch calls on the CPU) replaced by ``broken(original, *args)`` wherever the device planner runs
-    it (not where the self-check's numpy reference does), on global rank ``only_rank`` alone if
-    given."""
+    """The device planner's probe kernel (``device_solve._probe``: Triton on CUDA, the lockstep torch
+    calls on the CPU) replaced by ``broken(original, *args)`` wherever the device planner runs it
+    (not where the self-check's reference, the specification, does), on global rank ``only_rank``
+    alone if given."""
     import importlib
 
     device_solve = importlib.import_module("ultraep_megatron.planner.device_solve")  # the module
