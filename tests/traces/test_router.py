@@ -322,6 +322,7 @@ def test_a_trace_of_the_qwen3_hgx_recipe_layout_replays(tmp_path, capsys):
 
     from ultraep_megatron.cli import main
     from ultraep_megatron.megatron import recipe_check
+    from ultraep_megatron.megatron.recipe_check.memory import stage_layers
 
     recipe = Path(__file__).resolve().parents[2] / "recipes" / "qwen3_235b_a22b_ep32_pp4_hgx.sh"
     launch = recipe_check.capture_launch(recipe, {"GLOBAL_BATCH_SIZE": "64", "DISPATCHER": "alltoall"})
@@ -329,7 +330,7 @@ def test_a_trace_of_the_qwen3_hgx_recipe_layout_replays(tmp_path, capsys):
     log = tmp_path / "log.txt"
     log.write_text(printed)
     assert "------------------------ arguments ------------------------" in printed
-    stages = [list(s) for s in recipe_check.stage_layers(args)]  # megatron-core's own numbering
+    stages = [list(s) for s in stage_layers(args)]  # megatron-core's own numbering
     assert [len(s) for s in stages] == [23, 24, 24, 23]
     M = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
     assert (args.expert_model_parallel_size, args.pipeline_model_parallel_size, M) == (32, 4, 2)

@@ -27,7 +27,7 @@ from ultraep_megatron.planner import BalancerConfig, LayerBalancer, Plan, baseli
 from ultraep_megatron.planner.baselines import Placement, registry
 from ultraep_megatron.planner.solve import validate_domain_size
 from ultraep_megatron.settings.hardware import ExpertShape, Hardware
-from ultraep_megatron.traces import Record
+from ultraep_megatron.traces.records import Record
 
 from .cost import ideal_cost, layer_cost
 from .peers import PeerConfig

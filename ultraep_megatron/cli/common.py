@@ -192,7 +192,7 @@ def add_megatron_layout_args(parser: argparse.ArgumentParser) -> None:
 
 
 def megatron_layout(args):
-    """The :class:`~ultraep_megatron.traces.RouterTraceLayout` from ``--run-args`` and the layout flags."""
+    """The :class:`~ultraep_megatron.traces.router.RouterTraceLayout` from ``--run-args`` and the layout flags."""
     from ultraep_megatron.traces.router import RouterTraceLayout, read_run_args
 
     run_args = None
@@ -217,11 +217,12 @@ def open_records(args):
     """The replay records named by the trace arguments (project traces or a Megatron routing trace),
     with ``--layers/--max-records/--load-scale`` applied."""
     from ultraep_megatron import traces
+    from ultraep_megatron.traces.router import RouterTraceRecords, is_router_trace
 
     chosen = dict(layers=args.layers, max_records=args.max_records, load_scale=args.load_scale)
     on_truncated = "error" if args.strict else "warn"
-    if traces.is_router_trace(args.traces):
-        return traces.RouterTraceRecords(args.traces[0], megatron_layout(args), on_truncated=on_truncated, **chosen)
+    if is_router_trace(args.traces):
+        return RouterTraceRecords(args.traces[0], megatron_layout(args), on_truncated=on_truncated, **chosen)
     for path in args.traces:
         if Path(path).is_dir() and not list(Path(path).glob(f"*{traces.TRACE_SUFFIX}")) and \
                 list(Path(path).glob("*.jsonl")):

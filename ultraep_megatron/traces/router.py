@@ -328,7 +328,7 @@ class RouterTraceRecords:
         on_truncated: a trace that ends early (a crash, or a run still writing: the last step is
             torn or missing on some ranks) keeps the steps complete on every rank, with a
             :class:`~ultraep_megatron.traces.TraceTruncatedWarning` (``"warn"``), silently
-            (``"ignore"``), or raises :class:`~ultraep_megatron.traces.TraceTruncatedError` (``"error"``).
+            (``"ignore"``), or raises :class:`~ultraep_megatron.traces.format.TraceTruncatedError` (``"error"``).
 
     Raises (when iterated, or at construction for the file set):
         TraceFormatError: a foreign or corrupt line, missing rank files, or files that do not
