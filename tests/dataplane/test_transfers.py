@@ -35,8 +35,7 @@ from dataplane_helpers import (
     run_world,
 )
 from ultraep_megatron.dataplane import HostCommStream, ReplicaBuffer, build_schedule
-from ultraep_megatron.dataplane.distribute import _distribute_weights
-from ultraep_megatron.dataplane.reduce import _reduce_gradients
+from ultraep_megatron.dataplane import distribute, reduce
 from ultraep_megatron.dataplane.tags import TagSequence
 
 
@@ -163,7 +162,7 @@ def check_bad_inputs(rank, world_size) -> list[str]:
         "grad-int": lambda: int32.reduce_gradients(sched, main),
         "grad-none": lambda: good.reduce_gradients(sched, [main[0], [None, None]]),
         # A buffer's own replica_weights are contiguous: the transfer itself checks any destination.
-        "noncontig": lambda: _distribute_weights(sched, main, torch.zeros(NUMEL, 2).t(), group=None,
+        "noncontig": lambda: distribute.distribute_weights(sched, main, torch.zeros(NUMEL, 2).t(), group=None,
                                                  tags=TagSequence()),
     }
     failures = []
@@ -376,8 +375,8 @@ def check_handles(rank, world_size, comm_stream=None) -> list[str]:
     # Several transfers in flight together into tensors of their own: the transfers themselves,
     # numbered in call order by one sequence, as one buffer's are.
     tags = TagSequence()
-    distribute_weights = functools.partial(_distribute_weights, group=None, tags=tags)
-    reduce_gradients = functools.partial(_reduce_gradients, group=None, tags=tags)
+    distribute_weights = functools.partial(distribute.distribute_weights, group=None, tags=tags)
+    reduce_gradients = functools.partial(reduce.reduce_gradients, group=None, tags=tags)
     relayed = random_plan(world_size, num_experts, 3, seed=21, hot_expert=1)
     direct = random_plan(world_size, num_experts, 3, seed=22, hot_expert=None, local_replica=True)
     empty = torch.full((world_size, 3), -1, dtype=torch.int64)
