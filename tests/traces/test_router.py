@@ -15,12 +15,8 @@ import torch
 from megatron.core.transformer.moe.router_trace import RouterTracer
 
 from ultraep_megatron import traces
-from ultraep_megatron.traces.router import (
-    RouterTraceLayout,
-    RouterTraceRecords,
-    convert_router_trace,
-    read_run_args,
-)
+from ultraep_megatron.traces.router import RouterTraceRecords, convert_router_trace
+from ultraep_megatron.traces.router_layout import RouterTraceLayout, read_run_args
 
 E, TOKENS, TOPK = 8, 12, 2
 

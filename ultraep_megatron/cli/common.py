@@ -192,8 +192,8 @@ def add_megatron_layout_args(parser: argparse.ArgumentParser) -> None:
 
 
 def megatron_layout(args):
-    """The :class:`~ultraep_megatron.traces.router.RouterTraceLayout` from ``--run-args`` and the layout flags."""
-    from ultraep_megatron.traces.router import RouterTraceLayout, read_run_args
+    """The :class:`~ultraep_megatron.traces.router_layout.RouterTraceLayout` from ``--run-args`` and the layout flags."""
+    from ultraep_megatron.traces.router_layout import RouterTraceLayout, read_run_args
 
     run_args = None
     if args.run_args is not None:
