@@ -230,10 +230,9 @@ def main():
         sorted_tokens, _ = dispatcher._permutation(probs)
         return tokens.index_select(0, sorted_tokens)
 
-    def device_planner_path():
-        load = others.clone()
-        load[rank] = routing_map.sum(dim=0)
-        planned = device_planning.plan_on_device(load, config, rank, training=False, grad_enabled=False)
+    def permute_then_cross(planned, stretch: str):
+        """A device plan's rest: the permutation from its reroute table, then its host half across
+        (the one wait) and the host metadata derived from it."""
         dispatcher._table = planned.reroute_table
         sorted_tokens, _ = dispatcher._permutation(probs)
         permuted = tokens.index_select(0, sorted_tokens)
@@ -242,8 +241,14 @@ def main():
         host_load, plan, balanced = device_planning.unpack_host_half(host_half, R, E, S)
         dispatcher.invocation = plan_invocation(plan, host_load, rank, layer_number=1, vid=None,
                                                 schedule_builder=None, balanced=balanced, plan_seconds=0.0)
-        host_stretch["device"].append(time.perf_counter() - h0)
+        host_stretch[stretch].append(time.perf_counter() - h0)
         return permuted
+
+    def device_planner_path():
+        load = others.clone()
+        load[rank] = routing_map.sum(dim=0)
+        planned = device_planning.plan_on_device(load, config, rank, training=False, grad_enabled=False)
+        return permute_then_cross(planned, "device")
 
     paths = {"megatron": megatron_path, "ultraep host": host_planner_path, "ultraep device": device_planner_path}
     graphed = graphed_device_planner(cfg, device, others, routing_map, config, rank) if cfg.device == "cuda" else None
@@ -255,16 +260,7 @@ def main():
             static_load.copy_(others)
             static_load[rank] = routing_map.sum(dim=0)
             graph.replay()
-            dispatcher._table = planned_in_graph.reroute_table
-            sorted_tokens, _ = dispatcher._permutation(probs)
-            permuted = tokens.index_select(0, sorted_tokens)
-            host_half = dispatchers._copy_to_host(planned_in_graph.host_half)
-            h0 = time.perf_counter()
-            host_load, plan, balanced = device_planning.unpack_host_half(host_half, R, E, S)
-            dispatcher.invocation = plan_invocation(plan, host_load, rank, layer_number=1, vid=None,
-                                                    schedule_builder=None, balanced=balanced, plan_seconds=0.0)
-            host_stretch["graphed"].append(time.perf_counter() - h0)
-            return permuted
+            return permute_then_cross(planned_in_graph, "graphed")
 
         paths["ultraep device graphed"] = graphed_device_planner_path
     times = {name: [] for name in paths}
