@@ -202,8 +202,8 @@ def run_peer_setting(R: int, E: int, imbalance: float, seeds: list[int]) -> dict
     """Per balancer: means of placement_metrics on the loads of this setting."""
     S, N = PEER_SLOTS, PEER_DOMAIN
     balancers = {
-        registry.LABELS[registry.ULTRAEP]: lambda load: Placement.from_plan(solve(load, S)),
-        f"{registry.LABELS[registry.ULTRAEP]} N={N}": lambda load: Placement.from_plan(solve(load, S, domain_size=N)),
+        registry.ULTRAEP: lambda load: Placement.from_plan(solve(load, S)),
+        f"{registry.ULTRAEP} N={N}": lambda load: Placement.from_plan(solve(load, S, domain_size=N)),
         "eplb++-fixed": lambda load: Placement.from_plan(eplb_exact(load, S)),
         "deepseek-eplb": lambda load: deepseek_eplb(load, S),
         "deepseek-eplb hier.": lambda load: deepseek_eplb(load, S, num_groups=R // N,

@@ -14,11 +14,12 @@ from traces_helpers import drifting_records
 from ultraep_megatron import planner
 from ultraep_megatron.analysis import advisor, cost
 from ultraep_megatron.analysis.advisor import advise_slots
+from ultraep_megatron.settings import hardware
 
 
 def test_slot_sweep_rows_follow_the_replayed_plans():
     records = drifting_records(iterations=4, layers=2, seed=8)
-    shape, hw = cost.ExpertShape(64, 32), cost.Hardware()
+    shape, hw = hardware.ExpertShape(64, 32), hardware.Hardware()
     rows, result = advisor.slot_sweep(records, [0, 1, 2], [None, 16], shape, hw, include_eplb_exact=True, plan_seconds=0.0)
     assert [(r["balancer"], r["num_slots"], r["min_quota"]) for r in rows] == [
         ("ultraep", 0, None), ("eplb-exact", 0, None),  # no slots: no quota floor to vary

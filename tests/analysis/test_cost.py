@@ -17,12 +17,13 @@ from ultraep_megatron.analysis.summary import cost_summary
 from ultraep_megatron.planner.plan import plan_from_split
 from ultraep_megatron.planner import BalancerConfig
 from ultraep_megatron.planner.baselines import identity_plan
+from ultraep_megatron.settings import hardware as settings_hw
 
 # Round numbers: one (token, expert) pair of compute = 1 ms; reading an expert's weights from HBM
 # = 1 ms (so an instance costs max(tokens, 1) ms); one token on the wire = 1 ms; one expert's
 # weights on the wire = 16 ms. Expert: h=4, f=8, 2 matrices -> 64 weights, 128 bytes, 128 FLOPs/token.
-SHAPE = cm.ExpertShape(hidden_size=4, ffn_hidden_size=8, gated=False, param_bytes=2, grad_bytes=4, activation_bytes=2)
-HW = cm.Hardware(scale_up_gbps=8e-6, peak_tflops=1.28e-7, hbm_tbps=1.28e-7, gemm_overhead_tokens=0)
+SHAPE = settings_hw.ExpertShape(hidden_size=4, ffn_hidden_size=8, gated=False, param_bytes=2, grad_bytes=4, activation_bytes=2)
+HW = settings_hw.Hardware(scale_up_gbps=8e-6, peak_tflops=1.28e-7, hbm_tbps=1.28e-7, gemm_overhead_tokens=0)
 MS = 1e-3
 
 LOAD_A = torch.tensor([[1, 1, 4, 2], [4, 0, 2, 2]], dtype=torch.int64)  # rank loads 6 / 10
@@ -31,13 +32,13 @@ LOAD_B = torch.tensor([[5, 1, 0, 2], [3, 0, 4, 1]], dtype=torch.int64)  # rank l
 
 def test_shape_and_hardware_units():
     assert (SHAPE.numel, SHAPE.weight_bytes, SHAPE.fwd_flops_per_token, SHAPE.token_bytes) == (64, 128, 128, 8)
-    assert cm.ExpertShape(4096, 1536).numel == 3 * 4096 * 1536
+    assert settings_hw.ExpertShape(4096, 1536).numel == 3 * 4096 * 1536
     assert HW.flops_per_s == pytest.approx(128e3) and HW.link_bytes_per_s == pytest.approx(8e3)
     assert HW.hbm_bytes_per_s == pytest.approx(128e3)
     with pytest.raises(ValueError, match="efficiency"):
-        cm.Hardware(compute_efficiency=1.5)
+        settings_hw.Hardware(compute_efficiency=1.5)
     with pytest.raises(ValueError, match="hidden_size"):
-        cm.ExpertShape(0, 8)
+        settings_hw.ExpertShape(0, 8)
 
 
 def test_identity_plan_cost_by_hand():
@@ -89,7 +90,7 @@ def test_replica_plan_cost_by_hand():
     assert serial["bwd"] == pytest.approx((68 + 4) * MS)
     assert serial["fwd_exposed"] == pytest.approx(16 * MS) and serial["bwd_exposed"] == pytest.approx(48 * MS)
     with pytest.raises(ValueError, match="transfer_overlap"):
-        cm.Hardware(transfer_overlap=1.5)
+        settings_hw.Hardware(transfer_overlap=1.5)
 
 
 def test_gemm_overhead_by_hand():
@@ -213,53 +214,53 @@ def smallest_paying_quota(shape, hw, k):
 
 
 def test_min_quota_from_hardware():
-    paper = cm.Hardware()
+    paper = settings_hw.Hardware()
     # F d / (2 B k) + M0: 2250e12 * 2 / (2 * 900e9) = 2500 tokens pay the transfer in inference
     # (/ 3 with the backward's compute), plus the GEMM's fixed cost of 100 tokens.
-    assert cm.min_quota_from_hardware(cm.DEFAULT_SHAPE, paper, training=False) == 2600
-    assert cm.min_quota_from_hardware(cm.DEFAULT_SHAPE, paper, training=True) == 934
+    assert settings_hw.min_quota_from_hardware(settings_hw.DEFAULT_SHAPE, paper, training=False) == 2600
+    assert settings_hw.min_quota_from_hardware(settings_hw.DEFAULT_SHAPE, paper, training=True) == 934
     no_overhead = dataclasses.replace(paper, gemm_overhead_tokens=0)  # HarMoEny's threshold alone
-    assert cm.min_quota_from_hardware(cm.DEFAULT_SHAPE, no_overhead, training=False) == 2500
-    assert cm.min_quota_from_hardware(cm.DEFAULT_SHAPE, no_overhead, training=True) == 834
-    h100 = cm.hardware_preset("h100-hgx")
-    assert cm.min_quota_from_hardware(cm.DEFAULT_SHAPE, h100, training=True) == math.ceil(989e12 / (3 * 450e9) + 100)
+    assert settings_hw.min_quota_from_hardware(settings_hw.DEFAULT_SHAPE, no_overhead, training=False) == 2500
+    assert settings_hw.min_quota_from_hardware(settings_hw.DEFAULT_SHAPE, no_overhead, training=True) == 834
+    h100 = settings_hw.hardware_preset("h100-hgx")
+    assert settings_hw.min_quota_from_hardware(settings_hw.DEFAULT_SHAPE, h100, training=True) == math.ceil(989e12 / (3 * 450e9) + 100)
     # A slow memory puts the replica's GEMM below the roofline's knee: it costs the weight read.
     slow_hbm = dataclasses.replace(paper, hbm_tbps=0.5)
     # Independent of the expert's size; equal to the search above on every hardware.
     for hw in (paper, no_overhead, h100, slow_hbm, dataclasses.replace(paper, scale_up_gbps=450)):
-        for shape in (cm.DEFAULT_SHAPE, cm.ExpertShape(7168, 2048), cm.ExpertShape(1024, 512, gated=False)):
+        for shape in (settings_hw.DEFAULT_SHAPE, settings_hw.ExpertShape(7168, 2048), settings_hw.ExpertShape(1024, 512, gated=False)):
             for training, k in ((True, 3), (False, 1)):
-                assert cm.min_quota_from_hardware(shape, hw, training=training) == \
+                assert settings_hw.min_quota_from_hardware(shape, hw, training=training) == \
                     smallest_paying_quota(shape, hw, k), (hw, shape, training)
     knee = paper.flops_per_s / slow_hbm.hbm_bytes_per_s  # tokens at which compute = weight read
-    q = cm.min_quota_from_hardware(cm.DEFAULT_SHAPE, slow_hbm, training=True)
+    q = settings_hw.min_quota_from_hardware(settings_hw.DEFAULT_SHAPE, slow_hbm, training=True)
     assert q + slow_hbm.gemm_overhead_tokens < knee and q > 934
 
 
 def test_hardware_presets_and_domains():
-    assert cm.hardware_preset("paper-rack") == dataclasses.replace(cm.Hardware(), scale_up_domain=64)
+    assert settings_hw.hardware_preset("paper-rack") == dataclasses.replace(settings_hw.Hardware(), scale_up_domain=64)
     with pytest.raises(ValueError, match="--moe-balancer-hardware"):
-        cm.hardware_preset("tpu")
-    h100 = cm.hardware_preset("h100-hgx")
+        settings_hw.hardware_preset("tpu")
+    h100 = settings_hw.hardware_preset("h100-hgx")
     assert [h100.ranks_per_domain(r) for r in (4, 8, 16, 64)] == [4, 8, 8, 8]
     with pytest.raises(ValueError, match="domains of 8"):
         h100.ranks_per_domain(12)
     with pytest.raises(ValueError, match="scale_up_domain"):
-        cm.Hardware(scale_up_domain=0)
+        settings_hw.Hardware(scale_up_domain=0)
 
 
 def test_slot_memory():
-    shape = cm.ExpertShape(4096, 1536)  # 18.9M weights
+    shape = settings_hw.ExpertShape(4096, 1536)  # 18.9M weights
     assert cm.slot_memory_bytes(shape, 2) == 2 * 3 * 4096 * 1536 * (2 + 4)
     assert cm.slot_memory_bytes(shape, 2, num_layers=92) == 92 * cm.slot_memory_bytes(shape, 2)
     assert cm.slot_memory_bytes(shape, 0) == 0
 
 
 def test_shape_from_meta():
-    shape, source = cm.ExpertShape.from_meta({"hidden_size": 64, "moe_ffn_hidden_size": 32, "swiglu": False})
+    shape, source = settings_hw.ExpertShape.from_meta({"hidden_size": 64, "moe_ffn_hidden_size": 32, "swiglu": False})
     assert (shape.hidden_size, shape.ffn_hidden_size, shape.gated, source) == (64, 32, False, "trace meta")
-    shape, source = cm.ExpertShape.from_meta({"hidden_size": 64, "ffn_hidden_size": 32}, hidden_size=128, grad_bytes=2)
+    shape, source = settings_hw.ExpertShape.from_meta({"hidden_size": 64, "ffn_hidden_size": 32}, hidden_size=128, grad_bytes=2)
     assert (shape.hidden_size, shape.ffn_hidden_size, shape.gated, shape.grad_bytes) == (128, 32, True, 2)
     assert source == "flags and trace meta"
-    shape, source = cm.ExpertShape.from_meta({})
-    assert shape == cm.DEFAULT_SHAPE and source.startswith("default")
+    shape, source = settings_hw.ExpertShape.from_meta({})
+    assert shape == settings_hw.DEFAULT_SHAPE and source.startswith("default")

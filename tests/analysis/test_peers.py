@@ -15,11 +15,12 @@ from ultraep_megatron.analysis.summary import peer_summary
 from ultraep_megatron.planner import BalancerConfig, baselines
 from ultraep_megatron.planner.baselines import registry
 from ultraep_megatron.planner.baselines.registry import DEEPSEEK_EPLB, LLEP
+from ultraep_megatron.settings import hardware as settings_hw
 from ultraep_megatron.traces.synthetic import zipf_load
 
 R, E, S, N = 8, 32, 2, 4
-SHAPE = cm.ExpertShape(256, 128)
-HARDWARE = cm.Hardware(scale_up_domain=N)
+SHAPE = settings_hw.ExpertShape(256, 128)
+HARDWARE = settings_hw.Hardware(scale_up_domain=N)
 
 
 @pytest.fixture(scope="module")

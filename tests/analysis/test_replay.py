@@ -11,10 +11,10 @@ import torch
 from traces_helpers import drifting_records
 
 from ultraep_megatron import planner, traces
-from ultraep_megatron.analysis import cost
 from ultraep_megatron.analysis import replay as rp
 from ultraep_megatron.analysis.summary import metric_summary, staleness_summary
 from ultraep_megatron.planner import BalancerConfig, baselines
+from ultraep_megatron.settings import hardware
 
 R, E = 4, 16
 
@@ -133,6 +133,6 @@ def test_replay_rejects_bad_input():
     with pytest.raises(ValueError, match="no balancer"):
         rp.replay(records, {})
     with pytest.raises(ValueError, match="both shape and hardware"):
-        rp.replay(records, none, shape=cost.DEFAULT_SHAPE)
+        rp.replay(records, none, shape=hardware.DEFAULT_SHAPE)
     with pytest.raises(ValueError, match="no records"):
         rp.replay([], none)

@@ -16,6 +16,7 @@ from cli_helpers import assert_png, run_replay
 from traces_helpers import KJV_TRACE
 
 from ultraep_megatron import planner, traces
+from ultraep_megatron.analysis import plotting
 from ultraep_megatron.analysis import replay as rp
 from ultraep_megatron.analysis.summary import metric_summary
 from ultraep_megatron.cli import main
@@ -81,7 +82,7 @@ def test_replay_of_the_kjv_trace_prints_the_peer_table(capsys):
     out = run_replay(capsys, *args)
     table = out[out.index("Peers ("):]
     rows = {line.split("  ")[0].strip(): line for line in table.splitlines()[3:] if line.strip()}
-    assert set(rows) == {"none", registry.LABELS[registry.EPLB], registry.LABELS[registry.EPLB_EXACT],
+    assert set(rows) == {"none", plotting.LABELS[registry.EPLB], plotting.LABELS[registry.EPLB_EXACT],
                          "ultraep (replicas in domains of 2)", "ideal", "deepseek-eplb (global, S=2)",
                          "deepseek-eplb (hierarchical, nodes of 2, S=2)",
                          "llep (alpha=1.1, m=1024, lambda=1.3)"}

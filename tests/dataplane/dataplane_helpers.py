@@ -6,7 +6,10 @@
   for ``ultraep_megatron.planner.solve``: it only has to produce realistic ``slot_expert`` tables
   (hot experts with many replicas, no duplicates per rank, no replica on the home rank).
 * Seeded tensors: every rank regenerates every expert's tensors from seeds, so expectations are
-  computed independently of the schedule.
+  computed independently of the schedule (:func:`expected_grad`).
+* Reference runs of the transfers (``test_transfers.py``, ``test_handle.py``): a buffer whose
+  transfers the caller's thread issues, one distribution checked against the seeded weights, one
+  reduction's outcome.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ultraep_megatron.dataplane import ReplicaBuffer
 from ultraep_megatron.traces.synthetic import zipf_topk_load
 
 
@@ -166,3 +170,66 @@ def replica_grad(seed: int, rank: int, slot: int, integer: bool) -> torch.Tensor
 
 def flat(tensors) -> torch.Tensor:
     return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def expected_grad(rank, slot_expert, num_experts, seed, local_index, integer) -> torch.Tensor:
+    """fp64 ``[NUMEL]``: main gradient plus every hosting slot's gradient (independent sum)."""
+    per_rank = num_experts // slot_expert.shape[0]
+    e = rank * per_rank + local_index
+    total = flat(main_grad(seed, e, integer)).double()
+    for r, row in enumerate(slot_expert.tolist()):
+        for s, x in enumerate(row):
+            if x == e:
+                total += replica_grad(seed, r, s, integer).double()
+    return total
+
+
+# -- reference runs of the transfers --------------------------------------------------------------
+
+def caller_thread_buffer(num_slots: int, weight_dtype=torch.float32, *, shapes=SHAPES,
+                         grad_dtype=torch.float32) -> ReplicaBuffer:
+    """A ReplicaBuffer whose transfers the caller's thread issues (``comm_stream`` ``None``: a relay's
+    later rounds in ``wait()``), not a HostCommStream. Collective, like every buffer."""
+    buffer = ReplicaBuffer(num_slots, shapes, weight_dtype, grad_dtype=grad_dtype)
+    buffer.comm_stream = None
+    return buffer
+
+
+def run_distribution(rank, slot_expert, num_experts, seed, sched, dtype=torch.float32, twice=False) -> list[str]:
+    per_rank = num_experts // slot_expert.shape[0]
+    main = [expert_weights(seed, rank * per_rank + i, dtype) for i in range(per_rank)]
+    buffer = caller_thread_buffer(slot_expert.shape[1], dtype)
+    replica = buffer.replica_weights.fill_(SENTINEL)
+    buffer.distribute_weights(sched, main)
+    if twice:  # backward re-materialization after later layers overwrote the shared buffer
+        replica.normal_()
+        replica[slot_expert[rank] < 0] = SENTINEL
+        buffer.distribute_weights(sched, main)
+    failures = []
+    for s, e in enumerate(slot_expert[rank].tolist()):
+        if e < 0:
+            if not bool((replica[s] == SENTINEL).all()):
+                failures.append(f"empty slot {s} was written")
+        elif not torch.equal(replica[s], flat(expert_weights(seed, e, dtype))):
+            failures.append(f"slot {s} (expert {e}) differs from its main expert")
+    for i in range(per_rank):  # the sender's main weights are untouched
+        if not all(torch.equal(a, b) for a, b in zip(main[i], expert_weights(seed, rank * per_rank + i, dtype))):
+            failures.append(f"main expert {rank * per_rank + i} was modified")
+    return failures
+
+
+def reduced_grads(rank, slot_expert, num_experts, seed, sched, integer, main_dtype=torch.float32):
+    """Run one reduction; return (main grads after, replica buffer after)."""
+    per_rank = num_experts // slot_expert.shape[0]
+    mains = [main_grad(seed, rank * per_rank + i, integer, main_dtype) for i in range(per_rank)]
+    buffer = caller_thread_buffer(slot_expert.shape[1])
+    replica = buffer.replica_grads
+    replica.copy_(torch.stack([replica_grad(seed, rank, s, integer) for s in range(slot_expert.shape[1])]))
+    replica[slot_expert[rank] < 0] = float("nan")  # never read: it would poison a main gradient
+    buffer.reduce_gradients(sched, mains)
+    return mains, replica
+
+
+def unhosted_slots_touched(rank, slot_expert, replica) -> bool:
+    """Whether a reduction wrote a slot that hosts no replica on this rank (NaN before it)."""
+    return not bool(replica[slot_expert[rank] < 0].isnan().all())

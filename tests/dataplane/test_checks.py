@@ -15,8 +15,8 @@ def _group_ranks_on_subgroups(rank, world_size):
     seen = {}
     for name, group, members in (("upper", upper, [2, 3]), ("odd", odd, [1, 3])):
         if rank in members:
-            first = checks._group_rank(group)
-            assert group in checks._group_ranks and checks._group_rank(group) == first
+            first = checks.group_rank(group)
+            assert group in checks._group_ranks and checks.group_rank(group) == first
             seen[name] = first
     cached = len(checks._group_ranks)
     for group in (upper, odd):

@@ -162,7 +162,7 @@ def launch_dump_run(run_dir: Path, nproc: int, args: Sequence[str], env: dict[st
 
 def merge_reduced_gradients(per_rank: Sequence[dict[str, tuple[torch.Tensor, torch.Tensor]]]) -> dict[str, torch.Tensor]:
     """One iteration's reduced gradients, by global name, from every rank's ``(gradient, owned)``
-    (workers/pretrain_grad_dump.reduced_gradients): each element from the first rank that holds
+    (workers/megatron_records.reduced_gradients): each element from the first rank that holds
     its reduced value. Every element must be held by some rank (with the distributed optimizer the
     shards of a bucket's data-parallel group cover it)."""
     merged: dict[str, torch.Tensor] = {}

@@ -1,5 +1,7 @@
-"""The ``--moe-balancer-*`` flags (``megatron/arguments.py``): one table of knobs gives Megatron's
-and ``ultraep``'s flags, their defaults and their validation; the planner receives plain numbers.
+"""The ``--moe-balancer-*`` flags (``settings/knobs.py``, added to Megatron's parser by
+``megatron/arguments.py``): one table of knobs gives Megatron's and ``ultraep``'s flags and their
+defaults, the planner's rules (``BalancerConfig.problems``) their validation naming each flag; the
+planner receives plain numbers.
 Bad values fail at startup with a message naming the flag, as in pretrain_gpt.py: UltraEP's startup
 checks on Megatron's parse of the command line, then Megatron's own parser and validation (one
 subprocess for all command lines, no distributed setup; the Megatron settings a balanced layer
@@ -16,15 +18,18 @@ import torch
 
 from megatron_runs import argument_verdicts, check_verdict, tiny_moe_args
 
-from ultraep_megatron.analysis.cost import DEFAULT_SHAPE, HARDWARE_PRESETS, hardware_preset, min_quota_from_hardware
 from ultraep_megatron.megatron import arguments
 from ultraep_megatron.planner import BalancerConfig
 from ultraep_megatron.planner.balancer import DEFAULT_NUM_SLOTS
+from ultraep_megatron.settings import knobs
+from ultraep_megatron.settings.hardware import (
+    DEFAULT_SHAPE, HARDWARE_PRESETS, hardware_min_quota, hardware_preset, min_quota_from_hardware,
+)
 
 
 def parsed(*argv, **add):
     parser = argparse.ArgumentParser()
-    arguments.add_balancer_arguments(parser, **add)
+    knobs.add_balancer_arguments(parser, **add)
     return parser.parse_args(list(argv))
 
 
@@ -33,7 +38,7 @@ def test_defaults_and_the_flags_built_from_them():
     assert args.moe_balancer == "none" and arguments.balancer_config_from_args(args) is None
     config = arguments.balancer_config_from_args(parsed("--moe-balancer", "ultraep"))
     planner_fields = set(BalancerConfig.__dataclass_fields__)
-    for knob in arguments.KNOBS:  # parser default == knob default == the planner's default
+    for knob in knobs.KNOBS:  # parser default == knob default == the planner's default
         assert getattr(args, knob.dest) == knob.default, knob.flag
         if knob.field in planner_fields:
             assert knob.default == getattr(BalancerConfig(), knob.field) == getattr(config, knob.field), knob.flag
@@ -41,7 +46,7 @@ def test_defaults_and_the_flags_built_from_them():
             assert knob.runtime_only or knob.field == "hardware", knob.flag
     assert config.num_slots == DEFAULT_NUM_SLOTS == 2
     replay_parser = argparse.ArgumentParser()
-    arguments.add_balancer_arguments(replay_parser, runtime=False, balancer_flag=False)
+    knobs.add_balancer_arguments(replay_parser, runtime=False, balancer_flag=False)
     flags = {a.option_strings[0] for a in replay_parser._actions if a.option_strings}
     assert "--moe-balancer-trace-dir" not in flags and "--moe-balancer-num-slots" in flags
     assert "--moe-balancer" not in flags
@@ -93,7 +98,7 @@ def test_every_problem_is_named_not_only_the_first():
 
 
 def test_hardware_presets_are_named_in_the_flag_help():
-    help_text = next(k.help for k in arguments.KNOBS if k.field == "hardware")
+    help_text = next(k.help for k in knobs.KNOBS if k.field == "hardware")
     assert all(name in help_text for name in HARDWARE_PRESETS)
 
 
@@ -101,7 +106,7 @@ def test_hardware_floor_reaches_the_planner_as_a_number():
     """``--moe-balancer-hardware`` sets the planner's min quota (and so its default trigger); an
     explicit ``--moe-balancer-min-quota`` wins."""
     q = min_quota_from_hardware(DEFAULT_SHAPE, hardware_preset("h100-hgx"), training=True)
-    assert q == arguments.hardware_min_quota("h100-hgx") > 1
+    assert q == hardware_min_quota("h100-hgx") > 1
     config = arguments.balancer_config_from_args(
         parsed("--moe-balancer", "ultraep", "--moe-balancer-hardware", "h100-hgx"))
     assert config.min_quota == q
@@ -195,7 +200,7 @@ def test_planner_flag_choices_and_balancers():
                                    ("eplb", "device", True), ("eplb-exact", "host", False),
                                    ("ultraep", "gpu", True)):
         args = argparse.Namespace(moe_balancer=balancer, moe_balancer_planner=planner)
-        problems = arguments.knob_problems(args)[1]
+        problems = knobs.knob_problems(args)[1]
         assert bool(problems) == bad and all("--moe-balancer-planner" in p for p in problems), problems
     if not torch.cuda.is_available():
         assert resolve_planner(None, "ultraep") == "host"

@@ -2,9 +2,9 @@
 itself against the host references at the first layer's registration, and a model whose check
 fails plans on the host, with one warning line.
 
-On the CPU the device planner runs its reference's torch calls (fixed step counts, as a device
-without Triton would), and the self-check compares them with the numpy reference, the host trigger
-and the host's ``rank_dispatch``: the same comparison a GPU makes against its Triton kernel. The
+On the CPU the device planner runs its lockstep torch calls (fixed step counts, as a device
+without Triton would), and the self-check compares them with the greedy's specification, the host
+trigger and the host's ``rank_dispatch``: the same comparison a GPU makes against its Triton kernel. The
 faults are ``workers/pretrain_grad_dump.py``'s (every way the tests break the balancer, in one
 place): a kernel returning a wrong plan, and one raising. The multi-rank hand-over (a failure on one
 rank of the EP group) runs in ``test_balanced_moe_layer.py``'s ``device_planner_fallback``.
@@ -69,7 +69,8 @@ def test_the_self_check_passes_on_probe_loads_that_replicate(R, E, S, N, min_quo
                                            ("device_planner_raises", "RuntimeError: triton compilation failed")])
 def test_negative_control_a_broken_kernel_fails_the_self_check(fault, message):
     """The kernel returning a wrong plan (every threshold infeasible), or raising: the check fails
-    and says why in one line; the references (numpy, the host planner) are untouched by the fault."""
+    and says why in one line; the references (the specification, the host planner) are untouched by
+    the fault."""
     config = config_of(2, None, None, None)
     with FAULTS[fault]():
         check = device_planning.self_check(config, 8, 64, CPU, 3)

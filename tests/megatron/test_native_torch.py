@@ -2,12 +2,44 @@
 mapping, and only that mode is lifted (observed in the backend's probe process, ``probe`` in
 tests/megatron/conftest.py)."""
 
+import torch
+from torch.overrides import TorchFunctionMode
+
 from ultraep_megatron.megatron import native_torch
 
 
+class Seen(TorchFunctionMode):
+    """A torch-function mode recording the torch functions called under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+@native_torch.native_torch
+def add_one(x):
+    return torch.add(x, 1)
+
+
 def test_nothing_is_lifted_where_the_backend_is_not_active():
+    """No device mapping registered (a GPU, or this process, where the CPU backend is not active):
+    the decorated function runs under every mode in force, the innermost one included, which sees
+    its calls. Control: the same mode registered as the mapping is lifted, and sees none of them."""
     assert native_torch.device_mapping() is None
-    assert native_torch.native_torch(lambda x: x + 1)(1) == 2
+    with Seen() as seen:
+        assert torch.equal(add_one(torch.zeros(1)), torch.ones(1))
+    assert torch.add in seen.calls
+    with Seen() as mapping:
+        native_torch.register_device_mapping(mapping)
+        try:
+            assert torch.equal(add_one(torch.zeros(1)), torch.ones(1))
+        finally:
+            native_torch.register_device_mapping(None)
+    assert torch.add not in mapping.calls and native_torch.device_mapping() is None
 
 
 def test_native_torch_lifts_only_the_innermost_device_mapping(probe):

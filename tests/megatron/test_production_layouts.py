@@ -264,7 +264,7 @@ SHARED_EXPERT = ["--moe-shared-expert-intermediate-size", "64"]
 
 @pytest.fixture(scope="module")
 def grad_order_run(tmp_path_factory):
-    """Every rank's ``grad_order`` record (workers/pretrain_grad_dump.GradReadyOrder), by rank."""
+    """Every rank's ``grad_order`` record (workers/megatron_records.GradReadyOrder), by rank."""
     run_dir = tmp_path_factory.mktemp("grad_order")
     iterations = len(ORDER_CLEAN) + len(ORDER_FAULTED)
     args = [*tiny_moe_args(ep=EP, train_iters=iterations), *PRODUCTION_DDP, *BALANCED, *SHARED_EXPERT,

@@ -224,3 +224,53 @@ def copy_counts(physical_expert: np.ndarray, num_experts: int, domain_size: int)
     moves = sum(1 for e in range(num_experts) if (e, e // G) not in held)
     cross = sum(1 for e, t in held if t // domain_size != (e // G) // domain_size)
     return copies, moves, cross
+
+
+def assign_tokens(plan, rank: int, topk_ids: torch.Tensor) -> torch.Tensor:
+    """The test oracle of the token reroute: the physical slot of every (token, expert) pair of
+    source ``rank``, realizing the plan exactly (the cumulative-quota lookup of UltraEP §5.2).
+
+    The j-th pair (in row-major order of ``topk_ids``) routed to expert e goes to the first instance
+    of e, in rank order, whose cumulative count ``split[rank, e, :].cumsum()`` exceeds j: a stable
+    sort by expert, then one searchsorted into the cumulative (expert, instance) counts. int64
+    [T, k] logical ids -> int64 [T, k] physical slot ids ``t * (G + S) + j``.
+
+    Raises:
+        ValueError: bad shapes/ids, or ids whose per-expert counts differ from the plan's load for
+            ``rank`` (the plan was made for another load).
+    """
+    R, E = plan.num_ranks, plan.num_experts
+    if (not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype != torch.int64
+            or topk_ids.dim() != 2):
+        raise ValueError("topk_ids must be an int64 [T, k] tensor")
+    if not 0 <= rank < R:
+        raise ValueError(f"rank must be in [0, {R}), got {rank}")
+    flat = topk_ids.reshape(-1)
+    device = flat.device
+    inst = plan.instance_slot.to(device)  # [E, R]
+    counts = plan.physical_split[rank].to(device)[inst.clamp(min=0)] * (inst >= 0)  # [E, R]
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= E):
+        raise ValueError(f"topk_ids must lie in [0, {E})")
+    if not torch.equal(torch.bincount(flat, minlength=E), counts.sum(1)):
+        raise ValueError(f"topk_ids of rank {rank} do not match the load the plan was solved for")
+    order = torch.sort(flat, stable=True).indices
+    # After the stable sort, pair i is the (i - start_e)-th pair of its expert e, so its position
+    # in the flattened (expert, instance) cumulative counts is just i.
+    instance = torch.searchsorted(counts.reshape(-1).cumsum(0),
+                                  torch.arange(flat.numel(), device=device), right=True)
+    physical = torch.empty_like(flat)
+    physical[order] = inst.reshape(-1)[instance]
+    return physical.view_as(topk_ids)
+
+
+def tokens_sent_per_physical_slot(plan, rank: int) -> torch.Tensor:
+    """[R * P] tokens ``rank`` sends to every physical slot (summed per P-block: its
+    ``input_splits``)."""
+    return plan.physical_split[rank]
+
+
+def tokens_received_per_local_slot(plan, rank: int) -> torch.Tensor:
+    """[R, P] tokens ``rank`` receives from each source rank for each of its physical slots:
+    megatron's ``num_global_tokens_per_local_expert`` (summed over the last dim: ``output_splits``)."""
+    P = plan.physical_slots_per_rank
+    return plan.physical_split[:, rank * P:(rank + 1) * P]

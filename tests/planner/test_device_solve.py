@@ -1,5 +1,6 @@
-"""``planner.device_solve``: valid plans, no host read, Triton probe = torch reference bit for bit,
-and balance within 0.2 % of the host planner's on its quality grid."""
+"""``planner.device_solve``: valid plans, no host read, the device's probes (Triton, the torch
+lockstep) = the specification (``reference.greedy_replicas``) bit for bit, and balance within 0.2 %
+of the host planner's on its quality grid."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from hypothesis import given, settings
 
 from planner_helpers import SETTINGS, check_plan, domain_problems
 from ultraep_megatron.planner import device_solve, metrics, solve
-from ultraep_megatron.planner.device_solve import probe_inputs, reference_probe, search_rounds
+from ultraep_megatron.planner.device_solve import lockstep_probe, probe_inputs, reference_probe, search_rounds
 from ultraep_megatron.traces.synthetic import zipf_load
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,22 +39,43 @@ def test_device_plans_are_valid(problem):
 
 @settings(max_examples=60, **SETTINGS)
 @given(domain_problems(max_ranks=8, max_slots=3))
-def test_reference_numpy_and_torch_calls_agree(problem):
-    """The reference runs numpy on CPU and torch elsewhere (fixed step count, as on a GPU): both
-    give the same outputs for 6 thresholds from the lower bound to past the initial max."""
+def test_specification_and_torch_calls_agree(problem):
+    """The torch lockstep (the device path where Triton does not run: fixed step count, no host
+    read) answers every probe as the specification does, ``reference.greedy_replicas`` run
+    threshold by threshold: feasibility, and every output of a feasible probe, for 6 thresholds
+    from the lower bound to past the initial max; whole solves give the same plan."""
     load, S, min_quota, N = problem
     expert_load, rank_load, order, lower, floor = probe_inputs(load, min_quota, N)
     taus = torch.linspace(int(lower), int(rank_load.max()) + 1, 6).long()
     args = (taus, expert_load, rank_load, order, floor, S, N, True)
-    fast, slow = reference_probe(*args), reference_probe(*args, use_numpy=False)
-    assert torch.equal(fast[0], slow[0])
-    for a, b in zip(fast[1:], slow[1:]):
-        assert torch.equal(a[fast[0]], b[fast[0]])
+    spec, lockstep = reference_probe(*args), lockstep_probe(*args)
+    assert torch.equal(spec[0], lockstep[0])
+    for a, b in zip(spec[1:], lockstep[1:]):
+        assert torch.equal(a[spec[0]], b[spec[0]])
     # Whole solves: "torch" (what the CPU backend's device path runs) plans as "reference".
-    numpy_plan = device_solve(load, S, min_quota=min_quota, domain_size=N, implementation="reference")
+    spec_plan = device_solve(load, S, min_quota=min_quota, domain_size=N, implementation="reference")
     torch_plan = device_solve(load, S, min_quota=min_quota, domain_size=N, implementation="torch")
     for field in ("slot_expert", "quota", "physical_split", "threshold"):
-        assert torch.equal(getattr(numpy_plan, field), getattr(torch_plan, field)), field
+        assert torch.equal(getattr(spec_plan, field), getattr(torch_plan, field)), field
+
+
+def test_a_probe_that_differs_from_the_specification_is_seen():
+    """Negative control of the comparison above: the lockstep at thresholds one token higher, or
+    with one replica's quota moved, disagrees with the specification on a load that replicates."""
+    load = zipf_load(8, 32, 3.0, seed=4)
+    expert_load, rank_load, order, lower, floor = probe_inputs(load, None, 8)
+    taus = torch.linspace(int(lower), int(rank_load.max()) + 1, 6).long()
+    args = (expert_load, rank_load, order, floor, 2, 8, True)
+    spec = reference_probe(taus, *args)
+    assert int((spec[2] > 0).sum()) > 0  # replicas to compare
+    shifted = lockstep_probe(taus + 1, *args)
+    moved = lockstep_probe(taus, *args)
+    first = int(spec[0].nonzero()[0])
+    cell = (moved[2][first] > 0).nonzero()[0]
+    moved[2][first][tuple(cell)] -= 1
+    for other in (shifted, moved):
+        assert not (torch.equal(spec[0], other[0])
+                    and all(torch.equal(a[spec[0]], b[spec[0]]) for a, b in zip(spec[1:], other[1:])))
 
 
 @pytest.mark.parametrize("control", [False, True])

@@ -14,7 +14,7 @@ from product_runs import REPO
 
 from ultraep_megatron.megatron.arguments import add_ultraep_args, escape_stray_percent_in_help
 from ultraep_megatron.planner.baselines import registry
-from ultraep_megatron.megatron.arguments import KNOBS
+from ultraep_megatron.settings.knobs import KNOBS
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,8 @@ import torch
 
 from ultraep_megatron import traces
 from ultraep_megatron.cli import main
-from ultraep_megatron.traces.router import RouterTraceLayout, RouterTraceRecords, read_run_args
+from ultraep_megatron.traces.router import RouterTraceRecords
+from ultraep_megatron.traces.router_layout import RouterTraceLayout, read_run_args
 
 from product_runs import CHECKPOINT_ITERATION, REPO
 

@@ -25,8 +25,7 @@ from matplotlib.figure import Figure
 from ultraep_megatron import traces
 from ultraep_megatron.analysis import resume_experiment as rx
 from ultraep_megatron.analysis import resume_runs
-from ultraep_megatron.analysis.plotting import balancer_of
-from ultraep_megatron.planner.baselines.registry import COLORS as BALANCER_COLORS
+from ultraep_megatron.analysis.plotting import COLORS as BALANCER_COLORS, balancer_of
 from ultraep_megatron.cli import main
 from ultraep_megatron.cli.common import EXIT_OK
 from ultraep_megatron.megatron.dashboards import Dashboard
@@ -195,7 +194,7 @@ def test_every_plot_type_is_readable_and_uses_one_colour_per_balancer(
 def test_colour_maps_put_white_at_the_mean():
     """Load / mean and max / mean share one convention: 1.0 (balanced) is white, above it red,
     below it blue; the max/mean map is the upper half of the load map."""
-    from ultraep_megatron.analysis.plotting import load_colors
+    from ultraep_megatron.analysis.figures import load_colors
 
     load_cmap, load_norm = load_colors(4.0, below_mean=True)
     imb_cmap, imb_norm = load_colors(4.0, below_mean=False)

@@ -25,6 +25,7 @@ import pytest
 
 from ultraep_megatron.cli import main
 from ultraep_megatron.megatron import recipe_check as check_recipe
+from ultraep_megatron.megatron.recipe_check import model
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -233,8 +234,8 @@ def test_a_repeated_mtp_layer_is_one_balanced_layer(repeated, ids):
     args = types.SimpleNamespace(moe_balancer="ultraep", num_layers=4, num_experts=8,
                                  moe_layer_freq=[0, 1, 1, 1], mtp_num_layers=2,
                                  mtp_use_repeated_layer=repeated)
-    assert check_recipe.balanced_moe_layer_ids(args) == ids
-    assert check_recipe.built_mtp_layers(args) == (1 if repeated else 2)
+    assert model.balanced_moe_layer_ids(args) == ids
+    assert model.built_mtp_layers(args) == (1 if repeated else 2)
 
 
 def test_checker_rejects_an_ep_group_larger_than_a_rack(reports):

@@ -24,6 +24,7 @@ from ultraep_megatron.analysis import resume_runs
 from ultraep_megatron.megatron.checkpoint_args import checkpoint_args
 from ultraep_megatron.cli import main
 from ultraep_megatron.megatron import recipe_check as check_recipe
+from ultraep_megatron.megatron.recipe_check.model import flops_per_iteration
 
 ITERATIONS, WARMUP = 3, 1
 BALANCERS = ("none", "ultraep", "ideal")
@@ -84,7 +85,7 @@ def test_throughput_is_megatrons_formula_over_the_measured_window(experiment):
     completed, out, table, records = experiment
     launch = check_recipe.capture_launch(TINY_RECIPE)
     args, _ = check_recipe.validate_arguments(launch.args, launch.world_size)
-    flops = check_recipe.flops_per_iteration(args)  # Megatron's formula, independently of the run
+    flops = flops_per_iteration(args)  # Megatron's formula, independently of the run
     measured = list(range(CHECKPOINT_ITERATION + 1 + WARMUP, CHECKPOINT_ITERATION + ITERATIONS + 1))
     tflops = {}
     for balancer in BALANCERS:

@@ -35,7 +35,7 @@ def test_round_trip_all_widths(tmp_path, compress):
     assert (trace.header.version, trace.header.num_ranks, trace.header.num_experts) == (1, R, E)
     assert trace.status == "closed" and trace.truncated_bytes == 0 and trace.uncommitted_records == 0
     assert trace.layers == [1, 3]
-    assert torch.equal(trace.for_layer(3), torch.stack([e[3] for e in expected if e[2] == 3]))
+    assert torch.equal(trace.load[trace.layer == 3], torch.stack([e[3] for e in expected if e[2] == 3]))
 
 
 def test_byte_layout_matches_the_documented_spec(tmp_path):

@@ -15,12 +15,8 @@ import torch
 from megatron.core.transformer.moe.router_trace import RouterTracer
 
 from ultraep_megatron import traces
-from ultraep_megatron.traces.router import (
-    RouterTraceLayout,
-    RouterTraceRecords,
-    convert_router_trace,
-    read_run_args,
-)
+from ultraep_megatron.traces.router import RouterTraceRecords, convert_router_trace
+from ultraep_megatron.traces.router_layout import RouterTraceLayout, read_run_args
 
 E, TOKENS, TOPK = 8, 12, 2
 
@@ -347,6 +343,7 @@ def test_a_trace_of_the_qwen3_hgx_recipe_model_in_a_pp4_layout_replays(tmp_path,
 
     from ultraep_megatron.cli import main
     from ultraep_megatron.megatron import recipe_check
+    from ultraep_megatron.megatron.recipe_check.memory import stage_layers
 
     recipe = Path(__file__).resolve().parents[2] / "recipes" / "qwen3_235b_a22b_ep32_pp8_hgx.sh"
     launch = recipe_check.capture_launch(recipe, {"GLOBAL_BATCH_SIZE": "64", "DISPATCHER": "alltoall", "NNODES": "16"})
@@ -354,7 +351,7 @@ def test_a_trace_of_the_qwen3_hgx_recipe_model_in_a_pp4_layout_replays(tmp_path,
     log = tmp_path / "log.txt"
     log.write_text(printed)
     assert "------------------------ arguments ------------------------" in printed
-    stages = [list(s) for s in recipe_check.stage_layers(args)]  # megatron-core's own numbering
+    stages = [list(s) for s in stage_layers(args)]  # megatron-core's own numbering
     assert [len(s) for s in stages] == [23, 24, 24, 23]
     M = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
     assert (args.expert_model_parallel_size, args.pipeline_model_parallel_size, M) == (32, 4, 2)

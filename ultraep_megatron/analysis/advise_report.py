@@ -13,10 +13,11 @@ from typing import Callable, Iterable, Optional, Sequence
 
 from ultraep_megatron.planner import BalancerConfig
 from ultraep_megatron.planner.baselines import registry
+from ultraep_megatron.settings.hardware import ExpertShape, Hardware, min_quota_from_hardware
 
-from . import plotting
+from . import figures, plotting
 from .advisor import CAPACITY_TAIL, CAPACITY_TARGET, advise_slots, recipe_slots, slot_sweep
-from .cost import ExpertShape, Hardware, min_quota_from_hardware, slot_memory_bytes
+from .cost import slot_memory_bytes
 from .replay import replay
 from .summary import estimate_problem, metric_summary
 from .tables import ESTIMATE, dump_json, fmt, format_table, write_csv
@@ -226,7 +227,7 @@ def render(report: dict) -> str:
 def plot_advisor(rows: list[dict], hw_quota: int, plot_dir: Path, recommendation: dict) -> Path:
     """advisor.png: balance and estimated speedup against slots, one curve per balancer and quota
     floor (in the balancer's colour; floors by line style), memory on the top axis."""
-    plt = plotting.pyplot()
+    plt = figures.pyplot()
     fig, (ax_imb, ax_speed) = plt.subplots(1, 2, figsize=(11.5, 4.4), layout="constrained")
     no_replicas = [r for r in rows if r["balancer"] == registry.ULTRAEP and r["num_slots"] == 0]
     series: dict[str, list[dict]] = {}
@@ -250,7 +251,7 @@ def plot_advisor(rows: list[dict], hw_quota: int, plot_dir: Path, recommendation
                       fontsize=8, textcoords="offset points", xytext=(3, 0))
     for ax in (ax_imb, ax_speed):
         ax.set_xlabel("redundant slots per rank")
-        plotting.integer_ticks(ax.xaxis)
+        figures.integer_ticks(ax.xaxis)
     ax_imb.set_ylabel("rank imbalance after (mean)")
     ax_imb.set_title("Balance vs slots (replayed)", fontsize=10)
     ax_speed.set_ylabel("estimated speedup over none")
@@ -261,4 +262,4 @@ def plot_advisor(rows: list[dict], hw_quota: int, plot_dir: Path, recommendation
     top.set_xticks(slots, [f"{memory[s] / 2**20:.0f}" for s in slots], fontsize=7)
     top.set_xlabel("MiB per rank (shared slot buffers)", fontsize=8)
     ax_imb.legend(fontsize=8)
-    return plotting.save_figure(fig, plot_dir / "advisor.png")
+    return figures.save_figure(fig, plot_dir / "advisor.png")

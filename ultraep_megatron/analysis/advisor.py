@@ -30,8 +30,9 @@ import torch
 
 from ultraep_megatron.planner import BalancerConfig
 from ultraep_megatron.planner.baselines import registry
+from ultraep_megatron.settings.hardware import ExpertShape, Hardware
 
-from .cost import ExpertShape, Hardware, slot_memory_bytes
+from .cost import slot_memory_bytes
 from .replay import ReplayResult, replay
 from .summary import cost_summary, metric_summary
 

@@ -9,8 +9,8 @@ from typing import Mapping, Optional, Sequence
 
 from ultraep_megatron.planner import BalancerConfig
 from ultraep_megatron.planner.baselines import registry
+from ultraep_megatron.settings.hardware import ExpertShape, Hardware, hardware_preset, min_quota_from_hardware
 
-from .cost import ExpertShape, Hardware, hardware_preset, min_quota_from_hardware
 from .peers import PeerConfig
 
 __all__ = ["peer_configs", "replay_balancers", "resolve_hardware", "resolve_min_quota"]

@@ -26,9 +26,10 @@ from ultraep_megatron.dataplane.schedule import ScheduleCache
 from ultraep_megatron.planner import BalancerConfig, LayerBalancer, Plan, baselines
 from ultraep_megatron.planner.baselines import Placement, registry
 from ultraep_megatron.planner.solve import validate_domain_size
-from ultraep_megatron.traces import Record
+from ultraep_megatron.settings.hardware import ExpertShape, Hardware
+from ultraep_megatron.traces.records import Record
 
-from .cost import ExpertShape, Hardware, ideal_cost, layer_cost
+from .cost import ideal_cost, layer_cost
 from .peers import PeerConfig
 
 __all__ = ["METRIC_KEYS", "ReplayResult", "ideal_metrics", "outcome_metrics", "replay"]

@@ -1,6 +1,6 @@
 """The figures of ``ultraep replay``: imbalance over time per layer and as a layer x iteration
 heatmap, load heatmaps, EPLB under stale history, and the estimated layer time. Colours and colour
-maps: :mod:`.plotting`."""
+maps: :mod:`.plotting` and :mod:`.figures`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 
 from ultraep_megatron.planner.baselines import registry
 
-from . import plotting
+from . import figures, plotting
 from .replay import ReplayResult
 from .summary import cost_summary, metric_summary, staleness_summary
 from .tables import ESTIMATE
@@ -47,7 +47,7 @@ def plot_replay(result: ReplayResult, labels: Sequence[str], plot_dir: Path,
     the replay carries the cost model and its estimate applies). Colours: one per
     balancer (``registry.COLORS``); loads relative to the mean white at 1.0, as in the
     training dashboards. Returns the paths."""
-    plt = plotting.pyplot()
+    plt = figures.pyplot()
     written = []
     balanced = [label for label in labels if result.balancers[label].name not in (registry.NONE, registry.IDEAL)]
     before = result.metrics[labels[0]]["imbalance_before"]
@@ -69,7 +69,7 @@ def plot_replay(result: ReplayResult, labels: Sequence[str], plot_dir: Path,
                     color=plotting.balancer_color(label), label=label)
         top = max(top, float(before[mask].max()))
         ax.set_title(f"layer {layer}", fontsize=9)
-        plotting.integer_ticks(ax.xaxis)
+        figures.integer_ticks(ax.xaxis)
     axes[0, 0].set_ylim(0.9, top + 0.05 * (top - 0.9))  # 1.0 (balanced) clear of the axis
     for ax in axes.flat[len(layers):]:
         ax.axis("off")
@@ -82,13 +82,13 @@ def plot_replay(result: ReplayResult, labels: Sequence[str], plot_dir: Path,
     shown = "" if len(layers) == len(result.layers) else \
         f" ({len(layers)} of {len(result.layers)} layers; every layer: imbalance_heatmap.png)"
     fig.suptitle(f"Rank imbalance over time per layer, replayed{shown}", fontsize=10)
-    written.append(plotting.save_figure(fig, plot_dir / "imbalance_over_time.png"))
+    written.append(figures.save_figure(fig, plot_dir / "imbalance_over_time.png"))
 
     iterations, layer_ids, mean_before = layer_iteration_means(result, before)
     panels = [(f"{registry.NONE} (before balancing)", mean_before)]
     panels += [(f"{label} (after balancing)", layer_iteration_means(result, result.metrics[label]["imbalance_after"])[2])
                for label in balanced]
-    written.append(plotting.render_heatmap(
+    written.append(figures.render_heatmap(
         iterations, layer_ids, panels, plot_dir / "imbalance_heatmap.png",
         "Rank imbalance per layer and iteration (mean over microbatches), replayed"))
 
@@ -111,16 +111,16 @@ def plot_replay(result: ReplayResult, labels: Sequence[str], plot_dir: Path,
             # Rank panels share one colour scale (before/after comparable); experts get their own.
             rank_max = max([float(p[1].max()) for p in panels[1:]] or [1.0])
             for ax, (title, data, ylabel) in zip(axes[0], panels):
-                cmap, norm = plotting.load_colors(float(data.max()) if ylabel == "expert" else rank_max,
+                cmap, norm = figures.load_colors(float(data.max()) if ylabel == "expert" else rank_max,
                                                   below_mean=True)
                 im = ax.imshow(data, aspect="auto", interpolation="nearest", cmap=cmap, norm=norm)
                 ax.set_title(title, fontsize=9)
                 ax.set_xlabel("microbatch (trace order)")
                 ax.set_ylabel(ylabel)
-                plotting.integer_ticks(ax.xaxis, ax.yaxis)
+                figures.integer_ticks(ax.xaxis, ax.yaxis)
                 fig.colorbar(im, ax=ax).set_label("load / mean (1 = the mean)", fontsize=8)
             fig.suptitle(f"Layer {layer}: load heatmaps (white = the mean load)", fontsize=10)
-            written.append(plotting.save_figure(fig, plot_dir / f"load_heatmap_layer{layer}.png"))
+            written.append(figures.save_figure(fig, plot_dir / f"load_heatmap_layer{layer}.png"))
 
     stale = [r for r in staleness_summary(result) if r["label"] not in labels]
     if stale:
@@ -142,7 +142,7 @@ def plot_replay(result: ReplayResult, labels: Sequence[str], plot_dir: Path,
         ax.set_ylabel("rank imbalance after (max/mean)")
         ax.set_title("How stale history hurts EPLB (replayed)", fontsize=10)
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # clear of the curves
-        written.append(plotting.save_figure(fig, plot_dir / "eplb_staleness.png"))
+        written.append(figures.save_figure(fig, plot_dir / "eplb_staleness.png"))
 
     if cost and result.costs is not None:
         fig, ax = plt.subplots(figsize=(max(8.0, 0.5 * len(result.layers) + 3.5), 4.0), layout="constrained")
@@ -157,5 +157,5 @@ def plot_replay(result: ReplayResult, labels: Sequence[str], plot_dir: Path,
         ax.set_title(f"{ESTIMATE}: MoE layer time per balancer (cost model + plan time on this CPU)",
                      fontsize=10)
         ax.legend(fontsize=8, ncol=len(labels), loc="lower center", bbox_to_anchor=(0.5, 1.08), frameon=False)
-        written.append(plotting.save_figure(fig, plot_dir / "estimated_layer_time.png"))
+        written.append(figures.save_figure(fig, plot_dir / "estimated_layer_time.png"))
     return written

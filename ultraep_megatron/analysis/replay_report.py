@@ -10,8 +10,9 @@ from typing import Optional, Sequence
 
 from ultraep_megatron.planner import BalancerConfig
 from ultraep_megatron.planner.baselines import registry
+from ultraep_megatron.settings.hardware import ExpertShape, Hardware
 
-from .cost import ExpertShape, Hardware
+from . import plotting
 from .replay import ReplayResult
 from .replay_plots import plot_replay
 from .summary import cost_summary, estimate_problem, load_summary, metric_summary, peer_summary, staleness_summary
@@ -139,8 +140,8 @@ def quality_tables(report: dict, labels: Sequence[str]) -> str:
 
 
 def display_label(config: BalancerConfig) -> str:
-    """A balancer's label in comparisons (``registry.LABELS``), with its NVLink domain."""
-    label = registry.LABELS.get(config.name, config.name)
+    """A balancer's label in comparisons (``plotting.LABELS``), with its NVLink domain."""
+    label = plotting.LABELS.get(config.name, config.name)
     if config.name == registry.ULTRAEP and config.domain_size is not None:
         label += f" (replicas in domains of {config.domain_size})"
     return label

@@ -52,7 +52,7 @@ from typing import Callable, Optional, Sequence, TextIO
 
 from ultraep_megatron.planner.baselines import registry
 
-from . import plotting
+from . import figures, plotting
 from .resume_runs import ExperimentError, IterationStat, RunResult, checkpoint_iteration, run_balancer
 
 __all__ = ["Summary", "run_experiment", "summarize", "window_tflops", "write_tables"]
@@ -199,8 +199,8 @@ def write_tables(summaries: Sequence[Summary], results: Sequence[RunResult], out
 def plot(summaries: Sequence[Summary], results: Sequence[RunResult], output_dir: Path,
          warmup: int, title: str) -> Path:
     """comparison.png: TFLOP/s/GPU per balancer, per iteration, and per-layer imbalance, each
-    balancer in its colour (``registry.COLORS``); a failed run is a hatched grey bar."""
-    plt = plotting.pyplot()
+    balancer in its colour (``plotting.COLORS``); a failed run is a hatched grey bar."""
+    plt = figures.pyplot()
     fig, (bars, lines, layers) = plt.subplots(1, 3, figsize=(16, 4.8), layout="constrained")
     for i, s in enumerate(summaries):
         ok = s.status == "ok" and not math.isnan(s.tflops)
@@ -231,11 +231,11 @@ def plot(summaries: Sequence[Summary], results: Sequence[RunResult], output_dir:
     layers.set_ylabel("max / mean tokens per EP rank")
     layers.set_title("imbalance the ranks computed (after balancing)", fontsize=10)
     for ax in (lines, layers):
-        plotting.integer_ticks(ax.xaxis)
+        figures.integer_ticks(ax.xaxis)
         if ax.lines:
             ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
-    return plotting.save_figure(fig, output_dir / "comparison.png", dpi=100)
+    return figures.save_figure(fig, output_dir / "comparison.png", dpi=100)
 
 
 # ----------------------------------------------------------------------------------------------

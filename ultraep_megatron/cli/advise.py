@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ultraep_megatron.megatron.arguments import add_balancer_arguments
+from ultraep_megatron.settings.knobs import add_balancer_arguments
 
 from . import common
 
@@ -47,8 +47,8 @@ def trigger_list(text: str) -> list:
             value = None if x == "default" else float(x)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected 'default' or a number >= 1, got {x!r}") from None
-        if value is not None and not value >= 1:
-            raise argparse.ArgumentTypeError(f"a trigger is a rank imbalance >= 1, got {x}")
+        if value is not None:
+            common.setting_problem("trigger", value, "a trigger (a rank imbalance)")
         out.append(value)
     return out
 

@@ -71,16 +71,24 @@ def name_list(choices: Sequence[str]):
 
 
 def min_quota_arg(text: str):
-    """'hw' (derived from the hardware flags) or an int >= 1."""
+    """'hw' (derived from the hardware flags) or a min quota (the planner's rule: an int >= 1)."""
     if text == "hw":
         return text
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected 'hw' or an int >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"min quota must be >= 1, got {value}")
+    setting_problem("min_quota", value, "min quota")
     return value
+
+
+def setting_problem(field: str, value, name: str) -> None:
+    """An argparse error, naming the setting ``name``, if ``value`` breaks the planner's rule for
+    :class:`~ultraep_megatron.planner.BalancerConfig` field ``field`` (a value of a sweep)."""
+    from ultraep_megatron.planner import BalancerConfig
+
+    for problem in BalancerConfig.problems(**{field: value}):
+        raise argparse.ArgumentTypeError(problem.naming(name))
 
 
 def fraction(text: str) -> float:
@@ -129,7 +137,7 @@ def non_negative_float(text: str) -> float:
 def check_balancer_flags(args) -> None:
     """Validate the ``--moe-balancer-*`` values of ``args`` as training does (a ValueError naming the
     flag); a min quota of ``hw`` stands for a valid one."""
-    from ultraep_megatron.megatron.arguments import knob_values
+    from ultraep_megatron.settings.knobs import knob_values
 
     values = dict(vars(args))
     if values.get("moe_balancer_min_quota") == "hw":
@@ -184,8 +192,8 @@ def add_megatron_layout_args(parser: argparse.ArgumentParser) -> None:
 
 
 def megatron_layout(args):
-    """The :class:`~ultraep_megatron.traces.RouterTraceLayout` from ``--run-args`` and the layout flags."""
-    from ultraep_megatron.traces.router import RouterTraceLayout, read_run_args
+    """The :class:`~ultraep_megatron.traces.router_layout.RouterTraceLayout` from ``--run-args`` and the layout flags."""
+    from ultraep_megatron.traces.router_layout import RouterTraceLayout, read_run_args
 
     run_args = None
     if args.run_args is not None:
@@ -209,11 +217,12 @@ def open_records(args):
     """The replay records named by the trace arguments (project traces or a Megatron routing trace),
     with ``--layers/--max-records/--load-scale`` applied."""
     from ultraep_megatron import traces
+    from ultraep_megatron.traces.router import RouterTraceRecords, is_router_trace
 
     chosen = dict(layers=args.layers, max_records=args.max_records, load_scale=args.load_scale)
     on_truncated = "error" if args.strict else "warn"
-    if traces.is_router_trace(args.traces):
-        return traces.RouterTraceRecords(args.traces[0], megatron_layout(args), on_truncated=on_truncated, **chosen)
+    if is_router_trace(args.traces):
+        return RouterTraceRecords(args.traces[0], megatron_layout(args), on_truncated=on_truncated, **chosen)
     for path in args.traces:
         if Path(path).is_dir() and not list(Path(path).glob(f"*{traces.TRACE_SUFFIX}")) and \
                 list(Path(path).glob("*.jsonl")):
@@ -287,7 +296,7 @@ def apply_traced_run_settings(args, records) -> str:
     traced run (the project's trace meta, or a Megatron trace's ``--run-args``), and, for a named
     hardware whose NVLink domain is smaller than the trace's EP group (an HGX node), the domain size
     from it, as the HGX recipes train. Returns where the hardware comes from, for the report."""
-    from ultraep_megatron.analysis.cost import hardware_preset
+    from ultraep_megatron.settings.hardware import hardware_preset
 
     meta = records.meta
     if args.moe_balancer_hardware is not None:
@@ -316,7 +325,7 @@ def shape_and_hardware(args, meta: dict):
     """(ExpertShape, where h and f came from, Hardware) from the flags and the trace's meta
     (``analysis.inputs.resolve_hardware``: ``--moe-balancer-hardware``'s preset, else the paper's
     rack, with the hardware flags given on top)."""
-    from ultraep_megatron.analysis.cost import ExpertShape
+    from ultraep_megatron.settings.hardware import ExpertShape
     from ultraep_megatron.analysis.inputs import resolve_hardware
 
     try:

@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ultraep_megatron.megatron.arguments import add_balancer_arguments
 from ultraep_megatron.planner.baselines import registry
+from ultraep_megatron.settings.knobs import add_balancer_arguments
 
 from . import common
 
@@ -64,11 +64,12 @@ def add_balancer_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_peer_args(parser: argparse.ArgumentParser) -> None:
+    from ultraep_megatron.analysis import plotting
     from ultraep_megatron.planner.baselines import least_loaded
 
     group = parser.add_argument_group(
         "peers", "Replayed next to the balancers, re-implemented from their public code "
-        "(ultraep_megatron/planner/baselines/): " + " ".join(f'"{n}": {registry.LABELS[n]}.' for n in registry.PEERS)
+        "(ultraep_megatron/planner/baselines/): " + " ".join(f'"{n}": {plotting.LABELS[n]}.' for n in registry.PEERS)
         + " With several NVLink domains (--scale-up-domain, --moe-balancer-domain-size) deepseek-eplb also "
           "runs its hierarchical policy, nodes = domains.")
     group.add_argument("--peers", type=common.name_list(registry.PEERS), default=list(registry.PEERS), metavar="P,P",

@@ -78,10 +78,10 @@ def run_info(args) -> int:
     from ultraep_megatron import traces
     from ultraep_megatron.analysis.tables import dump_json
     from ultraep_megatron.traces.reader import trace_info
-    from ultraep_megatron.traces.router import router_trace_info
+    from ultraep_megatron.traces.router import RouterTraceRecords, is_router_trace, router_trace_info
 
-    if traces.is_router_trace(args.traces):
-        records = traces.RouterTraceRecords(args.traces[0], common.megatron_layout(args), on_truncated="ignore")
+    if is_router_trace(args.traces):
+        records = RouterTraceRecords(args.traces[0], common.megatron_layout(args), on_truncated="ignore")
         entries = [router_trace_info(records)]
     else:
         entries = [trace_info(path) for path in traces.find_trace_files(args.traces)]

@@ -14,9 +14,10 @@ owns the replica buffers and every transfer's communication state:
     handle.wait()                                                  # ready for the next operation
 
 Modules: ``buffer`` (ReplicaBuffer), ``distribute`` and ``reduce`` (the two transfers), ``handle``
-(TransferHandle, where a transfer runs), ``host_stream`` (the CPU's communication stream), ``tags``
-(message tags), ``checks`` (input checks), ``pack`` (experts as flat rows), ``schedule`` and
-``relay`` (the transfer schedule of a plan).
+(TransferHandle, where a transfer runs and how its rounds are issued), ``host_stream`` (the CPU's
+communication stream), ``tags`` (a transfer's message tags), ``checks`` (input checks), ``pack``
+(experts as flat rows), ``schedule`` and ``relay`` (the transfer schedule of a plan). Each module's
+public names are what the others use of it; the package re-exports the buffer's surface below.
 """
 
 from .buffer import ReplicaBuffer

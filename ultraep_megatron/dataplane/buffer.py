@@ -23,14 +23,13 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from .checks import _check_schedule, _group_rank
-from .distribute import _distribute_weights
-from .handle import TransferHandle, _HostStreamTransfer
+from . import distribute, reduce
+from .checks import check_schedule, group_rank
+from .handle import HostStreamTransfer, TransferHandle
 from .host_stream import HostCommStream
 from .pack import ExpertTensors, expert_views
-from .reduce import _reduce_gradients
 from .schedule import DEFAULT_CHUNK_NUMEL, DEFAULT_RELAY_THRESHOLD, ScheduleCache, TransferSchedule
-from .tags import TagSequence, _check_tag_space
+from .tags import TagSequence, check_tag_space
 
 __all__ = ["ReplicaBuffer"]
 
@@ -140,14 +139,14 @@ class ReplicaBuffer:
         On the CPU (a :class:`HostCommStream`) every call runs whole on the stream's thread, in the
         order of the calls: an asynchronous one returns once handed over, and its bad inputs raise
         in ``wait()`` (still before any communication); elsewhere they raise here. See
-        :func:`~.distribute._distribute_weights`."""
+        :func:`~.distribute.distribute_weights`."""
         schedule = schedule.with_expert_numel(self.weight_numel)  # the same schedule by default
         if isinstance(self.comm_stream, HostCommStream):
             self._before_hand_over(schedule, start_after, len(self.weight_shapes))
-            return self._on_host_stream(lambda: _distribute_weights(
+            return self._on_host_stream(lambda: distribute.distribute_weights(
                 schedule, main_weights, self.replica_weights, group=self.group, tags=self._tags,
-                async_op=True)._completed(finish=True), async_op)
-        return _distribute_weights(schedule, main_weights, self.replica_weights, group=self.group,
+                async_op=True).complete(finish=True), async_op)
+        return distribute.distribute_weights(schedule, main_weights, self.replica_weights, group=self.group,
                                    tags=self._tags, async_op=async_op, start_after=start_after,
                                    comm_stream=self.comm_stream)
 
@@ -176,15 +175,15 @@ class ReplicaBuffer:
             fold_on_stream: fold on the transfer's stream as soon as the gradients have arrived,
                 for a caller that neither reads nor writes ``main_grads`` before ``wait()``.
 
-        See :func:`~.reduce._reduce_gradients` for the details. On the CPU every call runs whole on
+        See :func:`~.reduce.reduce_gradients` for the details. On the CPU every call runs whole on
         the stream's thread, as :meth:`distribute_weights`; without ``fold_on_stream`` the fold
         still waits for ``wait()``, on the caller's thread."""
         if isinstance(self.comm_stream, HostCommStream):
             self._before_hand_over(schedule, start_after, len(self.expert_shapes))
-            return self._on_host_stream(lambda: _reduce_gradients(
+            return self._on_host_stream(lambda: reduce.reduce_gradients(
                 schedule, main_grads, self.replica_grads, group=self.group, tags=self._tags, async_op=True,
-                hosted_grads=hosted_grads)._completed(finish=fold_on_stream), async_op)
-        return _reduce_gradients(schedule, main_grads, self.replica_grads, group=self.group,
+                hosted_grads=hosted_grads).complete(finish=fold_on_stream), async_op)
+        return reduce.reduce_gradients(schedule, main_grads, self.replica_grads, group=self.group,
                                  tags=self._tags, async_op=async_op, start_after=start_after,
                                  comm_stream=self.comm_stream, hosted_grads=hosted_grads,
                                  fold_on_stream=fold_on_stream)
@@ -196,15 +195,15 @@ class ReplicaBuffer:
         if start_after is not None:
             start_after.wait()
         if schedule not in self._checked_schedules:  # immutable, and recurring (the schedule cache)
-            _check_schedule(schedule, _group_rank(self.group)[1])
-            _check_tag_space(schedule, tensors_per_expert)
+            check_schedule(schedule, group_rank(self.group)[1])
+            check_tag_space(schedule, tensors_per_expert)
             self._checked_schedules.add(schedule)
 
     def _on_host_stream(self, call: Callable[[], TransferHandle], async_op: bool) -> TransferHandle | None:
         """Run a transfer's whole call on the buffer's HostCommStream (every transfer of the buffer
         goes through it, synchronous ones too). A reduction whose fold is left to ``wait()`` must be
         waited before the next reduction on the buffer starts (it reads the hosted slots then)."""
-        handle = _HostStreamTransfer(self.comm_stream, call)
+        handle = HostStreamTransfer(self.comm_stream, call)
         if async_op:
             return handle
         handle.wait()

@@ -11,13 +11,15 @@ import torch.distributed as dist
 from .pack import ExpertTensors
 from .schedule import TransferSchedule
 
+__all__ = ["check_buffer", "check_experts", "check_schedule", "group_rank"]
+
 #: (rank, size) of the process groups transfers ran on: a group's never change, and asking
 #: torch.distributed costs a few dozen Python calls per transfer. (Single reads and writes of the
 #: map need no lock under the GIL.)
 _group_ranks: "weakref.WeakKeyDictionary[dist.ProcessGroup, tuple[int, int]]" = weakref.WeakKeyDictionary()
 
 
-def _group_rank(group) -> tuple[int, int]:
+def group_rank(group) -> tuple[int, int]:
     """This process's (rank, world size) in ``group`` (``None``: the default group)."""
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized")
@@ -29,14 +31,14 @@ def _group_rank(group) -> tuple[int, int]:
     return known
 
 
-def _check_schedule(schedule: TransferSchedule, world_size: int) -> None:
+def check_schedule(schedule: TransferSchedule, world_size: int) -> None:
     if not isinstance(schedule, TransferSchedule):
         raise ValueError(f"schedule must be a TransferSchedule, got {type(schedule).__name__}")
     if schedule.num_ranks != world_size:
         raise ValueError(f"the plan has {schedule.num_ranks} ranks, the process group {world_size}")
 
 
-def _check_buffer(name: str, buffer: torch.Tensor, schedule: TransferSchedule) -> None:
+def check_buffer(name: str, buffer: torch.Tensor, schedule: TransferSchedule) -> None:
     """A replica buffer must be a contiguous ``[num_slots, expert_numel]`` tensor."""
     if not isinstance(buffer, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor")
@@ -47,7 +49,7 @@ def _check_buffer(name: str, buffer: torch.Tensor, schedule: TransferSchedule) -
         raise ValueError(f"{name} must be contiguous")
 
 
-def _check_experts(name: str, experts: ExpertTensors, schedule: TransferSchedule, device: torch.device) -> torch.dtype:
+def check_experts(name: str, experts: ExpertTensors, schedule: TransferSchedule, device: torch.device) -> torch.dtype:
     """Check the local main experts (``E // R`` sequences of tensors); return their common dtype."""
     if len(experts) != schedule.experts_per_rank:
         raise ValueError(

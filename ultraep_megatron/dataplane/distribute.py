@@ -20,14 +20,16 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .checks import _check_buffer, _check_experts, _check_schedule, _group_rank
-from .handle import TransferHandle, _launch, _start, _WaitOnce
+from .checks import check_buffer, check_experts, check_schedule, group_rank
+from .handle import TransferHandle, WaitOnce, launch_round, start_transfer
 from .pack import ExpertTensors, expert_views, pack_experts
 from .schedule import RankTransfers, TransferSchedule
-from .tags import TagSequence, _tag, _tag_parts, _whole_expert_ops
+from .tags import TagSequence, TransferTags
+
+__all__ = ["distribute_weights"]
 
 
-def _distribution_rounds(schedule: TransferSchedule, rank: int, sequence: int, sources: dict, packed: dict,
+def _distribution_rounds(schedule: TransferSchedule, rank: int, tags: TransferTags, sources: dict, packed: dict,
                          mine: RankTransfers, replica_weights: torch.Tensor, shapes: Sequence[torch.Size],
                          group, works: list):
     """Issue the distribution's rounds into ``works``; yields the receives a relay must have before
@@ -37,18 +39,17 @@ def _distribution_rounds(schedule: TransferSchedule, rank: int, sequence: int, s
     main expert's tensors) into views of the replica slot. A relayed expert's edges move chunks of
     its flat row: the home's from ``packed[e]``, a relay's from its own replica slot."""
     edges = mine.edges
-    parts = _tag_parts(schedule, len(shapes))
     inbound = {edge.expert: edge.index for edge in edges if edge.hop == 1 and edge.dst == rank}
-    arrived: dict[tuple[int, int], _WaitOnce] = {}  # (edge index, chunk) -> receive, relays only
+    arrived: dict[tuple[int, int], WaitOnce] = {}  # (edge index, chunk) -> receive, relays only
     for round_ in range(schedule.num_rounds):
         ops, received, dependencies = [], [], []
         for edge in edges:
             if edge.depth == 1:  # direct: the whole expert in round 0, straight from its tensors
                 if round_ == 0:
-                    whole = (_whole_expert_ops(dist.isend, sources[edge.expert], edge.dst, edge, sequence, parts, group)
+                    whole = (tags.whole_expert_ops(dist.isend, sources[edge.expert], edge.dst, edge, group)
                              if edge.src == rank else
-                             _whole_expert_ops(dist.irecv, expert_views(replica_weights[edge.dst_slot], shapes),
-                                               edge.src, edge, sequence, parts, group))
+                             tags.whole_expert_ops(dist.irecv, expert_views(replica_weights[edge.dst_slot], shapes),
+                                                   edge.src, edge, group))
                     ops += whole
                     received += [None] * len(whole)
                 continue
@@ -57,7 +58,7 @@ def _distribution_rounds(schedule: TransferSchedule, rank: int, sequence: int, s
             if not 0 <= chunk < len(chunks):
                 continue
             start, end = chunks[chunk]
-            tag = _tag(sequence, edge, chunk, parts)
+            tag = tags.tag(edge, chunk)
             if edge.src == rank:
                 if edge.hop == 1:
                     buf = packed[edge.expert][start:end]
@@ -72,7 +73,7 @@ def _distribution_rounds(schedule: TransferSchedule, rank: int, sequence: int, s
                 received.append((edge.index, chunk))
         if dependencies:
             yield dependencies
-        round_works = _launch(ops)
+        round_works = launch_round(ops)
         for key, work in zip(received, round_works):
             if key is not None:
                 arrived[key] = work
@@ -80,7 +81,7 @@ def _distribution_rounds(schedule: TransferSchedule, rank: int, sequence: int, s
 
 
 @torch.no_grad()  # pure data movement: parameters may require grad, the buffers never track it
-def _distribute_weights(
+def distribute_weights(
     schedule: TransferSchedule,
     main_weights: ExpertTensors,
     replica_weights: torch.Tensor,
@@ -111,10 +112,10 @@ def _distribute_weights(
     Raises:
         ValueError: on inputs that do not match the schedule, before any communication.
     """
-    rank, world_size = _group_rank(group)
-    _check_schedule(schedule, world_size)
-    _check_buffer("replica_weights", replica_weights, schedule)
-    dtype = _check_experts("main_weights", main_weights, schedule, replica_weights.device)
+    rank, world_size = group_rank(group)
+    check_schedule(schedule, world_size)
+    check_buffer("replica_weights", replica_weights, schedule)
+    dtype = check_experts("main_weights", main_weights, schedule, replica_weights.device)
     if dtype != replica_weights.dtype:
         raise ValueError(f"main_weights are {dtype} but replica_weights is {replica_weights.dtype}; a copy must not cast")
 
@@ -122,7 +123,7 @@ def _distribute_weights(
     first_local = rank * schedule.experts_per_rank
     shapes = [t.shape for t in main_weights[0]]
     works: list = []
-    sequence = tags.take(schedule, len(shapes))
+    transfer_tags = tags.take(schedule, len(shapes))
 
     def program():
         # On the transfer's stream. Only an expert streamed through a relay tree is packed (its
@@ -142,10 +143,10 @@ def _distribute_weights(
             for view, tensor in zip(expert_views(replica_weights[slot], shapes), main_weights[e - first_local]):
                 view.copy_(tensor)
         keep.extend([packed, sources])
-        yield from _distribution_rounds(schedule, rank, sequence, sources, packed, mine, replica_weights,
+        yield from _distribution_rounds(schedule, rank, transfer_tags, sources, packed, mine, replica_weights,
                                         shapes, group, works)
 
     keep: list = [replica_weights]
-    return _start(program(), works, device=replica_weights.device, group=group,
+    return start_transfer(program(), works, device=replica_weights.device, group=group,
                   comm_stream=comm_stream, start_after=start_after, async_op=async_op, keep=keep)
 

@@ -14,7 +14,7 @@ one. Where the transfer runs depends on the backend, never its result (bit-ident
   their receives; ``wait()`` waits for it. Without one, the caller issues the operations at once,
   except rounds in which a relay forwards data it must first receive; ``wait()`` issues those.
 
-A transfer is a *program*: a generator that issues its rounds (:func:`_launch`) into a list of
+A transfer is a *program*: a generator that issues its rounds (:func:`launch_round`) into a list of
 works and yields the receives its next round depends on (a relay's). The handle drives it.
 """
 
@@ -26,12 +26,12 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from .host_stream import HostCommStream, _Completion
+from .host_stream import HostCommStream, Completion
 
-__all__ = ["TransferHandle"]
+__all__ = ["HostStreamTransfer", "TransferHandle", "WaitOnce", "launch_round", "start_transfer"]
 
 
-class _WaitOnce:
+class WaitOnce:
     """A work handle that may be waited on more than once.
 
     Why: gloo's recv ``Work.wait()`` waits for one *more* message each call, so a second wait on the
@@ -50,11 +50,11 @@ class _WaitOnce:
             self.done = True
 
 
-def _launch(ops: list[dist.P2POp]) -> list[_WaitOnce]:
+def launch_round(ops: list[dist.P2POp]) -> list[WaitOnce]:
     """Issue one round as one batch; return one handle per op."""
     if not ops:
         return []
-    works = [_WaitOnce(w) for w in dist.batch_isend_irecv(ops)]
+    works = [WaitOnce(w) for w in dist.batch_isend_irecv(ops)]
     if len(works) != len(ops):  # coalescing backend: one handle covers the whole batch
         works = [works[-1]] * len(ops)
     return works
@@ -80,7 +80,7 @@ class TransferHandle:
                  comm_stream=None, finish: Callable[[], None] | None = None, finish_on_stream: bool = False,
                  keep=()):
         self._program: Iterator[list] | None = program
-        self._issuing: _Completion | None = None  # the HostCommStream running the transfer
+        self._issuing: Completion | None = None  # the HostCommStream running the transfer
         self._works = works
         self._stream_ordered = stream_ordered
         self._comm_stream = comm_stream
@@ -174,9 +174,10 @@ class TransferHandle:
         if self._finish_on_stream:
             self._finish()
 
-    def _completed(self, finish: bool) -> "TransferHandle":
+    def complete(self, finish: bool) -> "TransferHandle":
         """This transfer (issued without a comm stream) with its operations complete, and its
-        ``finish`` too when asked."""
+        ``finish`` too when asked; for the thread that runs a whole transfer
+        (:class:`HostStreamTransfer`), whose caller's ``wait()`` does the rest."""
         if finish:
             self.wait()
         else:
@@ -184,7 +185,7 @@ class TransferHandle:
         return self
 
 
-class _HostStreamTransfer(TransferHandle):
+class HostStreamTransfer(TransferHandle):
     """A transfer whose whole call runs on a :class:`HostCommStream`'s thread: its checks, schedule
     lookups, packing and issuing, and the wait for its operations, so that the caller's thread only
     hands it over (every :meth:`~.buffer.ReplicaBuffer.distribute_weights` /
@@ -217,7 +218,7 @@ def _stream_ordered(device: torch.device, group) -> bool:
     return device.type == "cuda" and dist.get_backend(group) == "nccl"
 
 
-def _start(program: Iterator[list], works: list, *, device: torch.device, group, comm_stream,
+def start_transfer(program: Iterator[list], works: list, *, device: torch.device, group, comm_stream,
            start_after: TransferHandle | None, async_op: bool, finish=None, finish_on_stream=False,
            keep=(), stream_reads=()) -> TransferHandle | None:
     """Run ``program`` (a generator issuing rounds into ``works`` and yielding the receives it must

@@ -14,7 +14,7 @@ import threading
 import weakref
 from collections.abc import Callable
 
-__all__ = ["HostCommStream"]
+__all__ = ["Completion", "HostCommStream"]
 
 
 class HostCommStream:
@@ -31,7 +31,7 @@ class HostCommStream:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
-    def submit(self, issue: Callable[[], object]) -> "_Completion":
+    def submit(self, issue: Callable[[], object]) -> "Completion":
         """Run ``issue`` after everything submitted before it; ``result()`` of what this returns
         waits for it and re-raises what it raised."""
         if self._thread is None:
@@ -41,12 +41,12 @@ class HostCommStream:
                                             daemon=True)
             self._thread.start()
             weakref.finalize(self, self._queue.put, None)
-        completion = _Completion()
+        completion = Completion()
         self._queue.put((issue, completion))
         return completion
 
 
-class _Completion:
+class Completion:
     """The outcome of one call run on a :class:`HostCommStream`: a lock held from submission until
     the call has returned or raised. Two per layer and microbatch on the caller's critical path, so
     not a ``concurrent.futures.Future`` (a condition, a re-entrant lock and waiter lists per call)."""

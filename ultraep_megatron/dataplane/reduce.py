@@ -27,15 +27,17 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from .checks import _check_buffer, _check_experts, _check_schedule, _group_rank
-from .handle import TransferHandle, _launch, _start
+from .checks import check_buffer, check_experts, check_schedule, group_rank
+from .handle import TransferHandle, launch_round, start_transfer
 from .pack import ExpertTensors, expert_views, pack_experts, unpack_experts
 from .schedule import TransferSchedule
-from .tags import TagSequence, _tag, _tag_parts, _whole_expert_ops
+from .tags import TagSequence
+
+__all__ = ["reduce_gradients"]
 
 
 @torch.no_grad()  # pure data movement: parameters may require grad, the buffers never track it
-def _reduce_gradients(
+def reduce_gradients(
     schedule: TransferSchedule,
     main_grads: ExpertTensors,
     replica_grads: torch.Tensor,
@@ -89,12 +91,12 @@ def _reduce_gradients(
     Raises:
         ValueError: on inputs that do not match the schedule, before any communication.
     """
-    rank, world_size = _group_rank(group)
-    _check_schedule(schedule, world_size)
-    _check_buffer("replica_grads", replica_grads, schedule)
+    rank, world_size = group_rank(group)
+    check_schedule(schedule, world_size)
+    check_buffer("replica_grads", replica_grads, schedule)
     if not replica_grads.is_floating_point():
         raise ValueError(f"replica_grads must be floating point, got {replica_grads.dtype}")
-    main_dtype = _check_experts("main_grads", main_grads, schedule, replica_grads.device)
+    main_dtype = check_experts("main_grads", main_grads, schedule, replica_grads.device)
     if not main_dtype.is_floating_point:
         raise ValueError(f"main_grads must be floating point, got {main_dtype}")
     acc_dtype = torch.promote_types(main_dtype, replica_grads.dtype)
@@ -107,8 +109,7 @@ def _reduce_gradients(
     stream_reads = (_check_hosted_grads(hosted_grads, mine.hosted_slots, shapes, replica_grads.device)
                     if hosted_grads is not None else [])
     works: list = []
-    parts = _tag_parts(schedule, len(shapes))
-    sequence = tags.take(schedule, len(shapes))
+    transfer_tags = tags.take(schedule, len(shapes))
     staging = torch.empty(len(children), schedule.expert_numel if children else 0,
                           dtype=replica_grads.dtype, device=replica_grads.device)
 
@@ -145,11 +146,12 @@ def _reduce_gradients(
             for edge in edges:
                 if edge.depth == 1:  # direct: the whole expert in round 0, one message per tensor
                     if round_ == 0:  # a child's gradient lands in its staging row, folded in wait()
-                        whole = (_whole_expert_ops(dist.isend, sources[edge.dst_slot], edge.src, edge, sequence,
-                                                   parts, group)
+                        whole = (transfer_tags.whole_expert_ops(dist.isend, sources[edge.dst_slot], edge.src,
+                                                                edge, group)
                                  if edge.dst == rank else
-                                 _whole_expert_ops(dist.irecv, expert_views(staging[staging_row[edge.index]], shapes),
-                                                   edge.dst, edge, sequence, parts, group))
+                                 transfer_tags.whole_expert_ops(
+                                     dist.irecv, expert_views(staging[staging_row[edge.index]], shapes), edge.dst,
+                                     edge, group))
                         ops += whole
                         targets += [None] * len(whole)
                     continue
@@ -161,7 +163,7 @@ def _reduce_gradients(
             relay_staging = torch.empty(relay_numel, dtype=replica_grads.dtype, device=replica_grads.device)
             offset = 0
             for edge, chunk, start, end in active:
-                tag = _tag(sequence, edge, chunk, parts)
+                tag = transfer_tags.tag(edge, chunk)
                 if edge.dst == rank:  # gradients flow dst -> src
                     ops.append(dist.P2POp(dist.isend, replica_grads[edge.dst_slot, start:end],
                                           group=group, group_peer=edge.src, tag=tag))
@@ -175,7 +177,7 @@ def _reduce_gradients(
                     staged = staging[staging_row[edge.index], start:end]
                     ops.append(dist.P2POp(dist.irecv, staged, group=group, group_peer=edge.dst, tag=tag))
                     targets.append(None)
-            round_works = _launch(ops)
+            round_works = launch_round(ops)
             pending = [(work, *target) for work, target in zip(round_works, targets) if target is not None]
             works.extend(round_works)
 
@@ -198,7 +200,7 @@ def _reduce_gradients(
                 acc[row_of[edge.expert]] += staging[row].to(acc_dtype)
             unpack_experts([main_grads[e - first_local] for e in reduced_here], acc)
 
-    return _start(program(), works, device=replica_grads.device, group=group,
+    return start_transfer(program(), works, device=replica_grads.device, group=group,
                   comm_stream=comm_stream, start_after=start_after, async_op=async_op,
                   finish=fold_into_main_grads, finish_on_stream=fold_on_stream,
                   keep=(staging, replica_grads, *stream_reads), stream_reads=stream_reads)

@@ -204,16 +204,6 @@ class TransferSchedule:
         counts = torch.bincount(self.edge_src, minlength=self.num_ranks)
         return counts * self.expert_numel
 
-    def recv_volume(self) -> torch.Tensor:
-        """Elements each rank receives in weight distribution, int64 ``[R]`` (at most num_slots experts)."""
-        return torch.bincount(self.edge_dst, minlength=self.num_ranks) * self.expert_numel
-
-    def edge_depth(self) -> torch.Tensor:
-        """Depth of each edge's tree, int64 ``[N]``: 2 for relayed experts, 1 for direct ones."""
-        relayed = torch.zeros(self.num_experts, dtype=torch.bool)
-        relayed[self.relayed_experts] = True
-        return torch.where(relayed[self.edge_expert], 2, 1)
-
     def edge_chunks(self, depth: int) -> list[tuple[int, int]]:
         """``[start, end)`` element ranges an edge of a tree of ``depth`` moves, in round order:
         the whole expert at once for a direct edge (depth 1), ``num_chunks`` chunks when streamed

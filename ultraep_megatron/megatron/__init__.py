@@ -6,9 +6,10 @@ the others are what it builds on. docs/integration.md describes each.
 
 Selecting the balancer (startup):
 
-* :mod:`~ultraep_megatron.megatron.arguments` -- the ``--moe-balancer*`` flags (one table,
-  :data:`~ultraep_megatron.megatron.arguments.KNOBS`, shared with the ``ultraep`` command) and
-  their validation; builds the model's balancing context from them;
+* :mod:`~ultraep_megatron.megatron.arguments` -- the ``--moe-balancer*`` flags (the settings
+  layer's table, :data:`~ultraep_megatron.settings.knobs.KNOBS`, shared with the ``ultraep``
+  command) added to Megatron's parser and checked against Megatron's arguments; builds the model's
+  balancing context from them;
 * :mod:`~ultraep_megatron.megatron.capabilities` -- what a balanced layer cannot run: the Megatron
   settings refused at startup and by the layer, each named by its flag;
 * :mod:`~ultraep_megatron.megatron.startup` -- ``pretrain_gpt.py``'s checks of its command line

@@ -30,7 +30,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from ultraep_megatron.analysis.plotting import render_heatmap
+from ultraep_megatron.analysis.figures import render_heatmap
 
 #: wandb image key of the heatmap.
 HEATMAP_METRIC = "ultraep/imbalance_heatmap"

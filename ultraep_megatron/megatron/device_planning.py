@@ -24,9 +24,7 @@ from ultraep_megatron.planner import BalancerConfig, Plan
 from ultraep_megatron.planner import baselines
 from ultraep_megatron.planner.device_dispatch import balances, identity_plan, reroute_table
 from ultraep_megatron.planner.device_solve import triton_available
-
-#: Where a balanced layer plans (``--moe-balancer-planner``).
-PLANNERS = ("host", "device")
+from ultraep_megatron.settings.knobs import PLANNERS  # noqa: F401 (context.py imports it from here)
 
 
 @dataclass(frozen=True, eq=False)
@@ -108,7 +106,7 @@ class SelfCheck:
         replicas: replicas in the reference plans of the probe loads (0 where R, S or the NVLink
             domains leave nothing to replicate).
         implementation: what planned on the device: ``triton`` (CUDA with Triton), ``torch`` (the
-            reference's torch calls: the CPU, or CUDA without Triton).
+            lockstep torch calls: the CPU, or CUDA without Triton).
     """
 
     failure: Optional[str]
@@ -162,8 +160,8 @@ def _compare(load: torch.Tensor, config: BalancerConfig, rank: int, device: torc
     planned = plan_on_device(load.to(device), config, rank, training=True, grad_enabled=True)
     host = config.build()
     balanced = host.balances(load)
-    # The reference: the device planner's own algorithm in numpy (the same plan bit for bit), or
-    # the unbalanced plan below the trigger.
+    # The reference: the device planner's search with the greedy's specification (the same plan
+    # bit for bit), or the unbalanced plan below the trigger.
     reference = (planner.device_solve(load, S, min_quota=config.min_quota, domain_size=config.domain_size,
                                       implementation="reference")
                  if balanced else baselines.identity_plan(load, S))
@@ -197,7 +195,7 @@ def self_check(config: BalancerConfig, num_ranks: int, num_experts: int, device:
     Plans each :func:`probe_loads` load as a balanced layer does (:func:`plan_on_device`: the
     trigger, the solve, the reroute table of ``rank``, the host half, on ``device``; on CUDA the
     Triton kernels compile here) and compares, bit for bit: the plan with the device planner's
-    algorithm run by its numpy reference (``device_solve(..., implementation="reference")``), or the
+    algorithm run by the greedy's specification (``device_solve(..., implementation="reference")``), or the
     unbalanced plan below the trigger; whether it balances with the host trigger
     (``LayerBalancer.balances``); the reroute table with the host's ``rank_dispatch``; the host half
     with what it packs. And the plan's max rank load must be the host planner's (``solve``) to its

@@ -11,13 +11,11 @@ An observer has ``on_invocation(layer, invocation, training)``.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Dict, Optional
+from typing import Dict, Optional
 
 from ultraep_megatron import planner
+from ultraep_megatron.megatron.invocation import Invocation
 from ultraep_megatron.planner import BalancerConfig
-
-if TYPE_CHECKING:
-    from ultraep_megatron.megatron.invocation import Invocation
 
 
 class BalancerStats:

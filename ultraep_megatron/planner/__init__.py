@@ -7,7 +7,7 @@ bit, with no communication.
     plan = solve(load, num_slots)                        # load int64 [R, E]  (solve.py)
     plan = solve(load, num_slots, domain_size=8)         # replicas inside 8-rank NVLink domains
     plan = device_solve(load, num_slots)                 # on load's device, no host read
-    physical_ids = assign_tokens(plan, rank, topk_ids)   # [T, k] logical -> physical (dispatch.py)
+    dispatch = rank_dispatch(plan, load, rank)           # one rank's splits, reroute table (dispatch.py)
     balancer = BalancerConfig("ultraep").build()         # one MoE layer's loop (balancer.py)
 
 Balancers compared with it and the registry of every balancer's name: ``planner.baselines``.
@@ -17,7 +17,7 @@ See ``docs/planner.md`` for the algorithm, ``min_quota`` and the benchmark.
 from .balancer import BalancerConfig, LayerBalancer
 from .baselines import registry
 from .device_solve import device_solve
-from .dispatch import RankDispatch, assign_tokens, rank_dispatch
+from .dispatch import RankDispatch, rank_dispatch
 from .metrics import load_imbalance, metrics, rank_imbalance
 from .plan import Plan
 from .solve import domain_lower_bound, solve, validate_load
@@ -28,7 +28,6 @@ __all__ = [
     "device_solve",
     "domain_lower_bound",
     "validate_load",
-    "assign_tokens",
     "RankDispatch",
     "rank_dispatch",
     "metrics",

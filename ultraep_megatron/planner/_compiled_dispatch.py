@@ -9,59 +9,6 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-# Status codes returned to ``assign_tokens`` (which raises the ValueError).
-OK = 0
-MISMATCH = 2
-OUT_OF_RANGE = 3
-
-
-@njit(cache=True, nogil=True)
-def assign_arrays(flat_ids, physical_row, instance_slot):
-    """Physical slot of every (token, expert) pair of one source rank (planner.assign_tokens).
-
-    flat_ids [N] logical experts in row-major order; physical_row [R * P] tokens this rank sends to
-    each physical slot; instance_slot [E, R]. Returns (status, physical [N]). One pass: each
-    expert keeps a cursor on its instances in rank order and the room left in the current one,
-    which is the cumulative-quota lookup done incrementally.
-    """
-    N = flat_ids.shape[0]
-    E, R = instance_slot.shape
-    out = np.empty(N, np.int64)
-    seen = np.zeros(E, np.int64)
-    for i in range(N):
-        e = flat_ids[i]
-        if e < 0 or e >= E:
-            return OUT_OF_RANGE, out
-        seen[e] += 1
-    cursor = np.zeros(E, np.int64)
-    room = np.zeros(E, np.int64)
-    for e in range(E):
-        planned = 0
-        first = R
-        for t in range(R):
-            slot = instance_slot[e, t]
-            if slot >= 0 and physical_row[slot] > 0:
-                planned += physical_row[slot]
-                if first == R:
-                    first = t
-        if planned != seen[e]:
-            return MISMATCH, out
-        cursor[e] = first
-        if first < R:
-            room[e] = physical_row[instance_slot[e, first]]
-    for i in range(N):
-        e = flat_ids[i]
-        if room[e] == 0:
-            t = cursor[e] + 1
-            while instance_slot[e, t] < 0 or physical_row[instance_slot[e, t]] == 0:
-                t += 1
-            cursor[e] = t
-            room[e] = physical_row[instance_slot[e, t]]
-        out[i] = instance_slot[e, cursor[e]]
-        room[e] -= 1
-    return OK, out
-
-
 _INT64_MAX = np.iinfo(np.int64).max
 
 

@@ -1,8 +1,9 @@
 """Triton probe of the device planner: one program per threshold, each a serial greedy.
 
-It implements exactly ``device_solve.reference_probe`` (same steps, same tie-breaks, same outputs
-bit for bit; ``tests/planner/test_device_solve.py`` checks that under ``TRITON_INTERPRET=1``).
-Read that function for the algorithm; here the state of one probe lives in registers: slack and
+It answers a probe as the greedy's specification does (``reference.greedy_replicas``, the same
+outputs bit for bit; ``tests/planner/test_device_solve.py`` checks that under ``TRITON_INTERPRET=1``),
+in the device's form of it, the step function ``device_solve.lockstep_probe`` runs with torch calls
+(same steps, same tie-breaks). Here the state of one probe lives in registers: slack and
 free slots as [BLOCK_R] vectors, the current overloaded rank's main load left as [BLOCK_G] and its
 replicas as [BLOCK_G, BLOCK_R] (quota and creation order). A scalar read from a register vector is
 a masked sum; a scalar write a ``where``. The program loops over the overloaded ranks and, inside,
@@ -121,7 +122,8 @@ def num_warps(block_r: int, block_g: int) -> int:
 def probe(taus: torch.Tensor, expert_load: torch.Tensor, rank_load: torch.Tensor,
           rank_order: torch.Tensor, min_quota: torch.Tensor, num_slots: int, domain_size: int,
           write_plan: bool):
-    """``device_solve.reference_probe`` as one Triton launch of K programs (same contract)."""
+    """The probe of K thresholds as one Triton launch of K programs (``device_solve.reference_probe``'s
+    contract)."""
     K, R, E = taus.shape[0], rank_load.shape[0], expert_load.shape[0]
     G = E // R
     device = taus.device

@@ -5,8 +5,9 @@ state that turns each microbatch's exact load into a :class:`Plan`.
     balancer = config.build()                        # one per MoE layer (EPLB keeps history)
     plan = balancer.plan(load)                       # load int64 [R, E] -> Plan
 
-The command-line flags that set these numbers, and the hardware presets a quota floor may be
-derived from, belong to the Megatron integration (``megatron/arguments.py``).
+The rules a setting must meet live here, once (:meth:`BalancerConfig.problems`); the command-line
+flags that set these numbers, and the hardware presets a quota floor may be derived from, are the
+settings layer's (``settings/knobs.py`` names each problem by its flag).
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from .metrics import host_imbalance, host_rank_load, metrics
 from .plan import Plan
 from .solve import default_min_quota, solve
 
-__all__ = ["BalancerConfig", "LayerBalancer", "DEFAULT_NUM_SLOTS", "DEFAULT_EPLB_WINDOW",
-           "DEFAULT_EPLB_INTERVAL"]
+__all__ = ["BalancerConfig", "ConfigProblem", "InvalidConfig", "LayerBalancer", "DEFAULT_NUM_SLOTS",
+           "DEFAULT_EPLB_WINDOW", "DEFAULT_EPLB_INTERVAL", "number_problem"]
 
 #: Redundant slots per EP rank. Two: the paper's Table 3 uses 1-2 per rank; the planner reaches
 #: ~1.00 max/mean with 2 on rack-scale loads (docs/planner.md); each costs one expert's weights +
@@ -38,11 +39,50 @@ DEFAULT_EPLB_INTERVAL = 16
 #: Smallest valid value of each numeric setting (``None`` is valid where it is the default).
 MINIMUMS = {"num_slots": 0, "min_quota": 1, "trigger": 1.0, "domain_size": 1, "eplb_window": 1,
             "eplb_interval": 1}
+#: The settings whose ``None`` means "derived" (see :class:`BalancerConfig`).
+OPTIONAL = ("min_quota", "trigger", "domain_size")
+#: Where a problem's text puts the setting's name (a field here, a flag in the settings layer).
+SETTING = "{setting}"
+
+
+@dataclass(frozen=True)
+class ConfigProblem:
+    """One setting that cannot run: the :class:`BalancerConfig` field and why, as a text that names
+    the setting where :data:`SETTING` stands, so that a caller names it as its user knows it (the
+    settings layer: by its flag)."""
+
+    field: str
+    text: str
+
+    def naming(self, setting: str) -> str:
+        """The problem in one line, the setting called ``setting``."""
+        return self.text.replace(SETTING, setting)
+
+
+class InvalidConfig(ValueError):
+    """A :class:`BalancerConfig` that cannot run: every problem (``problems``), one line each naming
+    the field."""
+
+    def __init__(self, problems: list[ConfigProblem]):
+        super().__init__("\n".join(p.naming(p.field) for p in problems))
+        self.problems = list(problems)
+
+
+def number_problem(value, *, minimum, integer: bool) -> Optional[str]:
+    """Why ``value`` is not a valid number of at least ``minimum`` (an integer if ``integer``), as a
+    text naming the setting at :data:`SETTING`; ``None`` if it is valid. The rule every numeric
+    setting follows, the planner's and the run's (``settings/knobs.py``)."""
+    kinds = (int, np.integer) if integer else (int, float, np.integer, np.floating)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        return f"{SETTING} must be {'an integer' if integer else 'a number'}, got {value!r}"
+    if not value >= minimum:
+        return f"{SETTING} must be >= {minimum}, got {value}"
+    return None
 
 
 @dataclass(frozen=True)
 class BalancerConfig:
-    """A balancer and its settings, validated on construction.
+    """A balancer and its settings, validated on construction (:meth:`problems`).
 
     Attributes:
         name: a balancer of ``registry.BALANCERS``, or ``registry.IDEAL`` (replay only: no plan).
@@ -53,6 +93,9 @@ class BalancerConfig:
         domain_size: EP ranks per NVLink domain; ultraep keeps replicas inside their home's domain
             (``None``: one domain).
         eplb_window / eplb_interval: eplb's history and re-plan period, in microbatches of a layer.
+
+    Raises:
+        InvalidConfig: a ``ValueError`` naming every invalid field.
     """
 
     name: str = ULTRAEP
@@ -64,18 +107,31 @@ class BalancerConfig:
     eplb_interval: int = DEFAULT_EPLB_INTERVAL
 
     def __post_init__(self):
-        if self.name not in BALANCERS and self.name != IDEAL:
-            raise ValueError(f"unknown balancer {self.name!r}; choose from {', '.join(MOE_BALANCERS)}")
+        problems = self.problems(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+        if problems:
+            raise InvalidConfig(problems)
+
+    @staticmethod
+    def problems(**settings) -> list[ConfigProblem]:
+        """Every problem of these settings (fields of a :class:`BalancerConfig`; those left out are
+        not checked), in field order; empty when they can run. The one place the rules live: a
+        config checks itself with it, and the flags' check (``settings/knobs.py``) names each
+        problem by its flag."""
+        found = []
+        name = settings.pop("name", ULTRAEP)
+        if name not in BALANCERS and name != IDEAL:
+            found.append(ConfigProblem("name", f"{SETTING}: unknown balancer {name!r}; choose from "
+                                               f"{', '.join(MOE_BALANCERS)}"))
         for field, minimum in MINIMUMS.items():
-            value = getattr(self, field)
-            if value is None and field in ("min_quota", "trigger", "domain_size"):
+            if field not in settings or (settings[field] is None and field in OPTIONAL):
                 continue
-            number = (int, float) if field == "trigger" else (int, np.integer)
-            if isinstance(value, bool) or not isinstance(value, number):
-                raise ValueError(f"{field} must be {'a number' if field == 'trigger' else 'an integer'}, "
-                                 f"got {value!r}")
-            if not value >= minimum:
-                raise ValueError(f"{field} must be >= {minimum}, got {value}")
+            problem = number_problem(settings[field], minimum=minimum, integer=field != "trigger")
+            if problem:
+                found.append(ConfigProblem(field, problem))
+        unknown = set(settings) - set(MINIMUMS)
+        if unknown:
+            raise TypeError(f"not settings of a BalancerConfig: {', '.join(sorted(unknown))}")
+        return found
 
     def replace(self, **changes) -> "BalancerConfig":
         return dataclasses.replace(self, **changes)

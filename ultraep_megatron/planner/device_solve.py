@@ -9,10 +9,10 @@ broken by rank / expert id / creation order, so every rank computes the identica
 
 The algorithm (docs/planner.md, "Device planner"):
 
-1. The oracle is the host planner's greedy (``reference.greedy_replicas``: overloaded ranks by
-   descending load shed their excess, top-ups first, best-fit hosts, last slot filled, relay of
-   the overshoot), written as one step function over fixed-size state (slack [R], free slots [R],
-   and the current rank's main load left [G] and its replicas [G, R]).
+1. The oracle is the host planner's greedy, whose one specification is
+   ``reference.greedy_replicas`` (overloaded ranks by descending load shed their excess, top-ups
+   first, best-fit hosts, last slot filled, relay of the overshoot). A probe answers it at one
+   threshold: whether it succeeds, and the quotas and creation order of its replicas.
 2. The threshold search probes K = ``PROBES_PER_ROUND`` thresholds side by side per round on the
    grid ``lower + k * resolution`` (``resolution = max(1, lower >> 10)``, as the host's), k in
    (bad, good]: k = 0 is the lower bound, the grid point at or past the initial max rank load is
@@ -23,9 +23,14 @@ The algorithm (docs/planner.md, "Device planner"):
    creation order per host, quotas, reroute: local first, then sources in rank order fill the
    instances in rank order) is built by tensor operations.
 
-Two implementations of the probe give the same plan bit for bit: ``reference_probe`` (the K
-probes in lockstep; numpy on CPU, the CPU path; torch on any other device) and
-``_triton_solve.probe`` (one Triton program per probe; the CUDA path).
+Who runs the probe (the same plan bit for bit): on a CPU load the specification itself
+(:func:`reference_probe`, host reads of host data); on the device, the greedy as one step function
+over fixed-size state (slack [R], free slots [R], the current rank's main load left [G] and its
+replicas [G, R]) with a fixed step bound and no host read, run by ``_triton_solve.probe`` (one
+Triton program per threshold; the CUDA path) or, where Triton does not run (the CPU backend's
+device path, a GPU without Triton), by :func:`lockstep_probe` (the same steps as torch calls, the K
+thresholds side by side). The step function is the device's form of the specification, not a
+second one: the tests and the self-check compare it with ``reference.greedy_replicas`` bit for bit.
 """
 
 from __future__ import annotations
@@ -33,14 +38,14 @@ from __future__ import annotations
 import importlib.util
 from typing import Literal
 
-import numpy as np
 import torch
 
+from . import reference
 from .plan import Plan
 from .solve import DEFAULT_MIN_QUOTA_DIVISOR, validate_solve_args
 
-__all__ = ["device_solve", "device_min_quota", "reference_probe", "search_rounds", "PROBES_PER_ROUND",
-           "triton_available"]
+__all__ = ["device_solve", "device_min_quota", "lockstep_probe", "reference_probe", "search_rounds",
+           "PROBES_PER_ROUND", "triton_available"]
 
 #: Thresholds probed side by side in one search round (one Triton program each on a GPU).
 PROBES_PER_ROUND = 32
@@ -74,200 +79,162 @@ def max_probe_steps(num_ranks: int, num_slots: int) -> int:
     return 2 * num_ranks * num_slots + num_ranks + 2
 
 
-class _Numpy:
-    """The few array calls of ``reference_probe``, on numpy (CPU: ~4x fewer µs per call than
-    torch on these small arrays)."""
-    where = staticmethod(np.where)
-    minimum, maximum = staticmethod(np.minimum), staticmethod(np.maximum)
-
-    @staticmethod
-    def amax(x, dims):
-        return x.max(axis=dims)
-
-    @staticmethod
-    def amin(x, dims):
-        return x.min(axis=dims)
-
-    @staticmethod
-    def clip(x, low, high=None):
-        return np.clip(x, low, high)
-
-    def __init__(self, device):
-        pass
-
-    @staticmethod
-    def arange(n):
-        return np.arange(n, dtype=np.int64)
-
-    @staticmethod
-    def full(shape, value, dtype=np.int64):
-        return np.full(shape, value, dtype=dtype)
-
-
-class _Torch:
-    """The same calls on torch tensors of one device."""
-    where = staticmethod(torch.where)
-    minimum, maximum = staticmethod(torch.minimum), staticmethod(torch.maximum)
-
-    @staticmethod
-    def amax(x, dims):
-        return x.amax(dims)
-
-    @staticmethod
-    def amin(x, dims):
-        return x.amin(dims)
-
-    @staticmethod
-    def clip(x, low, high=None):
-        return x.clamp(low, high)
-
-    def __init__(self, device):
-        self.device = device
-
-    def arange(self, n):
-        return torch.arange(n, device=self.device)
-
-    def full(self, shape, value, dtype=torch.int64):
-        return torch.full(shape, value, dtype=dtype, device=self.device)
-
-
 def reference_probe(taus: torch.Tensor, expert_load: torch.Tensor, rank_load: torch.Tensor,
                     rank_order: torch.Tensor, min_quota: torch.Tensor, num_slots: int,
-                    domain_size: int, write_plan: bool = True, use_numpy: bool | None = None):
-    """The greedy oracle at K thresholds at once, in lockstep, masked (any device: numpy for CPU
-    tensors, torch elsewhere; the same calls).
+                    domain_size: int, write_plan: bool = True):
+    """The probe at K thresholds by the specification, ``reference.greedy_replicas``, one threshold
+    after the other on the host (the tests' oracle and the self-check's reference; it reads its
+    inputs on the host, so it is not the device path).
 
     Args:
         taus: int64 [K] thresholds.
         expert_load: int64 [E]; rank_load: int64 [R]; rank_order: int64 [R], ranks by descending
-            load, ties by rank id; min_quota: int64 0-dim.
+            load, ties by rank id (the greedy's own order: not read); min_quota: int64 0-dim.
     Returns:
         success bool [K]; main_left int64 [K, E] (quota of each main instance); rep_quota int64
         [K, E, R] (quota of the replica of e on t, 0 if none); rep_order int64 [K, E, R] (its
-        creation index, ``NO_REPLICA`` if none). The last three only with ``write_plan``
-        (else None), and meaningful only where ``success``. ``use_numpy=False`` runs the torch
-        calls (fixed step count) on CPU tensors too, as on a device (the tests compare both).
+        creation index, ``NO_REPLICA`` if none), on ``taus``' device. The last three only with
+        ``write_plan`` (else None), and meaningful only where ``success``. Every probe
+        implementation returns this.
     """
-    on_cpu = taus.device.type == "cpu" if use_numpy is None else use_numpy
-    if on_cpu:  # host data: numpy, and stop once every probe is done (a read of host data)
-        xp = _Numpy(None)
-        taus, expert_load, rank_load, rank_order, min_quota = (
-            x.numpy() for x in (taus, expert_load, rank_load, rank_order, min_quota))
-        boolean = bool
-    else:       # device data: a fixed number of steps
-        xp = _Torch(taus.device)
-        boolean = torch.bool
+    K, R, E = taus.shape[0], rank_load.shape[0], expert_load.shape[0]
+    expert, ranks, floor = expert_load.tolist(), rank_load.tolist(), int(min_quota)
+    success = torch.zeros(K, dtype=torch.bool)
+    main_left = torch.tensor(expert, dtype=torch.int64).repeat(K, 1)
+    rep_quota = torch.zeros((K, E, R), dtype=torch.int64)
+    rep_order = torch.full((K, E, R), NO_REPLICA, dtype=torch.int64)
+    for k, tau in enumerate(taus.tolist()):
+        result = reference.greedy_replicas(tau, expert, ranks, E // R, num_slots, floor, domain_size)
+        success[k] = result is not None
+        if result is not None and write_plan:
+            pieces, left = result
+            main_left[k] = torch.tensor(left, dtype=torch.int64)
+            for created, (e, t, quota) in enumerate(pieces):
+                rep_quota[k, e, t], rep_order[k, e, t] = quota, created
+    device = taus.device
+    if not write_plan:
+        return success.to(device), None, None, None
+    return tuple(x.to(device) for x in (success, main_left, rep_quota, rep_order))
+
+
+def lockstep_probe(taus: torch.Tensor, expert_load: torch.Tensor, rank_load: torch.Tensor,
+                   rank_order: torch.Tensor, min_quota: torch.Tensor, num_slots: int,
+                   domain_size: int, write_plan: bool = True):
+    """The device's probe as torch calls, where Triton does not run (the CPU backend's device path,
+    a GPU without Triton): the K probes of ``_triton_solve.probe`` side by side, each step one
+    masked update of every probe's fixed-size state, a fixed number of steps
+    (:func:`max_probe_steps`), no host read. Same contract and outputs as :func:`reference_probe`.
+    """
+    device = taus.device
+
+    def arange(n):
+        return torch.arange(n, device=device)
+
+    def full(shape, value):
+        return torch.full(shape, value, dtype=torch.int64, device=device)
+
     K, R, E = taus.shape[0], rank_load.shape[0], expert_load.shape[0]
     G, S, N = E // R, num_slots, domain_size
-    ar, ag, ks = xp.arange(R), xp.arange(G), xp.arange(K)
+    ar, ag, ks = arange(R), arange(G), arange(K)
     tau = taus.reshape(K, 1)
     over = rank_load.reshape(1, R) > tau
-    slack = xp.where(over, 0, tau - rank_load.reshape(1, R))             # [K, R]
-    free = xp.full((K, R), S)
-    num_over = over.sum(1)                                              # [K]
-    position = xp.full((K,), -1)                                        # in rank_order
-    rank = xp.full((K,), 0)
-    need = xp.full((K,), 0)
-    failed = xp.full((K,), False, dtype=boolean)
-    created = xp.full((K,), 0)
-    main_left_rank = xp.full((K, G), 0)
-    mine_quota = xp.full((K, G, R), 0)
-    mine_order = xp.full((K, G, R), NO_REPLICA)
+    slack = torch.where(over, 0, tau - rank_load.reshape(1, R))             # [K, R]
+    free = full((K, R), S)
+    num_over = over.sum(1)                                                  # [K]
+    position = full((K,), -1)                                               # in rank_order
+    rank = full((K,), 0)
+    need = full((K,), 0)
+    failed = torch.zeros(K, dtype=torch.bool, device=device)
+    created = full((K,), 0)
+    main_left_rank = full((K, G), 0)
+    mine_quota = full((K, G, R), 0)
+    mine_order = full((K, G, R), NO_REPLICA)
     if write_plan:
-        main_left = expert_load.reshape(1, E).repeat(K, 0) if on_cpu else \
-            expert_load.reshape(1, E).repeat(K, 1)
-        rep_quota = xp.full((K, E, R), 0)
-        rep_order = xp.full((K, E, R), NO_REPLICA)
+        main_left = expert_load.reshape(1, E).repeat(K, 1)
+        rep_quota = full((K, E, R), 0)
+        rep_order = full((K, E, R), NO_REPLICA)
 
     for _ in range(max_probe_steps(R, S)):
         active = ~failed & ((need > 0) | (position + 1 < num_over))
-        if on_cpu and not active.any():
-            break
         # Next overloaded rank.
         advance = active & (need == 0)
-        position = xp.where(advance, position + 1, position)
-        rank = xp.where(advance, rank_order[xp.clip(position, 0, R - 1)], rank)
-        need = xp.where(advance, rank_load[rank] - taus, need)
-        main_left_rank = xp.where(advance.reshape(K, 1),
-                                  expert_load[rank.reshape(K, 1) * G + ag.reshape(1, G)],
-                                  main_left_rank)
-        mine_quota = xp.where(advance.reshape(K, 1, 1), 0, mine_quota)
-        mine_order = xp.where(advance.reshape(K, 1, 1), NO_REPLICA, mine_order)
+        position = torch.where(advance, position + 1, position)
+        rank = torch.where(advance, rank_order[torch.clamp(position, 0, R - 1)], rank)
+        need = torch.where(advance, rank_load[rank] - taus, need)
+        main_left_rank = torch.where(advance.reshape(K, 1),
+                                     expert_load[rank.reshape(K, 1) * G + ag.reshape(1, G)],
+                                     main_left_rank)
+        mine_quota = torch.where(advance.reshape(K, 1, 1), 0, mine_quota)
+        mine_order = torch.where(advance.reshape(K, 1, 1), NO_REPLICA, mine_order)
 
         # 1. Top up one of this rank's replicas: the largest room, ties by creation order.
         has = mine_quota > 0
-        room = xp.minimum(xp.minimum(need.reshape(K, 1, 1), slack.reshape(K, 1, R)),
-                          main_left_rank.reshape(K, G, 1))
-        room = xp.where(has, room, 0)
-        best_room = xp.amax(room, (1, 2))
-        top_order = xp.amin(xp.where(has & (room == best_room.reshape(K, 1, 1)), mine_order,
-                                     NO_REPLICA), (1, 2))
+        room = torch.minimum(torch.minimum(need.reshape(K, 1, 1), slack.reshape(K, 1, R)),
+                             main_left_rank.reshape(K, G, 1))
+        room = torch.where(has, room, 0)
+        best_room = room.amax((1, 2))
+        top_order = torch.amin(torch.where(has & (room == best_room.reshape(K, 1, 1)), mine_order,
+                                           NO_REPLICA), (1, 2))
         top_cell = has & (mine_order == top_order.reshape(K, 1, 1))
-        top_g = xp.where(top_cell, ag.reshape(1, G, 1), 0).sum((1, 2))
-        top_t = xp.where(top_cell, ar.reshape(1, 1, R), 0).sum((1, 2))
+        top_g = torch.where(top_cell, ag.reshape(1, G, 1), 0).sum((1, 2))
+        top_t = torch.where(top_cell, ar.reshape(1, 1, R), 0).sum((1, 2))
         topping = best_room > 0
 
         # 2. Else a new replica of the rank's main expert with the most load left (lowest id).
-        cap = xp.amax(main_left_rank, 1)
-        new_g = xp.amin(xp.where(main_left_rank == cap.reshape(K, 1), ag.reshape(1, G), G), 1)
-        row = mine_quota[ks, xp.clip(new_g, 0, G - 1)]                  # [K, R]
+        cap = torch.amax(main_left_rank, 1)
+        new_g = torch.amin(torch.where(main_left_rank == cap.reshape(K, 1), ag.reshape(1, G), G), 1)
+        row = mine_quota[ks, torch.clamp(new_g, 0, G - 1)]                  # [K, R]
         hosts = ((ar.reshape(1, R) // N == (rank // N).reshape(K, 1))
                  & (ar.reshape(1, R) != rank.reshape(K, 1))
                  & (free > 0) & (slack >= min_quota) & (row == 0))
-        want = xp.maximum(xp.minimum(need, cap), min_quota)
+        want = torch.maximum(torch.minimum(need, cap), min_quota)
         fitting = hosts & (slack >= want.reshape(K, 1))
-        fit_slack = xp.amin(xp.where(fitting, slack, _BIG), 1)
-        fit_t = xp.amin(xp.where(fitting & (slack == fit_slack.reshape(K, 1)),
-                                 ar.reshape(1, R), R), 1)
-        big_slack = xp.amax(xp.where(hosts, slack, -1), 1)
-        big_t = xp.amin(xp.where(hosts & (slack == big_slack.reshape(K, 1)),
-                                 ar.reshape(1, R), R), 1)
-        new_t = xp.where(fit_t < R, fit_t, big_t)
+        fit_slack = torch.amin(torch.where(fitting, slack, _BIG), 1)
+        fit_t = torch.amin(torch.where(fitting & (slack == fit_slack.reshape(K, 1)),
+                                       ar.reshape(1, R), R), 1)
+        big_slack = torch.amax(torch.where(hosts, slack, -1), 1)
+        big_t = torch.amin(torch.where(hosts & (slack == big_slack.reshape(K, 1)),
+                                       ar.reshape(1, R), R), 1)
+        new_t = torch.where(fit_t < R, fit_t, big_t)
         cannot = (cap < min_quota) | (big_t >= R)
-        host_slack = slack[ks, xp.clip(new_t, 0, R - 1)]
-        host_free = free[ks, xp.clip(new_t, 0, R - 1)]
-        new_amount = xp.where(
-            host_free == 1, xp.minimum(host_slack, cap),
-            xp.minimum(xp.minimum(xp.maximum(need, min_quota), host_slack), cap))
+        host_slack = slack[ks, torch.clamp(new_t, 0, R - 1)]
+        host_free = free[ks, torch.clamp(new_t, 0, R - 1)]
+        new_amount = torch.where(
+            host_free == 1, torch.minimum(host_slack, cap),
+            torch.minimum(torch.minimum(torch.maximum(need, min_quota), host_slack), cap))
 
         creating = active & ~topping & ~cannot
         applying = active & (topping | ~cannot)
         failed = failed | (active & ~topping & cannot)
-        t = xp.where(topping, top_t, new_t)
-        g = xp.where(topping, top_g, new_g)
-        amount = xp.where(applying, xp.where(topping, best_room, new_amount), 0)
+        t = torch.where(topping, top_t, new_t)
+        g = torch.where(topping, top_g, new_g)
+        amount = torch.where(applying, torch.where(topping, best_room, new_amount), 0)
         at_t = ar.reshape(1, R) == t.reshape(K, 1)
         at_g = ag.reshape(1, G) == g.reshape(K, 1)
         cell = at_g.reshape(K, G, 1) & at_t.reshape(K, 1, R)
-        slack = slack - xp.where(at_t, amount.reshape(K, 1), 0)
-        main_left_rank = main_left_rank - xp.where(at_g, amount.reshape(K, 1), 0)
-        mine_quota = mine_quota + xp.where(cell, amount.reshape(K, 1, 1), 0)
-        mine_order = xp.where(cell & creating.reshape(K, 1, 1), created.reshape(K, 1, 1),
-                              mine_order)
-        free = free - xp.where(at_t & creating.reshape(K, 1), 1, 0)
-        created = created + xp.where(creating, 1, 0)
+        slack = slack - torch.where(at_t, amount.reshape(K, 1), 0)
+        main_left_rank = main_left_rank - torch.where(at_g, amount.reshape(K, 1), 0)
+        mine_quota = mine_quota + torch.where(cell, amount.reshape(K, 1, 1), 0)
+        mine_order = torch.where(cell & creating.reshape(K, 1, 1), created.reshape(K, 1, 1),
+                                 mine_order)
+        free = free - torch.where(at_t & creating.reshape(K, 1), 1, 0)
+        created = created + torch.where(creating, 1, 0)
         # Shedding more than the excess: the rank ends below tau and can host (the relay).
-        overshoot = xp.where(applying & (amount >= need), amount - need, 0)
-        slack = slack + xp.where(ar.reshape(1, R) == rank.reshape(K, 1), overshoot.reshape(K, 1), 0)
-        need = xp.where(applying, xp.clip(need - amount, 0), need)
+        overshoot = torch.where(applying & (amount >= need), amount - need, 0)
+        slack = slack + torch.where(ar.reshape(1, R) == rank.reshape(K, 1), overshoot.reshape(K, 1), 0)
+        need = torch.where(applying, torch.clamp(need - amount, 0), need)
 
         if write_plan:  # write through the current rank's state (idempotent)
             started = (position >= 0).reshape(K, 1)
             kk = ks.reshape(K, 1)
-            rows = rank.reshape(K, 1) * G + ag.reshape(1, G)            # [K, G]
-            main_left[kk, rows] = xp.where(started, main_left_rank, main_left[kk, rows])
+            rows = rank.reshape(K, 1) * G + ag.reshape(1, G)                # [K, G]
+            main_left[kk, rows] = torch.where(started, main_left_rank, main_left[kk, rows])
             started = started.reshape(K, 1, 1)
-            rep_quota[kk, rows] = xp.where(started, mine_quota, rep_quota[kk, rows])
-            rep_order[kk, rows] = xp.where(started, mine_order, rep_order[kk, rows])
-    success = ~failed
-    if on_cpu:
-        success = torch.from_numpy(np.asarray(success))
-        if write_plan:
-            main_left, rep_quota, rep_order = (torch.from_numpy(x) for x in
-                                               (main_left, rep_quota, rep_order))
+            rep_quota[kk, rows] = torch.where(started, mine_quota, rep_quota[kk, rows])
+            rep_order[kk, rows] = torch.where(started, mine_order, rep_order[kk, rows])
     if not write_plan:
-        return success, None, None, None
-    return success, main_left, rep_quota, rep_order
+        return ~failed, None, None, None
+    return ~failed, main_left, rep_quota, rep_order
 
 
 def _probe(implementation: str, taus, expert_load, rank_load, rank_order, min_quota, num_slots,
@@ -276,8 +243,8 @@ def _probe(implementation: str, taus, expert_load, rank_load, rank_order, min_qu
         from . import _triton_solve
         return _triton_solve.probe(taus, expert_load, rank_load, rank_order, min_quota,
                                    num_slots, domain_size, write_plan)
-    return reference_probe(taus, expert_load, rank_load, rank_order, min_quota, num_slots,
-                           domain_size, write_plan, use_numpy=False if implementation == "torch" else None)
+    probe = lockstep_probe if implementation == "torch" else reference_probe
+    return probe(taus, expert_load, rank_load, rank_order, min_quota, num_slots, domain_size, write_plan)
 
 
 def search_threshold(expert_load: torch.Tensor, rank_load: torch.Tensor, rank_order: torch.Tensor,
@@ -400,18 +367,20 @@ def device_solve(load: torch.Tensor, num_slots: int, *, min_quota: int | None = 
             device tensor would read it on the host).
         num_slots: S >= 0; min_quota: int >= 1 or None (1 % of the mean rank load, computed on
             the device); domain_size: N dividing R, or None.
-        implementation: "triton" (CUDA tensors; CPU tensors under ``TRITON_INTERPRET=1``),
-            "reference" (numpy for a CPU load, torch on any other device), "torch" (the
-            reference's torch calls on any device, a CPU load included: fixed step counts, no
-            host read, what a device runs without Triton) or "auto" (triton for a CUDA load when
-            triton is installed, else reference). Same plan bit for bit.
+        implementation: who runs the probe (module docstring): "triton" (CUDA tensors; CPU
+            tensors under ``TRITON_INTERPRET=1``), "torch" (:func:`lockstep_probe`, any device, a
+            CPU load included: fixed step counts, no host read, what a device runs without
+            Triton), "reference" (the specification on the host: a CPU load, or a device load read
+            on the host) or "auto" (triton for a CUDA load when triton is installed, reference for
+            a CPU load, else torch). Same plan bit for bit.
 
     Returns:
         A ``Plan`` whose tensors, ``threshold`` included (0-dim int64), live on ``load``'s device.
     """
     R, E, num_slots, min_quota, N = validate_solve_args(load, num_slots, min_quota, domain_size)
     if implementation == "auto":
-        implementation = "triton" if load.is_cuda and triton_available() else "reference"
+        implementation = ("triton" if load.is_cuda and triton_available()
+                          else "reference" if load.device.type == "cpu" else "torch")
     if implementation not in ("triton", "reference", "torch"):
         raise ValueError(f"implementation must be 'auto', 'triton', 'reference' or 'torch', "
                          f"got {implementation!r}")

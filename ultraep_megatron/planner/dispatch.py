@@ -1,7 +1,6 @@
 """The rank dispatch: what one EP rank's dispatcher reads from a :class:`Plan`.
 
-    physical_ids = assign_tokens(plan, rank, topk_ids)  # [T, k] logical -> physical slots
-    dispatch = rank_dispatch(plan, load, rank)           # splits, per-slot rows, the reroute table
+    dispatch = rank_dispatch(plan, load, rank)  # splits, per-slot rows, the reroute table
 """
 
 from __future__ import annotations
@@ -15,49 +14,7 @@ from . import _compiled_dispatch as _compiled
 from .plan import Plan
 from .solve import host_array
 
-__all__ = ["assign_tokens", "RankDispatch", "rank_dispatch"]
-
-
-def assign_tokens(plan: Plan, rank: int, topk_ids: torch.Tensor) -> torch.Tensor:
-    """Physical slot of every (token, expert) pair of source ``rank``, realizing the plan exactly.
-
-    The j-th pair (in row-major order of ``topk_ids``) routed to expert e goes to the first
-    instance of e, in rank order, whose cumulative count ``split[rank, e, :].cumsum()`` exceeds
-    j (the cumulative-quota lookup of UltraEP §5.2). On CPU one compiled O(T*k + E*R) pass; on
-    other devices the vectorized torch form (stable sort by expert + one searchsorted), which
-    gives the same ids.
-
-    Args:
-        plan: the plan solved for the load these ids produced.
-        rank: the source rank, 0 <= rank < R.
-        topk_ids: int64 [T, k] logical expert ids from the router.
-
-    Returns:
-        int64 [T, k] physical slot ids ``t * (G + S) + j``, on ``topk_ids``' device.
-
-    Raises:
-        ValueError: bad shapes/ids, or if the ids' per-expert counts differ from the plan's load
-            for ``rank`` (the plan was made for another load).
-    """
-    R, E = plan.num_ranks, plan.num_experts
-    if (not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype != torch.int64
-            or topk_ids.dim() != 2):
-        raise ValueError("topk_ids must be an int64 [T, k] tensor")
-    if not 0 <= rank < R:
-        raise ValueError(f"rank must be in [0, {R}), got {rank}")
-    if topk_ids.device.type != "cpu":
-        return _assign_tokens_vectorized(plan, rank, topk_ids)
-    # CPU: one compiled pass (a sort + searchsorted over T*k pairs costs ~1 ms on CPU).
-    flat = topk_ids.reshape(-1)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
-    status, physical = _compiled.assign_arrays(
-        flat.numpy(), plan.physical_split[rank].cpu().numpy(), plan.instance_slot.cpu().numpy())
-    if status == _compiled.OUT_OF_RANGE:
-        raise ValueError(f"topk_ids must lie in [0, {E})")
-    if status == _compiled.MISMATCH:
-        raise ValueError(f"topk_ids of rank {rank} do not match the load the plan was solved for")
-    return torch.from_numpy(physical).view(topk_ids.shape)
+__all__ = ["RankDispatch", "rank_dispatch"]
 
 
 @dataclass(frozen=True)
@@ -129,25 +86,3 @@ def rank_dispatch(plan: Plan, load: torch.Tensor, rank: int, *,
                               rank, out.rows_per_source_slot, out.rows_per_slot, out.input_splits,
                               out.output_splits, out.reroute_table)
     return out
-
-
-def _assign_tokens_vectorized(plan: Plan, rank: int, topk_ids: torch.Tensor) -> torch.Tensor:
-    """``assign_tokens`` with torch ops only (any device): a stable sort by expert, then one
-    searchsorted into the cumulative (expert, instance) counts. Same result as the compiled pass."""
-    E = plan.num_experts
-    flat = topk_ids.reshape(-1)
-    device = flat.device
-    inst = plan.instance_slot.to(device)  # [E, R]
-    counts = plan.physical_split[rank].to(device)[inst.clamp(min=0)] * (inst >= 0)  # [E, R]
-    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= E):
-        raise ValueError(f"topk_ids must lie in [0, {E})")
-    if not torch.equal(torch.bincount(flat, minlength=E), counts.sum(1)):
-        raise ValueError(f"topk_ids of rank {rank} do not match the load the plan was solved for")
-    order = torch.sort(flat, stable=True).indices
-    # After the stable sort, pair i is the (i - start_e)-th pair of its expert e, so its
-    # position in the flattened (expert, instance) cumulative counts is just i.
-    instance = torch.searchsorted(counts.reshape(-1).cumsum(0),
-                                  torch.arange(flat.numel(), device=device), right=True)
-    physical = torch.empty_like(flat)
-    physical[order] = inst.reshape(-1)[instance]
-    return physical.view_as(topk_ids)

@@ -27,7 +27,7 @@ class Plan:
             (a main instance may also carry 0).
         physical_split: [R, R * P] tokens of source rank s routed to physical slot p. The compact
             form of ``split``; row s is what rank s sends, columns ``t*P:(t+1)*P`` what rank t
-            receives (see ``tokens_sent_per_physical_slot`` / ``tokens_received_per_local_slot``).
+            receives (``rank_dispatch``).
         threshold: the max per-rank load after reroute, ``quota.sum(0).max()``: an int from the
             host planner (``solve``), a 0-dim int64 tensor on the load's device from the device
             planner (``device_solve``, which never reads device data on the host; ``int()`` it
@@ -86,23 +86,6 @@ class Plan:
         inst = self.instance_slot  # [E, R]
         dense = self.physical_split[:, inst.clamp(min=0)]  # [R, E, R]
         return dense * (inst >= 0)
-
-
-def tokens_sent_per_physical_slot(plan: Plan, rank: int) -> torch.Tensor:
-    """[R * P] tokens ``rank`` sends to every physical slot (the dispatcher's per-expert send counts,
-    with physical slots in place of experts; summed per P-block it gives ``input_splits``)."""
-    return plan.physical_split[rank]
-
-
-def tokens_received_per_local_slot(plan: Plan, rank: int) -> torch.Tensor:
-    """[R, P] tokens ``rank`` receives from each source rank for each of its physical slots.
-
-    This is Megatron's ``num_global_tokens_per_local_expert`` (ep_size x num_local_experts, with
-    the rank's G main slots followed by its S redundant slots as local experts); summed over the
-    last dim it gives ``output_splits``.
-    """
-    P = plan.physical_slots_per_rank
-    return plan.physical_split[:, rank * P:(rank + 1) * P]
 
 
 def plan_from_split(slot_expert: torch.Tensor, split: torch.Tensor) -> Plan:

@@ -5,10 +5,11 @@ Modules, from the bytes up:
 
 * :mod:`.format`: the file format (constants, errors, file names); :mod:`.writer`
   (:class:`TraceWriter`) and :mod:`.reader` (:class:`TraceReader`, :func:`read_trace`);
-* :mod:`.records`: the loads of a run's files as one replay stream (:class:`TraceRecords`), with
-  its selection, and :func:`merge_traces`;
-* :mod:`.router`: Megatron's own ``--moe-routing-trace-path`` traces as the same stream, and their
-  conversion to the project's files;
+* :mod:`.records`: the loads of a run's files as one replay stream (:class:`TraceRecords`, of
+  :class:`~.records.Record` tuples), with its selection, and :func:`merge_traces`;
+* :mod:`.router`: Megatron's own ``--moe-routing-trace-path`` traces as the same stream
+  (:class:`~.router.RouterTraceRecords`, :func:`~.router.is_router_trace`), and their conversion to
+  the project's files (imported from the module: they are the Megatron trace's, not the format's);
 * :mod:`.synthetic`: synthetic loads (single Zipf loads, drifting traces).
 
     with TraceWriter(trace_path(dir, group), num_ranks=R, num_experts=E, meta={...}) as writer:
@@ -29,16 +30,12 @@ from .format import (
     trace_path,
 )
 from .reader import Trace, TraceReader, read_trace
-from .records import Record, TraceRecords, merge_traces
-from .router import RouterTraceLayout, RouterTraceRecords, is_router_trace
+from .records import TraceRecords, merge_traces
 from .synthetic import write_synthetic_trace
 from .writer import TraceWriter
 
 __all__ = [
     "TRACE_SUFFIX",
-    "Record",
-    "RouterTraceLayout",
-    "RouterTraceRecords",
     "Trace",
     "TraceFormatError",
     "TraceReader",
@@ -47,7 +44,6 @@ __all__ = [
     "TraceTruncatedWarning",
     "TraceWriter",
     "find_trace_files",
-    "is_router_trace",
     "merge_traces",
     "read_trace",
     "trace_path",

@@ -256,10 +256,6 @@ class Trace:
     def layers(self) -> list[int]:
         return sorted(set(self.layer.tolist()))
 
-    def for_layer(self, layer: int) -> torch.Tensor:
-        """int64 [M, R, E]: the loads of one layer in time order."""
-        return self.load[self.layer == layer]
-
 
 def read_trace(path: str | os.PathLike, *, layers: Optional[Iterable[int]] = None,
                include_uncommitted: bool = False,

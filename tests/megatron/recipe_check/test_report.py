@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from ultraep_megatron.megatron import recipe_check as rc
+from ultraep_megatron.megatron.recipe_check import activations, memory
 
 RECIPES = Path(__file__).resolve().parents[3] / "recipes"
 HGX = {"deepseek_v2_lite_16b_a2b_ep8_hgx.sh": (8, 1, 8), "qwen3_235b_a22b_ep32_pp8_hgx.sh": (256, 32, 32)}
@@ -89,12 +90,12 @@ def test_ep_across_nodes_without_a_node_sized_domain_fails_naming_the_flag(launc
 
 def test_peak_is_model_states_slots_activations_and_the_allowance(reports):
     report = reports["qwen3_235b_a22b_ep32_pp8_hgx.sh"]
-    stages = rc.stage_layers(report.args)
-    expected = rc.estimate_activations(report.args, stages)
+    stages = memory.stage_layers(report.args)
+    expected = activations.estimate_activations(report.args, stages)
     for stage, acts in zip(report.memory.stages, expected):
         assert stage.activations == acts.total > 0
         assert stage.peak == stage.model_states + stage.slots_with_reuse + acts.total \
-            + int(rc.RUNTIME_RESERVE_GIB * GIB)
+            + int(activations.RUNTIME_RESERVE_GIB * GIB)
     # Interleaved (PP 8, VP 4), overlapped: megatron's warm-up 2 (PP - stage - 1) + (VP - 1) PP, one
     # more for the overlapped schedule, plus the model chunk running, in whole stages.
     pp, vp = 8, 4

@@ -14,36 +14,22 @@ For each recipe (a bash script under ``recipes/`` that ends in ``python -m torch
 
 :func:`check_launch` runs steps 2-4 and :func:`format_report` prints them (:mod:`.report`). The
 command line is ``ultraep check-recipe``
-(``ultraep_megatron/cli/check_recipe.py``). No Megatron import at module level: the checker is a
-tool, not part of a training run.
+(``ultraep_megatron/cli/check_recipe.py``). The package re-exports those steps; the pieces they are
+made of (a model's parameters per layer, the activation estimate, the pipeline stages' layers) are
+imported from their modules. No Megatron import at module level: the checker is a tool, not part of
+a training run.
 """
 
-from .activations import (
-    RUNTIME_RESERVE_GIB, StageActivations, estimate_activations, in_flight_microbatches,
-    layer_activation_bytes, logits_bytes,
-)
 from .launch import (
     Launch, NotARecipe, RecipeError, capture_launch, capture_launches, default_gpus_per_node,
-    parse_torchrun_command,
 )
-from .layout import DEFAULT_RACK_SIZE, RankLayout, rank_layout
-from .memory import MemoryEstimate, StageMemory, estimate_memory, stage_layers
-from .model import (
-    LayerParams, attention_params, balanced_moe_layer_ids, built_mtp_layers, flops_per_iteration,
-    layer_params, moe_layer_pattern,
-)
+from .layout import rank_layout
+from .memory import estimate_memory
 from .report import RecipeReport, check_launch, format_report
 from .validate import startup_problems, validate_arguments
 
 __all__ = [
     "Launch", "NotARecipe", "RecipeError", "capture_launch", "capture_launches", "default_gpus_per_node",
-    "parse_torchrun_command",
-    "RUNTIME_RESERVE_GIB", "StageActivations", "estimate_activations", "in_flight_microbatches",
-    "layer_activation_bytes", "logits_bytes",
-    "validate_arguments", "startup_problems",
-    "DEFAULT_RACK_SIZE", "RankLayout", "rank_layout",
-    "LayerParams", "attention_params", "layer_params", "moe_layer_pattern", "built_mtp_layers",
-    "balanced_moe_layer_ids", "flops_per_iteration",
-    "MemoryEstimate", "StageMemory", "estimate_memory", "stage_layers",
+    "validate_arguments", "startup_problems", "rank_layout", "estimate_memory",
     "RecipeReport", "check_launch", "format_report",
 ]

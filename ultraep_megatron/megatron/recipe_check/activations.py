@@ -63,14 +63,6 @@ RUNTIME_RESERVE_GIB = 4.0
 
 
 @dataclass
-class LayerActivations:
-    """Bytes one layer keeps for the backward, for one microbatch on one rank."""
-
-    stored: int      # kept until the layer's backward (its checkpoint input under full recompute)
-    full: int        # what the layer keeps without full recompute (rematerialized in its backward)
-
-
-@dataclass
 class StageActivations:
     """Activation bytes of one rank of a pipeline stage."""
 

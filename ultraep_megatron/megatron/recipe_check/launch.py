@@ -323,7 +323,7 @@ def default_gpus_per_node(script_args: Sequence[str]) -> Optional[int]:
     ``script_args`` (h100-hgx, h200-hgx: 8; paper-rack: 4, a GB200 tray); ``None`` without a preset
     (also for an unknown preset name, which the validation then reports, naming the flag).
     """
-    from ultraep_megatron.analysis.cost import HARDWARE_PRESETS
+    from ultraep_megatron.settings.hardware import HARDWARE_PRESETS
 
     name = hardware_name(script_args)
     return HARDWARE_PRESETS[name].gpus_per_node if name in HARDWARE_PRESETS else None

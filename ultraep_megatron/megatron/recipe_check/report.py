@@ -93,7 +93,7 @@ def check_launch(launch: Launch, rack_size: Optional[int] = None,
         RecipeError: when Megatron or UltraEP rejects the arguments or the layout (one problem
             per line).
     """
-    from ultraep_megatron.analysis.cost import hardware_preset
+    from ultraep_megatron.settings.hardware import hardware_preset
 
     args, _ = validate_arguments(launch.args, launch.world_size)
     problems = startup_problems(args)
@@ -289,7 +289,7 @@ def hardware_line(report: RecipeReport) -> str:
         return ("hardware: " + "".join(f"{text}, " for text in given)
                 + f"NOT NAMED, ASSUMED {'; '.join(report.assumed)}; {NAME_THE_HARDWARE}")
     if preset:
-        from ultraep_megatron.analysis.cost import hardware_preset
+        from ultraep_megatron.settings.hardware import hardware_preset
 
         hw = hardware_preset(report.hardware_named)
         return (f"hardware: {report.hardware_named} ({preset.split()[0]}): {domain}, {memory}, "

@@ -90,13 +90,14 @@ def validate_arguments(script_args: Sequence[str], world_size: int) -> tuple[arg
         from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
         from megatron.training.arguments import validate_args
 
-        from ultraep_megatron.megatron.arguments import (
-            UltraEPArgumentError, startup_problems as ultraep_startup_problems, validate_ultraep_args,
-        )
+        from ultraep_megatron.megatron.arguments import startup_problems as ultraep_startup_problems
+        from ultraep_megatron.megatron.arguments import validate_ultraep_args
         from ultraep_megatron.megatron.megatron_checks import assertion_problem
         from ultraep_megatron.megatron.startup import parse_megatron_args
 
     import torch
+
+    from ultraep_megatron.settings.knobs import UltraEPArgumentError
 
     printed = io.StringIO()
     no_gpu = contextlib.ExitStack()

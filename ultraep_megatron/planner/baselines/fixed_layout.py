@@ -8,7 +8,7 @@
 - ``eplb_exact(load, S)``: the paper's EPLB++, the same rule on the exact current load.
 
 Both EPLB baselines are the paper's *fixed-layout* EPLB: main experts stay at home and only the
-redundant slots are filled, so their labels (``registry.LABELS``) say so. DeepSeek's own EPLB
+redundant slots are filled, so their labels (``analysis/plotting.py``'s ``LABELS``) say so. DeepSeek's own EPLB
 re-places every expert: :mod:`.deepseek`; both share EPLB's replication rule, :func:`replicate`.
 
 Not on the hot path: plain numpy/torch, no compiled code.

@@ -1,14 +1,14 @@
 """Every balancer the project names, in one table: the ``--moe-balancer`` choices, the ideal they are
 compared with, and the other systems' balancers replayed beside them (``PEERS``), each with a
-one-line description, a display label and a colour. Flags, the replay, the plots and the docs read
-names from here; nothing else spells them.
+one-line description. Flags, the replay, the plots and the docs read names from here; nothing else
+spells them. How they look in comparisons (labels, colours): ``analysis/plotting.py``.
 """
 
 from __future__ import annotations
 
 __all__ = [
     "NONE", "ULTRAEP", "EPLB", "EPLB_EXACT", "IDEAL", "DEEPSEEK_EPLB", "LLEP",
-    "BALANCERS", "MOE_BALANCERS", "PEERS", "COMPARED", "EXACT_LOAD", "LABELS", "COLORS", "describe",
+    "BALANCERS", "MOE_BALANCERS", "PEERS", "COMPARED", "EXACT_LOAD", "describe",
 ]
 
 NONE, ULTRAEP, EPLB, EPLB_EXACT = "none", "ultraep", "eplb", "eplb-exact"
@@ -36,28 +36,6 @@ COMPARED: tuple[str, ...] = (NONE, EPLB, EPLB_EXACT, ULTRAEP, IDEAL)
 #: Balancers that plan on the exact load after gating, on the forward's critical path
 #: (``eplb`` plans from history, off it).
 EXACT_LOAD: frozenset[str] = frozenset({ULTRAEP, EPLB_EXACT})
-
-#: Display labels in comparisons: the EPLB baselines keep main experts at home (the paper's
-#: fixed-layout EPLB), unlike DeepSeek's own re-placing EPLB.
-LABELS: dict[str, str] = {
-    NONE: "none",
-    ULTRAEP: "ultraep",
-    EPLB: "eplb-fixed (history; mains at home)",
-    EPLB_EXACT: "eplb++-fixed (exact load; mains at home)",
-    IDEAL: "ideal",
-    DEEPSEEK_EPLB: "deepseek-eplb (re-places all experts; E + R*S physical experts)",
-    LLEP: "llep (alpha capacity factor, m min tokens per GEMM, lambda trigger)",
-}
-#: One colour per balancer in every figure (matplotlib's tab10 shades; ``none`` grey).
-COLORS: dict[str, str] = {
-    NONE: "#555555",
-    EPLB: "#ff7f0e",
-    EPLB_EXACT: "#9467bd",
-    ULTRAEP: "#1f77b4",
-    IDEAL: "#2ca02c",
-    DEEPSEEK_EPLB: "#8c564b",
-    LLEP: "#e377c2",
-}
 
 
 def describe(name: str) -> str:
