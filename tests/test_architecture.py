@@ -12,6 +12,8 @@
   package); a ``TYPE_CHECKING`` import in ``megatron/`` only names what its module already imports
   (downward), never a module above or beside it; the Megatron integration imports of the analysis
   only what a training run draws (``analysis/figures.py``).
+* Data, not the layer: the per-model context, its observers and the data plane take no parameter
+  named ``layer`` and never reach into one (``tests/test_architecture_layer.py``).
 Each rule has a negative control: a made-up module breaking it is caught. The exceptions are
 listed by name, each with the reason and the issue that removes it; an exception that no longer
 applies fails too.
@@ -235,12 +237,8 @@ def test_balancer_names_and_defaults_are_defined_in_one_module(tmp_path):
 # -- small surfaces -------------------------------------------------------------------------------
 
 MAX_LINES = 500
-#: Modules allowed past MAX_LINES for now, each with the work that splits it.
-LONG_MODULES = {
-    # The balanced token dispatchers: split with the layer's explicit per-invocation state (issue
-    # 43, part 2), after the EP-overlap schedule (issue 44) has reshaped them.
-    "ultraep_megatron/megatron/dispatchers.py",
-}
+#: Modules allowed past MAX_LINES for now, each with the work that splits it (none now).
+LONG_MODULES: frozenset = frozenset()
 MAX_EXPORTS = 15
 
 
@@ -346,16 +344,6 @@ def runtime_imports_of(path: Path, root: Path = PACKAGE) -> list[tuple[str, int]
     return [(target, line) for target, line in imports_of(path, root) if line not in hidden]
 
 
-#: TYPE_CHECKING imports of megatron/ that point up or sideways, allowed for now: the balanced
-#: layer's hot path passes its per-model context around untyped and types it this way; its explicit
-#: per-invocation state (issue 43, part 2, after the EP-overlap schedule of issue 44) removes them.
-TYPE_CHECKING_EXCEPTIONS = {
-    ("ultraep_megatron.megatron.dispatchers", "ultraep_megatron.megatron.context"),
-    ("ultraep_megatron.megatron.replica_autograd", "ultraep_megatron.megatron.context"),
-    ("ultraep_megatron.megatron.telemetry", "ultraep_megatron.megatron.context"),
-}
-
-
 def type_checking_problems(root: Path = PACKAGE, allowed=frozenset()) -> list[str]:
     """``TYPE_CHECKING`` imports in ``megatron/`` of a module of the package that the importer does
     not already import at run time (directly or through other modules): a dependency hidden from
@@ -444,7 +432,7 @@ def offline_imports_in_training(root: Path = PACKAGE) -> list[str]:
 
 def test_imports_reach_only_a_module_s_surface():
     assert underscore_imports(PRODUCT) == []
-    assert type_checking_problems(allowed=TYPE_CHECKING_EXCEPTIONS) == []
+    assert type_checking_problems() == []
     assert offline_imports_in_training() == []
 
 
@@ -489,4 +477,3 @@ def test_the_import_surface_rules_catch_each_kind_of_violation(tmp_path):
     assert stale == ["pkg.megatron.hub -> pkg.megatron.spec: an allowed TYPE_CHECKING import that no "
                      "longer points up or sideways"]
     assert offline_imports_in_training(root) == ["pkg/megatron/spec.py:1: imports pkg.analysis.cost, offline analysis"]
-

@@ -10,7 +10,7 @@ top-k indices) and ends with the tokens in the all-to-all's send order, on the d
                   (this rank's row counted from the routing, the other ranks' rows standing in for
                   the all-gather, which both paths make), its one copy to the host and wait
                   (``_copy_to_host``), the plan on the host (trigger, solve, this rank's dispatch
-                  metadata: ``BalancingContext.plan``'s work), the reroute table's upload and the
+                  metadata: ``BalancingContext.plan_on_host``'s work), the reroute table's upload and the
                   permutation from the plan over the routed pairs (``_permutation``);
   ultraep device  with ``--moe-balancer-planner device``: the load stays on the device, the plan and
                   the reroute table are made there (``device_planning``), the permutation is queued,
@@ -103,12 +103,20 @@ def routing(cfg, device, generator, num_experts=None):
 def permutation_stand_in(dispatchers, num_experts, num_slots, ep_size, topk_ids, overheads):
     """The balanced all-to-all dispatcher's state its permutation reads (no process group here):
     ``_permutation`` and ``_pairs`` bound to it; ``invocation`` / ``_table`` set per plan."""
+    from ultraep_megatron.megatron.invocation import InvocationState
+
     d = object.__new__(dispatchers.BalancedAlltoAllDispatcher)
     d.num_logical_experts, d.ep_size, d.slots_per_rank = num_experts, ep_size, num_experts // ep_size + num_slots
-    d.num_out_tokens, d.topk_ids, d.invocation, d._table = topk_ids.numel(), topk_ids, None, None
+    d.num_out_tokens = topk_ids.numel()
+    d.state = InvocationState(layer_number=1, runs_per_forward=1, training=False, grad_enabled=False,
+                              topk_ids=topk_ids)
     d._sort_key_dtype = torch.int16 if num_experts <= torch.iinfo(torch.int16).max else torch.int32
-    d._layer = types.SimpleNamespace(balancing=types.SimpleNamespace(overheads=overheads, check_plans=False,
-                                                                     plans_on_device=False))
+
+    def add_reroute_seconds(seconds):
+        overheads.reroute_seconds += seconds
+
+    d.balancing = types.SimpleNamespace(add_reroute_seconds=add_reroute_seconds, check_plans=False,
+                                        plans_on_device=False)
     # What the deferred plan's two halves read (the overlapped schedule's pre-dispatch and dispatch
     # nodes: _deferred_dispatch_preprocess, _dispatch_inputs_of_plan)
     d.config = types.SimpleNamespace(moe_permute_fusion=False, moe_router_padding_for_quantization=False,
@@ -222,6 +230,7 @@ def overlapped(cfg, device, sync, paths_inputs):
     pre-dispatch node, the other microbatch's experts backward queued, dispatch node."""
     (dispatchers, device_planning, plan_invocation, permute, balancer, config, others, routing_map, probs,
      topk_ids, tokens, dispatcher, rank) = paths_inputs
+    from ultraep_megatron.megatron import physical_routing
     R, E, S, T, k = cfg.ep_size, cfg.num_experts, cfg.num_slots, cfg.tokens, cfg.topk
     backward = experts_backward(cfg, device, torch.Generator().manual_seed(1))
     side = torch.cuda.Stream() if cfg.device == "cuda" else None
@@ -232,18 +241,18 @@ def overlapped(cfg, device, sync, paths_inputs):
         return load
 
     def megatron_path():
-        copied = dispatchers._start_copy_to_host(routing_map.sum(dim=0), side)  # its dtoh point
+        copied = physical_routing._start_copy_to_host(routing_map.sum(dim=0), side)  # its dtoh point
         permuted = permute(tokens, routing_map, probs=probs, num_out_tokens=int(T * k))[0]
         backward()                                                            # the other microbatch
-        dispatchers._wait_for_host_copy(copied[1])                            # its sync point
+        physical_routing._wait_for_host_copy(copied[1])                            # its sync point
         return permuted
 
     def host_planner_path():
-        copied = dispatchers._start_copy_to_host(load_on_device(), side)      # pre-dispatch node
+        copied = physical_routing._start_copy_to_host(load_on_device(), side)      # pre-dispatch node
         logical, logical_probs = dispatcher._deferred_dispatch_preprocess(tokens, routing_map, probs)
         backward()                                                            # the other microbatch
         host_load, event = copied                                             # dispatch node
-        dispatchers._wait_for_host_copy(event)
+        physical_routing._wait_for_host_copy(event)
         balanced = balancer.balances(host_load)
         plan = balancer.plan(host_load, balances=balanced)
         dispatcher.invocation = plan_invocation(plan, host_load, rank, layer_number=1, vid=None,
@@ -256,9 +265,9 @@ def overlapped(cfg, device, sync, paths_inputs):
         dispatcher._table = planned.reroute_table
         sorted_tokens, _ = dispatcher._permutation(probs)
         permuted = tokens.index_select(0, sorted_tokens)
-        copied = dispatchers._start_copy_to_host(planned.host_half, side)
+        copied = physical_routing._start_copy_to_host(planned.host_half, side)
         backward()                                                            # the other microbatch
-        dispatchers._wait_for_host_copy(copied[1])                            # dispatch node
+        physical_routing._wait_for_host_copy(copied[1])                            # dispatch node
         host_load, plan, balanced = device_planning.unpack_host_half(copied[0], R, E, S)
         dispatcher.invocation = plan_invocation(plan, host_load, rank, layer_number=1, vid=None,
                                                 schedule_builder=None, balanced=balanced, plan_seconds=0.0)
@@ -304,7 +313,7 @@ def main():
         cpu_backend.activate()
     from megatron.core.transformer.moe.moe_utils import permute
 
-    from ultraep_megatron.megatron import device_planning, dispatchers
+    from ultraep_megatron.megatron import device_planning, dispatchers, physical_routing
     from ultraep_megatron.megatron.context import Overheads
     from ultraep_megatron.megatron.invocation import plan_invocation
     from ultraep_megatron.planner import BalancerConfig
@@ -337,7 +346,7 @@ def main():
     def host_planner_path():
         load = others.clone()
         load[rank] = routing_map.sum(dim=0)
-        host_load = dispatchers._copy_to_host(load)
+        host_load = physical_routing._copy_to_host(load)
         h0 = time.perf_counter()
         balanced = balancer.balances(host_load)
         plan = balancer.plan(host_load, balances=balanced)
@@ -354,7 +363,7 @@ def main():
         dispatcher._table = planned.reroute_table
         sorted_tokens, _ = dispatcher._permutation(probs)
         permuted = tokens.index_select(0, sorted_tokens)
-        host_half = dispatchers._copy_to_host(planned.host_half)
+        host_half = physical_routing._copy_to_host(planned.host_half)
         h0 = time.perf_counter()
         host_load, plan, balanced = device_planning.unpack_host_half(host_half, R, E, S)
         dispatcher.invocation = plan_invocation(plan, host_load, rank, layer_number=1, vid=None,

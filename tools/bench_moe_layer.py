@@ -128,7 +128,7 @@ def build(cfg, balancer: str | None, force_balanced: bool, overlap: bool = True,
                     is_mtp_layer=False)
     layer.set_layer_number(1)
     if not transfers:
-        skip_transfers(layer.balancing)
+        skip_transfers(layer)
     if cfg.no_ddp:
         return layer
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -139,23 +139,25 @@ def build(cfg, balancer: str | None, force_balanced: bool, overlap: bool = True,
     return DistributedDataParallel(config, ddp_config, module=layer)
 
 
-def skip_transfers(balancing) -> None:
-    """The measurement control: ``balancing`` issues no replica transfer. The replica experts
+def skip_transfers(layer) -> None:
+    """The measurement control: ``layer`` issues no replica transfer. The replica experts
     compute with whatever the shared weight buffer holds and their weight gradients are dropped (the
     reduction's copy of them into the gradient buffer runs on the transfer's stream, so it goes
     too): numerically wrong; everything else (plan, reroute, the replica compute) runs as in the
     ultraep layer."""
 
-    def start_weights(layer, invocation):
-        balancing.holder = invocation
+    balancing = layer.balancing
 
-    def finish_reduction(layer, invocation):
+    def start_weights(state):
+        balancing.holder = state.invocation
+
+    def finish_reduction(state):
         return [[None] * len(expert) for expert in layer.main_expert_param_lists()]
 
-    balancing.start_weights = start_weights
+    layer.start_weights = layer.start_rematerialization = start_weights
     balancing.wait_weights = lambda invocation: None
-    balancing.start_reduction = lambda layer, invocation, weight_grads=None: None
-    balancing.finish_reduction = finish_reduction
+    layer.start_reduction = lambda state, weight_grads=None: None
+    layer.finish_reduction = finish_reduction
 
 
 class Measurement:

@@ -82,9 +82,10 @@ def test_negative_control_a_broken_kernel_fails_the_self_check(fault, message):
 
 
 def fake_layer(R, E):
-    """What ``BalancingContext._check_device_planner`` reads of a layer (no torch.distributed)."""
-    return types.SimpleNamespace(token_dispatcher=types.SimpleNamespace(ep_size=R, ep_rank=0, ep_group=None),
-                                 config=types.SimpleNamespace(num_moe_experts=E))
+    """What ``BalancingContext._check_device_planner`` reads of a layer's registration (no
+    torch.distributed)."""
+    return types.SimpleNamespace(ep_size=R, ep_rank=0, ep_group=None, num_experts=E, device=CPU,
+                                 preprocess_graphed=False)
 
 
 @pytest.mark.parametrize("fault", [None, "device_planner_wrong_plan", "device_planner_raises"])
@@ -96,7 +97,7 @@ def test_the_context_hands_over_to_the_host_planner_with_one_warning(fault, caps
     assert balancing.plans_on_device
     capsys.readouterr()
     with FAULTS[fault]() if fault else contextlib.nullcontext():
-        balancing._check_device_planner(fake_layer(8, 64), CPU)
+        balancing._check_device_planner(fake_layer(8, 64))
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 1, lines
     print(lines[0])

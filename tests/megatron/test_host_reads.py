@@ -24,7 +24,7 @@ LAYOUTS = ("ep2", "ep4", "ep2-recompute", "ep4-recompute", "ep4-hybridep", "ep2-
            "ep4-recompute-device")
 NEGATIVE_CONTROLS = ("ep4-tolist", "ep4-item-in-backward", "ep4-item-in-transfer", "ep4-hybridep-unmodified",
                      "ep4-device-item-in-plan")
-PLAN_WAIT = "Event.synchronize"  # the plan's one wait (dispatchers._wait_for_host_copy)
+PLAN_WAIT = "Event.synchronize"  # the plan's one wait (physical_routing._wait_for_host_copy)
 
 pytestmark = pytest.mark.slow
 

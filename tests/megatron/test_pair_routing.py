@@ -1,6 +1,6 @@
 """The balanced dispatchers' reroute and permutation over the routed (token, expert) pairs.
 
-``_PhysicalSlotRouting._reroute`` and ``BalancedAlltoAllDispatcher._permutation`` work on the
+``PhysicalSlotRouting._reroute`` and ``BalancedAlltoAllDispatcher._permutation`` work on the
 ``[T, k]`` top-k pairs (a stable sort by expert and a search into the plan's reroute table). The
 reference is the implementation they replaced, kept here: dense over the ``[T, E]`` routing map (a
 running count per expert over the tokens, a search per map entry). Both must give bit-identical
@@ -18,9 +18,9 @@ from planner_helpers import assign_tokens
 from ultraep_megatron import planner
 from ultraep_megatron.megatron import device_planning
 from ultraep_megatron.planner import device_dispatch
-from ultraep_megatron.megatron.context import Overheads
-from ultraep_megatron.megatron.dispatchers import BalancedAlltoAllDispatcher, instances_of_positions
-from ultraep_megatron.megatron.invocation import plan_invocation
+from ultraep_megatron.megatron.dispatchers import BalancedAlltoAllDispatcher
+from ultraep_megatron.megatron.invocation import InvocationState, plan_invocation
+from ultraep_megatron.megatron.physical_routing import instances_of_positions
 from ultraep_megatron.planner import BalancerConfig
 from ultraep_megatron.planner.baselines import fixed_layout
 
@@ -46,9 +46,10 @@ def stand_in(R, E, S, invocation, topk_ids):
     """The balanced all-to-all dispatcher's state that the reroute and permutation read."""
     d = object.__new__(BalancedAlltoAllDispatcher)
     d.num_logical_experts, d.ep_size, d.slots_per_rank, d.num_out_tokens = E, R, E // R + S, topk_ids.numel()
-    d.invocation, d.topk_ids, d._table = invocation, topk_ids, invocation.reroute_table
+    d.state = InvocationState(layer_number=1, runs_per_forward=1, training=False, grad_enabled=False,
+                              topk_ids=topk_ids, invocation=invocation, reroute_table=invocation.reroute_table)
     d._sort_key_dtype = torch.int16
-    d._layer = types.SimpleNamespace(balancing=types.SimpleNamespace(overheads=Overheads(), check_plans=False))
+    d.balancing = types.SimpleNamespace(add_reroute_seconds=lambda seconds: None, check_plans=False)
     return d
 
 

@@ -59,7 +59,7 @@ def reduce_gradients(
     are neither read nor written.
 
     Args:
-        schedule: the schedule used for the weight distribution of this layer.
+        schedule: the schedule used for the weight distribution of this invocation.
         main_grads: this rank's ``E // R`` main-expert gradients (e.g. ``param.main_grad`` fp32 views
             or ``param.grad``), each a sequence of tensors, same layout as the main weights.
         replica_grads: ``[num_slots, expert_numel]`` contiguous floating tensor (typically fp32);

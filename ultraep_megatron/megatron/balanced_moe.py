@@ -6,18 +6,25 @@ How it plugs in (no fork of megatron-core):
 * ``BalancedMoELayer`` (here) subclasses ``MoELayer`` and is installed through the layer spec
   (``layer_spec``) with the model's ``BalancingContext`` (``context``). The local main experts stay
   megatron-core's own experts module (parameter names and checkpoint keys unchanged).
-* The balanced dispatchers (``dispatchers``) subclass megatron's and work in *physical-slot space*:
-  every EP rank owns ``P = G + S`` physical slots (its G main experts, then its S redundant slots),
-  so the parent's permutation / all-to-all / chunk-sort machinery runs unchanged on ``R * P``
-  "experts".
+* The balanced dispatchers (``dispatchers``, over ``physical_routing``) subclass megatron's and work
+  in *physical-slot space*: every EP rank owns ``P = G + S`` physical slots (its G main experts,
+  then its S redundant slots), so the parent's permutation / all-to-all / chunk-sort machinery runs
+  unchanged on ``R * P`` "experts".
+* Explicit state: megatron's stages (``route``, ``preprocess``, ``dispatch``,
+  ``routed_experts_compute``, ``combine``, ``postprocess``, the backward and ``backward_dw``) hand
+  one record per invocation (``invocation.InvocationState``) from stage to stage: the layer makes it
+  in ``preprocess``, the dispatcher holds it as megatron's dispatchers hold their per-call metadata,
+  the ring carries it to the backward. The layer registers with the context by its data
+  (``context.LayerRegistration``) and hands the context tensors (its main experts' weights, the
+  gradient targets, the replicas' gradients), never itself.
 * The autograd functions that start and complete the replica transfers in the backward:
   ``replica_autograd``.
 
 One invocation (a layer on a microbatch), forward:
 
-1. ``plan``: the exact load ``[R, E]`` is gathered (the exchange megatron's dispatcher makes for its
-   splits) and crosses to the host once, into pinned memory; the host waits for it at that one
-   point. Plan, transfer schedule, all-to-all splits, per-slot counts and telemetry are computed on
+1. ``begin_invocation``: the exact load ``[R, E]`` is gathered (the exchange megatron's dispatcher
+   makes for its splits) and crosses to the host once, into pinned memory; the host waits for it at
+   that one point. Plan, transfer schedule, all-to-all splits, per-slot counts and telemetry are computed on
    the host (``invocation.Invocation``); megatron's dispatcher gets host splits, so it copies nothing.
 2. reroute on the device: the reroute table (one non-blocking upload from pinned memory) maps each
    (token, expert) pair to its physical slot; megatron permutes the tokens;
@@ -75,13 +82,26 @@ from megatron.core.transformer.cuda_graphs import is_graph_capturing
 from megatron.core.transformer.enums import CudaGraphModule
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
-from ultraep_megatron.megatron.capabilities import unsupported_moe_settings
-from ultraep_megatron.megatron.context import BalancingContext
+from ultraep_megatron.megatron.capabilities import preprocess_graphed, unsupported_moe_settings
+from ultraep_megatron.megatron.context import BalancingContext, LayerRegistration
 from ultraep_megatron.megatron.dispatchers import balanced_dispatcher_class
-from ultraep_megatron.megatron.expert_slots import ExpertParamLookup, ExpertWeightLayout, expert_param_names
-from ultraep_megatron.megatron.invocation import Invocation
+from ultraep_megatron.megatron.expert_slots import (
+    ExpertParamLookup,
+    ExpertWeightLayout,
+    build_replica_experts,
+    expert_param_names,
+)
+from ultraep_megatron.megatron.invocation import InvocationState, Reduction
 from ultraep_megatron.megatron.layer_ids import moe_layer_id
-from ultraep_megatron.megatron.replica_autograd import ReduceReplicaGrads, StartInBackward, run_replicas_in_graph
+from ultraep_megatron.megatron.replica_autograd import (
+    ReduceReplicaGrads,
+    StartInBackward,
+    gradient_targets,
+    hosted_grads,
+    reduced_grads,
+    run_replicas_in_graph,
+)
+from ultraep_megatron.megatron.ring import invocations_per_forward, overlapped_schedule
 from ultraep_megatron.megatron.router_topk import install_topk_tap, topk_indices
 
 
@@ -106,8 +126,10 @@ class BalancedMoELayer(MoELayer):
         self.balancing = balancing
         self.balancer_config = balancing.config
         self.balancer_pg_collection = pg_collection
+        self.balancer = balancing.config.build()
         self.token_dispatcher = balanced_dispatcher_class(config)(
-            self.num_local_experts, self.local_expert_indices, config, pg_collection, self
+            self.num_local_experts, self.local_expert_indices, config, pg_collection,
+            balancing=balancing, balancer=self.balancer,
         )
         # The router's [T, k] top-k indices: the reroute and permutation work on the routed pairs.
         self._topk_tap = install_topk_tap(self.router)
@@ -119,7 +141,6 @@ class BalancedMoELayer(MoELayer):
         # parameters are quantized (--fp8-param-gather), whose bytes move instead (the layout).
         self.expert_param_shapes = [(n, tuple(p.shape)) for n, p in zip(self.expert_param_names[0], first)]
         self.expert_weight_layout = ExpertWeightLayout(first)
-        self.balancer = balancing.config.build()
         self._main_params: Optional[List[List[torch.Tensor]]] = None
         # The modules holding the main experts' parameters (their forward pre-hooks, see
         # _prepare_main_params).
@@ -133,8 +154,17 @@ class BalancedMoELayer(MoELayer):
         # backward ran and whose backward_dw has not, oldest first.
         self.delays_wgrad = bool(getattr(config, "delay_wgrad_compute", False))
         self.reduces_after_dw = self.delays_wgrad
-        self._awaiting_dw: Deque[Invocation] = deque()
-        balancing.register(self)
+        self._awaiting_dw: Deque[InvocationState] = deque()
+        self._runs_per_forward = invocations_per_forward(self)
+        dispatcher = self.token_dispatcher
+        balancing.register(LayerRegistration(
+            expert_shapes=[shape for _, shape in self.expert_param_shapes],
+            weight_layout=self.expert_weight_layout, device=first[0].device,
+            ep_group=dispatcher.ep_group, ep_rank=dispatcher.ep_rank, ep_size=dispatcher.ep_size,
+            num_experts=config.num_moe_experts, model_config=config,
+            runs_per_forward=self._runs_per_forward, overlapped=overlapped_schedule(config),
+            preprocess_graphed=preprocess_graphed(config),
+            build_replica_experts=functools.partial(build_replica_experts, self)))
 
     def set_layer_number(self, layer_number: int) -> None:
         """Megatron's numbering for the router; ``layer_number`` here is the balancer's layer id
@@ -164,13 +194,53 @@ class BalancedMoELayer(MoELayer):
         """``[redundant slot][k]`` the replica experts' weights over the shared weight buffer, not
         tracked by autograd as its views: the buffer's views shaped like this layer's experts, or
         quantized parameters rebuilt over the bytes the slot holds."""
-        buffer, layout = self.balancing.buffer, self.expert_weight_layout
+        balancing, layout = self.balancing, self.expert_weight_layout
         like = self.main_expert_param_lists()[0] if layout.quantized else None
-        return [layout.replica_weights(buffer.weight_views(s), like) for s in range(buffer.num_slots)]
+        return [layout.replica_weights(balancing.replica_weight_views(s), like)
+                for s in range(self.balancer_config.num_slots)]
 
     def run_replicas(self, slot_weights, tokens, probs, rows_per_slot: Sequence[int]) -> torch.Tensor:
         """Redundant slots' expert compute: [N, H] tokens sorted by slot -> [N, H] outputs."""
-        return self.balancing.replica_experts(slot_weights, tokens, rows_per_slot, probs)
+        return self.balancing.run_replicas(slot_weights, tokens, rows_per_slot, probs)
+
+    # -- the invocation's transfers: the layer hands the context tensors ----------------------------
+    def start_weights(self, state: InvocationState) -> None:
+        """Start the weight distribution of ``state``'s replicas from this layer's main experts
+        (forward; in the backward, :meth:`start_rematerialization`)."""
+        if self.balancing.needs_weights(state.invocation):
+            self.balancing.start_weights(state.invocation, self.main_expert_weights())
+
+    def start_rematerialization(self, state: InvocationState) -> None:
+        """The backward's copy of ``state``'s replicas back into the shared weight buffer."""
+        if self.balancing.needs_weights(state.invocation):
+            self.balancing.start_rematerialization(state.invocation, self.main_expert_weights())
+
+    def start_reduction(self, state: InvocationState, weight_grads=None) -> None:
+        """Start reducing ``state``'s replica gradients into this layer's main experts (collective
+        on the EP group); its record keeps the reduction (:class:`Reduction`) for
+        :meth:`finish_reduction`. ``weight_grads``: the replica weights' gradients, flat
+        (slot-major, ``expert_param_shapes`` order; ``None`` where unset), or ``None`` where no
+        replica backward ran (a rank whose redundant slots received no rows, or replica weights
+        that needed no gradient)."""
+        invocation = state.invocation
+        if invocation.schedule_builder is None or state.reduction is not None:
+            return
+        targets, has_replica, fold_on_stream = gradient_targets(
+            self.main_expert_param_lists(), invocation,
+            gradient_accumulation_fusion=self.config.gradient_accumulation_fusion)
+        handle = self.balancing.start_reduction(
+            invocation, targets, hosted_grads(invocation, weight_grads, len(self.expert_param_shapes)),
+            fold_on_stream=fold_on_stream)
+        state.reduction = Reduction(handle, targets, has_replica)
+
+    def finish_reduction(self, state: InvocationState):
+        """Complete ``state``'s reduction; ``[local expert][k]`` the gradient each main expert
+        parameter gains from its replicas (``None``: none, or folded into ``main_grad``)."""
+        main_params = self.main_expert_param_lists()
+        if state.invocation.schedule_builder is None:
+            return [[None] * len(expert) for expert in main_params]
+        self.start_reduction(state)  # if the replicas' backward did not start it
+        return reduced_grads(main_params, state, self.balancing)
 
     def _prepare_main_params(self) -> None:
         """Run the forward pre-hooks of the modules holding the main experts' parameters, as their
@@ -210,12 +280,14 @@ class BalancedMoELayer(MoELayer):
             # or in the dispatch node.
             hidden_states, probs = super().preprocess(hidden_states, probs, routing_map)
             if in_nodes:
-                dispatcher.defer_after_graph()
+                dispatcher.defer_after_graph(self._new_state(None))
             else:
-                dispatcher.complete_plan_after_graph()
+                dispatcher.complete_plan_after_graph(self._new_state(None))
         else:
             topk_ids = topk_indices(self._topk_tap, routing_map, self.config.moe_router_topk)
-            dispatcher.plan(routing_map, topk_ids, defer=in_nodes and dispatcher.can_defer())
+            dispatcher.begin_invocation(self._new_state(topk_ids), routing_map,
+                                        defer=in_nodes and dispatcher.can_defer(),
+                                        captured=self.preprocess_captured_in_cuda_graph())
             # Reroute and permutation first: with the host planner the device waits for them after
             # the plan's host wait; with the device planner the host waits once, after they are
             # queued. While megatron captures the preprocessing, its signal leaves from here: the
@@ -224,8 +296,13 @@ class BalancedMoELayer(MoELayer):
         self._prepare_main_params()
         if not in_nodes:
             # Overlaps the token all-to-all and the main experts.
-            self.balancing.start_weights(self, dispatcher.invocation)
+            self.start_weights(dispatcher.state)
         return hidden_states, probs
+
+    def _new_state(self, topk_ids) -> InvocationState:
+        """The record of a new invocation of this layer, in its current mode."""
+        return InvocationState(layer_number=self.layer_number, runs_per_forward=self._runs_per_forward,
+                               training=self.training, grad_enabled=torch.is_grad_enabled(), topk_ids=topk_ids)
 
     def dispatch(self, hidden_states, probs):
         """megatron's dispatch; in its overlapped schedule's dispatch node, first the plan's one
@@ -239,7 +316,7 @@ class BalancedMoELayer(MoELayer):
                 hidden_states, probs = dispatcher.complete_deferred_plan(hidden_states, probs)
             # Here, not in the pre-dispatch node: the other microbatch's experts backward, queued
             # between the two, reads its re-materialized replicas from the same buffer.
-            self.balancing.start_weights(self, dispatcher.invocation)
+            self.start_weights(dispatcher.state)
         return super().dispatch(hidden_states, probs)
 
     def preprocess_captured_in_cuda_graph(self) -> bool:
@@ -260,10 +337,11 @@ class BalancedMoELayer(MoELayer):
 
     def routed_experts_compute(self, hidden_states, probs):
         dispatcher = self.token_dispatcher
-        invocation = dispatcher.invocation
+        state = dispatcher.state
+        invocation = state.invocation
         track = torch.is_grad_enabled()  # a backward will follow: re-materialize and reduce in it
         if track:  # on the received tokens: its backward follows every expert's
-            hidden_states = ReduceReplicaGrads.apply(self, invocation, hidden_states,
+            hidden_states = ReduceReplicaGrads.apply(self, state, hidden_states,
                                                      *ReduceReplicaGrads.inputs(self))
         if sum(invocation.replica_rows) == 0:
             # Nothing for this rank's redundant slots (host metadata): megatron's postprocess, no
@@ -272,7 +350,7 @@ class BalancedMoELayer(MoELayer):
             dispatched, rows_per_slot, permuted_probs = dispatcher.dispatch_postprocess(hidden_states, probs)
             main_out, mlp_bias = self.experts(dispatched, rows_per_slot[: self.num_local_experts], permuted_probs)
             if track and not self.reduces_after_dw:  # (else backward_dw starts it)
-                main_out = StartInBackward.apply(self, invocation, self.balancing.start_reduction, main_out)
+                main_out = StartInBackward.apply(self, state, self.start_reduction, main_out)
             else:
                 self.balancing.wait_weights(invocation)
             return dispatcher.combine_preprocess(main_out), mlp_bias
@@ -280,7 +358,7 @@ class BalancedMoELayer(MoELayer):
             dispatcher.dispatch_postprocess_parts(hidden_states, probs)
         main_out, mlp_bias = self.experts(main_tokens, rows_per_slot[: self.num_local_experts], main_probs)
         if track:
-            replica_out = run_replicas_in_graph(self, invocation, replica_tokens, replica_probs,
+            replica_out = run_replicas_in_graph(self, state, replica_tokens, replica_probs,
                                                 dispatcher.replica_rows)
         else:  # eval, or the no-grad first pass of activation recompute
             self.balancing.wait_weights(invocation)
@@ -292,8 +370,8 @@ class BalancedMoELayer(MoELayer):
         output = super().postprocess(output, shared_expert_output)
         if not self._whole_forward:  # megatron's combine node: the layer's last part
             if torch.is_grad_enabled():  # the first of the layer's backward (its combine node's)
-                output = StartInBackward.apply(self, self.token_dispatcher.invocation,
-                                               self.balancing.start_rematerialization, output)
+                output = StartInBackward.apply(self, self.token_dispatcher.state,
+                                               self.start_rematerialization, output)
             self.balancing.observe()
         return output
 
@@ -311,15 +389,15 @@ class BalancedMoELayer(MoELayer):
             return outputs
         output, mlp_bias = outputs
         if torch.is_grad_enabled():
-            output = StartInBackward.apply(self, self.token_dispatcher.invocation,
-                                           self.balancing.start_rematerialization, output)
+            output = StartInBackward.apply(self, self.token_dispatcher.state,
+                                           self.start_rematerialization, output)
         self.balancing.observe()  # the layer's work is queued: host time is off the critical path
         return output, mlp_bias
 
-    def await_backward_dw(self, invocation: Invocation) -> None:
-        """The experts' backward of ``invocation`` ran with their weight gradients delayed
+    def await_backward_dw(self, state: InvocationState) -> None:
+        """The experts' backward of ``state``'s invocation ran with their weight gradients delayed
         (``--delay-wgrad-compute``): its :meth:`backward_dw` comes next."""
-        self._awaiting_dw.append(invocation)
+        self._awaiting_dw.append(state)
 
     def backward_dw(self, routed_experts: bool = True, shared_experts: bool = False):
         """megatron's delayed weight gradients (``--delay-wgrad-compute``, called by its
@@ -336,18 +414,18 @@ class BalancedMoELayer(MoELayer):
         instead of in autograd)."""
         if not (routed_experts and self.delays_wgrad):
             return super().backward_dw(routed_experts, shared_experts)
-        invocation = self._awaiting_dw.popleft()
+        state = self._awaiting_dw.popleft()
         balancing = self.balancing
         weight_grads = None
-        if sum(invocation.replica_rows) > 0:  # the replica experts ran: their delayed computation
-            weight_grads = balancing.replica_experts.delayed_weight_grads()
+        if sum(state.invocation.replica_rows) > 0:  # the replica experts ran: their delayed computation
+            weight_grads = balancing.replica_delayed_weight_grads()
         if not self.reduces_after_dw:  # reduced in the backward already (a negative control's fault)
             return super().backward_dw(routed_experts, shared_experts)
-        balancing.start_reduction(self, invocation, weight_grads)
+        self.start_reduction(state, weight_grads)
         with _deferred_wgrad_hooks(self.experts.modules()) as fired:
             super().backward_dw(routed_experts, shared_experts)
-        reduced = balancing.finish_reduction(self, invocation)
-        balancing.release(invocation)
+        reduced = self.finish_reduction(state)
+        balancing.release(state.invocation)
         for expert, grads in zip(self.main_expert_param_lists(), reduced):
             for param, grad in zip(expert, grads):
                 if grad is not None:  # without Megatron DDP: into the gradient the linear set

@@ -12,9 +12,15 @@ applied (``pretrain_gpt.py``) and handed to every ``BalancedMoELayer`` through t
   and the load trace).
 
 Each balanced MoE invocation (a layer on a microbatch) is planned once into an immutable
-:class:`~.invocation.Invocation`: the dispatcher produces it from the exact load (one
+:class:`~.invocation.Invocation`, kept in the invocation's record
+(:class:`~.invocation.InvocationState`): the dispatcher asks for it with the exact load (one
 device-to-host copy: of the load with the host planner, of the plan with the device planner), the
-layer and its backward consume it. Nothing here reads device memory, except the device planner's
+layer's later stages and its backward consume it.
+
+The context never sees a layer: a layer registers with its data (:class:`LayerRegistration`), and
+every call takes data (the invocation's record, the load, the main experts' weights, the gradient
+targets, the replicas' gradients). Nothing above the context reaches into it by attribute: it has a
+method for what its callers need. Nothing here reads device memory, except the device planner's
 self-check, once, when the first layer registers.
 
 Vocabulary (docs/glossary.md): R EP ranks, E experts, G = E // R main experts per rank, S redundant
@@ -28,20 +34,19 @@ import dataclasses
 import functools
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
 from ultraep_megatron.dataplane import ReplicaBuffer, TransferHandle
 from ultraep_megatron.megatron import device_planning
 from ultraep_megatron.megatron.device_planning import PLANNERS, DevicePlanned
-from ultraep_megatron.megatron.capabilities import preprocess_graphed
-from ultraep_megatron.megatron.expert_slots import ReplicaExperts, build_replica_experts
-from ultraep_megatron.megatron.invocation import Invocation, plan_invocation
+from ultraep_megatron.megatron.expert_slots import ExpertWeightLayout, ReplicaExperts
+from ultraep_megatron.megatron.invocation import Invocation, InvocationState, plan_invocation
 from ultraep_megatron.megatron.native_torch import native_torch
 from ultraep_megatron.megatron.observers import BalancerStats, TraceRecorder
-from ultraep_megatron.megatron.ring import VirtualLayerRing, invocations_per_forward, max_inflight_microbatches
-from ultraep_megatron.planner import BalancerConfig
+from ultraep_megatron.megatron.ring import VirtualLayerRing, schedule_inflight_microbatches
+from ultraep_megatron.planner import BalancerConfig, LayerBalancer
 from ultraep_megatron.planner.baselines.registry import ULTRAEP
 
 
@@ -74,6 +79,43 @@ class Overheads:
         self.plan_seconds = self.host_seconds = self.observe_seconds = self.reroute_seconds = 0.0
         self.transfer_seconds = self.transfer_blocked_seconds = 0.0
         self.invocations = 0
+
+
+@dataclass(frozen=True, eq=False)
+class LayerRegistration:
+    """What a balanced MoE layer tells its model's context when it registers: data, not the layer object.
+
+    Attributes:
+        expert_shapes: ``[k]`` one expert's parameter shapes, high precision (the replica
+            gradients' layout).
+        weight_layout: how one expert's weights lie in a redundant slot (the weight buffer's
+            shapes and dtype).
+        device: where the experts' parameters are.
+        ep_group / ep_rank / ep_size: the layer's expert-parallel group and this rank in it.
+        num_experts: E, the layer's logical experts.
+        model_config: megatron's ``TransformerConfig`` of the layer (the trace's metadata).
+        runs_per_forward: how many times one model forward runs the layer
+            (:func:`~.ring.invocations_per_forward`).
+        overlapped: megatron runs the layer in its overlapped 1F1B schedule
+            (:func:`~.ring.overlapped_schedule`).
+        preprocess_graphed: ``--cuda-graph-modules moe_preprocess`` (the host planner cannot run
+            inside that graph).
+        build_replica_experts: builds the redundant slots' experts module for ``S`` slots
+            (called once, by the first layer's registration).
+    """
+
+    expert_shapes: Sequence[tuple]
+    weight_layout: ExpertWeightLayout
+    device: torch.device
+    ep_group: Any
+    ep_rank: int
+    ep_size: int
+    num_experts: int
+    model_config: Any
+    runs_per_forward: int
+    overlapped: bool
+    preprocess_graphed: bool
+    build_replica_experts: Callable[[int], ReplicaExperts]
 
 
 class BalancingContext:
@@ -111,46 +153,45 @@ class BalancingContext:
         # The device planner's self-check at the first layer's registration (None before it, and
         # with the host planner); a failed one left the model planning on the host.
         self.device_planner_check: Optional[device_planning.SelfCheck] = None
-        self.layers: List[object] = []
+        self.registrations: List[LayerRegistration] = []
         self.buffer: Optional[ReplicaBuffer] = None
         self.replica_experts: Optional[ReplicaExperts] = None  # the redundant slots' module
         self.ring: Optional[VirtualLayerRing] = None
-        self.stats = BalancerStats()
+        self.stats = BalancerStats(config.domain_size)
         self.trace = TraceRecorder(trace_dir, config, hardware) if trace_dir else None
         self.observers = [self.stats] + ([self.trace] if self.trace else [])
         self.overheads = Overheads()
         self.holder: Optional[Invocation] = None  # whose replicas the weight buffer holds (or receives)
         self._transfer: Optional[TransferHandle] = None  # the latest transfer issued
-        self._reductions: Dict[int, Tuple[TransferHandle, list]] = {}  # id(invocation) -> (handle, targets)
-        self._unobserved: List[tuple] = []  # (layer, invocation, training) not yet seen by the observers
+        self._unobserved: List[tuple] = []  # (invocation, training) not yet seen by the observers
         self._host_copy_streams: Dict[torch.device, object] = {}
 
     # -- setup ---------------------------------------------------------------------------------
-    def register(self, layer) -> None:
-        """Add a balanced MoE layer; the first one sizes the shared buffers."""
-        shapes = [shape for _, shape in layer.expert_param_shapes]
-        param, layout = layer.main_expert_param_lists()[0][0], layer.expert_weight_layout
+    def register(self, registration: LayerRegistration) -> None:
+        """Add a balanced MoE layer (its data); the first one sizes the shared buffers."""
+        shapes, layout = list(registration.expert_shapes), registration.weight_layout
         if self.buffer is None:
             # Replica gradients in the parameters' high-precision shapes; weights in the layout
             # of what the main experts hold (bytes of quantized parameters).
-            self.buffer = ReplicaBuffer(self.config.num_slots, shapes, layout.dtype, device=param.device,
-                                        group=_data_plane_group(layer.token_dispatcher.ep_group),
-                                        weight_shapes=layout.shapes)
+            self.buffer = ReplicaBuffer(self.config.num_slots, shapes, layout.dtype, device=registration.device,
+                                        group=_data_plane_group(registration.ep_group), weight_shapes=layout.shapes)
             if self.config.num_slots > 0:
                 # Built now, not at the first forward: by then the training loop has hung
                 # process-group handles on the config, which the experts' constructor cannot copy.
-                self.replica_experts = build_replica_experts(layer, self.config.num_slots)
+                self.replica_experts = registration.build_replica_experts(self.config.num_slots)
+            if self.trace is not None:
+                self.trace.describe(registration.ep_group, registration.model_config)
         elif self.buffer.expert_shapes != [torch.Size(s) for s in shapes] or \
                 self.buffer.weight_shapes != layout.shapes or self.buffer.replica_weights.dtype != layout.dtype:
             raise ValueError("UltraEP shares replica slots across the MoE layers of a model: all must "
                              "have the same expert shapes and dtype")
-        if self.plans_on_device and len(self.layers) == 0:
-            self._check_device_planner(layer, param.device)
-        self.layers.append(layer)
+        if self.plans_on_device and len(self.registrations) == 0:
+            self._check_device_planner(registration)
+        self.registrations.append(registration)
         self.ring = None  # sized lazily, once the model (and the schedule) is known
 
     @native_torch
-    def _check_device_planner(self, layer, device: torch.device) -> None:
+    def _check_device_planner(self, registration: LayerRegistration) -> None:
         """At the first layer's registration: compile the device planner for this model and check
         it against the host references on probe loads (:func:`device_planning.self_check`; the
         compilation is then not in the first layer's first forward, whose plan time it would be).
@@ -158,17 +199,16 @@ class BalancingContext:
         at startup); on any rank's failure the whole group plans on the host for this model, and
         global rank 0 prints one warning line saying why. Otherwise rank 0 prints the time the
         compilation and the check took, once."""
-        dispatcher = layer.token_dispatcher
-        check = device_planning.self_check(self.config, dispatcher.ep_size, layer.config.num_moe_experts,
-                                           device, dispatcher.ep_rank)
-        outcomes = _gather_on(dispatcher.ep_group, check.failure)
+        check = device_planning.self_check(self.config, registration.ep_size, registration.num_experts, registration.device,
+                                           registration.ep_rank)
+        outcomes = _gather_on(registration.ep_group, check.failure)
         failures = [(rank, failure) for rank, failure in enumerate(outcomes) if failure is not None]
         self.device_planner_check = check
         if failures:
             rank, failure = failures[0]
             where = "" if len(failures) == len(outcomes) else \
                 f" on EP rank{'s' if len(failures) > 1 else ''} {', '.join(str(r) for r, _ in failures)}"
-            if preprocess_graphed(layer.config):  # the host planner cannot run inside that graph
+            if registration.preprocess_graphed:  # the host planner cannot run inside that graph
                 raise RuntimeError(f"the device planner failed its self-check{where} ({check.implementation}): "
                                    f"{failure}; --cuda-graph-modules moe_preprocess needs it: leave moe_preprocess "
                                    "out of --cuda-graph-modules to plan on the host")
@@ -178,29 +218,32 @@ class BalancingContext:
                                 f"(--moe-balancer-planner host skips the check and this warning)")
         else:
             _print_on_rank_zero(f"ultraep: device planner ready in {check.seconds:.2f} s ({check.implementation}; "
-                                f"its plans of probe loads at R={dispatcher.ep_size}, "
-                                f"E={layer.config.num_moe_experts}, S={self.config.num_slots} "
+                                f"its plans of probe loads at R={registration.ep_size}, "
+                                f"E={registration.num_experts}, S={self.config.num_slots} "
                                 f"({check.replicas} replicas) equal the host's references)")
 
     def _ensure_ring(self) -> VirtualLayerRing:
         if self.ring is None:
-            per_forward = sum(invocations_per_forward(layer) for layer in self.layers)
-            overlapped = any(overlapped_schedule(layer.config) for layer in self.layers)
-            self.ring = VirtualLayerRing(self.ring_size or per_forward * _schedule_inflight(overlapped))
+            per_forward = sum(registered.runs_per_forward for registered in self.registrations)
+            overlapped = any(registered.overlapped for registered in self.registrations)
+            self.ring = VirtualLayerRing(self.ring_size or per_forward * schedule_inflight_microbatches(overlapped))
         return self.ring
+
+    def ring_live(self) -> int:
+        """In-flight invocations in the ring (0 before the first training forward)."""
+        return self.ring.live if self.ring is not None else 0
 
     # -- planning ----------------------------------------------------------------------------------
     @native_torch
-    def plan(self, layer, load: torch.Tensor, ep_rank: int, *, training: bool,
-             grad_enabled: bool) -> Invocation:
-        """Plan one invocation on the exact load (host ``[R, E]``) and, in training, park it in the
-        ring for its backward."""
+    def plan_on_host(self, state: InvocationState, balancer: LayerBalancer, load: torch.Tensor,
+                     ep_rank: int) -> Invocation:
+        """Plan one invocation with the layer's ``balancer`` on the exact load (host ``[R, E]``)
+        into ``state`` and, in training, park it in the ring for its backward."""
         t0 = time.perf_counter()
-        balanced = layer.balancer.balances(load)
-        plan = layer.balancer.plan(load, balances=balanced)
+        balanced = balancer.balances(load)
+        plan = balancer.plan(load, balances=balanced)
         plan_seconds = time.perf_counter() - t0
-        return self._invocation(layer, load, plan, ep_rank, balanced=balanced, training=training,
-                                grad_enabled=grad_enabled, plan_seconds=plan_seconds, t0=t0)
+        return self._invocation(state, load, plan, ep_rank, balanced=balanced, plan_seconds=plan_seconds, t0=t0)
 
     def host_copy_stream(self, device: torch.device):
         """The CUDA stream the device plans' host halves cross on (``None`` off CUDA)."""
@@ -211,45 +254,44 @@ class BalancingContext:
         return self._host_copy_streams[device]
 
     @native_torch
-    def plan_on_device(self, layer, load: torch.Tensor, ep_rank: int, *, training: bool,
-                       grad_enabled: bool) -> DevicePlanned:
+    def plan_on_device(self, state: InvocationState, load: torch.Tensor, ep_rank: int) -> DevicePlanned:
         """Queue one invocation's plan on the device (``--moe-balancer-planner device``): the load
         ``[R, E]`` on the device, nothing read on the host. :meth:`complete_device_plan` makes the
         invocation once its host half has crossed."""
         t0 = time.perf_counter()
-        planned = device_planning.plan_on_device(load, self.config, ep_rank, training=training,
-                                                 grad_enabled=grad_enabled)
+        planned = device_planning.plan_on_device(load, self.config, ep_rank, training=state.training,
+                                                 grad_enabled=state.grad_enabled)
         seconds = time.perf_counter() - t0
         self.overheads.host_seconds += seconds
         return dataclasses.replace(planned, plan_seconds=seconds)
 
     @native_torch
-    def complete_device_plan(self, layer, host_half: torch.Tensor, *, training: bool, grad_enabled: bool,
-                             plan_seconds: float) -> Invocation:
+    def complete_device_plan(self, state: InvocationState, host_half: torch.Tensor, *, ep_rank: int,
+                             ep_size: int, num_experts: int, plan_seconds: float) -> Invocation:
         """The invocation of a plan made on the device (:class:`DevicePlanned`), from the host copy
-        of its host half; ``training`` / ``grad_enabled``: the layer's mode when it was planned."""
+        of its host half, into ``state`` (planned in ``state``'s mode)."""
         t0 = time.perf_counter()
-        dispatcher = layer.token_dispatcher
-        load, plan, balanced = device_planning.unpack_host_half(host_half, dispatcher.ep_size,
-                                                                dispatcher.num_logical_experts, self.config.num_slots)
-        return self._invocation(layer, load, plan, dispatcher.ep_rank, balanced=balanced, training=training,
-                                grad_enabled=grad_enabled, plan_seconds=plan_seconds, t0=t0)
+        load, plan, balanced = device_planning.unpack_host_half(host_half, ep_size, num_experts,
+                                                                self.config.num_slots)
+        return self._invocation(state, load, plan, ep_rank, balanced=balanced, plan_seconds=plan_seconds, t0=t0)
 
-    def _invocation(self, layer, load: torch.Tensor, plan, ep_rank: int, *, balanced: bool, training: bool,
-                    grad_enabled: bool, plan_seconds: float, t0: float) -> Invocation:
-        """The invocation of a host plan; in training parked in the ring for its backward."""
+    def _invocation(self, state: InvocationState, load: torch.Tensor, plan, ep_rank: int, *, balanced: bool,
+                    plan_seconds: float, t0: float) -> Invocation:
+        """The invocation of a host plan, into ``state``; in training ``state`` is parked in the
+        ring for its backward."""
         replicated = self.config.num_slots > 0 and bool((plan.slot_expert.numpy() >= 0).any())
         schedule_builder = (functools.partial(self.buffer.schedule, plan.slot_expert, plan.num_experts)
                             if replicated else None)
-        vid = self._ensure_ring().acquire(layer.layer_number) if training else None
-        invocation = plan_invocation(plan, load, ep_rank, layer_number=layer.layer_number, vid=vid,
+        vid = self._ensure_ring().acquire(state.layer_number) if state.training else None
+        invocation = plan_invocation(plan, load, ep_rank, layer_number=state.layer_number, vid=vid,
                                      schedule_builder=schedule_builder, balanced=balanced,
                                      plan_seconds=plan_seconds)
-        if training:
-            self.ring.store(vid, invocation)
-            if not grad_enabled:  # a checkpointed forward: replayed in the backward
-                self.ring.park_for_recompute(layer.layer_number, vid, invocations_per_forward(layer))
-        self._unobserved.append((layer, invocation, training))
+        state.invocation = invocation
+        if state.training:
+            self.ring.store(vid, state)
+            if not state.grad_enabled:  # a checkpointed forward: replayed in the backward
+                self.ring.park_for_recompute(state.layer_number, vid, state.runs_per_forward)
+        self._unobserved.append((invocation, state.training))
         self.overheads.plan_seconds += plan_seconds
         self.overheads.host_seconds += time.perf_counter() - t0
         self.overheads.invocations += 1
@@ -263,17 +305,18 @@ class BalancingContext:
         and the reroute, where every microsecond of host work is a microsecond the device idles.
         """
         t0 = time.perf_counter()
-        for layer, invocation, training in self._unobserved:
+        for invocation, training in self._unobserved:
             for observer in self.observers:
-                observer.on_invocation(layer, invocation, training)
+                observer.on_invocation(invocation, training)
         self._unobserved.clear()
         self.overheads.observe_seconds += time.perf_counter() - t0
 
-    def replay(self, layer_number: int) -> Invocation:
-        """The invocation of a checkpointed forward, for its activation-recompute replay."""
+    def replay(self, layer_number: int) -> InvocationState:
+        """The record of a checkpointed forward, for its activation-recompute replay."""
         return self.ring.get(self.ring.pop_for_recompute(layer_number))
 
-    def invocation(self, vid: int) -> Invocation:
+    def record(self, vid: int) -> InvocationState:
+        """The record the ring carries for virtual layer id ``vid``."""
         return self.ring.get(vid)
 
     def release(self, invocation: Invocation) -> None:
@@ -281,36 +324,46 @@ class BalancingContext:
         if invocation.vid is not None:
             self.ring.release(invocation.vid)
 
+    def add_reroute_seconds(self, seconds: float) -> None:
+        """Host time of a device reroute (:attr:`Overheads.reroute_seconds`)."""
+        self.overheads.reroute_seconds += seconds
+
     # -- transfers ---------------------------------------------------------------------------------
     def _issued(self, handle: TransferHandle) -> None:
         self._transfer = handle
         if not self.overlap:
-            self._wait(handle)
+            self.wait(handle)
 
-    def _wait(self, handle: Optional[TransferHandle]) -> None:
+    def wait(self, handle: Optional[TransferHandle]) -> None:
+        """Complete a transfer (counted in :class:`Overheads`); nothing to do once it is done."""
         if handle is not None and not handle.done():
             handle.wait()
             self.overheads.transfer_seconds += handle.host_seconds
             self.overheads.transfer_blocked_seconds += handle.host_seconds - handle.host_cpu_seconds
 
+    def needs_weights(self, invocation: Invocation) -> bool:
+        """Whether :meth:`start_weights` has anything to copy for ``invocation``: it has replicas and
+        the buffer does not hold (or receive) them already."""
+        return invocation.schedule_builder is not None and self.holder is not invocation
+
     @native_torch
-    def start_weights(self, layer, invocation: Invocation) -> None:
-        """Start copying the invocation's replicated main experts into the shared weight buffer
-        (forward). Collective on the EP group; nothing to do when the buffer already holds them.
+    def start_weights(self, invocation: Invocation, main_weights: List[List[torch.Tensor]]) -> None:
+        """Start copying the invocation's replicated main experts (``main_weights``: ``[local
+        expert][part]``, what the distribution moves) into the shared weight buffer (forward).
+        Collective on the EP group; nothing to do when the buffer already holds them.
         Asynchronous: see :meth:`wait_weights`."""
-        if invocation.schedule_builder is None or self.holder is invocation:
+        if not self.needs_weights(invocation):
             return
-        self._wait(self._transfer)
-        handle = self.buffer.distribute_weights(invocation.schedule, layer.main_expert_weights(),
-                                                async_op=True)
+        self.wait(self._transfer)
+        handle = self.buffer.distribute_weights(invocation.schedule, main_weights, async_op=True)
         self.holder = invocation
         self._issued(handle)
 
-    def start_rematerialization(self, layer, invocation: Invocation) -> None:
+    def start_rematerialization(self, invocation: Invocation, main_weights: List[List[torch.Tensor]]) -> None:
         """The backward's copy of the invocation's replicas back into the shared weight buffer
         (later layers, or under the overlapped schedule another microbatch's forward, overwrote
         them); nothing to do when the buffer still holds them."""
-        self.start_weights(layer, invocation)
+        self.start_weights(invocation, main_weights)
 
     @native_torch
     def wait_weights(self, invocation: Invocation) -> None:
@@ -320,75 +373,48 @@ class BalancingContext:
         if self.holder is not invocation:
             raise RuntimeError(f"UltraEP: MoE layer {invocation.layer_number} uses the replica weights "
                                "of another invocation (the weight buffer was not re-materialized)")
-        self._wait(self._transfer)
+        self.wait(self._transfer)
 
     @native_torch
-    def start_reduction(self, layer, invocation: Invocation,
-                        weight_grads: Optional[Sequence[Optional[torch.Tensor]]] = None) -> None:
+    def start_reduction(self, invocation: Invocation, targets: List[List[torch.Tensor]],
+                        hosted_grads: Dict[int, Optional[list]], *, fold_on_stream: bool) -> TransferHandle:
         """Start reducing the replica gradients into the main experts' (collective on the EP group),
-        as soon as the replicas' backward is done; :meth:`finish_reduction` folds them in.
+        as soon as the replicas' backward is done; :meth:`wait` on the handle folds them in.
 
         Args:
-            weight_grads: the replica weights' gradients, flat (slot-major, the layer's
-                ``expert_param_shapes`` order; ``None`` where unset), or ``None`` where no replica
-                backward ran (a rank whose redundant slots received no rows, or replica weights
-                that needed no gradient). The reduction copies them into the slots this rank hosts
-                (zeros where there are none) on its own stream, and sends those.
+            targets: ``[local expert][k]`` fp32 tensors the reduction adds the replica gradients to.
+            hosted_grads: per redundant slot this rank hosts, its replica's weight gradients
+                (``None``: zeros); the reduction copies them into the shared fp32 buffer on its own
+                stream and sends those.
+            fold_on_stream: fold into ``targets`` on the transfer's stream (else at :meth:`wait`).
         """
-        if invocation.schedule_builder is None or id(invocation) in self._reductions:
-            return
-        self._wait(self._transfer)  # a previous reduction's fold left to wait() reads the slots
-        params = layer.main_expert_param_lists()
-        use_main_grad = all(getattr(p, "main_grad", None) is not None for ps in params for p in ps)
-        if use_main_grad:  # Megatron DDP: straight into the fp32 main_grad buffers
-            targets, has_replica = [[p.main_grad for p in ps] for ps in params], None
-            # Until finish_reduction nothing touches these main_grads (the experts' gradient
-            # accumulation waits for it), unless the main experts' weight-gradient kernels write
-            # them directly (gradient-accumulation fusion): only then the fold waits for wait().
-            fold_on_stream = not layer.config.gradient_accumulation_fusion
-        else:  # fresh fp32 gradients for the experts with a replica; the others get a zero view, never written
-            replicated = set(invocation.replicated_local_experts)
-            has_replica = [g in replicated for g in range(len(params))]
-            zero = torch.zeros((), dtype=torch.float32, device=params[0][0].device)
-            targets = [[torch.zeros(p.shape, dtype=torch.float32, device=p.device) if has else zero.expand(p.shape)
-                        for p in ps]
-                       for ps, has in zip(params, has_replica)]
-            fold_on_stream = True
+        self.wait(self._transfer)  # a previous reduction's fold left to wait() reads the slots
         handle = self.buffer.reduce_gradients(invocation.schedule, targets, async_op=True,
-                                              hosted_grads=self._hosted_grads(layer, invocation, weight_grads),
-                                              fold_on_stream=fold_on_stream)
-        self._reductions[id(invocation)] = (handle, targets, has_replica)
+                                              hosted_grads=hosted_grads, fold_on_stream=fold_on_stream)
         self._issued(handle)
+        return handle
 
-    @staticmethod
-    def _hosted_grads(layer, invocation: Invocation,
-                      weight_grads: Optional[Sequence[Optional[torch.Tensor]]]) -> Dict[int, Optional[list]]:
-        """What each redundant slot this rank hosts reduces: its replica's weight gradients, or
-        zeros (``None``) where it received no rows; an unset gradient is zeros too (an expert kernel
-        may leave an empty group's gradient unwritten). The transfer copies them into the shared
-        fp32 buffer on its own stream."""
-        per_slot, hosted = len(layer.expert_param_shapes), {}
-        for s in invocation.schedule.rank_transfers(invocation.ep_rank).hosted_slots:
-            hosted[s] = (weight_grads[s * per_slot : (s + 1) * per_slot]
-                         if weight_grads is not None and invocation.replica_rows[s] > 0 else None)
-        return hosted
+    def replica_weight_views(self, slot: int) -> List[torch.Tensor]:
+        """``[part]`` the shared weight buffer's views of redundant slot ``slot``."""
+        return self.buffer.weight_views(slot)
 
-    @native_torch
-    def finish_reduction(self, layer, invocation: Invocation) -> List[List[Optional[torch.Tensor]]]:
-        """Complete the invocation's reduction; return ``[local expert][k]`` the gradient each main
-        expert parameter gains from its replicas: ``None`` for an expert without a replica, and for
-        every expert where the reduction went into ``main_grad`` (Megatron DDP)."""
-        main_params = layer.main_expert_param_lists()
-        none = [[None] * len(expert) for expert in main_params]
-        if invocation.schedule_builder is None:
-            return none
-        self.start_reduction(layer, invocation)  # if the replicas' backward did not start it
-        handle, targets, has_replica = self._reductions.pop(id(invocation))
-        self._wait(handle)
-        if has_replica is None:
-            return none
-        return [[g.to(p.dtype) for p, g in zip(expert, grads)] if has else [None] * len(expert)
-                for expert, grads, has in zip(main_params, targets, has_replica)]
+    def weight_buffer(self) -> torch.Tensor:
+        """The shared replica weight buffer (flat): the storage the replica experts' saved weights
+        are views of."""
+        return self.buffer.replica_weights
+
+    def holds(self, invocation: Invocation) -> bool:
+        """Whether the weight buffer holds (or receives) ``invocation``'s replicas."""
+        return self.holder is invocation
+
+    def replica_delayed_weight_grads(self) -> list:
+        """The replica experts' delayed weight gradients (``--delay-wgrad-compute``), flat."""
+        return self.replica_experts.delayed_weight_grads()
+
+    def run_replicas(self, slot_weights, tokens: torch.Tensor, rows_per_slot: Sequence[int],
+                     probs: torch.Tensor) -> torch.Tensor:
+        """The redundant slots' experts on ``tokens`` (sorted by slot) with ``slot_weights``."""
+        return self.replica_experts(slot_weights, tokens, rows_per_slot, probs)
 
     # -- training loop -----------------------------------------------------------------------------
     def end_iteration(self, iteration: int) -> None:
@@ -451,29 +477,3 @@ def _data_plane_group(ep_group):
         return ep_group
     return dist.new_group(ranks=dist.get_process_group_ranks(ep_group), backend=dist.get_backend(ep_group),
                           use_local_synchronization=True)
-
-
-def _schedule_inflight(overlapped: bool = False) -> int:
-    """Max in-flight microbatches per MoE layer on this rank, from Megatron's pipeline state
-    (``overlapped``: megatron's combined 1F1B schedule)."""
-    try:
-        from megatron.core import parallel_state as ps
-        from megatron.core.num_microbatches_calculator import get_num_microbatches
-
-        return max_inflight_microbatches(
-            ps.get_pipeline_model_parallel_world_size(),
-            ps.get_pipeline_model_parallel_rank(),
-            get_num_microbatches(),
-            ps.get_virtual_pipeline_model_parallel_world_size(),
-            overlapped=overlapped,
-        )
-    except Exception:  # outside Megatron's training loop (a bare MoE layer): one microbatch
-        return 2 if overlapped else 1
-
-
-def overlapped_schedule(config) -> bool:
-    """Whether megatron runs the layer in its overlapped 1F1B schedule
-    (``--overlap-moe-expert-parallel-comm``, ``pipeline_parallel/combined_1f1b.py``): each layer cut
-    into nodes (attention and pre-dispatch, dispatch, experts, combine) and one microbatch's forward
-    interleaved with another's backward, on a computation and a communication stream."""
-    return bool(getattr(config, "overlap_moe_expert_parallel_comm", False))

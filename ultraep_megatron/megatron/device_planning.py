@@ -4,7 +4,7 @@ The gathered load ``[R, E]`` stays on the device: ultraep's trigger, ``planner.d
 this rank's reroute table (``planner.device_dispatch``) are queued there, the reroute
 and permutation read them there, and the host half of the plan (the load, the plan, whether it was
 balanced) crosses in one copy, started on a side stream once the plan is queued and waited for where
-megatron's dispatcher waits for its splits anyway (``dispatchers._PhysicalSlotRouting._complete_plan``). Every function here is device work only:
+megatron's dispatcher waits for its splits anyway (``physical_routing.PhysicalSlotRouting._complete_plan``). Every function here is device work only:
 no host read, fixed shapes.
 
 Vocabulary (docs/glossary.md): R EP ranks, E experts, G = E // R main experts per rank, S redundant

@@ -1,9 +1,16 @@
-"""One balanced MoE invocation (a layer on a microbatch), its plan on the host: :class:`Invocation`.
+"""One balanced MoE invocation (a layer on a microbatch): its plan on the host (:class:`Invocation`)
+and the record that carries it through megatron's stages (:class:`InvocationState`).
 
-The dispatcher produces it from the exact load (:func:`plan_invocation`, through
-``BalancingContext.plan``, or from a plan made on the device once it crossed, through
-``BalancingContext.complete_device_plan``); the layer, its autograd functions and the transfers consume it. It is
-immutable, and every tensor in it is a host tensor: nothing here reads device memory.
+* :class:`Invocation`: immutable, every tensor in it a host tensor. The context makes it from the
+  exact load (:func:`plan_invocation`, through ``BalancingContext.plan_on_host``, or from a plan made
+  on the device once it crossed, through ``BalancingContext.complete_device_plan``).
+* :class:`InvocationState`: what one stage of the layer hands the next (megatron's ``route``,
+  ``preprocess``, ``dispatch``, ``routed_experts_compute``, ``combine``, ``postprocess``, and the
+  backward or ``backward_dw``): the routed pairs, the plan (on its way from the device, or on the
+  host), the reroute table on the device, and in the backward the replica-gradient reduction in
+  flight with its gradient targets (:class:`Reduction`). The dispatcher holds the current one, as
+  megatron's dispatchers hold their per-call metadata; the virtual-layer ring carries it from the
+  forward to the backward. Nothing here reads device memory.
 
 Vocabulary (docs/glossary.md): R EP ranks, E experts, G = E // R main experts per rank, S redundant
 slots per rank, P = G + S *physical* slots per rank (its main experts, then its redundant slots).
@@ -13,13 +20,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Callable, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 import torch
 
 from ultraep_megatron import planner
-from ultraep_megatron.dataplane import TransferSchedule
+from ultraep_megatron.dataplane import TransferHandle, TransferSchedule
+from ultraep_megatron.megatron.device_planning import DevicePlanned
 
 
 @dataclass(frozen=True, eq=False)
@@ -108,3 +116,62 @@ def plan_invocation(plan: planner.Plan, load: torch.Tensor, ep_rank: int, *, lay
         rows_per_source_slot=rows_per_source_slot, rows_per_slot=torch.from_numpy(rows_per_slot),
         main_rows=int(rows_per_slot[:G].sum()), replica_rows=tuple(rows_per_slot[G:].tolist()),
         balanced=balanced, reroute_table=table, plan_seconds=plan_seconds)
+
+
+@dataclass(eq=False)
+class Reduction:
+    """One invocation's replica-gradient reduction in flight (the backward's part of its record).
+
+    Attributes:
+        handle: the data plane's handle of the collective reduction.
+        targets: ``[local expert][k]`` fp32 tensors the reduction folds the replica gradients into:
+            the main experts' ``main_grad`` (Megatron DDP), or fresh ones (a zero view where the
+            expert has no replica, never written).
+        has_replica: per local expert whether it has a replica; ``None`` where the targets are the
+            ``main_grad`` buffers (nothing to hand back).
+    """
+
+    handle: TransferHandle
+    targets: List[List[torch.Tensor]]
+    has_replica: Optional[List[bool]]
+
+
+@dataclass(eq=False)
+class InvocationState:
+    """One balanced invocation as it passes megatron's stages: the record each stage reads and
+    fills (module docstring). One per layer and microbatch; mutable.
+
+    Attributes:
+        layer_number: the MoE layer's id (``layer_ids.moe_layer_id``).
+        runs_per_forward: how many times one model forward runs the layer
+            (``ring.invocations_per_forward``: the MTP block's shared layer, once per depth).
+        training / grad_enabled: the layer's mode when it was planned (a checkpointed forward
+            plans without grad and is replayed in the backward).
+        topk_ids: int64 ``[T, k]`` the routed pairs' logical experts (route).
+        invocation: the plan on the host; ``None`` while it is still on the device, or while the
+            load crosses (a plan deferred to the dispatch node).
+        reroute_table: int64 ``[4, E * R + 1]`` on the device: the reroute's table.
+        device_plan: a plan made on the device whose host half has not crossed yet.
+        crossing: ``(pinned host tensor, event)`` of what is crossing to the host: the load of a
+            deferred host plan, or a device plan's host half.
+        deferred: under megatron's overlapped schedule, what the dispatch node completes
+            (``"host"``: the load is crossing, ``"device"``: the device plan's host half,
+            ``"graph"``: the host half a replayed graph produced), or ``None``.
+        routing_map: a deferred host plan's ``[T, E]`` routing (its check, its reroute).
+        expert_major: a deferred host plan's pairs in expert-major order (``[N]``).
+        reduction: the replica-gradient reduction in flight (backward), or ``None``.
+    """
+
+    layer_number: int
+    runs_per_forward: int
+    training: bool
+    grad_enabled: bool
+    topk_ids: torch.Tensor
+    invocation: Optional[Invocation] = None
+    reroute_table: Optional[torch.Tensor] = None
+    device_plan: Optional[DevicePlanned] = None
+    crossing: Optional[tuple] = None
+    deferred: Optional[str] = None
+    routing_map: Optional[torch.Tensor] = None
+    expert_major: Optional[torch.Tensor] = None
+    reduction: Optional[Reduction] = None

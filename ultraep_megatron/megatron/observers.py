@@ -5,7 +5,8 @@ is queued (off the stretch between the wait for the load and the reroute):
 * :class:`TraceRecorder`: the exact load of every training invocation, to a trace file
   (``--moe-balancer-trace-dir``).
 
-An observer has ``on_invocation(layer, invocation, training)``.
+An observer has ``on_invocation(invocation, training)``; what it needs of the model it is given
+when it is built (or, the trace, at the first layer's registration: :meth:`TraceRecorder.describe`).
 """
 
 from __future__ import annotations
@@ -29,14 +30,14 @@ class BalancerStats:
     #: Every figure :meth:`pop` returns: ``planner.metrics``' above, plus the balancer's own.
     RECORDED = METRICS + ("balanced_fraction", "plan_ms")
 
-    def __init__(self):
+    def __init__(self, domain_size: Optional[int] = None):
+        self.domain_size = domain_size  # the model's NVLink domains (``--moe-balancer-domain-size``)
         self._sums: Dict[int, Dict[str, float]] = {}
 
-    def on_invocation(self, layer, invocation: Invocation, training: bool) -> None:
+    def on_invocation(self, invocation: Invocation, training: bool) -> None:
         if not training:
             return
-        balancer = layer.balancer
-        m = planner.metrics(invocation.load, invocation.plan, domain_size=balancer.config.domain_size)
+        m = planner.metrics(invocation.load, invocation.plan, domain_size=self.domain_size)
         entry = self._sums.setdefault(invocation.layer_number, {"count": 0})
         entry["count"] += 1
         for key in self.METRICS:
@@ -62,8 +63,14 @@ class TraceRecorder:
         self.iteration: Optional[int] = None
         self._microbatch: Dict[int, int] = {}
         self._writer = None
+        self._ep_group = self._model_config = None
 
-    def on_invocation(self, layer, invocation: Invocation, training: bool) -> None:
+    def describe(self, ep_group, model_config) -> None:
+        """The model the trace records: its EP group (whose rank 0 writes) and megatron's
+        ``TransformerConfig`` (the trace's metadata)."""
+        self._ep_group, self._model_config = ep_group, model_config
+
+    def on_invocation(self, invocation: Invocation, training: bool) -> None:
         if not training:
             return
         if self.iteration is None:
@@ -73,17 +80,17 @@ class TraceRecorder:
         if invocation.ep_rank != 0:
             return
         if self._writer is None:
-            self._writer = self._open(layer, invocation.load.shape)
+            self._writer = self._open(invocation.load.shape)
         self._writer.append(self.iteration, microbatch, invocation.layer_number, invocation.load)
 
-    def _open(self, layer, shape):
+    def _open(self, shape):
         import torch.distributed as dist
 
         from ultraep_megatron.traces import TraceWriter, trace_path
 
-        group = layer.token_dispatcher.ep_group
+        group = self._ep_group
         first_global_rank = dist.get_global_rank(group, 0) if dist.is_initialized() else 0
-        cfg = layer.config
+        cfg = self._model_config
         config = self.balancer_config
         meta = {
             "balancer": config.name,

@@ -6,39 +6,91 @@ invocation's replica transfers (the order autograd runs them: ``balanced_moe``'s
 * :class:`ReplicaWeights` / :func:`run_replicas_in_graph`: the redundant slots' weights in the
   layer's graph, saved as geometry of the shared buffer; its backward starts the reduction;
 * :class:`ReduceReplicaGrads`: completes the reduction into the main experts' gradients, in a
-  plan-independent order for Megatron DDP.
+  plan-independent order for Megatron DDP;
+* :func:`gradient_targets` / :func:`hosted_grads`: what the reduction reads and writes, as tensors
+  (the context's ``start_reduction`` takes them, never the layer).
 
-Only the virtual layer id crosses to the backward when there is one (the ring owns the invocation).
+Only the virtual layer id crosses to the backward when there is one (the ring carries the
+invocation's record, :class:`~.invocation.InvocationState`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, NamedTuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from ultraep_megatron.megatron.context import BalancingContext
 from ultraep_megatron.megatron.expert_slots import is_quantized
-from ultraep_megatron.megatron.invocation import Invocation
+from ultraep_megatron.megatron.invocation import Invocation, InvocationState
 from ultraep_megatron.megatron.native_torch import native_torch
 
-if TYPE_CHECKING:
-    from ultraep_megatron.megatron.context import BalancingContext
+
+def _keep(ctx, layer, state: InvocationState) -> None:
+    # Only the virtual layer id crosses to the backward when there is one; the ring owns the record.
+    ctx.layer, ctx.vid = layer, state.invocation.vid
+    ctx.state = state if state.invocation.vid is None else None
 
 
-def _keep(ctx, layer, invocation: Invocation) -> None:
-    # Only the virtual layer id crosses to the backward when there is one; the ring owns the state.
-    ctx.layer, ctx.vid = layer, invocation.vid
-    ctx.invocation = invocation if invocation.vid is None else None
+def _state(ctx) -> InvocationState:
+    """The forward's record: from the virtual-layer ring (training) or kept in ``ctx``."""
+    return ctx.layer.balancing.record(ctx.vid) if ctx.vid is not None else ctx.state
 
 
-def _invocation(ctx) -> Invocation:
-    """The forward's invocation: from the virtual-layer ring (training) or kept in ``ctx``."""
-    return ctx.layer.balancing.invocation(ctx.vid) if ctx.vid is not None else ctx.invocation
+def gradient_targets(main_params: List[List[torch.Tensor]], invocation: Invocation, *,
+                     gradient_accumulation_fusion: bool) -> Tuple[List[List[torch.Tensor]], Optional[List[bool]], bool]:
+    """Where the replica gradients of ``invocation`` are reduced into, per ``[local expert][k]``
+    main parameter: ``(targets, has_replica, fold_on_stream)``.
+
+    With Megatron DDP (every parameter has a ``main_grad``) the targets are the fp32 ``main_grad``
+    buffers and ``has_replica`` is ``None`` (nothing to hand back). Until the reduction completes
+    nothing touches them (the experts' gradient accumulation waits for it), unless the main
+    experts' weight-gradient kernels write them directly (``gradient_accumulation_fusion``): only
+    then the fold waits for the completion instead of running on the transfer's stream. Without
+    it: fresh fp32 gradients for the experts with a replica, a zero view (never written) for the
+    others."""
+    if all(getattr(p, "main_grad", None) is not None for ps in main_params for p in ps):
+        return [[p.main_grad for p in ps] for ps in main_params], None, not gradient_accumulation_fusion
+    replicated = set(invocation.replicated_local_experts)
+    has_replica = [g in replicated for g in range(len(main_params))]
+    zero = torch.zeros((), dtype=torch.float32, device=main_params[0][0].device)
+    targets = [[torch.zeros(p.shape, dtype=torch.float32, device=p.device) if has else zero.expand(p.shape)
+                for p in ps]
+               for ps, has in zip(main_params, has_replica)]
+    return targets, has_replica, True
+
+
+def hosted_grads(invocation: Invocation, weight_grads: Optional[Sequence[Optional[torch.Tensor]]],
+                 params_per_expert: int) -> Dict[int, Optional[list]]:
+    """What each redundant slot this rank hosts reduces: its replica's weight gradients (from
+    ``weight_grads``, flat, slot-major, ``params_per_expert`` per slot; ``None`` where no replica
+    backward ran), or zeros (``None``) where it received no rows; an unset gradient is zeros too (an
+    expert kernel may leave an empty group's gradient unwritten). The transfer copies them into the
+    shared fp32 buffer on its own stream."""
+    hosted = {}
+    for s in invocation.schedule.rank_transfers(invocation.ep_rank).hosted_slots:
+        hosted[s] = (weight_grads[s * params_per_expert : (s + 1) * params_per_expert]
+                     if weight_grads is not None and invocation.replica_rows[s] > 0 else None)
+    return hosted
+
+
+def reduced_grads(main_params: List[List[torch.Tensor]], state: InvocationState,
+                  balancing: BalancingContext) -> List[List[Optional[torch.Tensor]]]:
+    """Complete ``state``'s reduction (started by the layer's ``start_reduction``); return
+    ``[local expert][k]`` the gradient each main parameter gains from its replicas: ``None`` for an
+    expert without a replica, and for every expert where the reduction went into ``main_grad``."""
+    reduction, state.reduction = state.reduction, None
+    balancing.wait(reduction.handle)
+    if reduction.has_replica is None:
+        return [[None] * len(expert) for expert in main_params]
+    return [[g.to(p.dtype) for p, g in zip(expert, grads)] if has else [None] * len(expert)
+            for expert, grads, has in zip(main_params, reduction.targets, reduction.has_replica)]
 
 
 class StartInBackward(torch.autograd.Function):
     """Identity on a tensor of the layer; its backward starts one of the invocation's transfers
-    (``start``, a bound :class:`BalancingContext` method) where the tensor's gradient arrives:
+    (``start``, a bound method of the layer taking the invocation's record) where the tensor's
+    gradient arrives:
 
     * ``start_rematerialization`` on the layer's output, the first of the layer's backward: copies
       this invocation's replicated main experts back into the shared weight buffer (later layers
@@ -49,14 +101,14 @@ class StartInBackward(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, layer, invocation, start, tensor):
-        _keep(ctx, layer, invocation)
+    def forward(ctx, layer, state, start, tensor):
+        _keep(ctx, layer, state)
         ctx.start = start
         return tensor.view_as(tensor)
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.start(ctx.layer, _invocation(ctx))
+        ctx.start(_state(ctx))
         return None, None, None, grad
 
 
@@ -90,21 +142,21 @@ class ReduceReplicaGrads(torch.autograd.Function):
         return [p for expert in layer.main_expert_param_lists() for p in expert if p.requires_grad]
 
     @staticmethod
-    def forward(ctx, layer, invocation, received, *params):
-        _keep(ctx, layer, invocation)
+    def forward(ctx, layer, state, received, *params):
+        _keep(ctx, layer, state)
         ctx.params = params
         return received.view_as(received)
 
     @staticmethod
     def backward(ctx, grad_received):
-        invocation = _invocation(ctx)
+        state = _state(ctx)
         layer = ctx.layer
         if layer.delays_wgrad:  # --delay-wgrad-compute: the layer's backward_dw comes next
-            layer.await_backward_dw(invocation)
+            layer.await_backward_dw(state)
         if layer.reduces_after_dw:  # the weight gradients do not exist yet: backward_dw reduces
             return (None, None, grad_received, *(None for _ in ctx.params))
-        reduced = layer.balancing.finish_reduction(layer, invocation)  # [local expert][k]
-        layer.balancing.release(invocation)
+        reduced = layer.finish_reduction(state)  # [local expert][k]
+        layer.balancing.release(state.invocation)
         by_param = {id(p): g for expert, grads in zip(layer.main_expert_param_lists(), reduced)
                     for p, g in zip(expert, grads)}
         return (None, None, grad_received, *(by_param[id(p)] for p in ctx.params))
@@ -140,10 +192,10 @@ class ReplicaWeights(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, layer, invocation, tokens, probs):
-        _keep(ctx, layer, invocation)
+    def forward(ctx, layer, state, tokens, probs):
+        _keep(ctx, layer, state)
         ctx.set_materialize_grads(False)  # an unused weight's gradient stays None, not a zero tensor
-        layer.balancing.wait_weights(invocation)
+        layer.balancing.wait_weights(state.invocation)
         return tuple(w for slot in layer.replica_weight_views() for w in slot)
 
     @staticmethod
@@ -152,22 +204,22 @@ class ReplicaWeights(torch.autograd.Function):
         # have not computed yet (Transformer Engine fills them in backward_dw): the layer's
         # backward_dw reduces what that computes.
         if not ctx.layer.reduces_after_dw:
-            ctx.layer.balancing.start_reduction(ctx.layer, _invocation(ctx), weight_grads)
+            ctx.layer.start_reduction(_state(ctx), weight_grads)
         return None, None, None, None
 
 
-def run_replicas_in_graph(layer, invocation: Invocation, tokens: torch.Tensor, probs: torch.Tensor,
+def run_replicas_in_graph(layer, state: InvocationState, tokens: torch.Tensor, probs: torch.Tensor,
                           rows_per_slot):
     """Expert compute of this rank's redundant slots, differentiable: ``tokens [N, H]`` (sorted by
     slot, ``rows_per_slot`` host ints: the plan's rows, or as the dispatcher padded them) and their
     ``probs [N]`` -> ``[N, H]``, with the replica weight gradients reduced into the main experts' in
     the backward (:class:`ReplicaWeights`)."""
-    flat = ReplicaWeights.apply(layer, invocation, tokens, probs)
+    flat = ReplicaWeights.apply(layer, state, tokens, probs)
     per_slot = len(layer.expert_param_shapes)
     weights = [flat[s * per_slot : (s + 1) * per_slot] for s in range(len(flat) // per_slot)]
-    buffer = layer.balancing.buffer.replica_weights
+    buffer = layer.balancing.weight_buffer()
     with torch.autograd.graph.saved_tensors_hooks(
-        _buffer_packer(buffer), _buffer_unpacker(buffer, layer.balancing, invocation)
+        _buffer_packer(buffer), _buffer_unpacker(buffer, layer.balancing, state.invocation)
     ):
         return layer.run_replicas(weights, tokens, probs, rows_per_slot)
 
@@ -222,7 +274,7 @@ def _buffer_unpacker(buffer: torch.Tensor, balancing: BalancingContext, invocati
             return saved.cls(shape=saved.shape, dtype=saved.dtype, requires_grad=False,
                              **{key: unpack(value) for key, value in saved.metadata.items()})
         if isinstance(saved, _BufferView):
-            if not waited or balancing.holder is not invocation:
+            if not waited or not balancing.holds(invocation):
                 balancing.wait_weights(invocation)
                 waited.append(True)
             return buffer.view(saved.dtype).as_strided(saved.shape, saved.stride, saved.offset)

@@ -179,3 +179,29 @@ def invocations_per_forward(layer) -> int:
     if getattr(layer, "is_mtp_layer", False) and getattr(config, "mtp_use_repeated_layer", False):
         return config.mtp_num_layers
     return 1
+
+
+def schedule_inflight_microbatches(overlapped: bool = False) -> int:
+    """Max in-flight microbatches per MoE layer on this rank, from Megatron's pipeline state
+    (``overlapped``: megatron's combined 1F1B schedule)."""
+    try:
+        from megatron.core import parallel_state as ps
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+        return max_inflight_microbatches(
+            ps.get_pipeline_model_parallel_world_size(),
+            ps.get_pipeline_model_parallel_rank(),
+            get_num_microbatches(),
+            ps.get_virtual_pipeline_model_parallel_world_size(),
+            overlapped=overlapped,
+        )
+    except Exception:  # outside Megatron's training loop (a bare MoE layer): one microbatch
+        return 2 if overlapped else 1
+
+
+def overlapped_schedule(config) -> bool:
+    """Whether megatron runs the layer in its overlapped 1F1B schedule
+    (``--overlap-moe-expert-parallel-comm``, ``pipeline_parallel/combined_1f1b.py``): each layer cut
+    into nodes (attention and pre-dispatch, dispatch, experts, combine) and one microbatch's forward
+    interleaved with another's backward, on a computation and a communication stream."""
+    return bool(getattr(config, "overlap_moe_expert_parallel_comm", False))

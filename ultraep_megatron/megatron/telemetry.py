@@ -24,16 +24,14 @@ from __future__ import annotations
 
 import json
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 
+from ultraep_megatron.megatron.context import BalancingContext
 from ultraep_megatron.megatron.layer_ids import moe_layer_id
 from ultraep_megatron.megatron.observers import BalancerStats
 from ultraep_megatron.planner import load_imbalance
-
-if TYPE_CHECKING:
-    from ultraep_megatron.megatron.context import BalancingContext
 
 #: Metric-name prefix in tensorboard / wandb.
 METRIC_PREFIX = "moe/load_imbalance"

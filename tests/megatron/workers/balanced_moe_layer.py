@@ -296,28 +296,28 @@ def run(layer, weights, rank, microbatches: int, permute_tokens: bool = False, h
             return built
 
         balancing.buffer.schedule = recording_schedule
-        hosted_grads = balancing._hosted_grads
+        start_reduction = balancing.start_reduction
 
-        def recording_hosted_grads(layer_, invocation, weight_grads=None):
+        def recording_start_reduction(invocation, targets, hosted_grads, **kwargs):
             mine = invocation.schedule.rank_transfers(invocation.ep_rank)
             idle_hosted.extend(s for s in mine.hosted_slots if invocation.replica_rows[s] == 0)
-            return hosted_grads(layer_, invocation, weight_grads)
+            return start_reduction(invocation, targets, hosted_grads, **kwargs)
 
-        balancing._hosted_grads = recording_hosted_grads
+        balancing.start_reduction = recording_start_reduction
         for local in range(layer.num_local_experts):
             for weight in expert_weights(layer, local):
                 accumulator = weight.expand_as(weight).grad_fn.next_functions[0][0]
                 accumulator.register_hook(functools.partial(
                     lambda local, *_: accumulation_events.append(("accumulated", local)), local))
                 accumulators.append(accumulator)
-        finish_reduction = balancing.finish_reduction
+        finish_reduction = layer.finish_reduction
 
-        def recording_finish_reduction(layer_, invocation):
-            grads = finish_reduction(layer_, invocation)
-            accumulation_events.append(("folded", invocation.replicated_local_experts))
+        def recording_finish_reduction(state):
+            grads = finish_reduction(state)
+            accumulation_events.append(("folded", state.invocation.replicated_local_experts))
             return grads
 
-        balancing.finish_reduction = recording_finish_reduction
+        layer.finish_reduction = recording_finish_reduction
     xs, outs, ups, orders = [], [], [], []
     for mb in range(microbatches):
         x, up = rank_inputs(rank, mb)

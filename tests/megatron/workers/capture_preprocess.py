@@ -110,14 +110,16 @@ def dispatcher_stand_in(cfg, topk_ids):
     """The balanced all-to-all dispatcher's state its permutation reads (no process group):
     ``_permutation`` and ``_pairs`` bound to it, as ``tools/bench_critical_path.py`` builds it."""
     from ultraep_megatron.megatron import dispatchers
-    from ultraep_megatron.megatron.context import Overheads
+    from ultraep_megatron.megatron.invocation import InvocationState
 
     E, S, R = cfg.num_experts, cfg.num_slots, cfg.ep_size
     d = object.__new__(dispatchers.BalancedAlltoAllDispatcher)
     d.num_logical_experts, d.ep_size, d.slots_per_rank = E, R, E // R + S
-    d.num_out_tokens, d.topk_ids, d.invocation, d._table = topk_ids.numel(), topk_ids, None, None
+    d.num_out_tokens = topk_ids.numel()
+    d.state = InvocationState(layer_number=1, runs_per_forward=1, training=False, grad_enabled=False,
+                              topk_ids=topk_ids)
     d._sort_key_dtype = torch.int16 if E <= torch.iinfo(torch.int16).max else torch.int32
-    d._layer = types.SimpleNamespace(balancing=types.SimpleNamespace(overheads=Overheads(), check_plans=False))
+    d.balancing = types.SimpleNamespace(add_reroute_seconds=lambda seconds: None, check_plans=False)
     return d
 
 

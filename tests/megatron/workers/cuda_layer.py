@@ -114,11 +114,11 @@ def _watched(what: str, synchronize):
 def install_watch() -> None:
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-    from ultraep_megatron.megatron import dispatchers
+    from ultraep_megatron.megatron import physical_routing
 
     MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _designated(
         "megatron", MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize)
-    dispatchers._wait_for_host_copy = _designated("ultraep", dispatchers._wait_for_host_copy)
+    physical_routing._wait_for_host_copy = _designated("ultraep", physical_routing._wait_for_host_copy)
     if _ON_CUDA:
         torch.cuda.Event.synchronize = _watched("event synchronize", torch.cuda.Event.synchronize)
         torch.cuda.synchronize = _watched("device synchronize", torch.cuda.synchronize)
@@ -280,13 +280,13 @@ def main():
             def build(balancer=balancer):
                 layer = make_layer(world, balancer, sc, device)
                 if sc.get("fault") == "tolist":
-                    plan = layer.token_dispatcher.plan
+                    plan = layer.token_dispatcher.begin_invocation
 
-                    def plan_reading_the_routing(routing_map, *args, _plan=plan, **kwargs):
+                    def plan_reading_the_routing(state, routing_map, *args, _plan=plan, **kwargs):
                         routing_map.tolist()
-                        return _plan(routing_map, *args, **kwargs)
+                        return _plan(state, routing_map, *args, **kwargs)
 
-                    layer.token_dispatcher.plan = plan_reading_the_routing
+                    layer.token_dispatcher.begin_invocation = plan_reading_the_routing
                 return layer
 
             results[f"{name}/{key}"] = measure(build, weights, rank, sc, device, permute)

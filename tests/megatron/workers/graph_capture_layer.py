@@ -195,10 +195,10 @@ def run_scenario(name: str, sc: dict, world: int, rank: int, state: dict, standi
     if sc.get("fault") == "stale_plan":  # every step completes the first plan's host half
         complete, first = balancing.complete_device_plan, []
 
-        def stale_complete(layer_, host_half, **kwargs):
+        def stale_complete(state, host_half, **kwargs):
             if not first:
                 first.append(host_half.clone())
-            return complete(layer_, first[0], **kwargs)
+            return complete(state, first[0], **kwargs)
 
         balancing.complete_device_plan = stale_complete
 
@@ -212,13 +212,13 @@ def run_scenario(name: str, sc: dict, world: int, rank: int, state: dict, standi
 
     moe.router.forward = counting_router
     if balancing is not None:
-        plan = moe.token_dispatcher.plan
+        plan = moe.token_dispatcher.begin_invocation
 
         def counting_plan(*args, **kwargs):
             calls["plan"] += 1
             return plan(*args, **kwargs)
 
-        moe.token_dispatcher.plan = counting_plan
+        moe.token_dispatcher.begin_invocation = counting_plan
     helper = cuda_graphs.TECudaGraphHelper(model=[GraphChunk(layer)], config=layer.config, seq_length=SEQ,
                                            micro_batch_size=1 if feed["split"] else BATCH)
     try:

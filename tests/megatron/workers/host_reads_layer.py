@@ -137,26 +137,26 @@ def main():
             if which == "balanced" and sc.get("check_plans"):
                 layer.balancing.check_plans = True
             if which == "balanced" and sc.get("fault") == "tolist":
-                plan = layer.token_dispatcher.plan
+                plan = layer.token_dispatcher.begin_invocation
 
-                def plan_reading_the_routing(routing_map, *args, _plan=plan, **kwargs):
+                def plan_reading_the_routing(state, routing_map, *args, _plan=plan, **kwargs):
                     routing_map.tolist()
-                    return _plan(routing_map, *args, **kwargs)
+                    return _plan(state, routing_map, *args, **kwargs)
 
-                layer.token_dispatcher.plan = plan_reading_the_routing
+                layer.token_dispatcher.begin_invocation = plan_reading_the_routing
             if which == "balanced" and sc.get("fault") == "megatron-flex-dispatch":
                 # megatron's own fused dispatch, without the plan's counts handed to HybridEP
                 dispatcher = layer.token_dispatcher
                 dispatcher.token_dispatch = lambda *a, _d=dispatcher, **k: MoEFlexTokenDispatcher.token_dispatch(
                     _d, *a, **k)
             if which == "balanced" and sc.get("fault") == "item":
-                start = layer.balancing.start_reduction
+                start = layer.start_reduction
 
-                def start_reading_a_weight(layer_, invocation, *args, _start=start):
-                    layer_.main_expert_param_lists()[0][0].sum().item()
-                    return _start(layer_, invocation, *args)
+                def start_reading_a_weight(state, *args, _start=start, _layer=layer):
+                    _layer.main_expert_param_lists()[0][0].sum().item()
+                    return _start(state, *args)
 
-                layer.balancing.start_reduction = start_reading_a_weight
+                layer.start_reduction = start_reading_a_weight
             if which == "balanced" and sc.get("fault") == "item-in-device-plan":
                 plan_on_device = layer.balancing.plan_on_device
 

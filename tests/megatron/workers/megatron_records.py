@@ -143,9 +143,9 @@ class GradReadyOrder:
                         "ranks": dist.get_process_group_ranks(group.intra_distributed_optimizer_instance_group),
                         "buckets": [[self.names[id(p)] for p in bucket.params_list] for bucket in group.buckets]})
 
-    def on_plan(self, layer, invocation) -> None:
+    def on_plan(self, invocation) -> None:
         experts = sorted(int(e) for e in invocation.plan.slot_expert.reshape(-1).tolist() if e >= 0)
-        self.plans.setdefault(self.iteration, []).append((layer.layer_number, experts))
+        self.plans.setdefault(self.iteration, []).append((invocation.layer_number, experts))
 
     def result(self) -> dict:
         return {"events": self.events, "buckets": self.buckets, "plans": self.plans}

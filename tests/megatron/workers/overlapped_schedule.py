@@ -36,7 +36,7 @@ summed in other GEMMs: the noise floor), every run from the same weights (drawn 
 layout-independent name). The
 dump per rank: its shard of every parameter's reduced gradient per step (global names), the losses, the replicas each plan made,
 the ring's live slots after the step, the order megatron's DDP saw the gradients ready
-(``pretrain_grad_dump.GradReadyOrder``), and the nodes that called the balanced layer.
+(``megatron_records.GradReadyOrder``), and the nodes that called the balanced layer.
 
 Run:  torchrun --nproc-per-node 4 overlapped_schedule.py --out-dir DIR [--only SCENARIO ...]
 """
@@ -106,7 +106,7 @@ def build_model(sc, balancer):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     import torch_grouped_linear
-    from pretrain_grad_dump import set_expert_bias
+    from megatron_records import set_expert_bias
     from ultraep_megatron.megatron.context import BalancingContext
     from ultraep_megatron.megatron.layer_spec import apply_moe_balancer
     from ultraep_megatron.planner import BalancerConfig
@@ -194,7 +194,7 @@ class NodeCalls:
             from megatron.core.models.gpt.fine_grained_callables import TransformerLayerNode
 
         from ultraep_megatron.megatron.balanced_moe import BalancedMoELayer
-        from ultraep_megatron.megatron import dispatchers
+        from ultraep_megatron.megatron import physical_routing
 
         node_stack = []
         forward_impl = TransformerLayerNode.forward_impl
@@ -206,7 +206,7 @@ class NodeCalls:
             finally:
                 node_stack.pop()
 
-        wait = dispatchers._wait_for_host_copy
+        wait = physical_routing._wait_for_host_copy
         calls = self.calls
 
         def recording_wait(copied):
@@ -233,13 +233,13 @@ class NodeCalls:
 
         ReplicaExperts.delayed_weight_grads = counting_delayed
         TransformerLayerNode.forward_impl = recording_forward_impl
-        dispatchers._wait_for_host_copy = recording_wait
+        physical_routing._wait_for_host_copy = recording_wait
         try:
             yield self
         finally:
             ReplicaExperts.delayed_weight_grads = delayed
             TransformerLayerNode.forward_impl = forward_impl
-            dispatchers._wait_for_host_copy = wait
+            physical_routing._wait_for_host_copy = wait
             for method, original in wrapped.items():
                 setattr(BalancedMoELayer, method, original)
 
@@ -281,7 +281,7 @@ def _dw_hooks_in_plan_order():
     backward_dw = balanced_moe.BalancedMoELayer.backward_dw
 
     def recording_backward_dw(self, *args, **kwargs):
-        self._dw_invocation = self._awaiting_dw[0] if self._awaiting_dw else None
+        self._dw_invocation = self._awaiting_dw[0].invocation if self._awaiting_dw else None
         _CURRENT_DW_LAYER.append(self)
         try:
             return backward_dw(self, *args, **kwargs)
@@ -328,7 +328,7 @@ def train(ddp, balancing, rank: int, order_recorder) -> dict:
     starts from the same weights); per step the reduced gradients and the losses."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from pretrain_grad_dump import global_parameter_names, reduced_gradients
+    from megatron_records import global_parameter_names, reduced_gradients
 
     config = ddp.config
     config.no_sync_func = ddp.no_sync
@@ -338,10 +338,10 @@ def train(ddp, balancing, rank: int, order_recorder) -> dict:
     if balancing is not None:
         plan = balancing._invocation
 
-        def recording(layer, *args, **kwargs):
-            invocation = plan(layer, *args, **kwargs)
-            if kwargs.get("training"):
-                plans.append((layer.layer_number,
+        def recording(state, *args, **kwargs):
+            invocation = plan(state, *args, **kwargs)
+            if state.training:
+                plans.append((state.layer_number,
                               sorted(int(e) for e in invocation.plan.slot_expert.reshape(-1).tolist() if e >= 0),
                               [int(n) for n in invocation.replica_rows]))
             return invocation
@@ -383,7 +383,7 @@ def main():
     deepep_gloo.install()  # HybridEP's kernels are CUDA-only: megatron's flex path over gloo
     from megatron.core import parallel_state
 
-    from pretrain_grad_dump import GradReadyOrder
+    from megatron_records import GradReadyOrder
 
     rank = torch.distributed.get_rank()
     order = GradReadyOrder()

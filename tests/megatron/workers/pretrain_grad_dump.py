@@ -89,7 +89,7 @@ def _skip_rematerialization():
     """The backward's re-materialization copies nothing (the buffer is still marked as holding
     the invocation's replicas), so replica backwards use what a later layer left there."""
     from ultraep_megatron.dataplane import ReplicaBuffer
-    from ultraep_megatron.megatron.dispatchers import _in_backward_pass
+    from ultraep_megatron.megatron.physical_routing import _in_backward_pass
 
     def replacement(original):
         def distribute_weights(self, schedule, main_weights, **kwargs):
@@ -104,15 +104,18 @@ def _skip_rematerialization():
 def _replica_gets_other_layer_weights():
     """Replicas are filled (forward and backward) with the experts of the next MoE layer of this
     rank's model, cyclically (a rank with one MoE layer is unaffected)."""
-    from ultraep_megatron.megatron.context import BalancingContext
+    import gc
+
+    from ultraep_megatron.megatron.balanced_moe import BalancedMoELayer
 
     def replacement(original):
-        def start_weights(self, layer, invocation):
-            other = self.layers[(self.layers.index(layer) + 1) % len(self.layers)]
-            return original(self, other, invocation)
-        return start_weights
+        def main_expert_weights(self):
+            layers = sorted((o for o in gc.get_objects() if isinstance(o, BalancedMoELayer)
+                             and o.balancing is self.balancing), key=lambda layer: layer.layer_number)
+            return original(layers[(layers.index(self) + 1) % len(layers)])
+        return main_expert_weights
 
-    return _patched(BalancingContext, "start_weights", replacement)
+    return _patched(BalancedMoELayer, "main_expert_weights", replacement)
 
 
 def _rematerialized_from_another_microbatch():
@@ -122,12 +125,12 @@ def _rematerialized_from_another_microbatch():
     from ultraep_megatron.megatron.context import BalancingContext
 
     def replacement(original):
-        def start_rematerialization(self, layer, invocation):
+        def start_rematerialization(self, invocation, main_weights):
             other = self.holder
             if other is None or other is invocation or other.schedule_builder is None \
                     or invocation.schedule_builder is None:
-                return original(self, layer, invocation)
-            self.start_weights(layer, other)
+                return original(self, invocation, main_weights)
+            self.start_weights(other, main_weights)
             self.holder = invocation
         return start_rematerialization
 
@@ -163,10 +166,10 @@ def _grads_ready_in_plan_order():
     from ultraep_megatron.megatron import replica_autograd
 
     def replacement(original):
-        def apply(layer, invocation, received, *params):
+        def apply(layer, state, received, *params):
             main = layer.main_expert_param_lists()
-            replicated = {id(p) for g in invocation.replicated_local_experts for p in main[g]}
-            return original(layer, invocation, received, *(p for p in params if id(p) in replicated))
+            replicated = {id(p) for g in state.invocation.replicated_local_experts for p in main[g]}
+            return original(layer, state, received, *(p for p in params if id(p) in replicated))
         return apply
 
     return _patched(replica_autograd.ReduceReplicaGrads, "apply", replacement)
@@ -432,19 +435,19 @@ def main():
 
     eval_plans = []
     contexts = []  # the model's balancing context (one per process here)
-    original_plan = BalancingContext.plan
+    original_plan = BalancingContext.plan_on_host
 
-    def plan(self, layer, load, ep_rank, *, training, grad_enabled):
+    def plan(self, state, balancer, load, ep_rank):
         if self not in contexts:
             contexts.append(self)
-        invocation = original_plan(self, layer, load, ep_rank, training=training, grad_enabled=grad_enabled)
-        if not training:
+        invocation = original_plan(self, state, balancer, load, ep_rank)
+        if not state.training:
             eval_plans.append(planner.metrics(load, invocation.plan)["imbalance_after"])
         elif grad_order is not None:
-            grad_order.on_plan(layer, invocation)
+            grad_order.on_plan(invocation)
         return invocation
 
-    BalancingContext.plan = plan
+    BalancingContext.plan_on_host = plan
 
     original_evaluate = megatron_training.evaluate
 
