@@ -1,5 +1,5 @@
 """Iteration boundaries belong to the model: each model's ``finalize_model_grads_func`` ends its own
-context's iteration (``layer_spec.end_iterations_with_model_grads``), so two models in one process
+context's iteration (``layer_spec.end_model_iterations``), so two models in one process
 each get theirs. The end-to-end check (trace iterations match megatron's log) is
 ``test_balanced_training.py::test_trace_records_every_microbatch_once_mtp_included``."""
 
@@ -13,7 +13,7 @@ pytest.importorskip("megatron.core")
 from megatron.training import global_vars  # noqa: E402
 
 from ultraep_megatron.megatron.context import BalancingContext  # noqa: E402
-from ultraep_megatron.megatron.layer_spec import end_iterations_with_model_grads  # noqa: E402
+from ultraep_megatron.megatron.layer_spec import end_model_iterations  # noqa: E402
 from ultraep_megatron.planner import BalancerConfig  # noqa: E402
 
 
@@ -59,8 +59,8 @@ def test_two_models_in_one_process_each_end_their_own_iterations(tmp_path, megat
     finalize = lambda model, num_tokens: calls.append(model[0])  # noqa: E731 (a builder's hook)
     a, b = context(tmp_path, "a"), context(tmp_path, "b")
     model_a, model_b = Chunk(finalize), Chunk(finalize)
-    end_iterations_with_model_grads([model_a], a)
-    end_iterations_with_model_grads([model_b], b)
+    end_model_iterations([model_a], a)
+    end_model_iterations([model_b], b)
     assert ended_iterations([a, b]) == [None, None]
     run_iteration(model_a, 4, megatron_args, calls)
     assert ended_iterations([a, b]) == [6, None]  # iteration 5 (megatron's log number) ended in a only
@@ -69,12 +69,12 @@ def test_two_models_in_one_process_each_end_their_own_iterations(tmp_path, megat
     # megatron-core 0.18 replaces the function when training starts: the first forward wraps again.
     model_a.config.finalize_model_grads_func = finalize
     model_c = Chunk(finalize)
-    end_iterations_with_model_grads([model_c], a)
+    end_model_iterations([model_c], a)
     model_c.config.finalize_model_grads_func = finalize
     run_iteration(model_c, 12, megatron_args, calls)
     assert ended_iterations([a, b]) == [14, 11]
     # Wrapping is idempotent: a second hook for the same context does not end an iteration twice.
-    end_iterations_with_model_grads([model_c], a)
+    end_model_iterations([model_c], a)
     ends = []
     a.end_iteration = ends.append
     run_iteration(model_c, 13, megatron_args, calls)
@@ -88,7 +88,7 @@ def test_negative_control_one_hook_for_the_process_ends_the_other_models_iterati
     finalize = lambda model, num_tokens: calls.append(model[0])  # noqa: E731
     a, b = context(tmp_path, "a"), context(tmp_path, "b")
     model_a, model_b = Chunk(finalize), Chunk(finalize)
-    end_iterations_with_model_grads([model_a], a)
-    end_iterations_with_model_grads([model_b], a)  # the second model's context is ignored
+    end_model_iterations([model_a], a)
+    end_model_iterations([model_b], a)  # the second model's context is ignored
     run_iteration(model_b, 9, megatron_args, calls)
     assert ended_iterations([a, b]) != [None, 11]

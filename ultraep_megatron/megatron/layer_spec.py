@@ -162,10 +162,14 @@ def balance_moe_layers(model_cfg: Any, balancing: Optional[BalancingContext]) ->
         return model_chunks
 
     model_cfg.post_wrap_hooks.append(refuse_unbalanced_moe_layers)
-    model_cfg.post_wrap_hooks.append(functools.partial(end_iterations_with_model_grads, balancing=balancing))
+
+    def end_iterations_with_model_grads(model_chunks):
+        return end_model_iterations(model_chunks, balancing)
+
+    model_cfg.post_wrap_hooks.append(end_iterations_with_model_grads)
 
 
-def end_iterations_with_model_grads(model_chunks: Sequence[Any], balancing: BalancingContext) -> Sequence[Any]:
+def end_model_iterations(model_chunks: Sequence[Any], balancing: BalancingContext) -> Sequence[Any]:
     """A post-wrap hook: ``balancing`` ends its iterations where the model's gradients are final.
 
     Megatron's schedules call the model config's ``finalize_model_grads_func`` once per training
