@@ -36,7 +36,7 @@ summed in other GEMMs: the noise floor), every run from the same weights (drawn 
 layout-independent name). The
 dump per rank: its shard of every parameter's reduced gradient per step (global names), the losses, the replicas each plan made,
 the ring's live slots after the step, the order megatron's DDP saw the gradients ready
-(``pretrain_grad_dump.GradReadyOrder``), and the nodes that called the balanced layer.
+(``megatron_records.GradReadyOrder``), and the nodes that called the balanced layer.
 
 Run:  torchrun --nproc-per-node 4 overlapped_schedule.py --out-dir DIR [--only SCENARIO ...]
 """
@@ -106,7 +106,7 @@ def build_model(sc, balancer):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     import torch_grouped_linear
-    from pretrain_grad_dump import set_expert_bias
+    from megatron_records import set_expert_bias
     from ultraep_megatron.megatron.context import BalancingContext
     from ultraep_megatron.megatron.layer_spec import apply_moe_balancer
     from ultraep_megatron.planner import BalancerConfig
@@ -328,7 +328,7 @@ def train(ddp, balancing, rank: int, order_recorder) -> dict:
     starts from the same weights); per step the reduced gradients and the losses."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from pretrain_grad_dump import global_parameter_names, reduced_gradients
+    from megatron_records import global_parameter_names, reduced_gradients
 
     config = ddp.config
     config.no_sync_func = ddp.no_sync
@@ -383,7 +383,7 @@ def main():
     deepep_gloo.install()  # HybridEP's kernels are CUDA-only: megatron's flex path over gloo
     from megatron.core import parallel_state
 
-    from pretrain_grad_dump import GradReadyOrder
+    from megatron_records import GradReadyOrder
 
     rank = torch.distributed.get_rank()
     order = GradReadyOrder()
