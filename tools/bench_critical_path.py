@@ -408,7 +408,7 @@ def main():
     elif graphed is not None:
         print(f"  ultraep device planner in a CUDA graph: {graphed}")
     print(f"  added by balancing: host planner {median_us['ultraep host'] - median_us['megatron']:8.1f} us, "
-          f"of which the host plan (trigger + solve + dispatch metadata) {stretch_us['host']:.1f} us; "
+          f"of which the host plan (trigger + solve + rank reroute) {stretch_us['host']:.1f} us; "
           f"device planner {median_us['ultraep device'] - median_us['megatron']:8.1f} us, of which the host "
           f"metadata after the wait {stretch_us['device']:.1f} us; {replicas} replicas in the last plan")
     if cfg.overlapped:
