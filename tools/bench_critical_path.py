@@ -138,6 +138,21 @@ def timed(fn, cfg, sync) -> float:
     return statistics.median(times) * 1e6
 
 
+def interleaved_times(paths, cfg, sync) -> dict:
+    """Seconds of each of ``paths`` (name -> callable), the paths taking turns in every iteration
+    (so drift hits all alike), ``cfg.warmup`` rounds dropped: name -> ``cfg.iters`` times."""
+    times = {name: [] for name in paths}
+    for i in range(cfg.warmup + cfg.iters):
+        for name, path in paths.items():
+            sync()
+            t0 = time.perf_counter()
+            path()
+            sync()
+            if i >= cfg.warmup:
+                times[name].append(time.perf_counter() - t0)
+    return times
+
+
 def sweep_experts(cfg, device, sync):
     """The permutation alone against E at fixed T and top-k: the balanced dispatcher's over the
     routed pairs (from a host plan of a Zipf load) and megatron's argsort of the [T, E] map."""
@@ -278,15 +293,7 @@ def overlapped(cfg, device, sync, paths_inputs):
 
     paths = {"experts backward alone": backward_alone, "megatron": megatron_path,
              "ultraep host": host_planner_path, "ultraep device": device_planner_path}
-    times = {name: [] for name in paths}
-    for i in range(cfg.warmup + cfg.iters):
-        for name, path in paths.items():
-            sync()
-            t0 = time.perf_counter()
-            path()
-            sync()
-            if i >= cfg.warmup:
-                times[name].append(time.perf_counter() - t0)
+    times = interleaved_times(paths, cfg, sync)
     us = {name: statistics.median(v) * 1e6 for name, v in times.items()}
     print(f"Overlapped 1F1B schedule (--overlap-moe-expert-parallel-comm): a layer's pre-dispatch node, the other "
           f"microbatch's experts backward ({T * k} rows, hidden {cfg.hidden_size}, expert FFN {cfg.moe_ffn_hidden_size}, "
@@ -390,15 +397,7 @@ def main():
             return permute_then_cross(planned_in_graph, "graphed")
 
         paths["ultraep device graphed"] = graphed_device_planner_path
-    times = {name: [] for name in paths}
-    for i in range(cfg.warmup + cfg.iters):
-        for name, path in paths.items():
-            sync()
-            t0 = time.perf_counter()
-            path()
-            sync()
-            if i >= cfg.warmup:
-                times[name].append(time.perf_counter() - t0)
+    times = interleaved_times(paths, cfg, sync)
     plan = dispatcher.invocation.plan
     replicas = int((plan.slot_expert >= 0).sum())
     median_us = {key: statistics.median(v) * 1e6 for key, v in times.items()}
@@ -418,7 +417,7 @@ def main():
     elif graphed is not None:
         print(f"  ultraep device planner in a CUDA graph: {graphed}")
     print(f"  added by balancing: host planner {median_us['ultraep host'] - median_us['megatron']:8.1f} us, "
-          f"of which the host plan (trigger + solve + dispatch metadata) {stretch_us['host']:.1f} us; "
+          f"of which the host plan (trigger + solve + rank reroute) {stretch_us['host']:.1f} us; "
           f"device planner {median_us['ultraep device'] - median_us['megatron']:8.1f} us, of which the host "
           f"metadata after the wait {stretch_us['device']:.1f} us; {replicas} replicas in the last plan")
     if cfg.overlapped:

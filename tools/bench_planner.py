@@ -25,7 +25,7 @@ fails on small remainders and averages 1.25). Columns (means over seeds):
 Timing runs one thread (torch/numba single-threaded, OMP_NUM_THREADS=1). On a shared machine wall
 times are noisy: the summary also gives CPU time (thread_time) for the R=64, E=256, S=2 case, with
 one NVLink domain and with domains of 8 ranks, and the host stretch of one invocation in that case:
-the trigger, the solve and the rank's dispatch metadata (``rank_dispatch``), the host work between
+the trigger, the solve and the rank's reroute (``rank_reroute``), the host work between
 the load reaching the host and the reroute tables being ready, while a GPU waits.
 
 ``--only self-check`` times what a balanced model's first MoE layer runs when it registers with
@@ -70,7 +70,7 @@ from ultraep_megatron.planner import (  # noqa: E402
     device_solve,
     domain_lower_bound,
     metrics,
-    rank_dispatch,
+    rank_reroute,
     solve,
 )
 from ultraep_megatron.planner.baselines import (  # noqa: E402
@@ -240,27 +240,27 @@ def cpu_time_summary(repeats: int, domain_size: int | None = None) -> str:
 
 def host_stretch_summary(repeats: int) -> str:
     """Median CPU time of the host work between a layer's load reaching the host and its reroute
-    tables being ready (what a GPU waits for): the trigger, solve and one rank's dispatch metadata
+    tables being ready (what a GPU waits for): the trigger, solve and one rank's reroute
     (splits, per-slot rows, reroute table), R=64, E=256, S=2, over the loads of cpu_time_summary."""
     balancer = BalancerConfig(name=registry.ULTRAEP, num_slots=2).build()
-    parts: dict[str, list[int]] = {"trigger": [], "solve": [], "rank dispatch": [], "total": []}
+    parts: dict[str, list[int]] = {"trigger": [], "solve": [], "rank reroute": [], "total": []}
     for imbalance in IMBALANCES:
         for seed in range(3):
             load = zipf_load(64, 256, imbalance, seed=100 + seed)
-            rank_dispatch(solve(load, 2), load, 0)
+            rank_reroute(solve(load, 2), load, 0)
             for _ in range(repeats):
                 c0 = time.thread_time_ns()
                 balanced = balancer.balances(load)
                 c1 = time.thread_time_ns()
                 plan = balancer.plan(load, balances=balanced)
                 c2 = time.thread_time_ns()
-                rank_dispatch(plan, load, 0)
+                rank_reroute(plan, load, 0)
                 c3 = time.thread_time_ns()
                 for name, ns in zip(parts, (c1 - c0, c2 - c1, c3 - c2, c3 - c0)):
                     parts[name].append(ns)
     median_us = {name: statistics.median(ns) / 1e3 for name, ns in parts.items()}
     return ("host stretch per invocation (load on the host -> reroute tables), R=64 E=256 S=2, median CPU: "
-            + " + ".join(f"{name} {median_us[name]:.1f} us" for name in ("trigger", "solve", "rank dispatch"))
+            + " + ".join(f"{name} {median_us[name]:.1f} us" for name in ("trigger", "solve", "rank reroute"))
             + f"; total {median_us['total']:.1f} us")
 
 

@@ -4,7 +4,7 @@ fails plans on the host, with one warning line.
 
 On the CPU the device planner runs its lockstep torch calls (fixed step counts, as a device
 without Triton would), and the self-check compares them with the greedy's specification, the host
-trigger and the host's ``rank_dispatch``: the same comparison a GPU makes against its Triton kernel. The
+trigger and the host's ``rank_reroute``: the same comparison a GPU makes against its Triton kernel. The
 faults are ``workers/pretrain_grad_dump.py``'s (every way the tests break the balancer, in one
 place): a kernel returning a wrong plan, and one raising. The multi-rank hand-over (a failure on one
 rank of the EP group) runs in ``test_balanced_moe_layer.py``'s ``device_planner_fallback``.

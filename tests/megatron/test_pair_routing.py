@@ -5,8 +5,10 @@
 reference is the implementation they replaced, kept here: dense over the ``[T, E]`` routing map (a
 running count per expert over the tokens, a search per map entry). Both must give bit-identical
 dispatched tokens, probabilities and physical maps, over random routings and plans of several
-R / E / S / k. ``device_planning``'s torch form of the reroute table must equal
-``planner.rank_dispatch``'s, and its trigger and plan the host balancer's.
+R / E / S / k. The device plan's host half (``device_planning``) must unpack to the host balancer's
+plan. The reroute table and the pairs' instances themselves are tested in
+``tests/planner/test_reroute.py``, the device planner's trigger and plan in
+``tests/planner/test_device_balancer.py``.
 """
 
 import types
@@ -14,33 +16,11 @@ import types
 import pytest
 import torch
 
-from planner_helpers import assign_tokens
-from ultraep_megatron import planner
+from planner_helpers import assign_tokens, planned_routings, random_routing, routing_cases
 from ultraep_megatron.megatron import device_planning
-from ultraep_megatron.planner import device_dispatch
 from ultraep_megatron.megatron.dispatchers import BalancedAlltoAllDispatcher
 from ultraep_megatron.megatron.invocation import InvocationState, plan_invocation
-from ultraep_megatron.megatron.physical_routing import instances_of_positions
 from ultraep_megatron.planner import BalancerConfig
-from ultraep_megatron.planner.baselines import fixed_layout
-
-# (R, E, S, k, T)
-SHAPES = [(2, 4, 1, 1, 7), (2, 8, 1, 2, 16), (4, 16, 2, 3, 33), (8, 64, 2, 8, 64), (4, 32, 0, 4, 20),
-          (8, 256, 3, 8, 48)]
-SEEDS = range(3)
-
-
-def random_routing(T, E, k, hot, generator):
-    """[T, k] distinct experts per token, skewed towards ``hot`` experts; (topk_ids, routing_map
-    [T, E] bool, probs [T, E] zero off the routing)."""
-    weights = torch.ones(E)
-    weights[hot] = 20.0
-    ids = torch.stack([torch.multinomial(weights, k, replacement=False, generator=generator) for _ in range(T)])
-    routing_map = torch.zeros(T, E, dtype=torch.bool).scatter_(1, ids, True)
-    values = torch.rand(T, k, generator=generator)
-    probs = torch.zeros(T, E).scatter_(1, ids, values / values.sum(1, keepdim=True))
-    return ids, routing_map, probs
-
 
 def stand_in(R, E, S, invocation, topk_ids):
     """The balanced all-to-all dispatcher's state that the reroute and permutation read."""
@@ -75,29 +55,9 @@ def dense_reference(d, routing_map, probs):
     return physical_map, physical_probs, sorted_tokens, permuted_probs
 
 
-def cases():
-    """(R, E, S, k, T, seed, plan kind) over SHAPES and SEEDS."""
-    for R, E, S, k, T in SHAPES:
-        for seed in SEEDS:
-            yield pytest.param(R, E, S, k, T, seed, id=f"R{R}-E{E}-S{S}-k{k}-T{T}-seed{seed}")
-
-
-def planned(R, E, S, k, T, seed):
-    """Every rank's routing, the load, and the plans to test: ultraep's (min quota 1, so skewed
-    loads replicate), the identity and eplb-exact's."""
-    generator = torch.Generator().manual_seed(seed)
-    hot = [0, E // R] if E > 2 else [0]
-    routings = [random_routing(T, E, k, hot, generator) for _ in range(R)]
-    load = torch.stack([m.sum(0) for _, m, _ in routings])
-    plans = [planner.solve(load, S, min_quota=1), fixed_layout.identity_plan(load, S)]
-    if S > 0:
-        plans.append(fixed_layout.eplb_exact(load, S))
-    return routings, load, plans
-
-
-@pytest.mark.parametrize("R,E,S,k,T,seed", list(cases()))
+@pytest.mark.parametrize("R,E,S,k,T,seed", list(routing_cases()))
 def test_pairs_match_the_dense_implementation_bit_for_bit(R, E, S, k, T, seed):
-    routings, load, plans = planned(R, E, S, k, T, seed)
+    routings, load, plans = planned_routings(R, E, S, k, T, seed)
     replicated = 0
     for plan in plans:
         replicated += int((plan.slot_expert >= 0).sum())
@@ -129,7 +89,7 @@ def test_pairs_match_the_dense_implementation_bit_for_bit(R, E, S, k, T, seed):
 def test_negative_control_token_descending_order_differs():
     """Pairs of an expert taken in token-descending order (an unstable order) must fail the
     comparison: it depends on the order the plan hands quotas out in."""
-    routings, load, plans = planned(4, 16, 2, 3, 33, 0)
+    routings, load, plans = planned_routings(4, 16, 2, 3, 33, 0)
     ids, routing_map, probs = routings[0]
     invocation = plan_invocation(plans[0], load, 0, layer_number=1, vid=None, schedule_builder=None,
                                  balanced=True, plan_seconds=0.0)
@@ -147,49 +107,26 @@ def test_negative_control_token_descending_order_differs():
     assert not torch.equal(sorted_tokens, dense_reference(d, routing_map, probs)[2])
 
 
-@pytest.mark.parametrize("R,E,S,k,T,seed", list(cases()))
-def test_both_instance_searches_agree(R, E, S, k, T, seed):
-    """The CPU's repeat (the tests above) and CUDA's binary search give the same instances."""
-    routings, load, plans = planned(R, E, S, k, T, seed)
-    for plan in plans:
-        for rank in range(R):
-            running = torch.from_numpy(planner.rank_dispatch(plan, load, rank).reroute_table[0])
-            positions = torch.arange(T * k)
-            assert torch.equal(instances_of_positions(running, positions, binary_search=True),
-                               instances_of_positions(running, positions, binary_search=False))
-
-
-@pytest.mark.parametrize("R,E,S,k,T,seed", list(cases()))
-def test_device_reroute_table_equals_rank_dispatch(R, E, S, k, T, seed):
-    _, load, plans = planned(R, E, S, k, T, seed)
-    for plan in plans:
-        for rank in range(R):
-            host = planner.rank_dispatch(plan, load, rank)
-            assert torch.equal(device_dispatch.reroute_table(plan, load, rank), torch.from_numpy(host.reroute_table))
-
-
-@pytest.mark.parametrize("trigger,min_quota", [(None, None), (None, 1), (None, 10 ** 6), (1.0, None), (1.5, 1), (50.0, None)])
-def test_device_plan_equals_the_host_balancer(trigger, min_quota):
-    config = BalancerConfig("ultraep", num_slots=2, min_quota=min_quota, trigger=trigger)
+def test_device_plan_crosses_to_the_host_intact():
+    """``device_planning.plan_on_device``'s host half unpacks to the load, the host balancer's plan
+    and its trigger's answer, on both sides of the trigger (the plan itself against the host
+    balancer under every trigger setting: ``tests/planner/test_device_balancer.py``)."""
+    config = BalancerConfig("ultraep", num_slots=2)
     seen = set()
     for seed in range(4):
-        _, load, _ = planned(4, 16, 2, 3, 33 * (seed + 1), seed)
+        _, load, _ = planned_routings(4, 16, 2, 3, 33 * (seed + 1), seed)
         for candidate in (load, torch.zeros_like(load), torch.ones_like(load)):
             host = config.build()
             balanced = host.balances(candidate)
             expected = host.plan(candidate, balances=balanced)
-            plan, device_balanced = device_planning.plan(candidate, config)
             seen.add(balanced)
-            assert bool(device_balanced) == balanced
-            for field in ("slot_expert", "quota", "physical_split"):
-                assert torch.equal(getattr(plan, field), getattr(expected, field)), field
-            assert int(plan.threshold) == expected.threshold
             planned_ = device_planning.plan_on_device(candidate, config, 1, training=True, grad_enabled=True)
             load_back, plan_back, balanced_back = device_planning.unpack_host_half(planned_.host_half.clone(), 4, 16, 2)
             assert torch.equal(load_back, candidate) and balanced_back == balanced
-            assert plan_back.threshold == expected.threshold and torch.equal(plan_back.physical_split, expected.physical_split)
-    if (trigger, min_quota) == (None, None):
-        assert seen == {True, False}, "the loads must fall on both sides of the trigger"
+            assert plan_back.threshold == expected.threshold
+            for field in ("slot_expert", "quota", "physical_split"):
+                assert torch.equal(getattr(plan_back, field), getattr(expected, field)), field
+    assert seen == {True, False}, "the loads must fall on both sides of the trigger"
 
 
 def test_top_k_indices_from_the_tap_or_the_routing_map():

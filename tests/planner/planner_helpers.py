@@ -1,12 +1,18 @@
 """Shared helpers of the planner tests: independent checks of a ``Plan`` against the load it was
-solved for, and Hypothesis strategies of random and adversarial int64 [R, E] loads."""
+solved for, Hypothesis strategies of random and adversarial int64 [R, E] loads, the token reroute's
+oracle (:func:`assign_tokens`) and random routings with their plans (the reroute's tests here and
+the dispatchers' in ``tests/megatron/test_pair_routing.py``)."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import HealthCheck
 from hypothesis import strategies as st
+
+from ultraep_megatron.planner import solve
+from ultraep_megatron.planner.baselines import fixed_layout
 
 
 def expected_min_quota(load: np.ndarray, min_quota: int | None) -> int:
@@ -274,3 +280,43 @@ def tokens_received_per_local_slot(plan, rank: int) -> torch.Tensor:
     megatron's ``num_global_tokens_per_local_expert`` (summed over the last dim: ``output_splits``)."""
     P = plan.physical_slots_per_rank
     return plan.physical_split[:, rank * P:(rank + 1) * P]
+
+
+# ---- routed (token, expert) pairs and their plans: the reroute's tests (planner and dispatchers) ----
+
+# (R, E, S, k, T)
+ROUTING_SHAPES = [(2, 4, 1, 1, 7), (2, 8, 1, 2, 16), (4, 16, 2, 3, 33), (8, 64, 2, 8, 64), (4, 32, 0, 4, 20),
+                  (8, 256, 3, 8, 48)]
+ROUTING_SEEDS = range(3)
+
+
+def random_routing(T, E, k, hot, generator):
+    """[T, k] distinct experts per token, skewed towards ``hot`` experts; (topk_ids, routing_map
+    [T, E] bool, probs [T, E] zero off the routing)."""
+    weights = torch.ones(E)
+    weights[hot] = 20.0
+    ids = torch.stack([torch.multinomial(weights, k, replacement=False, generator=generator) for _ in range(T)])
+    routing_map = torch.zeros(T, E, dtype=torch.bool).scatter_(1, ids, True)
+    values = torch.rand(T, k, generator=generator)
+    probs = torch.zeros(T, E).scatter_(1, ids, values / values.sum(1, keepdim=True))
+    return ids, routing_map, probs
+
+
+def routing_cases():
+    """pytest params (R, E, S, k, T, seed) over ROUTING_SHAPES and ROUTING_SEEDS."""
+    for R, E, S, k, T in ROUTING_SHAPES:
+        for seed in ROUTING_SEEDS:
+            yield pytest.param(R, E, S, k, T, seed, id=f"R{R}-E{E}-S{S}-k{k}-T{T}-seed{seed}")
+
+
+def planned_routings(R, E, S, k, T, seed):
+    """Every rank's routing (:func:`random_routing`), the load, and the plans to test: ultraep's (min
+    quota 1, so skewed loads replicate), the identity and eplb-exact's."""
+    generator = torch.Generator().manual_seed(seed)
+    hot = [0, E // R] if E > 2 else [0]
+    routings = [random_routing(T, E, k, hot, generator) for _ in range(R)]
+    load = torch.stack([m.sum(0) for _, m, _ in routings])
+    plans = [solve(load, S, min_quota=1), fixed_layout.identity_plan(load, S)]
+    if S > 0:
+        plans.append(fixed_layout.eplb_exact(load, S))
+    return routings, load, plans

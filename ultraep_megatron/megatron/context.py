@@ -418,10 +418,31 @@ class BalancingContext:
 
     # -- training loop -----------------------------------------------------------------------------
     def end_iteration(self, iteration: int) -> None:
-        """Called once per training iteration (after the optimizer step)."""
+        """Called once per training iteration, when its gradients are final (before the optimizer
+        step): through :meth:`ending_iterations`, or by a caller that drives the layers itself."""
         self.observe()
         if self.trace is not None:
             self.trace.end_iteration(iteration)
+
+    def ending_iterations(self, finalize_model_grads: Callable, current_iteration: Callable[[], int]) -> Callable:
+        """The model's ``finalize_model_grads_func`` followed by the end of this context's iteration.
+
+        Megatron's schedules call a model config's ``finalize_model_grads_func`` once per training
+        iteration, after the last backward, and never in evaluation; ending the iteration there makes
+        the boundary the model's own (two models in one process each end theirs).
+
+        Args:
+            finalize_model_grads: the function megatron (or a model builder) installed.
+            current_iteration: the number of the iteration that ends, as megatron's log gives it.
+        """
+        @functools.wraps(finalize_model_grads)
+        def finalize_then_end_iteration(*args, **kwargs):
+            result = finalize_model_grads(*args, **kwargs)
+            self.end_iteration(current_iteration())
+            return result
+
+        finalize_then_end_iteration.ends_iterations_of = self
+        return finalize_then_end_iteration
 
     def pop_stats(self) -> Dict[int, Dict[str, float]]:
         self.observe()

@@ -1,7 +1,8 @@
 """The balanced layer's plan made on the device (``--moe-balancer-planner device``).
 
-The gathered load ``[R, E]`` stays on the device: ultraep's trigger, ``planner.device_solve`` and
-this rank's reroute table (``planner.device_dispatch``) are queued there, the reroute
+The gathered load ``[R, E]`` stays on the device: ultraep's trigger and plan
+(``planner.device_balancer.solve_or_identity``) and this rank's reroute table
+(``planner.reroute.device_reroute_table``) are queued there, the reroute
 and permutation read them there, and the host half of the plan (the load, the plan, whether it was
 balanced) crosses in one copy, started on a side stream once the plan is queued and waited for where
 megatron's dispatcher waits for its splits anyway (``physical_routing.PhysicalSlotRouting._complete_plan``). Every function here is device work only:
@@ -22,8 +23,9 @@ import torch
 from ultraep_megatron import planner
 from ultraep_megatron.planner import BalancerConfig, Plan
 from ultraep_megatron.planner import baselines
-from ultraep_megatron.planner.device_dispatch import balances, identity_plan, reroute_table
+from ultraep_megatron.planner.device_balancer import solve_or_identity
 from ultraep_megatron.planner.device_solve import triton_available
+from ultraep_megatron.planner.reroute import device_reroute_table
 from ultraep_megatron.settings.knobs import PLANNERS  # noqa: F401 (context.py imports it from here)
 
 
@@ -33,7 +35,7 @@ class DevicePlanned:
 
     Attributes:
         plan: the plan (device tensors; ``threshold`` a 0-dim tensor).
-        reroute_table: int64 [4, E * R + 1] on the device, ``rank_dispatch``'s table.
+        reroute_table: int64 [4, E * R + 1] on the device, ``rank_reroute``'s table.
         rows_per_source_slot: int64 [R, P] on the device (megatron's fused chunk sort reads it).
         host_half: int64 [R * E + R * S + E * R + R * R * P + 2] on the device: what crosses to the
             host (:func:`unpack_host_half`).
@@ -50,34 +52,17 @@ class DevicePlanned:
     plan_seconds: float
 
 
-def plan(load: torch.Tensor, config: BalancerConfig) -> tuple[Plan, torch.Tensor]:
-    """ultraep's ``LayerBalancer.plan`` on the device: (the plan, whether the load was balanced, a
-    0-dim bool tensor). Below the trigger the identity plan, as on the host; both are computed and
-    one is selected on the device (no host branch on device data)."""
-    balanced = balances(load, config)
-    # On the CPU the reference's torch calls, as a device runs them (no host read, fixed step
-    # counts): the CPU backend exercises the device path as CUDA takes it.
-    solved = planner.device_solve(load, config.num_slots, min_quota=config.min_quota,
-                                  domain_size=config.domain_size,
-                                  implementation="auto" if load.is_cuda else "torch")
-    identity = identity_plan(load, config.num_slots)
-    chosen = [torch.where(balanced, a, b) for a, b in
-              ((solved.slot_expert, identity.slot_expert), (solved.quota, identity.quota),
-               (solved.physical_split, identity.physical_split), (solved.threshold, identity.threshold))]
-    return Plan(*chosen), balanced
-
-
 def plan_on_device(load: torch.Tensor, config: BalancerConfig, rank: int, *, training: bool,
                    grad_enabled: bool, plan_seconds: float = 0.0) -> DevicePlanned:
     """Plan ``load`` (int64 [R, E] on the device) for ``rank``: the plan, its reroute table and the
     host half, all queued on the device."""
     R, E = load.shape
-    plan_, balanced = plan(load, config)
+    plan_, balanced = solve_or_identity(load, config)
     P = plan_.physical_slots_per_rank
     host_half = torch.cat([load.reshape(-1), plan_.slot_expert.reshape(-1), plan_.quota.reshape(-1),
                            plan_.physical_split.reshape(-1), plan_.threshold.reshape(1).to(torch.int64),
                            balanced.reshape(1).to(torch.int64)])
-    return DevicePlanned(plan_, reroute_table(plan_, load, rank),
+    return DevicePlanned(plan_, device_reroute_table(plan_, load, rank),
                          plan_.physical_split[:, rank * P:(rank + 1) * P].contiguous(), host_half,
                          training, grad_enabled, plan_seconds)
 
@@ -173,7 +158,7 @@ def _compare(load: torch.Tensor, config: BalancerConfig, rank: int, device: torc
           for field in ("slot_expert", "quota", "physical_split")),
         None if int(planned.plan.threshold) == int(reference.threshold) else "threshold",
         _same("reroute table", planned.reroute_table,
-              torch.from_numpy(planner.rank_dispatch(reference, load, rank).reroute_table)),
+              torch.from_numpy(planner.rank_reroute(reference, load, rank).reroute_table)),
         _same("rows per source slot", planned.rows_per_source_slot,
               reference.physical_split[:, rank * P:(rank + 1) * P].contiguous()),
         _same("host half (load)", half_load, load),
@@ -197,7 +182,7 @@ def self_check(config: BalancerConfig, num_ranks: int, num_experts: int, device:
     Triton kernels compile here) and compares, bit for bit: the plan with the device planner's
     algorithm run by the greedy's specification (``device_solve(..., implementation="reference")``), or the
     unbalanced plan below the trigger; whether it balances with the host trigger
-    (``LayerBalancer.balances``); the reroute table with the host's ``rank_dispatch``; the host half
+    (``LayerBalancer.balances``); the reroute table with the host's ``rank_reroute``; the host half
     with what it packs. And the plan's max rank load must be the host planner's (``solve``) to its
     search resolution. Reads device memory: for startup only.
 

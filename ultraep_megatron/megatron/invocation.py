@@ -52,7 +52,7 @@ class Invocation:
         replica_rows: rows each of its S redundant slots receives.
         balanced: whether the load reached the balancer's trigger (``LayerBalancer.balances``;
             below it ultraep plans no replica).
-        reroute_table: int64 ``[4, E * R + 1]``, ``planner.RankDispatch.reroute_table`` (the
+        reroute_table: int64 ``[4, E * R + 1]``, ``planner.RankReroute.reroute_table`` (the
             reroute's spare column is its last physical slot + 1). Pinned on CUDA, so its upload is
             non-blocking.
         plan_seconds: host time of the planner.
@@ -93,7 +93,7 @@ class Invocation:
 def plan_invocation(plan: planner.Plan, load: torch.Tensor, ep_rank: int, *, layer_number: int,
                     vid: Optional[int], schedule_builder: Optional[Callable[[], TransferSchedule]],
                     balanced: bool, plan_seconds: float) -> Invocation:
-    """Derive everything one rank needs from a plan, on the host (``planner.rank_dispatch``: one
+    """Derive everything one rank needs from a plan, on the host (``planner.rank_reroute``: one
     compiled pass, into pinned memory on CUDA, from which its two device tables upload).
 
     Args:
@@ -106,13 +106,13 @@ def plan_invocation(plan: planner.Plan, load: torch.Tensor, ep_rank: int, *, lay
     pinned = torch.cuda.is_available()  # what is uploaded is pinned: a non-blocking upload
     rows_per_source_slot = torch.empty(R, P, dtype=torch.int64, pin_memory=pinned)
     table = torch.empty(4, E * R + 1, dtype=torch.int64, pin_memory=pinned)
-    dispatch = planner.rank_dispatch(plan, load, ep_rank, rows_per_source_slot=rows_per_source_slot.numpy(),
-                                     reroute_table=table.numpy())
-    rows_per_slot = dispatch.rows_per_slot
+    reroute = planner.rank_reroute(plan, load, ep_rank, rows_per_source_slot=rows_per_source_slot.numpy(),
+                                   reroute_table=table.numpy())
+    rows_per_slot = reroute.rows_per_slot
     return Invocation(
         layer_number=layer_number, vid=vid, ep_rank=ep_rank, load=load, plan=plan,
         schedule_builder=schedule_builder,
-        input_splits=dispatch.input_splits, output_splits=dispatch.output_splits,
+        input_splits=reroute.input_splits, output_splits=reroute.output_splits,
         rows_per_source_slot=rows_per_source_slot, rows_per_slot=torch.from_numpy(rows_per_slot),
         main_rows=int(rows_per_slot[:G].sum()), replica_rows=tuple(rows_per_slot[G:].tolist()),
         balanced=balanced, reroute_table=table, plan_seconds=plan_seconds)

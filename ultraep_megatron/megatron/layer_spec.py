@@ -162,3 +162,47 @@ def balance_moe_layers(model_cfg: Any, balancing: Optional[BalancingContext]) ->
         return model_chunks
 
     model_cfg.post_wrap_hooks.append(refuse_unbalanced_moe_layers)
+
+    def end_iterations_with_model_grads(model_chunks):
+        return end_model_iterations(model_chunks, balancing)
+
+    model_cfg.post_wrap_hooks.append(end_iterations_with_model_grads)
+
+
+def end_model_iterations(model_chunks: Sequence[Any], balancing: BalancingContext) -> Sequence[Any]:
+    """A post-wrap hook: ``balancing`` ends its iterations where the model's gradients are final.
+
+    Megatron's schedules call the model config's ``finalize_model_grads_func`` once per training
+    iteration, after the last backward, never in evaluation. This hook sets it to megatron's
+    ``finalize_model_grads`` followed by the context's end of iteration
+    (:meth:`BalancingContext.ending_iterations`): the boundary belongs to the model, so two models in
+    one process each end theirs. megatron-core 0.19 keeps a function a builder set; 0.18 replaces it
+    when training starts, so there each chunk's first forward wraps what is set then. The iteration
+    number is megatron's ``args.curr_iteration + 1``, the one its ``training_log`` gets.
+    """
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.utils import get_model_config
+
+    def current_iteration() -> int:
+        from megatron.training.global_vars import get_args
+
+        return get_args().curr_iteration + 1
+
+    def ensure_wrapped(config) -> None:
+        finalize = config.finalize_model_grads_func or finalize_model_grads
+        if getattr(finalize, "ends_iterations_of", None) is not balancing:
+            config.finalize_model_grads_func = balancing.ending_iterations(finalize, current_iteration)
+
+    def first_forward(config, handles):
+        def pre_hook(*_):
+            ensure_wrapped(config)
+            for handle in handles:
+                handle.remove()
+        return pre_hook
+
+    for chunk in model_chunks:
+        config = get_model_config(chunk)
+        ensure_wrapped(config)
+        handles: list = []
+        handles.append(chunk.register_forward_pre_hook(first_forward(config, handles)))
+    return model_chunks

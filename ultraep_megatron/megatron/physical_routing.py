@@ -31,7 +31,7 @@ from ultraep_megatron.megatron.context import BalancingContext
 from ultraep_megatron.megatron.invocation import Invocation, InvocationState
 from ultraep_megatron.megatron.native_torch import native_torch
 from ultraep_megatron.megatron.router_topk import topk_indices
-from ultraep_megatron.planner import LayerBalancer
+from ultraep_megatron.planner import LayerBalancer, reroute
 
 
 def _in_backward_pass() -> bool:
@@ -74,20 +74,8 @@ def _start_copy_to_host(tensor: torch.Tensor, stream=None):
 
 
 def instances_of_positions(running: torch.Tensor, positions: torch.Tensor, *, binary_search: bool) -> torch.Tensor:
-    """The reroute table column of each expert-major position: the first whose running total
-    (``running``, the table's row 0, int64 [E * R + 1] ending in a sentinel) exceeds it.
-
-    ``positions`` is ``arange(N)``, ``N`` the pairs the plan hands out. ``binary_search`` (CUDA):
-    one binary search per position, all in parallel, O(N log(E * R)). Otherwise (CPU, where each
-    search misses the cache and costs ~3x more): instance ``k`` repeated for its count of
-    positions, O(N + E * R); its output size makes it a device op (without one it reads the
-    counts' sum). The same columns either way.
-    """
-    if binary_search:
-        return torch.searchsorted(running, positions, right=True)
-    counts = torch.diff(running[:-1], prepend=running.new_zeros(1))
-    return torch.repeat_interleave(torch.arange(running.numel() - 1, device=running.device), counts,
-                                   output_size=positions.numel())
+    """The reroute table column of each expert-major position (``planner.reroute.instances_of_positions``)."""
+    return reroute.instances_of_positions(running, positions, binary_search=binary_search)
 
 
 class PhysicalSlotRouting:
@@ -378,37 +366,27 @@ class PhysicalSlotRouting:
                                "replay that is not deterministic)")
 
     def _pairs(self):
-        """The invocation's routed pairs in the expert-major order, and each one's instance.
-
-        A pair's expert-major position (expert-major, token-ascending: the order megatron's
-        permutation sorts them in, the plan's quotas are handed out in) is its rank in a stable
-        sort of the ``N = T * k`` pairs by expert: pairs of one token have distinct experts, so
-        among an expert's pairs the row-major order is the token order. The instance of position
-        ``i`` is the reroute table's first instance whose running quota total exceeds ``i``.
-        Nothing over ``[T, E]``, no host read, fixed shapes.
+        """The invocation's routed pairs in the expert-major order, and each one's instance in the
+        reroute table (``planner.reroute.expert_major_pairs``). Nothing over ``[T, E]``, no host
+        read, fixed shapes.
 
         Returns:
             (order [N]: the row-major pair index at each expert-major position, positions [N]
             (``arange``), instance [N]: the reroute table column of each position).
         """
-        order = self._expert_major_order()
-        positions = torch.arange(order.numel(), device=order.device)
-        instance = instances_of_positions(self._table[0], positions, binary_search=order.is_cuda)
-        return order, positions, instance
+        return reroute.expert_major_pairs(self.topk_ids, self._table, self._sort_key_dtype)
 
     def _expert_major_order(self) -> torch.Tensor:
         """[N] the row-major pair index at each expert-major position (:meth:`_pairs`); needs no
         plan."""
-        flat = self.topk_ids.reshape(-1)
-        return torch.sort(flat.to(self._sort_key_dtype), stable=True).indices
+        return reroute.expert_major_order(self.topk_ids, self._sort_key_dtype)
 
     @native_torch
     def physical_topk_ids(self) -> torch.Tensor:
         """[T, k] int64: the physical slot of each routed pair, exactly per the plan (the pairs of
         :attr:`topk_ids`, rewritten from logical experts to physical slots)."""
         order, _, instance = self._pairs()
-        slot = self._table[1].index_select(0, instance)
-        return torch.empty_like(order).scatter_(0, order, slot).view_as(self.topk_ids)
+        return reroute.physical_slot_ids(self._table, order, instance).view_as(self.topk_ids)
 
     @native_torch
     def _reroute(self, routing_map: torch.Tensor, probs: torch.Tensor):

@@ -283,8 +283,7 @@ class _TrainingLogHook:
                 imbalance = self.tracker.imbalance_by_layer(counts)
         args = get_args()
         balancer_stats = None
-        if self.balancing is not None:
-            self.balancing.end_iteration(iteration)
+        if self.balancing is not None:  # its iteration ended in finalize_model_grads (layer_spec)
             balancer_stats = reduce_balancer_stats(self.balancing,
                                                    args.num_layers + (args.mtp_num_layers or 0),
                                                    dst_rank=last_rank)

@@ -7,7 +7,7 @@ bit, with no communication.
     plan = solve(load, num_slots)                        # load int64 [R, E]  (solve.py)
     plan = solve(load, num_slots, domain_size=8)         # replicas inside 8-rank NVLink domains
     plan = device_solve(load, num_slots)                 # on load's device, no host read
-    dispatch = rank_dispatch(plan, load, rank)           # one rank's splits, reroute table (dispatch.py)
+    reroute = rank_reroute(plan, load, rank)             # one rank's splits, reroute table (reroute.py)
     balancer = BalancerConfig("ultraep").build()         # one MoE layer's loop (balancer.py)
 
 Balancers compared with it and the registry of every balancer's name: ``planner.baselines``.
@@ -17,9 +17,9 @@ See ``docs/planner.md`` for the algorithm, ``min_quota`` and the benchmark.
 from .balancer import BalancerConfig, LayerBalancer
 from .baselines import registry
 from .device_solve import device_solve
-from .dispatch import RankDispatch, rank_dispatch
 from .metrics import load_imbalance, metrics, rank_imbalance
 from .plan import Plan
+from .reroute import RankReroute, rank_reroute
 from .solve import domain_lower_bound, solve, validate_load
 
 __all__ = [
@@ -28,8 +28,8 @@ __all__ = [
     "device_solve",
     "domain_lower_bound",
     "validate_load",
-    "RankDispatch",
-    "rank_dispatch",
+    "RankReroute",
+    "rank_reroute",
     "metrics",
     "load_imbalance",
     "rank_imbalance",

@@ -21,9 +21,9 @@ import torch
 
 from .baselines import fixed_layout
 from .baselines.registry import BALANCERS, EPLB, EPLB_EXACT, IDEAL, MOE_BALANCERS, NONE, ULTRAEP
-from .dispatch import rank_dispatch
 from .metrics import host_imbalance, host_rank_load, metrics
 from .plan import Plan
+from .reroute import rank_reroute
 from .solve import default_min_quota, solve
 
 __all__ = ["BalancerConfig", "ConfigProblem", "InvalidConfig", "LayerBalancer", "DEFAULT_NUM_SLOTS",
@@ -178,14 +178,14 @@ class LayerBalancer:
     def warm_up(self) -> None:
         """Load the compiled kernels this balancer's plans run (numba: 0.2-0.5 s even from its
         cache) on a small skewed load, past the trigger, in this balancer's NVLink domains, and the
-        per-rank dispatch and metrics kernels every planned invocation runs; no state of this
+        per-rank reroute and metrics kernels every planned invocation runs; no state of this
         balancer changes."""
         R = 2 * (self.config.domain_size or 1)
         load = torch.ones(R, 2 * R, dtype=torch.int64)
         load[:, 0] += 64  # all on rank 0's first expert: a replica to place
         plan = LayerBalancer(dataclasses.replace(self.config, trigger=1.0)).plan(load)
         if plan is not None:
-            rank_dispatch(plan, load, 0)
+            rank_reroute(plan, load, 0)
             metrics(load, plan, domain_size=self.config.domain_size)
 
     def plan(self, load: torch.Tensor, *, balances: Optional[bool] = None) -> Optional[Plan]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import _compiled_dispatch as _compiled
+from . import _compiled_metrics as _compiled
 from .plan import Plan
 from .solve import host_array, validate_domain_size, validate_load
 

@@ -9,7 +9,7 @@ load are a static input standing in for it, as in ``bench_critical_path.py``):
 
   this rank's per-expert counts from its ``[T, k]`` routed pairs, the ``[R, E]`` load, the device
   plan, the plan's reroute table and host half (``device_planning.plan_on_device``: the trigger,
-  ``planner.device_solve`` with Triton where installed, ``device_dispatch.reroute_table``), the
+  ``planner.device_solve`` with Triton where installed, ``reroute.device_reroute_table``), the
   balanced all-to-all dispatcher's permutation over the routed pairs (``_permutation``) and the
   tokens gathered into its send order.
 

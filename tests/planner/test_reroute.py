@@ -1,5 +1,7 @@
-"""The rank dispatch (``planner/dispatch.py``): the per-rank dispatch tables, and the tests' oracle of
-the token reroute (``planner_helpers.assign_tokens``) that the dispatchers are checked against."""
+"""One rank's reroute (``planner/reroute.py``): its host tables (``rank_reroute``), the device's
+reroute table equal to the host's, the two instance searches of the routed pairs agreeing, and the
+tests' oracle of the token reroute (``planner_helpers.assign_tokens``) that the dispatchers are
+checked against."""
 
 from __future__ import annotations
 
@@ -11,9 +13,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from planner_helpers import (
-    assign_tokens, physical_layout, problems, tokens_received_per_local_slot, tokens_sent_per_physical_slot,
+    assign_tokens, physical_layout, planned_routings, problems, routing_cases, tokens_received_per_local_slot,
+    tokens_sent_per_physical_slot,
 )
-from ultraep_megatron.planner import baselines, rank_dispatch, solve
+from ultraep_megatron.planner import baselines, rank_reroute, solve
+from ultraep_megatron.planner.reroute import device_reroute_table, instances_of_positions
 
 
 def routed_tokens(R: int, E: int, T: int, k: int, skew: float, seed: int) -> list[torch.Tensor]:
@@ -117,20 +121,20 @@ def routed_rows(table: np.ndarray, load_row: np.ndarray, num_slots: int) -> np.n
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problem=problems(max_ranks=8), data=st.data())
-def test_rank_dispatch_matches_the_plan(problem, data):
+def test_rank_reroute_matches_the_plan(problem, data):
     load, S, min_quota = problem
     R, E = load.shape
     P = E // R + S
     rank = data.draw(st.integers(0, R - 1))
     for plan in plans_for(load, S, min_quota):
-        d = rank_dispatch(plan, load, rank)
+        reroute = rank_reroute(plan, load, rank)
         received = tokens_received_per_local_slot(plan, rank).numpy()  # [R, P]
         sent = tokens_sent_per_physical_slot(plan, rank).numpy()  # [R * P]
-        np.testing.assert_array_equal(d.rows_per_source_slot, received)
-        np.testing.assert_array_equal(d.rows_per_slot, received.sum(0))
-        np.testing.assert_array_equal(d.output_splits, received.sum(1))
-        np.testing.assert_array_equal(d.input_splits, sent.reshape(R, P).sum(1))
-        table = d.reroute_table
+        np.testing.assert_array_equal(reroute.rows_per_source_slot, received)
+        np.testing.assert_array_equal(reroute.rows_per_slot, received.sum(0))
+        np.testing.assert_array_equal(reroute.output_splits, received.sum(1))
+        np.testing.assert_array_equal(reroute.input_splits, sent.reshape(R, P).sum(1))
+        table = reroute.reroute_table
         assert table.shape == (4, E * R + 1)
         assert table[0, -1] == np.iinfo(np.int64).max and table[1, -1] == R * P
         np.testing.assert_array_equal(table[2, E:], 0)
@@ -154,22 +158,43 @@ def test_rank_dispatch_matches_the_plan(problem, data):
         assert table[3, -1] == N + 1  # a position past the last instance lands past the spare row
 
 
-def test_rank_dispatch_fills_given_buffers_and_checks_them():
+def test_rank_reroute_fills_given_buffers_and_checks_them():
     load = torch.tensor([[90, 1, 2, 3], [80, 0, 1, 1]])
     plan = solve(load, 1, min_quota=1)
     rows = np.full((2, 3), -7, np.int64)
     table = np.full((4, 9), -7, np.int64)
-    d = rank_dispatch(plan, load, 1, rows_per_source_slot=rows, reroute_table=table)
-    assert d.rows_per_source_slot is rows and d.reroute_table is table
+    reroute = rank_reroute(plan, load, 1, rows_per_source_slot=rows, reroute_table=table)
+    assert reroute.rows_per_source_slot is rows and reroute.reroute_table is table
     np.testing.assert_array_equal(rows, tokens_received_per_local_slot(plan, 1).numpy())
     assert (table != -7).all()
     with pytest.raises(ValueError, match="int64 array of shape"):
-        rank_dispatch(plan, load, 0, reroute_table=np.zeros((4, 8), np.int64))
+        rank_reroute(plan, load, 0, reroute_table=np.zeros((4, 8), np.int64))
     with pytest.raises(ValueError, match="int64 array of shape"):
-        rank_dispatch(plan, load, 0, rows_per_source_slot=np.zeros((2, 3), np.int32))
+        rank_reroute(plan, load, 0, rows_per_source_slot=np.zeros((2, 3), np.int32))
     with pytest.raises(ValueError, match="rank must be in"):
-        rank_dispatch(plan, load, 2)
+        rank_reroute(plan, load, 2)
     with pytest.raises(ValueError, match="load has shape"):
-        rank_dispatch(plan, load[:, :2], 0)
+        rank_reroute(plan, load[:, :2], 0)
     with pytest.raises(ValueError, match="load must be an int64 host tensor"):
-        rank_dispatch(plan, load.int(), 0)
+        rank_reroute(plan, load.int(), 0)
+
+
+@pytest.mark.parametrize("R,E,S,k,T,seed", list(routing_cases()))
+def test_both_instance_searches_agree(R, E, S, k, T, seed):
+    """The CPU's repeat and CUDA's binary search give the same instances."""
+    routings, load, plans = planned_routings(R, E, S, k, T, seed)
+    for plan in plans:
+        for rank in range(R):
+            running = torch.from_numpy(rank_reroute(plan, load, rank).reroute_table[0])
+            positions = torch.arange(T * k)
+            assert torch.equal(instances_of_positions(running, positions, binary_search=True),
+                               instances_of_positions(running, positions, binary_search=False))
+
+
+@pytest.mark.parametrize("R,E,S,k,T,seed", list(routing_cases()))
+def test_device_reroute_table_equals_rank_reroute(R, E, S, k, T, seed):
+    _, load, plans = planned_routings(R, E, S, k, T, seed)
+    for plan in plans:
+        for rank in range(R):
+            host = rank_reroute(plan, load, rank)
+            assert torch.equal(device_reroute_table(plan, load, rank), torch.from_numpy(host.reroute_table))
