@@ -229,10 +229,6 @@ class BalancingContext:
             self.ring = VirtualLayerRing(self.ring_size or per_forward * schedule_inflight_microbatches(overlapped))
         return self.ring
 
-    def ring_live(self) -> int:
-        """In-flight invocations in the ring (0 before the first training forward)."""
-        return self.ring.live if self.ring is not None else 0
-
     # -- planning ----------------------------------------------------------------------------------
     @native_torch
     def plan_on_host(self, state: InvocationState, balancer: LayerBalancer, load: torch.Tensor,
