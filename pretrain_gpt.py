@@ -3,8 +3,8 @@
 megatron-core's wheel has no ``pretrain_gpt.py``; this is ours, on the training API
 (``parse_and_validate_args`` -> the GPT model's config -> ``pretrain_cfg_container_from_args`` ->
 ``pretrain``; 0.19 builds the model from ``gpt_config_from_args``, 0.18 from a model provider:
-``ultraep_megatron/megatron/compat.py`` says what differs). On top of Megatron's arguments it takes
-the ``moe balancer`` and ``ultraep telemetry`` groups (see ``ultraep_megatron/megatron/arguments.py``).
+``ultraep_megatron/megatron/release/compat.py`` says what differs). On top of Megatron's arguments it takes
+the ``moe balancer`` and ``ultraep telemetry`` groups (see ``ultraep_megatron/megatron/run/arguments.py``).
 
 Without a CUDA device the CPU backend (``ultraep_megatron.megatron.cpu``) runs the
 same loop on CPU processes over gloo; the flags it needs (``cpu.flags.CPU_FLAGS``) are applied
@@ -49,10 +49,11 @@ from megatron.training import get_args, get_tokenizer, print_rank_0
 from megatron.training.arguments import parse_and_validate_args
 from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
 
-from ultraep_megatron.megatron import compat, telemetry
-from ultraep_megatron.megatron.arguments import add_ultraep_args, balancing_context_from_args
-from ultraep_megatron.megatron.layer_spec import balance_moe_layers
-from ultraep_megatron.megatron.startup import startup_checks_or_exit
+from ultraep_megatron.megatron.release import compat
+from ultraep_megatron.megatron.run import telemetry
+from ultraep_megatron.megatron.run.arguments import add_ultraep_args, balancing_context_from_args
+from ultraep_megatron.megatron.run.layer_spec import balance_moe_layers
+from ultraep_megatron.megatron.run.startup import startup_checks_or_exit
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
 

@@ -1,6 +1,6 @@
 """The architecture, checked on the source (docs/architecture.md): data, not the layer.
 
-The per-model context (``megatron/context.py``), its observers (``megatron/observers.py``) and the
+The per-model context (``megatron/balanced_layer/context.py``), its observers (``megatron/balanced_layer/observers.py``) and the
 data plane (``dataplane/``) are callees of the balanced MoE layer that get data (a registration's
 shapes, groups and layout; tensors; the invocation's record), never the layer object: no parameter
 named ``layer`` in their signatures, and nothing there matches ``\\blayer\\.`` (an attribute read of
@@ -19,7 +19,7 @@ PACKAGE = REPO / "ultraep_megatron"
 
 #: The per-model context, its observers and the data plane: callees of the balanced layer that get
 #: data (shapes, groups, tensors, the invocation's record), never the layer object.
-DATA_ONLY_MODULES = [PACKAGE / "megatron" / "context.py", PACKAGE / "megatron" / "observers.py",
+DATA_ONLY_MODULES = [PACKAGE / "megatron" / "balanced_layer" / "context.py", PACKAGE / "megatron" / "balanced_layer" / "observers.py",
                      *sorted((PACKAGE / "dataplane").rglob("*.py"))]
 REACHES_INTO_A_LAYER = re.compile(r"\blayer\.")
 
@@ -72,3 +72,49 @@ def test_the_layer_rule_catches_each_kind_of_violation(tmp_path):
                      "    def plan(self, load, *, layer_number=None):\n"
                      "        return self.player.balancer\n")
     assert layer_references([clean], tmp_path) == []
+
+
+#: megatron/'s subpackages, bottom first: a subpackage imports nothing of those after it (the CPU
+#: backend ``cpu/`` sits beside them: the layer's ``native_torch`` and the backend use each other).
+MEGATRON_SUBPACKAGES = ("release", "balanced_layer", "run", "recipe_check")
+
+
+def upward_subpackage_imports(root: Path = PACKAGE) -> list[str]:
+    """Imports (lazy ones too) from a subpackage of ``megatron/`` of a subpackage after it."""
+    top = root.name
+    found = []
+    for own_index, own in enumerate(MEGATRON_SUBPACKAGES):
+        for path in sorted((root / "megatron" / own).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                    targets = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+                elif isinstance(node, ast.Import):
+                    targets = [alias.name for alias in node.names]
+                else:
+                    continue
+                for target in targets:
+                    parts = target.split(".")
+                    if parts[:2] == [top, "megatron"] and len(parts) > 2 and parts[2] in MEGATRON_SUBPACKAGES \
+                            and MEGATRON_SUBPACKAGES.index(parts[2]) > own_index:
+                        found.append(f"{path.relative_to(root.parent).as_posix()}:{node.lineno}: "
+                                     f"megatron/{own} imports {target}, above it")
+                        break
+    return found
+
+
+def test_megatron_subpackages_import_only_downward():
+    assert upward_subpackage_imports() == []
+
+
+def test_the_subpackage_rule_catches_an_upward_import(tmp_path):
+    """Negative control: the layer importing the run surface, and the release layer the layer, both caught."""
+    root = tmp_path / "pkg"
+    files = {"megatron/balanced_layer/a.py": "def f():\n    from pkg.megatron.run import telemetry\n",
+             "megatron/release/b.py": "import pkg.megatron.balanced_layer.a\n",
+             "megatron/run/c.py": "from pkg.megatron.balanced_layer import a\nfrom pkg.megatron.release import b\n"}
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    assert upward_subpackage_imports(root) == [
+        "pkg/megatron/release/b.py:1: megatron/release imports pkg.megatron.balanced_layer.a, above it",
+        "pkg/megatron/balanced_layer/a.py:2: megatron/balanced_layer imports pkg.megatron.run, above it"]

@@ -60,7 +60,7 @@ def pretrain_parser() -> argparse.ArgumentParser:
     """Megatron's parser with UltraEP's groups, as pretrain_gpt.py builds it."""
     from megatron.training.arguments import add_megatron_arguments
 
-    from ultraep_megatron.megatron.arguments import add_ultraep_args
+    from ultraep_megatron.megatron.run.arguments import add_ultraep_args
 
     parser = argparse.ArgumentParser(prog="pretrain_gpt.py", allow_abbrev=False)
     return add_ultraep_args(add_megatron_arguments(parser))

@@ -103,7 +103,7 @@ def routing(cfg, device, generator, num_experts=None):
 def permutation_stand_in(dispatchers, num_experts, num_slots, ep_size, topk_ids, overheads):
     """The balanced all-to-all dispatcher's state its permutation reads (no process group here):
     ``_permutation`` and ``_pairs`` bound to it; ``invocation`` / ``_table`` set per plan."""
-    from ultraep_megatron.megatron.invocation import InvocationState
+    from ultraep_megatron.megatron.balanced_layer.invocation import InvocationState
 
     d = object.__new__(dispatchers.BalancedAlltoAllDispatcher)
     d.num_logical_experts, d.ep_size, d.slots_per_rank = num_experts, ep_size, num_experts // ep_size + num_slots
@@ -158,9 +158,9 @@ def sweep_experts(cfg, device, sync):
     routed pairs (from a host plan of a Zipf load) and megatron's argsort of the [T, E] map."""
     from megatron.core.transformer.moe.moe_utils import permute
 
-    from ultraep_megatron.megatron import dispatchers
-    from ultraep_megatron.megatron.context import Overheads
-    from ultraep_megatron.megatron.invocation import plan_invocation
+    from ultraep_megatron.megatron.balanced_layer import dispatchers
+    from ultraep_megatron.megatron.balanced_layer.context import Overheads
+    from ultraep_megatron.megatron.balanced_layer.invocation import plan_invocation
     from ultraep_megatron.planner import BalancerConfig
     from ultraep_megatron.planner.baselines import registry
     from ultraep_megatron.traces.synthetic import zipf_topk_load
@@ -198,7 +198,7 @@ def graphed_device_planner(cfg, device, others, routing_map, config, rank):
     CUDA graph on a static load: ``(static load, graph, its planned outputs)``, or why it could not
     be captured (a message). In a captured ``moe_preprocess`` the plan replays this way: its
     hundreds of small kernels cost one launch."""
-    from ultraep_megatron.megatron import device_planning
+    from ultraep_megatron.megatron.balanced_layer import device_planning
 
     static_load = others.clone()
     static_load[rank] = routing_map.sum(dim=0)
@@ -245,7 +245,7 @@ def overlapped(cfg, device, sync, paths_inputs):
     pre-dispatch node, the other microbatch's experts backward queued, dispatch node."""
     (dispatchers, device_planning, plan_invocation, permute, balancer, config, others, routing_map, probs,
      topk_ids, tokens, dispatcher, rank) = paths_inputs
-    from ultraep_megatron.megatron import physical_routing
+    from ultraep_megatron.megatron.balanced_layer import physical_routing
     R, E, S, T, k = cfg.ep_size, cfg.num_experts, cfg.num_slots, cfg.tokens, cfg.topk
     backward = experts_backward(cfg, device, torch.Generator().manual_seed(1))
     side = torch.cuda.Stream() if cfg.device == "cuda" else None
@@ -320,9 +320,9 @@ def main():
         cpu_backend.activate()
     from megatron.core.transformer.moe.moe_utils import permute
 
-    from ultraep_megatron.megatron import device_planning, dispatchers, physical_routing
-    from ultraep_megatron.megatron.context import Overheads
-    from ultraep_megatron.megatron.invocation import plan_invocation
+    from ultraep_megatron.megatron.balanced_layer import device_planning, dispatchers, physical_routing
+    from ultraep_megatron.megatron.balanced_layer.context import Overheads
+    from ultraep_megatron.megatron.balanced_layer.invocation import plan_invocation
     from ultraep_megatron.planner import BalancerConfig
     from ultraep_megatron.planner.baselines import registry
     from ultraep_megatron.traces.synthetic import zipf_topk_load

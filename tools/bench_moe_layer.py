@@ -104,8 +104,8 @@ def build(cfg, balancer: str | None, force_balanced: bool, overlap: bool = True,
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from ultraep_megatron.megatron.balanced_moe import BalancedMoELayer
-    from ultraep_megatron.megatron.context import BalancingContext
+    from ultraep_megatron.megatron.balanced_layer.balanced_moe import BalancedMoELayer
+    from ultraep_megatron.megatron.balanced_layer.context import BalancingContext
     from ultraep_megatron.planner import BalancerConfig
 
     model_parallel_cuda_manual_seed(1234)  # every layer starts from the same weights

@@ -301,7 +301,7 @@ def self_check_summary() -> str:
     """The device planner's compile + self-check time, per SELF_CHECK_SHAPES (module docstring)."""
     import tempfile
 
-    from ultraep_megatron.megatron import device_planning
+    from ultraep_megatron.megatron.balanced_layer import device_planning
 
     fresh_cache = "TRITON_CACHE_DIR" not in os.environ
     if fresh_cache:  # read when a kernel compiles: a new node's first run compiles everything

@@ -14,7 +14,7 @@ from traces_helpers import KJV_TRACE
 from ultraep_megatron import traces
 from ultraep_megatron.cli import main
 from ultraep_megatron.cli.common import EXIT_FAILED, EXIT_OK
-from ultraep_megatron.megatron import arguments as balancer_flags
+from ultraep_megatron.megatron.run import arguments as balancer_flags
 from ultraep_megatron.planner.baselines import registry
 
 

@@ -74,7 +74,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ultraep_megatron.megatron.cpu import torch_cuda
-from ultraep_megatron.megatron.native_torch import device_mapping
+from ultraep_megatron.megatron.balanced_layer.native_torch import device_mapping
 
 #: The TE version whose ``make_graphed_callables`` interface this follows: megatron-core 0.19.2
 #: passes ``_num_layers_per_chunk`` from TE 2.6 on, ``_reuse_graph_input_output_buffers`` from 2.7,

@@ -1,5 +1,5 @@
 """The ``--moe-balancer-*`` flags (``settings/knobs.py``, added to Megatron's parser by
-``megatron/arguments.py``): one table of knobs gives Megatron's and ``ultraep``'s flags and their
+``megatron/run/arguments.py``): one table of knobs gives Megatron's and ``ultraep``'s flags and their
 defaults, the planner's rules (``BalancerConfig.problems``) their validation naming each flag; the
 planner receives plain numbers.
 Bad values fail at startup with a message naming the flag, as in pretrain_gpt.py: UltraEP's startup
@@ -18,7 +18,7 @@ import torch
 
 from megatron_runs import argument_verdicts, check_verdict, tiny_moe_args
 
-from ultraep_megatron.megatron import arguments
+from ultraep_megatron.megatron.run import arguments
 from ultraep_megatron.planner import BalancerConfig
 from ultraep_megatron.planner.balancer import DEFAULT_NUM_SLOTS
 from ultraep_megatron.settings import knobs
@@ -191,7 +191,7 @@ def test_three_problems_are_three_lines(verdicts):
 def test_planner_flag_choices_and_balancers():
     """--moe-balancer-planner: host or device; device plans ultraep only; by default host here (no
     CUDA, or the CPU backend)."""
-    from ultraep_megatron.megatron.context import resolve_planner
+    from ultraep_megatron.megatron.balanced_layer.context import resolve_planner
 
     assert parsed("--moe-balancer-planner", "device").moe_balancer_planner == "device"
     with pytest.raises(SystemExit):

@@ -204,7 +204,7 @@ def test_trace_records_every_microbatch_once_mtp_included(runs):
     """--moe-balancer-trace-dir on the EP=4 run (MoE recompute: each forward runs twice): one
     record per (iteration, microbatch, layer), the MTP layer after the decoder's; the loads
     reproduce the router-side imbalance and the balancer's own before-figures."""
-    from ultraep_megatron.megatron.telemetry import load_imbalance, per_rank_load
+    from ultraep_megatron.megatron.run.telemetry import load_imbalance, per_rank_load
     from ultraep_megatron.traces import find_trace_files, read_trace
 
     run = runs("ultraep_ep4")

@@ -1,4 +1,4 @@
-"""What a balanced MoE layer cannot run (``megatron/capabilities.py``) fails at startup with a
+"""What a balanced MoE layer cannot run (``megatron/balanced_layer/capabilities.py``) fails at startup with a
 message naming the flag, as in pretrain_gpt.py: UltraEP's startup checks on Megatron's parse of the
 command line, then Megatron's own parser and validation (one subprocess for all command lines, no
 distributed setup). What production runs is accepted.
@@ -7,7 +7,7 @@ distributed setup). What production runs is accepted.
 import pytest
 
 from megatron_runs import argument_verdicts, check_verdict, tiny_moe_args
-from ultraep_megatron.megatron import compat
+from ultraep_megatron.megatron.release import compat
 
 BASE = tiny_moe_args(ep=1, train_iters=2)
 ULTRAEP = ["--moe-balancer", "ultraep"]
@@ -191,7 +191,7 @@ def test_preprocess_graph_needs_the_device_planner():
     import enum
     from types import SimpleNamespace
 
-    from ultraep_megatron.megatron.capabilities import default_planner, preprocess_graphed, unsupported_moe_settings
+    from ultraep_megatron.megatron.balanced_layer.capabilities import default_planner, preprocess_graphed, unsupported_moe_settings
 
     # A TransformerConfig holds megatron's CudaGraphModule members (an Enum; not imported here:
     # importing megatron-core costs this process seconds).

@@ -1,4 +1,4 @@
-"""ultraep_megatron/megatron/compat.py: the megatron-core release the integration runs on, read
+"""ultraep_megatron/megatron/release/compat.py: the megatron-core release the integration runs on, read
 without importing megatron.core; what each release refuses (the startup check's own refusal on 0.18
 is test_capabilities.py's ``mtp_full_recompute``); and the two locks, which differ only where the
 releases need it.
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from ultraep_megatron.megatron import compat
+from ultraep_megatron.megatron.release import compat
 
 REPO = Path(__file__).resolve().parents[2]
 PIN = re.compile(r"^([A-Za-z0-9_.-]+)==(\S+) \\\n((?:    --hash=sha256:[0-9a-f]{64}(?: \\\n|\n))+)", re.M)
@@ -27,7 +27,7 @@ PIN = re.compile(r"^([A-Za-z0-9_.-]+)==(\S+) \\\n((?:    --hash=sha256:[0-9a-f]{
 
 def test_the_version_is_the_installed_distributions_and_read_without_importing_megatron():
     probe = ("import sys, json, importlib.metadata\n"
-             "from ultraep_megatron.megatron import compat\n"
+             "from ultraep_megatron.megatron.release import compat\n"
              "read = compat.mcore_version()\n"
              "print(json.dumps([read, 'megatron.core' in sys.modules, 'torch' in sys.modules,\n"
              "                  importlib.metadata.version('megatron-core')]))")
@@ -61,7 +61,7 @@ def test_the_startup_check_names_an_unsupported_release(monkeypatch):
     """What ``pretrain_gpt.py`` and ``ultraep check-recipe`` report (arguments.ultraep_arg_problems)."""
     from types import SimpleNamespace
 
-    from ultraep_megatron.megatron import capabilities
+    from ultraep_megatron.megatron.balanced_layer import capabilities
 
     config = SimpleNamespace(moe_token_dispatcher_type="alltoall")
     assert capabilities.unsupported_moe_settings(config) == []
@@ -76,7 +76,7 @@ MTP_FULL_RECOMPUTE = "--mtp-num-layers with --recompute-granularity full is not 
 def test_the_018_refusals_apply_on_018_only(monkeypatch):
     from types import SimpleNamespace
 
-    from ultraep_megatron.megatron import capabilities
+    from ultraep_megatron.megatron.balanced_layer import capabilities
 
     config = SimpleNamespace(moe_token_dispatcher_type="alltoall", mtp_num_layers=1, recompute_granularity="full")
     selective = SimpleNamespace(**{**vars(config), "recompute_granularity": "selective"})

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from ultraep_megatron import planner
-from ultraep_megatron.megatron import device_planning
-from ultraep_megatron.megatron.context import BalancingContext
+from ultraep_megatron.megatron.balanced_layer import device_planning
+from ultraep_megatron.megatron.balanced_layer.context import BalancingContext
 from ultraep_megatron.planner import BalancerConfig
 
 CPU = torch.device("cpu")

@@ -9,7 +9,7 @@ import torch
 
 import toy_fp8
 from ultraep_megatron.dataplane import expert_views
-from ultraep_megatron.megatron.expert_slots import (
+from ultraep_megatron.megatron.balanced_layer.expert_slots import (
     DERIVED_PARTS,
     PART_ALIGNMENT,
     ExpertParamLookup,

@@ -12,8 +12,8 @@ pytest.importorskip("megatron.core")
 
 from megatron.training import global_vars  # noqa: E402
 
-from ultraep_megatron.megatron.context import BalancingContext  # noqa: E402
-from ultraep_megatron.megatron.layer_spec import end_model_iterations  # noqa: E402
+from ultraep_megatron.megatron.balanced_layer.context import BalancingContext  # noqa: E402
+from ultraep_megatron.megatron.run.layer_spec import end_model_iterations  # noqa: E402
 from ultraep_megatron.planner import BalancerConfig  # noqa: E402
 
 

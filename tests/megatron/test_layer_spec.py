@@ -1,4 +1,4 @@
-"""The layer-spec hook (``megatron/layer_spec.py``), on a real launch: when a balancer is selected,
+"""The layer-spec hook (``megatron/run/layer_spec.py``), on a real launch: when a balancer is selected,
 an MoE layer built without it (here: the MTP block left to Megatron's own spec, a fault of
 workers/pretrain_grad_dump.py) stops training at startup, named. (Every other test that trains a
 balanced model goes through the hook too.)

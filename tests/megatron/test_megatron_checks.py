@@ -1,6 +1,6 @@
 """Mistakes Megatron meets with a bare assertion, argparse's usage dump or a failure after the job
 started, refused by pretrain_gpt.py's startup check in one line naming the flag and the fix
-(``megatron/megatron_checks.py``, ``arguments.startup_problems``); balancing that would do nothing
+(``megatron/run/megatron_checks.py``, ``arguments.startup_problems``); balancing that would do nothing
 warned about. Each command line runs through pretrain_gpt.py's checks in its order
 (``argument_verdicts``: one process for all of them). The same inputs through ``ultraep
 check-recipe``: tests/cli/test_check_recipe.py."""
@@ -13,7 +13,7 @@ import pytest
 
 from megatron_runs import argument_verdicts, tiny_moe_args
 
-from ultraep_megatron.megatron.megatron_checks import megatron_arg_problems, parser_error_hint
+from ultraep_megatron.megatron.run.megatron_checks import megatron_arg_problems, parser_error_hint
 
 TRACE_FIX = "use a directory the training job can write (the ranks that record it are each EP group's first)"
 BASE = [*tiny_moe_args(ep=1, train_iters=200), "--moe-balancer", "ultraep"]

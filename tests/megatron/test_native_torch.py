@@ -1,11 +1,11 @@
-"""``megatron/native_torch.py``: the balancer's host code runs without the CPU backend's device
+"""``megatron/balanced_layer/native_torch.py``: the balancer's host code runs without the CPU backend's device
 mapping, and only that mode is lifted (observed in the backend's probe process, ``probe`` in
 tests/megatron/conftest.py)."""
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ultraep_megatron.megatron import native_torch
+from ultraep_megatron.megatron.balanced_layer import native_torch
 
 
 class Seen(TorchFunctionMode):

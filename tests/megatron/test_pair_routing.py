@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from planner_helpers import assign_tokens, planned_routings, random_routing, routing_cases
-from ultraep_megatron.megatron import device_planning
-from ultraep_megatron.megatron.dispatchers import BalancedAlltoAllDispatcher
-from ultraep_megatron.megatron.invocation import InvocationState, plan_invocation
+from ultraep_megatron.megatron.balanced_layer import device_planning
+from ultraep_megatron.megatron.balanced_layer.dispatchers import BalancedAlltoAllDispatcher
+from ultraep_megatron.megatron.balanced_layer.invocation import InvocationState, plan_invocation
 from ultraep_megatron.planner import BalancerConfig
 
 def stand_in(R, E, S, invocation, topk_ids):
@@ -132,7 +132,7 @@ def test_device_plan_crosses_to_the_host_intact():
 def test_top_k_indices_from_the_tap_or_the_routing_map():
     """The tap hands over the indices megatron's top-k selected (or its RouterReplay's), once; a
     routing that never asked the hook gets them from the routing map."""
-    from ultraep_megatron.megatron.router_topk import TopKIndicesTap, topk_indices
+    from ultraep_megatron.megatron.balanced_layer.router_topk import TopKIndicesTap, topk_indices
 
     ids, routing_map, _ = random_routing(9, 16, 3, [0], torch.Generator().manual_seed(0))
     scores = torch.rand(9, 16)

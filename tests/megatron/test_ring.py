@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ultraep_megatron.megatron.ring import RingFullError, VirtualLayerRing, invocations_per_forward
+from ultraep_megatron.megatron.balanced_layer.ring import RingFullError, VirtualLayerRing, invocations_per_forward
 
 
 def test_payloads_travel_by_id_and_released_ids_go_stale():
@@ -88,7 +88,7 @@ def test_the_overlapped_schedule_has_one_more_microbatch_in_flight():
     """megatron's combined 1F1B schedule runs microbatch i + 1's forward of a layer before
     microbatch i's backward of it ends (without a pipeline: two in flight, not one), and under
     interleaving schedules one more warm-up forward (megatron's get_pp_rank_microbatches)."""
-    from ultraep_megatron.megatron.ring import max_inflight_microbatches
+    from ultraep_megatron.megatron.balanced_layer.ring import max_inflight_microbatches
 
     assert [max_inflight_microbatches(1, 0, 8, overlapped=o) for o in (False, True)] == [1, 2]
     assert max_inflight_microbatches(1, 0, 1, overlapped=True) == 1  # a single microbatch

@@ -1,4 +1,4 @@
-"""pretrain_gpt.py's startup guardrails (``megatron/startup.py``), on real launches.
+"""pretrain_gpt.py's startup guardrails (``megatron/run/startup.py``), on real launches.
 
 * On a machine without CUDA the CPU backend applies the missing CPU flags (``cpu.flags.CPU_FLAGS``)
   with one log line, and refuses a conflicting one (``--transformer-impl transformer_engine``).

@@ -1,10 +1,10 @@
-"""Per-layer expert-load imbalance (``megatron/telemetry.py``): the per-EP-rank load and its
+"""Per-layer expert-load imbalance (``megatron/run/telemetry.py``): the per-EP-rank load and its
 imbalance, by hand. (Logged on real runs: test_balanced_training.py, tests/product.)"""
 
 import pytest
 import torch
 
-from ultraep_megatron.megatron.telemetry import per_rank_load
+from ultraep_megatron.megatron.run.telemetry import per_rank_load
 from ultraep_megatron.planner import load_imbalance
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ultraep_megatron.megatron import compat
+from ultraep_megatron.megatron.release import compat
 
 NUM_EXPERTS = 8
 HIDDEN = 32

@@ -92,7 +92,7 @@ from megatron.core.transformer.utils import (
 )
 from megatron.core.utils import divide, get_pg_rank, get_pg_size
 
-from ultraep_megatron.megatron import compat
+from ultraep_megatron.megatron.release import compat
 
 __all__ = [
     "grouped_matmul",

@@ -78,6 +78,6 @@ def test_one_imbalance_formula():
     assert planner.load_imbalance(torch.zeros(2, 3)).tolist() == [1.0, 1.0]
     m = planner.metrics(load, baselines.identity_plan(load))
     assert m["imbalance_before"] == m["imbalance_after"] == 4 / 2
-    from ultraep_megatron.megatron import telemetry
+    from ultraep_megatron.megatron.run import telemetry
 
     assert telemetry.load_imbalance is planner.load_imbalance

@@ -16,9 +16,9 @@ import shutil
 import numpy as np
 import pytest
 
-from ultraep_megatron.megatron import dashboards
-from ultraep_megatron.megatron.dashboards import HEATMAP_METRIC, Dashboard, ImbalanceHistory
-from ultraep_megatron.megatron.telemetry import (
+from ultraep_megatron.megatron.run import dashboards
+from ultraep_megatron.megatron.run.dashboards import HEATMAP_METRIC, Dashboard, ImbalanceHistory
+from ultraep_megatron.megatron.run.telemetry import (
     LOGGED_BALANCER_METRICS, keep_earlier_records, megatron_owned_scalars, megatron_scalars,
 )
 

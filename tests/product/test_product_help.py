@@ -12,7 +12,7 @@ import pytest
 from gloo_launch import run_python
 from product_runs import REPO
 
-from ultraep_megatron.megatron.arguments import add_ultraep_args, escape_stray_percent_in_help
+from ultraep_megatron.megatron.run.arguments import add_ultraep_args, escape_stray_percent_in_help
 from ultraep_megatron.planner.baselines import registry
 from ultraep_megatron.settings.knobs import KNOBS
 

@@ -23,7 +23,7 @@ import pytest
 
 from gloo_launch import run_python
 from product_runs import REPO, recipe_env
-from ultraep_megatron.megatron import compat
+from ultraep_megatron.megatron.release import compat
 
 #: megatron-core release -> (its patch, the number of hunks).
 PATCHES = {"0.19": (REPO / "patches" / "megatron-lm-core_v0.19.0-pretrain_gpt.patch", 3),

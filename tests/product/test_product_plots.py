@@ -28,7 +28,7 @@ from ultraep_megatron.analysis import resume_runs
 from ultraep_megatron.analysis.plotting import COLORS as BALANCER_COLORS, balancer_of
 from ultraep_megatron.cli import main
 from ultraep_megatron.cli.common import EXIT_OK
-from ultraep_megatron.megatron.dashboards import Dashboard
+from ultraep_megatron.megatron.run.dashboards import Dashboard
 
 from product_runs import REPO
 

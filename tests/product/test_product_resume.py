@@ -21,7 +21,7 @@ from processes import run_process_group
 from product_runs import CHECKPOINT_ITERATION, TINY_RECIPE, recipe_env
 
 from ultraep_megatron.analysis import resume_runs
-from ultraep_megatron.megatron.checkpoint_args import checkpoint_args
+from ultraep_megatron.megatron.run.checkpoint_args import checkpoint_args
 from ultraep_megatron.cli import main
 from ultraep_megatron.megatron import recipe_check as check_recipe
 from ultraep_megatron.megatron.recipe_check.model import flops_per_iteration

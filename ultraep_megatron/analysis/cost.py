@@ -16,7 +16,7 @@ objective (paper eq. 1-5):
 * scale-up domains (``Hardware.scale_up_domain``): tokens and weights between ranks of one domain move
   at ``scale_up_gbps``, across domains at ``inter_domain_gbps``; the two links run side by side, so
   a rank's traffic takes the longer of its two link times;
-* where the transfers overlap, as the runtime schedules them (``megatron/context.py``,
+* where the transfers overlap, as the runtime schedules them (``megatron/balanced_layer/context.py``,
   docs/integration.md): the forward weight distribution runs while the tokens are dispatched and
   the main experts compute, and a rank's replica experts wait for it; the backward
   re-materialization runs during the combine's backward and the replicas' backward waits for it;

@@ -1,7 +1,7 @@
 """How every figure of the project is drawn, and the one figure a training run draws too: matplotlib
 on the Agg backend, one colour map for load relative to the mean, integer ticks on counted axes
 (ranks, layers, iterations, slots), saving, and the layer x iteration heatmap of max/mean load
-(:func:`render_heatmap`) that the training dashboards (``megatron/dashboards.py``) log and ``ultraep
+(:func:`render_heatmap`) that the training dashboards (``megatron/run/dashboards.py``) log and ``ultraep
 replay`` writes.
 
 Nothing of the planner or of the offline comparisons: what a balancer looks like in them (its

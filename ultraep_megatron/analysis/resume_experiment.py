@@ -14,7 +14,7 @@ and the environment ``RUN_DIR=OUT/B SAVE_CHECKPOINTS=0 CHECKPOINT_DIR=CKPT`` (th
 conventions), with ``ULTRAEP_PYTHON`` the running interpreter unless it is set. Every run restores
 the checkpoint's model, optimizer, RNG and data position, so all balancers see the same batches.
 The checkpoint's saved arguments are read first, with the reader the caller passes (the command's:
-megatron-core's, ``ultraep_megatron/megatron/checkpoint_args.py``): its ``--train-iters`` is passed
+megatron-core's, ``ultraep_megatron/megatron/run/checkpoint_args.py``): its ``--train-iters`` is passed
 on, since Megatron refuses to resume an LR schedule of another length, and a window past it is
 refused before anything is launched. The checkpoint is never written: a run that changes it
 is reported as failed.

@@ -61,7 +61,7 @@ def run(args) -> int:
     from ultraep_megatron.analysis.resume_experiment import run_experiment
     from ultraep_megatron.analysis.resume_runs import ExperimentError
     from ultraep_megatron.analysis.tables import dump_json
-    from ultraep_megatron.megatron.checkpoint_args import checkpoint_args
+    from ultraep_megatron.megatron.run.checkpoint_args import checkpoint_args
 
     progress = sys.stderr if args.json else sys.stdout
     try:

@@ -7,7 +7,7 @@ A planner setting's rules are :class:`~ultraep_megatron.planner.BalancerConfig`'
 (:meth:`~ultraep_megatron.planner.BalancerConfig.problems`); here each problem it finds is named by
 its flag (:data:`FLAGS`), and the run settings (``runtime_only`` knobs: settings of a training run,
 not of the balancing policy) and the hardware preset are checked. No torch.distributed, no Megatron:
-``megatron/arguments.py`` adds the flags to Megatron's parser, ``cli/`` to ``ultraep``'s.
+``megatron/run/arguments.py`` adds the flags to Megatron's parser, ``cli/`` to ``ultraep``'s.
 """
 
 from __future__ import annotations

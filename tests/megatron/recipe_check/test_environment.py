@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from ultraep_megatron.megatron import arguments, compat
+from ultraep_megatron.megatron.run import arguments
+from ultraep_megatron.megatron.release import compat
 from ultraep_megatron.megatron import recipe_check as rc
 
 RECIPES = Path(__file__).resolve().parents[3] / "recipes"

@@ -115,8 +115,8 @@ def build_layer(ep_size: int, balancer: str | None, num_slots: int, recompute: b
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from ultraep_megatron.megatron.balanced_moe import BalancedMoELayer
-    from ultraep_megatron.megatron.context import BalancingContext
+    from ultraep_megatron.megatron.balanced_layer.balanced_moe import BalancedMoELayer
+    from ultraep_megatron.megatron.balanced_layer.context import BalancingContext
     from ultraep_megatron.planner import BalancerConfig
 
     # Megatron's groups once per process, not once per layer: groups are never freed, and each

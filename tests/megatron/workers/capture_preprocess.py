@@ -89,7 +89,7 @@ def routing_inputs(cfg, trial: int, device):
 
 def preprocess_function(cfg, static, dispatcher, config):
     """The captured work, on the static input buffers; returns its outputs."""
-    from ultraep_megatron.megatron import device_planning
+    from ultraep_megatron.megatron.balanced_layer import device_planning
 
     others, topk_ids, probs, tokens = static
     E = cfg.num_experts
@@ -109,8 +109,8 @@ def preprocess_function(cfg, static, dispatcher, config):
 def dispatcher_stand_in(cfg, topk_ids):
     """The balanced all-to-all dispatcher's state its permutation reads (no process group):
     ``_permutation`` and ``_pairs`` bound to it, as ``tools/bench_critical_path.py`` builds it."""
-    from ultraep_megatron.megatron import dispatchers
-    from ultraep_megatron.megatron.invocation import InvocationState
+    from ultraep_megatron.megatron.balanced_layer import dispatchers
+    from ultraep_megatron.megatron.balanced_layer.invocation import InvocationState
 
     E, S, R = cfg.num_experts, cfg.num_slots, cfg.ep_size
     d = object.__new__(dispatchers.BalancedAlltoAllDispatcher)
@@ -166,7 +166,7 @@ class _StandinGraph:
 
 
 def run_check(cfg, device) -> tuple[bool, str]:
-    from ultraep_megatron.megatron import device_planning
+    from ultraep_megatron.megatron.balanced_layer import device_planning
     from ultraep_megatron.planner import BalancerConfig
     from ultraep_megatron.planner.baselines import registry
 

@@ -114,7 +114,7 @@ def _watched(what: str, synchronize):
 def install_watch() -> None:
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-    from ultraep_megatron.megatron import physical_routing
+    from ultraep_megatron.megatron.balanced_layer import physical_routing
 
     MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _designated(
         "megatron", MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize)

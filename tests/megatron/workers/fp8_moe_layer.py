@@ -39,7 +39,7 @@ import sys
 
 import torch
 
-from ultraep_megatron.megatron import expert_slots
+from ultraep_megatron.megatron.balanced_layer import expert_slots
 from ultraep_megatron.megatron.cpu import backend as cpu_backend
 
 from balanced_moe_layer import HIDDEN, NUM_EXPERTS, TOPK, skew
@@ -79,8 +79,8 @@ def build_layers(ep_size: int, recipe: str | None, balanced: bool, stale_replica
 
     import toy_fp8
     import torch_grouped_linear
-    from ultraep_megatron.megatron.balanced_moe import BalancedMoELayer
-    from ultraep_megatron.megatron.context import BalancingContext
+    from ultraep_megatron.megatron.balanced_layer.balanced_moe import BalancedMoELayer
+    from ultraep_megatron.megatron.balanced_layer.context import BalancingContext
     from ultraep_megatron.planner import BalancerConfig
 
     if not parallel_state.model_parallel_is_initialized():
@@ -146,8 +146,8 @@ def offloading_refusal(ep_size: int) -> str:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     import torch_grouped_linear
-    from ultraep_megatron.megatron.balanced_moe import BalancedMoELayer
-    from ultraep_megatron.megatron.context import BalancingContext
+    from ultraep_megatron.megatron.balanced_layer.balanced_moe import BalancedMoELayer
+    from ultraep_megatron.megatron.balanced_layer.context import BalancingContext
     from ultraep_megatron.planner import BalancerConfig
 
     config = TransformerConfig(

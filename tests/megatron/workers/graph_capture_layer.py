@@ -98,8 +98,8 @@ def build_layer(world: int, balancer, planner, modules: str, dispatcher: str = "
     from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from ultraep_megatron.megatron.context import BalancingContext
-    from ultraep_megatron.megatron.layer_spec import apply_moe_balancer
+    from ultraep_megatron.megatron.balanced_layer.context import BalancingContext
+    from ultraep_megatron.megatron.run.layer_spec import apply_moe_balancer
     from ultraep_megatron.planner import BalancerConfig
 
     if not parallel_state.model_parallel_is_initialized():

@@ -107,8 +107,8 @@ def build_model(sc, balancer):
 
     import torch_grouped_linear
     from megatron_records import set_expert_bias
-    from ultraep_megatron.megatron.context import BalancingContext
-    from ultraep_megatron.megatron.layer_spec import apply_moe_balancer
+    from ultraep_megatron.megatron.balanced_layer.context import BalancingContext
+    from ultraep_megatron.megatron.run.layer_spec import apply_moe_balancer
     from ultraep_megatron.planner import BalancerConfig
 
     from megatron.core import parallel_state
@@ -193,8 +193,8 @@ class NodeCalls:
         except ImportError:  # megatron-core 0.18 keeps it beside the GPT callables
             from megatron.core.models.gpt.fine_grained_callables import TransformerLayerNode
 
-        from ultraep_megatron.megatron.balanced_moe import BalancedMoELayer
-        from ultraep_megatron.megatron import physical_routing
+        from ultraep_megatron.megatron.balanced_layer.balanced_moe import BalancedMoELayer
+        from ultraep_megatron.megatron.balanced_layer import physical_routing
 
         node_stack = []
         forward_impl = TransformerLayerNode.forward_impl
@@ -223,7 +223,7 @@ class NodeCalls:
 
             wrapped[method] = original
             setattr(BalancedMoELayer, method, recording)
-        from ultraep_megatron.megatron.expert_slots import ReplicaExperts
+        from ultraep_megatron.megatron.balanced_layer.expert_slots import ReplicaExperts
 
         delayed = ReplicaExperts.delayed_weight_grads
 
@@ -248,7 +248,7 @@ def _reduced_before_backward_dw():
     """The negative control's fault: every balanced layer reduces its replica gradients in the
     experts' backward, as without --delay-wgrad-compute, i.e. before backward_dw() computed them
     (the replica experts' linears then hand autograd gradients not computed yet)."""
-    from ultraep_megatron.megatron.balanced_moe import BalancedMoELayer
+    from ultraep_megatron.megatron.balanced_layer.balanced_moe import BalancedMoELayer
 
     original = BalancedMoELayer.__init__
 
@@ -266,7 +266,7 @@ def _reduced_before_backward_dw():
 def _dw_hooks_in_plan_order():
     """The order fault: a balanced layer whose invocation replicated one of its local experts runs
     the held-back DDP hooks of its experts' linears in reverse (the order then depends on the plan)."""
-    from ultraep_megatron.megatron import balanced_moe
+    from ultraep_megatron.megatron.balanced_layer import balanced_moe
 
     original = balanced_moe._deferred_wgrad_hooks
 

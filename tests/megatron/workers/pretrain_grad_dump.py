@@ -89,7 +89,7 @@ def _skip_rematerialization():
     """The backward's re-materialization copies nothing (the buffer is still marked as holding
     the invocation's replicas), so replica backwards use what a later layer left there."""
     from ultraep_megatron.dataplane import ReplicaBuffer
-    from ultraep_megatron.megatron.physical_routing import _in_backward_pass
+    from ultraep_megatron.megatron.balanced_layer.physical_routing import _in_backward_pass
 
     def replacement(original):
         def distribute_weights(self, schedule, main_weights, **kwargs):
@@ -106,7 +106,7 @@ def _replica_gets_other_layer_weights():
     rank's model, cyclically (a rank with one MoE layer is unaffected)."""
     import gc
 
-    from ultraep_megatron.megatron.balanced_moe import BalancedMoELayer
+    from ultraep_megatron.megatron.balanced_layer.balanced_moe import BalancedMoELayer
 
     def replacement(original):
         def main_expert_weights(self):
@@ -122,7 +122,7 @@ def _rematerialized_from_another_microbatch():
     """The backward re-materializes a layer's replicas per the plan whose replicas the buffer holds
     when it starts (under megatron's overlapped schedule: the other microbatch's latest forward),
     not per its own invocation's, and then counts the buffer as holding its own."""
-    from ultraep_megatron.megatron.context import BalancingContext
+    from ultraep_megatron.megatron.balanced_layer.context import BalancingContext
 
     def replacement(original):
         def start_rematerialization(self, invocation, main_weights):
@@ -139,7 +139,7 @@ def _rematerialized_from_another_microbatch():
 
 def _unbalanced_mtp_layer():
     """The MTP block keeps Megatron's own MoELayer (its spec is not balanced)."""
-    from ultraep_megatron.megatron import layer_spec
+    from ultraep_megatron.megatron.run import layer_spec
 
     return _patched(layer_spec, "_balanced_mtp_block_spec",
                     lambda original: lambda megatron_mtp_block_spec: megatron_mtp_block_spec)
@@ -149,7 +149,7 @@ def _replays_in_forward_order():
     """Activation-recompute replays take the parked runs of a layer strictly oldest first, also
     the runs of one model forward (the MTP block's shared layer), which are replayed in reverse:
     every run is parked as a model forward of its own."""
-    from ultraep_megatron.megatron.ring import VirtualLayerRing
+    from ultraep_megatron.megatron.balanced_layer.ring import VirtualLayerRing
 
     def replacement(original):
         def park_for_recompute(self, layer, vid, runs_per_forward=1):
@@ -163,7 +163,7 @@ def _grads_ready_in_plan_order():
     """The order fault: only the main experts with a replica wait for the replica-gradient
     reduction; the others' gradients are accumulated (and handed to DDP's buckets) as soon as
     their own backward produced them, so the order buckets complete in follows the local plan."""
-    from ultraep_megatron.megatron import replica_autograd
+    from ultraep_megatron.megatron.balanced_layer import replica_autograd
 
     def replacement(original):
         def apply(layer, state, received, *params):
@@ -195,7 +195,7 @@ def _plan_dependent_node_before_dispatch():
     stay right, but their gradient accumulation (and DDP's grad-ready hook) now waits for the
     dispatch's backward: DDP sees the experts' gradients ready in an order of the local plan's
     making."""
-    from ultraep_megatron.megatron.balanced_moe import BalancedMoELayer
+    from ultraep_megatron.megatron.balanced_layer.balanced_moe import BalancedMoELayer
 
     def replacement(original):
         def preprocess(self, hidden_states, probs, routing_map):
@@ -215,7 +215,7 @@ def _replicas_before_param_gather():
     """The gather fault: the replicas are copied from the main experts without first completing
     megatron's parameter all-gather for them (--overlap-param-gather), i.e. from the previous step's
     weights in the shards other ranks own."""
-    from ultraep_megatron.megatron.balanced_moe import BalancedMoELayer
+    from ultraep_megatron.megatron.balanced_layer.balanced_moe import BalancedMoELayer
 
     return _patched(BalancedMoELayer, "_prepare_main_params", lambda original: lambda self: None)
 
@@ -223,7 +223,7 @@ def _replicas_before_param_gather():
 def _mxfp8_parameters_without_reuse_accepted():
     """The startup check accepts MXFP8 parameters without --reuse-grad-buf-for-mxfp8-param-ag (to
     show what megatron then does with them)."""
-    from ultraep_megatron.megatron import capabilities
+    from ultraep_megatron.megatron.balanced_layer import capabilities
 
     return _patched(capabilities, "_mxfp8_parameter_problems", lambda original: lambda get: [])
 
@@ -314,8 +314,8 @@ def record_quantized_weights(out: dict, current_iteration) -> None:
     import hashlib
 
     import fp8_param_standin
-    from ultraep_megatron.megatron import expert_slots
-    from ultraep_megatron.megatron.balanced_moe import BalancedMoELayer
+    from ultraep_megatron.megatron.balanced_layer import expert_slots
+    from ultraep_megatron.megatron.balanced_layer.balanced_moe import BalancedMoELayer
 
     record = out["fp8_params"] = {"replicas": [], "homes": {}, "weight_classes": set(),
                                   "calls": fp8_param_standin.CALLS}
@@ -391,7 +391,7 @@ def main():
     from megatron.training.global_vars import get_args
 
     from ultraep_megatron import planner
-    from ultraep_megatron.megatron.context import BalancingContext
+    from ultraep_megatron.megatron.balanced_layer.context import BalancingContext
 
     out = {"grads": {}, "expert_bias": {}, "eval": []}
     names = {}

@@ -21,8 +21,8 @@ from megatron.training.arguments import parse_and_validate_args  # noqa: E402
 from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator  # noqa: E402
 from megatron.training.global_vars import destroy_global_vars  # noqa: E402
 
-from ultraep_megatron.megatron.arguments import add_ultraep_args, startup_problems  # noqa: E402
-from ultraep_megatron.megatron.startup import parse_megatron_args  # noqa: E402
+from ultraep_megatron.megatron.run.arguments import add_ultraep_args, startup_problems  # noqa: E402
+from ultraep_megatron.megatron.run.startup import parse_megatron_args  # noqa: E402
 
 
 def main():

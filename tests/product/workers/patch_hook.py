@@ -98,7 +98,7 @@ def run_019(blocks: list[str], argv: list[str]) -> dict:
 
 def run_018(blocks: list[str], argv: list[str]) -> dict:
     imports, provider_arg, setup, provider_line = blocks
-    from ultraep_megatron.megatron import legacy_model
+    from ultraep_megatron.megatron.release import legacy_model
 
     checkout_builds = []
 

@@ -33,7 +33,7 @@ Usage::
     backend.activate()          # before building Megatron models; idempotent
 
 The balancer's own host code (planning, reroute, replica transfers) runs without the device mapping
-(:func:`ultraep_megatron.megatron.native_torch.native_torch`, which the hot path imports instead of
+(:func:`ultraep_megatron.megatron.balanced_layer.native_torch.native_torch`, which the hot path imports instead of
 anything here): it names no CUDA device, and the mode's per-call dispatch would be most of its cost.
 
 Limit: Python backward functions see the device mapping when the backward pass starts with

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ultraep_megatron.megatron import native_torch
+from ultraep_megatron.megatron.balanced_layer import native_torch
 from ultraep_megatron.megatron.cpu import megatron_patches
 from ultraep_megatron.megatron.cpu.device_mapping import CudaAsCpuMode
 from ultraep_megatron.megatron.cpu.torch_cuda import (

@@ -1,7 +1,7 @@
 """The device mapping: a torch-function mode under which "cuda" means the CPU.
 
 :func:`~.backend.activate` pushes one :class:`CudaAsCpuMode` for the life of the process and
-registers it with :mod:`~ultraep_megatron.megatron.native_torch`, which the balancer's host code
+registers it with :mod:`~ultraep_megatron.megatron.balanced_layer.native_torch`, which the balancer's host code
 uses to run without it.
 """
 

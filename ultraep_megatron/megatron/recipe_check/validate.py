@@ -90,10 +90,10 @@ def validate_arguments(script_args: Sequence[str], world_size: int) -> tuple[arg
         from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
         from megatron.training.arguments import validate_args
 
-        from ultraep_megatron.megatron.arguments import startup_problems as ultraep_startup_problems
-        from ultraep_megatron.megatron.arguments import validate_ultraep_args
-        from ultraep_megatron.megatron.megatron_checks import assertion_problem
-        from ultraep_megatron.megatron.startup import parse_megatron_args
+        from ultraep_megatron.megatron.run.arguments import startup_problems as ultraep_startup_problems
+        from ultraep_megatron.megatron.run.arguments import validate_ultraep_args
+        from ultraep_megatron.megatron.run.megatron_checks import assertion_problem
+        from ultraep_megatron.megatron.run.startup import parse_megatron_args
 
     import torch
 
@@ -184,7 +184,7 @@ def startup_problems(args: argparse.Namespace) -> list[str]:
 def environment_notes(args: argparse.Namespace) -> list[str]:
     """What the recipe's GPU nodes need installed that this machine cannot import, one line each
     (``capabilities.missing_packages``): no problem of the recipe, which this machine does not run."""
-    from ultraep_megatron.megatron import capabilities
+    from ultraep_megatron.megatron.balanced_layer import capabilities
 
     with quiet_megatron():
         missing = capabilities.missing_packages(args)

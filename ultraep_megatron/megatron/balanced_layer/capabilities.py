@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ultraep_megatron.megatron import compat
+from ultraep_megatron.megatron.release import compat
 from ultraep_megatron.planner.baselines import registry
 
 

@@ -15,7 +15,7 @@ import weakref
 from typing import Dict, Optional
 
 from ultraep_megatron import planner
-from ultraep_megatron.megatron.invocation import Invocation
+from ultraep_megatron.megatron.balanced_layer.invocation import Invocation
 from ultraep_megatron.planner import BalancerConfig
 
 

@@ -20,10 +20,10 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from ultraep_megatron.megatron.context import BalancingContext
-from ultraep_megatron.megatron.expert_slots import is_quantized
-from ultraep_megatron.megatron.invocation import Invocation, InvocationState
-from ultraep_megatron.megatron.native_torch import native_torch
+from ultraep_megatron.megatron.balanced_layer.context import BalancingContext
+from ultraep_megatron.megatron.balanced_layer.expert_slots import is_quantized
+from ultraep_megatron.megatron.balanced_layer.invocation import Invocation, InvocationState
+from ultraep_megatron.megatron.balanced_layer.native_torch import native_torch
 
 
 def _keep(ctx, layer, state: InvocationState) -> None:

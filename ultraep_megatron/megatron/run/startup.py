@@ -19,8 +19,8 @@ import types
 from typing import Sequence
 from unittest import mock
 
-from ultraep_megatron.megatron.arguments import add_ultraep_args, startup_problems
-from ultraep_megatron.megatron.megatron_checks import parser_error_hint
+from ultraep_megatron.megatron.run.arguments import add_ultraep_args, startup_problems
+from ultraep_megatron.megatron.run.megatron_checks import parser_error_hint
 from ultraep_megatron.megatron.cpu import backend as cpu_backend
 from ultraep_megatron.megatron.cpu import flags as cpu_flags
 

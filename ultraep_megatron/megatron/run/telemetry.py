@@ -28,9 +28,9 @@ from typing import Any, Optional
 
 import torch
 
-from ultraep_megatron.megatron.context import BalancingContext
-from ultraep_megatron.megatron.layer_ids import moe_layer_id
-from ultraep_megatron.megatron.observers import BalancerStats
+from ultraep_megatron.megatron.balanced_layer.context import BalancingContext
+from ultraep_megatron.megatron.balanced_layer.layer_ids import moe_layer_id
+from ultraep_megatron.megatron.balanced_layer.observers import BalancerStats
 from ultraep_megatron.planner import load_imbalance
 
 #: Metric-name prefix in tensorboard / wandb.
@@ -289,7 +289,7 @@ class _TrainingLogHook:
                                                    dst_rank=last_rank)
         if torch.distributed.get_rank() != last_rank:
             return
-        from ultraep_megatron.megatron.dashboards import log_scalars
+        from ultraep_megatron.megatron.run.dashboards import log_scalars
 
         writer, wandb_writer = get_tensorboard_writer(), get_wandb_writer()
         before = {layer: v["imbalance_before"] for layer, v in (balancer_stats or {}).items()}
@@ -363,6 +363,6 @@ def install(model_cfg: Any, args: Any, balancing: Optional[BalancingContext] = N
     if not isinstance(training.training_log, _TrainingLogHook):
         training.training_log = _TrainingLogHook(training.training_log, tracker, args.metrics_jsonl,
                                                  balancing)
-        from ultraep_megatron.megatron.dashboards import Dashboard
+        from ultraep_megatron.megatron.run.dashboards import Dashboard
 
         training.training_log.dashboard = Dashboard(args)

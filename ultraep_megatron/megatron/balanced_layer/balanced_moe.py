@@ -82,18 +82,18 @@ from megatron.core.transformer.cuda_graphs import is_graph_capturing
 from megatron.core.transformer.enums import CudaGraphModule
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
-from ultraep_megatron.megatron.capabilities import preprocess_graphed, unsupported_moe_settings
-from ultraep_megatron.megatron.context import BalancingContext, LayerRegistration
-from ultraep_megatron.megatron.dispatchers import balanced_dispatcher_class
-from ultraep_megatron.megatron.expert_slots import (
+from ultraep_megatron.megatron.balanced_layer.capabilities import preprocess_graphed, unsupported_moe_settings
+from ultraep_megatron.megatron.balanced_layer.context import BalancingContext, LayerRegistration
+from ultraep_megatron.megatron.balanced_layer.dispatchers import balanced_dispatcher_class
+from ultraep_megatron.megatron.balanced_layer.expert_slots import (
     ExpertParamLookup,
     ExpertWeightLayout,
     build_replica_experts,
     expert_param_names,
 )
-from ultraep_megatron.megatron.invocation import InvocationState, Reduction
-from ultraep_megatron.megatron.layer_ids import moe_layer_id
-from ultraep_megatron.megatron.replica_autograd import (
+from ultraep_megatron.megatron.balanced_layer.invocation import InvocationState, Reduction
+from ultraep_megatron.megatron.balanced_layer.layer_ids import moe_layer_id
+from ultraep_megatron.megatron.balanced_layer.replica_autograd import (
     ReduceReplicaGrads,
     StartInBackward,
     gradient_targets,
@@ -101,8 +101,8 @@ from ultraep_megatron.megatron.replica_autograd import (
     reduced_grads,
     run_replicas_in_graph,
 )
-from ultraep_megatron.megatron.ring import invocations_per_forward, overlapped_schedule
-from ultraep_megatron.megatron.router_topk import install_topk_tap, topk_indices
+from ultraep_megatron.megatron.balanced_layer.ring import invocations_per_forward, overlapped_schedule
+from ultraep_megatron.megatron.balanced_layer.router_topk import install_topk_tap, topk_indices
 
 
 class BalancedMoELayer(MoELayer):
@@ -168,7 +168,7 @@ class BalancedMoELayer(MoELayer):
 
     def set_layer_number(self, layer_number: int) -> None:
         """Megatron's numbering for the router; ``layer_number`` here is the balancer's layer id
-        (:func:`~ultraep_megatron.megatron.layer_ids.moe_layer_id`: MTP layers after the
+        (:func:`~ultraep_megatron.megatron.balanced_layer.layer_ids.moe_layer_id`: MTP layers after the
         decoder), by which the ring, telemetry and traces tell layers apart."""
         super().set_layer_number(layer_number)
         self.layer_number = moe_layer_id(self.router)
@@ -186,7 +186,7 @@ class BalancedMoELayer(MoELayer):
 
     def main_expert_weights(self) -> List[List[torch.Tensor]]:
         """``[local expert][part]`` what the weight distribution moves: the parameters, or the bytes
-        of quantized ones (:class:`~ultraep_megatron.megatron.expert_slots.ExpertWeightLayout`)."""
+        of quantized ones (:class:`~ultraep_megatron.megatron.balanced_layer.expert_slots.ExpertWeightLayout`)."""
         layout = self.expert_weight_layout
         return [layout.main_weights(params) for params in self.main_expert_param_lists()]
 

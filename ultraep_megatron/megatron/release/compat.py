@@ -107,7 +107,7 @@ def default_layer_spec(model_cfg: Any, vp_stage: Optional[int]):
     """Megatron's default layer spec for ``model_cfg`` (the object :func:`gpt_model_from_args`
     returned) and the virtual pipeline stage ``vp_stage``."""
     if is_018():
-        from ultraep_megatron.megatron.legacy_model import default_layer_spec as spec_018
+        from ultraep_megatron.megatron.release.legacy_model import default_layer_spec as spec_018
 
         return spec_018(model_cfg, vp_stage)
     from megatron.training.models.gpt import default_layer_spec as spec_019
@@ -120,7 +120,7 @@ def gpt_model_from_args(args: Any):
     ``post_wrap_hooks`` (each ``hook(model_chunks) -> model_chunks``, run once the model is built):
     0.19's ``GPTModelConfig``; on 0.18 a :class:`~.legacy_model.GPTModelProvider`."""
     if is_018():
-        from ultraep_megatron.megatron.legacy_model import GPTModelProvider
+        from ultraep_megatron.megatron.release.legacy_model import GPTModelProvider
 
         return GPTModelProvider(args)
     from megatron.training.argument_utils import gpt_config_from_args
@@ -135,7 +135,7 @@ def wrap_mtp_block_spec(wrap: Callable[[Callable], Callable]) -> None:
     module-level function: 0.19's ``megatron.training.models.gpt.mtp_block_spec``, 0.18's
     :func:`.legacy_model.mtp_block_spec`."""
     if is_018():
-        from ultraep_megatron.megatron import legacy_model as module
+        from ultraep_megatron.megatron.release import legacy_model as module
     else:
         from megatron.training.models import gpt as module
     if not getattr(module.mtp_block_spec, "ultraep_balanced", False):

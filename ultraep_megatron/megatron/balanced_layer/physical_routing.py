@@ -27,10 +27,10 @@ from typing import Optional
 
 import torch
 
-from ultraep_megatron.megatron.context import BalancingContext
-from ultraep_megatron.megatron.invocation import Invocation, InvocationState
-from ultraep_megatron.megatron.native_torch import native_torch
-from ultraep_megatron.megatron.router_topk import topk_indices
+from ultraep_megatron.megatron.balanced_layer.context import BalancingContext
+from ultraep_megatron.megatron.balanced_layer.invocation import Invocation, InvocationState
+from ultraep_megatron.megatron.balanced_layer.native_torch import native_torch
+from ultraep_megatron.megatron.balanced_layer.router_topk import topk_indices
 from ultraep_megatron.planner import LayerBalancer, reroute
 
 

@@ -24,14 +24,14 @@ import functools
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 if TYPE_CHECKING:
-    from ultraep_megatron.megatron.context import BalancingContext
+    from ultraep_megatron.megatron.balanced_layer.context import BalancingContext
 
 
 def _balanced_mlp(mlp: Any, balancing: BalancingContext) -> Any:
     """The MoE ``mlp`` builder with ``BalancedMoELayer`` in place of megatron's ``MoELayer``."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    from ultraep_megatron.megatron.balanced_moe import BalancedMoELayer
+    from ultraep_megatron.megatron.balanced_layer.balanced_moe import BalancedMoELayer
 
     if isinstance(mlp, functools.partial) and isinstance(mlp.func, type) and issubclass(mlp.func, MoELayer):
         return functools.partial(BalancedMoELayer, *mlp.args, **mlp.keywords,
@@ -87,7 +87,7 @@ def moe_balanced_layer_spec(config: Any, vp_stage: int | None = None, *,
     """``GPTModelConfig.transformer_layer_spec`` callable: Megatron's default spec for
     ``config`` (a GPTModelConfig; on 0.18 the model provider) and ``vp_stage``, with the MoE layers
     balanced by ``balancing`` (``None``: unchanged)."""
-    from ultraep_megatron.megatron import compat
+    from ultraep_megatron.megatron.release import compat
 
     return apply_moe_balancer(compat.default_layer_spec(config, vp_stage), balancing)
 
@@ -119,7 +119,7 @@ def unbalanced_moe_layers(model_chunks: Sequence[Any]) -> list[str]:
     that are not ``BalancedMoELayer``s."""
     from megatron.core.transformer.moe.moe_layer import BaseMoELayer
 
-    from ultraep_megatron.megatron.balanced_moe import BalancedMoELayer
+    from ultraep_megatron.megatron.balanced_layer.balanced_moe import BalancedMoELayer
 
     found = []
     for chunk in model_chunks:
@@ -145,7 +145,7 @@ def balance_moe_layers(model_cfg: Any, balancing: Optional[BalancingContext]) ->
     """
     if balancing is None:
         return
-    from ultraep_megatron.megatron import compat
+    from ultraep_megatron.megatron.release import compat
 
     model_cfg.transformer_layer_spec = functools.partial(moe_balanced_layer_spec, balancing=balancing)
     # The builder calls a module-level mtp_block_spec, which rebuilds the MTP layer from Megatron's

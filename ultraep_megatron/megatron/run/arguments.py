@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-from ultraep_megatron.megatron import capabilities
+from ultraep_megatron.megatron.balanced_layer import capabilities
 from ultraep_megatron.planner import BalancerConfig
 from ultraep_megatron.planner.baselines import registry
 from ultraep_megatron.planner.device_solve import triton_available
@@ -93,7 +93,7 @@ def balancing_context_from_args(args: argparse.Namespace):
     values = knob_values(args)
     if args.moe_balancer == registry.NONE:
         return None
-    from ultraep_megatron.megatron.context import BalancingContext
+    from ultraep_megatron.megatron.balanced_layer.context import BalancingContext
 
     settings = {field: values[field] for field in RUN_SETTINGS}
     settings["planner"] = settings["planner"] or capabilities.default_planner(
@@ -207,7 +207,7 @@ def startup_problems(args: argparse.Namespace, environment: bool = True) -> tupl
     this machine lacks, and the trace directory is created; ``False`` judges the configuration for
     the machines it targets (``ultraep check-recipe``), probing the trace directory without making
     it."""
-    from ultraep_megatron.megatron.megatron_checks import megatron_arg_problems
+    from ultraep_megatron.megatron.run.megatron_checks import megatron_arg_problems
 
     errors, warnings = megatron_arg_problems(args), []
     balancer = ultraep_arg_problems(args, environment)

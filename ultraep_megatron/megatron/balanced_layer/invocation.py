@@ -27,7 +27,7 @@ import torch
 
 from ultraep_megatron import planner
 from ultraep_megatron.dataplane import TransferHandle, TransferSchedule
-from ultraep_megatron.megatron.device_planning import DevicePlanned
+from ultraep_megatron.megatron.balanced_layer.device_planning import DevicePlanned
 
 
 @dataclass(frozen=True, eq=False)

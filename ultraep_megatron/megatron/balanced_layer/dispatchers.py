@@ -26,10 +26,10 @@ from megatron.core.transformer.moe.token_dispatcher import (
     _HybridEPManager,
 )
 
-from ultraep_megatron.megatron.capabilities import flex_backend_problem
-from ultraep_megatron.megatron.invocation import Invocation
-from ultraep_megatron.megatron.native_torch import native_torch
-from ultraep_megatron.megatron.physical_routing import PhysicalSlotRouting, instances_of_positions
+from ultraep_megatron.megatron.balanced_layer.capabilities import flex_backend_problem
+from ultraep_megatron.megatron.balanced_layer.invocation import Invocation
+from ultraep_megatron.megatron.balanced_layer.native_torch import native_torch
+from ultraep_megatron.megatron.balanced_layer.physical_routing import PhysicalSlotRouting, instances_of_positions
 
 
 class BalancedAlltoAllDispatcher(PhysicalSlotRouting, MoEAlltoAllTokenDispatcher):

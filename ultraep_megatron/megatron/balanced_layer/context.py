@@ -39,13 +39,13 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 from ultraep_megatron.dataplane import ReplicaBuffer, TransferHandle
-from ultraep_megatron.megatron import device_planning
-from ultraep_megatron.megatron.device_planning import PLANNERS, DevicePlanned
-from ultraep_megatron.megatron.expert_slots import ExpertWeightLayout, ReplicaExperts
-from ultraep_megatron.megatron.invocation import Invocation, InvocationState, plan_invocation
-from ultraep_megatron.megatron.native_torch import native_torch
-from ultraep_megatron.megatron.observers import BalancerStats, TraceRecorder
-from ultraep_megatron.megatron.ring import VirtualLayerRing, schedule_inflight_microbatches
+from ultraep_megatron.megatron.balanced_layer import device_planning
+from ultraep_megatron.megatron.balanced_layer.device_planning import PLANNERS, DevicePlanned
+from ultraep_megatron.megatron.balanced_layer.expert_slots import ExpertWeightLayout, ReplicaExperts
+from ultraep_megatron.megatron.balanced_layer.invocation import Invocation, InvocationState, plan_invocation
+from ultraep_megatron.megatron.balanced_layer.native_torch import native_torch
+from ultraep_megatron.megatron.balanced_layer.observers import BalancerStats, TraceRecorder
+from ultraep_megatron.megatron.balanced_layer.ring import VirtualLayerRing, schedule_inflight_microbatches
 from ultraep_megatron.planner import BalancerConfig, LayerBalancer
 from ultraep_megatron.planner.baselines.registry import ULTRAEP
 
