@@ -16,7 +16,7 @@ import types
 import pytest
 import torch
 
-from planner_helpers import assign_tokens, planned_routings, random_routing, routing_cases
+from planner_helpers import assign_tokens, host_balancer_cases, planned_routings, random_routing, routing_cases
 from ultraep_megatron.megatron.balanced_layer import device_planning
 from ultraep_megatron.megatron.balanced_layer.dispatchers import BalancedAlltoAllDispatcher
 from ultraep_megatron.megatron.balanced_layer.invocation import InvocationState, plan_invocation
@@ -113,19 +113,14 @@ def test_device_plan_crosses_to_the_host_intact():
     balancer under every trigger setting: ``tests/planner/test_device_balancer.py``)."""
     config = BalancerConfig("ultraep", num_slots=2)
     seen = set()
-    for seed in range(4):
-        _, load, _ = planned_routings(4, 16, 2, 3, 33 * (seed + 1), seed)
-        for candidate in (load, torch.zeros_like(load), torch.ones_like(load)):
-            host = config.build()
-            balanced = host.balances(candidate)
-            expected = host.plan(candidate, balances=balanced)
-            seen.add(balanced)
-            planned_ = device_planning.plan_on_device(candidate, config, 1, training=True, grad_enabled=True)
-            load_back, plan_back, balanced_back = device_planning.unpack_host_half(planned_.host_half.clone(), 4, 16, 2)
-            assert torch.equal(load_back, candidate) and balanced_back == balanced
-            assert plan_back.threshold == expected.threshold
-            for field in ("slot_expert", "quota", "physical_split"):
-                assert torch.equal(getattr(plan_back, field), getattr(expected, field)), field
+    for candidate, balanced, expected in host_balancer_cases(config):
+        seen.add(balanced)
+        planned_ = device_planning.plan_on_device(candidate, config, 1, training=True, grad_enabled=True)
+        load_back, plan_back, balanced_back = device_planning.unpack_host_half(planned_.host_half.clone(), 4, 16, 2)
+        assert torch.equal(load_back, candidate) and balanced_back == balanced
+        assert plan_back.threshold == expected.threshold
+        for field in ("slot_expert", "quota", "physical_split"):
+            assert torch.equal(getattr(plan_back, field), getattr(expected, field)), field
     assert seen == {True, False}, "the loads must fall on both sides of the trigger"
 
 

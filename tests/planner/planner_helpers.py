@@ -320,3 +320,15 @@ def planned_routings(R, E, S, k, T, seed):
     if S > 0:
         plans.append(fixed_layout.eplb_exact(load, S))
     return routings, load, plans
+
+
+def host_balancer_cases(config, seeds: int = 4):
+    """``(load, balances, plan)`` of the host balancer built from ``config``, for the loads of
+    :func:`planned_routings` (R=4, E=16) and the all-zero and all-one loads of the same shape:
+    whether its trigger balances the load, and its plan of it (a fresh balancer per load)."""
+    for seed in range(seeds):
+        _, load, _ = planned_routings(4, 16, 2, 3, 33 * (seed + 1), seed)
+        for candidate in (load, torch.zeros_like(load), torch.ones_like(load)):
+            host = config.build()
+            balanced = host.balances(candidate)
+            yield candidate, balanced, host.plan(candidate, balances=balanced)

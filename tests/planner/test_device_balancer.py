@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from planner_helpers import planned_routings
+from planner_helpers import host_balancer_cases
 from ultraep_megatron.planner import BalancerConfig
 from ultraep_megatron.planner.device_balancer import solve_or_identity
 
@@ -16,17 +16,12 @@ from ultraep_megatron.planner.device_balancer import solve_or_identity
 def test_device_plan_equals_the_host_balancer(trigger, min_quota):
     config = BalancerConfig("ultraep", num_slots=2, min_quota=min_quota, trigger=trigger)
     seen = set()
-    for seed in range(4):
-        _, load, _ = planned_routings(4, 16, 2, 3, 33 * (seed + 1), seed)
-        for candidate in (load, torch.zeros_like(load), torch.ones_like(load)):
-            host = config.build()
-            balanced = host.balances(candidate)
-            expected = host.plan(candidate, balances=balanced)
-            plan, device_balanced = solve_or_identity(candidate, config)
-            seen.add(balanced)
-            assert bool(device_balanced) == balanced
-            for field in ("slot_expert", "quota", "physical_split"):
-                assert torch.equal(getattr(plan, field), getattr(expected, field)), field
-            assert int(plan.threshold) == expected.threshold
+    for candidate, balanced, expected in host_balancer_cases(config):
+        plan, device_balanced = solve_or_identity(candidate, config)
+        seen.add(balanced)
+        assert bool(device_balanced) == balanced
+        for field in ("slot_expert", "quota", "physical_split"):
+            assert torch.equal(getattr(plan, field), getattr(expected, field)), field
+        assert int(plan.threshold) == expected.threshold
     if (trigger, min_quota) == (None, None):
         assert seen == {True, False}, "the loads must fall on both sides of the trigger"
