@@ -24,7 +24,7 @@ overlapped 1F1B schedule) follow Transformer Engine's contract (``module/grouped
   ``main_grad`` and marks the parameter ready for its bucket reduction.
 
 Under fp8 the stashed GEMMs are ``te_grouped_fp8``'s (quantized operands; the same store and
-``backward_dw``). Left out: fp8 parameters under delay (refused), TE's fused gradient accumulation under delay (``main_grad``
+``backward_dw``). Left out: TE's fused gradient accumulation under delay (``main_grad``
 written by ``backward_dw``'s GEMMs; fusion is refused here, as above), ``ub_bulk_wgrad``, the
 grouped-tensor path. The products are the undelayed path's (``grad_i^T @ rows_i`` per group),
 computed later.

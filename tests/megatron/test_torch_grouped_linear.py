@@ -27,8 +27,9 @@ TOPK = 2
 SEQ, BATCH = 16, 2
 STARVED_EXPERT = 7
 RTOL = 1e-5
-#: The delayed-wgrad contract's precisions: high precision and megatron's fp8 recipes (``--fp8-recipe``).
-DELAYED_PRECISIONS = ("fp32", "tensorwise", "blockwise", "mxfp8")
+#: The delayed-wgrad contract's precisions: high precision and megatron's fp8 recipes (``--fp8-recipe``),
+#: with high-precision and with quantized parameters (``-param``: ``--fp8-param-gather``).
+DELAYED_PRECISIONS = ("fp32", "tensorwise", "blockwise", "mxfp8", "tensorwise-param", "blockwise-param", "mxfp8-param")
 #: The fp8 contract's output width (mxfp8 quantizes output gradients in 1 x 32 blocks along it).
 FP8_WIDTH = 64
 # name -> (gated_linear_unit, activation, add_bias_linear)
@@ -219,7 +220,8 @@ def delayed_wgrad_contract(recipe=None) -> dict:
     docstring) against the same linear without it, on two microbatches: outputs and input gradients;
     the weights' gradients after the backward (the not yet computed tensors), after each
     ``backward_dw`` (oldest microbatch first), the hook calls, the parameters' marks. With an fp8
-    ``recipe`` both linears run TE's fp8 grouped GEMM (``te_grouped_fp8``), the rows per expert
+    ``recipe`` (``NAME`` or ``NAME-param``: quantized parameters, megatron's --fp8-param-gather)
+    both linears run TE's fp8 grouped GEMM (``te_grouped_fp8``), the rows per expert
     aligned as megatron pads them, the output width a multiple of mxfp8's blocks; ``hp_wgrad``: the
     high-precision weight gradients of the same rows (what fp8 must differ from)."""
     import copy
@@ -228,9 +230,11 @@ def delayed_wgrad_contract(recipe=None) -> dict:
     from torch_grouped_linear import TorchColumnGroupedLinear
 
     config = make_config(False, "gelu", False, grouped=True)
-    width, align = (FFN, 1) if recipe is None else (FP8_WIDTH, toy_fp8.align_size(recipe))
+    width, align = (FFN, 1) if recipe is None else (FP8_WIDTH, toy_fp8.align_size(recipe.partition("-")[0]))
     if recipe is not None:
+        recipe, _, params = recipe.partition("-")
         toy_fp8.enable_fp8(config, recipe)
+        config.fp8_param = params == "param"  # --fp8-param-gather: quantized weights
     delayed_config = copy.copy(config)
     delayed_config.delay_wgrad_compute = True  # megatron's config asserts the overlap it goes with
     common = dict(bias=False, skip_bias_add=False, is_expert=True, tp_comm_buffer_name=None, pg_collection=None)

@@ -32,8 +32,8 @@ Delayed weight gradients (``config.delay_wgrad_compute``) follow Transformer Eng
 :mod:`grouped_gemm`, which holds the GEMMs (plain, quantized-weight and delayed-wgrad) and the
 ``WeightGradStore``. Under fp8 the backward stashes the fp8 weight-gradient GEMMs (the quantized
 column-wise inputs and output gradients, ``te_grouped_fp8``) in the same store and ``backward_dw``
-runs them, as TE's. Not modelled (refused): delayed weight gradients with fp8 parameters
-(``config.fp8_param``).
+runs them, as TE's; with fp8 parameters (``config.fp8_param``) too (the weight-gradient GEMM
+reads no weight).
 
 fp8 (``config.fp8`` with a current-scaling ``config.fp8_recipe``: tensorwise, blockwise, mxfp8):
 the GEMMs are ``te_grouped_fp8.fp8_grouped_linear``, which quantizes each group's input, weight and
@@ -134,8 +134,8 @@ class TorchGroupedLinear(torch.nn.Module):
 
     Raises:
         ValueError: for an unsupported configuration (non-expert use, FP4, an fp8 recipe without
-            current scaling, fp8 parameters with delayed weight gradients, fused gradient
-            accumulation, single grouped weight/bias parameters).
+            current scaling, fused gradient accumulation, single grouped weight/bias
+            parameters).
     """
 
     def __init__(
@@ -172,10 +172,6 @@ class TorchGroupedLinear(torch.nn.Module):
         ]
         if unsupported:
             raise ValueError(f"TorchGroupedLinear does not support config flags {unsupported}")
-        if (getattr(config, "fp8", None) and getattr(config, "fp8_param", False)
-                and getattr(config, "delay_wgrad_compute", False)):
-            raise ValueError("TorchGroupedLinear: delayed weight gradients with fp8 parameters "
-                             "(--fp8-param-gather with --delay-wgrad-compute) are not modelled")
         if getattr(config, "fp8", None) and config.fp8_recipe not in toy_fp8.CURRENT_SCALING_RECIPES:
             raise ValueError(f"TorchGroupedLinear: fp8 recipe {config.fp8_recipe!r} is not modelled "
                              f"(current scaling only: {toy_fp8.CURRENT_SCALING_RECIPES})")
