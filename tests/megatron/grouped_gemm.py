@@ -23,7 +23,8 @@ overlapped 1F1B schedule) follow Transformer Engine's contract (``module/grouped
   (``_trigger_wgrad_accumulation_and_reduce_hooks``), where megatron's DDP adds ``.grad`` to
   ``main_grad`` and marks the parameter ready for its bucket reduction.
 
-Left out: fp8 under delay (refused), TE's fused gradient accumulation under delay (``main_grad``
+Under fp8 the stashed GEMMs are ``te_grouped_fp8``'s (quantized operands; the same store and
+``backward_dw``). Left out: TE's fused gradient accumulation under delay (``main_grad``
 written by ``backward_dw``'s GEMMs; fusion is refused here, as above), ``ub_bulk_wgrad``, the
 grouped-tensor path. The products are the undelayed path's (``grad_i^T @ rows_i`` per group),
 computed later.

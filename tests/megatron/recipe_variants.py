@@ -75,8 +75,8 @@ DROPPED = {
                                      "flex and flex-hybridep scenarios",
     "--delay-wgrad-compute": "megatron delays the weight gradients only of Transformer Engine's linears "
                              "(its argument check asserts --transformer-impl transformer_engine); ultraep "
-                             "with them runs in test_overlapped_schedule.py's delay scenarios, over a "
-                             "stand-in of TE's delayed-wgrad contract",
+                             "with them runs in test_overlapped_schedule.py's delay scenarios (bf16 and "
+                             "tensorwise fp8), over a stand-in of TE's delayed-wgrad contract",
     "--sequence-parallel": "the variant runs TP 1 (see --tensor-model-parallel-size), where sequence "
                            "parallelism has nothing to split",
     "--account-for-embedding-in-pipeline-split": "the variant's 4 layers fill its virtual stages evenly "

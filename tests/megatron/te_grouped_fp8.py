@@ -14,6 +14,15 @@ What it follows (TransformerEngine, ``transformer_engine/``):
   gradient quantizer, row-wise for the input gradient (``layout="NN"``) and column-wise for the
   weight gradient (``layout="NT"``). fprop: ``x_row @ w_row.T``; dgrad: ``dy_row @ w_col``; wgrad:
   ``dy_col.T @ x_col``. Weight gradients come out in high precision.
+* delayed weight gradients (``delay_wgrad_compute``, the same ``_GroupedLinear.backward`` and
+  ``GroupedLinear.backward_dw``): the backward quantizes each group's output gradient as above,
+  computes the input gradient, and puts the weight-gradient grouped GEMM into the module's
+  ``WeightGradStore`` with its operands (the column-wise quantized inputs saved in the forward,
+  TE's ``inputmats``, and the quantized output gradients) and the tensors it will write, which the
+  backward returns for the weights; ``backward_dw`` runs it later (``grouped_gemm.WeightGradStore``;
+  the module's side is ``torch_grouped_linear``'s). The values are the undelayed path's, bit for
+  bit. Bias gradients come in the backward under fp8, as TE's (its fused ``dbias`` with the
+  gradient's quantization).
 * ``common/recipe/__init__.py``: the data formats (``--fp8-format e4m3``: e4m3 everywhere;
   ``hybrid``: e4m3 forward, e5m2 for gradients) and the recipes' scale options as megatron builds
   them (``Float8CurrentScaling``: fp32 scales, powers of two with
@@ -353,14 +362,15 @@ class _Fp8GroupedLinear(torch.autograd.Function):
     high-precision gradient per weight."""
 
     @staticmethod
-    def forward(ctx, rows, recipe, m_splits, operands, *weights):
+    def forward(ctx, rows, recipe, m_splits, operands, wgrad_store, *weights):
         chunks = torch.split(rows, list(m_splits))
         outs, saved_inputs = [], []
         for chunk, operand in zip(chunks, operands):
             x_row, x_col = quantize_activation(chunk, recipe, recipe.forward_format)
             outs.append(x_row @ operand.rowwise.t())
             saved_inputs.append(x_col)
-        ctx.recipe, ctx.m_splits = recipe, tuple(m_splits)
+        ctx.recipe, ctx.m_splits, ctx.wgrad_store = recipe, tuple(m_splits), wgrad_store
+        ctx.weight_shapes = [w.shape for w in weights]
         ctx.quantized = [operand.quantized is not None for operand in operands]  # no tensor kept in ctx
         ctx.weight_dtypes = [w.dtype for w in weights]
         ctx.save_for_backward(*saved_inputs, *[operand.saved() for operand in operands])
@@ -371,23 +381,42 @@ class _Fp8GroupedLinear(torch.autograd.Function):
     def backward(ctx, grad):
         saved, num_gemms = ctx.saved_tensors, len(ctx.quantized)
         inputs, weights = saved[:num_gemms], saved[num_gemms:]
-        grad_inputs, grad_weights = [], []
-        for dy, x_col, weight, quantized in zip(torch.split(grad, list(ctx.m_splits)), inputs, weights, ctx.quantized):
+        grad_inputs, grad_columnwise = [], []
+        for dy, weight, quantized in zip(torch.split(grad, list(ctx.m_splits)), weights, ctx.quantized):
             dy_row, dy_col = quantize_activation(dy, ctx.recipe, ctx.recipe.backward_format)
             grad_inputs.append(dy_row @ WeightOperand.dgrad_values(weight, quantized))
-            grad_weights.append(dy_col.t() @ x_col)
+            grad_columnwise.append(dy_col)
         grad_rows = torch.cat(grad_inputs).to(grad.dtype) if ctx.needs_input_grad[0] else None
-        return (grad_rows, None, None, None,
+        if ctx.wgrad_store is not None and ctx.wgrad_store.delay_wgrad_compute():
+            # TE: ``wgrad_store.put([inputmats, grad_output, wgrad_list], grouped_gemm_wgrad)``; the
+            # backward returns the tensors the GEMMs will write (zeros here until backward_dw).
+            wgrad_list = [grad.new_zeros(shape, dtype=dtype) for shape, dtype in zip(ctx.weight_shapes, ctx.weight_dtypes)]
+            ctx.wgrad_store.put([list(inputs), grad_columnwise, wgrad_list], _delayed_fp8_wgrad)
+            return (grad_rows, None, None, None, None, *wgrad_list)
+        grad_weights = [dy_col.t() @ x_col for dy_col, x_col in zip(grad_columnwise, inputs)]
+        return (grad_rows, None, None, None, None,
                 *[g.to(dtype) for g, dtype in zip(grad_weights, ctx.weight_dtypes)])
 
 
+def _delayed_fp8_wgrad(input_columnwise, grad_columnwise, wgrad_list):
+    """The stashed weight-gradient grouped GEMM (TE's ``grouped_gemm_wgrad``, ``layout="NT"``), run by
+    the module's ``backward_dw``: ``dy_col.T @ x_col`` per group into the tensors the backward
+    returned (their dtype's rounding of the fp32 product, as the undelayed path's). Returns
+    (weight gradients, bias gradients: none, the biases' came in the backward)."""
+    for buffer, x_col, dy_col in zip(wgrad_list, input_columnwise, grad_columnwise):
+        buffer.copy_(dy_col.t() @ x_col)
+    return wgrad_list, []
+
+
 def fp8_grouped_linear(rows: torch.Tensor, m_splits: Sequence[int], weights: Sequence[torch.Tensor],
-                       operands: Sequence[WeightOperand], recipe: Fp8Recipe) -> torch.Tensor:
+                       operands: Sequence[WeightOperand], recipe: Fp8Recipe, wgrad_store=None) -> torch.Tensor:
     """TE's ``GroupedLinear`` forward under fp8: ``rows`` [T, K] (groups contiguous, ``m_splits``
     rows each), ``weights`` the G parameters [N, K] (gradients flow to them), ``operands`` their
-    quantized forms. Returns [T, N]."""
+    quantized forms; ``wgrad_store`` (``grouped_gemm.WeightGradStore``) with delayed weight
+    gradients enabled: the backward stashes the weight-gradient GEMMs there (module docstring).
+    Returns [T, N]."""
     if recipe.name == "mxfp8":
         odd = [m for m in m_splits if m % MX_BLOCK]
         if odd:
             raise ValueError(f"mxfp8 grouped GEMM: group rows {list(m_splits)} are not multiples of {MX_BLOCK}")
-    return _Fp8GroupedLinear.apply(rows, recipe, tuple(m_splits), list(operands), *weights)
+    return _Fp8GroupedLinear.apply(rows, recipe, tuple(m_splits), list(operands), wgrad_store, *weights)

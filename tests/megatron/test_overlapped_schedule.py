@@ -12,9 +12,11 @@ at EP 4 against ``none`` at EP 2 on the same ranks, from the same weights):
   gradients of every parameter; the all-to-all dispatcher with the host and the device planner, the
   flex dispatcher's HybridEP path (``deepep_gloo``), and ``--delay-wgrad-compute`` over the
   stand-in of Transformer Engine's grouped linear (``torch_grouped_linear``: its delayed-wgrad
-  contract), which megatron's training arguments refuse without TE. Negative controls: replica
-  gradients reduced before ``backward_dw()`` computed them; DDP's hooks run in an order of the plan's
-  making (the order check's);
+  contract), which megatron's training arguments refuse without TE; fp8 (tensorwise, over
+  ``te_grouped_fp8``'s stand-in of TE's fp8 grouped GEMM) with and without
+  ``--delay-wgrad-compute``, the two also against each other bit for bit. Negative controls: replica
+  gradients reduced before ``backward_dw()`` computed them (in bf16 and under fp8); DDP's hooks
+  run in an order of the plan's making (the order check's);
 * the training loop (``pretrain_gpt.py`` through ``workers/pretrain_grad_dump.py``): bf16, EP 2 with
   expert-data-parallel 2, the distributed optimizer with overlapped reduction and parameter
   gather, one MTP layer; PP 1 on 4 ranks (the acceptance run; its log reports the balanced
@@ -41,8 +43,13 @@ pytestmark = pytest.mark.slow
 
 # ---- the schedule's nodes ----------------------------------------------------------------------
 WORLD = 4
-EQUIVALENT = ["overlap", "overlap_device", "overlap_hybridep", "delay", "delay_hybridep"]
-DELAYED = ["delay", "delay_hybridep"]
+EQUIVALENT = ["overlap", "overlap_device", "overlap_hybridep", "delay", "delay_hybridep", "overlap_fp8", "delay_fp8"]
+DELAYED = ["delay", "delay_hybridep", "delay_fp8"]
+#: Scenarios with TEGroupedMLP experts over torch_grouped_linear (the others: SequentialMLP).
+GROUPED = [*DELAYED, "overlap_fp8"]
+#: fp8 (tensorwise) under --delay-wgrad-compute and its undelayed twin: the same fp8 GEMMs, the
+#: weight gradients' computed later.
+FP8_DELAYED, FP8_UNDELAYED = "delay_fp8", "overlap_fp8"
 
 
 @pytest.fixture(scope="module")
@@ -102,13 +109,16 @@ def test_what_ran(node_runs, scenario):
         assert any(sum(rows) > 0 for rows in replica_rows), f"step {step}: no replica computed any row"
         assert plans[0] != plans[2], f"step {step}: the two EP groups planned alike"  # ranks 0 and 2
         assert all(run["ring_live"][step] == 0 for run in runs)
-    expected = ("TEGroupedMLP" if scenario in DELAYED else "SequentialMLP",
+    expected = ("TEGroupedMLP" if scenario in GROUPED else "SequentialMLP",
                 "BalancedFlexDispatcher" if "hybridep" in scenario else "BalancedAlltoAllDispatcher",
                 "_HybridEPManager" if "hybridep" in scenario else None)
     assert (runs[0]["experts_class"], runs[0]["dispatcher_class"], runs[0]["manager_class"]) == expected
+    delayed_calls = sum(run["delayed_wgrad_calls"] for run in runs)
     if scenario.startswith("delay"):
-        assert sum(run["delayed_wgrad_calls"] for run in runs) > 0, \
-            "backward_dw() never computed the replicas' weight gradients"
+        assert delayed_calls > 0, "backward_dw() never computed the replicas' weight gradients"
+    else:
+        assert delayed_calls == 0
+    assert all((run["fp8_casts"] > 0) == ("fp8" in scenario) for run in runs), [run["fp8_casts"] for run in runs]
 
 
 def test_negative_control_replica_gradients_reduced_before_backward_dw(node_runs):
@@ -122,6 +132,49 @@ def test_negative_control_replica_gradients_reduced_before_backward_dw(node_runs
           f"{worst.ratio:.3g}x the tolerance ({worst.what}: error {worst.error:.3g})")
     assert failed and worst.ratio > 10, summary(comparisons)
     assert all(".experts." in c.what for c in failed), [c.what for c in failed]
+
+
+def twin_differences(dumps, key, twin) -> tuple[list[str], float, bool]:
+    """Run ``key`` against run ``twin`` bit for bit: the parameters whose reduced gradient differs
+    in some step, the largest such difference relative to the twin's largest magnitude, and
+    whether every microbatch's loss is the same."""
+    actual, expected = reduced(dumps, key), reduced(dumps, twin)
+    assert sorted(actual) == sorted(expected) and actual
+    differing, worst = set(), 0.0
+    for step, grads in expected.items():
+        assert sorted(actual[step]) == sorted(grads)
+        for name, grad in grads.items():
+            if not torch.equal(actual[step][name], grad):
+                differing.add(name)
+                scale = grad.float().abs().max().clamp_min(torch.finfo(torch.float32).tiny)
+                worst = max(worst, float((actual[step][name].float() - grad.float()).abs().max() / scale))
+    return sorted(differing), worst, losses(dumps, key) == losses(dumps, twin)
+
+
+@pytest.mark.parametrize("key", ["ultraep", "none", "none_floor"])
+def test_delayed_fp8_weight_gradients_equal_the_undelayed_ones_bit_for_bit(node_runs, key):
+    """fp8 (tensorwise) under --delay-wgrad-compute against its undelayed twin, both through the
+    overlapped schedule: the delayed weight-gradient GEMMs multiply the same quantized operands
+    later, and every reduced gradient and loss comes out bit for bit the same (measured: no
+    difference at all, so no tolerance), balanced or not, at EP 2 and EP 4."""
+    differing, worst, same_losses = twin_differences(node_runs, f"{FP8_DELAYED}/{key}", f"{FP8_UNDELAYED}/{key}")
+    assert not differing and same_losses, (differing[:10], worst)
+
+
+def test_negative_control_fp8_replica_gradients_reduced_before_backward_dw(node_runs):
+    """Under fp8 the noise floor of ``none`` at two EP sizes is fp8's regrouping (each expert's rows
+    quantized in other groups), too wide for the floor comparison to see replica gradients
+    reduced before ``backward_dw()`` computed them; the bit-for-bit comparison with the undelayed
+    twin sees them: the experts' gradients differ, nothing else does (the losses neither)."""
+    differing, worst, same_losses = twin_differences(node_runs, "delay_fp8_reduced_before_dw/ultraep",
+                                                     f"{FP8_UNDELAYED}/ultraep")
+    floor_comparisons = node_comparisons(node_runs, "delay_fp8_reduced_before_dw")
+    print(f"\nfp8, reduced before backward_dw: {len(differing)} parameters differ from the undelayed twin, "
+          f"worst by {worst:.3g} of their largest magnitude; against none within the floor: "
+          f"{summary(floor_comparisons)}")
+    assert differing and worst > 0.1, (differing, worst)
+    assert all(".experts." in name for name in differing), differing
+    assert same_losses
 
 
 def order_mismatches(dumps, key, steps) -> list[str]:

@@ -27,6 +27,11 @@ TOPK = 2
 SEQ, BATCH = 16, 2
 STARVED_EXPERT = 7
 RTOL = 1e-5
+#: The delayed-wgrad contract's precisions: high precision and megatron's fp8 recipes (``--fp8-recipe``),
+#: with high-precision and with quantized parameters (``-param``: ``--fp8-param-gather``).
+DELAYED_PRECISIONS = ("fp32", "tensorwise", "blockwise", "mxfp8", "tensorwise-param", "blockwise-param", "mxfp8-param")
+#: The fp8 contract's output width (mxfp8 quantizes output gradients in 1 x 32 blocks along it).
+FP8_WIDTH = 64
 # name -> (gated_linear_unit, activation, add_bias_linear)
 SCENARIOS = {
     "swiglu": (True, "silu", False),
@@ -210,21 +215,31 @@ def init_statistics() -> dict:
     return stats
 
 
-def delayed_wgrad_contract() -> dict:
+def delayed_wgrad_contract(recipe=None) -> dict:
     """The grouped linear under ``delay_wgrad_compute`` (TE's contract, torch_grouped_linear's
     docstring) against the same linear without it, on two microbatches: outputs and input gradients;
     the weights' gradients after the backward (the not yet computed tensors), after each
-    ``backward_dw`` (oldest microbatch first), the hook calls, the parameters' marks."""
+    ``backward_dw`` (oldest microbatch first), the hook calls, the parameters' marks. With an fp8
+    ``recipe`` (``NAME`` or ``NAME-param``: quantized parameters, megatron's --fp8-param-gather)
+    both linears run TE's fp8 grouped GEMM (``te_grouped_fp8``), the rows per expert
+    aligned as megatron pads them, the output width a multiple of mxfp8's blocks; ``hp_wgrad``: the
+    high-precision weight gradients of the same rows (what fp8 must differ from)."""
     import copy
 
+    import toy_fp8
     from torch_grouped_linear import TorchColumnGroupedLinear
 
     config = make_config(False, "gelu", False, grouped=True)
+    width, align = (FFN, 1) if recipe is None else (FP8_WIDTH, toy_fp8.align_size(recipe.partition("-")[0]))
+    if recipe is not None:
+        recipe, _, params = recipe.partition("-")
+        toy_fp8.enable_fp8(config, recipe)
+        config.fp8_param = params == "param"  # --fp8-param-gather: quantized weights
     delayed_config = copy.copy(config)
     delayed_config.delay_wgrad_compute = True  # megatron's config asserts the overlap it goes with
     common = dict(bias=False, skip_bias_add=False, is_expert=True, tp_comm_buffer_name=None, pg_collection=None)
-    plain = TorchColumnGroupedLinear(4, HIDDEN, FFN, config=config, init_method=config.init_method, **common)
-    delayed = TorchColumnGroupedLinear(4, HIDDEN, FFN, config=delayed_config, init_method=config.init_method,
+    plain = TorchColumnGroupedLinear(4, HIDDEN, width, config=config, init_method=config.init_method, **common)
+    delayed = TorchColumnGroupedLinear(4, HIDDEN, width, config=delayed_config, init_method=config.init_method,
                                        **common)
     delayed.load_state_dict(plain.state_dict())
     hook_calls = []
@@ -232,9 +247,12 @@ def delayed_wgrad_contract() -> dict:
         [w.grad.clone() for w in delayed.weights()]))
     out = {"plain": [], "delayed": [], "after_backward": [], "skip_backward_post_hook":
            [getattr(p, "skip_backward_post_hook", False) for p in delayed.parameters()]}
+    out["hp_wgrad"] = []
     for mb, counts in enumerate(([5, 0, 7, 4], [3, 9, 1, 3])):
+        counts = [n * align for n in counts]
         gen = torch.Generator().manual_seed(mb)
-        x, up = torch.randn(sum(counts), HIDDEN, generator=gen), torch.randn(sum(counts), FFN, generator=gen)
+        x, up = torch.randn(sum(counts), HIDDEN, generator=gen), torch.randn(sum(counts), width, generator=gen)
+        out["hp_wgrad"].append([u.t() @ r for u, r in zip(torch.split(up, counts), torch.split(x, counts))])
         for key, module in (("plain", plain), ("delayed", delayed)):
             module.zero_grad(set_to_none=True)
             rows = x.clone().requires_grad_()
@@ -318,7 +336,8 @@ def worker(out_file: Path) -> None:
                 "expected": {n: w for n, w in weights.items() if not n.startswith("router")},
             }
     results["ep2/attributes"] = ep2_attributes()
-    results["delayed"] = delayed_wgrad_contract()
+    results["delayed"] = {precision: delayed_wgrad_contract(None if precision == "fp32" else precision)
+                          for precision in DELAYED_PRECISIONS}
     results["init"] = init_statistics()
     torch.save(results, out_file)
     parallel_state.destroy_model_parallel()
@@ -422,19 +441,28 @@ if __name__ == "__main__":
     worker(parser.parse_args().out)
 
 
-def test_delayed_weight_gradients_follow_transformer_engines_contract(results):
-    """``delay_wgrad_compute`` (megatron's --delay-wgrad-compute): the same outputs and input
-    gradients; after the backward the weights hold gradients not computed yet (zeros here; TE:
-    uninitialized), each ``backward_dw`` computes the oldest microbatch's and runs the registered
-    hooks once; with nothing stashed it does nothing; the parameters are marked for megatron's DDP
-    to register its hook on the module."""
-    delayed = results["delayed"]
+@pytest.mark.parametrize("precision", DELAYED_PRECISIONS)
+def test_delayed_weight_gradients_follow_transformer_engines_contract(results, precision):
+    """``delay_wgrad_compute`` (megatron's --delay-wgrad-compute), in high precision and under each
+    fp8 recipe: the same outputs and input gradients; after the backward the weights hold gradients
+    not computed yet (zeros here; TE: uninitialized), each ``backward_dw`` computes the oldest
+    microbatch's and runs the registered hooks once; with nothing stashed it does nothing; the
+    parameters are marked for megatron's DDP to register its hook on the module. Under fp8 the
+    delayed weight gradients are the undelayed fp8 ones bit for bit (the same quantized operands,
+    multiplied later), and not the high-precision ones (the fp8 path ran)."""
+    delayed = results["delayed"][precision]
     assert all(delayed["skip_backward_post_hook"])
     for plain, late, after in zip(delayed["plain"], delayed["delayed"], delayed["after_backward"]):
         assert torch.equal(late["y"], plain["y"]) and torch.equal(late["dx"], plain["dx"])
         assert all(float(g.abs().sum()) == 0.0 for g in after), "weight gradients computed in the backward"
     assert delayed["hook_calls_before_dw"] == 0 and delayed["hook_calls_after_empty_dw"] == 2
-    for plain, dw in zip(delayed["plain"], delayed["dw"]):  # first backward_dw: first microbatch
-        for expected, actual in zip(plain["wgrad"], dw):
-            assert_close(actual, expected, "delayed weight gradient")
+    for plain, dw, exact in zip(delayed["plain"], delayed["dw"], delayed["hp_wgrad"]):  # oldest first
+        for expected, actual, high_precision in zip(plain["wgrad"], dw, exact):
+            if precision == "fp32":
+                assert_close(actual, expected, "delayed weight gradient")
+                assert_close(actual, high_precision, "weight gradient against its computation here")
+            else:
+                assert torch.equal(actual, expected), "delayed fp8 weight gradient != undelayed"
+                if high_precision.abs().sum() > 0:  # an expert with rows
+                    assert not torch.equal(actual, high_precision), "the fp8 weight gradient is not fp8's"
     assert not torch.equal(delayed["dw"][0][0], delayed["dw"][1][0]), "the two microbatches must differ"

@@ -29,7 +29,11 @@ weight gradient during the normal backward, and ``backward_dw`` has nothing to d
 ``config.delay_wgrad_compute``.
 
 Delayed weight gradients (``config.delay_wgrad_compute``) follow Transformer Engine's contract: see
-:mod:`grouped_gemm`, which holds the GEMMs (plain, quantized-weight and delayed-wgrad).
+:mod:`grouped_gemm`, which holds the GEMMs (plain, quantized-weight and delayed-wgrad) and the
+``WeightGradStore``. Under fp8 the backward stashes the fp8 weight-gradient GEMMs (the quantized
+column-wise inputs and output gradients, ``te_grouped_fp8``) in the same store and ``backward_dw``
+runs them, as TE's; with fp8 parameters (``config.fp8_param``) too (the weight-gradient GEMM
+reads no weight).
 
 fp8 (``config.fp8`` with a current-scaling ``config.fp8_recipe``: tensorwise, blockwise, mxfp8):
 the GEMMs are ``te_grouped_fp8.fp8_grouped_linear``, which quantizes each group's input, weight and
@@ -130,8 +134,8 @@ class TorchGroupedLinear(torch.nn.Module):
 
     Raises:
         ValueError: for an unsupported configuration (non-expert use, FP4, an fp8 recipe without
-            current scaling, fused gradient accumulation, single grouped
-            weight/bias parameters).
+            current scaling, fused gradient accumulation, single grouped weight/bias
+            parameters).
     """
 
     def __init__(
@@ -168,8 +172,6 @@ class TorchGroupedLinear(torch.nn.Module):
         ]
         if unsupported:
             raise ValueError(f"TorchGroupedLinear does not support config flags {unsupported}")
-        if getattr(config, "fp8", None) and getattr(config, "delay_wgrad_compute", False):
-            raise ValueError("TorchGroupedLinear: delayed weight gradients are modelled in high precision only")
         if getattr(config, "fp8", None) and config.fp8_recipe not in toy_fp8.CURRENT_SCALING_RECIPES:
             raise ValueError(f"TorchGroupedLinear: fp8 recipe {config.fp8_recipe!r} is not modelled "
                              f"(current scaling only: {toy_fp8.CURRENT_SCALING_RECIPES})")
@@ -274,7 +276,8 @@ class TorchGroupedLinear(torch.nn.Module):
         is_first_microbatch = None if self.disable_parameter_transpose_cache else self.is_first_microbatch
         self.is_first_microbatch = False
         added = None if self.te_return_bias else biases
-        if self.wgrad_store.delay_wgrad_compute():
+        delayed = self.wgrad_store.delay_wgrad_compute()
+        if recipe is None and delayed:
             out = DelayedWgradGroupedLinear.apply(rows, self.wgrad_store, tokens_per_expert, self.num_gemms,
                                                    *self.weights(), *(added or ()))
         elif recipe is None:
@@ -283,7 +286,7 @@ class TorchGroupedLinear(torch.nn.Module):
             fp8_recipe = te_grouped_fp8.Fp8Recipe.of_config(self.config)
             out = te_grouped_fp8.fp8_grouped_linear(rows, tokens_per_expert, self.weights(),
                                                     self._fp8_weight_operands(is_first_microbatch, fp8_recipe),
-                                                    fp8_recipe)
+                                                    fp8_recipe, self.wgrad_store if delayed else None)
             if added is not None:
                 out = out + torch.cat([b.expand(n, -1) for b, n in zip(added, tokens_per_expert)])
         return out.view(*x.shape[:-1], self.out_features), (biases if self.te_return_bias else None)

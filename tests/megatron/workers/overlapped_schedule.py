@@ -28,7 +28,15 @@ microbatches, learning rate 0: every step's reduced gradients compare):
   the experts' backward, before ``backward_dw()`` computed them;
 * ``delay_hooks_in_plan_order`` (negative control of the order check): ``delay`` with a layer
   whose plan replicated one of its experts running the held-back DDP hooks of its experts' linears
-  in reverse.
+  in reverse;
+* ``overlap_fp8``: fp8 (``--fp8-format hybrid --fp8-recipe tensorwise``) with ``TEGroupedMLP``
+  experts over ``torch_grouped_linear``, whose GEMMs are ``te_grouped_fp8``'s stand-in of TE's fp8
+  grouped GEMM (megatron pads each expert's rows to 16 with ``toy_fp8``'s ``Fp8Padding``); the
+  rest of the model in bf16 (megatron's local linears; without TE megatron's fp8 context is empty);
+* ``delay_fp8``: ``overlap_fp8`` with ``--delay-wgrad-compute`` (the fp8 weight-gradient GEMMs
+  stashed with their quantized operands, run in ``backward_dw()``);
+* ``delay_fp8_reduced_before_dw`` (negative control): ``delay_fp8`` with the replica gradients
+  reduced before ``backward_dw()`` computed them.
 
 Each scenario runs ``none`` (megatron's ``MoELayer``) and ``ultraep`` at EP 2, and ``none`` at EP 4
 on the same ranks (``none_floor``: every expert's rows computed on one rank, the same mathematics
@@ -72,6 +80,12 @@ SCENARIOS = {
     "delay_hybridep": dict(delay=True, dispatcher="flex"),
     "delay_reduced_before_dw": dict(delay=True, fault="reduced_before_backward_dw", references="delay"),
     "delay_hooks_in_plan_order": dict(delay=True, fault="dw_hooks_in_plan_order", references="delay"),
+    # fp8 (tensorwise current scaling) over te_grouped_fp8's stand-in of TE's fp8 grouped GEMM: the
+    # undelayed twin first, then the delayed run, then the delayed run with the fault
+    "overlap_fp8": dict(grouped=True, fp8="tensorwise"),
+    "delay_fp8": dict(delay=True, fp8="tensorwise"),
+    "delay_fp8_reduced_before_dw": dict(delay=True, fp8="tensorwise", fault="reduced_before_backward_dw",
+                                        references="delay_fp8"),
 }
 
 
@@ -80,12 +94,12 @@ def model_config(sc, balancer, ep):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     flex = sc.get("dispatcher") == "flex"
-    return TransformerConfig(
+    config = TransformerConfig(
         num_layers=2, hidden_size=HIDDEN, ffn_hidden_size=2 * HIDDEN, num_attention_heads=4,
         num_moe_experts=EXPERTS, moe_router_topk=TOPK, moe_ffn_hidden_size=FFN,
         moe_token_dispatcher_type="flex" if flex else "alltoall", moe_flex_dispatcher_backend="hybridep",
         moe_router_dtype="fp32" if flex else None,
-        expert_model_parallel_size=ep, moe_grouped_gemm=bool(sc.get("delay")),
+        expert_model_parallel_size=ep, moe_grouped_gemm=bool(sc.get("delay") or sc.get("grouped")),
         add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
         activation_func=F.silu, gated_linear_unit=True, normalization="RMSNorm",
         overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=bool(sc.get("delay")),
@@ -96,6 +110,12 @@ def model_config(sc, balancer, ep):
         # replicate, and the floor's batch swap routes each batch as the reference does
         moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0,
     )
+    if sc.get("fp8"):  # megatron's --fp8-format hybrid --fp8-recipe RECIPE, without TE (as fp8_moe_layer.py)
+        import toy_fp8
+
+        toy_fp8.install_fp8_standins(sc["fp8"])
+        toy_fp8.enable_fp8(config, sc["fp8"])
+    return config
 
 
 def build_model(sc, balancer):
@@ -413,6 +433,8 @@ def main():
                 manager = getattr(dispatcher, "_comm_manager", None)
                 result["manager_class"] = type(manager).__name__ if manager is not None else None
                 result["delayed_wgrad_calls"] = nodes.delayed_wgrad_calls
+                # forwards whose experts cast their weights to fp8 (te_grouped_fp8 ran)
+                result["fp8_casts"] = sum(getattr(m, "fp8_quantizations", 0) for m in ddp.modules())
                 results[f"{name}/{key}"] = result
     torch.save(results, os.path.join(cli.out_dir, f"rank{rank}.pt"))
     parallel_state.destroy_model_parallel()
