@@ -26,29 +26,22 @@ What it follows of TE's ``_make_graphed_callables`` (the ``_order`` path megatro
   graph while the module's training mode is the captured one, its own forward otherwise; keyword
   arguments of the sample must be given at replay.
 
-:class:`StandinGraph` behaves as a graph does: its capture runs the Python of the captured region
-once and records every aten operation it issues (a ``TorchDispatchMode``), and a replay re-executes
-those *tensor operations* on the recorded tensors, writing each result into the tensor the capture
-produced (the static buffers, whose storage stays fixed), and runs no Python of the captured region:
-host state the region set at capture (an attribute, an object) is what the capture left, not what a
-replay would compute. Parameters, static inputs and other tensors made before the capture are read
-where they are at replay, as a graph reads fixed addresses; Python numbers in the region are baked
-in, as kernel arguments are. A collective in the region (gloo here, NCCL on a GPU) is re-issued at
-replay and waited for at once.
+:class:`StandinGraph` (``standin_graph``) stands in for ``torch.cuda.CUDAGraph``: a replay re-executes
+the captured tensor operations and runs no Python; a capture refuses what CUDA's stream capture
+refuses (:class:`CaptureViolation`).
 
-What a capture refuses, as CUDA's stream capture does (:class:`CaptureViolation`): a host read of
-tensor data (``item``, ``int``/``float``/``bool`` of a tensor, ``tolist``, ``numpy``, ``__array__``,
-``cpu()`` / ``to('cpu')``, a copy into a host tensor made with ``pin_memory`` or on ``'cpu'``,
-``torch.equal``), an operation whose output shape depends on the data (aten's
-``dynamic_output_shape`` operations: ``nonzero``, ``unique``, ``masked_select``, boolean-mask
-indexing, ``repeat_interleave`` without ``output_size``, ``bincount``), and a host wait or poll on
-a stream, an event or the device (the CPU backend's stand-ins refuse those inside
-``torch_cuda.stream_capture``). A violation raises where it happens, as CUDA's capture fails there.
+Under fp8 it follows TE as ``te_fp8_standin``'s docstring says.
 
-Left out: fp8 (TE's ``fp8_autocast`` wrapping, amax reductions, weight caching: refused); the
+Left out: under fp8, delayed scaling (``DelayedScaling``: amax histories saved and restored around
+the capture, ``save_fp8_tensors``, and reduced per step; refused with ``NotImplementedError``, and
+``--fp8-recipe delayed`` is refused at startup for a balanced layer) and TE's fp8 meta of the TE
+modules a graph visits (``visited_te_modules``: no TE module runs here; fp8 GEMMs are
+``te_grouped_fp8``'s, in the experts, outside the ``attn`` / ``moe_router`` / ``moe_preprocess``
+graphs); the fp8 availability checks of the device (``is_fp8_available``); the
 graph memory pool and buffer reuse between graphs (``pool``, ``_reuse_graph_input_output_buffers``:
 each graph keeps its own buffers, which changes memory, never values); graph-safe RNG state
 registration (a random operation draws anew at each replay, as with registered generators);
+``fp8_calibrating`` beyond passing it to the autocast;
 ``retain_graph_in_backward`` (the backward graph is replayed from its recording in any case);
 TE's filtering of the TE modules a graph visits (for fp8 meta); CUDA graphs' own limits beyond the ones above
 (a kernel launch from another thread, an allocation that TE's pool would refuse); the captured
@@ -62,194 +55,29 @@ Usage (after the CPU backend is active and the model is built)::
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import types
-from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ultraep_megatron.megatron.cpu import torch_cuda
-from ultraep_megatron.megatron.balanced_layer.native_torch import device_mapping
+# Re-exported: the tests and workers reach the graph and TE's fp8 names through this module.
+from standin_graph import CaptureViolation, StandinGraph, _backward_capture, _engine_grad  # noqa: F401
+from te_fp8_standin import (  # noqa: F401
+    DelayedScaling, FP8GlobalStateManager, Float8BlockScaling, Float8CurrentScaling, Format, MXFP8BlockScaling,
+    _wrap_autocast, fp8_autocast, get_fp8_recipe, is_graph_capturing, set_capture_end, set_capture_start,
+)
+
+__all__ = ["CaptureViolation", "DelayedScaling", "FP8GlobalStateManager", "Float8BlockScaling",
+           "Float8CurrentScaling", "Format", "MXFP8BlockScaling", "StandinGraph", "TE_VERSION",
+           "fp8_autocast", "get_fp8_recipe", "install", "is_graph_capturing", "make_graphed_callables"]
 
 #: The TE version whose ``make_graphed_callables`` interface this follows: megatron-core 0.19.2
 #: passes ``_num_layers_per_chunk`` from TE 2.6 on, ``_reuse_graph_input_output_buffers`` from 2.7,
-#: and resets graphs (``graph.reset()``) only from 2.10.
+#: and resets graphs (``graph.reset()``) only from 2.10; under fp8 it passes ``fp8_enabled`` as a
+#: bool before 2.8 and one per callable from 2.8 on (``is_first_last_bf16_layer``).
 TE_VERSION = "2.7.0"
-
-
-class CaptureViolation(RuntimeError):
-    """An operation inside a capture that a CUDA graph cannot capture (module docstring)."""
-
-
-_HOST_READS = {
-    torch.Tensor.tolist: "tolist", torch.Tensor.numpy: "numpy", torch.Tensor.__array__: "__array__",
-    torch.Tensor.cpu: "cpu()", torch.Tensor.__repr__: "repr", torch.Tensor.__format__: "format",
-}
-
-
-def _is_host(device) -> bool:
-    return (isinstance(device, str) and device == "cpu") or (isinstance(device, torch.device) and device.type == "cpu")
-
-
-class _HostReadGuard(TorchFunctionMode):
-    """Inside a capture: refuses host reads that bypass aten (``tolist``, ``numpy``, ``cpu()``,
-    ``to('cpu')``, a copy into a host tensor). Host tensors are those made inside the capture with
-    ``pin_memory=True`` or on ``'cpu'`` explicitly (every other tensor is device memory here)."""
-
-    def __init__(self):
-        super().__init__()
-        self._host = torch.utils.weak.WeakIdKeyDictionary()
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _HOST_READS:
-            raise CaptureViolation(f"{_HOST_READS[func]} of a tensor inside a CUDA graph capture: a host "
-                                   "read of device data (the capture would wait for the device)")
-        if func is torch.Tensor.to and (any(_is_host(a) for a in args[1:2]) or _is_host(kwargs.get("device"))):
-            raise CaptureViolation("to('cpu') of a tensor inside a CUDA graph capture: a device-to-host copy "
-                                   "(its data would be the capture's, not a replay's)")
-        if func is torch.Tensor.copy_ and len(args) > 1 and args[0] in self._host:
-            raise CaptureViolation("copy_ into a host tensor inside a CUDA graph capture: a device-to-host "
-                                   "copy (its data would be the capture's, not a replay's)")
-        result = func(*args, **kwargs)
-        if kwargs.get("pin_memory") or _is_host(kwargs.get("device")):
-            for t in tree_flatten(result)[0]:
-                if isinstance(t, torch.Tensor):
-                    self._host[t] = True
-        return result
-
-
-def _shape_depends_on_data(func, args, kwargs) -> bool:
-    """aten's ``dynamic_output_shape`` operations, less the calls whose shape is fixed by their
-    arguments: ``repeat_interleave`` given ``output_size``, indexing with integer indices only."""
-    if torch.Tag.dynamic_output_shape not in func.tags:
-        return False
-    if func is torch.ops.aten.repeat_interleave.Tensor:
-        return kwargs.get("output_size", args[1] if len(args) > 1 else None) is None
-    if func in (torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default):
-        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
-        return any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in indices)
-    return True
-
-
-@dataclass
-class _Recorded:
-    """One aten call of a capture: what it was called with and the tensors it produced."""
-
-    func: Any
-    args: tuple
-    kwargs: dict
-    outputs: list  # the call's flattened outputs (tensors and anything else)
-
-
-_ALLOCATIONS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
-                torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,
-                torch.ops.aten.new_empty_strided.default}
-
-
-class _Recorder(TorchDispatchMode):
-    """Records every aten call of a capture (:class:`_Recorded`) and refuses host reads and
-    data-dependent shapes at the aten level."""
-
-    def __init__(self):
-        super().__init__()
-        self.tape: list[_Recorded] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if torch.Tag.data_dependent_output in func.tags:
-            raise CaptureViolation(f"{func} inside a CUDA graph capture: a host read of device data "
-                                   "(item(), int(), bool() of a tensor, torch.equal)")
-        if _shape_depends_on_data(func, args, kwargs):
-            raise CaptureViolation(f"{func} inside a CUDA graph capture: its output shape depends on the "
-                                   "data (a graph's shapes are fixed at capture)")
-        result = func(*args, **kwargs)
-        self.tape.append(_Recorded(func, args, kwargs, tree_flatten(result)[0]))
-        return result
-
-
-def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
-class StandinGraph:
-    """``torch.cuda.CUDAGraph`` as TE uses it, on the CPU: ``with graph.capture(): ...`` records the
-    region's tensor operations, :meth:`replay` re-executes them (module docstring)."""
-
-    def __init__(self):
-        self._tape: Optional[list[_Recorded]] = None
-        self.replays = 0
-
-    @contextlib.contextmanager
-    def capture(self):
-        if self._tape is not None:
-            raise RuntimeError("this graph was captured already")
-        recorder, guard = _Recorder(), _HostReadGuard()
-        with torch_cuda.stream_capture(), recorder, guard:
-            yield
-        self._tape = recorder.tape
-
-    @property
-    def num_operations(self) -> int:
-        return len(self._tape or ())
-
-    def replay(self) -> None:
-        if self._tape is None:
-            raise RuntimeError("replay of a graph that was never captured")
-        with torch.no_grad():
-            for op in self._tape:
-                if op.func.is_view or op.func in _ALLOCATIONS:
-                    continue  # a view shares its base's storage; an allocation runs no kernel
-                fresh = tree_flatten(op.func(*op.args, **op.kwargs))[0]
-                inputs = [t for t in tree_flatten((op.args, op.kwargs))[0] if isinstance(t, torch.Tensor)]
-                for recorded, new in zip(op.outputs, fresh):
-                    if isinstance(new, torch._C.ScriptObject) and hasattr(new, "wait"):
-                        new.wait()  # a collective's work: done before anything reads its output
-                    if not isinstance(new, torch.Tensor) or new is recorded:
-                        continue
-                    if any(new is t for t in inputs) or _aliases(new, recorded):
-                        continue  # an in-place or out= call wrote the recorded tensor itself
-                    if new.shape != recorded.shape:
-                        raise CaptureViolation(f"{op.func} replayed to shape {tuple(new.shape)}, captured "
-                                               f"{tuple(recorded.shape)}")
-                    recorded.copy_(new)
-        self.replays += 1
-
-
-def _engine_grad(outputs, inputs, grad_outputs, *, allow_unused: bool, retain_graph: bool,
-                 modes: tuple = ()) -> tuple:
-    """``torch.autograd.grad`` with the CPU backend's device mapping (and ``modes``) active inside
-    the backward: a torch-function mode is off in its own handler, and ``autograd.grad`` is one of
-    its calls, so megatron's Python backward functions would otherwise allocate on a CUDA device."""
-    from torch.autograd.graph import _engine_run_backward
-
-    pushed = [m for m in (device_mapping(), *modes) if m is not None]
-    for mode in pushed:
-        torch._C._push_on_torch_function_stack(mode)
-    try:
-        grads = _engine_run_backward(tuple(outputs), tuple(grad_outputs), retain_graph, False, tuple(inputs),
-                                     allow_unused, accumulate_grad=False)
-    finally:
-        for _ in pushed:
-            torch._C._pop_torch_function_stack()
-    return grads
-
-
-def _backward_capture(graph: StandinGraph, outputs, inputs, grad_outputs, allow_unused: bool, retain_graph: bool):
-    """The backward graph's capture: the function-level guard active inside the backward as well."""
-    recorder, guard = _Recorder(), _HostReadGuard()
-    if graph._tape is not None:
-        raise RuntimeError("this graph was captured already")
-    with torch_cuda.stream_capture(), recorder:
-        grads = _engine_grad(outputs, inputs, grad_outputs, allow_unused=allow_unused,
-                             retain_graph=retain_graph, modes=(guard,))
-    graph._tape = recorder.tape
-    return grads
 
 
 def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3, allow_unused_input: bool = False,
@@ -262,8 +90,33 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3, allo
                            post_warmup_hook: Optional[Callable] = None):
     """TE's ``make_graphed_callables`` over :class:`StandinGraph` (module docstring: what it follows
     and leaves out)."""
-    if any(fp8_enabled) if isinstance(fp8_enabled, tuple) else fp8_enabled:
-        raise NotImplementedError("the CUDA-graph stand-in captures high precision only (fp8_enabled)")
+    just_one = not isinstance(modules, tuple)
+    fp8_modules = (modules,) if just_one else modules
+    if not isinstance(fp8_enabled, tuple):
+        if not isinstance(fp8_enabled, bool):
+            raise AssertionError("fp8_enabled must be a bool or a tuple of bools")
+        fp8_enabled = (fp8_enabled,) * len(fp8_modules)
+    elif len(fp8_enabled) != len(fp8_modules):
+        raise AssertionError(f"fp8_enabled ({len(fp8_enabled)}) must be given per callable ({len(fp8_modules)})")
+    fp8_recipe = DelayedScaling() if fp8_recipe is None else fp8_recipe  # TE's get_default_fp8_recipe()
+    if any(fp8_enabled) and isinstance(fp8_recipe, DelayedScaling):
+        raise NotImplementedError("the CUDA-graph stand-in models current-scaling fp8 only (fp8_recipe "
+                                  "DelayedScaling: amax histories are not modelled)")
+    set_capture_start()
+    unwrap = _wrap_autocast(fp8_modules, fp8_enabled, fp8_calibrating, fp8_recipe, fp8_group)
+    try:
+        return _make_graphed_callables(
+            modules, sample_args, num_warmup_iters, allow_unused_input, sample_kwargs, fp8_weight_caching,
+            _order, _num_layers_per_chunk, retain_graph_in_backward, pre_warmup_hook, post_warmup_hook)
+    finally:
+        unwrap()
+        set_capture_end()
+
+
+def _make_graphed_callables(modules, sample_args, num_warmup_iters, allow_unused_input, sample_kwargs,
+                            fp8_weight_caching, _order, _num_layers_per_chunk, retain_graph_in_backward,
+                            pre_warmup_hook, post_warmup_hook):
+    """TE's ``_make_graphed_callables`` (module docstring)."""
     just_one = not isinstance(modules, tuple)
     if just_one:
         modules, sample_args = (modules,), (sample_args,)
@@ -325,6 +178,8 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3, allo
         start = prefix[chunk] * num_microbatches + mb * layers_per_chunk[chunk]
         return [start + layer for layer in range(layers_per_chunk[chunk])]
 
+    if fp8_weight_caching:  # the flag TE's modules read inside the graph, initialized
+        FP8GlobalStateManager.set_skip_fp8_weight_update_tensor(False)
     rng_state = torch.cuda.get_rng_state()
     # Warm-up, in the order's forward sequence.
     if pre_warmup_hook is not None:
@@ -382,7 +237,7 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3, allo
     for idx in range(len(flat_args)):
         function = _graphed_function(fwd_graphs[idx], bwd_graphs[idx], module_params[idx], kwargs_keys[idx],
                                      len(flat_args[idx]), output_specs[idx], surfaces[idx], static_outputs[idx],
-                                     static_grad_outputs[idx], static_grad_inputs[idx])
+                                     static_grad_outputs[idx], static_grad_inputs[idx], fp8_weight_caching)
         module = callable_of[idx]
         forward = _graphed_forward(module, module.training, function, module.forward)
         forward.graphs = (fwd_graphs[idx], bwd_graphs[idx])  # for tests: replay counts, recordings
@@ -395,12 +250,15 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3, allo
 
 
 def _graphed_function(fwd_graph, bwd_graph, module_params, kwargs_keys, num_user_args, output_spec,
-                      surface, static_outputs, static_grad_outputs, static_grad_inputs):
+                      surface, static_outputs, static_grad_outputs, static_grad_inputs, fp8_weight_caching=False):
     """TE's ``Graphed`` autograd function and its ``functionalized`` caller, for one graph pair."""
 
     class Graphed(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, *inputs):
+        def forward(ctx, skip_fp8_weight_update, *inputs):
+            ctx.is_first_module = FP8GlobalStateManager.is_first_fp8_module()
+            if ctx.is_first_module and skip_fp8_weight_update is not None:
+                FP8GlobalStateManager.set_skip_fp8_weight_update_tensor(skip_fp8_weight_update)
             for i in range(num_user_args):
                 if surface[i].data_ptr() != inputs[i].data_ptr():
                     surface[i].copy_(inputs[i])
@@ -415,15 +273,22 @@ def _graphed_function(fwd_graph, bwd_graph, module_params, kwargs_keys, num_user
                 if buffer is not None and buffer.data_ptr() != grad.data_ptr():
                     buffer.copy_(grad)
             bwd_graph.replay()
-            return tuple(g.detach() if g is not None else None for g in static_grad_inputs)
+            if ctx.is_first_module:
+                FP8GlobalStateManager.reduce_and_update_fp8_tensors(forward=False)
+            return (None,) + tuple(g.detach() if g is not None else None for g in static_grad_inputs)
 
     def functionalized(*user_args, **user_kwargs):
+        skip_fp8_weight_update = None
+        if fp8_weight_caching:
+            if not isinstance(user_kwargs.get("is_first_microbatch"), bool):
+                raise AssertionError("`is_first_microbatch` boolean kwarg must be provided for FP8 weight caching.")
+            skip_fp8_weight_update = not user_kwargs["is_first_microbatch"]
         for key in kwargs_keys:
             if key not in user_kwargs:
                 raise TypeError(f"Graphed callable was initialized with kwarg {key}, but it was not "
                                 "provided in graph replay")
         flat = tree_flatten(user_args)[0] + tree_flatten([user_kwargs[k] for k in kwargs_keys])[0]
-        out = Graphed.apply(*flat, *module_params)
+        out = Graphed.apply(skip_fp8_weight_update, *flat, *module_params)
         return tree_unflatten(list(out), output_spec)
 
     return functionalized
@@ -455,12 +320,19 @@ def _te_module(name: str) -> types.ModuleType:
 def install() -> None:
     """Make megatron's TE graph path capture with this stand-in: ``TECudaGraphHelper``'s
     ``make_graphed_callables`` and its TE check, the TE version megatron reads (``TE_VERSION``),
-    and an empty ``transformer_engine.pytorch`` for the replay path's import check. Call after the
-    model is built (megatron decides what TE provides when it is imported)."""
+    and an empty ``transformer_engine.pytorch`` for the replay path's import check; under fp8,
+    megatron's ``fp8_utils.get_fp8_recipe`` as it runs with TE (:func:`get_fp8_recipe`), which the
+    helper calls for ``make_graphed_callables``' ``fp8_recipe``. Call after the model is built
+    (megatron decides what TE provides when it is imported)."""
     from packaging.version import Version
 
+    from megatron.core import fp8_utils
     from megatron.core import utils as mcore_utils
     from megatron.core.transformer import cuda_graphs
+
+    if not fp8_utils.HAVE_TE:  # its TE-less get_fp8_recipe returns None
+        fp8_utils.get_fp8_recipe = get_fp8_recipe
+    FP8GlobalStateManager.reset()
 
     if "transformer_engine" not in sys.modules:
         package, pytorch = _te_module("transformer_engine"), _te_module("transformer_engine.pytorch")

@@ -122,3 +122,74 @@ def test_capture_guard_accepts_fixed_shapes_and_stream_dependencies():
         assert torch_cuda.is_capturing()
     assert not torch_cuda.is_capturing()
     x.sum().item(), torch_cuda.CpuEvent().synchronize(), x.nonzero()
+
+
+class AutocastRecorder(torch.nn.Module):
+    """A linear layer that records the fp8 autocast state its Python runs under."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 3)
+        self.seen = []
+
+    def forward(self, x):
+        manager = standin.FP8GlobalStateManager
+        self.seen.append((manager.FP8_ENABLED, manager.FP8_RECIPE, manager.FP8_GRAPH_CAPTURING))
+        return self.linear(x)
+
+
+@pytest.fixture
+def host_device(monkeypatch):
+    """What the CPU backend maps for the stand-in's calls in a worker, here without it: the RNG
+    state TE saves around the capture, and the skip flag's tensor (TE allocates it on 'cuda')."""
+    monkeypatch.setattr(torch.cuda, "get_rng_state", torch.get_rng_state)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", torch.set_rng_state)
+    standin.FP8GlobalStateManager.reset()
+    standin.FP8GlobalStateManager.skip_fp8_weight_update_tensor = torch.empty(1)
+    yield
+    standin.FP8GlobalStateManager.reset()
+
+
+def test_fp8_capture_runs_under_tes_autocast_and_replays_with_weight_caching(host_device):
+    """TE's fp8 contract of ``make_graphed_callables``: warm-up and capture inside ``fp8_autocast``
+    with the recipe and ``_graph=True``, the class's ``__call__`` unwrapped and the autocast state
+    restored afterwards; with weight caching a replay needs ``is_first_microbatch`` and (first fp8
+    module of its autocast) sets the skip-weight-update flag to its negation, and the backward
+    replay asks for the amax reduction. The replay computes what the module computes eagerly."""
+    torch.manual_seed(0)
+    module = AutocastRecorder()
+    recipe = standin.Float8CurrentScaling(fp8_format=standin.Format.HYBRID)
+    x = torch.randn(5, 4, requires_grad=True)
+    graphed = standin.make_graphed_callables(module, (x,), num_warmup_iters=2, fp8_enabled=True,
+                                             fp8_recipe=recipe, fp8_weight_caching=True)
+    assert module.seen == [(True, recipe, True)] * 3  # two warm-up iterations and the capture
+    assert "__call__" not in AutocastRecorder.__dict__ and not standin.FP8GlobalStateManager.FP8_ENABLED
+    assert not standin.is_graph_capturing()
+    with pytest.raises(AssertionError, match="is_first_microbatch"):
+        graphed(x)
+    for first in (True, False):
+        new_x = torch.randn(5, 4)
+        with standin.fp8_autocast(enabled=True, fp8_recipe=recipe):
+            out = graphed(new_x, is_first_microbatch=first)
+        assert float(standin.FP8GlobalStateManager.skip_fp8_weight_update_tensor[0]) == float(not first)
+        assert torch.equal(out, module.linear(new_x))
+    assert len(module.seen) == 3, "a replay ran the module's Python"
+    out.sum().backward()
+    assert standin.FP8GlobalStateManager.reductions[False] == 1
+
+
+def test_fp8_enabled_per_callable_and_delayed_scaling_refused(host_device):
+    """``fp8_enabled`` per callable (TE >= 2.8, megatron's ``is_first_last_bf16_layer``) enables
+    the autocast per instance; the stand-in refuses delayed scaling (TE's default recipe), which it
+    does not model."""
+    first, last = AutocastRecorder(), AutocastRecorder()
+    x, y = torch.randn(2, 4, requires_grad=True), torch.randn(2, 4, requires_grad=True)
+    recipe = standin.MXFP8BlockScaling()
+    standin.make_graphed_callables((first, last), ((x,), (y,)), num_warmup_iters=1, fp8_enabled=(True, False),
+                                   fp8_recipe=recipe)
+    assert {enabled for enabled, _, _ in first.seen} == {True}
+    assert {enabled for enabled, _, _ in last.seen} == {False}
+    with pytest.raises(AssertionError, match="per callable"):
+        standin.make_graphed_callables((AutocastRecorder(),), ((x,),), fp8_enabled=(True, False), fp8_recipe=recipe)
+    with pytest.raises(NotImplementedError, match="DelayedScaling"):
+        standin.make_graphed_callables(AutocastRecorder(), (x,), fp8_enabled=True)
