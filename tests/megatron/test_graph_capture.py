@@ -9,6 +9,10 @@ other experts. Against ``--moe-balancer none`` under the same graphs: the same o
 gradient, to 10x the noise floor of megatron's layer fed the same sequences in another batch order
 or one per microbatch (equivalence.py), while the balanced layer's experts receive a balanced load.
 
+Under fp8 (tensorwise, grouped experts over the stand-in of TE's fp8 grouped GEMM) the graphed
+balanced layer is compared with itself run eagerly: fp8 and bf16 round differently, so ``none`` in
+bf16 is no reference; the floor is megatron's own layer graphed against eager under fp8.
+
 Before the fix, the ``attn moe_router`` capture raised in ``BalancedMoELayer.forward`` (megatron's
 early-return list unpacked into ``output, mlp_bias``) and ``moe_preprocess`` was refused outright.
 """
@@ -136,6 +140,104 @@ def test_capture_negative_control_host_planner_fails_the_guard(ranks):
         error = result["host_planner_preprocess"].get("capture_error")
         assert error is not None, f"rank {rank}: the host planner was captured"
         assert error.startswith("CaptureViolation") and "device-to-host" in error, error
+
+
+#: fp8 scenario -> (the same layer eager, megatron's layer under the same graphs).
+FP8_REFERENCES = {"router_fp8": ("router_fp8_eager", "none_fp8"),
+                  "stale_plan_fp8": ("router_fp8_eager", "none_fp8"),
+                  "preprocess_fp8": ("preprocess_fp8_eager", "none_fp8_preprocess"),
+                  "stale_preprocess_fp8": ("preprocess_fp8_eager", "none_fp8_preprocess")}
+
+
+def fp8_comparisons(ranks, scenario) -> list[Comparison]:
+    """Every step's output, input gradient and parameter gradient of ``scenario`` (graphed, fp8)
+    against the same layer run eagerly; each quantity's floor: megatron's layer under the same
+    graphs against itself eager under fp8 (``none_fp8_eager``), at least a unit roundoff. A replay
+    re-runs the captured operations on the same data, so that floor is the roundoff of whatever the
+    graph changes in the order of the sums."""
+    eager, megatron_graphed = FP8_REFERENCES[scenario]
+    out = []
+    for rank, result in enumerate(ranks):
+        floors, references = result[megatron_graphed]["steps"], result["none_fp8_eager"]["steps"]
+        for step, (actual, reference) in enumerate(zip(result[scenario]["steps"], result[eager]["steps"])):
+            assert sorted(actual["grads"]) == sorted(reference["grads"]) == sorted(floors[step]["grads"])
+            quantities = [("out", lambda s: s["out"]), ("dx", lambda s: s["dx"])]
+            quantities += [(name, lambda s, name=name: s["grads"][name]) for name in sorted(reference["grads"])]
+            for what, get in quantities:
+                floor = noise_floor([relative_difference(get(floors[step]), get(references[step]))])
+                out.append(Comparison(f"rank {rank} step {step} {what}",
+                                      relative_difference(get(actual), get(reference)), floor))
+    return out
+
+
+@pytest.mark.parametrize("scenario", ["router_fp8", "preprocess_fp8"])
+def test_capture_fp8_replays_the_eager_fp8_layer(ranks, scenario):
+    """``router_fp8``: graphs of ``attn moe_router`` of a balanced layer (host planner) under fp8
+    tensorwise, captured through megatron's ``TECudaGraphHelper`` with the fp8 arguments it hands
+    TE, replayed for three steps, each routing differently; ``preprocess_fp8``: the device planner
+    with graphs of ``attn moe_router moe_preprocess``. Every step's outputs and gradients are the
+    same layer's run eagerly under fp8 (within 10x the floor of megatron's own layer under the same
+    graphs against eager), every graph replayed once per step, every ring slot released, the load
+    balanced."""
+    compared = fp8_comparisons(ranks, scenario)
+    print(f"\n{scenario}: {summary(compared)}")
+    assert not failures(compared), failures(compared)
+    planner, plans = {"router_fp8": ("host", STEPS), "preprocess_fp8": ("device", 0)}[scenario]
+    for rank, result in enumerate(ranks):
+        graphed = result[scenario]
+        assert graphed["moe_class"] == "BalancedMoELayer" and graphed["planner"] == planner
+        assert graphed["replays"] == (STEPS, STEPS), graphed["replays"]
+        assert graphed["ring_live"] == 0, f"rank {rank}: an invocation was never released"
+        assert graphed["replay_calls"] == {"router": 0, "plan": plans}, graphed["replay_calls"]
+        # The experts cast their weights to fp8 at each step's first (only) microbatch.
+        assert graphed["fp8_casts"] >= 2 * STEPS, graphed["fp8_casts"]
+    before, after = imbalance(ranks, "none_fp8_eager"), imbalance(ranks, scenario)
+    assert before.min() > 2.0, f"the test's routing is not skewed: {before}"
+    assert after.max() <= 1.05, f"post-balancing imbalance {after} (before {before})"
+
+
+def test_capture_fp8_runs_tes_fp8_graph_contract(ranks):
+    """What megatron hands TE's ``make_graphed_callables`` under fp8 (TE 2.7: one ``fp8_enabled``
+    for all callables; the recipe object megatron's ``get_fp8_recipe`` builds; weight caching on;
+    the amax reduction group, TP x DP x CP: the 4 ranks), the warm-up and capture running the
+    graphed region inside TE's fp8 autocast with ``_graph=True``, and the replay: no Python of the
+    region, the skip-weight-update flag set from megatron's ``is_first_microbatch`` (the first
+    microbatch: do not skip) and the backward's amax reduction call, once per step."""
+    for scenario in ("router_fp8", "none_fp8", "stale_plan_fp8", "preprocess_fp8", "none_fp8_preprocess"):
+        for result in ranks:
+            graphed = result[scenario]
+            assert graphed["graphed_with"] == {
+                "fp8_enabled": True, "fp8_weight_caching": True, "fp8_group_size": WORLD,
+                "fp8_recipe": "Float8CurrentScaling(fp8_format=<Format.HYBRID: 'hybrid'>, fp8_dpa=False, "
+                              "fp8_mha=False)"}, graphed["graphed_with"]
+            assert graphed["fp8_at_capture"] == [(True, "Float8CurrentScaling", True)] * 2, graphed["fp8_at_capture"]
+            assert graphed["fp8_at_replay"] == [], graphed["fp8_at_replay"]
+            assert graphed["skip_flags"] == [0.0] * STEPS, graphed["skip_flags"]
+            assert graphed["backward_reductions"] == STEPS, graphed["backward_reductions"]
+    for result in ranks:  # eagerly the router runs in the layer's fp8 autocast, not a graph's
+        assert result["router_fp8_eager"]["fp8_at_replay"] == [(True, "Float8CurrentScaling", False)] * STEPS
+
+
+def test_capture_fp8_negative_control_stale_plan_fails_the_comparison(ranks):
+    """Under fp8, plans kept from the first step: ``stale_preprocess_fp8`` (the device planner's
+    graph, every step completing the first step's plan, as ``stale_plan``) must miss the eager
+    layer's outputs and input gradients on every rank in every later step, far beyond the
+    tolerance; ``stale_plan_fp8`` (host planner, every step planned on the first step's load) must
+    fail the comparison in every later step (a stale load still sends most tokens to an instance
+    of their expert, so not every rank's output moves). The first step is right in both."""
+    for scenario in ("stale_preprocess_fp8", "stale_plan_fp8"):
+        compared = fp8_comparisons(ranks, scenario)
+        assert not [c for c in compared if " step 0 " in c.what and not c.passed], "the first step plans its own load"
+        layer_outputs = [c for c in compared if c.what.endswith((" out", " dx")) and " step 0 " not in c.what]
+        assert len(layer_outputs) == WORLD * (STEPS - 1) * 2
+        print(f"\n{scenario}: {sum(not c.passed for c in compared)} of {len(compared)} over tolerance; outputs "
+              f"and input gradients of steps 1-{STEPS - 1}: error/tolerance {min(c.ratio for c in layer_outputs):.3g} "
+              f"to {max(c.ratio for c in layer_outputs):.3g}")
+        if scenario == "stale_preprocess_fp8":
+            assert all(c.ratio > NOISE_MULTIPLE for c in layer_outputs), layer_outputs
+        for step in range(1, STEPS):
+            worst = max(c.ratio for c in layer_outputs if f" step {step} " in c.what)
+            assert worst > NOISE_MULTIPLE, f"{scenario} step {step}: error/tolerance {worst:.3g}"
 
 
 def test_capture_preprocess_gpu_check_dry_run():

@@ -32,16 +32,33 @@ step, and what ran):
   plan (its host half), as a layer would that kept host state from an earlier forward;
 * ``host_planner_preprocess`` (negative control): ``preprocess`` with the planner switched to the
   host after the layer was built (the startup check refuses the combination): its capture must
-  fail the capturability guard.
+  fail the capturability guard;
+* under fp8 (``--fp8-format hybrid --fp8-recipe tensorwise``; the experts megatron's
+  ``TEGroupedMLP`` over ``torch_grouped_linear``, whose GEMMs are ``te_grouped_fp8``'s stand-in of
+  TE's fp8 grouped GEMM, megatron padding each expert's rows with ``toy_fp8``'s ``Fp8Padding``; the
+  rest of the layer in bf16, as megatron's local linears are without TE): ``router_fp8`` (ultraep,
+  host planner, graphs of ``attn moe_router``) and its reference ``router_fp8_eager`` (the same
+  layer without graphs), ``none_fp8`` / ``none_fp8_eager`` (megatron's MoELayer, graphed and not:
+  the floor of graphing itself), and ``stale_plan_fp8`` (negative control: ``router_fp8`` with
+  every step planned on the first step's load); ``preprocess_fp8`` (device planner, graphs of
+  ``attn moe_router moe_preprocess``) against ``preprocess_fp8_eager``, its floor megatron's layer
+  under the same graphs (``none_fp8_preprocess``) against ``none_fp8_eager``, and
+  ``stale_preprocess_fp8`` (negative control: ``stale_plan`` under fp8). megatron's
+  ``TECudaGraphHelper`` hands the graph stand-in its fp8 arguments (``fp8_enabled``, the recipe object from ``get_fp8_recipe``,
+  ``fp8_weight_caching``, the amax group); each step runs the layer in the fp8 autocast
+  ``TransformerBlock`` runs it in (``layer_fp8_context``) and resets ``is_first_microbatch`` as
+  megatron's schedule does.
 
 Run:  torchrun --standalone --nproc-per-node 4 graph_capture_layer.py --out-dir DIR
 """
 
 import argparse
+import contextlib
 import os
 import sys
 import time
 import traceback
+from typing import Optional
 
 import torch
 
@@ -69,6 +86,20 @@ SCENARIOS = {
     "stale_plan": dict(balancer="ultraep", planner="device", modules=PREPROCESS, fault="stale_plan"),
     "host_planner_preprocess": dict(balancer="ultraep", planner="device", modules=PREPROCESS,
                                     fault="host_planner"),
+    # fp8 (--fp8-format hybrid --fp8-recipe tensorwise), grouped experts over te_grouped_fp8's
+    # stand-in of TE's fp8 grouped GEMM; each graphed layer against itself run eagerly.
+    "none_fp8": dict(balancer=None, modules=ROUTER, fp8="tensorwise"),
+    "none_fp8_eager": dict(balancer=None, modules=ROUTER, fp8="tensorwise", eager=True),
+    "router_fp8": dict(balancer="ultraep", planner="host", modules=ROUTER, fp8="tensorwise"),
+    "router_fp8_eager": dict(balancer="ultraep", planner="host", modules=ROUTER, fp8="tensorwise", eager=True),
+    "stale_plan_fp8": dict(balancer="ultraep", planner="host", modules=ROUTER, fp8="tensorwise",
+                           fault="stale_host_plan"),
+    "none_fp8_preprocess": dict(balancer=None, modules=PREPROCESS, fp8="tensorwise"),
+    "preprocess_fp8": dict(balancer="ultraep", planner="device", modules=PREPROCESS, fp8="tensorwise"),
+    "preprocess_fp8_eager": dict(balancer="ultraep", planner="device", modules=PREPROCESS, fp8="tensorwise",
+                                 eager=True),
+    "stale_preprocess_fp8": dict(balancer="ultraep", planner="device", modules=PREPROCESS, fp8="tensorwise",
+                                 fault="stale_plan"),
 }
 
 
@@ -87,11 +118,15 @@ class GraphChunk(torch.nn.Module):
         self.zero_grad(set_to_none=True)
 
 
-def build_layer(world: int, balancer, planner, modules: str, dispatcher: str = "alltoall"):
+def build_layer(world: int, balancer, planner, modules: str, dispatcher: str = "alltoall",
+                fp8: Optional[str] = None, eager: bool = False):
     """A TransformerLayer (local spec, MoE MLP with a shared expert), its MoE MLP balanced by
     ``balancer`` (``None``: megatron's MoELayer), with TE graphs of ``modules``; ``dispatcher``
     ``flex``: megatron's flex dispatcher over HybridEP. The router computes in fp32 (HybridEP takes
-    fp32 probabilities), in every scenario alike."""
+    fp32 probabilities), in every scenario alike. ``fp8``: megatron's fp8 with that recipe, the
+    experts ``TEGroupedMLP`` over ``torch_grouped_linear`` (their GEMMs ``te_grouped_fp8``'s, the
+    rest of the layer in bf16: without TE megatron's local linears have no fp8); ``eager``: no
+    graphs (``--cuda-graph-impl none``)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -112,13 +147,20 @@ def build_layer(world: int, balancer, planner, modules: str, dispatcher: str = "
         expert_model_parallel_size=world, moe_aux_loss_coeff=0.0,
         add_bias_linear=False, use_cpu_initialization=True, bias_dropout_fusion=False,
         gradient_accumulation_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,
-        bf16=True, params_dtype=torch.bfloat16,
-        cuda_graph_impl="transformer_engine", cuda_graph_modules=modules.split(),
+        bf16=True, params_dtype=torch.bfloat16, moe_grouped_gemm=fp8 is not None,
+        cuda_graph_impl="none" if eager else "transformer_engine", cuda_graph_modules=[] if eager else modules.split(),
         # One eager step runs here before the capture; the helper then warms each graph up once
         # (megatron asks TE for max(1, 10 - warm-up steps) warm-up iterations).
         cuda_graph_warmup_steps=10,
     )
     spec = get_gpt_layer_local_spec(num_experts=NUM_EXPERTS, moe_grouped_gemm=False)
+    if fp8 is not None:  # as overlapped_schedule.py: --fp8-format hybrid --fp8-recipe RECIPE without TE
+        import toy_fp8
+        import torch_grouped_linear
+
+        toy_fp8.install_fp8_standins(fp8)
+        toy_fp8.enable_fp8(config, fp8)
+        spec.submodules.mlp = torch_grouped_linear.grouped_moe_layer_spec()
     if balancer is not None:
         spec = apply_moe_balancer(spec, BalancingContext(
             BalancerConfig(name=balancer, num_slots=1, min_quota=1), ring_size=4, planner=planner))
@@ -150,6 +192,22 @@ def causal_mask(batch: int):
     return ~torch.tril(torch.ones(SEQ, SEQ)).bool().view(1, 1, SEQ, SEQ).expand(batch, 1, SEQ, SEQ).contiguous()
 
 
+def layer_fp8_context(layer):
+    """What ``TransformerBlock`` runs each layer in under fp8 with TE: megatron's
+    ``fp8_utils.get_fp8_context(config, layer_number - 1)``, TE's ``fp8_autocast(enabled=True,
+    fp8_recipe=get_fp8_recipe(config), fp8_group=<amax reduction group>)``, here the graph
+    stand-in's (without TE megatron's own is empty); nothing without fp8."""
+    import te_graph_standin
+    from megatron.core import parallel_state
+
+    if layer.config.fp8 is None:
+        return contextlib.nullcontext()
+    group = parallel_state.get_amax_reduction_group(with_context_parallel=True,
+                                                    tp_only_amax_red=layer.config.tp_only_amax_red)
+    return te_graph_standin.fp8_autocast(enabled=True, fp8_recipe=te_graph_standin.get_fp8_recipe(layer.config),
+                                         fp8_group=group)
+
+
 def train_step(layer, rank: int, step: int, router_weight, permute: bool = False, split: bool = False):
     """One training step as a TransformerBlock runs the layer: (out, dx, grads by name), in the
     original batch order. ``permute``: the sequences in the other batch order; ``split``: one
@@ -161,10 +219,12 @@ def train_step(layer, rank: int, step: int, router_weight, permute: bool = False
     order = torch.tensor([1, 0]) if permute else torch.arange(BATCH)
     microbatches = [order[i:i + 1] for i in range(BATCH)] if split else [order]
     layer.zero_grad(set_to_none=True)
+    layer.set_is_first_microbatch()  # megatron's schedule, at a step's first microbatch (fp8 casts anew)
     outs, dxs, grads = [], [], {}
     for sequences in microbatches:
         xm = x[:, sequences].contiguous().requires_grad_(True)
-        out, _ = layer(hidden_states=xm, attention_mask=causal_mask(len(sequences)))
+        with layer_fp8_context(layer):
+            out, _ = layer(hidden_states=xm, attention_mask=causal_mask(len(sequences)))
         (out * up[:, sequences]).float().sum().backward()
         outs.append(out.detach().float())
         dxs.append(xm.grad.detach().float())
@@ -176,11 +236,28 @@ def train_step(layer, rank: int, step: int, router_weight, permute: bool = False
     return torch.cat(outs, 1)[:, back].clone(), torch.cat(dxs, 1)[:, back].clone(), grads
 
 
+def state_for(layer, state: dict) -> dict:
+    """``state`` (the SequentialMLP experts' weights, ``experts.local_experts.{i}.linear_fc{1,2}.weight``)
+    in ``layer``'s layout: grouped experts hold expert i's as ``experts.linear_fc{1,2}.weight{i}``."""
+    names = set(layer.state_dict())
+    if not any(".local_experts." in key for key in state) or any(".local_experts." in key for key in names):
+        return state
+    mapped = {}
+    for key, value in state.items():
+        if ".local_experts." in key:
+            head, tail = key.split(".local_experts.")
+            index, linear, _ = tail.split(".")
+            key = f"{head}.{linear}.weight{index}"
+        mapped[key] = value
+    return {k: v for k, v in mapped.items() if k in names}
+
+
 def run_scenario(name: str, sc: dict, world: int, rank: int, state: dict, standin) -> dict:
     from megatron.core.transformer import cuda_graphs
 
-    layer = build_layer(world, sc["balancer"], sc.get("planner"), sc["modules"], sc.get("dispatcher", "alltoall"))
-    layer.load_state_dict(state, strict=True)
+    layer = build_layer(world, sc["balancer"], sc.get("planner"), sc["modules"], sc.get("dispatcher", "alltoall"),
+                        fp8=sc.get("fp8"), eager=sc.get("eager", False))
+    layer.load_state_dict(state_for(layer, state), strict=True)
     router_weight = layer.mlp.router.weight.detach().clone()
     moe = layer.mlp
     manager = getattr(moe.token_dispatcher, "_comm_manager", None)
@@ -201,13 +278,26 @@ def run_scenario(name: str, sc: dict, world: int, rank: int, state: dict, standi
             return complete(state, first[0], **kwargs)
 
         balancing.complete_device_plan = stale_complete
+    if sc.get("fault") == "stale_host_plan":  # every step plans on the first step's load
+        plan_on_host, first_load = balancing.plan_on_host, []
+
+        def stale_plan_on_host(state, balancer, load, ep_rank):
+            if not first_load:
+                first_load.append(load.clone())
+            return plan_on_host(state, balancer, first_load[0], ep_rank)
+
+        balancing.plan_on_host = stale_plan_on_host
 
     # What runs on the host during capture and replays: the router's forward, the dispatcher's plan.
     calls = {"router": 0, "plan": 0}
     router_forward = moe.router.forward
 
+    fp8_seen = []  # the fp8 autocast state the router's Python ran under (TE's FP8GlobalStateManager)
+
     def counting_router(*args, **kwargs):
         calls["router"] += 1
+        manager = standin.FP8GlobalStateManager
+        fp8_seen.append((manager.FP8_ENABLED, type(manager.FP8_RECIPE).__name__, manager.FP8_GRAPH_CAPTURING))
         return router_forward(*args, **kwargs)
 
     moe.router.forward = counting_router
@@ -219,20 +309,38 @@ def run_scenario(name: str, sc: dict, world: int, rank: int, state: dict, standi
             return plan(*args, **kwargs)
 
         moe.token_dispatcher.begin_invocation = counting_plan
-    helper = cuda_graphs.TECudaGraphHelper(model=[GraphChunk(layer)], config=layer.config, seq_length=SEQ,
-                                           micro_batch_size=1 if feed["split"] else BATCH)
-    try:
-        helper.create_cudagraphs()
-    except standin.CaptureViolation as error:
-        cuda_graphs._set_capture_end()  # the helper's capture flag, left set by the failed capture
-        result["capture_error"] = f"{type(error).__name__}: {error}"
-        result["capture_error_where"] = traceback.format_exc(limit=-3)
-        return result
-    result["capture_calls"] = dict(calls)
-    forward_graph, backward_graph = layer.cuda_graphs[0].graphs
-    result["graph_ops"] = sorted({str(op.func) for op in forward_graph._tape})
-    result["valid_cudagraph_attrs"] = list(moe.token_dispatcher.valid_cudagraph_attrs or [])
+    forward_graph = backward_graph = None
+    if not sc.get("eager"):
+        helper = cuda_graphs.TECudaGraphHelper(model=[GraphChunk(layer)], config=layer.config, seq_length=SEQ,
+                                               micro_batch_size=1 if feed["split"] else BATCH)
+        captured = standin.make_graphed_callables
+        graphed_with = {}
+
+        def recording(*args, **kwargs):  # what megatron hands TE's make_graphed_callables under fp8
+            graphed_with.update({k: kwargs.get(k) for k in ("fp8_enabled", "fp8_recipe", "fp8_weight_caching")})
+            graphed_with["fp8_group_size"] = (kwargs["fp8_group"].size() if kwargs.get("fp8_group") is not None
+                                              else None)
+            return captured(*args, **kwargs)
+
+        cuda_graphs.make_graphed_callables = recording
+        try:
+            helper.create_cudagraphs()
+        except standin.CaptureViolation as error:
+            cuda_graphs._set_capture_end()  # the helper's capture flag, left set by the failed capture
+            result["capture_error"] = f"{type(error).__name__}: {error}"
+            result["capture_error_where"] = traceback.format_exc(limit=-3)
+            return result
+        finally:
+            cuda_graphs.make_graphed_callables = captured
+        result["graphed_with"] = {k: (v if k != "fp8_recipe" else repr(v)) for k, v in graphed_with.items()}
+        result["capture_calls"] = dict(calls)
+        result["fp8_at_capture"] = list(fp8_seen)
+        forward_graph, backward_graph = layer.cuda_graphs[0].graphs
+        result["graph_ops"] = sorted({str(op.func) for op in forward_graph._tape})
+        result["valid_cudagraph_attrs"] = list(moe.token_dispatcher.valid_cudagraph_attrs or [])
     calls.update(router=0, plan=0)
+    fp8_seen.clear()
+    skips = []  # the skip-weight-update flag after each step's forward (fp8 weight caching)
     # (token, expert) rows this rank's experts receive per step, counted once per dispatch.
     received, steps, inside = [], [], []
     dispatcher = moe.token_dispatcher
@@ -251,12 +359,18 @@ def run_scenario(name: str, sc: dict, world: int, rank: int, state: dict, standi
             return out
 
         setattr(dispatcher, method, counting)
+    reductions = standin.FP8GlobalStateManager.reductions[False]
     for step in range(ITERATIONS):
         out, dx, grads = train_step(layer, rank, step, router_weight, **feed)
         steps.append({"out": out, "dx": dx, "grads": grads})
+        flag = standin.FP8GlobalStateManager.skip_fp8_weight_update_tensor
+        skips.append(None if flag is None else float(flag[0]))
     result.update(
         steps=steps, received_rows=received, replay_calls=dict(calls),
-        replays=(forward_graph.replays, backward_graph.replays),
+        replays=(forward_graph.replays, backward_graph.replays) if forward_graph is not None else (0, 0),
+        fp8_at_replay=list(fp8_seen), skip_flags=skips,
+        backward_reductions=standin.FP8GlobalStateManager.reductions[False] - reductions,
+        fp8_casts=sum(getattr(m, "fp8_quantizations", 0) for m in layer.modules()),
         ring_live=balancing.ring.live if balancing is not None else 0,
         stats=balancing.pop_stats() if balancing is not None else {},
         planner=balancing.planner if balancing is not None else None)
