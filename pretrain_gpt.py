@@ -43,7 +43,9 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.core.utils import (
-    get_attr_wrapped_model, get_batch_on_this_cp_rank, get_batch_on_this_tp_rank,
+    get_attr_wrapped_model,
+    get_batch_on_this_cp_rank,
+    get_batch_on_this_tp_rank,
 )
 from megatron.training import get_args, get_tokenizer, print_rank_0
 from megatron.training.arguments import parse_and_validate_args
@@ -68,8 +70,10 @@ def get_batch(data_iterator, vp_stage=None):
     batch = {}
     if tp_rank == 0:
         batch = next(data_iterator)
-        batch = {key: (batch[key].cuda(non_blocking=True) if batch.get(key) is not None else None)
-                 for key in BATCH_KEYS}
+        batch = {
+            key: (batch[key].cuda(non_blocking=True) if batch.get(key) is not None else None)
+            for key in BATCH_KEYS
+        }
     batch = get_batch_on_this_tp_rank(
         batch,
         False,  # no packed sequences (0.19 calls it has_cu_seqlens, 0.18 is_sft)
@@ -86,8 +90,9 @@ def get_batch(data_iterator, vp_stage=None):
         is_pipeline_first_stage=mpu.is_pipeline_first_stage(),
         is_pipeline_last_stage=mpu.is_pipeline_last_stage(),
     )
-    batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False,
-                                      cp_group=mpu.get_context_parallel_group())
+    batch = get_batch_on_this_cp_rank(
+        batch, is_hybrid_cp=False, cp_group=mpu.get_context_parallel_group()
+    )
     return tuple(batch.get(key) for key in BATCH_KEYS)
 
 
@@ -102,9 +107,13 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     report = {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
     if args.check_for_nan_in_loss_and_grad:
         rerun_state_machine = get_rerun_state_machine()
-        rerun_state_machine.validate_result(result=loss, rejection_func=torch.isnan,
-                                            message="found NaN in local forward loss calculation",
-                                            tolerance=0.0, fatal=True)
+        rerun_state_machine.validate_result(
+            result=loss,
+            rejection_func=torch.isnan,
+            message="found NaN in local forward loss calculation",
+            tolerance=0.0,
+            fatal=True,
+        )
     return loss, num_tokens, report
 
 
@@ -118,18 +127,19 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     interleaved with another micro-batch's backward. Its loss goes through the same function."""
     # The model chunk may be wrapped (DDP, Float16Module): ask the innermost module.
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(
-        data_iterator, vp_stage=get_attr_wrapped_model(model, "vp_stage"))
+        data_iterator, vp_stage=get_attr_wrapped_model(model, "vp_stage")
+    )
     if return_schedule_plan:
-        schedule_plan = model.build_schedule_plan(tokens, position_ids, attention_mask, labels=labels,
-                                                  loss_mask=loss_mask)
+        schedule_plan = model.build_schedule_plan(
+            tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask
+        )
         return schedule_plan, partial(loss_func, loss_mask)
     output_tensor = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
     return output_tensor, partial(loss_func, loss_mask)
 
 
 def is_dataset_built_on_rank(vp_stage=None):
-    return (is_first_or_last_pipeline_stage(vp_stage)
-            and mpu.get_tensor_model_parallel_rank() == 0)
+    return is_first_or_last_pipeline_stage(vp_stage) and mpu.get_tensor_model_parallel_rank() == 0
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
@@ -155,8 +165,10 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
     dataset_type = MockGPTDataset if args.mock_data else GPTDataset
     print_rank_0(f"> building {dataset_type.__name__} train, validation, and test datasets ...")
     datasets = BlendedMegatronDatasetBuilder(
-        dataset_type, train_val_test_num_samples,
-        partial(is_dataset_built_on_rank, vp_stage=vp_stage), config,
+        dataset_type,
+        train_val_test_num_samples,
+        partial(is_dataset_built_on_rank, vp_stage=vp_stage),
+        config,
     ).build()
     print_rank_0("> finished creating GPT datasets ...")
     return datasets
@@ -177,8 +189,9 @@ def main() -> None:
     # UltraEP's checks (and the CPU flags) first: one line on rank 0, before Megatron's
     # validation prints the arguments, wandb starts or the model is built.
     sys.argv[1:] = startup_checks_or_exit(sys.argv[1:])
-    args = parse_and_validate_args(extra_args_provider=add_ultraep_args,
-                                   args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+    args = parse_and_validate_args(
+        extra_args_provider=add_ultraep_args, args_defaults={"tokenizer_type": "GPT2BPETokenizer"}
+    )
     model_cfg = compat.gpt_model_from_args(args)
     # The model's balancing context (None for --moe-balancer none), handed to its balanced MoE
     # layers through Megatron's default layer spec (decoder and MTP block).

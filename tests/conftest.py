@@ -10,8 +10,14 @@ from pathlib import Path
 _TESTS = Path(__file__).resolve().parent
 _SKIPPED = {"data", "workers", "__pycache__"}  # fixtures and subprocess scripts, not helpers
 
-for _folder in [_TESTS, *sorted(p for p in _TESTS.rglob("*") if p.is_dir()
-                                and not _SKIPPED & set(p.relative_to(_TESTS).parts))]:
+for _folder in [
+    _TESTS,
+    *sorted(
+        p
+        for p in _TESTS.rglob("*")
+        if p.is_dir() and not _SKIPPED & set(p.relative_to(_TESTS).parts)
+    ),
+]:
     if str(_folder) not in sys.path:
         sys.path.insert(0, str(_folder))
 
@@ -52,16 +58,22 @@ def pytest_terminal_summary(terminalreporter):
     launches = rank_launcher.read_stats()
     if rank_launcher.unavailable:
         terminalreporter.section("multi-rank launches")
-        write(f"the warm rank launcher did not start ({rank_launcher.unavailable}): every launch was cold")
+        write(
+            f"the warm rank launcher did not start ({rank_launcher.unavailable}): every launch was cold"
+        )
     if launches:
         terminalreporter.section("multi-rank launches")
         warm = [launch for launch in launches if launch.get("warm")]
         total = sum(launch["seconds"] for launch in launches)
-        write(f"{len(launches)} launches ({len(warm)} warm, {len(launches) - len(warm)} cold), "
-              f"{sum(launch['nproc'] for launch in launches)} ranks, {total:.0f} s of wall time in all")
+        write(
+            f"{len(launches)} launches ({len(warm)} warm, {len(launches) - len(warm)} cold), "
+            f"{sum(launch['nproc'] for launch in launches)} ranks, {total:.0f} s of wall time in all"
+        )
         by_test: dict[str, list[float]] = {}
         for launch in launches:
-            by_test.setdefault(launch.get("test") or "(outside a test)", []).append(launch["seconds"])
+            by_test.setdefault(launch.get("test") or "(outside a test)", []).append(
+                launch["seconds"]
+            )
         for test, seconds in sorted(by_test.items(), key=lambda item: -sum(item[1]))[:10]:
             write(f"{sum(seconds):8.1f} s  {len(seconds):3d} launch(es)  {test}")
         # The same run launched twice (a reference two tests could share) shows here.
@@ -70,6 +82,14 @@ def pytest_terminal_summary(terminalreporter):
             if launch.get("launch") and launch.get("status") == 0:
                 runs.setdefault(launch["launch"], []).append(launch)
         repeated = {key: same for key, same in runs.items() if len(same) > 1}
-        write(f"runs launched more than once: {len(repeated)}" + ("" if not repeated else ", ".join(
-            f" {same[0]['script']} x{len(same)} ({', '.join(sorted({l['test'] for l in same}))})"
-            for same in repeated.values())))
+        write(
+            f"runs launched more than once: {len(repeated)}"
+            + (
+                ""
+                if not repeated
+                else ", ".join(
+                    f" {same[0]['script']} x{len(same)} ({', '.join(sorted({l['test'] for l in same}))})"
+                    for same in repeated.values()
+                )
+            )
+        )

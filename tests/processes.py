@@ -63,8 +63,9 @@ def kill_launch(marker: str, process_group: int | None = None, timeout_s: float 
         time.sleep(0.05)
 
 
-def run_process_group(command: Sequence[str], *, timeout_s: float, env: dict[str, str] | None = None,
-                      **kwargs) -> subprocess.CompletedProcess:
+def run_process_group(
+    command: Sequence[str], *, timeout_s: float, env: dict[str, str] | None = None, **kwargs
+) -> subprocess.CompletedProcess:
     """``subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, **kwargs)``,
     with every process the command starts (any depth, any session: :func:`kill_launch`) killed on a
     timeout or an interrupt.
@@ -74,14 +75,23 @@ def run_process_group(command: Sequence[str], *, timeout_s: float, env: dict[str
     """
     marker = uuid.uuid4().hex
     env = {**(os.environ if env is None else env), LAUNCH_MARKER: marker}
-    with subprocess.Popen(command, start_new_session=True, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True, env=env, **kwargs) as process:
+    with subprocess.Popen(
+        command,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        **kwargs,
+    ) as process:
         try:
             stdout, stderr = process.communicate(timeout=timeout_s)
         except BaseException as error:
             kill_launch(marker, process.pid)
             stdout, stderr = process.communicate()
             if isinstance(error, subprocess.TimeoutExpired):
-                raise subprocess.TimeoutExpired(command, timeout_s, output=stdout, stderr=stderr) from None
+                raise subprocess.TimeoutExpired(
+                    command, timeout_s, output=stdout, stderr=stderr
+                ) from None
             raise
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)

@@ -77,9 +77,18 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 #: package, matplotlib (the dashboards' heatmaps; the backend is chosen where it is used), and of the
 #: package under test only its planner, whose compiled kernels each rank would otherwise load from
 #: numba's cache. Each import here must start no thread (a fork copies only the forking one).
-PRELOAD = ("torch", "torch.distributed", "numpy", "megatron.core", "megatron.core.models.gpt",
-           "megatron.training", "megatron.training.training", "megatron.training.arguments",
-           "matplotlib.pyplot", "ultraep_megatron.planner")
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "numpy",
+    "megatron.core",
+    "megatron.core.models.gpt",
+    "megatron.training",
+    "megatron.training.training",
+    "megatron.training.arguments",
+    "matplotlib.pyplot",
+    "ultraep_megatron.planner",
+)
 #: Top-level packages the server holds: a launch whose PYTHONPATH would find another copy of one
 #: is not served.
 PRELOADED_PACKAGES = ("torch", "numpy", "megatron", "ultraep_megatron")
@@ -87,15 +96,32 @@ PRELOADED_PACKAGES = ("torch", "numpy", "megatron", "ultraep_megatron")
 #: Seconds a rank gets to exit after SIGTERM once another rank failed (torchrun: 30).
 TERM_GRACE_S = 5.0
 #: torchrun's local options the launcher understands (value-taking ones), the rest is refused.
-_TORCHRUN_VALUE_OPTIONS = {"--nproc-per-node", "--nproc_per_node", "--nnodes", "--node-rank", "--node_rank",
-                           "--master-addr", "--master_addr", "--master-port", "--master_port",
-                           "--max-restarts", "--max_restarts", "--rdzv-backend", "--rdzv_backend",
-                           "--rdzv-endpoint", "--rdzv_endpoint", "--rdzv-id", "--rdzv_id",
-                           "--monitor-interval", "--monitor_interval"}
+_TORCHRUN_VALUE_OPTIONS = {
+    "--nproc-per-node",
+    "--nproc_per_node",
+    "--nnodes",
+    "--node-rank",
+    "--node_rank",
+    "--master-addr",
+    "--master_addr",
+    "--master-port",
+    "--master_port",
+    "--max-restarts",
+    "--max_restarts",
+    "--rdzv-backend",
+    "--rdzv_backend",
+    "--rdzv-endpoint",
+    "--rdzv_endpoint",
+    "--rdzv-id",
+    "--rdzv_id",
+    "--monitor-interval",
+    "--monitor_interval",
+}
 _TORCHRUN_FLAGS = {"--standalone"}
 
 
 # -- the client side --------------------------------------------------------------------------------
+
 
 def enabled() -> bool:
     return os.environ.get(COLD_ENV, "") not in ("1", "true", "yes")
@@ -151,12 +177,20 @@ def server_socket() -> str:
     path = os.path.join(directory, "launcher.sock")
     stats = os.environ.get(STATS_ENV) or os.path.join(directory, "launches.jsonl")
     env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(_server_pythonpath()))
+    env.update(
+        OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(_server_pythonpath())
+    )
     env.pop("PYTHONWARNINGS", None)  # each rank applies its launch's own
     env.pop(LAUNCH_MARKER, None)
-    _server = subprocess.Popen([sys.executable, str(SERVER), "serve", path, stats, str(os.getpid())], env=env,
-                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                               start_new_session=True, text=True)
+    _server = subprocess.Popen(
+        [sys.executable, str(SERVER), "serve", path, stats, str(os.getpid())],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        text=True,
+    )
     ready = _server.stdout.readline().strip()
     if ready != "ready":
         _server.wait()
@@ -205,9 +239,19 @@ def _read_line(connection: socket.socket, timeout_s: Optional[float]) -> Optiona
     return json.loads(data)
 
 
-def launch(script: str | os.PathLike, nproc: int, args: Sequence[str], *, env: dict[str, str], cwd: str | os.PathLike,
-           timeout_s: Optional[float], stdout: int, stderr: int, master_port: Optional[int] = None,
-           torchrun: bool = True) -> int:
+def launch(
+    script: str | os.PathLike,
+    nproc: int,
+    args: Sequence[str],
+    *,
+    env: dict[str, str],
+    cwd: str | os.PathLike,
+    timeout_s: Optional[float],
+    stdout: int,
+    stderr: int,
+    master_port: Optional[int] = None,
+    torchrun: bool = True,
+) -> int:
     """Run ``script args`` on ``nproc`` local ranks forked from the server, writing to the file
     descriptors ``stdout``/``stderr``; return torchrun's exit status (0, or 1 when a rank failed).
     With ``torchrun=False``: one process, as ``python script args`` (no torchrun variables, no
@@ -219,8 +263,15 @@ def launch(script: str | os.PathLike, nproc: int, args: Sequence[str], *, env: d
     """
     if not torchrun and nproc != 1:
         raise ValueError("a launch without torchrun is one process")
-    message = {"script": os.fspath(script), "args": [str(a) for a in args], "nproc": nproc, "env": env,
-               "cwd": os.fspath(cwd), "master_port": master_port, "torchrun": torchrun}
+    message = {
+        "script": os.fspath(script),
+        "args": [str(a) for a in args],
+        "nproc": nproc,
+        "env": env,
+        "cwd": os.fspath(cwd),
+        "master_port": master_port,
+        "torchrun": torchrun,
+    }
     connection = _request(server_socket(), message, [stdout, stderr])
     with connection:
         try:
@@ -259,10 +310,28 @@ def launch_key(script: str, nproc: int, args: Sequence[str], env: dict[str, str]
     import re
 
     temporary = re.compile(r"/tmp/pytest-of-[^/]+/pytest-\d+/[^/\s]+")
-    switches = sorted((k, v) for k, v in env.items() if k.startswith("ULTRAEP_") and k not in
-                      (LAUNCH_MARKER, SOCKET_ENV, STATS_ENV, REAL_PYTHON_ENV, COLD_ENV, "ULTRAEP_GRAD_DUMP_DIR"))
-    text = json.dumps([os.path.basename(script), nproc, [temporary.sub("TMP", str(a)) for a in args],
-                       [(k, temporary.sub("TMP", v)) for k, v in switches]])
+    switches = sorted(
+        (k, v)
+        for k, v in env.items()
+        if k.startswith("ULTRAEP_")
+        and k
+        not in (
+            LAUNCH_MARKER,
+            SOCKET_ENV,
+            STATS_ENV,
+            REAL_PYTHON_ENV,
+            COLD_ENV,
+            "ULTRAEP_GRAD_DUMP_DIR",
+        )
+    )
+    text = json.dumps(
+        [
+            os.path.basename(script),
+            nproc,
+            [temporary.sub("TMP", str(a)) for a in args],
+            [(k, temporary.sub("TMP", v)) for k, v in switches],
+        ]
+    )
     return hashlib.sha1(text.encode()).hexdigest()[:12]
 
 
@@ -282,6 +351,7 @@ def read_stats(path: Optional[str] = None) -> list[dict]:
 
 
 # -- the shim ---------------------------------------------------------------------------------------
+
 
 def parse_torchrun(argv: Sequence[str]) -> Optional[dict]:
     """``-m torch.distributed.run OPTIONS SCRIPT ARGS`` -> {nproc, master_port, script, args}, or
@@ -319,9 +389,20 @@ def parse_torchrun(argv: Sequence[str]) -> Optional[dict]:
 
 def parse_script(argv: Sequence[str]) -> Optional[dict]:
     """``SCRIPT.py ARGS`` (no interpreter option) -> a one-process launch, or None."""
-    if not argv or argv[0].startswith("-") or not argv[0].endswith(".py") or not os.path.isfile(argv[0]):
+    if (
+        not argv
+        or argv[0].startswith("-")
+        or not argv[0].endswith(".py")
+        or not os.path.isfile(argv[0])
+    ):
         return None
-    return {"nproc": 1, "master_port": None, "script": argv[0], "args": list(argv[1:]), "torchrun": False}
+    return {
+        "nproc": 1,
+        "master_port": None,
+        "script": argv[0],
+        "args": list(argv[1:]),
+        "torchrun": False,
+    }
 
 
 def shim_main(argv: Sequence[str]) -> None:
@@ -332,9 +413,15 @@ def shim_main(argv: Sequence[str]) -> None:
     path = os.environ.get(SOCKET_ENV)
     if launch_request is None or not path or not os.path.exists(path):
         os.execv(real, [real, *argv])
-    message = {"script": os.path.abspath(launch_request["script"]), "args": launch_request["args"],
-               "nproc": launch_request["nproc"], "env": dict(os.environ), "cwd": os.getcwd(),
-               "master_port": launch_request["master_port"], "torchrun": launch_request.get("torchrun", True)}
+    message = {
+        "script": os.path.abspath(launch_request["script"]),
+        "args": launch_request["args"],
+        "nproc": launch_request["nproc"],
+        "env": dict(os.environ),
+        "cwd": os.getcwd(),
+        "master_port": launch_request["master_port"],
+        "torchrun": launch_request.get("torchrun", True),
+    }
     sys.stdout.flush()
     sys.stderr.flush()
     connection = _request(path, message, [1, 2])

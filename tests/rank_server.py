@@ -89,7 +89,7 @@ class _Server:
             for name in PRELOAD:
                 importlib.import_module(name)
             # What the imports added (each rank has them, as an interpreter that imported these has).
-            self.import_warning_filters = warnings.filters[:warnings.filters.index(silencer)]
+            self.import_warning_filters = warnings.filters[: warnings.filters.index(silencer)]
             # Indexed once, lazily, by dynamo, before the CPU backend patches torch.cuda: the same in
             # every rank.
             from torch._dynamo import trace_rules
@@ -102,11 +102,17 @@ class _Server:
         # each rank's own imports would have put in its environment where unset.
         self.import_environ = {k: v for k, v in os.environ.items() if environ.get(k) != v}
         # The interpreter's path as the imports left it (they may append to it), less this script's folder.
-        self.base_sys_path = [p for p in sys.path if os.path.realpath(p) != os.path.realpath(os.path.dirname(__file__))]
+        self.base_sys_path = [
+            p
+            for p in sys.path
+            if os.path.realpath(p) != os.path.realpath(os.path.dirname(__file__))
+        ]
 
     def serve(self) -> None:
         threads = len(os.listdir("/proc/self/task"))
-        if threads != 1:  # a fork copies the forking thread alone: another one's locks would be held
+        if (
+            threads != 1
+        ):  # a fork copies the forking thread alone: another one's locks would be held
             print(f"refused: the preloaded imports started {threads - 1} thread(s)", flush=True)
             return
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -152,7 +158,9 @@ class _Server:
 
     def _kill_marker(self, marker: str) -> None:
         """Kill the ranks of the launches carrying ``marker``; their supervisors record and reply."""
-        launches = [pid for pid, launch_marker in self.supervisors.items() if launch_marker == marker]
+        launches = [
+            pid for pid, launch_marker in self.supervisors.items() if launch_marker == marker
+        ]
         _kill_tree(_descendants(launches))
         deadline = time.monotonic() + 30
         while any(pid in self.supervisors for pid in launches) and time.monotonic() < deadline:
@@ -163,7 +171,9 @@ class _Server:
 class _Supervisor:
     """One launch: forks the ranks, waits for them (or a kill, or the client going away), replies."""
 
-    def __init__(self, server: _Server, message: dict, connection: socket.socket, fds: Sequence[int]):
+    def __init__(
+        self, server: _Server, message: dict, connection: socket.socket, fds: Sequence[int]
+    ):
         self.server, self.message, self.connection = server, message, connection
         self.stdout, self.stderr = fds
         self.ranks: dict[int, int] = {}  # pid -> rank
@@ -188,7 +198,9 @@ class _Supervisor:
             self._print_failure(*first_failure)
         self._record(seconds, status, killed)
         with contextlib.suppress(OSError):
-            self.connection.sendall((json.dumps({"status": status, "killed": killed}) + "\n").encode())
+            self.connection.sendall(
+                (json.dumps({"status": status, "killed": killed}) + "\n").encode()
+            )
         return status
 
     def _wait(self) -> tuple[int, Optional[tuple], bool]:
@@ -226,24 +238,34 @@ class _Supervisor:
     def _print_failure(self, rank: int, code: int, pid: int, when: float) -> None:
         """torchrun's summary of a failed launch (the lines tests read)."""
         script = self.message["script"]
-        text = (f"{'=' * 60}\n{script} FAILED\n{'-' * 60}\nFailures:\n  <NO_OTHER_FAILURES>\n{'-' * 60}\n"
-                f"Root Cause (first observed failure):\n[0]:\n"
-                f"  time      : {time.strftime('%Y-%m-%d_%H:%M:%S', time.localtime(when))}\n"
-                f"  host      : {socket.gethostname()}\n"
-                f"  rank      : {rank} (local_rank: {rank})\n"
-                f"  exitcode  : {code} (pid: {pid})\n"
-                f"  error_file: <N/A>\n"
-                f"  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html\n"
-                f"{'=' * 60}\n")
+        text = (
+            f"{'=' * 60}\n{script} FAILED\n{'-' * 60}\nFailures:\n  <NO_OTHER_FAILURES>\n{'-' * 60}\n"
+            f"Root Cause (first observed failure):\n[0]:\n"
+            f"  time      : {time.strftime('%Y-%m-%d_%H:%M:%S', time.localtime(when))}\n"
+            f"  host      : {socket.gethostname()}\n"
+            f"  rank      : {rank} (local_rank: {rank})\n"
+            f"  exitcode  : {code} (pid: {pid})\n"
+            f"  error_file: <N/A>\n"
+            f"  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html\n"
+            f"{'=' * 60}\n"
+        )
         with contextlib.suppress(OSError):
             os.write(self.stderr, text.encode())
 
     def _record(self, seconds: float, status: int, killed: bool) -> None:
         env = self.message["env"]
-        record = {"script": os.path.basename(self.message["script"]), "nproc": self.message["nproc"],
-                  "seconds": round(seconds, 3), "status": status, "killed": killed, "warm": True,
-                  "test": env.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0],
-                  "launch": launch_key(self.message["script"], self.message["nproc"], self.message["args"], env)}
+        record = {
+            "script": os.path.basename(self.message["script"]),
+            "nproc": self.message["nproc"],
+            "seconds": round(seconds, 3),
+            "status": status,
+            "killed": killed,
+            "warm": True,
+            "test": env.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0],
+            "launch": launch_key(
+                self.message["script"], self.message["nproc"], self.message["args"], env
+            ),
+        }
         with open(self.server.stats, "a") as handle:
             handle.write(json.dumps(record) + "\n")
 
@@ -262,7 +284,10 @@ class _Supervisor:
             os.close(self.stdout)
             os.close(self.stderr)
             for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
-                signal.signal(signum, signal.SIG_DFL if signum != signal.SIGINT else signal.default_int_handler)
+                signal.signal(
+                    signum,
+                    signal.SIG_DFL if signum != signal.SIGINT else signal.default_int_handler,
+                )
             env = dict(self.message["env"])
             if torchrun:
                 env.update(self._torchrun_variables(rank, nproc, port, run_id))
@@ -283,12 +308,24 @@ class _Supervisor:
     @staticmethod
     def _torchrun_variables(rank: int, nproc: int, port: int, run_id: str) -> dict[str, str]:
         """What torchrun's agent sets for a worker (``torch.distributed.elastic``'s local agent)."""
-        return dict(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
-                    ROLE_NAME="default", WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-                    GROUP_WORLD_SIZE="1", ROLE_WORLD_SIZE=str(nproc), MASTER_ADDR="localhost",
-                    MASTER_PORT=str(port), TORCHELASTIC_RUN_ID=run_id, TORCHELASTIC_RESTART_COUNT="0",
-                    TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_USE_AGENT_STORE="False",
-                    TORCHELASTIC_SIGNALS_TO_HANDLE="SIGTERM,SIGINT,SIGHUP,SIGQUIT")
+        return dict(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            GROUP_RANK="0",
+            ROLE_RANK=str(rank),
+            ROLE_NAME="default",
+            WORLD_SIZE=str(nproc),
+            LOCAL_WORLD_SIZE=str(nproc),
+            GROUP_WORLD_SIZE="1",
+            ROLE_WORLD_SIZE=str(nproc),
+            MASTER_ADDR="localhost",
+            MASTER_PORT=str(port),
+            TORCHELASTIC_RUN_ID=run_id,
+            TORCHELASTIC_RESTART_COUNT="0",
+            TORCHELASTIC_MAX_RESTARTS="0",
+            TORCHELASTIC_USE_AGENT_STORE="False",
+            TORCHELASTIC_SIGNALS_TO_HANDLE="SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+        )
 
     def _fresh_interpreter_state(self, env: dict[str, str]) -> None:
         import io
@@ -299,10 +336,15 @@ class _Supervisor:
         import torch
 
         unbuffered = bool(env.get("PYTHONUNBUFFERED"))
-        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=unbuffered,
-                                      line_buffering=False)
-        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True,
-                                      line_buffering=False, errors="backslashreplace")
+        sys.stdout = io.TextIOWrapper(
+            io.FileIO(1, "w", closefd=False), write_through=unbuffered, line_buffering=False
+        )
+        sys.stderr = io.TextIOWrapper(
+            io.FileIO(2, "w", closefd=False),
+            write_through=True,
+            line_buffering=False,
+            errors="backslashreplace",
+        )
         # A fresh interpreter's defaults, the launch's PYTHONWARNINGS before them, then what the
         # imports added.
         warnings.filters[:] = self.server.fresh_warning_filters
@@ -315,7 +357,9 @@ class _Supervisor:
         torch.seed()
 
 
-def _run_script(script: str, args: Sequence[str], base_sys_path: Sequence[str], env: dict[str, str]) -> None:
+def _run_script(
+    script: str, args: Sequence[str], base_sys_path: Sequence[str], env: dict[str, str]
+) -> None:
     """As ``python SCRIPT ARGS`` would (sys.path: the script's folder, PYTHONPATH, the rest), with
     fast_exit's ending: exit handlers run, Python's teardown skipped."""
     import atexit
@@ -324,7 +368,11 @@ def _run_script(script: str, args: Sequence[str], base_sys_path: Sequence[str], 
 
     script = os.path.abspath(script)
     pythonpath = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    rest = [p for p in base_sys_path if p not in pythonpath and os.path.realpath(p) not in map(os.path.realpath, pythonpath)]
+    rest = [
+        p
+        for p in base_sys_path
+        if p not in pythonpath and os.path.realpath(p) not in map(os.path.realpath, pythonpath)
+    ]
     sys.path[:] = [os.path.dirname(script), *pythonpath, *rest]
     sys.argv = [script, *args]
     try:

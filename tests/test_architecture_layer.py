@@ -19,8 +19,11 @@ PACKAGE = REPO / "ultraep_megatron"
 
 #: The per-model context, its observers and the data plane: callees of the balanced layer that get
 #: data (shapes, groups, tensors, the invocation's record), never the layer object.
-DATA_ONLY_MODULES = [PACKAGE / "megatron" / "balanced_layer" / "context.py", PACKAGE / "megatron" / "balanced_layer" / "observers.py",
-                     *sorted((PACKAGE / "dataplane").rglob("*.py"))]
+DATA_ONLY_MODULES = [
+    PACKAGE / "megatron" / "balanced_layer" / "context.py",
+    PACKAGE / "megatron" / "balanced_layer" / "observers.py",
+    *sorted((PACKAGE / "dataplane").rglob("*.py")),
+]
 REACHES_INTO_A_LAYER = re.compile(r"\blayer\.")
 
 
@@ -34,10 +37,18 @@ def layer_references(paths, root: Path = REPO) -> list[str]:
         for node in ast.walk(ast.parse(text, str(path))):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
                 args = node.args
-                for arg in (*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg):
+                for arg in (
+                    *args.posonlyargs,
+                    *args.args,
+                    *args.kwonlyargs,
+                    args.vararg,
+                    args.kwarg,
+                ):
                     if arg is not None and arg.arg == "layer":
                         function = getattr(node, "name", "lambda")
-                        found.append(f"{name}:{node.lineno}: {function} takes a parameter named layer")
+                        found.append(
+                            f"{name}:{node.lineno}: {function} takes a parameter named layer"
+                        )
         for number, line in enumerate(text.splitlines(), 1):
             if REACHES_INTO_A_LAYER.search(line):
                 found.append(f"{name}:{number}: reaches into a layer: {line.strip()[:60]!r}")
@@ -53,24 +64,29 @@ def test_the_layer_rule_catches_each_kind_of_violation(tmp_path):
     in a lambda) and reads its attributes is caught, line by line; its data-only twin (a
     registration, a layer number) is clean."""
     hub = tmp_path / "hub.py"
-    hub.write_text("class Context:\n"
-                   "    def register(self, layer):\n"
-                   "        return layer.config\n"
-                   "    def plan(self, load, *, layer=None):\n"
-                   "        key = lambda layer: 0\n"
-                   "        return self.layer.balancer\n")
+    hub.write_text(
+        "class Context:\n"
+        "    def register(self, layer):\n"
+        "        return layer.config\n"
+        "    def plan(self, load, *, layer=None):\n"
+        "        key = lambda layer: 0\n"
+        "        return self.layer.balancer\n"
+    )
     assert layer_references([hub], tmp_path) == [
         "hub.py:2: register takes a parameter named layer",
         "hub.py:4: plan takes a parameter named layer",
         "hub.py:5: lambda takes a parameter named layer",
         "hub.py:3: reaches into a layer: 'return layer.config'",
-        "hub.py:6: reaches into a layer: 'return self.layer.balancer'"]
+        "hub.py:6: reaches into a layer: 'return self.layer.balancer'",
+    ]
     clean = tmp_path / "clean.py"
-    clean.write_text("class Context:\n"
-                     "    def register(self, registration):\n"
-                     "        return registration.layer_number, registration.layers\n"
-                     "    def plan(self, load, *, layer_number=None):\n"
-                     "        return self.player.balancer\n")
+    clean.write_text(
+        "class Context:\n"
+        "    def register(self, registration):\n"
+        "        return registration.layer_number, registration.layers\n"
+        "    def plan(self, load, *, layer_number=None):\n"
+        "        return self.player.balancer\n"
+    )
     assert layer_references([clean], tmp_path) == []
 
 
@@ -87,17 +103,25 @@ def upward_subpackage_imports(root: Path = PACKAGE) -> list[str]:
         for path in sorted((root / "megatron" / own).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text(), str(path))):
                 if isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                    targets = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+                    targets = [node.module] + [
+                        f"{node.module}.{alias.name}" for alias in node.names
+                    ]
                 elif isinstance(node, ast.Import):
                     targets = [alias.name for alias in node.names]
                 else:
                     continue
                 for target in targets:
                     parts = target.split(".")
-                    if parts[:2] == [top, "megatron"] and len(parts) > 2 and parts[2] in MEGATRON_SUBPACKAGES \
-                            and MEGATRON_SUBPACKAGES.index(parts[2]) > own_index:
-                        found.append(f"{path.relative_to(root.parent).as_posix()}:{node.lineno}: "
-                                     f"megatron/{own} imports {target}, above it")
+                    if (
+                        parts[:2] == [top, "megatron"]
+                        and len(parts) > 2
+                        and parts[2] in MEGATRON_SUBPACKAGES
+                        and MEGATRON_SUBPACKAGES.index(parts[2]) > own_index
+                    ):
+                        found.append(
+                            f"{path.relative_to(root.parent).as_posix()}:{node.lineno}: "
+                            f"megatron/{own} imports {target}, above it"
+                        )
                         break
     return found
 
@@ -109,12 +133,15 @@ def test_megatron_subpackages_import_only_downward():
 def test_the_subpackage_rule_catches_an_upward_import(tmp_path):
     """Negative control: the layer importing the run surface, and the release layer the layer, both caught."""
     root = tmp_path / "pkg"
-    files = {"megatron/balanced_layer/a.py": "def f():\n    from pkg.megatron.run import telemetry\n",
-             "megatron/release/b.py": "import pkg.megatron.balanced_layer.a\n",
-             "megatron/run/c.py": "from pkg.megatron.balanced_layer import a\nfrom pkg.megatron.release import b\n"}
+    files = {
+        "megatron/balanced_layer/a.py": "def f():\n    from pkg.megatron.run import telemetry\n",
+        "megatron/release/b.py": "import pkg.megatron.balanced_layer.a\n",
+        "megatron/run/c.py": "from pkg.megatron.balanced_layer import a\nfrom pkg.megatron.release import b\n",
+    }
     for name, text in files.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)
     assert upward_subpackage_imports(root) == [
         "pkg/megatron/release/b.py:1: megatron/release imports pkg.megatron.balanced_layer.a, above it",
-        "pkg/megatron/balanced_layer/a.py:2: megatron/balanced_layer imports pkg.megatron.run, above it"]
+        "pkg/megatron/balanced_layer/a.py:2: megatron/balanced_layer imports pkg.megatron.run, above it",
+    ]

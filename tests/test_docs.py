@@ -31,25 +31,53 @@ DOCS = ("README.md", "docs/first_gpu_run.md", "docs/user_guide.md", "docs/recipe
 
 #: Flags of other programs the docs show inline (pip, srun, wandb), by the program.
 OTHER_PROGRAMS_FLAGS = {
-    "pip": {"--dry-run", "--report", "--require-hashes", "--no-deps", "--no-index", "--find-links",
-            "--ignore-installed"},
+    "pip": {
+        "--dry-run",
+        "--report",
+        "--require-hashes",
+        "--no-deps",
+        "--no-index",
+        "--find-links",
+        "--ignore-installed",
+    },
     "srun": {"--ntasks-per-node"},
 }
 #: Environment variables that programs other than the recipes read (set next to a recipe's launch).
-OTHER_PROGRAMS_ENV = {"WANDB_MODE", "WANDB_SILENT", "NCCL_DEBUG", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-                      "CUDA_VISIBLE_DEVICES", "PYTHONPATH", "OMP_NUM_THREADS", "PYTHONWARNINGS"}
+OTHER_PROGRAMS_ENV = {
+    "WANDB_MODE",
+    "WANDB_SILENT",
+    "NCCL_DEBUG",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "CUDA_VISIBLE_DEVICES",
+    "PYTHONPATH",
+    "OMP_NUM_THREADS",
+    "PYTHONWARNINGS",
+}
 #: Scripts whose extra arguments go to pretrain_gpt.py.
 LAUNCHERS = ("recipes/", "tools/main_job.sh")
 #: Where a backticked path may start: the repository's top-level entries, the package's folders.
-PATH_ROOTS = {REPO: ("ultraep_megatron", "tests", "tools", "recipes", "docs", "patches", "requirements",
-                     "pretrain_gpt.py", "pyproject.toml", "README.md"),
-              REPO / "ultraep_megatron": ("planner", "dataplane", "traces", "analysis", "megatron", "cli")}
+PATH_ROOTS = {
+    REPO: (
+        "ultraep_megatron",
+        "tests",
+        "tools",
+        "recipes",
+        "docs",
+        "patches",
+        "requirements",
+        "pretrain_gpt.py",
+        "pyproject.toml",
+        "README.md",
+    ),
+    REPO / "ultraep_megatron": ("planner", "dataplane", "traces", "analysis", "megatron", "cli"),
+}
 
 FLAG = re.compile(r"--[A-Za-z0-9][\w-]*")
 
 
 # ----------------------------------------------------------------------------------------------
 # The real parsers.
+
 
 def _options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
     return {option: action for action in parser._actions for option in action.option_strings}
@@ -118,12 +146,15 @@ def all_flags() -> frozenset[str]:
 @functools.cache
 def recipe_env() -> frozenset[str]:
     """Environment variables the recipes (and the main job) read."""
-    text = "".join(p.read_text() for p in [*(REPO / "recipes").glob("*.sh"), REPO / "tools/main_job.sh"])
+    text = "".join(
+        p.read_text() for p in [*(REPO / "recipes").glob("*.sh"), REPO / "tools/main_job.sh"]
+    )
     return frozenset(re.findall(r"\$\{?([A-Z][A-Z0-9_]*)", text))
 
 
 # ----------------------------------------------------------------------------------------------
 # Reading a doc.
+
 
 def _fences(text: str) -> tuple[list[tuple[str, str]], str]:
     """([(language, body)] of the fenced blocks, the prose outside them)."""
@@ -144,7 +175,11 @@ def _fences(text: str) -> tuple[list[tuple[str, str]], str]:
 
 def code_blocks(text: str) -> list[str]:
     """The shell blocks (```bash, ```sh, ```console or unlabelled)."""
-    return [body for language, body in _fences(text)[0] if language in ("", "bash", "sh", "shell", "console")]
+    return [
+        body
+        for language, body in _fences(text)[0]
+        if language in ("", "bash", "sh", "shell", "console")
+    ]
 
 
 def inline_spans(text: str) -> list[str]:
@@ -178,10 +213,15 @@ def segments(line: str) -> list[list[str]]:
 # ----------------------------------------------------------------------------------------------
 # Checking commands.
 
+
 def _placeholder(token: str) -> bool:
     """A value the reader fills in: ``...``, ``$VAR``, ``<x>``, ``RECIPE.sh``, ``TRACE_DIR``."""
-    return (token == "..." or token.startswith(("$", "<", "{", '"$')) or "..." in token
-            or re.fullmatch(r"[A-Z][A-Z0-9_]*(\.\w+)?", token) is not None)
+    return (
+        token == "..."
+        or token.startswith(("$", "<", "{", '"$'))
+        or "..." in token
+        or re.fullmatch(r"[A-Z][A-Z0-9_]*(\.\w+)?", token) is not None
+    )
 
 
 def check_flags(tokens: list[str], options: dict[str, argparse.Action], who: str) -> list[str]:
@@ -198,7 +238,9 @@ def check_flags(tokens: list[str], options: dict[str, argparse.Action], who: str
             problems.append(f"{who}: no flag {flag}")
             continue
         value_of_previous = action.nargs != 0 and not inline_value  # e.g. --ideal-args "--x 0"
-        value = inline_value or (tokens[i + 1] if i + 1 < len(tokens) and action.nargs != 0 else None)
+        value = inline_value or (
+            tokens[i + 1] if i + 1 < len(tokens) and action.nargs != 0 else None
+        )
         if action.choices and value and not value.startswith("-") and not _placeholder(value):
             for choice in value.strip("{}").split(","):
                 if choice not in map(str, action.choices):
@@ -210,8 +252,12 @@ def check_env(tokens: list[str], who: str) -> list[str]:
     problems = []
     for token in tokens:
         name = token.split("=", 1)[0]
-        if "=" in token and re.fullmatch(r"[A-Z][A-Z0-9_]*", name) and name not in recipe_env() \
-                and name not in OTHER_PROGRAMS_ENV:
+        if (
+            "=" in token
+            and re.fullmatch(r"[A-Z][A-Z0-9_]*", name)
+            and name not in recipe_env()
+            and name not in OTHER_PROGRAMS_ENV
+        ):
             problems.append(f"{who}: the recipes read no {name}")
     return problems
 
@@ -230,7 +276,9 @@ def check_command(tokens: list[str]) -> list[str]:
             if token in ("bash", "python", "python3"):
                 return check_command([*env, *rest[i:]])
         return []
-    if word == "torchrun" or (word.startswith("python") and rest[:2] == ["-m", "torch.distributed.run"]):
+    if word == "torchrun" or (
+        word.startswith("python") and rest[:2] == ["-m", "torch.distributed.run"]
+    ):
         rest = rest if word == "torchrun" else rest[2:]
         script = next((i for i, t in enumerate(rest) if t.endswith(".py")), len(rest))
         problems = check_flags(rest[:script], torchrun_options(), "torchrun")
@@ -254,12 +302,21 @@ def check_script(tokens: list[str], env: list[str] = ()) -> list[str]:
     if name.endswith("pretrain_gpt.py"):
         return check_flags(args, pretrain_options(), "pretrain_gpt.py")
     if not glob.glob(name, root_dir=REPO):
-        return [f"no script {name}"] if "/" in name and name.split("/")[0] in ("recipes", "tools") else []
+        return (
+            [f"no script {name}"]
+            if "/" in name and name.split("/")[0] in ("recipes", "tools")
+            else []
+        )
     if name.startswith(LAUNCHERS):
-        return check_flags(args, pretrain_options(), f"{name} (pretrain_gpt.py)") + check_env(env, name)
+        return check_flags(args, pretrain_options(), f"{name} (pretrain_gpt.py)") + check_env(
+            env, name
+        )
     if name.startswith("tools/") and name.endswith(".py"):
-        return [f"{name}: no flag {t.split('=')[0]}" for t in args
-                if t.startswith("--") and t.split("=")[0] not in tool_flags(name)]
+        return [
+            f"{name}: no flag {t.split('=')[0]}"
+            for t in args
+            if t.startswith("--") and t.split("=")[0] not in tool_flags(name)
+        ]
     return []
 
 
@@ -268,18 +325,29 @@ def check_ultraep(tokens: list[str]) -> list[str]:
     while tokens and (*path, tokens[0]) in parsers:
         path, tokens = (*path, tokens[0]), tokens[1:]
     if tokens and tokens[0].startswith("{"):  # ultraep trace {info,convert,...}
-        return [f"ultraep {' '.join(path)}: no subcommand {name}"
-                for name in tokens[0].strip("{}").split(",") if (*path, name) not in parsers]
+        return [
+            f"ultraep {' '.join(path)}: no subcommand {name}"
+            for name in tokens[0].strip("{}").split(",")
+            if (*path, name) not in parsers
+        ]
     if not path and tokens and not tokens[0].startswith("-"):
         return [f"ultraep: no command {tokens[0]}"]
-    own, passthrough = (tokens[:tokens.index("--")], tokens[tokens.index("--") + 1:]) if "--" in tokens \
+    own, passthrough = (
+        (tokens[: tokens.index("--")], tokens[tokens.index("--") + 1 :])
+        if "--" in tokens
         else (tokens, [])
+    )
     who = "ultraep " + " ".join(path)
     problems = check_flags(own, _options(parsers[path]), who)
     if path == ("check-recipe",):
-        problems += [f"{who}: no recipe {t}" for i, t in enumerate(own) if t.endswith(".sh")
-                     and not _placeholder(t) and not glob.glob(t, root_dir=REPO)]
-        problems += check_flags(passthrough, pretrain_options(), "ultraep check-recipe -- (pretrain_gpt.py)")
+        problems += [
+            f"{who}: no recipe {t}"
+            for i, t in enumerate(own)
+            if t.endswith(".sh") and not _placeholder(t) and not glob.glob(t, root_dir=REPO)
+        ]
+        problems += check_flags(
+            passthrough, pretrain_options(), "ultraep check-recipe -- (pretrain_gpt.py)"
+        )
         problems += check_env([v for i, v in enumerate(own) if i and own[i - 1] == "--env"], who)
     elif path == ("resume-experiment",) and passthrough:
         problems += check_command(passthrough)
@@ -288,6 +356,7 @@ def check_ultraep(tokens: list[str]) -> list[str]:
 
 # ----------------------------------------------------------------------------------------------
 # Inline flags and tables, paths, exit statuses.
+
 
 def span_flags(span: str) -> list[str]:
     """The flags an inline span starting with ``--`` names (``--a-b/-c`` names ``--a-b`` and
@@ -306,11 +375,17 @@ def check_inline(span: str) -> list[str]:
         return [problem for seg in segments(span) for problem in check_command(seg)]
     if not span.startswith("--"):
         return []
-    problems = [f"inline `{span}`: no flag {flag} in any parser" for flag in span_flags(span)
-                if flag not in all_flags()]
+    problems = [
+        f"inline `{span}`: no flag {flag} in any parser"
+        for flag in span_flags(span)
+        if flag not in all_flags()
+    ]
     choices = re.match(r"(--[\w-]+) \{([^}]*)\}", span)
     if choices and choices[1] in pretrain_options() and pretrain_options()[choices[1]].choices:
-        shown, real = set(choices[2].split(",")), set(map(str, pretrain_options()[choices[1]].choices))
+        shown, real = (
+            set(choices[2].split(",")),
+            set(map(str, pretrain_options()[choices[1]].choices)),
+        )
         if shown != real:
             problems.append(f"inline `{span}`: {choices[1]} choices are {sorted(real)}")
     return problems
@@ -328,8 +403,11 @@ def check_flag_tables(text: str) -> list[str]:
             in_flag_table = True
         elif in_flag_table and cells[0].startswith("`--"):
             for span in re.findall(r"`([^`]+)`", cells[0]):
-                problems += [f"flag table: {flag} is not a pretrain_gpt.py flag"
-                             for flag in span_flags(span) if flag not in pretrain_options()]
+                problems += [
+                    f"flag table: {flag} is not a pretrain_gpt.py flag"
+                    for flag in span_flags(span)
+                    if flag not in pretrain_options()
+                ]
                 problems += [p for p in check_inline(span) if "choices" in p]
     return problems
 
@@ -349,7 +427,9 @@ def check_path(span: str) -> list[str]:
 def check_recipe_exit_statuses() -> dict[int, str]:
     """{status: its class} from ``ultraep check-recipe --help``: 'pass', 'fail', 'usage'."""
     epilog = " ".join((ultraep_parsers()[("check-recipe",)].epilog or "").split())
-    statuses = dict(re.findall(r"\b([0-2]) (?:when|on|if) ([^,.]*)", epilog.split("exit status", 1)[1]))
+    statuses = dict(
+        re.findall(r"\b([0-2]) (?:when|on|if) ([^,.]*)", epilog.split("exit status", 1)[1])
+    )
     return {int(code): _status_class(text) for code, text in statuses.items()}
 
 
@@ -372,12 +452,15 @@ def check_exit_statuses(text: str) -> list[str]:
             continue
         flat = " ".join(paragraph.split())
         for sentence in re.findall(r"(?i)\bexit(?:s| status(?:es)?)\b:?([^.]*)", flat):
-            for code, text_in, text_after in re.findall(r"(?<![\w.-])([0-2])\b\s*(?:\(([^)]*)\)|([^,;()]*))",
-                                                        sentence):
+            for code, text_in, text_after in re.findall(
+                r"(?<![\w.-])([0-2])\b\s*(?:\(([^)]*)\)|([^,;()]*))", sentence
+            ):
                 kind = _status_class(text_in or text_after)
                 if kind is not None and real.get(int(code)) != kind:
-                    problems.append(f"check-recipe exit status {code} documented as {kind!r}; its help "
-                                    f"says {real.get(int(code))!r}")
+                    problems.append(
+                        f"check-recipe exit status {code} documented as {kind!r}; its help "
+                        f"says {real.get(int(code))!r}"
+                    )
     return problems
 
 
@@ -394,6 +477,7 @@ def doc_problems(text: str) -> list[str]:
 
 # ----------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("doc", DOCS)
 def test_the_docs_commands_flags_and_paths_exist(doc):
     assert doc_problems((REPO / doc).read_text()) == []
@@ -402,44 +486,83 @@ def test_the_docs_commands_flags_and_paths_exist(doc):
 def test_the_docs_show_commands_to_check():
     """The extraction finds what it should (so an empty problem list means something)."""
     guide = (REPO / "docs/user_guide.md").read_text()
-    commands = [seg for block in code_blocks(guide) for line in shell_lines(block) for seg in segments(line)]
+    commands = [
+        seg for block in code_blocks(guide) for line in shell_lines(block) for seg in segments(line)
+    ]
     assert any(seg[:2] == ["ultraep", "check-recipe"] for seg in commands)
     assert any("recipes/qwen3_235b_a22b_ep64_dp4.sh" in seg for seg in commands)
     assert "--moe-balancer-num-slots N" in inline_spans((REPO / "README.md").read_text())
     assert check_recipe_exit_statuses() == {0: "pass", 1: "fail", 2: "usage"}
 
 
-@pytest.mark.parametrize("snippet,problem", [
-    ("```bash\npython pretrain_gpt.py --num-layers 2 --moe-balancer-num-slotz 2\n```\n",
-     "pretrain_gpt.py: no flag --moe-balancer-num-slotz"),
-    ("```bash\ntorchrun --nproc-per-node 8 pretrain_gpt.py --moe-balancer fastest\n```\n",
-     "pretrain_gpt.py: --moe-balancer has no choice 'fastest'"),
-    ("```bash\nMOE_BALANCER=none bash recipes/qwen3_235b_a22b_ep64_dp4.sh --exit-intervall 20\n```\n",
-     "no flag --exit-intervall"),
-    ("```bash\nsrun --ntasks-per-node 1 bash recipes/no_such_recipe.sh\n```\n", "no script recipes/no_such_recipe.sh"),
-    ("```bash\nNUM_NODES=4 bash recipes/qwen3_235b_a22b_ep64_dp4.sh\n```\n", "the recipes read no NUM_NODES"),
-    ("```bash\nultraep check-recipe --nodes 8 recipes/tiny_cpu.sh\n```\n", "ultraep check-recipe: no flag --nodes"),
-    ("```bash\nultraep check-recipe --world-size 8 -- --num-layer 2\n```\n", "no flag --num-layer"),
-    ("```bash\nultraep rebalance TRACE_DIR\n```\n", "ultraep: no command rebalance"),
-    ("```bash\nultraep resume-experiment --load C -- bash recipes/tiny_cpu.sh --moe-balancer magic\n```\n",
-     "--moe-balancer has no choice 'magic'"),
-    ("Run `ultraep replay --fast DIR` first.\n", "ultraep replay: no flag --fast"),
-    ("Give `--moe-balancer-magic 3` to balance.\n", "no flag --moe-balancer-magic in any parser"),
-    ("| flag | meaning |\n| --- | --- |\n| `--moe-balancer-slots N` | slots |\n",
-     "--moe-balancer-slots is not a pretrain_gpt.py flag"),
-    ("| flag | meaning |\n| --- | --- |\n| `--moe-balancer {none,ultraep,lplb}` | which |\n",
-     "--moe-balancer choices are"),
-    ("See `tests/megatron/test_no_such_test.py`.\n", "no path tests/megatron/test_no_such_test.py"),
-    ("See `recipes/*hgx_typo*.sh`.\n", "no path recipes/*hgx_typo*.sh"),
-    ("`ultraep check-recipe` exits 0 (passed), 2 (a recipe fails) or 1 (bad usage).\n",
-     "check-recipe exit status 2 documented as 'fail'"),
-])
+@pytest.mark.parametrize(
+    "snippet,problem",
+    [
+        (
+            "```bash\npython pretrain_gpt.py --num-layers 2 --moe-balancer-num-slotz 2\n```\n",
+            "pretrain_gpt.py: no flag --moe-balancer-num-slotz",
+        ),
+        (
+            "```bash\ntorchrun --nproc-per-node 8 pretrain_gpt.py --moe-balancer fastest\n```\n",
+            "pretrain_gpt.py: --moe-balancer has no choice 'fastest'",
+        ),
+        (
+            "```bash\nMOE_BALANCER=none bash recipes/qwen3_235b_a22b_ep64_dp4.sh --exit-intervall 20\n```\n",
+            "no flag --exit-intervall",
+        ),
+        (
+            "```bash\nsrun --ntasks-per-node 1 bash recipes/no_such_recipe.sh\n```\n",
+            "no script recipes/no_such_recipe.sh",
+        ),
+        (
+            "```bash\nNUM_NODES=4 bash recipes/qwen3_235b_a22b_ep64_dp4.sh\n```\n",
+            "the recipes read no NUM_NODES",
+        ),
+        (
+            "```bash\nultraep check-recipe --nodes 8 recipes/tiny_cpu.sh\n```\n",
+            "ultraep check-recipe: no flag --nodes",
+        ),
+        (
+            "```bash\nultraep check-recipe --world-size 8 -- --num-layer 2\n```\n",
+            "no flag --num-layer",
+        ),
+        ("```bash\nultraep rebalance TRACE_DIR\n```\n", "ultraep: no command rebalance"),
+        (
+            "```bash\nultraep resume-experiment --load C -- bash recipes/tiny_cpu.sh --moe-balancer magic\n```\n",
+            "--moe-balancer has no choice 'magic'",
+        ),
+        ("Run `ultraep replay --fast DIR` first.\n", "ultraep replay: no flag --fast"),
+        (
+            "Give `--moe-balancer-magic 3` to balance.\n",
+            "no flag --moe-balancer-magic in any parser",
+        ),
+        (
+            "| flag | meaning |\n| --- | --- |\n| `--moe-balancer-slots N` | slots |\n",
+            "--moe-balancer-slots is not a pretrain_gpt.py flag",
+        ),
+        (
+            "| flag | meaning |\n| --- | --- |\n| `--moe-balancer {none,ultraep,lplb}` | which |\n",
+            "--moe-balancer choices are",
+        ),
+        (
+            "See `tests/megatron/test_no_such_test.py`.\n",
+            "no path tests/megatron/test_no_such_test.py",
+        ),
+        ("See `recipes/*hgx_typo*.sh`.\n", "no path recipes/*hgx_typo*.sh"),
+        (
+            "`ultraep check-recipe` exits 0 (passed), 2 (a recipe fails) or 1 (bad usage).\n",
+            "check-recipe exit status 2 documented as 'fail'",
+        ),
+    ],
+)
 def test_a_made_up_flag_path_choice_or_status_is_caught(snippet, problem):
     problems = doc_problems(snippet)
     assert any(problem in p for p in problems), problems
 
 
 def test_what_is_not_a_repository_path_or_another_programs_command_is_left_alone():
-    text = ("Outputs go to `runs/tiny_cpu/wandb` and `/ckpt/qwen3`; the venv is `~/.cache/x`.\n"
-            "```bash\npip install --no-deps -e .\nwandb sync DIR/wandb/offline-run-1\n```\n")
+    text = (
+        "Outputs go to `runs/tiny_cpu/wandb` and `/ckpt/qwen3`; the venv is `~/.cache/x`.\n"
+        "```bash\npip install --no-deps -e .\nwandb sync DIR/wandb/offline-run-1\n```\n"
+    )
     assert doc_problems(text) == []

@@ -70,17 +70,31 @@ def parse_args():
     p.add_argument("--tokens", type=int, default=4096, help="T, tokens of this rank's microbatch")
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--hidden-size", type=int, default=7168)
-    p.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent of the experts' popularity")
+    p.add_argument(
+        "--zipf", type=float, default=1.0, help="Zipf exponent of the experts' popularity"
+    )
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--sweep-experts", type=str, default=None, metavar="E1,E2,...",
-                   help="also time the permutation alone for these expert counts (same T, top-k)")
-    p.add_argument("--overlapped", action="store_true",
-                   help="also time the paths as megatron's overlapped 1F1B schedule runs them "
-                        "(--overlap-moe-expert-parallel-comm): the other microbatch's experts backward "
-                        "queued between the pre-dispatch and the dispatch node")
-    p.add_argument("--moe-ffn-hidden-size", type=int, default=2048,
-                   help="the experts' FFN width, for --overlapped's experts backward")
+    p.add_argument(
+        "--sweep-experts",
+        type=str,
+        default=None,
+        metavar="E1,E2,...",
+        help="also time the permutation alone for these expert counts (same T, top-k)",
+    )
+    p.add_argument(
+        "--overlapped",
+        action="store_true",
+        help="also time the paths as megatron's overlapped 1F1B schedule runs them "
+        "(--overlap-moe-expert-parallel-comm): the other microbatch's experts backward "
+        "queued between the pre-dispatch and the dispatch node",
+    )
+    p.add_argument(
+        "--moe-ffn-hidden-size",
+        type=int,
+        default=2048,
+        help="the experts' FFN width, for --overlapped's experts backward",
+    )
     return p.parse_args()
 
 
@@ -106,21 +120,30 @@ def permutation_stand_in(dispatchers, num_experts, num_slots, ep_size, topk_ids,
     from ultraep_megatron.megatron.balanced_layer.invocation import InvocationState
 
     d = object.__new__(dispatchers.BalancedAlltoAllDispatcher)
-    d.num_logical_experts, d.ep_size, d.slots_per_rank = num_experts, ep_size, num_experts // ep_size + num_slots
+    d.num_logical_experts, d.ep_size, d.slots_per_rank = (
+        num_experts,
+        ep_size,
+        num_experts // ep_size + num_slots,
+    )
     d.num_out_tokens = topk_ids.numel()
-    d.state = InvocationState(layer_number=1, runs_per_forward=1, training=False, grad_enabled=False,
-                              topk_ids=topk_ids)
+    d.state = InvocationState(
+        layer_number=1, runs_per_forward=1, training=False, grad_enabled=False, topk_ids=topk_ids
+    )
     d._sort_key_dtype = torch.int16 if num_experts <= torch.iinfo(torch.int16).max else torch.int32
 
     def add_reroute_seconds(seconds):
         overheads.reroute_seconds += seconds
 
-    d.balancing = types.SimpleNamespace(add_reroute_seconds=add_reroute_seconds, check_plans=False,
-                                        plans_on_device=False)
+    d.balancing = types.SimpleNamespace(
+        add_reroute_seconds=add_reroute_seconds, check_plans=False, plans_on_device=False
+    )
     # What the deferred plan's two halves read (the overlapped schedule's pre-dispatch and dispatch
     # nodes: _deferred_dispatch_preprocess, _dispatch_inputs_of_plan)
-    d.config = types.SimpleNamespace(moe_permute_fusion=False, moe_router_padding_for_quantization=False,
-                                     moe_router_topk=topk_ids.size(1))
+    d.config = types.SimpleNamespace(
+        moe_permute_fusion=False,
+        moe_router_padding_for_quantization=False,
+        moe_router_topk=topk_ids.size(1),
+    )
     d.drop_and_pad, d.tp_size, d.num_slots = False, 1, num_slots
     return d
 
@@ -166,21 +189,33 @@ def sweep_experts(cfg, device, sync):
     from ultraep_megatron.traces.synthetic import zipf_topk_load
 
     R, S, T, k = cfg.ep_size, cfg.num_slots, cfg.tokens, cfg.topk
-    print(f"Permutation alone, T={T}, top-{k} (T x k = {T * k} routed pairs), one rank of EP={R}, S={S}, "
-          f"hidden {cfg.hidden_size} bf16 (token gather included), on {device_name(cfg)}; medians of "
-          f"{cfg.iters} iterations")
+    print(
+        f"Permutation alone, T={T}, top-{k} (T x k = {T * k} routed pairs), one rank of EP={R}, S={S}, "
+        f"hidden {cfg.hidden_size} bf16 (token gather included), on {device_name(cfg)}; medians of "
+        f"{cfg.iters} iterations"
+    )
     print("  E     ultraep pairs   megatron argsort")
     for E in [int(e) for e in cfg.sweep_experts.split(",")]:
         generator = torch.Generator().manual_seed(0)
         routing_map, probs, topk_ids = routing(cfg, device, generator, num_experts=E)
-        tokens = torch.randn(T, cfg.hidden_size, generator=generator).to(device=device, dtype=torch.bfloat16)
+        tokens = torch.randn(T, cfg.hidden_size, generator=generator).to(
+            device=device, dtype=torch.bfloat16
+        )
         load = zipf_topk_load(R, E, tokens_per_rank=T, top_k=k, exponent=cfg.zipf, seed=0)
         load[0] = routing_map.sum(dim=0).cpu()
         balancer = BalancerConfig(name=registry.ULTRAEP, num_slots=S).build()
         plan = balancer.plan(load)
         d = permutation_stand_in(dispatchers, E, S, R, topk_ids, Overheads())
-        d.invocation = plan_invocation(plan, load, 0, layer_number=1, vid=None, schedule_builder=None,
-                                       balanced=True, plan_seconds=0.0)
+        d.invocation = plan_invocation(
+            plan,
+            load,
+            0,
+            layer_number=1,
+            vid=None,
+            schedule_builder=None,
+            balanced=True,
+            plan_seconds=0.0,
+        )
         d._table = d.invocation.reroute_table.to(device)
 
         def ours():
@@ -207,11 +242,15 @@ def graphed_device_planner(cfg, device, others, routing_map, config, rank):
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up off the capture (Triton compiles, allocator pools)
             for _ in range(3):
-                device_planning.plan_on_device(static_load, config, rank, training=False, grad_enabled=False)
+                device_planning.plan_on_device(
+                    static_load, config, rank, training=False, grad_enabled=False
+                )
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            planned = device_planning.plan_on_device(static_load, config, rank, training=False, grad_enabled=False)
+            planned = device_planning.plan_on_device(
+                static_load, config, rank, training=False, grad_enabled=False
+            )
         return static_load, graph, planned
     except Exception as error:  # noqa: BLE001  (reported in the table, the other paths still run)
         return f"capture failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
@@ -230,11 +269,11 @@ def experts_backward(cfg, device, generator):
     x, act, fc1, fc2, dy = rand(rows, H), rand(rows, F), rand(2 * F, H), rand(H, F), rand(rows, H)
 
     def queue():
-        d_act = dy @ fc2                    # fc2 input gradient
-        d_fc2 = dy.t() @ act                # fc2 weight gradient
+        d_act = dy @ fc2  # fc2 input gradient
+        d_fc2 = dy.t() @ act  # fc2 weight gradient
         d_h = torch.cat([d_act, d_act], dim=1)
-        d_x = d_h @ fc1                     # fc1 input gradient
-        d_fc1 = d_h.t() @ x                 # fc1 weight gradient
+        d_x = d_h @ fc1  # fc1 input gradient
+        d_fc1 = d_h.t() @ x  # fc1 weight gradient
         return d_x, d_fc1, d_fc2
 
     return queue
@@ -243,9 +282,23 @@ def experts_backward(cfg, device, generator):
 def overlapped(cfg, device, sync, paths_inputs):
     """The paths as megatron's overlapped schedule runs them (module docstring, ``--overlapped``):
     pre-dispatch node, the other microbatch's experts backward queued, dispatch node."""
-    (dispatchers, device_planning, plan_invocation, permute, balancer, config, others, routing_map, probs,
-     topk_ids, tokens, dispatcher, rank) = paths_inputs
+    (
+        dispatchers,
+        device_planning,
+        plan_invocation,
+        permute,
+        balancer,
+        config,
+        others,
+        routing_map,
+        probs,
+        topk_ids,
+        tokens,
+        dispatcher,
+        rank,
+    ) = paths_inputs
     from ultraep_megatron.megatron.balanced_layer import physical_routing
+
     R, E, S, T, k = cfg.ep_size, cfg.num_experts, cfg.num_slots, cfg.tokens, cfg.topk
     backward = experts_backward(cfg, device, torch.Generator().manual_seed(1))
     side = torch.cuda.Stream() if cfg.device == "cuda" else None
@@ -256,53 +309,83 @@ def overlapped(cfg, device, sync, paths_inputs):
         return load
 
     def megatron_path():
-        copied = physical_routing._start_copy_to_host(routing_map.sum(dim=0), side)  # its dtoh point
+        copied = physical_routing._start_copy_to_host(
+            routing_map.sum(dim=0), side
+        )  # its dtoh point
         permuted = permute(tokens, routing_map, probs=probs, num_out_tokens=int(T * k))[0]
-        backward()                                                            # the other microbatch
-        physical_routing._wait_for_host_copy(copied[1])                            # its sync point
+        backward()  # the other microbatch
+        physical_routing._wait_for_host_copy(copied[1])  # its sync point
         return permuted
 
     def host_planner_path():
-        copied = physical_routing._start_copy_to_host(load_on_device(), side)      # pre-dispatch node
-        logical, logical_probs = dispatcher._deferred_dispatch_preprocess(tokens, routing_map, probs)
-        backward()                                                            # the other microbatch
-        host_load, event = copied                                             # dispatch node
+        copied = physical_routing._start_copy_to_host(load_on_device(), side)  # pre-dispatch node
+        logical, logical_probs = dispatcher._deferred_dispatch_preprocess(
+            tokens, routing_map, probs
+        )
+        backward()  # the other microbatch
+        host_load, event = copied  # dispatch node
         physical_routing._wait_for_host_copy(event)
         balanced = balancer.balances(host_load)
         plan = balancer.plan(host_load, balances=balanced)
-        dispatcher.invocation = plan_invocation(plan, host_load, rank, layer_number=1, vid=None,
-                                                schedule_builder=None, balanced=balanced, plan_seconds=0.0)
+        dispatcher.invocation = plan_invocation(
+            plan,
+            host_load,
+            rank,
+            layer_number=1,
+            vid=None,
+            schedule_builder=None,
+            balanced=balanced,
+            plan_seconds=0.0,
+        )
         dispatcher._table = dispatcher.invocation.reroute_table.to(device, non_blocking=True)
         return dispatcher._dispatch_inputs_of_plan(logical, logical_probs, routing_map)[0]
 
     def device_planner_path():
-        planned = device_planning.plan_on_device(load_on_device(), config, rank, training=False, grad_enabled=False)
+        planned = device_planning.plan_on_device(
+            load_on_device(), config, rank, training=False, grad_enabled=False
+        )
         dispatcher._table = planned.reroute_table
         sorted_tokens, _ = dispatcher._permutation(probs)
         permuted = tokens.index_select(0, sorted_tokens)
         copied = physical_routing._start_copy_to_host(planned.host_half, side)
-        backward()                                                            # the other microbatch
-        physical_routing._wait_for_host_copy(copied[1])                            # dispatch node
+        backward()  # the other microbatch
+        physical_routing._wait_for_host_copy(copied[1])  # dispatch node
         host_load, plan, balanced = device_planning.unpack_host_half(copied[0], R, E, S)
-        dispatcher.invocation = plan_invocation(plan, host_load, rank, layer_number=1, vid=None,
-                                                schedule_builder=None, balanced=balanced, plan_seconds=0.0)
+        dispatcher.invocation = plan_invocation(
+            plan,
+            host_load,
+            rank,
+            layer_number=1,
+            vid=None,
+            schedule_builder=None,
+            balanced=balanced,
+            plan_seconds=0.0,
+        )
         return permuted
 
     def backward_alone():
         backward()
 
-    paths = {"experts backward alone": backward_alone, "megatron": megatron_path,
-             "ultraep host": host_planner_path, "ultraep device": device_planner_path}
+    paths = {
+        "experts backward alone": backward_alone,
+        "megatron": megatron_path,
+        "ultraep host": host_planner_path,
+        "ultraep device": device_planner_path,
+    }
     times = interleaved_times(paths, cfg, sync)
     us = {name: statistics.median(v) * 1e6 for name, v in times.items()}
-    print(f"Overlapped 1F1B schedule (--overlap-moe-expert-parallel-comm): a layer's pre-dispatch node, the other "
-          f"microbatch's experts backward ({T * k} rows, hidden {cfg.hidden_size}, expert FFN {cfg.moe_ffn_hidden_size}, "
-          f"bf16), the dispatch node; medians of {cfg.iters} iterations")
+    print(
+        f"Overlapped 1F1B schedule (--overlap-moe-expert-parallel-comm): a layer's pre-dispatch node, the other "
+        f"microbatch's experts backward ({T * k} rows, hidden {cfg.hidden_size}, expert FFN {cfg.moe_ffn_hidden_size}, "
+        f"bf16), the dispatch node; medians of {cfg.iters} iterations"
+    )
     print(f"  experts backward alone: {us['experts backward alone']:8.1f} us")
     for name in ("megatron", "ultraep host", "ultraep device"):
         print(f"  {name} step: {us[name]:8.1f} us")
-    print(f"  added by balancing per layer under the overlapped schedule: host planner "
-          f"{us['ultraep host'] - us['megatron']:8.1f} us, device planner {us['ultraep device'] - us['megatron']:8.1f} us")
+    print(
+        f"  added by balancing per layer under the overlapped schedule: host planner "
+        f"{us['ultraep host'] - us['megatron']:8.1f} us, device planner {us['ultraep device'] - us['megatron']:8.1f} us"
+    )
 
 
 def device_name(cfg) -> str:
@@ -313,14 +396,20 @@ def main():
     cfg = parse_args()
     warnings.filterwarnings("ignore", category=UserWarning)  # megatron's notes on missing TE / Apex
     if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("bench_critical_path.py: no CUDA device (--device cpu runs the same code on the CPU)")
+        raise SystemExit(
+            "bench_critical_path.py: no CUDA device (--device cpu runs the same code on the CPU)"
+        )
     if cfg.device == "cpu":
         from ultraep_megatron.megatron.cpu import backend as cpu_backend
 
         cpu_backend.activate()
     from megatron.core.transformer.moe.moe_utils import permute
 
-    from ultraep_megatron.megatron.balanced_layer import device_planning, dispatchers, physical_routing
+    from ultraep_megatron.megatron.balanced_layer import (
+        device_planning,
+        dispatchers,
+        physical_routing,
+    )
     from ultraep_megatron.megatron.balanced_layer.context import Overheads
     from ultraep_megatron.megatron.balanced_layer.invocation import plan_invocation
     from ultraep_megatron.planner import BalancerConfig
@@ -333,8 +422,12 @@ def main():
     rank = 0
     generator = torch.Generator().manual_seed(0)
     routing_map, probs, topk_ids = routing(cfg, device, generator)
-    tokens = torch.randn(T, cfg.hidden_size, generator=generator).to(device=device, dtype=torch.bfloat16)
-    others = zipf_topk_load(R, E, tokens_per_rank=T, top_k=k, exponent=cfg.zipf, seed=0).to(device)  # the other ranks' rows
+    tokens = torch.randn(T, cfg.hidden_size, generator=generator).to(
+        device=device, dtype=torch.bfloat16
+    )
+    others = zipf_topk_load(R, E, tokens_per_rank=T, top_k=k, exponent=cfg.zipf, seed=0).to(
+        device
+    )  # the other ranks' rows
     config = BalancerConfig(name=registry.ULTRAEP, num_slots=S)
     balancer = config.build()
     balancer.warm_up()
@@ -357,8 +450,16 @@ def main():
         h0 = time.perf_counter()
         balanced = balancer.balances(host_load)
         plan = balancer.plan(host_load, balances=balanced)
-        dispatcher.invocation = plan_invocation(plan, host_load, rank, layer_number=1, vid=None,
-                                                schedule_builder=None, balanced=balanced, plan_seconds=0.0)
+        dispatcher.invocation = plan_invocation(
+            plan,
+            host_load,
+            rank,
+            layer_number=1,
+            vid=None,
+            schedule_builder=None,
+            balanced=balanced,
+            plan_seconds=0.0,
+        )
         host_stretch["host"].append(time.perf_counter() - h0)
         dispatcher._table = dispatcher.invocation.reroute_table.to(device, non_blocking=True)
         sorted_tokens, _ = dispatcher._permutation(probs)
@@ -373,19 +474,37 @@ def main():
         host_half = physical_routing._copy_to_host(planned.host_half)
         h0 = time.perf_counter()
         host_load, plan, balanced = device_planning.unpack_host_half(host_half, R, E, S)
-        dispatcher.invocation = plan_invocation(plan, host_load, rank, layer_number=1, vid=None,
-                                                schedule_builder=None, balanced=balanced, plan_seconds=0.0)
+        dispatcher.invocation = plan_invocation(
+            plan,
+            host_load,
+            rank,
+            layer_number=1,
+            vid=None,
+            schedule_builder=None,
+            balanced=balanced,
+            plan_seconds=0.0,
+        )
         host_stretch[stretch].append(time.perf_counter() - h0)
         return permuted
 
     def device_planner_path():
         load = others.clone()
         load[rank] = routing_map.sum(dim=0)
-        planned = device_planning.plan_on_device(load, config, rank, training=False, grad_enabled=False)
+        planned = device_planning.plan_on_device(
+            load, config, rank, training=False, grad_enabled=False
+        )
         return permute_then_cross(planned, "device")
 
-    paths = {"megatron": megatron_path, "ultraep host": host_planner_path, "ultraep device": device_planner_path}
-    graphed = graphed_device_planner(cfg, device, others, routing_map, config, rank) if cfg.device == "cuda" else None
+    paths = {
+        "megatron": megatron_path,
+        "ultraep host": host_planner_path,
+        "ultraep device": device_planner_path,
+    }
+    graphed = (
+        graphed_device_planner(cfg, device, others, routing_map, config, rank)
+        if cfg.device == "cuda"
+        else None
+    )
     if isinstance(graphed, tuple):
         static_load, graph, planned_in_graph = graphed
         host_stretch["graphed"] = []
@@ -401,28 +520,56 @@ def main():
     plan = dispatcher.invocation.plan
     replicas = int((plan.slot_expert >= 0).sum())
     median_us = {key: statistics.median(v) * 1e6 for key, v in times.items()}
-    stretch_us = {key: statistics.median(v[cfg.warmup:]) * 1e6 for key, v in host_stretch.items()}
-    print(f"Critical path of one MoE layer's routing -> permuted tokens, one rank of EP={R}, E={E}, "
-          f"S={S}, T={T}, top-{k}, hidden {cfg.hidden_size} bf16, on {device_name(cfg)}; medians of {cfg.iters} "
-          f"iterations (torch {torch.__version__})")
+    stretch_us = {key: statistics.median(v[cfg.warmup :]) * 1e6 for key, v in host_stretch.items()}
+    print(
+        f"Critical path of one MoE layer's routing -> permuted tokens, one rank of EP={R}, E={E}, "
+        f"S={S}, T={T}, top-{k}, hidden {cfg.hidden_size} bf16, on {device_name(cfg)}; medians of {cfg.iters} "
+        f"iterations (torch {torch.__version__})"
+    )
     print(f"  megatron (counts to host, wait, argsort permute): {median_us['megatron']:8.1f} us")
-    print(f"  ultraep host planner (load to host, wait, plan, permute from the plan): "
-          f"{median_us['ultraep host']:8.1f} us")
-    print(f"  ultraep device planner (plan on the device, permute, plan to host, wait): "
-          f"{median_us['ultraep device']:8.1f} us")
+    print(
+        f"  ultraep host planner (load to host, wait, plan, permute from the plan): "
+        f"{median_us['ultraep host']:8.1f} us"
+    )
+    print(
+        f"  ultraep device planner (plan on the device, permute, plan to host, wait): "
+        f"{median_us['ultraep device']:8.1f} us"
+    )
     if "ultraep device graphed" in median_us:
-        print(f"  ultraep device planner, plan replayed from a CUDA graph (what a captured moe_preprocess "
-              f"runs): {median_us['ultraep device graphed']:8.1f} us; added by balancing "
-              f"{median_us['ultraep device graphed'] - median_us['megatron']:8.1f} us")
+        print(
+            f"  ultraep device planner, plan replayed from a CUDA graph (what a captured moe_preprocess "
+            f"runs): {median_us['ultraep device graphed']:8.1f} us; added by balancing "
+            f"{median_us['ultraep device graphed'] - median_us['megatron']:8.1f} us"
+        )
     elif graphed is not None:
         print(f"  ultraep device planner in a CUDA graph: {graphed}")
-    print(f"  added by balancing: host planner {median_us['ultraep host'] - median_us['megatron']:8.1f} us, "
-          f"of which the host plan (trigger + solve + rank reroute) {stretch_us['host']:.1f} us; "
-          f"device planner {median_us['ultraep device'] - median_us['megatron']:8.1f} us, of which the host "
-          f"metadata after the wait {stretch_us['device']:.1f} us; {replicas} replicas in the last plan")
+    print(
+        f"  added by balancing: host planner {median_us['ultraep host'] - median_us['megatron']:8.1f} us, "
+        f"of which the host plan (trigger + solve + rank reroute) {stretch_us['host']:.1f} us; "
+        f"device planner {median_us['ultraep device'] - median_us['megatron']:8.1f} us, of which the host "
+        f"metadata after the wait {stretch_us['device']:.1f} us; {replicas} replicas in the last plan"
+    )
     if cfg.overlapped:
-        overlapped(cfg, device, sync, (dispatchers, device_planning, plan_invocation, permute, balancer, config,
-                                       others, routing_map, probs, topk_ids, tokens, dispatcher, rank))
+        overlapped(
+            cfg,
+            device,
+            sync,
+            (
+                dispatchers,
+                device_planning,
+                plan_invocation,
+                permute,
+                balancer,
+                config,
+                others,
+                routing_map,
+                probs,
+                topk_ids,
+                tokens,
+                dispatcher,
+                rank,
+            ),
+        )
     if cfg.sweep_experts:
         sweep_experts(cfg, device, sync)
 

@@ -41,7 +41,9 @@ def main() -> None:
     launch_args = [*tiny_moe_args(ep=args.ep, train_iters=args.iters), "--moe-balancer", ULTRAEP]
     t0 = time.monotonic()
     if not rank_launcher.available():
-        raise SystemExit(f"bench_launch.py: the warm launcher did not start: {rank_launcher.unavailable}")
+        raise SystemExit(
+            f"bench_launch.py: the warm launcher did not start: {rank_launcher.unavailable}"
+        )
     print(f"launcher server started in {time.monotonic() - t0:.1f} s (once per test session)")
     times = {"cold": [], "warm": []}
     with tempfile.TemporaryDirectory(prefix="bench_launch_") as tmp:
@@ -56,8 +58,10 @@ def main() -> None:
                 times[kind].append(time.monotonic() - start)
                 assert len(records) == args.iters, records
     cold, warm = (statistics.median(times[k]) for k in ("cold", "warm"))
-    print(f"pretrain_gpt.py, tiny MoE GPT, {args.nproc} ranks, EP {args.ep}, {args.iters} iterations, "
-          f"ultraep; medians of {args.repeats} (alternating), {os.cpu_count()} CPU cores:")
+    print(
+        f"pretrain_gpt.py, tiny MoE GPT, {args.nproc} ranks, EP {args.ep}, {args.iters} iterations, "
+        f"ultraep; medians of {args.repeats} (alternating), {os.cpu_count()} CPU cores:"
+    )
     print(f"  cold (torchrun)      {cold:7.1f} s   {' '.join(f'{t:.1f}' for t in times['cold'])}")
     print(f"  warm (forked ranks)  {warm:7.1f} s   {' '.join(f'{t:.1f}' for t in times['warm'])}")
     print(f"  saved per launch     {cold - warm:7.1f} s ({warm / cold:.2f}x the cold time)")

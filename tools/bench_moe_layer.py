@@ -69,7 +69,9 @@ from ultraep_megatron.planner.baselines import registry  # noqa: E402
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--ep-size", type=int, default=2)
     p.add_argument("--num-experts", type=int, default=8)
     p.add_argument("--topk", type=int, default=2)
@@ -77,28 +79,50 @@ def parse_args():
     p.add_argument("--ffn-hidden-size", type=int, default=512)
     p.add_argument("--tokens-per-rank", type=int, default=2048)
     p.add_argument("--num-slots", type=int, default=1)
-    p.add_argument("--router-bias-std", type=float, default=-2.0,
-                   help="--moe-router-force-biased std (negative: fixed bias per layer)")
-    p.add_argument("--iters", type=int, default=16,
-                   help="timed iterations per repeat (per-iteration ratios vary by several percent here)")
+    p.add_argument(
+        "--router-bias-std",
+        type=float,
+        default=-2.0,
+        help="--moe-router-force-biased std (negative: fixed bias per layer)",
+    )
+    p.add_argument(
+        "--iters",
+        type=int,
+        default=16,
+        help="timed iterations per repeat (per-iteration ratios vary by several percent here)",
+    )
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--no-ddp", action="store_true",
-                   help="plain autograd gradients instead of megatron-core's DistributedDataParallel "
-                        "(whose fp32 main_grad buffers every Megatron training run has)")
-    p.add_argument("--plain-allocator", action="store_true",
-                   help="PyTorch's and glibc's default CPU allocation: 4 KiB pages (unless the kernel's "
-                        "transparent huge pages are 'always'; the report says), a heap glibc trims, "
-                        "its dynamic mmap threshold (by default the ranks run with CACHING_ALLOCATOR_ENV, "
-                        "see the module docstring)")
-    p.add_argument("--repeats", type=int, default=3,
-                   help="measure every layer this many times (interleaved); ratios are medians")
+    p.add_argument(
+        "--no-ddp",
+        action="store_true",
+        help="plain autograd gradients instead of megatron-core's DistributedDataParallel "
+        "(whose fp32 main_grad buffers every Megatron training run has)",
+    )
+    p.add_argument(
+        "--plain-allocator",
+        action="store_true",
+        help="PyTorch's and glibc's default CPU allocation: 4 KiB pages (unless the kernel's "
+        "transparent huge pages are 'always'; the report says), a heap glibc trims, "
+        "its dynamic mmap threshold (by default the ranks run with CACHING_ALLOCATOR_ENV, "
+        "see the module docstring)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="measure every layer this many times (interleaved); ratios are medians",
+    )
     args = p.parse_args()
     if args.warmup < 1:  # every timed iteration must find rows of an earlier one to replay
-        p.error("--warmup must be at least 1: the experts-only rows replay the latest iteration of a layer")
+        p.error(
+            "--warmup must be at least 1: the experts-only rows replay the latest iteration of a layer"
+        )
     return args
 
 
-def build(cfg, balancer: str | None, force_balanced: bool, overlap: bool = True, transfers: bool = True):
+def build(
+    cfg, balancer: str | None, force_balanced: bool, overlap: bool = True, transfers: bool = True
+):
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -110,22 +134,36 @@ def build(cfg, balancer: str | None, force_balanced: bool, overlap: bool = True,
 
     model_parallel_cuda_manual_seed(1234)  # every layer starts from the same weights
     config = TransformerConfig(
-        num_layers=1, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,
-        moe_ffn_hidden_size=cfg.ffn_hidden_size, num_attention_heads=4,
-        num_moe_experts=cfg.num_experts, moe_router_topk=cfg.topk,
-        moe_token_dispatcher_type="alltoall", expert_model_parallel_size=cfg.ep_size,
-        moe_aux_loss_coeff=0.0, add_bias_linear=False, use_cpu_initialization=True,
-        bias_dropout_fusion=False, gradient_accumulation_fusion=False,
+        num_layers=1,
+        hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        moe_ffn_hidden_size=cfg.ffn_hidden_size,
+        num_attention_heads=4,
+        num_moe_experts=cfg.num_experts,
+        moe_router_topk=cfg.topk,
+        moe_token_dispatcher_type="alltoall",
+        expert_model_parallel_size=cfg.ep_size,
+        moe_aux_loss_coeff=0.0,
+        add_bias_linear=False,
+        use_cpu_initialization=True,
+        bias_dropout_fusion=False,
+        gradient_accumulation_fusion=False,
         moe_router_force_load_balancing=force_balanced,
         moe_router_force_biased=None if force_balanced else cfg.router_bias_std,
     )
     builder = get_moe_module_spec(use_te=False, num_experts=cfg.num_experts, moe_grouped_gemm=False)
     if balancer is not None:
-        balancing = BalancingContext(BalancerConfig(name=balancer, num_slots=cfg.num_slots), overlap=overlap)
-        builder = functools.partial(BalancedMoELayer, submodules=builder.keywords["submodules"],
-                                    balancing=balancing)
-    layer = builder(config=config, pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
-                    is_mtp_layer=False)
+        balancing = BalancingContext(
+            BalancerConfig(name=balancer, num_slots=cfg.num_slots), overlap=overlap
+        )
+        builder = functools.partial(
+            BalancedMoELayer, submodules=builder.keywords["submodules"], balancing=balancing
+        )
+    layer = builder(
+        config=config,
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+        is_mtp_layer=False,
+    )
     layer.set_layer_number(1)
     if not transfers:
         skip_transfers(layer)
@@ -182,10 +220,16 @@ class Measurement:
         self.cfg, self.model = cfg, model
         self.layer = layer = getattr(model, "module", model)  # inside DDP or not
         self.balancing = getattr(layer, "balancing", None)
-        self.x = torch.randn(cfg.tokens_per_rank, 1, cfg.hidden_size,
-                             generator=torch.Generator().manual_seed(torch.distributed.get_rank()))
+        self.x = torch.randn(
+            cfg.tokens_per_rank,
+            1,
+            cfg.hidden_size,
+            generator=torch.Generator().manual_seed(torch.distributed.get_rank()),
+        )
         self._start_records()
-        compute = type(layer).routed_experts_compute.__get__(layer)  # not an earlier repeat's wrapper
+        compute = type(layer).routed_experts_compute.__get__(
+            layer
+        )  # not an earlier repeat's wrapper
 
         def counting(h, p):
             self.rows = h.shape[0]
@@ -195,12 +239,17 @@ class Measurement:
 
         layer.routed_experts_compute = counting
         if record_expert_rows:
-            experts = type(layer.experts).forward.__get__(layer.experts)  # not an earlier repeat's wrapper
+            experts = type(layer.experts).forward.__get__(
+                layer.experts
+            )  # not an earlier repeat's wrapper
 
             def recording(hidden, tokens_per_expert, probs, **kwargs):
                 # Host counts: the balanced layer's plan, megatron's own copy for its layer.
-                self.expert_rows = (tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert)
-                                    else list(tokens_per_expert))
+                self.expert_rows = (
+                    tokens_per_expert.tolist()
+                    if torch.is_tensor(tokens_per_expert)
+                    else list(tokens_per_expert)
+                )
                 return experts(hidden, tokens_per_expert, probs, **kwargs)
 
             layer.experts.forward = recording
@@ -250,14 +299,23 @@ class Measurement:
         gathered = [torch.zeros(1) for _ in range(torch.distributed.get_world_size())]
         torch.distributed.all_gather(gathered, torch.tensor([float(self.rows)]))
         loads = torch.cat(gathered)
-        result = dict(wall=median(self.wall), cpu_max=median(cpu_max),
-                      wall_x_fb=median([i / m for i, m in zip(ideal.wall, self.wall)]),
-                      cpu_x_fb=median([i / m for i, m in zip(ideal_max, cpu_max)]),
-                      faults=median(self.faults), other_cpu=median(self.other_cpu),
-                      imbalance=float(loads.max() / loads.mean()))
+        result = dict(
+            wall=median(self.wall),
+            cpu_max=median(cpu_max),
+            wall_x_fb=median([i / m for i, m in zip(ideal.wall, self.wall)]),
+            cpu_x_fb=median([i / m for i, m in zip(ideal_max, cpu_max)]),
+            faults=median(self.faults),
+            other_cpu=median(self.other_cpu),
+            imbalance=float(loads.max() / loads.mean()),
+        )
         if self.balancing is not None:
             o = self.balancing.overheads
-            mine = torch.tensor([o.plan_seconds, o.host_seconds, o.transfer_seconds, o.reroute_seconds]) / cfg.iters
+            mine = (
+                torch.tensor(
+                    [o.plan_seconds, o.host_seconds, o.transfer_seconds, o.reroute_seconds]
+                )
+                / cfg.iters
+            )
             torch.distributed.all_reduce(mine, op=torch.distributed.ReduceOp.MAX)
             result.update(zip(("plan", "host", "transfers", "reroute"), mine.tolist()))
         return result
@@ -279,7 +337,9 @@ class ExpertsOnly(Measurement):
         self.cfg, self.model, self.layer, self.source = cfg, source.model, source.layer, source
         self.balancing = None
         self._start_records()
-        most = cfg.tokens_per_rank * cfg.topk * cfg.ep_size  # every (token, expert) pair of the group
+        most = (
+            cfg.tokens_per_rank * cfg.topk * cfg.ep_size
+        )  # every (token, expert) pair of the group
         generator = torch.Generator().manual_seed(1000 + torch.distributed.get_rank())
         self.tokens = torch.randn(most, cfg.hidden_size, generator=generator)
         self.probs = torch.rand(most, generator=generator)
@@ -296,8 +356,12 @@ class ExpertsOnly(Measurement):
         out, _ = layer.experts(tokens[:main], torch.tensor(rows), probs[:main])
         loss = out.sum()
         if total > main:  # the redundant slots' module on (leaves over) the replica buffer's views
-            leaves = [[w.detach().requires_grad_() for w in slot] for slot in layer.replica_weight_views()]
-            loss = loss + layer.run_replicas(leaves, tokens[main:], probs[main:], replica_rows).sum()
+            leaves = [
+                [w.detach().requires_grad_() for w in slot] for slot in layer.replica_weight_views()
+            ]
+            loss = (
+                loss + layer.run_replicas(leaves, tokens[main:], probs[main:], replica_rows).sum()
+            )
         loss.backward()
 
 
@@ -313,7 +377,9 @@ CACHING_ALLOCATOR_ENV = {
 
 def allocator_settings() -> str:
     """The CPU allocation settings this rank runs with, for the report."""
-    settings = [f"{name}={os.environ[name]}" for name in CACHING_ALLOCATOR_ENV if os.environ.get(name)]
+    settings = [
+        f"{name}={os.environ[name]}" for name in CACHING_ALLOCATOR_ENV if os.environ.get(name)
+    ]
     described = ", ".join(settings) if settings else "PyTorch's and glibc's defaults"
     try:  # "always" puts large heap and mmap regions on huge pages without PyTorch asking
         thp = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().split()
@@ -334,16 +400,22 @@ NOISE_FLOOR = "force-balanced again"
 NO_TRANSFERS = f"{registry.ULTRAEP} no transfers"
 
 # (row label, balancer, force-balanced router, overlapped transfers, transfers at all)
-LAYERS = ((registry.NONE, None, False, True, True), (registry.ULTRAEP, registry.ULTRAEP, False, True, True),
-          (f"{registry.ULTRAEP} no-overlap", registry.ULTRAEP, False, False, True),
-          (NO_TRANSFERS, registry.ULTRAEP, False, True, False),
-          (registry.EPLB_EXACT, registry.EPLB_EXACT, False, True, True),
-          (f"{registry.EPLB_EXACT} no-overlap", registry.EPLB_EXACT, False, False, True),
-          ("force-balanced", None, True, True, True), (NOISE_FLOOR, None, True, True, True))
+LAYERS = (
+    (registry.NONE, None, False, True, True),
+    (registry.ULTRAEP, registry.ULTRAEP, False, True, True),
+    (f"{registry.ULTRAEP} no-overlap", registry.ULTRAEP, False, False, True),
+    (NO_TRANSFERS, registry.ULTRAEP, False, True, False),
+    (registry.EPLB_EXACT, registry.EPLB_EXACT, False, True, True),
+    (f"{registry.EPLB_EXACT} no-overlap", registry.EPLB_EXACT, False, False, True),
+    ("force-balanced", None, True, True, True),
+    (NOISE_FLOOR, None, True, True, True),
+)
 
 #: Expert compute alone (ExpertsOnly), each on the rows of the layer named: label -> source label.
-EXPERTS_ONLY = {f"{registry.ULTRAEP} experts only": registry.ULTRAEP,
-                "force-balanced experts only": "force-balanced"}
+EXPERTS_ONLY = {
+    f"{registry.ULTRAEP} experts only": registry.ULTRAEP,
+    "force-balanced experts only": "force-balanced",
+}
 
 
 def worker(cfg):
@@ -356,12 +428,16 @@ def worker(cfg):
     parallel_state.initialize_model_parallel(expert_model_parallel_size=cfg.ep_size)
     rank = torch.distributed.get_rank()
     tokens = cfg.tokens_per_rank * cfg.ep_size
-    layers = {label: build(cfg, balancer, force, overlap, transfers)
-              for label, balancer, force, overlap, transfers in LAYERS}
+    layers = {
+        label: build(cfg, balancer, force, overlap, transfers)
+        for label, balancer, force, overlap, transfers in LAYERS
+    }
     runs = {label: [] for label in [*layers, *EXPERTS_ONLY]}
     for repeat in range(cfg.repeats):
-        measurements = {label: Measurement(cfg, layer, record_expert_rows=label in EXPERTS_ONLY.values())
-                        for label, layer in layers.items()}
+        measurements = {
+            label: Measurement(cfg, layer, record_expert_rows=label in EXPERTS_ONLY.values())
+            for label, layer in layers.items()
+        }
         for label, source in EXPERTS_ONLY.items():
             measurements[label] = ExpertsOnly(cfg, measurements[source])
         # Interleaved iteration by iteration, so that drifting machine load hits every layer alike
@@ -370,7 +446,9 @@ def worker(cfg):
         # follows the same one (a rotation keeps each layer's predecessor, and what it left in the
         # caches, fixed).
         for i in range(cfg.warmup + cfg.iters):
-            order = random.Random(repeat * 100_003 + i).sample(list(measurements.values()), len(measurements))
+            order = random.Random(repeat * 100_003 + i).sample(
+                list(measurements.values()), len(measurements)
+            )
             for m in order:
                 m.step(timed=i >= cfg.warmup)
         for label, m in measurements.items():
@@ -381,22 +459,30 @@ def worker(cfg):
 
 
 def report(cfg, tokens, runs) -> None:
-    print(f"\nMoE layer fwd+bwd, EP={cfg.ep_size} (gloo, 1 thread/rank), E={cfg.num_experts}, top-{cfg.topk}, "
-          f"hidden {cfg.hidden_size}, ffn {cfg.ffn_hidden_size}, {cfg.tokens_per_rank} tokens/rank, "
-          f"{cfg.num_slots} slot(s)/rank, router bias std {cfg.router_bias_std}; {cfg.repeats} repeats x "
-          f"{cfg.iters} timed iterations, medians; CPU allocator: "
-          f"{allocator_settings()}")
-    print("x f-b: force-balanced's time / this layer's (the experts-only rows: force-balanced experts only's), "
-          "higher is better, per iteration (run back to back), median per repeat, then the median of the repeats; "
-          "wall: slowest rank; critical: the busiest rank's compute (main-thread CPU time) plus its "
-          "time blocked on replica transfers (the critical path with a device per rank); faults: the most minor page "
-          "faults a rank's main thread took per iteration (their cost is part of its critical time); other CPU: "
-          "the most CPU time a rank's other threads took (gloo's, the replica transfers' HostCommStream)")
-    print(f"| {'layer':<27} | {'wall ms':>8} | {'tokens/s':>9} | {'wall x f-b':>10} | {'critical ms':>14} "
-          f"| {'critical x f-b (repeats)':>26} | {'faults':>7} | {'other CPU ms':>12} | {'imbalance':>9} "
-          f"| {'plan ms':>7} | {'host ms':>7} | {'transfers ms':>12} | {'reroute ms':>10} |")
-    print(f"|{'-' * 29}|{'-' * 10}|{'-' * 11}|{'-' * 12}|{'-' * 16}|{'-' * 28}|{'-' * 9}|{'-' * 14}|{'-' * 11}"
-          f"|{'-' * 9}|{'-' * 9}|{'-' * 14}|{'-' * 12}|")
+    print(
+        f"\nMoE layer fwd+bwd, EP={cfg.ep_size} (gloo, 1 thread/rank), E={cfg.num_experts}, top-{cfg.topk}, "
+        f"hidden {cfg.hidden_size}, ffn {cfg.ffn_hidden_size}, {cfg.tokens_per_rank} tokens/rank, "
+        f"{cfg.num_slots} slot(s)/rank, router bias std {cfg.router_bias_std}; {cfg.repeats} repeats x "
+        f"{cfg.iters} timed iterations, medians; CPU allocator: "
+        f"{allocator_settings()}"
+    )
+    print(
+        "x f-b: force-balanced's time / this layer's (the experts-only rows: force-balanced experts only's), "
+        "higher is better, per iteration (run back to back), median per repeat, then the median of the repeats; "
+        "wall: slowest rank; critical: the busiest rank's compute (main-thread CPU time) plus its "
+        "time blocked on replica transfers (the critical path with a device per rank); faults: the most minor page "
+        "faults a rank's main thread took per iteration (their cost is part of its critical time); other CPU: "
+        "the most CPU time a rank's other threads took (gloo's, the replica transfers' HostCommStream)"
+    )
+    print(
+        f"| {'layer':<27} | {'wall ms':>8} | {'tokens/s':>9} | {'wall x f-b':>10} | {'critical ms':>14} "
+        f"| {'critical x f-b (repeats)':>26} | {'faults':>7} | {'other CPU ms':>12} | {'imbalance':>9} "
+        f"| {'plan ms':>7} | {'host ms':>7} | {'transfers ms':>12} | {'reroute ms':>10} |"
+    )
+    print(
+        f"|{'-' * 29}|{'-' * 10}|{'-' * 11}|{'-' * 12}|{'-' * 16}|{'-' * 28}|{'-' * 9}|{'-' * 14}|{'-' * 11}"
+        f"|{'-' * 9}|{'-' * 9}|{'-' * 14}|{'-' * 12}|"
+    )
     for label, measured in runs.items():
         wall_ratios = [m["wall_x_fb"] for m in measured]
         cpu_ratios = [m["cpu_x_fb"] for m in measured]
@@ -404,60 +490,91 @@ def report(cfg, tokens, runs) -> None:
         per_repeat = " ".join(f"{r:.2f}" for r in cpu_ratios)
         overheads = ""
         if "plan" in measured[0]:
-            overheads = " | ".join(f"{median([m[k] for m in measured]) * 1e3:{w}.2f}"
-                                   for k, w in (("plan", 7), ("host", 7), ("transfers", 12), ("reroute", 10)))
+            overheads = " | ".join(
+                f"{median([m[k] for m in measured]) * 1e3:{w}.2f}"
+                for k, w in (("plan", 7), ("host", 7), ("transfers", 12), ("reroute", 10))
+            )
         else:
             overheads = " | ".join(f"{'':>{w}}" for w in (7, 7, 12, 10))
-        print(f"| {label:<27} | {wall * 1e3:8.1f} | {tokens / wall:9.0f} | {median(wall_ratios):10.2f} "
-              f"| {median([m['cpu_max'] for m in measured]) * 1e3:14.1f} "
-              f"| {median(cpu_ratios):5.3f} ({per_repeat:>18}) "
-              f"| {median([m['faults'] for m in measured]):7.0f} "
-              f"| {median([m['other_cpu'] for m in measured]) * 1e3:12.2f} "
-              f"| {median([m['imbalance'] for m in measured]):9.2f} | {overheads} |")
+        print(
+            f"| {label:<27} | {wall * 1e3:8.1f} | {tokens / wall:9.0f} | {median(wall_ratios):10.2f} "
+            f"| {median([m['cpu_max'] for m in measured]) * 1e3:14.1f} "
+            f"| {median(cpu_ratios):5.3f} ({per_repeat:>18}) "
+            f"| {median([m['faults'] for m in measured]):7.0f} "
+            f"| {median([m['other_cpu'] for m in measured]) * 1e3:12.2f} "
+            f"| {median([m['imbalance'] for m in measured]):9.2f} | {overheads} |"
+        )
     floor = [m["cpu_x_fb"] for m in runs[NOISE_FLOOR]]
-    print(f"noise floor: force-balanced against itself, critical x f-b {median(floor):.2f} (repeats "
-          f"{' '.join(f'{r:.2f}' for r in floor)}): the same layer's per-repeat ratios varied by up to "
-          f"{max(abs(r - 1) for r in floor):.2f} in this run")
+    print(
+        f"noise floor: force-balanced against itself, critical x f-b {median(floor):.2f} (repeats "
+        f"{' '.join(f'{r:.2f}' for r in floor)}): the same layer's per-repeat ratios varied by up to "
+        f"{max(abs(r - 1) for r in floor):.2f} in this run"
+    )
     label = f"{registry.ULTRAEP} experts only"
     experts = median([m["cpu_x_fb"] for m in runs[label]])
     layer = median([m["cpu_x_fb"] for m in runs[registry.ULTRAEP]])
-    print(f"expert compute alone ({label} / force-balanced experts only: megatron's experts module, and the "
-          f"redundant slots' module, fwd+bwd on the rows each expert and slot received in the layers' "
-          f"latest iteration): critical x f-b {experts:.2f} (repeats "
-          f"{' '.join(f'{m['cpu_x_fb']:.2f}' for m in runs[label])}); the layer's {layer:.2f} over it, "
-          f"{layer / experts:.3f}, is the rest: the balancing's host work, the transfers' share of the cores, "
-          f"the token exchange")
-    other = {label: median([m["other_cpu"] for m in runs[label]]) for label in (registry.ULTRAEP, "force-balanced")}
-    print(f"other threads' CPU per iteration (busiest rank): {registry.ULTRAEP} {other[registry.ULTRAEP] * 1e3:.2f} ms, "
-          f"force-balanced {other['force-balanced'] * 1e3:.2f} ms; the difference, "
-          f"{(other[registry.ULTRAEP] - other['force-balanced']) * 1e3:.2f} ms, is what the replica transfers "
-          f"take off the main threads, from the two cores the ranks compute on")
+    print(
+        f"expert compute alone ({label} / force-balanced experts only: megatron's experts module, and the "
+        f"redundant slots' module, fwd+bwd on the rows each expert and slot received in the layers' "
+        f"latest iteration): critical x f-b {experts:.2f} (repeats "
+        f"{' '.join(f'{m['cpu_x_fb']:.2f}' for m in runs[label])}); the layer's {layer:.2f} over it, "
+        f"{layer / experts:.3f}, is the rest: the balancing's host work, the transfers' share of the cores, "
+        f"the token exchange"
+    )
+    other = {
+        label: median([m["other_cpu"] for m in runs[label]])
+        for label in (registry.ULTRAEP, "force-balanced")
+    }
+    print(
+        f"other threads' CPU per iteration (busiest rank): {registry.ULTRAEP} {other[registry.ULTRAEP] * 1e3:.2f} ms, "
+        f"force-balanced {other['force-balanced'] * 1e3:.2f} ms; the difference, "
+        f"{(other[registry.ULTRAEP] - other['force-balanced']) * 1e3:.2f} ms, is what the replica transfers "
+        f"take off the main threads, from the two cores the ranks compute on"
+    )
     control = median([m["cpu_x_fb"] for m in runs[NO_TRANSFERS]])
-    print(f"without transfers ({NO_TRANSFERS}: the measurement control, numerically wrong): critical x f-b "
-          f"{control:.3f} (repeats {' '.join(f'{m['cpu_x_fb']:.2f}' for m in runs[NO_TRANSFERS])}); "
-          f"{registry.ULTRAEP}'s {layer:.3f} over it, {layer / control:.3f}, is what its transfers cost on this "
-          f"machine, exposed or not (their host calls, their copies and gloo's socket work on the two cores "
-          f"the ranks compute on)")
+    print(
+        f"without transfers ({NO_TRANSFERS}: the measurement control, numerically wrong): critical x f-b "
+        f"{control:.3f} (repeats {' '.join(f'{m['cpu_x_fb']:.2f}' for m in runs[NO_TRANSFERS])}); "
+        f"{registry.ULTRAEP}'s {layer:.3f} over it, {layer / control:.3f}, is what its transfers cost on this "
+        f"machine, exposed or not (their host calls, their copies and gloo's socket work on the two cores "
+        f"the ranks compute on)"
+    )
     for name in (registry.ULTRAEP, registry.EPLB_EXACT):
         exposed = median([m["transfers"] for m in runs[name]])
         total = median([m["transfers"] for m in runs[f"{name} no-overlap"]])
-        print(f"{name}: transfers {total * 1e3:.2f} ms per iteration when waited where issued (including the "
-              f"wait for the peer to reach them), {exposed * 1e3:.2f} ms exposed when overlapped")
+        print(
+            f"{name}: transfers {total * 1e3:.2f} ms per iteration when waited where issued (including the "
+            f"wait for the peer to reach them), {exposed * 1e3:.2f} ms exposed when overlapped"
+        )
 
 
 def main():
     cfg = parse_args()
     if "RANK" in os.environ:
         return worker(cfg)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), MASTER_ADDR="127.0.0.1",
-               PYTHONWARNINGS="ignore")
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=str(REPO),
+        MASTER_ADDR="127.0.0.1",
+        PYTHONWARNINGS="ignore",
+    )
     for name, value in CACHING_ALLOCATOR_ENV.items():
         if cfg.plain_allocator:  # the defaults, whatever the calling shell set
             env.pop(name, None)
         else:
-            env[name] = ":".join(filter(None, [env.get(name) if name == "GLIBC_TUNABLES" else None, value]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.ep_size}",
-           __file__, *sys.argv[1:]]
+            env[name] = ":".join(
+                filter(None, [env.get(name) if name == "GLIBC_TUNABLES" else None, value])
+            )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={cfg.ep_size}",
+        __file__,
+        *sys.argv[1:],
+    ]
     sys.exit(subprocess.call(cmd, env=env))
 
 

@@ -102,7 +102,7 @@ def algorithm1_threshold(load: torch.Tensor, num_slots: int, min_quota: int) -> 
     R, E = load.shape
     G = E // R
     lam = load.sum(0).tolist()
-    ell = [sum(lam[r * G:(r + 1) * G]) for r in range(R)]
+    ell = [sum(lam[r * G : (r + 1) * G]) for r in range(R)]
     lo, hi = -(-sum(ell) // R), max(ell)
 
     def feasible(tau: int) -> bool:
@@ -116,8 +116,11 @@ def algorithm1_threshold(load: torch.Tensor, num_slots: int, min_quota: int) -> 
             for e in sorted(range(r * G, (r + 1) * G), key=lambda e: -lam[e]):
                 cap = lam[e]
                 while exc[r] > 0 and cap > 0:
-                    admissible = [t for t in range(R) if t != r and slk[t] > 0
-                                  and (t in hosts[e] or free[t] > 0)]
+                    admissible = [
+                        t
+                        for t in range(R)
+                        if t != r and slk[t] > 0 and (t in hosts[e] or free[t] > 0)
+                    ]
                     if not admissible:
                         break
                     t = max(admissible, key=lambda x: slk[x])
@@ -161,25 +164,35 @@ def run_setting(R: int, E: int, S: int, imbalance: float, seeds: list[int], repe
         alg1 = algorithm1_threshold(load, S, 1)
         exact_floor = metrics(load, solve(load, S, min_quota=1))
         md = metrics(load, device_solve(load, S))
-        rows.append({
-            "init": mu["imbalance_before"],
-            "u_imb": mu["imbalance_after"], "u_gap": mu["threshold"] / mu["lower_bound"],
-            "u_rep": mu["replicas"], "u_fan": mu["max_fanout"], "u_infl": mu["inflight_ratio"],
-            "u_us": median_time_us(lambda: solve(load, S), repeats),
-            "a_imb": alg1 / mean,
-            "u1_imb": exact_floor["imbalance_after"], "u1_rep": exact_floor["replicas"],
-            "e_imb": me["imbalance_after"], "e_rep": me["replicas"], "e_fan": me["max_fanout"],
-            "e_infl": me["inflight_ratio"],
-            "e_us": median_time_us(lambda: eplb_exact(load, S), max(3, repeats // 50)),
-            "n_infl": mn["inflight_ratio"],
-            "d_imb": md["imbalance_after"], "d_rep": md["replicas"],
-            "d_us": median_time_us(lambda: device_solve(load, S), DEVICE_REPEATS),
-        })
+        rows.append(
+            {
+                "init": mu["imbalance_before"],
+                "u_imb": mu["imbalance_after"],
+                "u_gap": mu["threshold"] / mu["lower_bound"],
+                "u_rep": mu["replicas"],
+                "u_fan": mu["max_fanout"],
+                "u_infl": mu["inflight_ratio"],
+                "u_us": median_time_us(lambda: solve(load, S), repeats),
+                "a_imb": alg1 / mean,
+                "u1_imb": exact_floor["imbalance_after"],
+                "u1_rep": exact_floor["replicas"],
+                "e_imb": me["imbalance_after"],
+                "e_rep": me["replicas"],
+                "e_fan": me["max_fanout"],
+                "e_infl": me["inflight_ratio"],
+                "e_us": median_time_us(lambda: eplb_exact(load, S), max(3, repeats // 50)),
+                "n_infl": mn["inflight_ratio"],
+                "d_imb": md["imbalance_after"],
+                "d_rep": md["replicas"],
+                "d_us": median_time_us(lambda: device_solve(load, S), DEVICE_REPEATS),
+            }
+        )
     return {k: statistics.fmean(r[k] for r in rows) for k in rows[0]}
 
 
-def run_domain_setting(R: int, E: int, S: int, N: int, imbalance: float, seeds: list[int],
-                       repeats: int) -> dict:
+def run_domain_setting(
+    R: int, E: int, S: int, N: int, imbalance: float, seeds: list[int], repeats: int
+) -> dict:
     rows = []
     for seed in seeds:
         load = zipf_load(R, E, imbalance, seed=seed)
@@ -189,12 +202,18 @@ def run_domain_setting(R: int, E: int, S: int, N: int, imbalance: float, seeds: 
         m = metrics(load, plan, domain_size=N)
         md = metrics(load, device_solve(load, S, domain_size=N), domain_size=N)
         assert m["cross_domain_replicas"] == 0 and md["cross_domain_replicas"] == 0
-        rows.append({
-            "init": m["imbalance_before"], "lb": bound / mean, "imb": m["imbalance_after"],
-            "gap": plan.threshold / bound, "rep": m["replicas"],
-            "us": median_time_us(lambda: solve(load, S, domain_size=N), repeats),
-            "d_imb": md["imbalance_after"], "d_rep": md["replicas"],
-        })
+        rows.append(
+            {
+                "init": m["imbalance_before"],
+                "lb": bound / mean,
+                "imb": m["imbalance_after"],
+                "gap": plan.threshold / bound,
+                "rep": m["replicas"],
+                "us": median_time_us(lambda: solve(load, S, domain_size=N), repeats),
+                "d_imb": md["imbalance_after"],
+                "d_rep": md["replicas"],
+            }
+        )
     return {k: statistics.fmean(r[k] for r in rows) for k in rows[0]}
 
 
@@ -203,11 +222,14 @@ def run_peer_setting(R: int, E: int, imbalance: float, seeds: list[int]) -> dict
     S, N = PEER_SLOTS, PEER_DOMAIN
     balancers = {
         registry.ULTRAEP: lambda load: Placement.from_plan(solve(load, S)),
-        f"{registry.ULTRAEP} N={N}": lambda load: Placement.from_plan(solve(load, S, domain_size=N)),
+        f"{registry.ULTRAEP} N={N}": lambda load: Placement.from_plan(
+            solve(load, S, domain_size=N)
+        ),
         "eplb++-fixed": lambda load: Placement.from_plan(eplb_exact(load, S)),
         "deepseek-eplb": lambda load: deepseek_eplb(load, S),
-        "deepseek-eplb hier.": lambda load: deepseek_eplb(load, S, num_groups=R // N,
-                                                         num_nodes=R // N),
+        "deepseek-eplb hier.": lambda load: deepseek_eplb(
+            load, S, num_groups=R // N, num_nodes=R // N
+        ),
         "llep": lambda load: Placement.from_plan(llep(load)),
     }
     sums: dict[str, list[dict]] = {name: [] for name in balancers}
@@ -215,8 +237,9 @@ def run_peer_setting(R: int, E: int, imbalance: float, seeds: list[int]) -> dict
         load = zipf_load(R, E, imbalance, seed=seed)
         for name, balance in balancers.items():
             sums[name].append(placement_metrics(load, balance(load), domain_size=N))
-    return {name: {k: statistics.fmean(m[k] for m in ms) for k in ms[0]}
-            for name, ms in sums.items()}
+    return {
+        name: {k: statistics.fmean(m[k] for m in ms) for k in ms[0]} for name, ms in sums.items()
+    }
 
 
 def cpu_time_summary(repeats: int, domain_size: int | None = None) -> str:
@@ -234,8 +257,10 @@ def cpu_time_summary(repeats: int, domain_size: int | None = None) -> str:
     wall_us, cpu_us = statistics.median(wall) / 1e3, statistics.median(cpu) / 1e3
     p10_us = sorted(wall)[len(wall) // 10] / 1e3
     domains = "" if domain_size is None else f" domain {domain_size}"
-    return (f"solve R=64 E=256 S=2{domains} over {len(wall)} calls: median wall {wall_us:.1f} us, "
-            f"median CPU {cpu_us:.1f} us, p10 wall {p10_us:.1f} us")
+    return (
+        f"solve R=64 E=256 S=2{domains} over {len(wall)} calls: median wall {wall_us:.1f} us, "
+        f"median CPU {cpu_us:.1f} us, p10 wall {p10_us:.1f} us"
+    )
 
 
 def host_stretch_summary(repeats: int) -> str:
@@ -259,9 +284,13 @@ def host_stretch_summary(repeats: int) -> str:
                 for name, ns in zip(parts, (c1 - c0, c2 - c1, c3 - c2, c3 - c0)):
                     parts[name].append(ns)
     median_us = {name: statistics.median(ns) / 1e3 for name, ns in parts.items()}
-    return ("host stretch per invocation (load on the host -> reroute tables), R=64 E=256 S=2, median CPU: "
-            + " + ".join(f"{name} {median_us[name]:.1f} us" for name in ("trigger", "solve", "rank reroute"))
-            + f"; total {median_us['total']:.1f} us")
+    return (
+        "host stretch per invocation (load on the host -> reroute tables), R=64 E=256 S=2, median CPU: "
+        + " + ".join(
+            f"{name} {median_us[name]:.1f} us" for name in ("trigger", "solve", "rank reroute")
+        )
+        + f"; total {median_us['total']:.1f} us"
+    )
 
 
 def device_timing_summary(repeats: int) -> str:
@@ -279,7 +308,10 @@ def device_timing_summary(repeats: int) -> str:
                 plan = device_solve(load, 2, domain_size=domain_size)  # compiles on first use
                 reference = device_solve(load.cpu(), 2, domain_size=domain_size)
                 assert torch.equal(plan.physical_split.cpu(), reference.physical_split)
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start, end = (
+                    torch.cuda.Event(enable_timing=True),
+                    torch.cuda.Event(enable_timing=True),
+                )
                 for _ in range(max(3, repeats // 10)):
                     torch.cuda.synchronize()
                     start.record()
@@ -288,9 +320,11 @@ def device_timing_summary(repeats: int) -> str:
                     end.synchronize()
                     samples.append(start.elapsed_time(end) * 1e3)
         domains = "" if domain_size is None else f" domain {domain_size}"
-        lines.append(f"device_solve on {torch.cuda.get_device_name()} R=64 E=256 S=2{domains} over "
-                     f"{len(samples)} calls: median {statistics.median(samples):.0f} us, "
-                     f"p90 {sorted(samples)[len(samples) * 9 // 10]:.0f} us (Triton = reference)")
+        lines.append(
+            f"device_solve on {torch.cuda.get_device_name()} R=64 E=256 S=2{domains} over "
+            f"{len(samples)} calls: median {statistics.median(samples):.0f} us, "
+            f"p90 {sorted(samples)[len(samples) * 9 // 10]:.0f} us (Triton = reference)"
+        )
     return "\n".join(lines)
 
 
@@ -319,20 +353,27 @@ def self_check_summary() -> str:
         first = device_planning.self_check(config, R, E, device, rank=0)
         again = device_planning.self_check(config, R, E, device, rank=0)
         domains = f" domains of {N}" if N else ""
-        verdict = "passed" if first.failure is None and again.failure is None else \
-            f"FAILED: {first.failure or again.failure}"
-        lines.append(f"device planner self-check ({first.implementation} on {where}"
-                     f"{', fresh Triton cache' if fresh_cache and device.type == 'cuda' else ''}) "
-                     f"R={R} E={E} S=2{domains}: ready in {first.seconds:.2f} s (again: {again.seconds:.3f} s), "
-                     f"{first.replicas} replicas in the probe plans, {verdict}")
+        verdict = (
+            "passed"
+            if first.failure is None and again.failure is None
+            else f"FAILED: {first.failure or again.failure}"
+        )
+        lines.append(
+            f"device planner self-check ({first.implementation} on {where}"
+            f"{', fresh Triton cache' if fresh_cache and device.type == 'cuda' else ''}) "
+            f"R={R} E={E} S=2{domains}: ready in {first.seconds:.2f} s (again: {again.seconds:.3f} s), "
+            f"{first.replicas} replicas in the probe plans, {verdict}"
+        )
     return "\n".join(lines)
 
 
 def main_table(shapes, slots, seeds, repeats) -> None:
     """The first table: ultraep, Algorithm 1 and eplb++ with one domain."""
-    header = ("| R | E | S | init | ultraep imb | tau/LB | rep | fan | infl | us "
-              "| alg1 imb | eplb++ imb | rep | fan | infl | us | none infl | dev imb | dev rep "
-              "| dev ms |")
+    header = (
+        "| R | E | S | init | ultraep imb | tau/LB | rep | fan | infl | us "
+        "| alg1 imb | eplb++ imb | rep | fan | infl | us | none infl | dev imb | dev rep "
+        "| dev ms |"
+    )
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     totals = []
@@ -341,11 +382,14 @@ def main_table(shapes, slots, seeds, repeats) -> None:
             for imbalance in IMBALANCES:
                 m = run_setting(R, E, S, imbalance, seeds, repeats)
                 totals.append((S, m))
-                print(f"| {R} | {E} | {S} | {m['init']:.2f} | {m['u_imb']:.4f} | {m['u_gap']:.4f} "
-                      f"| {m['u_rep']:.1f} | {m['u_fan']:.1f} | {m['u_infl']:.3f} | {m['u_us']:.0f} "
-                      f"| {m['a_imb']:.3f} | {m['e_imb']:.3f} | {m['e_rep']:.1f} | {m['e_fan']:.1f} "
-                      f"| {m['e_infl']:.3f} | {m['e_us']:.0f} | {m['n_infl']:.3f} "
-                      f"| {m['d_imb']:.4f} | {m['d_rep']:.1f} | {m['d_us'] / 1e3:.0f} |", flush=True)
+                print(
+                    f"| {R} | {E} | {S} | {m['init']:.2f} | {m['u_imb']:.4f} | {m['u_gap']:.4f} "
+                    f"| {m['u_rep']:.1f} | {m['u_fan']:.1f} | {m['u_infl']:.3f} | {m['u_us']:.0f} "
+                    f"| {m['a_imb']:.3f} | {m['e_imb']:.3f} | {m['e_rep']:.1f} | {m['e_fan']:.1f} "
+                    f"| {m['e_infl']:.3f} | {m['e_us']:.0f} | {m['n_infl']:.3f} "
+                    f"| {m['d_imb']:.4f} | {m['d_rep']:.1f} | {m['d_us'] / 1e3:.0f} |",
+                    flush=True,
+                )
     ms = [m for _, m in totals]
 
     def avg(key):
@@ -356,27 +400,40 @@ def main_table(shapes, slots, seeds, repeats) -> None:
 
     print()
     print(f"averages over {len(ms)} settings x {len(seeds)} seeds:")
-    print(f"  imbalance after: ultraep {avg('u_imb'):.4f} (worst {worst('u_imb'):.4f}), "
-          f"alg1 {avg('a_imb'):.4f} (worst {worst('a_imb'):.4f}), "
-          f"eplb++ {avg('e_imb'):.4f} (worst {worst('e_imb'):.4f})")
+    print(
+        f"  imbalance after: ultraep {avg('u_imb'):.4f} (worst {worst('u_imb'):.4f}), "
+        f"alg1 {avg('a_imb'):.4f} (worst {worst('a_imb'):.4f}), "
+        f"eplb++ {avg('e_imb'):.4f} (worst {worst('e_imb'):.4f})"
+    )
     print(f"  threshold / lower bound: mean {avg('u_gap'):.4f}, worst {worst('u_gap'):.4f}")
-    print(f"  ultraep with min_quota=1 (no floor): imbalance {avg('u1_imb'):.4f} "
-          f"(worst {worst('u1_imb'):.4f}), replicas {avg('u1_rep'):.1f}")
+    print(
+        f"  ultraep with min_quota=1 (no floor): imbalance {avg('u1_imb'):.4f} "
+        f"(worst {worst('u1_imb'):.4f}), replicas {avg('u1_rep'):.1f}"
+    )
     per_slots = ", ".join(
         f"S={s}: {statistics.fmean(m['u_rep'] / m['e_rep'] for S, m in totals if S == s):.2f}"
-        for s in slots)
-    print(f"  replicas: ultraep {avg('u_rep'):.1f}, eplb++ {avg('e_rep'):.1f} "
-          f"(ratio of means {avg('u_rep') / avg('e_rep'):.2f}; mean ratio by slots: {per_slots})")
+        for s in slots
+    )
+    print(
+        f"  replicas: ultraep {avg('u_rep'):.1f}, eplb++ {avg('e_rep'):.1f} "
+        f"(ratio of means {avg('u_rep') / avg('e_rep'):.2f}; mean ratio by slots: {per_slots})"
+    )
     print(f"  max fan-out: ultraep {avg('u_fan'):.1f}, eplb++ {avg('e_fan'):.1f}")
-    print(f"  in-flight ratio: ultraep {avg('u_infl'):.3f}, eplb++ {avg('e_infl'):.3f}, "
-          f"none {avg('n_infl'):.3f}")
-    print(f"  solve time (median us): ultraep {avg('u_us'):.0f}, "
-          f"eplb++ {avg('e_us'):.0f} (Python baseline)")
-    print(f"  device planner (reference on CPU) vs ultraep: imbalance {avg('d_imb'):.4f} "
-          f"(worst {worst('d_imb'):.4f}) vs {avg('u_imb'):.4f} (worst {worst('u_imb'):.4f}); "
-          f"replicas {avg('d_rep'):.1f} vs {avg('u_rep'):.1f}; "
-          f"solve {statistics.median(m['d_us'] for m in ms) / 1e3:.0f} ms vs "
-          f"{statistics.median(m['u_us'] for m in ms):.0f} us (medians of rows)")
+    print(
+        f"  in-flight ratio: ultraep {avg('u_infl'):.3f}, eplb++ {avg('e_infl'):.3f}, "
+        f"none {avg('n_infl'):.3f}"
+    )
+    print(
+        f"  solve time (median us): ultraep {avg('u_us'):.0f}, "
+        f"eplb++ {avg('e_us'):.0f} (Python baseline)"
+    )
+    print(
+        f"  device planner (reference on CPU) vs ultraep: imbalance {avg('d_imb'):.4f} "
+        f"(worst {worst('d_imb'):.4f}) vs {avg('u_imb'):.4f} (worst {worst('u_imb'):.4f}); "
+        f"replicas {avg('d_rep'):.1f} vs {avg('u_rep'):.1f}; "
+        f"solve {statistics.median(m['d_us'] for m in ms) / 1e3:.0f} ms vs "
+        f"{statistics.median(m['u_us'] for m in ms):.0f} us (medians of rows)"
+    )
 
 
 def domain_table(shapes, slots, seeds, repeats) -> None:
@@ -392,32 +449,39 @@ def domain_table(shapes, slots, seeds, repeats) -> None:
                 for imbalance in IMBALANCES:
                     m = run_domain_setting(R, E, S, N, imbalance, seeds, repeats)
                     rows.append((R, N, m))
-                    print(f"| {R} | {E} | {S} | {N} | {m['init']:.2f} | {m['lb']:.4f} "
-                          f"| {m['imb']:.4f} | {m['gap']:.4f} | {m['rep']:.1f} | {m['us']:.0f} "
-                          f"| {m['d_imb']:.4f} | {m['d_rep']:.1f} |", flush=True)
+                    print(
+                        f"| {R} | {E} | {S} | {N} | {m['init']:.2f} | {m['lb']:.4f} "
+                        f"| {m['imb']:.4f} | {m['gap']:.4f} | {m['rep']:.1f} | {m['us']:.0f} "
+                        f"| {m['d_imb']:.4f} | {m['d_rep']:.1f} |",
+                        flush=True,
+                    )
     print()
     print(f"domain summary ({len(seeds)} seeds per row):")
     for R in sorted({r for r, _, _ in rows}):
         for N in DOMAIN_SIZES:
             ms = [m for r, n, m in rows if (r, n) == (R, N)]
             if ms:
-                print(f"  R={R} N={N}: imbalance {statistics.fmean(m['imb'] for m in ms):.4f} "
-                      f"(worst {max(m['imb'] for m in ms):.4f}), bound LB_N "
-                      f"{statistics.fmean(m['lb'] for m in ms):.4f}, tau/LB_N mean "
-                      f"{statistics.fmean(m['gap'] for m in ms):.4f} worst "
-                      f"{max(m['gap'] for m in ms):.4f}, replicas "
-                      f"{statistics.fmean(m['rep'] for m in ms):.1f}, solve "
-                      f"{statistics.median(m['us'] for m in ms):.0f} us (median of rows); device "
-                      f"planner imbalance {statistics.fmean(m['d_imb'] for m in ms):.4f} (worst "
-                      f"{max(m['d_imb'] for m in ms):.4f}), replicas "
-                      f"{statistics.fmean(m['d_rep'] for m in ms):.1f}")
+                print(
+                    f"  R={R} N={N}: imbalance {statistics.fmean(m['imb'] for m in ms):.4f} "
+                    f"(worst {max(m['imb'] for m in ms):.4f}), bound LB_N "
+                    f"{statistics.fmean(m['lb'] for m in ms):.4f}, tau/LB_N mean "
+                    f"{statistics.fmean(m['gap'] for m in ms):.4f} worst "
+                    f"{max(m['gap'] for m in ms):.4f}, replicas "
+                    f"{statistics.fmean(m['rep'] for m in ms):.1f}, solve "
+                    f"{statistics.median(m['us'] for m in ms):.0f} us (median of rows); device "
+                    f"planner imbalance {statistics.fmean(m['d_imb'] for m in ms):.4f} (worst "
+                    f"{max(m['d_imb'] for m in ms):.4f}), replicas "
+                    f"{statistics.fmean(m['d_rep'] for m in ms):.1f}"
+                )
 
 
 def peer_table(shapes, seeds) -> None:
     """The third table: the peers on the same loads."""
     print()
-    print(f"| R | E | init | balancer | imb | copies | main moves | xdom (N={PEER_DOMAIN}) | fan "
-          f"| infl |")
+    print(
+        f"| R | E | init | balancer | imb | copies | main moves | xdom (N={PEER_DOMAIN}) | fan "
+        f"| infl |"
+    )
     print("|" + "---|" * 10)
     totals: dict[str, list[dict]] = {}
     for R, E in shapes:
@@ -425,20 +489,27 @@ def peer_table(shapes, seeds) -> None:
             per = run_peer_setting(R, E, imbalance, seeds)
             for name, m in per.items():
                 totals.setdefault(name, []).append(m)
-                print(f"| {R} | {E} | {m['imbalance_before']:.2f} | {name} "
-                      f"| {m['imbalance_after']:.4f} | {m['weight_copies']:.1f} "
-                      f"| {m['main_moves']:.1f} | {m['cross_domain_copies']:.1f} "
-                      f"| {m['max_fanout']:.1f} | {m['inflight_ratio']:.3f} |", flush=True)
+                print(
+                    f"| {R} | {E} | {m['imbalance_before']:.2f} | {name} "
+                    f"| {m['imbalance_after']:.4f} | {m['weight_copies']:.1f} "
+                    f"| {m['main_moves']:.1f} | {m['cross_domain_copies']:.1f} "
+                    f"| {m['max_fanout']:.1f} | {m['inflight_ratio']:.3f} |",
+                    flush=True,
+                )
     print()
-    print(f"peer summary (S={PEER_SLOTS}, means over {len(shapes) * len(IMBALANCES)} settings x "
-          f"{len(seeds)} seeds):")
+    print(
+        f"peer summary (S={PEER_SLOTS}, means over {len(shapes) * len(IMBALANCES)} settings x "
+        f"{len(seeds)} seeds):"
+    )
     for name, ms in totals.items():
-        print(f"  {name:20s} imbalance {statistics.fmean(m['imbalance_after'] for m in ms):.4f} "
-              f"(worst {max(m['imbalance_after'] for m in ms):.4f}), weight copies "
-              f"{statistics.fmean(m['weight_copies'] for m in ms):.1f}, main moves "
-              f"{statistics.fmean(m['main_moves'] for m in ms):.1f}, cross-domain "
-              f"{statistics.fmean(m['cross_domain_copies'] for m in ms):.1f}, fan-out "
-              f"{statistics.fmean(m['max_fanout'] for m in ms):.1f}")
+        print(
+            f"  {name:20s} imbalance {statistics.fmean(m['imbalance_after'] for m in ms):.4f} "
+            f"(worst {max(m['imbalance_after'] for m in ms):.4f}), weight copies "
+            f"{statistics.fmean(m['weight_copies'] for m in ms):.1f}, main moves "
+            f"{statistics.fmean(m['main_moves'] for m in ms):.1f}, cross-domain "
+            f"{statistics.fmean(m['cross_domain_copies'] for m in ms):.1f}, fan-out "
+            f"{statistics.fmean(m['max_fanout'] for m in ms):.1f}"
+        )
 
 
 def main() -> None:
@@ -446,8 +517,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one seed, S in {1, 2}, R=64 only")
     parser.add_argument("--seeds", type=int, default=3, help="loads per setting")
     parser.add_argument("--repeats", type=int, default=200, help="timed solve calls per load")
-    parser.add_argument("--only", choices=["main", "domains", "peers", "timing", "device", "self-check"],
-                        help="run one part only (default: all)")
+    parser.add_argument(
+        "--only",
+        choices=["main", "domains", "peers", "timing", "device", "self-check"],
+        help="run one part only (default: all)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     shapes, slots, seeds = SHAPES, SLOTS, list(range(args.seeds))

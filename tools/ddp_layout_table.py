@@ -35,8 +35,11 @@ from ultraep_megatron.planner.baselines.registry import NONE, ULTRAEP  # noqa: E
 ROWS = {
     "distributed optimizer only": ["--use-distributed-optimizer"],
     "+ --overlap-grad-reduce": ["--use-distributed-optimizer", "--overlap-grad-reduce"],
-    "+ --overlap-grad-reduce --overlap-param-gather": ["--use-distributed-optimizer", "--overlap-grad-reduce",
-                                                       "--overlap-param-gather"],
+    "+ --overlap-grad-reduce --overlap-param-gather": [
+        "--use-distributed-optimizer",
+        "--overlap-grad-reduce",
+        "--overlap-param-gather",
+    ],
 }
 WORLD = 4
 
@@ -48,41 +51,82 @@ def max_relative_difference(a: list[float], b: list[float]) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16")
-    parser.add_argument("--buckets", default="2000,default", help="comma-separated --ddp-bucket-size values; "
-                        "'default' for megatron's (40M elements: the tiny model is one bucket)")
+    parser.add_argument(
+        "--buckets",
+        default="2000,default",
+        help="comma-separated --ddp-bucket-size values; "
+        "'default' for megatron's (40M elements: the tiny model is one bucket)",
+    )
     parser.add_argument("--iters", type=int, default=8)
-    parser.add_argument("--work-dir", default=None, help="where the runs go (default: a temporary directory)")
+    parser.add_argument(
+        "--work-dir", default=None, help="where the runs go (default: a temporary directory)"
+    )
     args = parser.parse_args()
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="ddp_layout_table_"))
     started = time.monotonic()
 
     def run(name, ep, extra):
         print(f"[{time.monotonic() - started:6.0f} s] {name}", file=sys.stderr, flush=True)
-        records = run_pretrain(work / name, WORLD, [*tiny_moe_args(ep=ep, train_iters=args.iters),
-                                                   "--global-batch-size", "16", "--clip-grad", "0.0", *extra])
+        records = run_pretrain(
+            work / name,
+            WORLD,
+            [
+                *tiny_moe_args(ep=ep, train_iters=args.iters),
+                "--global-batch-size",
+                "16",
+                "--clip-grad",
+                "0.0",
+                *extra,
+            ],
+        )
         return [r["losses"]["lm loss"] for r in records]
 
-    print("| dtype | bucket | DDP flags | max rel. lm-loss difference ultraep vs none | noise floor (none EP2 vs EP4) | ratio |")
+    print(
+        "| dtype | bucket | DDP flags | max rel. lm-loss difference ultraep vs none | noise floor (none EP2 vs EP4) | ratio |"
+    )
     print("| --- | --- | --- | --- | --- | --- |")
     for dtype in args.dtypes.split(","):
         dtype_flags = ["--bf16"] if dtype == "bf16" else []
-        print(f"[{time.monotonic() - started:6.0f} s] {dtype}: initial checkpoint", file=sys.stderr, flush=True)
-        save_initial_checkpoint(work / f"{dtype}_initial", [*tiny_moe_args(ep=1, train_iters=1), *dtype_flags])
-        load = ["--load", str(work / f"{dtype}_initial" / "ckpt"), "--finetune", "--ckpt-format", "torch_dist"]
+        print(
+            f"[{time.monotonic() - started:6.0f} s] {dtype}: initial checkpoint",
+            file=sys.stderr,
+            flush=True,
+        )
+        save_initial_checkpoint(
+            work / f"{dtype}_initial", [*tiny_moe_args(ep=1, train_iters=1), *dtype_flags]
+        )
+        load = [
+            "--load",
+            str(work / f"{dtype}_initial" / "ckpt"),
+            "--finetune",
+            "--ckpt-format",
+            "torch_dist",
+        ]
         for bucket in args.buckets.split(","):
             bucket_flags = [] if bucket == "default" else ["--ddp-bucket-size", bucket]
             base = [*dtype_flags, *bucket_flags, *load]
             differences, none = {}, None
             for row, (label, flags) in enumerate(ROWS.items()):
-                none = run(f"{dtype}_{bucket}_{row}_none", 2, [*base, *flags, "--moe-balancer", NONE])
-                ultraep = run(f"{dtype}_{bucket}_{row}_ultraep", 2, [*base, *flags, "--moe-balancer", ULTRAEP])
+                none = run(
+                    f"{dtype}_{bucket}_{row}_none", 2, [*base, *flags, "--moe-balancer", NONE]
+                )
+                ultraep = run(
+                    f"{dtype}_{bucket}_{row}_ultraep", 2, [*base, *flags, "--moe-balancer", ULTRAEP]
+                )
                 differences[label] = max_relative_difference(ultraep, none)
             # The floor pair: the last row's none at EP 2 (above) and at EP 4.
-            floor = max(2.0 ** -24, max_relative_difference(
-                run(f"{dtype}_{bucket}_floor_ep4", 4, [*base, *flags, "--moe-balancer", NONE]), none))
+            floor = max(
+                2.0**-24,
+                max_relative_difference(
+                    run(f"{dtype}_{bucket}_floor_ep4", 4, [*base, *flags, "--moe-balancer", NONE]),
+                    none,
+                ),
+            )
             for label, difference in differences.items():
-                print(f"| {dtype} | {bucket} | {label} | {difference:.3g} | {floor:.3g} | {difference / floor:.2f} |",
-                      flush=True)
+                print(
+                    f"| {dtype} | {bucket} | {label} | {difference:.3g} | {floor:.3g} | {difference / floor:.2f} |",
+                    flush=True,
+                )
     print(f"({time.monotonic() - started:.0f} s, runs in {work})", file=sys.stderr)
     return 0
 

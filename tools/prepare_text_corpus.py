@@ -49,8 +49,10 @@ def kjv_documents(document: str = "chapter") -> Iterator[str]:
     """Texts in canonical order, one per chapter (or book); verse markers ("1:1 ") stripped."""
     con = sqlite3.connect(f"file:{kjv_database()}?mode=ro", uri=True)
     try:
-        rows = con.execute("SELECT TestamentID, BookID, ChapterID, Passage1, Passage2 FROM Bible "
-                           "ORDER BY TestamentID, BookID, ChapterID, VerseID").fetchall()
+        rows = con.execute(
+            "SELECT TestamentID, BookID, ChapterID, Passage1, Passage2 FROM Bible "
+            "ORDER BY TestamentID, BookID, ChapterID, VerseID"
+        ).fetchall()
     finally:
         con.close()
     current, parts = None, []
@@ -70,7 +72,9 @@ def kjv_documents(document: str = "chapter") -> Iterator[str]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--output-prefix", type=Path, required=True, help="writes <prefix>.bin and <prefix>.idx")
+    parser.add_argument(
+        "--output-prefix", type=Path, required=True, help="writes <prefix>.bin and <prefix>.idx"
+    )
     parser.add_argument("--document", choices=("chapter", "book"), default="chapter")
     args = parser.parse_args(argv)
 
@@ -86,8 +90,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         documents += 1
         tokens += ids.size
     builder.finalize(f"{args.output_prefix}.idx")
-    print(f"wrote {args.output_prefix}.bin/.idx: {documents} documents, {tokens} byte tokens "
-          f"(train with --tokenizer-type NullTokenizer --vocab-size {VOCAB_SIZE} --data-path {args.output_prefix})")
+    print(
+        f"wrote {args.output_prefix}.bin/.idx: {documents} documents, {tokens} byte tokens "
+        f"(train with --tokenizer-type NullTokenizer --vocab-size {VOCAB_SIZE} --data-path {args.output_prefix})"
+    )
     return 0
 
 

@@ -33,16 +33,20 @@ LOCKS = {
 #: The megatron-core releases of each lock (a pip requirement on top of pyproject.toml's range).
 MCORE = {"main": None, "mcore018": "megatron-core>=0.18,<0.19"}
 HEADERS = {
-    "main": ["# The exact dependency set of ultraep-megatron[dev] for CPython 3.12 on Linux x86_64, with the",
-             "# sha256 of every file: what tools/ensure_env.sh (the README's environment) and CI install, with",
-             "# `pip install --require-hashes --no-deps -r requirements/lock.txt`. pyproject.toml holds the",
-             "# ranges a cluster installs into. Regenerate with `python tools/update_lock.py`."],
-    "mcore018": ["# The exact dependency set of ultraep-megatron[dev] with megatron-core 0.18 for CPython 3.12 on",
-                 "# Linux x86_64, with the sha256 of every file: requirements/lock.txt's versions wherever",
-                 "# megatron-core 0.18 allows them (torch included). `ULTRAEP_MCORE=0.18 bash tools/ensure_env.sh`",
-                 "# layers an environment on the main one and installs the lines that differ from lock.txt;",
-                 "# `pip install --require-hashes --no-deps -r requirements/lock-mcore018.txt` makes it from",
-                 "# scratch. Regenerate with `python tools/update_lock.py`."],
+    "main": [
+        "# The exact dependency set of ultraep-megatron[dev] for CPython 3.12 on Linux x86_64, with the",
+        "# sha256 of every file: what tools/ensure_env.sh (the README's environment) and CI install, with",
+        "# `pip install --require-hashes --no-deps -r requirements/lock.txt`. pyproject.toml holds the",
+        "# ranges a cluster installs into. Regenerate with `python tools/update_lock.py`.",
+    ],
+    "mcore018": [
+        "# The exact dependency set of ultraep-megatron[dev] with megatron-core 0.18 for CPython 3.12 on",
+        "# Linux x86_64, with the sha256 of every file: requirements/lock.txt's versions wherever",
+        "# megatron-core 0.18 allows them (torch included). `ULTRAEP_MCORE=0.18 bash tools/ensure_env.sh`",
+        "# layers an environment on the main one and installs the lines that differ from lock.txt;",
+        "# `pip install --require-hashes --no-deps -r requirements/lock-mcore018.txt` makes it from",
+        "# scratch. Regenerate with `python tools/update_lock.py`.",
+    ],
 }
 PIN = re.compile(r"^([A-Za-z0-9_.-]+)==(\S+)")
 
@@ -59,8 +63,20 @@ def resolve(constraints: list[str]) -> list[dict]:
         target = Path(tmp) / "venv"
         subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(target)], check=True)
         report = Path(tmp) / "report.json"
-        command = [sys.executable, "-m", "pip", "--python", str(target / "bin" / "python"), "install",
-                   "--dry-run", "--ignore-installed", "--quiet", "--report", str(report), f"{REPO}[dev]"]
+        command = [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(target / "bin" / "python"),
+            "install",
+            "--dry-run",
+            "--ignore-installed",
+            "--quiet",
+            "--report",
+            str(report),
+            f"{REPO}[dev]",
+        ]
         if constraints:
             constraint_file = Path(tmp) / "constraints.txt"
             constraint_file.write_text("\n".join(constraints) + "\n")
@@ -87,8 +103,12 @@ def write_lock(name: str, installs: list[dict]) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("-c", "--constraints", type=Path, default=None, help="pip constraints file")
-    parser.add_argument("--only", choices=sorted(LOCKS), default=None,
-                        help="regenerate one lock (mcore018: from the current lock.txt's versions)")
+    parser.add_argument(
+        "--only",
+        choices=sorted(LOCKS),
+        default=None,
+        help="regenerate one lock (mcore018: from the current lock.txt's versions)",
+    )
     args = parser.parse_args()
     if sys.version_info[:2] != (3, 12):
         parser.error("run with Python 3.12 (megatron-core 0.18 and 0.19 ship cp312 wheels only)")
@@ -97,8 +117,11 @@ def main() -> int:
         write_lock("main", resolve(user))
     if args.only in (None, "mcore018"):
         # lock.txt's versions, megatron-core's excepted: the 0.18 environment shares the rest.
-        kept = [f"{name}=={version}" for name, version in pins(LOCKS["main"]).items()
-                if name.lower() != "megatron-core"]
+        kept = [
+            f"{name}=={version}"
+            for name, version in pins(LOCKS["main"]).items()
+            if name.lower() != "megatron-core"
+        ]
         write_lock("mcore018", resolve([*kept, MCORE["mcore018"]]))
     return 0
 

@@ -22,8 +22,12 @@ from ultraep_megatron.settings import hardware as settings_hw
 # Round numbers: one (token, expert) pair of compute = 1 ms; reading an expert's weights from HBM
 # = 1 ms (so an instance costs max(tokens, 1) ms); one token on the wire = 1 ms; one expert's
 # weights on the wire = 16 ms. Expert: h=4, f=8, 2 matrices -> 64 weights, 128 bytes, 128 FLOPs/token.
-SHAPE = settings_hw.ExpertShape(hidden_size=4, ffn_hidden_size=8, gated=False, param_bytes=2, grad_bytes=4, activation_bytes=2)
-HW = settings_hw.Hardware(scale_up_gbps=8e-6, peak_tflops=1.28e-7, hbm_tbps=1.28e-7, gemm_overhead_tokens=0)
+SHAPE = settings_hw.ExpertShape(
+    hidden_size=4, ffn_hidden_size=8, gated=False, param_bytes=2, grad_bytes=4, activation_bytes=2
+)
+HW = settings_hw.Hardware(
+    scale_up_gbps=8e-6, peak_tflops=1.28e-7, hbm_tbps=1.28e-7, gemm_overhead_tokens=0
+)
 MS = 1e-3
 
 LOAD_A = torch.tensor([[1, 1, 4, 2], [4, 0, 2, 2]], dtype=torch.int64)  # rank loads 6 / 10
@@ -31,7 +35,12 @@ LOAD_B = torch.tensor([[5, 1, 0, 2], [3, 0, 4, 1]], dtype=torch.int64)  # rank l
 
 
 def test_shape_and_hardware_units():
-    assert (SHAPE.numel, SHAPE.weight_bytes, SHAPE.fwd_flops_per_token, SHAPE.token_bytes) == (64, 128, 128, 8)
+    assert (SHAPE.numel, SHAPE.weight_bytes, SHAPE.fwd_flops_per_token, SHAPE.token_bytes) == (
+        64,
+        128,
+        128,
+        8,
+    )
     assert settings_hw.ExpertShape(4096, 1536).numel == 3 * 4096 * 1536
     assert HW.flops_per_s == pytest.approx(128e3) and HW.link_bytes_per_s == pytest.approx(8e3)
     assert HW.hbm_bytes_per_s == pytest.approx(128e3)
@@ -56,7 +65,9 @@ def test_hbm_floor_makes_a_one_token_instance_cost_a_weight_read():
     load = torch.tensor([[1, 0], [0, 0]], dtype=torch.int64)  # R=2, E=2
     assert cm.layer_cost(load, identity_plan(load), SHAPE, HW)["moe_fwd"] == pytest.approx(1 * MS)
     slow_hbm = dataclasses.replace(HW, hbm_tbps=1.28e-8)  # weights: 10 ms
-    assert cm.layer_cost(load, identity_plan(load), SHAPE, slow_hbm)["moe_fwd"] == pytest.approx(10 * MS)
+    assert cm.layer_cost(load, identity_plan(load), SHAPE, slow_hbm)["moe_fwd"] == pytest.approx(
+        10 * MS
+    )
 
 
 def test_replica_plan_cost_by_hand():
@@ -83,12 +94,17 @@ def test_replica_plan_cost_by_hand():
     assert c["bwd_exposed"] == pytest.approx((56 - (8 + 16)) * MS)
     assert c["total_excl_plan"] == pytest.approx(c["total"] - 0.5 * MS)
     # Nothing hidden (--moe-balancer-no-overlap): every transfer after the work it could overlap.
-    serial = cm.layer_cost(LOAD_A, plan, SHAPE, dataclasses.replace(HW, transfer_overlap=0.0),
-                           plan_seconds=0.5 * MS)
-    assert serial["fwd"] == pytest.approx((0.5 + 16 + 8 + 8) * MS)  # wdist + a2a both ways + experts
+    serial = cm.layer_cost(
+        LOAD_A, plan, SHAPE, dataclasses.replace(HW, transfer_overlap=0.0), plan_seconds=0.5 * MS
+    )
+    assert serial["fwd"] == pytest.approx(
+        (0.5 + 16 + 8 + 8) * MS
+    )  # wdist + a2a both ways + experts
     # rank 0: 4 + 16, replica backward 4, 12 + 32 -> 68; then dispatch backward 4.
     assert serial["bwd"] == pytest.approx((68 + 4) * MS)
-    assert serial["fwd_exposed"] == pytest.approx(16 * MS) and serial["bwd_exposed"] == pytest.approx(48 * MS)
+    assert serial["fwd_exposed"] == pytest.approx(16 * MS) and serial[
+        "bwd_exposed"
+    ] == pytest.approx(48 * MS)
     with pytest.raises(ValueError, match="transfer_overlap"):
         settings_hw.Hardware(transfer_overlap=1.5)
 
@@ -96,23 +112,33 @@ def test_replica_plan_cost_by_hand():
 def test_gemm_overhead_by_hand():
     # Every GEMM with tokens costs 2 tokens more: e0 5 -> 7, e1 1 -> max(3, 1 weight read) = 3 (rank 0:
     # 10); e2 6 -> 8, e3 4 -> 6 (rank 1: 14).
-    c = cm.layer_cost(LOAD_A, identity_plan(LOAD_A), SHAPE, dataclasses.replace(HW, gemm_overhead_tokens=2))
+    c = cm.layer_cost(
+        LOAD_A, identity_plan(LOAD_A), SHAPE, dataclasses.replace(HW, gemm_overhead_tokens=2)
+    )
     assert c["moe_fwd"] == pytest.approx(14 * MS)
 
 
-INTER = dataclasses.replace(HW, inter_domain_gbps=4e-6)  # between domains: a token 2 ms, an expert 32 ms
+INTER = dataclasses.replace(
+    HW, inter_domain_gbps=4e-6
+)  # between domains: a token 2 ms, an expert 32 ms
 
 
 def test_inter_domain_link_by_hand():
     # One rank per domain: all remote traffic crosses. Identity on LOAD_A: 6 tokens one way, 2 ms each.
     split_domains = dataclasses.replace(INTER, scale_up_domain=1)
-    assert cm.layer_cost(LOAD_A, identity_plan(LOAD_A), SHAPE, split_domains)["a2a_fwd"] == pytest.approx(24 * MS)
-    assert cm.layer_cost(LOAD_A, identity_plan(LOAD_A), SHAPE, INTER)["a2a_fwd"] == pytest.approx(12 * MS)
+    assert cm.layer_cost(LOAD_A, identity_plan(LOAD_A), SHAPE, split_domains)[
+        "a2a_fwd"
+    ] == pytest.approx(24 * MS)
+    assert cm.layer_cost(LOAD_A, identity_plan(LOAD_A), SHAPE, INTER)["a2a_fwd"] == pytest.approx(
+        12 * MS
+    )
     # 4 ranks in domains of 2: source 0 sends 3 tokens inside its domain (3 ms) and 1 or 2 across (2 or
     # 4 ms); the two links run side by side, so the longer one counts.
     for across, one_way in ((1, 3), (2, 4)):
         load = torch.tensor([[0, 3, across, 0], [0] * 4, [0] * 4, [0] * 4], dtype=torch.int64)
-        c = cm.layer_cost(load, identity_plan(load), SHAPE, dataclasses.replace(INTER, scale_up_domain=2))
+        c = cm.layer_cost(
+            load, identity_plan(load), SHAPE, dataclasses.replace(INTER, scale_up_domain=2)
+        )
         assert c["a2a_fwd"] == pytest.approx(2 * one_way * MS), across
     # The replica plan of test_replica_plan_cost_by_hand: its one weight copy crosses at 32 ms, and
     # its weights (fwd), re-materialized weights and fp32 gradients (bwd) cross: 64 x (2 + 2 + 4) bytes.
@@ -188,8 +214,18 @@ def test_cost_summary_runs_ep_groups_side_by_side():
     # B by hand: compute max(5+1+... rank0: 8 + 1 = 9, rank1: 4 + 3 = 7) = 9; remote: src0 -> 2, src1 -> 3,
     # recv: rank0 3, rank1 2 -> 3 ms one way.
     assert b_none == pytest.approx((6 + 9 + 6 + 18) * MS)
-    records = [(0, 1, 0, 1, LOAD_A), (1, 1, 0, 1, LOAD_B), (0, 2, 0, 1, LOAD_B), (1, 2, 0, 1, LOAD_B)]
-    result = replay(records, {"none": BalancerConfig("none"), "ideal": BalancerConfig("ideal")}, shape=SHAPE, hardware=HW)
+    records = [
+        (0, 1, 0, 1, LOAD_A),
+        (1, 1, 0, 1, LOAD_B),
+        (0, 2, 0, 1, LOAD_B),
+        (1, 2, 0, 1, LOAD_B),
+    ]
+    result = replay(
+        records,
+        {"none": BalancerConfig("none"), "ideal": BalancerConfig("ideal")},
+        shape=SHAPE,
+        hardware=HW,
+    )
     summary = cost_summary(result)
     none_steps = [54 * MS, 39 * MS]  # max over the groups of each invocation
     ideal_steps = [40 * MS, 40 * MS]
@@ -217,28 +253,48 @@ def test_min_quota_from_hardware():
     paper = settings_hw.Hardware()
     # F d / (2 B k) + M0: 2250e12 * 2 / (2 * 900e9) = 2500 tokens pay the transfer in inference
     # (/ 3 with the backward's compute), plus the GEMM's fixed cost of 100 tokens.
-    assert settings_hw.min_quota_from_hardware(settings_hw.DEFAULT_SHAPE, paper, training=False) == 2600
-    assert settings_hw.min_quota_from_hardware(settings_hw.DEFAULT_SHAPE, paper, training=True) == 934
+    assert (
+        settings_hw.min_quota_from_hardware(settings_hw.DEFAULT_SHAPE, paper, training=False)
+        == 2600
+    )
+    assert (
+        settings_hw.min_quota_from_hardware(settings_hw.DEFAULT_SHAPE, paper, training=True) == 934
+    )
     no_overhead = dataclasses.replace(paper, gemm_overhead_tokens=0)  # HarMoEny's threshold alone
-    assert settings_hw.min_quota_from_hardware(settings_hw.DEFAULT_SHAPE, no_overhead, training=False) == 2500
-    assert settings_hw.min_quota_from_hardware(settings_hw.DEFAULT_SHAPE, no_overhead, training=True) == 834
+    assert (
+        settings_hw.min_quota_from_hardware(settings_hw.DEFAULT_SHAPE, no_overhead, training=False)
+        == 2500
+    )
+    assert (
+        settings_hw.min_quota_from_hardware(settings_hw.DEFAULT_SHAPE, no_overhead, training=True)
+        == 834
+    )
     h100 = settings_hw.hardware_preset("h100-hgx")
-    assert settings_hw.min_quota_from_hardware(settings_hw.DEFAULT_SHAPE, h100, training=True) == math.ceil(989e12 / (3 * 450e9) + 100)
+    assert settings_hw.min_quota_from_hardware(
+        settings_hw.DEFAULT_SHAPE, h100, training=True
+    ) == math.ceil(989e12 / (3 * 450e9) + 100)
     # A slow memory puts the replica's GEMM below the roofline's knee: it costs the weight read.
     slow_hbm = dataclasses.replace(paper, hbm_tbps=0.5)
     # Independent of the expert's size; equal to the search above on every hardware.
     for hw in (paper, no_overhead, h100, slow_hbm, dataclasses.replace(paper, scale_up_gbps=450)):
-        for shape in (settings_hw.DEFAULT_SHAPE, settings_hw.ExpertShape(7168, 2048), settings_hw.ExpertShape(1024, 512, gated=False)):
+        for shape in (
+            settings_hw.DEFAULT_SHAPE,
+            settings_hw.ExpertShape(7168, 2048),
+            settings_hw.ExpertShape(1024, 512, gated=False),
+        ):
             for training, k in ((True, 3), (False, 1)):
-                assert settings_hw.min_quota_from_hardware(shape, hw, training=training) == \
-                    smallest_paying_quota(shape, hw, k), (hw, shape, training)
+                assert settings_hw.min_quota_from_hardware(
+                    shape, hw, training=training
+                ) == smallest_paying_quota(shape, hw, k), (hw, shape, training)
     knee = paper.flops_per_s / slow_hbm.hbm_bytes_per_s  # tokens at which compute = weight read
     q = settings_hw.min_quota_from_hardware(settings_hw.DEFAULT_SHAPE, slow_hbm, training=True)
     assert q + slow_hbm.gemm_overhead_tokens < knee and q > 934
 
 
 def test_hardware_presets_and_domains():
-    assert settings_hw.hardware_preset("paper-rack") == dataclasses.replace(settings_hw.Hardware(), scale_up_domain=64)
+    assert settings_hw.hardware_preset("paper-rack") == dataclasses.replace(
+        settings_hw.Hardware(), scale_up_domain=64
+    )
     with pytest.raises(ValueError, match="--moe-balancer-hardware"):
         settings_hw.hardware_preset("tpu")
     h100 = settings_hw.hardware_preset("h100-hgx")
@@ -257,10 +313,24 @@ def test_slot_memory():
 
 
 def test_shape_from_meta():
-    shape, source = settings_hw.ExpertShape.from_meta({"hidden_size": 64, "moe_ffn_hidden_size": 32, "swiglu": False})
-    assert (shape.hidden_size, shape.ffn_hidden_size, shape.gated, source) == (64, 32, False, "trace meta")
-    shape, source = settings_hw.ExpertShape.from_meta({"hidden_size": 64, "ffn_hidden_size": 32}, hidden_size=128, grad_bytes=2)
-    assert (shape.hidden_size, shape.ffn_hidden_size, shape.gated, shape.grad_bytes) == (128, 32, True, 2)
+    shape, source = settings_hw.ExpertShape.from_meta(
+        {"hidden_size": 64, "moe_ffn_hidden_size": 32, "swiglu": False}
+    )
+    assert (shape.hidden_size, shape.ffn_hidden_size, shape.gated, source) == (
+        64,
+        32,
+        False,
+        "trace meta",
+    )
+    shape, source = settings_hw.ExpertShape.from_meta(
+        {"hidden_size": 64, "ffn_hidden_size": 32}, hidden_size=128, grad_bytes=2
+    )
+    assert (shape.hidden_size, shape.ffn_hidden_size, shape.gated, shape.grad_bytes) == (
+        128,
+        32,
+        True,
+        2,
+    )
     assert source == "flags and trace meta"
     shape, source = settings_hw.ExpertShape.from_meta({})
     assert shape == settings_hw.DEFAULT_SHAPE and source.startswith("default")

@@ -27,14 +27,23 @@ HARDWARE = settings_hw.Hardware(scale_up_domain=N)
 def synthetic():
     """Skewed loads of 8 ranks in NVLink domains of 4, replayed through ultraep without and with
     the domain constraint and the peers (DeepSeek global and hierarchical, LLEP)."""
-    loads = [zipf_load(R, E, imbalance, seed=seed) for seed, imbalance in enumerate((1.3, 1.8, 2.5, 3.5))]
+    loads = [
+        zipf_load(R, E, imbalance, seed=seed) for seed, imbalance in enumerate((1.3, 1.8, 2.5, 3.5))
+    ]
     records = [(0, 1, 0, layer, load) for layer, load in enumerate(loads, start=1)]
-    balancers = {"ultraep": BalancerConfig(registry.ULTRAEP, num_slots=S),
-                 "ultraep-domains": BalancerConfig(registry.ULTRAEP, num_slots=S, domain_size=N),
-                 "none": BalancerConfig(registry.NONE)}
-    peer_configs = [PeerConfig(DEEPSEEK_EPLB, num_slots=S), PeerConfig(DEEPSEEK_EPLB, num_slots=S, node_size=N),
-                    PeerConfig(LLEP)]
-    result = replay(records, balancers, peers=peer_configs, shape=SHAPE, hardware=HARDWARE, plan_seconds=0.0)
+    balancers = {
+        "ultraep": BalancerConfig(registry.ULTRAEP, num_slots=S),
+        "ultraep-domains": BalancerConfig(registry.ULTRAEP, num_slots=S, domain_size=N),
+        "none": BalancerConfig(registry.NONE),
+    }
+    peer_configs = [
+        PeerConfig(DEEPSEEK_EPLB, num_slots=S),
+        PeerConfig(DEEPSEEK_EPLB, num_slots=S, node_size=N),
+        PeerConfig(LLEP),
+    ]
+    result = replay(
+        records, balancers, peers=peer_configs, shape=SHAPE, hardware=HARDWARE, plan_seconds=0.0
+    )
     return loads, peer_configs, result
 
 
@@ -44,16 +53,27 @@ def test_peer_metrics_and_costs_are_those_of_their_placements(synthetic):
     assert result.labels == ["ultraep", "ultraep-domains", "none", *[p.label for p in peer_configs]]
     global_, hierarchical, llep = peer_configs
     for i, load in enumerate(loads):
-        for peer, outcome in ((global_, baselines.deepseek_eplb(load, S)),
-                              (hierarchical, baselines.deepseek_eplb(load, S, num_groups=R // N, num_nodes=R // N)),
-                              (llep, baselines.Placement.from_plan(baselines.llep(load)))):
+        for peer, outcome in (
+            (global_, baselines.deepseek_eplb(load, S)),
+            (hierarchical, baselines.deepseek_eplb(load, S, num_groups=R // N, num_nodes=R // N)),
+            (llep, baselines.Placement.from_plan(baselines.llep(load))),
+        ):
             expected = baselines.placement_metrics(load, outcome, domain_size=N)
             got = {k: v[i] for k, v in result.metrics[peer.label].items()}
-            for key in ("imbalance_after", "weight_copies", "main_moves", "cross_domain_copies", "max_fanout",
-                        "memory_spread_after", "inflight_ratio"):
+            for key in (
+                "imbalance_after",
+                "weight_copies",
+                "main_moves",
+                "cross_domain_copies",
+                "max_fanout",
+                "memory_spread_after",
+                "inflight_ratio",
+            ):
                 assert got[key] == pytest.approx(expected[key]), (peer.label, key)
-            total = cm.layer_cost(load, outcome, SHAPE, HARDWARE)["total"] - cm.layer_cost(
-                load, outcome, SHAPE, HARDWARE)["plan"]
+            total = (
+                cm.layer_cost(load, outcome, SHAPE, HARDWARE)["total"]
+                - cm.layer_cost(load, outcome, SHAPE, HARDWARE)["plan"]
+            )
             assert result.costs[peer.label]["total"][i] == pytest.approx(total), peer.label
         # DeepSeek re-places main experts; its hierarchical policy keeps every copy in the home domain.
         assert result.metrics[global_.label]["main_moves"][i] > 0
@@ -64,7 +84,9 @@ def test_peer_metrics_and_costs_are_those_of_their_placements(synthetic):
     assert result.metrics["ultraep"]["cross_domain_copies"].sum() > 0
     assert (result.costs["ultraep"]["xdom_bytes"] > 0).any()
     # A plan's weight copies are its replicas; mains never move.
-    assert np.array_equal(result.metrics["ultraep"]["weight_copies"], result.metrics["ultraep"]["replicas"])
+    assert np.array_equal(
+        result.metrics["ultraep"]["weight_copies"], result.metrics["ultraep"]["replicas"]
+    )
     assert not result.metrics["ultraep"]["main_moves"].any()
 
 
@@ -77,7 +99,9 @@ def test_peer_summary_means_the_records(synthetic):
         assert row["weight_copies_mean"] == pytest.approx(m["weight_copies"].mean())
         assert row["imbalance_max"] == m["imbalance_after"].max()
         assert row["memory_spread_after_max"] == m["memory_spread_after"].max()
-        assert row["xdom_mib_mean"] == pytest.approx(result.costs[label]["xdom_bytes"].mean() / 2**20)
+        assert row["xdom_mib_mean"] == pytest.approx(
+            result.costs[label]["xdom_bytes"].mean() / 2**20
+        )
     # UltraEP balances these loads tighter than LLEP with fewer copies than DeepSeek's EPLB.
     deepseek, llep = peer_configs[0].label, peer_configs[2].label
     assert table["ultraep"]["imbalance_mean"] < table[llep]["imbalance_mean"]

@@ -49,10 +49,17 @@ def expert_share(trace: traces.Trace, mask: np.ndarray) -> np.ndarray:
 
 def test_trace_reads_back_whole(trace):
     assert KJV_TRACE.stat().st_size < 1 << 20  # small enough to ship as test data
-    assert trace.status == "closed" and trace.truncated_bytes == 0 and trace.uncommitted_records == 0
+    assert (
+        trace.status == "closed" and trace.truncated_bytes == 0 and trace.uncommitted_records == 0
+    )
     assert (trace.header.num_ranks, trace.header.num_experts) == (R, E)
     meta = trace.header.meta
-    assert (meta["hidden_size"], meta["moe_ffn_hidden_size"], meta["topk"], meta["num_layers"]) == (64, 64, 2, 4)
+    assert (meta["hidden_size"], meta["moe_ffn_hidden_size"], meta["topk"], meta["num_layers"]) == (
+        64,
+        64,
+        2,
+        4,
+    )
     # Every (iteration, microbatch, layer) exactly once, in training order.
     keys = list(zip(trace.iteration.tolist(), trace.microbatch.tolist(), trace.layer.tolist()))
     assert sorted(keys) == [(i, m, l) for i in ITERATIONS for m in MICROBATCHES for l in LAYERS]
@@ -75,8 +82,13 @@ def test_router_load_shifts_over_training(trace):
         assert 0.5 * np.abs(early - late).sum() > 0.2, l
         # Within one tenth it is stable: the change above is drift, not sampling noise.
         for window in (first, last):
-            assert np.corrcoef(expert_share(trace, at & window & even),
-                               expert_share(trace, at & window & ~even))[0, 1] > 0.95, l
+            assert (
+                np.corrcoef(
+                    expert_share(trace, at & window & even),
+                    expert_share(trace, at & window & ~even),
+                )[0, 1]
+                > 0.95
+            ), l
 
 
 SPECS = {
@@ -96,7 +108,10 @@ def replayed() -> ReplayResult:
 
 def test_replay_runs_every_balancer(trace, replayed):
     load = trace.load.numpy()
-    assert replayed.num_records == len(load) and (replayed.num_ranks, replayed.num_experts) == (R, E)
+    assert replayed.num_records == len(load) and (replayed.num_ranks, replayed.num_experts) == (
+        R,
+        E,
+    )
     assert np.array_equal(replayed.keys["iteration"], trace.iteration.numpy())
     assert np.array_equal(replayed.keys["layer"], trace.layer.numpy())
     before = rank_imbalance(load)
@@ -107,7 +122,9 @@ def test_replay_runs_every_balancer(trace, replayed):
         np.testing.assert_allclose(metrics["imbalance_before"], before)
         rank_load = replayed.rank_load[label]  # [N, R] after balancing
         assert np.array_equal(rank_load.sum(axis=1), total), label  # every pair lands somewhere
-        np.testing.assert_allclose(metrics["imbalance_after"], rank_load.max(axis=1) / rank_load.mean(axis=1))
+        np.testing.assert_allclose(
+            metrics["imbalance_after"], rank_load.max(axis=1) / rank_load.mean(axis=1)
+        )
     np.testing.assert_array_equal(replayed.metrics["ideal"]["imbalance_after"], 1.0)
 
 

@@ -28,30 +28,50 @@ def rank_imbalance(load: torch.Tensor) -> float:
 
 def test_metrics_per_record_match_direct_computation():
     records = drifting_records(iterations=3)
-    specs = {"none": BalancerConfig("none"), "ultraep": BalancerConfig("ultraep", num_slots=1, min_quota=8),
-             "eplb-exact": BalancerConfig("eplb-exact", num_slots=1), "ideal": BalancerConfig("ideal")}
+    specs = {
+        "none": BalancerConfig("none"),
+        "ultraep": BalancerConfig("ultraep", num_slots=1, min_quota=8),
+        "eplb-exact": BalancerConfig("eplb-exact", num_slots=1),
+        "ideal": BalancerConfig("ideal"),
+    }
     result = rp.replay(records, specs)
     assert result.num_records == len(records) and result.costs is None
     for i, (_, it, mb, layer, load) in enumerate(records):
-        assert (result.keys["iteration"][i], result.keys["microbatch"][i], result.keys["layer"][i]) == (it, mb, layer)
+        assert (
+            result.keys["iteration"][i],
+            result.keys["microbatch"][i],
+            result.keys["layer"][i],
+        ) == (it, mb, layer)
         assert result.metrics["none"]["imbalance_after"][i] == pytest.approx(rank_imbalance(load))
         assert result.metrics["none"]["replicas"][i] == 0
-        local = sum(int(load[s, s * (E // R):(s + 1) * (E // R)].sum()) for s in range(R))
-        assert result.metrics["none"]["inflight_ratio"][i] == pytest.approx(1 - local / int(load.sum()))
+        local = sum(int(load[s, s * (E // R) : (s + 1) * (E // R)].sum()) for s in range(R))
+        assert result.metrics["none"]["inflight_ratio"][i] == pytest.approx(
+            1 - local / int(load.sum())
+        )
         direct = planner.metrics(load, planner.solve(load, 1, min_quota=8))
         for key in ("imbalance_after", "replicas", "max_fanout", "inflight_ratio", "threshold"):
             assert result.metrics["ultraep"][key][i] == pytest.approx(direct[key])
         exact = planner.metrics(load, baselines.eplb_exact(load, 1))
-        assert result.metrics["eplb-exact"]["imbalance_after"][i] == pytest.approx(exact["imbalance_after"])
+        assert result.metrics["eplb-exact"]["imbalance_after"][i] == pytest.approx(
+            exact["imbalance_after"]
+        )
         assert result.metrics["ideal"]["imbalance_after"][i] == 1.0
         assert result.metrics["ultraep"]["imbalance_after"][i] <= rank_imbalance(load) + 1e-12
         per_expert = load.numpy().sum(0)
         assert result.load["routed"][i] == per_expert.sum()
-        assert result.load["expert_imbalance"][i] == pytest.approx(per_expert.max() / per_expert.mean())
+        assert result.load["expert_imbalance"][i] == pytest.approx(
+            per_expert.max() / per_expert.mean()
+        )
     summary = metric_summary(result)
-    assert summary["none"]["imbalance_mean"] == pytest.approx(np.mean([rank_imbalance(r[4]) for r in records]))
+    assert summary["none"]["imbalance_mean"] == pytest.approx(
+        np.mean([rank_imbalance(r[4]) for r in records])
+    )
     assert summary["none"]["worse_than_none"] == 0.0
-    assert summary["ultraep"]["imbalance_mean"] < summary["eplb-exact"]["imbalance_mean"] < summary["none"]["imbalance_mean"]
+    assert (
+        summary["ultraep"]["imbalance_mean"]
+        < summary["eplb-exact"]["imbalance_mean"]
+        < summary["none"]["imbalance_mean"]
+    )
 
 
 def test_identity_plan_is_the_unbalanced_routing():
@@ -80,16 +100,23 @@ def test_eplb_history_bookkeeping(window, interval):
         placement = None
         for call, (i, load) in enumerate(zip(idx, loads)):
             if call % interval == 0:
-                history = loads[max(0, call - window):call] if call else [load]
+                history = loads[max(0, call - window) : call] if call else [load]
                 placement = baselines.eplb(torch.stack(history).sum(0), 2).slot_expert
             expected = planner.metrics(load, baselines.round_robin(load, placement))
-            assert result.metrics["eplb"]["imbalance_after"][i] == pytest.approx(expected["imbalance_after"])
-            assert result.metrics["eplb"]["inflight_ratio"][i] == pytest.approx(expected["inflight_ratio"])
+            assert result.metrics["eplb"]["imbalance_after"][i] == pytest.approx(
+                expected["imbalance_after"]
+            )
+            assert result.metrics["eplb"]["inflight_ratio"][i] == pytest.approx(
+                expected["inflight_ratio"]
+            )
 
 
 def test_stale_history_hurts_eplb_on_a_drifting_trace():
     records = drifting_records(iterations=24, microbatches=2, layers=2, drift=0.8, seed=4)
-    specs = {f"eplb/{i}": BalancerConfig("eplb", num_slots=1, eplb_window=i, eplb_interval=i) for i in (1, 16)}
+    specs = {
+        f"eplb/{i}": BalancerConfig("eplb", num_slots=1, eplb_window=i, eplb_interval=i)
+        for i in (1, 16)
+    }
     specs["eplb-exact"] = BalancerConfig("eplb-exact", num_slots=1)
     result = rp.replay(records, specs)
     stale = staleness_summary(result)
@@ -105,7 +132,9 @@ def test_eplb_keeps_history_per_ep_group(tmp_path):
     paths = []
     for g in range(2):
         path = traces.trace_path(tmp_path, g)
-        with traces.TraceWriter(path, num_ranks=R, num_experts=E, meta={"group": g}, fsync=False) as w:
+        with traces.TraceWriter(
+            path, num_ranks=R, num_experts=E, meta={"group": g}, fsync=False
+        ) as w:
             for _, it, mb, layer, load in records:
                 w.append(it, mb, layer, load)
                 if mb == 1:

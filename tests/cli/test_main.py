@@ -17,14 +17,28 @@ from ultraep_megatron.cli.common import EXIT_OK, EXIT_USAGE
 from ultraep_megatron.planner.balancer import DEFAULT_NUM_SLOTS
 
 REPO = Path(__file__).resolve().parents[2]
-SUBCOMMANDS = (["replay"], ["advise"], ["check-recipe"], ["resume-experiment"], ["trace"], ["trace", "info"],
-               ["trace", "convert"], ["trace", "merge"], ["trace", "synth"])
+SUBCOMMANDS = (
+    ["replay"],
+    ["advise"],
+    ["check-recipe"],
+    ["resume-experiment"],
+    ["trace"],
+    ["trace", "info"],
+    ["trace", "convert"],
+    ["trace", "merge"],
+    ["trace", "synth"],
+)
 
 
 def test_help_of_the_console_command_and_every_subcommand(capsys):
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
-    top = subprocess.run([sys.executable, "-m", "ultraep_megatron.cli", "--help"], env=env, capture_output=True,
-                         text=True, timeout=120)
+    top = subprocess.run(
+        [sys.executable, "-m", "ultraep_megatron.cli", "--help"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert top.returncode == 0, top.stderr
     for name in ("replay", "advise", "check-recipe", "resume-experiment", "trace", "exit status"):
         assert name in top.stdout
@@ -44,10 +58,18 @@ def test_help_of_the_console_command_and_every_subcommand(capsys):
 
 
 # A usage error of each (sub)command: what is missing or wrong.
-BAD_USAGE = {("replay",): [], ("advise",): ["T", "--slots", "x"], ("check-recipe",): ["--rack-size", "q"],
-             ("resume-experiment",): ["--iterations", "1"], ("trace",): [], ("trace", "info"): [],
-             ("trace", "convert"): ["DIR"], ("trace", "merge"): ["OUT"], ("trace", "synth"): ["s.uetrace", "--skew", "x"],
-             (): ["bogus"]}
+BAD_USAGE = {
+    ("replay",): [],
+    ("advise",): ["T", "--slots", "x"],
+    ("check-recipe",): ["--rack-size", "q"],
+    ("resume-experiment",): ["--iterations", "1"],
+    ("trace",): [],
+    ("trace", "info"): [],
+    ("trace", "convert"): ["DIR"],
+    ("trace", "merge"): ["OUT"],
+    ("trace", "synth"): ["s.uetrace", "--skew", "x"],
+    (): ["bogus"],
+}
 
 
 def test_usage_errors_are_one_line_naming_the_command_and_its_help(capsys):
@@ -55,7 +77,11 @@ def test_usage_errors_are_one_line_naming_the_command_and_its_help(capsys):
     with where the help is; exit status 2. Unknown arguments and arguments after -- are the
     subcommand's errors too."""
     assert {words for words in BAD_USAGE if words} == {tuple(words) for words in SUBCOMMANDS}
-    cases = [*BAD_USAGE.items(), (("replay",), ["T", "--bogus"]), (("trace", "info"), ["T", "--", "x"])]
+    cases = [
+        *BAD_USAGE.items(),
+        (("replay",), ["T", "--bogus"]),
+        (("trace", "info"), ["T", "--", "x"]),
+    ]
     for words, rest in cases:
         with pytest.raises(SystemExit) as exc:
             main([*words, *rest])
@@ -64,8 +90,12 @@ def test_usage_errors_are_one_line_naming_the_command_and_its_help(capsys):
         assert exc.value.code == EXIT_USAGE, words
         assert len(err.splitlines()) == 1 and err.startswith(f"{prog}: error: "), err
         assert err.rstrip().endswith(f"(see {prog} --help)"), err
-    assert "error: unrecognized arguments: --bogus (see" in err_of(["replay", "T", "--bogus"], capsys)
-    assert "error: takes no arguments after -- (see" in err_of(["trace", "info", "T", "--", "x"], capsys)
+    assert "error: unrecognized arguments: --bogus (see" in err_of(
+        ["replay", "T", "--bogus"], capsys
+    )
+    assert "error: takes no arguments after -- (see" in err_of(
+        ["trace", "info", "T", "--", "x"], capsys
+    )
 
 
 def err_of(argv, capsys) -> str:
@@ -80,12 +110,30 @@ def test_warnings_are_one_line_under_the_command(trace_dir, tmp_path, capsys):
     torn = tmp_path / "torn.uetrace"
     torn.write_bytes(traces.trace_path(trace_dir, 0).read_bytes()[:-45])
     with warnings.catch_warnings():
-        warnings.simplefilter("always")  # whatever PYTHONWARNINGS says (tools/run_tests.sh ignores UserWarning)
-        assert main(["replay", str(torn), "--balancers", "none", "--no-staleness", "--no-cost",
-                     "--no-progress"]) == EXIT_OK
+        warnings.simplefilter(
+            "always"
+        )  # whatever PYTHONWARNINGS says (tools/run_tests.sh ignores UserWarning)
+        assert (
+            main(
+                [
+                    "replay",
+                    str(torn),
+                    "--balancers",
+                    "none",
+                    "--no-staleness",
+                    "--no-cost",
+                    "--no-progress",
+                ]
+            )
+            == EXIT_OK
+        )
     err = capsys.readouterr().err
-    assert err.splitlines() == [line for line in err.splitlines() if line.startswith("ultraep replay: warning: ")]
-    assert len(err.splitlines()) == 1 and "torn.uetrace is truncated" in err and "Warning:" not in err
+    assert err.splitlines() == [
+        line for line in err.splitlines() if line.startswith("ultraep replay: warning: ")
+    ]
+    assert (
+        len(err.splitlines()) == 1 and "torn.uetrace is truncated" in err and "Warning:" not in err
+    )
 
 
 def test_exit_codes_on_truncated_foreign_and_bad_input(trace_dir, tmp_path, capsys):
@@ -94,8 +142,17 @@ def test_exit_codes_on_truncated_foreign_and_bad_input(trace_dir, tmp_path, caps
     torn.write_bytes(blob[:-45])
     with warnings.catch_warnings():
         warnings.simplefilter("always")
-        code = main(["replay", str(torn), "--balancers", "none,ultraep", "--no-staleness", "--no-cost",
-                     "--no-progress"])
+        code = main(
+            [
+                "replay",
+                str(torn),
+                "--balancers",
+                "none,ultraep",
+                "--no-staleness",
+                "--no-cost",
+                "--no-progress",
+            ]
+        )
     assert code == EXIT_OK
     printed = capsys.readouterr()
     assert "TRUNCATED tail of" in printed.out and "ultraep replay: warning: " in printed.err
@@ -113,7 +170,10 @@ def test_exit_codes_on_truncated_foreign_and_bad_input(trace_dir, tmp_path, caps
     with pytest.raises(SystemExit) as exc:
         main(["replay", str(trace_dir), "--balancers", "none,lplb"])
     assert exc.value.code == EXIT_USAGE and "unknown" in capsys.readouterr().err
-    assert main(["replay", str(trace_dir), "--moe-balancer-num-slots", "-1", "--no-progress"]) == EXIT_USAGE
+    assert (
+        main(["replay", str(trace_dir), "--moe-balancer-num-slots", "-1", "--no-progress"])
+        == EXIT_USAGE
+    )
     assert "--moe-balancer-num-slots must be >= 0" in capsys.readouterr().err
     assert main(["replay", str(trace_dir), "--num-experts", "8", "--no-progress"]) == EXIT_USAGE
     assert "--num-experts 8 contradicts the trace (16)" in capsys.readouterr().err

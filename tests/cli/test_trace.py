@@ -17,11 +17,30 @@ from ultraep_megatron.cli.common import EXIT_OK, EXIT_USAGE
 
 def test_trace_synth_info_and_merge(tmp_path, capsys):
     out = tmp_path / "s.uetrace"
-    assert main(["trace", "synth", str(out), "--num-iterations", "4", "--num-layers", "2", "--num-ranks", "2",
-                 "--num-experts", "4"]) == EXIT_OK
+    assert (
+        main(
+            [
+                "trace",
+                "synth",
+                str(out),
+                "--num-iterations",
+                "4",
+                "--num-layers",
+                "2",
+                "--num-ranks",
+                "2",
+                "--num-experts",
+                "4",
+            ]
+        )
+        == EXIT_OK
+    )
     assert main(["trace", "info", str(out)]) == EXIT_OK
     printed = capsys.readouterr().out
-    assert "R=2, E=4, status=closed" in printed and "16 loads in 4 iterations, layers [1, 2]" in printed
+    assert (
+        "R=2, E=4, status=closed" in printed
+        and "16 loads in 4 iterations, layers [1, 2]" in printed
+    )
     assert main(["trace", "info", str(out), "--json"]) == EXIT_OK
     info = json.loads(capsys.readouterr().out)["traces"][0]
     assert (info["loads"], info["iterations"], info["status"]) == (16, 4, "closed")
@@ -37,17 +56,56 @@ def test_trace_synth_info_and_merge(tmp_path, capsys):
                     writer.append(it, int(whole.microbatch[i]), int(whole.layer[i]), whole.load[i])
                 writer.flush_iteration(it)
         pieces.append(path.parent)
-    assert main(["trace", "merge", str(tmp_path / "merged"), str(pieces[1]), str(pieces[0]), "--no-progress"]) == EXIT_OK
+    assert (
+        main(
+            [
+                "trace",
+                "merge",
+                str(tmp_path / "merged"),
+                str(pieces[1]),
+                str(pieces[0]),
+                "--no-progress",
+            ]
+        )
+        == EXIT_OK
+    )
     merged = traces.read_trace(traces.trace_path(tmp_path / "merged", 0))
-    assert merged.iteration.tolist() == whole.iteration.tolist() and bool((merged.load == whole.load).all())
-    assert main(["trace", "merge", str(tmp_path / "again"), str(pieces[0]), str(pieces[0] / "ep_group_0000.uetrace"),
-                 "--no-progress"]) == EXIT_USAGE
+    assert merged.iteration.tolist() == whole.iteration.tolist() and bool(
+        (merged.load == whole.load).all()
+    )
+    assert (
+        main(
+            [
+                "trace",
+                "merge",
+                str(tmp_path / "again"),
+                str(pieces[0]),
+                str(pieces[0] / "ep_group_0000.uetrace"),
+                "--no-progress",
+            ]
+        )
+        == EXIT_USAGE
+    )
     assert "not after iteration" in capsys.readouterr().err
 
 
 def synth(path, *extra) -> int:
-    return main(["trace", "synth", str(path), "--num-iterations", "3", "--num-layers", "2", "--num-ranks", "2",
-                 "--num-experts", "4", *map(str, extra)])
+    return main(
+        [
+            "trace",
+            "synth",
+            str(path),
+            "--num-iterations",
+            "3",
+            "--num-layers",
+            "2",
+            "--num-ranks",
+            "2",
+            "--num-experts",
+            "4",
+            *map(str, extra),
+        ]
+    )
 
 
 def test_a_failed_merge_leaves_nothing_and_names_output_dir(tmp_path, capsys):
@@ -57,7 +115,9 @@ def test_a_failed_merge_leaves_nothing_and_names_output_dir(tmp_path, capsys):
     piece = tmp_path / "piece.uetrace"
     assert synth(piece) == EXIT_OK
     out = tmp_path / "new" / "merged"
-    assert main(["trace", "merge", str(out), str(tmp_path / "missing"), "--no-progress"]) == EXIT_USAGE
+    assert (
+        main(["trace", "merge", str(out), str(tmp_path / "missing"), "--no-progress"]) == EXIT_USAGE
+    )
     assert "trace path does not exist" in capsys.readouterr().err
     assert not (tmp_path / "new").exists()
     assert main(["trace", "merge", str(out), str(piece), str(piece), "--no-progress"]) == EXIT_USAGE
@@ -68,13 +128,20 @@ def test_a_failed_merge_leaves_nothing_and_names_output_dir(tmp_path, capsys):
     kept = tmp_path / "kept"
     kept.mkdir()
     (kept / "notes.txt").write_text("mine")
-    assert main(["trace", "merge", str(kept), str(piece), str(piece), "--no-progress"]) == EXIT_USAGE
+    assert (
+        main(["trace", "merge", str(kept), str(piece), str(piece), "--no-progress"]) == EXIT_USAGE
+    )
     capsys.readouterr()
     assert [p.name for p in kept.iterdir()] == ["notes.txt"]
     blocker = tmp_path / "a_file"
     blocker.write_text("")
-    assert main(["trace", "merge", str(blocker / "merged"), str(piece), "--no-progress"]) == EXIT_USAGE
-    assert capsys.readouterr().err.strip() == f"ultraep trace merge: error: OUTPUT_DIR {blocker / 'merged'}: Not a directory"
+    assert (
+        main(["trace", "merge", str(blocker / "merged"), str(piece), "--no-progress"]) == EXIT_USAGE
+    )
+    assert (
+        capsys.readouterr().err.strip()
+        == f"ultraep trace merge: error: OUTPUT_DIR {blocker / 'merged'}: Not a directory"
+    )
     assert main(["trace", "merge", str(out), str(piece), "--no-progress"]) == EXIT_OK
     err = capsys.readouterr().err
     assert f"created OUTPUT_DIR {out}" in err and "--output-dir" not in err
@@ -96,16 +163,21 @@ def test_synth_refuses_to_overwrite_and_out_of_range_values(tmp_path, capsys):
     assert out.read_bytes() != before
     capsys.readouterr()
     fresh = tmp_path / "fresh.uetrace"
-    for extra, flag in ((["--skew", "-3"], "--skew"), (["--drift", "-0.1"], "--drift"),
-                        (["--num-ranks", "0"], "--num-ranks"), (["--topk", "0"], "--topk")):
+    for extra, flag in (
+        (["--skew", "-3"], "--skew"),
+        (["--drift", "-0.1"], "--drift"),
+        (["--num-ranks", "0"], "--num-ranks"),
+        (["--topk", "0"], "--topk"),
+    ):
         with pytest.raises(SystemExit) as exc:
             synth(fresh, *extra)
         err = capsys.readouterr().err
         assert exc.value.code == EXIT_USAGE and len(err.splitlines()) == 1, err
         assert err.startswith(f"ultraep trace synth: error: argument {flag}: expected "), err
     assert synth(fresh, "--num-experts", "5") == EXIT_USAGE
-    assert capsys.readouterr().err == ("ultraep trace synth: error: --num-experts 5 must be a multiple of "
-                                       "--num-ranks 2\n")
+    assert capsys.readouterr().err == (
+        "ultraep trace synth: error: --num-experts 5 must be a multiple of --num-ranks 2\n"
+    )
     assert not fresh.exists()
 
 
@@ -123,12 +195,31 @@ def test_info_counts_a_truncated_trace_as_replay_does(tmp_path, capsys):
     assert "8 loads in 2 iterations, 4 uncommitted loads after the last commit" in out, out
     assert main(["trace", "info", str(torn), "--json"]) == EXIT_OK
     info = json.loads(capsys.readouterr().out)["traces"][0]
-    assert (info["loads"], info["iterations"], info["uncommitted"], info["status"]) == (8, 2, 4, "truncated")
+    assert (info["loads"], info["iterations"], info["uncommitted"], info["status"]) == (
+        8,
+        2,
+        4,
+        "truncated",
+    )
     assert info["layers"] == {"1": 4, "2": 4}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        assert main(["replay", str(torn), "--balancers", "none", "--no-staleness", "--no-cost", "--no-peers",
-                     "--json", "--no-progress"]) == EXIT_OK
+        assert (
+            main(
+                [
+                    "replay",
+                    str(torn),
+                    "--balancers",
+                    "none",
+                    "--no-staleness",
+                    "--no-cost",
+                    "--no-peers",
+                    "--json",
+                    "--no-progress",
+                ]
+            )
+            == EXIT_OK
+        )
     report = json.loads(capsys.readouterr().out)
     assert report["num_records"] == info["loads"]
     assert f"{info['loads']} loads in {info['iterations']} iterations" in report["inputs"][0]

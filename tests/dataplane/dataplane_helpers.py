@@ -34,6 +34,7 @@ from ultraep_megatron.traces.synthetic import zipf_topk_load
 
 # -- a local gloo world ----------------------------------------------------------------------------
 
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -100,17 +101,40 @@ def run_world(world_size: int, fn, *args, timeout_s: float = 150.0) -> list:
 
 # -- plans ----------------------------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=32)  # shared by tests that plan the same loads; callers must not modify
-def zipf_loads(num_ranks: int, num_experts: int, *, tokens_per_rank: int = 4096, top_k: int = 8,
-               exponent: float = 1.0, seed: int = 0) -> torch.Tensor:
+
+@functools.lru_cache(
+    maxsize=32
+)  # shared by tests that plan the same loads; callers must not modify
+def zipf_loads(
+    num_ranks: int,
+    num_experts: int,
+    *,
+    tokens_per_rank: int = 4096,
+    top_k: int = 8,
+    exponent: float = 1.0,
+    seed: int = 0,
+) -> torch.Tensor:
     """``traces.synthetic.zipf_topk_load``, cached."""
-    return zipf_topk_load(num_ranks, num_experts, tokens_per_rank=tokens_per_rank, top_k=top_k,
-                          exponent=exponent, seed=seed)
+    return zipf_topk_load(
+        num_ranks,
+        num_experts,
+        tokens_per_rank=tokens_per_rank,
+        top_k=top_k,
+        exponent=exponent,
+        seed=seed,
+    )
 
 
-def random_plan(num_ranks: int, num_experts: int, num_slots: int, *, seed: int,
-                hot_expert: int | tuple[int, ...] | None = None, empty_fraction: float = 0.2,
-                local_replica: bool = False) -> torch.Tensor:
+def random_plan(
+    num_ranks: int,
+    num_experts: int,
+    num_slots: int,
+    *,
+    seed: int,
+    hot_expert: int | tuple[int, ...] | None = None,
+    empty_fraction: float = 0.2,
+    local_replica: bool = False,
+) -> torch.Tensor:
     """A random valid ``slot_expert`` ``[R, num_slots]``.
 
     Each hot expert (one or a tuple) gets a replica on every rank except its home (fan-out R-1), in
@@ -119,7 +143,13 @@ def random_plan(num_ranks: int, num_experts: int, num_slots: int, *, seed: int,
     """
     gen = torch.Generator().manual_seed(seed)
     per_rank = num_experts // num_ranks
-    hot = () if hot_expert is None else (hot_expert,) if isinstance(hot_expert, int) else tuple(hot_expert)
+    hot = (
+        ()
+        if hot_expert is None
+        else (hot_expert,)
+        if isinstance(hot_expert, int)
+        else tuple(hot_expert)
+    )
     slot_expert = torch.full((num_ranks, num_slots), -1, dtype=torch.int64)
     for r in range(num_ranks):
         taken = set()
@@ -143,7 +173,10 @@ def random_plan(num_ranks: int, num_experts: int, num_slots: int, *, seed: int,
 
 # -- seeded expert tensors -------------------------------------------------------------------------
 
-SHAPES = [(6, 10), (10, 3)]  # like linear_fc1 [ffn*2, hidden] and linear_fc2 [hidden, ffn]; 90 elements
+SHAPES = [
+    (6, 10),
+    (10, 3),
+]  # like linear_fc1 [ffn*2, hidden] and linear_fc2 [hidden, ffn]; 90 elements
 NUMEL = 90
 SENTINEL = -777.0
 
@@ -186,8 +219,10 @@ def expected_grad(rank, slot_expert, num_experts, seed, local_index, integer) ->
 
 # -- reference runs of the transfers --------------------------------------------------------------
 
-def caller_thread_buffer(num_slots: int, weight_dtype=torch.float32, *, shapes=SHAPES,
-                         grad_dtype=torch.float32) -> ReplicaBuffer:
+
+def caller_thread_buffer(
+    num_slots: int, weight_dtype=torch.float32, *, shapes=SHAPES, grad_dtype=torch.float32
+) -> ReplicaBuffer:
     """A ReplicaBuffer whose transfers the caller's thread issues (``comm_stream`` ``None``: a relay's
     later rounds in ``wait()``), not a HostCommStream. Collective, like every buffer."""
     buffer = ReplicaBuffer(num_slots, shapes, weight_dtype, grad_dtype=grad_dtype)
@@ -195,7 +230,9 @@ def caller_thread_buffer(num_slots: int, weight_dtype=torch.float32, *, shapes=S
     return buffer
 
 
-def run_distribution(rank, slot_expert, num_experts, seed, sched, dtype=torch.float32, twice=False) -> list[str]:
+def run_distribution(
+    rank, slot_expert, num_experts, seed, sched, dtype=torch.float32, twice=False
+) -> list[str]:
     per_rank = num_experts // slot_expert.shape[0]
     main = [expert_weights(seed, rank * per_rank + i, dtype) for i in range(per_rank)]
     buffer = caller_thread_buffer(slot_expert.shape[1], dtype)
@@ -213,7 +250,10 @@ def run_distribution(rank, slot_expert, num_experts, seed, sched, dtype=torch.fl
         elif not torch.equal(replica[s], flat(expert_weights(seed, e, dtype))):
             failures.append(f"slot {s} (expert {e}) differs from its main expert")
     for i in range(per_rank):  # the sender's main weights are untouched
-        if not all(torch.equal(a, b) for a, b in zip(main[i], expert_weights(seed, rank * per_rank + i, dtype))):
+        if not all(
+            torch.equal(a, b)
+            for a, b in zip(main[i], expert_weights(seed, rank * per_rank + i, dtype))
+        ):
             failures.append(f"main expert {rank * per_rank + i} was modified")
     return failures
 
@@ -224,7 +264,9 @@ def reduced_grads(rank, slot_expert, num_experts, seed, sched, integer, main_dty
     mains = [main_grad(seed, rank * per_rank + i, integer, main_dtype) for i in range(per_rank)]
     buffer = caller_thread_buffer(slot_expert.shape[1])
     replica = buffer.replica_grads
-    replica.copy_(torch.stack([replica_grad(seed, rank, s, integer) for s in range(slot_expert.shape[1])]))
+    replica.copy_(
+        torch.stack([replica_grad(seed, rank, s, integer) for s in range(slot_expert.shape[1])])
+    )
     replica[slot_expert[rank] < 0] = float("nan")  # never read: it would poison a main gradient
     buffer.reduce_gradients(sched, mains)
     return mains, replica

@@ -15,7 +15,9 @@ from ultraep_megatron.dataplane.tags import _TAG_BITS
 
 def test_replica_buffer_allocates_both_buffers():
     buffer = ReplicaBuffer(3, [(6, 4), (4, 3)], torch.bfloat16)
-    assert buffer.replica_weights.shape == (3, 36) and buffer.replica_weights.dtype == torch.bfloat16
+    assert (
+        buffer.replica_weights.shape == (3, 36) and buffer.replica_weights.dtype == torch.bfloat16
+    )
     assert buffer.replica_grads.shape == (3, 36) and buffer.replica_grads.dtype == torch.float32
     assert bool((buffer.replica_grads == 0).all())
     assert [tuple(v.shape) for v in buffer.grad_views(2)] == [(6, 4), (4, 3)]
@@ -24,32 +26,51 @@ def test_replica_buffer_allocates_both_buffers():
     buffer.grad_views(2)[1].fill_(5.0)
     buffer.weight_views(0)[0].fill_(3.0)
     assert buffer.replica_grads[2].tolist() == [0.0] * 24 + [5.0] * 12
-    assert bool((buffer.replica_weights[0, :24] == 3).all()) and bool((buffer.replica_weights[1:] == 0).all())
+    assert bool((buffer.replica_weights[0, :24] == 3).all()) and bool(
+        (buffer.replica_weights[1:] == 0).all()
+    )
     with pytest.raises(ValueError, match="slots per rank"):
         buffer.schedule(torch.full((2, 2), -1, dtype=torch.int64), 4)
 
 
 def _same_schedule(a, b) -> bool:
     """Field by field: the edges, local copies and relays of two schedules."""
-    names = ("slot_expert", "edge_expert", "edge_src", "edge_src_slot", "edge_dst", "edge_dst_slot",
-             "edge_hop", "local_expert", "local_rank", "local_slot", "relayed_experts")
+    names = (
+        "slot_expert",
+        "edge_expert",
+        "edge_src",
+        "edge_src_slot",
+        "edge_dst",
+        "edge_dst_slot",
+        "edge_hop",
+        "local_expert",
+        "local_rank",
+        "local_slot",
+        "relayed_experts",
+    )
     return all(torch.equal(getattr(a, n), getattr(b, n)) for n in names) and (
-        (a.num_experts, a.expert_numel, a.chunk_numel) == (b.num_experts, b.expert_numel, b.chunk_numel))
+        (a.num_experts, a.expert_numel, a.chunk_numel)
+        == (b.num_experts, b.expert_numel, b.chunk_numel)
+    )
 
 
 def test_replica_buffer_reuses_the_schedule_of_a_recurring_placement():
-    buffer = ReplicaBuffer(2, [(6, 4), (4, 3)], torch.float32, chunk_numel=7, relay="always", relay_threshold=1)
+    buffer = ReplicaBuffer(
+        2, [(6, 4), (4, 3)], torch.float32, chunk_numel=7, relay="always", relay_threshold=1
+    )
     placement = torch.tensor([[-1, 5], [0, 6], [0, -1], [0, 1]])
     first = buffer.schedule(placement, 8)
     assert buffer.schedule(placement.clone(), 8) is first  # same contents, another tensor: reused
-    assert _same_schedule(first, build_schedule(placement, 8, 36, chunk_numel=7, relay="always",
-                                                relay_threshold=1))
+    assert _same_schedule(
+        first, build_schedule(placement, 8, 36, chunk_numel=7, relay="always", relay_threshold=1)
+    )
     # Keyed on the contents: a placement changed in place gets its own schedule.
     placement[1, 1] = 2
     changed = buffer.schedule(placement, 8)
     assert changed is not first and not _same_schedule(changed, first)
-    assert _same_schedule(changed, build_schedule(placement, 8, 36, chunk_numel=7, relay="always",
-                                                  relay_threshold=1))
+    assert _same_schedule(
+        changed, build_schedule(placement, 8, 36, chunk_numel=7, relay="always", relay_threshold=1)
+    )
     # Bounded: the least recently used placement is dropped (and rebuilt, equal, on its return).
     buffer._schedules.capacity = 3  # its ScheduleCache, bounded lower for the test
     kept = buffer.schedule(placement, 8)
@@ -76,8 +97,10 @@ def _numbered_transfers(rank, world_size):
 
     num_experts = 2 * world_size
     plan = random_plan(world_size, num_experts, 2, seed=7, hot_expert=1)
-    first, second = (ReplicaBuffer(2, SHAPES, torch.float32, chunk_numel=13, relay="always", relay_threshold=2)
-                     for _ in range(2))
+    first, second = (
+        ReplicaBuffer(2, SHAPES, torch.float32, chunk_numel=13, relay="always", relay_threshold=2)
+        for _ in range(2)
+    )
     sched = first.schedule(plan, num_experts)
     main = [expert_weights(7, rank * 2 + j) for j in range(2)]
     grads = [main_grad(7, rank * 2 + j, True) for j in range(2)]
@@ -107,8 +130,12 @@ def _numbered_transfers(rank, world_size):
             seen[name] = (sorted(set().union(*numbers)), done)
     finally:
         dist.batch_isend_irecv = original
-    arrived = all(torch.equal(buffer.replica_weights[s], flat(expert_weights(7, e)))
-                  for buffer in (first, second) for s, e in enumerate(plan[rank].tolist()) if e >= 0)
+    arrived = all(
+        torch.equal(buffer.replica_weights[s], flat(expert_weights(7, e)))
+        for buffer in (first, second)
+        for s, e in enumerate(plan[rank].tolist())
+        if e >= 0
+    )
     return seen, arrived
 
 

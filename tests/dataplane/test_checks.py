@@ -28,6 +28,10 @@ def _group_ranks_on_subgroups(rank, world_size):
 
 def test_group_rank_is_the_rank_in_the_group_and_not_kept_past_the_group():
     per_rank = run_world(4, _group_ranks_on_subgroups)
-    assert [seen for seen, _, _ in per_rank] == [{}, {"odd": (0, 2)}, {"upper": (0, 2)},
-                                                 {"upper": (1, 2), "odd": (1, 2)}]
+    assert [seen for seen, _, _ in per_rank] == [
+        {},
+        {"odd": (0, 2)},
+        {"upper": (0, 2)},
+        {"upper": (1, 2), "odd": (1, 2)},
+    ]
     assert [(cached, left) for _, cached, left in per_rank] == [(0, 0), (1, 0), (1, 0), (2, 0)]

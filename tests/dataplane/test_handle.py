@@ -42,7 +42,9 @@ def check_buffer_async(rank, world_size) -> list[str]:
     failures = []
     num_experts = 2 * world_size
     plan = random_plan(world_size, num_experts, 3, seed=23, hot_expert=0, local_replica=True)
-    buffer = ReplicaBuffer(3, SHAPES, torch.float32, chunk_numel=13, relay="always", relay_threshold=2)
+    buffer = ReplicaBuffer(
+        3, SHAPES, torch.float32, chunk_numel=13, relay="always", relay_threshold=2
+    )
     if not isinstance(buffer.comm_stream, HostCommStream):
         return ["ReplicaBuffer on the CPU has no HostCommStream"]
     sched = buffer.schedule(plan, num_experts)
@@ -56,22 +58,35 @@ def check_buffer_async(rank, world_size) -> list[str]:
         if e >= 0 and not torch.equal(buffer.replica_weights[s], synchronous[s]):
             failures.append(f"async ReplicaBuffer slot {s} != the synchronous distribution")
     hosted = sched.rank_transfers(rank).hosted_slots
-    grads = {s: [g.view(shape) for g, shape in zip(replica_grad(51, rank, s, False).split(
-        [torch.Size(x).numel() for x in SHAPES]), SHAPES)] for s in hosted}
+    grads = {
+        s: [
+            g.view(shape)
+            for g, shape in zip(
+                replica_grad(51, rank, s, False).split([torch.Size(x).numel() for x in SHAPES]),
+                SHAPES,
+            )
+        ]
+        for s in hosted
+    }
     written, _ = reduced_grads(rank, plan, num_experts, 51, sched, False)
     for fold_on_stream in (False, True):
         mains = [main_grad(51, rank * 2 + j, False) for j in range(2)]
         before = [flat(m).clone() for m in mains]
-        handle = buffer.reduce_gradients(sched, mains, async_op=True, hosted_grads=grads,
-                                         fold_on_stream=fold_on_stream)
+        handle = buffer.reduce_gradients(
+            sched, mains, async_op=True, hosted_grads=grads, fold_on_stream=fold_on_stream
+        )
         handle._issuing.result()  # the transfer is complete on the stream; the fold only if asked
         if not fold_on_stream and not all(torch.equal(flat(m), b) for m, b in zip(mains, before)):
             failures.append("fold_on_stream=False: the main grads were written before wait()")
-        if fold_on_stream and not all(torch.equal(flat(a), flat(b)) for a, b in zip(mains, written)):
+        if fold_on_stream and not all(
+            torch.equal(flat(a), flat(b)) for a, b in zip(mains, written)
+        ):
             failures.append("fold_on_stream=True: the main grads were not folded on the stream")
         handle.wait()
         if not all(torch.equal(flat(a), flat(b)) for a, b in zip(mains, written)):
-            failures.append(f"async ReplicaBuffer reduction (fold_on_stream={fold_on_stream}) differs")
+            failures.append(
+                f"async ReplicaBuffer reduction (fold_on_stream={fold_on_stream}) differs"
+            )
     bad = buffer.distribute_weights(sched, main[:1], async_op=True)  # one local expert short
     try:
         bad.wait()
@@ -79,17 +94,23 @@ def check_buffer_async(rank, world_size) -> list[str]:
     except ValueError:
         pass
     bad.wait()  # raised once: the handle is done
-    if hosted:  # a gradient on another device (meta) is refused at the call, before any communication
+    if (
+        hosted
+    ):  # a gradient on another device (meta) is refused at the call, before any communication
         odd = {s: [torch.empty(SHAPES[0], device="meta"), None] for s in hosted}
         try:
-            reference.reduce_gradients(sched, [main_grad(52, rank * 2 + j, False) for j in range(2)],
-                                       hosted_grads=odd)
+            reference.reduce_gradients(
+                sched, [main_grad(52, rank * 2 + j, False) for j in range(2)], hosted_grads=odd
+            )
             failures.append("hosted_grads on another device was accepted")
         except ValueError:
             pass
     buffer.distribute_weights(sched, main)  # still usable, tags in step on every rank
-    if not all(torch.equal(buffer.replica_weights[s], synchronous[s])
-               for s, e in enumerate(plan[rank].tolist()) if e >= 0):
+    if not all(
+        torch.equal(buffer.replica_weights[s], synchronous[s])
+        for s, e in enumerate(plan[rank].tolist())
+        if e >= 0
+    ):
         failures.append("ReplicaBuffer after a bad asynchronous call: replicas differ")
     return failures
 
@@ -109,20 +130,30 @@ def check_handles(rank, world_size, comm_stream=None) -> list[str]:
     direct = random_plan(world_size, num_experts, 3, seed=22, hot_expert=None, local_replica=True)
     empty = torch.full((world_size, 3), -1, dtype=torch.int64)
     scheds = {
-        "relayed": (relayed, build_schedule(relayed, num_experts, NUMEL, chunk_numel=13, relay="always",
-                                            relay_threshold=2)),
+        "relayed": (
+            relayed,
+            build_schedule(
+                relayed, num_experts, NUMEL, chunk_numel=13, relay="always", relay_threshold=2
+            ),
+        ),
         "direct": (direct, build_schedule(direct, num_experts, NUMEL, chunk_numel=13, relay="off")),
         "empty": (empty, build_schedule(empty, num_experts, NUMEL)),
     }
     if not scheds["relayed"][1].uses_relay:
         failures.append("the relayed plan built no relay tree")
-    main = {name: [expert_weights(30 + i, rank * 2 + j) for j in range(2)] for i, name in enumerate(scheds)}
+    main = {
+        name: [expert_weights(30 + i, rank * 2 + j) for j in range(2)]
+        for i, name in enumerate(scheds)
+    }
 
     # Distributions of three plans in flight together, waited in reverse order, other work between.
     replicas = {name: torch.full((3, NUMEL), SENTINEL) for name in scheds}
-    handles = {name: distribute_weights(sched, main[name], replicas[name], async_op=True,
-                                        comm_stream=comm_stream)
-               for name, (_, sched) in scheds.items()}
+    handles = {
+        name: distribute_weights(
+            sched, main[name], replicas[name], async_op=True, comm_stream=comm_stream
+        )
+        for name, (_, sched) in scheds.items()
+    }
     torch.randn(64, 64).matmul(torch.randn(64, 64)).sum()  # the caller's own work meanwhile
     for name in reversed(list(scheds)):
         handles[name].wait()
@@ -147,31 +178,60 @@ def check_handles(rank, world_size, comm_stream=None) -> list[str]:
             grads[plan[rank] < 0] = float("nan")  # never read
             mains.append(per_rank), replica.append(grads)
         before = [flat(m).clone() for m in mains[0]]
-        handle = reduce_gradients(sched, mains[0], replica[0], async_op=True, comm_stream=comm_stream,
-                                  start_after=handles[name])  # already done: start_after is a no-op
+        handle = reduce_gradients(
+            sched,
+            mains[0],
+            replica[0],
+            async_op=True,
+            comm_stream=comm_stream,
+            start_after=handles[name],
+        )  # already done: start_after is a no-op
         if not all(torch.equal(flat(m), b) for m, b in zip(mains[0], before)):
             failures.append(f"{name}: an asynchronous reduction wrote the main grads before wait()")
-        reduce_gradients(sched, mains[1], replica[1])  # synchronous, same inputs, in flight with the first
+        reduce_gradients(
+            sched, mains[1], replica[1]
+        )  # synchronous, same inputs, in flight with the first
         handle.wait()
         if not all(torch.equal(flat(a), flat(b)) for a, b in zip(mains[0], mains[1])):
-            failures.append(f"{name}: asynchronous reduction not bit-identical to the synchronous one")
-        if unhosted_slots_touched(rank, plan, replica[0]) or unhosted_slots_touched(rank, plan, replica[1]):
+            failures.append(
+                f"{name}: asynchronous reduction not bit-identical to the synchronous one"
+            )
+        if unhosted_slots_touched(rank, plan, replica[0]) or unhosted_slots_touched(
+            rank, plan, replica[1]
+        ):
             failures.append(f"{name}: a reduction wrote a slot that hosts no replica here")
     # start_after orders a transfer after another one (which is then complete).
-    first = distribute_weights(scheds["relayed"][1], main["relayed"], torch.zeros(3, NUMEL), async_op=True,
-                               comm_stream=comm_stream)
-    second = reduce_gradients(scheds["relayed"][1], [main_grad(41, rank * 2 + j, True) for j in range(2)],
-                              torch.zeros(3, NUMEL), async_op=True, start_after=first, comm_stream=comm_stream)
+    first = distribute_weights(
+        scheds["relayed"][1],
+        main["relayed"],
+        torch.zeros(3, NUMEL),
+        async_op=True,
+        comm_stream=comm_stream,
+    )
+    second = reduce_gradients(
+        scheds["relayed"][1],
+        [main_grad(41, rank * 2 + j, True) for j in range(2)],
+        torch.zeros(3, NUMEL),
+        async_op=True,
+        start_after=first,
+        comm_stream=comm_stream,
+    )
     if not first.done():
         failures.append("start_after did not complete the earlier transfer first")
     second.wait()
     # Bad inputs raise before any communication, also asynchronously; the group stays usable.
     sched = scheds["relayed"][1]
     for what, call in {
-        "slots": lambda: distribute_weights(sched, main["relayed"], torch.zeros(2, NUMEL), async_op=True,
-                                            comm_stream=comm_stream),
-        "experts": lambda: reduce_gradients(sched, main["relayed"][:1], torch.zeros(3, NUMEL), async_op=True,
-                                            comm_stream=comm_stream),
+        "slots": lambda: distribute_weights(
+            sched, main["relayed"], torch.zeros(2, NUMEL), async_op=True, comm_stream=comm_stream
+        ),
+        "experts": lambda: reduce_gradients(
+            sched,
+            main["relayed"][:1],
+            torch.zeros(3, NUMEL),
+            async_op=True,
+            comm_stream=comm_stream,
+        ),
     }.items():
         try:
             call()

@@ -14,8 +14,10 @@ from ultraep_megatron.dataplane import HostCommStream
 def test_host_comm_stream_runs_in_order_reports_errors_and_ends_with_its_owner():
     stream = HostCommStream()
     order = []
-    futures = [stream.submit(lambda i=i: (time.sleep(0.01 * (3 - i)), order.append(i), i * i)[-1])
-               for i in range(3)]
+    futures = [
+        stream.submit(lambda i=i: (time.sleep(0.01 * (3 - i)), order.append(i), i * i)[-1])
+        for i in range(3)
+    ]
     failed = stream.submit(lambda: 1 / 0)
     assert [f.result(timeout=10) for f in futures] == [0, 1, 4]  # each task's own result
     assert order == [0, 1, 2]  # in order, whatever each takes

@@ -9,11 +9,15 @@ from ultraep_megatron.dataplane import expert_views, pack_experts
 
 
 def test_pack_concatenates_each_expert_in_order_and_casts():
-    experts = [[torch.arange(6.0).view(2, 3) + 10 * i, torch.arange(4.0).view(4, 1) - i] for i in range(3)]
+    experts = [
+        [torch.arange(6.0).view(2, 3) + 10 * i, torch.arange(4.0).view(4, 1) - i] for i in range(3)
+    ]
     packed = pack_experts(experts, torch.float64)
     assert packed.shape == (3, 10) and packed.dtype == torch.float64
     for i in range(3):
-        assert packed[i].tolist() == [float(x + 10 * i) for x in range(6)] + [float(x - i) for x in range(4)]
+        assert packed[i].tolist() == [float(x + 10 * i) for x in range(6)] + [
+            float(x - i) for x in range(4)
+        ]
 
 
 def test_pack_of_parameters_does_not_track_autograd():

@@ -27,16 +27,33 @@ def _direct_send_volume(slot_expert: torch.Tensor, num_experts: int) -> torch.Te
 def _check_tree_structure(sched, slot_expert: torch.Tensor, num_experts: int) -> None:
     """Every occupied slot is fed exactly once, along a valid path from the expert's home."""
     per_rank = num_experts // slot_expert.shape[0]
-    occupied = {(r, s, e) for r, row in enumerate(slot_expert.tolist()) for s, e in enumerate(row) if e >= 0}
+    occupied = {
+        (r, s, e) for r, row in enumerate(slot_expert.tolist()) for s, e in enumerate(row) if e >= 0
+    }
     remote = {(r, s, e) for r, s, e in occupied if e // per_rank != r}
     local = occupied - remote
-    fed = list(zip(sched.edge_dst.tolist(), sched.edge_dst_slot.tolist(), sched.edge_expert.tolist()))
+    fed = list(
+        zip(sched.edge_dst.tolist(), sched.edge_dst_slot.tolist(), sched.edge_expert.tolist())
+    )
     assert len(fed) == len(set(fed)) and set(fed) == remote
-    assert set(zip(sched.local_rank.tolist(), sched.local_slot.tolist(), sched.local_expert.tolist())) == local
-    hop1_dst = {(d, e) for d, e, h in zip(sched.edge_dst.tolist(), sched.edge_expert.tolist(), sched.edge_hop.tolist()) if h == 1}
+    assert (
+        set(zip(sched.local_rank.tolist(), sched.local_slot.tolist(), sched.local_expert.tolist()))
+        == local
+    )
+    hop1_dst = {
+        (d, e)
+        for d, e, h in zip(
+            sched.edge_dst.tolist(), sched.edge_expert.tolist(), sched.edge_hop.tolist()
+        )
+        if h == 1
+    }
     relayed = set(sched.relayed_experts.tolist())
-    for e, h, src, src_slot in zip(sched.edge_expert.tolist(), sched.edge_hop.tolist(), sched.edge_src.tolist(),
-                                   sched.edge_src_slot.tolist()):
+    for e, h, src, src_slot in zip(
+        sched.edge_expert.tolist(),
+        sched.edge_hop.tolist(),
+        sched.edge_src.tolist(),
+        sched.edge_src_slot.tolist(),
+    ):
         if h == 1:
             assert src == e // per_rank and src_slot == -1
         else:
@@ -47,7 +64,14 @@ def _check_tree_structure(sched, slot_expert: torch.Tensor, num_experts: int) ->
         n = sum(1 for _, _, x in remote if x == e)
         frontier = int(((sched.edge_expert == e) & (sched.edge_hop == 1)).sum())
         assert frontier == max(1, math.floor(math.sqrt(n) + 0.5)) and frontier < n
-    keys = list(zip(sched.edge_expert.tolist(), sched.edge_hop.tolist(), sched.edge_src.tolist(), sched.edge_dst.tolist()))
+    keys = list(
+        zip(
+            sched.edge_expert.tolist(),
+            sched.edge_hop.tolist(),
+            sched.edge_src.tolist(),
+            sched.edge_dst.tolist(),
+        )
+    )
     assert keys == sorted(keys)
     for rank in range(slot_expert.shape[0]):  # each rank's copies of its own experts, from the plan
         expected = tuple(sorted((e, s) for r, s, e in local if r == rank))
@@ -73,11 +97,14 @@ def test_bad_plans_are_rejected(slot_expert, num_experts, message):
         build_schedule(slot_expert, num_experts, 10)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(chunk_numel=0), "chunk_numel"),
-    (dict(relay="sometimes"), "relay must be"),
-    (dict(relay_threshold=0), "relay_threshold"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(chunk_numel=0), "chunk_numel"),
+        (dict(relay="sometimes"), "relay must be"),
+        (dict(relay_threshold=0), "relay_threshold"),
+    ],
+)
 def test_bad_options_are_rejected(kwargs, message):
     with pytest.raises(ValueError, match=message):
         build_schedule(torch.tensor([[2, -1], [0, -1]]), 4, 10, **kwargs)
@@ -102,7 +129,12 @@ def test_fig10_fan_out_builds_sqrt_frontier():
     # All hosts start with zero send volume, so ties go to the lowest ranks: relays 1, 2, 3.
     hop1 = sorted(relayed.edge_dst[relayed.edge_hop == 1].tolist())
     assert hop1 == [1, 2, 3]
-    parent = dict(zip(relayed.edge_dst[relayed.edge_hop == 2].tolist(), relayed.edge_src[relayed.edge_hop == 2].tolist()))
+    parent = dict(
+        zip(
+            relayed.edge_dst[relayed.edge_hop == 2].tolist(),
+            relayed.edge_src[relayed.edge_hop == 2].tolist(),
+        )
+    )
     # Each leaf (ascending) goes to the relay least loaded after taking it: round-robin here.
     assert parent == {4: 1, 5: 2, 6: 3, 7: 1, 8: 2, 9: 3}
     assert relayed.send_volume().tolist() == [300, 200, 200, 200] + [0] * 6
@@ -146,7 +178,9 @@ def test_adaptive_keeps_relay_off_when_it_cannot_lower_the_max():
     # A tie: rank 1 sends 4 as well. Relaying expert 0 lowers rank 0, but rank 1 keeps the max at 4.
     slot_expert[3, 2] = -1
     assert _direct_send_volume(slot_expert, num_experts).tolist()[:2] == [4, 4]
-    assert not build_schedule(slot_expert, num_experts, 10, relay="adaptive", relay_threshold=3).uses_relay
+    assert not build_schedule(
+        slot_expert, num_experts, 10, relay="adaptive", relay_threshold=3
+    ).uses_relay
     # Expert 2 (rank 1) gets a 4th replica, so rank 1 sends 5 and both homes can be relieved.
     slot_expert[5, 1] = 2
     adaptive = build_schedule(slot_expert, num_experts, 10, relay="adaptive", relay_threshold=3)
@@ -158,14 +192,25 @@ def test_adaptive_keeps_relay_off_when_it_cannot_lower_the_max():
 def test_random_plans_have_valid_trees(seed):
     num_ranks = [4, 8, 16][seed % 3]
     num_experts = num_ranks * (1 + seed % 2)
-    slot_expert = random_plan(num_ranks, num_experts, 3, seed=seed, hot_expert=seed % num_experts,
-                              local_replica=seed % 4 == 0)
+    slot_expert = random_plan(
+        num_ranks,
+        num_experts,
+        3,
+        seed=seed,
+        hot_expert=seed % num_experts,
+        local_replica=seed % 4 == 0,
+    )
     for relay in ("off", "adaptive", "always"):
-        sched = build_schedule(slot_expert, num_experts, 50, chunk_numel=7, relay=relay, relay_threshold=2)
+        sched = build_schedule(
+            slot_expert, num_experts, 50, chunk_numel=7, relay=relay, relay_threshold=2
+        )
         _check_tree_structure(sched, slot_expert, num_experts)
         assert (relay != "off") or not sched.uses_relay
         if relay == "adaptive":
-            assert sched.send_volume().max() <= _direct_send_volume(slot_expert, num_experts).max() * 50
+            assert (
+                sched.send_volume().max()
+                <= _direct_send_volume(slot_expert, num_experts).max() * 50
+            )
     always = build_schedule(slot_expert, num_experts, 50, relay="always", relay_threshold=2)
     assert always.uses_relay  # the hot expert has R-1 >= 3 remote replicas
 
@@ -177,13 +222,20 @@ def _check_rank_transfers(sched, slot_expert: torch.Tensor, num_experts: int) ->
     for rank, row in enumerate(slot_expert.tolist()):
         mine = sched.rank_transfers(rank)
         assert mine.hosted_slots == tuple(s for s, e in enumerate(row) if e >= 0)
-        replicated = sorted({e for e in slot_expert.flatten().tolist() if e >= 0 and e // per_rank == rank})
+        replicated = sorted(
+            {e for e in slot_expert.flatten().tolist() if e >= 0 and e // per_rank == rank}
+        )
         assert list(mine.replicated_experts) == replicated
-        first_hops = [i for i, (src, hop) in enumerate(zip(sched.edge_src.tolist(), sched.edge_hop.tolist()))
-                      if src == rank and hop == 1]
+        first_hops = [
+            i
+            for i, (src, hop) in enumerate(zip(sched.edge_src.tolist(), sched.edge_hop.tolist()))
+            if src == rank and hop == 1
+        ]
         assert [edge.index for edge in mine.children] == first_hops
         assert sorted(mine.staging_row.values()) == list(range(len(first_hops)))
-        assert mine.edges == tuple(sched.rank_edges(rank)) and mine.local_copies == sched.local_copies(rank)
+        assert mine.edges == tuple(
+            sched.rank_edges(rank)
+        ) and mine.local_copies == sched.local_copies(rank)
         assert sched.rank_transfers(rank) is mine  # derived once per rank
 
 
@@ -191,11 +243,22 @@ def _check_rank_transfers(sched, slot_expert: torch.Tensor, num_experts: int) ->
 def test_rank_transfers_follow_the_plan(seed):
     num_ranks = [4, 8][seed % 2]
     num_experts = num_ranks * (1 + seed % 3)
-    slot_expert = random_plan(num_ranks, num_experts, 3, seed=seed, hot_expert=seed % num_experts,
-                              local_replica=seed % 2 == 0)
+    slot_expert = random_plan(
+        num_ranks,
+        num_experts,
+        3,
+        seed=seed,
+        hot_expert=seed % num_experts,
+        local_replica=seed % 2 == 0,
+    )
     for relay in ("off", "always"):
-        _check_rank_transfers(build_schedule(slot_expert, num_experts, 50, chunk_numel=7, relay=relay,
-                                             relay_threshold=2), slot_expert, num_experts)
+        _check_rank_transfers(
+            build_schedule(
+                slot_expert, num_experts, 50, chunk_numel=7, relay=relay, relay_threshold=2
+            ),
+            slot_expert,
+            num_experts,
+        )
 
 
 def _plan_with(source: str, loads: torch.Tensor, num_slots: int) -> torch.Tensor:
@@ -222,7 +285,9 @@ def test_relay_never_raises_max_send_volume_on_skewed_loads(source):
         for num_experts in (128, 160, 256):
             if num_experts % num_ranks:
                 continue
-            loads = zipf_loads(num_ranks, num_experts, exponent=1.2, seed=num_ranks * 1000 + num_experts)
+            loads = zipf_loads(
+                num_ranks, num_experts, exponent=1.2, seed=num_ranks * 1000 + num_experts
+            )
             for num_slots in (1, 2, 4):
                 slot_expert = _plan_with(source, loads, num_slots)
                 direct_max = int(_direct_send_volume(slot_expert, num_experts).max())
@@ -234,7 +299,9 @@ def test_relay_never_raises_max_send_volume_on_skewed_loads(source):
                 # Adaptive: every tree is needed, i.e. sending its leaves from the home would exceed the max.
                 for e in sched.relayed_experts.tolist():
                     leaves = int(((sched.edge_expert == e) & (sched.edge_hop == 2)).sum())
-                    assert int(volume[e // (num_experts // num_ranks)]) + leaves * 1000 > int(volume.max())
+                    assert int(volume[e // (num_experts // num_ranks)]) + leaves * 1000 > int(
+                        volume.max()
+                    )
                 configs += 1
                 improved += int(volume.max()) < direct_max * 1000
     assert configs == 18  # (R, E) pairs with E divisible by R: 6, times 3 slot counts
@@ -259,7 +326,9 @@ def test_relay_trees_of_domain_constrained_plans_stay_inside_domains(relay):
             assert torch.equal(sched.edge_src // N, sched.edge_dst // N), (R, N, S)
             inside_edges += sched.num_edges
             relayed += int(sched.relayed_experts.numel())
-            free = build_schedule(solve(loads, S, min_quota=1).slot_expert, E, 100, relay=relay, relay_threshold=2)
+            free = build_schedule(
+                solve(loads, S, min_quota=1).slot_expert, E, 100, relay=relay, relay_threshold=2
+            )
             crossing_without_domains += int((free.edge_src // N != free.edge_dst // N).sum())
     assert inside_edges > 0 and crossing_without_domains > 0
     assert (relayed > 0) == (relay != "off"), "relay trees must really be built inside the domains"

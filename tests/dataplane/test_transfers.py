@@ -47,13 +47,17 @@ def run_reduction(rank, slot_expert, num_experts, seed, sched) -> list[str]:
     per_rank = num_experts // slot_expert.shape[0]
     # Integer-valued gradients: every order of additions is exact, so the sum must match bitwise.
     for main_dtype in (torch.float32, torch.bfloat16):
-        mains, replica = reduced_grads(rank, slot_expert, num_experts, seed, sched, True, main_dtype)
+        mains, replica = reduced_grads(
+            rank, slot_expert, num_experts, seed, sched, True, main_dtype
+        )
         if unhosted_slots_touched(rank, slot_expert, replica):
             failures.append("the reduction wrote a slot that hosts no replica here")
         for i in range(per_rank):
             want = expected_grad(rank, slot_expert, num_experts, seed, i, True).to(main_dtype)
             if not torch.equal(flat(mains[i]), want):
-                failures.append(f"{main_dtype} main grad of local expert {i} != main + sum of replicas")
+                failures.append(
+                    f"{main_dtype} main grad of local expert {i} != main + sum of replicas"
+                )
     # Random gradients: close to the fp64 sum, and bit-identical across two runs.
     first, _ = reduced_grads(rank, slot_expert, num_experts, seed + 1, sched, False)
     second, _ = reduced_grads(rank, slot_expert, num_experts, seed + 1, sched, False)
@@ -73,14 +77,42 @@ def plan_cases(world_size: int) -> list[dict]:
     cases = []
     # Two hot experts on different homes: ranks are relays of one tree and leaves of the other.
     two_hot = (1, num_experts - 2)
-    for seed, (hot, local) in enumerate([(1, False), (world_size + 1, True), (None, False), (two_hot, False)]):
-        plan = random_plan(world_size, num_experts, slots, seed=seed, hot_expert=hot, local_replica=local)
-        for relay, chunk in [("off", 13), ("always", 13), ("adaptive", 13), ("always", 1000), ("off", 30)]:
+    for seed, (hot, local) in enumerate(
+        [(1, False), (world_size + 1, True), (None, False), (two_hot, False)]
+    ):
+        plan = random_plan(
+            world_size, num_experts, slots, seed=seed, hot_expert=hot, local_replica=local
+        )
+        for relay, chunk in [
+            ("off", 13),
+            ("always", 13),
+            ("adaptive", 13),
+            ("always", 1000),
+            ("off", 30),
+        ]:
             threshold = 2 if world_size == 4 else 3
-            cases.append(dict(name=f"plan{seed}-{relay}-chunk{chunk}", plan=plan, seed=seed, relay=relay,
-                              chunk=chunk, threshold=threshold, hot=hot is not None))
-    cases.append(dict(name="empty-plan", plan=torch.full((world_size, slots), -1, dtype=torch.int64), seed=9,
-                      relay="adaptive", chunk=13, threshold=2, hot=False))
+            cases.append(
+                dict(
+                    name=f"plan{seed}-{relay}-chunk{chunk}",
+                    plan=plan,
+                    seed=seed,
+                    relay=relay,
+                    chunk=chunk,
+                    threshold=threshold,
+                    hot=hot is not None,
+                )
+            )
+    cases.append(
+        dict(
+            name="empty-plan",
+            plan=torch.full((world_size, slots), -1, dtype=torch.int64),
+            seed=9,
+            relay="adaptive",
+            chunk=13,
+            threshold=2,
+            hot=False,
+        )
+    )
     return cases
 
 
@@ -88,12 +120,19 @@ def check_bad_inputs(rank, world_size) -> list[str]:
     """Each bad call must raise ValueError on every rank before communicating."""
     num_experts = 2 * world_size
     plan = random_plan(world_size, num_experts, 2, seed=5, hot_expert=0)
-    sched = build_schedule(plan, num_experts, NUMEL, chunk_numel=13, relay="always", relay_threshold=2)
+    sched = build_schedule(
+        plan, num_experts, NUMEL, chunk_numel=13, relay="always", relay_threshold=2
+    )
     main = [expert_weights(5, rank * 2 + i) for i in range(2)]
     good = caller_thread_buffer(2)
-    wrong_world = build_schedule(torch.full((world_size // 2, 2), -1, dtype=torch.int64), world_size, NUMEL)
+    wrong_world = build_schedule(
+        torch.full((world_size // 2, 2), -1, dtype=torch.int64), world_size, NUMEL
+    )
     slots, numel = caller_thread_buffer(3), caller_thread_buffer(2, shapes=[(NUMEL + 1,)])
-    bf16, int32 = caller_thread_buffer(2, torch.bfloat16), caller_thread_buffer(2, grad_dtype=torch.int32)
+    bf16, int32 = (
+        caller_thread_buffer(2, torch.bfloat16),
+        caller_thread_buffer(2, grad_dtype=torch.int32),
+    )
     bad_calls = {
         "slots": lambda: slots.distribute_weights(sched, main),
         "numel": lambda: numel.distribute_weights(sched, main),
@@ -104,8 +143,9 @@ def check_bad_inputs(rank, world_size) -> list[str]:
         "grad-int": lambda: int32.reduce_gradients(sched, main),
         "grad-none": lambda: good.reduce_gradients(sched, [main[0], [None, None]]),
         # A buffer's own replica_weights are contiguous: the transfer itself checks any destination.
-        "noncontig": lambda: distribute.distribute_weights(sched, main, torch.zeros(NUMEL, 2).t(), group=None,
-                                                 tags=TagSequence()),
+        "noncontig": lambda: distribute.distribute_weights(
+            sched, main, torch.zeros(NUMEL, 2).t(), group=None, tags=TagSequence()
+        ),
     }
     failures = []
     for name, call in bad_calls.items():
@@ -124,21 +164,29 @@ def check_replica_buffer(rank, world_size) -> list[str]:
     hidden, ffn = 4, 3
     shapes = [(2 * ffn, hidden), (hidden, ffn)]
     num_experts = 2 * world_size
-    plan = random_plan(world_size, num_experts, 2, seed=11, hot_expert=num_experts - 1, local_replica=True)
-    buffer = ReplicaBuffer(2, shapes, torch.bfloat16, chunk_numel=5, relay="always", relay_threshold=2)
+    plan = random_plan(
+        world_size, num_experts, 2, seed=11, hot_expert=num_experts - 1, local_replica=True
+    )
+    buffer = ReplicaBuffer(
+        2, shapes, torch.bfloat16, chunk_numel=5, relay="always", relay_threshold=2
+    )
     sched = buffer.schedule(plan, num_experts)
 
     def weights(e):
         gen = torch.Generator().manual_seed(900 + e)
         return [torch.randn(s, generator=gen).bfloat16() for s in shapes]
 
-    main = [[torch.nn.Parameter(w) for w in weights(rank * 2 + i)] for i in range(2)]  # requires grad
+    main = [
+        [torch.nn.Parameter(w) for w in weights(rank * 2 + i)] for i in range(2)
+    ]  # requires grad
     buffer.distribute_weights(sched, main)
     failures = []
     if buffer.replica_weights.requires_grad:
         failures.append("replica_weights started tracking autograd")
     for s, e in enumerate(plan[rank].tolist()):
-        if e >= 0 and not all(torch.equal(v, w) for v, w in zip(buffer.weight_views(s), weights(e))):
+        if e >= 0 and not all(
+            torch.equal(v, w) for v, w in zip(buffer.weight_views(s), weights(e))
+        ):
             failures.append(f"ReplicaBuffer slot {s} != expert {e}")
     # Main grads: views into one flat fp32 bucket, as Megatron DDP's param.main_grad.
     bucket = torch.zeros(2 * 2 * ffn * hidden * 2)
@@ -152,7 +200,9 @@ def check_replica_buffer(rank, world_size) -> list[str]:
         views.append(expert)
     bucket.fill_(float(rank))
     for s, e in enumerate(plan[rank].tolist()):
-        for v in buffer.grad_views(s):  # the caller writes each hosted slot; the others are never read
+        for v in buffer.grad_views(
+            s
+        ):  # the caller writes each hosted slot; the others are never read
             v.fill_(1.0 if e >= 0 else float("nan"))
     buffer.reduce_gradients(sched, views)
     for i in range(2):
@@ -178,16 +228,33 @@ def run_hosted_reduction(rank, slot_expert, num_experts, seed, sched) -> list[st
     for on_host_stream in (False, True):
         for fold_on_stream in (False, True):
             where = f"comm_stream={'HostCommStream' if on_host_stream else None}, fold_on_stream={fold_on_stream}"
-            buffer = ReplicaBuffer(num_slots, SHAPES, torch.float32) if on_host_stream else caller_thread_buffer(num_slots)
+            buffer = (
+                ReplicaBuffer(num_slots, SHAPES, torch.float32)
+                if on_host_stream
+                else caller_thread_buffer(num_slots)
+            )
             mains = [main_grad(seed, rank * per_rank + i, False) for i in range(per_rank)]
             replica = buffer.replica_grads.fill_(float("nan"))  # written by the transfer alone
-            grads = {s: [g.view(shape) for g, shape in zip(replica_grad(seed, rank, s, False).split(
-                [torch.Size(x).numel() for x in SHAPES]), SHAPES)] for s in hosted}
-            handle = buffer.reduce_gradients(sched, mains, async_op=True, hosted_grads=grads,
-                                             fold_on_stream=fold_on_stream)
+            grads = {
+                s: [
+                    g.view(shape)
+                    for g, shape in zip(
+                        replica_grad(seed, rank, s, False).split(
+                            [torch.Size(x).numel() for x in SHAPES]
+                        ),
+                        SHAPES,
+                    )
+                ]
+                for s in hosted
+            }
+            handle = buffer.reduce_gradients(
+                sched, mains, async_op=True, hosted_grads=grads, fold_on_stream=fold_on_stream
+            )
             handle.wait()
             if not all(torch.equal(flat(a), flat(b)) for a, b in zip(mains, written)):
-                failures.append(f"{where}: hosted_grads reduced differently from caller-written slots")
+                failures.append(
+                    f"{where}: hosted_grads reduced differently from caller-written slots"
+                )
             if unhosted_slots_touched(rank, slot_expert, replica):
                 failures.append(f"{where}: a slot that hosts no replica here was written")
     # None: zeros, for a whole slot or one of its tensors (every rank gives the same answer).
@@ -202,9 +269,11 @@ def run_hosted_reduction(rank, slot_expert, num_experts, seed, sched) -> list[st
         for r, row in enumerate(slot_expert.tolist()):
             for s, x in enumerate(row):
                 if x == e and s % 2:
-                    want[-torch.Size(SHAPES[1]).numel():] += 1.0
+                    want[-torch.Size(SHAPES[1]).numel() :] += 1.0
         if not torch.equal(flat(mains[i]), want):
-            failures.append(f"hosted_grads None: main grad of local expert {i} != main + the ones given")
+            failures.append(
+                f"hosted_grads None: main grad of local expert {i} != main + the ones given"
+            )
     wrong = {s: None for s in range(num_slots) if s not in hosted} or {num_slots: None}
     try:
         caller_thread_buffer(num_slots).reduce_gradients(sched, mains, hosted_grads=wrong)
@@ -223,8 +292,12 @@ def check_tensor_layouts(rank, world_size) -> list[str]:
     num_experts = 2 * world_size
     plan = random_plan(world_size, num_experts, 3, seed=31, hot_expert=1, local_replica=True)
     for relay in ("off", "always"):
-        sched = build_schedule(plan, num_experts, NUMEL, chunk_numel=13, relay=relay, relay_threshold=2)
-        main = [[w.t().contiguous().t() for w in expert_weights(31, rank * 2 + j)] for j in range(2)]
+        sched = build_schedule(
+            plan, num_experts, NUMEL, chunk_numel=13, relay=relay, relay_threshold=2
+        )
+        main = [
+            [w.t().contiguous().t() for w in expert_weights(31, rank * 2 + j)] for j in range(2)
+        ]
         if any(w.is_contiguous() for expert in main for w in expert):
             failures.append("the strided main weights are contiguous: the case tests nothing")
         buffer = caller_thread_buffer(3)
@@ -235,15 +308,30 @@ def check_tensor_layouts(rank, world_size) -> list[str]:
                 failures.append(f"relay={relay}: strided main weights: slot {s} != expert {e}")
         written, _ = reduced_grads(rank, plan, num_experts, 32, sched, True)
         hosted = sched.rank_transfers(rank).hosted_slots
-        for name, layout in (("strided", lambda g: g.t().contiguous().t()), ("float64", torch.Tensor.double)):
-            grads = {s: [layout(g.view(shape)) for g, shape in zip(replica_grad(32, rank, s, True).split(
-                [torch.Size(x).numel() for x in SHAPES]), SHAPES)] for s in hosted}
+        for name, layout in (
+            ("strided", lambda g: g.t().contiguous().t()),
+            ("float64", torch.Tensor.double),
+        ):
+            grads = {
+                s: [
+                    layout(g.view(shape))
+                    for g, shape in zip(
+                        replica_grad(32, rank, s, True).split(
+                            [torch.Size(x).numel() for x in SHAPES]
+                        ),
+                        SHAPES,
+                    )
+                ]
+                for s in hosted
+            }
             mains = [main_grad(32, rank * 2 + j, True) for j in range(2)]
             buffer = caller_thread_buffer(3)
             buffer.replica_grads.fill_(float("nan"))
             buffer.reduce_gradients(sched, mains, hosted_grads=grads)
             if not all(torch.equal(flat(a), flat(b)) for a, b in zip(mains, written)):
-                failures.append(f"relay={relay}: {name} hosted_grads reduced differently from caller-written slots")
+                failures.append(
+                    f"relay={relay}: {name} hosted_grads reduced differently from caller-written slots"
+                )
     return failures
 
 
@@ -260,23 +348,40 @@ def check_weight_layout(rank, world_size) -> list[str]:
     reduction the gradients' (quantized parameters: uint8 weights, fp32 gradients)."""
     num_experts, seed = 2 * world_size, 5
     plan = random_plan(world_size, num_experts, 2, seed=seed, hot_expert=1, local_replica=True)
-    buffer = ReplicaBuffer(2, SHAPES, torch.uint8, weight_shapes=[(360,), (12,)], chunk_numel=13,
-                           relay="always", relay_threshold=1)
+    buffer = ReplicaBuffer(
+        2,
+        SHAPES,
+        torch.uint8,
+        weight_shapes=[(360,), (12,)],
+        chunk_numel=13,
+        relay="always",
+        relay_threshold=1,
+    )
     failures = []
     if buffer.replica_weights.shape != (2, 372) or buffer.replica_grads.shape != (2, 90):
         failures.append(f"buffers {buffer.replica_weights.shape}, {buffer.replica_grads.shape}")
     sched = buffer.schedule(plan, num_experts)
     resized = sched.with_expert_numel(372)
-    if sched.expert_numel != 90 or resized.expert_numel != 372 or sched.with_expert_numel(372) is not resized:
+    if (
+        sched.expert_numel != 90
+        or resized.expert_numel != 372
+        or sched.with_expert_numel(372) is not resized
+    ):
         failures.append("the weight schedule is not the gradient schedule resized once")
     if not sched.uses_relay or resized.num_rounds != 30 or sched.num_rounds != 8:
-        failures.append(f"rounds {sched.num_rounds}, {resized.num_rounds}: the relayed chunks do not follow the size")
+        failures.append(
+            f"rounds {sched.num_rounds}, {resized.num_rounds}: the relayed chunks do not follow the size"
+        )
     main = [_weight_bytes(seed, 2 * rank + j) for j in range(2)]
     for attempt in range(2):  # the second: a re-materialization after the buffer was overwritten
         buffer.replica_weights.fill_(111)
         buffer.distribute_weights(sched, main)
         for s, e in enumerate(plan[rank].tolist()):
-            want = flat(_weight_bytes(seed, e)) if e >= 0 else torch.full((372,), 111, dtype=torch.uint8)
+            want = (
+                flat(_weight_bytes(seed, e))
+                if e >= 0
+                else torch.full((372,), 111, dtype=torch.uint8)
+            )
             if not torch.equal(buffer.replica_weights[s], want):
                 failures.append(f"attempt {attempt}: slot {s} (expert {e}) holds other bytes")
             if e >= 0 and not torch.equal(buffer.weight_views(s)[1], _weight_bytes(seed, e)[1]):
@@ -285,7 +390,9 @@ def check_weight_layout(rank, world_size) -> list[str]:
     buffer.replica_grads.copy_(torch.stack([replica_grad(seed, rank, s, True) for s in range(2)]))
     buffer.reduce_gradients(sched, grads)
     for j in range(2):
-        if not torch.equal(flat(grads[j]), expected_grad(rank, plan, num_experts, seed, j, True).float()):
+        if not torch.equal(
+            flat(grads[j]), expected_grad(rank, plan, num_experts, seed, j, True).float()
+        ):
             failures.append(f"main grad of local expert {j} != main + sum of replicas")
     return failures
 
@@ -294,10 +401,20 @@ def run_all(rank: int, world_size: int) -> dict[str, list[str]]:
     """Entry point per rank: case name -> failures seen by this rank."""
     results = {}
     for case in plan_cases(world_size):
-        sched = build_schedule(case["plan"], 2 * world_size, NUMEL, chunk_numel=case["chunk"],
-                               relay=case["relay"], relay_threshold=case["threshold"])
-        failures = run_distribution(rank, case["plan"], 2 * world_size, case["seed"], sched, twice=True)
-        failures += run_distribution(rank, case["plan"], 2 * world_size, case["seed"], sched, dtype=torch.bfloat16)
+        sched = build_schedule(
+            case["plan"],
+            2 * world_size,
+            NUMEL,
+            chunk_numel=case["chunk"],
+            relay=case["relay"],
+            relay_threshold=case["threshold"],
+        )
+        failures = run_distribution(
+            rank, case["plan"], 2 * world_size, case["seed"], sched, twice=True
+        )
+        failures += run_distribution(
+            rank, case["plan"], 2 * world_size, case["seed"], sched, dtype=torch.bfloat16
+        )
         failures += run_reduction(rank, case["plan"], 2 * world_size, case["seed"], sched)
         failures += run_hosted_reduction(rank, case["plan"], 2 * world_size, case["seed"], sched)
         if case["relay"] == "off" and sched.uses_relay:
@@ -316,8 +433,12 @@ def run_all(rank: int, world_size: int) -> dict[str, list[str]]:
 @pytest.mark.parametrize("world_size", [4, 8])
 def test_distribution_and_reduction(world_size):
     per_rank = run_world(world_size, run_all)
-    expected_cases = {c["name"] for c in plan_cases(world_size)} | {"bad-inputs", "replica-buffer", "tensor-layouts",
-                                                                 "weight-layout"}
+    expected_cases = {c["name"] for c in plan_cases(world_size)} | {
+        "bad-inputs",
+        "replica-buffer",
+        "tensor-layouts",
+        "weight-layout",
+    }
     for rank, results in enumerate(per_rank):
         assert set(results) == expected_cases
         failures = {name: f for name, f in results.items() if f}

@@ -12,7 +12,11 @@ import pytest
 
 from gloo_launch import WORKERS, launch_gloo_ranks
 from megatron_runs import (
-    FINETUNE_ITERS, make_initial_checkpoint, run_pretrain, tiny_moe_args, uninterrupted_and_resumed,
+    FINETUNE_ITERS,
+    make_initial_checkpoint,
+    run_pretrain,
+    tiny_moe_args,
+    uninterrupted_and_resumed,
 )
 
 
@@ -42,9 +46,17 @@ def finetune_runs(adam_resume_runs):
 
     def get(name, nproc, ep, extra=()):
         if name not in done:
-            records = run_pretrain(checkpoint.parent / name, nproc, [
-                *tiny_moe_args(ep=ep, train_iters=FINETUNE_ITERS), "--load", str(checkpoint), "--finetune",
-                *extra])
+            records = run_pretrain(
+                checkpoint.parent / name,
+                nproc,
+                [
+                    *tiny_moe_args(ep=ep, train_iters=FINETUNE_ITERS),
+                    "--load",
+                    str(checkpoint),
+                    "--finetune",
+                    *extra,
+                ],
+            )
             assert [r["iteration"] for r in records] == list(range(1, FINETUNE_ITERS + 1))
             done[name] = records
         return done[name]

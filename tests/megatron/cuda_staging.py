@@ -40,8 +40,16 @@ import torch.distributed as dist
 staged_calls: collections.Counter = collections.Counter()
 _ORIGINAL: dict = {}
 #: Collectives whose first argument is their output (a tensor or a list of tensors).
-_COLLECTIVES = ("all_to_all_single", "all_gather_into_tensor", "_all_gather_base", "all_reduce",
-                "reduce_scatter_tensor", "_reduce_scatter_base", "broadcast", "all_gather")
+_COLLECTIVES = (
+    "all_to_all_single",
+    "all_gather_into_tensor",
+    "_all_gather_base",
+    "all_reduce",
+    "reduce_scatter_tensor",
+    "_reduce_scatter_base",
+    "broadcast",
+    "all_gather",
+)
 
 
 @contextlib.contextmanager
@@ -81,7 +89,11 @@ class _StagedWork:
 def _to_host(value):
     if isinstance(value, torch.Tensor):
         return value.detach().to("cpu", copy=True)
-    if isinstance(value, (list, tuple)) and value and all(isinstance(v, torch.Tensor) for v in value):
+    if (
+        isinstance(value, (list, tuple))
+        and value
+        and all(isinstance(v, torch.Tensor) for v in value)
+    ):
         return [v.detach().to("cpu", copy=True) for v in value]
     return value
 
@@ -97,7 +109,9 @@ def _staged_collective(name: str):
     @functools.wraps(original)
     def staged(*args, async_op: bool = False, **kwargs):
         if not args:
-            raise TypeError(f"cuda_staging: {name} needs its output as the first positional argument")
+            raise TypeError(
+                f"cuda_staging: {name} needs its output as the first positional argument"
+            )
         with device_waits_allowed():
             # The data: the positional tensors (output, input). Anything else (split sizes, the
             # group) passes as given: a device tensor there fails over gloo rather than being hidden.
@@ -123,10 +137,16 @@ def _staged_batch_isend_irecv(p2p_op_list):
         host_ops, receives = [], []
         for op in p2p_op_list:
             sending = op.op in (dist.isend, dist.send)
-            buffer = (op.tensor.detach().to("cpu", copy=True) if sending
-                      else torch.empty(op.tensor.shape, dtype=op.tensor.dtype, device="cpu"))
-            peer = dict(group_peer=op.group_peer) if getattr(op, "group_peer", None) is not None \
+            buffer = (
+                op.tensor.detach().to("cpu", copy=True)
+                if sending
+                else torch.empty(op.tensor.shape, dtype=op.tensor.dtype, device="cpu")
+            )
+            peer = (
+                dict(group_peer=op.group_peer)
+                if getattr(op, "group_peer", None) is not None
                 else dict(peer=op.peer)
+            )
             host_ops.append(dist.P2POp(op.op, buffer, group=op.group, tag=op.tag, **peer))
             if not sending:
                 receives.append((op.tensor, buffer))
@@ -160,7 +180,9 @@ def install() -> None:
     _ORIGINAL["_stream_ordered"] = dataplane_handle._stream_ordered
 
     def stream_ordered(device, group) -> bool:
-        staged_calls["transfers on a CUDA stream" if device.type == "cuda" else "transfers on the host"] += 1
+        staged_calls[
+            "transfers on a CUDA stream" if device.type == "cuda" else "transfers on the host"
+        ] += 1
         return device.type == "cuda"
 
     dataplane_handle._stream_ordered = stream_ordered

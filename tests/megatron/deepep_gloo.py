@@ -95,12 +95,18 @@ class DispatchHandle:
     recv_slot_is_local: torch.Tensor
 
 
-def exchange_rows(rows: torch.Tensor, send_splits: list[int], recv_splits: list[int],
-                   group: dist.ProcessGroup) -> torch.Tensor:
+def exchange_rows(
+    rows: torch.Tensor, send_splits: list[int], recv_splits: list[int], group: dist.ProcessGroup
+) -> torch.Tensor:
     """All-to-all of rows: [sum(send_splits), *D] -> [sum(recv_splits), *D], ordered by peer rank."""
     out = rows.new_empty((sum(recv_splits), *rows.shape[1:]))
-    dist.all_to_all_single(out, rows.contiguous(), output_split_sizes=recv_splits,
-                           input_split_sizes=send_splits, group=group)
+    dist.all_to_all_single(
+        out,
+        rows.contiguous(),
+        output_split_sizes=recv_splits,
+        input_split_sizes=send_splits,
+        group=group,
+    )
     return out
 
 
@@ -114,12 +120,12 @@ def _rows_to_sources(rows: torch.Tensor, handle: DispatchHandle) -> torch.Tensor
 
 def _sources_to_rows(values: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
     """Send each source token's row to every rank it was dispatched to: [N, *D] -> [R, *D]."""
-    return exchange_rows(values[handle.send_token], handle.send_splits, handle.recv_splits,
-                          handle.group)
+    return exchange_rows(
+        values[handle.send_token], handle.send_splits, handle.recv_splits, handle.group
+    )
 
 
-def _dispatch_layout(token_indices: torch.Tensor, num_experts: int,
-                     group: dist.ProcessGroup):
+def _dispatch_layout(token_indices: torch.Tensor, num_experts: int, group: dist.ProcessGroup):
     """Where each token goes, and how many rows travel between each pair of ranks.
 
     Args:
@@ -154,14 +160,17 @@ class GlooFusedDispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, token_indices, token_probs, num_experts, group):
         send_rank, send_token, send_splits, recv_splits = _dispatch_layout(
-            token_indices, num_experts, group)
+            token_indices, num_experts, group
+        )
         num_local_experts = num_experts // group.size()
         # Per sent row, the top-k slots whose expert lives on its destination rank: [S, K].
         sent_indices = token_indices[send_token]
         slot_is_local = (sent_indices >= 0) & (
-            sent_indices // num_local_experts == send_rank.unsqueeze(1))
+            sent_indices // num_local_experts == send_rank.unsqueeze(1)
+        )
         local_ids = torch.where(
-            slot_is_local, sent_indices - (send_rank * num_local_experts).unsqueeze(1), -1)
+            slot_is_local, sent_indices - (send_rank * num_local_experts).unsqueeze(1), -1
+        )
         local_probs = torch.where(slot_is_local, token_probs[send_token].float(), 0.0)
 
         recv_x = exchange_rows(x[send_token], send_splits, recv_splits, group)
@@ -169,20 +178,27 @@ class GlooFusedDispatch(torch.autograd.Function):
         recv_probs = exchange_rows(local_probs, send_splits, recv_splits, group)
         recv_slot_is_local = recv_indices >= 0
         # DeepEP returns a per-local-expert list; megatron turns it into a CPU int64 tensor.
-        tokens_per_expert = torch.bincount(recv_indices[recv_slot_is_local],
-                                           minlength=num_local_experts).cpu()
+        tokens_per_expert = torch.bincount(
+            recv_indices[recv_slot_is_local], minlength=num_local_experts
+        ).cpu()
 
-        handle = DispatchHandle(group=group, num_tokens=x.shape[0], send_token=send_token,
-                                send_splits=send_splits, recv_splits=recv_splits,
-                                recv_slot_is_local=recv_slot_is_local)
+        handle = DispatchHandle(
+            group=group,
+            num_tokens=x.shape[0],
+            send_token=send_token,
+            send_splits=send_splits,
+            recv_splits=recv_splits,
+            recv_slot_is_local=recv_slot_is_local,
+        )
         ctx.handle = handle
         ctx.probs_dtype = token_probs.dtype
         ctx.mark_non_differentiable(recv_indices, tokens_per_expert)
         return recv_x, recv_indices, recv_probs, tokens_per_expert, handle
 
     @staticmethod
-    def backward(ctx, grad_recv_x, grad_recv_indices, grad_recv_probs, grad_tokens_per_expert,
-                 grad_handle):
+    def backward(
+        ctx, grad_recv_x, grad_recv_indices, grad_recv_probs, grad_tokens_per_expert, grad_handle
+    ):
         with transport():
             grads = GlooFusedDispatch._backward(ctx, grad_recv_x, grad_recv_probs)
         on_device(*grads)
@@ -216,9 +232,15 @@ class GlooFusedCombine(torch.autograd.Function):
         return grad, None
 
 
-def fused_dispatch(x: torch.Tensor, token_indices: torch.Tensor, token_probs: torch.Tensor,
-                   num_experts: int, group: dist.ProcessGroup, async_finish: bool = False,
-                   allocate_on_comm_stream: bool = False):
+def fused_dispatch(
+    x: torch.Tensor,
+    token_indices: torch.Tensor,
+    token_probs: torch.Tensor,
+    num_experts: int,
+    group: dist.ProcessGroup,
+    async_finish: bool = False,
+    allocate_on_comm_stream: bool = False,
+):
     """Send each token once to every rank hosting one of its top-k experts (DeepEP semantics).
 
     Args:
@@ -252,22 +274,31 @@ def fused_dispatch(x: torch.Tensor, token_indices: torch.Tensor, token_probs: to
 
 def _fused_dispatch(x, token_indices, token_probs, num_experts, group):
     if x.dim() != 2 or token_indices.dim() != 2 or token_probs.shape != token_indices.shape:
-        raise ValueError(f"expected x [N, H], token_indices and token_probs [N, K]; got "
-                         f"{tuple(x.shape)}, {tuple(token_indices.shape)}, "
-                         f"{tuple(token_probs.shape)}")
+        raise ValueError(
+            f"expected x [N, H], token_indices and token_probs [N, K]; got "
+            f"{tuple(x.shape)}, {tuple(token_indices.shape)}, "
+            f"{tuple(token_probs.shape)}"
+        )
     if token_indices.shape[0] != x.shape[0]:
         raise ValueError(f"{x.shape[0]} tokens but {token_indices.shape[0]} rows of indices")
     if num_experts % group.size() != 0:
-        raise ValueError(f"num_experts={num_experts} is not a multiple of the group size "
-                         f"{group.size()}")
+        raise ValueError(
+            f"num_experts={num_experts} is not a multiple of the group size {group.size()}"
+        )
     if token_indices.numel() and int(token_indices.max()) >= num_experts:
         raise ValueError(f"expert id {int(token_indices.max())} >= num_experts={num_experts}")
-    return GlooFusedDispatch.apply(x.contiguous(), token_indices.long(), token_probs,
-                                   num_experts, group)
+    return GlooFusedDispatch.apply(
+        x.contiguous(), token_indices.long(), token_probs, num_experts, group
+    )
 
 
-def fused_combine(x: torch.Tensor, group: dist.ProcessGroup, handle: DispatchHandle,
-                  async_finish: bool = False, allocate_on_comm_stream: bool = False):
+def fused_combine(
+    x: torch.Tensor,
+    group: dist.ProcessGroup,
+    handle: DispatchHandle,
+    async_finish: bool = False,
+    allocate_on_comm_stream: bool = False,
+):
     """Return every received row to its source and sum per source token (DeepEP's combine).
 
     Args:
@@ -307,9 +338,13 @@ def set_deepep_num_sms(num_sms: int) -> None:
 def _targets() -> dict:
     import hybridep_gloo  # it builds on this module's transport: imported when installing
 
-    return {"fused_dispatch": fused_dispatch, "fused_combine": fused_combine,
-            "set_deepep_num_sms": set_deepep_num_sms, "hybrid_ep_dispatch": hybridep_gloo.hybrid_ep_dispatch,
-            "hybrid_ep_combine": hybridep_gloo.hybrid_ep_combine}
+    return {
+        "fused_dispatch": fused_dispatch,
+        "fused_combine": fused_combine,
+        "set_deepep_num_sms": set_deepep_num_sms,
+        "hybrid_ep_dispatch": hybridep_gloo.hybrid_ep_dispatch,
+        "hybrid_ep_combine": hybridep_gloo.hybrid_ep_combine,
+    }
 
 
 def install(monkeypatch=None) -> Callable[[], None]:

@@ -36,14 +36,39 @@ from ultraep_megatron.megatron.cpu.device_mapping import is_cuda_device
 from ultraep_megatron.megatron.balanced_layer.native_torch import device_mapping
 
 _SYNC_READS = {
-    torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__bool__,
-    torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.__array__,
-    torch.Tensor.__repr__, torch.Tensor.__format__, torch.Tensor.nonzero, torch.nonzero,
-    torch.Tensor.masked_select, torch.masked_select, torch.Tensor.unique, torch.unique,
-    torch.unique_consecutive, torch.Tensor.bincount, torch.bincount, torch.equal, torch.Tensor.equal,
-    torch.Tensor.cpu, torch.repeat_interleave,
+    torch.Tensor.item,
+    torch.Tensor.tolist,
+    torch.Tensor.numpy,
+    torch.Tensor.__bool__,
+    torch.Tensor.__int__,
+    torch.Tensor.__float__,
+    torch.Tensor.__index__,
+    torch.Tensor.__array__,
+    torch.Tensor.__repr__,
+    torch.Tensor.__format__,
+    torch.Tensor.nonzero,
+    torch.nonzero,
+    torch.Tensor.masked_select,
+    torch.masked_select,
+    torch.Tensor.unique,
+    torch.unique,
+    torch.unique_consecutive,
+    torch.Tensor.bincount,
+    torch.bincount,
+    torch.equal,
+    torch.Tensor.equal,
+    torch.Tensor.cpu,
+    torch.repeat_interleave,
 }
-_IN_PLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ior__", "__iand__"}
+_IN_PLACE_DUNDERS = {
+    "__setitem__",
+    "__iadd__",
+    "__isub__",
+    "__imul__",
+    "__itruediv__",
+    "__ior__",
+    "__iand__",
+}
 _CUDA_SYNCS = (("Event", "synchronize"), ("Stream", "synchronize"))
 
 
@@ -81,8 +106,14 @@ class DeviceReadCounter(TorchFunctionMode):
 
     def count(self, kind: str, operation: str) -> None:
         self.counts[kind] += 1
-        where = next((f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}" for f in reversed(traceback.extract_stack()[:-2])
-                      if "device_reads.py" not in f.filename and "/torch/" not in f.filename), "?")
+        where = next(
+            (
+                f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}"
+                for f in reversed(traceback.extract_stack()[:-2])
+                if "device_reads.py" not in f.filename and "/torch/" not in f.filename
+            ),
+            "?",
+        )
         self.events.append((kind, operation, where))
 
     # -- torch functions ---------------------------------------------------------------------------
@@ -93,13 +124,24 @@ class DeviceReadCounter(TorchFunctionMode):
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         from_device = any(t in self._device for t in tensors)
         name = getattr(func, "__name__", str(func))
-        if from_device and func in _SYNC_READS and not (
-                func is torch.repeat_interleave and kwargs.get("output_size") is not None):
+        if (
+            from_device
+            and func in _SYNC_READS
+            and not (func is torch.repeat_interleave and kwargs.get("output_size") is not None)
+        ):
             self.count("sync", name)
         if func is torch.Tensor.to and from_device and _to_host(args, kwargs):
             self.count("copy" if kwargs.get("non_blocking") else "sync", "to(cpu)")
-        if func is torch.Tensor.copy_ and len(args) > 1 and self.on_device(args[1]) and args[0] in self._pinned:
-            self.count("copy" if (kwargs.get("non_blocking") or args[2:3] == (True,)) else "sync", "copy_ to pinned")
+        if (
+            func is torch.Tensor.copy_
+            and len(args) > 1
+            and self.on_device(args[1])
+            and args[0] in self._pinned
+        ):
+            self.count(
+                "copy" if (kwargs.get("non_blocking") or args[2:3] == (True,)) else "sync",
+                "copy_ to pinned",
+            )
             return func(*args, **kwargs)  # host data: not a device tensor
         result = func(*args, **kwargs)
         upload = func is torch.Tensor.to and bool(kwargs.get("non_blocking")) and not from_device
@@ -109,13 +151,22 @@ class DeviceReadCounter(TorchFunctionMode):
         if kwargs.get("pin_memory"):
             for t in outputs:
                 self._pinned[t] = True
-        device_output = (from_device and func not in _SYNC_READS and not (func is torch.Tensor.to and _to_host(args, kwargs))) \
-            or is_cuda_device(kwargs.get("device")) or upload
+        device_output = (
+            (
+                from_device
+                and func not in _SYNC_READS
+                and not (func is torch.Tensor.to and _to_host(args, kwargs))
+            )
+            or is_cuda_device(kwargs.get("device"))
+            or upload
+        )
         if device_output:
             for t in outputs:
                 self._device[t] = True
             written = [kwargs["out"]] if isinstance(kwargs.get("out"), torch.Tensor) else []
-            in_place = (name.endswith("_") and not name.startswith("__")) or name in _IN_PLACE_DUNDERS
+            in_place = (
+                name.endswith("_") and not name.startswith("__")
+            ) or name in _IN_PLACE_DUNDERS
             if in_place and args and isinstance(args[0], torch.Tensor):
                 written.append(args[0])
             for t in written:  # device data written into a tensor (and the storage it views)
@@ -135,14 +186,17 @@ class DeviceReadCounter(TorchFunctionMode):
         else:
             tensors, grads = args[0], (args[1] if len(args) > 1 else kwargs.get("grad_tensors"))
         tensors = (tensors,) if torch.is_tensor(tensors) else tuple(tensors)
-        grads = _make_grads(tensors, _tensor_or_tensors_to_tuple(grads, len(tensors)), is_grads_batched=False)
+        grads = _make_grads(
+            tensors, _tensor_or_tensors_to_tuple(grads, len(tensors)), is_grads_batched=False
+        )
         self.tag(*grads)
         modes = [m for m in (device_mapping(), self) if m is not None]
         for mode in modes:
             torch._C._push_on_torch_function_stack(mode)
         try:
-            _engine_run_backward(tensors, grads, False, False, (), allow_unreachable=True,
-                                 accumulate_grad=True)
+            _engine_run_backward(
+                tensors, grads, False, False, (), allow_unreachable=True, accumulate_grad=True
+            )
         finally:
             for _ in modes:
                 torch._C._pop_torch_function_stack()
@@ -150,8 +204,10 @@ class DeviceReadCounter(TorchFunctionMode):
 
 def _to_host(args, kwargs) -> bool:
     targets = list(args[1:2]) + [kwargs.get("device")]
-    return any((isinstance(d, str) and d == "cpu") or (isinstance(d, torch.device) and d.type == "cpu")
-               for d in targets)
+    return any(
+        (isinstance(d, str) and d == "cpu") or (isinstance(d, torch.device) and d.type == "cpu")
+        for d in targets
+    )
 
 
 def install_sync_counting(counter_of) -> None:

@@ -44,9 +44,15 @@ class GateRow:
     between: float
 
     @classmethod
-    def of(cls, kind: str, none: torch.Tensor, ultraep: torch.Tensor, reference: torch.Tensor) -> "GateRow":
-        return cls(kind, relative_difference(none, reference), relative_difference(ultraep, reference),
-                   relative_difference(ultraep, none))
+    def of(
+        cls, kind: str, none: torch.Tensor, ultraep: torch.Tensor, reference: torch.Tensor
+    ) -> "GateRow":
+        return cls(
+            kind,
+            relative_difference(none, reference),
+            relative_difference(ultraep, reference),
+            relative_difference(ultraep, none),
+        )
 
     @property
     def ratio(self) -> float:
@@ -55,7 +61,9 @@ class GateRow:
 
     @property
     def passed(self) -> bool:
-        return self.ultraep <= GATE_EXCESS * self.none and self.between <= min(self.none, self.ultraep)
+        return self.ultraep <= GATE_EXCESS * self.none and self.between <= min(
+            self.none, self.ultraep
+        )
 
     @property
     def margin(self) -> float:
@@ -63,5 +71,7 @@ class GateRow:
         return self.ratio / GATE_EXCESS
 
     def __str__(self):
-        return (f"{self.kind:24s} none {self.none:.4e}  ultraep {self.ultraep:.4e}  ratio {self.ratio:.4f}  "
-                f"ultraep-none {self.between:.3e} ({self.between / min(self.none, self.ultraep):.3g} of the smaller)")
+        return (
+            f"{self.kind:24s} none {self.none:.4e}  ultraep {self.ultraep:.4e}  ratio {self.ratio:.4f}  "
+            f"ultraep-none {self.between:.3e} ({self.between / min(self.none, self.ultraep):.3g} of the smaller)"
+        )

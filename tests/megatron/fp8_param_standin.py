@@ -69,7 +69,11 @@ NON_TN_FP8_GEMM_SUPPORTED = False
 
 #: Block shape of each recipe's scales, per copy: (rows, columns) of a weight [out, in] sharing
 #: one scale. None: the whole tensor.
-_ROWWISE_BLOCK = {"tensorwise": None, "blockwise": (toy_fp8.BLOCK, toy_fp8.BLOCK), "mxfp8": (1, toy_fp8.MX_BLOCK)}
+_ROWWISE_BLOCK = {
+    "tensorwise": None,
+    "blockwise": (toy_fp8.BLOCK, toy_fp8.BLOCK),
+    "mxfp8": (1, toy_fp8.MX_BLOCK),
+}
 _COLUMNWISE_BLOCK = {"mxfp8": (toy_fp8.MX_BLOCK, 1)}
 
 
@@ -87,6 +91,7 @@ def recipe_of(tensor: torch.Tensor) -> str:
 
 # -- TE's replace_raw_data, post_all_gather_processing, cast_master_weights_to_fp8 ------------------
 
+
 def replace_raw_data(tensor: torch.Tensor, new_raw_data: torch.Tensor) -> None:
     """TE's ``replace_raw_data``: move a quantized tensor's row-wise bytes into ``new_raw_data``
     (a view of megatron's parameter buffer), keeping their values. An MXFP8 tensor raises, as in
@@ -102,8 +107,10 @@ def replace_raw_data(tensor: torch.Tensor, new_raw_data: torch.Tensor) -> None:
         raise ValueError(f"replace_raw_data for {type(tensor)} is not supported yet")
     old = getattr(tensor, attr)
     if old.dtype != new_raw_data.dtype:
-        raise ValueError("The data types of raw data don't match: "
-                         f"old dtype={old.dtype}, new dtype={new_raw_data.dtype}")
+        raise ValueError(
+            "The data types of raw data don't match: "
+            f"old dtype={old.dtype}, new dtype={new_raw_data.dtype}"
+        )
     new_raw_data.detach().copy_(old.view(new_raw_data.shape))
     setattr(tensor, attr, new_raw_data.view(old.shape))
 
@@ -161,13 +168,15 @@ def post_all_gather_processing(model_weights) -> None:
             raise ValueError(f"post_processing for {type(weight)} is not supported")
 
 
-def _block_amax(shape: torch.Size, start: int, values: torch.Tensor, block: Optional[tuple[int, int]]) -> torch.Tensor:
+def _block_amax(
+    shape: torch.Size, start: int, values: torch.Tensor, block: Optional[tuple[int, int]]
+) -> torch.Tensor:
     """Per-block amax of a weight of ``shape`` [out, in] of which only the flat elements
     ``[start, start + len(values))`` are known (``values``; the rest count as zero): TE's
     ``compute_amax`` / ``fp8_block_scaling_compute_partial_amax`` /
     ``mxfp8_scaling_compute_partial_amax`` of one rank's main-parameter shard."""
     full = torch.zeros(shape.numel(), dtype=torch.float32)
-    full[start:start + values.numel()] = values.detach().float().abs().reshape(-1)
+    full[start : start + values.numel()] = values.detach().float().abs().reshape(-1)
     if block is None:
         return full.amax().reshape(1)
     out_dim, in_dim = shape
@@ -184,8 +193,13 @@ def _scale_inv(amax: torch.Tensor, recipe: str) -> torch.Tensor:
     return (amax / toy_fp8.E4M3_MAX).clamp_min(tiny)
 
 
-def _cast_fragment(shape: torch.Size, start: int, values: torch.Tensor, scale_inv: torch.Tensor,
-                   block: Optional[tuple[int, int]]) -> torch.Tensor:
+def _cast_fragment(
+    shape: torch.Size,
+    start: int,
+    values: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: Optional[tuple[int, int]],
+) -> torch.Tensor:
     """The e4m3 bytes of the flat elements ``[start, start + len(values))`` of a weight of
     ``shape``, each divided by its block's scale (TE's ``*_partial_cast``)."""
     if block is None:
@@ -193,13 +207,19 @@ def _cast_fragment(shape: torch.Size, start: int, values: torch.Tensor, scale_in
     else:
         rows, cols = block
         per_element = scale_inv.repeat_interleave(rows, 0).repeat_interleave(cols, 1).reshape(-1)
-        per_element = per_element[start:start + values.numel()]
+        per_element = per_element[start : start + values.numel()]
     scaled = values.detach().float().reshape(-1) / per_element
     return scaled.to(torch.float8_e4m3fn).view(torch.uint8)
 
 
-def cast_master_weights_to_fp8(model_weights, master_weights, start_offsets, group,
-                               fsdp_shard_model_weights=None, manual_post_all_gather_processing=False) -> None:
+def cast_master_weights_to_fp8(
+    model_weights,
+    master_weights,
+    start_offsets,
+    group,
+    fsdp_shard_model_weights=None,
+    manual_post_all_gather_processing=False,
+) -> None:
     """TE's ``cast_master_weights_to_fp8`` (``quantize_master_weights``) for current scaling:
     each rank holds a shard ``master_weights[i]`` (or None) of weight ``i`` starting at flat
     element ``start_offsets[i]``. Per weight the amaxes of the shards (per tensor, or per scale
@@ -225,7 +245,11 @@ def cast_master_weights_to_fp8(model_weights, master_weights, start_offsets, gro
 
 def _copies(recipe: str) -> list[tuple[str, str, Optional[tuple[int, int]]]]:
     """(data attribute, scale attribute, scale block) of each copy a recipe's cast writes."""
-    rowwise = ("_data", "_scale_inv") if recipe == "tensorwise" else ("_rowwise_data", "_rowwise_scale_inv")
+    rowwise = (
+        ("_data", "_scale_inv")
+        if recipe == "tensorwise"
+        else ("_rowwise_data", "_rowwise_scale_inv")
+    )
     copies = [(*rowwise, _ROWWISE_BLOCK[recipe])]
     if recipe in _COLUMNWISE_BLOCK:  # MXFP8 quantizes the column-wise copy in blocks of its own
         copies.append(("_columnwise_data", "_columnwise_scale_inv", _COLUMNWISE_BLOCK[recipe]))
@@ -236,9 +260,15 @@ def shard_amaxes(recipe: str, params) -> torch.Tensor:
     """Step 1 of TE's cast: the packed per-tensor or per-block amaxes of this rank's shards
     (``params``: (model weight, main-parameter shard or None, start offset)); zero where a block
     holds none of them."""
-    return torch.cat([_block_amax(weight.shape, start or 0, master if master is not None else torch.zeros(0),
-                                  block).reshape(-1)
-                      for weight, master, start in params for _, _, block in _copies(recipe)])
+    return torch.cat(
+        [
+            _block_amax(
+                weight.shape, start or 0, master if master is not None else torch.zeros(0), block
+            ).reshape(-1)
+            for weight, master, start in params
+            for _, _, block in _copies(recipe)
+        ]
+    )
 
 
 def cast_shards(recipe: str, params, amaxes: torch.Tensor, manual: bool) -> None:
@@ -247,20 +277,28 @@ def cast_shards(recipe: str, params, amaxes: torch.Tensor, manual: bool) -> None
     offset = 0
     for weight, master, start in params:
         for data_attr, scale_attr, block in _copies(recipe):
-            shape = (1,) if block is None else (weight.shape[0] // block[0], weight.shape[1] // block[1])
-            amax = amaxes[offset:offset + math.prod(shape)].view(shape)
+            shape = (
+                (1,)
+                if block is None
+                else (weight.shape[0] // block[0], weight.shape[1] // block[1])
+            )
+            amax = amaxes[offset : offset + math.prod(shape)].view(shape)
             offset += amax.numel()
             scale_inv = _scale_inv(amax, recipe)
             stored = getattr(weight, scale_attr)  # in place: the weight keeps its scale tensor
-            values = (torch.log2(scale_inv) + 127).round() if recipe == "mxfp8" else scale_inv  # E8M0
+            values = (
+                (torch.log2(scale_inv) + 127).round() if recipe == "mxfp8" else scale_inv
+            )  # E8M0
             stored[tuple(slice(0, n) for n in values.shape)].copy_(values.to(stored.dtype))
             if master is not None:
-                fragment = getattr(weight, data_attr).reshape(-1)[start:start + master.numel()]
+                fragment = getattr(weight, data_attr).reshape(-1)[start : start + master.numel()]
                 fragment.copy_(_cast_fragment(weight.shape, start, master, scale_inv, block))
         if not manual:
             if recipe == "tensorwise":
                 reset_caches(weight)
-            elif recipe == "blockwise":  # TE: update_usage(rowwise_usage=True, columnwise_usage=False)
+            elif (
+                recipe == "blockwise"
+            ):  # TE: update_usage(rowwise_usage=True, columnwise_usage=False)
                 weight._columnwise_data = weight._columnwise_scale_inv = None
 
 
@@ -273,6 +311,7 @@ def _cast_current_scaling(recipe: str, params, group, manual: bool) -> None:
 
 
 # -- TE's fp8_model_init for megatron's experts ---------------------------------------------------
+
 
 def _recipe_name(config) -> str:
     recipe = config.fp8_recipe
@@ -291,19 +330,24 @@ def quantize_expert_weights(experts: torch.nn.Module, config) -> None:
         if weight is None or isinstance(weight, toy_fp8.ToyQuantizedTensor):
             continue
         init_value = weight.detach().cpu().clone()
-        param = torch.nn.Parameter(quantizer.quantize(weight.detach()), requires_grad=weight.requires_grad)
+        param = torch.nn.Parameter(
+            quantizer.quantize(weight.detach()), requires_grad=weight.requires_grad
+        )
         for name, value in vars(weight).items():  # megatron's parameter attributes
             if not name.startswith("_"):
                 setattr(param, name, value)
         param._high_precision_init_val = init_value
         param.get_high_precision_init_val = types.MethodType(
-            lambda self: getattr(self, "_high_precision_init_val", None), param)
+            lambda self: getattr(self, "_high_precision_init_val", None), param
+        )
         param.clear_high_precision_init_val = types.MethodType(
-            lambda self: self.__dict__.pop("_high_precision_init_val", None), param)
+            lambda self: self.__dict__.pop("_high_precision_init_val", None), param
+        )
         module._parameters["weight"] = param
 
 
 # -- installation into megatron-core ---------------------------------------------------------------
+
 
 def _te_version_at_least(version, check_equality: bool = True) -> bool:
     from packaging.version import Version
@@ -333,8 +377,12 @@ def _megatron_te22_branch(fp8_utils) -> dict:
     ``transformer_engine`` resolve to the stand-ins; returns that namespace."""
     source = inspect.getsource(fp8_utils)
     tree = ast.parse(source)
-    branch = next(node for node in tree.body if isinstance(node, ast.If)
-                  and "is_te_min_version(\"2.2\")" in ast.unparse(node.test).replace("'", '"'))
+    branch = next(
+        node
+        for node in tree.body
+        if isinstance(node, ast.If)
+        and "is_te_min_version(\"2.2\")" in ast.unparse(node.test).replace("'", '"')
+    )
     modules = _te_modules()
 
     def te_import(name, globals=None, locals=None, fromlist=(), level=0):
@@ -375,12 +423,19 @@ def install() -> None:
     from megatron.core.transformer.moe import experts
 
     namespace = _megatron_te22_branch(fp8_utils)
-    for name in ("_modify_underlying_storage_impl", "_quantize_param_shard_impl",
-                 "_correct_amax_history_if_needed_impl"):
+    for name in (
+        "_modify_underlying_storage_impl",
+        "_quantize_param_shard_impl",
+        "_correct_amax_history_if_needed_impl",
+    ):
         _set(fp8_utils, name, namespace[name])
-    for name, value in (("HAVE_TE_FP8_TENSOR_CLASS", True), ("FP8_TENSOR_CLASS", toy_fp8.ToyQuantizedTensor),
-                        ("HAVE_TE_MXFP8TENSOR", True), ("MXFP8Tensor", toy_fp8.ToyMXFP8Tensor),
-                        ("te_post_all_gather_processing", post_all_gather_processing)):
+    for name, value in (
+        ("HAVE_TE_FP8_TENSOR_CLASS", True),
+        ("FP8_TENSOR_CLASS", toy_fp8.ToyQuantizedTensor),
+        ("HAVE_TE_MXFP8TENSOR", True),
+        ("MXFP8Tensor", toy_fp8.ToyMXFP8Tensor),
+        ("te_post_all_gather_processing", post_all_gather_processing),
+    ):
         _set(fp8_utils, name, value)
     for module in (fp8_utils, transformer_config):  # TE version checks (no TE installed)
         _set(module, "is_te_min_version", _te_version_at_least)
@@ -426,4 +481,3 @@ def installed():
 def needed_by(argv: Sequence[str]) -> bool:
     """Whether a run with these arguments needs the stand-in: fp8 parameters."""
     return "--fp8-param-gather" in argv and "--fp8-format" in argv
-

@@ -54,12 +54,26 @@ def gloo_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 def torchrun_command(script: str | Path, nproc: int, args: Sequence[str] = ()) -> list[str]:
     """torchrun running ``script`` on ``nproc`` local ranks, each through fast_exit.py (its
     docstring: the script runs unchanged, Python's teardown is skipped)."""
-    return [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            str(FAST_EXIT), str(script), *map(str, args)]
+    return [
+        PYTHON,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(FAST_EXIT),
+        str(script),
+        *map(str, args),
+    ]
 
 
-def run_ranks(script: str | Path, nproc: int, args: Sequence[str] = (), *, env: dict[str, str] | None = None,
-              timeout_s: float = 600.0) -> subprocess.CompletedProcess:
+def run_ranks(
+    script: str | Path,
+    nproc: int,
+    args: Sequence[str] = (),
+    *,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 600.0,
+) -> subprocess.CompletedProcess:
     """``script args`` on ``nproc`` gloo ranks, warm (``rank_launcher``) where it can be served, else
     with torchrun; the combined status and output, failing or not.
 
@@ -69,18 +83,32 @@ def run_ranks(script: str | Path, nproc: int, args: Sequence[str] = (), *, env: 
     env = gloo_env(env)
     if not rank_launcher.servable(PYTHON, env):
         start = time.monotonic()
-        completed = run_process_group(torchrun_command(script, nproc, args), cwd=REPO_ROOT, env=env,
-                                      timeout_s=timeout_s)
-        rank_launcher.record_launch({"script": Path(script).name, "nproc": nproc, "warm": False,
-                                     "seconds": round(time.monotonic() - start, 3), "status": completed.returncode,
-                                     "test": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0],
-                                     "launch": rank_launcher.launch_key(str(script), nproc, args, env)})
+        completed = run_process_group(
+            torchrun_command(script, nproc, args), cwd=REPO_ROOT, env=env, timeout_s=timeout_s
+        )
+        rank_launcher.record_launch(
+            {
+                "script": Path(script).name,
+                "nproc": nproc,
+                "warm": False,
+                "seconds": round(time.monotonic() - start, 3),
+                "status": completed.returncode,
+                "test": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0],
+                "launch": rank_launcher.launch_key(str(script), nproc, args, env),
+            }
+        )
         return completed
     return _warm(script, nproc, args, env=env, cwd=REPO_ROOT, timeout_s=timeout_s, torchrun=True)
 
 
-def run_python(script: str | Path, args: Sequence[str] = (), *, env: dict[str, str], cwd: str | Path = REPO_ROOT,
-               timeout_s: float = 300.0) -> subprocess.CompletedProcess:
+def run_python(
+    script: str | Path,
+    args: Sequence[str] = (),
+    *,
+    env: dict[str, str],
+    cwd: str | Path = REPO_ROOT,
+    timeout_s: float = 300.0,
+) -> subprocess.CompletedProcess:
     """``python script args`` as one process with environment ``env``, forked from the warm
     launcher where it can be served, else a fresh interpreter; its status and output (text).
 
@@ -88,14 +116,21 @@ def run_python(script: str | Path, args: Sequence[str] = (), *, env: dict[str, s
         subprocess.TimeoutExpired: past ``timeout_s``, once it (and what it started) is gone.
     """
     if not rank_launcher.servable(PYTHON, env):
-        return subprocess.run([PYTHON, str(script), *map(str, args)], cwd=cwd, env=env, capture_output=True,
-                              text=True, timeout=timeout_s)
+        return subprocess.run(
+            [PYTHON, str(script), *map(str, args)],
+            cwd=cwd,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
     return _warm(script, 1, args, env=env, cwd=cwd, timeout_s=timeout_s, torchrun=False)
 
 
 def _warm(script, nproc, args, *, env, cwd, timeout_s, torchrun) -> subprocess.CompletedProcess:
     """A launch through ``rank_launcher``, its output collected in temporary files."""
     with tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:
+
         def output() -> tuple[str, str]:
             texts = []
             for handle in (stdout, stderr):
@@ -104,9 +139,17 @@ def _warm(script, nproc, args, *, env, cwd, timeout_s, torchrun) -> subprocess.C
             return texts[0], texts[1]
 
         try:
-            status = rank_launcher.launch(script, nproc, [str(a) for a in args], env=env, cwd=cwd,
-                                          timeout_s=timeout_s, stdout=stdout.fileno(), stderr=stderr.fileno(),
-                                          torchrun=torchrun)
+            status = rank_launcher.launch(
+                script,
+                nproc,
+                [str(a) for a in args],
+                env=env,
+                cwd=cwd,
+                timeout_s=timeout_s,
+                stdout=stdout.fileno(),
+                stderr=stderr.fileno(),
+                torchrun=torchrun,
+            )
         except subprocess.TimeoutExpired as error:
             error.output, error.stderr = output()
             raise

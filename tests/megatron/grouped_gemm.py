@@ -39,7 +39,12 @@ import torch
 
 import toy_fp8
 
-__all__ = ["grouped_matmul", "QuantizedWeightLinear", "WeightGradStore", "DelayedWgradGroupedLinear"]
+__all__ = [
+    "grouped_matmul",
+    "QuantizedWeightLinear",
+    "WeightGradStore",
+    "DelayedWgradGroupedLinear",
+]
 
 
 class QuantizedWeightLinear(torch.autograd.Function):
@@ -78,21 +83,29 @@ def grouped_matmul(
     """
     num_biases = len(weights) if biases is None else len(biases)
     if not len(weights) == len(tokens_per_expert) == num_biases:
-        raise ValueError(f"{len(tokens_per_expert)} token counts, {len(weights)} weights and "
-                         f"{None if biases is None else len(biases)} biases must agree")
+        raise ValueError(
+            f"{len(tokens_per_expert)} token counts, {len(weights)} weights and "
+            f"{None if biases is None else len(biases)} biases must agree"
+        )
     if sum(tokens_per_expert) != rows.shape[0]:
-        raise ValueError(f"tokens_per_expert sums to {sum(tokens_per_expert)}, "
-                         f"but there are {rows.shape[0]} rows")
+        raise ValueError(
+            f"tokens_per_expert sums to {sum(tokens_per_expert)}, "
+            f"but there are {rows.shape[0]} rows"
+        )
     chunks = torch.split(rows, list(tokens_per_expert))
     if isinstance(weights[0], toy_fp8.ToyQuantizedTensor):
-        outs = [QuantizedWeightLinear.apply(chunk, weight) for chunk, weight in zip(chunks, weights)]
+        outs = [
+            QuantizedWeightLinear.apply(chunk, weight) for chunk, weight in zip(chunks, weights)
+        ]
         if biases is not None:
             outs = [out + bias for out, bias in zip(outs, biases)]
     elif biases is None:
         outs = [chunk @ weight.t() for chunk, weight in zip(chunks, weights)]
     else:
-        outs = [torch.addmm(bias, chunk, weight.t())
-                for chunk, weight, bias in zip(chunks, weights, biases)]
+        outs = [
+            torch.addmm(bias, chunk, weight.t())
+            for chunk, weight, bias in zip(chunks, weights, biases)
+        ]
     return torch.cat(outs)
 
 
@@ -131,8 +144,12 @@ class DelayedWgradGroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, store, m_splits, num_weights, *params):
         weights, biases = params[:num_weights], params[num_weights:]
-        out = grouped_matmul(rows.detach(), [w.detach() for w in weights], m_splits,
-                             [b.detach() for b in biases] or None)
+        out = grouped_matmul(
+            rows.detach(),
+            [w.detach() for w in weights],
+            m_splits,
+            [b.detach() for b in biases] or None,
+        )
         ctx.store, ctx.m_splits, ctx.num_biases = store, tuple(m_splits), len(biases)
         ctx.save_for_backward(rows, *weights)
         return out
@@ -142,7 +159,11 @@ class DelayedWgradGroupedLinear(torch.autograd.Function):
         rows, *weights = ctx.saved_tensors
         m_splits = list(ctx.m_splits)
         row_chunks, grad_chunks = torch.split(rows, m_splits), torch.split(grad, m_splits)
-        grad_rows = torch.cat([g @ w for g, w in zip(grad_chunks, weights)]) if ctx.needs_input_grad[0] else None
+        grad_rows = (
+            torch.cat([g @ w for g, w in zip(grad_chunks, weights)])
+            if ctx.needs_input_grad[0]
+            else None
+        )
         wgrad_list = [torch.zeros_like(w) for w in weights]  # TE: written by backward_dw's GEMMs
 
         def weight_gradients(row_chunks, grad_chunks, wgrad_list, num_biases):

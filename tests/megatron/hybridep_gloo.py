@@ -53,7 +53,9 @@ def _permuted_from_rows(rows: torch.Tensor, handle: HybridHandle) -> torch.Tenso
     return padded[torch.where(handle.permuted_row >= 0, handle.permuted_row, rows.shape[0])]
 
 
-def _rows_from_permuted(permuted: torch.Tensor, handle: HybridHandle, num_rows: int) -> torch.Tensor:
+def _rows_from_permuted(
+    permuted: torch.Tensor, handle: HybridHandle, num_rows: int
+) -> torch.Tensor:
     """[M, *D] permuted rows -> [R, *D] received rows, summing each row's experts (padding dropped)."""
     valid = handle.permuted_row >= 0
     out = permuted.new_zeros((num_rows, *permuted.shape[1:]))
@@ -78,7 +80,9 @@ class GlooHybridDispatch(torch.autograd.Function):
     :func:`hybrid_ep_dispatch`."""
 
     @staticmethod
-    def forward(ctx, x, routing_map, probs, group, num_local_experts, num_permuted_tokens, pad_multiple):
+    def forward(
+        ctx, x, routing_map, probs, group, num_local_experts, num_permuted_tokens, pad_multiple
+    ):
         world, num_tokens = group.size(), x.shape[0]
         local_map = routing_map.view(num_tokens, world, num_local_experts)
         token_in_rank = local_map.any(dim=2)  # [N, W]
@@ -90,7 +94,9 @@ class GlooHybridDispatch(torch.autograd.Function):
         exchange = lambda t: exchange_rows(t, send_splits, recv_splits, group)  # noqa: E731
         recv_x = exchange(x[send_token])
         recv_map = exchange(local_map[send_token, send_rank].to(torch.int8)).bool()  # [R, L]
-        recv_probs = exchange(probs.view(num_tokens, world, num_local_experts)[send_token, send_rank].float())
+        recv_probs = exchange(
+            probs.view(num_tokens, world, num_local_experts)[send_token, send_rank].float()
+        )
         # Local-expert-major, rows in received order within an expert; each expert padded up.
         expert, row = recv_map.t().nonzero(as_tuple=True)
         counts = recv_map.sum(0).tolist()
@@ -104,13 +110,20 @@ class GlooHybridDispatch(torch.autograd.Function):
         permuted_expert = torch.zeros(size, dtype=torch.int64)
         start, taken = 0, 0
         for e, (c, p) in enumerate(zip(counts, padded)):
-            permuted_row[start:start + c] = row[taken:taken + c]
-            permuted_expert[start:start + p] = e
+            permuted_row[start : start + c] = row[taken : taken + c]
+            permuted_expert[start : start + p] = e
             start, taken = start + p, taken + c
-        handle = HybridHandle(group=group, num_tokens=num_tokens, send_token=send_token, send_rank=send_rank,
-                              send_splits=send_splits, recv_splits=recv_splits,
-                              num_local_experts=num_local_experts, permuted_row=permuted_row,
-                              permuted_expert=permuted_expert)
+        handle = HybridHandle(
+            group=group,
+            num_tokens=num_tokens,
+            send_token=send_token,
+            send_rank=send_rank,
+            send_splits=send_splits,
+            recv_splits=recv_splits,
+            num_local_experts=num_local_experts,
+            permuted_row=permuted_row,
+            permuted_expert=permuted_expert,
+        )
         dispatched = _permuted_from_rows(recv_x, handle)
         row_probs = _permuted_from_rows(recv_probs, handle)  # [M, L]
         dispatched_probs = row_probs.gather(1, permuted_expert.unsqueeze(1)).squeeze(1)
@@ -129,11 +142,19 @@ class GlooHybridDispatch(torch.autograd.Function):
             if grad_probs is not None:
                 valid = handle.permuted_row >= 0
                 num_rows = sum(handle.recv_splits)
-                per_row = grad_probs.new_zeros((num_rows, handle.num_local_experts), dtype=torch.float32)
-                per_row[handle.permuted_row[valid], handle.permuted_expert[valid]] = grad_probs[valid].float()
-                returned = exchange_rows(per_row, handle.recv_splits, handle.send_splits, handle.group)
+                per_row = grad_probs.new_zeros(
+                    (num_rows, handle.num_local_experts), dtype=torch.float32
+                )
+                per_row[handle.permuted_row[valid], handle.permuted_expert[valid]] = grad_probs[
+                    valid
+                ].float()
+                returned = exchange_rows(
+                    per_row, handle.recv_splits, handle.send_splits, handle.group
+                )
                 world = handle.group.size()
-                grad_routing_probs = returned.new_zeros((handle.num_tokens, world, handle.num_local_experts))
+                grad_routing_probs = returned.new_zeros(
+                    (handle.num_tokens, world, handle.num_local_experts)
+                )
                 grad_routing_probs[handle.send_token, handle.send_rank] = returned
                 grad_routing_probs = grad_routing_probs.view(ctx.probs_shape)
         on_device(grad_x, grad_routing_probs)
@@ -156,10 +177,21 @@ class GlooHybridCombine(torch.autograd.Function):
         return grad, None
 
 
-def hybrid_ep_dispatch(x, routing_map, probs, group, num_local_experts, num_sms_dispatch_api=None,
-                       num_sms_combine_api=None, num_blocks_permute=None, num_blocks_unpermute=None,
-                       fused=False, num_permuted_tokens=None, pad_multiple=None,
-                       num_sms_preprocessing_api=108):
+def hybrid_ep_dispatch(
+    x,
+    routing_map,
+    probs,
+    group,
+    num_local_experts,
+    num_sms_dispatch_api=None,
+    num_sms_combine_api=None,
+    num_blocks_permute=None,
+    num_blocks_unpermute=None,
+    fused=False,
+    num_permuted_tokens=None,
+    pad_multiple=None,
+    num_sms_preprocessing_api=108,
+):
     """HybridEP's permute + dispatch + permute (megatron's ``fused_a2a.hybrid_ep_dispatch``).
 
     Args:
@@ -178,16 +210,27 @@ def hybrid_ep_dispatch(x, routing_map, probs, group, num_local_experts, num_sms_
     """
     del num_sms_dispatch_api, num_sms_combine_api, num_blocks_permute, num_blocks_unpermute, fused
     del num_sms_preprocessing_api
-    if routing_map.shape != probs.shape or routing_map.shape[0] != x.shape[0] or \
-            routing_map.shape[1] != group.size() * num_local_experts:
-        raise ValueError(f"expected routing_map and probs [N, W * L] for x [N, H]; got "
-                         f"{tuple(routing_map.shape)}, {tuple(probs.shape)}, {tuple(x.shape)}")
+    if (
+        routing_map.shape != probs.shape
+        or routing_map.shape[0] != x.shape[0]
+        or routing_map.shape[1] != group.size() * num_local_experts
+    ):
+        raise ValueError(
+            f"expected routing_map and probs [N, W * L] for x [N, H]; got "
+            f"{tuple(routing_map.shape)}, {tuple(probs.shape)}, {tuple(x.shape)}"
+        )
     if probs.dtype != torch.float32:
         raise ValueError(f"HybridEP takes float32 probs, got {probs.dtype}")
     with transport():
         dispatched, dispatched_probs, tokens_per_expert, handle = GlooHybridDispatch.apply(
-            x.contiguous(), routing_map.bool(), probs, group, num_local_experts, num_permuted_tokens,
-            pad_multiple)
+            x.contiguous(),
+            routing_map.bool(),
+            probs,
+            group,
+            num_local_experts,
+            num_permuted_tokens,
+            pad_multiple,
+        )
     if num_permuted_tokens is None:
         host_wait("HybridEP dispatch without num_permuted_tokens: the host reads the permuted size")
     on_device(dispatched, dispatched_probs, tokens_per_expert)
@@ -199,11 +242,15 @@ def hybrid_ep_combine(x, handle, num_permuted_tokens, pad_multiple, fused=False)
     token's rows summed (padding rows dropped). Differentiable in x."""
     del pad_multiple, fused
     if not isinstance(handle, HybridHandle) or x.shape[0] != handle.permuted_row.shape[0]:
-        raise ValueError(f"expected x [{getattr(handle, 'permuted_row', torch.empty(0)).shape[0]}, H] "
-                         f"for the dispatch's handle, got {tuple(x.shape)}")
+        raise ValueError(
+            f"expected x [{getattr(handle, 'permuted_row', torch.empty(0)).shape[0]}, H] "
+            f"for the dispatch's handle, got {tuple(x.shape)}"
+        )
     with transport():  # megatron hands over a device scalar when it read the size itself
         if num_permuted_tokens is not None and int(num_permuted_tokens) != x.shape[0]:
-            raise ValueError(f"num_permuted_tokens={int(num_permuted_tokens)} but x has {x.shape[0]} rows")
+            raise ValueError(
+                f"num_permuted_tokens={int(num_permuted_tokens)} but x has {x.shape[0]} rows"
+            )
         combined = GlooHybridCombine.apply(x.contiguous(), handle)
     on_device(combined)
     return combined

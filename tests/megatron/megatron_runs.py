@@ -28,23 +28,64 @@ from gloo_launch import REPO_ROOT, WORKERS, gloo_env, launch_gloo_ranks, run_pyt
 from ultraep_megatron.megatron.cpu.flags import CPU_FLAGS, REQUIRED_ARGS
 
 
-def tiny_moe_args(*, ep: int, train_iters: int, dropout: float = 0.0, seed: int = 1234) -> list[str]:
+def tiny_moe_args(
+    *, ep: int, train_iters: int, dropout: float = 0.0, seed: int = 1234
+) -> list[str]:
     """pretrain_gpt.py arguments for the tiny MoE GPT at expert-parallel size ``ep``."""
     return [
         *REQUIRED_ARGS,
-        "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128",
-        "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings", "32",
-        "--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64",
-        "--moe-token-dispatcher-type", "alltoall", "--expert-model-parallel-size", str(ep),
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "64",
+        "--ffn-hidden-size",
+        "128",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "32",
+        "--max-position-embeddings",
+        "32",
+        "--num-experts",
+        "8",
+        "--moe-router-topk",
+        "2",
+        "--moe-ffn-hidden-size",
+        "64",
+        "--moe-token-dispatcher-type",
+        "alltoall",
+        "--expert-model-parallel-size",
+        str(ep),
         # megatron-core 0.19.2 at EP=1, TP=1 adds the expert bias in place into the output of an
         # identity all-reduce, which autograd forbids; MoE models run without linear biases anyway.
         "--disable-bias-linear",
-        "--micro-batch-size", "2", "--global-batch-size", "8",
-        "--train-iters", str(train_iters), "--lr", "1e-3", "--lr-decay-style", "constant",
-        "--seed", str(seed),
-        "--hidden-dropout", str(dropout), "--attention-dropout", str(dropout),
-        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256",
-        "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "0",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "8",
+        "--train-iters",
+        str(train_iters),
+        "--lr",
+        "1e-3",
+        "--lr-decay-style",
+        "constant",
+        "--seed",
+        str(seed),
+        "--hidden-dropout",
+        str(dropout),
+        "--attention-dropout",
+        str(dropout),
+        "--mock-data",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "256",
+        "--log-interval",
+        "1",
+        "--eval-interval",
+        "1000",
+        "--eval-iters",
+        "0",
     ]
 
 
@@ -53,8 +94,9 @@ def read_metrics(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-def run_pretrain(run_dir: str | Path, nproc: int, args: Sequence[str], *,
-                 timeout_s: float = 600.0) -> list[dict]:
+def run_pretrain(
+    run_dir: str | Path, nproc: int, args: Sequence[str], *, timeout_s: float = 600.0
+) -> list[dict]:
     """Run pretrain_gpt.py on ``nproc`` ranks with ``args``; return its per-iteration records.
 
     The console output is kept in ``run_dir/log``.
@@ -63,9 +105,13 @@ def run_pretrain(run_dir: str | Path, nproc: int, args: Sequence[str], *,
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics = run_dir / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
-    launch_gloo_ranks(REPO_ROOT / "pretrain_gpt.py", nproc,
-                      [*args, "--metrics-jsonl", str(metrics)],
-                      timeout_s=timeout_s, log_path=run_dir / "log")
+    launch_gloo_ranks(
+        REPO_ROOT / "pretrain_gpt.py",
+        nproc,
+        [*args, "--metrics-jsonl", str(metrics)],
+        timeout_s=timeout_s,
+        log_path=run_dir / "log",
+    )
     return read_metrics(metrics)
 
 
@@ -90,12 +136,21 @@ def uninterrupted_and_resumed(root, optimizer_args):
     Returns:
         (arguments of both runs, uninterrupted metrics, resumed metrics) by iteration.
     """
-    base = [*tiny_moe_args(ep=RESUME_EP, train_iters=RESUME_TRAIN_ITERS, dropout=0.1),
-            *RESUME_ARGS, *optimizer_args]
-    uninterrupted = run_pretrain(root / "uninterrupted", RESUME_NPROC, [
-        *base, "--save", str(root / "ckpt"), "--save-interval", str(RESUME_SAVE_AT)])
-    resumed = run_pretrain(root / "resumed", RESUME_NPROC, [
-        *base, "--load", str(root / "ckpt"), "--ckpt-step", str(RESUME_SAVE_AT)])
+    base = [
+        *tiny_moe_args(ep=RESUME_EP, train_iters=RESUME_TRAIN_ITERS, dropout=0.1),
+        *RESUME_ARGS,
+        *optimizer_args,
+    ]
+    uninterrupted = run_pretrain(
+        root / "uninterrupted",
+        RESUME_NPROC,
+        [*base, "--save", str(root / "ckpt"), "--save-interval", str(RESUME_SAVE_AT)],
+    )
+    resumed = run_pretrain(
+        root / "resumed",
+        RESUME_NPROC,
+        [*base, "--load", str(root / "ckpt"), "--ckpt-step", str(RESUME_SAVE_AT)],
+    )
     return base, metrics_by_iteration(uninterrupted), metrics_by_iteration(resumed)
 
 
@@ -106,14 +161,39 @@ def uninterrupted_and_resumed(root, optimizer_args):
 #: its aux-loss-free update, group-limited top-k, top-k scaling, sequence aux loss), one MTP layer
 #: (which needs RoPE), per-token loss, and evaluation during training.
 RECIPE_FEATURES = [
-    "--num-layers", "4", "--moe-layer-freq", "[0,1,1,1]", "--moe-shared-expert-intermediate-size", "64",
-    "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
-    "--moe-router-bias-update-rate", "1e-3", "--moe-router-num-groups", "4",
-    "--moe-router-group-topk", "2", "--moe-router-topk-scaling-factor", "2.5",
-    "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "1e-4",
-    "--mtp-num-layers", "1", "--position-embedding-type", "rope",
-    "--untie-embeddings-and-output-weights", "--calculate-per-token-loss",
-    "--global-batch-size", "16", "--eval-interval", "4", "--eval-iters", "1",
+    "--num-layers",
+    "4",
+    "--moe-layer-freq",
+    "[0,1,1,1]",
+    "--moe-shared-expert-intermediate-size",
+    "64",
+    "--moe-router-score-function",
+    "sigmoid",
+    "--moe-router-enable-expert-bias",
+    "--moe-router-bias-update-rate",
+    "1e-3",
+    "--moe-router-num-groups",
+    "4",
+    "--moe-router-group-topk",
+    "2",
+    "--moe-router-topk-scaling-factor",
+    "2.5",
+    "--moe-router-load-balancing-type",
+    "seq_aux_loss",
+    "--moe-aux-loss-coeff",
+    "1e-4",
+    "--mtp-num-layers",
+    "1",
+    "--position-embedding-type",
+    "rope",
+    "--untie-embeddings-and-output-weights",
+    "--calculate-per-token-loss",
+    "--global-batch-size",
+    "16",
+    "--eval-interval",
+    "4",
+    "--eval-iters",
+    "1",
 ]
 #: The expert bias the initial checkpoint starts from: EP rank 0's experts are preferred, so the
 #: routing is skewed (rank imbalance about 2.4 at EP=4) the same way in every layout that loads it.
@@ -131,36 +211,53 @@ class DumpRun:
     (its docstring), merged over ranks."""
 
     run_dir: Path
-    records: dict[int, dict]                        # --metrics-jsonl records by iteration
-    grads: dict[int, dict[str, torch.Tensor]]       # lr-0 iterations; a name from the first rank holding it
+    records: dict[int, dict]  # --metrics-jsonl records by iteration
+    grads: dict[
+        int, dict[str, torch.Tensor]
+    ]  # lr-0 iterations; a name from the first rank holding it
     expert_bias: dict[int, dict[str, torch.Tensor]]
-    evals: list[dict]                               # the last rank's evaluation records
+    evals: list[dict]  # the last rank's evaluation records
     log: str
 
 
-def launch_dump_run(run_dir: Path, nproc: int, args: Sequence[str], env: dict[str, str],
-                    timeout_s: float = 600.0) -> DumpRun:
+def launch_dump_run(
+    run_dir: Path, nproc: int, args: Sequence[str], env: dict[str, str], timeout_s: float = 600.0
+) -> DumpRun:
     """pretrain_gpt.py through workers/pretrain_grad_dump.py on ``nproc`` gloo ranks."""
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics = run_dir / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
-    log = launch_gloo_ranks(WORKERS / "pretrain_grad_dump.py", nproc,
-                            [*args, "--metrics-jsonl", str(metrics)],
-                            env={"ULTRAEP_GRAD_DUMP_DIR": str(run_dir), **env},
-                            timeout_s=timeout_s, log_path=run_dir / "log")
+    log = launch_gloo_ranks(
+        WORKERS / "pretrain_grad_dump.py",
+        nproc,
+        [*args, "--metrics-jsonl", str(metrics)],
+        env={"ULTRAEP_GRAD_DUMP_DIR": str(run_dir), **env},
+        timeout_s=timeout_s,
+        log_path=run_dir / "log",
+    )
     dumps = [torch.load(run_dir / f"rank{r}.pt") for r in range(nproc)]
     expert_bias = {}
     for dump in dumps:
         for it, tensors in dump["expert_bias"].items():
             for name, tensor in tensors.items():
                 expert_bias.setdefault(it, {}).setdefault(name, tensor)
-    grads = {it: merge_reduced_gradients([dump["grads"][it] for dump in dumps])
-             for it in dumps[0]["grads"]}
-    return DumpRun(run_dir, {r["iteration"]: r for r in read_metrics(metrics)}, grads,
-                   expert_bias, dumps[-1]["eval"], log)
+    grads = {
+        it: merge_reduced_gradients([dump["grads"][it] for dump in dumps])
+        for it in dumps[0]["grads"]
+    }
+    return DumpRun(
+        run_dir,
+        {r["iteration"]: r for r in read_metrics(metrics)},
+        grads,
+        expert_bias,
+        dumps[-1]["eval"],
+        log,
+    )
 
 
-def merge_reduced_gradients(per_rank: Sequence[dict[str, tuple[torch.Tensor, torch.Tensor]]]) -> dict[str, torch.Tensor]:
+def merge_reduced_gradients(
+    per_rank: Sequence[dict[str, tuple[torch.Tensor, torch.Tensor]]],
+) -> dict[str, torch.Tensor]:
     """One iteration's reduced gradients, by global name, from every rank's ``(gradient, owned)``
     (workers/megatron_records.reduced_gradients): each element from the first rank that holds
     its reduced value. Every element must be held by some rank (with the distributed optimizer the
@@ -183,7 +280,9 @@ def merge_reduced_gradients(per_rank: Sequence[dict[str, tuple[torch.Tensor, tor
 ONE_RANK_LAYOUT = {"--pipeline-model-parallel-size": "1", "--expert-model-parallel-size": "1"}
 
 
-def save_initial_checkpoint(run_dir: Path, args: Sequence[str], env: dict[str, str] | None = None) -> DumpRun:
+def save_initial_checkpoint(
+    run_dir: Path, args: Sequence[str], env: dict[str, str] | None = None
+) -> DumpRun:
     """The model of ``args`` at initialization, on one rank (EP 1, PP 1), saved as a torch_dist
     checkpoint in ``run_dir/ckpt`` after one iteration at learning rate 0 (the expert bias frozen
     for it). Every layout that loads it (``--load CKPT --finetune``) starts from the same weights,
@@ -193,17 +292,42 @@ def save_initial_checkpoint(run_dir: Path, args: Sequence[str], env: dict[str, s
         The run that saved it (its checkpoint: ``run_dir/ckpt``).
     """
     args = list(args)
-    for flag in (*ONE_RANK_LAYOUT, "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
-                 "--num-virtual-stages-per-pipeline-rank"):
+    for flag in (
+        *ONE_RANK_LAYOUT,
+        "--decoder-first-pipeline-num-layers",
+        "--decoder-last-pipeline-num-layers",
+        "--num-virtual-stages-per-pipeline-rank",
+    ):
         while flag in args:
             i = args.index(flag)
-            del args[i:i + 2]
+            del args[i : i + 2]
     # Schedules of more ranks, which change no weight: megatron's overlapped schedule needs EP > 1.
-    args = [a for a in args if a not in ("--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute")]
+    args = [
+        a for a in args if a not in ("--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute")
+    ]
     args += [token for flag, value in ONE_RANK_LAYOUT.items() for token in (flag, value)]
-    args += ["--train-iters", "1", "--lr", "0.0", "--min-lr", "0.0", "--lr-warmup-iters", "0",
-             "--lr-decay-style", "constant", "--moe-router-bias-update-rate", "0.0", "--eval-iters", "0",
-             "--save", str(run_dir / "ckpt"), "--save-interval", "1", "--ckpt-format", "torch_dist"]
+    args += [
+        "--train-iters",
+        "1",
+        "--lr",
+        "0.0",
+        "--min-lr",
+        "0.0",
+        "--lr-warmup-iters",
+        "0",
+        "--lr-decay-style",
+        "constant",
+        "--moe-router-bias-update-rate",
+        "0.0",
+        "--eval-iters",
+        "0",
+        "--save",
+        str(run_dir / "ckpt"),
+        "--save-interval",
+        "1",
+        "--ckpt-format",
+        "torch_dist",
+    ]
     return launch_dump_run(run_dir, 1, args, env or {})
 
 
@@ -213,7 +337,7 @@ def make_initial_checkpoint(run_dir: Path) -> DumpRun:
     args = [a for a in recipe_moe_args(ep=1, train_iters=1)]
     for flag, (value, _) in CPU_FLAGS.items():
         i = args.index(flag)
-        del args[i:i + (1 if value is None else 2)]
+        del args[i : i + (1 if value is None else 2)]
     return save_initial_checkpoint(run_dir, args, {"ULTRAEP_EXPERT_BIAS": SKEWED_EXPERT_BIAS})
 
 
@@ -245,19 +369,27 @@ def argument_verdicts(cases: dict[str, list[str]]) -> dict[str, dict]:
     with tempfile.TemporaryDirectory(prefix="argument_verdicts_") as tmp:
         path = Path(tmp) / "cases.json"
         path.write_text(json.dumps([{"name": name, "argv": argv} for name, argv in cases.items()]))
-        out = run_python(WORKERS / "validate_balancer_args.py", [str(path)],
-                         env=gloo_env({"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}))
+        out = run_python(
+            WORKERS / "validate_balancer_args.py",
+            [str(path)],
+            env=gloo_env({"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}),
+        )
     found = {}
     for line in (out.stdout + out.stderr).splitlines():
         if line.startswith("RESULT "):
-            record = json.loads(line[len("RESULT "):])
+            record = json.loads(line[len("RESULT ") :])
             found[record.pop("name")] = record
     assert set(found) == set(cases), out.stderr[-3000:]
     return found
 
 
-def torchrun(script: str | Path, nproc: int, args: Sequence[str], env: dict[str, str] | None = None,
-             timeout_s: float = 300) -> tuple[int, str]:
+def torchrun(
+    script: str | Path,
+    nproc: int,
+    args: Sequence[str],
+    env: dict[str, str] | None = None,
+    timeout_s: float = 300,
+) -> tuple[int, str]:
     """(exit status, combined output) of ``script`` on ``nproc`` gloo ranks, failing or not."""
     completed = run_ranks(script, nproc, args, env=env, timeout_s=timeout_s)
     return completed.returncode, completed.stdout + completed.stderr

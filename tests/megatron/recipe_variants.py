@@ -38,8 +38,11 @@ from gloo_launch import REPO_ROOT
 
 from ultraep_megatron.megatron.recipe_check import capture_launch
 
-RECIPES = sorted(p for p in (REPO_ROOT / "recipes").glob("*.sh")
-                 if p.name not in ("common.sh", "tiny_cpu.sh", "record_trace_kjv.sh"))
+RECIPES = sorted(
+    p
+    for p in (REPO_ROOT / "recipes").glob("*.sh")
+    if p.name not in ("common.sh", "tiny_cpu.sh", "record_trace_kjv.sh")
+)
 
 TINY_LAYERS = 4
 EP = 2
@@ -47,12 +50,12 @@ EP = 2
 #: flag -> why a CPU variant runs without it.
 DROPPED = {
     "--transformer-impl": "Transformer Engine needs a GPU: the CPU backend runs megatron's local "
-                          "layers (--transformer-impl local)",
+    "layers (--transformer-impl local)",
     "--wandb-project": "logging only: the test reads --metrics-jsonl",
     "--wandb-exp-name": "logging only: the test reads --metrics-jsonl",
     "--multi-latent-attention": "megatron-core 0.19's local attention cannot run it (its "
-                                "DotProductAttention takes no k_channels: MLA needs Transformer "
-                                "Engine's); the variant runs standard attention",
+    "DotProductAttention takes no k_channels: MLA needs Transformer "
+    "Engine's); the variant runs standard attention",
     "--q-lora-rank": "a multi-latent-attention size (dropped with it)",
     "--kv-lora-rank": "a multi-latent-attention size (dropped with it)",
     "--qk-head-dim": "a multi-latent-attention size (dropped with it)",
@@ -62,44 +65,49 @@ DROPPED = {
     "--mscale": "YaRN RoPE scaling, used by multi-latent attention (dropped with it)",
     "--mscale-all-dim": "YaRN RoPE scaling, used by multi-latent attention (dropped with it)",
     "--moe-grouped-gemm": "Transformer Engine's grouped-GEMM experts (TEGroupedMLP) need a GPU: "
-                          "megatron's local spec builds SequentialMLP experts (and its argument check "
-                          "asks the GPU's compute capability); ultraep with TEGroupedMLP runs in "
-                          "test_balanced_moe_layer.py's grouped scenario, with torch_grouped_linear "
-                          "in TE's place",
+    "megatron's local spec builds SequentialMLP experts (and its argument check "
+    "asks the GPU's compute capability); ultraep with TEGroupedMLP runs in "
+    "test_balanced_moe_layer.py's grouped scenario, with torch_grouped_linear "
+    "in TE's place",
     "--cuda-graph-impl": "CUDA graphs need a GPU; the modules a balancer accepts and refuses: "
-                         "tests/megatron/test_capabilities.py's startup acceptance",
+    "tests/megatron/test_capabilities.py's startup acceptance",
     "--cuda-graph-modules": "CUDA graphs need a GPU (dropped with --cuda-graph-impl; "
-                            "tests/megatron/test_capabilities.py)",
+    "tests/megatron/test_capabilities.py)",
     "--moe-flex-dispatcher-backend": "DeepEP / HybridEP need CUDA; the balanced flex dispatcher runs "
-                                     "over their gloo stand-ins in test_balanced_moe_layer.py's "
-                                     "flex and flex-hybridep scenarios",
+    "over their gloo stand-ins in test_balanced_moe_layer.py's "
+    "flex and flex-hybridep scenarios",
     "--delay-wgrad-compute": "megatron delays the weight gradients only of Transformer Engine's linears "
-                             "(its argument check asserts --transformer-impl transformer_engine); ultraep "
-                             "with them runs in test_overlapped_schedule.py's delay scenarios (bf16 and "
-                             "tensorwise fp8), over a stand-in of TE's delayed-wgrad contract",
+    "(its argument check asserts --transformer-impl transformer_engine); ultraep "
+    "with them runs in test_overlapped_schedule.py's delay scenarios (bf16 and "
+    "tensorwise fp8), over a stand-in of TE's delayed-wgrad contract",
     "--sequence-parallel": "the variant runs TP 1 (see --tensor-model-parallel-size), where sequence "
-                           "parallelism has nothing to split",
+    "parallelism has nothing to split",
     "--account-for-embedding-in-pipeline-split": "the variant's 4 layers fill its virtual stages evenly "
-                                                 "without counting the embedding (the recipe's 94 + 2 do)",
+    "without counting the embedding (the recipe's 94 + 2 do)",
     "--account-for-loss-in-pipeline-split": "the variant's 4 layers fill its virtual stages evenly without "
-                                            "counting the loss (the recipe's 94 + 2 do)",
+    "counting the loss (the recipe's 94 + 2 do)",
     "--moe-balancer-hardware": "its quota floor is in tokens of a full-size expert's GEMM (hundreds), "
-                               "more than a variant's whole microbatch routes to an expert: "
-                               "nothing would be replicated; the variant keeps the default floor "
-                               "(1% of the mean rank load). The preset's floor: test_arguments.py",
+    "more than a variant's whole microbatch routes to an expert: "
+    "nothing would be replicated; the variant keeps the default floor "
+    "(1% of the mean rank load). The preset's floor: test_arguments.py",
 }
 
 #: fp8 flags a variant keeps where its parameters are fp8 (``--fp8-param-gather``): the expert
 #: weights are then Transformer Engine's quantized parameters, stood in by ``fp8_param_standin``
 #: through megatron's own DDP buffers, distributed-optimizer cast and parameter gather (the
 #: experts' GEMMs compute on the quantized weights' values; activations stay high precision).
-FP8_PARAMETER_FLAGS = ("--fp8-format", "--fp8-recipe", "--fp8-param-gather", "--reuse-grad-buf-for-mxfp8-param-ag")
+FP8_PARAMETER_FLAGS = (
+    "--fp8-format",
+    "--fp8-recipe",
+    "--fp8-param-gather",
+    "--reuse-grad-buf-for-mxfp8-param-ag",
+)
 #: Why a variant without fp8 parameters drops its fp8 flags.
 FP8_NUMERICS_DROPPED = {
     "--fp8-format": "fp8 GEMMs without fp8 parameters: their numerics are Transformer Engine's "
-                    "kernels' (GPU only), stood in at the layer level by tests/megatron/test_fp8_layer.py "
-                    "(TE's grouped linear and a current-scaling quantizer); no fp8 parameter goes "
-                    "through megatron's DDP, so the variant runs as the bf16 one",
+    "kernels' (GPU only), stood in at the layer level by tests/megatron/test_fp8_layer.py "
+    "(TE's grouped linear and a current-scaling quantizer); no fp8 parameter goes "
+    "through megatron's DDP, so the variant runs as the bf16 one",
     "--fp8-recipe": "an fp8 GEMM setting (dropped with --fp8-format; tests/megatron/test_fp8_layer.py)",
 }
 
@@ -112,16 +120,21 @@ def recipe_precisions(recipe: Path) -> list[str]:
 
 
 #: Every recipe with every PRECISION preset it runs: (recipe, precision).
-RECIPE_PRESETS = [(recipe, precision) for recipe in RECIPES for precision in recipe_precisions(recipe)]
+RECIPE_PRESETS = [
+    (recipe, precision) for recipe in RECIPES for precision in recipe_precisions(recipe)
+]
 
 
 #: flag -> {a value a CPU run cannot take: (the variant's value, why)}. The variant's value is a word
 #: as the recipe's was, so the variant exercises what a recipe that sets it does (covering_runs).
 REPLACED = {
     "--moe-token-dispatcher-type": {
-        "flex": ("alltoall", "the flex dispatcher's DeepEP / HybridEP need CUDA: the variant runs "
-                             "megatron's all-to-all; the balanced flex path runs over their gloo "
-                             "stand-ins in test_balanced_moe_layer.py's flex and flex-hybridep scenarios"),
+        "flex": (
+            "alltoall",
+            "the flex dispatcher's DeepEP / HybridEP need CUDA: the variant runs "
+            "megatron's all-to-all; the balanced flex path runs over their gloo "
+            "stand-ins in test_balanced_moe_layer.py's flex and flex-hybridep scenarios",
+        ),
     },
 }
 
@@ -138,8 +151,8 @@ def _layer_freq(value: str, layers: int) -> str:
 class Layout:
     """The recipe's parallel layout at full scale and the variant's."""
 
-    pipeline: int          # the variant's PP
-    expert_data: int       # the variant's expert-data-parallel size
+    pipeline: int  # the variant's PP
+    expert_data: int  # the variant's expert-data-parallel size
 
     @property
     def world(self) -> int:
@@ -148,13 +161,25 @@ class Layout:
 
 #: Sizes of the variants' model and batch (flag -> value), whatever the recipe's.
 TINY = {
-    "--num-layers": str(TINY_LAYERS), "--hidden-size": "64", "--ffn-hidden-size": "128",
-    "--num-attention-heads": "4", "--num-query-groups": "2", "--kv-channels": "16",
-    "--max-position-embeddings": "64", "--seq-length": "32", "--vocab-size": "256",
-    "--make-vocab-size-divisible-by": "128", "--num-experts": "8", "--moe-ffn-hidden-size": "32",
-    "--moe-shared-expert-intermediate-size": "32", "--moe-router-topk": "2",
-    "--moe-router-num-groups": "4", "--moe-router-group-topk": "2",
-    "--expert-model-parallel-size": str(EP), "--micro-batch-size": "2", "--global-batch-size": "16",
+    "--num-layers": str(TINY_LAYERS),
+    "--hidden-size": "64",
+    "--ffn-hidden-size": "128",
+    "--num-attention-heads": "4",
+    "--num-query-groups": "2",
+    "--kv-channels": "16",
+    "--max-position-embeddings": "64",
+    "--seq-length": "32",
+    "--vocab-size": "256",
+    "--make-vocab-size-divisible-by": "128",
+    "--num-experts": "8",
+    "--moe-ffn-hidden-size": "32",
+    "--moe-shared-expert-intermediate-size": "32",
+    "--moe-router-topk": "2",
+    "--moe-router-num-groups": "4",
+    "--moe-router-group-topk": "2",
+    "--expert-model-parallel-size": str(EP),
+    "--micro-batch-size": "2",
+    "--global-batch-size": "16",
     "--lr-warmup-iters": "2",
 }
 
@@ -163,10 +188,16 @@ TINY = {
 DERIVED: dict[str, Callable[[Layout, list[str]], str]] = {
     "--moe-layer-freq": lambda layout, values: _layer_freq(values[0], TINY_LAYERS),
     "--pipeline-model-parallel-size": lambda layout, values: str(layout.pipeline),
-    "--decoder-first-pipeline-num-layers": lambda layout, values: str(TINY_LAYERS // layout.pipeline),
-    "--decoder-last-pipeline-num-layers": lambda layout, values: str(TINY_LAYERS // layout.pipeline),
+    "--decoder-first-pipeline-num-layers": lambda layout, values: str(
+        TINY_LAYERS // layout.pipeline
+    ),
+    "--decoder-last-pipeline-num-layers": lambda layout, values: str(
+        TINY_LAYERS // layout.pipeline
+    ),
     # Interleaved: one layer per virtual stage (TINY_LAYERS = PP x VPP at PP 2).
-    "--num-virtual-stages-per-pipeline-rank": lambda layout, values: str(TINY_LAYERS // layout.pipeline),
+    "--num-virtual-stages-per-pipeline-rank": lambda layout, values: str(
+        TINY_LAYERS // layout.pipeline
+    ),
     # A few CPU ranks: TP 1 (ultraep's experts run at expert-TP 1 whatever the TP size; attention TP
     # is megatron's own code path, not the balanced layer's).
     "--tensor-model-parallel-size": lambda layout, values: "1",
@@ -191,7 +222,9 @@ def scaled_bucket_size(flags) -> int:
     expert as at full scale (a DeepSeek-V3 expert, 44M elements, spans two 40M buckets), so the
     variant's experts cross bucket boundaries where the recipe's do."""
     gated = any(f == "--swiglu" for f, _ in flags)
-    full = expert_params(int(_value(flags, "--hidden-size")), int(_value(flags, "--moe-ffn-hidden-size")), gated)
+    full = expert_params(
+        int(_value(flags, "--hidden-size")), int(_value(flags, "--moe-ffn-hidden-size")), gated
+    )
     tiny = expert_params(int(TINY["--hidden-size"]), int(TINY["--moe-ffn-hidden-size"]), gated)
     return max(1, MEGATRON_BUCKET_SIZE * tiny // full)
 
@@ -230,7 +263,9 @@ class Variant:
     @property
     def name(self) -> str:
         """``<recipe stem>`` (bf16, the recipes' default) or ``<recipe stem>:<precision>``."""
-        return self.recipe.stem if self.precision == "bf16" else f"{self.recipe.stem}:{self.precision}"
+        return (
+            self.recipe.stem if self.precision == "bf16" else f"{self.recipe.stem}:{self.precision}"
+        )
 
     @property
     def fp8_parameters(self) -> bool:
@@ -251,7 +286,9 @@ class Variant:
         data_parallel = self.layout.world // self.layout.pipeline
         return 4 if data_parallel % 4 == 0 else 1
 
-    def launch_args(self, balancer: str, *, train_iters: int, ep: int = EP, fp8_parameters: bool = True) -> list[str]:
+    def launch_args(
+        self, balancer: str, *, train_iters: int, ep: int = EP, fp8_parameters: bool = True
+    ) -> list[str]:
         """The variant's arguments with ``--moe-balancer balancer``, ``train_iters`` and EP ``ep``;
         without its fp8-parameter flags if not ``fp8_parameters`` (the initial checkpoint: the
         stand-in of TE's quantized parameters saves no checkpoint, and megatron loads a
@@ -260,8 +297,11 @@ class Variant:
         if not fp8_parameters:
             flags = [(flag, values) for flag, values in flags if flag not in FP8_PARAMETER_FLAGS]
         args = [token for flag, values in flags for token in (flag, *values)]
-        for flag, value in (("--moe-balancer", balancer), ("--train-iters", str(train_iters)),
-                            ("--expert-model-parallel-size", str(ep))):
+        for flag, value in (
+            ("--moe-balancer", balancer),
+            ("--train-iters", str(train_iters)),
+            ("--expert-model-parallel-size", str(ep)),
+        ):
             args[args.index(flag) + 1] = value
         return args
 
@@ -317,10 +357,16 @@ def covering_runs(variants: list["Variant"]) -> dict[str, list[str]]:
         if not uncovered:
             best[0] = (score, list(chosen))
             return
-        item = min(uncovered, key=lambda i: (sum(i in behaviours[o.name] for o in options), repr(i)))
+        item = min(
+            uncovered, key=lambda i: (sum(i in behaviours[o.name] for o in options), repr(i))
+        )
         for option in options:
             if item in behaviours[option.name]:
-                search([*chosen, option], uncovered - behaviours[option.name], ranks + option.layout.world)
+                search(
+                    [*chosen, option],
+                    uncovered - behaviours[option.name],
+                    ranks + option.layout.world,
+                )
 
     search([], frozenset().union(*behaviours.values()), 0)
     running = best[0][1]
@@ -351,7 +397,9 @@ def small_scale_variant(recipe: Path, precision: str = "bf16") -> Variant:
     # megatron's overlapped schedule needs EP > 1, also in the noise floor's partner (Variant.floor_ep):
     # expert-DP 2, so that EP 4 fits on the same ranks.
     overlapped = any(flag == "--overlap-moe-expert-parallel-comm" for flag, _ in flags)
-    layout = Layout(pipeline=min(pipeline, 2), expert_data=2 if expert_data > 1 or overlapped else 1)
+    layout = Layout(
+        pipeline=min(pipeline, 2), expert_data=2 if expert_data > 1 or overlapped else 1
+    )
     variant = Variant(recipe=recipe, layout=layout, args=[], precision=precision)
     if not any(flag == "--ddp-bucket-size" for flag, _ in flags):
         flags.append(("--ddp-bucket-size", [str(scaled_bucket_size(flags))]))

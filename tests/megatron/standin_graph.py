@@ -41,13 +41,19 @@ class CaptureViolation(RuntimeError):
 
 
 _HOST_READS = {
-    torch.Tensor.tolist: "tolist", torch.Tensor.numpy: "numpy", torch.Tensor.__array__: "__array__",
-    torch.Tensor.cpu: "cpu()", torch.Tensor.__repr__: "repr", torch.Tensor.__format__: "format",
+    torch.Tensor.tolist: "tolist",
+    torch.Tensor.numpy: "numpy",
+    torch.Tensor.__array__: "__array__",
+    torch.Tensor.cpu: "cpu()",
+    torch.Tensor.__repr__: "repr",
+    torch.Tensor.__format__: "format",
 }
 
 
 def _is_host(device) -> bool:
-    return (isinstance(device, str) and device == "cpu") or (isinstance(device, torch.device) and device.type == "cpu")
+    return (isinstance(device, str) and device == "cpu") or (
+        isinstance(device, torch.device) and device.type == "cpu"
+    )
 
 
 class _HostReadGuard(TorchFunctionMode):
@@ -62,14 +68,22 @@ class _HostReadGuard(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _HOST_READS:
-            raise CaptureViolation(f"{_HOST_READS[func]} of a tensor inside a CUDA graph capture: a host "
-                                   "read of device data (the capture would wait for the device)")
-        if func is torch.Tensor.to and (any(_is_host(a) for a in args[1:2]) or _is_host(kwargs.get("device"))):
-            raise CaptureViolation("to('cpu') of a tensor inside a CUDA graph capture: a device-to-host copy "
-                                   "(its data would be the capture's, not a replay's)")
+            raise CaptureViolation(
+                f"{_HOST_READS[func]} of a tensor inside a CUDA graph capture: a host "
+                "read of device data (the capture would wait for the device)"
+            )
+        if func is torch.Tensor.to and (
+            any(_is_host(a) for a in args[1:2]) or _is_host(kwargs.get("device"))
+        ):
+            raise CaptureViolation(
+                "to('cpu') of a tensor inside a CUDA graph capture: a device-to-host copy "
+                "(its data would be the capture's, not a replay's)"
+            )
         if func is torch.Tensor.copy_ and len(args) > 1 and args[0] in self._host:
-            raise CaptureViolation("copy_ into a host tensor inside a CUDA graph capture: a device-to-host "
-                                   "copy (its data would be the capture's, not a replay's)")
+            raise CaptureViolation(
+                "copy_ into a host tensor inside a CUDA graph capture: a device-to-host "
+                "copy (its data would be the capture's, not a replay's)"
+            )
         result = func(*args, **kwargs)
         if kwargs.get("pin_memory") or _is_host(kwargs.get("device")):
             for t in tree_flatten(result)[0]:
@@ -85,7 +99,11 @@ def _shape_depends_on_data(func, args, kwargs) -> bool:
         return False
     if func is torch.ops.aten.repeat_interleave.Tensor:
         return kwargs.get("output_size", args[1] if len(args) > 1 else None) is None
-    if func in (torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default):
+    if func in (
+        torch.ops.aten.index.Tensor,
+        torch.ops.aten.index_put.default,
+        torch.ops.aten.index_put_.default,
+    ):
         indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
         return any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in indices)
     return True
@@ -101,9 +119,13 @@ class _Recorded:
     outputs: list  # the call's flattened outputs (tensors and anything else)
 
 
-_ALLOCATIONS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
-                torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,
-                torch.ops.aten.new_empty_strided.default}
+_ALLOCATIONS = {
+    torch.ops.aten.empty.memory_format,
+    torch.ops.aten.empty_strided.default,
+    torch.ops.aten.empty_like.default,
+    torch.ops.aten.new_empty.default,
+    torch.ops.aten.new_empty_strided.default,
+}
 
 
 class _Recorder(TorchDispatchMode):
@@ -117,11 +139,15 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if torch.Tag.data_dependent_output in func.tags:
-            raise CaptureViolation(f"{func} inside a CUDA graph capture: a host read of device data "
-                                   "(item(), int(), bool() of a tensor, torch.equal)")
+            raise CaptureViolation(
+                f"{func} inside a CUDA graph capture: a host read of device data "
+                "(item(), int(), bool() of a tensor, torch.equal)"
+            )
         if _shape_depends_on_data(func, args, kwargs):
-            raise CaptureViolation(f"{func} inside a CUDA graph capture: its output shape depends on the "
-                                   "data (a graph's shapes are fixed at capture)")
+            raise CaptureViolation(
+                f"{func} inside a CUDA graph capture: its output shape depends on the "
+                "data (a graph's shapes are fixed at capture)"
+            )
         result = func(*args, **kwargs)
         self.tape.append(_Recorded(func, args, kwargs, tree_flatten(result)[0]))
         return result
@@ -160,7 +186,9 @@ class StandinGraph:
                 if op.func.is_view or op.func in _ALLOCATIONS:
                     continue  # a view shares its base's storage; an allocation runs no kernel
                 fresh = tree_flatten(op.func(*op.args, **op.kwargs))[0]
-                inputs = [t for t in tree_flatten((op.args, op.kwargs))[0] if isinstance(t, torch.Tensor)]
+                inputs = [
+                    t for t in tree_flatten((op.args, op.kwargs))[0] if isinstance(t, torch.Tensor)
+                ]
                 for recorded, new in zip(op.outputs, fresh):
                     if isinstance(new, torch._C.ScriptObject) and hasattr(new, "wait"):
                         new.wait()  # a collective's work: done before anything reads its output
@@ -169,14 +197,17 @@ class StandinGraph:
                     if any(new is t for t in inputs) or _aliases(new, recorded):
                         continue  # an in-place or out= call wrote the recorded tensor itself
                     if new.shape != recorded.shape:
-                        raise CaptureViolation(f"{op.func} replayed to shape {tuple(new.shape)}, captured "
-                                               f"{tuple(recorded.shape)}")
+                        raise CaptureViolation(
+                            f"{op.func} replayed to shape {tuple(new.shape)}, captured "
+                            f"{tuple(recorded.shape)}"
+                        )
                     recorded.copy_(new)
         self.replays += 1
 
 
-def _engine_grad(outputs, inputs, grad_outputs, *, allow_unused: bool, retain_graph: bool,
-                 modes: tuple = ()) -> tuple:
+def _engine_grad(
+    outputs, inputs, grad_outputs, *, allow_unused: bool, retain_graph: bool, modes: tuple = ()
+) -> tuple:
     """``torch.autograd.grad`` with the CPU backend's device mapping (and ``modes``) active inside
     the backward: a torch-function mode is off in its own handler, and ``autograd.grad`` is one of
     its calls, so megatron's Python backward functions would otherwise allocate on a CUDA device."""
@@ -186,21 +217,36 @@ def _engine_grad(outputs, inputs, grad_outputs, *, allow_unused: bool, retain_gr
     for mode in pushed:
         torch._C._push_on_torch_function_stack(mode)
     try:
-        grads = _engine_run_backward(tuple(outputs), tuple(grad_outputs), retain_graph, False, tuple(inputs),
-                                     allow_unused, accumulate_grad=False)
+        grads = _engine_run_backward(
+            tuple(outputs),
+            tuple(grad_outputs),
+            retain_graph,
+            False,
+            tuple(inputs),
+            allow_unused,
+            accumulate_grad=False,
+        )
     finally:
         for _ in pushed:
             torch._C._pop_torch_function_stack()
     return grads
 
 
-def _backward_capture(graph: StandinGraph, outputs, inputs, grad_outputs, allow_unused: bool, retain_graph: bool):
+def _backward_capture(
+    graph: StandinGraph, outputs, inputs, grad_outputs, allow_unused: bool, retain_graph: bool
+):
     """The backward graph's capture: the function-level guard active inside the backward as well."""
     recorder, guard = _Recorder(), _HostReadGuard()
     if graph._tape is not None:
         raise RuntimeError("this graph was captured already")
     with torch_cuda.stream_capture(), recorder:
-        grads = _engine_grad(outputs, inputs, grad_outputs, allow_unused=allow_unused,
-                             retain_graph=retain_graph, modes=(guard,))
+        grads = _engine_grad(
+            outputs,
+            inputs,
+            grad_outputs,
+            allow_unused=allow_unused,
+            retain_graph=retain_graph,
+            modes=(guard,),
+        )
     graph._tape = recorder.tape
     return grads

@@ -41,6 +41,7 @@ import torch
 
 # -- fp8: TE's recipes (``common/recipe``), autocast state (``pytorch/fp8.py``) --------------------
 
+
 class Format(enum.Enum):
     """TE's ``recipe.Format``: the fp8 formats of the forward and backward tensors."""
 
@@ -101,7 +102,9 @@ class FP8GlobalStateManager:
 
     @classmethod
     def reset(cls) -> None:
-        cls.FP8_ENABLED = cls.FP8_CALIBRATION = cls.IS_FIRST_FP8_MODULE = cls.FP8_GRAPH_CAPTURING = False
+        cls.FP8_ENABLED = cls.FP8_CALIBRATION = cls.IS_FIRST_FP8_MODULE = (
+            cls.FP8_GRAPH_CAPTURING
+        ) = False
         cls.FP8_RECIPE = cls.FP8_DISTRIBUTED_GROUP = cls.skip_fp8_weight_update_tensor = None
         cls.FP8_AUTOCAST_DEPTH = 0
         cls.reductions = {True: 0, False: 0}
@@ -136,17 +139,30 @@ class FP8GlobalStateManager:
 
     @classmethod
     def get_fp8_autocast_state(cls) -> tuple:
-        return (cls.FP8_ENABLED, cls.FP8_CALIBRATION, cls.FP8_RECIPE, cls.FP8_DISTRIBUTED_GROUP,
-                cls.IS_FIRST_FP8_MODULE, cls.FP8_GRAPH_CAPTURING)
+        return (
+            cls.FP8_ENABLED,
+            cls.FP8_CALIBRATION,
+            cls.FP8_RECIPE,
+            cls.FP8_DISTRIBUTED_GROUP,
+            cls.IS_FIRST_FP8_MODULE,
+            cls.FP8_GRAPH_CAPTURING,
+        )
 
     @classmethod
     def set_fp8_autocast_state(cls, state: tuple) -> None:
-        (cls.FP8_ENABLED, cls.FP8_CALIBRATION, cls.FP8_RECIPE, cls.FP8_DISTRIBUTED_GROUP,
-         cls.IS_FIRST_FP8_MODULE, cls.FP8_GRAPH_CAPTURING) = state
+        (
+            cls.FP8_ENABLED,
+            cls.FP8_CALIBRATION,
+            cls.FP8_RECIPE,
+            cls.FP8_DISTRIBUTED_GROUP,
+            cls.IS_FIRST_FP8_MODULE,
+            cls.FP8_GRAPH_CAPTURING,
+        ) = state
 
     @classmethod
-    def fp8_autocast_enter(cls, enabled=False, calibrating=False, fp8_recipe=None, fp8_group=None,
-                           _graph=False) -> None:
+    def fp8_autocast_enter(
+        cls, enabled=False, calibrating=False, fp8_recipe=None, fp8_group=None, _graph=False
+    ) -> None:
         cls.FP8_ENABLED, cls.FP8_CALIBRATION = enabled, calibrating
         cls.FP8_RECIPE = DelayedScaling() if fp8_recipe is None else fp8_recipe
         cls.FP8_DISTRIBUTED_GROUP, cls.FP8_GRAPH_CAPTURING = fp8_group, _graph
@@ -163,12 +179,22 @@ class FP8GlobalStateManager:
 
 
 @contextlib.contextmanager
-def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe=None, fp8_group=None,
-                 _graph: bool = False):
+def fp8_autocast(
+    enabled: bool = True,
+    calibrating: bool = False,
+    fp8_recipe=None,
+    fp8_group=None,
+    _graph: bool = False,
+):
     """TE's ``fp8_autocast``: the state entered, and the previous state restored on exit."""
     state = FP8GlobalStateManager.get_fp8_autocast_state()
-    FP8GlobalStateManager.fp8_autocast_enter(enabled=enabled, calibrating=calibrating, fp8_recipe=fp8_recipe,
-                                             fp8_group=fp8_group, _graph=_graph)
+    FP8GlobalStateManager.fp8_autocast_enter(
+        enabled=enabled,
+        calibrating=calibrating,
+        fp8_recipe=fp8_recipe,
+        fp8_group=fp8_group,
+        _graph=_graph,
+    )
     try:
         yield
     finally:
@@ -211,7 +237,9 @@ def get_fp8_recipe(config):
         return Float8BlockScaling(fp8_format=fp8_format)
     if recipe == "mxfp8":
         return MXFP8BlockScaling(fp8_format=fp8_format, fp8_dpa=config.fp8_dot_product_attention)
-    raise NotImplementedError(f"fp8 recipe {recipe!r}: the stand-in builds the current-scaling recipes only")
+    raise NotImplementedError(
+        f"fp8 recipe {recipe!r}: the stand-in builds the current-scaling recipes only"
+    )
 
 
 def _wrap_autocast(modules, fp8_enabled, calibrating, recipe, group) -> Callable[[], None]:
@@ -227,8 +255,13 @@ def _wrap_autocast(modules, fp8_enabled, calibrating, recipe, group) -> Callable
         old_calls[cls] = (cls.__dict__.get("__call__"), cls.__call__)
 
         def call(self, *args, _cls=cls, **kwargs):
-            with fp8_autocast(enabled=enabled_of.get(id(self), False), calibrating=calibrating,
-                              fp8_recipe=recipe, fp8_group=group, _graph=True):
+            with fp8_autocast(
+                enabled=enabled_of.get(id(self), False),
+                calibrating=calibrating,
+                fp8_recipe=recipe,
+                fp8_group=group,
+                _graph=True,
+            ):
                 return old_calls[_cls][1](self, *args, **kwargs)
 
         cls.__call__ = call

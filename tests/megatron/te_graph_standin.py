@@ -65,13 +65,36 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 # Re-exported: the tests and workers reach the graph and TE's fp8 names through this module.
 from standin_graph import CaptureViolation, StandinGraph, _backward_capture, _engine_grad  # noqa: F401
 from te_fp8_standin import (  # noqa: F401
-    DelayedScaling, FP8GlobalStateManager, Float8BlockScaling, Float8CurrentScaling, Format, MXFP8BlockScaling,
-    _wrap_autocast, fp8_autocast, get_fp8_recipe, is_graph_capturing, set_capture_end, set_capture_start,
+    DelayedScaling,
+    FP8GlobalStateManager,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    Format,
+    MXFP8BlockScaling,
+    _wrap_autocast,
+    fp8_autocast,
+    get_fp8_recipe,
+    is_graph_capturing,
+    set_capture_end,
+    set_capture_start,
 )
 
-__all__ = ["CaptureViolation", "DelayedScaling", "FP8GlobalStateManager", "Float8BlockScaling",
-           "Float8CurrentScaling", "Format", "MXFP8BlockScaling", "StandinGraph", "TE_VERSION",
-           "fp8_autocast", "get_fp8_recipe", "install", "is_graph_capturing", "make_graphed_callables"]
+__all__ = [
+    "CaptureViolation",
+    "DelayedScaling",
+    "FP8GlobalStateManager",
+    "Float8BlockScaling",
+    "Float8CurrentScaling",
+    "Format",
+    "MXFP8BlockScaling",
+    "StandinGraph",
+    "TE_VERSION",
+    "fp8_autocast",
+    "get_fp8_recipe",
+    "install",
+    "is_graph_capturing",
+    "make_graphed_callables",
+]
 
 #: The TE version whose ``make_graphed_callables`` interface this follows: megatron-core 0.19.2
 #: passes ``_num_layers_per_chunk`` from TE 2.6 on, ``_reuse_graph_input_output_buffers`` from 2.7,
@@ -80,14 +103,25 @@ __all__ = ["CaptureViolation", "DelayedScaling", "FP8GlobalStateManager", "Float
 TE_VERSION = "2.7.0"
 
 
-def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3, allow_unused_input: bool = False,
-                           sample_kwargs=None, fp8_enabled=False, fp8_calibrating: bool = False,
-                           fp8_recipe=None, fp8_group=None, fp8_weight_caching: bool = False,
-                           _order: Optional[list[int]] = None, _num_layers_per_chunk=None, pool=None,
-                           retain_graph_in_backward: bool = False,
-                           _reuse_graph_input_output_buffers: bool = False,
-                           pre_warmup_hook: Optional[Callable] = None,
-                           post_warmup_hook: Optional[Callable] = None):
+def make_graphed_callables(
+    modules,
+    sample_args,
+    num_warmup_iters: int = 3,
+    allow_unused_input: bool = False,
+    sample_kwargs=None,
+    fp8_enabled=False,
+    fp8_calibrating: bool = False,
+    fp8_recipe=None,
+    fp8_group=None,
+    fp8_weight_caching: bool = False,
+    _order: Optional[list[int]] = None,
+    _num_layers_per_chunk=None,
+    pool=None,
+    retain_graph_in_backward: bool = False,
+    _reuse_graph_input_output_buffers: bool = False,
+    pre_warmup_hook: Optional[Callable] = None,
+    post_warmup_hook: Optional[Callable] = None,
+):
     """TE's ``make_graphed_callables`` over :class:`StandinGraph` (module docstring: what it follows
     and leaves out)."""
     just_one = not isinstance(modules, tuple)
@@ -97,25 +131,51 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3, allo
             raise AssertionError("fp8_enabled must be a bool or a tuple of bools")
         fp8_enabled = (fp8_enabled,) * len(fp8_modules)
     elif len(fp8_enabled) != len(fp8_modules):
-        raise AssertionError(f"fp8_enabled ({len(fp8_enabled)}) must be given per callable ({len(fp8_modules)})")
-    fp8_recipe = DelayedScaling() if fp8_recipe is None else fp8_recipe  # TE's get_default_fp8_recipe()
+        raise AssertionError(
+            f"fp8_enabled ({len(fp8_enabled)}) must be given per callable ({len(fp8_modules)})"
+        )
+    fp8_recipe = (
+        DelayedScaling() if fp8_recipe is None else fp8_recipe
+    )  # TE's get_default_fp8_recipe()
     if any(fp8_enabled) and isinstance(fp8_recipe, DelayedScaling):
-        raise NotImplementedError("the CUDA-graph stand-in models current-scaling fp8 only (fp8_recipe "
-                                  "DelayedScaling: amax histories are not modelled)")
+        raise NotImplementedError(
+            "the CUDA-graph stand-in models current-scaling fp8 only (fp8_recipe "
+            "DelayedScaling: amax histories are not modelled)"
+        )
     set_capture_start()
     unwrap = _wrap_autocast(fp8_modules, fp8_enabled, fp8_calibrating, fp8_recipe, fp8_group)
     try:
         return _make_graphed_callables(
-            modules, sample_args, num_warmup_iters, allow_unused_input, sample_kwargs, fp8_weight_caching,
-            _order, _num_layers_per_chunk, retain_graph_in_backward, pre_warmup_hook, post_warmup_hook)
+            modules,
+            sample_args,
+            num_warmup_iters,
+            allow_unused_input,
+            sample_kwargs,
+            fp8_weight_caching,
+            _order,
+            _num_layers_per_chunk,
+            retain_graph_in_backward,
+            pre_warmup_hook,
+            post_warmup_hook,
+        )
     finally:
         unwrap()
         set_capture_end()
 
 
-def _make_graphed_callables(modules, sample_args, num_warmup_iters, allow_unused_input, sample_kwargs,
-                            fp8_weight_caching, _order, _num_layers_per_chunk, retain_graph_in_backward,
-                            pre_warmup_hook, post_warmup_hook):
+def _make_graphed_callables(
+    modules,
+    sample_args,
+    num_warmup_iters,
+    allow_unused_input,
+    sample_kwargs,
+    fp8_weight_caching,
+    _order,
+    _num_layers_per_chunk,
+    retain_graph_in_backward,
+    pre_warmup_hook,
+    post_warmup_hook,
+):
     """TE's ``_make_graphed_callables`` (module docstring)."""
     just_one = not isinstance(modules, tuple)
     if just_one:
@@ -127,12 +187,18 @@ def _make_graphed_callables(modules, sample_args, num_warmup_iters, allow_unused
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"Graphing for {type(module)} is not supported.")
         if module._backward_hooks or module._forward_hooks or module._forward_pre_hooks:
-            raise AssertionError("Modules must not have hooks registered at the time they are passed.")
+            raise AssertionError(
+                "Modules must not have hooks registered at the time they are passed."
+            )
         if any(b.requires_grad for b in module.buffers()):
-            raise AssertionError("only parameters may be trainable; all buffers must have requires_grad=False")
+            raise AssertionError(
+                "only parameters may be trainable; all buffers must have requires_grad=False"
+            )
     is_training = all(m.training for m in modules)
     if not is_training and any(m.training for m in modules):
-        raise AssertionError("make_graphed_callables only supports modules all in training or all in eval mode")
+        raise AssertionError(
+            "make_graphed_callables only supports modules all in training or all in eval mode"
+        )
 
     if _order is None:  # every forward graph, then every backward graph in reverse
         num_chunks, num_microbatches, layers_per_chunk = 1, 1, [len(modules)]
@@ -142,7 +208,9 @@ def _make_graphed_callables(modules, sample_args, num_warmup_iters, allow_unused
         num_chunks = max(order)
         num_microbatches = len(order) // num_chunks // 2
         if num_chunks * num_microbatches * 2 != len(order):
-            raise AssertionError("_order must hold a forward and a backward per chunk and microbatch")
+            raise AssertionError(
+                "_order must hold a forward and a backward per chunk and microbatch"
+            )
         if _num_layers_per_chunk is None:
             layers_per_chunk = [len(sample_args) // num_chunks // num_microbatches] * num_chunks
         elif isinstance(_num_layers_per_chunk, int):
@@ -150,9 +218,15 @@ def _make_graphed_callables(modules, sample_args, num_warmup_iters, allow_unused
         else:
             layers_per_chunk = list(_num_layers_per_chunk)
     if len(modules) != sum(layers_per_chunk):
-        raise AssertionError(f"Callables should have ({sum(layers_per_chunk)}) entries, got {len(modules)}")
-    if len(sample_args) != sum(layers_per_chunk) * num_microbatches or len(sample_kwargs) != len(sample_args):
-        raise AssertionError(f"Expected {sum(layers_per_chunk) * num_microbatches} args tuples, got {len(sample_args)}")
+        raise AssertionError(
+            f"Callables should have ({sum(layers_per_chunk)}) entries, got {len(modules)}"
+        )
+    if len(sample_args) != sum(layers_per_chunk) * num_microbatches or len(sample_kwargs) != len(
+        sample_args
+    ):
+        raise AssertionError(
+            f"Expected {sum(layers_per_chunk) * num_microbatches} args tuples, got {len(sample_args)}"
+        )
     prefix = [0]
     for n in layers_per_chunk:
         prefix.append(prefix[-1] + n)
@@ -192,10 +266,16 @@ def _make_graphed_callables(modules, sample_args, num_warmup_iters, allow_unused
             for _ in range(num_warmup_iters):
                 outputs = tree_flatten(callable_of[idx](*sample_args[idx], **sample_kwargs[idx]))[0]
                 if is_training:
-                    needing = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
-                    _engine_grad(needing, [i for i in surfaces[idx] if i.requires_grad],
-                                 [torch.empty_like(o) for o in needing], allow_unused=allow_unused_input,
-                                 retain_graph=False)
+                    needing = [
+                        o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad
+                    ]
+                    _engine_grad(
+                        needing,
+                        [i for i in surfaces[idx] if i.requires_grad],
+                        [torch.empty_like(o) for o in needing],
+                        allow_unused=allow_unused_input,
+                        retain_graph=False,
+                    )
                 del outputs
         fwd_count[c_id - 1] += 1
     if post_warmup_hook is not None:
@@ -218,26 +298,45 @@ def _make_graphed_callables(modules, sample_args, num_warmup_iters, allow_unused
         else:
             chunk = -c_id - 1
             for idx in reversed(forward_indices(-c_id, bwd_count[chunk])):
-                grad_buffers = tuple(torch.empty_like(o) if o.requires_grad else None for o in static_outputs[idx])
+                grad_buffers = tuple(
+                    torch.empty_like(o) if o.requires_grad else None for o in static_outputs[idx]
+                )
                 grads = ()
                 if is_training:
                     grads = _backward_capture(
-                        bwd_graphs[idx], [o for o in static_outputs[idx] if o.requires_grad],
-                        [i for i in surfaces[idx] if i.requires_grad], [g for g in grad_buffers if g is not None],
-                        allow_unused_input, retain_graph_in_backward)
+                        bwd_graphs[idx],
+                        [o for o in static_outputs[idx] if o.requires_grad],
+                        [i for i in surfaces[idx] if i.requires_grad],
+                        [g for g in grad_buffers if g is not None],
+                        allow_unused_input,
+                        retain_graph_in_backward,
+                    )
                 grads_iter = iter(grads)
                 static_grad_inputs[idx] = tuple(
-                    next(grads_iter) if is_training and isinstance(i, torch.Tensor) and i.requires_grad else None
-                    for i in surfaces[idx])
+                    next(grads_iter)
+                    if is_training and isinstance(i, torch.Tensor) and i.requires_grad
+                    else None
+                    for i in surfaces[idx]
+                )
                 static_grad_outputs[idx] = grad_buffers
             bwd_count[chunk] += 1
     torch.cuda.set_rng_state(rng_state)
 
     graphed = []
     for idx in range(len(flat_args)):
-        function = _graphed_function(fwd_graphs[idx], bwd_graphs[idx], module_params[idx], kwargs_keys[idx],
-                                     len(flat_args[idx]), output_specs[idx], surfaces[idx], static_outputs[idx],
-                                     static_grad_outputs[idx], static_grad_inputs[idx], fp8_weight_caching)
+        function = _graphed_function(
+            fwd_graphs[idx],
+            bwd_graphs[idx],
+            module_params[idx],
+            kwargs_keys[idx],
+            len(flat_args[idx]),
+            output_specs[idx],
+            surfaces[idx],
+            static_outputs[idx],
+            static_grad_outputs[idx],
+            static_grad_inputs[idx],
+            fp8_weight_caching,
+        )
         module = callable_of[idx]
         forward = _graphed_forward(module, module.training, function, module.forward)
         forward.graphs = (fwd_graphs[idx], bwd_graphs[idx])  # for tests: replay counts, recordings
@@ -249,8 +348,19 @@ def _make_graphed_callables(modules, sample_args, num_warmup_iters, allow_unused
     return graphed[0] if just_one else tuple(graphed)
 
 
-def _graphed_function(fwd_graph, bwd_graph, module_params, kwargs_keys, num_user_args, output_spec,
-                      surface, static_outputs, static_grad_outputs, static_grad_inputs, fp8_weight_caching=False):
+def _graphed_function(
+    fwd_graph,
+    bwd_graph,
+    module_params,
+    kwargs_keys,
+    num_user_args,
+    output_spec,
+    surface,
+    static_outputs,
+    static_grad_outputs,
+    static_grad_inputs,
+    fp8_weight_caching=False,
+):
     """TE's ``Graphed`` autograd function and its ``functionalized`` caller, for one graph pair."""
 
     class Graphed(torch.autograd.Function):
@@ -275,18 +385,24 @@ def _graphed_function(fwd_graph, bwd_graph, module_params, kwargs_keys, num_user
             bwd_graph.replay()
             if ctx.is_first_module:
                 FP8GlobalStateManager.reduce_and_update_fp8_tensors(forward=False)
-            return (None,) + tuple(g.detach() if g is not None else None for g in static_grad_inputs)
+            return (None,) + tuple(
+                g.detach() if g is not None else None for g in static_grad_inputs
+            )
 
     def functionalized(*user_args, **user_kwargs):
         skip_fp8_weight_update = None
         if fp8_weight_caching:
             if not isinstance(user_kwargs.get("is_first_microbatch"), bool):
-                raise AssertionError("`is_first_microbatch` boolean kwarg must be provided for FP8 weight caching.")
+                raise AssertionError(
+                    "`is_first_microbatch` boolean kwarg must be provided for FP8 weight caching."
+                )
             skip_fp8_weight_update = not user_kwargs["is_first_microbatch"]
         for key in kwargs_keys:
             if key not in user_kwargs:
-                raise TypeError(f"Graphed callable was initialized with kwarg {key}, but it was not "
-                                "provided in graph replay")
+                raise TypeError(
+                    f"Graphed callable was initialized with kwarg {key}, but it was not "
+                    "provided in graph replay"
+                )
         flat = tree_flatten(user_args)[0] + tree_flatten([user_kwargs[k] for k in kwargs_keys])[0]
         out = Graphed.apply(skip_fp8_weight_update, *flat, *module_params)
         return tree_unflatten(list(out), output_spec)
@@ -310,8 +426,10 @@ def _te_module(name: str) -> types.ModuleType:
     module.__doc__ = "stand-in: tests/megatron/te_graph_standin.py (CUDA graphs only)"
 
     def missing(attribute):
-        raise AttributeError(f"{name}.{attribute}: only TE's CUDA graphs are stood in here "
-                             "(tests/megatron/te_graph_standin.py)")
+        raise AttributeError(
+            f"{name}.{attribute}: only TE's CUDA graphs are stood in here "
+            "(tests/megatron/te_graph_standin.py)"
+        )
 
     module.__getattr__ = missing
     return module
@@ -335,11 +453,17 @@ def install() -> None:
     FP8GlobalStateManager.reset()
 
     if "transformer_engine" not in sys.modules:
-        package, pytorch = _te_module("transformer_engine"), _te_module("transformer_engine.pytorch")
+        package, pytorch = (
+            _te_module("transformer_engine"),
+            _te_module("transformer_engine.pytorch"),
+        )
         package.__dict__["pytorch"] = pytorch
         package.__dict__["__version__"] = TE_VERSION
         package.__dict__["__path__"] = []
-        sys.modules["transformer_engine"], sys.modules["transformer_engine.pytorch"] = package, pytorch
+        sys.modules["transformer_engine"], sys.modules["transformer_engine.pytorch"] = (
+            package,
+            pytorch,
+        )
     mcore_utils._te_version = Version(TE_VERSION)
     cuda_graphs.HAVE_TE_GRAPHS = True
     cuda_graphs.make_graphed_callables = make_graphed_callables

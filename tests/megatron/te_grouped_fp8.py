@@ -93,8 +93,10 @@ def round_up(n: int, multiple: int) -> int:
 #: TE's switches of the scales' form (read by its recipe classes): power-of-two scales for
 #: ``Float8CurrentScaling`` (default: fp32 scales), fp32 scales for ``Float8BlockScaling`` (default:
 #: powers of two).
-POWER_2_SCALES_ENV = {"tensorwise": "NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES",
-                      "blockwise": "NVTE_FP8_BLOCK_SCALING_FP32_SCALES"}
+POWER_2_SCALES_ENV = {
+    "tensorwise": "NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES",
+    "blockwise": "NVTE_FP8_BLOCK_SCALING_FP32_SCALES",
+}
 
 
 def default_power_2_scales(name: str) -> bool:
@@ -118,7 +120,9 @@ class Fp8Recipe:
 
     def __post_init__(self):
         if self.name not in RECIPES:
-            raise ValueError(f"--fp8-recipe {self.name!r}: the TE stand-in has current scaling only ({RECIPES})")
+            raise ValueError(
+                f"--fp8-recipe {self.name!r}: the TE stand-in has current scaling only ({RECIPES})"
+            )
         if self.fp8_format not in ("e4m3", "hybrid"):
             raise ValueError(f"--fp8-format {self.fp8_format!r}: TE trains with e4m3 or hybrid")
         if self.power_2_scales is None:
@@ -144,6 +148,7 @@ class Fp8Recipe:
 
 
 # -- scales ------------------------------------------------------------------------------------------
+
 
 def compute_scale_from_amax(amax: torch.Tensor, fp8_max: float, pow_2: bool) -> torch.Tensor:
     """TE's ``compute_scale_from_amax`` (epsilon 0, fp32 input): per element of ``amax`` (fp32)."""
@@ -183,6 +188,7 @@ def _cast(scaled: torch.Tensor, fmt: str) -> torch.Tensor:
 
 # -- quantized storages ------------------------------------------------------------------------------
 
+
 class Quantized(NamedTuple):
     """One copy (row- or column-wise) of a quantized [rows, cols] tensor: ``data`` in fp8 with the
     logical shape (TE stores a column-wise copy transposed, except MXFP8's; the values are the
@@ -206,7 +212,9 @@ def _blocks(x: torch.Tensor, block_rows: int, block_cols: int) -> torch.Tensor:
 
 def _unblock(blocks: torch.Tensor, m: int, k: int) -> torch.Tensor:
     """[M / br, br, K / bc, bc] back to [M, K] (the padding dropped)."""
-    return blocks.reshape(blocks.shape[0] * blocks.shape[1], blocks.shape[2] * blocks.shape[3])[:m, :k]
+    return blocks.reshape(blocks.shape[0] * blocks.shape[1], blocks.shape[2] * blocks.shape[3])[
+        :m, :k
+    ]
 
 
 def _quantize_blocks(x: torch.Tensor, fmt: str, block_rows: int, block_cols: int, scales):
@@ -231,12 +239,14 @@ def quantize_tensorwise(x: torch.Tensor, fmt: str, pow_2: bool = False) -> Quant
     return Quantized(data, scale_inv, data.float() * scale_inv)
 
 
-def quantize_blockwise(x: torch.Tensor, fmt: str, *, columnwise: bool, two_d: bool = False,
-                       pow_2: bool = True) -> Quantized:
+def quantize_blockwise(
+    x: torch.Tensor, fmt: str, *, columnwise: bool, two_d: bool = False, pow_2: bool = True
+) -> Quantized:
     """``Float8BlockQuantizer`` (``block_scaling_dim`` 1 or 2 with ``two_d``) of ``x`` [M, K]:
     row-wise 1 x 128 blocks (along K), column-wise 128 x 1 (along M), 2-D 128 x 128 for weights;
     power-of-two scales unless ``pow_2`` is False. ``scale_inv`` shaped as TE's ``get_scale_shape``
     (padded to multiples of 4)."""
+
     def scales(amax):
         scale = compute_scale_from_amax(amax, FORMATS[fmt][1], pow_2)
         return scale, 1.0 / scale
@@ -250,16 +260,22 @@ def quantize_blockwise(x: torch.Tensor, fmt: str, *, columnwise: bool, two_d: bo
         data, values, block_inv = _quantize_blocks(x, fmt, 1, BLOCK_LEN, scales)  # [M, K/128]
         stored = block_inv.t()  # TE keeps 1 x 128 scales K-block major: [K/128, M]
     scale_inv = stored.new_zeros(stored.shape[0], round_up(stored.shape[1], 4))
-    scale_inv[:, :stored.shape[1]] = stored
+    scale_inv[:, : stored.shape[1]] = stored
     return Quantized(data, scale_inv, values)
 
 
-def blockwise_scale_shape(shape: tuple[int, int], *, columnwise: bool, two_d: bool = False) -> tuple[int, int]:
+def blockwise_scale_shape(
+    shape: tuple[int, int], *, columnwise: bool, two_d: bool = False
+) -> tuple[int, int]:
     """TE's ``Float8BlockQuantizer.get_scale_shape`` for a [M, K] tensor."""
     m, k = shape
     blocks = lambda n: (n + BLOCK_LEN - 1) // BLOCK_LEN  # noqa: E731
     if two_d:
-        return (blocks(k), round_up(blocks(m), 4)) if columnwise else (blocks(m), round_up(blocks(k), 4))
+        return (
+            (blocks(k), round_up(blocks(m), 4))
+            if columnwise
+            else (blocks(m), round_up(blocks(k), 4))
+        )
     return (blocks(m), round_up(k, 4)) if columnwise else (blocks(k), round_up(m, 4))
 
 
@@ -269,8 +285,10 @@ def quantize_mxfp8(x: torch.Tensor, fmt: str, *, columnwise: bool) -> Quantized:
     column-wise."""
     m, k = x.shape
     if m % MX_BLOCK or k % MX_BLOCK:
-        raise ValueError(f"MXFP8 quantization: shape {(m, k)} is not a multiple of {MX_BLOCK} in both "
-                         f"dimensions (TE's MXFP8Quantizer.is_quantizable; megatron pads each expert's rows)")
+        raise ValueError(
+            f"MXFP8 quantization: shape {(m, k)} is not a multiple of {MX_BLOCK} in both "
+            f"dimensions (TE's MXFP8Quantizer.is_quantizable; megatron pads each expert's rows)"
+        )
     block_rows, block_cols = (MX_BLOCK, 1) if columnwise else (1, MX_BLOCK)
     reciprocal_max = torch.tensor(1.0 / FORMATS[fmt][1], dtype=torch.float32)  # max_norm_rcp
     e8m0 = None
@@ -278,11 +296,13 @@ def quantize_mxfp8(x: torch.Tensor, fmt: str, *, columnwise: bool) -> Quantized:
     def scales(amax):
         nonlocal e8m0
         e8m0 = float_to_e8m0(amax * reciprocal_max)
-        return e8m0_to_scale(254 - e8m0.to(torch.int32)), e8m0_to_scale(e8m0)  # 2^(127 - e), 2^(e - 127)
+        return e8m0_to_scale(254 - e8m0.to(torch.int32)), e8m0_to_scale(
+            e8m0
+        )  # 2^(127 - e), 2^(e - 127)
 
     data, values, _ = _quantize_blocks(x, fmt, block_rows, block_cols, scales)
     scale_inv = torch.zeros(mxfp8_scale_shape((m, k), columnwise=columnwise), dtype=torch.uint8)
-    scale_inv[:e8m0.shape[0], :e8m0.shape[1]] = e8m0
+    scale_inv[: e8m0.shape[0], : e8m0.shape[1]] = e8m0
     return Quantized(data, scale_inv, values)
 
 
@@ -296,7 +316,10 @@ def mxfp8_scale_shape(shape: tuple[int, int], *, columnwise: bool) -> tuple[int,
 
 # -- the operands of a group's GEMMs ------------------------------------------------------------------
 
-def quantize_activation(x: torch.Tensor, recipe: Fp8Recipe, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+
+def quantize_activation(
+    x: torch.Tensor, recipe: Fp8Recipe, fmt: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A group's input (``fmt`` e4m3) or output gradient (the recipe's backward format) [M, K]:
     (row-wise values, column-wise values), both quantized from ``x`` as TE's input and gradient
     quantizers do (one amax per group under tensorwise; 1-D blocks under blockwise; 1 x 32 / 32 x 1
@@ -306,9 +329,13 @@ def quantize_activation(x: torch.Tensor, recipe: Fp8Recipe, fmt: str) -> tuple[t
         values = quantize_tensorwise(x, fmt, pow_2).values
         return values, values
     if recipe.name == "blockwise":
-        return (quantize_blockwise(x, fmt, columnwise=False, pow_2=pow_2).values,
-                quantize_blockwise(x, fmt, columnwise=True, pow_2=pow_2).values)
-    return quantize_mxfp8(x, fmt, columnwise=False).values, quantize_mxfp8(x, fmt, columnwise=True).values
+        return (
+            quantize_blockwise(x, fmt, columnwise=False, pow_2=pow_2).values,
+            quantize_blockwise(x, fmt, columnwise=True, pow_2=pow_2).values,
+        )
+    return quantize_mxfp8(x, fmt, columnwise=False).values, quantize_mxfp8(
+        x, fmt, columnwise=True
+    ).values
 
 
 def quantize_weight(weight: torch.Tensor, recipe: Fp8Recipe) -> tuple[torch.Tensor, torch.Tensor]:
@@ -323,7 +350,9 @@ def quantize_weight(weight: torch.Tensor, recipe: Fp8Recipe) -> tuple[torch.Tens
     if recipe.name == "blockwise":
         values = quantize_blockwise(weight, fmt, columnwise=False, two_d=True, pow_2=pow_2).values
         return values, values
-    return quantize_mxfp8(weight, fmt, columnwise=False).values, quantize_mxfp8(weight, fmt, columnwise=True).values
+    return quantize_mxfp8(weight, fmt, columnwise=False).values, quantize_mxfp8(
+        weight, fmt, columnwise=True
+    ).values
 
 
 class WeightOperand:
@@ -332,7 +361,9 @@ class WeightOperand:
     it as it is, the forward with its row-wise values and the input gradient with its column-wise
     ones, which TE makes available only in the backward, ``update_usage(columnwise_usage=True)``)."""
 
-    def __init__(self, rowwise: torch.Tensor, columnwise: Optional[torch.Tensor] = None, quantized=None):
+    def __init__(
+        self, rowwise: torch.Tensor, columnwise: Optional[torch.Tensor] = None, quantized=None
+    ):
         self.rowwise, self.columnwise, self.quantized = rowwise, columnwise, quantized
 
     @classmethod
@@ -371,7 +402,9 @@ class _Fp8GroupedLinear(torch.autograd.Function):
             saved_inputs.append(x_col)
         ctx.recipe, ctx.m_splits, ctx.wgrad_store = recipe, tuple(m_splits), wgrad_store
         ctx.weight_shapes = [w.shape for w in weights]
-        ctx.quantized = [operand.quantized is not None for operand in operands]  # no tensor kept in ctx
+        ctx.quantized = [
+            operand.quantized is not None for operand in operands
+        ]  # no tensor kept in ctx
         ctx.weight_dtypes = [w.dtype for w in weights]
         ctx.save_for_backward(*saved_inputs, *[operand.saved() for operand in operands])
         out = torch.cat(outs) if outs else rows.new_zeros(0, 0)
@@ -382,7 +415,9 @@ class _Fp8GroupedLinear(torch.autograd.Function):
         saved, num_gemms = ctx.saved_tensors, len(ctx.quantized)
         inputs, weights = saved[:num_gemms], saved[num_gemms:]
         grad_inputs, grad_columnwise = [], []
-        for dy, weight, quantized in zip(torch.split(grad, list(ctx.m_splits)), weights, ctx.quantized):
+        for dy, weight, quantized in zip(
+            torch.split(grad, list(ctx.m_splits)), weights, ctx.quantized
+        ):
             dy_row, dy_col = quantize_activation(dy, ctx.recipe, ctx.recipe.backward_format)
             grad_inputs.append(dy_row @ WeightOperand.dgrad_values(weight, quantized))
             grad_columnwise.append(dy_col)
@@ -390,12 +425,21 @@ class _Fp8GroupedLinear(torch.autograd.Function):
         if ctx.wgrad_store is not None and ctx.wgrad_store.delay_wgrad_compute():
             # TE: ``wgrad_store.put([inputmats, grad_output, wgrad_list], grouped_gemm_wgrad)``; the
             # backward returns the tensors the GEMMs will write (zeros here until backward_dw).
-            wgrad_list = [grad.new_zeros(shape, dtype=dtype) for shape, dtype in zip(ctx.weight_shapes, ctx.weight_dtypes)]
+            wgrad_list = [
+                grad.new_zeros(shape, dtype=dtype)
+                for shape, dtype in zip(ctx.weight_shapes, ctx.weight_dtypes)
+            ]
             ctx.wgrad_store.put([list(inputs), grad_columnwise, wgrad_list], _delayed_fp8_wgrad)
             return (grad_rows, None, None, None, None, *wgrad_list)
         grad_weights = [dy_col.t() @ x_col for dy_col, x_col in zip(grad_columnwise, inputs)]
-        return (grad_rows, None, None, None, None,
-                *[g.to(dtype) for g, dtype in zip(grad_weights, ctx.weight_dtypes)])
+        return (
+            grad_rows,
+            None,
+            None,
+            None,
+            None,
+            *[g.to(dtype) for g, dtype in zip(grad_weights, ctx.weight_dtypes)],
+        )
 
 
 def _delayed_fp8_wgrad(input_columnwise, grad_columnwise, wgrad_list):
@@ -408,8 +452,14 @@ def _delayed_fp8_wgrad(input_columnwise, grad_columnwise, wgrad_list):
     return wgrad_list, []
 
 
-def fp8_grouped_linear(rows: torch.Tensor, m_splits: Sequence[int], weights: Sequence[torch.Tensor],
-                       operands: Sequence[WeightOperand], recipe: Fp8Recipe, wgrad_store=None) -> torch.Tensor:
+def fp8_grouped_linear(
+    rows: torch.Tensor,
+    m_splits: Sequence[int],
+    weights: Sequence[torch.Tensor],
+    operands: Sequence[WeightOperand],
+    recipe: Fp8Recipe,
+    wgrad_store=None,
+) -> torch.Tensor:
     """TE's ``GroupedLinear`` forward under fp8: ``rows`` [T, K] (groups contiguous, ``m_splits``
     rows each), ``weights`` the G parameters [N, K] (gradients flow to them), ``operands`` their
     quantized forms; ``wgrad_store`` (``grouped_gemm.WeightGradStore``) with delayed weight
@@ -418,5 +468,9 @@ def fp8_grouped_linear(rows: torch.Tensor, m_splits: Sequence[int], weights: Seq
     if recipe.name == "mxfp8":
         odd = [m for m in m_splits if m % MX_BLOCK]
         if odd:
-            raise ValueError(f"mxfp8 grouped GEMM: group rows {list(m_splits)} are not multiples of {MX_BLOCK}")
-    return _Fp8GroupedLinear.apply(rows, recipe, tuple(m_splits), list(operands), wgrad_store, *weights)
+            raise ValueError(
+                f"mxfp8 grouped GEMM: group rows {list(m_splits)} are not multiples of {MX_BLOCK}"
+            )
+    return _Fp8GroupedLinear.apply(
+        rows, recipe, tuple(m_splits), list(operands), wgrad_store, *weights
+    )

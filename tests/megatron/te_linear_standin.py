@@ -40,29 +40,53 @@ class TELinearStandin(torch.nn.Module):
     ``forward(x [..., in])`` -> ``(y [..., out], bias [out] or None)``.
     """
 
-    def __init__(self, input_size: int, output_size: int, *, parallel_mode: Optional[str], config,
-                 init_method: Callable, bias: bool, skip_bias_add: bool, skip_weight_param_allocation: bool,
-                 tp_comm_buffer_name: Optional[str] = None, is_expert: bool = False,
-                 symmetric_ar_type=None, tp_group=None, name: Optional[str] = None, gtp_remat_group=None):
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        parallel_mode: Optional[str],
+        config,
+        init_method: Callable,
+        bias: bool,
+        skip_bias_add: bool,
+        skip_weight_param_allocation: bool,
+        tp_comm_buffer_name: Optional[str] = None,
+        is_expert: bool = False,
+        symmetric_ar_type=None,
+        tp_group=None,
+        name: Optional[str] = None,
+        gtp_remat_group=None,
+    ):
         super().__init__()
         if parallel_mode != "duplicated" or is_expert:
-            raise NotImplementedError("the TELinear stand-in covers duplicated non-expert linears only "
-                                      "(megatron's MoE latent projections)")
+            raise NotImplementedError(
+                "the TELinear stand-in covers duplicated non-expert linears only "
+                "(megatron's MoE latent projections)"
+            )
         if skip_weight_param_allocation:
-            raise ValueError("Transformer Engine linear layers do not support skip_weight_param_allocation")
+            raise ValueError(
+                "Transformer Engine linear layers do not support skip_weight_param_allocation"
+            )
         if config.fp8 or getattr(config, "fp4", None):
             raise NotImplementedError("the TELinear stand-in computes in high precision only")
         if config.gradient_accumulation_fusion or config.delay_wgrad_compute:
-            raise NotImplementedError("the TELinear stand-in has no fused or delayed weight gradients")
+            raise NotImplementedError(
+                "the TELinear stand-in has no fused or delayed weight gradients"
+            )
         self.config = config
         self.te_return_bias = skip_bias_add and bias
         self.is_first_microbatch = True
         self.disable_parameter_transpose_cache = config.disable_parameter_transpose_cache
         device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-        self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype,
-                                                     device=device))
-        self.bias = torch.nn.Parameter(torch.zeros(output_size, dtype=config.params_dtype, device=device)) \
-            if bias else None
+        self.weight = torch.nn.Parameter(
+            torch.empty(output_size, input_size, dtype=config.params_dtype, device=device)
+        )
+        self.bias = (
+            torch.nn.Parameter(torch.zeros(output_size, dtype=config.params_dtype, device=device))
+            if bias
+            else None
+        )
         if config.perform_initialization:
             from megatron.core.tensor_parallel.random import (
                 get_cuda_rng_tracker,
@@ -70,8 +94,11 @@ class TELinearStandin(torch.nn.Module):
             )
 
             tracker = get_cuda_rng_tracker()
-            with tracker.fork(get_data_parallel_rng_tracker_name()) if tracker.is_initialized() else \
-                    torch.random.fork_rng(devices=[]):
+            with (
+                tracker.fork(get_data_parallel_rng_tracker_name())
+                if tracker.is_initialized()
+                else torch.random.fork_rng(devices=[])
+            ):
                 init_method(self.weight)
         for param in self.parameters():
             param.allreduce = True

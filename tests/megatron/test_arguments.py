@@ -23,7 +23,11 @@ from ultraep_megatron.planner import BalancerConfig
 from ultraep_megatron.planner.balancer import DEFAULT_NUM_SLOTS
 from ultraep_megatron.settings import knobs
 from ultraep_megatron.settings.hardware import (
-    DEFAULT_SHAPE, HARDWARE_PRESETS, hardware_min_quota, hardware_preset, min_quota_from_hardware,
+    DEFAULT_SHAPE,
+    HARDWARE_PRESETS,
+    hardware_min_quota,
+    hardware_preset,
+    min_quota_from_hardware,
 )
 
 
@@ -41,7 +45,9 @@ def test_defaults_and_the_flags_built_from_them():
     for knob in knobs.KNOBS:  # parser default == knob default == the planner's default
         assert getattr(args, knob.dest) == knob.default, knob.flag
         if knob.field in planner_fields:
-            assert knob.default == getattr(BalancerConfig(), knob.field) == getattr(config, knob.field), knob.flag
+            assert (
+                knob.default == getattr(BalancerConfig(), knob.field) == getattr(config, knob.field)
+            ), knob.flag
         else:
             assert knob.runtime_only or knob.field == "hardware", knob.flag
     assert config.num_slots == DEFAULT_NUM_SLOTS == 2
@@ -52,24 +58,28 @@ def test_defaults_and_the_flags_built_from_them():
     assert "--moe-balancer" not in flags
     # Knobs a parser does not define keep their defaults.
     partial = arguments.balancer_config_from_args(
-        argparse.Namespace(moe_balancer="eplb", moe_balancer_eplb_window=4))
+        argparse.Namespace(moe_balancer="eplb", moe_balancer_eplb_window=4)
+    )
     assert (partial.name, partial.eplb_window, partial.num_slots) == ("eplb", 4, DEFAULT_NUM_SLOTS)
 
 
-@pytest.mark.parametrize("changes,flag", [
-    ({"moe_balancer": "lplb"}, "--moe-balancer"),
-    ({"moe_balancer_num_slots": -1}, "--moe-balancer-num-slots"),
-    ({"moe_balancer_num_slots": True}, "--moe-balancer-num-slots"),
-    ({"moe_balancer_min_quota": 0}, "--moe-balancer-min-quota"),
-    ({"moe_balancer_eplb_window": 0}, "--moe-balancer-eplb-window"),
-    ({"moe_balancer_eplb_interval": 0}, "--moe-balancer-eplb-interval"),
-    ({"moe_balancer_ring_size": 0}, "--moe-balancer-ring-size"),
-    ({"moe_balancer_trigger": 0.9}, "--moe-balancer-trigger"),
-    ({"moe_balancer_trigger": "1.2"}, "--moe-balancer-trigger"),
-    ({"moe_balancer_domain_size": 0}, "--moe-balancer-domain-size"),
-    ({"moe_balancer_hardware": "tpu-pod"}, "--moe-balancer-hardware"),
-    ({"moe_balancer": "none", "moe_balancer_trace_dir": "/tmp/x"}, "--moe-balancer-trace-dir"),
-])
+@pytest.mark.parametrize(
+    "changes,flag",
+    [
+        ({"moe_balancer": "lplb"}, "--moe-balancer"),
+        ({"moe_balancer_num_slots": -1}, "--moe-balancer-num-slots"),
+        ({"moe_balancer_num_slots": True}, "--moe-balancer-num-slots"),
+        ({"moe_balancer_min_quota": 0}, "--moe-balancer-min-quota"),
+        ({"moe_balancer_eplb_window": 0}, "--moe-balancer-eplb-window"),
+        ({"moe_balancer_eplb_interval": 0}, "--moe-balancer-eplb-interval"),
+        ({"moe_balancer_ring_size": 0}, "--moe-balancer-ring-size"),
+        ({"moe_balancer_trigger": 0.9}, "--moe-balancer-trigger"),
+        ({"moe_balancer_trigger": "1.2"}, "--moe-balancer-trigger"),
+        ({"moe_balancer_domain_size": 0}, "--moe-balancer-domain-size"),
+        ({"moe_balancer_hardware": "tpu-pod"}, "--moe-balancer-hardware"),
+        ({"moe_balancer": "none", "moe_balancer_trace_dir": "/tmp/x"}, "--moe-balancer-trace-dir"),
+    ],
+)
 def test_validation_names_the_flag(changes, flag):
     args = argparse.Namespace(**{**vars(parsed("--moe-balancer", "ultraep")), **changes})
     with pytest.raises(ValueError, match=flag):
@@ -80,20 +90,36 @@ def test_every_problem_is_named_not_only_the_first():
     """validate_ultraep_args collects: four problems of a command line, four lines, each naming its
     flag (knobs, the model, the settings a balanced layer refuses)."""
     args = argparse.Namespace(
-        **vars(parsed("--moe-balancer", "ultraep", "--moe-balancer-num-slots", "-1",
-                      "--moe-balancer-trigger", "0.5")),
-        num_experts=6, expert_model_parallel_size=4, moe_token_dispatcher_type="allgather")
+        **vars(
+            parsed(
+                "--moe-balancer",
+                "ultraep",
+                "--moe-balancer-num-slots",
+                "-1",
+                "--moe-balancer-trigger",
+                "0.5",
+            )
+        ),
+        num_experts=6,
+        expert_model_parallel_size=4,
+        moe_token_dispatcher_type="allgather",
+    )
     with pytest.raises(ValueError) as raised:
         arguments.validate_ultraep_args(args)
     lines = str(raised.value).splitlines()
     assert raised.value.problems == lines
-    flags = ["--moe-balancer-num-slots", "--moe-balancer-trigger", "--num-experts 6",
-             "--moe-token-dispatcher-type allgather"]
+    flags = [
+        "--moe-balancer-num-slots",
+        "--moe-balancer-trigger",
+        "--num-experts 6",
+        "--moe-token-dispatcher-type allgather",
+    ]
     assert len(lines) == len(flags) and all(flag in line for flag, line in zip(flags, lines)), lines
     # The startup check says the experts' split once, first, as Megatron's setting with its fix.
     errors, warnings = arguments.startup_problems(args)
-    assert warnings == [] and errors[0].startswith("--num-experts 6 is not a multiple of "
-                                                   "--expert-model-parallel-size 4")
+    assert warnings == [] and errors[0].startswith(
+        "--num-experts 6 is not a multiple of --expert-model-parallel-size 4"
+    )
     assert errors[1:] == [line for line in lines if "--num-experts" not in line]
 
 
@@ -108,10 +134,19 @@ def test_hardware_floor_reaches_the_planner_as_a_number():
     q = min_quota_from_hardware(DEFAULT_SHAPE, hardware_preset("h100-hgx"), training=True)
     assert q == hardware_min_quota("h100-hgx") > 1
     config = arguments.balancer_config_from_args(
-        parsed("--moe-balancer", "ultraep", "--moe-balancer-hardware", "h100-hgx"))
+        parsed("--moe-balancer", "ultraep", "--moe-balancer-hardware", "h100-hgx")
+    )
     assert config.min_quota == q
     given = arguments.balancer_config_from_args(
-        parsed("--moe-balancer", "ultraep", "--moe-balancer-hardware", "h100-hgx", "--moe-balancer-min-quota", "7"))
+        parsed(
+            "--moe-balancer",
+            "ultraep",
+            "--moe-balancer-hardware",
+            "h100-hgx",
+            "--moe-balancer-min-quota",
+            "7",
+        )
+    )
     assert given.min_quota == 7
     balancer = config.build()
     mean = 40_000
@@ -125,7 +160,7 @@ def test_hardware_floor_reaches_the_planner_as_a_number():
 BASE = tiny_moe_args(ep=1, train_iters=2)
 ULTRAEP = ["--moe-balancer", "ultraep"]
 # Trace directories, made by the fixture under its temporary directory ({tmp} below).
-HELD_TRACE = "{tmp}/held/ep_group_0000.uetrace"    # an earlier run's trace
+HELD_TRACE = "{tmp}/held/ep_group_0000.uetrace"  # an earlier run's trace
 RESUMABLE = "{tmp}/ckpt/latest_checkpointed_iteration.txt"  # a checkpoint to resume
 A_FILE = "{tmp}/a_file"
 
@@ -136,31 +171,66 @@ COMMAND_LINES = {
     "valid_eplb": (["--moe-balancer", "eplb", "--moe-balancer-eplb-window", "4"], None),
     "negative_slots": ([*ULTRAEP, "--moe-balancer-num-slots", "-1"], "--moe-balancer-num-slots"),
     "zero_min_quota": ([*ULTRAEP, "--moe-balancer-min-quota", "0"], "--moe-balancer-min-quota"),
-    "bad_eplb_window": (["--moe-balancer", "eplb", "--moe-balancer-eplb-window", "0"], "--moe-balancer-eplb-window"),
+    "bad_eplb_window": (
+        ["--moe-balancer", "eplb", "--moe-balancer-eplb-window", "0"],
+        "--moe-balancer-eplb-window",
+    ),
     "ring_size_zero": ([*ULTRAEP, "--moe-balancer-ring-size", "0"], "--moe-balancer-ring-size"),
-    "valid_domain_trigger_hardware": ([*ULTRAEP, "--moe-balancer-domain-size", "1", "--moe-balancer-trigger", "1.2",
-                                       "--moe-balancer-hardware", "h100-hgx"], None),
+    "valid_domain_trigger_hardware": (
+        [
+            *ULTRAEP,
+            "--moe-balancer-domain-size",
+            "1",
+            "--moe-balancer-trigger",
+            "1.2",
+            "--moe-balancer-hardware",
+            "h100-hgx",
+        ],
+        None,
+    ),
     "trigger_below_one": ([*ULTRAEP, "--moe-balancer-trigger", "0.5"], "--moe-balancer-trigger"),
     "unknown_hardware": ([*ULTRAEP, "--moe-balancer-hardware", "tpu"], "--moe-balancer-hardware"),
     "unknown_balancer": (["--moe-balancer", "magic"], "--moe-balancer"),
     "trace_without_balancer": (["--moe-balancer-trace-dir", "/tmp/x"], "--moe-balancer-trace-dir"),
     "trace_dir_is_a_file": ([*ULTRAEP, "--moe-balancer-trace-dir", A_FILE], "not a directory"),
-    "trace_dir_under_a_file": ([*ULTRAEP, "--moe-balancer-trace-dir", A_FILE + "/trace"],
-                               "cannot create the directory"),
-    "fresh_run_into_a_trace": ([*ULTRAEP, "--moe-balancer-trace-dir", "{tmp}/held"],
-                               "already holds a trace (ep_group_0000.uetrace)"),
-    "finetune_into_a_trace": ([*ULTRAEP, "--moe-balancer-trace-dir", "{tmp}/held",
-                               "--load", "{tmp}/ckpt", "--finetune"], "already holds a trace"),
-    "resume_into_its_trace": ([*ULTRAEP, "--moe-balancer-trace-dir", "{tmp}/held",
-                               "--load", "{tmp}/ckpt"], None),
+    "trace_dir_under_a_file": (
+        [*ULTRAEP, "--moe-balancer-trace-dir", A_FILE + "/trace"],
+        "cannot create the directory",
+    ),
+    "fresh_run_into_a_trace": (
+        [*ULTRAEP, "--moe-balancer-trace-dir", "{tmp}/held"],
+        "already holds a trace (ep_group_0000.uetrace)",
+    ),
+    "finetune_into_a_trace": (
+        [*ULTRAEP, "--moe-balancer-trace-dir", "{tmp}/held", "--load", "{tmp}/ckpt", "--finetune"],
+        "already holds a trace",
+    ),
+    "resume_into_its_trace": (
+        [*ULTRAEP, "--moe-balancer-trace-dir", "{tmp}/held", "--load", "{tmp}/ckpt"],
+        None,
+    ),
     "new_trace_dir": ([*ULTRAEP, "--moe-balancer-trace-dir", "{tmp}/new/trace"], None),
     # Three problems at once: three lines (test_three_problems_are_three_lines).
-    "three_problems": ([*ULTRAEP, "--moe-balancer-num-slots", "-1", "--moe-balancer-domain-size", "0",
-                        "--moe-balancer-trace-dir", A_FILE], "--moe-balancer-num-slots"),
+    "three_problems": (
+        [
+            *ULTRAEP,
+            "--moe-balancer-num-slots",
+            "-1",
+            "--moe-balancer-domain-size",
+            "0",
+            "--moe-balancer-trace-dir",
+            A_FILE,
+        ],
+        "--moe-balancer-num-slots",
+    ),
 }
 # Every command line runs at EP=1: a balancer whose flags are valid is warned about it.
-WARNED = {"valid_ultraep", "valid_eplb", "valid_domain_trigger_hardware",
-          *(name for name in COMMAND_LINES if "trace" in name)} - {"trace_without_balancer"}
+WARNED = {
+    "valid_ultraep",
+    "valid_eplb",
+    "valid_domain_trigger_hardware",
+    *(name for name in COMMAND_LINES if "trace" in name),
+} - {"trace_without_balancer"}
 
 
 @pytest.fixture(scope="module")
@@ -170,8 +240,12 @@ def verdicts(tmp_path_factory):
         made = Path(made.format(tmp=tmp))
         made.parent.mkdir(parents=True, exist_ok=True)
         made.write_text("1")
-    return argument_verdicts({name: [a.format(tmp=tmp) for a in [*BASE, *extra]]
-                              for name, (extra, _) in COMMAND_LINES.items()})
+    return argument_verdicts(
+        {
+            name: [a.format(tmp=tmp) for a in [*BASE, *extra]]
+            for name, (extra, _) in COMMAND_LINES.items()
+        }
+    )
 
 
 @pytest.mark.parametrize("name", list(COMMAND_LINES))
@@ -184,7 +258,10 @@ def test_three_problems_are_three_lines(verdicts):
     trace directory's too), not the first alone."""
     errors = verdicts["three_problems"]["errors"]
     assert [e.split(" ", 1)[0] for e in errors] == [
-        "--moe-balancer-num-slots", "--moe-balancer-domain-size", "--moe-balancer-trace-dir"], errors
+        "--moe-balancer-num-slots",
+        "--moe-balancer-domain-size",
+        "--moe-balancer-trace-dir",
+    ], errors
     assert "not a directory" in errors[2] and all("\n" not in e for e in errors)
 
 
@@ -196,14 +273,22 @@ def test_planner_flag_choices_and_balancers():
     assert parsed("--moe-balancer-planner", "device").moe_balancer_planner == "device"
     with pytest.raises(SystemExit):
         parsed("--moe-balancer-planner", "gpu")
-    for balancer, planner, bad in (("ultraep", "device", False), ("ultraep", "host", False),
-                                   ("eplb", "device", True), ("eplb-exact", "host", False),
-                                   ("ultraep", "gpu", True)):
+    for balancer, planner, bad in (
+        ("ultraep", "device", False),
+        ("ultraep", "host", False),
+        ("eplb", "device", True),
+        ("eplb-exact", "host", False),
+        ("ultraep", "gpu", True),
+    ):
         args = argparse.Namespace(moe_balancer=balancer, moe_balancer_planner=planner)
         problems = knobs.knob_problems(args)[1]
-        assert bool(problems) == bad and all("--moe-balancer-planner" in p for p in problems), problems
+        assert bool(problems) == bad and all("--moe-balancer-planner" in p for p in problems), (
+            problems
+        )
     if not torch.cuda.is_available():
         assert resolve_planner(None, "ultraep") == "host"
-    assert resolve_planner("device", "ultraep") == "device" and resolve_planner(None, "eplb") == "host"
+    assert (
+        resolve_planner("device", "ultraep") == "device" and resolve_planner(None, "eplb") == "host"
+    )
     with pytest.raises(ValueError, match="ultraep only"):
         resolve_planner("device", "eplb")

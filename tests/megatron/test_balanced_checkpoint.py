@@ -22,12 +22,21 @@ NPROC, EP, ITERS, SAVE_AT = 2, 2, 6, 3
 def args(balancer):
     # The router's own (unforced) imbalance: megatron's --moe-router-force-biased draws its bias
     # once per process, so a resumed process would route differently from the uninterrupted one.
-    return [*tiny_moe_args(ep=EP, train_iters=ITERS), "--moe-balancer", balancer,
-            "--moe-balancer-num-slots", "1", "--moe-balancer-min-quota", "1"]
+    return [
+        *tiny_moe_args(ep=EP, train_iters=ITERS),
+        "--moe-balancer",
+        balancer,
+        "--moe-balancer-num-slots",
+        "1",
+        "--moe-balancer-min-quota",
+        "1",
+    ]
 
 
 def by_iteration(records):
-    return {r["iteration"]: (r["losses"]["lm loss"], r["grad_norm"], r.get("balancer")) for r in records}
+    return {
+        r["iteration"]: (r["losses"]["lm loss"], r["grad_norm"], r.get("balancer")) for r in records
+    }
 
 
 @pytest.fixture(scope="module")
@@ -35,13 +44,33 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("balanced_ckpt")
     out = {}
     for balancer in ("ultraep", "none"):
-        out[balancer] = by_iteration(run_pretrain(
-            root / f"{balancer}_full", NPROC,
-            [*args(balancer), "--save", str(root / f"ckpt_{balancer}"), "--save-interval", str(SAVE_AT)]))
+        out[balancer] = by_iteration(
+            run_pretrain(
+                root / f"{balancer}_full",
+                NPROC,
+                [
+                    *args(balancer),
+                    "--save",
+                    str(root / f"ckpt_{balancer}"),
+                    "--save-interval",
+                    str(SAVE_AT),
+                ],
+            )
+        )
     for saved, resumed in (("ultraep", "ultraep"), ("ultraep", "none"), ("none", "ultraep")):
-        out[f"{saved}->{resumed}"] = by_iteration(run_pretrain(
-            root / f"{saved}_to_{resumed}", NPROC,
-            [*args(resumed), "--load", str(root / f"ckpt_{saved}"), "--ckpt-step", str(SAVE_AT)]))
+        out[f"{saved}->{resumed}"] = by_iteration(
+            run_pretrain(
+                root / f"{saved}_to_{resumed}",
+                NPROC,
+                [
+                    *args(resumed),
+                    "--load",
+                    str(root / f"ckpt_{saved}"),
+                    "--ckpt-step",
+                    str(SAVE_AT),
+                ],
+            )
+        )
     return root, out
 
 
@@ -51,7 +80,9 @@ def test_ultraep_resume_is_exact(runs):
     assert sorted(resumed) == list(range(SAVE_AT + 1, ITERS + 1))
     for it, (loss, norm, stats) in resumed.items():
         assert (loss, norm) == full[it][:2], f"iteration {it}"
-        assert stats and sum(v["replicas"] for v in stats.values()) > 0, "replicas used after resume"
+        assert stats and sum(v["replicas"] for v in stats.values()) > 0, (
+            "replicas used after resume"
+        )
 
 
 @pytest.mark.parametrize("saved,resumed", [("ultraep", "none"), ("none", "ultraep")])
@@ -61,10 +92,19 @@ def test_resume_across_balancers(runs, saved, resumed):
     assert sorted(cont) == list(range(SAVE_AT + 1, ITERS + 1))
     comparisons = []
     for index, what in enumerate(("lm loss", "grad norm")):
-        values = {name: {it: record[index] for it, record in run.items()}
-                  for name, run in (("cont", cont), ("full", full), ("ultraep", out["ultraep"]), ("none", out["none"]))}
+        values = {
+            name: {it: record[index] for it, record in run.items()}
+            for name, run in (
+                ("cont", cont),
+                ("full", full),
+                ("ultraep", out["ultraep"]),
+                ("none", out["none"]),
+            )
+        }
         expected = {it: values["full"][it] for it in cont}
-        comparisons += compare_series(what, values["cont"], expected, values["ultraep"], values["none"])
+        comparisons += compare_series(
+            what, values["cont"], expected, values["ultraep"], values["none"]
+        )
     print(f"\n{saved} -> {resumed}: {summary(comparisons)}")
     assert not failures(comparisons), failures(comparisons)
 
@@ -75,7 +115,9 @@ def checkpoint_keys(path):
 
 def test_no_replica_state_in_checkpoints(runs):
     root, _ = runs
-    keys = {b: checkpoint_keys(root / f"ckpt_{b}" / f"iter_{SAVE_AT:07d}") for b in ("ultraep", "none")}
+    keys = {
+        b: checkpoint_keys(root / f"ckpt_{b}" / f"iter_{SAVE_AT:07d}") for b in ("ultraep", "none")
+    }
     assert keys["ultraep"] == keys["none"], sorted(keys["ultraep"] ^ keys["none"])
     assert not [k for k in keys["ultraep"] if "replica" in k.lower() or "ultraep" in k.lower()]
     assert any("experts" in k for k in keys["ultraep"]), "expert weights are checkpointed"

@@ -17,10 +17,27 @@ WORLD = 4
 NUM_SLOTS = 1
 EXPERT_NUMEL = 2 * 32 * 48  # fc1 [48, 32] + fc2 [32, 48]
 LATENT_EXPERT_NUMEL = 2 * 16 * 48  # --moe-latent-size 16: fc1 [48, 16] + fc2 [16, 48]
-SCENARIOS = ("single", "pipelined", "recompute", "eplb", "eplb-exact", "flex", "flex-hybridep",
-             "flex-hybridep-padded", "grouped", "mixed",
-             "frozen_input", "frozen_router", "relayed", "idle_replica", "device_planner",
-             "device_planner_recompute", "device_planner_flex", "device_planner_fallback", "latent")
+SCENARIOS = (
+    "single",
+    "pipelined",
+    "recompute",
+    "eplb",
+    "eplb-exact",
+    "flex",
+    "flex-hybridep",
+    "flex-hybridep-padded",
+    "grouped",
+    "mixed",
+    "frozen_input",
+    "frozen_router",
+    "relayed",
+    "idle_replica",
+    "device_planner",
+    "device_planner_recompute",
+    "device_planner_flex",
+    "device_planner_fallback",
+    "latent",
+)
 # A negative control must miss by more than this many times its tolerance (not a borderline miss).
 NOISE_MULTIPLE = 10
 EXPERT_PARAMS = 2  # fc1, fc2
@@ -31,8 +48,12 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("balanced_layer")
-    launch_gloo_ranks(WORKERS / "balanced_moe_layer.py", WORLD,
-                      ["--out-dir", out, "--num-slots", NUM_SLOTS], timeout_s=400)
+    launch_gloo_ranks(
+        WORKERS / "balanced_moe_layer.py",
+        WORLD,
+        ["--out-dir", out, "--num-slots", NUM_SLOTS],
+        timeout_s=400,
+    )
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
@@ -43,19 +64,48 @@ def comparisons(ranks, scenario) -> list[Comparison]:
     for rank, result in enumerate(ranks):
         balanced, reference = result[f"{scenario}/balanced"], result[f"{scenario}/none"]
         permuted = result[f"{scenario}/none_permuted"]
-        quantities = [(f"rank {rank} microbatch {mb} {key}", balanced[key][mb], reference[key][mb],
-                       permuted[key][mb]) for key in ("out", "dx") for mb in range(len(reference[key]))]
+        quantities = [
+            (
+                f"rank {rank} microbatch {mb} {key}",
+                balanced[key][mb],
+                reference[key][mb],
+                permuted[key][mb],
+            )
+            for key in ("out", "dx")
+            for mb in range(len(reference[key]))
+        ]
         if reference["router_grad"] is not None:  # a frozen router has none
-            quantities.append((f"rank {rank} router grad", balanced["router_grad"],
-                               reference["router_grad"], permuted["router_grad"]))
-        quantities += [(f"rank {rank} {key} projection grad", balanced["latent_grads"][key], grad,
-                        permuted["latent_grads"][key]) for key, grad in reference["latent_grads"].items()]
-        quantities += [(f"rank {rank} expert {expert} {name} grad", b, r, p)
-                       for expert, grads in reference["expert_grads"].items()
-                       for name, b, r, p in zip(("fc1", "fc2"), balanced["expert_grads"][expert],
-                                                grads, permuted["expert_grads"][expert])]
-        out += [Comparison(what, relative_difference(b, r), noise_floor([relative_difference(p, r)]))
-                for what, b, r, p in quantities]
+            quantities.append(
+                (
+                    f"rank {rank} router grad",
+                    balanced["router_grad"],
+                    reference["router_grad"],
+                    permuted["router_grad"],
+                )
+            )
+        quantities += [
+            (
+                f"rank {rank} {key} projection grad",
+                balanced["latent_grads"][key],
+                grad,
+                permuted["latent_grads"][key],
+            )
+            for key, grad in reference["latent_grads"].items()
+        ]
+        quantities += [
+            (f"rank {rank} expert {expert} {name} grad", b, r, p)
+            for expert, grads in reference["expert_grads"].items()
+            for name, b, r, p in zip(
+                ("fc1", "fc2"),
+                balanced["expert_grads"][expert],
+                grads,
+                permuted["expert_grads"][expert],
+            )
+        ]
+        out += [
+            Comparison(what, relative_difference(b, r), noise_floor([relative_difference(p, r)]))
+            for what, b, r, p in quantities
+        ]
     return out
 
 
@@ -72,41 +122,71 @@ def test_fp8_scenario_passes_the_fp8_equivalence_gate(ranks):
     quantizers, so the balanced layer is compared with megatron's in fp8 against megatron's in fp32
     (fp8_equivalence.py): within 10 % of its distance, and closer to it than either is to the
     reference, per kind of quantity."""
-    kinds = {"outputs": lambda r: r["out"], "input grads": lambda r: r["dx"],
-             "router grads": lambda r: [r["router_grad"]],
-             "expert grads": lambda r: [g for _, grads in sorted(r["expert_grads"].items()) for g in grads]}
+    kinds = {
+        "outputs": lambda r: r["out"],
+        "input grads": lambda r: r["dx"],
+        "router grads": lambda r: [r["router_grad"]],
+        "expert grads": lambda r: [
+            g for _, grads in sorted(r["expert_grads"].items()) for g in grads
+        ],
+    }
     rows = []
     for kind, of in kinds.items():
-        runs = {key: concatenated([t for result in ranks for t in of(result[f"flex-hybridep-fp8/{key}"])])
-                for key in ("none", "balanced", "reference")}
+        runs = {
+            key: concatenated(
+                [t for result in ranks for t in of(result[f"flex-hybridep-fp8/{key}"])]
+            )
+            for key in ("none", "balanced", "reference")
+        }
         rows.append(GateRow.of(kind, runs["none"], runs["balanced"], runs["reference"]))
     print("\nflex-hybridep-fp8:\n  " + "\n  ".join(map(str, rows)))
     assert all(row.passed for row in rows), [str(row) for row in rows if not row.passed]
 
 
-@pytest.mark.parametrize("control", ["no_replica_grad_reduction", "latent_no_replica_grad_reduction"])
+@pytest.mark.parametrize(
+    "control", ["no_replica_grad_reduction", "latent_no_replica_grad_reduction"]
+)
 def test_negative_control_unreduced_replica_gradients_fail_the_comparison(ranks, control):
     """The single (or latent) scenario again, with the replica-gradient reduction broken in the
     worker (pretrain_grad_dump.FAULTS): the replicated experts' gradients must fail, nothing else."""
     compared = comparisons(ranks, control)
     failed = [c for c in compared if not c.passed]
     assert failed, "breaking the replica-gradient reduction changed no gradient"
-    print(f"\n{control}: {len(failed)} of {len(compared)} over tolerance, "
-          f"error/tolerance {min(c.ratio for c in failed):.3g} to {max(c.ratio for c in failed):.3g}")
+    print(
+        f"\n{control}: {len(failed)} of {len(compared)} over tolerance, "
+        f"error/tolerance {min(c.ratio for c in failed):.3g} to {max(c.ratio for c in failed):.3g}"
+    )
     assert all(" expert 0 " in c.what or " expert 1 " in c.what for c in failed), failed
     # Not a borderline miss: wrong by far more than this run's rounding noise.
     assert all(c.ratio > NOISE_MULTIPLE for c in failed), failed
 
 
-@pytest.mark.parametrize("scenario", ["single", "pipelined", "recompute", "flex", "flex-hybridep", "grouped",
-                                      "device_planner", "device_planner_recompute", "device_planner_flex",
-                                      "device_planner_fallback", "latent"])
+@pytest.mark.parametrize(
+    "scenario",
+    [
+        "single",
+        "pipelined",
+        "recompute",
+        "flex",
+        "flex-hybridep",
+        "grouped",
+        "device_planner",
+        "device_planner_recompute",
+        "device_planner_flex",
+        "device_planner_fallback",
+        "latent",
+    ],
+)
 def test_ultraep_balances_the_received_load(ranks, scenario):
-    rows = torch.tensor([r[f"{scenario}/balanced"]["received_rows"] for r in ranks], dtype=torch.float)
-    skewed = torch.tensor([r[f"{scenario}/none"]["received_rows"] for r in ranks], dtype=torch.float)
+    rows = torch.tensor(
+        [r[f"{scenario}/balanced"]["received_rows"] for r in ranks], dtype=torch.float
+    )
+    skewed = torch.tensor(
+        [r[f"{scenario}/none"]["received_rows"] for r in ranks], dtype=torch.float
+    )
     # [ranks, microbatches] -> per-microbatch max/mean across ranks
-    before = (skewed.max(0).values / skewed.mean(0))
-    after = (rows.max(0).values / rows.mean(0))
+    before = skewed.max(0).values / skewed.mean(0)
+    after = rows.max(0).values / rows.mean(0)
     assert before.min() > 2.0, f"the test's routing is not skewed: {before}"
     assert after.max() <= 1.05, f"post-balancing imbalance {after} > 1.05 (before {before})"
     # Replicas were really created and used.
@@ -116,15 +196,24 @@ def test_ultraep_balances_the_received_load(ranks, scenario):
     assert replica_rows == 0, "balancing moves tokens, never adds or drops any"
 
 
-@pytest.mark.parametrize("device,host", [("device_planner", "pipelined"), ("device_planner_recompute", "recompute"),
-                                         ("device_planner_flex", "flex")])
+@pytest.mark.parametrize(
+    "device,host",
+    [
+        ("device_planner", "pipelined"),
+        ("device_planner_recompute", "recompute"),
+        ("device_planner_flex", "flex"),
+    ],
+)
 def test_device_planner_balances_as_the_host_planner(ranks, device, host):
     """--moe-balancer-planner device plans on the device from the same exact load: every rank's
     experts receive as many rows as with the host planner, in every microbatch."""
     for rank, result in enumerate(ranks):
         assert result[f"{device}/balanced"]["planner"] == "device"
         assert result[f"{host}/balanced"]["planner"] == "host"  # the CPU backend's default
-        assert result[f"{device}/balanced"]["received_rows"] == result[f"{host}/balanced"]["received_rows"], rank
+        assert (
+            result[f"{device}/balanced"]["received_rows"]
+            == result[f"{host}/balanced"]["received_rows"]
+        ), rank
 
 
 def test_the_device_planner_checks_itself_once_and_says_so(ranks):
@@ -133,9 +222,14 @@ def test_the_device_planner_checks_itself_once_and_says_so(ranks):
     for name in ("device_planner", "device_planner_recompute", "device_planner_flex"):
         for rank, result in enumerate(ranks):
             printed = result[f"{name}/balanced"]["printed_by_balancer"]
-            assert printed == [] if rank else (len(printed) == 1 and "device planner ready in" in printed[0]), \
-                (name, rank, printed)
-    assert ranks[0]["pipelined/balanced"]["printed_by_balancer"] == []  # the host planner checks nothing
+            assert (
+                printed == []
+                if rank
+                else (len(printed) == 1 and "device planner ready in" in printed[0])
+            ), (name, rank, printed)
+    assert (
+        ranks[0]["pipelined/balanced"]["printed_by_balancer"] == []
+    )  # the host planner checks nothing
 
 
 def test_a_failed_self_check_hands_over_to_the_host_planner_with_one_warning(ranks):
@@ -154,15 +248,23 @@ def test_a_failed_self_check_hands_over_to_the_host_planner_with_one_warning(ran
         assert len(printed) == 1, printed
         line = printed[0]
         print(f"\n{line}")
-        assert line.startswith("ultraep: warning: the device planner failed its self-check on EP rank 1 "), line
-        assert "differs from the reference in: " in line and "--moe-balancer-planner host" in line, line
+        assert line.startswith(
+            "ultraep: warning: the device planner failed its self-check on EP rank 1 "
+        ), line
+        assert (
+            "differs from the reference in: " in line and "--moe-balancer-planner host" in line
+        ), line
 
 
-@pytest.mark.parametrize("scenario", ["single", "pipelined", "recompute", "device_planner", "grouped"])
+@pytest.mark.parametrize(
+    "scenario", ["single", "pipelined", "recompute", "device_planner", "grouped"]
+)
 def test_top_k_indices_come_from_the_router(ranks, scenario):
     """The reroute's [T, k] pairs are the router's own top-k indices (its tap), one per routing:
     every forward, and every recompute replay."""
-    calls = {"single": 1, "pipelined": 3, "recompute": 4, "device_planner": 3, "grouped": 3}[scenario]
+    calls = {"single": 1, "pipelined": 3, "recompute": 4, "device_planner": 3, "grouped": 3}[
+        scenario
+    ]
     for result in ranks:
         assert result[f"{scenario}/balanced"]["tapped_routings"] == calls
 
@@ -170,7 +272,9 @@ def test_top_k_indices_come_from_the_router(ranks, scenario):
 def test_eplb_baselines_do_not_balance_as_well(ranks):
     ultraep = ranks[0]["pipelined/balanced"]["stats"][1]["imbalance_after"]
     for name in ("eplb", "eplb-exact"):
-        rows = torch.tensor([r[f"{name}/balanced"]["received_rows"] for r in ranks], dtype=torch.float)
+        rows = torch.tensor(
+            [r[f"{name}/balanced"]["received_rows"] for r in ranks], dtype=torch.float
+        )
         after = (rows.max(0).values / rows.mean(0)).mean()
         assert after > ultraep, f"{name} balanced better than ultraep ({after} vs {ultraep})"
 
@@ -184,8 +288,12 @@ def test_ring_is_released_after_backward(ranks):
         # Tokens without a gradient: the reduction still completes and releases the invocation.
         frozen = result["frozen_input/balanced"]
         assert frozen["ring_live_before_backward"] == 1
-        assert frozen["ring_live_after_backward"] == 0, f"rank {rank}: the invocation was never released"
-        assert frozen["dx"] == [] and frozen["expert_grads"], "the scenario's tokens must need no gradient"
+        assert frozen["ring_live_after_backward"] == 0, (
+            f"rank {rank}: the invocation was never released"
+        )
+        assert frozen["dx"] == [] and frozen["expert_grads"], (
+            "the scenario's tokens must need no gradient"
+        )
 
 
 def test_relayed_scenario_streams_through_a_relay(ranks):
@@ -198,7 +306,9 @@ def test_relayed_scenario_streams_through_a_relay(ranks):
 def test_idle_replica_scenario_hosts_slots_without_rows(ranks):
     """The idle_replica scenario's comparison above covers gradient slots that got no rows only if
     some rank hosted one."""
-    idle = [rank for rank, result in enumerate(ranks) if result["idle_replica/balanced"]["idle_hosted"]]
+    idle = [
+        rank for rank, result in enumerate(ranks) if result["idle_replica/balanced"]["idle_hosted"]
+    ]
     assert idle, "no rank hosted a redundant slot without rows"
 
 
@@ -211,17 +321,28 @@ def test_replica_backward_does_not_recompute_the_replica_forward(ranks):
     """Replica weights are re-materialized for the backward; replica activations are saved, so
     the replica experts run once per microbatch, and again only in a recompute replay."""
     for rank, result in enumerate(ranks):
-        for scenario, microbatches in (("single", 1), ("pipelined", 3), ("flex", 3), ("flex-hybridep", 3),
-                                       ("flex-hybridep-padded", 2), ("grouped", 3), ("latent", 3)):
+        for scenario, microbatches in (
+            ("single", 1),
+            ("pipelined", 3),
+            ("flex", 3),
+            ("flex-hybridep", 3),
+            ("flex-hybridep-padded", 2),
+            ("grouped", 3),
+            ("latent", 3),
+        ):
             calls = result[f"{scenario}/balanced"]["replica_calls"]
-            assert calls["backward"] == 0, f"rank {rank} {scenario}: replica forward recomputed {calls}"
+            assert calls["backward"] == 0, (
+                f"rank {rank} {scenario}: replica forward recomputed {calls}"
+            )
             assert calls["forward"] <= microbatches
         # MoE activation recompute: one no-grad pass and one replay per microbatch, both counted.
         calls = result["recompute/balanced"]["replica_calls"]
         assert calls["backward"] == calls["forward"], calls
     for scenario in ("pipelined", "latent"):
         hosts = sum(r[f"{scenario}/balanced"]["replica_calls"]["forward"] > 0 for r in ranks)
-        assert hosts >= 1, f"{scenario}: no rank ran a replica: the test routing does not exercise the replicas"
+        assert hosts >= 1, (
+            f"{scenario}: no rank ran a replica: the test routing does not exercise the replicas"
+        )
 
 
 @pytest.mark.parametrize("scenario", ["single", "mixed"])
@@ -241,17 +362,22 @@ def test_every_experts_gradient_waits_for_the_reduction_in_one_order(ranks, scen
         num_local = len(result["local_expert_indices"])
         # Every hook fired: each local expert's weights, once.
         assert sorted(accumulated) == sorted(list(range(num_local)) * EXPERT_PARAMS), events
-        assert all(i > folds[0] for i, (kind, _) in enumerate(events) if kind == "accumulated"), \
+        assert all(i > folds[0] for i, (kind, _) in enumerate(events) if kind == "accumulated"), (
             f"rank {rank}: an expert's gradient was handed over before the reduction finished: {events}"
+        )
         orders.add(tuple(accumulated))
         replicated = set(events[folds[0]][1])
         kinds_per_rank.append((bool(replicated), len(replicated) < num_local))
-    assert len(orders) == 1, f"the ranks hand their experts' gradients over in different orders: {orders}"
-    assert any(r for r, _ in kinds_per_rank) and any(u for _, u in kinds_per_rank), \
+    assert len(orders) == 1, (
+        f"the ranks hand their experts' gradients over in different orders: {orders}"
+    )
+    assert any(r for r, _ in kinds_per_rank) and any(u for _, u in kinds_per_rank), (
         f"the routing must replicate some experts and not others: {kinds_per_rank}"
+    )
     if scenario == "mixed":
-        assert kinds_per_rank[1] == kinds_per_rank[2] == (True, True), \
+        assert kinds_per_rank[1] == kinds_per_rank[2] == (True, True), (
             f"ranks 1 and 2 must each have an expert with a replica and one without: {kinds_per_rank}"
+        )
 
 
 def test_flex_scenario_ran_megatrons_deepep_path(ranks):
@@ -272,8 +398,9 @@ def test_hybridep_scenarios_ran_megatrons_hybridep_path(ranks):
             assert result[f"{scenario}/balanced"]["manager_class"] == "_HybridEPManager"
         assert not any(result["flex-hybridep/balanced"]["padded_layouts"])
     for scenario in ("flex-hybridep-padded", "flex-hybridep-fp8"):
-        assert any(any(r[f"{scenario}/balanced"]["padded_layouts"]) for r in ranks), \
+        assert any(any(r[f"{scenario}/balanced"]["padded_layouts"]) for r in ranks), (
             f"{scenario}: no replica host received a padded layout"
+        )
 
 
 def test_grouped_scenario_ran_grouped_experts(ranks):

@@ -48,19 +48,50 @@ pytestmark = pytest.mark.slow
 WORLD = 4
 LR0_ITERS, ADAM_ITERS = 8, 10
 # The negative controls: one fault of the balancer per iteration, after the clean iterations.
-FAULTS = {6: "no_replica_grad_reduction", 7: "skip_rematerialization",
-          8: "replica_gets_other_layer_weights"}
+FAULTS = {
+    6: "no_replica_grad_reduction",
+    7: "skip_rematerialization",
+    8: "replica_gets_other_layer_weights",
+}
 CLEAN_ITERS = [it for it in range(1, LR0_ITERS + 1) if it not in FAULTS]
 BALANCED = ["--moe-balancer", "ultraep", "--moe-balancer-num-slots", "2"]
 MOE_LAYERS = {"2", "3", "4", "5"}  # layer 1 is dense; 5 is the MTP layer
 
 LAYOUTS = {  # name: (EP size, flags)
-    "ep4": (4, ["--overlap-grad-reduce", "--recompute-granularity", "selective",
-                "--recompute-modules", "moe"]),
-    "pp2": (2, ["--pipeline-model-parallel-size", "2", "--recompute-granularity", "full",
-                "--recompute-method", "uniform", "--recompute-num-layers", "1"]),
-    "vpp": (2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
-                "--use-distributed-optimizer", "--overlap-grad-reduce"]),
+    "ep4": (
+        4,
+        [
+            "--overlap-grad-reduce",
+            "--recompute-granularity",
+            "selective",
+            "--recompute-modules",
+            "moe",
+        ],
+    ),
+    "pp2": (
+        2,
+        [
+            "--pipeline-model-parallel-size",
+            "2",
+            "--recompute-granularity",
+            "full",
+            "--recompute-method",
+            "uniform",
+            "--recompute-num-layers",
+            "1",
+        ],
+    ),
+    "vpp": (
+        2,
+        [
+            "--pipeline-model-parallel-size",
+            "2",
+            "--num-layers-per-virtual-pipeline-stage",
+            "1",
+            "--use-distributed-optimizer",
+            "--overlap-grad-reduce",
+        ],
+    ),
 }
 RUNS = {  # name: (layout, balanced, lr-0 iterations, Adam iterations, faults)
     "none_ep4": ("ep4", False, LR0_ITERS, ADAM_ITERS, {}),
@@ -93,12 +124,23 @@ def runs(tmp_path_factory, initial_checkpoint):
             run_dir = tmp_path_factory.mktemp(name)
             # No gradient clipping: it scales every gradient by the global norm, so one wrong
             # gradient would show in all of them.
-            args = [*recipe_moe_args(ep=ep, train_iters=lr0 + adam), *flags, "--clip-grad", "0.0",
-                    "--load", str(checkpoint), "--finetune", "--ckpt-format", "torch_dist"]
+            args = [
+                *recipe_moe_args(ep=ep, train_iters=lr0 + adam),
+                *flags,
+                "--clip-grad",
+                "0.0",
+                "--load",
+                str(checkpoint),
+                "--finetune",
+                "--ckpt-format",
+                "torch_dist",
+            ]
             if balanced:
                 args += [*BALANCED, "--moe-balancer-trace-dir", str(run_dir / "trace")]
-            env = {"ULTRAEP_LR0_ITERS": str(lr0),
-                   "ULTRAEP_FAULTS": ",".join(f"{f}@{it}" for it, f in faults.items())}
+            env = {
+                "ULTRAEP_LR0_ITERS": str(lr0),
+                "ULTRAEP_FAULTS": ",".join(f"{f}@{it}" for it, f in faults.items()),
+            }
             done[name] = launch_dump_run(run_dir, WORLD, args, env)
         return done[name]
 
@@ -139,8 +181,9 @@ def test_per_step_losses_and_grad_norms(runs, name):
         comparisons += compare_series(what, actual, expected, floor_x, floor_y)
     print(f"\n{name} per-step losses and grad norms: {summary(comparisons)}")
     assert not failures(comparisons), failures(comparisons)
-    assert len(set(losses(runs(reference), iterations).values())) == len(iterations), \
+    assert len(set(losses(runs(reference), iterations).values())) == len(iterations), (
         "every iteration sees another batch"
+    )
 
 
 @pytest.mark.parametrize("name", list(TRAJECTORY))
@@ -150,8 +193,13 @@ def test_trajectory_losses_and_grad_norms(runs, name):
     adam = list(range(lr0 + 1, lr0 + ADAM_ITERS + 1))
     comparisons = []
     for what, values in (("lm loss", losses), ("grad norm", grad_norms)):
-        comparisons += compare_series(what, values(runs(name), adam), values(runs(reference), adam),
-                                      values(runs(x), adam), values(runs(y), adam))
+        comparisons += compare_series(
+            what,
+            values(runs(name), adam),
+            values(runs(reference), adam),
+            values(runs(x), adam),
+            values(runs(y), adam),
+        )
     print(f"\n{name} trajectory ({ADAM_ITERS} Adam iterations): {summary(comparisons)}")
     assert not failures(comparisons), failures(comparisons)
     trained = losses(runs(reference), adam)
@@ -165,8 +213,10 @@ def test_negative_control_breaks_the_equivalence(runs, iteration):
     comparisons = per_step_gradient_comparisons(runs, "ultraep_ep4", [iteration])
     failed = failures(comparisons)
     worst = max(comparisons, key=lambda c: c.ratio)
-    print(f"\n{FAULTS[iteration]}: {len(failed)} of {len(comparisons)} gradients over tolerance, "
-          f"worst error/tolerance {worst.ratio:.3g} ({worst.what}, error {worst.error:.3g})")
+    print(
+        f"\n{FAULTS[iteration]}: {len(failed)} of {len(comparisons)} gradients over tolerance, "
+        f"worst error/tolerance {worst.ratio:.3g} ({worst.what}, error {worst.error:.3g})"
+    )
     assert failed, f"{FAULTS[iteration]} went unnoticed: {summary(comparisons)}"
     assert worst.ratio > 10, "a broken balancer is wrong by far more than this run's rounding noise"
     # Only the replicated (main) experts' gradients can lose their replicas' share.
@@ -179,18 +229,24 @@ def test_expert_bias_updates_as_without_balancer(runs):
     balancing must not change: bit-identical to ``none`` in the clean iterations."""
     balanced, reference = runs("ultraep_ep4").expert_bias, runs("none_ep4").expert_bias
     assert set(reference[1]) == {f"decoder.layers.{i}.mlp.router" for i in (1, 2, 3)} | {
-        "mtp.layers.0.mtp_model_layer.mlp.router"}
+        "mtp.layers.0.mtp_model_layer.mlp.router"
+    }
     for it in CLEAN_ITERS:
         for router, bias in reference[it].items():
             assert torch.equal(balanced[it][router], bias), (it, router)
-    moved = reference[CLEAN_ITERS[-1]]["decoder.layers.1.mlp.router"] - reference[1]["decoder.layers.1.mlp.router"]
+    moved = (
+        reference[CLEAN_ITERS[-1]]["decoder.layers.1.mlp.router"]
+        - reference[1]["decoder.layers.1.mlp.router"]
+    )
     assert moved.abs().max() > 0, "the expert bias must be updating"
 
 
 @pytest.mark.parametrize("name", ["ultraep_ep4", "ultraep_pp2"])
 def test_every_moe_layer_balanced_mtp_included(runs, name):
     reference = runs(name.replace("ultraep", "none"))
-    skew = min(r["load_imbalance"][layer] for r in reference.records.values() for layer in MOE_LAYERS)
+    skew = min(
+        r["load_imbalance"][layer] for r in reference.records.values() for layer in MOE_LAYERS
+    )
     assert skew >= 1.3, f"{name}: routing is not skewed ({skew})"
     for record in runs(name).records.values():
         stats = record["balancer"]
@@ -215,23 +271,31 @@ def test_trace_records_every_microbatch_once_mtp_included(runs):
     keys = list(zip(trace.iteration.tolist(), trace.microbatch.tolist(), trace.layer.tolist()))
     assert len(keys) == len(set(keys)), "a microbatch recorded twice (recompute replay?)"
     # global batch 16 / (micro batch 2 x data parallel 4) = 2 microbatches per iteration
-    assert set(keys) == {(i, m, int(layer)) for i in range(1, LR0_ITERS + 1) for m in (0, 1)
-                         for layer in MOE_LAYERS}
+    assert set(keys) == {
+        (i, m, int(layer)) for i in range(1, LR0_ITERS + 1) for m in (0, 1) for layer in MOE_LAYERS
+    }
     for record in run.records.values():
         for layer, value in record["load_imbalance"].items():
             rows = (trace.iteration == record["iteration"]) & (trace.layer == int(layer))
             per_microbatch = per_rank_load(trace.load[rows].sum(dim=1).double(), WORLD)  # [mb, R]
-            assert math.isclose(float(load_imbalance(per_microbatch.sum(0, keepdim=True))[0]), value,
-                                rel_tol=1e-9)
+            assert math.isclose(
+                float(load_imbalance(per_microbatch.sum(0, keepdim=True))[0]), value, rel_tol=1e-9
+            )
             # The balancer averages its per-microbatch figure over the microbatches.
-            assert math.isclose(float(load_imbalance(per_microbatch).mean()),
-                                record["balancer"][layer]["imbalance_before"], rel_tol=1e-9)
+            assert math.isclose(
+                float(load_imbalance(per_microbatch).mean()),
+                record["balancer"][layer]["imbalance_before"],
+                rel_tol=1e-9,
+            )
 
 
 def eval_losses(run, iterations):
     """{iteration: lm loss} of the evaluations during training at ``iterations``."""
-    return {e["iteration"]: e["losses"]["lm loss"] for e in run.evals
-            if e["during_training"] and e["iteration"] in iterations}
+    return {
+        e["iteration"]: e["losses"]["lm loss"]
+        for e in run.evals
+        if e["during_training"] and e["iteration"] in iterations
+    }
 
 
 @pytest.mark.parametrize("name", ["ultraep_ep4", "ultraep_pp2"])
@@ -247,8 +311,12 @@ def test_evaluation_is_balanced_and_leaves_no_ring_slot(runs, name):
         assert max(record["imbalance_after"]) <= 1.05, record
     same_state = CLEAN_ITERS if name == "ultraep_ep4" else range(1, LR0_ITERS + 1)
     actual = eval_losses(run, same_state)
-    comparisons = compare_series("eval lm loss", actual, eval_losses(reference, actual),
-                                 eval_losses(runs("none_ep4"), actual),
-                                 eval_losses(runs("none_pp2"), actual))
+    comparisons = compare_series(
+        "eval lm loss",
+        actual,
+        eval_losses(reference, actual),
+        eval_losses(runs("none_ep4"), actual),
+        eval_losses(runs("none_pp2"), actual),
+    )
     print(f"\n{name} evaluation losses: {summary(comparisons)}")
     assert comparisons and not failures(comparisons), failures(comparisons)

@@ -19,7 +19,9 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("trigger")
-    launch_gloo_ranks(WORKERS / "trigger_layer.py", WORLD, ["--out-dir", out, "--trigger", TRIGGER], timeout_s=400)
+    launch_gloo_ranks(
+        WORKERS / "trigger_layer.py", WORLD, ["--out-dir", out, "--trigger", TRIGGER], timeout_s=400
+    )
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
@@ -34,18 +36,27 @@ def test_no_transfer_below_the_trigger_the_usual_plan_above(ranks):
         for other in ranks[1:]:
             for key in ("load", "slot_expert", "quota"):
                 assert torch.equal(other["microbatches"][i][key], mb[key]), (i, key)
-        calls = [(r["microbatches"][i]["p2p_forward"], r["microbatches"][i]["p2p_backward"]) for r in ranks]
+        calls = [
+            (r["microbatches"][i]["p2p_forward"], r["microbatches"][i]["p2p_backward"])
+            for r in ranks
+        ]
         if below[i]:
             identity = planner.baselines.identity_plan(mb["load"], 2)
-            assert torch.equal(mb["slot_expert"], identity.slot_expert) and torch.equal(mb["quota"], identity.quota)
+            assert torch.equal(mb["slot_expert"], identity.slot_expert) and torch.equal(
+                mb["quota"], identity.quota
+            )
             assert calls == [(0, 0)] * WORLD, (i, calls)
             assert all(sum(r["microbatches"][i]["replica_rows"]) == 0 for r in ranks)
         else:
             usual = planner.solve(mb["load"], 2, min_quota=1)
-            assert torch.equal(mb["slot_expert"], usual.slot_expert) and torch.equal(mb["quota"], usual.quota)
+            assert torch.equal(mb["slot_expert"], usual.slot_expert) and torch.equal(
+                mb["quota"], usual.quota
+            )
             assert bool((usual.slot_expert >= 0).any()), i
             # Weights out in the forward; weights back and gradients home in the backward.
-            assert all(f > 0 and b > 0 for f, b in calls if f or b) and any(f > 0 for f, _ in calls), (i, calls)
+            assert all(f > 0 and b > 0 for f, b in calls if f or b) and any(
+                f > 0 for f, _ in calls
+            ), (i, calls)
             assert sum(sum(r["microbatches"][i]["replica_rows"]) for r in ranks) > 0
 
 

@@ -27,8 +27,9 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 def launch(tmp_path_factory, world: int, device: str) -> list[dict]:
     out = tmp_path_factory.mktemp(f"cuda_layer_ep{world}_{device}")
-    launch_gloo_ranks(WORKERS / "cuda_layer.py", world, ["--out-dir", out, "--device", device],
-                      timeout_s=180)
+    launch_gloo_ranks(
+        WORKERS / "cuda_layer.py", world, ["--out-dir", out, "--device", device], timeout_s=180
+    )
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
@@ -39,24 +40,39 @@ def cuda_ranks(request, tmp_path_factory):
 
 def comparisons(rank_result: dict, scenario: str) -> list[Comparison]:
     """Balanced vs megatron's layer, each quantity's floor from megatron's layer on permuted tokens."""
-    none, permuted, balanced = (rank_result[f"{scenario}/{key}"]["outputs"]
-                                for key in ("none", "none_permuted", "balanced"))
+    none, permuted, balanced = (
+        rank_result[f"{scenario}/{key}"]["outputs"] for key in ("none", "none_permuted", "balanced")
+    )
     pairs = [(f"out[{i}]", lambda r, i=i: r["out"][i]) for i in range(len(none["out"]))]
     pairs += [(f"dx[{i}]", lambda r, i=i: r["dx"][i]) for i in range(len(none["dx"]))]
     pairs += [("router_grad", lambda r: r["router_grad"])]
-    pairs += [(f"expert{e}.{k}", lambda r, e=e, k=k: r["expert_grads"][e][k])
-              for e in none["expert_grads"] for k in range(2)]
-    return [Comparison(what, relative_difference(get(balanced), get(none)),
-                       max(relative_difference(get(permuted), get(none)), UNIT_ROUNDOFF))
-            for what, get in pairs]
+    pairs += [
+        (f"expert{e}.{k}", lambda r, e=e, k=k: r["expert_grads"][e][k])
+        for e in none["expert_grads"]
+        for k in range(2)
+    ]
+    return [
+        Comparison(
+            what,
+            relative_difference(get(balanced), get(none)),
+            max(relative_difference(get(permuted), get(none)), UNIT_ROUNDOFF),
+        )
+        for what, get in pairs
+    ]
 
 
 def sync_places(result: dict) -> collections.Counter:
     return collections.Counter(result["warn"]["syncs"])
 
 
-MICROBATCHES = {"single": 1, "pipelined": 3, "recompute": 2, "grouped": 2, "device-planner": 3,
-                "device-planner-recompute": 2}
+MICROBATCHES = {
+    "single": 1,
+    "pipelined": 3,
+    "recompute": 2,
+    "grouped": 2,
+    "device-planner": 3,
+    "device-planner-recompute": 2,
+}
 
 
 def places_in(places: collections.Counter, function: str) -> int:
@@ -76,12 +92,19 @@ def test_no_synchronization_beyond_megatrons(cuda_ranks, scenario):
         print(f"rank {rank} {scenario}: megatron {dict(theirs)}, balanced {dict(ours)}")
         assert balanced["warn"]["replicas"] > 0, f"rank {rank} {scenario}: no replica was made"
         assert none["error"]["error"] is None, (
-            f"megatron's own layer synchronizes beyond its designated wait: {none['error']['error']}")
-        assert places_in(theirs, "_maybe_dtoh_and_synchronize") == sum(theirs.values()) >= MICROBATCHES[scenario]
+            f"megatron's own layer synchronizes beyond its designated wait: {none['error']['error']}"
+        )
+        assert (
+            places_in(theirs, "_maybe_dtoh_and_synchronize")
+            == sum(theirs.values())
+            >= MICROBATCHES[scenario]
+        )
         assert balanced["error"]["error"] is None, (
-            f"rank {rank} {scenario}: the balanced layer synchronizes: {balanced['error']['error']}")
-        assert places_in(ours, "_wait_for_host_copy") == sum(ours.values()) == MICROBATCHES[scenario], (
-            f"rank {rank} {scenario}: balanced {dict(ours)} vs megatron {dict(theirs)}")
+            f"rank {rank} {scenario}: the balanced layer synchronizes: {balanced['error']['error']}"
+        )
+        assert (
+            places_in(ours, "_wait_for_host_copy") == sum(ours.values()) == MICROBATCHES[scenario]
+        ), f"rank {rank} {scenario}: balanced {dict(ours)} vs megatron {dict(theirs)}"
 
 
 @needs_cuda
@@ -90,9 +113,11 @@ def test_a_deliberate_read_is_caught(cuda_ranks):
     for rank, result in enumerate(cuda_ranks):
         faulty, clean = result["single-tolist/balanced"], result["single/balanced"]
         assert faulty["error"]["error"] is not None and "synchroniz" in faulty["error"]["error"], (
-            f"rank {rank}: the deliberate read was not refused: {faulty['error']['error']}")
+            f"rank {rank}: the deliberate read was not refused: {faulty['error']['error']}"
+        )
         assert sum(sync_places(faulty).values()) > sum(sync_places(clean).values()), (
-            f"rank {rank}: the deliberate read was not recorded: {faulty['warn']['syncs']}")
+            f"rank {rank}: the deliberate read was not recorded: {faulty['warn']['syncs']}"
+        )
 
 
 @needs_cuda
@@ -116,7 +141,9 @@ def test_replica_transfers_ran_on_the_stream_path(cuda_ranks, scenario):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA tests above run the worker for real")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="the CUDA tests above run the worker for real"
+)
 def test_cuda_layer_dry_run(tmp_path_factory):
     """The GPU check's worker and staging on the CPU (EP=2): it runs, replicates, stages the
     transfers, and its results match megatron's layer (no sync debug mode without a GPU)."""
@@ -124,7 +151,9 @@ def test_cuda_layer_dry_run(tmp_path_factory):
     for rank, result in enumerate(ranks):
         assert result["single/balanced"]["warn"]["replicas"] > 0
         staged = result["single/balanced"]["error"]["staged"]
-        assert staged.get("batch_isend_irecv", 0) > 0 and staged.get("transfers on the host", 0) > 0, staged
+        assert (
+            staged.get("batch_isend_irecv", 0) > 0 and staged.get("transfers on the host", 0) > 0
+        ), staged
         for scenario in HOST_PLANNER + DEVICE_PLANNER:
             compared = comparisons(result, scenario)
             assert not failures(compared), f"rank {rank} {scenario}: {failures(compared)}"

@@ -25,8 +25,9 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("flex_dispatcher")
-    launch_gloo_ranks(WORKERS / "flex_dispatcher_layer.py", WORLD, ["--out-dir", out],
-                      timeout_s=300)
+    launch_gloo_ranks(
+        WORKERS / "flex_dispatcher_layer.py", WORLD, ["--out-dir", out], timeout_s=300
+    )
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
@@ -80,14 +81,18 @@ def test_combine_and_both_backwards(ranks):
     """Receivers scale rows by (rank + 1): combined[t] = x[t] * sum of (r + 1) over the
     destination ranks r; the loss's recv_probs term makes d/d probs[t, k] = 10 * (host + 1)."""
     for u in (r["unit"] for r in ranks):
-        scale = torch.tensor([float(sum(r + 1 for r in destination_ranks(row)))
-                              for row in u["indices"].tolist()])
+        scale = torch.tensor(
+            [float(sum(r + 1 for r in destination_ranks(row))) for row in u["indices"].tolist()]
+        )
         assert u["combine_second"] is None
         torch.testing.assert_close(u["combined"], u["x"] * scale[:, None])
         torch.testing.assert_close(u["x_grad"], u["upstream"] * scale[:, None])
         expected_probs_grad = torch.tensor(
-            [[10.0 * (e // LOCAL + 1) if e >= 0 else 0.0 for e in row]
-             for row in u["indices"].tolist()])
+            [
+                [10.0 * (e // LOCAL + 1) if e >= 0 else 0.0 for e in row]
+                for row in u["indices"].tolist()
+            ]
+        )
         torch.testing.assert_close(u["probs_grad"], expected_probs_grad)
 
 
@@ -102,7 +107,9 @@ def test_flex_deepep_dispatcher_matches_alltoall(ranks):
     for rank, result in enumerate(ranks):
         flex, reference = result["flex"], result["alltoall"]
         assert (flex["dispatcher_class"], flex["manager_class"]) == (
-            "MoEFlexTokenDispatcher", "_DeepepManager")
+            "MoEFlexTokenDispatcher",
+            "_DeepepManager",
+        )
         assert_close(flex["out"], reference["out"], f"rank {rank} output")
         assert_close(flex["dx"], reference["dx"], f"rank {rank} input grad")
         assert_close(flex["router_grad"], reference["router_grad"], f"rank {rank} router grad")

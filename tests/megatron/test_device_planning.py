@@ -38,13 +38,21 @@ def _worker_faults() -> dict:
 
 FAULTS = _worker_faults()
 # (R, E, S, NVLink domain size, min quota, trigger): what the probe loads depend on.
-CONFIGS = [(2, 8, 2, None, None, 1.5), (4, 8, 1, None, 1, None), (4, 16, 2, 2, None, None),
-           (8, 64, 2, None, None, None), (8, 64, 4, 4, 300, None), (16, 64, 1, 8, None, 1.2),
-           (8, 32, 0, None, None, None)]
+CONFIGS = [
+    (2, 8, 2, None, None, 1.5),
+    (4, 8, 1, None, 1, None),
+    (4, 16, 2, 2, None, None),
+    (8, 64, 2, None, None, None),
+    (8, 64, 4, 4, 300, None),
+    (16, 64, 1, 8, None, 1.2),
+    (8, 32, 0, None, None, None),
+]
 
 
 def config_of(S, N, min_quota, trigger) -> BalancerConfig:
-    return BalancerConfig("ultraep", num_slots=S, domain_size=N, min_quota=min_quota, trigger=trigger)
+    return BalancerConfig(
+        "ultraep", num_slots=S, domain_size=N, min_quota=min_quota, trigger=trigger
+    )
 
 
 @pytest.mark.parametrize("R,E,S,N,min_quota,trigger", CONFIGS)
@@ -56,7 +64,9 @@ def test_the_self_check_passes_on_probe_loads_that_replicate(R, E, S, N, min_quo
     skewed, uniform = device_planning.probe_loads(R, E, config)
     host = config.build()
     assert host.balances(skewed) and not host.balances(uniform)
-    for rank in sorted({0, R // 2, R - 1}):  # the reroute tables of the first, a middle and the last
+    for rank in sorted(
+        {0, R // 2, R - 1}
+    ):  # the reroute tables of the first, a middle and the last
         check = device_planning.self_check(config, R, E, CPU, rank)
         assert check.failure is None, check.failure
         assert check.implementation == "torch" and check.seconds > 0
@@ -65,8 +75,13 @@ def test_the_self_check_passes_on_probe_loads_that_replicate(R, E, S, N, min_quo
     assert check.replicas == 0 or S > 0
 
 
-@pytest.mark.parametrize("fault,message", [("device_planner_wrong_plan", "differs from the reference in: "),
-                                           ("device_planner_raises", "RuntimeError: triton compilation failed")])
+@pytest.mark.parametrize(
+    "fault,message",
+    [
+        ("device_planner_wrong_plan", "differs from the reference in: "),
+        ("device_planner_raises", "RuntimeError: triton compilation failed"),
+    ],
+)
 def test_negative_control_a_broken_kernel_fails_the_self_check(fault, message):
     """The kernel returning a wrong plan (every threshold infeasible), or raising: the check fails
     and says why in one line; the references (the specification, the host planner) are untouched by
@@ -74,8 +89,9 @@ def test_negative_control_a_broken_kernel_fails_the_self_check(fault, message):
     config = config_of(2, None, None, None)
     with FAULTS[fault]():
         check = device_planning.self_check(config, 8, 64, CPU, 3)
-        reference = planner.device_solve(device_planning.probe_loads(8, 64, config)[0], 2,
-                                         implementation="reference")
+        reference = planner.device_solve(
+            device_planning.probe_loads(8, 64, config)[0], 2, implementation="reference"
+        )
     assert check.failure is not None and message in check.failure, check.failure
     assert "\n" not in check.failure
     assert int((reference.slot_expert >= 0).sum()) > 0  # the reference still replicates
@@ -84,8 +100,9 @@ def test_negative_control_a_broken_kernel_fails_the_self_check(fault, message):
 def fake_layer(R, E):
     """What ``BalancingContext._check_device_planner`` reads of a layer's registration (no
     torch.distributed)."""
-    return types.SimpleNamespace(ep_size=R, ep_rank=0, ep_group=None, num_experts=E, device=CPU,
-                                 preprocess_graphed=False)
+    return types.SimpleNamespace(
+        ep_size=R, ep_rank=0, ep_group=None, num_experts=E, device=CPU, preprocess_graphed=False
+    )
 
 
 @pytest.mark.parametrize("fault", [None, "device_planner_wrong_plan", "device_planner_raises"])
@@ -107,6 +124,10 @@ def test_the_context_hands_over_to_the_host_planner_with_one_warning(fault, caps
         assert balancing.device_planner_check.seconds > 0
         return
     assert not balancing.plans_on_device and balancing.planner == "host"
-    assert lines[0].startswith("ultraep: warning: the device planner failed its self-check (torch): ")
-    assert lines[0].endswith("planning on the host for this model "
-                             "(--moe-balancer-planner host skips the check and this warning)")
+    assert lines[0].startswith(
+        "ultraep: warning: the device planner failed its self-check (torch): "
+    )
+    assert lines[0].endswith(
+        "planning on the host for this model "
+        "(--moe-balancer-planner host skips the check and this warning)"
+    )

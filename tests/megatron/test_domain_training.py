@@ -24,22 +24,38 @@ NAME = "ep4_n4_ultraep_domain2"
 def runs(finetune_runs, adam_resume_runs):
     """(EP=1 none, EP=4 none, EP=4 ultraep in domains of 2, the latter's trace directory)."""
     trace_dir = adam_resume_runs[0] / NAME / "trace"
-    balanced = finetune_runs(NAME, 4, 4, ["--moe-balancer", "ultraep", "--moe-balancer-num-slots", str(SLOTS),
-                                          "--moe-balancer-domain-size", str(DOMAIN),
-                                          "--moe-balancer-trace-dir", str(trace_dir)])
+    balanced = finetune_runs(
+        NAME,
+        4,
+        4,
+        [
+            "--moe-balancer",
+            "ultraep",
+            "--moe-balancer-num-slots",
+            str(SLOTS),
+            "--moe-balancer-domain-size",
+            str(DOMAIN),
+            "--moe-balancer-trace-dir",
+            str(trace_dir),
+        ],
+    )
     return finetune_runs("ep1_n2", 2, 1), finetune_runs("ep4_n4", 4, 4), balanced, trace_dir
 
 
 def series(records, what):
-    return {r["iteration"]: (r["losses"]["lm loss"] if what == "lm loss" else r["grad_norm"]) for r in records}
+    return {
+        r["iteration"]: (r["losses"]["lm loss"] if what == "lm loss" else r["grad_norm"])
+        for r in records
+    }
 
 
 def test_trains_with_none_equivalent_losses(runs):
     ep1, ep4, balanced, _ = runs
     comparisons = []
     for what in ("lm loss", "grad norm"):
-        comparisons += compare_series(what, series(balanced, what), series(ep4, what),
-                                      series(ep1, what), series(ep4, what))
+        comparisons += compare_series(
+            what, series(balanced, what), series(ep4, what), series(ep1, what), series(ep4, what)
+        )
     print(f"\ndomain-constrained ultraep vs none: {summary(comparisons)}")
     assert not failures(comparisons), failures(comparisons)
     losses = series(ep4, "lm loss")
@@ -69,7 +85,9 @@ def test_trace_shows_no_cross_domain_replica(runs):
     trace = read_trace(find_trace_files(trace_dir)[0])
     meta = trace.header.meta
     assert (meta["domain_size"], meta["num_slots"]) == (DOMAIN, SLOTS)
-    config = BalancerConfig(meta["balancer"], num_slots=meta["num_slots"], domain_size=meta["domain_size"])
+    config = BalancerConfig(
+        meta["balancer"], num_slots=meta["num_slots"], domain_size=meta["domain_size"]
+    )
     balancers = {layer: config.build() for layer in trace.layers}
     telemetry = {r["iteration"]: r["balancer"] for r in balanced}
     crossing_without_domains = 0
@@ -77,9 +95,13 @@ def test_trace_shows_no_cross_domain_replica(runs):
         load, layer, iteration = trace.load[i], int(trace.layer[i]), int(trace.iteration[i])
         m = planner.metrics(load, balancers[layer].plan(load), domain_size=DOMAIN)
         assert m["cross_domain_replicas"] == 0
-        assert m["replicas"] == telemetry[iteration][str(layer)]["replicas"]  # one microbatch per iteration
+        assert (
+            m["replicas"] == telemetry[iteration][str(layer)]["replicas"]
+        )  # one microbatch per iteration
         free = planner.solve(load, SLOTS)
-        crossing_without_domains += planner.metrics(load, free, domain_size=DOMAIN)["cross_domain_replicas"]
+        crossing_without_domains += planner.metrics(load, free, domain_size=DOMAIN)[
+            "cross_domain_replicas"
+        ]
     assert len(trace.layer) == FINETUNE_ITERS * len(trace.layers)
     assert crossing_without_domains > 0
     assert torch.equal(trace.iteration.unique(), torch.arange(1, FINETUNE_ITERS + 1))

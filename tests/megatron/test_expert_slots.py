@@ -30,10 +30,16 @@ class Grouped(torch.nn.Module):
         super().__init__()
         self.linear_fc1, self.linear_fc2 = torch.nn.Module(), torch.nn.Module()
         for j in range(num_experts):
-            self.linear_fc1.register_parameter(f"weight{j}", torch.nn.Parameter(torch.full((6, 4), float(j))))
-            self.linear_fc2.register_parameter(f"weight{j}", torch.nn.Parameter(torch.full((4, 3), float(j))))
+            self.linear_fc1.register_parameter(
+                f"weight{j}", torch.nn.Parameter(torch.full((6, 4), float(j)))
+            )
+            self.linear_fc2.register_parameter(
+                f"weight{j}", torch.nn.Parameter(torch.full((4, 3), float(j)))
+            )
             if bias:
-                self.linear_fc1.register_parameter(f"bias{j}", torch.nn.Parameter(torch.full((6,), float(j))))
+                self.linear_fc1.register_parameter(
+                    f"bias{j}", torch.nn.Parameter(torch.full((6,), float(j)))
+                )
 
 
 class Sequential(torch.nn.Module):
@@ -51,8 +57,11 @@ class Sequential(torch.nn.Module):
             self.local_experts.append(mlp)
 
 
-@pytest.mark.parametrize("module", [Grouped(3, bias=False), Grouped(3, bias=True), Sequential(3)],
-                         ids=["grouped", "grouped-bias", "sequential"])
+@pytest.mark.parametrize(
+    "module",
+    [Grouped(3, bias=False), Grouped(3, bias=True), Sequential(3)],
+    ids=["grouped", "grouped-bias", "sequential"],
+)
 def test_every_parameter_belongs_to_exactly_one_expert(module):
     names = expert_param_names(module, 3)
     params = expert_params(module, names)
@@ -79,18 +88,24 @@ def test_wrong_expert_count_is_refused():
         expert_param_names(Grouped(3, bias=False), 2)  # weight2 would belong to no expert
 
 
-@pytest.mark.parametrize("make", [lambda: Grouped(3, bias=True), lambda: Sequential(3)], ids=["grouped", "sequential"])
+@pytest.mark.parametrize(
+    "make", [lambda: Grouped(3, bias=True), lambda: Sequential(3)], ids=["grouped", "sequential"]
+)
 def test_the_per_forward_lookup_gives_the_named_parameters_and_sees_a_replaced_one(make):
     module = make()
     names = expert_param_names(module, 3)
     lookup = ExpertParamLookup(module, names)
-    assert [[id(p) for p in e] for e in lookup()] == [[id(p) for p in e] for e in expert_params(module, names)]
+    assert [[id(p) for p in e] for e in lookup()] == [
+        [id(p) for p in e] for e in expert_params(module, names)
+    ]
     # A checkpoint load may put a new Parameter in place of one; the next forward must use it.
     path, _, attr = names[1][0].rpartition(".")
     fresh = torch.nn.Parameter(torch.full_like(module.get_parameter(names[1][0]), 7.0))
     setattr(module.get_submodule(path), attr, fresh)
     assert lookup()[1][0] is fresh
-    assert [[id(p) for p in e] for e in lookup()] == [[id(p) for p in e] for e in expert_params(module, names)]
+    assert [[id(p) for p in e] for e in lookup()] == [
+        [id(p) for p in e] for e in expert_params(module, names)
+    ]
 
 
 def test_the_lookup_refuses_a_name_that_is_no_parameter():
@@ -123,8 +138,11 @@ def test_quantized_weights_move_as_aligned_bytes_and_come_back_bit_for_bit(recip
     gen = torch.Generator().manual_seed(3)
 
     def make_expert():
-        return [quantizer.quantize(torch.randn(64, 32, generator=gen)),
-                quantizer.quantize(torch.randn(32, 64, generator=gen)), torch.randn(7, generator=gen)]
+        return [
+            quantizer.quantize(torch.randn(64, 32, generator=gen)),
+            quantizer.quantize(torch.randn(32, 64, generator=gen)),
+            torch.randn(7, generator=gen),
+        ]
 
     expert, other = make_expert(), make_expert()
     layout = ExpertWeightLayout(expert)
@@ -135,26 +153,37 @@ def test_quantized_weights_move_as_aligned_bytes_and_come_back_bit_for_bit(recip
     keys = [key for parts in layout.parts for key, _, _ in parts]
     # tensorwise's transpose is a cache made from its data (DERIVED_PARTS): not moved.
     kept = {"tensorwise": ["data", "fp8_scale_inv"]}.get(
-        recipe, ["columnwise_data", "columnwise_scale_inv", "rowwise_data", "rowwise_scale_inv"])
+        recipe, ["columnwise_data", "columnwise_scale_inv", "rowwise_data", "rowwise_scale_inv"]
+    )
     assert keys == kept * 2 + [None]
 
     sent = layout.main_weights(expert)
     assert [t.shape for t in sent] == layout.shapes and all(t.dtype == torch.uint8 for t in sent)
-    buffer = torch.full((2, sum(sizes)), 0xAB, dtype=torch.uint8)  # slot 1 receives, as the data plane would
+    buffer = torch.full(
+        (2, sum(sizes)), 0xAB, dtype=torch.uint8
+    )  # slot 1 receives, as the data plane would
     views = expert_views(buffer[1], layout.shapes)
     for view, tensor in zip(views, sent):
         view.copy_(tensor)
     replica = layout.replica_weights(views, other)
     lo, hi = buffer[1].data_ptr(), buffer[1].data_ptr() + sum(sizes)
     for rebuilt, main in zip(replica[:2], expert[:2]):
-        assert type(rebuilt) is type(main) and rebuilt.shape == main.shape and rebuilt.dtype == main.dtype
+        assert (
+            type(rebuilt) is type(main)
+            and rebuilt.shape == main.shape
+            and rebuilt.dtype == main.dtype
+        )
         assert rebuilt.get_metadata()["quantizer"] is other[0].get_metadata()["quantizer"]
         for key, value in main.get_metadata().items():
             if key in DERIVED_PARTS:  # the main expert's cache; the replica makes its own from data
                 assert rebuilt.get_metadata()[key] is None, key
             elif isinstance(value, torch.Tensor):
                 got = rebuilt.get_metadata()[key]
-                assert got.dtype == value.dtype and got.shape == value.shape and lo <= got.data_ptr() < hi
+                assert (
+                    got.dtype == value.dtype
+                    and got.shape == value.shape
+                    and lo <= got.data_ptr() < hi
+                )
                 assert torch.equal(got.view(torch.uint8), value.view(torch.uint8)), key
         assert torch.equal(rebuilt.dequantize(), main.dequantize())
         assert torch.equal(rebuilt.columnwise_values(), main.columnwise_values())
@@ -162,7 +191,9 @@ def test_quantized_weights_move_as_aligned_bytes_and_come_back_bit_for_bit(recip
 
     # A parameter whose parts changed (its column-wise copy dropped) is refused, not misread; a
     # tensorwise weight without its transpose cache moves as before (the replica makes its own).
-    rowwise_only = toy_fp8.ToyQuantizer(recipe, columnwise=False).quantize(torch.randn(64, 32, generator=gen))
+    rowwise_only = toy_fp8.ToyQuantizer(recipe, columnwise=False).quantize(
+        torch.randn(64, 32, generator=gen)
+    )
     if recipe == "tensorwise":
         assert [t.shape for t in layout.main_weights([rowwise_only, *expert[1:]])] == layout.shapes
     else:

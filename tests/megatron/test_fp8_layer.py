@@ -40,8 +40,13 @@ RECIPES = ("tensorwise", "blockwise", "mxfp8")
 #: TE's switches of a recipe's scales, run without fp8 parameters (the worker's SCALE_VARIANTS).
 SCALE_VARIANTS = ("tensorwise-pow2-scales", "blockwise-fp32-scales")
 #: Recipe (or variant) -> whether its scales are powers of two (TE's defaults and switches).
-POWER_2_SCALES = {"tensorwise": False, "blockwise": True, "mxfp8": True,
-                  "tensorwise-pow2-scales": True, "blockwise-fp32-scales": False}
+POWER_2_SCALES = {
+    "tensorwise": False,
+    "blockwise": True,
+    "mxfp8": True,
+    "tensorwise-pow2-scales": True,
+    "blockwise-fp32-scales": False,
+}
 STEPS, MICROBATCHES, LAYERS = 2, 3, 2
 KINDS = ("outputs", "input grads", "router grads", "expert grads", "replicated expert grads")
 #: The worker's wall time, for the report.
@@ -82,7 +87,10 @@ def gate(ranks, prefix: str, run: str = "balanced") -> list[GateRow]:
     """``prefix + run`` against ``prefix + none``, both against the fp32 reference."""
     plans = f"{prefix}balanced"
     reference = quantities(ranks, "reference", plans)
-    none, ultraep = quantities(ranks, f"{prefix}none", plans), quantities(ranks, f"{prefix}{run}", plans)
+    none, ultraep = (
+        quantities(ranks, f"{prefix}none", plans),
+        quantities(ranks, f"{prefix}{run}", plans),
+    )
     return [GateRow.of(kind, none[kind], ultraep[kind], reference[kind]) for kind in KINDS]
 
 
@@ -96,16 +104,23 @@ def test_a_replicated_expert_spans_several_token_blocks_split_between_main_and_r
     another rank, so the parts are quantized by different groups' quantizers."""
     experts_per_rank = NUM_EXPERTS // WORLD
     splits = []  # (main rows, replica rows) per replicated expert and invocation
-    for invocations in zip(*(result["tensorwise/balanced"]["steps"][0]["invocations"] for result in ranks)):
+    for invocations in zip(
+        *(result["tensorwise/balanced"]["steps"][0]["invocations"] for result in ranks)
+    ):
         rows = [inv["rows_per_slot"] for inv in invocations]
         for expert in {e for slots in invocations[0]["slot_expert"] for e in slots if e >= 0}:
             home, local = divmod(expert, experts_per_rank)
-            replica = sum(rows[rank][experts_per_rank + slot]
-                          for rank, slots in enumerate(invocations[0]["slot_expert"])
-                          for slot, e in enumerate(slots) if e == expert)
+            replica = sum(
+                rows[rank][experts_per_rank + slot]
+                for rank, slots in enumerate(invocations[0]["slot_expert"])
+                for slot, e in enumerate(slots)
+                if e == expert
+            )
             splits.append((rows[home][local], replica))
     print(f"\n(main, replica) rows of replicated experts: {splits}")
-    assert any(main > 0 and replica > 0 and main + replica > 128 for main, replica in splits), splits
+    assert any(main > 0 and replica > 0 and main + replica > 128 for main, replica in splits), (
+        splits
+    )
 
 
 @pytest.mark.parametrize("param", [False, True], ids=["hp-params", "fp8-params"])
@@ -129,18 +144,26 @@ def test_fp8_equivalence_table(ranks):
     fp32 = quantities(ranks, "reference_balanced", plans)
     fp32_floor = {kind: relative_difference(fp32[kind], reference[kind]) for kind in KINDS}
     shown = ("outputs", "expert grads", "replicated expert grads")
-    lines = ["| recipe | fp8 params | " + " | ".join(f"{k}: none / ultraep (ratio)" for k in shown) + " |",
-             "| --- | --- | " + " | ".join("---" for _ in shown) + " |"]
-    cases = [(recipe, param) for recipe in RECIPES for param in (False, True)] + [(v, False) for v in SCALE_VARIANTS]
+    lines = [
+        "| recipe | fp8 params | "
+        + " | ".join(f"{k}: none / ultraep (ratio)" for k in shown)
+        + " |",
+        "| --- | --- | " + " | ".join("---" for _ in shown) + " |",
+    ]
+    cases = [(recipe, param) for recipe in RECIPES for param in (False, True)] + [
+        (v, False) for v in SCALE_VARIANTS
+    ]
     for recipe, param in cases:
         rows = {row.kind: row for row in gate(ranks, prefix_of(recipe, param))}
         cells = [f"{rows[k].none:.3e} / {rows[k].ultraep:.3e} ({rows[k].ratio:.3f})" for k in shown]
         lines.append(f"| {recipe} | {'yes' if param else 'no'} | " + " | ".join(cells) + " |")
-    print("\nfp8 equivalence: relative distance to the fp32 reference (same tokens, weights, routing)\n"
-          + "\n".join(lines)
-          + "\nfp32 floor (balanced vs reference, both fp32): "
-          + ", ".join(f"{k} {v:.2e}" for k, v in fp32_floor.items())
-          + (f"\nworker wall time {LAUNCH['wall_s']:.1f} s" if "wall_s" in LAUNCH else ""))
+    print(
+        "\nfp8 equivalence: relative distance to the fp32 reference (same tokens, weights, routing)\n"
+        + "\n".join(lines)
+        + "\nfp32 floor (balanced vs reference, both fp32): "
+        + ", ".join(f"{k} {v:.2e}" for k, v in fp32_floor.items())
+        + (f"\nworker wall time {LAUNCH['wall_s']:.1f} s" if "wall_s" in LAUNCH else "")
+    )
     fp8_error = min(row.none for row in gate(ranks, "tensorwise/"))
     assert max(fp32_floor.values()) < FP8_RESOLUTION * fp8_error, fp32_floor
 
@@ -158,10 +181,14 @@ def test_only_fp32_scales_let_the_split_change_the_rounding(ranks, recipe):
     rows = {row.kind: row for row in gate(ranks, f"{recipe}/")}
     worst = max(rows.values(), key=lambda row: row.between / row.none)
     replicated = rows["replicated expert grads"]
-    print(f"\n{recipe}: ultraep-none / none-reference at most {worst.between / worst.none:.3g} ({worst.kind}); "
-          f"replicated expert grads {replicated.between / replicated.none:.3g}")
+    print(
+        f"\n{recipe}: ultraep-none / none-reference at most {worst.between / worst.none:.3g} ({worst.kind}); "
+        f"replicated expert grads {replicated.between / replicated.none:.3g}"
+    )
     if POWER_2_SCALES[recipe]:
-        assert all(row.between <= FP8_RESOLUTION * row.none for row in rows.values()), [str(r) for r in rows.values()]
+        assert all(row.between <= FP8_RESOLUTION * row.none for row in rows.values()), [
+            str(r) for r in rows.values()
+        ]
     else:
         assert replicated.between > FP8_RESOLUTION * replicated.none, str(replicated)
 
@@ -173,8 +200,10 @@ def assert_control_fails_the_gate(ranks, prefix: str, run: str) -> float:
     failed = [row for row in rows if not row.passed]
     assert failed, f"{prefix}{run} passed the gate: " + "; ".join(map(str, rows))
     worst = max(rows, key=lambda row: row.ratio)
-    print(f"\n{prefix}{run}: fails the gate on {', '.join(r.kind for r in failed)}; "
-          f"worst {worst.kind}: ultraep {worst.ratio:.3g}x none's distance, {worst.margin:.3g}x the bound")
+    print(
+        f"\n{prefix}{run}: fails the gate on {', '.join(r.kind for r in failed)}; "
+        f"worst {worst.kind}: ultraep {worst.ratio:.3g}x none's distance, {worst.margin:.3g}x the bound"
+    )
     return worst.margin
 
 
@@ -207,8 +236,10 @@ def test_fp8_parameters_are_quantized_tensors_with_fp32_replica_gradients(ranks,
     quantized = type(toy_fp8.ToyQuantizer(recipe).quantize(torch.zeros(32, 32))).__name__
     for result in ranks:
         assert result[f"{recipe}/param/balanced"]["replica_grad_dtype"] == "torch.float32"
-        assert all(result[f"{recipe}/param/{key}"]["weight_class"] == quantized
-                   for key in ("none", "balanced")), quantized
+        assert all(
+            result[f"{recipe}/param/{key}"]["weight_class"] == quantized
+            for key in ("none", "balanced")
+        ), quantized
         assert result[f"{recipe}/balanced"]["weight_class"] == "Parameter"
 
 
@@ -246,12 +277,17 @@ def test_the_replica_module_quantizes_its_weights_at_every_call(ranks):
     for rank, result in enumerate(ranks):
         for recipe in RECIPES:
             balanced = result[f"{recipe}/balanced"]
-            assert balanced["replica_cache_disabled"] is True and balanced["main_cache_disabled"] is False
+            assert (
+                balanced["replica_cache_disabled"] is True
+                and balanced["main_cache_disabled"] is False
+            )
             assert balanced["replica_quantizations"] == sum(balanced["replica_calls"]), balanced
             assert balanced["main_quantizations"] == STEPS, balanced["main_quantizations"]
             assert balanced["replica_grad_dtype"] == "torch.float32"
             both_layers |= all(calls > 0 for calls in balanced["replica_calls"])
-    assert both_layers, "no rank ran the replicas of both layers: the shared module is not exercised"
+    assert both_layers, (
+        "no rank ran the replicas of both layers: the shared module is not exercised"
+    )
 
 
 def test_replica_experts_are_built_without_activation_offloading(ranks):
@@ -259,8 +295,9 @@ def test_replica_experts_are_built_without_activation_offloading(ranks):
     the balanced layer's own check on its config, as by the startup check (megatron offloads CUDA
     tensors only: no test here runs its offloading with a balanced layer)."""
     for result in ranks:
-        assert "--fine-grained-activation-offloading is not supported" in result["offloading_refusal"], result[
-            "offloading_refusal"]
+        assert (
+            "--fine-grained-activation-offloading is not supported" in result["offloading_refusal"]
+        ), result["offloading_refusal"]
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -271,7 +308,7 @@ def test_the_toy_quantizer_rounds_to_fp8_per_tensor_or_block(recipe):
     weight = torch.randn(64, 64, generator=torch.Generator().manual_seed(7))
     cast = toy_fp8.quantize_weight(weight, recipe)
     error = relative_difference(cast, weight)
-    assert 1e-3 < error < 2.0 ** -4, error  # e4m3: 3 mantissa bits
+    assert 1e-3 < error < 2.0**-4, error  # e4m3: 3 mantissa bits
     assert torch.equal(toy_fp8.quantize_weight(cast, recipe), cast)
     scaled = weight.clone()
     scaled[:16, :32] *= 100.0

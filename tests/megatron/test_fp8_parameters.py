@@ -33,7 +33,11 @@ def weight(seed: int, shape=(64, 96)) -> torch.Tensor:
 
 
 def storages(tensor) -> dict[str, torch.Tensor]:
-    return {key: value for key, value in tensor.get_metadata().items() if isinstance(value, torch.Tensor)}
+    return {
+        key: value
+        for key, value in tensor.get_metadata().items()
+        if isinstance(value, torch.Tensor)
+    }
 
 
 def test_replace_raw_data_remaps_row_wise_bytes_and_refuses_mxfp8():
@@ -49,10 +53,16 @@ def test_replace_raw_data_remaps_row_wise_bytes_and_refuses_mxfp8():
         assert getattr(quantized, attr).data_ptr() == view.data_ptr()
         assert torch.equal(quantized.dequantize(), values)
         with pytest.raises(ValueError, match="data types"):
-            fp8_param_standin.replace_raw_data(quantized, torch.zeros(quantized.shape, dtype=torch.bfloat16))
-    with pytest.raises(NotImplementedError, match="replace_raw_data for MXFP8Tensor is not supported"):
-        fp8_param_standin.replace_raw_data(toy_fp8.ToyQuantizer("mxfp8").quantize(weight(1)),
-                                           torch.zeros(64, 96, dtype=torch.uint8))
+            fp8_param_standin.replace_raw_data(
+                quantized, torch.zeros(quantized.shape, dtype=torch.bfloat16)
+            )
+    with pytest.raises(
+        NotImplementedError, match="replace_raw_data for MXFP8Tensor is not supported"
+    ):
+        fp8_param_standin.replace_raw_data(
+            toy_fp8.ToyQuantizer("mxfp8").quantize(weight(1)),
+            torch.zeros(64, 96, dtype=torch.uint8),
+        )
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -68,7 +78,9 @@ def test_cast_of_main_parameter_shards_gathered_is_the_whole_weights_quantizatio
     ranks = [toy_fp8.ToyQuantizer(recipe).quantize(old) for _ in range(2)]
     shards = [(new.reshape(-1)[:split], 0), (new.reshape(-1)[split:], split)]
     params = [[(w, master, start)] for w, (master, start) in zip(ranks, shards)]
-    amaxes = torch.maximum(*(fp8_param_standin.shard_amaxes(recipe, p) for p in params))  # the all-reduce
+    amaxes = torch.maximum(
+        *(fp8_param_standin.shard_amaxes(recipe, p) for p in params)
+    )  # the all-reduce
     for p in params:
         fp8_param_standin.cast_shards(recipe, p, amaxes, manual=True)
     gathered = ranks[0]
@@ -78,7 +90,10 @@ def test_cast_of_main_parameter_shards_gathered_is_the_whole_weights_quantizatio
         getattr(gathered, attr).view(-1)[split:] = getattr(ranks[1], attr).view(-1)[split:]
     want = toy_fp8.ToyQuantizer(recipe).storages(new)
     have = storages(gathered)
-    derived = {"tensorwise": {"data_transpose"}, "blockwise": {"columnwise_data", "columnwise_scale_inv"}}
+    derived = {
+        "tensorwise": {"data_transpose"},
+        "blockwise": {"columnwise_data", "columnwise_scale_inv"},
+    }
     for key, value in want.items():
         if value is None:
             continue
@@ -87,7 +102,9 @@ def test_cast_of_main_parameter_shards_gathered_is_the_whole_weights_quantizatio
     fp8_param_standin.post_all_gather_processing([gathered])
     for key, value in want.items():
         if value is not None:
-            assert torch.equal(storages(gathered)[key].view(torch.uint8), value.view(torch.uint8)), key
+            assert torch.equal(
+                storages(gathered)[key].view(torch.uint8), value.view(torch.uint8)
+            ), key
 
 
 @pytest.fixture
@@ -124,8 +141,17 @@ def test_megatron_runs_its_te_code_on_the_standin(megatron_on_the_standin):
         fp8_utils.modify_underlying_storage(mxfp8, torch.zeros(64, 96, dtype=torch.uint8))
 
 
-MXFP8_PARAMETERS = ["--bf16", "--use-distributed-optimizer", "--fp8-format", "e4m3", "--fp8-recipe", "mxfp8",
-                    "--fp8-param-gather", "--moe-balancer", "ultraep"]
+MXFP8_PARAMETERS = [
+    "--bf16",
+    "--use-distributed-optimizer",
+    "--fp8-format",
+    "e4m3",
+    "--fp8-recipe",
+    "mxfp8",
+    "--fp8-param-gather",
+    "--moe-balancer",
+    "ultraep",
+]
 
 
 @pytest.mark.slow
@@ -134,9 +160,17 @@ def test_mxfp8_parameters_without_the_reuse_flag_fail_building_megatrons_buffers
     --reuse-grad-buf-for-mxfp8-param-ag, megatron's DDP maps each parameter into its parameter
     buffer with TE's replace_raw_data, which raises for MXFP8 (one rank; the refusal bypassed)."""
     args = [*tiny_moe_args(ep=1, train_iters=1), *MXFP8_PARAMETERS]
-    status, output = torchrun(WORKERS / "pretrain_grad_dump.py", 1, args,
-                              {"ULTRAEP_GRAD_DUMP_DIR": str(tmp_path),
-                               "ULTRAEP_FAULTS": "mxfp8_parameters_without_reuse_accepted"})
+    status, output = torchrun(
+        WORKERS / "pretrain_grad_dump.py",
+        1,
+        args,
+        {
+            "ULTRAEP_GRAD_DUMP_DIR": str(tmp_path),
+            "ULTRAEP_FAULTS": "mxfp8_parameters_without_reuse_accepted",
+        },
+    )
     assert status != 0, output[-3000:]
     assert "replace_raw_data for MXFP8Tensor is not supported yet" in output, output[-3000:]
-    assert "param_and_grad_buffer.py" in output and "modify_underlying_storage" in output, output[-3000:]
+    assert "param_and_grad_buffer.py" in output and "modify_underlying_storage" in output, output[
+        -3000:
+    ]

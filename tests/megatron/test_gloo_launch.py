@@ -16,10 +16,12 @@ from gloo_launch import WORKERS, gloo_env, launch_gloo_ranks, run_process_group,
 
 # A parent that starts a long-lived child in a session of its own (as torchrun starts its ranks)
 # and reports its pid.
-SPAWNER = ("import subprocess, sys, time; "
-           "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'], "
-           "start_new_session=True); "
-           "print(child.pid, flush=True); time.sleep(300)")
+SPAWNER = (
+    "import subprocess, sys, time; "
+    "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'], "
+    "start_new_session=True); "
+    "print(child.pid, flush=True); time.sleep(300)"
+)
 
 
 def _alive(pid: int) -> bool:
@@ -43,8 +45,14 @@ def test_a_timeout_kills_the_whole_process_group():
 
 
 def test_a_finished_command_returns_its_status_and_output():
-    completed = run_process_group([sys.executable, "-c", "import sys; print('out'); "
-                                   "print('err', file=sys.stderr); sys.exit(3)"], timeout_s=60)
+    completed = run_process_group(
+        [
+            sys.executable,
+            "-c",
+            "import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)",
+        ],
+        timeout_s=60,
+    )
     assert (completed.returncode, completed.stdout, completed.stderr) == (3, "out\n", "err\n")
 
 
@@ -75,11 +83,18 @@ def _probe(tmp_path, name, env=None, nproc=2):
 
 #: What torchrun's agent puts in a worker's environment for its own machinery (error files, its
 #: store, NCCL defaults), which a warm rank, launched without the agent, does not get.
-AGENT_ONLY = {"TORCHELASTIC_ERROR_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCHELASTIC_ENABLE_FILE_TIMER",
-              "TORCHELASTIC_TIMER_FILE", "TORCHELASTIC_HEALTH_CHECK_PORT", "TORCH_NCCL_DUMP_ON_TIMEOUT",
-              "NCCL_ASYNC_ERROR_HANDLING",
-              # this test's own: the cold launch's switch and run_process_group's marker
-              rank_launcher.COLD_ENV, rank_launcher.LAUNCH_MARKER}
+AGENT_ONLY = {
+    "TORCHELASTIC_ERROR_FILE",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "TORCHELASTIC_ENABLE_FILE_TIMER",
+    "TORCHELASTIC_TIMER_FILE",
+    "TORCHELASTIC_HEALTH_CHECK_PORT",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT",
+    "NCCL_ASYNC_ERROR_HANDLING",
+    # this test's own: the cold launch's switch and run_process_group's marker
+    rank_launcher.COLD_ENV,
+    rank_launcher.LAUNCH_MARKER,
+}
 
 
 def test_a_warm_rank_gets_what_a_torchrun_rank_gets(tmp_path, monkeypatch):
@@ -95,14 +110,26 @@ def test_a_warm_rank_gets_what_a_torchrun_rank_gets(tmp_path, monkeypatch):
     for rank, (c, w) in enumerate(zip(cold, warm)):
         missing = set(c["env"]) - set(w["env"]) - AGENT_ONLY
         assert not missing, f"torchrun sets {sorted(missing)}, the warm launcher does not"
-        for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
-                     "MASTER_ADDR", "OMP_NUM_THREADS", "PYTHONPATH", "GLOO_SOCKET_IFNAME"):
+        for name in (
+            "RANK",
+            "LOCAL_RANK",
+            "WORLD_SIZE",
+            "LOCAL_WORLD_SIZE",
+            "GROUP_RANK",
+            "ROLE_RANK",
+            "MASTER_ADDR",
+            "OMP_NUM_THREADS",
+            "PYTHONPATH",
+            "GLOO_SOCKET_IFNAME",
+        ):
             assert w["env"].get(name) == c["env"].get(name), name
         assert w["env"]["RANK"] == str(rank)
         for key in ("path", "cwd", "warning_filters", "main_module"):
             assert w[key] == c[key], key
-        assert (w["argv"], c["argv"]) == ([str(WORKERS / "launch_probe.py"), str(tmp_path / "warm")],
-                                          [str(WORKERS / "launch_probe.py"), str(tmp_path / "cold")])
+        assert (w["argv"], c["argv"]) == (
+            [str(WORKERS / "launch_probe.py"), str(tmp_path / "warm")],
+            [str(WORKERS / "launch_probe.py"), str(tmp_path / "cold")],
+        )
         assert w["session_leader"] and c["session_leader"]
     assert len({r["torch_seed"] for r in warm}) == len(warm)  # not the server's generator, shared
     for line in ("probe rank 0 out", "probe rank 1 err"):
@@ -116,7 +143,9 @@ def test_a_failing_rank_fails_the_launch_as_torchrun_reports_it(tmp_path):
     start = time.monotonic()
     completed, _ = _probe(tmp_path, "failing", env={"FAIL_RANK": "1"})
     assert completed.returncode == 1
-    assert "exitcode  : 3" in completed.stderr and "rank      : 1 (local_rank: 1)" in completed.stderr
+    assert (
+        "exitcode  : 3" in completed.stderr and "rank      : 1 (local_rank: 1)" in completed.stderr
+    )
     assert time.monotonic() - start < 60  # rank 0's sleep of 600 s was cut short
 
 
@@ -131,6 +160,9 @@ def test_a_timed_out_script_leaves_no_rank_of_its_shim_launch_behind(tmp_path):
     ranks = [tuple(map(int, p.read_text().split())) for p in sorted(tmp_path.glob("rank*.pid"))]
     assert len(ranks) == 2, "both ranks started before the timeout"
     assert not any(_alive(pid) for pid, _ in ranks), "a rank outlived its launch's timeout"
-    launches = [l for l in rank_launcher.read_stats()
-                if l["test"].endswith("::test_a_timed_out_script_leaves_no_rank_of_its_shim_launch_behind")]
+    launches = [
+        l
+        for l in rank_launcher.read_stats()
+        if l["test"].endswith("::test_a_timed_out_script_leaves_no_rank_of_its_shim_launch_behind")
+    ]
     assert [(l["script"], l["warm"], l["killed"]) for l in launches] == [("hang.py", True, True)]

@@ -20,7 +20,14 @@ early-return list unpacked into ``output, mlp_bias``) and ``moe_preprocess`` was
 import pytest
 import torch
 
-from equivalence import NOISE_MULTIPLE, Comparison, failures, noise_floor, relative_difference, summary
+from equivalence import (
+    NOISE_MULTIPLE,
+    Comparison,
+    failures,
+    noise_floor,
+    relative_difference,
+    summary,
+)
 from gloo_launch import WORKERS, gloo_env, launch_gloo_ranks, run_python
 
 WORLD = 4
@@ -43,14 +50,27 @@ def comparisons(ranks, scenario) -> list[Comparison]:
     out = []
     for rank, result in enumerate(ranks):
         floors = (result["none_permuted"]["steps"], result["none_split"]["steps"])
-        for step, (actual, reference) in enumerate(zip(result[scenario]["steps"], result["none"]["steps"])):
-            assert sorted(actual["grads"]) == sorted(reference["grads"]), "the layers have other parameters"
+        for step, (actual, reference) in enumerate(
+            zip(result[scenario]["steps"], result["none"]["steps"])
+        ):
+            assert sorted(actual["grads"]) == sorted(reference["grads"]), (
+                "the layers have other parameters"
+            )
             quantities = [("out", lambda s: s["out"]), ("dx", lambda s: s["dx"])]
-            quantities += [(name, lambda s, name=name: s["grads"][name]) for name in sorted(reference["grads"])]
+            quantities += [
+                (name, lambda s, name=name: s["grads"][name]) for name in sorted(reference["grads"])
+            ]
             for what, get in quantities:
-                floor = noise_floor(relative_difference(get(f[step]), get(reference)) for f in floors)
-                out.append(Comparison(f"rank {rank} step {step} {what}",
-                                      relative_difference(get(actual), get(reference)), floor))
+                floor = noise_floor(
+                    relative_difference(get(f[step]), get(reference)) for f in floors
+                )
+                out.append(
+                    Comparison(
+                        f"rank {rank} step {step} {what}",
+                        relative_difference(get(actual), get(reference)),
+                        floor,
+                    )
+                )
     return out
 
 
@@ -90,9 +110,13 @@ def test_capture_router_graph_leaves_the_balanced_part_to_the_replay(ranks, scen
         assert router["capture_calls"] == {"router": 2, "plan": 0}, router["capture_calls"]
         assert router["replay_calls"] == {"router": 0, "plan": STEPS}, router["replay_calls"]
         assert router["planner"] == "host"
-    expected = {"router": ("BalancedAlltoAllDispatcher", None),
-                "router_hybridep": ("BalancedFlexDispatcher", "_HybridEPManager")}[scenario]
-    assert all((r[scenario]["dispatcher_class"], r[scenario]["manager_class"]) == expected for r in ranks)
+    expected = {
+        "router": ("BalancedAlltoAllDispatcher", None),
+        "router_hybridep": ("BalancedFlexDispatcher", "_HybridEPManager"),
+    }[scenario]
+    assert all(
+        (r[scenario]["dispatcher_class"], r[scenario]["manager_class"]) == expected for r in ranks
+    )
 
 
 def test_capture_preprocess_graph_runs_the_device_plan_on_replay(ranks):
@@ -106,7 +130,9 @@ def test_capture_preprocess_graph_runs_the_device_plan_on_replay(ranks):
         assert preprocess["capture_calls"] == {"router": 2, "plan": 2}, preprocess["capture_calls"]
         assert preprocess["replay_calls"] == {"router": 0, "plan": 0}, preprocess["replay_calls"]
         assert "c10d._allgather_base_.default" in preprocess["graph_ops"], preprocess["graph_ops"]
-        assert "plan_host_half" in preprocess["valid_cudagraph_attrs"], preprocess["valid_cudagraph_attrs"]
+        assert "plan_host_half" in preprocess["valid_cudagraph_attrs"], preprocess[
+            "valid_cudagraph_attrs"
+        ]
         assert "reversed_local_input_permutation_mapping" in preprocess["valid_cudagraph_attrs"]
 
 
@@ -124,11 +150,15 @@ def test_capture_negative_control_stale_plan_fails_the_comparison(ranks):
     failed = [c for c in compared if not c.passed]
     assert failed, "completing a stale plan changed nothing"
     assert not [c for c in failed if " step 0 " in c.what], "the first step completes its own plan"
-    layer_outputs = [c for c in compared if c.what.endswith((" out", " dx")) and " step 0 " not in c.what]
+    layer_outputs = [
+        c for c in compared if c.what.endswith((" out", " dx")) and " step 0 " not in c.what
+    ]
     assert len(layer_outputs) == WORLD * (STEPS - 1) * 2
-    print(f"\nstale_plan: {len(failed)} of {len(compared)} over tolerance; outputs and input gradients of "
-          f"steps 1-{STEPS - 1}: error/tolerance {min(c.ratio for c in layer_outputs):.3g} to "
-          f"{max(c.ratio for c in layer_outputs):.3g}")
+    print(
+        f"\nstale_plan: {len(failed)} of {len(compared)} over tolerance; outputs and input gradients of "
+        f"steps 1-{STEPS - 1}: error/tolerance {min(c.ratio for c in layer_outputs):.3g} to "
+        f"{max(c.ratio for c in layer_outputs):.3g}"
+    )
     assert all(c.ratio > NOISE_MULTIPLE for c in layer_outputs), layer_outputs
 
 
@@ -143,10 +173,12 @@ def test_capture_negative_control_host_planner_fails_the_guard(ranks):
 
 
 #: fp8 scenario -> (the same layer eager, megatron's layer under the same graphs).
-FP8_REFERENCES = {"router_fp8": ("router_fp8_eager", "none_fp8"),
-                  "stale_plan_fp8": ("router_fp8_eager", "none_fp8"),
-                  "preprocess_fp8": ("preprocess_fp8_eager", "none_fp8_preprocess"),
-                  "stale_preprocess_fp8": ("preprocess_fp8_eager", "none_fp8_preprocess")}
+FP8_REFERENCES = {
+    "router_fp8": ("router_fp8_eager", "none_fp8"),
+    "stale_plan_fp8": ("router_fp8_eager", "none_fp8"),
+    "preprocess_fp8": ("preprocess_fp8_eager", "none_fp8_preprocess"),
+    "stale_preprocess_fp8": ("preprocess_fp8_eager", "none_fp8_preprocess"),
+}
 
 
 def fp8_comparisons(ranks, scenario) -> list[Comparison]:
@@ -159,14 +191,27 @@ def fp8_comparisons(ranks, scenario) -> list[Comparison]:
     out = []
     for rank, result in enumerate(ranks):
         floors, references = result[megatron_graphed]["steps"], result["none_fp8_eager"]["steps"]
-        for step, (actual, reference) in enumerate(zip(result[scenario]["steps"], result[eager]["steps"])):
-            assert sorted(actual["grads"]) == sorted(reference["grads"]) == sorted(floors[step]["grads"])
+        for step, (actual, reference) in enumerate(
+            zip(result[scenario]["steps"], result[eager]["steps"])
+        ):
+            assert (
+                sorted(actual["grads"])
+                == sorted(reference["grads"])
+                == sorted(floors[step]["grads"])
+            )
             quantities = [("out", lambda s: s["out"]), ("dx", lambda s: s["dx"])]
-            quantities += [(name, lambda s, name=name: s["grads"][name]) for name in sorted(reference["grads"])]
+            quantities += [
+                (name, lambda s, name=name: s["grads"][name]) for name in sorted(reference["grads"])
+            ]
             for what, get in quantities:
                 floor = noise_floor([relative_difference(get(floors[step]), get(references[step]))])
-                out.append(Comparison(f"rank {rank} step {step} {what}",
-                                      relative_difference(get(actual), get(reference)), floor))
+                out.append(
+                    Comparison(
+                        f"rank {rank} step {step} {what}",
+                        relative_difference(get(actual), get(reference)),
+                        floor,
+                    )
+                )
     return out
 
 
@@ -203,19 +248,33 @@ def test_capture_fp8_runs_tes_fp8_graph_contract(ranks):
     graphed region inside TE's fp8 autocast with ``_graph=True``, and the replay: no Python of the
     region, the skip-weight-update flag set from megatron's ``is_first_microbatch`` (the first
     microbatch: do not skip) and the backward's amax reduction call, once per step."""
-    for scenario in ("router_fp8", "none_fp8", "stale_plan_fp8", "preprocess_fp8", "none_fp8_preprocess"):
+    for scenario in (
+        "router_fp8",
+        "none_fp8",
+        "stale_plan_fp8",
+        "preprocess_fp8",
+        "none_fp8_preprocess",
+    ):
         for result in ranks:
             graphed = result[scenario]
             assert graphed["graphed_with"] == {
-                "fp8_enabled": True, "fp8_weight_caching": True, "fp8_group_size": WORLD,
+                "fp8_enabled": True,
+                "fp8_weight_caching": True,
+                "fp8_group_size": WORLD,
                 "fp8_recipe": "Float8CurrentScaling(fp8_format=<Format.HYBRID: 'hybrid'>, fp8_dpa=False, "
-                              "fp8_mha=False)"}, graphed["graphed_with"]
-            assert graphed["fp8_at_capture"] == [(True, "Float8CurrentScaling", True)] * 2, graphed["fp8_at_capture"]
+                "fp8_mha=False)",
+            }, graphed["graphed_with"]
+            assert graphed["fp8_at_capture"] == [(True, "Float8CurrentScaling", True)] * 2, graphed[
+                "fp8_at_capture"
+            ]
             assert graphed["fp8_at_replay"] == [], graphed["fp8_at_replay"]
             assert graphed["skip_flags"] == [0.0] * STEPS, graphed["skip_flags"]
             assert graphed["backward_reductions"] == STEPS, graphed["backward_reductions"]
     for result in ranks:  # eagerly the router runs in the layer's fp8 autocast, not a graph's
-        assert result["router_fp8_eager"]["fp8_at_replay"] == [(True, "Float8CurrentScaling", False)] * STEPS
+        assert (
+            result["router_fp8_eager"]["fp8_at_replay"]
+            == [(True, "Float8CurrentScaling", False)] * STEPS
+        )
 
 
 def test_capture_fp8_negative_control_stale_plan_fails_the_comparison(ranks):
@@ -227,12 +286,18 @@ def test_capture_fp8_negative_control_stale_plan_fails_the_comparison(ranks):
     of their expert, so not every rank's output moves). The first step is right in both."""
     for scenario in ("stale_preprocess_fp8", "stale_plan_fp8"):
         compared = fp8_comparisons(ranks, scenario)
-        assert not [c for c in compared if " step 0 " in c.what and not c.passed], "the first step plans its own load"
-        layer_outputs = [c for c in compared if c.what.endswith((" out", " dx")) and " step 0 " not in c.what]
+        assert not [c for c in compared if " step 0 " in c.what and not c.passed], (
+            "the first step plans its own load"
+        )
+        layer_outputs = [
+            c for c in compared if c.what.endswith((" out", " dx")) and " step 0 " not in c.what
+        ]
         assert len(layer_outputs) == WORLD * (STEPS - 1) * 2
-        print(f"\n{scenario}: {sum(not c.passed for c in compared)} of {len(compared)} over tolerance; outputs "
-              f"and input gradients of steps 1-{STEPS - 1}: error/tolerance {min(c.ratio for c in layer_outputs):.3g} "
-              f"to {max(c.ratio for c in layer_outputs):.3g}")
+        print(
+            f"\n{scenario}: {sum(not c.passed for c in compared)} of {len(compared)} over tolerance; outputs "
+            f"and input gradients of steps 1-{STEPS - 1}: error/tolerance {min(c.ratio for c in layer_outputs):.3g} "
+            f"to {max(c.ratio for c in layer_outputs):.3g}"
+        )
         if scenario == "stale_preprocess_fp8":
             assert all(c.ratio > NOISE_MULTIPLE for c in layer_outputs), layer_outputs
         for step in range(1, STEPS):
@@ -244,8 +309,12 @@ def test_capture_preprocess_gpu_check_dry_run():
     """``workers/capture_preprocess.py`` (a check of ``tools/gpu_check.sh``: the device planner's
     preprocessing captured with ``torch.cuda.graph`` and replayed on a GPU) keeps running: its dry
     run captures the same work on the CPU graph stand-in, under its guard, and replays it."""
-    completed = run_python(WORKERS / "capture_preprocess.py", ["--device", "cpu", "--trials", "3"], env=gloo_env())
+    completed = run_python(
+        WORKERS / "capture_preprocess.py", ["--device", "cpu", "--trials", "3"], env=gloo_env()
+    )
     assert completed.returncode == 0, completed.stdout[-2000:] + completed.stderr[-3000:]
     line = completed.stdout.strip().splitlines()[-1]
     assert line.startswith("capture_replay_device_planner: SKIP"), line
-    assert "dry run on the CPU graph stand-in: pass, 3 replays" in line and "3 distinct plans" in line, line
+    assert (
+        "dry run on the CPU graph stand-in: pass, 3 replays" in line and "3 distinct plans" in line
+    ), line

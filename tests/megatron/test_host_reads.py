@@ -20,10 +20,23 @@ from gloo_launch import WORKERS, launch_gloo_ranks
 
 WORLD = 4
 # ep4-hybridep: the flex dispatcher over HybridEP's stand-in (deepep_gloo reports its host waits).
-LAYOUTS = ("ep2", "ep4", "ep2-recompute", "ep4-recompute", "ep4-hybridep", "ep2-device", "ep4-device",
-           "ep4-recompute-device")
-NEGATIVE_CONTROLS = ("ep4-tolist", "ep4-item-in-backward", "ep4-item-in-transfer", "ep4-hybridep-unmodified",
-                     "ep4-device-item-in-plan")
+LAYOUTS = (
+    "ep2",
+    "ep4",
+    "ep2-recompute",
+    "ep4-recompute",
+    "ep4-hybridep",
+    "ep2-device",
+    "ep4-device",
+    "ep4-recompute-device",
+)
+NEGATIVE_CONTROLS = (
+    "ep4-tolist",
+    "ep4-item-in-backward",
+    "ep4-item-in-transfer",
+    "ep4-hybridep-unmodified",
+    "ep4-device-item-in-plan",
+)
 PLAN_WAIT = "Event.synchronize"  # the plan's one wait (physical_routing._wait_for_host_copy)
 
 pytestmark = pytest.mark.slow
@@ -46,8 +59,10 @@ def added_reads(measured: dict) -> dict:
     and all reads (``sync`` + asynchronous copies)."""
     none, balanced = measured["none"]["counts"], planner_counts(measured["balanced"])
     total = lambda counts: counts.get("sync", 0) + counts.get("copy", 0)  # noqa: E731
-    return {"sync": balanced.get("sync", 0) - none.get("sync", 0),
-            "all": total(balanced) - total(none)}
+    return {
+        "sync": balanced.get("sync", 0) - none.get("sync", 0),
+        "all": total(balanced) - total(none),
+    }
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -55,11 +70,14 @@ def test_balanced_layer_adds_no_host_read(ranks, layout):
     for rank, result in enumerate(ranks):
         measured = result[layout]
         assert measured["balanced"]["replicas"] > 0, f"rank {rank} {layout}: no replica was made"
-        assert measured["none"]["counts"].get("sync", 0) > 0, "the counter must see megatron's own wait"
+        assert measured["none"]["counts"].get("sync", 0) > 0, (
+            "the counter must see megatron's own wait"
+        )
         added = added_reads(measured)
         assert added["sync"] <= 0 and added["all"] <= 0, (
             f"rank {rank} {layout}: the balanced layer adds host reads {added}: "
-            f"{measured['balanced']['events']} (megatron: {measured['none']['events']})")
+            f"{measured['balanced']['events']} (megatron: {measured['none']['events']})"
+        )
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -97,7 +115,8 @@ def test_negative_control_reads_inside_the_transfers_are_counted(ranks):
     for rank, result in enumerate(ranks):
         added = added_reads(result["ep4-item-in-transfer"])
         assert added["sync"] >= made[rank], (
-            f"rank {rank}: {made[rank]} deliberate reads in the transfers, {added['sync']} counted")
+            f"rank {rank}: {made[rank]} deliberate reads in the transfers, {added['sync']} counted"
+        )
 
 
 def _waits(counts_and_events: dict) -> list[str]:

@@ -63,7 +63,10 @@ def test_two_models_in_one_process_each_end_their_own_iterations(tmp_path, megat
     end_model_iterations([model_b], b)
     assert ended_iterations([a, b]) == [None, None]
     run_iteration(model_a, 4, megatron_args, calls)
-    assert ended_iterations([a, b]) == [6, None]  # iteration 5 (megatron's log number) ended in a only
+    assert ended_iterations([a, b]) == [
+        6,
+        None,
+    ]  # iteration 5 (megatron's log number) ended in a only
     run_iteration(model_b, 9, megatron_args, calls)
     assert ended_iterations([a, b]) == [6, 11]
     # megatron-core 0.18 replaces the function when training starts: the first forward wraps again.
@@ -81,7 +84,9 @@ def test_two_models_in_one_process_each_end_their_own_iterations(tmp_path, megat
     assert ends == [14]
 
 
-def test_negative_control_one_hook_for_the_process_ends_the_other_models_iterations(tmp_path, megatron_args):
+def test_negative_control_one_hook_for_the_process_ends_the_other_models_iterations(
+    tmp_path, megatron_args
+):
     """What the process-wide ``training_log`` patch did: one context for every model. The check above
     sees it: model b's iteration ends a's context, never b's."""
     calls = []

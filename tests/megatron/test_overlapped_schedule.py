@@ -34,16 +34,36 @@ import re
 import pytest
 import torch
 
-from equivalence import (compare_gradients, compare_series, failures, gradient_floors, per_step_comparisons,
-                         summary, trajectory_comparisons)
+from equivalence import (
+    compare_gradients,
+    compare_series,
+    failures,
+    gradient_floors,
+    per_step_comparisons,
+    summary,
+    trajectory_comparisons,
+)
 from gloo_launch import WORKERS, launch_gloo_ranks
-from megatron_runs import launch_dump_run, merge_reduced_gradients, save_initial_checkpoint, tiny_moe_args
+from megatron_runs import (
+    launch_dump_run,
+    merge_reduced_gradients,
+    save_initial_checkpoint,
+    tiny_moe_args,
+)
 
 pytestmark = pytest.mark.slow
 
 # ---- the schedule's nodes ----------------------------------------------------------------------
 WORLD = 4
-EQUIVALENT = ["overlap", "overlap_device", "overlap_hybridep", "delay", "delay_hybridep", "overlap_fp8", "delay_fp8"]
+EQUIVALENT = [
+    "overlap",
+    "overlap_device",
+    "overlap_hybridep",
+    "delay",
+    "delay_hybridep",
+    "overlap_fp8",
+    "delay_fp8",
+]
 DELAYED = ["delay", "delay_hybridep", "delay_fp8"]
 #: Scenarios with TEGroupedMLP experts over torch_grouped_linear (the others: SequentialMLP).
 GROUPED = [*DELAYED, "overlap_fp8"]
@@ -56,7 +76,9 @@ FP8_DELAYED, FP8_UNDELAYED = "delay_fp8", "overlap_fp8"
 def node_runs(tmp_path_factory):
     """Every rank's dump of workers/overlapped_schedule.py (one launch, every scenario)."""
     out = tmp_path_factory.mktemp("overlapped_schedule")
-    launch_gloo_ranks(WORKERS / "overlapped_schedule.py", WORLD, ["--out-dir", str(out)], log_path=out / "log")
+    launch_gloo_ranks(
+        WORKERS / "overlapped_schedule.py", WORLD, ["--out-dir", str(out)], log_path=out / "log"
+    )
     return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
 
 
@@ -67,8 +89,12 @@ def reduced(dumps, key) -> dict[int, dict[str, torch.Tensor]]:
 
 
 def losses(dumps, key) -> dict[tuple, float]:
-    return {(rank, step, mb): loss for rank, d in enumerate(dumps)
-            for step, per_mb in d[key]["losses"].items() for mb, loss in enumerate(per_mb)}
+    return {
+        (rank, step, mb): loss
+        for rank, d in enumerate(dumps)
+        for step, per_mb in d[key]["losses"].items()
+        for mb, loss in enumerate(per_mb)
+    }
 
 
 def node_comparisons(dumps, scenario):
@@ -77,10 +103,19 @@ def node_comparisons(dumps, scenario):
     none, floor, ultraep = (f"{scenario}/{key}" for key in ("none", "none_floor", "ultraep"))
     reference = reduced(dumps, none)
     steps = sorted(reference)
-    comparisons = compare_gradients(reduced(dumps, ultraep), reference,
-                                    gradient_floors(reduced(dumps, floor), reference, steps), steps)
-    comparisons += compare_series("loss", losses(dumps, ultraep), losses(dumps, none),
-                                  losses(dumps, floor), losses(dumps, none))
+    comparisons = compare_gradients(
+        reduced(dumps, ultraep),
+        reference,
+        gradient_floors(reduced(dumps, floor), reference, steps),
+        steps,
+    )
+    comparisons += compare_series(
+        "loss",
+        losses(dumps, ultraep),
+        losses(dumps, none),
+        losses(dumps, floor),
+        losses(dumps, none),
+    )
     return comparisons
 
 
@@ -101,24 +136,40 @@ def test_what_ran(node_runs, scenario):
     and manager are the scenario's."""
     runs = [d[f"{scenario}/ultraep"] for d in node_runs]
     assert set(runs[0]["node_calls"]) == {
-        ("preprocess", "pre_dispatch_computation"), ("dispatch", "moe_dispatch"), ("host wait", "moe_dispatch"),
-        ("routed_experts_compute", "mlp"), ("postprocess", "moe_combine")}, runs[0]["node_calls"]
+        ("preprocess", "pre_dispatch_computation"),
+        ("dispatch", "moe_dispatch"),
+        ("host wait", "moe_dispatch"),
+        ("routed_experts_compute", "mlp"),
+        ("postprocess", "moe_combine"),
+    }, runs[0]["node_calls"]
     for step in runs[0]["plans"]:
         plans = [run["plans"][step] for run in runs]
         replica_rows = [rows for plan in plans for _, _, rows in plan]
-        assert any(sum(rows) > 0 for rows in replica_rows), f"step {step}: no replica computed any row"
-        assert plans[0] != plans[2], f"step {step}: the two EP groups planned alike"  # ranks 0 and 2
+        assert any(sum(rows) > 0 for rows in replica_rows), (
+            f"step {step}: no replica computed any row"
+        )
+        assert plans[0] != plans[2], (
+            f"step {step}: the two EP groups planned alike"
+        )  # ranks 0 and 2
         assert all(run["ring_live"][step] == 0 for run in runs)
-    expected = ("TEGroupedMLP" if scenario in GROUPED else "SequentialMLP",
-                "BalancedFlexDispatcher" if "hybridep" in scenario else "BalancedAlltoAllDispatcher",
-                "_HybridEPManager" if "hybridep" in scenario else None)
-    assert (runs[0]["experts_class"], runs[0]["dispatcher_class"], runs[0]["manager_class"]) == expected
+    expected = (
+        "TEGroupedMLP" if scenario in GROUPED else "SequentialMLP",
+        "BalancedFlexDispatcher" if "hybridep" in scenario else "BalancedAlltoAllDispatcher",
+        "_HybridEPManager" if "hybridep" in scenario else None,
+    )
+    assert (
+        runs[0]["experts_class"],
+        runs[0]["dispatcher_class"],
+        runs[0]["manager_class"],
+    ) == expected
     delayed_calls = sum(run["delayed_wgrad_calls"] for run in runs)
     if scenario.startswith("delay"):
         assert delayed_calls > 0, "backward_dw() never computed the replicas' weight gradients"
     else:
         assert delayed_calls == 0
-    assert all((run["fp8_casts"] > 0) == ("fp8" in scenario) for run in runs), [run["fp8_casts"] for run in runs]
+    assert all((run["fp8_casts"] > 0) == ("fp8" in scenario) for run in runs), [
+        run["fp8_casts"] for run in runs
+    ]
 
 
 def test_negative_control_replica_gradients_reduced_before_backward_dw(node_runs):
@@ -128,8 +179,10 @@ def test_negative_control_replica_gradients_reduced_before_backward_dw(node_runs
     comparisons = node_comparisons(node_runs, "delay_reduced_before_dw")
     failed = [c for c in comparisons if not c.passed]
     worst = max(comparisons, key=lambda c: c.ratio)
-    print(f"\nreduced before backward_dw: {len(failed)} of {len(comparisons)} over tolerance, worst "
-          f"{worst.ratio:.3g}x the tolerance ({worst.what}: error {worst.error:.3g})")
+    print(
+        f"\nreduced before backward_dw: {len(failed)} of {len(comparisons)} over tolerance, worst "
+        f"{worst.ratio:.3g}x the tolerance ({worst.what}: error {worst.error:.3g})"
+    )
     assert failed and worst.ratio > 10, summary(comparisons)
     assert all(".experts." in c.what for c in failed), [c.what for c in failed]
 
@@ -147,7 +200,9 @@ def twin_differences(dumps, key, twin) -> tuple[list[str], float, bool]:
             if not torch.equal(actual[step][name], grad):
                 differing.add(name)
                 scale = grad.float().abs().max().clamp_min(torch.finfo(torch.float32).tiny)
-                worst = max(worst, float((actual[step][name].float() - grad.float()).abs().max() / scale))
+                worst = max(
+                    worst, float((actual[step][name].float() - grad.float()).abs().max() / scale)
+                )
     return sorted(differing), worst, losses(dumps, key) == losses(dumps, twin)
 
 
@@ -157,7 +212,9 @@ def test_delayed_fp8_weight_gradients_equal_the_undelayed_ones_bit_for_bit(node_
     overlapped schedule: the delayed weight-gradient GEMMs multiply the same quantized operands
     later, and every reduced gradient and loss comes out bit for bit the same (measured: no
     difference at all, so no tolerance), balanced or not, at EP 2 and EP 4."""
-    differing, worst, same_losses = twin_differences(node_runs, f"{FP8_DELAYED}/{key}", f"{FP8_UNDELAYED}/{key}")
+    differing, worst, same_losses = twin_differences(
+        node_runs, f"{FP8_DELAYED}/{key}", f"{FP8_UNDELAYED}/{key}"
+    )
     assert not differing and same_losses, (differing[:10], worst)
 
 
@@ -166,12 +223,15 @@ def test_negative_control_fp8_replica_gradients_reduced_before_backward_dw(node_
     quantized in other groups), too wide for the floor comparison to see replica gradients
     reduced before ``backward_dw()`` computed them; the bit-for-bit comparison with the undelayed
     twin sees them: the experts' gradients differ, nothing else does (the losses neither)."""
-    differing, worst, same_losses = twin_differences(node_runs, "delay_fp8_reduced_before_dw/ultraep",
-                                                     f"{FP8_UNDELAYED}/ultraep")
+    differing, worst, same_losses = twin_differences(
+        node_runs, "delay_fp8_reduced_before_dw/ultraep", f"{FP8_UNDELAYED}/ultraep"
+    )
     floor_comparisons = node_comparisons(node_runs, "delay_fp8_reduced_before_dw")
-    print(f"\nfp8, reduced before backward_dw: {len(differing)} parameters differ from the undelayed twin, "
-          f"worst by {worst:.3g} of their largest magnitude; against none within the floor: "
-          f"{summary(floor_comparisons)}")
+    print(
+        f"\nfp8, reduced before backward_dw: {len(differing)} parameters differ from the undelayed twin, "
+        f"worst by {worst:.3g} of their largest magnitude; against none within the floor: "
+        f"{summary(floor_comparisons)}"
+    )
     assert differing and worst > 0.1, (differing, worst)
     assert all(".experts." in name for name in differing), differing
     assert same_losses
@@ -186,26 +246,36 @@ def order_mismatches(dumps, key, steps) -> list[str]:
     groups = {(b["family"], tuple(b["ranks"])) for record in records for b in record["buckets"]}
     for step in steps:
         for family, ranks in sorted(groups):
-            sequences = {r: [e for e in records[r]["events"][step] if e[1] == family] for r in ranks}
+            sequences = {
+                r: [e for e in records[r]["events"][step] if e[1] == family] for r in ranks
+            }
             first = sequences[ranks[0]]
             for r in ranks[1:]:
                 if sequences[r] != first:
-                    i = next((i for i, (a, b) in enumerate(zip(first, sequences[r])) if a != b),
-                             min(len(first), len(sequences[r])))
-                    out.append(f"step {step}, {family} buckets of ranks {ranks}: rank {r} differs from rank "
-                               f"{ranks[0]} first at event {i}: {first[i:i + 1]} vs {sequences[r][i:i + 1]}")
+                    i = next(
+                        (i for i, (a, b) in enumerate(zip(first, sequences[r])) if a != b),
+                        min(len(first), len(sequences[r])),
+                    )
+                    out.append(
+                        f"step {step}, {family} buckets of ranks {ranks}: rank {r} differs from rank "
+                        f"{ranks[0]} first at event {i}: {first[i : i + 1]} vs {sequences[r][i : i + 1]}"
+                    )
     return out
 
 
 @pytest.mark.parametrize("scenario", DELAYED)
-def test_delayed_gradients_ready_in_one_order_across_expert_data_parallel_ranks(node_runs, scenario):
+def test_delayed_gradients_ready_in_one_order_across_expert_data_parallel_ranks(
+    node_runs, scenario
+):
     """With the experts' gradients delayed, DDP's hooks fire in ``backward_dw()`` (held back until
     the replica reduction completed): in every step the ranks of an expert-data-parallel group,
     whose EP groups plan differently, mark their experts' gradients ready and start their bucket
     reduce-scatters in one order (the second step's are overlapped with the backward)."""
     key = f"{scenario}/ultraep"
     events = node_runs[0][key]["grad_order"]["events"]
-    assert any(e[0] == "sync" and e[1] == "expert" for e in events[2]), "no expert bucket collective"
+    assert any(e[0] == "sync" and e[1] == "expert" for e in events[2]), (
+        "no expert bucket collective"
+    )
     assert any(e[0] == "ready" and e[1] == "expert" and e[4] for e in events[2])
     mismatches = order_mismatches(node_runs, key, sorted(events))
     assert not mismatches, "\n".join(mismatches)
@@ -215,19 +285,38 @@ def test_negative_control_delayed_hooks_in_plan_order(node_runs):
     """The order check catches a plan-dependent order: layers whose plan replicated one of their
     experts run the held-back hooks in reverse; the expert-data-parallel partners then see their
     experts' gradients ready in different orders."""
-    mismatches = order_mismatches(node_runs, "delay_hooks_in_plan_order/ultraep",
-                                  sorted(node_runs[0]["delay_hooks_in_plan_order/ultraep"]["grad_order"]["events"]))
+    mismatches = order_mismatches(
+        node_runs,
+        "delay_hooks_in_plan_order/ultraep",
+        sorted(node_runs[0]["delay_hooks_in_plan_order/ultraep"]["grad_order"]["events"]),
+    )
     print("\nhooks in plan order:\n" + "\n".join(mismatches))
-    assert any(", expert buckets" in m for m in mismatches), "the plan-dependent order changed nothing"
+    assert any(", expert buckets" in m for m in mismatches), (
+        "the plan-dependent order changed nothing"
+    )
     assert not any(", dense buckets" in m for m in mismatches), mismatches
 
 
 # ---- the training loop -------------------------------------------------------------------------
 LR0, ADAM = 2, 2
-OVERLAP = ["--bf16", "--overlap-moe-expert-parallel-comm", "--mtp-num-layers", "1", "--position-embedding-type",
-           "rope", "--num-layers", "4", "--use-distributed-optimizer", "--overlap-grad-reduce",
-           "--overlap-param-gather", "--ddp-bucket-size", "2000", "--clip-grad", "0.0",
-           "--untie-embeddings-and-output-weights"]  # megatron ties them across virtual stages only without MTP
+OVERLAP = [
+    "--bf16",
+    "--overlap-moe-expert-parallel-comm",
+    "--mtp-num-layers",
+    "1",
+    "--position-embedding-type",
+    "rope",
+    "--num-layers",
+    "4",
+    "--use-distributed-optimizer",
+    "--overlap-grad-reduce",
+    "--overlap-param-gather",
+    "--ddp-bucket-size",
+    "2000",
+    "--clip-grad",
+    "0.0",
+    "--untie-embeddings-and-output-weights",
+]  # megatron ties them across virtual stages only without MTP
 BALANCED = ["--moe-balancer", "ultraep", "--moe-balancer-num-slots", "2"]
 VPP = ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2"]
 #: name: (ranks, EP, extra flags, lr-0 iterations, Adam iterations, faults); global batch 16: two
@@ -257,10 +346,17 @@ def training_runs(tmp_path_factory):
     def get(name):
         if name not in done:
             ranks, ep, extra, lr0, adam, faults = RUNS[name]
-            args = [*tiny_moe_args(ep=ep, train_iters=lr0 + adam), *OVERLAP, "--global-batch-size", "16",
-                    *load, *extra]
-            done[name] = launch_dump_run(root / name, ranks, args,
-                                         {"ULTRAEP_LR0_ITERS": str(lr0), "ULTRAEP_FAULTS": faults})
+            args = [
+                *tiny_moe_args(ep=ep, train_iters=lr0 + adam),
+                *OVERLAP,
+                "--global-batch-size",
+                "16",
+                *load,
+                *extra,
+            ]
+            done[name] = launch_dump_run(
+                root / name, ranks, args, {"ULTRAEP_LR0_ITERS": str(lr0), "ULTRAEP_FAULTS": faults}
+            )
         return done[name]
 
     return get
@@ -269,18 +365,31 @@ def training_runs(tmp_path_factory):
 @pytest.mark.parametrize("name", list(COMPARED))
 def test_training_per_step(training_runs, name):
     reference, floor = COMPARED[name]
-    comparisons = per_step_comparisons(training_runs(name), training_runs(reference), training_runs(reference),
-                                       training_runs(floor), ALL_LR0, ALL_LR0)
+    comparisons = per_step_comparisons(
+        training_runs(name),
+        training_runs(reference),
+        training_runs(reference),
+        training_runs(floor),
+        ALL_LR0,
+        ALL_LR0,
+    )
     print(f"\n{name} per step: {summary(comparisons)}")
-    assert sum(".experts." in c.what for c in comparisons) >= 8 * 2 * 5 * LR0, "every expert weight (MTP's too)"
+    assert sum(".experts." in c.what for c in comparisons) >= 8 * 2 * 5 * LR0, (
+        "every expert weight (MTP's too)"
+    )
     assert not failures(comparisons), "\n".join(failures(comparisons)[:20])
 
 
 @pytest.mark.parametrize("name", list(COMPARED))
 def test_training_trajectory(training_runs, name):
     reference, floor = COMPARED[name]
-    comparisons = trajectory_comparisons(training_runs(name), training_runs(reference), training_runs(reference),
-                                         training_runs(floor), TRAINED)
+    comparisons = trajectory_comparisons(
+        training_runs(name),
+        training_runs(reference),
+        training_runs(reference),
+        training_runs(floor),
+        TRAINED,
+    )
     print(f"\n{name} trajectory ({ADAM} Adam iterations): {summary(comparisons)}")
     assert not failures(comparisons), failures(comparisons)
 
@@ -294,10 +403,14 @@ def test_training_ran_the_overlapped_schedule_and_logs_the_balanced_imbalance(tr
     for run in (name, reference):
         log = training_runs(run).log
         assert re.search(r"overlap_moe_expert_parallel_comm \.+ True", log), run
-        assert re.search(r"use_distributed_optimizer \.+ True", log) and re.search(r"overlap_grad_reduce \.+ True", log)
+        assert re.search(r"use_distributed_optimizer \.+ True", log) and re.search(
+            r"overlap_grad_reduce \.+ True", log
+        )
     if "vpp" in name:
         assert re.search(r"virtual_pipeline_model_parallel_size \.+ 2", training_runs(name).log)
-    lines = re.findall(r"balanced rank imbalance \(before -> after\) \|(.*)", training_runs(name).log)
+    lines = re.findall(
+        r"balanced rank imbalance \(before -> after\) \|(.*)", training_runs(name).log
+    )
     assert len(lines) >= LR0 + ADAM, "one line per iteration"
     after = [float(a) for a in re.findall(r"layer 5: [\d.]+ -> ([\d.]+)", "".join(lines))]
     assert after and max(after) < 1.05, lines[-1]  # layer 5: the MTP layer's MoE layer
@@ -307,10 +420,18 @@ def test_negative_control_rematerialized_from_another_microbatch(training_runs):
     """Each layer's replicas re-materialized for its backward from the plan the weight buffer
     holds when that backward starts (in this schedule another microbatch's latest forward): the
     reduced gradients leave the noise floor."""
-    comparisons = per_step_comparisons(training_runs("ultraep_remat_fault"), training_runs("none"),
-                                       training_runs("none"), training_runs("none_floor"), ALL_LR0, ALL_LR0)
+    comparisons = per_step_comparisons(
+        training_runs("ultraep_remat_fault"),
+        training_runs("none"),
+        training_runs("none"),
+        training_runs("none_floor"),
+        ALL_LR0,
+        ALL_LR0,
+    )
     failed = failures(comparisons)
     worst = max(comparisons, key=lambda c: c.ratio)
-    print(f"\nre-materialized from another microbatch's plan: {len(failed)} of {len(comparisons)} over tolerance, "
-          f"worst {worst.ratio:.3g}x the tolerance ({worst.what}: error {worst.error:.3g})")
+    print(
+        f"\nre-materialized from another microbatch's plan: {len(failed)} of {len(comparisons)} over tolerance, "
+        f"worst {worst.ratio:.3g}x the tolerance ({worst.what}: error {worst.error:.3g})"
+    )
     assert failed and worst.ratio > 10, summary(comparisons)

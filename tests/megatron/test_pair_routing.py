@@ -16,18 +16,37 @@ import types
 import pytest
 import torch
 
-from planner_helpers import assign_tokens, host_balancer_cases, planned_routings, random_routing, routing_cases
+from planner_helpers import (
+    assign_tokens,
+    host_balancer_cases,
+    planned_routings,
+    random_routing,
+    routing_cases,
+)
 from ultraep_megatron.megatron.balanced_layer import device_planning
 from ultraep_megatron.megatron.balanced_layer.dispatchers import BalancedAlltoAllDispatcher
 from ultraep_megatron.megatron.balanced_layer.invocation import InvocationState, plan_invocation
 from ultraep_megatron.planner import BalancerConfig
 
+
 def stand_in(R, E, S, invocation, topk_ids):
     """The balanced all-to-all dispatcher's state that the reroute and permutation read."""
     d = object.__new__(BalancedAlltoAllDispatcher)
-    d.num_logical_experts, d.ep_size, d.slots_per_rank, d.num_out_tokens = E, R, E // R + S, topk_ids.numel()
-    d.state = InvocationState(layer_number=1, runs_per_forward=1, training=False, grad_enabled=False,
-                              topk_ids=topk_ids, invocation=invocation, reroute_table=invocation.reroute_table)
+    d.num_logical_experts, d.ep_size, d.slots_per_rank, d.num_out_tokens = (
+        E,
+        R,
+        E // R + S,
+        topk_ids.numel(),
+    )
+    d.state = InvocationState(
+        layer_number=1,
+        runs_per_forward=1,
+        training=False,
+        grad_enabled=False,
+        topk_ids=topk_ids,
+        invocation=invocation,
+        reroute_table=invocation.reroute_table,
+    )
     d._sort_key_dtype = torch.int16
     d.balancing = types.SimpleNamespace(add_reroute_seconds=lambda seconds: None, check_plans=False)
     return d
@@ -50,7 +69,9 @@ def dense_reference(d, routing_map, probs):
     num_rows = d.num_out_tokens
     row = torch.where(routing_map.view(-1), table[3].index_select(0, instance) + position, num_rows)
     tokens = torch.arange(num_tokens).unsqueeze(1).expand(-1, num_experts).reshape(-1)
-    sorted_tokens = torch.full((num_rows + 1,), -1, dtype=torch.int64).scatter_(0, row, tokens)[:num_rows]
+    sorted_tokens = torch.full((num_rows + 1,), -1, dtype=torch.int64).scatter_(0, row, tokens)[
+        :num_rows
+    ]
     permuted_probs = probs.new_zeros(num_rows + 1).scatter(0, row, probs.reshape(-1))[:num_rows]
     return physical_map, physical_probs, sorted_tokens, permuted_probs
 
@@ -62,26 +83,47 @@ def test_pairs_match_the_dense_implementation_bit_for_bit(R, E, S, k, T, seed):
     for plan in plans:
         replicated += int((plan.slot_expert >= 0).sum())
         for rank, (ids, routing_map, probs) in enumerate(routings):
-            invocation = plan_invocation(plan, load, rank, layer_number=1, vid=None, schedule_builder=None,
-                                         balanced=True, plan_seconds=0.0)
+            invocation = plan_invocation(
+                plan,
+                load,
+                rank,
+                layer_number=1,
+                vid=None,
+                schedule_builder=None,
+                balanced=True,
+                plan_seconds=0.0,
+            )
             # The router's indices come in any order within a token.
-            shuffled = ids.gather(1, torch.argsort(torch.rand(ids.shape, generator=torch.Generator().manual_seed(rank)), 1))
+            shuffled = ids.gather(
+                1,
+                torch.argsort(
+                    torch.rand(ids.shape, generator=torch.Generator().manual_seed(rank)), 1
+                ),
+            )
             d = stand_in(R, E, S, invocation, shuffled)
             probs = probs.clone().requires_grad_(True)
             physical_map, physical_probs = d._reroute(routing_map, probs)
             sorted_tokens, permuted_probs = d._permutation(probs)
             reference = dense_reference(d, routing_map, probs)
-            for name, got, want in zip(("physical map", "physical probs", "sorted tokens", "permuted probs"),
-                                       (physical_map, physical_probs, sorted_tokens, permuted_probs), reference):
-                assert got.dtype == want.dtype and torch.equal(got.detach(), want.detach()), f"rank {rank}: {name} differs"
+            for name, got, want in zip(
+                ("physical map", "physical probs", "sorted tokens", "permuted probs"),
+                (physical_map, physical_probs, sorted_tokens, permuted_probs),
+                reference,
+            ):
+                assert got.dtype == want.dtype and torch.equal(got.detach(), want.detach()), (
+                    f"rank {rank}: {name} differs"
+                )
             # The same gradient in probs, through both differentiable outputs.
             generator = torch.Generator().manual_seed(seed)
             for got, want in ((physical_probs, reference[1]), (permuted_probs, reference[3])):
                 upstream = torch.rand(got.shape, generator=generator)
-                assert torch.equal(torch.autograd.grad(got, probs, upstream)[0],
-                                   torch.autograd.grad(want, probs, upstream)[0])
-            assert torch.equal(d.physical_topk_ids().sort(1).values,
-                               assign_tokens(plan, rank, ids).sort(1).values)
+                assert torch.equal(
+                    torch.autograd.grad(got, probs, upstream)[0],
+                    torch.autograd.grad(want, probs, upstream)[0],
+                )
+            assert torch.equal(
+                d.physical_topk_ids().sort(1).values, assign_tokens(plan, rank, ids).sort(1).values
+            )
     if S > 0 and E > 4:
         assert replicated > 0, "the routings must make some plan replicate"
 
@@ -91,15 +133,25 @@ def test_negative_control_token_descending_order_differs():
     comparison: it depends on the order the plan hands quotas out in."""
     routings, load, plans = planned_routings(4, 16, 2, 3, 33, 0)
     ids, routing_map, probs = routings[0]
-    invocation = plan_invocation(plans[0], load, 0, layer_number=1, vid=None, schedule_builder=None,
-                                 balanced=True, plan_seconds=0.0)
+    invocation = plan_invocation(
+        plans[0],
+        load,
+        0,
+        layer_number=1,
+        vid=None,
+        schedule_builder=None,
+        balanced=True,
+        plan_seconds=0.0,
+    )
     d = stand_in(4, 16, 2, invocation, ids)
     pairs = d._pairs
 
     def descending_pairs():
         order, positions, instance = pairs()
         flat = ids.reshape(-1)
-        descending = torch.sort(flat * flat.numel() + (flat.numel() - 1 - torch.arange(flat.numel()))).indices
+        descending = torch.sort(
+            flat * flat.numel() + (flat.numel() - 1 - torch.arange(flat.numel()))
+        ).indices
         return descending, positions, instance
 
     d._pairs = descending_pairs
@@ -115,8 +167,12 @@ def test_device_plan_crosses_to_the_host_intact():
     seen = set()
     for candidate, balanced, expected in host_balancer_cases(config):
         seen.add(balanced)
-        planned_ = device_planning.plan_on_device(candidate, config, 1, training=True, grad_enabled=True)
-        load_back, plan_back, balanced_back = device_planning.unpack_host_half(planned_.host_half.clone(), 4, 16, 2)
+        planned_ = device_planning.plan_on_device(
+            candidate, config, 1, training=True, grad_enabled=True
+        )
+        load_back, plan_back, balanced_back = device_planning.unpack_host_half(
+            planned_.host_half.clone(), 4, 16, 2
+        )
         assert torch.equal(load_back, candidate) and balanced_back == balanced
         assert plan_back.threshold == expected.threshold
         for field in ("slot_expert", "quota", "physical_split"):
@@ -139,7 +195,10 @@ def test_top_k_indices_from_the_tap_or_the_routing_map():
     tap.layer_number = 5
     values, picked = tap.get_replay_topk(scores, 3, None, None, compute_topk)
     assert torch.equal(picked, scores.topk(3, dim=1).indices) and tap.layer_number == 5
-    assert topk_indices(tap, torch.zeros(9, 16, dtype=torch.bool).scatter_(1, picked, True), 3) is picked
+    assert (
+        topk_indices(tap, torch.zeros(9, 16, dtype=torch.bool).scatter_(1, picked, True), 3)
+        is picked
+    )
     assert tap.indices is None  # used once: the next routing must bring its own
     from_map = topk_indices(tap, routing_map, 3)
     assert torch.equal(from_map.sort(1).values, ids.sort(1).values)

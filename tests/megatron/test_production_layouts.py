@@ -73,8 +73,17 @@ pytestmark = pytest.mark.slow
 
 EP, BUCKET, COARSE_BUCKET = 2, 2000, 10000
 LR0, ADAM = 3, 3
-PRODUCTION_DDP = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
-                  "--ddp-bucket-size", str(BUCKET), "--global-batch-size", "16", "--clip-grad", "0.0"]
+PRODUCTION_DDP = [
+    "--use-distributed-optimizer",
+    "--overlap-grad-reduce",
+    "--overlap-param-gather",
+    "--ddp-bucket-size",
+    str(BUCKET),
+    "--global-batch-size",
+    "16",
+    "--clip-grad",
+    "0.0",
+]
 BALANCED = ["--moe-balancer", "ultraep", "--moe-balancer-num-slots", "2"]
 BF16 = ["--bf16", "--grad-reduce-in-bf16"]
 COMPARED = {  # balanced run: (reference, noise-floor partner)
@@ -87,16 +96,43 @@ RUNS = {  # name: (EP size, extra flags, lr-0 iterations, Adam iterations, fault
     "none": (EP, [], LR0, ADAM, ""),
     "none_floor": (4, [], LR0, ADAM, ""),
     "ultraep": (EP, BALANCED, LR0, ADAM, ""),
-    "ultraep_ddp_options": (EP, [*BALANCED, "--ddp-bucket-size", str(COARSE_BUCKET), "--ddp-average-in-collective",
-                                 "--num-distributed-optimizer-instances", "2", "--ddp-pad-buckets-for-high-nccl-busbw",
-                                 "--check-for-large-grads", "--check-weight-hash-across-dp-replicas-interval", "1"],
-                            LR0, ADAM, ""),
+    "ultraep_ddp_options": (
+        EP,
+        [
+            *BALANCED,
+            "--ddp-bucket-size",
+            str(COARSE_BUCKET),
+            "--ddp-average-in-collective",
+            "--num-distributed-optimizer-instances",
+            "2",
+            "--ddp-pad-buckets-for-high-nccl-busbw",
+            "--check-for-large-grads",
+            "--check-weight-hash-across-dp-replicas-interval",
+            "1",
+        ],
+        LR0,
+        ADAM,
+        "",
+    ),
     "none_bf16": (EP, BF16, LR0, ADAM, ""),
     "none_bf16_floor": (4, BF16, LR0, ADAM, ""),
     "ultraep_bf16": (EP, [*BF16, *BALANCED], LR0, ADAM, ""),
     "ultraep_wgrad_fusion": (EP, BALANCED, LR0, ADAM, ""),
-    "ultraep_fp8_blockwise": (EP, [*BF16, *BALANCED, "--fp8-format", "hybrid", "--fp8-recipe", "blockwise",
-                                   "--fp8-param-gather"], LR0, ADAM, ""),
+    "ultraep_fp8_blockwise": (
+        EP,
+        [
+            *BF16,
+            *BALANCED,
+            "--fp8-format",
+            "hybrid",
+            "--fp8-recipe",
+            "blockwise",
+            "--fp8-param-gather",
+        ],
+        LR0,
+        ADAM,
+        "",
+    ),
     "ultraep_order_fault": (EP, BALANCED, LR0, 0, "grads_ready_in_plan_order"),
     "ultraep_gather_fault": (EP, BALANCED, LR0, ADAM, "replicas_before_param_gather"),
 }
@@ -144,8 +180,12 @@ def replicated_experts_of_last_microbatch(run) -> dict[tuple[int, int, int], fro
     for group, path in enumerate(find_trace_files(run.run_dir / "trace")):
         trace = read_trace(path)
         meta = trace.header.meta
-        balancer = BalancerConfig(meta["balancer"], num_slots=meta["num_slots"],
-                                         min_quota=meta["min_quota"], trigger=meta["trigger"]).build()
+        balancer = BalancerConfig(
+            meta["balancer"],
+            num_slots=meta["num_slots"],
+            min_quota=meta["min_quota"],
+            trigger=meta["trigger"],
+        ).build()
         last = {}
         for i in range(len(trace.iteration)):
             key = (group, int(trace.iteration[i]), int(trace.layer[i]))
@@ -163,17 +203,23 @@ def test_the_layout_pairs_ranks_of_different_plans(runs):
     gradients to DDP."""
     replicated = replicated_experts_of_last_microbatch(runs("ultraep"))
     assert {group for group, _, _ in replicated} == {0, 1}, "two EP groups, two traces"
-    differing = [(it, layer) for (group, it, layer), experts in replicated.items()
-                 if group == 0 and it in OVERLAPPED and experts != replicated[(1, it, layer)]]
-    assert differing, f"every overlapped iteration replicated the same experts in both EP groups: {replicated}"
+    differing = [
+        (it, layer)
+        for (group, it, layer), experts in replicated.items()
+        if group == 0 and it in OVERLAPPED and experts != replicated[(1, it, layer)]
+    ]
+    assert differing, (
+        f"every overlapped iteration replicated the same experts in both EP groups: {replicated}"
+    )
     assert any(experts for experts in replicated.values()), "nothing was replicated"
 
 
 @pytest.mark.parametrize("name", list(COMPARED))
 def test_per_step_gradients_losses_and_grad_norms(runs, name):
     reference, floor = COMPARED[name]
-    comparisons = per_step_comparisons(runs(name), runs(reference), runs(reference), runs(floor),
-                                       ALL_LR0, ALL_LR0)
+    comparisons = per_step_comparisons(
+        runs(name), runs(reference), runs(reference), runs(floor), ALL_LR0, ALL_LR0
+    )
     print(f"\n{name} per step: {summary(comparisons)}")
     assert sum(".experts." in c.what for c in comparisons) >= 8 * 2 * 2 * LR0, "every expert weight"
     assert not failures(comparisons), "\n".join(failures(comparisons)[:20])
@@ -182,7 +228,9 @@ def test_per_step_gradients_losses_and_grad_norms(runs, name):
 @pytest.mark.parametrize("name", list(COMPARED))
 def test_trajectory(runs, name):
     reference, floor = COMPARED[name]
-    comparisons = trajectory_comparisons(runs(name), runs(reference), runs(reference), runs(floor), TRAINED)
+    comparisons = trajectory_comparisons(
+        runs(name), runs(reference), runs(reference), runs(floor), TRAINED
+    )
     print(f"\n{name} trajectory ({ADAM} Adam iterations): {summary(comparisons)}")
     assert not failures(comparisons), failures(comparisons)
     trained = [runs(reference).records[it]["losses"]["lm loss"] for it in TRAINED]
@@ -215,11 +263,15 @@ def test_blockwise_fp8_parameters_reach_the_replicas_through_megatrons_gather(ru
     assert record.weight_classes == {"ToyBlockwiseTensor"}, record.weight_classes
     for name in ("replace_raw_data", "cast_master_weights_to_fp8", "post_all_gather_processing"):
         assert record.calls.get(name, 0) > 0, record.calls
-    assert {key[0] for key, _ in record.replicas} >= set(TRAINED), "replicas in every trained iteration"
+    assert {key[0] for key, _ in record.replicas} >= set(TRAINED), (
+        "replicas in every trained iteration"
+    )
     assert not record.mismatches(), record.mismatches()[:10]
     trained = [run.records[it]["losses"]["lm loss"] for it in TRAINED]
-    print(f"\nblockwise fp8 parameters: {len(record.replicas)} replica calls with their main experts' bytes; "
-          f"stand-in calls {record.calls}; losses {trained}")
+    print(
+        f"\nblockwise fp8 parameters: {len(record.replicas)} replica calls with their main experts' bytes; "
+        f"stand-in calls {record.calls}; losses {trained}"
+    )
     assert trained[-1] < trained[0], "the model must be training"
 
 
@@ -227,11 +279,19 @@ def test_negative_control_gradients_handed_over_in_plan_order(runs):
     """Experts' gradients handed to DDP in the order of each rank's own plan (the bug): the
     expert-data-parallel ranks issue their bucket reduce-scatters out of step, and the reduced
     gradients are wrong in the overlapped iterations."""
-    comparisons = per_step_comparisons(runs("ultraep_order_fault"), runs("none"), runs("none"),
-                                       runs("none_floor"), ALL_LR0, OVERLAPPED)
+    comparisons = per_step_comparisons(
+        runs("ultraep_order_fault"),
+        runs("none"),
+        runs("none"),
+        runs("none_floor"),
+        ALL_LR0,
+        OVERLAPPED,
+    )
     failed = failures(comparisons)
     worst = max(comparisons, key=lambda c: c.ratio)
-    print(f"\norder fault: {len(failed)} of {len(comparisons)} over tolerance, worst {worst.ratio:.3g} ({worst.what})")
+    print(
+        f"\norder fault: {len(failed)} of {len(comparisons)} over tolerance, worst {worst.ratio:.3g} ({worst.what})"
+    )
     assert failed and worst.ratio > 10, summary(comparisons)
 
 
@@ -239,11 +299,14 @@ def test_negative_control_replicas_read_before_the_parameter_gather(runs):
     """Replicas copied from the main experts before megatron's all-gather of the updated
     parameters completed: after the first optimizer step they run on stale weights and the
     trajectory leaves the noise floor."""
-    comparisons = trajectory_comparisons(runs("ultraep_gather_fault"), runs("none"), runs("none"),
-                                         runs("none_floor"), TRAINED)
+    comparisons = trajectory_comparisons(
+        runs("ultraep_gather_fault"), runs("none"), runs("none"), runs("none_floor"), TRAINED
+    )
     failed = failures(comparisons)
     worst = max(comparisons, key=lambda c: c.ratio)
-    print(f"\ngather fault: {len(failed)} of {len(comparisons)} over tolerance, worst {worst.ratio:.3g} ({worst.what})")
+    print(
+        f"\ngather fault: {len(failed)} of {len(comparisons)} over tolerance, worst {worst.ratio:.3g} ({worst.what})"
+    )
     assert failed, summary(comparisons)
 
 
@@ -267,11 +330,21 @@ def grad_order_run(tmp_path_factory):
     """Every rank's ``grad_order`` record (workers/megatron_records.GradReadyOrder), by rank."""
     run_dir = tmp_path_factory.mktemp("grad_order")
     iterations = len(ORDER_CLEAN) + len(ORDER_FAULTED)
-    args = [*tiny_moe_args(ep=EP, train_iters=iterations), *PRODUCTION_DDP, *BALANCED, *SHARED_EXPERT,
-            "--global-batch-size", str(2 * ORDER_MICROBATCHES * WORLD)]  # micro-batch 2, DP 4
+    args = [
+        *tiny_moe_args(ep=EP, train_iters=iterations),
+        *PRODUCTION_DDP,
+        *BALANCED,
+        *SHARED_EXPERT,
+        "--global-batch-size",
+        str(2 * ORDER_MICROBATCHES * WORLD),
+    ]  # micro-batch 2, DP 4
     faults = ",".join(f"plan_dependent_node_before_dispatch@{it}" for it in ORDER_FAULTED)
-    launch_dump_run(run_dir, WORLD, args, {"ULTRAEP_LR0_ITERS": str(iterations), "ULTRAEP_FAULTS": faults,
-                                           "ULTRAEP_GRAD_ORDER": "1"})
+    launch_dump_run(
+        run_dir,
+        WORLD,
+        args,
+        {"ULTRAEP_LR0_ITERS": str(iterations), "ULTRAEP_FAULTS": faults, "ULTRAEP_GRAD_ORDER": "1"},
+    )
     return [torch.load(run_dir / f"rank{r}.pt")["grad_order"] for r in range(WORLD)]
 
 
@@ -281,7 +354,11 @@ def layer_of(name: str) -> str:
 
 def reduction_groups(records) -> dict[tuple[str, tuple[int, ...]], list[int]]:
     """{(bucket family, the ranks its collectives run over): those ranks}, from every rank's buckets."""
-    return {(b["family"], tuple(b["ranks"])): list(b["ranks"]) for record in records for b in record["buckets"]}
+    return {
+        (b["family"], tuple(b["ranks"])): list(b["ranks"])
+        for record in records
+        for b in record["buckets"]
+    }
 
 
 def order_mismatches(records, iterations) -> list[str]:
@@ -293,18 +370,27 @@ def order_mismatches(records, iterations) -> list[str]:
     out = []
     for iteration in iterations:
         for (family, _), ranks in sorted(reduction_groups(records).items()):
-            sequences = {r: [e for e in records[r]["events"][iteration] if e[1] == family] for r in ranks}
+            sequences = {
+                r: [e for e in records[r]["events"][iteration] if e[1] == family] for r in ranks
+            }
             first = sequences[ranks[0]]
             for r in ranks[1:]:
                 differing = [i for i, (a, b) in enumerate(zip(first, sequences[r])) if a != b]
                 if differing or len(first) != len(sequences[r]):
-                    syncs = [[e for e in sequence if e[0] == "sync"] for sequence in (first, sequences[r])]
-                    out_of_step = sum(a != b for a, b in zip(*syncs)) + abs(len(syncs[0]) - len(syncs[1]))
+                    syncs = [
+                        [e for e in sequence if e[0] == "sync"]
+                        for sequence in (first, sequences[r])
+                    ]
+                    out_of_step = sum(a != b for a, b in zip(*syncs)) + abs(
+                        len(syncs[0]) - len(syncs[1])
+                    )
                     i = differing[0] if differing else min(len(first), len(sequences[r]))
-                    out.append(f"iteration {iteration}, {family} buckets of ranks {ranks}: rank {r} differs "
-                               f"from rank {ranks[0]} at {len(differing)} of {len(first)} events "
-                               f"({out_of_step} of {len(syncs[0])} collective starts), first at {i}: "
-                               f"{first[i:i + 1]} vs {sequences[r][i:i + 1]}")
+                    out.append(
+                        f"iteration {iteration}, {family} buckets of ranks {ranks}: rank {r} differs "
+                        f"from rank {ranks[0]} at {len(differing)} of {len(first)} events "
+                        f"({out_of_step} of {len(syncs[0])} collective starts), first at {i}: "
+                        f"{first[i : i + 1]} vs {sequences[r][i : i + 1]}"
+                    )
     return out
 
 
@@ -316,25 +402,41 @@ def test_grad_order_setup_exercises_the_hazard(grad_order_run):
     records = grad_order_run
     groups = reduction_groups(records)
     assert {family for family, _ in groups} == {"dense", "expert"}
-    assert all(len(ranks) == WORLD // EP for (family, _), ranks in groups.items() if family == "expert")
+    assert all(
+        len(ranks) == WORLD // EP for (family, _), ranks in groups.items() if family == "expert"
+    )
     for rank, record in enumerate(records):
-        expert_buckets = [bucket for group in record["buckets"] if group["family"] == "expert"
-                          for bucket in group["buckets"]]
-        whole = [bucket for bucket in expert_buckets if len({layer_of(name) for name in bucket}) == 1]
+        expert_buckets = [
+            bucket
+            for group in record["buckets"]
+            if group["family"] == "expert"
+            for bucket in group["buckets"]
+        ]
+        whole = [
+            bucket for bucket in expert_buckets if len({layer_of(name) for name in bucket}) == 1
+        ]
         layers = Counter(layer_of(bucket[0]) for bucket in whole)
-        assert len(layers) == 2 and min(layers.values()) >= 3, f"rank {rank}: whole buckets per layer {layers}"
+        assert len(layers) == 2 and min(layers.values()) >= 3, (
+            f"rank {rank}: whole buckets per layer {layers}"
+        )
         for iteration in ORDER_CLEAN + ORDER_FAULTED:
             ready = Counter(e[3] for e in record["events"][iteration] if e[0] == "ready")
             assert set(ready.values()) == {ORDER_MICROBATCHES}, (rank, iteration, ready)
             assert any("shared_experts" in name for name in ready), "no shared expert"
-            assert sum(1 for e in record["events"][iteration] if e[0] == "ready" and e[4]) == len(ready)
-            assert len(record["plans"][iteration]) == 2 * ORDER_MICROBATCHES  # MoE layers x microbatches
+            assert sum(1 for e in record["events"][iteration] if e[0] == "ready" and e[4]) == len(
+                ready
+            )
+            assert (
+                len(record["plans"][iteration]) == 2 * ORDER_MICROBATCHES
+            )  # MoE layers x microbatches
         assert any(e[0] == "sync" for e in record["events"][2]), "no overlapped bucket collective"
     partners = [ranks for (family, _), ranks in groups.items() if family == "expert"]
     for iteration in ORDER_CLEAN + ORDER_FAULTED:
         for ranks in partners:
             plans = [records[r]["plans"][iteration] for r in ranks]
-            assert any(experts for plan in plans for _, experts in plan), f"iteration {iteration}: no replica"
+            assert any(experts for plan in plans for _, experts in plan), (
+                f"iteration {iteration}: no replica"
+            )
             assert plans[0] != plans[1], f"iteration {iteration}: ranks {ranks} planned alike"
 
 
@@ -347,14 +449,20 @@ def test_grad_order_is_the_same_on_every_rank_that_reduces_together(grad_order_r
     assert not mismatches, "\n".join(mismatches)
 
 
-def test_negative_control_a_plan_dependent_node_before_the_dispatch_breaks_the_order(grad_order_run):
+def test_negative_control_a_plan_dependent_node_before_the_dispatch_breaks_the_order(
+    grad_order_run,
+):
     """The check above catches the hazard: with a plan-dependent identity before the dispatch
     (iterations 4-5), the expert-data-parallel partners see their experts' gradients ready in
     different orders and start their bucket collectives out of step; the dense buckets' order is
     untouched."""
     mismatches = order_mismatches(grad_order_run, ORDER_FAULTED)
     print("\norder control:\n" + "\n".join(mismatches))
-    assert any(", expert buckets" in m for m in mismatches), "the plan-dependent node changed no order"
+    assert any(", expert buckets" in m for m in mismatches), (
+        "the plan-dependent node changed no order"
+    )
     assert not any(", dense buckets" in m for m in mismatches), mismatches
     # The consequence megatron suffers: bucket collectives issued out of step.
-    assert any(re.search(r"\(([1-9]\d*) of \d+ collective starts\)", m) for m in mismatches), mismatches
+    assert any(re.search(r"\(([1-9]\d*) of \d+ collective starts\)", m) for m in mismatches), (
+        mismatches
+    )

@@ -38,7 +38,14 @@ import pytest
 
 from equivalence import Comparison, failures, per_step_comparisons, summary, trajectory_comparisons
 from megatron_runs import launch_dump_run, quantized_weights, save_initial_checkpoint
-from recipe_variants import EP, RECIPE_PRESETS, RECIPES, behaviour, covering_runs, small_scale_variant
+from recipe_variants import (
+    EP,
+    RECIPE_PRESETS,
+    RECIPES,
+    behaviour,
+    covering_runs,
+    small_scale_variant,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -50,13 +57,18 @@ LR0_ITERATIONS = list(range(1, LR0 + 1))
 TRAINED = list(range(LR0 + 1, LR0 + ADAM + 1))
 #: The negative control's iteration (module docstring), after the compared ones.
 CONTROL = LR0 + ADAM + 1
-PRESET_IDS = [recipe.stem if precision == "bf16" else f"{recipe.stem}:{precision}" for recipe, precision in RECIPE_PRESETS]
+PRESET_IDS = [
+    recipe.stem if precision == "bf16" else f"{recipe.stem}:{precision}"
+    for recipe, precision in RECIPE_PRESETS
+]
 
 
 @pytest.fixture(scope="module")
 def variants():
     """{variant name: Variant} of every recipe x PRECISION preset."""
-    return {variant.name: variant for variant in (small_scale_variant(r, p) for r, p in RECIPE_PRESETS)}
+    return {
+        variant.name: variant for variant in (small_scale_variant(r, p) for r, p in RECIPE_PRESETS)
+    }
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +80,13 @@ def covered(variants):
 def control_carrier(variants, covered):
     """The name of the running variant with MXFP8 parameters gathered through the gradient buffer
     at expert-DP 2 (the first by name), or None."""
-    names = sorted(name for name, v in variants.items() if name not in covered
-                   and "--reuse-grad-buf-for-mxfp8-param-ag" in v.args and v.layout.expert_data > 1)
+    names = sorted(
+        name
+        for name, v in variants.items()
+        if name not in covered
+        and "--reuse-grad-buf-for-mxfp8-param-ag" in v.args
+        and v.layout.expert_data > 1
+    )
     return names[0] if names else None
 
 
@@ -84,17 +101,36 @@ def variant_runs(tmp_path_factory, variants, covered):
         variant = variants[name]
         if variant.key not in done:
             root = tmp_path_factory.mktemp(variant.name.replace(":", "_"))
-            save_initial_checkpoint(root / "initial", variant.launch_args("none", train_iters=1, fp8_parameters=False))
-            load = ["--load", str(root / "initial" / "ckpt"), "--finetune", "--ckpt-format", "torch_dist"]
+            save_initial_checkpoint(
+                root / "initial", variant.launch_args("none", train_iters=1, fp8_parameters=False)
+            )
+            load = [
+                "--load",
+                str(root / "initial" / "ckpt"),
+                "--finetune",
+                "--ckpt-format",
+                "torch_dist",
+            ]
             control = variant.name == carrier
             runs = {}
-            for run, balancer, ep in (("none", "none", EP), ("none_floor", "none", variant.floor_ep),
-                                      ("ultraep", "ultraep", EP)):
+            for run, balancer, ep in (
+                ("none", "none", EP),
+                ("none_floor", "none", variant.floor_ep),
+                ("ultraep", "ultraep", EP),
+            ):
                 # The same schedule in all three (the learning rate decays over --train-iters).
                 args = variant.launch_args(balancer, train_iters=LR0 + ADAM + control, ep=ep)
-                faults = f"replicas_before_param_gather@{CONTROL}" if control and balancer == "ultraep" else ""
-                runs[run] = launch_dump_run(root / run, variant.layout.world, [*args, *load],
-                                            {"ULTRAEP_LR0_ITERS": str(LR0), "ULTRAEP_FAULTS": faults})
+                faults = (
+                    f"replicas_before_param_gather@{CONTROL}"
+                    if control and balancer == "ultraep"
+                    else ""
+                )
+                runs[run] = launch_dump_run(
+                    root / run,
+                    variant.layout.world,
+                    [*args, *load],
+                    {"ULTRAEP_LR0_ITERS": str(LR0), "ULTRAEP_FAULTS": faults},
+                )
             done[variant.key] = (runs, variant.name)
         runs, owner = done[variant.key]
         return variant, runs, owner
@@ -128,10 +164,16 @@ def test_fp8_parameter_presets_keep_their_flags(variants):
 #: The quantized class of each fp8 recipe's parameters, and the stand-in TE functions megatron's path
 #: must have called: {recipe: (class, called, not called)}.
 FP8_PARAMETER_PATH = {
-    "tensorwise": ("ToyFloat8Tensor", ("replace_raw_data", "cast_master_weights_to_fp8",
-                                       "post_all_gather_processing"), ("copy_tensor_to_quantized_param",)),
-    "mxfp8": ("ToyMXFP8Tensor", ("copy_tensor_to_quantized_param",),
-              ("replace_raw_data", "cast_master_weights_to_fp8")),
+    "tensorwise": (
+        "ToyFloat8Tensor",
+        ("replace_raw_data", "cast_master_weights_to_fp8", "post_all_gather_processing"),
+        ("copy_tensor_to_quantized_param",),
+    ),
+    "mxfp8": (
+        "ToyMXFP8Tensor",
+        ("copy_tensor_to_quantized_param",),
+        ("replace_raw_data", "cast_master_weights_to_fp8"),
+    ),
 }
 
 
@@ -149,8 +191,10 @@ def assert_replicas_used_their_main_experts_bytes(variant, run) -> None:
     compared = [key for key, _ in record.replicas if key[0] <= LR0 + ADAM]
     assert {key[0] for key in compared} >= set(TRAINED), "replicas in every trained iteration"
     bad = [key for key in record.mismatches() if key[0] <= LR0 + ADAM]
-    print(f"  fp8 parameters ({cls}): {len(compared)} replica calls, all with their main expert's "
-          f"quantized bytes of the iteration; stand-in calls {record.calls}")
+    print(
+        f"  fp8 parameters ({cls}): {len(compared)} replica calls, all with their main expert's "
+        f"quantized bytes of the iteration; stand-in calls {record.calls}"
+    )
     assert not bad, bad[:10]
 
 
@@ -162,33 +206,55 @@ def test_small_scale_variant_matches_none(variant_runs, variants, covered, name)
         exercised = set().union(*(behaviour(variants[other]) for other in by))
         assert behaviour(variant) <= exercised
         assert all(other not in covered for other in by)  # those run (their own parametrization)
-        print(f"\n{variant.name}: covered, no run of its own: its layout and every flag (with its word "
-              f"values) run in the variants of {', '.join(by)}")
+        print(
+            f"\n{variant.name}: covered, no run of its own: its layout and every flag (with its word "
+            f"values) run in the variants of {', '.join(by)}"
+        )
         return
     variant, runs, owner = variant_runs(name)
-    print(f"\n{variant.name}: {variant.layout.world} ranks (PP {variant.layout.pipeline}, EP {EP}, "
-          f"expert-DP {variant.layout.expert_data}); floor partner EP {variant.floor_ep}"
-          + (f"; the same variant as {owner}'s: its runs" if owner != variant.name else ""))
+    print(
+        f"\n{variant.name}: {variant.layout.world} ranks (PP {variant.layout.pipeline}, EP {EP}, "
+        f"expert-DP {variant.layout.expert_data}); floor partner EP {variant.floor_ep}"
+        + (f"; the same variant as {owner}'s: its runs" if owner != variant.name else "")
+    )
     for flag, reason in variant.dropped.items():
         print(f"  dropped {flag}: {reason}")
     print(f"  shrunk {', '.join(variant.shrunk)}; kept as in the recipe: {' '.join(variant.kept)}")
-    per_step = per_step_comparisons(runs["ultraep"], runs["none"], runs["none"], runs["none_floor"],
-                                    LR0_ITERATIONS, LR0_ITERATIONS)
+    per_step = per_step_comparisons(
+        runs["ultraep"],
+        runs["none"],
+        runs["none"],
+        runs["none_floor"],
+        LR0_ITERATIONS,
+        LR0_ITERATIONS,
+    )
     print(f"  per step: {summary(per_step)}")
     # fp8 parameters drift apart in rare rounding jumps: one floor for both readouts (equivalence.py).
-    trajectory = trajectory_comparisons(runs["ultraep"], runs["none"], runs["none"], runs["none_floor"], TRAINED,
-                                        shared_floor=variant.fp8_parameters)
+    trajectory = trajectory_comparisons(
+        runs["ultraep"],
+        runs["none"],
+        runs["none"],
+        runs["none_floor"],
+        TRAINED,
+        shared_floor=variant.fp8_parameters,
+    )
     print(f"  trajectory: {summary(trajectory)}")
     assert not failures(per_step), "\n".join(failures(per_step)[:20])
     assert not failures(trajectory), failures(trajectory)
-    balanced = [layer for record in runs["ultraep"].records.values()
-                for layer, stats in record["balancer"].items() if stats["replicas"] > 0]
+    balanced = [
+        layer
+        for record in runs["ultraep"].records.values()
+        for layer, stats in record["balancer"].items()
+        if stats["replicas"] > 0
+    ]
     assert balanced, "the balancer never replicated: the variant does not exercise it"
     if variant.fp8_parameters:
         assert_replicas_used_their_main_experts_bytes(variant, runs["ultraep"])
 
 
-def test_negative_control_replicas_read_before_the_mxfp8_parameter_gather(variant_runs, variants, covered):
+def test_negative_control_replicas_read_before_the_mxfp8_parameter_gather(
+    variant_runs, variants, covered
+):
     """With --reuse-grad-buf-for-mxfp8-param-ag megatron quantizes the gathered bf16 parameters
     into the MXFP8 weights when a module's forward pre-hook completes the gather; the balanced
     layer runs those hooks before it copies its replicas. Copied before them (iteration
@@ -201,14 +267,28 @@ def test_negative_control_replicas_read_before_the_mxfp8_parameter_gather(varian
     stale = record.mismatches()
     at_control = [key for key, _ in record.replicas if key[0] == CONTROL]
     window = [*TRAINED, CONTROL]
-    numerics = trajectory_comparisons(runs["ultraep"], runs["none"], runs["none"], runs["none_floor"], [CONTROL],
-                                      shared_floor=True)
-    floor = max(c.floor for c in trajectory_comparisons(runs["none"], runs["none"], runs["none"],
-                                                        runs["none_floor"], window, shared_floor=True))
-    numerics = [Comparison(c.what, c.error, floor) for c in numerics]  # the floor over the whole window
-    print(f"\n{variant.name}, replicas read before the gather in iteration {CONTROL}: {len(stale)} of "
-          f"{len(at_control)} replica calls there with the previous step's bytes, 0 of "
-          f"{len(record.replicas) - len(at_control)} before; its loss and grad norm: {summary(numerics)}")
+    numerics = trajectory_comparisons(
+        runs["ultraep"],
+        runs["none"],
+        runs["none"],
+        runs["none_floor"],
+        [CONTROL],
+        shared_floor=True,
+    )
+    floor = max(
+        c.floor
+        for c in trajectory_comparisons(
+            runs["none"], runs["none"], runs["none"], runs["none_floor"], window, shared_floor=True
+        )
+    )
+    numerics = [
+        Comparison(c.what, c.error, floor) for c in numerics
+    ]  # the floor over the whole window
+    print(
+        f"\n{variant.name}, replicas read before the gather in iteration {CONTROL}: {len(stale)} of "
+        f"{len(at_control)} replica calls there with the previous step's bytes, 0 of "
+        f"{len(record.replicas) - len(at_control)} before; its loss and grad norm: {summary(numerics)}"
+    )
     assert stale and {key[0] for key in stale} == {CONTROL}, stale[:10]
 
 
@@ -220,8 +300,15 @@ def test_a_flag_added_to_a_recipe_reaches_its_variant(tmp_path):
     recipe = recipes / "qwen3_235b_a22b_ep64_dp4.sh"
     text = recipe.read_text()
     assert "\nPARALLEL_ARGS=(\n" in text
-    recipe.write_text(text.replace("\nPARALLEL_ARGS=(\n", "\nMOE_ARGS+=(--moe-z-loss-coeff 1e-3)\nPARALLEL_ARGS=(\n", 1))
-    before, after = small_scale_variant(RECIPES[0].parent / recipe.name), small_scale_variant(recipe)
+    recipe.write_text(
+        text.replace(
+            "\nPARALLEL_ARGS=(\n", "\nMOE_ARGS+=(--moe-z-loss-coeff 1e-3)\nPARALLEL_ARGS=(\n", 1
+        )
+    )
+    before, after = (
+        small_scale_variant(RECIPES[0].parent / recipe.name),
+        small_scale_variant(recipe),
+    )
     assert "--moe-z-loss-coeff" not in before.args
     i = after.args.index("--moe-z-loss-coeff")
     assert after.args[i + 1] == "1e-3" and "--moe-z-loss-coeff" in after.kept

@@ -23,17 +23,35 @@ MTP_LAYER_ID = 5  # after the decoder's 4 layers (layer_ids.moe_layer_id)
 #: MoE activation recompute, and full-layer recompute (megatron checkpoints each MTP depth).
 RECOMPUTE = {
     "moe": ["--recompute-granularity", "selective", "--recompute-modules", "moe"],
-    "full": ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
+    "full": [
+        "--recompute-granularity",
+        "full",
+        "--recompute-method",
+        "uniform",
+        "--recompute-num-layers",
+        "1",
+    ],
 }
 
 
 def launch(run_dir, faults="", recompute="moe"):
-    args = [*recipe_moe_args(ep=2, train_iters=ITERATIONS), "--mtp-num-layers", str(MTP_DEPTHS),
-            "--mtp-use-repeated-layer", *RECOMPUTE[recompute],
-            "--moe-balancer", "ultraep", "--moe-balancer-check-plans",
-            "--metrics-jsonl", str(run_dir / "metrics.jsonl")]
-    env = {"ULTRAEP_GRAD_DUMP_DIR": str(run_dir), "ULTRAEP_EXPERT_BIAS": SKEWED_EXPERT_BIAS,
-           "ULTRAEP_FAULTS": faults}
+    args = [
+        *recipe_moe_args(ep=2, train_iters=ITERATIONS),
+        "--mtp-num-layers",
+        str(MTP_DEPTHS),
+        "--mtp-use-repeated-layer",
+        *RECOMPUTE[recompute],
+        "--moe-balancer",
+        "ultraep",
+        "--moe-balancer-check-plans",
+        "--metrics-jsonl",
+        str(run_dir / "metrics.jsonl"),
+    ]
+    env = {
+        "ULTRAEP_GRAD_DUMP_DIR": str(run_dir),
+        "ULTRAEP_EXPERT_BIAS": SKEWED_EXPERT_BIAS,
+        "ULTRAEP_FAULTS": faults,
+    }
     return launch_gloo_ranks(WORKERS / "pretrain_grad_dump.py", 2, args, env=env, timeout_s=400)
 
 

@@ -11,7 +11,11 @@ it must differ.
 import pytest
 
 from megatron_runs import (
-    RESUME_NPROC, RESUME_SAVE_AT, RESUME_TRAIN_ITERS, metrics_by_iteration, run_pretrain,
+    RESUME_NPROC,
+    RESUME_SAVE_AT,
+    RESUME_TRAIN_ITERS,
+    metrics_by_iteration,
+    run_pretrain,
 )
 
 
@@ -29,8 +33,19 @@ def test_resumed_run_equals_uninterrupted_run(request, runs_fixture):
 def test_resume_without_rng_state_differs(adam_resume_runs):
     """Negative control: the comparison above sees the dropout RNG state."""
     root, base, uninterrupted, _ = adam_resume_runs
-    no_rng = metrics_by_iteration(run_pretrain(root / "resumed_no_rng", RESUME_NPROC, [
-        *base, "--load", str(root / "ckpt"), "--ckpt-step", str(RESUME_SAVE_AT),
-        "--no-load-rng"]))
+    no_rng = metrics_by_iteration(
+        run_pretrain(
+            root / "resumed_no_rng",
+            RESUME_NPROC,
+            [
+                *base,
+                "--load",
+                str(root / "ckpt"),
+                "--ckpt-step",
+                str(RESUME_SAVE_AT),
+                "--no-load-rng",
+            ],
+        )
+    )
     first = RESUME_SAVE_AT + 1
     assert no_rng[first][0] != uninterrupted[first][0]

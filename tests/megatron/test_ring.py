@@ -6,7 +6,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from ultraep_megatron.megatron.balanced_layer.ring import RingFullError, VirtualLayerRing, invocations_per_forward
+from ultraep_megatron.megatron.balanced_layer.ring import (
+    RingFullError,
+    VirtualLayerRing,
+    invocations_per_forward,
+)
 
 
 def test_payloads_travel_by_id_and_released_ids_go_stale():

@@ -38,8 +38,15 @@ def test_argument_problems_are_one_line_each_on_rank_zero_before_megatron_starts
     trace_dir = tmp_path / "trace"
     trace_dir.mkdir()
     (trace_dir / f"ep_group_0000{TRACE_SUFFIX}").write_bytes(b"an earlier run's trace")
-    args = [*tiny_moe_args(ep=2, train_iters=2), "--transformer-impl", "transformer_engine",
-            "--moe-balancer", "ultraep", "--moe-balancer-trace-dir", trace_dir]
+    args = [
+        *tiny_moe_args(ep=2, train_iters=2),
+        "--transformer-impl",
+        "transformer_engine",
+        "--moe-balancer",
+        "ultraep",
+        "--moe-balancer-trace-dir",
+        trace_dir,
+    ]
     status, output = torchrun(REPO_ROOT / "pretrain_gpt.py", 2, args)
     errors = [line for line in output.splitlines() if line.startswith("pretrain_gpt.py: error:")]
     assert status != 0
@@ -56,7 +63,9 @@ def test_argument_problems_are_one_line_each_on_rank_zero_before_megatron_starts
 
 def _pretrain_gpt_alone(args: list[str]) -> subprocess.CompletedProcess:
     """pretrain_gpt.py as one process (rank 0 of no launcher): what a user types first."""
-    env = gloo_env({"PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": ""})  # the CPU backend's checks too
+    env = gloo_env(
+        {"PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": ""}
+    )  # the CPU backend's checks too
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(name, None)
     return run_python(REPO_ROOT / "pretrain_gpt.py", args, env=env)
@@ -72,7 +81,9 @@ def test_a_value_the_parser_refuses_is_one_line_and_a_pointer_to_help():
     assert completed.returncode == 2, completed.stderr[-3000:]
     lines = _our_lines(completed)
     assert len(lines) == 2, completed.stderr[-3000:]
-    assert lines[0].startswith("pretrain_gpt.py: error: argument --moe-balancer: invalid choice: 'foo'")
+    assert lines[0].startswith(
+        "pretrain_gpt.py: error: argument --moe-balancer: invalid choice: 'foo'"
+    )
     assert lines[1] == "pretrain_gpt.py: `pretrain_gpt.py --help` lists every argument"
     # Not Megatron's whole usage: argparse printed ~750 lines before the error.
     assert "usage:" not in completed.stderr and "usage:" not in completed.stdout
@@ -82,24 +93,43 @@ def test_a_value_the_parser_refuses_is_one_line_and_a_pointer_to_help():
 def test_every_startup_problem_is_reported_one_line_each():
     """Seven problems of four kinds at once: seven lines (the README's promise), then the pointer to
     --help for the unknown flag; no argument dump, status 2."""
-    args = [*tiny_moe_args(ep=4, train_iters=2), "--num-experts", "6",
-            "--distributed-backend", "nccl", "--transformer-impl", "transformer_engine",
-            "--moe-balancer", "ultraep", "--moe-balancer-num-slot", "3",
-            "--moe-balancer-num-slots", "-1", "--moe-balancer-trigger", "0.5",
-            "--moe-token-dispatcher-type", "allgather"]
+    args = [
+        *tiny_moe_args(ep=4, train_iters=2),
+        "--num-experts",
+        "6",
+        "--distributed-backend",
+        "nccl",
+        "--transformer-impl",
+        "transformer_engine",
+        "--moe-balancer",
+        "ultraep",
+        "--moe-balancer-num-slot",
+        "3",
+        "--moe-balancer-num-slots",
+        "-1",
+        "--moe-balancer-trigger",
+        "0.5",
+        "--moe-token-dispatcher-type",
+        "allgather",
+    ]
     completed = _pretrain_gpt_alone(args)
     assert completed.returncode == 2, completed.stderr[-3000:]
     errors = [line for line in _our_lines(completed) if line.startswith("pretrain_gpt.py: error: ")]
-    expected = ["--distributed-backend nccl cannot run without a CUDA device",
-                "--transformer-impl transformer_engine cannot run without a CUDA device",
-                "unrecognized arguments: --moe-balancer-num-slot 3 (--moe-balancer-num-slot: did you mean "
-                "--moe-balancer-num-slots?)",
-                "--num-experts 6 is not a multiple of --expert-model-parallel-size 4",
-                "--moe-balancer-num-slots must be >= 0, got -1",
-                "--moe-balancer-trigger must be >= 1.0, got 0.5",
-                "--moe-token-dispatcher-type allgather is not supported"]
+    expected = [
+        "--distributed-backend nccl cannot run without a CUDA device",
+        "--transformer-impl transformer_engine cannot run without a CUDA device",
+        "unrecognized arguments: --moe-balancer-num-slot 3 (--moe-balancer-num-slot: did you mean "
+        "--moe-balancer-num-slots?)",
+        "--num-experts 6 is not a multiple of --expert-model-parallel-size 4",
+        "--moe-balancer-num-slots must be >= 0, got -1",
+        "--moe-balancer-trigger must be >= 1.0, got 0.5",
+        "--moe-token-dispatcher-type allgather is not supported",
+    ]
     assert len(errors) == len(expected), completed.stderr[-3000:]
     for line, needle in zip(errors, expected):
         assert needle in line, (needle, line)
-    assert _our_lines(completed)[-1] == "pretrain_gpt.py: `pretrain_gpt.py --help` lists every argument"
+    assert (
+        _our_lines(completed)[-1]
+        == "pretrain_gpt.py: `pretrain_gpt.py --help` lists every argument"
+    )
     assert ARGUMENT_DUMP not in completed.stdout and "Traceback" not in completed.stderr

@@ -34,8 +34,14 @@ def test_capture_replay_recomputes_from_the_static_inputs_without_python():
     with forward.capture():
         out, order = function(x)
     grad_out = torch.empty_like(out)
-    grads = standin._backward_capture(backward, [out], [x, linear.weight, linear.bias], [grad_out],
-                                      allow_unused=False, retain_graph=False)
+    grads = standin._backward_capture(
+        backward,
+        [out],
+        [x, linear.weight, linear.bias],
+        [grad_out],
+        allow_unused=False,
+        retain_graph=False,
+    )
     assert len(calls) == 1 and forward.num_operations > 0 and backward.num_operations > 0
     for seed in range(3):  # new data in the static buffers, then the graphs replayed
         gen = torch.Generator().manual_seed(seed)
@@ -160,10 +166,19 @@ def test_fp8_capture_runs_under_tes_autocast_and_replays_with_weight_caching(hos
     module = AutocastRecorder()
     recipe = standin.Float8CurrentScaling(fp8_format=standin.Format.HYBRID)
     x = torch.randn(5, 4, requires_grad=True)
-    graphed = standin.make_graphed_callables(module, (x,), num_warmup_iters=2, fp8_enabled=True,
-                                             fp8_recipe=recipe, fp8_weight_caching=True)
+    graphed = standin.make_graphed_callables(
+        module,
+        (x,),
+        num_warmup_iters=2,
+        fp8_enabled=True,
+        fp8_recipe=recipe,
+        fp8_weight_caching=True,
+    )
     assert module.seen == [(True, recipe, True)] * 3  # two warm-up iterations and the capture
-    assert "__call__" not in AutocastRecorder.__dict__ and not standin.FP8GlobalStateManager.FP8_ENABLED
+    assert (
+        "__call__" not in AutocastRecorder.__dict__
+        and not standin.FP8GlobalStateManager.FP8_ENABLED
+    )
     assert not standin.is_graph_capturing()
     with pytest.raises(AssertionError, match="is_first_microbatch"):
         graphed(x)
@@ -171,7 +186,9 @@ def test_fp8_capture_runs_under_tes_autocast_and_replays_with_weight_caching(hos
         new_x = torch.randn(5, 4)
         with standin.fp8_autocast(enabled=True, fp8_recipe=recipe):
             out = graphed(new_x, is_first_microbatch=first)
-        assert float(standin.FP8GlobalStateManager.skip_fp8_weight_update_tensor[0]) == float(not first)
+        assert float(standin.FP8GlobalStateManager.skip_fp8_weight_update_tensor[0]) == float(
+            not first
+        )
         assert torch.equal(out, module.linear(new_x))
     assert len(module.seen) == 3, "a replay ran the module's Python"
     out.sum().backward()
@@ -185,11 +202,18 @@ def test_fp8_enabled_per_callable_and_delayed_scaling_refused(host_device):
     first, last = AutocastRecorder(), AutocastRecorder()
     x, y = torch.randn(2, 4, requires_grad=True), torch.randn(2, 4, requires_grad=True)
     recipe = standin.MXFP8BlockScaling()
-    standin.make_graphed_callables((first, last), ((x,), (y,)), num_warmup_iters=1, fp8_enabled=(True, False),
-                                   fp8_recipe=recipe)
+    standin.make_graphed_callables(
+        (first, last),
+        ((x,), (y,)),
+        num_warmup_iters=1,
+        fp8_enabled=(True, False),
+        fp8_recipe=recipe,
+    )
     assert {enabled for enabled, _, _ in first.seen} == {True}
     assert {enabled for enabled, _, _ in last.seen} == {False}
     with pytest.raises(AssertionError, match="per callable"):
-        standin.make_graphed_callables((AutocastRecorder(),), ((x,),), fp8_enabled=(True, False), fp8_recipe=recipe)
+        standin.make_graphed_callables(
+            (AutocastRecorder(),), ((x,),), fp8_enabled=(True, False), fp8_recipe=recipe
+        )
     with pytest.raises(NotImplementedError, match="DelayedScaling"):
         standin.make_graphed_callables(AutocastRecorder(), (x,), fp8_enabled=True)

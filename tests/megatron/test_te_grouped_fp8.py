@@ -46,13 +46,17 @@ def test_scales_follow_compute_scale_from_amax():
         elif 448.0 / a > torch.finfo(torch.float32).max:
             assert s == torch.finfo(torch.float32).max
         else:
-            assert s == pytest.approx(448.0 / a, rel=2 ** -23)
+            assert s == pytest.approx(448.0 / a, rel=2**-23)
             assert p == 2.0 ** math.floor(math.log2(448.0 / a))
 
 
 def test_e8m0_rounds_the_exponent_up():
-    values = torch.cat([torch.rand(500, generator=GEN) * 10.0 ** torch.randint(-30, 30, (500,), generator=GEN),
-                        torch.tensor([1.0, 0.5, 2.0 ** -100, 3.0])])
+    values = torch.cat(
+        [
+            torch.rand(500, generator=GEN) * 10.0 ** torch.randint(-30, 30, (500,), generator=GEN),
+            torch.tensor([1.0, 0.5, 2.0**-100, 3.0]),
+        ]
+    )
     e8m0 = te.float_to_e8m0(values)
     for v, e in zip(values.tolist(), e8m0.tolist()):
         mantissa, exponent = math.frexp(v)  # v = m 2^exponent, 0.5 <= m < 1
@@ -87,9 +91,9 @@ def test_blocks_scale_independently(recipe):
     quantize = lambda t: te.quantize_activation(t, te.Fp8Recipe(recipe), "e4m3")[0]  # noqa: E731
     base = quantize(x)
     scaled = x.clone()
-    scaled[:block[0], :block[1]] *= 1.5
+    scaled[: block[0], : block[1]] *= 1.5
     changed = quantize(scaled) != base
-    changed[:block[0], :block[1]] = False
+    changed[: block[0], : block[1]] = False
     assert not changed.any()
     if recipe != "tensorwise":
         bigger = x.clone()
@@ -126,7 +130,9 @@ def test_grouped_linear_uses_each_operand_as_te_does(recipe):
     operands = [te.WeightOperand.of_cast(w, fp8) for w in weights]
     out = te.fp8_grouped_linear(rows, m_splits, weights, operands, fp8)
     out.backward(grad)
-    want_out, want_dx, want_dw = manual_grouped_linear(rows.detach(), [w.detach() for w in weights], m_splits, fp8, grad)
+    want_out, want_dx, want_dw = manual_grouped_linear(
+        rows.detach(), [w.detach() for w in weights], m_splits, fp8, grad
+    )
     assert torch.equal(out, want_out) and torch.equal(rows.grad, want_dx)
     assert all(torch.equal(w.grad, dw) for w, dw in zip(weights, want_dw))
     assert not weights[1].grad.any()  # an empty group
@@ -138,7 +144,9 @@ def test_grouped_linear_uses_each_operand_as_te_does(recipe):
         assert not torch.equal(w_row, w_col)
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise", "mxfp8", "tensorwise-pow2", "blockwise-fp32"])
+@pytest.mark.parametrize(
+    "recipe", ["tensorwise", "blockwise", "mxfp8", "tensorwise-pow2", "blockwise-fp32"]
+)
 def test_one_quantizer_per_group(recipe):
     """One expert's rows as one group or split in two (main instance and replica). Under the block
     recipes the forward is row-local; the weight gradient sums column-wise blocks along the tokens,
@@ -155,7 +163,9 @@ def test_one_quantizer_per_group(recipe):
     def run(m_splits):
         x = rows.clone().requires_grad_(True)
         w = [weight.clone().requires_grad_(True) for _ in m_splits]
-        out = te.fp8_grouped_linear(x, m_splits, w, [te.WeightOperand.of_cast(v, fp8) for v in w], fp8)
+        out = te.fp8_grouped_linear(
+            x, m_splits, w, [te.WeightOperand.of_cast(v, fp8) for v in w], fp8
+        )
         out.backward(grad)
         return out, sum(v.grad for v in w)
 
@@ -163,11 +173,15 @@ def test_one_quantizer_per_group(recipe):
     if name != "tensorwise":
         assert torch.equal(whole_out, split_out)  # row-wise blocks: a row is its own
     # The split against fp8's own error (the whole group's result against the exact one)
-    for what, whole, split, exact in (("output", whole_out, split_out, rows @ weight.t()),
-                                      ("wgrad", whole_dw, split_dw, grad.t() @ rows)):
+    for what, whole, split, exact in (
+        ("output", whole_out, split_out, rows @ weight.t()),
+        ("wgrad", whole_dw, split_dw, grad.t() @ rows),
+    ):
         fp8_error = ((whole - exact).norm() / exact.norm()).item()
         split_difference = ((whole - split).norm() / whole.norm()).item()
-        print(f"{recipe} {what}: split difference {split_difference:.3g}, fp8 error {fp8_error:.3g}")
+        print(
+            f"{recipe} {what}: split difference {split_difference:.3g}, fp8 error {fp8_error:.3g}"
+        )
         if fp8.power_2_scales:  # invisible at fp8 resolution: e4m3's subnormal range, fp32 sums
             assert split_difference < 1e-3 * fp8_error
         elif what == "wgrad" or name == "tensorwise":  # the part without the amax rounded otherwise

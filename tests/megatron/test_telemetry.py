@@ -10,8 +10,7 @@ from ultraep_megatron.planner import load_imbalance
 
 def test_per_rank_load_and_imbalance_by_hand():
     # 2 layers, 4 experts, EP=2: rank 0 holds experts 0-1, rank 1 experts 2-3.
-    tokens = torch.tensor([[3.0, 1.0, 0.0, 4.0],
-                           [2.0, 2.0, 2.0, 2.0]])
+    tokens = torch.tensor([[3.0, 1.0, 0.0, 4.0], [2.0, 2.0, 2.0, 2.0]])
     load = per_rank_load(tokens, ep_size=2)
     assert load.tolist() == [[4.0, 4.0], [4.0, 4.0]]
     tokens[0, 0] = 8.0  # rank 0 now gets 9 of 13 tokens

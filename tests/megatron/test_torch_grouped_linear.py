@@ -29,7 +29,15 @@ STARVED_EXPERT = 7
 RTOL = 1e-5
 #: The delayed-wgrad contract's precisions: high precision and megatron's fp8 recipes (``--fp8-recipe``),
 #: with high-precision and with quantized parameters (``-param``: ``--fp8-param-gather``).
-DELAYED_PRECISIONS = ("fp32", "tensorwise", "blockwise", "mxfp8", "tensorwise-param", "blockwise-param", "mxfp8-param")
+DELAYED_PRECISIONS = (
+    "fp32",
+    "tensorwise",
+    "blockwise",
+    "mxfp8",
+    "tensorwise-param",
+    "blockwise-param",
+    "mxfp8-param",
+)
 #: The fp8 contract's output width (mxfp8 quantizes output gradients in 1 x 32 blocks along it).
 FP8_WIDTH = 64
 # name -> (gated_linear_unit, activation, add_bias_linear)
@@ -44,20 +52,33 @@ ATTRIBUTES = ("allreduce", "tensor_model_parallel", "partition_dim", "sequence_p
 
 # ----------------------------------------------------------------------------- worker (torchrun)
 
+
 def make_config(glu: bool, activation: str, bias: bool, grouped: bool, ep_size: int = 1):
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
-        num_layers=1, hidden_size=HIDDEN, ffn_hidden_size=FFN, moe_ffn_hidden_size=FFN,
-        num_attention_heads=4, num_moe_experts=NUM_EXPERTS, moe_router_topk=TOPK,
-        moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.0,
-        expert_model_parallel_size=ep_size, moe_grouped_gemm=grouped,
-        gated_linear_unit=glu, activation_func=getattr(F, activation), add_bias_linear=bias,
-        use_cpu_initialization=True, params_dtype=torch.float32,
+        num_layers=1,
+        hidden_size=HIDDEN,
+        ffn_hidden_size=FFN,
+        moe_ffn_hidden_size=FFN,
+        num_attention_heads=4,
+        num_moe_experts=NUM_EXPERTS,
+        moe_router_topk=TOPK,
+        moe_token_dispatcher_type="alltoall",
+        moe_aux_loss_coeff=0.0,
+        expert_model_parallel_size=ep_size,
+        moe_grouped_gemm=grouped,
+        gated_linear_unit=glu,
+        activation_func=getattr(F, activation),
+        add_bias_linear=bias,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
         # CPU workarounds: the fused kernels are CUDA/compile paths, and TEGroupedMLP refuses
         # bias_dropout_fusion together with add_bias_linear.
-        bias_dropout_fusion=False, bias_activation_fusion=False, gradient_accumulation_fusion=False,
+        bias_dropout_fusion=False,
+        bias_activation_fusion=False,
+        gradient_accumulation_fusion=False,
     )
 
 
@@ -67,8 +88,11 @@ def build_layer(config, grouped: bool):
 
     from torch_grouped_linear import grouped_moe_layer_spec
 
-    spec = (grouped_moe_layer_spec() if grouped else
-            get_moe_module_spec(use_te=False, num_experts=NUM_EXPERTS, moe_grouped_gemm=False))
+    spec = (
+        grouped_moe_layer_spec()
+        if grouped
+        else get_moe_module_spec(use_te=False, num_experts=NUM_EXPERTS, moe_grouped_gemm=False)
+    )
     layer = spec(config=config, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
     layer.set_layer_number(1)
     if not grouped and config.add_bias_linear:
@@ -89,8 +113,8 @@ def global_weights(glu: bool, bias: bool, seed: int) -> dict[str, torch.Tensor]:
     fc1_rows = 2 * FFN if glu else FFN
     weights = {
         "router.weight": torch.randn(NUM_EXPERTS, HIDDEN, generator=gen) * 0.5,
-        "fc1.weight": torch.randn(NUM_EXPERTS, fc1_rows, HIDDEN, generator=gen) * HIDDEN ** -0.5,
-        "fc2.weight": torch.randn(NUM_EXPERTS, HIDDEN, FFN, generator=gen) * FFN ** -0.5,
+        "fc1.weight": torch.randn(NUM_EXPERTS, fc1_rows, HIDDEN, generator=gen) * HIDDEN**-0.5,
+        "fc2.weight": torch.randn(NUM_EXPERTS, HIDDEN, FFN, generator=gen) * FFN**-0.5,
     }
     weights["router.weight"][STARVED_EXPERT, 0] = -20.0
     if bias:
@@ -109,8 +133,10 @@ def expert_params(layer, grouped: bool) -> dict[str, list[torch.Tensor]]:
                 module = getattr(layer.experts, f"linear_{linear}")
                 found = [getattr(module, f"{kind}{e}", None) for e in range(NUM_EXPERTS)]
             else:
-                found = [getattr(getattr(mlp, f"linear_{linear}"), kind)
-                         for mlp in layer.experts.local_experts]
+                found = [
+                    getattr(getattr(mlp, f"linear_{linear}"), kind)
+                    for mlp in layer.experts.local_experts
+                ]
             if found[0] is not None:
                 params[f"{linear}.{kind}"] = found
     return params
@@ -148,15 +174,21 @@ def forward_backward(layer, grouped: bool, x, upstream) -> dict:
         "out": out.detach().clone(),
         "dx": x.grad.detach().clone(),
         "router_grads": {n: p.grad.detach().clone() for n, p in layer.router.named_parameters()},
-        "expert_grads": {name: torch.stack([p.grad.detach().clone() for p in params])
-                         for name, params in expert_params(layer, grouped).items()},
+        "expert_grads": {
+            name: torch.stack([p.grad.detach().clone() for p in params])
+            for name, params in expert_params(layer, grouped).items()
+        },
     }
 
 
 def attributes(param) -> tuple:
     """The parameter attributes megatron's DDP / optimizer / grad-norm read (megatron defaults)."""
-    defaults = {"allreduce": True, "tensor_model_parallel": False, "partition_dim": -1,
-                "sequence_parallel": False}
+    defaults = {
+        "allreduce": True,
+        "tensor_model_parallel": False,
+        "partition_dim": -1,
+        "sequence_parallel": False,
+    }
     return tuple(getattr(param, a, defaults[a]) for a in ATTRIBUTES)
 
 
@@ -170,22 +202,36 @@ def ep2_attributes() -> dict:
 
     config = make_config(False, "gelu", True, grouped=True, ep_size=2)
     pg = ProcessGroupCollection.use_mpu_process_groups()
-    common = dict(config=config, init_method=config.init_method, bias=True, is_expert=True,
-                  tp_comm_buffer_name=None)
-    column = ColumnParallelLinear(HIDDEN, FFN, gather_output=False, skip_bias_add=True,
-                                  tp_group=pg.expt_tp, **common)
-    row = RowParallelLinear(FFN, HIDDEN, input_is_parallel=True, skip_bias_add=True,
-                            tp_group=pg.expt_tp, **common)
-    grouped_column = TorchColumnGroupedLinear(2, HIDDEN, FFN, skip_bias_add=False,
-                                              pg_collection=pg, **common)
-    grouped_row = TorchRowGroupedLinear(2, FFN, HIDDEN, skip_bias_add=True,
-                                        pg_collection=pg, **common)
+    common = dict(
+        config=config,
+        init_method=config.init_method,
+        bias=True,
+        is_expert=True,
+        tp_comm_buffer_name=None,
+    )
+    column = ColumnParallelLinear(
+        HIDDEN, FFN, gather_output=False, skip_bias_add=True, tp_group=pg.expt_tp, **common
+    )
+    row = RowParallelLinear(
+        FFN, HIDDEN, input_is_parallel=True, skip_bias_add=True, tp_group=pg.expt_tp, **common
+    )
+    grouped_column = TorchColumnGroupedLinear(
+        2, HIDDEN, FFN, skip_bias_add=False, pg_collection=pg, **common
+    )
+    grouped_row = TorchRowGroupedLinear(
+        2, FFN, HIDDEN, skip_bias_add=True, pg_collection=pg, **common
+    )
     return {
-        "reference": {f"{n}.{k}": attributes(getattr(m, k))
-                      for n, m in (("fc1", column), ("fc2", row)) for k in ("weight", "bias")},
-        "grouped": {f"{n}.{k}": attributes(getattr(m, f"{k}1"))
-                    for n, m in (("fc1", grouped_column), ("fc2", grouped_row))
-                    for k in ("weight", "bias")},
+        "reference": {
+            f"{n}.{k}": attributes(getattr(m, k))
+            for n, m in (("fc1", column), ("fc2", row))
+            for k in ("weight", "bias")
+        },
+        "grouped": {
+            f"{n}.{k}": attributes(getattr(m, f"{k}1"))
+            for n, m in (("fc1", grouped_column), ("fc2", grouped_row))
+            for k in ("weight", "bias")
+        },
     }
 
 
@@ -197,14 +243,23 @@ def init_statistics() -> dict:
 
     stats = {}
     for cpu_init in (True, False):
-        config = dataclasses.replace(make_config(False, "gelu", False, grouped=True),
-                                     use_cpu_initialization=cpu_init)
-        common = dict(config=config, bias=False, skip_bias_add=False, is_expert=True,
-                      tp_comm_buffer_name=None, pg_collection=None)
-        fc1 = TorchColumnGroupedLinear(NUM_EXPERTS, HIDDEN, 4 * FFN,
-                                       init_method=config.init_method, **common)
-        fc2 = TorchRowGroupedLinear(NUM_EXPERTS, 4 * FFN, HIDDEN,
-                                    init_method=config.output_layer_init_method, **common)
+        config = dataclasses.replace(
+            make_config(False, "gelu", False, grouped=True), use_cpu_initialization=cpu_init
+        )
+        common = dict(
+            config=config,
+            bias=False,
+            skip_bias_add=False,
+            is_expert=True,
+            tp_comm_buffer_name=None,
+            pg_collection=None,
+        )
+        fc1 = TorchColumnGroupedLinear(
+            NUM_EXPERTS, HIDDEN, 4 * FFN, init_method=config.init_method, **common
+        )
+        fc2 = TorchRowGroupedLinear(
+            NUM_EXPERTS, 4 * FFN, HIDDEN, init_method=config.output_layer_init_method, **common
+        )
         for name, module in (("fc1", fc1), ("fc2", fc2)):
             weights = torch.stack([w.detach() for w in module.weights()])
             stats[f"{'cpu' if cpu_init else 'device'}/{name}"] = {
@@ -230,35 +285,64 @@ def delayed_wgrad_contract(recipe=None) -> dict:
     from torch_grouped_linear import TorchColumnGroupedLinear
 
     config = make_config(False, "gelu", False, grouped=True)
-    width, align = (FFN, 1) if recipe is None else (FP8_WIDTH, toy_fp8.align_size(recipe.partition("-")[0]))
+    width, align = (
+        (FFN, 1) if recipe is None else (FP8_WIDTH, toy_fp8.align_size(recipe.partition("-")[0]))
+    )
     if recipe is not None:
         recipe, _, params = recipe.partition("-")
         toy_fp8.enable_fp8(config, recipe)
         config.fp8_param = params == "param"  # --fp8-param-gather: quantized weights
     delayed_config = copy.copy(config)
     delayed_config.delay_wgrad_compute = True  # megatron's config asserts the overlap it goes with
-    common = dict(bias=False, skip_bias_add=False, is_expert=True, tp_comm_buffer_name=None, pg_collection=None)
-    plain = TorchColumnGroupedLinear(4, HIDDEN, width, config=config, init_method=config.init_method, **common)
-    delayed = TorchColumnGroupedLinear(4, HIDDEN, width, config=delayed_config, init_method=config.init_method,
-                                       **common)
+    common = dict(
+        bias=False,
+        skip_bias_add=False,
+        is_expert=True,
+        tp_comm_buffer_name=None,
+        pg_collection=None,
+    )
+    plain = TorchColumnGroupedLinear(
+        4, HIDDEN, width, config=config, init_method=config.init_method, **common
+    )
+    delayed = TorchColumnGroupedLinear(
+        4, HIDDEN, width, config=delayed_config, init_method=config.init_method, **common
+    )
     delayed.load_state_dict(plain.state_dict())
     hook_calls = []
-    delayed.register_wgrad_accumulation_and_reduce_hooks(lambda: hook_calls.append(
-        [w.grad.clone() for w in delayed.weights()]))
-    out = {"plain": [], "delayed": [], "after_backward": [], "skip_backward_post_hook":
-           [getattr(p, "skip_backward_post_hook", False) for p in delayed.parameters()]}
+    delayed.register_wgrad_accumulation_and_reduce_hooks(
+        lambda: hook_calls.append([w.grad.clone() for w in delayed.weights()])
+    )
+    out = {
+        "plain": [],
+        "delayed": [],
+        "after_backward": [],
+        "skip_backward_post_hook": [
+            getattr(p, "skip_backward_post_hook", False) for p in delayed.parameters()
+        ],
+    }
     out["hp_wgrad"] = []
     for mb, counts in enumerate(([5, 0, 7, 4], [3, 9, 1, 3])):
         counts = [n * align for n in counts]
         gen = torch.Generator().manual_seed(mb)
-        x, up = torch.randn(sum(counts), HIDDEN, generator=gen), torch.randn(sum(counts), width, generator=gen)
-        out["hp_wgrad"].append([u.t() @ r for u, r in zip(torch.split(up, counts), torch.split(x, counts))])
+        x, up = (
+            torch.randn(sum(counts), HIDDEN, generator=gen),
+            torch.randn(sum(counts), width, generator=gen),
+        )
+        out["hp_wgrad"].append(
+            [u.t() @ r for u, r in zip(torch.split(up, counts), torch.split(x, counts))]
+        )
         for key, module in (("plain", plain), ("delayed", delayed)):
             module.zero_grad(set_to_none=True)
             rows = x.clone().requires_grad_()
             y, _ = module(rows, counts)
             (y * up).sum().backward()
-            out[key].append({"y": y.detach(), "dx": rows.grad, "wgrad": [w.grad.clone() for w in module.weights()]})
+            out[key].append(
+                {
+                    "y": y.detach(),
+                    "dx": rows.grad,
+                    "wgrad": [w.grad.clone() for w in module.weights()],
+                }
+            )
         out["after_backward"].append([w.grad.clone() for w in delayed.weights()])
         for w in delayed.weights():
             w.grad = None
@@ -292,8 +376,10 @@ def checkpoint_round_trip(seq_layer, grouped_layer, directory: Path) -> dict:
             # Plain ShardedTensors load in place; factory-merged ones (SwiGLU fc1) come back new.
             if isinstance(value, torch.Tensor) and value.data_ptr() != params[key].data_ptr():
                 params[key].copy_(value)
-    return {name: torch.stack([p.detach().clone() for p in params])
-            for name, params in expert_params(grouped_layer, True).items()}
+    return {
+        name: torch.stack([p.detach().clone() for p in params])
+        for name, params in expert_params(grouped_layer, True).items()
+    }
 
 
 def worker(out_file: Path) -> None:
@@ -315,7 +401,8 @@ def worker(out_file: Path) -> None:
             layers[grouped] = build_layer(make_config(glu, activation, bias, grouped), grouped)
             load_weights(layers[grouped], grouped, weights)
             results[f"{name}/{'grouped' if grouped else 'sequential'}"] = forward_backward(
-                layers[grouped], grouped, x, upstream)
+                layers[grouped], grouped, x, upstream
+            )
         results[f"{name}/attributes"] = {
             kind: {n: attributes(p[1]) for n, p in expert_params(layers[grouped], grouped).items()}
             for kind, grouped in (("sequential", False), ("grouped", True))
@@ -329,15 +416,20 @@ def worker(out_file: Path) -> None:
         if name in ("swiglu-bias", "gelu"):
             fresh = build_layer(make_config(glu, activation, bias, True), True)
             results[f"{name}/checkpoint"] = {
-                "before": {n: torch.stack([p.detach().clone() for p in ps])
-                           for n, ps in expert_params(fresh, True).items()},
-                "after": checkpoint_round_trip(layers[False], fresh,
-                                               out_file.parent / f"ckpt-{name}"),
+                "before": {
+                    n: torch.stack([p.detach().clone() for p in ps])
+                    for n, ps in expert_params(fresh, True).items()
+                },
+                "after": checkpoint_round_trip(
+                    layers[False], fresh, out_file.parent / f"ckpt-{name}"
+                ),
                 "expected": {n: w for n, w in weights.items() if not n.startswith("router")},
             }
     results["ep2/attributes"] = ep2_attributes()
-    results["delayed"] = {precision: delayed_wgrad_contract(None if precision == "fp32" else precision)
-                          for precision in DELAYED_PRECISIONS}
+    results["delayed"] = {
+        precision: delayed_wgrad_contract(None if precision == "fp32" else precision)
+        for precision in DELAYED_PRECISIONS
+    }
     results["init"] = init_statistics()
     torch.save(results, out_file)
     parallel_state.destroy_model_parallel()
@@ -345,6 +437,7 @@ def worker(out_file: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- tests (pytest)
+
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
@@ -378,7 +471,8 @@ def assert_same_results(actual, expected):
 def test_grouped_experts_match_sequential_mlp(results, scenario):
     reference, grouped = results[f"{scenario}/sequential"], results[f"{scenario}/grouped"]
     expected_params = {"fc1.weight", "fc2.weight"} | (
-        {"fc1.bias", "fc2.bias"} if SCENARIOS[scenario][2] else set())
+        {"fc1.bias", "fc2.bias"} if SCENARIOS[scenario][2] else set()
+    )
     assert set(reference["expert_grads"]) == expected_params
     assert_same_results(grouped, reference)
     # Every expert but the starved one got tokens, so the gradients are not trivially zero.
@@ -419,7 +513,7 @@ def test_parameter_attributes_under_expert_parallelism(results):
 def test_weights_initialised_like_megatron_linears(results, kind):
     """fc1 draws N(0, sigma), fc2 megatron's output-layer init N(0, sigma / sqrt(2 num_layers))."""
     sigma = results["init"]["init_method_std"]
-    for name, expected in (("fc1", sigma), ("fc2", sigma / 2 ** 0.5)):
+    for name, expected in (("fc1", sigma), ("fc2", sigma / 2**0.5)):
         stats = results["init"][f"{kind}/{name}"]
         assert stats["distinct"] == NUM_EXPERTS, f"{kind} {name}: experts share weights"
         ratio = stats["std"] / expected
@@ -454,9 +548,13 @@ def test_delayed_weight_gradients_follow_transformer_engines_contract(results, p
     assert all(delayed["skip_backward_post_hook"])
     for plain, late, after in zip(delayed["plain"], delayed["delayed"], delayed["after_backward"]):
         assert torch.equal(late["y"], plain["y"]) and torch.equal(late["dx"], plain["dx"])
-        assert all(float(g.abs().sum()) == 0.0 for g in after), "weight gradients computed in the backward"
+        assert all(float(g.abs().sum()) == 0.0 for g in after), (
+            "weight gradients computed in the backward"
+        )
     assert delayed["hook_calls_before_dw"] == 0 and delayed["hook_calls_after_empty_dw"] == 2
-    for plain, dw, exact in zip(delayed["plain"], delayed["dw"], delayed["hp_wgrad"]):  # oldest first
+    for plain, dw, exact in zip(
+        delayed["plain"], delayed["dw"], delayed["hp_wgrad"]
+    ):  # oldest first
         for expected, actual, high_precision in zip(plain["wgrad"], dw, exact):
             if precision == "fp32":
                 assert_close(actual, expected, "delayed weight gradient")
@@ -464,5 +562,9 @@ def test_delayed_weight_gradients_follow_transformer_engines_contract(results, p
             else:
                 assert torch.equal(actual, expected), "delayed fp8 weight gradient != undelayed"
                 if high_precision.abs().sum() > 0:  # an expert with rows
-                    assert not torch.equal(actual, high_precision), "the fp8 weight gradient is not fp8's"
-    assert not torch.equal(delayed["dw"][0][0], delayed["dw"][1][0]), "the two microbatches must differ"
+                    assert not torch.equal(actual, high_precision), (
+                        "the fp8 weight gradient is not fp8's"
+                    )
+    assert not torch.equal(delayed["dw"][0][0], delayed["dw"][1][0]), (
+        "the two microbatches must differ"
+    )

@@ -17,8 +17,10 @@ def series(finetune_runs, nproc, ep):
     """{"lm loss": {iteration: value}, "grad norm": {...}}; every run from the same weights (the
     resume test's checkpoint; conftest.finetune_runs)."""
     records = finetune_runs(f"ep{ep}_n{nproc}", nproc, ep)
-    return {"lm loss": {r["iteration"]: r["losses"]["lm loss"] for r in records},
-            "grad norm": {r["iteration"]: r["grad_norm"] for r in records}}
+    return {
+        "lm loss": {r["iteration"]: r["losses"]["lm loss"] for r in records},
+        "grad norm": {r["iteration"]: r["grad_norm"] for r in records},
+    }
 
 
 @pytest.mark.slow
@@ -28,7 +30,9 @@ def test_ep_training_matches_ep1(finetune_runs, nproc, ep):
     run = series(finetune_runs, nproc, ep)
     comparisons = []
     for what in ("lm loss", "grad norm"):
-        comparisons += compare_series(f"EP={ep} {what}", run[what], reference[what], reference[what], twin[what])
+        comparisons += compare_series(
+            f"EP={ep} {what}", run[what], reference[what], reference[what], twin[what]
+        )
     print(f"\nEP={ep} against EP=1: {summary(comparisons)}")
     assert not failures(comparisons), failures(comparisons)
     # The model trains: the comparison is between moving sequences, not constants.

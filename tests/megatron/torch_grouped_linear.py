@@ -164,17 +164,24 @@ class TorchGroupedLinear(torch.nn.Module):
         unsupported = [
             flag
             for flag in (
-                "fp4", "gradient_accumulation_fusion",
-                "overlap_dispatch_backward_with_experts_wgrad", "moe_single_grouped_weight",
+                "fp4",
+                "gradient_accumulation_fusion",
+                "overlap_dispatch_backward_with_experts_wgrad",
+                "moe_single_grouped_weight",
                 "moe_single_grouped_bias",
             )
             if getattr(config, flag, None)
         ]
         if unsupported:
             raise ValueError(f"TorchGroupedLinear does not support config flags {unsupported}")
-        if getattr(config, "fp8", None) and config.fp8_recipe not in toy_fp8.CURRENT_SCALING_RECIPES:
-            raise ValueError(f"TorchGroupedLinear: fp8 recipe {config.fp8_recipe!r} is not modelled "
-                             f"(current scaling only: {toy_fp8.CURRENT_SCALING_RECIPES})")
+        if (
+            getattr(config, "fp8", None)
+            and config.fp8_recipe not in toy_fp8.CURRENT_SCALING_RECIPES
+        ):
+            raise ValueError(
+                f"TorchGroupedLinear: fp8 recipe {config.fp8_recipe!r} is not modelled "
+                f"(current scaling only: {toy_fp8.CURRENT_SCALING_RECIPES})"
+            )
         # Megatron's TEGroupedLinear wrapper state (see the module docstring).
         self.is_first_microbatch = True
         self.disable_parameter_transpose_cache = config.disable_parameter_transpose_cache
@@ -195,8 +202,9 @@ class TorchGroupedLinear(torch.nn.Module):
         self.num_gemms = num_gemms
         # TE's attribute names, which megatron code reads on grouped linears.
         self.in_features = divide(input_size, tp_size) if parallel_mode == "row" else input_size
-        self.out_features = (divide(output_size, tp_size) if parallel_mode == "column"
-                             else output_size)
+        self.out_features = (
+            divide(output_size, tp_size) if parallel_mode == "column" else output_size
+        )
         self.use_bias = bias
         self.te_return_bias = bias and skip_bias_add
         self.delay_wgrad_compute = bool(getattr(config, "delay_wgrad_compute", False))
@@ -207,22 +215,30 @@ class TorchGroupedLinear(torch.nn.Module):
 
         for i in range(num_gemms):
             weight = torch.nn.Parameter(
-                torch.empty(self.out_features, self.in_features, dtype=config.params_dtype,
-                            device=device)
+                torch.empty(
+                    self.out_features, self.in_features, dtype=config.params_dtype, device=device
+                )
             )
             if not config.perform_initialization:
                 set_tensor_model_parallel_attributes(weight, True, partition_dim, 1)
             elif config.use_cpu_initialization:
                 _initialize_affine_weight_cpu(
-                    weight, output_size, input_size,
+                    weight,
+                    output_size,
+                    input_size,
                     self.out_features if parallel_mode == "column" else self.in_features,
-                    partition_dim, init_method, params_dtype=config.params_dtype,
-                    rank=tp_rank, world_size=tp_size,
+                    partition_dim,
+                    init_method,
+                    params_dtype=config.params_dtype,
+                    rank=tp_rank,
+                    world_size=tp_size,
                 )
             else:
                 _initialize_affine_weight_gpu(weight, init_method, partition_dim, is_expert=True)
             if getattr(config, "fp8", None) and getattr(config, "fp8_param", False):
-                quantized = toy_fp8.ToyQuantizer(config.fp8_recipe).quantize(weight.data, requires_grad=True)
+                quantized = toy_fp8.ToyQuantizer(config.fp8_recipe).quantize(
+                    weight.data, requires_grad=True
+                )
                 for attr, value in vars(weight).items():  # megatron's TP attributes
                     setattr(quantized, attr, value)
                 weight = torch.nn.Parameter(quantized)
@@ -265,34 +281,52 @@ class TorchGroupedLinear(torch.nn.Module):
             )
         if x.shape[-1] != self.in_features:
             raise ValueError(f"x has width {x.shape[-1]}, expected {self.in_features}")
-        recipe = getattr(self.config, "fp8_recipe", None) if getattr(self.config, "fp8", None) else None
+        recipe = (
+            getattr(self.config, "fp8_recipe", None) if getattr(self.config, "fp8", None) else None
+        )
         if recipe is not None:  # TE's fp8 grouped GEMM takes row counts of the alignment only
             align = toy_fp8.align_size(getattr(recipe, "value", recipe))
             if any(n % align for n in tokens_per_expert):
-                raise ValueError(f"fp8 grouped GEMM: rows per expert {tokens_per_expert} are not multiples "
-                                 f"of {align} (the caller must pad them, as megatron's Fp8Padding does)")
+                raise ValueError(
+                    f"fp8 grouped GEMM: rows per expert {tokens_per_expert} are not multiples "
+                    f"of {align} (the caller must pad them, as megatron's Fp8Padding does)"
+                )
         rows = x.reshape(-1, self.in_features)
         biases = self.biases()
-        is_first_microbatch = None if self.disable_parameter_transpose_cache else self.is_first_microbatch
+        is_first_microbatch = (
+            None if self.disable_parameter_transpose_cache else self.is_first_microbatch
+        )
         self.is_first_microbatch = False
         added = None if self.te_return_bias else biases
         delayed = self.wgrad_store.delay_wgrad_compute()
         if recipe is None and delayed:
-            out = DelayedWgradGroupedLinear.apply(rows, self.wgrad_store, tokens_per_expert, self.num_gemms,
-                                                   *self.weights(), *(added or ()))
+            out = DelayedWgradGroupedLinear.apply(
+                rows,
+                self.wgrad_store,
+                tokens_per_expert,
+                self.num_gemms,
+                *self.weights(),
+                *(added or ()),
+            )
         elif recipe is None:
             out = grouped_matmul(rows, self.weights(), tokens_per_expert, added)
         else:
             fp8_recipe = te_grouped_fp8.Fp8Recipe.of_config(self.config)
-            out = te_grouped_fp8.fp8_grouped_linear(rows, tokens_per_expert, self.weights(),
-                                                    self._fp8_weight_operands(is_first_microbatch, fp8_recipe),
-                                                    fp8_recipe, self.wgrad_store if delayed else None)
+            out = te_grouped_fp8.fp8_grouped_linear(
+                rows,
+                tokens_per_expert,
+                self.weights(),
+                self._fp8_weight_operands(is_first_microbatch, fp8_recipe),
+                fp8_recipe,
+                self.wgrad_store if delayed else None,
+            )
             if added is not None:
                 out = out + torch.cat([b.expand(n, -1) for b, n in zip(added, tokens_per_expert)])
         return out.view(*x.shape[:-1], self.out_features), (biases if self.te_return_bias else None)
 
-    def _fp8_weight_operands(self, is_first_microbatch: Optional[bool],
-                             recipe: "te_grouped_fp8.Fp8Recipe") -> list["te_grouped_fp8.WeightOperand"]:
+    def _fp8_weight_operands(
+        self, is_first_microbatch: Optional[bool], recipe: "te_grouped_fp8.Fp8Recipe"
+    ) -> list["te_grouped_fp8.WeightOperand"]:
         """What the fp8 GEMMs compute with: quantized parameters as they are, or the casts of the
         high-precision weights (TE's caching contract, module docstring)."""
         weights = self.weights()
@@ -357,11 +391,17 @@ class TorchGroupedLinear(torch.nn.Module):
                 expert_prefix, offsets = f"{global_expert}.{prefix}", sharded_offsets
             else:
                 expert_prefix = prefix
-                offsets = (*sharded_offsets,
-                           (len(sharded_offsets), global_expert, num_global_experts))
+                offsets = (
+                    *sharded_offsets,
+                    (len(sharded_offsets), global_expert, num_global_experts),
+                )
             sub = make_sharded_tensors_for_checkpoint(
-                local, "", {f"{i}.{k}": axis for k, axis in tp_axis.items()}, offsets,
-                tp_group=self._tp_group, dp_cp_group=metadata["dp_cp_group"],
+                local,
+                "",
+                {f"{i}.{k}": axis for k, axis in tp_axis.items()},
+                offsets,
+                tp_group=self._tp_group,
+                dp_cp_group=metadata["dp_cp_group"],
             )
             replace_prefix_for_sharding(sub, f"{i}.", expert_prefix)
             for kind in ("weight", "bias") if self.use_bias else ("weight",):
@@ -373,8 +413,10 @@ class TorchGroupedLinear(torch.nn.Module):
         return sharded
 
     def extra_repr(self) -> str:
-        return (f"{self.parallel_mode}: {self.num_gemms} x [in={self.in_features}, "
-                f"out={self.out_features}], bias={self.use_bias}")
+        return (
+            f"{self.parallel_mode}: {self.num_gemms} x [in={self.in_features}, "
+            f"out={self.out_features}], bias={self.use_bias}"
+        )
 
 
 class TorchColumnGroupedLinear(TorchGroupedLinear):
@@ -384,7 +426,9 @@ class TorchColumnGroupedLinear(TorchGroupedLinear):
         super().__init__(num_gemms, input_size, output_size, parallel_mode="column", **kwargs)
 
 
-def mark_expert_parameters(module: TorchGroupedLinear, config: TransformerConfig, parallel_mode: str) -> None:
+def mark_expert_parameters(
+    module: TorchGroupedLinear, config: TransformerConfig, parallel_mode: str
+) -> None:
     """The attributes megatron's DDP / optimizer / grad-norm read on a grouped linear's
     parameters (``weight{i}`` already carry the TP attributes of their initialisation), as the
     installed megatron-core's ``TEGroupedLinear`` leaves them."""
@@ -394,8 +438,10 @@ def mark_expert_parameters(module: TorchGroupedLinear, config: TransformerConfig
         for i in range(module.num_gemms) if module.use_bias and parallel_mode == "row" else ():
             getattr(module, f"bias{i}").sequence_parallel = False
         # Expert params go to the expert-DP grad buckets when EP > 1 or expert TP differs from TP.
-        use_expert_pgs = (config.expert_model_parallel_size > 1
-                          or config.expert_tensor_parallel_size != config.tensor_model_parallel_size)
+        use_expert_pgs = (
+            config.expert_model_parallel_size > 1
+            or config.expert_tensor_parallel_size != config.tensor_model_parallel_size
+        )
         _set_expert_parameter_attributes(module, parallel_mode, use_expert_pgs)
         return
     # 0.18: megatron hands TE no parallel mode when it communicates expert TP / EP itself.
@@ -426,8 +472,9 @@ class TorchRowGroupedLinear(TorchGroupedLinear):
 
 def grouped_mlp_submodules() -> GroupedMLPSubmodules:
     """``TEGroupedMLP`` submodules with the torch grouped linears (activation from the config)."""
-    return GroupedMLPSubmodules(linear_fc1=TorchColumnGroupedLinear,
-                                linear_fc2=TorchRowGroupedLinear)
+    return GroupedMLPSubmodules(
+        linear_fc1=TorchColumnGroupedLinear, linear_fc2=TorchRowGroupedLinear
+    )
 
 
 def grouped_experts_builder() -> Callable[..., TEGroupedMLP]:
@@ -439,13 +486,17 @@ def grouped_moe_layer_spec() -> Callable[..., MoELayer]:
     """``partial(MoELayer, submodules=...)`` like ``get_moe_module_spec(use_te=False)`` but with
     grouped experts (shared experts, if configured, use megatron's local linears)."""
     local = LocalSpecProvider()
-    shared_mlp = MLPSubmodules(linear_fc1=local.column_parallel_linear(),
-                               linear_fc2=local.row_parallel_linear(),
-                               activation_func=local.activation_func())
+    shared_mlp = MLPSubmodules(
+        linear_fc1=local.column_parallel_linear(),
+        linear_fc2=local.row_parallel_linear(),
+        activation_func=local.activation_func(),
+    )
     if compat.is_018():  # 0.18's get_moe_module_spec builds SharedExpertMLP directly
         from megatron.core.transformer.moe.shared_experts import SharedExpertMLP as shared_experts
     else:
-        from megatron.core.models.gpt.moe_module_specs import _build_shared_experts as shared_experts
+        from megatron.core.models.gpt.moe_module_specs import (
+            _build_shared_experts as shared_experts,
+        )
     return functools.partial(
         MoELayer,
         submodules=MoESubmodules(

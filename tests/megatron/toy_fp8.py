@@ -60,16 +60,22 @@ def _row_quantization(weight: torch.Tensor, recipe: str) -> tuple[torch.Tensor, 
             raise ValueError(f"blockwise: weight {tuple(w.shape)} is not a multiple of {BLOCK}")
         blocks = w.view(out_dim // BLOCK, BLOCK, in_dim // BLOCK, BLOCK)
         scale = (blocks.abs().amax(dim=(1, 3), keepdim=True) / E4M3_MAX).clamp_min(tiny)
-        return (blocks / scale).to(torch.float8_e4m3fn).view_as(w), scale.view(out_dim // BLOCK, in_dim // BLOCK)
+        return (blocks / scale).to(torch.float8_e4m3fn).view_as(w), scale.view(
+            out_dim // BLOCK, in_dim // BLOCK
+        )
     if recipe == "mxfp8":
         if in_dim % MX_BLOCK:
             raise ValueError(f"mxfp8: input dimension {in_dim} is not a multiple of {MX_BLOCK}")
         blocks = w.view(out_dim, in_dim // MX_BLOCK, MX_BLOCK)
         amax = blocks.abs().amax(dim=2, keepdim=True).clamp_min(tiny)
         scale = torch.exp2(torch.ceil(torch.log2(amax / E4M3_MAX)))  # power of two, E8M0
-        return (blocks / scale).to(torch.float8_e4m3fn).view_as(w), scale.view(out_dim, in_dim // MX_BLOCK)
-    raise ValueError(f"toy fp8 quantizer: recipe {recipe!r} is not a current-scaling recipe "
-                     f"({', '.join(CURRENT_SCALING_RECIPES)})")
+        return (blocks / scale).to(torch.float8_e4m3fn).view_as(w), scale.view(
+            out_dim, in_dim // MX_BLOCK
+        )
+    raise ValueError(
+        f"toy fp8 quantizer: recipe {recipe!r} is not a current-scaling recipe "
+        f"({', '.join(CURRENT_SCALING_RECIPES)})"
+    )
 
 
 def _row_values(data: torch.Tensor, scale: torch.Tensor, recipe: str) -> torch.Tensor:
@@ -81,7 +87,9 @@ def _row_values(data: torch.Tensor, scale: torch.Tensor, recipe: str) -> torch.T
     if recipe == "blockwise":
         blocks = values.view(out_dim // BLOCK, BLOCK, in_dim // BLOCK, BLOCK)
         return (blocks * scale.view(out_dim // BLOCK, 1, in_dim // BLOCK, 1)).view_as(values)
-    return (values.view(out_dim, in_dim // MX_BLOCK, MX_BLOCK) * scale.unsqueeze(-1)).view_as(values)
+    return (values.view(out_dim, in_dim // MX_BLOCK, MX_BLOCK) * scale.unsqueeze(-1)).view_as(
+        values
+    )
 
 
 def quantize_weight(weight: torch.Tensor, recipe: str) -> torch.Tensor:
@@ -91,6 +99,7 @@ def quantize_weight(weight: torch.Tensor, recipe: str) -> torch.Tensor:
 
 
 # -- quantized parameters (--fp8-param-gather) -------------------------------------------------------
+
 
 def _e4m3_bytes(values: torch.Tensor) -> torch.Tensor:
     return values.view(torch.uint8)  # TE keeps fp8 data as uint8
@@ -114,10 +123,18 @@ class ToyQuantizer:
         constructor takes them."""
         return QUANTIZED_CLASSES[self.recipe].storages_of(weight, self)
 
-    def quantize(self, weight: torch.Tensor, *, requires_grad: bool = False) -> "ToyQuantizedTensor":
+    def quantize(
+        self, weight: torch.Tensor, *, requires_grad: bool = False
+    ) -> "ToyQuantizedTensor":
         cls = QUANTIZED_CLASSES[self.recipe]
-        return cls(shape=weight.shape, dtype=weight.dtype, requires_grad=requires_grad, fp8_dtype="e4m3",
-                   quantizer=self, **self.storages(weight))
+        return cls(
+            shape=weight.shape,
+            dtype=weight.dtype,
+            requires_grad=requires_grad,
+            fp8_dtype="e4m3",
+            quantizer=self,
+            **self.storages(weight),
+        )
 
 
 class ToyQuantizedTensor(torch.Tensor):
@@ -140,10 +157,13 @@ class ToyQuantizedTensor(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
-    def __new__(cls, *, shape, dtype, requires_grad=False, fp8_dtype="e4m3", quantizer=None, **storages):
+    def __new__(
+        cls, *, shape, dtype, requires_grad=False, fp8_dtype="e4m3", quantizer=None, **storages
+    ):
         present = [t for t in storages.values() if t is not None]
-        self = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=present[0].device,
-                                                   requires_grad=requires_grad)
+        self = torch.Tensor._make_wrapper_subclass(
+            cls, shape, dtype=dtype, device=present[0].device, requires_grad=requires_grad
+        )
         for key, attr in cls.STORAGES.items():
             setattr(self, attr, storages.get(key))
         # A cache given to the constructor is valid (TE: ``_transpose_invalid = transpose is None``).
@@ -152,8 +172,11 @@ class ToyQuantizedTensor(torch.Tensor):
         return self
 
     def get_metadata(self) -> dict:
-        return {**{key: getattr(self, attr) for key, attr in self.STORAGES.items()},
-                "fp8_dtype": self._fp8_dtype, "quantizer": self._quantizer}
+        return {
+            **{key: getattr(self, attr) for key, attr in self.STORAGES.items()},
+            "fp8_dtype": self._fp8_dtype,
+            "quantizer": self._quantizer,
+        }
 
     @classmethod
     def storages_of(cls, weight: torch.Tensor, quantizer: ToyQuantizer) -> dict[str, torch.Tensor]:
@@ -187,8 +210,11 @@ class ToyQuantizedTensor(torch.Tensor):
                     getattr(target, attr).copy_(fresh[key])
             return target
 
-        if func is torch.ops.aten.mm.default and isinstance(args[1], ToyQuantizedTensor) \
-                and not isinstance(args[0], ToyQuantizedTensor):
+        if (
+            func is torch.ops.aten.mm.default
+            and isinstance(args[1], ToyQuantizedTensor)
+            and not isinstance(args[0], ToyQuantizedTensor)
+        ):
             # grad_output @ weight: a linear layer's input gradient (megatron's local linear; its
             # forward multiplies by weight.t(), which gives the row-wise values). TE's dgrad GEMM
             # reads the column-wise copy.
@@ -197,7 +223,10 @@ class ToyQuantizedTensor(torch.Tensor):
         def plain(value):
             return value.dequantize() if isinstance(value, ToyQuantizedTensor) else value
 
-        return func(*torch.utils._pytree.tree_map(plain, args), **torch.utils._pytree.tree_map(plain, kwargs))
+        return func(
+            *torch.utils._pytree.tree_map(plain, args),
+            **torch.utils._pytree.tree_map(plain, kwargs),
+        )
 
     def __repr__(self):
         return f"{type(self).__name__}(shape={tuple(self.shape)}, dtype={self.dtype})"
@@ -232,14 +261,22 @@ class ToyBlockwiseTensor(ToyQuantizedTensor):
     ``_rowwise_scale_inv`` fp32 [out / B, in / B]; ``_columnwise_data`` uint8 [in, out] (the
     transpose, quantized in its own blocks) with ``_columnwise_scale_inv`` [in / B, out / B]."""
 
-    STORAGES = {"rowwise_data": "_rowwise_data", "rowwise_scale_inv": "_rowwise_scale_inv",
-                "columnwise_data": "_columnwise_data", "columnwise_scale_inv": "_columnwise_scale_inv"}
+    STORAGES = {
+        "rowwise_data": "_rowwise_data",
+        "rowwise_scale_inv": "_rowwise_scale_inv",
+        "columnwise_data": "_columnwise_data",
+        "columnwise_scale_inv": "_columnwise_scale_inv",
+    }
 
     @classmethod
     def storages_of(cls, weight, quantizer):
         data, scale = _row_quantization(weight, "blockwise")
-        out = {"rowwise_data": _e4m3_bytes(data), "rowwise_scale_inv": scale,
-               "columnwise_data": None, "columnwise_scale_inv": None}
+        out = {
+            "rowwise_data": _e4m3_bytes(data),
+            "rowwise_scale_inv": scale,
+            "columnwise_data": None,
+            "columnwise_scale_inv": None,
+        }
         if quantizer.columnwise_usage:
             column_data, column_scale = _row_quantization(weight.t(), "blockwise")
             out.update(columnwise_data=_e4m3_bytes(column_data), columnwise_scale_inv=column_scale)
@@ -251,7 +288,9 @@ class ToyBlockwiseTensor(ToyQuantizedTensor):
     def columnwise_values(self):
         if self._columnwise_data is None:
             return self._rowwise_values()
-        return _row_values(_e4m3(self._columnwise_data), self._columnwise_scale_inv, "blockwise").t()
+        return _row_values(
+            _e4m3(self._columnwise_data), self._columnwise_scale_inv, "blockwise"
+        ).t()
 
 
 class ToyMXFP8Tensor(ToyQuantizedTensor):
@@ -260,8 +299,12 @@ class ToyMXFP8Tensor(ToyQuantizedTensor):
     32 x 1 blocks with ``_columnwise_scale_inv`` uint8 [out / 32, in]: other values than the
     row-wise copy's, which TE's input-gradient GEMM uses."""
 
-    STORAGES = {"rowwise_data": "_rowwise_data", "rowwise_scale_inv": "_rowwise_scale_inv",
-                "columnwise_data": "_columnwise_data", "columnwise_scale_inv": "_columnwise_scale_inv"}
+    STORAGES = {
+        "rowwise_data": "_rowwise_data",
+        "rowwise_scale_inv": "_rowwise_scale_inv",
+        "columnwise_data": "_columnwise_data",
+        "columnwise_scale_inv": "_columnwise_scale_inv",
+    }
 
     @staticmethod
     def _e8m0(scale: torch.Tensor) -> torch.Tensor:
@@ -274,12 +317,20 @@ class ToyMXFP8Tensor(ToyQuantizedTensor):
     @classmethod
     def storages_of(cls, weight, quantizer):
         data, scale = _row_quantization(weight, "mxfp8")
-        out = {"rowwise_data": _e4m3_bytes(data), "rowwise_scale_inv": cls._e8m0(scale),
-               "columnwise_data": None, "columnwise_scale_inv": None}
+        out = {
+            "rowwise_data": _e4m3_bytes(data),
+            "rowwise_scale_inv": cls._e8m0(scale),
+            "columnwise_data": None,
+            "columnwise_scale_inv": None,
+        }
         if quantizer.columnwise_usage:
-            column_data, column_scale = _row_quantization(weight.t(), "mxfp8")  # [in, out], 1 x 32 along out
-            out.update(columnwise_data=_e4m3_bytes(column_data.t().contiguous()),
-                       columnwise_scale_inv=cls._e8m0(column_scale).t().contiguous())
+            column_data, column_scale = _row_quantization(
+                weight.t(), "mxfp8"
+            )  # [in, out], 1 x 32 along out
+            out.update(
+                columnwise_data=_e4m3_bytes(column_data.t().contiguous()),
+                columnwise_scale_inv=cls._e8m0(column_scale).t().contiguous(),
+            )
         return out
 
     def _rowwise_values(self):
@@ -288,11 +339,16 @@ class ToyMXFP8Tensor(ToyQuantizedTensor):
     def columnwise_values(self):
         if self._columnwise_data is None:
             return self._rowwise_values()
-        return _row_values(_e4m3(self._columnwise_data).t(), self._scale(self._columnwise_scale_inv).t(),
-                           "mxfp8").t()
+        return _row_values(
+            _e4m3(self._columnwise_data).t(), self._scale(self._columnwise_scale_inv).t(), "mxfp8"
+        ).t()
 
 
-QUANTIZED_CLASSES = {"tensorwise": ToyFloat8Tensor, "blockwise": ToyBlockwiseTensor, "mxfp8": ToyMXFP8Tensor}
+QUANTIZED_CLASSES = {
+    "tensorwise": ToyFloat8Tensor,
+    "blockwise": ToyBlockwiseTensor,
+    "mxfp8": ToyMXFP8Tensor,
+}
 
 
 def align_size(recipe: str) -> int:

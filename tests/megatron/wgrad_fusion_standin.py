@@ -21,13 +21,17 @@ import torch
 MODULE = "fused_weight_gradient_mlp_cuda"
 
 
-def wgrad_gemm_accum_fp32(input: torch.Tensor, d_output: torch.Tensor, d_weight: torch.Tensor) -> None:
+def wgrad_gemm_accum_fp32(
+    input: torch.Tensor, d_output: torch.Tensor, d_weight: torch.Tensor
+) -> None:
     if d_weight.dtype != torch.float32:
         raise TypeError(f"wgrad_gemm_accum_fp32 needs an fp32 d_weight, got {d_weight.dtype}")
     d_weight.add_(d_output.t().matmul(input).to(torch.float32))
 
 
-def wgrad_gemm_accum_fp16(input: torch.Tensor, d_output: torch.Tensor, d_weight: torch.Tensor) -> None:
+def wgrad_gemm_accum_fp16(
+    input: torch.Tensor, d_output: torch.Tensor, d_weight: torch.Tensor
+) -> None:
     if d_weight.dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"wgrad_gemm_accum_fp16 needs a 16-bit d_weight, got {d_weight.dtype}")
     d_weight.add_(d_output.t().matmul(input).to(d_weight.dtype))

@@ -69,9 +69,17 @@ def domain_bound(load: np.ndarray, domain_size: int) -> int:
     return best
 
 
-def check_plan(load_t: torch.Tensor, plan, num_slots: int, *, min_quota: int | None = None,
-               domain_size: int | None = None, check_min_quota: bool = True,
-               check_locality: bool = True, check_no_worse: bool = True) -> np.ndarray:
+def check_plan(
+    load_t: torch.Tensor,
+    plan,
+    num_slots: int,
+    *,
+    min_quota: int | None = None,
+    domain_size: int | None = None,
+    check_min_quota: bool = True,
+    check_locality: bool = True,
+    check_no_worse: bool = True,
+) -> np.ndarray:
     """Assert every documented invariant of ``plan`` for ``load_t``; return the dense split.
 
     With ``domain_size`` N: every replica is hosted in its home's domain and the threshold is at
@@ -137,8 +145,19 @@ def check_plan(load_t: torch.Tensor, plan, num_slots: int, *, min_quota: int | N
     return split
 
 
-LOAD_KINDS = ("drawn", "uniform", "zipf", "sparse", "one_expert", "equal", "binary",
-              "empty_rank", "one_rank_hot", "huge", "all_zero")
+LOAD_KINDS = (
+    "drawn",
+    "uniform",
+    "zipf",
+    "sparse",
+    "one_expert",
+    "equal",
+    "binary",
+    "empty_rank",
+    "one_rank_hot",
+    "huge",
+    "all_zero",
+)
 
 
 def make_load(draw, kind: str, R: int, G: int) -> np.ndarray:
@@ -153,8 +172,9 @@ def make_load(draw, kind: str, R: int, G: int) -> np.ndarray:
     if kind == "zipf":
         p = (np.arange(E) + 1.0) ** -rng.uniform(0.3, 3.0)
         p = p[rng.permutation(E)]
-        return np.stack([rng.multinomial(int(rng.integers(0, 5000)), p / p.sum())
-                         for _ in range(R)])
+        return np.stack(
+            [rng.multinomial(int(rng.integers(0, 5000)), p / p.sum()) for _ in range(R)]
+        )
     if kind == "sparse":
         return rng.integers(0, 1000, (R, E)) * (rng.random((R, E)) < 0.1)
     if kind == "one_expert":  # one expert takes every token
@@ -169,12 +189,12 @@ def make_load(draw, kind: str, R: int, G: int) -> np.ndarray:
         load = rng.integers(0, 500, (R, E))
         load[rng.integers(R)] = 0
         r = rng.integers(R)
-        load[:, r * G:(r + 1) * G] = 0
+        load[:, r * G : (r + 1) * G] = 0
         return load
     if kind == "one_rank_hot":
         load = rng.integers(0, 20, (R, E))
         r = rng.integers(R)
-        load[:, r * G:(r + 1) * G] += rng.integers(0, 5000, (R, G))
+        load[:, r * G : (r + 1) * G] += rng.integers(0, 5000, (R, G))
         return load
     if kind == "huge":  # far from int32, sums stay far from int64 overflow
         return rng.integers(0, 10**12, (R, E))
@@ -246,8 +266,11 @@ def assign_tokens(plan, rank: int, topk_ids: torch.Tensor) -> torch.Tensor:
             ``rank`` (the plan was made for another load).
     """
     R, E = plan.num_ranks, plan.num_experts
-    if (not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype != torch.int64
-            or topk_ids.dim() != 2):
+    if (
+        not isinstance(topk_ids, torch.Tensor)
+        or topk_ids.dtype != torch.int64
+        or topk_ids.dim() != 2
+    ):
         raise ValueError("topk_ids must be an int64 [T, k] tensor")
     if not 0 <= rank < R:
         raise ValueError(f"rank must be in [0, {R}), got {rank}")
@@ -262,8 +285,9 @@ def assign_tokens(plan, rank: int, topk_ids: torch.Tensor) -> torch.Tensor:
     order = torch.sort(flat, stable=True).indices
     # After the stable sort, pair i is the (i - start_e)-th pair of its expert e, so its position
     # in the flattened (expert, instance) cumulative counts is just i.
-    instance = torch.searchsorted(counts.reshape(-1).cumsum(0),
-                                  torch.arange(flat.numel(), device=device), right=True)
+    instance = torch.searchsorted(
+        counts.reshape(-1).cumsum(0), torch.arange(flat.numel(), device=device), right=True
+    )
     physical = torch.empty_like(flat)
     physical[order] = inst.reshape(-1)[instance]
     return physical.view_as(topk_ids)
@@ -279,14 +303,20 @@ def tokens_received_per_local_slot(plan, rank: int) -> torch.Tensor:
     """[R, P] tokens ``rank`` receives from each source rank for each of its physical slots:
     megatron's ``num_global_tokens_per_local_expert`` (summed over the last dim: ``output_splits``)."""
     P = plan.physical_slots_per_rank
-    return plan.physical_split[:, rank * P:(rank + 1) * P]
+    return plan.physical_split[:, rank * P : (rank + 1) * P]
 
 
 # ---- routed (token, expert) pairs and their plans: the reroute's tests (planner and dispatchers) ----
 
 # (R, E, S, k, T)
-ROUTING_SHAPES = [(2, 4, 1, 1, 7), (2, 8, 1, 2, 16), (4, 16, 2, 3, 33), (8, 64, 2, 8, 64), (4, 32, 0, 4, 20),
-                  (8, 256, 3, 8, 48)]
+ROUTING_SHAPES = [
+    (2, 4, 1, 1, 7),
+    (2, 8, 1, 2, 16),
+    (4, 16, 2, 3, 33),
+    (8, 64, 2, 8, 64),
+    (4, 32, 0, 4, 20),
+    (8, 256, 3, 8, 48),
+]
 ROUTING_SEEDS = range(3)
 
 
@@ -295,7 +325,9 @@ def random_routing(T, E, k, hot, generator):
     [T, E] bool, probs [T, E] zero off the routing)."""
     weights = torch.ones(E)
     weights[hot] = 20.0
-    ids = torch.stack([torch.multinomial(weights, k, replacement=False, generator=generator) for _ in range(T)])
+    ids = torch.stack(
+        [torch.multinomial(weights, k, replacement=False, generator=generator) for _ in range(T)]
+    )
     routing_map = torch.zeros(T, E, dtype=torch.bool).scatter_(1, ids, True)
     values = torch.rand(T, k, generator=generator)
     probs = torch.zeros(T, E).scatter_(1, ids, values / values.sum(1, keepdim=True))

@@ -12,7 +12,10 @@ from ultraep_megatron.planner import BalancerConfig
 from ultraep_megatron.planner.device_balancer import solve_or_identity
 
 
-@pytest.mark.parametrize("trigger,min_quota", [(None, None), (None, 1), (None, 10 ** 6), (1.0, None), (1.5, 1), (50.0, None)])
+@pytest.mark.parametrize(
+    "trigger,min_quota",
+    [(None, None), (None, 1), (None, 10**6), (1.0, None), (1.5, 1), (50.0, None)],
+)
 def test_device_plan_equals_the_host_balancer(trigger, min_quota):
     config = BalancerConfig("ultraep", num_slots=2, min_quota=min_quota, trigger=trigger)
     seen = set()

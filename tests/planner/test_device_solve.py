@@ -18,7 +18,12 @@ from hypothesis import given, settings
 
 from planner_helpers import SETTINGS, check_plan, domain_problems
 from ultraep_megatron.planner import device_solve, metrics, solve
-from ultraep_megatron.planner.device_solve import lockstep_probe, probe_inputs, reference_probe, search_rounds
+from ultraep_megatron.planner.device_solve import (
+    lockstep_probe,
+    probe_inputs,
+    reference_probe,
+    search_rounds,
+)
 from ultraep_megatron.traces.synthetic import zipf_load
 
 REPO = Path(__file__).resolve().parents[2]
@@ -53,7 +58,9 @@ def test_specification_and_torch_calls_agree(problem):
     for a, b in zip(spec[1:], lockstep[1:]):
         assert torch.equal(a[spec[0]], b[spec[0]])
     # Whole solves: "torch" (what the CPU backend's device path runs) plans as "reference".
-    spec_plan = device_solve(load, S, min_quota=min_quota, domain_size=N, implementation="reference")
+    spec_plan = device_solve(
+        load, S, min_quota=min_quota, domain_size=N, implementation="reference"
+    )
     torch_plan = device_solve(load, S, min_quota=min_quota, domain_size=N, implementation="torch")
     for field in ("slot_expert", "quota", "physical_split", "threshold"):
         assert torch.equal(getattr(spec_plan, field), getattr(torch_plan, field)), field
@@ -74,8 +81,10 @@ def test_a_probe_that_differs_from_the_specification_is_seen():
     cell = (moved[2][first] > 0).nonzero()[0]
     moved[2][first][tuple(cell)] -= 1
     for other in (shifted, moved):
-        assert not (torch.equal(spec[0], other[0])
-                    and all(torch.equal(a[spec[0]], b[spec[0]]) for a, b in zip(spec[1:], other[1:])))
+        assert not (
+            torch.equal(spec[0], other[0])
+            and all(torch.equal(a[spec[0]], b[spec[0]]) for a, b in zip(spec[1:], other[1:]))
+        )
 
 
 @pytest.mark.parametrize("control", [False, True])
@@ -116,8 +125,10 @@ def test_search_rounds_reach_one_grid_step():
             assert search_rounds(R, probes) == rounds
 
 
-@pytest.mark.parametrize("R,E,S,imbalance,N", [
-    (8, 32, 1, 2.0, None), (32, 128, 2, 3.0, None), (64, 256, 4, 1.3, None), (64, 256, 2, 3.0, 8)])
+@pytest.mark.parametrize(
+    "R,E,S,imbalance,N",
+    [(8, 32, 1, 2.0, None), (32, 128, 2, 3.0, None), (64, 256, 4, 1.3, None), (64, 256, 2, 3.0, 8)],
+)
 def test_device_plan_is_the_host_plan_on_zipf_loads(R, E, S, imbalance, N):
     """The device planner runs the host planner's greedy; where both searches settle on the same
     threshold the plans agree bit for bit (these loads)."""
@@ -129,11 +140,17 @@ def test_device_plan_is_the_host_plan_on_zipf_loads(R, E, S, imbalance, N):
 
 
 # The host planner's quality grid (test_solve.test_zipf_balance_quality) plus NVLink domains.
-QUALITY_GRID = ([(R, G, S, imbalance, None) for R, G in [(8, 4), (16, 4), (32, 4), (32, 8),
-                                                        (64, 2), (64, 4)]
-                 for S in (1, 2, 4) for imbalance in (1.3, 2.0, 4.0)]
-                + [(R, G, 2, imbalance, N) for R, G in [(32, 4), (64, 4)] for N in (8, 16)
-                   for imbalance in (1.3, 4.0)])
+QUALITY_GRID = [
+    (R, G, S, imbalance, None)
+    for R, G in [(8, 4), (16, 4), (32, 4), (32, 8), (64, 2), (64, 4)]
+    for S in (1, 2, 4)
+    for imbalance in (1.3, 2.0, 4.0)
+] + [
+    (R, G, 2, imbalance, N)
+    for R, G in [(32, 4), (64, 4)]
+    for N in (8, 16)
+    for imbalance in (1.3, 4.0)
+]
 
 
 def quality(planner, grid=QUALITY_GRID):
@@ -157,10 +174,15 @@ def test_device_balance_within_0_2_percent_of_the_host(control, monkeypatch):
         module = importlib.import_module("ultraep_megatron.planner.device_solve")
         monkeypatch.setattr(module, "search_rounds", lambda R, probes=1: 1)
     device, device_replicas = quality(lambda load, S, N: device_solve(load, S, domain_size=N))
-    ok = (device.mean() <= 1.002 * host.mean() and device.max() <= 1.002 * host.max()
-          and device_replicas <= 1.1 * host_replicas)
-    print(f"host mean {host.mean():.5f} worst {host.max():.5f} replicas {host_replicas}; "
-          f"device mean {device.mean():.5f} worst {device.max():.5f} replicas {device_replicas}")
+    ok = (
+        device.mean() <= 1.002 * host.mean()
+        and device.max() <= 1.002 * host.max()
+        and device_replicas <= 1.1 * host_replicas
+    )
+    print(
+        f"host mean {host.mean():.5f} worst {host.max():.5f} replicas {host_replicas}; "
+        f"device mean {device.mean():.5f} worst {device.max():.5f} replicas {device_replicas}"
+    )
     assert ok != control
 
 
@@ -227,9 +249,14 @@ def test_triton_probe_matches_reference_bit_for_bit():
     loads."""
     pytest.importorskip("triton")
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-c", _TRITON_SCRIPT, str(REPO / "tests" / "planner"),
-                             "7", "48"], capture_output=True, text=True, cwd=REPO, env=env,
-                            timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-c", _TRITON_SCRIPT, str(REPO / "tests" / "planner"), "7", "48"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     print(summary)
@@ -245,9 +272,22 @@ def test_triton_probe_on_cuda_matches_reference_bit_for_bit():
     pytest.importorskip("triton")
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     env.pop("TRITON_INTERPRET", None)
-    result = subprocess.run([sys.executable, "-c", _TRITON_SCRIPT, str(REPO / "tests" / "planner"),
-                             "11", "160", "cuda"], capture_output=True, text=True, cwd=REPO, env=env,
-                            timeout=600)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _TRITON_SCRIPT,
+            str(REPO / "tests" / "planner"),
+            "11",
+            "160",
+            "cuda",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     print(summary)
@@ -262,8 +302,12 @@ def test_triton_on_cuda_matches_reference_without_a_sync():
     balance, is valid, and the solve runs under ``set_sync_debug_mode("error")`` (any
     synchronizing host read raises)."""
     pytest.importorskip("triton")
-    for R, E, S, imbalance, N in [(8, 64, 2, 3.0, None), (64, 256, 2, 4.0, None),
-                                  (64, 256, 4, 1.3, 8), (16, 64, 1, 2.0, 4)]:
+    for R, E, S, imbalance, N in [
+        (8, 64, 2, 3.0, None),
+        (64, 256, 2, 4.0, None),
+        (64, 256, 4, 1.3, 8),
+        (16, 64, 1, 2.0, 4),
+    ]:
         load = zipf_load(R, E, imbalance, seed=R + S).cuda()
         device_solve(load, S, domain_size=N)  # compile outside the sync check
         torch.cuda.synchronize()
@@ -282,15 +326,19 @@ def test_triton_on_cuda_matches_reference_without_a_sync():
 
 # ---- bad input ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"load": torch.zeros(3, 8, dtype=torch.int64)}, "E % R"),
-    ({"load": torch.tensor([[1, -1], [0, 0]])}, "negative"),
-    ({"load": torch.zeros(2, 4, dtype=torch.int32)}, "int64"),
-    ({"num_slots": -1}, "num_slots"),
-    ({"min_quota": 0}, "min_quota"),
-    ({"domain_size": 3}, "domain_size"),
-    ({"implementation": "compiled"}, "implementation"),
-])
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"load": torch.zeros(3, 8, dtype=torch.int64)}, "E % R"),
+        ({"load": torch.tensor([[1, -1], [0, 0]])}, "negative"),
+        ({"load": torch.zeros(2, 4, dtype=torch.int32)}, "int64"),
+        ({"num_slots": -1}, "num_slots"),
+        ({"min_quota": 0}, "min_quota"),
+        ({"domain_size": 3}, "domain_size"),
+        ({"implementation": "compiled"}, "implementation"),
+    ],
+)
 def test_bad_input_raises_value_error(kwargs, message):
     args = {"load": torch.zeros(2, 4, dtype=torch.int64), "num_slots": 1, **kwargs}
     with pytest.raises(ValueError, match=message):

@@ -13,7 +13,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from planner_helpers import (
-    assign_tokens, physical_layout, planned_routings, problems, routing_cases, tokens_received_per_local_slot,
+    assign_tokens,
+    physical_layout,
+    planned_routings,
+    problems,
+    routing_cases,
+    tokens_received_per_local_slot,
     tokens_sent_per_physical_slot,
 )
 from ultraep_megatron.planner import baselines, rank_reroute, solve
@@ -30,9 +35,17 @@ def routed_tokens(R: int, E: int, T: int, k: int, skew: float, seed: int) -> lis
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(R=st.integers(1, 8), G=st.integers(1, 4), S=st.integers(0, 3), T=st.integers(0, 64),
-       k=st.integers(1, 4), skew=st.sampled_from([0.0, 2.0, 8.0]), seed=st.integers(0, 2**31),
-       min_quota=st.sampled_from([None, 1, 5]), domains=st.sampled_from([1, 2, 4]))
+@given(
+    R=st.integers(1, 8),
+    G=st.integers(1, 4),
+    S=st.integers(0, 3),
+    T=st.integers(0, 64),
+    k=st.integers(1, 4),
+    skew=st.sampled_from([0.0, 2.0, 8.0]),
+    seed=st.integers(0, 2**31),
+    min_quota=st.sampled_from([None, 1, 5]),
+    domains=st.sampled_from([1, 2, 4]),
+)
 def test_assign_tokens_realizes_the_split_exactly(R, G, S, T, k, skew, seed, min_quota, domains):
     E = R * G
     k = min(k, E)
@@ -96,8 +109,11 @@ def test_assign_tokens_rejects_mismatched_or_bad_ids():
 def plans_for(load: torch.Tensor, num_slots: int, min_quota):
     """UltraEP's plan and the baselines' (EPLB's placement on this load and on another, the
     identity), all on ``load``."""
-    plans = [solve(load, num_slots, min_quota=min_quota), baselines.eplb_exact(load, num_slots),
-             baselines.identity_plan(load, num_slots)]
+    plans = [
+        solve(load, num_slots, min_quota=min_quota),
+        baselines.eplb_exact(load, num_slots),
+        baselines.identity_plan(load, num_slots),
+    ]
     if num_slots > 0:  # a stale placement, as the eplb balancer reroutes on
         stale = baselines.eplb(load.flip(1).unsqueeze(0), num_slots).slot_expert
         plans.append(baselines.round_robin(load, stale))
@@ -139,7 +155,9 @@ def test_rank_reroute_matches_the_plan(problem, data):
         assert table[0, -1] == np.iinfo(np.int64).max and table[1, -1] == R * P
         np.testing.assert_array_equal(table[2, E:], 0)
         # Row 1: the instance's physical slot, from the plan's own instance map (0 where none).
-        np.testing.assert_array_equal(table[1, :-1], plan.instance_slot.clamp(min=0).reshape(-1).numpy())
+        np.testing.assert_array_equal(
+            table[1, :-1], plan.instance_slot.clamp(min=0).reshape(-1).numpy()
+        )
         # The reroute sends exactly the plan's rows to every physical slot, and only to instances.
         rows = routed_rows(table, load[rank].numpy(), R * P)
         np.testing.assert_array_equal(rows[:-1], sent)
@@ -154,7 +172,9 @@ def test_rank_reroute_matches_the_plan(problem, data):
         sending = np.flatnonzero(ends > begins)
         order = sending[np.lexsort((begins[sending], table[1, sending]))]
         first_rows = table[3, order] + begins[order]
-        np.testing.assert_array_equal(first_rows, np.cumsum((ends - begins)[order]) - (ends - begins)[order])
+        np.testing.assert_array_equal(
+            first_rows, np.cumsum((ends - begins)[order]) - (ends - begins)[order]
+        )
         assert table[3, -1] == N + 1  # a position past the last instance lands past the spare row
 
 
@@ -187,8 +207,10 @@ def test_both_instance_searches_agree(R, E, S, k, T, seed):
         for rank in range(R):
             running = torch.from_numpy(rank_reroute(plan, load, rank).reroute_table[0])
             positions = torch.arange(T * k)
-            assert torch.equal(instances_of_positions(running, positions, binary_search=True),
-                               instances_of_positions(running, positions, binary_search=False))
+            assert torch.equal(
+                instances_of_positions(running, positions, binary_search=True),
+                instances_of_positions(running, positions, binary_search=False),
+            )
 
 
 @pytest.mark.parametrize("R,E,S,k,T,seed", list(routing_cases()))
@@ -197,4 +219,6 @@ def test_device_reroute_table_equals_rank_reroute(R, E, S, k, T, seed):
     for plan in plans:
         for rank in range(R):
             host = rank_reroute(plan, load, rank)
-            assert torch.equal(device_reroute_table(plan, load, rank), torch.from_numpy(host.reroute_table))
+            assert torch.equal(
+                device_reroute_table(plan, load, rank), torch.from_numpy(host.reroute_table)
+            )

@@ -43,8 +43,10 @@ def test_compiled_matches_reference_bit_for_bit(problem):
     assert fast.threshold == slow.threshold
 
 
-@pytest.mark.parametrize("R,E,S,imbalance,seed", [
-    (32, 128, 1, 3.0, 0), (16, 64, 2, 2.0, 1), (8, 64, 1, 4.0, 2), (64, 256, 2, 4.0, 3)])
+@pytest.mark.parametrize(
+    "R,E,S,imbalance,seed",
+    [(32, 128, 1, 3.0, 0), (16, 64, 2, 2.0, 1), (8, 64, 1, 4.0, 2), (64, 256, 2, 4.0, 3)],
+)
 def test_zipf_loads_match_reference(R, E, S, imbalance, seed):
     load = zipf_load(R, E, imbalance, seed=seed)
     fast, slow = solve(load, S), solve(load, S, implementation="reference")
@@ -71,14 +73,16 @@ def _optimum_threshold(load: np.ndarray, num_slots: int) -> int:
     best threshold is max over expert sets X of ceil(load(X) / |ranks hosting X|) (Hall's
     condition for the transportation problem)."""
     import itertools
+
     R, E = load.shape
     G = E // R
     lam = load.sum(0)
     per_rank = []
     for t in range(R):
         others = [e for e in range(E) if e // G != t]
-        per_rank.append([c for k in range(num_slots + 1)
-                         for c in itertools.combinations(others, k)])
+        per_rank.append(
+            [c for k in range(num_slots + 1) for c in itertools.combinations(others, k)]
+        )
     subsets = [[e for e in range(E) if m >> e & 1] for m in range(1, 1 << E)]
     best = None
     for placement in itertools.product(*per_rank):
@@ -86,8 +90,9 @@ def _optimum_threshold(load: np.ndarray, num_slots: int) -> int:
         for t, chosen in enumerate(placement):
             for e in chosen:
                 hosts[e].add(t)
-        tau = max(-(-int(lam[X].sum()) // len(set().union(*(hosts[e] for e in X))))
-                  for X in subsets)
+        tau = max(
+            -(-int(lam[X].sum()) // len(set().union(*(hosts[e] for e in X)))) for X in subsets
+        )
         best = tau if best is None else min(best, tau)
     return best
 
@@ -105,6 +110,7 @@ def test_tiny_problems_reach_the_exhaustive_optimum(data):
 
 
 # ---- degenerate inputs -------------------------------------------------------------------------
+
 
 def test_all_zero_load_gives_empty_plan():
     load = torch.zeros(4, 8, dtype=torch.int64)
@@ -150,8 +156,8 @@ def test_no_slots_is_identity():
 
 def test_source_without_tokens_and_rank_without_load():
     load = zipf_load(8, 16, 3.0, seed=3)
-    load[2] = 0          # source rank 2 sends nothing
-    load[:, 10:12] = 0   # rank 5's experts receive nothing: all slack
+    load[2] = 0  # source rank 2 sends nothing
+    load[:, 10:12] = 0  # rank 5's experts receive nothing: all slack
     plan = solve(load, 1)
     split = check_plan(load, plan, 1)
     assert split[2].sum() == 0
@@ -201,27 +207,32 @@ def test_plan_lives_on_load_device_and_load_is_untouched():
     before = load.clone()
     plan = solve(load, 1)
     assert torch.equal(load, before)
-    assert all(getattr(plan, n).device == load.device for n in ("slot_expert", "quota",
-                                                                 "physical_split"))
+    assert all(
+        getattr(plan, n).device == load.device for n in ("slot_expert", "quota", "physical_split")
+    )
     transposed = load.t().contiguous().t()  # non-contiguous input is accepted
     assert torch.equal(solve(transposed, 1).physical_split, plan.physical_split)
 
 
 # ---- bad input ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("load,slots,min_quota,message", [
-    (torch.zeros(3, 8, dtype=torch.int64), 1, None, "E % R"),
-    (torch.zeros(0, 0, dtype=torch.int64), 1, None, "R >= 1"),
-    (torch.tensor([[1, -1], [0, 0]]), 1, None, "negative"),
-    (torch.zeros(2, 4, dtype=torch.int32), 1, None, "int64"),
-    (torch.zeros(2, 4), 1, None, "int64"),
-    (torch.zeros(2, 2, 2, dtype=torch.int64), 1, None, r"\[R, E\]"),
-    (np.zeros((2, 4), np.int64), 1, None, "torch.Tensor"),
-    (torch.zeros(2, 4, dtype=torch.int64), -1, None, "num_slots"),
-    (torch.zeros(2, 4, dtype=torch.int64), 1.5, None, "num_slots"),
-    (torch.zeros(2, 4, dtype=torch.int64), 1, 0, "min_quota"),
-    (torch.zeros(2, 4, dtype=torch.int64), 1, None, "implementation"),
-])
+
+@pytest.mark.parametrize(
+    "load,slots,min_quota,message",
+    [
+        (torch.zeros(3, 8, dtype=torch.int64), 1, None, "E % R"),
+        (torch.zeros(0, 0, dtype=torch.int64), 1, None, "R >= 1"),
+        (torch.tensor([[1, -1], [0, 0]]), 1, None, "negative"),
+        (torch.zeros(2, 4, dtype=torch.int32), 1, None, "int64"),
+        (torch.zeros(2, 4), 1, None, "int64"),
+        (torch.zeros(2, 2, 2, dtype=torch.int64), 1, None, r"\[R, E\]"),
+        (np.zeros((2, 4), np.int64), 1, None, "torch.Tensor"),
+        (torch.zeros(2, 4, dtype=torch.int64), -1, None, "num_slots"),
+        (torch.zeros(2, 4, dtype=torch.int64), 1.5, None, "num_slots"),
+        (torch.zeros(2, 4, dtype=torch.int64), 1, 0, "min_quota"),
+        (torch.zeros(2, 4, dtype=torch.int64), 1, None, "implementation"),
+    ],
+)
 def test_bad_input_raises_value_error(load, slots, min_quota, message):
     implementation = "gpu" if message == "implementation" else "compiled"
     with pytest.raises(ValueError, match=message):
@@ -251,8 +262,14 @@ print(h.hexdigest())
 
 def test_same_plan_bit_for_bit_in_a_fresh_process():
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    fresh = subprocess.run([sys.executable, "-c", _DIGEST_SCRIPT], capture_output=True, text=True,
-                           cwd=REPO, env=env, check=True).stdout.strip()
+    fresh = subprocess.run(
+        [sys.executable, "-c", _DIGEST_SCRIPT],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        check=True,
+    ).stdout.strip()
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         exec(_DIGEST_SCRIPT, {})

@@ -71,8 +71,20 @@ def test_enough_slots_reach_the_domain_bound_exactly(data):
     R = data.draw(st.sampled_from([2, 4, 6, 8, 12]))
     G = data.draw(st.integers(1, 3))
     N = data.draw(st.sampled_from([d for d in range(1, R + 1) if R % d == 0]))
-    kind = data.draw(st.sampled_from(["uniform", "zipf", "sparse", "one_expert", "one_rank_hot",
-                                      "empty_rank", "binary", "huge"]))
+    kind = data.draw(
+        st.sampled_from(
+            [
+                "uniform",
+                "zipf",
+                "sparse",
+                "one_expert",
+                "one_rank_hot",
+                "empty_rank",
+                "binary",
+                "huge",
+            ]
+        )
+    )
     load = torch.from_numpy(make_load(data.draw, kind, R, G).astype(np.int64))
     S = (N - 1) * G + data.draw(st.integers(0, 1))
     plan = solve(load, S, min_quota=1, domain_size=N)
@@ -101,7 +113,7 @@ def test_negative_control_plain_plan_crosses_domains():
     absorb its excess, the unconstrained plan uses other domains' ranks and fails it."""
     load = zipf_load(8, 32, 4.0, seed=4)
     hot = int(load.sum(0).view(8, 4).sum(1).argmax())
-    load[:, hot * 4:(hot + 1) * 4] *= 4
+    load[:, hot * 4 : (hot + 1) * 4] *= 4
     free = solve(load, 2)
     check_plan(load, free, 2)
     with pytest.raises(AssertionError, match="outside its domain"):
@@ -122,12 +134,15 @@ def test_zipf_domain_balance_quality(R, G, N, S, imbalance):
     assert plan.threshold <= 1.01 * domain_bound(load.numpy(), N)
 
 
-@pytest.mark.parametrize("R,E,S,N,imbalance,seed", [
-    (64, 256, 2, 8, 3.0, 0), (32, 128, 1, 16, 4.0, 1), (64, 128, 4, 16, 2.0, 2)])
+@pytest.mark.parametrize(
+    "R,E,S,N,imbalance,seed",
+    [(64, 256, 2, 8, 3.0, 0), (32, 128, 1, 16, 4.0, 1), (64, 128, 4, 16, 2.0, 2)],
+)
 def test_zipf_domain_loads_match_reference(R, E, S, N, imbalance, seed):
     load = zipf_load(R, E, imbalance, seed=seed)
-    assert_same_plan(solve(load, S, domain_size=N),
-                     solve(load, S, domain_size=N, implementation="reference"))
+    assert_same_plan(
+        solve(load, S, domain_size=N), solve(load, S, domain_size=N, implementation="reference")
+    )
 
 
 @pytest.mark.parametrize("domain_size", [3, 0, -2, 16, 1.5, True, "8"])

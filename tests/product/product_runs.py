@@ -27,8 +27,13 @@ def recipe_env(**extra: str) -> dict[str, str]:
     through the session's warm rank launcher: ``rank_launcher.shim_python``), wandb offline."""
     python = rank_launcher.shim_python()  # starts the launcher, whose variables the shim reads
     env = dict(os.environ)
-    env.update(ULTRAEP_PYTHON=python, WANDB_MODE="offline", WANDB_SILENT="true",
-               OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env.update(
+        ULTRAEP_PYTHON=python,
+        WANDB_MODE="offline",
+        WANDB_SILENT="true",
+        OMP_NUM_THREADS="1",
+        PYTHONWARNINGS="ignore",
+    )
     env.update(extra)
     return env
 
@@ -37,9 +42,9 @@ def recipe_env(**extra: str) -> dict[str, str]:
 class TinyRun:
     run_dir: Path
     checkpoint: Path
-    trace_dir: Path               # --moe-balancer-trace-dir
-    megatron_trace_dir: Path      # megatron's --moe-routing-trace-path
-    records: dict[int, dict]      # --metrics-jsonl records by iteration
+    trace_dir: Path  # --moe-balancer-trace-dir
+    megatron_trace_dir: Path  # megatron's --moe-routing-trace-path
+    records: dict[int, dict]  # --metrics-jsonl records by iteration
     log: str
 
 
@@ -48,11 +53,25 @@ def run_tiny_balanced(run_dir: Path) -> TinyRun:
     checkpoint = run_dir / "ckpt"
     trace_dir, megatron_trace_dir = run_dir / "trace", run_dir / "megatron_trace"
     completed = run_process_group(
-        ["bash", str(TINY_RECIPE), "--moe-balancer", "ultraep",
-         "--save", str(checkpoint), "--save-interval", str(CHECKPOINT_ITERATION),
-         "--exit-interval", str(CHECKPOINT_ITERATION),
-         "--moe-balancer-trace-dir", str(trace_dir), "--moe-routing-trace-path", str(megatron_trace_dir)],
-        env=recipe_env(RUN_DIR=str(run_dir)), timeout_s=600)
+        [
+            "bash",
+            str(TINY_RECIPE),
+            "--moe-balancer",
+            "ultraep",
+            "--save",
+            str(checkpoint),
+            "--save-interval",
+            str(CHECKPOINT_ITERATION),
+            "--exit-interval",
+            str(CHECKPOINT_ITERATION),
+            "--moe-balancer-trace-dir",
+            str(trace_dir),
+            "--moe-routing-trace-path",
+            str(megatron_trace_dir),
+        ],
+        env=recipe_env(RUN_DIR=str(run_dir)),
+        timeout_s=600,
+    )
     log = completed.stdout + completed.stderr
     (run_dir / "log.txt").write_text(log)
     assert completed.returncode == 0, log[-6000:]

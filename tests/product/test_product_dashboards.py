@@ -19,7 +19,10 @@ import pytest
 from ultraep_megatron.megatron.run import dashboards
 from ultraep_megatron.megatron.run.dashboards import HEATMAP_METRIC, Dashboard, ImbalanceHistory
 from ultraep_megatron.megatron.run.telemetry import (
-    LOGGED_BALANCER_METRICS, keep_earlier_records, megatron_owned_scalars, megatron_scalars,
+    LOGGED_BALANCER_METRICS,
+    keep_earlier_records,
+    megatron_owned_scalars,
+    megatron_scalars,
 )
 
 from product_runs import CHECKPOINT_ITERATION
@@ -47,17 +50,31 @@ def test_offline_wandb_run_holds_every_layer_metric_the_run_computed(tiny_balanc
                 assert row[f"ultraep/{metric}/layer_{int(layer):02d}"] == stats[metric], metric
         # One name per quantity: the load before balancing is the router's figure only, and the
         # memory spread, which equals the imbalance, gets no second chart.
-        assert not [key for key in row if key.startswith(("ultraep/imbalance_before/", "ultraep/memory_spread",
-                                                          "ultraep/summary/memory_spread"))]
+        assert not [
+            key
+            for key in row
+            if key.startswith(
+                (
+                    "ultraep/imbalance_before/",
+                    "ultraep/memory_spread",
+                    "ultraep/summary/memory_spread",
+                )
+            )
+        ]
         before = list(record["load_imbalance"].values())
         after = [stats["imbalance_after"] for stats in record["balancer"].values()]
-        assert row["ultraep/summary/imbalance_before_mean"] == pytest.approx(sum(before) / 4, rel=1e-12)
+        assert row["ultraep/summary/imbalance_before_mean"] == pytest.approx(
+            sum(before) / 4, rel=1e-12
+        )
         assert row["ultraep/summary/imbalance_before_max"] == max(before)
-        assert row["ultraep/summary/imbalance_after_mean"] == pytest.approx(sum(after) / 4, rel=1e-12)
+        assert row["ultraep/summary/imbalance_after_mean"] == pytest.approx(
+            sum(after) / 4, rel=1e-12
+        )
         assert row["ultraep/summary/imbalance_after_max"] == max(after)
         stats = record["balancer"].values()
         assert row["ultraep/summary/balanced_fraction_mean"] == pytest.approx(
-            sum(v["balanced_fraction"] for v in stats) / 4, rel=1e-12)
+            sum(v["balanced_fraction"] for v in stats) / 4, rel=1e-12
+        )
         # The recipe's skewed router, balanced: the figures are not trivially equal.
         assert max(after) < 1.05 < max(before)
 
@@ -70,8 +87,13 @@ def test_offline_wandb_run_holds_megatrons_training_figures(tiny_balanced_run, h
     the run's records and to Megatron's console lines (printed to 7 significant digits; its loss
     there is the mean since the last reset, and the first iteration does not reset)."""
     records = tiny_balanced_run.records
-    console = {int(m[1]): (float(m[2]), float(m[3])) for m in re.finditer(
-        r"iteration\s+(\d+)/.*?learning rate: ([0-9.E+-]+) .*?lm loss: ([0-9.E+-]+) ", tiny_balanced_run.log)}
+    console = {
+        int(m[1]): (float(m[2]), float(m[3]))
+        for m in re.finditer(
+            r"iteration\s+(\d+)/.*?learning rate: ([0-9.E+-]+) .*?lm loss: ([0-9.E+-]+) ",
+            tiny_balanced_run.log,
+        )
+    }
     assert sorted(console) == sorted(records) == [1, 2]
     for iteration, record in records.items():
         row = history[iteration]
@@ -80,17 +102,23 @@ def test_offline_wandb_run_holds_megatrons_training_figures(tiny_balanced_run, h
         assert row["learning-rate"] == record["learning_rate"]
         assert row["learning-rate"] == pytest.approx(console[iteration][0], rel=1e-6)
     assert history[1]["lm loss"] == pytest.approx(console[1][1], rel=1e-6)
-    assert (history[1]["lm loss"] + history[2]["lm loss"]) / 2 == pytest.approx(console[2][1], rel=1e-6)
+    assert (history[1]["lm loss"] + history[2]["lm loss"]) / 2 == pytest.approx(
+        console[2][1], rel=1e-6
+    )
     # The recipe's schedule: --lr 3e-3 warmed up linearly over 4 iterations.
     assert [history[i]["learning-rate"] for i in sorted(records)] == pytest.approx(
-        [3e-3 * i / 4 for i in sorted(records)], rel=1e-6)
+        [3e-3 * i / 4 for i in sorted(records)], rel=1e-6
+    )
     first, *later = sorted(records)
     assert "iteration-time" not in history[first] and "throughput" not in history[first]  # start-up
     for iteration in later:
         record = records[iteration]
         assert history[iteration]["iteration-time"] == record["iteration_time_s"]
         assert history[iteration]["throughput"] == pytest.approx(
-            record["flops_per_iteration"] / (record["iteration_time_s"] * 1e12 * record["world_size"]), rel=1e-12)
+            record["flops_per_iteration"]
+            / (record["iteration_time_s"] * 1e12 * record["world_size"]),
+            rel=1e-12,
+        )
 
 
 @pytest.mark.slow
@@ -99,8 +127,12 @@ def test_first_iteration_plan_time_holds_no_compilation(tiny_balanced_run):
     first iteration is of the order of the others (loading them there took 0.2-0.5 s, ~1000x)."""
     records = tiny_balanced_run.records
     first = records[1]["balancer"]["1"]["plan_ms"]
-    others = [stats["plan_ms"] for i, r in records.items() for layer, stats in r["balancer"].items()
-              if (i, layer) != (1, "1")]
+    others = [
+        stats["plan_ms"]
+        for i, r in records.items()
+        for layer, stats in r["balancer"].items()
+        if (i, layer) != (1, "1")
+    ]
     assert first < 10 * max(others), (first, others)
 
 
@@ -117,15 +149,19 @@ def test_heatmap_is_logged_and_written_next_to_the_checkpoint(tiny_balanced_run,
         record = records[iteration]
         for layer in range(1, 5):
             assert data["imbalance_before"][layer - 1, t] == record["load_imbalance"][str(layer)]
-            assert data["imbalance_after"][layer - 1, t] == \
-                record["balancer"][str(layer)]["imbalance_after"]
+            assert (
+                data["imbalance_after"][layer - 1, t]
+                == record["balancer"][str(layer)]["imbalance_after"]
+            )
     image = history[CHECKPOINT_ITERATION][HEATMAP_METRIC]
     assert image["_type"] == "image-file"
     assert image["sha256"] == hashlib.sha256(png.read_bytes()).hexdigest()
     logged = wandb_run_file(tiny_balanced_run.run_dir / "wandb").parent / "files" / image["path"]
     assert logged.read_bytes() == png.read_bytes()
     # Only at the checkpoint / last iteration.
-    assert all(HEATMAP_METRIC not in row for step, row in history.items() if step != CHECKPOINT_ITERATION)
+    assert all(
+        HEATMAP_METRIC not in row for step, row in history.items() if step != CHECKPOINT_ITERATION
+    )
 
 
 @pytest.mark.slow
@@ -158,7 +194,7 @@ def test_wandb_reader_never_follows_latest_run(tiny_balanced_run, tmp_path):
     (save_dir / "wandb" / "latest-run").symlink_to(crashed.name)
     with pytest.raises(ValueError, match="2 wandb runs .*crashed0.*pass run_id"):
         read_wandb_history(save_dir)
-    run_id = good.stem[len("run-"):]
+    run_id = good.stem[len("run-") :]
     rows = read_wandb_history(save_dir, run_id=run_id)
     assert [row["_step"] for row in rows] == sorted(tiny_balanced_run.records)
     assert read_wandb_history(save_dir, run_id="crashed0") == []
@@ -167,20 +203,29 @@ def test_wandb_reader_never_follows_latest_run(tiny_balanced_run, tmp_path):
 def test_megatron_figures_go_where_megatron_does_not_write_them():
     """With a tensorboard writer Megatron writes losses, learning rate and grad norm to both
     writers itself, and the timers with --log-timers-to-tensorboard: nothing is written twice."""
+
     class Args:
         log_timers_to_tensorboard, log_throughput = False, True
 
     losses = {"lm loss": 2.5, "load_balancing_loss": 1.1}
     args = (losses, 1e-3, 0.4, 0.5, 2e12, 4)
     wandb_only = megatron_scalars(*args, megatron_owned_scalars(Args, writer=None))
-    assert wandb_only == {"lm loss": 2.5, "load_balancing_loss": 1.1, "learning-rate": 1e-3, "grad-norm": 0.4,
-                          "iteration-time": 0.5, "throughput": 2e12 / (0.5 * 1e12 * 4)}
+    assert wandb_only == {
+        "lm loss": 2.5,
+        "load_balancing_loss": 1.1,
+        "learning-rate": 1e-3,
+        "grad-norm": 0.4,
+        "iteration-time": 0.5,
+        "throughput": 2e12 / (0.5 * 1e12 * 4),
+    }
     with_tensorboard = megatron_scalars(*args, megatron_owned_scalars(Args, writer=object()))
     assert with_tensorboard == {"iteration-time": 0.5, "throughput": 1.0}
     Args.log_timers_to_tensorboard = True
     assert megatron_scalars(*args, megatron_owned_scalars(Args, writer=object())) == {}
     Args.log_throughput = False  # Megatron then writes the iteration time only
-    assert megatron_scalars(*args, megatron_owned_scalars(Args, writer=object())) == {"throughput": 1.0}
+    assert megatron_scalars(*args, megatron_owned_scalars(Args, writer=object())) == {
+        "throughput": 1.0
+    }
     assert "iteration-time" not in megatron_scalars(losses, None, None, None, 2e12, 4, frozenset())
 
 
@@ -203,13 +248,22 @@ def test_tensorboard_gets_the_same_names_as_wandb():
             self.rows.setdefault(step, {}).update(data)
 
     writer, run = _Writer(), Wandb()
-    dashboards.log_scalars({"moe/load_imbalance/layer_01": 1.5, "ultraep/plan_ms/layer_01": 0.2}, 7, writer, run)
-    assert {name: value for (name, step), value in writer.scalars.items() if step == 7} == run.rows[7]
+    dashboards.log_scalars(
+        {"moe/load_imbalance/layer_01": 1.5, "ultraep/plan_ms/layer_01": 0.2}, 7, writer, run
+    )
+    assert {name: value for (name, step), value in writer.scalars.items() if step == 7} == run.rows[
+        7
+    ]
 
 
 def test_a_resumed_run_keeps_the_metrics_records_before_it(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    path.write_text("".join(json.dumps({"iteration": i, "losses": {"lm loss": 10.0 - i}}) + "\n" for i in range(1, 7)))
+    path.write_text(
+        "".join(
+            json.dumps({"iteration": i, "losses": {"lm loss": 10.0 - i}}) + "\n"
+            for i in range(1, 7)
+        )
+    )
     keep_earlier_records(str(path), 5)  # resumed from the checkpoint of iteration 4
     assert [json.loads(line)["iteration"] for line in path.read_text().splitlines()] == [1, 2, 3, 4]
     keep_earlier_records(str(path), 1)  # a fresh run

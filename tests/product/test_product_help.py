@@ -35,7 +35,7 @@ def test_help_exits_0_without_a_gpu_and_prints_only_the_help(help_run):
 
 def test_help_lists_the_balancer_groups_with_their_defaults(help_run):
     text = " ".join(help_run.stdout.split())  # argparse wraps lines
-    balancer = text[text.index("moe balancer:"):text.index("ultraep telemetry:")]
+    balancer = text[text.index("moe balancer:") : text.index("ultraep telemetry:")]
     assert f"--moe-balancer {{{','.join(registry.MOE_BALANCERS)}}}" in balancer
     assert "Default: none." in balancer
     for knob in KNOBS:
@@ -44,10 +44,13 @@ def test_help_lists_the_balancer_groups_with_their_defaults(help_run):
             assert f"Default: {knob.default}." in balancer, knob.flag
     # Derived defaults, said so: the min quota and the trigger (argparse also wraps after hyphens).
     unwrapped = re.sub(r"(?<=\w)- (?=\w)", "-", balancer)
-    assert "Default: derived from --moe-balancer-hardware when given, else 1% of the mean per-rank load" in unwrapped
+    assert (
+        "Default: derived from --moe-balancer-hardware when given, else 1% of the mean per-rank load"
+        in unwrapped
+    )
     assert "Default: 1 + min quota / mean rank load of the microbatch" in unwrapped
     for flag in ("--metrics-jsonl", "--no-moe-load-telemetry"):
-        assert flag in text[text.index("ultraep telemetry:"):]
+        assert flag in text[text.index("ultraep telemetry:") :]
 
 
 def test_megatrons_own_help_needs_the_escape():
@@ -55,11 +58,14 @@ def test_megatrons_own_help_needs_the_escape():
     help strings that already formatted (e.g. '%(default)s') are untouched."""
     from megatron.training.arguments import add_megatron_arguments
 
-    parser = add_megatron_arguments(argparse.ArgumentParser(prog="pretrain_gpt.py", allow_abbrev=False))
+    parser = add_megatron_arguments(
+        argparse.ArgumentParser(prog="pretrain_gpt.py", allow_abbrev=False)
+    )
     with pytest.raises(ValueError, match="unsupported format character"):
         parser.format_help()
-    parser = add_ultraep_args(add_megatron_arguments(argparse.ArgumentParser(prog="pretrain_gpt.py",
-                                                                             allow_abbrev=False)))
+    parser = add_ultraep_args(
+        add_megatron_arguments(argparse.ArgumentParser(prog="pretrain_gpt.py", allow_abbrev=False))
+    )
     assert "10%" in parser.format_help()
     probe = argparse.ArgumentParser(prog="p")
     probe.add_argument("--a", default=3, help="%(default)s of 100%% and 5% more")

@@ -58,8 +58,12 @@ CLUSTER = {
 def pip_env() -> dict[str, str]:
     """pip isolated from this machine's configuration and indexes."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") and k != "PYTHONPATH"}
-    env.update(PIP_CONFIG_FILE=os.devnull, PIP_NO_INDEX="1", PIP_DISABLE_PIP_VERSION_CHECK="1",
-               PIP_NO_INPUT="1")
+    env.update(
+        PIP_CONFIG_FILE=os.devnull,
+        PIP_NO_INDEX="1",
+        PIP_DISABLE_PIP_VERSION_CHECK="1",
+        PIP_NO_INPUT="1",
+    )
     return env
 
 
@@ -70,14 +74,32 @@ def build_wheel(pyproject_text: str, out: Path) -> Path:
     (src / "ultraep_megatron" / "__init__.py").write_text("")
     (src / "pyproject.toml").write_text(pyproject_text)
     shutil.copy(REPO / "README.md", src / "README.md")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(out / "wheels"), str(src)], env=pip_env(), check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(out / "wheels"),
+            str(src),
+        ],
+        env=pip_env(),
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     return out / "wheels"
 
 
 def cluster_env(path: Path, packages: dict[str, str]) -> Path:
     """A bare venv whose site-packages holds the metadata of ``packages`` (name -> version)."""
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True, timeout=120)
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(path)], check=True, timeout=120
+    )
     site = next(path.glob("lib/python3*/site-packages"))
     for name, version in packages.items():
         info = site / f"{name.replace('-', '_')}-{version}.dist-info"
@@ -90,9 +112,27 @@ def cluster_env(path: Path, packages: dict[str, str]) -> Path:
 
 def dry_run(python: Path, wheels: Path, report: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(python), "install", "--dry-run", "--no-index",
-         "--find-links", str(wheels), "--report", str(report), "--quiet", "ultraep-megatron"],
-        env=pip_env(), capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "install",
+            "--dry-run",
+            "--no-index",
+            "--find-links",
+            str(wheels),
+            "--report",
+            str(report),
+            "--quiet",
+            "ultraep-megatron",
+        ],
+        env=pip_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +146,10 @@ def test_install_keeps_the_clusters_torch_and_megatron(wheels, tmp_path, megatro
     report = tmp_path / "report.json"
     done = dry_run(python, wheels, report)
     assert done.returncode == 0, done.stderr
-    installs = [(i["metadata"]["name"], i["metadata"]["version"]) for i in json.loads(report.read_text())["install"]]
+    installs = [
+        (i["metadata"]["name"], i["metadata"]["version"])
+        for i in json.loads(report.read_text())["install"]
+    ]
     assert installs == [("ultraep-megatron", "0.1.0")]  # nothing replaced, nothing added
 
 
@@ -123,7 +166,9 @@ def test_the_old_exact_pins_would_replace_the_clusters_torch(tmp_path):
     wheels = build_wheel(pinned, tmp_path / "pinned")
     python = cluster_env(tmp_path / "env", CLUSTER)
     done = dry_run(python, wheels, tmp_path / "report.json")
-    assert done.returncode != 0 and re.search(r"torch==2\.14\.1|megatron-core==0\.19\.2", done.stderr), done.stderr
+    assert done.returncode != 0 and re.search(
+        r"torch==2\.14\.1|megatron-core==0\.19\.2", done.stderr
+    ), done.stderr
 
 
 # The container route, run for real ------------------------------------------------------------
@@ -143,7 +188,9 @@ def installed() -> dict[str, importlib.metadata.Distribution]:
     return found
 
 
-def requirement_closure(roots: list[str], dists: dict[str, importlib.metadata.Distribution]) -> set[str]:
+def requirement_closure(
+    roots: list[str], dists: dict[str, importlib.metadata.Distribution]
+) -> set[str]:
     """The canonical names of ``roots`` and everything they require here (markers and extras
     evaluated for this interpreter)."""
     todo, seen = [(canonicalize_name(r), frozenset()) for r in roots], set()
@@ -176,14 +223,18 @@ def metadata_wheel(dist: importlib.metadata.Distribution, out: Path) -> None:
     """A wheel holding ``dist``'s name, version and requirements, and no files."""
     name, version = dist.metadata["Name"], dist.version
     stem = f"{re.sub(r'[-_.]+', '_', name)}-{version}"
-    lines = [f"Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}"]
+    lines = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}"]
     if dist.metadata["Requires-Python"]:
         lines.append(f"Requires-Python: {dist.metadata['Requires-Python']}")
     lines += [f"Provides-Extra: {e}" for e in dist.metadata.get_all("Provides-Extra") or []]
     lines += [f"Requires-Dist: {r}" for r in dist.requires or []]
-    files = {f"{stem}.dist-info/METADATA": "\n".join(lines) + "\n",
-             f"{stem}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
-    files[f"{stem}.dist-info/RECORD"] = "".join(f"{path},,\n" for path in [*files, f"{stem}.dist-info/RECORD"])
+    files = {
+        f"{stem}.dist-info/METADATA": "\n".join(lines) + "\n",
+        f"{stem}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    files[f"{stem}.dist-info/RECORD"] = "".join(
+        f"{path},,\n" for path in [*files, f"{stem}.dist-info/RECORD"]
+    )
     with zipfile.ZipFile(out / f"{stem}-py3-none-any.whl", "w") as wheel:
         for path, text in files.items():
             wheel.writestr(path, text)
@@ -207,35 +258,72 @@ def install_into_container(tmp_path: Path, container, *extra: str):
     """A fresh venv on the container's site, the container route's command run in it: (pip's
     output, `pip check`'s result, {canonical name: (version, location)} in the venv)."""
     site, wheels, _ = container
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "env")], check=True, timeout=120)
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "env")],
+        check=True,
+        timeout=120,
+    )
     env_site = next((tmp_path / "env").glob("lib/python3*/site-packages"))
     (env_site / "zz_container.pth").write_text(f"{site}\n")
     python = tmp_path / "env" / "bin" / "python"
     pip = [sys.executable, "-m", "pip", "--python", str(python)]
-    done = subprocess.run([*pip, *CONTAINER_ROUTE[:1], "--no-index", "--find-links", str(wheels),
-                           "--no-build-isolation", *extra, *CONTAINER_ROUTE[1:]],
-                          env=pip_env(), capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [
+            *pip,
+            *CONTAINER_ROUTE[:1],
+            "--no-index",
+            "--find-links",
+            str(wheels),
+            "--no-build-isolation",
+            *extra,
+            *CONTAINER_ROUTE[1:],
+        ],
+        env=pip_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
-    check = subprocess.run([*pip, "check"], env=pip_env(), capture_output=True, text=True, timeout=300)
-    where = subprocess.run([str(python), "-c", (
-        "import importlib.metadata as m, json, re\n"
-        "out = {}\n"
-        "for d in m.distributions():\n"
-        "    out.setdefault(re.sub(r'[-_.]+', '-', d.metadata['Name']).lower(), (d.version, str(d.locate_file(''))))\n"
-        "print(json.dumps(out))")], cwd=tmp_path, capture_output=True, text=True, timeout=120, check=True)
+    check = subprocess.run(
+        [*pip, "check"], env=pip_env(), capture_output=True, text=True, timeout=300
+    )
+    where = subprocess.run(
+        [
+            str(python),
+            "-c",
+            (
+                "import importlib.metadata as m, json, re\n"
+                "out = {}\n"
+                "for d in m.distributions():\n"
+                "    out.setdefault(re.sub(r'[-_.]+', '-', d.metadata['Name']).lower(), (d.version, str(d.locate_file(''))))\n"
+                "print(json.dumps(out))"
+            ),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     return done.stdout, check, {k: tuple(v) for k, v in json.loads(where.stdout).items()}, env_site
 
 
-def test_container_route_keeps_torch_and_megatron_and_installs_the_runtime_dependencies(tmp_path, container):
+def test_container_route_keeps_torch_and_megatron_and_installs_the_runtime_dependencies(
+    tmp_path, container
+):
     site, _, kept = container
     output, check, dists, env_site = install_into_container(tmp_path, container)
     # torch and megatron-core (and what they need) stay the container's: same versions, same place.
     for name in ("torch", "megatron-core"):
         assert dists[name] == (kept[name], str(site)), (name, dists[name])
     installed_now = re.search(r"Successfully installed (.*)", output)[1].split()
-    print(f"\ncontainer route: {len(installed_now)} installed, torch {kept['torch']} and megatron-core "
-          f"{kept['megatron-core']} kept ({len(kept)} container packages)")
-    assert not [p for p in installed_now if re.match(r"(torch|megatron[-_]core)-\d", p)], installed_now
+    print(
+        f"\ncontainer route: {len(installed_now)} installed, torch {kept['torch']} and megatron-core "
+        f"{kept['megatron-core']} kept ({len(kept)} container packages)"
+    )
+    assert not [p for p in installed_now if re.match(r"(torch|megatron[-_]core)-\d", p)], (
+        installed_now
+    )
     # The package and each runtime dependency the container lacks are installed into the venv.
     assert dists["ultraep-megatron"][1] == str(env_site)
     for name in RUNTIME:
@@ -248,8 +336,12 @@ def test_the_old_no_deps_install_leaves_runtime_dependencies_missing(tmp_path, c
     """Negative control: patches/README.md's former `pip install --no-deps` -- the check above
     must fail, naming the runtime dependencies it left out."""
     _, check, dists, _ = install_into_container(tmp_path, container, "--no-deps")
-    missing = set(re.findall(r"ultraep-megatron 0\.1\.0 requires ([A-Za-z0-9_.-]+), which is not installed",
-                             check.stdout))
+    missing = set(
+        re.findall(
+            r"ultraep-megatron 0\.1\.0 requires ([A-Za-z0-9_.-]+), which is not installed",
+            check.stdout,
+        )
+    )
     print(f"\n--no-deps: pip check finds ultraep-megatron missing {sorted(missing)}")
     assert check.returncode != 0 and {"numba", "wandb", "einops"} <= missing, check.stdout
     assert not {"numba", "wandb", "einops"} & set(dists)

@@ -26,22 +26,60 @@ from product_runs import REPO, recipe_env
 from ultraep_megatron.megatron.release import compat
 
 #: megatron-core release -> (its patch, the number of hunks).
-PATCHES = {"0.19": (REPO / "patches" / "megatron-lm-core_v0.19.0-pretrain_gpt.patch", 3),
-           "0.18": (REPO / "patches" / "megatron-lm-core_v0.18.x-pretrain_gpt.patch", 2)}
+PATCHES = {
+    "0.19": (REPO / "patches" / "megatron-lm-core_v0.19.0-pretrain_gpt.patch", 3),
+    "0.18": (REPO / "patches" / "megatron-lm-core_v0.18.x-pretrain_gpt.patch", 2),
+}
 WORKER = REPO / "tests" / "product" / "workers" / "patch_hook.py"
 HUNK = re.compile(r"^@@ -(\d+),(\d+) \+(\d+),(\d+) @@")
 
 TINY_ARGS = [
-    "--distributed-backend", "gloo", "--transformer-impl", "local",
-    "--no-gradient-accumulation-fusion", "--no-persist-layer-norm", "--no-bias-gelu-fusion",
-    "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-masked-softmax-fusion",
-    "--num-layers", "3", "--hidden-size", "64", "--ffn-hidden-size", "128",
-    "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings", "32",
-    "--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64",
-    "--moe-layer-freq", "([0]+[1]*2)",
-    "--moe-token-dispatcher-type", "alltoall", "--disable-bias-linear",
-    "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "2", "--lr", "1e-3",
-    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256",
+    "--distributed-backend",
+    "gloo",
+    "--transformer-impl",
+    "local",
+    "--no-gradient-accumulation-fusion",
+    "--no-persist-layer-norm",
+    "--no-bias-gelu-fusion",
+    "--no-bias-dropout-fusion",
+    "--no-rope-fusion",
+    "--no-masked-softmax-fusion",
+    "--num-layers",
+    "3",
+    "--hidden-size",
+    "64",
+    "--ffn-hidden-size",
+    "128",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--max-position-embeddings",
+    "32",
+    "--num-experts",
+    "8",
+    "--moe-router-topk",
+    "2",
+    "--moe-ffn-hidden-size",
+    "64",
+    "--moe-layer-freq",
+    "([0]+[1]*2)",
+    "--moe-token-dispatcher-type",
+    "alltoall",
+    "--disable-bias-linear",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "4",
+    "--train-iters",
+    "2",
+    "--lr",
+    "1e-3",
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "256",
 ]
 
 
@@ -77,32 +115,37 @@ def test_patch_is_a_well_formed_diff_of_pretrain_gpt(tmp_path, release):
     length = max(start + len(old) for start, old, _, _ in parsed) + 5
     lines = [f"# filler line {i}" for i in range(1, length + 1)]
     for start, old, _, _ in parsed:
-        lines[start - 1:start - 1 + len(old)] = old
+        lines[start - 1 : start - 1 + len(old)] = old
     (tmp_path / "pretrain_gpt.py").write_text("\n".join(lines) + "\n")
-    applied = subprocess.run(["git", "apply", "--verbose", str(patch)], cwd=tmp_path,
-                             capture_output=True, text=True)
+    applied = subprocess.run(
+        ["git", "apply", "--verbose", str(patch)], cwd=tmp_path, capture_output=True, text=True
+    )
     assert applied.returncode == 0, applied.stderr
     patched = (tmp_path / "pretrain_gpt.py").read_text().splitlines()
     offset = 0
     for start, old, new, _ in parsed:
         begin = start - 1 + offset
-        assert patched[begin:begin + len(new)] == new
+        assert patched[begin : begin + len(new)] == new
         offset += len(new) - len(old)
 
 
 def on_release(release: str):
     """Skip unless the installed megatron-core is ``release``: a patch's code runs on its own."""
     if compat.release() != release:
-        pytest.skip(f"the {release} patch's code needs megatron-core {release} (installed: "
-                    f"{compat.version_string()}; run with ULTRAEP_MCORE={release})")
+        pytest.skip(
+            f"the {release} patch's code needs megatron-core {release} (installed: "
+            f"{compat.version_string()}; run with ULTRAEP_MCORE={release})"
+        )
 
 
 def run_hook(release: str, *args: str) -> dict:
     on_release(release)
-    completed = run_python(WORKER, [release, str(PATCHES[release][0]), *TINY_ARGS, *args], env=recipe_env())
+    completed = run_python(
+        WORKER, [release, str(PATCHES[release][0]), *TINY_ARGS, *args], env=recipe_env()
+    )
     assert completed.returncode == 0, (completed.stdout + completed.stderr)[-4000:]
     line = next(l for l in completed.stdout.splitlines() if l.startswith("PATCH_HOOK "))
-    return json.loads(line[len("PATCH_HOOK "):])
+    return json.loads(line[len("PATCH_HOOK ") :])
 
 
 @pytest.mark.slow
@@ -117,8 +160,12 @@ def test_patched_code_balances_the_moe_layers_of_megatrons_default_spec(release)
     assert report["training_log"] == "_TrainingLogHook" and report["dashboard"] == "Dashboard"
     # The MTP block's spec is balanced too, and the built model is checked for unbalanced layers.
     assert report["mtp_spec_balanced"]
-    assert {"refuse_unbalanced_moe_layers", "end_iterations_with_model_grads"} <= set(report["post_wrap_hooks"])
-    if release == "0.18":  # the model is built from the balanced specs, not by the checkout's builder
+    assert {"refuse_unbalanced_moe_layers", "end_iterations_with_model_grads"} <= set(
+        report["post_wrap_hooks"]
+    )
+    if (
+        release == "0.18"
+    ):  # the model is built from the balanced specs, not by the checkout's builder
         assert report["checkout_builder_used"] is False
 
 
@@ -133,4 +180,3 @@ def test_patched_code_leaves_megatron_unchanged_without_a_balancer(release):
     assert report["mlp_classes"][1:] == ["MoELayer", "MoELayer"]
     # Telemetry still reports the router's per-layer imbalance.
     assert report["training_log"] == "_TrainingLogHook"
-

@@ -35,7 +35,9 @@ from product_runs import REPO
 KJV = REPO / "tests" / "traces" / "data" / "kjv_tiny.uetrace"
 PROJECTION = ["--hidden-size", "4096", "--moe-ffn-hidden-size", "1536", "--load-scale", "16"]
 # Axis labels of counted quantities (colour bars and ratios start otherwise: "max / mean ...").
-COUNTED_AXIS = re.compile(r"^(iteration|EP rank|MoE layer|layer|microbatch|expert|redundant slots|EPLB re-plan interval)")
+COUNTED_AXIS = re.compile(
+    r"^(iteration|EP rank|MoE layer|layer|microbatch|expert|redundant slots|EPLB re-plan interval)"
+)
 INTEGER = re.compile(r"^-?\d+$")
 
 
@@ -63,9 +65,13 @@ def _tick_labels(axis):
     """The tick labels drawn on ``axis``: visible, non-empty, inside the view interval."""
     low, high = sorted(axis.get_view_interval())
     span = (high - low) * 1e-9
-    return [tick.label1 for tick in axis.get_major_ticks()
-            if tick.label1.get_visible() and tick.label1.get_text().strip()
-            and low - span <= tick.get_loc() <= high + span]
+    return [
+        tick.label1
+        for tick in axis.get_major_ticks()
+        if tick.label1.get_visible()
+        and tick.label1.get_text().strip()
+        and low - span <= tick.get_loc() <= high + span
+    ]
 
 
 def _texts(fig: Figure):
@@ -77,7 +83,11 @@ def _texts(fig: Figure):
     for ax in _all_axes(fig):
         if not ax.get_visible() or not ax.axison:
             continue
-        for what, text in (("title", ax.title), ("xlabel", ax.xaxis.label), ("ylabel", ax.yaxis.label)):
+        for what, text in (
+            ("title", ax.title),
+            ("xlabel", ax.xaxis.label),
+            ("ylabel", ax.yaxis.label),
+        ):
             yield what, text
         yield from (("annotation", t) for t in ax.texts)
         if ax.get_legend() is not None:
@@ -102,7 +112,11 @@ def figure_problems(name: str, fig: Figure) -> list[str]:
             problems.append(f"{name}: {what} {text.get_text()!r} clipped by the figure bounds")
         boxes.append((what, text.get_text(), box))
     for (w1, t1, b1), (w2, t2, b2) in itertools.combinations(boxes, 2):
-        if b1.overlaps(b2) and b1.intersection(b1, b2).width > 1 and b1.intersection(b1, b2).height > 1:
+        if (
+            b1.overlaps(b2)
+            and b1.intersection(b1, b2).width > 1
+            and b1.intersection(b1, b2).height > 1
+        ):
             problems.append(f"{name}: {w1} {t1!r} overlaps {w2} {t2!r}")
     counted = 0
     for ax in _all_axes(fig):
@@ -122,7 +136,9 @@ def balancer_colors(fig: Figure) -> dict[str, set[str]]:
     used: dict[str, set[str]] = {}
     for ax in _all_axes(fig):
         artists = [(line.get_label(), line.get_color()) for line in ax.lines]
-        artists += [(bars.get_label(), patch.get_facecolor()) for bars in ax.containers for patch in bars]
+        artists += [
+            (bars.get_label(), patch.get_facecolor()) for bars in ax.containers for patch in bars
+        ]
         for label, color in artists:
             if label and not label.startswith("_") and balancer_of(label) in BALANCER_COLORS:
                 used.setdefault(balancer_of(label), set()).add(to_hex(color))
@@ -132,9 +148,17 @@ def balancer_colors(fig: Figure) -> dict[str, set[str]]:
 @pytest.fixture(scope="module")
 def twenty_layer_trace(tmp_path_factory):
     return traces.write_synthetic_trace(
-        tmp_path_factory.mktemp("plots") / "deep.uetrace", num_iterations=3, num_microbatches=2, num_layers=20,
-        num_ranks=4, num_experts=16, tokens_per_rank=64, topk=2, seed=1,
-        meta={"hidden_size": 4096, "moe_ffn_hidden_size": 1536, "swiglu": True})
+        tmp_path_factory.mktemp("plots") / "deep.uetrace",
+        num_iterations=3,
+        num_microbatches=2,
+        num_layers=20,
+        num_ranks=4,
+        num_experts=16,
+        tokens_per_rank=64,
+        topk=2,
+        seed=1,
+        meta={"hidden_size": 4096, "moe_ffn_hidden_size": 1536, "swiglu": True},
+    )
 
 
 def _dashboard_heatmap(run, balancer: str, out: Path) -> None:
@@ -153,27 +177,83 @@ def _dashboard_heatmap(run, balancer: str, out: Path) -> None:
 
 @pytest.mark.slow
 def test_every_plot_type_is_readable_and_uses_one_colour_per_balancer(
-        tiny_balanced_run, twenty_layer_trace, drawn, tmp_path, capsys):
-    assert main(["replay", str(twenty_layer_trace), "--balancers", "none,ultraep", "--no-staleness", "--no-cost",
-                 "--output-dir", str(tmp_path / "deep"), "--no-progress"]) == EXIT_OK
+    tiny_balanced_run, twenty_layer_trace, drawn, tmp_path, capsys
+):
+    assert (
+        main(
+            [
+                "replay",
+                str(twenty_layer_trace),
+                "--balancers",
+                "none,ultraep",
+                "--no-staleness",
+                "--no-cost",
+                "--output-dir",
+                str(tmp_path / "deep"),
+                "--no-progress",
+            ]
+        )
+        == EXIT_OK
+    )
     deep = {name: drawn.pop(name) for name in ("imbalance_over_time.png", "imbalance_heatmap.png")}
     drawn.clear()  # its load heatmaps: the KJV replay's follow
-    assert main(["replay", str(KJV), "--max-records", "120", *PROJECTION, "--output-dir", str(tmp_path / "replay"),
-                 "--no-progress"]) == EXIT_OK
-    assert main(["advise", str(KJV), "--max-records", "80", *PROJECTION, "--slots", "0,1,2", "--eplb-exact",
-                 "--output-dir", str(tmp_path / "advise"), "--no-progress"]) == EXIT_OK
+    assert (
+        main(
+            [
+                "replay",
+                str(KJV),
+                "--max-records",
+                "120",
+                *PROJECTION,
+                "--output-dir",
+                str(tmp_path / "replay"),
+                "--no-progress",
+            ]
+        )
+        == EXIT_OK
+    )
+    assert (
+        main(
+            [
+                "advise",
+                str(KJV),
+                "--max-records",
+                "80",
+                *PROJECTION,
+                "--slots",
+                "0,1,2",
+                "--eplb-exact",
+                "--output-dir",
+                str(tmp_path / "advise"),
+                "--no-progress",
+            ]
+        )
+        == EXIT_OK
+    )
     capsys.readouterr()
     for balancer in ("ultraep", "none"):
         _dashboard_heatmap(tiny_balanced_run, balancer, tmp_path / balancer)
         drawn[f"training heatmap ({balancer})"] = drawn.pop("ultraep_imbalance_iter_0000002.png")
     rx.plot(*_resume_runs(), tmp_path, 1, "resume of iteration 2, 3 iterations (1 warm-up)")
-    expected = {"training heatmap (ultraep)", "training heatmap (none)", "imbalance_over_time.png",
-                "imbalance_heatmap.png", "load_heatmap_layer1.png", "load_heatmap_layer3.png",
-                "load_heatmap_layer4.png", "eplb_staleness.png", "estimated_layer_time.png", "advisor.png",
-                "comparison.png"}
+    expected = {
+        "training heatmap (ultraep)",
+        "training heatmap (none)",
+        "imbalance_over_time.png",
+        "imbalance_heatmap.png",
+        "load_heatmap_layer1.png",
+        "load_heatmap_layer3.png",
+        "load_heatmap_layer4.png",
+        "eplb_staleness.png",
+        "estimated_layer_time.png",
+        "advisor.png",
+        "comparison.png",
+    }
     assert set(drawn) == expected
-    problems = [p for name, fig in {**drawn, **{f"{k} (20 layers)": v for k, v in deep.items()}}.items()
-                for p in figure_problems(name, fig)]
+    problems = [
+        p
+        for name, fig in {**drawn, **{f"{k} (20 layers)": v for k, v in deep.items()}}.items()
+        for p in figure_problems(name, fig)
+    ]
     assert problems == []
     # One colour per balancer, the same in every figure, and no two balancers alike.
     used: dict[str, set[str]] = {}
@@ -181,13 +261,19 @@ def test_every_plot_type_is_readable_and_uses_one_colour_per_balancer(
         for name, colors in balancer_colors(fig).items():
             used.setdefault(name, set()).update(colors)
     assert {name: colors for name, colors in used.items()} == {
-        name: {to_hex(BALANCER_COLORS[name])} for name in used}
+        name: {to_hex(BALANCER_COLORS[name])} for name in used
+    }
     assert {"none", "eplb", "eplb-exact", "ultraep", "ideal"} <= set(used)
     assert len(set(BALANCER_COLORS.values())) == len(BALANCER_COLORS)
     # Every layer shows: 16 of 20 in the small multiples (saying so), all 20 in the heatmap.
     over_time = deep["imbalance_over_time.png"]
-    assert sum(ax.axison for ax in over_time.axes) == 16 and "16 of 20 layers" in over_time._suptitle.get_text()
-    heatmap_rows = [ax.images[0].get_array().shape[0] for ax in deep["imbalance_heatmap.png"].axes if ax.images]
+    assert (
+        sum(ax.axison for ax in over_time.axes) == 16
+        and "16 of 20 layers" in over_time._suptitle.get_text()
+    )
+    heatmap_rows = [
+        ax.images[0].get_array().shape[0] for ax in deep["imbalance_heatmap.png"].axes if ax.images
+    ]
     assert heatmap_rows == [20, 20]
 
 
@@ -210,13 +296,28 @@ def test_colour_maps_put_white_at_the_mean():
 def _resume_runs():
     """Three measured runs and a failed one, as the resume experiment summarizes them."""
     results = []
-    for balancer, ms, after in (("none", 900.0, 2.0), ("eplb", None, None), ("ultraep", 700.0, 1.0),
-                                ("ideal", 650.0, 1.0)):
-        run = resume_runs.RunResult(balancer, "ok" if ms else "failed: exit code 1", Path("/tmp") / balancer, [])
+    for balancer, ms, after in (
+        ("none", 900.0, 2.0),
+        ("eplb", None, None),
+        ("ultraep", 700.0, 1.0),
+        ("ideal", 650.0, 1.0),
+    ):
+        run = resume_runs.RunResult(
+            balancer, "ok" if ms else "failed: exit code 1", Path("/tmp") / balancer, []
+        )
         for iteration in (3, 4, 5) if ms else ():
-            run.iterations.append(resume_runs.IterationStat(
-                iteration, ms * (1 + 0.01 * iteration), None, 6.9, 3.2e9, 4,
-                {layer: 2.0 for layer in range(1, 5)}, {layer: after + 0.01 * layer for layer in range(1, 5)}))
+            run.iterations.append(
+                resume_runs.IterationStat(
+                    iteration,
+                    ms * (1 + 0.01 * iteration),
+                    None,
+                    6.9,
+                    3.2e9,
+                    4,
+                    {layer: 2.0 for layer in range(1, 5)},
+                    {layer: after + 0.01 * layer for layer in range(1, 5)},
+                )
+            )
         results.append(run)
     return rx.summarize(results, 1), results
 
@@ -235,5 +336,9 @@ def test_the_checks_catch_what_the_issue_saw():
     problems = figure_problems("old", fig)
     assert any("'EP rank' ticks" in p for p in problems), problems
     assert any("clipped" in p and "max / mean tokens per EP rank" in p for p in problems), problems
-    assert balancer_colors(fig) == {"ultraep": {to_hex("tab:orange")}} != {"ultraep": {BALANCER_COLORS["ultraep"]}}
+    assert (
+        balancer_colors(fig)
+        == {"ultraep": {to_hex("tab:orange")}}
+        != {"ultraep": {BALANCER_COLORS["ultraep"]}}
+    )
     plt.close(fig)

@@ -25,16 +25,38 @@ from ultraep_megatron.megatron import recipe_check
 
 REPO = Path(__file__).resolve().parents[2]
 #: Every recipe that sources common.sh (the rack and node recipes).
-RECIPES = sorted(p.name for p in (REPO / "recipes").glob("*.sh")
-                 if re.search(r"^source .*/common\.sh", p.read_text(), re.M))
+RECIPES = sorted(
+    p.name
+    for p in (REPO / "recipes").glob("*.sh")
+    if re.search(r"^source .*/common\.sh", p.read_text(), re.M)
+)
 #: The GB200 rack recipes (4 GPUs per node), whose default dispatcher is flex with HybridEP.
-GB200 = {"deepseek_v3_671b_a37b_ep64_pp4.sh", "glm45_air_106b_a12b_ep64_dp2.sh", "qwen3_235b_a22b_ep64_dp4.sh",
-         "refmoe_288b_a16b_ep32_pp4_dp20.sh"}
+GB200 = {
+    "deepseek_v3_671b_a37b_ep64_pp4.sh",
+    "glm45_air_106b_a12b_ep64_dp2.sh",
+    "qwen3_235b_a22b_ep64_dp4.sh",
+    "refmoe_288b_a16b_ep32_pp4_dp20.sh",
+}
 #: The variables under test, cleared whatever the test's own environment holds.
-CLEAN = {name: "" for name in ("WANDB_PROJECT", "WANDB_MODE", "WANDB_EXP_NAME", "WANDB_SAVE_DIR",
-                               "DATA_PATH", "TOKENIZER_MODEL", "NNODES", "GPUS_PER_NODE", "NODE_RANK",
-                               "SLURM_NODEID", "MASTER_PORT", "PRECISION", "CUDA_GRAPH_MODULES",
-                               "DISPATCHER")}
+CLEAN = {
+    name: ""
+    for name in (
+        "WANDB_PROJECT",
+        "WANDB_MODE",
+        "WANDB_EXP_NAME",
+        "WANDB_SAVE_DIR",
+        "DATA_PATH",
+        "TOKENIZER_MODEL",
+        "NNODES",
+        "GPUS_PER_NODE",
+        "NODE_RANK",
+        "SLURM_NODEID",
+        "MASTER_PORT",
+        "PRECISION",
+        "CUDA_GRAPH_MODULES",
+        "DISPATCHER",
+    )
+}
 
 
 def launch_args(recipe: str, **env: str) -> list[str]:
@@ -70,33 +92,46 @@ def test_wandb_only_when_a_project_is_given_and_not_disabled(recipe):
     assert flag_value(args, "--wandb-project") == "moe"
     assert flag_value(args, "--wandb-exp-name")  # the recipe's name
     assert flag_value(args, "--wandb-save-dir") == "/runs/w"
-    assert flag_value(launch_args(recipe, WANDB_PROJECT="moe", WANDB_EXP_NAME="first"),
-                      "--wandb-exp-name") == "first"
+    assert (
+        flag_value(
+            launch_args(recipe, WANDB_PROJECT="moe", WANDB_EXP_NAME="first"), "--wandb-exp-name"
+        )
+        == "first"
+    )
     offline = launch_args(recipe, WANDB_PROJECT="moe", WANDB_MODE="offline")
     assert flag_value(offline, "--wandb-project") == "moe"
-    disabled = launch_args(recipe, WANDB_PROJECT="moe", WANDB_MODE="disabled", WANDB_SAVE_DIR="/runs/w")
+    disabled = launch_args(
+        recipe, WANDB_PROJECT="moe", WANDB_MODE="disabled", WANDB_SAVE_DIR="/runs/w"
+    )
     assert not [a for a in disabled if a.startswith("--wandb")], disabled
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_data_path_needs_a_tokenizer_model(recipe):
     lines = refusal_lines(recipe, DATA_PATH="/data/corpus_text_document")
-    assert len(lines) == 1 and lines[0].startswith(f"{recipe}: DATA_PATH is set but TOKENIZER_MODEL is not"), lines
-    args = launch_args(recipe, DATA_PATH="/data/corpus_text_document", TOKENIZER_MODEL="/models/tok")
+    assert len(lines) == 1 and lines[0].startswith(
+        f"{recipe}: DATA_PATH is set but TOKENIZER_MODEL is not"
+    ), lines
+    args = launch_args(
+        recipe, DATA_PATH="/data/corpus_text_document", TOKENIZER_MODEL="/models/tok"
+    )
     assert flag_value(args, "--tokenizer-model") == "/models/tok"
     assert flag_value(args, "--data-path") == "/data/corpus_text_document"
     assert "--mock-data" in launch_args(recipe)  # without DATA_PATH: mock data, no tokenizer asked
 
 
-@pytest.mark.parametrize("env,needle", [
-    ({"NNODES": "abc"}, "NNODES=abc: expected a whole number >= 1"),
-    ({"NNODES": "0"}, "NNODES=0: expected a whole number >= 1"),
-    ({"GPUS_PER_NODE": "8x"}, "GPUS_PER_NODE=8x: expected a whole number >= 1"),
-    ({"NODE_RANK": "-1"}, "NODE_RANK=-1: expected a whole number >= 0"),
-    ({"NNODES": "2", "NODE_RANK": "2"}, "NODE_RANK=2: expected less than NNODES=2"),
-    ({"NNODES": "2", "SLURM_NODEID": "5"}, "NODE_RANK=5: expected less than NNODES=2"),
-    ({"MASTER_PORT": "http"}, "MASTER_PORT=http: expected a whole number >= 1"),
-])
+@pytest.mark.parametrize(
+    "env,needle",
+    [
+        ({"NNODES": "abc"}, "NNODES=abc: expected a whole number >= 1"),
+        ({"NNODES": "0"}, "NNODES=0: expected a whole number >= 1"),
+        ({"GPUS_PER_NODE": "8x"}, "GPUS_PER_NODE=8x: expected a whole number >= 1"),
+        ({"NODE_RANK": "-1"}, "NODE_RANK=-1: expected a whole number >= 0"),
+        ({"NNODES": "2", "NODE_RANK": "2"}, "NODE_RANK=2: expected less than NNODES=2"),
+        ({"NNODES": "2", "SLURM_NODEID": "5"}, "NODE_RANK=5: expected less than NNODES=2"),
+        ({"MASTER_PORT": "http"}, "MASTER_PORT=http: expected a whole number >= 1"),
+    ],
+)
 def test_a_malformed_layout_variable_is_one_line_naming_it(env, needle):
     lines = refusal_lines("qwen3_235b_a22b_ep64_dp4.sh", **env)
     assert len(lines) == 1 and needle in lines[0], lines
@@ -105,7 +140,17 @@ def test_a_malformed_layout_variable_is_one_line_naming_it(env, needle):
 def test_check_recipe_names_the_variable_instead_of_a_raw_int_error(capsys, monkeypatch):
     for name in CLEAN:
         monkeypatch.delenv(name, raising=False)
-    assert main(["check-recipe", "--env", "NNODES=abc", str(REPO / "recipes" / "qwen3_235b_a22b_ep64_dp4.sh")]) == 1
+    assert (
+        main(
+            [
+                "check-recipe",
+                "--env",
+                "NNODES=abc",
+                str(REPO / "recipes" / "qwen3_235b_a22b_ep64_dp4.sh"),
+            ]
+        )
+        == 1
+    )
     out = capsys.readouterr().out
     assert "NNODES=abc: expected a whole number >= 1 (nodes in the job)" in out, out
     assert "invalid literal for int()" not in out and "Traceback" not in out
@@ -135,7 +180,11 @@ def last_value(args: list[str], flag: str) -> str | None:
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_precision_maps_to_the_bridge_presets_and_refuses_others(recipe):
-    supported = re.search(r'^PRECISIONS="([^"]+)"', (REPO / "recipes" / recipe).read_text(), re.M).group(1).split()
+    supported = (
+        re.search(r'^PRECISIONS="([^"]+)"', (REPO / "recipes" / recipe).read_text(), re.M)
+        .group(1)
+        .split()
+    )
     assert "bf16" in supported and ("fp8_mx" in supported) != ("fp8_sc" in supported), supported
     assert fp8_flags(launch_args(recipe)) == []  # bf16 unless asked
     for precision in supported:
@@ -150,14 +199,21 @@ def test_cuda_graphs_and_dispatcher_switches(recipe):
     default = launch_args(recipe)
     graphs = launch_args(recipe, CUDA_GRAPH_MODULES="attn moe_router")
     i = graphs.index("--cuda-graph-modules")
-    assert graphs[i + 1:i + 3] == ["attn", "moe_router"] and flag_value(graphs, "--cuda-graph-impl") == "transformer_engine"
+    assert (
+        graphs[i + 1 : i + 3] == ["attn", "moe_router"]
+        and flag_value(graphs, "--cuda-graph-impl") == "transformer_engine"
+    )
     assert "--cuda-graph-impl" not in launch_args(recipe, CUDA_GRAPH_MODULES="none")
-    if "--cuda-graph-impl" in default:  # a GB200 recipe: NVIDIA's per-layer graphs, less moe_preprocess
+    if (
+        "--cuda-graph-impl" in default
+    ):  # a GB200 recipe: NVIDIA's per-layer graphs, less moe_preprocess
         assert default == graphs
     for module in ("moe_preprocess", "moe", "full_iteration"):
         lines = refusal_lines(recipe, CUDA_GRAPH_MODULES=f"attn {module}")
-        assert len(lines) == 1 and lines[0].startswith(f"{recipe}: CUDA_GRAPH_MODULES=attn {module}: {module} "
-                                                      "is refused: its graph would capture "), lines
+        assert len(lines) == 1 and lines[0].startswith(
+            f"{recipe}: CUDA_GRAPH_MODULES=attn {module}: {module} "
+            "is refused: its graph would capture "
+        ), lines
     # Megatron-Bridge's GB200 recipes run HybridEP, and so do ours; the HGX ones keep alltoall.
     gb200 = recipe in GB200
     assert gb200 != recipe.endswith("_hgx.sh")

@@ -30,7 +30,7 @@ from ultraep_megatron.megatron.recipe_check import model
 REPO = Path(__file__).resolve().parents[2]
 
 RECIPES = REPO / "recipes"
-GIB, MIB = 1024 ** 3, 1024 ** 2
+GIB, MIB = 1024**3, 1024**2
 
 # Table 3 (+ §8.1): world size, EP, PP, expert-DP, redundant slots per rank (the slot rule's:
 # test_every_recipe_follows_the_slot_rule).
@@ -51,20 +51,92 @@ HGX = {name for name in LAYOUT if name.endswith("_hgx.sh")}
 # experts, top-k, expert FFN, shared-expert FFN, router score function, load-balancing type and
 # weight (§8.1), expert bias.
 SHAPES = {
-    "glm45_air_106b_a12b_ep64_dp2.sh":
-        (46, 1, 4096, 96, 128, 8, 1408, 1408, "sigmoid", "aux_loss", 1e-2, False),
-    "qwen3_235b_a22b_ep64_dp4.sh":
-        (94, 0, 4096, 64, 128, 8, 1536, None, "softmax", "aux_loss", 1e-2, False),
-    "deepseek_v3_671b_a37b_ep64_pp4.sh":
-        (61, 3, 7168, 128, 256, 8, 2048, 2048, "sigmoid", "seq_aux_loss", 1e-4, True),
-    "refmoe_288b_a16b_ep32_pp4_dp20.sh":
-        (46, 1, None, None, 256, 8, None, None, "sigmoid", "seq_aux_loss", 1e-4, True),
-    "qwen3_235b_a22b_ep32_pp8_hgx.sh":
-        (94, 0, 4096, 64, 128, 8, 1536, None, "softmax", "aux_loss", 1e-2, False),
+    "glm45_air_106b_a12b_ep64_dp2.sh": (
+        46,
+        1,
+        4096,
+        96,
+        128,
+        8,
+        1408,
+        1408,
+        "sigmoid",
+        "aux_loss",
+        1e-2,
+        False,
+    ),
+    "qwen3_235b_a22b_ep64_dp4.sh": (
+        94,
+        0,
+        4096,
+        64,
+        128,
+        8,
+        1536,
+        None,
+        "softmax",
+        "aux_loss",
+        1e-2,
+        False,
+    ),
+    "deepseek_v3_671b_a37b_ep64_pp4.sh": (
+        61,
+        3,
+        7168,
+        128,
+        256,
+        8,
+        2048,
+        2048,
+        "sigmoid",
+        "seq_aux_loss",
+        1e-4,
+        True,
+    ),
+    "refmoe_288b_a16b_ep32_pp4_dp20.sh": (
+        46,
+        1,
+        None,
+        None,
+        256,
+        8,
+        None,
+        None,
+        "sigmoid",
+        "seq_aux_loss",
+        1e-4,
+        True,
+    ),
+    "qwen3_235b_a22b_ep32_pp8_hgx.sh": (
+        94,
+        0,
+        4096,
+        64,
+        128,
+        8,
+        1536,
+        None,
+        "softmax",
+        "aux_loss",
+        1e-2,
+        False,
+    ),
     # deepseek-ai/DeepSeek-V2-Lite: 2 shared experts of 1408 = one shared FFN of 2816; its
     # expert-level balance loss alpha 0.001.
-    "deepseek_v2_lite_16b_a2b_ep8_hgx.sh":
-        (27, 1, 2048, 16, 64, 6, 1408, 2816, "softmax", "seq_aux_loss", 1e-3, False),
+    "deepseek_v2_lite_16b_a2b_ep8_hgx.sh": (
+        27,
+        1,
+        2048,
+        16,
+        64,
+        6,
+        1408,
+        2816,
+        "softmax",
+        "seq_aux_loss",
+        1e-3,
+        False,
+    ),
 }
 
 # Published sizes in parameters: (total, active).
@@ -81,8 +153,10 @@ PUBLISHED = {
 @pytest.fixture(scope="module")
 def reports():
     """{recipe file name: RecipeReport} for every recipe, checked once."""
-    return {name: check_recipe.check_launch(check_recipe.capture_launch(RECIPES / name))
-            for name in LAYOUT}
+    return {
+        name: check_recipe.check_launch(check_recipe.capture_launch(RECIPES / name))
+        for name in LAYOUT
+    }
 
 
 def test_every_launch_recipe_is_covered():
@@ -111,8 +185,11 @@ def test_recipe_passes_checker_with_table3_layout(reports, name):
     domain, size = (8, a.moe_balancer_domain_size) if name in HGX else (64, ep)
     assert sorted(r for g in layout.ep_groups for r in g) == list(range(world))
     assert all(len(g) == ep for g in layout.ep_groups)
-    assert all(len({r // domain for r in g[i:i + size]}) == 1
-               for g in layout.ep_groups for i in range(0, ep, size))
+    assert all(
+        len({r // domain for r in g[i : i + size]}) == 1
+        for g in layout.ep_groups
+        for i in range(0, ep, size)
+    )
     assert all(len({r // domain for r in g}) == pp for g in layout.pp_groups)
     text = check_recipe.format_report(report)
     assert re.search(r"^  EP groups .*: yes$", text, re.M) and "passed" in text
@@ -123,14 +200,20 @@ def test_the_docs_table_gives_the_balancer_and_slots_each_recipe_runs_with(repor
     """docs/recipes.md's "slots / rank" column is what the recipe launches, as its user runs it (no
     MOE_BALANCER in the environment): `ultraep` with that many redundant slots ("(default)": the
     flag's default); the tiny CPU recipe included."""
-    rows = re.findall(r"^\| `recipes/([\w.]+\.sh)` \|.*\| (\d+)( \(default\))? \|$",
-                      (REPO / "docs" / "recipes.md").read_text(), re.M)
+    rows = re.findall(
+        r"^\| `recipes/([\w.]+\.sh)` \|.*\| (\d+)( \(default\))? \|$",
+        (REPO / "docs" / "recipes.md").read_text(),
+        re.M,
+    )
     assert "tiny_cpu.sh" in {name for name, *_ in rows}
     for name, slots, default in rows:
         launch = check_recipe.capture_launch(RECIPES / name, {"MOE_BALANCER": ""})
         checked = reports.get(name)
-        args = (checked.args if checked is not None and checked.launch.args == launch.args
-                else check_recipe.check_launch(launch).args)
+        args = (
+            checked.args
+            if checked is not None and checked.launch.args == launch.args
+            else check_recipe.check_launch(launch).args
+        )
         assert (args.moe_balancer, args.moe_balancer_num_slots) == ("ultraep", int(slots)), name
         assert ("--moe-balancer-num-slots" not in launch.args) == bool(default), name
 
@@ -173,7 +256,6 @@ def test_memory_estimate_agrees_with_megatrons_estimator(reports, name):
     assert abs(report.memory.stages[0].model_states / expected - 1) < 0.005
 
 
-
 def test_latent_moe_memory_agrees_with_megatrons_estimator(reports):
     """Qwen3-235B with --moe-latent-size 1024: the routed experts (and a redundant slot) at the
     latent size, the two latent projections per MoE layer, as Megatron's estimator counts them."""
@@ -188,6 +270,7 @@ def test_latent_moe_memory_agrees_with_megatrons_estimator(reports):
     # A slot holds one latent-size expert: fc1 [2 x 1536, 1024] and fc2 [1024, 1536], bf16.
     assert memory.stages[0].slot_weight_bytes == 2 * 3 * 1536 * 1024
     assert plain.memory.stages[0].slot_weight_bytes == 2 * 3 * 1536 * 4096
+
 
 def test_qwen3_slot_memory_reproduces_paper_section_4_1(reports):
     """§4.1: one redundant slot of Qwen3-235B is ~36 MB weights + ~72 MB fp32 gradients per rank
@@ -214,26 +297,35 @@ def test_pipeline_stages_follow_the_recipe_split(reports):
     assert [s.expert_params for s in stages] == [4 * expert * m for m in (12, 16, 16, 15)]
 
 
-@pytest.mark.parametrize("name,line", [
-    # Published shapes: DeepSeek-V3 61 layers, the first 3 dense, one MTP layer; GLM-4.5-Air and
-    # RefMoE 46 layers, the first dense, one MTP layer; Qwen3 94 MoE layers, no MTP.
-    ("deepseek_v3_671b_a37b_ep64_pp4.sh", "58 decoder + 1 MTP, ids 4-62"),
-    ("glm45_air_106b_a12b_ep64_dp2.sh", "45 decoder + 1 MTP, ids 2-47"),
-    ("refmoe_288b_a16b_ep32_pp4_dp20.sh", "45 decoder + 1 MTP, ids 2-47"),
-    ("qwen3_235b_a22b_ep64_dp4.sh", "94 decoder, ids 1-94"),
-])
+@pytest.mark.parametrize(
+    "name,line",
+    [
+        # Published shapes: DeepSeek-V3 61 layers, the first 3 dense, one MTP layer; GLM-4.5-Air and
+        # RefMoE 46 layers, the first dense, one MTP layer; Qwen3 94 MoE layers, no MTP.
+        ("deepseek_v3_671b_a37b_ep64_pp4.sh", "58 decoder + 1 MTP, ids 4-62"),
+        ("glm45_air_106b_a12b_ep64_dp2.sh", "45 decoder + 1 MTP, ids 2-47"),
+        ("refmoe_288b_a16b_ep32_pp4_dp20.sh", "45 decoder + 1 MTP, ids 2-47"),
+        ("qwen3_235b_a22b_ep64_dp4.sh", "94 decoder, ids 1-94"),
+    ],
+)
 def test_mtp_layers_are_reported_as_balanced_moe_layers(reports, name, line):
     """The MTP block's MoE layer is balanced like the decoder's, numbered after the decoder."""
     assert f"balanced MoE layers (--moe-balancer ultraep): {line}" in check_recipe.format_report(
-        reports[name])
+        reports[name]
+    )
 
 
 @pytest.mark.parametrize("repeated,ids", [(False, [2, 3, 4, 5, 6]), (True, [2, 3, 4, 5])])
 def test_a_repeated_mtp_layer_is_one_balanced_layer(repeated, ids):
     """--mtp-use-repeated-layer: the MTP block holds one layer for all its depths (one id)."""
-    args = types.SimpleNamespace(moe_balancer="ultraep", num_layers=4, num_experts=8,
-                                 moe_layer_freq=[0, 1, 1, 1], mtp_num_layers=2,
-                                 mtp_use_repeated_layer=repeated)
+    args = types.SimpleNamespace(
+        moe_balancer="ultraep",
+        num_layers=4,
+        num_experts=8,
+        moe_layer_freq=[0, 1, 1, 1],
+        mtp_num_layers=2,
+        mtp_use_repeated_layer=repeated,
+    )
     assert model.balanced_moe_layer_ids(args) == ids
     assert model.built_mtp_layers(args) == (1 if repeated else 2)
 
@@ -241,18 +333,33 @@ def test_a_repeated_mtp_layer_is_one_balanced_layer(repeated, ids):
 def test_checker_rejects_an_ep_group_larger_than_a_rack(reports):
     report = reports["qwen3_235b_a22b_ep64_dp4.sh"]
     layout = check_recipe.rank_layout(report.args, gpus_per_node=4, rack_size=32)
-    assert any("spans scale-up domains" in p and "--moe-balancer-domain-size 32" in p
-               for p in layout.problems())
+    assert any(
+        "spans scale-up domains" in p and "--moe-balancer-domain-size 32" in p
+        for p in layout.problems()
+    )
 
 
 def test_checker_reports_megatron_and_ultraep_rejections(capsys):
     tiny = check_recipe.capture_launch(RECIPES / "tiny_cpu.sh")
     with pytest.raises(check_recipe.RecipeError, match="num_experts|divisible|expert"):
-        check_recipe.check_launch(check_recipe.Launch(4, 1, "pretrain_gpt.py",
-                                                      [*tiny.args, "--num-experts", "6"]))
+        check_recipe.check_launch(
+            check_recipe.Launch(4, 1, "pretrain_gpt.py", [*tiny.args, "--num-experts", "6"])
+        )
     with pytest.raises(check_recipe.RecipeError, match="alltoall"):
-        check_recipe.check_launch(check_recipe.Launch(4, 1, "pretrain_gpt.py", [
-            *tiny.args, "--moe-balancer", "ultraep", "--moe-token-dispatcher-type", "allgather"]))
+        check_recipe.check_launch(
+            check_recipe.Launch(
+                4,
+                1,
+                "pretrain_gpt.py",
+                [
+                    *tiny.args,
+                    "--moe-balancer",
+                    "ultraep",
+                    "--moe-token-dispatcher-type",
+                    "allgather",
+                ],
+            )
+        )
     # The command line: exit status 1 and the reason, for a bare-argument check.
     assert main(["check-recipe", "--world-size", "4", "--", *tiny.args, "--num-experts", "6"]) == 1
     assert "PROBLEM: " in capsys.readouterr().out
@@ -264,7 +371,9 @@ def test_checker_reports_megatron_and_ultraep_rejections(capsys):
     tiny_report = report["recipes"][0]
     assert (tiny_report["world_size"], tiny_report["expert_model_parallel_size"]) == (4, 4)
     assert tiny_report["ep_groups"] == [[0, 1, 2, 3]]
-    assert main(["check-recipe", "--", "--num-layers", "2"]) == 2  # bare arguments need --world-size
+    assert (
+        main(["check-recipe", "--", "--num-layers", "2"]) == 2
+    )  # bare arguments need --world-size
     assert "need --world-size" in capsys.readouterr().err
 
 
@@ -272,25 +381,48 @@ def test_readme_recipe_check_passes_every_recipe_and_only_recipes():
     """The README's command as a user types it in the repository, in a fresh process (where
     Megatron's import-time warnings would land in the report): exit 0, every launch script
     checked and passed, the sourced recipes/common.sh skipped, no warnings."""
-    command = re.search(r"`(ultraep check-recipe recipes/\*\.sh)`", (REPO / "README.md").read_text())[1]
+    command = re.search(
+        r"`(ultraep check-recipe recipes/\*\.sh)`", (REPO / "README.md").read_text()
+    )[1]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
     completed = subprocess.run(
-        ["bash", "-c", command.replace("ultraep", f"{shlex.quote(sys.executable)} -m ultraep_megatron.cli", 1)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        [
+            "bash",
+            "-c",
+            command.replace("ultraep", f"{shlex.quote(sys.executable)} -m ultraep_megatron.cli", 1),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     printed = completed.stdout + completed.stderr
     assert completed.returncode == 0, printed[-3000:]
     recipes = sorted(p.name for p in RECIPES.glob("*.sh") if p.name != "common.sh")
-    assert sorted(re.findall(r"^== recipes/(\S+)", completed.stdout, re.M)) == sorted(recipes + ["common.sh"])
-    assert f"{len(recipes)}/{len(recipes)} recipe(s) passed (recipes/common.sh skipped: not a recipe)" in printed
+    assert sorted(re.findall(r"^== recipes/(\S+)", completed.stdout, re.M)) == sorted(
+        recipes + ["common.sh"]
+    )
+    assert (
+        f"{len(recipes)}/{len(recipes)} recipe(s) passed (recipes/common.sh skipped: not a recipe)"
+        in printed
+    )
     assert "warn" not in printed.lower() and "Traceback" not in printed
 
 
 def _expert_grid_args(world: int, ep: int, pp: int) -> types.SimpleNamespace:
     """The validated-argument fields startup_problems reads, for TP = CP = ETP = 1."""
     return types.SimpleNamespace(
-        world_size=world, tensor_model_parallel_size=1, pipeline_model_parallel_size=pp,
-        expert_tensor_parallel_size=1, expert_model_parallel_size=ep, data_parallel_size=world // pp,
-        global_batch_size=8 * world // pp, micro_batch_size=1, rampup_batch_size=None)
+        world_size=world,
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=pp,
+        expert_tensor_parallel_size=1,
+        expert_model_parallel_size=ep,
+        data_parallel_size=world // pp,
+        global_batch_size=8 * world // pp,
+        micro_batch_size=1,
+        rampup_batch_size=None,
+    )
 
 
 def _megatron_builds_whole_ep_groups(world: int, ep: int, pp: int) -> bool:
@@ -299,8 +431,9 @@ def _megatron_builds_whole_ep_groups(world: int, ep: int, pp: int) -> bool:
     from megatron.core.parallel_state import RankGenerator
 
     try:
-        groups = RankGenerator(tp=1, ep=ep, dp=world // (ep * pp), pp=pp, cp=1,
-                               order="tp-cp-ep-dp-pp").get_ranks("ep")
+        groups = RankGenerator(
+            tp=1, ep=ep, dp=world // (ep * pp), pp=pp, cp=1, order="tp-cp-ep-dp-pp"
+        ).get_ranks("ep")
     except ZeroDivisionError:
         return False
     return sorted(r for g in groups for r in g) == list(range(world))
@@ -317,11 +450,24 @@ def test_expert_grid_check_agrees_with_megatrons_rank_generator(world, ep, pp):
 def test_layouts_megatron_refuses_fail_with_one_problem_line(nnodes, capsys):
     """Qwen3's EP64 on 80 ranks (ranks 64-79 in no EP group) and on 16 (fewer ranks than one EP
     group: RankGenerator divided by zero): one PROBLEM line each, no traceback."""
-    assert main(["check-recipe", "--env", f"NNODES={nnodes}", str(RECIPES / "qwen3_235b_a22b_ep64_dp4.sh")]) == 1
+    assert (
+        main(
+            [
+                "check-recipe",
+                "--env",
+                f"NNODES={nnodes}",
+                str(RECIPES / "qwen3_235b_a22b_ep64_dp4.sh"),
+            ]
+        )
+        == 1
+    )
     out = capsys.readouterr().out
     problems = [line for line in out.splitlines() if line.strip().startswith("PROBLEM:")]
     assert len(problems) == 1, out
-    assert f"world size {4 * nnodes} is not divisible by expert-TP 1 x EP 64 x PP 1 = 64" in problems[0]
+    assert (
+        f"world size {4 * nnodes} is not divisible by expert-TP 1 x EP 64 x PP 1 = 64"
+        in problems[0]
+    )
     assert "Traceback" not in out and "0/1 recipe(s) passed" in out
 
 
@@ -333,11 +479,29 @@ def test_batch_problems_name_the_training_batch_unless_eval_batches_are_set(caps
     for extra in ([], ["--eval-iters", "2"], ["--eval-global-batch-size", "20"]):
         assert main(["check-recipe", "--world-size", "12", "--", *tiny, *extra]) == 1
         problems = [line for line in capsys.readouterr().out.splitlines() if "PROBLEM:" in line]
-        assert len(problems) == 1 and "--global-batch-size 16 is not divisible by --micro-batch-size 2 x " \
-            "data-parallel size 12" in problems[0], problems
+        assert (
+            len(problems) == 1
+            and "--global-batch-size 16 is not divisible by --micro-batch-size 2 x "
+            "data-parallel size 12"
+            in problems[0]
+        ), problems
     # Eval on, an eval batch of 20 on 4 ranks: 20 is not a multiple of 2 x 4.
-    assert main(["check-recipe", "--world-size", "4", "--", *tiny, "--eval-iters", "2",
-                 "--eval-global-batch-size", "20"]) == 1
+    assert (
+        main(
+            [
+                "check-recipe",
+                "--world-size",
+                "4",
+                "--",
+                *tiny,
+                "--eval-iters",
+                "2",
+                "--eval-global-batch-size",
+                "20",
+            ]
+        )
+        == 1
+    )
     problems = [line for line in capsys.readouterr().out.splitlines() if "PROBLEM:" in line]
     assert len(problems) == 1 and "eval_global_batch_size (20)" in problems[0]
 
@@ -350,17 +514,34 @@ def test_recipes_switch_to_grouped_gemm_or_flex_as_the_docs_say():
     not a problem (pretrain_gpt.py refuses it: recipe_check/test_environment.py)."""
     from megatron.core.transformer.moe import token_dispatcher
 
-    launch = check_recipe.capture_launch(RECIPES / "qwen3_235b_a22b_ep64_dp4.sh", {"DISPATCHER": ""})
-    report = check_recipe.check_launch(check_recipe.Launch(4, 64, "pretrain_gpt.py", [*launch.args, "--moe-grouped-gemm"]))
-    assert report.args.moe_grouped_gemm and report.args.moe_balancer == "ultraep" and report.problems() == []
-    assert (report.args.moe_token_dispatcher_type, report.args.moe_flex_dispatcher_backend) == ("flex", "hybridep")
-    hgx = check_recipe.capture_launch(RECIPES / "qwen3_235b_a22b_ep32_pp8_hgx.sh", {"DISPATCHER": ""})
+    launch = check_recipe.capture_launch(
+        RECIPES / "qwen3_235b_a22b_ep64_dp4.sh", {"DISPATCHER": ""}
+    )
+    report = check_recipe.check_launch(
+        check_recipe.Launch(4, 64, "pretrain_gpt.py", [*launch.args, "--moe-grouped-gemm"])
+    )
+    assert (
+        report.args.moe_grouped_gemm
+        and report.args.moe_balancer == "ultraep"
+        and report.problems() == []
+    )
+    assert (report.args.moe_token_dispatcher_type, report.args.moe_flex_dispatcher_backend) == (
+        "flex",
+        "hybridep",
+    )
+    hgx = check_recipe.capture_launch(
+        RECIPES / "qwen3_235b_a22b_ep32_pp8_hgx.sh", {"DISPATCHER": ""}
+    )
     assert check_recipe.check_launch(hgx).args.moe_token_dispatcher_type == "alltoall"
     flex = ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "deepep"]
-    report = check_recipe.check_launch(check_recipe.Launch(4, 64, "pretrain_gpt.py", [*launch.args, *flex]))
+    report = check_recipe.check_launch(
+        check_recipe.Launch(4, 64, "pretrain_gpt.py", [*launch.args, *flex])
+    )
     assert report.problems() == []
     deepep_here = getattr(token_dispatcher, "fused_dispatch", None) is not None
-    assert [n.split(" must be installed")[0] for n in report.notes] == ([] if deepep_here else ["DeepEP (deep_ep)"])
+    assert [n.split(" must be installed")[0] for n in report.notes] == (
+        [] if deepep_here else ["DeepEP (deep_ep)"]
+    )
 
 
 @pytest.mark.parametrize("name", list(LAYOUT))
@@ -378,8 +559,16 @@ def test_every_recipe_follows_the_slot_rule(reports, name):
     S = a.moe_balancer_num_slots
     assert S == recipe_slots(E, R)
     load = half_cold_load(R, E, domain_size=D)
-    after = {s: planner.metrics(load, planner.solve(load, s, domain_size=D), domain_size=D)["imbalance_after"]
-             for s in (S - 1, S)}
+    after = {
+        s: planner.metrics(load, planner.solve(load, s, domain_size=D), domain_size=D)[
+            "imbalance_after"
+        ]
+        for s in (S - 1, S)
+    }
     assert after[S] == pytest.approx(1.0, abs=1e-9) == slot_capacity_bound(load, S, D)
     if S > 2:
-        assert after[S - 1] == pytest.approx(2 - 2 * (S - 1) * R / E) == slot_capacity_bound(load, S - 1, D)
+        assert (
+            after[S - 1]
+            == pytest.approx(2 - 2 * (S - 1) * R / E)
+            == slot_capacity_bound(load, S - 1, D)
+        )

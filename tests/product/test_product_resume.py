@@ -28,19 +28,36 @@ from ultraep_megatron.megatron.recipe_check.model import flops_per_iteration
 
 ITERATIONS, WARMUP = 3, 1
 BALANCERS = ("none", "ultraep", "ideal")
-MEGATRON_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*elapsed time per iteration \(ms\): ([0-9.]+)")
+MEGATRON_LINE = re.compile(
+    r"iteration\s+(\d+)/\s*\d+ \|.*elapsed time per iteration \(ms\): ([0-9.]+)"
+)
 
 
 @pytest.fixture(scope="module")
 def experiment(tiny_balanced_run, tmp_path_factory):
     out = tmp_path_factory.mktemp("resume_experiment")
-    command = [sys.executable, "-m", "ultraep_megatron.cli", "resume-experiment",
-               "--load", str(tiny_balanced_run.checkpoint),
-               "--iterations", str(ITERATIONS), "--warmup-iterations", str(WARMUP),
-               "--balancers", ",".join(BALANCERS), "--output-dir", str(out),
-               # The tiny recipe forces a routing skew; the ideal run must not.
-               "--ideal-args", "--moe-router-force-biased 0",
-               "--", "bash", str(TINY_RECIPE)]
+    command = [
+        sys.executable,
+        "-m",
+        "ultraep_megatron.cli",
+        "resume-experiment",
+        "--load",
+        str(tiny_balanced_run.checkpoint),
+        "--iterations",
+        str(ITERATIONS),
+        "--warmup-iterations",
+        str(WARMUP),
+        "--balancers",
+        ",".join(BALANCERS),
+        "--output-dir",
+        str(out),
+        # The tiny recipe forces a routing skew; the ideal run must not.
+        "--ideal-args",
+        "--moe-router-force-biased 0",
+        "--",
+        "bash",
+        str(TINY_RECIPE),
+    ]
     env = recipe_env(TRAIN_ITERS="10")  # the checkpoint's run: the recipe's default 40
     completed = run_process_group(command, env=env, timeout_s=1200)
     with open(out / "comparison.csv") as handle:
@@ -64,7 +81,10 @@ def test_every_balancer_resumes_the_checkpoint_for_the_window(experiment, tiny_b
         assert int(table[balancer]["measured"]) == ITERATIONS - WARMUP
         assert sorted(records[balancer]) == resumed
         for i, iteration in enumerate(resumed, 1):  # progress while it runs
-            assert f"[{index}/3 {balancer}] iteration {iteration} ({i}/{ITERATIONS})" in completed.stdout
+            assert (
+                f"[{index}/3 {balancer}] iteration {iteration} ({i}/{ITERATIONS})"
+                in completed.stdout
+            )
     # The checkpoint's --train-iters (40) is passed on and wins over the recipe's (TRAIN_ITERS=10).
     for balancer in BALANCERS:
         log = (out / balancer / "log.txt").read_text()
@@ -72,7 +92,9 @@ def test_every_balancer_resumes_the_checkpoint_for_the_window(experiment, tiny_b
         assert re.search(rf"iteration\s+{CHECKPOINT_ITERATION + 1}/\s+40 \|", log)
     # The checkpoint is read, never written.
     checkpoint = tiny_balanced_run.checkpoint
-    assert (checkpoint / "latest_checkpointed_iteration.txt").read_text().strip() == str(CHECKPOINT_ITERATION)
+    assert (checkpoint / "latest_checkpointed_iteration.txt").read_text().strip() == str(
+        CHECKPOINT_ITERATION
+    )
     assert sorted(p.name for p in checkpoint.glob("iter_*")) == [f"iter_{CHECKPOINT_ITERATION:07d}"]
     assert (out / "comparison.png").read_bytes().startswith(b"\x89PNG")
     markdown = (out / "comparison.md").read_text()
@@ -90,17 +112,23 @@ def test_throughput_is_megatrons_formula_over_the_measured_window(experiment):
     tflops = {}
     for balancer in BALANCERS:
         times = megatron_times(out / balancer / "log.txt")
-        assert all(records[balancer][i]["flops_per_iteration"] == pytest.approx(flops, rel=1e-12)
-                   for i in measured)
+        assert all(
+            records[balancer][i]["flops_per_iteration"] == pytest.approx(flops, rel=1e-12)
+            for i in measured
+        )
         seconds = sum(times[i] for i in measured) / 1e3
         tflops[balancer] = flops * len(measured) / (seconds * 1e12 * launch.world_size)
         assert float(table[balancer]["tflops"]) == pytest.approx(tflops[balancer], rel=1e-9)
-        assert float(table[balancer]["time_ms"]) == pytest.approx(seconds * 1e3 / len(measured), rel=1e-9)
+        assert float(table[balancer]["time_ms"]) == pytest.approx(
+            seconds * 1e3 / len(measured), rel=1e-9
+        )
     for balancer in BALANCERS:
         assert float(table[balancer]["fraction_of_ideal"]) == pytest.approx(
-            tflops[balancer] / tflops["ideal"], rel=1e-9)
+            tflops[balancer] / tflops["ideal"], rel=1e-9
+        )
         assert float(table[balancer]["speedup_vs_none"]) == pytest.approx(
-            tflops[balancer] / tflops["none"], rel=1e-9)
+            tflops[balancer] / tflops["none"], rel=1e-9
+        )
 
 
 @pytest.mark.slow
@@ -117,23 +145,34 @@ def test_same_data_and_imbalance_figures(experiment):
     # Same checkpoint, same batches: the router sends the same tokens with and without
     # balancing, and the loss is unchanged.
     for iteration in records["none"]:
-        assert records["ultraep"][iteration]["load_imbalance"] == records["none"][iteration]["load_imbalance"]
+        assert (
+            records["ultraep"][iteration]["load_imbalance"]
+            == records["none"][iteration]["load_imbalance"]
+        )
         assert records["ultraep"][iteration]["losses"]["lm loss"] == pytest.approx(
-            records["none"][iteration]["losses"]["lm loss"], rel=1e-5)
+            records["none"][iteration]["losses"]["lm loss"], rel=1e-5
+        )
     assert table["ultraep"]["same_data_as_none"] == "yes"
     for balancer in BALANCERS:
-        assert float(table[balancer]["imbalance_before"]) == pytest.approx(mean_over(balancer, router), rel=1e-12)
-    assert float(table["ultraep"]["imbalance_after"]) == pytest.approx(mean_over("ultraep", balanced), rel=1e-12)
+        assert float(table[balancer]["imbalance_before"]) == pytest.approx(
+            mean_over(balancer, router), rel=1e-12
+        )
+    assert float(table["ultraep"]["imbalance_after"]) == pytest.approx(
+        mean_over("ultraep", balanced), rel=1e-12
+    )
     assert float(table["none"]["imbalance_after"]) == float(table["none"]["imbalance_before"])
     # Balancing and forcing both remove most of the recipe's skew.
-    assert float(table["ultraep"]["imbalance_after"]) < 1.05 < float(table["none"]["imbalance_after"])
+    assert (
+        float(table["ultraep"]["imbalance_after"]) < 1.05 < float(table["none"]["imbalance_after"])
+    )
     assert float(table["ideal"]["imbalance_before"]) < float(table["none"]["imbalance_before"])
     with open(out / "per_layer_imbalance.csv") as handle:
         rows = [r for r in csv.DictReader(handle) if r["balancer"] == "ultraep"]
     assert [int(r["layer"]) for r in rows] == [1, 2, 3, 4]
     for r in rows:
-        expected = sum(records["ultraep"][i]["balancer"][r["layer"]]["imbalance_after"]
-                       for i in measured) / len(measured)
+        expected = sum(
+            records["ultraep"][i]["balancer"][r["layer"]]["imbalance_after"] for i in measured
+        ) / len(measured)
         assert float(r["imbalance_after"]) == pytest.approx(expected, rel=1e-12)
 
 
@@ -155,9 +194,24 @@ def test_failed_runs_are_reported_not_hidden(tmp_path, capsys):
     (checkpoint / "iter_0000002").mkdir(parents=True)
     (checkpoint / "latest_checkpointed_iteration.txt").write_text("2")
     out = tmp_path / "out"
-    code = main([
-        "resume-experiment", "--load", str(checkpoint), "--iterations", "2", "--balancers", "ultraep,none,eplb",
-        "--output-dir", str(out), "--", "bash", "-c", FAKE_LAUNCHER, "launcher"])
+    code = main(
+        [
+            "resume-experiment",
+            "--load",
+            str(checkpoint),
+            "--iterations",
+            "2",
+            "--balancers",
+            "ultraep,none,eplb",
+            "--output-dir",
+            str(out),
+            "--",
+            "bash",
+            "-c",
+            FAKE_LAUNCHER,
+            "launcher",
+        ]
+    )
     printed = capsys.readouterr()
     assert code == 1
     assert "RuntimeError: boom" in printed.out  # the failed run's last lines are shown
@@ -170,8 +224,30 @@ def test_failed_runs_are_reported_not_hidden(tmp_path, capsys):
     assert "Failed runs:" in markdown and str(out / "ultraep" / "log.txt") in markdown
     assert "3 run(s) failed" in printed.err
     # Machine-readable: the same statuses as JSON on stdout, progress on stderr.
-    assert main(["resume-experiment", "--load", str(checkpoint), "--ckpt-step", "2", "--iterations", "2",
-                 "--balancers", "ultraep,none", "--output-dir", str(out), "--json", "--", "bash", "-c", FAKE_LAUNCHER, "launcher"]) == 1
+    assert (
+        main(
+            [
+                "resume-experiment",
+                "--load",
+                str(checkpoint),
+                "--ckpt-step",
+                "2",
+                "--iterations",
+                "2",
+                "--balancers",
+                "ultraep,none",
+                "--output-dir",
+                str(out),
+                "--json",
+                "--",
+                "bash",
+                "-c",
+                FAKE_LAUNCHER,
+                "launcher",
+            ]
+        )
+        == 1
+    )
     printed = capsys.readouterr()
     runs = {r["balancer"]: r["status"] for r in json.loads(printed.out)["runs"]}
     assert runs == {"ultraep": "failed: exit code 3", "none": status["none"]}
@@ -184,22 +260,58 @@ def test_bad_experiment_setups_are_refused(tmp_path, capsys):
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("2")
     (tmp_path / "iter_0000002").mkdir()
     with pytest.raises(SystemExit) as exc:
-        main(["resume-experiment", "--load", str(tmp_path), "--balancers", "none,lplb", "--", "true"])
+        main(
+            ["resume-experiment", "--load", str(tmp_path), "--balancers", "none,lplb", "--", "true"]
+        )
     assert exc.value.code == 2 and "unknown" in capsys.readouterr().err
-    assert main(["resume-experiment", "--load", str(tmp_path), "--iterations", "2",
-                 "--warmup-iterations", "2", "--", "true"]) == 2
+    assert (
+        main(
+            [
+                "resume-experiment",
+                "--load",
+                str(tmp_path),
+                "--iterations",
+                "2",
+                "--warmup-iterations",
+                "2",
+                "--",
+                "true",
+            ]
+        )
+        == 2
+    )
 
 
-def test_the_checkpoints_iteration_settings_are_checked_before_launching(tiny_balanced_run, tmp_path, capsys):
+def test_the_checkpoints_iteration_settings_are_checked_before_launching(
+    tiny_balanced_run, tmp_path, capsys
+):
     """The tiny recipe trains 40 iterations (its TRAIN_ITERS default), read back from the
     checkpoint; a window past them is refused before anything runs."""
     saved = checkpoint_args(tiny_balanced_run.checkpoint, CHECKPOINT_ITERATION)
     assert saved.train_iters == 40 and saved.expert_model_parallel_size == 4
     marker = tmp_path / "launched"
-    assert main(["resume-experiment", "--load", str(tiny_balanced_run.checkpoint), "--iterations", "39",
-                 "--output-dir", str(tmp_path / "out"), "--", "touch", str(marker)]) == 2
+    assert (
+        main(
+            [
+                "resume-experiment",
+                "--load",
+                str(tiny_balanced_run.checkpoint),
+                "--iterations",
+                "39",
+                "--output-dir",
+                str(tmp_path / "out"),
+                "--",
+                "touch",
+                str(marker),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
-    assert "trains 40 iterations (--train-iters 40" in err and "leaves 38, fewer than --iterations 39" in err
+    assert (
+        "trains 40 iterations (--train-iters 40" in err
+        and "leaves 38, fewer than --iterations 39" in err
+    )
     assert not marker.exists()
 
 
@@ -219,15 +331,56 @@ def test_one_iteration_and_the_running_python(tmp_path, capsys, monkeypatch):
     (checkpoint / "iter_0000002").mkdir(parents=True)
     (checkpoint / "latest_checkpointed_iteration.txt").write_text("2")
     out = tmp_path / "out"
-    assert main(["resume-experiment", "--load", str(checkpoint), "--iterations", "1", "--balancers", "none",
-                 "--output-dir", str(out), "--", "bash", "-c", ONE_ITERATION, "launcher"]) == 0
+    assert (
+        main(
+            [
+                "resume-experiment",
+                "--load",
+                str(checkpoint),
+                "--iterations",
+                "1",
+                "--balancers",
+                "none",
+                "--output-dir",
+                str(out),
+                "--",
+                "bash",
+                "-c",
+                ONE_ITERATION,
+                "launcher",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
-    assert "no warm-up iteration is left out" in printed and "its --train-iters is not checked" in printed
+    assert (
+        "no warm-up iteration is left out" in printed
+        and "its --train-iters is not checked" in printed
+    )
     with open(out / "comparison.csv") as handle:
         row = next(csv.DictReader(handle))
     assert (row["status"], row["measured"], float(row["time_ms"])) == ("ok", "1", 12.5)
     assert f"python: {sys.executable}" in (out / "none" / "log.txt").read_text()
     monkeypatch.setenv("ULTRAEP_PYTHON", "/opt/cluster/python")
-    assert main(["resume-experiment", "--load", str(checkpoint), "--iterations", "1", "--balancers", "none",
-                 "--output-dir", str(out), "--", "bash", "-c", ONE_ITERATION, "launcher"]) == 0
+    assert (
+        main(
+            [
+                "resume-experiment",
+                "--load",
+                str(checkpoint),
+                "--iterations",
+                "1",
+                "--balancers",
+                "none",
+                "--output-dir",
+                str(out),
+                "--",
+                "bash",
+                "-c",
+                ONE_ITERATION,
+                "launcher",
+            ]
+        )
+        == 0
+    )
     assert "python: /opt/cluster/python" in (out / "none" / "log.txt").read_text()

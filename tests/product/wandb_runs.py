@@ -37,14 +37,21 @@ def wandb_run_file(run: str | Path, run_id: str | None = None) -> Path:
         return run
     files = sorted(run.glob("run-*.wandb"))
     if not files:
-        files = sorted({f.resolve() for pattern in ("*run-*/run-*.wandb", "wandb/*run-*/run-*.wandb")
-                        for f in run.glob(pattern)})
+        files = sorted(
+            {
+                f.resolve()
+                for pattern in ("*run-*/run-*.wandb", "wandb/*run-*/run-*.wandb")
+                for f in run.glob(pattern)
+            }
+        )
     if run_id is not None:
         files = [f for f in files if f.name == f"run-{run_id}.wandb"]
     if not files:
-        raise FileNotFoundError(f"no wandb run file (run-*.wandb{f' of run {run_id}' if run_id else ''}) under {run}")
+        raise FileNotFoundError(
+            f"no wandb run file (run-*.wandb{f' of run {run_id}' if run_id else ''}) under {run}"
+        )
     if len(files) > 1:
-        ids = [f.stem[len("run-"):] for f in files]
+        ids = [f.stem[len("run-") :] for f in files]
         raise ValueError(f"{len(files)} wandb runs under {run} ({', '.join(ids)}): pass run_id")
     return files[0]
 
@@ -73,7 +80,7 @@ def iter_wandb_records(run: str | Path, run_id: str | None = None) -> Iterator[A
         if kind == 0 and length == 0:  # zero padding at the end of a block / of the file
             pos += left
             continue
-        chunk = data[pos + _CHUNK.size: pos + _CHUNK.size + length]
+        chunk = data[pos + _CHUNK.size : pos + _CHUNK.size + length]
         if len(chunk) < length:
             break  # a record still being written
         if zlib.crc32(chunk, zlib.crc32(bytes([kind]))) & 0xFFFFFFFF != crc:

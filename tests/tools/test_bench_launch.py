@@ -11,8 +11,24 @@ from gloo_launch import REPO_ROOT, gloo_env
 
 def test_launch_benchmark_times_a_cold_and_a_warm_launch():
     completed = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "tools" / "bench_launch.py"), "--nproc", "2", "--ep", "2", "--iters", "1",
-         "--repeats", "1"], capture_output=True, text=True, timeout=600, env=gloo_env(), cwd=REPO_ROOT)
+        [
+            sys.executable,
+            str(REPO_ROOT / "tools" / "bench_launch.py"),
+            "--nproc",
+            "2",
+            "--ep",
+            "2",
+            "--iters",
+            "1",
+            "--repeats",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=gloo_env(),
+        cwd=REPO_ROOT,
+    )
     assert completed.returncode == 0, completed.stderr[-3000:]
     out = completed.stdout
     cold = float(re.search(r"cold \(torchrun\) +(\d+\.\d) s", out).group(1))

@@ -22,7 +22,9 @@ def test_round_trip_all_widths(tmp_path, compress):
     data = sample_iterations()
     data[4] = [(0, 1, torch.zeros((R, E), dtype=torch.int64))]  # all-zero load
     path = tmp_path / "t.uetrace"
-    write_iterations(path, data, compress=compress, meta={"hidden_size": 16, "nested": {"a": [1, 2]}})
+    write_iterations(
+        path, data, compress=compress, meta={"hidden_size": 16, "nested": {"a": [1, 2]}}
+    )
     trace = read_trace(path)
     expected = [(it, mb, layer, load) for it, recs in data.items() for mb, layer, load in recs]
     assert trace.num_records == len(expected)
@@ -33,9 +35,13 @@ def test_round_trip_all_widths(tmp_path, compress):
         assert torch.equal(got, load)
     assert trace.header.meta == {"hidden_size": 16, "nested": {"a": [1, 2]}}
     assert (trace.header.version, trace.header.num_ranks, trace.header.num_experts) == (1, R, E)
-    assert trace.status == "closed" and trace.truncated_bytes == 0 and trace.uncommitted_records == 0
+    assert (
+        trace.status == "closed" and trace.truncated_bytes == 0 and trace.uncommitted_records == 0
+    )
     assert trace.layers == [1, 3]
-    assert torch.equal(trace.load[trace.layer == 3], torch.stack([e[3] for e in expected if e[2] == 3]))
+    assert torch.equal(
+        trace.load[trace.layer == 3], torch.stack([e[3] for e in expected if e[2] == 3])
+    )
 
 
 def test_byte_layout_matches_the_documented_spec(tmp_path):
@@ -52,9 +58,11 @@ def test_byte_layout_matches_the_documented_spec(tmp_path):
     pos = line_end + 1
     seen = []
     while pos < len(blob):
-        tag, mb, it, layer, width, codec, reserved, nbytes, crc = struct.unpack_from("<4siqiBBHII", blob, pos)
-        payload = blob[pos + 32:pos + 32 + nbytes]
-        assert crc == zlib.crc32(blob[pos:pos + 28] + payload)
+        tag, mb, it, layer, width, codec, reserved, nbytes, crc = struct.unpack_from(
+            "<4siqiBBHII", blob, pos
+        )
+        payload = blob[pos + 32 : pos + 32 + nbytes]
+        assert crc == zlib.crc32(blob[pos : pos + 28] + payload)
         assert reserved == 0
         seen.append((tag, it, mb, layer, width, codec, payload))
         pos += 32 + nbytes
@@ -71,7 +79,10 @@ def test_trace_paths(tmp_path):
     assert p == tmp_path / "dir" / "ep_group_0003.uetrace" and p.parent.is_dir()
     TraceWriter(p, num_ranks=R, num_experts=E).close()
     TraceWriter(traces.trace_path(tmp_path / "dir", 1), num_ranks=R, num_experts=E).close()
-    assert [f.name for f in traces.find_trace_files(tmp_path / "dir")] == ["ep_group_0001.uetrace", "ep_group_0003.uetrace"]
+    assert [f.name for f in traces.find_trace_files(tmp_path / "dir")] == [
+        "ep_group_0001.uetrace",
+        "ep_group_0003.uetrace",
+    ]
     with pytest.raises(ValueError, match="does not exist"):
         traces.find_trace_files(tmp_path / "nope")
     with pytest.raises(ValueError, match="no \\*.uetrace"):

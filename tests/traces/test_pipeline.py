@@ -14,7 +14,11 @@ import warnings
 import pytest
 import torch
 
-from ultraep_megatron.traces.pipeline import PipelineSplitError, first_stage_suggestion, pipeline_stages
+from ultraep_megatron.traces.pipeline import (
+    PipelineSplitError,
+    first_stage_suggestion,
+    pipeline_stages,
+)
 
 LAYERS = (1, 2, 5, 8, 23, 27, 28, 46, 61, 94)
 STAGES = (1, 2, 3, 4, 8)
@@ -32,14 +36,22 @@ def megatron_stages(num_layers, pp, first=None, last=None, embedding=False, loss
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             config = TransformerConfig(
-                num_layers=num_layers, hidden_size=64, num_attention_heads=4, pipeline_model_parallel_size=pp,
-                pipeline_dtype=torch.float32, num_layers_in_first_pipeline_stage=first,
-                num_layers_in_last_pipeline_stage=last, account_for_embedding_in_pipeline_split=embedding,
-                account_for_loss_in_pipeline_split=loss)
+                num_layers=num_layers,
+                hidden_size=64,
+                num_attention_heads=4,
+                pipeline_model_parallel_size=pp,
+                pipeline_dtype=torch.float32,
+                num_layers_in_first_pipeline_stage=first,
+                num_layers_in_last_pipeline_stage=last,
+                account_for_embedding_in_pipeline_split=embedding,
+                account_for_loss_in_pipeline_split=loss,
+            )
             stages = []
             for rank in range(pp):
                 offset = get_transformer_layer_offset(config, pp_rank=rank)
-                stages.append(range(offset + 1, offset + get_num_layers_to_build(config, pp_rank=rank) + 1))
+                stages.append(
+                    range(offset + 1, offset + get_num_layers_to_build(config, pp_rank=rank) + 1)
+                )
     except (ValueError, AssertionError):
         return None
     return stages
@@ -47,19 +59,28 @@ def megatron_stages(num_layers, pp, first=None, last=None, embedding=False, loss
 
 def ours(num_layers, pp, first=None, last=None, embedding=False, loss=False):
     try:
-        return pipeline_stages(num_layers, pp, first=first, last=last, account_for_embedding=embedding,
-                               account_for_loss=loss)
+        return pipeline_stages(
+            num_layers,
+            pp,
+            first=first,
+            last=last,
+            account_for_embedding=embedding,
+            account_for_loss=loss,
+        )
     except PipelineSplitError:
         return None
 
 
 def test_every_split_numbers_its_layers_as_megatron_does():
     compared = refused_here_only = 0
-    for L, pp, first, last, embedding, loss in itertools.product(LAYERS, STAGES, FIRST, LAST, (False, True),
-                                                                 (False, True)):
+    for L, pp, first, last, embedding, loss in itertools.product(
+        LAYERS, STAGES, FIRST, LAST, (False, True), (False, True)
+    ):
         theirs = megatron_stages(L, pp, first, last, embedding, loss)
         mine = ours(L, pp, first, last, embedding, loss)
-        whole = theirs is not None and [n for stage in theirs for n in stage] == list(range(1, L + 1))
+        whole = theirs is not None and [n for stage in theirs for n in stage] == list(
+            range(1, L + 1)
+        )
         if whole and not (pp == 1 and first is not None and last is not None):
             assert mine == theirs, (L, pp, first, last, embedding, loss)
             compared += 1
@@ -81,15 +102,32 @@ def test_the_even_split_formula_mislabels_an_uneven_first_stage():
     assert range(even_offset + 1, even_offset + 17) != theirs[1]
 
 
-@pytest.mark.parametrize("num_layers, pp, message, suggestion", [
-    (27, 2, "--num-layers 27 does not split evenly over --pipeline-model-parallel-size 2 stages",
-     "--decoder-first-pipeline-num-layers 13"),
-    (94, 4, "--num-layers 94 does not split evenly over --pipeline-model-parallel-size 4 stages",
-     "--decoder-first-pipeline-num-layers 22"),
-    (5, 4, "--num-layers 5 does not split evenly over --pipeline-model-parallel-size 4 stages",
-     "--decoder-first-pipeline-num-layers 2"),
-])
-def test_an_uneven_split_names_the_flags_and_a_first_stage_count_megatron_builds(num_layers, pp, message, suggestion):
+@pytest.mark.parametrize(
+    "num_layers, pp, message, suggestion",
+    [
+        (
+            27,
+            2,
+            "--num-layers 27 does not split evenly over --pipeline-model-parallel-size 2 stages",
+            "--decoder-first-pipeline-num-layers 13",
+        ),
+        (
+            94,
+            4,
+            "--num-layers 94 does not split evenly over --pipeline-model-parallel-size 4 stages",
+            "--decoder-first-pipeline-num-layers 22",
+        ),
+        (
+            5,
+            4,
+            "--num-layers 5 does not split evenly over --pipeline-model-parallel-size 4 stages",
+            "--decoder-first-pipeline-num-layers 2",
+        ),
+    ],
+)
+def test_an_uneven_split_names_the_flags_and_a_first_stage_count_megatron_builds(
+    num_layers, pp, message, suggestion
+):
     with pytest.raises(PipelineSplitError) as error:
         pipeline_stages(num_layers, pp)
     assert str(error.value) == message and error.value.suggestion == suggestion
@@ -100,9 +138,12 @@ def test_an_uneven_split_names_the_flags_and_a_first_stage_count_megatron_builds
 
 
 def test_first_and_last_counts_that_leave_no_whole_middle_split_are_refused():
-    with pytest.raises(PipelineSplitError, match=r"--decoder-first-pipeline-num-layers 23 and "
-                                                 r"--decoder-last-pipeline-num-layers 23 leave 49 of --num-layers 95 "
-                                                 r"to 2 middle pipeline stage\(s\)"):
+    with pytest.raises(
+        PipelineSplitError,
+        match=r"--decoder-first-pipeline-num-layers 23 and "
+        r"--decoder-last-pipeline-num-layers 23 leave 49 of --num-layers 95 "
+        r"to 2 middle pipeline stage\(s\)",
+    ):
         pipeline_stages(95, 4, first=23, last=23)
     assert first_stage_suggestion(95, 4, last=23) == "--decoder-first-pipeline-num-layers 24"
     assert megatron_stages(95, 4, first=24, last=23) == ours(95, 4, first=24, last=23)

@@ -32,7 +32,7 @@ def record_ends(path: Path) -> list[tuple[bytes, int]]:
     pos = blob.index(b"\n", 14) + 1
     out = []
     while pos < len(blob):
-        tag = blob[pos:pos + 4]
+        tag = blob[pos : pos + 4]
         nbytes = struct.unpack_from("<I", blob, pos + 24)[0]
         pos += 32 + nbytes
         out.append((tag, pos))
@@ -80,12 +80,18 @@ def test_trace_info_counts_what_a_replay_reads_at_every_cut(tmp_path):
         cut_path.write_bytes(blob[:cut])
         info = trace_info(cut_path)
         trace = read_trace(cut_path, on_truncated="ignore")
-        assert (info["loads"], info["iterations"]) == (trace.num_records, len(set(trace.iteration.tolist()))), cut
+        assert (info["loads"], info["iterations"]) == (
+            trace.num_records,
+            len(set(trace.iteration.tolist())),
+        ), cut
         assert sum(info["layers"].values()) == info["loads"]
         everything = read_trace(cut_path, on_truncated="ignore", include_uncommitted=True)
         assert info["uncommitted"] == everything.num_records - trace.num_records
         described = TraceRecords([cut_path], on_truncated="ignore").describe()[0]
-        assert f" {info['loads']} loads in {info['iterations']} iterations" in described, (cut, described)
+        assert f" {info['loads']} loads in {info['iterations']} iterations" in described, (
+            cut,
+            described,
+        )
 
 
 class _no_warning:
@@ -134,8 +140,13 @@ def test_foreign_corrupt_and_unsupported_files(tmp_path):
     with pytest.raises(TraceFormatError, match="does not declare format"):
         TraceReader(wrong_format)
     newer = tmp_path / "newer.uetrace"
-    newer.write_bytes(b"ULTRAEP-TRACE\n" + json.dumps(
-        {"format": "ultraep-trace", "version": 99, "num_ranks": R, "num_experts": E}).encode() + b"\n")
+    newer.write_bytes(
+        b"ULTRAEP-TRACE\n"
+        + json.dumps(
+            {"format": "ultraep-trace", "version": 99, "num_ranks": R, "num_experts": E}
+        ).encode()
+        + b"\n"
+    )
     with pytest.raises(TraceFormatError, match="version 99"):
         TraceReader(newer)
     empty = tmp_path / "empty.uetrace"
@@ -176,7 +187,9 @@ def test_reader_sees_committed_iterations_while_the_writer_runs(tmp_path):
     live = TraceReader(path)
     got = list(live.records())
     assert [r.iteration for r in got] == [1, 1] and torch.equal(got[1].load, loads[1])
-    assert live.status == "open" and live.uncommitted_records == 1 and live.committed_iterations == 1
+    assert (
+        live.status == "open" and live.uncommitted_records == 1 and live.committed_iterations == 1
+    )
     assert [r.iteration for r in TraceReader(path).records(include_uncommitted=True)] == [1, 1, 2]
     writer.append(2, 1, 1, loads[3])
     writer.flush_iteration(2)

@@ -31,8 +31,12 @@ def test_trace_selection_and_load_scale(tmp_path):
     assert seen[-1] == selected.total == 4
     doubled = rp.replay(traces.TraceRecords([path], load_scale=2.0), spec)
     plain = rp.replay(traces.TraceRecords([path]), spec)
-    assert np.allclose(doubled.metrics["none"]["imbalance_after"], plain.metrics["none"]["imbalance_after"])
-    assert np.array_equal(doubled.metrics["none"]["threshold"], 2 * plain.metrics["none"]["threshold"])
+    assert np.allclose(
+        doubled.metrics["none"]["imbalance_after"], plain.metrics["none"]["imbalance_after"]
+    )
+    assert np.array_equal(
+        doubled.metrics["none"]["threshold"], 2 * plain.metrics["none"]["threshold"]
+    )
     records_stream = traces.TraceRecords([path])
     assert records_stream.total == len(records)
     with pytest.raises(ValueError, match="load_scale"):

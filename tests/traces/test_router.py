@@ -25,11 +25,21 @@ def top_indices(rank: int, step: int, microbatch: int, key: tuple, seed: int = 0
     """Deterministic, rank- and layer-dependent top-k ids [TOKENS, TOPK] (distinct per token)."""
     rng = np.random.default_rng([seed, rank, step, microbatch, sum(map(ord, str(key)))])
     weights = rng.dirichlet(np.ones(E) * 0.5)
-    return torch.tensor(np.stack([rng.choice(E, TOPK, replace=False, p=weights) for _ in range(TOKENS)]))
+    return torch.tensor(
+        np.stack([rng.choice(E, TOPK, replace=False, p=weights) for _ in range(TOKENS)])
+    )
 
 
-def write_run(directory: Path, *, world: int, steps: int, microbatches: int, keys, start_step: int = 0,
-              seed: int = 0) -> dict:
+def write_run(
+    directory: Path,
+    *,
+    world: int,
+    steps: int,
+    microbatches: int,
+    keys,
+    start_step: int = 0,
+    seed: int = 0,
+) -> dict:
     """Write a run's trace with megatron's RouterTracer, one tracer per rank, calls in the training
     order (microbatch-major). Returns {(rank, step, microbatch, key): ids}."""
     written = {}
@@ -56,7 +66,9 @@ MTP = [("mtp", 0, 0)]
 
 
 def test_loads_per_ep_group_microbatch_and_layer(tmp_path):
-    written = write_run(tmp_path, world=4, steps=2, microbatches=2, keys=DECODER + MTP, start_step=5)
+    written = write_run(
+        tmp_path, world=4, steps=2, microbatches=2, keys=DECODER + MTP, start_step=5
+    )
     layout = RouterTraceLayout.resolve(ep_size=2, num_experts=E, num_layers=6)
     records = list(RouterTraceRecords(tmp_path, layout, on_truncated="error"))
     assert len(records) == 2 * 2 * 2 * 3  # groups x steps x microbatches x layers
@@ -64,7 +76,9 @@ def test_loads_per_ep_group_microbatch_and_layer(tmp_path):
     seen = set()
     for group, iteration, microbatch, layer, load in records:
         key = next(k for k, v in layer_of.items() if v == layer)
-        expected = np.stack([histogram(written[(group * 2 + r, iteration - 1, microbatch, key)]) for r in range(2)])
+        expected = np.stack(
+            [histogram(written[(group * 2 + r, iteration - 1, microbatch, key)]) for r in range(2)]
+        )
         assert np.array_equal(load.numpy(), expected)
         assert load.dtype == torch.int64 and int(load.sum()) == 2 * TOKENS * TOPK
         seen.add((group, iteration, microbatch, layer))
@@ -94,25 +108,38 @@ def test_pipeline_stages_number_their_layers(tmp_path):
 
 def test_the_runs_arguments_from_its_log_or_wandb_config(tmp_path):
     log = tmp_path / "log.txt"
-    log.write_text("[rank0]: starting\n------------------------ arguments ------------------------\n"
-                   "  expert_model_parallel_size ...................... 2\n"
-                   "  global_batch_size ............................... 8\n"
-                   "  hidden_size ..................................... 64\n"
-                   "  micro_batch_size ................................ 2\n"
-                   "  data_parallel_size .............................. 2\n"
-                   "  num_experts ..................................... 8\n"
-                   "  num_layers ...................................... 2\n"
-                   "  rampup_batch_size ............................... None\n"
-                   "  swiglu .......................................... True\n"
-                   "  world_size ...................................... 4\n"
-                   "-------------------- end of arguments ---------------------\n")
+    log.write_text(
+        "[rank0]: starting\n------------------------ arguments ------------------------\n"
+        "  expert_model_parallel_size ...................... 2\n"
+        "  global_batch_size ............................... 8\n"
+        "  hidden_size ..................................... 64\n"
+        "  micro_batch_size ................................ 2\n"
+        "  data_parallel_size .............................. 2\n"
+        "  num_experts ..................................... 8\n"
+        "  num_layers ...................................... 2\n"
+        "  rampup_batch_size ............................... None\n"
+        "  swiglu .......................................... True\n"
+        "  world_size ...................................... 4\n"
+        "-------------------- end of arguments ---------------------\n"
+    )
     args = read_run_args(log)
-    assert (args["expert_model_parallel_size"], args["swiglu"], args["rampup_batch_size"]) == (2, True, None)
+    assert (args["expert_model_parallel_size"], args["swiglu"], args["rampup_batch_size"]) == (
+        2,
+        True,
+        None,
+    )
     layout = RouterTraceLayout.resolve(run_args=args)
-    assert (layout.ep_size, layout.num_experts, layout.num_microbatches, layout.world_size) == (2, 8, 2, 4)
+    assert (layout.ep_size, layout.num_experts, layout.num_microbatches, layout.world_size) == (
+        2,
+        8,
+        2,
+        4,
+    )
     assert layout.meta["hidden_size"] == 64 and layout.meta["swiglu"] is True
     wandb_config = tmp_path / "config.yaml"
-    wandb_config.write_text("_wandb:\n  value: {}\nexpert_model_parallel_size:\n  value: 2\nnum_experts:\n  value: 8\n")
+    wandb_config.write_text(
+        "_wandb:\n  value: {}\nexpert_model_parallel_size:\n  value: 2\nnum_experts:\n  value: 8\n"
+    )
     assert RouterTraceLayout.resolve(run_args=read_run_args(wandb_config)).ep_size == 2
     with pytest.raises(ValueError, match="--expert-model-parallel-size 4 contradicts"):
         RouterTraceLayout.resolve(ep_size=4, run_args=args)
@@ -170,7 +197,8 @@ def test_mixed_and_foreign_files_are_refused(tmp_path):
     # Another rank's records in a rank's file, a missing rank file, expert ids out of range.
     write_run(tmp_path / "b", world=2, steps=1, microbatches=1, keys=DECODER)
     (tmp_path / "b" / "router_trace_rank1.jsonl").write_bytes(
-        (tmp_path / "b" / "router_trace_rank0.jsonl").read_bytes())
+        (tmp_path / "b" / "router_trace_rank0.jsonl").read_bytes()
+    )
     with pytest.raises(traces.TraceFormatError, match="a record of rank 0 in rank 1's file"):
         list(RouterTraceRecords(tmp_path / "b", layout))
     write_run(tmp_path / "c", world=3, steps=1, microbatches=1, keys=DECODER)
@@ -179,11 +207,15 @@ def test_mixed_and_foreign_files_are_refused(tmp_path):
         RouterTraceRecords(tmp_path / "c", layout)
     write_run(tmp_path / "d", world=2, steps=1, microbatches=1, keys=DECODER)
     with pytest.raises(traces.TraceFormatError, match="check --num-experts"):
-        list(RouterTraceRecords(tmp_path / "d", RouterTraceLayout.resolve(ep_size=2, num_experts=4)))
+        list(
+            RouterTraceRecords(tmp_path / "d", RouterTraceLayout.resolve(ep_size=2, num_experts=4))
+        )
     (tmp_path / "e").mkdir()
     (tmp_path / "e" / "router_trace_rank0.jsonl").write_text("not json\n")
     with pytest.raises(traces.TraceFormatError, match="not a router trace record"):
-        list(RouterTraceRecords(tmp_path / "e", RouterTraceLayout.resolve(ep_size=1, num_experts=E)))
+        list(
+            RouterTraceRecords(tmp_path / "e", RouterTraceLayout.resolve(ep_size=1, num_experts=E))
+        )
     with pytest.raises(traces.TraceFormatError, match="not a whole number of EP groups"):
         RouterTraceRecords(tmp_path / "a", RouterTraceLayout.resolve(ep_size=4, num_experts=E))
 
@@ -208,9 +240,19 @@ def test_convert_writes_the_projects_traces(tmp_path):
         convert_router_trace(RouterTraceRecords(tmp_path / "m", layout), tmp_path / "again")
 
 
-def write_pipeline_run(directory: Path, *, ep: int, stage_layers: list[int], microbatches: int, steps: int = 1,
-                       recompute: bool = False, num_experts: int = E, tokens: int = TOKENS, topk: int = TOPK,
-                       broken_recompute: bool = False) -> dict:
+def write_pipeline_run(
+    directory: Path,
+    *,
+    ep: int,
+    stage_layers: list[int],
+    microbatches: int,
+    steps: int = 1,
+    recompute: bool = False,
+    num_experts: int = E,
+    tokens: int = TOKENS,
+    topk: int = TOPK,
+    broken_recompute: bool = False,
+) -> dict:
     """A pipelined run's trace as megatron's RouterTracer records it: ranks in blocks of one stage
     (stage = rank // (ranks per stage)), each stage's layers named by their index on the stage;
     per step the 1F1B schedule's calls: warm-up forwards, then a forward and a backward alternately,
@@ -225,9 +267,13 @@ def write_pipeline_run(directory: Path, *, ep: int, stage_layers: list[int], mic
         stage = rank // ep
         tracer = RouterTracer(str(directory), max_steps=10_000, rank=rank, training_mode=True)
         for step in range(steps):
-            ids = {(mb, layer): torch.tensor(np.stack([rng.choice(num_experts, topk, replace=False)
-                                                       for _ in range(tokens)]))
-                   for mb in range(microbatches) for layer in range(stage_layers[stage])}
+            ids = {
+                (mb, layer): torch.tensor(
+                    np.stack([rng.choice(num_experts, topk, replace=False) for _ in range(tokens)])
+                )
+                for mb in range(microbatches)
+                for layer in range(stage_layers[stage])
+            }
             written.update({(rank, step, mb, layer): v for (mb, layer), v in ids.items()})
             warmup = min(pp - stage - 1, microbatches)
             events = ["F"] * warmup + ["F", "B"] * (microbatches - warmup) + ["B"] * warmup
@@ -253,26 +299,42 @@ def test_an_uneven_first_stage_is_numbered_as_megatron_numbers_it(tmp_path):
     stages): stage 1's layers are 13-28, as megatron-core's get_transformer_layer_offset numbers
     them (tests/traces/test_pipeline.py), not 15-30 (the even split's offset)."""
     written = write_pipeline_run(tmp_path, ep=2, stage_layers=[12, 16], microbatches=1)
-    run_args = {"expert_model_parallel_size": 2, "num_experts": E, "num_layers": 28,
-                "pipeline_model_parallel_size": 2, "decoder_first_pipeline_num_layers": 12,
-                "decoder_last_pipeline_num_layers": None}
+    run_args = {
+        "expert_model_parallel_size": 2,
+        "num_experts": E,
+        "num_layers": 28,
+        "pipeline_model_parallel_size": 2,
+        "decoder_first_pipeline_num_layers": 12,
+        "decoder_last_pipeline_num_layers": None,
+    }
     records = list(RouterTraceRecords(tmp_path, RouterTraceLayout.resolve(run_args=run_args)))
     layers = {g: sorted(layer for group, _, _, layer, _ in records if group == g) for g in (0, 1)}
     assert layers == {0: list(range(1, 13)), 1: list(range(13, 29))}
     for group, _, microbatch, layer, load in records:
         index = layer - 1 - (12 if group else 0)
-        expected = np.stack([histogram(written[(group * 2 + r, 0, microbatch, index)]) for r in range(2)])
+        expected = np.stack(
+            [histogram(written[(group * 2 + r, 0, microbatch, index)]) for r in range(2)]
+        )
         assert np.array_equal(load.numpy(), expected)
     # The same through flags; and a split that cannot be says so instead of "need --num-layers".
-    flagged = RouterTraceLayout.resolve(ep_size=2, num_experts=E, num_layers=28, pp_size=2, first_stage_layers=12)
+    flagged = RouterTraceLayout.resolve(
+        ep_size=2, num_experts=E, num_layers=28, pp_size=2, first_stage_layers=12
+    )
     assert [r[3] for r in RouterTraceRecords(tmp_path, flagged)] == [r[3] for r in records]
-    with pytest.raises(ValueError, match=r"^--num-layers 27 does not split evenly over "
-                                         r"--pipeline-model-parallel-size 2 stages, so the run must have split "
-                                         r"them otherwise: give its --decoder-first-pipeline-num-layers"):
+    with pytest.raises(
+        ValueError,
+        match=r"^--num-layers 27 does not split evenly over "
+        r"--pipeline-model-parallel-size 2 stages, so the run must have split "
+        r"them otherwise: give its --decoder-first-pipeline-num-layers",
+    ):
         RouterTraceLayout.resolve(ep_size=2, num_experts=E, num_layers=27, pp_size=2)
     # A layout that builds fewer layers on a stage than the trace names is refused, not mislabelled.
-    short = RouterTraceLayout.resolve(ep_size=2, num_experts=E, num_layers=20, pp_size=2, first_stage_layers=12)
-    with pytest.raises(traces.TraceFormatError, match="decoder layer index 8 on pipeline stage 1, which builds 8"):
+    short = RouterTraceLayout.resolve(
+        ep_size=2, num_experts=E, num_layers=20, pp_size=2, first_stage_layers=12
+    )
+    with pytest.raises(
+        traces.TraceFormatError, match="decoder layer index 8 on pipeline stage 1, which builds 8"
+    ):
         list(RouterTraceRecords(tmp_path, short))
 
 
@@ -283,39 +345,76 @@ def test_moe_recompute_calls_are_dropped_by_the_1f1b_schedule(tmp_path, pp):
     loads are theirs (each once); a backward call that does not repeat its forward is refused.
     Without the recompute in the run's arguments, 2M calls are not M microbatches: refused."""
     M = 3
-    written = write_pipeline_run(tmp_path / "run", ep=2, stage_layers=[2] * pp, microbatches=M, steps=2,
-                                 recompute=True)
-    run_args = {"expert_model_parallel_size": 2, "num_experts": E, "num_layers": 2 * pp,
-                "pipeline_model_parallel_size": pp, "global_batch_size": M * 2, "micro_batch_size": 1,
-                "data_parallel_size": 2, "recompute_granularity": "selective", "recompute_modules": ["moe"]}
-    records = list(RouterTraceRecords(tmp_path / "run", RouterTraceLayout.resolve(run_args=run_args),
-                                      on_truncated="error"))
+    written = write_pipeline_run(
+        tmp_path / "run", ep=2, stage_layers=[2] * pp, microbatches=M, steps=2, recompute=True
+    )
+    run_args = {
+        "expert_model_parallel_size": 2,
+        "num_experts": E,
+        "num_layers": 2 * pp,
+        "pipeline_model_parallel_size": pp,
+        "global_batch_size": M * 2,
+        "micro_batch_size": 1,
+        "data_parallel_size": 2,
+        "recompute_granularity": "selective",
+        "recompute_modules": ["moe"],
+    }
+    records = list(
+        RouterTraceRecords(
+            tmp_path / "run", RouterTraceLayout.resolve(run_args=run_args), on_truncated="error"
+        )
+    )
     assert len(records) == pp * 2 * M * 2  # groups x steps x microbatches x layers on a stage
     for group, iteration, microbatch, layer, load in records:
         index = (layer - 1) % 2
-        expected = np.stack([histogram(written[(group * 2 + r, iteration - 1, microbatch, index)])
-                             for r in range(2)])
+        expected = np.stack(
+            [
+                histogram(written[(group * 2 + r, iteration - 1, microbatch, index)])
+                for r in range(2)
+            ]
+        )
         assert np.array_equal(load.numpy(), expected), (group, iteration, microbatch, layer)
     plain = {k: v for k, v in run_args.items() if not k.startswith("recompute")}
-    with pytest.raises(traces.TraceFormatError, match=f"{2 * M} router calls on rank 0, the run has {M} "
-                                                      "microbatches per step"):
+    with pytest.raises(
+        traces.TraceFormatError,
+        match=f"{2 * M} router calls on rank 0, the run has {M} microbatches per step",
+    ):
         list(RouterTraceRecords(tmp_path / "run", RouterTraceLayout.resolve(run_args=plain)))
-    write_pipeline_run(tmp_path / "broken", ep=2, stage_layers=[2] * pp, microbatches=M, recompute=True,
-                       broken_recompute=True)
+    write_pipeline_run(
+        tmp_path / "broken",
+        ep=2,
+        stage_layers=[2] * pp,
+        microbatches=M,
+        recompute=True,
+        broken_recompute=True,
+    )
     with pytest.raises(traces.TraceFormatError, match="routes differently from its forward"):
         list(RouterTraceRecords(tmp_path / "broken", RouterTraceLayout.resolve(run_args=run_args)))
     with pytest.raises(ValueError, match="recomputes its MoE layers"):
-        RouterTraceLayout.resolve(run_args={k: v for k, v in run_args.items() if k != "global_batch_size"})
+        RouterTraceLayout.resolve(
+            run_args={k: v for k, v in run_args.items() if k != "global_batch_size"}
+        )
 
 
 #: The Qwen3 HGX recipe's layout until issue 44 (Megatron-Bridge's interleaved TP2 x PP8 (VP4) layout
 #: since): PP4 as 23/24/24/23, EP32, MoE recompute, on 16 nodes. Megatron names a virtual pipeline's
 #: layers in its trace by their virtual stage, which the reader refuses (RouterTraceLayout).
-PP4_LAYOUT = {"--tensor-model-parallel-size": "1", "--pipeline-model-parallel-size": "4",
-              "--decoder-first-pipeline-num-layers": "23", "--decoder-last-pipeline-num-layers": "23",
-              "--recompute-granularity": "selective", "--recompute-modules": "moe"}
-PP4_DROPPED = ("--sequence-parallel", "--num-virtual-stages-per-pipeline-rank", "--account-for-embedding-in-pipeline-split",
-               "--account-for-loss-in-pipeline-split", "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute")
+PP4_LAYOUT = {
+    "--tensor-model-parallel-size": "1",
+    "--pipeline-model-parallel-size": "4",
+    "--decoder-first-pipeline-num-layers": "23",
+    "--decoder-last-pipeline-num-layers": "23",
+    "--recompute-granularity": "selective",
+    "--recompute-modules": "moe",
+}
+PP4_DROPPED = (
+    "--sequence-parallel",
+    "--num-virtual-stages-per-pipeline-rank",
+    "--account-for-embedding-in-pipeline-split",
+    "--account-for-loss-in-pipeline-split",
+    "--overlap-moe-expert-parallel-comm",
+    "--delay-wgrad-compute",
+)
 
 
 def pp4_layout(args: list[str]) -> list[str]:
@@ -346,7 +445,9 @@ def test_a_trace_of_the_qwen3_hgx_recipe_model_in_a_pp4_layout_replays(tmp_path,
     from ultraep_megatron.megatron.recipe_check.memory import stage_layers
 
     recipe = Path(__file__).resolve().parents[2] / "recipes" / "qwen3_235b_a22b_ep32_pp8_hgx.sh"
-    launch = recipe_check.capture_launch(recipe, {"GLOBAL_BATCH_SIZE": "64", "DISPATCHER": "alltoall", "NNODES": "16"})
+    launch = recipe_check.capture_launch(
+        recipe, {"GLOBAL_BATCH_SIZE": "64", "DISPATCHER": "alltoall", "NNODES": "16"}
+    )
     args, printed = recipe_check.validate_arguments(pp4_layout(launch.args), launch.world_size)
     log = tmp_path / "log.txt"
     log.write_text(printed)
@@ -355,19 +456,44 @@ def test_a_trace_of_the_qwen3_hgx_recipe_model_in_a_pp4_layout_replays(tmp_path,
     assert [len(s) for s in stages] == [23, 24, 24, 23]
     M = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
     assert (args.expert_model_parallel_size, args.pipeline_model_parallel_size, M) == (32, 4, 2)
-    write_pipeline_run(tmp_path / "trace", ep=32, stage_layers=[len(s) for s in stages], microbatches=M,
-                       recompute=True, num_experts=128, tokens=2, topk=8)
+    write_pipeline_run(
+        tmp_path / "trace",
+        ep=32,
+        stage_layers=[len(s) for s in stages],
+        microbatches=M,
+        recompute=True,
+        num_experts=128,
+        tokens=2,
+        topk=8,
+    )
 
     assert main(["trace", "info", str(tmp_path / "trace"), "--run-args", str(log), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)["traces"][0]
     assert info["ep_groups"] == 4 and info["status"] == "complete"
     assert info["layers"] == {str(n): M for n in range(1, 95)}
-    records = RouterTraceRecords(tmp_path / "trace", RouterTraceLayout.resolve(run_args=read_run_args(log)))
+    records = RouterTraceRecords(
+        tmp_path / "trace", RouterTraceLayout.resolve(run_args=read_run_args(log))
+    )
     by_group = {}
     for group, _, _, layer, load in records:
         by_group.setdefault(group, set()).add(layer)
         assert int(load.sum()) == 32 * 2 * 8
     assert [sorted(by_group[g]) for g in range(4)] == stages  # EP group g is pipeline stage g
-    assert main(["replay", str(tmp_path / "trace"), "--run-args", str(log), "--balancers", "none,ultraep",
-                 "--no-cost", "--no-peers", "--no-staleness", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "replay",
+                str(tmp_path / "trace"),
+                "--run-args",
+                str(log),
+                "--balancers",
+                "none,ultraep",
+                "--no-cost",
+                "--no-peers",
+                "--no-staleness",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert "ultraep" in capsys.readouterr().out

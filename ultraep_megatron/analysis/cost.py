@@ -64,7 +64,10 @@ def slot_memory_bytes(shape: ExpertShape, num_slots: int, *, num_layers: int = 1
 # Cost model (seconds; estimates)
 # ---------------------------------------------------------------------------------------------
 
-def _compute_seconds(tokens_per_instance: torch.Tensor, shape: ExpertShape, hw: Hardware) -> torch.Tensor:
+
+def _compute_seconds(
+    tokens_per_instance: torch.Tensor, shape: ExpertShape, hw: Hardware
+) -> torch.Tensor:
     """Forward expert compute of every instance, float64 like ``tokens_per_instance`` ([E, R] tokens
     of every instance): ``max((tokens + M0) * flops / F, weights / HBM)`` (a roofline whose compute
     side carries the GEMM's fixed cost of M0 tokens); an instance with no token costs nothing
@@ -76,9 +79,17 @@ def _compute_seconds(tokens_per_instance: torch.Tensor, shape: ExpertShape, hw: 
     return torch.where(tokens > 0, torch.clamp(compute, min=weight_read), torch.zeros_like(tokens))
 
 
-def _assemble(main: torch.Tensor, replica: torch.Tensor, a2a_one_way: float, wdist_direct: float,
-              wdist_relay: float, plan_seconds: float, shape: ExpertShape, hw: Hardware,
-              relay: bool) -> dict:
+def _assemble(
+    main: torch.Tensor,
+    replica: torch.Tensor,
+    a2a_one_way: float,
+    wdist_direct: float,
+    wdist_relay: float,
+    plan_seconds: float,
+    shape: ExpertShape,
+    hw: Hardware,
+    relay: bool,
+) -> dict:
     """Layer times from each rank's forward compute of its main instances and of its replicas
     (float64 [R]), the busiest one-way token all-to-all and the weight distribution's time."""
     wdist = wdist_relay if relay else wdist_direct
@@ -98,21 +109,38 @@ def _assemble(main: torch.Tensor, replica: torch.Tensor, a2a_one_way: float, wdi
     # Backward: combine backward next to the re-materialization, the replicas' backward, the main
     # experts' backward next to the gradient reduction, then the dispatch backward.
     replicas_done = after(zero + a2a_one_way, wdist) + 2.0 * replica
-    bwd = float((replicas_done + after(2.0 * main, wred)).max()) + a2a_one_way if main.numel() else 0.0
+    bwd = (
+        float((replicas_done + after(2.0 * main, wred)).max()) + a2a_one_way
+        if main.numel()
+        else 0.0
+    )
     moe_fwd = float((main + replica).max()) if main.numel() else 0.0
     moe_bwd = 2.0 * moe_fwd
     bare_fwd = plan_seconds + 2.0 * a2a_one_way + moe_fwd  # with transfers that cost nothing
     bare_bwd = 2.0 * a2a_one_way + moe_bwd
     return {
-        "plan": plan_seconds, "wdist_direct": wdist_direct, "wdist_relay": wdist_relay, "wdist": wdist,
-        "a2a_fwd": 2.0 * a2a_one_way, "a2a_bwd": 2.0 * a2a_one_way, "moe_fwd": moe_fwd, "moe_bwd": moe_bwd,
-        "bwd_replica": wdist + wred, "fwd_exposed": max(0.0, fwd - bare_fwd),
-        "bwd_exposed": max(0.0, bwd - bare_bwd), "fwd": fwd, "bwd": bwd, "total": fwd + bwd,
-        "total_excl_plan": fwd + bwd - plan_seconds, "transfer_overlap": alpha,
+        "plan": plan_seconds,
+        "wdist_direct": wdist_direct,
+        "wdist_relay": wdist_relay,
+        "wdist": wdist,
+        "a2a_fwd": 2.0 * a2a_one_way,
+        "a2a_bwd": 2.0 * a2a_one_way,
+        "moe_fwd": moe_fwd,
+        "moe_bwd": moe_bwd,
+        "bwd_replica": wdist + wred,
+        "fwd_exposed": max(0.0, fwd - bare_fwd),
+        "bwd_exposed": max(0.0, bwd - bare_bwd),
+        "fwd": fwd,
+        "bwd": bwd,
+        "total": fwd + bwd,
+        "total_excl_plan": fwd + bwd - plan_seconds,
+        "transfer_overlap": alpha,
     }
 
 
-def _main_and_replica(per_instance: torch.Tensor, experts_per_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _main_and_replica(
+    per_instance: torch.Tensor, experts_per_rank: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """[E, R] per-instance seconds -> per-rank seconds of its main instances and of its replicas."""
     E, R = per_instance.shape
     home = torch.arange(E) // experts_per_rank
@@ -136,8 +164,9 @@ def _busiest_link_seconds(traffic: torch.Tensor, unit_bytes: float, N: int, hw: 
     return seconds
 
 
-def _replica_edges(slot_expert: torch.Tensor, num_experts: int, N: int,
-                   schedules: Optional[ScheduleCache]) -> list[tuple[torch.Tensor, int]]:
+def _replica_edges(
+    slot_expert: torch.Tensor, num_experts: int, N: int, schedules: Optional[ScheduleCache]
+) -> list[tuple[torch.Tensor, int]]:
     """For the direct and the relayed schedule of a replica layout: its edges as a [src, dst] count
     matrix (what the busiest link carries follows from it) and how many cross a domain of N ranks."""
     R = slot_expert.shape[0]
@@ -159,13 +188,23 @@ def remote_slot_table(placement: Placement) -> torch.Tensor:
     home = torch.arange(E) // (E // R)
     remote = (inst.cpu() & (home.unsqueeze(1) != torch.arange(R).unsqueeze(0))).T  # [R, E]
     width = int(remote.sum(1).max()) if remote.numel() else 0
-    order = torch.argsort((~remote).to(torch.int8), dim=1, stable=True)[:, :width]  # remote experts first
+    order = torch.argsort((~remote).to(torch.int8), dim=1, stable=True)[
+        :, :width
+    ]  # remote experts first
     table = torch.where(torch.gather(remote, 1, order), order, torch.full_like(order, -1))
     return table
 
 
-def layer_cost(load: torch.Tensor, plan: Plan | Placement, shape: ExpertShape, hardware: Hardware, *,
-               plan_seconds: float = 0.0, relay: bool = True, schedules: Optional[ScheduleCache] = None) -> dict:
+def layer_cost(
+    load: torch.Tensor,
+    plan: Plan | Placement,
+    shape: ExpertShape,
+    hardware: Hardware,
+    *,
+    plan_seconds: float = 0.0,
+    relay: bool = True,
+    schedules: Optional[ScheduleCache] = None,
+) -> dict:
     """Estimated seconds of one MoE layer invocation (one microbatch) under ``plan``.
 
     Args:
@@ -197,7 +236,11 @@ def layer_cost(load: torch.Tensor, plan: Plan | Placement, shape: ExpertShape, h
         if plan.num_ranks != R or plan.num_experts != E:
             raise ValueError("plan and load have different shapes")
         P = plan.physical_slots_per_rank
-        quota, traffic, slots = plan.quota, plan.physical_split.view(R, R, P).sum(2), plan.slot_expert
+        quota, traffic, slots = (
+            plan.quota,
+            plan.physical_split.view(R, R, P).sum(2),
+            plan.slot_expert,
+        )
     N = hardware.ranks_per_domain(R)
     main, replica = _main_and_replica(_compute_seconds(quota.cpu(), shape, hardware), E // R)
     a2a = _busiest_link_seconds(traffic.cpu(), shape.token_bytes, N, hardware)
@@ -207,7 +250,9 @@ def layer_cost(load: torch.Tensor, plan: Plan | Placement, shape: ExpertShape, h
             wdist[i] = _busiest_link_seconds(edges, shape.weight_bytes, N, hardware)
             if (i == 1) == relay:
                 crossing = cross
-    cost = _assemble(main, replica, a2a, wdist[0], wdist[1], float(plan_seconds), shape, hardware, relay)
+    cost = _assemble(
+        main, replica, a2a, wdist[0], wdist[1], float(plan_seconds), shape, hardware, relay
+    )
     cost["xdom_bytes"] = float(crossing * shape.numel * (2 * shape.param_bytes + shape.grad_bytes))
     return cost
 

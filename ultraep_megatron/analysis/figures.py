@@ -15,8 +15,15 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["LOAD_COLORS", "index_ticks", "integer_ticks", "load_colors", "pyplot", "render_heatmap",
-           "save_figure"]
+__all__ = [
+    "LOAD_COLORS",
+    "index_ticks",
+    "integer_ticks",
+    "load_colors",
+    "pyplot",
+    "render_heatmap",
+    "save_figure",
+]
 
 #: Load relative to the mean, 1.0 = the mean (balanced): blue below, white at 1.0, red above
 #: (ColorBrewer RdBu). Figures of max/mean, never below 1, use the white-to-red half.
@@ -45,10 +52,14 @@ def load_colors(vmax: float, *, below_mean: bool):
 
     vmax = max(float(vmax), 1.05)
     if below_mean:  # an odd number of entries: the middle one, 1.0, is exactly white
-        return (LinearSegmentedColormap.from_list("ultraep_load", LOAD_COLORS, N=255),
-                TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=vmax))
-    return (LinearSegmentedColormap.from_list("ultraep_imbalance", LOAD_COLORS[3:], N=128),
-            Normalize(vmin=1.0, vmax=vmax))
+        return (
+            LinearSegmentedColormap.from_list("ultraep_load", LOAD_COLORS, N=255),
+            TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=vmax),
+        )
+    return (
+        LinearSegmentedColormap.from_list("ultraep_imbalance", LOAD_COLORS[3:], N=128),
+        Normalize(vmin=1.0, vmax=vmax),
+    )
 
 
 def integer_ticks(*axes) -> None:
@@ -66,13 +77,20 @@ def index_ticks(axis, values: Sequence[int], max_ticks: int = 12) -> None:
 
     values = [int(v) for v in values]
     position = {v: i for i, v in enumerate(values)}
-    wanted = MaxNLocator(nbins=max_ticks, integer=True).tick_values(values[0], values[-1]) if values else []
+    wanted = (
+        MaxNLocator(nbins=max_ticks, integer=True).tick_values(values[0], values[-1])
+        if values
+        else []
+    )
     ticks = [position[int(t)] for t in wanted if t == int(t) and int(t) in position]
     if len(ticks) < min(2, len(values)):  # sparse values: every k-th cell
         ticks = list(range(0, len(values), max(1, -(-len(values) // max_ticks))))
     axis.set_major_locator(FixedLocator(ticks))
-    axis.set_major_formatter(FuncFormatter(
-        lambda x, _: str(values[int(round(x))]) if 0 <= round(x) < len(values) else ""))
+    axis.set_major_formatter(
+        FuncFormatter(
+            lambda x, _: str(values[int(round(x))]) if 0 <= round(x) < len(values) else ""
+        )
+    )
 
 
 def save_figure(fig, path: Path, dpi: int = 110) -> Path:
@@ -86,8 +104,14 @@ def save_figure(fig, path: Path, dpi: int = 110) -> Path:
     return path
 
 
-def render_heatmap(iterations, layers, panels: Sequence[tuple[str, np.ndarray]], path: str | Path,
-                   title: str = "", xlabel: str = "iteration") -> Path:
+def render_heatmap(
+    iterations,
+    layers,
+    panels: Sequence[tuple[str, np.ndarray]],
+    path: str | Path,
+    title: str = "",
+    xlabel: str = "iteration",
+) -> Path:
     """Layer x iteration heatmaps of max/mean load, one panel each, one colour scale (white = 1.0,
     balanced; red = the busiest EP rank's excess), every layer a row.
 
@@ -108,8 +132,14 @@ def render_heatmap(iterations, layers, panels: Sequence[tuple[str, np.ndarray]],
     cmap, norm = load_colors(vmax, below_mean=False)
     width = min(7.0 + 0.03 * len(iterations), 14.0)
     height = min(1.3 + 0.12 * len(layers), 5.0)
-    fig, axes = plt.subplots(len(panels), 1, figsize=(width, 0.9 + height * len(panels)), squeeze=False,
-                             sharex=True, constrained_layout=True)
+    fig, axes = plt.subplots(
+        len(panels),
+        1,
+        figsize=(width, 0.9 + height * len(panels)),
+        squeeze=False,
+        sharex=True,
+        constrained_layout=True,
+    )
     image = None
     for ax, (name, matrix) in zip(axes[:, 0], panels):
         image = ax.imshow(matrix, aspect="auto", interpolation="nearest", cmap=cmap, norm=norm)

@@ -50,16 +50,24 @@ class PeerConfig:
         """Its name with the parameters that shape its result."""
         if self.name == LLEP:
             trigger = self.imbalance_trigger
-            return (f"{LLEP} (alpha={self.capacity_factor:g}, m={self.min_tokens_per_gemm}, "
-                    f"lambda={'off' if trigger is None else format(trigger, 'g')})")
-        policy_name = "global" if self.node_size is None else f"hierarchical, nodes of {self.node_size}"
+            return (
+                f"{LLEP} (alpha={self.capacity_factor:g}, m={self.min_tokens_per_gemm}, "
+                f"lambda={'off' if trigger is None else format(trigger, 'g')})"
+            )
+        policy_name = (
+            "global" if self.node_size is None else f"hierarchical, nodes of {self.node_size}"
+        )
         return f"{DEEPSEEK_EPLB} ({policy_name}, S={self.num_slots})"
 
     def balance(self, load: torch.Tensor) -> Plan | Placement:
         """Its outcome on ``load`` int64 [R, E]."""
         if self.name == LLEP:
-            return baselines.llep(load, capacity_factor=self.capacity_factor,
-                                  min_tokens_per_gemm=self.min_tokens_per_gemm, trigger=self.imbalance_trigger)
+            return baselines.llep(
+                load,
+                capacity_factor=self.capacity_factor,
+                min_tokens_per_gemm=self.min_tokens_per_gemm,
+                trigger=self.imbalance_trigger,
+            )
         if self.node_size is None:
             return baselines.deepseek_eplb(load, self.num_slots)
         nodes = load.shape[0] // self.node_size
@@ -68,5 +76,9 @@ class PeerConfig:
     def balances(self, load: torch.Tensor) -> bool:
         """Whether it balances ``load`` at all (LLEP's trigger)."""
         trigger = self.imbalance_trigger
-        return not (self.name == LLEP and trigger is not None and trigger > 0
-                    and planner.rank_imbalance(load) < trigger)
+        return not (
+            self.name == LLEP
+            and trigger is not None
+            and trigger > 0
+            and planner.rank_imbalance(load) < trigger
+        )

@@ -10,7 +10,13 @@ from __future__ import annotations
 import zlib
 
 from ultraep_megatron.planner.baselines.registry import (
-    DEEPSEEK_EPLB, EPLB, EPLB_EXACT, IDEAL, LLEP, NONE, ULTRAEP,
+    DEEPSEEK_EPLB,
+    EPLB,
+    EPLB_EXACT,
+    IDEAL,
+    LLEP,
+    NONE,
+    ULTRAEP,
 )
 
 __all__ = ["COLORS", "LABELS", "balancer_color", "balancer_of"]

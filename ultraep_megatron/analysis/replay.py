@@ -34,10 +34,24 @@ from .peers import PeerConfig
 
 __all__ = ["METRIC_KEYS", "ReplayResult", "ideal_metrics", "outcome_metrics", "replay"]
 
-METRIC_KEYS = ("imbalance_before", "imbalance_after", "threshold", "lower_bound", "replicas", "max_fanout",
-               "max_replicas_per_home", "inflight_ratio", "min_replica_quota", "plan_seconds",
-               "weight_copies", "main_moves", "cross_domain_copies", "memory_spread_before",
-               "memory_spread_after", "balanced")
+METRIC_KEYS = (
+    "imbalance_before",
+    "imbalance_after",
+    "threshold",
+    "lower_bound",
+    "replicas",
+    "max_fanout",
+    "max_replicas_per_home",
+    "inflight_ratio",
+    "min_replica_quota",
+    "plan_seconds",
+    "weight_copies",
+    "main_moves",
+    "cross_domain_copies",
+    "memory_spread_before",
+    "memory_spread_after",
+    "balanced",
+)
 
 #: Per-record facts of the load itself (whatever the balancer).
 LOAD_KEYS = ("routed", "expert_imbalance")
@@ -68,19 +82,31 @@ def ideal_metrics(load: torch.Tensor) -> dict:
     }
 
 
-def outcome_metrics(load: torch.Tensor, outcome: Plan | Placement, domain_size: Optional[int]) -> dict:
+def outcome_metrics(
+    load: torch.Tensor, outcome: Plan | Placement, domain_size: Optional[int]
+) -> dict:
     """The replay's metrics (``METRIC_KEYS`` but the plan time and ``balanced``) of a plan or a
     peer's placement on ``load`` [R, E], cross-domain copies counted for NVLink domains of
     ``domain_size`` ranks. A plan's weight copies are its replicas (main experts stay home); a
     placement's come from ``baselines.placement_metrics``, without the plan-only figures (NaN)."""
     if isinstance(outcome, Plan):
         m = planner.metrics(load, outcome, domain_size=domain_size)
-        return {**m, "weight_copies": m["replicas"], "main_moves": 0,
-                "cross_domain_copies": m["cross_domain_replicas"]}
+        return {
+            **m,
+            "weight_copies": m["replicas"],
+            "main_moves": 0,
+            "cross_domain_copies": m["cross_domain_replicas"],
+        }
     m = baselines.placement_metrics(load, outcome, domain_size=domain_size)
     R = load.shape[0]
-    return {**m, "threshold": int(outcome.quota.sum(0).max()), "lower_bound": -(-int(load.sum()) // R),
-            "replicas": m["weight_copies"], "max_replicas_per_home": None, "min_replica_quota": None}
+    return {
+        **m,
+        "threshold": int(outcome.quota.sum(0).max()),
+        "lower_bound": -(-int(load.sum()) // R),
+        "replicas": m["weight_copies"],
+        "max_replicas_per_home": None,
+        "min_replica_quota": None,
+    }
 
 
 @dataclass
@@ -140,12 +166,20 @@ def _warm_up() -> None:
     planner.solve(torch.tensor([[3, 0], [1, 0]], dtype=torch.int64), 1, min_quota=1)
 
 
-def replay(records: Iterable[Record], balancers: Mapping[str, BalancerConfig], *,
-           peers: Optional[Iterable[PeerConfig]] = None, domain_size: Optional[int] = None,
-           shape: Optional[ExpertShape] = None, hardware: Optional[Hardware] = None, relay: bool = True,
-           keep_loads: bool = False, plan_seconds: Optional[float] = None,
-           plan_statistic: Literal["median", "each"] = "median",
-           progress: Optional[Callable[[int], None]] = None) -> ReplayResult:
+def replay(
+    records: Iterable[Record],
+    balancers: Mapping[str, BalancerConfig],
+    *,
+    peers: Optional[Iterable[PeerConfig]] = None,
+    domain_size: Optional[int] = None,
+    shape: Optional[ExpertShape] = None,
+    hardware: Optional[Hardware] = None,
+    relay: bool = True,
+    keep_loads: bool = False,
+    plan_seconds: Optional[float] = None,
+    plan_statistic: Literal["median", "each"] = "median",
+    progress: Optional[Callable[[int], None]] = None,
+) -> ReplayResult:
     """Replay loads through balancers.
 
     Args:
@@ -193,27 +227,50 @@ def replay(records: Iterable[Record], balancers: Mapping[str, BalancerConfig], *
         for name in METRIC_KEYS:
             metrics[label][name].append(np.nan if m[name] is None else float(m[name]))
         if with_cost:
-            c = (ideal_cost(load, shape, hardware) if outcome is None
-                 else layer_cost(load, outcome, shape, hardware, plan_seconds=critical, relay=relay,
-                                  schedules=schedules))
+            c = (
+                ideal_cost(load, shape, hardware)
+                if outcome is None
+                else layer_cost(
+                    load,
+                    outcome,
+                    shape,
+                    hardware,
+                    plan_seconds=critical,
+                    relay=relay,
+                    schedules=schedules,
+                )
+            )
             for name, value in c.items():
                 costs[label].setdefault(name, []).append(value)
         if keep_loads:
             if outcome is None:
-                rank_load[label].append(torch.full((load.shape[0],), int(load.sum()) // load.shape[0],
-                                                   dtype=torch.int64))
+                rank_load[label].append(
+                    torch.full(
+                        (load.shape[0],), int(load.sum()) // load.shape[0], dtype=torch.int64
+                    )
+                )
             else:
                 rank_load[label].append(outcome.quota.sum(0).cpu())
+
     for group, iteration, microbatch, layer, load in records:
         if R is None:
             R, E = planner.validate_load(load)
-            N = (domain_size if domain_size is not None
-                 else hardware.ranks_per_domain(R) if hardware is not None else None)
+            N = (
+                domain_size
+                if domain_size is not None
+                else hardware.ranks_per_domain(R)
+                if hardware is not None
+                else None
+            )
             N = validate_domain_size(N, R)
         elif tuple(load.shape) != (R, E):
-            raise ValueError(f"all loads must be [R, E] = [{R}, {E}], got {tuple(load.shape)} "
-                             f"(group {group}, iteration {iteration}, layer {layer})")
-        for name, value in zip(("group", "iteration", "microbatch", "layer"), (group, iteration, microbatch, layer)):
+            raise ValueError(
+                f"all loads must be [R, E] = [{R}, {E}], got {tuple(load.shape)} "
+                f"(group {group}, iteration {iteration}, layer {layer})"
+            )
+        for name, value in zip(
+            ("group", "iteration", "microbatch", "layer"), (group, iteration, microbatch, layer)
+        ):
             keys[name].append(int(value))
         per_expert = load.sum(0)
         load_stats["routed"].append(float(per_expert.sum()))
@@ -226,7 +283,11 @@ def replay(records: Iterable[Record], balancers: Mapping[str, BalancerConfig], *
                 balancer = layer_balancers[(label, group, layer)] = config.build()
             start = time.perf_counter()
             plan = balancer.plan(load)
-            seconds = time.perf_counter() - start if plan is not None and config.name != registry.NONE else 0.0
+            seconds = (
+                time.perf_counter() - start
+                if plan is not None and config.name != registry.NONE
+                else 0.0
+            )
             m = ideal_metrics(load) if plan is None else outcome_metrics(load, plan, N)
             m["balanced"] = int(balancer.balances(load))
             # History-based EPLB plans off the critical path (between re-plans); its reroute is
@@ -268,7 +329,10 @@ def replay(records: Iterable[Record], balancers: Mapping[str, BalancerConfig], *
         costs=cost_arrays,
         rank_load={k: torch.stack(v).numpy() for k, v in rank_load.items()} if keep_loads else None,
         expert_load=torch.stack(expert_load).numpy() if keep_loads else None,
-        num_ranks=R, num_experts=E, shape=shape, hardware=hardware,
+        num_ranks=R,
+        num_experts=E,
+        shape=shape,
+        hardware=hardware,
         meta=dict(getattr(records, "meta", {}) or {}),
         ranks_per_domain=N,
     )

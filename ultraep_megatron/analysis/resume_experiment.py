@@ -53,7 +53,13 @@ from typing import Callable, Optional, Sequence, TextIO
 from ultraep_megatron.planner.baselines import registry
 
 from . import figures, plotting
-from .resume_runs import ExperimentError, IterationStat, RunResult, checkpoint_iteration, run_balancer
+from .resume_runs import (
+    ExperimentError,
+    IterationStat,
+    RunResult,
+    checkpoint_iteration,
+    run_balancer,
+)
 
 __all__ = ["Summary", "run_experiment", "summarize", "window_tflops", "write_tables"]
 
@@ -106,8 +112,9 @@ def summarize(results: Sequence[RunResult], warmup: int) -> list[Summary]:
             s.tflops_logged = _mean([x.tflops_logged for x in stats])
             s.imbalance_before = _mean([v for x in stats for v in x.imbalance_before.values()])
             s.imbalance_after = _mean([v for x in stats for v in x.imbalance_after.values()])
-            s.imbalance_after_max = max((v for x in stats for v in x.imbalance_after.values()),
-                                        default=math.nan)
+            s.imbalance_after_max = max(
+                (v for x in stats for v in x.imbalance_after.values()), default=math.nan
+            )
             s.lm_loss = stats[-1].lm_loss if stats[-1].lm_loss is not None else math.nan
         summaries.append(s)
     by_name = {s.balancer: s for s in summaries}
@@ -118,11 +125,17 @@ def summarize(results: Sequence[RunResult], warmup: int) -> list[Summary]:
             s.fraction_of_ideal = s.tflops / ideal.tflops
         if none is not None and none.tflops > 0:
             s.speedup_vs_none = s.tflops / none.tflops
-        if s.balancer not in (registry.NONE, registry.IDEAL) and none is not None and none.measured \
-                and s.measured:
+        if (
+            s.balancer not in (registry.NONE, registry.IDEAL)
+            and none is not None
+            and none.measured
+            and s.measured
+        ):
             # Same checkpoint, same batches: the first resumed iteration routes identically.
             first, reference = runs[s.balancer].iterations[0], runs[registry.NONE].iterations[0]
-            s.same_data_as_none = "yes" if first.imbalance_before == reference.imbalance_before else "NO"
+            s.same_data_as_none = (
+                "yes" if first.imbalance_before == reference.imbalance_before else "NO"
+            )
     return summaries
 
 
@@ -148,30 +161,50 @@ def _cell(value, fmt: str) -> str:
     return fmt.format(value)
 
 
-def write_tables(summaries: Sequence[Summary], results: Sequence[RunResult], output_dir: Path,
-                 header: str, warmup: int) -> tuple[Path, Path]:
+def write_tables(
+    summaries: Sequence[Summary],
+    results: Sequence[RunResult],
+    output_dir: Path,
+    header: str,
+    warmup: int,
+) -> tuple[Path, Path]:
     """comparison.md, comparison.csv, per_layer_imbalance.csv, per_iteration.csv."""
     md = output_dir / "comparison.md"
-    lines = [header, "",
-             "| " + " | ".join(title for _, title, _ in COLUMNS) + " |",
-             "|" + "|".join("---" for _ in COLUMNS) + "|"]
+    lines = [
+        header,
+        "",
+        "| " + " | ".join(title for _, title, _ in COLUMNS) + " |",
+        "|" + "|".join("---" for _ in COLUMNS) + "|",
+    ]
     for s in summaries:
-        lines.append("| " + " | ".join(_cell(getattr(s, key), fmt) for key, _, fmt in COLUMNS) + " |")
+        lines.append(
+            "| " + " | ".join(_cell(getattr(s, key), fmt) for key, _, fmt in COLUMNS) + " |"
+        )
     failed = [r for r in results if not r.ok]
     if failed:
-        lines += ["", "Failed runs:"] + [f"- `{r.balancer}`: {r.status} (log: `{r.run_dir / 'log.txt'}`)"
-                                          for r in failed]
-    lines += ["", f"Imbalance = max / mean tokens per EP rank, averaged over MoE layers and the "
-                  f"measured iterations (the first {warmup} after the resume are left out); "
-                  "'before' is the router's, 'after' what the ranks computed."]
+        lines += ["", "Failed runs:"] + [
+            f"- `{r.balancer}`: {r.status} (log: `{r.run_dir / 'log.txt'}`)" for r in failed
+        ]
+    lines += [
+        "",
+        f"Imbalance = max / mean tokens per EP rank, averaged over MoE layers and the "
+        f"measured iterations (the first {warmup} after the resume are left out); "
+        "'before' is the router's, 'after' what the ranks computed.",
+    ]
     md.write_text("\n".join(lines) + "\n")
     csv_path = output_dir / "comparison.csv"
     with open(csv_path, "w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow([key for key, _, _ in COLUMNS])
         for s in summaries:
-            writer.writerow(["" if isinstance(getattr(s, k), float) and math.isnan(getattr(s, k))
-                             else getattr(s, k) for k, _, _ in COLUMNS])
+            writer.writerow(
+                [
+                    ""
+                    if isinstance(getattr(s, k), float) and math.isnan(getattr(s, k))
+                    else getattr(s, k)
+                    for k, _, _ in COLUMNS
+                ]
+            )
     with open(output_dir / "per_layer_imbalance.csv", "w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(["balancer", "layer", "imbalance_before", "imbalance_after"])
@@ -179,37 +212,75 @@ def write_tables(summaries: Sequence[Summary], results: Sequence[RunResult], out
             stats = measured_iterations(r, warmup)
             layers = sorted({layer for x in stats for layer in x.imbalance_before})
             for layer in layers:
-                writer.writerow([r.balancer, layer,
-                                 _mean([x.imbalance_before.get(layer) for x in stats]),
-                                 _mean([x.imbalance_after.get(layer) for x in stats])])
+                writer.writerow(
+                    [
+                        r.balancer,
+                        layer,
+                        _mean([x.imbalance_before.get(layer) for x in stats]),
+                        _mean([x.imbalance_after.get(layer) for x in stats]),
+                    ]
+                )
     with open(output_dir / "per_iteration.csv", "w", newline="") as handle:
         writer = csv.writer(handle)
-        writer.writerow(["balancer", "iteration", "time_ms", "tflops", "tflops_logged", "lm_loss",
-                         "imbalance_before_mean", "imbalance_after_mean"])
+        writer.writerow(
+            [
+                "balancer",
+                "iteration",
+                "time_ms",
+                "tflops",
+                "tflops_logged",
+                "lm_loss",
+                "imbalance_before_mean",
+                "imbalance_after_mean",
+            ]
+        )
         for r in results:
             for x in r.iterations:
-                writer.writerow([r.balancer, x.iteration, x.time_ms, window_tflops([x]),
-                                 "" if x.tflops_logged is None else x.tflops_logged,
-                                 "" if x.lm_loss is None else x.lm_loss,
-                                 _mean(list(x.imbalance_before.values())),
-                                 _mean(list(x.imbalance_after.values()))])
+                writer.writerow(
+                    [
+                        r.balancer,
+                        x.iteration,
+                        x.time_ms,
+                        window_tflops([x]),
+                        "" if x.tflops_logged is None else x.tflops_logged,
+                        "" if x.lm_loss is None else x.lm_loss,
+                        _mean(list(x.imbalance_before.values())),
+                        _mean(list(x.imbalance_after.values())),
+                    ]
+                )
     return md, csv_path
 
 
-def plot(summaries: Sequence[Summary], results: Sequence[RunResult], output_dir: Path,
-         warmup: int, title: str) -> Path:
+def plot(
+    summaries: Sequence[Summary],
+    results: Sequence[RunResult],
+    output_dir: Path,
+    warmup: int,
+    title: str,
+) -> Path:
     """comparison.png: TFLOP/s/GPU per balancer, per iteration, and per-layer imbalance, each
     balancer in its colour (``plotting.COLORS``); a failed run is a hatched grey bar."""
     plt = figures.pyplot()
     fig, (bars, lines, layers) = plt.subplots(1, 3, figsize=(16, 4.8), layout="constrained")
     for i, s in enumerate(summaries):
         ok = s.status == "ok" and not math.isnan(s.tflops)
-        bars.bar(i, s.tflops if ok else 0.0, color=plotting.balancer_color(s.balancer) if ok else "0.85",
-                 hatch=None if ok else "//", edgecolor="0.5" if not ok else None,
-                 label=s.balancer if ok else f"_{s.balancer} failed")
-        label = ("failed" if not ok else
-                 (f"{s.fraction_of_ideal:.0%} of ideal" if not math.isnan(s.fraction_of_ideal)
-                  else f"{s.tflops:.3g}"))
+        bars.bar(
+            i,
+            s.tflops if ok else 0.0,
+            color=plotting.balancer_color(s.balancer) if ok else "0.85",
+            hatch=None if ok else "//",
+            edgecolor="0.5" if not ok else None,
+            label=s.balancer if ok else f"_{s.balancer} failed",
+        )
+        label = (
+            "failed"
+            if not ok
+            else (
+                f"{s.fraction_of_ideal:.0%} of ideal"
+                if not math.isnan(s.fraction_of_ideal)
+                else f"{s.tflops:.3g}"
+            )
+        )
         bars.annotate(label, (i, s.tflops if ok else 0.0), ha="center", va="bottom", fontsize=8)
     bars.set_xticks(range(len(summaries)), [s.balancer for s in summaries])
     bars.margins(y=0.12)
@@ -219,11 +290,21 @@ def plot(summaries: Sequence[Summary], results: Sequence[RunResult], output_dir:
         stats = measured_iterations(r, warmup)
         if stats:
             color = plotting.balancer_color(r.balancer)
-            lines.plot([x.iteration for x in stats], [window_tflops([x]) for x in stats],
-                       marker="o", color=color, label=r.balancer)
+            lines.plot(
+                [x.iteration for x in stats],
+                [window_tflops([x]) for x in stats],
+                marker="o",
+                color=color,
+                label=r.balancer,
+            )
             layer_ids = sorted(stats[0].imbalance_after)
-            layers.plot(layer_ids, [_mean([x.imbalance_after.get(l) for x in stats]) for l in layer_ids],
-                        marker=".", color=color, label=r.balancer)
+            layers.plot(
+                layer_ids,
+                [_mean([x.imbalance_after.get(l) for x in stats]) for l in layer_ids],
+                marker=".",
+                color=color,
+                label=r.balancer,
+            )
     lines.set_xlabel("iteration")
     lines.set_ylabel("TFLOP/s/GPU")
     lines.set_title("per iteration", fontsize=10)
@@ -242,13 +323,22 @@ def plot(summaries: Sequence[Summary], results: Sequence[RunResult], output_dir:
 # The experiment
 # ----------------------------------------------------------------------------------------------
 
-def run_experiment(launch: Sequence[str], checkpoint: Path, balancers: Sequence[str],
-                   iterations: int, output_dir: Path, *, warmup: Optional[int] = None,
-                   ckpt_step: Optional[int] = None, ideal_args: Sequence[str] = (),
-                   exp_prefix: str = "resume", timeout_s: Optional[float] = None,
-                   progress: Optional[TextIO] = None,
-                   read_args: Optional[Callable[[Path, int], object]] = None
-                   ) -> tuple[list[RunResult], list[Summary]]:
+
+def run_experiment(
+    launch: Sequence[str],
+    checkpoint: Path,
+    balancers: Sequence[str],
+    iterations: int,
+    output_dir: Path,
+    *,
+    warmup: Optional[int] = None,
+    ckpt_step: Optional[int] = None,
+    ideal_args: Sequence[str] = (),
+    exp_prefix: str = "resume",
+    timeout_s: Optional[float] = None,
+    progress: Optional[TextIO] = None,
+    read_args: Optional[Callable[[Path, int], object]] = None,
+) -> tuple[list[RunResult], list[Summary]]:
     """Run every balancer, write tables and plot; returns (runs, summaries).
 
     ``warmup``: iterations left out of the figures; default 1, or 0 for a one-iteration window
@@ -262,12 +352,15 @@ def run_experiment(launch: Sequence[str], checkpoint: Path, balancers: Sequence[
         warmup = 1 if iterations > 1 else 0
     unknown = [b for b in balancers if b not in registry.COMPARED]
     if unknown:
-        raise ExperimentError(f"unknown balancer(s) {unknown}; choose from {list(registry.COMPARED)}")
+        raise ExperimentError(
+            f"unknown balancer(s) {unknown}; choose from {list(registry.COMPARED)}"
+        )
     if len(set(balancers)) != len(balancers):
         raise ExperimentError(f"balancers repeat: {list(balancers)}")
     if iterations < 1 or warmup < 0 or warmup >= iterations:
-        raise ExperimentError(f"need iterations >= 1 and 0 <= warmup < iterations, got "
-                              f"{iterations}, {warmup}")
+        raise ExperimentError(
+            f"need iterations >= 1 and 0 <= warmup < iterations, got {iterations}, {warmup}"
+        )
     if not launch:
         raise ExperimentError("no launch command (give it after --)")
     checkpoint = checkpoint.resolve()
@@ -280,43 +373,76 @@ def run_experiment(launch: Sequence[str], checkpoint: Path, balancers: Sequence[
         raise ExperimentError(str(error)) from None
     train_iters = getattr(saved, "train_iters", None)
     if saved is None and read_args is None:
-        print("note: no reader of the checkpoint's arguments given: its --train-iters is not checked",
-              file=progress, flush=True)
+        print(
+            "note: no reader of the checkpoint's arguments given: its --train-iters is not checked",
+            file=progress,
+            flush=True,
+        )
     elif saved is None:
-        print(f"note: {checkpoint}/iter_{start:07d} holds no checkpoint files this reads (torch_dist or "
-              "torch format): its --train-iters is not checked", file=progress, flush=True)
+        print(
+            f"note: {checkpoint}/iter_{start:07d} holds no checkpoint files this reads (torch_dist or "
+            "torch format): its --train-iters is not checked",
+            file=progress,
+            flush=True,
+        )
     elif train_iters is not None and start + iterations > train_iters:
         raise ExperimentError(
             f"the checkpoint's run trains {train_iters} iterations (--train-iters {train_iters}, which sets "
             f"its LR schedule): resuming iteration {start} leaves {max(train_iters - start, 0)}, fewer than "
-            f"--iterations {iterations}")
+            f"--iterations {iterations}"
+        )
     if warmup == 0:
-        print("note: no warm-up iteration is left out: the figures include the resume's start-up",
-              file=progress, flush=True)
+        print(
+            "note: no warm-up iteration is left out: the figures include the resume's start-up",
+            file=progress,
+            flush=True,
+        )
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise ExperimentError(f"--output-dir {output_dir}: {error.strerror or error}") from None
     results = []
     for i, balancer in enumerate(balancers):
-        results.append(run_balancer(
-            balancer, launch, checkpoint, start, iterations, output_dir, ideal_args=ideal_args,
-            exp_prefix=exp_prefix, timeout_s=timeout_s, progress=progress,
-            index=f"{i + 1}/{len(balancers)} ", train_iters=train_iters))
+        results.append(
+            run_balancer(
+                balancer,
+                launch,
+                checkpoint,
+                start,
+                iterations,
+                output_dir,
+                ideal_args=ideal_args,
+                exp_prefix=exp_prefix,
+                timeout_s=timeout_s,
+                progress=progress,
+                index=f"{i + 1}/{len(balancers)} ",
+                train_iters=train_iters,
+            )
+        )
     summaries = summarize(results, warmup)
-    header = (f"# Resume experiment: {checkpoint} at iteration {start}, {iterations} iterations "
-              f"per balancer\n\nLaunch: `{shlex.join(launch)}`")
+    header = (
+        f"# Resume experiment: {checkpoint} at iteration {start}, {iterations} iterations "
+        f"per balancer\n\nLaunch: `{shlex.join(launch)}`"
+    )
     md, _ = write_tables(summaries, results, output_dir, header, warmup)
     try:
-        plot(summaries, results, output_dir, warmup,
-             f"resume of iteration {start}, {iterations} iterations ({warmup} warm-up)")
+        plot(
+            summaries,
+            results,
+            output_dir,
+            warmup,
+            f"resume of iteration {start}, {iterations} iterations ({warmup} warm-up)",
+        )
     except Exception as error:  # the tables are the result; a plot failure is reported
         print(f"plot failed: {error!r}", file=progress, flush=True)
     ideal = next((s for s in summaries if s.balancer == registry.IDEAL and s.status == "ok"), None)
     none = next((s for s in summaries if s.balancer == registry.NONE and s.status == "ok"), None)
     if ideal and none and ideal.imbalance_before >= none.imbalance_before:
-        print(f"WARNING: the ideal run's router imbalance ({ideal.imbalance_before:.3f}) is not "
-              f"below none's ({none.imbalance_before:.3f}); does the launcher force a skew "
-              "(--moe-router-force-biased)? Neutralize it with --ideal-args.", file=progress)
+        print(
+            f"WARNING: the ideal run's router imbalance ({ideal.imbalance_before:.3f}) is not "
+            f"below none's ({none.imbalance_before:.3f}); does the launcher force a skew "
+            "(--moe-router-force-biased)? Neutralize it with --ideal-args.",
+            file=progress,
+        )
     print(md.read_text(), file=progress, flush=True)
     return results, summaries

@@ -19,11 +19,21 @@ from typing import Optional, Sequence, TextIO
 
 from ultraep_megatron.planner.baselines import registry
 
-__all__ = ["ExperimentError", "IDEAL_MEGATRON_ARGS", "IterationStat", "RunResult", "checkpoint_iteration",
-           "run_balancer"]
+__all__ = [
+    "ExperimentError",
+    "IDEAL_MEGATRON_ARGS",
+    "IterationStat",
+    "RunResult",
+    "checkpoint_iteration",
+    "run_balancer",
+]
 
 #: Megatron arguments that run the ideal (the force-balanced router).
-IDEAL_MEGATRON_ARGS: tuple[str, ...] = ("--moe-balancer", registry.NONE, "--moe-router-force-load-balancing")
+IDEAL_MEGATRON_ARGS: tuple[str, ...] = (
+    "--moe-balancer",
+    registry.NONE,
+    "--moe-router-force-load-balancing",
+)
 
 #: Megatron's tracker file of the latest saved iteration.
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -31,7 +41,8 @@ TRACKER = "latest_checkpointed_iteration.txt"
 _ITERATION_LINE = re.compile(
     r"iteration\s+(?P<iteration>\d+)/\s*(?P<total>\d+)\s*\|.*?"
     r"elapsed time per iteration \(ms\):\s*(?P<ms>[0-9.]+)"
-    r"(?:.*?throughput per GPU \(TFLOP/s/GPU\):\s*(?P<tflops>[0-9.]+))?")
+    r"(?:.*?throughput per GPU \(TFLOP/s/GPU\):\s*(?P<tflops>[0-9.]+))?"
+)
 
 
 class ExperimentError(Exception):
@@ -41,19 +52,19 @@ class ExperimentError(Exception):
 @dataclass
 class IterationStat:
     iteration: int
-    time_ms: float                       # Megatron's elapsed time per iteration
-    tflops_logged: Optional[float]       # Megatron's printed TFLOP/s/GPU (1 decimal)
+    time_ms: float  # Megatron's elapsed time per iteration
+    tflops_logged: Optional[float]  # Megatron's printed TFLOP/s/GPU (1 decimal)
     lm_loss: Optional[float] = None
-    flops: Optional[float] = None        # model FLOPs of the iteration (Megatron's formula)
+    flops: Optional[float] = None  # model FLOPs of the iteration (Megatron's formula)
     world_size: Optional[int] = None
-    imbalance_before: dict[int, float] = field(default_factory=dict)   # router, per layer
-    imbalance_after: dict[int, float] = field(default_factory=dict)    # after balancing
+    imbalance_before: dict[int, float] = field(default_factory=dict)  # router, per layer
+    imbalance_after: dict[int, float] = field(default_factory=dict)  # after balancing
 
 
 @dataclass
 class RunResult:
     balancer: str
-    status: str                          # "ok" or "failed: ..."
+    status: str  # "ok" or "failed: ..."
     run_dir: Path
     command: list[str]
     iterations: list[IterationStat] = field(default_factory=list)
@@ -71,16 +82,20 @@ def checkpoint_iteration(checkpoint: Path) -> int:
         raise ExperimentError(f"{checkpoint}: no {TRACKER}; not a Megatron checkpoint directory")
     text = tracker.read_text().strip()
     if not text.isdigit():
-        raise ExperimentError(f"{tracker}: {text!r} is not an iteration (release checkpoints "
-                              "have no data position to resume)")
+        raise ExperimentError(
+            f"{tracker}: {text!r} is not an iteration (release checkpoints "
+            "have no data position to resume)"
+        )
     return int(text)
 
 
 def _checkpoint_state(checkpoint: Path) -> tuple[str, tuple[str, ...]]:
     """What a run must leave unchanged: the tracker file and the saved iterations."""
     tracker = checkpoint / TRACKER
-    return (tracker.read_text() if tracker.exists() else "",
-            tuple(sorted(p.name for p in checkpoint.glob("iter_*"))))
+    return (
+        tracker.read_text() if tracker.exists() else "",
+        tuple(sorted(p.name for p in checkpoint.glob("iter_*"))),
+    )
 
 
 def balancer_args(balancer: str, ideal_args: Sequence[str]) -> list[str]:
@@ -89,11 +104,21 @@ def balancer_args(balancer: str, ideal_args: Sequence[str]) -> list[str]:
     return ["--moe-balancer", balancer]
 
 
-def run_balancer(balancer: str, launch: Sequence[str], checkpoint: Path, start: int,
-                 iterations: int, output_dir: Path, *, ideal_args: Sequence[str] = (),
-                 exp_prefix: str = "resume", timeout_s: Optional[float] = None,
-                 progress: Optional[TextIO] = None, index: str = "",
-                 train_iters: Optional[int] = None) -> RunResult:
+def run_balancer(
+    balancer: str,
+    launch: Sequence[str],
+    checkpoint: Path,
+    start: int,
+    iterations: int,
+    output_dir: Path,
+    *,
+    ideal_args: Sequence[str] = (),
+    exp_prefix: str = "resume",
+    timeout_s: Optional[float] = None,
+    progress: Optional[TextIO] = None,
+    index: str = "",
+    train_iters: Optional[int] = None,
+) -> RunResult:
     """Resume ``checkpoint`` at ``start`` under ``balancer`` for ``iterations`` iterations
     (``train_iters``: the checkpoint's ``--train-iters``, passed on).
 
@@ -109,29 +134,57 @@ def run_balancer(balancer: str, launch: Sequence[str], checkpoint: Path, start: 
     log_path = run_dir / "log.txt"
     command = [
         *launch,
-        "--load", str(checkpoint), "--ckpt-step", str(start),
-        "--exit-interval", str(start + iterations),
+        "--load",
+        str(checkpoint),
+        "--ckpt-step",
+        str(start),
+        "--exit-interval",
+        str(start + iterations),
         *(["--train-iters", str(train_iters)] if train_iters is not None else []),
         *balancer_args(balancer, ideal_args),
-        "--log-interval", "1", "--log-throughput", "--eval-iters", "0",
-        "--metrics-jsonl", str(metrics),
-        "--wandb-exp-name", f"{exp_prefix}-{start}-{balancer}", "--wandb-save-dir", str(run_dir),
+        "--log-interval",
+        "1",
+        "--log-throughput",
+        "--eval-iters",
+        "0",
+        "--metrics-jsonl",
+        str(metrics),
+        "--wandb-exp-name",
+        f"{exp_prefix}-{start}-{balancer}",
+        "--wandb-save-dir",
+        str(run_dir),
     ]
-    env = {"ULTRAEP_PYTHON": sys.executable, **os.environ, "RUN_DIR": str(run_dir), "SAVE_CHECKPOINTS": "0",
-           "CHECKPOINT_DIR": str(checkpoint), "PYTHONUNBUFFERED": "1"}
+    env = {
+        "ULTRAEP_PYTHON": sys.executable,
+        **os.environ,
+        "RUN_DIR": str(run_dir),
+        "SAVE_CHECKPOINTS": "0",
+        "CHECKPOINT_DIR": str(checkpoint),
+        "PYTHONUNBUFFERED": "1",
+    }
     before = _checkpoint_state(checkpoint)
     result = RunResult(balancer, "ok", run_dir, command)
     seen: dict[int, re.Match] = {}
     started = time.perf_counter()
     tag = f"[{index}{balancer}]"
-    print(f"{tag} resuming iteration {start} for {iterations} iterations: "
-          f"{shlex.join(command[:6])} ...", file=progress, flush=True)
+    print(
+        f"{tag} resuming iteration {start} for {iterations} iterations: "
+        f"{shlex.join(command[:6])} ...",
+        file=progress,
+        flush=True,
+    )
     with open(log_path, "w") as log:
         log.write(f"$ {shlex.join(command)}\n")
         try:
-            process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
-                                       stderr=subprocess.STDOUT, text=True, errors="replace",
-                                       start_new_session=True)
+            process = subprocess.Popen(
+                command,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                errors="replace",
+                start_new_session=True,
+            )
         except OSError as error:
             result.status = f"failed: cannot start ({error})"
             print(f"{tag} FAILED: {result.status}", file=progress, flush=True)
@@ -157,8 +210,12 @@ def run_balancer(balancer: str, launch: Sequence[str], checkpoint: Path, start: 
                     it = int(match["iteration"])
                     seen[it] = match
                     tflops = f", Megatron {match['tflops']} TFLOP/s/GPU" if match["tflops"] else ""
-                    print(f"{tag} iteration {it} ({it - start}/{iterations}): "
-                          f"{float(match['ms']):.1f} ms{tflops}", file=progress, flush=True)
+                    print(
+                        f"{tag} iteration {it} ({it - start}/{iterations}): "
+                        f"{float(match['ms']):.1f} ms{tflops}",
+                        file=progress,
+                        flush=True,
+                    )
         except KeyboardInterrupt:  # the job runs in its own session: stop it too
             _kill(process)
             raise
@@ -173,11 +230,14 @@ def run_balancer(balancer: str, launch: Sequence[str], checkpoint: Path, start: 
     elif code != 0:
         result.status = f"failed: exit code {code}"
     elif sorted(seen) != expected:
-        result.status = (f"failed: logged {len(seen)} of {iterations} iterations "
-                         f"(is --log-interval 1 honoured?)")
+        result.status = (
+            f"failed: logged {len(seen)} of {iterations} iterations (is --log-interval 1 honoured?)"
+        )
     elif _checkpoint_state(checkpoint) != before:
-        result.status = ("failed: the run wrote to the checkpoint directory (the launcher "
-                         "passes --save; honour SAVE_CHECKPOINTS=0)")
+        result.status = (
+            "failed: the run wrote to the checkpoint directory (the launcher "
+            "passes --save; honour SAVE_CHECKPOINTS=0)"
+        )
     records = _read_jsonl(metrics)
     if result.ok and not all(it in records for it in expected):
         result.status = f"failed: {metrics} lacks iterations {sorted(set(expected) - set(records))}"
@@ -226,7 +286,12 @@ def _iteration_stat(iteration: int, match: re.Match, record: dict) -> IterationS
         after = dict(before)
     losses = record.get("losses", {})
     return IterationStat(
-        iteration=iteration, time_ms=float(match["ms"]),
+        iteration=iteration,
+        time_ms=float(match["ms"]),
         tflops_logged=float(match["tflops"]) if match["tflops"] else None,
-        lm_loss=losses.get("lm loss"), flops=record.get("flops_per_iteration"),
-        world_size=record.get("world_size"), imbalance_before=before, imbalance_after=after)
+        lm_loss=losses.get("lm loss"),
+        flops=record.get("flops_per_iteration"),
+        world_size=record.get("world_size"),
+        imbalance_before=before,
+        imbalance_after=after,
+    )

@@ -25,6 +25,7 @@ __all__ = [
     "staleness_summary",
 ]
 
+
 def _nan_stat(values: np.ndarray, fn) -> Optional[float]:
     finite = values[~np.isnan(values)]
     return float(fn(finite)) if finite.size else None
@@ -80,7 +81,9 @@ def metric_summary(result: ReplayResult, mask: Optional[np.ndarray] = None) -> d
     return out
 
 
-def _step_times(result: ReplayResult, label: str, term: str, mask: Optional[np.ndarray]) -> np.ndarray:
+def _step_times(
+    result: ReplayResult, label: str, term: str, mask: Optional[np.ndarray]
+) -> np.ndarray:
     """Seconds per (iteration, microbatch, layer), the max over EP groups (they run side by side)."""
     k = result.keys
     sel = np.ones(result.num_records, dtype=bool) if mask is None else mask
@@ -102,9 +105,24 @@ def cost_summary(result: ReplayResult, mask: Optional[np.ndarray] = None) -> dic
     over groups per layer invocation)."""
     if result.costs is None:
         raise ValueError("the replay carried no cost model (give shape and hardware)")
-    terms = ("fwd", "bwd", "total", "total_excl_plan", "moe_fwd", "moe_bwd", "a2a_fwd", "wdist", "wdist_direct",
-             "wdist_relay", "plan", "fwd_exposed", "bwd_exposed")
-    sums = {label: {t: _step_times(result, label, t, mask) for t in terms} for label in result.labels}
+    terms = (
+        "fwd",
+        "bwd",
+        "total",
+        "total_excl_plan",
+        "moe_fwd",
+        "moe_bwd",
+        "a2a_fwd",
+        "wdist",
+        "wdist_direct",
+        "wdist_relay",
+        "plan",
+        "fwd_exposed",
+        "bwd_exposed",
+    )
+    sums = {
+        label: {t: _step_times(result, label, t, mask) for t in terms} for label in result.labels
+    }
     ideal, none = result.label_of(registry.IDEAL), result.label_of(registry.NONE)
     out = {}
     for label, per_term in sums.items():
@@ -116,7 +134,9 @@ def cost_summary(result: ReplayResult, mask: Optional[np.ndarray] = None) -> dic
             row["frac_ideal_excl_plan"] = float(sums[ideal]["total"].sum() / excl) if excl else 1.0
         if none is not None:
             row["speedup_vs_none"] = float(sums[none]["total"].sum() / total) if total else 1.0
-            row["speedup_vs_none_excl_plan"] = float(sums[none]["total"].sum() / excl) if excl else 1.0
+            row["speedup_vs_none_excl_plan"] = (
+                float(sums[none]["total"].sum() / excl) if excl else 1.0
+            )
         out[label] = row
     return out
 
@@ -167,8 +187,15 @@ def staleness_summary(result: ReplayResult) -> list[dict]:
     rows = []
     for label, c in result.balancers.items():
         if c.name == registry.EPLB and label in summary:
-            rows.append({"label": label, "interval": c.eplb_interval, "window": c.eplb_window,
-                         "num_slots": c.num_slots, **summary[label]})
+            rows.append(
+                {
+                    "label": label,
+                    "interval": c.eplb_interval,
+                    "window": c.eplb_window,
+                    "num_slots": c.num_slots,
+                    **summary[label],
+                }
+            )
     return sorted(rows, key=lambda r: (r["interval"], r["window"]))
 
 
@@ -191,9 +218,11 @@ def estimate_problem(result: ReplayResult, unmodelled_us: float = UNMODELLED_US)
     if layer_us >= unmodelled_us:
         return None
     pairs = load_summary(result)["routed_mean"] / result.num_ranks
-    return (f"the traced model's MoE layer (h={result.shape.hidden_size}, f={result.shape.ffn_hidden_size}, "
-            f"{pairs:.0f} (token, expert) pairs per EP rank and microbatch) is estimated at {layer_us:.2f} us "
-            f"per invocation ({label}) on this hardware, below the ~{unmodelled_us:g} us of kernel-launch and "
-            "all-to-all latency the cost model leaves out: its times and speedups say nothing about a real run. "
-            "Project the trace onto the model you will train: --hidden-size, --moe-ffn-hidden-size and "
-            "--load-scale (tokens per microbatch x top-k / the traced ones; docs/traces.md)")
+    return (
+        f"the traced model's MoE layer (h={result.shape.hidden_size}, f={result.shape.ffn_hidden_size}, "
+        f"{pairs:.0f} (token, expert) pairs per EP rank and microbatch) is estimated at {layer_us:.2f} us "
+        f"per invocation ({label}) on this hardware, below the ~{unmodelled_us:g} us of kernel-launch and "
+        "all-to-all latency the cost model leaves out: its times and speedups say nothing about a real run. "
+        "Project the trace onto the model you will train: --hidden-size, --moe-ffn-hidden-size and "
+        "--load-scale (tokens per microbatch x top-k / the traced ones; docs/traces.md)"
+    )

@@ -59,7 +59,9 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence], title: str = 
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     lines = [title] if title else []
     for n, row in enumerate(cells):
-        lines.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        lines.append(
+            "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        )
         if n == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)

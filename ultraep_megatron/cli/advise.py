@@ -24,8 +24,10 @@ from ultraep_megatron.settings.knobs import add_balancer_arguments
 
 from . import common
 
-SUMMARY = ("recommend --moe-balancer-num-slots, --moe-balancer-min-quota and --moe-balancer-trigger for a "
-           "routing trace")
+SUMMARY = (
+    "recommend --moe-balancer-num-slots, --moe-balancer-min-quota and --moe-balancer-trigger for a "
+    "routing trace"
+)
 EXAMPLES = """examples:
   ultraep advise runs/kjv/trace
   ultraep advise TRACE --slots 0,1,2,4 --min-quotas default,hw,256 --memory-budget-gb 2
@@ -36,7 +38,11 @@ EXAMPLES = """examples:
 
 def quota_list(text: str) -> list:
     """'default,hw,256' -> [None, 'hw', 256]."""
-    return [None if x.strip() == "default" else common.min_quota_arg(x.strip()) for x in text.split(",") if x.strip()]
+    return [
+        None if x.strip() == "default" else common.min_quota_arg(x.strip())
+        for x in text.split(",")
+        if x.strip()
+    ]
 
 
 def trigger_list(text: str) -> list:
@@ -46,7 +52,9 @@ def trigger_list(text: str) -> list:
         try:
             value = None if x == "default" else float(x)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected 'default' or a number >= 1, got {x!r}") from None
+            raise argparse.ArgumentTypeError(
+                f"expected 'default' or a number >= 1, got {x!r}"
+            ) from None
         if value is not None:
             common.setting_problem("trigger", value, "a trigger (a rank imbalance)")
         out.append(value)
@@ -54,33 +62,76 @@ def trigger_list(text: str) -> list:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("advise", help=SUMMARY, description=__doc__.split("\n\n", 1)[1],
-                                   epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = subparsers.add_parser(
+        "advise",
+        help=SUMMARY,
+        description=__doc__.split("\n\n", 1)[1],
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     common.add_trace_input_args(parser)
     sweep = parser.add_argument_group("sweep")
-    sweep.add_argument("--slots", type=common.int_list, default=[0, 1, 2, 3, 4, 6, 8], metavar="S,S",
-                       help="redundant slots per rank to try (default: 0,1,2,3,4,6,8)")
-    sweep.add_argument("--min-quotas", type=quota_list, default=[None, "hw"], metavar="Q,Q",
-                       help="quota floors to try: 'default' (1%% of the mean rank load), 'hw' (from the "
-                            "hardware), or a number of (token, expert) pairs (default: default,hw)")
-    sweep.add_argument("--triggers", type=trigger_list, default=[None], metavar="X,X",
-                       help="triggers to try: 'default' (1 + floor / mean rank load of each load) or rank "
-                            "imbalances, 1 = always balance (default: default)")
-    sweep.add_argument("--eplb-exact", action="store_true", help="also sweep EPLB's rule on the exact load")
-    sweep.add_argument("--inference", action="store_true",
-                       help="derive the hardware quota floor for inference/prefill (forward only)")
+    sweep.add_argument(
+        "--slots",
+        type=common.int_list,
+        default=[0, 1, 2, 3, 4, 6, 8],
+        metavar="S,S",
+        help="redundant slots per rank to try (default: 0,1,2,3,4,6,8)",
+    )
+    sweep.add_argument(
+        "--min-quotas",
+        type=quota_list,
+        default=[None, "hw"],
+        metavar="Q,Q",
+        help="quota floors to try: 'default' (1%% of the mean rank load), 'hw' (from the "
+        "hardware), or a number of (token, expert) pairs (default: default,hw)",
+    )
+    sweep.add_argument(
+        "--triggers",
+        type=trigger_list,
+        default=[None],
+        metavar="X,X",
+        help="triggers to try: 'default' (1 + floor / mean rank load of each load) or rank "
+        "imbalances, 1 = always balance (default: default)",
+    )
+    sweep.add_argument(
+        "--eplb-exact", action="store_true", help="also sweep EPLB's rule on the exact load"
+    )
+    sweep.add_argument(
+        "--inference",
+        action="store_true",
+        help="derive the hardware quota floor for inference/prefill (forward only)",
+    )
     rec = parser.add_argument_group("recommendation")
-    rec.add_argument("--tolerance", type=float, default=0.01,
-                     help="recommend the fewest slots within this fraction of the best speedup (%(default)s)")
-    rec.add_argument("--min-gain-per-slot", type=float, default=0.005,
-                     help="stop adding slots once one buys less speedup than this (%(default)s)")
-    rec.add_argument("--memory-budget-gb", type=common.non_negative_float, default=None,
-                     help="skip slot counts whose slots (weights + fp32 gradients) take more than this, GiB per rank")
-    rec.add_argument("--num-moe-layers", type=int, default=None,
-                     help="MoE layers of the model, for the per-layer-replica memory column (default: as traced)")
+    rec.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.01,
+        help="recommend the fewest slots within this fraction of the best speedup (%(default)s)",
+    )
+    rec.add_argument(
+        "--min-gain-per-slot",
+        type=float,
+        default=0.005,
+        help="stop adding slots once one buys less speedup than this (%(default)s)",
+    )
+    rec.add_argument(
+        "--memory-budget-gb",
+        type=common.non_negative_float,
+        default=None,
+        help="skip slot counts whose slots (weights + fp32 gradients) take more than this, GiB per rank",
+    )
+    rec.add_argument(
+        "--num-moe-layers",
+        type=int,
+        default=None,
+        help="MoE layers of the model, for the per-layer-replica memory column (default: as traced)",
+    )
     common.add_model_hardware_args(parser)
     topology = parser.add_argument_group("training settings (as in training)")
-    add_balancer_arguments(topology, runtime=False, balancer_flag=False, only=("hardware", "domain_size"))
+    add_balancer_arguments(
+        topology, runtime=False, balancer_flag=False, only=("hardware", "domain_size")
+    )
     common.add_output_args(parser, files="advisor.png, advise.json and advise.csv")
     parser.set_defaults(run=run)
     return parser
@@ -96,21 +147,39 @@ def run(args) -> int:
     shape, source, hardware = common.shape_and_hardware(args, records.meta)
     common.check_balancer_flags(args)
     training = not args.inference
-    quotas = list(dict.fromkeys(resolve_min_quota(q, shape, hardware, training=training) for q in args.min_quotas))
-    report, problem = advise_report.start_report(records, shape, source, hardware, training=training,
-                                                 inputs=records.describe())
+    quotas = list(
+        dict.fromkeys(
+            resolve_min_quota(q, shape, hardware, training=training) for q in args.min_quotas
+        )
+    )
+    report, problem = advise_report.start_report(
+        records, shape, source, hardware, training=training, inputs=records.describe()
+    )
     report["hardware"]["named"] = hardware_source
     if problem is not None:
         return finish(report, args, output_dir, [])
     progress = common.progress_for(args, "advise", records)
     try:
         rows, advice = advise_report.complete_report(
-            report, records, shape, hardware, slots=args.slots, min_quotas=quotas, triggers=args.triggers,
-            domain_size=args.moe_balancer_domain_size, relay=not args.no_relay, include_eplb_exact=args.eplb_exact,
-            num_layers=args.num_moe_layers, plan_seconds=common.plan_seconds(args), tolerance=args.tolerance,
+            report,
+            records,
+            shape,
+            hardware,
+            slots=args.slots,
+            min_quotas=quotas,
+            triggers=args.triggers,
+            domain_size=args.moe_balancer_domain_size,
+            relay=not args.no_relay,
+            include_eplb_exact=args.eplb_exact,
+            num_layers=args.num_moe_layers,
+            plan_seconds=common.plan_seconds(args),
+            tolerance=args.tolerance,
             min_gain_per_slot=args.min_gain_per_slot,
-            memory_budget_bytes=None if args.memory_budget_gb is None else int(args.memory_budget_gb * 2**30),
-            progress=progress)
+            memory_budget_bytes=None
+            if args.memory_budget_gb is None
+            else int(args.memory_budget_gb * 2**30),
+            progress=progress,
+        )
     finally:
         progress.close()
     return finish(report, args, output_dir, rows, advice)

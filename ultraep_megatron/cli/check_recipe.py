@@ -36,7 +36,9 @@ from ultraep_megatron.analysis.tables import dump_json
 
 from . import common
 
-SUMMARY = "validate launch recipes with Megatron's own checks for the full world size; layout and memory"
+SUMMARY = (
+    "validate launch recipes with Megatron's own checks for the full world size; layout and memory"
+)
 EXAMPLES = """examples:
   ultraep check-recipe recipes/qwen3_235b_a22b_ep64_dp4.sh
   ultraep check-recipe --env NNODES=128 recipes/qwen3_235b_a22b_ep64_dp4.sh      # another size
@@ -59,34 +61,68 @@ def _positive(kind):
         if not value > 0:
             raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
         return value
+
     return parse
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("check-recipe", help=SUMMARY, description=__doc__.split("\n\n", 1)[1],
-                                   epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                   usage="%(prog)s [options] RECIPE ... | %(prog)s --world-size N [options] -- ARGS")
-    parser.add_argument("recipes", nargs="*", metavar="RECIPE",
-                        help="recipe scripts to check; arguments after -- are appended to each")
-    parser.add_argument("--rack-size", "--scale-up-domain", dest="rack_size", type=_positive(int), default=None,
-                        metavar="GPUS",
-                        help="GPUs per scale-up (NVLink) domain, consecutive ranks: a GB200 rack's 64 in use, "
-                             "an HGX node's 8. Default: the recipe's --moe-balancer-hardware preset's "
-                             "(h100-hgx, h200-hgx: 8, the node; paper-rack: 64); without one, assumed to "
-                             "be the node, and EP across nodes is refused until the hardware is named")
-    parser.add_argument("--gpu-memory-gb", type=_positive(float), default=None, metavar="GIB",
-                        help="memory per GPU in GiB that each rank's estimated peak must fit. Default: the "
-                             "recipe's --moe-balancer-hardware preset's (h100-hgx: 80, h200-hgx: 141, "
-                             "paper-rack: 186); without one, assumed 80 (an H100's), as the report says")
-    parser.add_argument("--world-size", type=_positive(int), default=None,
-                        help="check bare pretrain_gpt.py arguments (after --) for this world size")
-    parser.add_argument("--gpus-per-node", type=_positive(int), default=None,
-                        help="with --world-size: GPUs per node. Default: the --moe-balancer-hardware "
-                             "preset's in the arguments (h100-hgx, h200-hgx: 8; paper-rack: 4, a GB200 "
-                             "tray), else assumed 8, as the report says. A recipe's comes from its launch "
-                             "(--env GPUS_PER_NODE=N)")
-    parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
-                        help="environment for the recipes (e.g. NNODES=8); repeatable")
+    parser = subparsers.add_parser(
+        "check-recipe",
+        help=SUMMARY,
+        description=__doc__.split("\n\n", 1)[1],
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="%(prog)s [options] RECIPE ... | %(prog)s --world-size N [options] -- ARGS",
+    )
+    parser.add_argument(
+        "recipes",
+        nargs="*",
+        metavar="RECIPE",
+        help="recipe scripts to check; arguments after -- are appended to each",
+    )
+    parser.add_argument(
+        "--rack-size",
+        "--scale-up-domain",
+        dest="rack_size",
+        type=_positive(int),
+        default=None,
+        metavar="GPUS",
+        help="GPUs per scale-up (NVLink) domain, consecutive ranks: a GB200 rack's 64 in use, "
+        "an HGX node's 8. Default: the recipe's --moe-balancer-hardware preset's "
+        "(h100-hgx, h200-hgx: 8, the node; paper-rack: 64); without one, assumed to "
+        "be the node, and EP across nodes is refused until the hardware is named",
+    )
+    parser.add_argument(
+        "--gpu-memory-gb",
+        type=_positive(float),
+        default=None,
+        metavar="GIB",
+        help="memory per GPU in GiB that each rank's estimated peak must fit. Default: the "
+        "recipe's --moe-balancer-hardware preset's (h100-hgx: 80, h200-hgx: 141, "
+        "paper-rack: 186); without one, assumed 80 (an H100's), as the report says",
+    )
+    parser.add_argument(
+        "--world-size",
+        type=_positive(int),
+        default=None,
+        help="check bare pretrain_gpt.py arguments (after --) for this world size",
+    )
+    parser.add_argument(
+        "--gpus-per-node",
+        type=_positive(int),
+        default=None,
+        help="with --world-size: GPUs per node. Default: the --moe-balancer-hardware "
+        "preset's in the arguments (h100-hgx, h200-hgx: 8; paper-rack: 4, a GB200 "
+        "tray), else assumed 8, as the report says. A recipe's comes from its launch "
+        "(--env GPUS_PER_NODE=N)",
+    )
+    parser.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="environment for the recipes (e.g. NNODES=8); repeatable",
+    )
     parser.add_argument("--json", action="store_true", help="print the reports as JSON on stdout")
     parser.set_defaults(run=run, takes_passthrough=True)
     return parser
@@ -101,29 +137,54 @@ def run(args) -> int:
     env = dict(item.split("=", 1) for item in args.env)
     missing = [r for r in args.recipes if not Path(r).is_file()]
     if missing:
-        raise common.CliError("; ".join(f"no such recipe file: {r}{common.did_you_mean(r, close_recipes(r), cutoff=None)}"
-                                        for r in missing))
+        raise common.CliError(
+            "; ".join(
+                f"no such recipe file: {r}{common.did_you_mean(r, close_recipes(r), cutoff=None)}"
+                for r in missing
+            )
+        )
     if args.world_size is not None and args.recipes and args.passthrough:
-        raise common.CliError("arguments after -- go to the recipes, or with --world-size to a bare launch; "
-                              "not both (check a recipe at another size with --env NNODES=N)")
+        raise common.CliError(
+            "arguments after -- go to the recipes, or with --world-size to a bare launch; "
+            "not both (check a recipe at another size with --env NNODES=N)"
+        )
     if args.gpus_per_node is not None and args.world_size is None:
-        raise common.CliError("--gpus-per-node applies to --world-size; a recipe's comes from its launch "
-                              "(--env GPUS_PER_NODE=N)")
+        raise common.CliError(
+            "--gpus-per-node applies to --world-size; a recipe's comes from its launch "
+            "(--env GPUS_PER_NODE=N)"
+        )
     launches, skipped = [], []
     if args.world_size is not None:
         if not args.passthrough:
-            raise common.CliError("--world-size checks bare pretrain_gpt.py arguments: give them after --")
+            raise common.CliError(
+                "--world-size checks bare pretrain_gpt.py arguments: give them after --"
+            )
         gpus_per_node = args.gpus_per_node or rc.default_gpus_per_node(args.passthrough)
         assumed = gpus_per_node is None
-        if assumed:  # no hardware named: an HGX node's 8, or the largest divisor below (the report says so)
-            gpus_per_node = max(n for n in range(1, ASSUMED_GPUS_PER_NODE + 1) if args.world_size % n == 0)
+        if (
+            assumed
+        ):  # no hardware named: an HGX node's 8, or the largest divisor below (the report says so)
+            gpus_per_node = max(
+                n for n in range(1, ASSUMED_GPUS_PER_NODE + 1) if args.world_size % n == 0
+            )
         if args.world_size % gpus_per_node:
-            raise common.CliError(f"--world-size {args.world_size} is not a multiple of {gpus_per_node} "
-                                  "GPUs per node (--gpus-per-node)")
-        launches.append(rc.Launch(gpus_per_node, args.world_size // gpus_per_node,
-                                  "pretrain_gpt.py", args.passthrough, gpus_per_node_assumed=assumed))
+            raise common.CliError(
+                f"--world-size {args.world_size} is not a multiple of {gpus_per_node} "
+                "GPUs per node (--gpus-per-node)"
+            )
+        launches.append(
+            rc.Launch(
+                gpus_per_node,
+                args.world_size // gpus_per_node,
+                "pretrain_gpt.py",
+                args.passthrough,
+                gpus_per_node_assumed=assumed,
+            )
+        )
     elif args.passthrough and not args.recipes:
-        raise common.CliError("bare arguments after -- need --world-size (or a recipe to append them to)")
+        raise common.CliError(
+            "bare arguments after -- need --world-size (or a recipe to append them to)"
+        )
     extra = args.passthrough if args.world_size is None else []
     for recipe in args.recipes:
         try:
@@ -139,8 +200,11 @@ def run(args) -> int:
         except rc.RecipeError as error:
             launches.append((recipe, error))
     if not launches:
-        raise common.CliError("give recipes, or --world-size N -- ARGS" if not skipped else
-                              f"no recipe to check ({', '.join(skipped)}: sourced by the recipes)")
+        raise common.CliError(
+            "give recipes, or --world-size N -- ARGS"
+            if not skipped
+            else f"no recipe to check ({', '.join(skipped)}: sourced by the recipes)"
+        )
     results = []
     for launch in launches:
         if isinstance(launch, tuple):
@@ -148,8 +212,14 @@ def run(args) -> int:
         else:
             try:
                 report = rc.check_launch(launch, args.rack_size, args.gpu_memory_gb)
-                result = {"source": launch.source, "passed": not report.problems(), "problems": report.problems(),
-                          "notes": report.notes, "text": rc.format_report(report), **summary(report)}
+                result = {
+                    "source": launch.source,
+                    "passed": not report.problems(),
+                    "problems": report.problems(),
+                    "notes": report.notes,
+                    "text": rc.format_report(report),
+                    **summary(report),
+                }
             except rc.RecipeError as error:
                 result = failure(launch.source, error)
         results.append(result)
@@ -157,11 +227,20 @@ def run(args) -> int:
             print(result["text"] + "\n", flush=True)
     failed = sum(not r["passed"] for r in results)
     if args.json:
-        dump_json({"recipes": results, "passed": len(results) - failed, "failed": failed,
-                   "skipped": skipped}, stream=sys.stdout)
+        dump_json(
+            {
+                "recipes": results,
+                "passed": len(results) - failed,
+                "failed": failed,
+                "skipped": skipped,
+            },
+            stream=sys.stdout,
+        )
     else:
-        print(f"{len(results) - failed}/{len(results)} recipe(s) passed"
-              + (f" ({', '.join(skipped)} skipped: not a recipe)" if skipped else ""))
+        print(
+            f"{len(results) - failed}/{len(results)} recipe(s) passed"
+            + (f" ({', '.join(skipped)} skipped: not a recipe)" if skipped else "")
+        )
     return common.EXIT_FAILED if failed else common.EXIT_OK
 
 
@@ -175,7 +254,9 @@ def close_recipes(path: str) -> list[str]:
     import difflib
 
     given = Path(path)
-    directory = given.parent if given.parent.is_dir() else Path(__file__).resolve().parents[2] / "recipes"
+    directory = (
+        given.parent if given.parent.is_dir() else Path(__file__).resolve().parents[2] / "recipes"
+    )
     if not directory.is_dir():
         return []
     names = sorted(p.name for p in directory.glob("*.sh"))
@@ -189,30 +270,56 @@ def close_recipes(path: str) -> list[str]:
 def failure(source: str, error) -> dict:
     """A recipe that does not pass: one PROBLEM line per problem, then what was printed with it."""
     problems = error.problem.splitlines()
-    text = "\n".join([f"== {source}", *(f"  PROBLEM: {p}" for p in problems)]
-                     + [f"    | {line}" for line in error.details.strip().splitlines()])
-    return {"source": source, "passed": False, "problems": problems, "error": str(error), "text": text}
+    text = "\n".join(
+        [f"== {source}", *(f"  PROBLEM: {p}" for p in problems)]
+        + [f"    | {line}" for line in error.details.strip().splitlines()]
+    )
+    return {
+        "source": source,
+        "passed": False,
+        "problems": problems,
+        "error": str(error),
+        "text": text,
+    }
 
 
 def summary(report) -> dict:
     """The report's figures, JSON-ready."""
     a, layout = report.args, report.layout
     return {
-        "world_size": a.world_size, "nnodes": report.launch.nnodes, "nproc_per_node": report.launch.nproc_per_node,
+        "world_size": a.world_size,
+        "nnodes": report.launch.nnodes,
+        "nproc_per_node": report.launch.nproc_per_node,
         "tensor_model_parallel_size": a.tensor_model_parallel_size,
         "pipeline_model_parallel_size": a.pipeline_model_parallel_size,
-        "expert_model_parallel_size": a.expert_model_parallel_size, "data_parallel_size": a.data_parallel_size,
-        "moe_balancer": a.moe_balancer, "moe_balancer_num_slots": a.moe_balancer_num_slots,
-        "total_params": report.memory.total_params, "active_params": report.memory.active_params,
+        "expert_model_parallel_size": a.expert_model_parallel_size,
+        "data_parallel_size": a.data_parallel_size,
+        "moe_balancer": a.moe_balancer,
+        "moe_balancer_num_slots": a.moe_balancer_num_slots,
+        "total_params": report.memory.total_params,
+        "active_params": report.memory.active_params,
         "flops_per_iteration": report.flops,
-        "ep_groups": layout.ep_groups, "rack_size": layout.rack_size,
-        "launcher": report.launch.launcher, "hardware": report.hardware_named, "assumed": report.assumed,
+        "ep_groups": layout.ep_groups,
+        "rack_size": layout.rack_size,
+        "launcher": report.launch.launcher,
+        "hardware": report.hardware_named,
+        "assumed": report.assumed,
         "moe_balancer_domain_size": layout.balancer_domain,
-        "gpu_memory_gb": report.gpu_memory_gb, "margin_bytes": report.margin_bytes(),
-        "stages": [{"stage": s.stage, "layers": s.layers, "moe_layers": s.moe_layers,
-                    "model_state_bytes": s.model_states, "slot_bytes_with_reuse": s.slots_with_reuse,
-                    "slot_bytes_without_reuse": s.slots_without_reuse, "total_bytes": s.total,
-                    "activation_bytes": s.activations, "runtime_reserve_bytes": s.runtime_reserve,
-                    "peak_bytes": s.peak}
-                   for s in report.memory.stages],
+        "gpu_memory_gb": report.gpu_memory_gb,
+        "margin_bytes": report.margin_bytes(),
+        "stages": [
+            {
+                "stage": s.stage,
+                "layers": s.layers,
+                "moe_layers": s.moe_layers,
+                "model_state_bytes": s.model_states,
+                "slot_bytes_with_reuse": s.slots_with_reuse,
+                "slot_bytes_without_reuse": s.slots_without_reuse,
+                "total_bytes": s.total,
+                "activation_bytes": s.activations,
+                "runtime_reserve_bytes": s.runtime_reserve,
+                "peak_bytes": s.peak,
+            }
+            for s in report.memory.stages
+        ],
     }

@@ -39,10 +39,15 @@ def build_parser() -> argparse.ArgumentParser:
     from importlib.metadata import PackageNotFoundError, version
 
     parser = common.Parser(
-        prog="ultraep", description=__doc__.split("\n\n")[0],
-        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+        prog="ultraep",
+        description=__doc__.split("\n\n")[0],
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     try:
-        parser.add_argument("--version", action="version", version=f"%(prog)s {version('ultraep-megatron')}")
+        parser.add_argument(
+            "--version", action="version", version=f"%(prog)s {version('ultraep-megatron')}"
+        )
     except PackageNotFoundError:  # run from a checkout that was never installed
         pass
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -65,12 +70,16 @@ def mark_commands(parser: argparse.ArgumentParser) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     passthrough: list[str] = []
-    if "--" in argv:  # a launch command (resume-experiment) or bare training arguments (check-recipe)
+    if (
+        "--" in argv
+    ):  # a launch command (resume-experiment) or bare training arguments (check-recipe)
         split = argv.index("--")
-        argv, passthrough = argv[:split], argv[split + 1:]
+        argv, passthrough = argv[:split], argv[split + 1 :]
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
-    command = args.command_parser  # errors are the innermost command's: "ultraep trace synth: error: ..."
+    command = (
+        args.command_parser
+    )  # errors are the innermost command's: "ultraep trace synth: error: ..."
     if unknown:
         command.error(f"unrecognized arguments: {' '.join(unknown)}")
     if passthrough and not getattr(args, "takes_passthrough", False):
@@ -86,8 +95,10 @@ def one_line_warnings(prog: str):
     """A ``warnings.showwarning``: a warning (a truncated trace's, a library's) as one line under
     the command's name, ``PROG: warning: MESSAGE``, instead of Python's ``file:line: Category:
     message`` with the source line below it."""
+
     def show(message, *_, **__) -> None:
         print(f"{prog}: warning: {' '.join(str(message).split())}", file=sys.stderr)
+
     return show
 
 
@@ -98,7 +109,10 @@ def run_command(args, prog: str) -> int:
     except common.CliError as error:
         print(f"{prog}: error: {error}", file=sys.stderr)
         return common.EXIT_USAGE
-    except (ValueError, OSError) as error:  # unreadable or inconsistent input (traces, recipes, files)
+    except (
+        ValueError,
+        OSError,
+    ) as error:  # unreadable or inconsistent input (traces, recipes, files)
         print(f"{prog}: error: {error}", file=sys.stderr)
         return common.EXIT_USAGE
     except KeyboardInterrupt:

@@ -14,9 +14,11 @@ from typing import Optional, Sequence
 
 #: Exit codes scripts can rely on.
 EXIT_OK = 0
-EXIT_FAILED = 1     # the command ran and found a failure: a recipe problem, a failed run, no recommendation
-EXIT_USAGE = 2      # bad arguments or unreadable input (argparse uses 2 as well)
-EXIT_INTERNAL = 3   # a bug: the traceback is printed
+EXIT_FAILED = (
+    1  # the command ran and found a failure: a recipe problem, a failed run, no recommendation
+)
+EXIT_USAGE = 2  # bad arguments or unreadable input (argparse uses 2 as well)
+EXIT_INTERNAL = 3  # a bug: the traceback is printed
 
 
 class CliError(Exception):
@@ -37,8 +39,11 @@ def did_you_mean(given: str, candidates, *, cutoff: float = 0.6) -> str:
     them is taken as already chosen when ``cutoff`` is None)."""
     import difflib
 
-    close = list(candidates) if cutoff is None else difflib.get_close_matches(given, list(candidates), n=2,
-                                                                              cutoff=cutoff)
+    close = (
+        list(candidates)
+        if cutoff is None
+        else difflib.get_close_matches(given, list(candidates), n=2, cutoff=cutoff)
+    )
     return f"; did you mean {' or '.join(close)}?" if close else ""
 
 
@@ -46,12 +51,15 @@ def did_you_mean(given: str, candidates, *, cutoff: float = 0.6) -> str:
 # Argument types
 # ---------------------------------------------------------------------------------------------
 
+
 def int_list(text: str) -> list[int]:
     """'1,2,4' -> [1, 2, 4] (non-negative)."""
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
     if any(v < 0 for v in values):
         raise argparse.ArgumentTypeError(f"expected non-negative integers, got {text!r}")
     return values
@@ -59,14 +67,18 @@ def int_list(text: str) -> list[int]:
 
 def name_list(choices: Sequence[str]):
     """An argparse type: comma-separated names from ``choices``."""
+
     def parse(text: str) -> list[str]:
         names = [x.strip() for x in text.split(",") if x.strip()]
         bad = [n for n in names if n not in choices]
         if bad or not names:
-            raise argparse.ArgumentTypeError(f"unknown {bad or 'empty list'}; choose from {','.join(choices)}")
+            raise argparse.ArgumentTypeError(
+                f"unknown {bad or 'empty list'}; choose from {','.join(choices)}"
+            )
         if len(set(names)) != len(names):
             raise argparse.ArgumentTypeError(f"{text!r} names a balancer twice")
         return names
+
     return parse
 
 
@@ -113,14 +125,18 @@ def positive_float(text: str) -> float:
 
 def int_at_least(minimum: int):
     """An argparse type: an int >= ``minimum``."""
+
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
+            raise argparse.ArgumentTypeError(
+                f"expected an integer >= {minimum}, got {text!r}"
+            ) from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
         return value
+
     return parse
 
 
@@ -149,23 +165,43 @@ def check_balancer_flags(args) -> None:
 # Trace input
 # ---------------------------------------------------------------------------------------------
 
-TRACE_HELP = ("trace files or directories: the project's (--moe-balancer-trace-dir, *.uetrace, one file "
-              "per EP group) or Megatron's own (--moe-routing-trace-path, router_trace_rank<r>.jsonl)")
+TRACE_HELP = (
+    "trace files or directories: the project's (--moe-balancer-trace-dir, *.uetrace, one file "
+    "per EP group) or Megatron's own (--moe-routing-trace-path, router_trace_rank<r>.jsonl)"
+)
 
 
 def add_trace_input_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("traces", nargs="+", metavar="TRACE", help=TRACE_HELP)
     group = parser.add_argument_group("trace selection")
-    group.add_argument("--layers", type=int_list, default=None, metavar="N,N",
-                       help="only these layer numbers (1-based, as Megatron numbers layers)")
-    group.add_argument("--max-records", type=int, default=None, metavar="N",
-                       help="stop after this many loads per EP group")
-    group.add_argument("--load-scale", type=positive_float, default=1.0, metavar="X",
-                       help="multiply every load by X (project a small run onto a production microbatch "
-                            "size: costs scale, balance barely does)")
-    group.add_argument("--strict", action="store_true",
-                       help="a truncated trace (a crash, or a run still writing) is an error; by default its "
-                            "complete part is used with a warning")
+    group.add_argument(
+        "--layers",
+        type=int_list,
+        default=None,
+        metavar="N,N",
+        help="only these layer numbers (1-based, as Megatron numbers layers)",
+    )
+    group.add_argument(
+        "--max-records",
+        type=int,
+        default=None,
+        metavar="N",
+        help="stop after this many loads per EP group",
+    )
+    group.add_argument(
+        "--load-scale",
+        type=positive_float,
+        default=1.0,
+        metavar="X",
+        help="multiply every load by X (project a small run onto a production microbatch "
+        "size: costs scale, balance barely does)",
+    )
+    group.add_argument(
+        "--strict",
+        action="store_true",
+        help="a truncated trace (a crash, or a run still writing) is an error; by default its "
+        "complete part is used with a warning",
+    )
     add_megatron_layout_args(parser)
 
 
@@ -173,22 +209,55 @@ def add_megatron_layout_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "Megatron routing traces (--moe-routing-trace-path)",
         "Megatron's trace has one file per rank and no layout: give the run's arguments with --run-args "
-        "(its log, or its wandb config.yaml), or the flags below as in the training command.")
-    group.add_argument("--run-args", type=Path, default=None, metavar="FILE",
-                       help="the run's log (Megatron prints its arguments at start-up), wandb config.yaml, "
-                            "or a JSON/YAML mapping of arguments")
-    group.add_argument("--expert-model-parallel-size", type=int, default=None, metavar="EP",
-                       help="EP ranks per group (R)")
-    group.add_argument("--num-experts", type=int, default=None, metavar="E", help="experts per MoE layer")
-    group.add_argument("--num-layers", type=int, default=None, metavar="N",
-                       help="decoder layers (numbers MTP layers after them; needed with pipeline parallelism)")
-    group.add_argument("--pipeline-model-parallel-size", type=int, default=None, metavar="PP",
-                       help="pipeline stages (layers split as megatron-core splits them: evenly, or with "
-                            "the two flags below)")
-    group.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None, metavar="N",
-                       help="decoder layers of the first pipeline stage, as in the training command")
-    group.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None, metavar="N",
-                       help="decoder layers of the last pipeline stage, as in the training command")
+        "(its log, or its wandb config.yaml), or the flags below as in the training command.",
+    )
+    group.add_argument(
+        "--run-args",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="the run's log (Megatron prints its arguments at start-up), wandb config.yaml, "
+        "or a JSON/YAML mapping of arguments",
+    )
+    group.add_argument(
+        "--expert-model-parallel-size",
+        type=int,
+        default=None,
+        metavar="EP",
+        help="EP ranks per group (R)",
+    )
+    group.add_argument(
+        "--num-experts", type=int, default=None, metavar="E", help="experts per MoE layer"
+    )
+    group.add_argument(
+        "--num-layers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="decoder layers (numbers MTP layers after them; needed with pipeline parallelism)",
+    )
+    group.add_argument(
+        "--pipeline-model-parallel-size",
+        type=int,
+        default=None,
+        metavar="PP",
+        help="pipeline stages (layers split as megatron-core splits them: evenly, or with "
+        "the two flags below)",
+    )
+    group.add_argument(
+        "--decoder-first-pipeline-num-layers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="decoder layers of the first pipeline stage, as in the training command",
+    )
+    group.add_argument(
+        "--decoder-last-pipeline-num-layers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="decoder layers of the last pipeline stage, as in the training command",
+    )
 
 
 def megatron_layout(args):
@@ -198,17 +267,24 @@ def megatron_layout(args):
     run_args = None
     if args.run_args is not None:
         if not args.run_args.is_file():
-            raise CliError(f"--run-args {args.run_args}: no such file; give the run's log (Megatron prints its "
-                           "arguments at start-up), its wandb config.yaml or a JSON/YAML mapping of them")
+            raise CliError(
+                f"--run-args {args.run_args}: no such file; give the run's log (Megatron prints its "
+                "arguments at start-up), its wandb config.yaml or a JSON/YAML mapping of them"
+            )
         try:
             run_args = read_run_args(args.run_args)
         except ValueError as error:
             raise CliError(f"--run-args {error}") from None
     try:
         return RouterTraceLayout.resolve(
-            ep_size=args.expert_model_parallel_size, num_experts=args.num_experts, num_layers=args.num_layers,
-            pp_size=args.pipeline_model_parallel_size, first_stage_layers=args.decoder_first_pipeline_num_layers,
-            last_stage_layers=args.decoder_last_pipeline_num_layers, run_args=run_args)
+            ep_size=args.expert_model_parallel_size,
+            num_experts=args.num_experts,
+            num_layers=args.num_layers,
+            pp_size=args.pipeline_model_parallel_size,
+            first_stage_layers=args.decoder_first_pipeline_num_layers,
+            last_stage_layers=args.decoder_last_pipeline_num_layers,
+            run_args=run_args,
+        )
     except ValueError as error:
         raise CliError(str(error)) from None
 
@@ -222,18 +298,34 @@ def open_records(args):
     chosen = dict(layers=args.layers, max_records=args.max_records, load_scale=args.load_scale)
     on_truncated = "error" if args.strict else "warn"
     if is_router_trace(args.traces):
-        return RouterTraceRecords(args.traces[0], megatron_layout(args), on_truncated=on_truncated, **chosen)
+        return RouterTraceRecords(
+            args.traces[0], megatron_layout(args), on_truncated=on_truncated, **chosen
+        )
     for path in args.traces:
-        if Path(path).is_dir() and not list(Path(path).glob(f"*{traces.TRACE_SUFFIX}")) and \
-                list(Path(path).glob("*.jsonl")):
-            raise CliError(f"{path}: JSONL files but no router_trace_rank<r>.jsonl (is it Megatron's "
-                           "--moe-routing-trace-path directory?)")
+        if (
+            Path(path).is_dir()
+            and not list(Path(path).glob(f"*{traces.TRACE_SUFFIX}"))
+            and list(Path(path).glob("*.jsonl"))
+        ):
+            raise CliError(
+                f"{path}: JSONL files but no router_trace_rank<r>.jsonl (is it Megatron's "
+                "--moe-routing-trace-path directory?)"
+            )
     if args.run_args is not None:
-        raise CliError("--run-args is for Megatron's routing traces; the project's traces carry their layout")
-    records = traces.TraceRecords(traces.find_trace_files(args.traces), on_truncated=on_truncated, **chosen)
-    for flag, value in (("expert_model_parallel_size", records.num_ranks), ("num_experts", records.num_experts)):
+        raise CliError(
+            "--run-args is for Megatron's routing traces; the project's traces carry their layout"
+        )
+    records = traces.TraceRecords(
+        traces.find_trace_files(args.traces), on_truncated=on_truncated, **chosen
+    )
+    for flag, value in (
+        ("expert_model_parallel_size", records.num_ranks),
+        ("num_experts", records.num_experts),
+    ):
         if getattr(args, flag) is not None and getattr(args, flag) != value:
-            raise CliError(f"--{flag.replace('_', '-')} {getattr(args, flag)} contradicts the trace ({value})")
+            raise CliError(
+                f"--{flag.replace('_', '-')} {getattr(args, flag)} contradicts the trace ({value})"
+            )
     return records
 
 
@@ -241,54 +333,128 @@ def open_records(args):
 # Model shape and hardware (the cost model's inputs)
 # ---------------------------------------------------------------------------------------------
 
+
 def add_model_hardware_args(parser: argparse.ArgumentParser) -> None:
-    model = parser.add_argument_group("model shape (default: the trace's meta or --run-args, else a "
-                                      "Qwen3-235B-A22B expert)")
+    model = parser.add_argument_group(
+        "model shape (default: the trace's meta or --run-args, else a Qwen3-235B-A22B expert)"
+    )
     model.add_argument("--hidden-size", type=int, default=None)
     model.add_argument("--moe-ffn-hidden-size", type=int, default=None)
-    model.add_argument("--swiglu", dest="swiglu", action="store_true", default=None,
-                       help="gated experts (3 matrices)")
-    model.add_argument("--no-swiglu", dest="swiglu", action="store_false", help="plain 2-matrix experts")
-    model.add_argument("--param-bytes", type=int, default=None, help="bytes per weight moved to replicas (2)")
-    model.add_argument("--grad-bytes", type=int, default=None, help="bytes per gradient reduced (4, fp32)")
-    model.add_argument("--activation-bytes", type=int, default=None, help="bytes per token element on the wire (2)")
+    model.add_argument(
+        "--swiglu",
+        dest="swiglu",
+        action="store_true",
+        default=None,
+        help="gated experts (3 matrices)",
+    )
+    model.add_argument(
+        "--no-swiglu", dest="swiglu", action="store_false", help="plain 2-matrix experts"
+    )
+    model.add_argument(
+        "--param-bytes", type=int, default=None, help="bytes per weight moved to replicas (2)"
+    )
+    model.add_argument(
+        "--grad-bytes", type=int, default=None, help="bytes per gradient reduced (4, fp32)"
+    )
+    model.add_argument(
+        "--activation-bytes", type=int, default=None, help="bytes per token element on the wire (2)"
+    )
     hw = parser.add_argument_group(
         "hardware (default: --moe-balancer-hardware's preset, else the UltraEP paper's rack, Table 2; "
-        "each flag given overrides it)")
-    hw.add_argument("--scale-up-bandwidth", type=positive_float, default=None, metavar="GBPS",
-                    help="GB/s per GPU (900)")
-    hw.add_argument("--peak-tflops", type=positive_float, default=None, metavar="TFLOPS",
-                    help="bf16 TFLOP/s per GPU (2250)")
-    hw.add_argument("--hbm-bandwidth", type=positive_float, default=None, metavar="TBPS",
-                    help="TB/s per GPU (8)")
-    hw.add_argument("--compute-efficiency", type=float, default=None, help="achieved fraction of peak FLOP/s (1)")
-    hw.add_argument("--comm-efficiency", type=float, default=None, help="achieved fraction of scale-up bandwidth (1)")
-    hw.add_argument("--scale-up-domain", type=int, default=None, metavar="N",
-                    help="GPUs per scale-up (NVLink) domain, as consecutive EP ranks: traffic between domains "
-                         "moves at --inter-domain-bandwidth (default: the preset's, else "
-                         "--moe-balancer-domain-size where given, else the whole EP group)")
-    hw.add_argument("--inter-domain-bandwidth", type=positive_float, default=None, metavar="GBPS",
-                    help="GB/s per GPU between scale-up domains (50: 400 Gb/s)")
-    hw.add_argument("--gemm-overhead-tokens", type=float, default=None, metavar="M0",
-                    help="fixed cost of one expert GEMM in tokens: M tokens run at M / (M + M0) of the "
-                         "plateau rate (100, from DeepGEMM's published grouped GEMMs; docs/traces.md)")
-    hw.add_argument("--plan-time-us", type=float, default=None,
-                    help="charge this plan time (us) to the exact-load balancers instead of the time measured "
-                         "here (the planner runs on this host's CPU; the paper's GPU solver takes ~111 us)")
-    hw.add_argument("--transfer-overlap", type=fraction, default=None, metavar="F",
-                    help="fraction of its overlap window a replica transfer hides: 1 (default) is the "
-                         "runtime's schedule on a GPU, transfers on their own stream next to the token "
-                         "all-to-all and expert compute; 0 serializes them (--moe-balancer-no-overlap)")
-    hw.add_argument("--no-relay", action="store_true",
-                    help="charge weight distribution without relay trees (both are always reported)")
+        "each flag given overrides it)"
+    )
+    hw.add_argument(
+        "--scale-up-bandwidth",
+        type=positive_float,
+        default=None,
+        metavar="GBPS",
+        help="GB/s per GPU (900)",
+    )
+    hw.add_argument(
+        "--peak-tflops",
+        type=positive_float,
+        default=None,
+        metavar="TFLOPS",
+        help="bf16 TFLOP/s per GPU (2250)",
+    )
+    hw.add_argument(
+        "--hbm-bandwidth",
+        type=positive_float,
+        default=None,
+        metavar="TBPS",
+        help="TB/s per GPU (8)",
+    )
+    hw.add_argument(
+        "--compute-efficiency",
+        type=float,
+        default=None,
+        help="achieved fraction of peak FLOP/s (1)",
+    )
+    hw.add_argument(
+        "--comm-efficiency",
+        type=float,
+        default=None,
+        help="achieved fraction of scale-up bandwidth (1)",
+    )
+    hw.add_argument(
+        "--scale-up-domain",
+        type=int,
+        default=None,
+        metavar="N",
+        help="GPUs per scale-up (NVLink) domain, as consecutive EP ranks: traffic between domains "
+        "moves at --inter-domain-bandwidth (default: the preset's, else "
+        "--moe-balancer-domain-size where given, else the whole EP group)",
+    )
+    hw.add_argument(
+        "--inter-domain-bandwidth",
+        type=positive_float,
+        default=None,
+        metavar="GBPS",
+        help="GB/s per GPU between scale-up domains (50: 400 Gb/s)",
+    )
+    hw.add_argument(
+        "--gemm-overhead-tokens",
+        type=float,
+        default=None,
+        metavar="M0",
+        help="fixed cost of one expert GEMM in tokens: M tokens run at M / (M + M0) of the "
+        "plateau rate (100, from DeepGEMM's published grouped GEMMs; docs/traces.md)",
+    )
+    hw.add_argument(
+        "--plan-time-us",
+        type=float,
+        default=None,
+        help="charge this plan time (us) to the exact-load balancers instead of the time measured "
+        "here (the planner runs on this host's CPU; the paper's GPU solver takes ~111 us)",
+    )
+    hw.add_argument(
+        "--transfer-overlap",
+        type=fraction,
+        default=None,
+        metavar="F",
+        help="fraction of its overlap window a replica transfer hides: 1 (default) is the "
+        "runtime's schedule on a GPU, transfers on their own stream next to the token "
+        "all-to-all and expert compute; 0 serializes them (--moe-balancer-no-overlap)",
+    )
+    hw.add_argument(
+        "--no-relay",
+        action="store_true",
+        help="charge weight distribution without relay trees (both are always reported)",
+    )
 
 
 #: Hardware flags (argparse dest) -> the Hardware field they override.
-HARDWARE_FLAGS = {"scale_up_bandwidth": "scale_up_gbps", "peak_tflops": "peak_tflops",
-                  "hbm_bandwidth": "hbm_tbps", "compute_efficiency": "compute_efficiency",
-                  "comm_efficiency": "comm_efficiency", "transfer_overlap": "transfer_overlap",
-                  "scale_up_domain": "scale_up_domain", "inter_domain_bandwidth": "inter_domain_gbps",
-                  "gemm_overhead_tokens": "gemm_overhead_tokens"}
+HARDWARE_FLAGS = {
+    "scale_up_bandwidth": "scale_up_gbps",
+    "peak_tflops": "peak_tflops",
+    "hbm_bandwidth": "hbm_tbps",
+    "compute_efficiency": "compute_efficiency",
+    "comm_efficiency": "comm_efficiency",
+    "transfer_overlap": "transfer_overlap",
+    "scale_up_domain": "scale_up_domain",
+    "inter_domain_bandwidth": "inter_domain_gbps",
+    "gemm_overhead_tokens": "gemm_overhead_tokens",
+}
 
 
 def apply_traced_run_settings(args, records) -> str:
@@ -305,8 +471,10 @@ def apply_traced_run_settings(args, records) -> str:
         args.moe_balancer_hardware = str(meta["hardware"])
         where = f"{args.moe_balancer_hardware} (the traced run's --moe-balancer-hardware)"
     else:
-        where = ("none named, the default: the UltraEP paper's GB200-class rack (Table 2); name yours with "
-                 "--moe-balancer-hardware h100-hgx, h200-hgx or paper-rack")
+        where = (
+            "none named, the default: the UltraEP paper's GB200-class rack (Table 2); name yours with "
+            "--moe-balancer-hardware h100-hgx, h200-hgx or paper-rack"
+        )
     if args.moe_balancer_domain_size is None:
         if meta.get("domain_size"):
             args.moe_balancer_domain_size = int(meta["domain_size"])
@@ -330,12 +498,24 @@ def shape_and_hardware(args, meta: dict):
 
     try:
         shape, source = ExpertShape.from_meta(
-            meta, hidden_size=args.hidden_size, ffn_hidden_size=args.moe_ffn_hidden_size, gated=args.swiglu,
-            param_bytes=args.param_bytes, grad_bytes=args.grad_bytes, activation_bytes=args.activation_bytes)
-        given = {field: getattr(args, flag) for flag, field in HARDWARE_FLAGS.items()
-                 if getattr(args, flag, None) is not None}
-        hardware = resolve_hardware(getattr(args, "moe_balancer_hardware", None), given,
-                                    getattr(args, "moe_balancer_domain_size", None))
+            meta,
+            hidden_size=args.hidden_size,
+            ffn_hidden_size=args.moe_ffn_hidden_size,
+            gated=args.swiglu,
+            param_bytes=args.param_bytes,
+            grad_bytes=args.grad_bytes,
+            activation_bytes=args.activation_bytes,
+        )
+        given = {
+            field: getattr(args, flag)
+            for flag, field in HARDWARE_FLAGS.items()
+            if getattr(args, flag, None) is not None
+        }
+        hardware = resolve_hardware(
+            getattr(args, "moe_balancer_hardware", None),
+            given,
+            getattr(args, "moe_balancer_domain_size", None),
+        )
     except ValueError as exc:
         raise CliError(str(exc)) from None
     return shape, source, hardware
@@ -349,16 +529,24 @@ def plan_seconds(args) -> Optional[float]:
 # Output
 # ---------------------------------------------------------------------------------------------
 
+
 def add_output_args(parser: argparse.ArgumentParser, *, files: str) -> argparse._ArgumentGroup:
     group = parser.add_argument_group("output")
-    group.add_argument("--json", action="store_true",
-                       help="print the results as one JSON document on stdout instead of the report")
-    group.add_argument("--output-dir", type=Path, default=None, metavar="DIR", help=f"write {files} here")
+    group.add_argument(
+        "--json",
+        action="store_true",
+        help="print the results as one JSON document on stdout instead of the report",
+    )
+    group.add_argument(
+        "--output-dir", type=Path, default=None, metavar="DIR", help=f"write {files} here"
+    )
     group.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return group
 
 
-def prepare_output_dir(path: Optional[Path], name: str = "--output-dir", *, announce: bool = True) -> Optional[Path]:
+def prepare_output_dir(
+    path: Optional[Path], name: str = "--output-dir", *, announce: bool = True
+) -> Optional[Path]:
     """Create ``path`` (saying so on stderr, naming it as the argument ``name`` the user gave) and
     check, by writing a file there, that the outputs can be written, before any long work (None
     passes through)."""
@@ -406,7 +594,15 @@ class Progress:
     ``progress(done)`` after each unit of work; ``total`` (if known) gives percent and ETA.
     """
 
-    def __init__(self, label: str, total: int = 0, *, enabled: bool = True, unit: str = "records", stream=None):
+    def __init__(
+        self,
+        label: str,
+        total: int = 0,
+        *,
+        enabled: bool = True,
+        unit: str = "records",
+        stream=None,
+    ):
         self.label, self.total, self.enabled, self.unit = label, int(total), enabled, unit
         self.stream = stream or sys.stderr
         self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()

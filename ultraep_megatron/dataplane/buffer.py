@@ -84,8 +84,11 @@ class ReplicaBuffer:
         if not self.expert_shapes:
             raise ValueError("expert_shapes must list at least one tensor shape")
         self.expert_numel = sum(s.numel() for s in self.expert_shapes)
-        self.weight_shapes = ([torch.Size(s) for s in weight_shapes] if weight_shapes is not None
-                              else list(self.expert_shapes))
+        self.weight_shapes = (
+            [torch.Size(s) for s in weight_shapes]
+            if weight_shapes is not None
+            else list(self.expert_shapes)
+        )
         if not self.weight_shapes:
             raise ValueError("weight_shapes must list at least one tensor shape")
         self.weight_numel = sum(s.numel() for s in self.weight_shapes)
@@ -96,10 +99,16 @@ class ReplicaBuffer:
         self._schedules = ScheduleCache(self.SCHEDULE_CACHE_SIZE)
         self._checked_schedules: "weakref.WeakSet[TransferSchedule]" = weakref.WeakSet()
         self._tags = TagSequence()  # numbers this buffer's transfers, in call order
-        self.replica_weights = torch.zeros(num_slots, self.weight_numel, dtype=weight_dtype, device=device)
-        self.replica_grads = torch.zeros(num_slots, self.expert_numel, dtype=grad_dtype, device=device)
+        self.replica_weights = torch.zeros(
+            num_slots, self.weight_numel, dtype=weight_dtype, device=device
+        )
+        self.replica_grads = torch.zeros(
+            num_slots, self.expert_numel, dtype=grad_dtype, device=device
+        )
         on_cuda = self.replica_weights.is_cuda
-        self.comm_stream = torch.cuda.Stream(device=self.replica_weights.device) if on_cuda else HostCommStream()
+        self.comm_stream = (
+            torch.cuda.Stream(device=self.replica_weights.device) if on_cuda else HostCommStream()
+        )
         if dist.is_initialized():
             dist.all_reduce(torch.zeros(1, device=self.replica_weights.device), group=group)
 
@@ -115,13 +124,26 @@ class ReplicaBuffer:
         """The transfer schedule of a plan (pure computation, identical on every rank); the
         schedules of the last ``SCHEDULE_CACHE_SIZE`` placements are reused."""
         if slot_expert.dim() == 2 and slot_expert.shape[1] != self.num_slots:
-            raise ValueError(f"slot_expert has {slot_expert.shape[1]} slots per rank, the buffer {self.num_slots}")
-        return self._schedules.get(slot_expert, num_experts, self.expert_numel, chunk_numel=self.chunk_numel,
-                                   relay=self.relay, relay_threshold=self.relay_threshold)
+            raise ValueError(
+                f"slot_expert has {slot_expert.shape[1]} slots per rank, the buffer {self.num_slots}"
+            )
+        return self._schedules.get(
+            slot_expert,
+            num_experts,
+            self.expert_numel,
+            chunk_numel=self.chunk_numel,
+            relay=self.relay,
+            relay_threshold=self.relay_threshold,
+        )
 
-    def distribute_weights(self, schedule: TransferSchedule, main_weights: ExpertTensors, *,
-                           async_op: bool = False,
-                           start_after: TransferHandle | None = None) -> TransferHandle | None:
+    def distribute_weights(
+        self,
+        schedule: TransferSchedule,
+        main_weights: ExpertTensors,
+        *,
+        async_op: bool = False,
+        start_after: TransferHandle | None = None,
+    ) -> TransferHandle | None:
         """Copy every replicated main expert into its replica slots (bit-identical). Collective.
 
         Args:
@@ -143,17 +165,38 @@ class ReplicaBuffer:
         schedule = schedule.with_expert_numel(self.weight_numel)  # the same schedule by default
         if isinstance(self.comm_stream, HostCommStream):
             self._before_hand_over(schedule, start_after, len(self.weight_shapes))
-            return self._on_host_stream(lambda: distribute.distribute_weights(
-                schedule, main_weights, self.replica_weights, group=self.group, tags=self._tags,
-                async_op=True).complete(finish=True), async_op)
-        return distribute.distribute_weights(schedule, main_weights, self.replica_weights, group=self.group,
-                                   tags=self._tags, async_op=async_op, start_after=start_after,
-                                   comm_stream=self.comm_stream)
+            return self._on_host_stream(
+                lambda: distribute.distribute_weights(
+                    schedule,
+                    main_weights,
+                    self.replica_weights,
+                    group=self.group,
+                    tags=self._tags,
+                    async_op=True,
+                ).complete(finish=True),
+                async_op,
+            )
+        return distribute.distribute_weights(
+            schedule,
+            main_weights,
+            self.replica_weights,
+            group=self.group,
+            tags=self._tags,
+            async_op=async_op,
+            start_after=start_after,
+            comm_stream=self.comm_stream,
+        )
 
-    def reduce_gradients(self, schedule: TransferSchedule, main_grads: ExpertTensors, *,
-                         async_op: bool = False, start_after: TransferHandle | None = None,
-                         hosted_grads: Mapping[int, Sequence[torch.Tensor] | None] | None = None,
-                         fold_on_stream: bool = False) -> TransferHandle | None:
+    def reduce_gradients(
+        self,
+        schedule: TransferSchedule,
+        main_grads: ExpertTensors,
+        *,
+        async_op: bool = False,
+        start_after: TransferHandle | None = None,
+        hosted_grads: Mapping[int, Sequence[torch.Tensor] | None] | None = None,
+        fold_on_stream: bool = False,
+    ) -> TransferHandle | None:
         """Add every replica's gradient into its main expert's gradient. Collective.
 
         Reads the slots of ``replica_grads`` that host a replica on this rank, which hold those
@@ -180,16 +223,37 @@ class ReplicaBuffer:
         still waits for ``wait()``, on the caller's thread."""
         if isinstance(self.comm_stream, HostCommStream):
             self._before_hand_over(schedule, start_after, len(self.expert_shapes))
-            return self._on_host_stream(lambda: reduce.reduce_gradients(
-                schedule, main_grads, self.replica_grads, group=self.group, tags=self._tags, async_op=True,
-                hosted_grads=hosted_grads).complete(finish=fold_on_stream), async_op)
-        return reduce.reduce_gradients(schedule, main_grads, self.replica_grads, group=self.group,
-                                 tags=self._tags, async_op=async_op, start_after=start_after,
-                                 comm_stream=self.comm_stream, hosted_grads=hosted_grads,
-                                 fold_on_stream=fold_on_stream)
+            return self._on_host_stream(
+                lambda: reduce.reduce_gradients(
+                    schedule,
+                    main_grads,
+                    self.replica_grads,
+                    group=self.group,
+                    tags=self._tags,
+                    async_op=True,
+                    hosted_grads=hosted_grads,
+                ).complete(finish=fold_on_stream),
+                async_op,
+            )
+        return reduce.reduce_gradients(
+            schedule,
+            main_grads,
+            self.replica_grads,
+            group=self.group,
+            tags=self._tags,
+            async_op=async_op,
+            start_after=start_after,
+            comm_stream=self.comm_stream,
+            hosted_grads=hosted_grads,
+            fold_on_stream=fold_on_stream,
+        )
 
-    def _before_hand_over(self, schedule: TransferSchedule, start_after: TransferHandle | None,
-                          tensors_per_expert: int) -> None:
+    def _before_hand_over(
+        self,
+        schedule: TransferSchedule,
+        start_after: TransferHandle | None,
+        tensors_per_expert: int,
+    ) -> None:
         """Before handing a call to the HostCommStream, on the caller's thread: wait for
         ``start_after``, and refuse a schedule of another group at the call, not in ``wait()``."""
         if start_after is not None:
@@ -199,7 +263,9 @@ class ReplicaBuffer:
             check_tag_space(schedule, tensors_per_expert)
             self._checked_schedules.add(schedule)
 
-    def _on_host_stream(self, call: Callable[[], TransferHandle], async_op: bool) -> TransferHandle | None:
+    def _on_host_stream(
+        self, call: Callable[[], TransferHandle], async_op: bool
+    ) -> TransferHandle | None:
         """Run a transfer's whole call on the buffer's HostCommStream (every transfer of the buffer
         goes through it, synchronous ones too). A reduction whose fold is left to ``wait()`` must be
         waited before the next reduction on the buffer starts (it reads the hosted slots then)."""
@@ -221,7 +287,10 @@ class ReplicaBuffer:
     def _views(self) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
         # Made once: the buffers live as long as this object, and every replica forward and
         # backward asks for them.
-        return tuple([expert_views(buffer[s], shapes) for s in range(self.num_slots)]
-                     for buffer, shapes in ((self.replica_weights, self.weight_shapes),
-                                            (self.replica_grads, self.expert_shapes)))
-
+        return tuple(
+            [expert_views(buffer[s], shapes) for s in range(self.num_slots)]
+            for buffer, shapes in (
+                (self.replica_weights, self.weight_shapes),
+                (self.replica_grads, self.expert_shapes),
+            )
+        )

@@ -29,9 +29,18 @@ from .tags import TagSequence, TransferTags
 __all__ = ["distribute_weights"]
 
 
-def _distribution_rounds(schedule: TransferSchedule, rank: int, tags: TransferTags, sources: dict, packed: dict,
-                         mine: RankTransfers, replica_weights: torch.Tensor, shapes: Sequence[torch.Size],
-                         group, works: list):
+def _distribution_rounds(
+    schedule: TransferSchedule,
+    rank: int,
+    tags: TransferTags,
+    sources: dict,
+    packed: dict,
+    mine: RankTransfers,
+    replica_weights: torch.Tensor,
+    shapes: Sequence[torch.Size],
+    group,
+    works: list,
+):
     """Issue the distribution's rounds into ``works``; yields the receives a relay must have before
     it forwards their chunks.
 
@@ -46,10 +55,19 @@ def _distribution_rounds(schedule: TransferSchedule, rank: int, tags: TransferTa
         for edge in edges:
             if edge.depth == 1:  # direct: the whole expert in round 0, straight from its tensors
                 if round_ == 0:
-                    whole = (tags.whole_expert_ops(dist.isend, sources[edge.expert], edge.dst, edge, group)
-                             if edge.src == rank else
-                             tags.whole_expert_ops(dist.irecv, expert_views(replica_weights[edge.dst_slot], shapes),
-                                                   edge.src, edge, group))
+                    whole = (
+                        tags.whole_expert_ops(
+                            dist.isend, sources[edge.expert], edge.dst, edge, group
+                        )
+                        if edge.src == rank
+                        else tags.whole_expert_ops(
+                            dist.irecv,
+                            expert_views(replica_weights[edge.dst_slot], shapes),
+                            edge.src,
+                            edge,
+                            group,
+                        )
+                    )
                     ops += whole
                     received += [None] * len(whole)
                 continue
@@ -117,7 +135,9 @@ def distribute_weights(
     check_buffer("replica_weights", replica_weights, schedule)
     dtype = check_experts("main_weights", main_weights, schedule, replica_weights.device)
     if dtype != replica_weights.dtype:
-        raise ValueError(f"main_weights are {dtype} but replica_weights is {replica_weights.dtype}; a copy must not cast")
+        raise ValueError(
+            f"main_weights are {dtype} but replica_weights is {replica_weights.dtype}; a copy must not cast"
+        )
 
     mine = schedule.rank_transfers(rank)
     first_local = rank * schedule.experts_per_rank
@@ -130,8 +150,11 @@ def distribute_weights(
         # chunks cross tensor boundaries); direct edges send, and local copies read, the main
         # tensors themselves (a non-contiguous one is packed first: an operation needs dense memory).
         relayed = sorted({edge.expert for edge in mine.children if edge.depth == 2})
-        packed = (dict(zip(relayed, pack_experts([main_weights[e - first_local] for e in relayed])))
-                  if relayed else {})
+        packed = (
+            dict(zip(relayed, pack_experts([main_weights[e - first_local] for e in relayed])))
+            if relayed
+            else {}
+        )
         sources = {}
         for edge in mine.children:
             if edge.depth == 1 and edge.expert not in sources:
@@ -140,13 +163,32 @@ def distribute_weights(
                     tensors = expert_views(pack_experts([tensors])[0], shapes)
                 sources[edge.expert] = tensors
         for e, slot in mine.local_copies:
-            for view, tensor in zip(expert_views(replica_weights[slot], shapes), main_weights[e - first_local]):
+            for view, tensor in zip(
+                expert_views(replica_weights[slot], shapes), main_weights[e - first_local]
+            ):
                 view.copy_(tensor)
         keep.extend([packed, sources])
-        yield from _distribution_rounds(schedule, rank, transfer_tags, sources, packed, mine, replica_weights,
-                                        shapes, group, works)
+        yield from _distribution_rounds(
+            schedule,
+            rank,
+            transfer_tags,
+            sources,
+            packed,
+            mine,
+            replica_weights,
+            shapes,
+            group,
+            works,
+        )
 
     keep: list = [replica_weights]
-    return start_transfer(program(), works, device=replica_weights.device, group=group,
-                  comm_stream=comm_stream, start_after=start_after, async_op=async_op, keep=keep)
-
+    return start_transfer(
+        program(),
+        works,
+        device=replica_weights.device,
+        group=group,
+        comm_stream=comm_stream,
+        start_after=start_after,
+        async_op=async_op,
+        keep=keep,
+    )

@@ -76,16 +76,26 @@ class TransferHandle:
             ``host_seconds - host_cpu_seconds`` is the time it was blocked.
     """
 
-    def __init__(self, program: Iterator[list], works: list, *, stream_ordered: bool,
-                 comm_stream=None, finish: Callable[[], None] | None = None, finish_on_stream: bool = False,
-                 keep=()):
+    def __init__(
+        self,
+        program: Iterator[list],
+        works: list,
+        *,
+        stream_ordered: bool,
+        comm_stream=None,
+        finish: Callable[[], None] | None = None,
+        finish_on_stream: bool = False,
+        keep=(),
+    ):
         self._program: Iterator[list] | None = program
         self._issuing: Completion | None = None  # the HostCommStream running the transfer
         self._works = works
         self._stream_ordered = stream_ordered
         self._comm_stream = comm_stream
         self._finish = finish
-        self._finish_on_stream = finish_on_stream  # run ``finish`` on the comm stream, not in wait()
+        self._finish_on_stream = (
+            finish_on_stream  # run ``finish`` on the comm stream, not in wait()
+        )
         self._pending: list = []  # receives the program's next round depends on
         self._keep = keep  # tensors the operations in flight read or write
         self._event = None
@@ -218,9 +228,20 @@ def _stream_ordered(device: torch.device, group) -> bool:
     return device.type == "cuda" and dist.get_backend(group) == "nccl"
 
 
-def start_transfer(program: Iterator[list], works: list, *, device: torch.device, group, comm_stream,
-           start_after: TransferHandle | None, async_op: bool, finish=None, finish_on_stream=False,
-           keep=(), stream_reads=()) -> TransferHandle | None:
+def start_transfer(
+    program: Iterator[list],
+    works: list,
+    *,
+    device: torch.device,
+    group,
+    comm_stream,
+    start_after: TransferHandle | None,
+    async_op: bool,
+    finish=None,
+    finish_on_stream=False,
+    keep=(),
+    stream_reads=(),
+) -> TransferHandle | None:
     """Run ``program`` (a generator issuing rounds into ``works`` and yielding the receives it must
     wait for) as a transfer; return its handle when ``async_op``, else wait for it.
 
@@ -234,13 +255,21 @@ def start_transfer(program: Iterator[list], works: list, *, device: torch.device
     stream_ordered = _stream_ordered(device, group)
     if stream_ordered:
         comm_stream = comm_stream if comm_stream is not None else torch.cuda.current_stream()
-        comm_stream.wait_stream(torch.cuda.current_stream())  # see the caller's latest weights/grads
+        comm_stream.wait_stream(
+            torch.cuda.current_stream()
+        )  # see the caller's latest weights/grads
         for tensor in stream_reads:
             tensor.record_stream(comm_stream)
     on_host_stream = not stream_ordered and isinstance(comm_stream, HostCommStream)
-    handle = TransferHandle(program, works, stream_ordered=stream_ordered, comm_stream=comm_stream,
-                            finish=finish, finish_on_stream=finish_on_stream and (stream_ordered or on_host_stream),
-                            keep=keep)
+    handle = TransferHandle(
+        program,
+        works,
+        stream_ordered=stream_ordered,
+        comm_stream=comm_stream,
+        finish=finish,
+        finish_on_stream=finish_on_stream and (stream_ordered or on_host_stream),
+        keep=keep,
+    )
     handle._begin(comm_stream if on_host_stream else None)
     if async_op:
         return handle

@@ -37,8 +37,9 @@ class HostCommStream:
         if self._thread is None:
             # A daemon: a transfer a failed rank abandoned must not hold the process at exit. It
             # holds only the queue, and ends once this stream is collected.
-            self._thread = threading.Thread(target=_serve, args=(self._queue,), name="ultraep-comm",
-                                            daemon=True)
+            self._thread = threading.Thread(
+                target=_serve, args=(self._queue,), name="ultraep-comm", daemon=True
+            )
             self._thread.start()
             weakref.finalize(self, self._queue.put, None)
         completion = Completion()

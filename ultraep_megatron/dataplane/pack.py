@@ -47,7 +47,9 @@ def expert_views(flat: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch
     """Views of a flat ``[expert_numel]`` row as tensors of ``shapes`` (inverse of one packed row)."""
     sizes = [torch.Size(s).numel() for s in shapes]
     if flat.dim() != 1 or flat.numel() != sum(sizes):
-        raise ValueError(f"flat must be 1-D with {sum(sizes)} elements, got shape {tuple(flat.shape)}")
+        raise ValueError(
+            f"flat must be 1-D with {sum(sizes)} elements, got shape {tuple(flat.shape)}"
+        )
     return [piece.view(shape) for piece, shape in zip(flat.split(sizes), shapes)]
 
 

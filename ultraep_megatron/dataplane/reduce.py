@@ -102,16 +102,28 @@ def reduce_gradients(
     acc_dtype = torch.promote_types(main_dtype, replica_grads.dtype)
 
     mine = schedule.rank_transfers(rank)
-    edges, local, children, staging_row = mine.edges, mine.local_copies, mine.children, mine.staging_row
+    edges, local, children, staging_row = (
+        mine.edges,
+        mine.local_copies,
+        mine.children,
+        mine.staging_row,
+    )
     reduced_here = mine.replicated_experts
     first_local = rank * schedule.experts_per_rank
     shapes = [g.shape for g in main_grads[0]]
-    stream_reads = (_check_hosted_grads(hosted_grads, mine.hosted_slots, shapes, replica_grads.device)
-                    if hosted_grads is not None else [])
+    stream_reads = (
+        _check_hosted_grads(hosted_grads, mine.hosted_slots, shapes, replica_grads.device)
+        if hosted_grads is not None
+        else []
+    )
     works: list = []
     transfer_tags = tags.take(schedule, len(shapes))
-    staging = torch.empty(len(children), schedule.expert_numel if children else 0,
-                          dtype=replica_grads.dtype, device=replica_grads.device)
+    staging = torch.empty(
+        len(children),
+        schedule.expert_numel if children else 0,
+        dtype=replica_grads.dtype,
+        device=replica_grads.device,
+    )
 
     def program():
         # A replica sent to its home over a direct edge sends each gradient tensor as it is, if it
@@ -125,7 +137,12 @@ def reduce_gradients(
             views = sources.get(slot) or expert_views(replica_grads[slot], shapes)
             sent = []
             for view, grad in zip(views, grads or [None] * len(views)):
-                if grad is not None and slot in direct and grad.dtype == replica_grads.dtype and grad.is_contiguous():
+                if (
+                    grad is not None
+                    and slot in direct
+                    and grad.dtype == replica_grads.dtype
+                    and grad.is_contiguous()
+                ):
                     sent.append(grad)
                     continue
                 if grad is None:
@@ -146,12 +163,19 @@ def reduce_gradients(
             for edge in edges:
                 if edge.depth == 1:  # direct: the whole expert in round 0, one message per tensor
                     if round_ == 0:  # a child's gradient lands in its staging row, folded in wait()
-                        whole = (transfer_tags.whole_expert_ops(dist.isend, sources[edge.dst_slot], edge.src,
-                                                                edge, group)
-                                 if edge.dst == rank else
-                                 transfer_tags.whole_expert_ops(
-                                     dist.irecv, expert_views(staging[staging_row[edge.index]], shapes), edge.dst,
-                                     edge, group))
+                        whole = (
+                            transfer_tags.whole_expert_ops(
+                                dist.isend, sources[edge.dst_slot], edge.src, edge, group
+                            )
+                            if edge.dst == rank
+                            else transfer_tags.whole_expert_ops(
+                                dist.irecv,
+                                expert_views(staging[staging_row[edge.index]], shapes),
+                                edge.dst,
+                                edge,
+                                group,
+                            )
+                        )
                         ops += whole
                         targets += [None] * len(whole)
                     continue
@@ -159,26 +183,43 @@ def reduce_gradients(
                 chunk = round_ - (edge.depth - edge.hop)
                 if 0 <= chunk < len(chunks):
                     active.append((edge, chunk, *chunks[chunk]))
-            relay_numel = sum(end - start for edge, _, start, end in active if edge.src == rank and edge.hop == 2)
-            relay_staging = torch.empty(relay_numel, dtype=replica_grads.dtype, device=replica_grads.device)
+            relay_numel = sum(
+                end - start for edge, _, start, end in active if edge.src == rank and edge.hop == 2
+            )
+            relay_staging = torch.empty(
+                relay_numel, dtype=replica_grads.dtype, device=replica_grads.device
+            )
             offset = 0
             for edge, chunk, start, end in active:
                 tag = transfer_tags.tag(edge, chunk)
                 if edge.dst == rank:  # gradients flow dst -> src
-                    ops.append(dist.P2POp(dist.isend, replica_grads[edge.dst_slot, start:end],
-                                          group=group, group_peer=edge.src, tag=tag))
+                    ops.append(
+                        dist.P2POp(
+                            dist.isend,
+                            replica_grads[edge.dst_slot, start:end],
+                            group=group,
+                            group_peer=edge.src,
+                            tag=tag,
+                        )
+                    )
                     targets.append(None)
                 elif edge.hop == 2:  # a leaf's gradient for this relay's own replica gradient
                     staged = relay_staging[offset : offset + end - start]
                     offset += end - start
-                    ops.append(dist.P2POp(dist.irecv, staged, group=group, group_peer=edge.dst, tag=tag))
+                    ops.append(
+                        dist.P2POp(dist.irecv, staged, group=group, group_peer=edge.dst, tag=tag)
+                    )
                     targets.append((staged, replica_grads[edge.src_slot, start:end]))
                 else:  # a child's gradient, folded into the main gradient in wait()
                     staged = staging[staging_row[edge.index], start:end]
-                    ops.append(dist.P2POp(dist.irecv, staged, group=group, group_peer=edge.dst, tag=tag))
+                    ops.append(
+                        dist.P2POp(dist.irecv, staged, group=group, group_peer=edge.dst, tag=tag)
+                    )
                     targets.append(None)
             round_works = launch_round(ops)
-            pending = [(work, *target) for work, target in zip(round_works, targets) if target is not None]
+            pending = [
+                (work, *target) for work, target in zip(round_works, targets) if target is not None
+            ]
             works.extend(round_works)
 
     def fold_into_main_grads():
@@ -200,30 +241,50 @@ def reduce_gradients(
                 acc[row_of[edge.expert]] += staging[row].to(acc_dtype)
             unpack_experts([main_grads[e - first_local] for e in reduced_here], acc)
 
-    return start_transfer(program(), works, device=replica_grads.device, group=group,
-                  comm_stream=comm_stream, start_after=start_after, async_op=async_op,
-                  finish=fold_into_main_grads, finish_on_stream=fold_on_stream,
-                  keep=(staging, replica_grads, *stream_reads), stream_reads=stream_reads)
+    return start_transfer(
+        program(),
+        works,
+        device=replica_grads.device,
+        group=group,
+        comm_stream=comm_stream,
+        start_after=start_after,
+        async_op=async_op,
+        finish=fold_into_main_grads,
+        finish_on_stream=fold_on_stream,
+        keep=(staging, replica_grads, *stream_reads),
+        stream_reads=stream_reads,
+    )
 
 
-def _check_hosted_grads(hosted_grads, hosted_slots: tuple, shapes, device: torch.device) -> list[torch.Tensor]:
+def _check_hosted_grads(
+    hosted_grads, hosted_slots: tuple, shapes, device: torch.device
+) -> list[torch.Tensor]:
     """``hosted_grads`` names exactly the hosted slots, each with ``None`` or one tensor (or
     ``None``) per expert tensor: of its shape, dense, floating point, on the buffer's device (what
     the copy on the transfer's stream needs: it runs after the peers may have started); returns
     those tensors."""
     if sorted(hosted_grads) != list(hosted_slots):
-        raise ValueError(f"hosted_grads has slots {sorted(hosted_grads)}, this rank hosts {list(hosted_slots)}")
+        raise ValueError(
+            f"hosted_grads has slots {sorted(hosted_grads)}, this rank hosts {list(hosted_slots)}"
+        )
     tensors = []
     for slot, grads in hosted_grads.items():
         if grads is None:
             continue
         if len(grads) != len(shapes) or any(
-                g is not None and (not isinstance(g, torch.Tensor) or g.shape != shape or g.layout != torch.strided
-                                   or not g.is_floating_point() or g.device != device)
-                for g, shape in zip(grads, shapes)):
-            raise ValueError(f"hosted_grads[{slot}] must be {len(shapes)} dense floating tensors on {device} of "
-                             f"shapes {[tuple(s) for s in shapes]} (or None)")
+            g is not None
+            and (
+                not isinstance(g, torch.Tensor)
+                or g.shape != shape
+                or g.layout != torch.strided
+                or not g.is_floating_point()
+                or g.device != device
+            )
+            for g, shape in zip(grads, shapes)
+        ):
+            raise ValueError(
+                f"hosted_grads[{slot}] must be {len(shapes)} dense floating tensors on {device} of "
+                f"shapes {[tuple(s) for s in shapes]} (or None)"
+            )
         tensors += [g for g in grads if g is not None]
     return tensors
-
-

@@ -53,8 +53,13 @@ def _relay_tree(
     return relays, parent_of_leaf, new_volume
 
 
-def relay_trees(hosts_of: dict[int, list[tuple[int, int]]], volume: list[int], experts_per_rank: int,
-                relay: str, relay_threshold: int) -> dict[int, dict[int, int]]:
+def relay_trees(
+    hosts_of: dict[int, list[tuple[int, int]]],
+    volume: list[int],
+    experts_per_rank: int,
+    relay: str,
+    relay_threshold: int,
+) -> dict[int, dict[int, int]]:
     """The relay trees of a plan, ``{expert: {leaf rank: relay rank}}`` (relayed experts only).
 
     Args:
@@ -79,7 +84,10 @@ def relay_trees(hosts_of: dict[int, list[tuple[int, int]]], volume: list[int], e
                 break
             hosts = [r for r, _ in hosts_of[e]]
             relays, parent_of_leaf, new_volume = _relay_tree(hosts, home, volume)
-            if relay == "adaptive" and max(new_volume[r] for r in [home, *relays]) >= old_home_volume:
+            if (
+                relay == "adaptive"
+                and max(new_volume[r] for r in [home, *relays]) >= old_home_volume
+            ):
                 continue  # would not lower the bottleneck
             volume = new_volume
             parent[e] = parent_of_leaf

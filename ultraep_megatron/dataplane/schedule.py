@@ -36,7 +36,14 @@ import torch
 
 from .relay import RELAY_MODES, relay_trees
 
-__all__ = ["Edge", "RankTransfers", "TransferSchedule", "build_schedule", "validate_slot_expert", "RELAY_MODES"]
+__all__ = [
+    "Edge",
+    "RankTransfers",
+    "TransferSchedule",
+    "build_schedule",
+    "validate_slot_expert",
+    "RELAY_MODES",
+]
 
 # Defaults; see docs/dataplane.md. 1M elements = 2 MiB in bf16, 4 MiB in fp32.
 DEFAULT_CHUNK_NUMEL = 1 << 20
@@ -58,25 +65,33 @@ def validate_slot_expert(slot_expert: torch.Tensor, num_experts: int) -> None:
     if slot_expert.dtype != torch.int64:
         raise ValueError(f"slot_expert must be int64, got {slot_expert.dtype}")
     if slot_expert.dim() != 2:
-        raise ValueError(f"slot_expert must be 2-D [num_ranks, num_slots], got shape {tuple(slot_expert.shape)}")
+        raise ValueError(
+            f"slot_expert must be 2-D [num_ranks, num_slots], got shape {tuple(slot_expert.shape)}"
+        )
     num_ranks, num_slots = slot_expert.shape
     if num_ranks < 1:
         raise ValueError("slot_expert must have at least one rank row")
     if not isinstance(num_experts, int) or num_experts < 1 or num_experts % num_ranks != 0:
-        raise ValueError(f"num_experts ({num_experts}) must be a positive multiple of the number of ranks ({num_ranks})")
+        raise ValueError(
+            f"num_experts ({num_experts}) must be a positive multiple of the number of ranks ({num_ranks})"
+        )
     if slot_expert.numel() == 0:
         return
     table = slot_expert.detach().cpu().numpy()  # host checks in numpy: microseconds, per layer
     lo, hi = int(table.min()), int(table.max())
     if lo < -1 or hi >= num_experts:
-        raise ValueError(f"slot_expert entries must lie in [-1, {num_experts}), found range [{lo}, {hi}]")
+        raise ValueError(
+            f"slot_expert entries must lie in [-1, {num_experts}), found range [{lo}, {hi}]"
+        )
     # No logical expert twice on one rank (the planner's no-duplicate constraint): a duplicate would
     # make the receive side ambiguous and double-count its gradient.
     sorted_rows = np.sort(table, axis=1)
     duplicate = (sorted_rows[:, 1:] == sorted_rows[:, :-1]) & (sorted_rows[:, 1:] >= 0)
     if duplicate.any():
         rank, col = (int(v) for v in np.argwhere(duplicate)[0])
-        raise ValueError(f"rank {rank} hosts expert {int(sorted_rows[rank, col + 1])} in more than one slot")
+        raise ValueError(
+            f"rank {rank} hosts expert {int(sorted_rows[rank, col + 1])} in more than one slot"
+        )
 
 
 class Edge(NamedTuple):
@@ -183,7 +198,8 @@ class TransferSchedule:
         resized = self._resized.get(expert_numel)
         if resized is None:  # the per-rank edges do not depend on the size: shared
             resized = self._resized[expert_numel] = dataclasses.replace(
-                self, expert_numel=expert_numel, _rank_transfers=self._rank_transfers, _resized={})
+                self, expert_numel=expert_numel, _rank_transfers=self._rank_transfers, _resized={}
+            )
         return resized
 
     def home_rank(self, expert: torch.Tensor | int):
@@ -260,20 +276,40 @@ def _rank_transfers(schedule: TransferSchedule, rank: int) -> RankTransfers:
     src, dst = schedule.edge_src.numpy(), schedule.edge_dst.numpy()
     mine = np.flatnonzero((src == rank) | (dst == rank))
     relayed = np.isin(schedule.edge_expert.numpy()[mine], schedule.relayed_experts.numpy())
-    columns = [mine, schedule.edge_expert.numpy()[mine], schedule.edge_hop.numpy()[mine],
-               np.where(relayed, 2, 1), src[mine], dst[mine],
-               schedule.edge_src_slot.numpy()[mine], schedule.edge_dst_slot.numpy()[mine]]
+    columns = [
+        mine,
+        schedule.edge_expert.numpy()[mine],
+        schedule.edge_hop.numpy()[mine],
+        np.where(relayed, 2, 1),
+        src[mine],
+        dst[mine],
+        schedule.edge_src_slot.numpy()[mine],
+        schedule.edge_dst_slot.numpy()[mine],
+    ]
     edges = tuple(Edge(*row) for row in zip(*(c.tolist() for c in columns)))
     here = schedule.local_rank.numpy() == rank
-    local = tuple(sorted(zip(schedule.local_expert.numpy()[here].tolist(),
-                             schedule.local_slot.numpy()[here].tolist())))
+    local = tuple(
+        sorted(
+            zip(
+                schedule.local_expert.numpy()[here].tolist(),
+                schedule.local_slot.numpy()[here].tolist(),
+            )
+        )
+    )
     children = tuple(edge for edge in edges if edge.hop == 1 and edge.src == rank)
     replicated = tuple(sorted({edge.expert for edge in children} | {e for e, _ in local}))
     return RankTransfers(
-        edges=edges, local_copies=local, replicated_experts=replicated,
-        children=children, staging_row={edge.index: row for row, edge in enumerate(children)},
-        hosted_slots=tuple(sorted({edge.dst_slot for edge in edges if edge.dst == rank}
-                                  | {slot for _, slot in local})))
+        edges=edges,
+        local_copies=local,
+        replicated_experts=replicated,
+        children=children,
+        staging_row={edge.index: row for row, edge in enumerate(children)},
+        hosted_slots=tuple(
+            sorted(
+                {edge.dst_slot for edge in edges if edge.dst == rank} | {slot for _, slot in local}
+            )
+        ),
+    )
 
 
 def build_schedule(
@@ -318,8 +354,14 @@ def build_schedule(
     rep_expert = slot_expert.numpy()[rep_rank, rep_slot]
     rep_home = rep_expert // experts_per_rank
     is_local = rep_rank == rep_home
-    local_expert, local_rank, local_slot = rep_expert[is_local], rep_rank[is_local], rep_slot[is_local]
-    rep_expert, rep_rank, rep_slot, rep_home = (a[~is_local] for a in (rep_expert, rep_rank, rep_slot, rep_home))
+    local_expert, local_rank, local_slot = (
+        rep_expert[is_local],
+        rep_rank[is_local],
+        rep_slot[is_local],
+    )
+    rep_expert, rep_rank, rep_slot, rep_home = (
+        a[~is_local] for a in (rep_expert, rep_rank, rep_slot, rep_home)
+    )
 
     # Remote replica hosts per expert, ascending rank.
     hosts_of: dict[int, list[tuple[int, int]]] = {}
@@ -329,7 +371,9 @@ def build_schedule(
     # Direct-schedule send volume per rank, in experts.
     volume = np.bincount(rep_home, minlength=num_ranks).tolist()
 
-    parent = relay_trees(hosts_of, volume, experts_per_rank, relay, relay_threshold)  # expert -> {leaf: relay}
+    parent = relay_trees(
+        hosts_of, volume, experts_per_rank, relay, relay_threshold
+    )  # expert -> {leaf: relay}
 
     slot_of = {(e, r): s for e, hs in hosts_of.items() for r, s in hs}
     rows = []  # (expert, hop, src, dst, src_slot, dst_slot)
@@ -375,17 +419,30 @@ class ScheduleCache:
         self.capacity = capacity
         self._schedules: OrderedDict[tuple, TransferSchedule] = OrderedDict()
 
-    def get(self, slot_expert: torch.Tensor, num_experts: int, expert_numel: int, **options) -> TransferSchedule:
-        cacheable = slot_expert.device.type == "cpu" and slot_expert.dtype == torch.int64 and slot_expert.dim() == 2
+    def get(
+        self, slot_expert: torch.Tensor, num_experts: int, expert_numel: int, **options
+    ) -> TransferSchedule:
+        cacheable = (
+            slot_expert.device.type == "cpu"
+            and slot_expert.dtype == torch.int64
+            and slot_expert.dim() == 2
+        )
         if not cacheable:
             return build_schedule(slot_expert, num_experts, expert_numel, **options)
-        key = (tuple(slot_expert.shape), num_experts, expert_numel, tuple(sorted(options.items())),
-               slot_expert.numpy().tobytes())
+        key = (
+            tuple(slot_expert.shape),
+            num_experts,
+            expert_numel,
+            tuple(sorted(options.items())),
+            slot_expert.numpy().tobytes(),
+        )
         schedule = self._schedules.get(key)
         if schedule is not None:
             self._schedules.move_to_end(key)
             return schedule
-        schedule = self._schedules[key] = build_schedule(slot_expert, num_experts, expert_numel, **options)
+        schedule = self._schedules[key] = build_schedule(
+            slot_expert, num_experts, expert_numel, **options
+        )
         if len(self._schedules) > self.capacity:
             self._schedules.popitem(last=False)
         return schedule

@@ -58,12 +58,15 @@ class TransferTags:
         tensor) of ``edge``."""
         return (self.sequence << _TAG_BITS) | (edge.index * self.parts + part)
 
-    def whole_expert_ops(self, op, tensors: Sequence[torch.Tensor], peer: int, edge: Edge,
-                         group) -> list[dist.P2POp]:
+    def whole_expert_ops(
+        self, op, tensors: Sequence[torch.Tensor], peer: int, edge: Edge, group
+    ) -> list[dist.P2POp]:
         """A direct edge's operations (``op``: ``dist.isend`` or ``dist.irecv``): one per expert
         tensor."""
-        return [dist.P2POp(op, tensor, group=group, group_peer=peer, tag=self.tag(edge, k))
-                for k, tensor in enumerate(tensors)]
+        return [
+            dist.P2POp(op, tensor, group=group, group_peer=peer, tag=self.tag(edge, k))
+            for k, tensor in enumerate(tensors)
+        ]
 
 
 def _parts(schedule: TransferSchedule, tensors_per_expert: int) -> int:
@@ -76,5 +79,7 @@ def check_tag_space(schedule: TransferSchedule, tensors_per_expert: int) -> None
     """``ValueError`` if a transfer on ``schedule`` has more messages than its tags can number."""
     parts = _parts(schedule, tensors_per_expert)
     if schedule.num_edges * parts >= 1 << _TAG_BITS:
-        raise ValueError(f"a schedule of {schedule.num_edges} edges x {parts} messages needs "
-                         f"more than 2**{_TAG_BITS} message tags; raise the chunk size")
+        raise ValueError(
+            f"a schedule of {schedule.num_edges} edges x {parts} messages needs "
+            f"more than 2**{_TAG_BITS} message tags; raise the chunk size"
+        )

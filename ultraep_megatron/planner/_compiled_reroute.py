@@ -13,8 +13,17 @@ _INT64_MAX = np.iinfo(np.int64).max
 
 
 @njit(cache=True, nogil=True)
-def reroute_arrays(physical_split, slot_expert, load, rank, rows_per_source_slot, rows_per_slot,
-                   input_splits, output_splits, reroute_table):
+def reroute_arrays(
+    physical_split,
+    slot_expert,
+    load,
+    rank,
+    rows_per_source_slot,
+    rows_per_slot,
+    input_splits,
+    output_splits,
+    reroute_table,
+):
     """One rank's reroute of a plan (splits, rows per slot, reroute table), into the given arrays
     (``reroute.rank_reroute``).
 

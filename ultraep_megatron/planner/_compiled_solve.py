@@ -22,9 +22,24 @@ NEGATIVE_LOAD = 1
 
 
 @njit(cache=True, nogil=True)
-def _probe(tau, expert_load, rank_load, experts_per_rank, num_slots, min_quota, domain_size,
-           slack, free_slots, main_left, bins, hosts, domain_hosts, piece_expert, piece_rank,
-           piece_quota):
+def _probe(
+    tau,
+    expert_load,
+    rank_load,
+    experts_per_rank,
+    num_slots,
+    min_quota,
+    domain_size,
+    slack,
+    free_slots,
+    main_left,
+    bins,
+    hosts,
+    domain_hosts,
+    piece_expert,
+    piece_rank,
+    piece_quota,
+):
     """Greedy feasibility oracle for threshold ``tau`` (reference.greedy_replicas).
 
     Fills piece_* (replica expert, host rank, quota) and ``main_left`` (main-instance quota);
@@ -114,11 +129,17 @@ def _probe(tau, expert_load, rank_load, experts_per_rank, num_slots, min_quota, 
                 if dup:
                     continue
                 s = slack[t]
-                if s >= want and (fit_h < 0 or s < slack[hosts[fit_h]]
-                                  or (s == slack[hosts[fit_h]] and t < hosts[fit_h])):
+                if s >= want and (
+                    fit_h < 0
+                    or s < slack[hosts[fit_h]]
+                    or (s == slack[hosts[fit_h]] and t < hosts[fit_h])
+                ):
                     fit_h = h
-                if big_h < 0 or s > slack[hosts[big_h]] or (s == slack[hosts[big_h]]
-                                                           and t < hosts[big_h]):
+                if (
+                    big_h < 0
+                    or s > slack[hosts[big_h]]
+                    or (s == slack[hosts[big_h]] and t < hosts[big_h])
+                ):
                     big_h = h
             if big_h < 0:
                 return -1
@@ -167,8 +188,13 @@ def solve_arrays(load, num_slots, min_quota, min_quota_divisor, domain_size):
         for e in range(E):
             v = load[s, e]
             if v < 0:
-                return (NEGATIVE_LOAD, np.empty((0, 0), np.int64), np.empty((0, 0), np.int64),
-                        np.empty((0, 0), np.int64), 0)
+                return (
+                    NEGATIVE_LOAD,
+                    np.empty((0, 0), np.int64),
+                    np.empty((0, 0), np.int64),
+                    np.empty((0, 0), np.int64),
+                    0,
+                )
             expert_load[e] += v
     rank_load = np.zeros(R, np.int64)
     total = 0
@@ -213,8 +239,24 @@ def solve_arrays(load, num_slots, min_quota, min_quota_divisor, domain_size):
         galloping = True
         final = False
         while True:
-            n = _probe(tau, expert_load, rank_load, G, S, min_quota, N, slack, free_slots,
-                       main_left, bins, hosts, domain_hosts, piece_expert, piece_rank, piece_quota)
+            n = _probe(
+                tau,
+                expert_load,
+                rank_load,
+                G,
+                S,
+                min_quota,
+                N,
+                slack,
+                free_slots,
+                main_left,
+                bins,
+                hosts,
+                domain_hosts,
+                piece_expert,
+                piece_rank,
+                piece_quota,
+            )
             if final:
                 break
             if n >= 0:

@@ -21,10 +21,25 @@ NO_REPLICA = torch.iinfo(torch.int64).max
 
 
 @triton.jit
-def _probe_kernel(taus_ptr, expert_load_ptr, rank_load_ptr, rank_order_ptr, min_quota_ptr,
-                  success_ptr, main_left_ptr, rep_quota_ptr, rep_order_ptr,
-                  R, E, G, S, N,
-                  BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, WRITE_PLAN: tl.constexpr):
+def _probe_kernel(
+    taus_ptr,
+    expert_load_ptr,
+    rank_load_ptr,
+    rank_order_ptr,
+    min_quota_ptr,
+    success_ptr,
+    main_left_ptr,
+    rep_quota_ptr,
+    rep_order_ptr,
+    R,
+    E,
+    G,
+    S,
+    N,
+    BLOCK_R: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    WRITE_PLAN: tl.constexpr,
+):
     BIG: tl.constexpr = 9223372036854775807
     k = tl.program_id(0).to(tl.int64)
     tau = tl.load(taus_ptr + k)
@@ -55,8 +70,9 @@ def _probe_kernel(taus_ptr, expert_load_ptr, rank_load_ptr, rank_order_ptr, min_
             room = tl.minimum(tl.minimum(need, slack[None, :]), main_left[:, None])
             room = tl.where(has, room, 0)
             best_room = tl.max(tl.max(room, axis=1), axis=0)
-            top_order = tl.min(tl.min(tl.where(has & (room == best_room), mine_order, BIG),
-                                      axis=1), axis=0)
+            top_order = tl.min(
+                tl.min(tl.where(has & (room == best_room), mine_order, BIG), axis=1), axis=0
+            )
             top_cell = has & (mine_order == top_order)
             top_g = tl.sum(tl.sum(tl.where(top_cell, ag[:, None], 0), axis=1), axis=0)
             top_t = tl.sum(tl.sum(tl.where(top_cell, ar[None, :], 0), axis=1), axis=0)
@@ -66,8 +82,9 @@ def _probe_kernel(taus_ptr, expert_load_ptr, rank_load_ptr, rank_order_ptr, min_
             cap = tl.max(main_left, axis=0)
             new_g = tl.min(tl.where(main_left == cap, ag, BLOCK_G), axis=0)
             row = tl.sum(tl.where(ag[:, None] == new_g, mine_quota, 0), axis=0)
-            hosts = (in_r & same_domain & (ar != rank) & (free > 0) & (slack >= min_quota)
-                     & (row == 0))
+            hosts = (
+                in_r & same_domain & (ar != rank) & (free > 0) & (slack >= min_quota) & (row == 0)
+            )
             want = tl.maximum(tl.minimum(need, cap), min_quota)
             fitting = hosts & (slack >= want)
             fit_slack = tl.min(tl.where(fitting, slack, BIG), axis=0)
@@ -79,8 +96,10 @@ def _probe_kernel(taus_ptr, expert_load_ptr, rank_load_ptr, rank_order_ptr, min_
             host_slack = tl.sum(tl.where(ar == new_t, slack, 0), axis=0)
             host_free = tl.sum(tl.where(ar == new_t, free, 0), axis=0)
             new_amount = tl.where(
-                host_free == 1, tl.minimum(host_slack, cap),
-                tl.minimum(tl.minimum(tl.maximum(need, min_quota), host_slack), cap))
+                host_free == 1,
+                tl.minimum(host_slack, cap),
+                tl.minimum(tl.minimum(tl.maximum(need, min_quota), host_slack), cap),
+            )
 
             creating = (best_room <= 0) & (cannot == 0)
             applying = topping | (cannot == 0)
@@ -119,9 +138,16 @@ def num_warps(block_r: int, block_g: int) -> int:
     return min(8, max(1, block_r * block_g // 256))
 
 
-def probe(taus: torch.Tensor, expert_load: torch.Tensor, rank_load: torch.Tensor,
-          rank_order: torch.Tensor, min_quota: torch.Tensor, num_slots: int, domain_size: int,
-          write_plan: bool):
+def probe(
+    taus: torch.Tensor,
+    expert_load: torch.Tensor,
+    rank_load: torch.Tensor,
+    rank_order: torch.Tensor,
+    min_quota: torch.Tensor,
+    num_slots: int,
+    domain_size: int,
+    write_plan: bool,
+):
     """The probe of K thresholds as one Triton launch of K programs (``device_solve.reference_probe``'s
     contract)."""
     K, R, E = taus.shape[0], rank_load.shape[0], expert_load.shape[0]
@@ -136,11 +162,25 @@ def probe(taus: torch.Tensor, expert_load: torch.Tensor, rank_load: torch.Tensor
         main_left = rep_quota = rep_order = torch.empty(1, dtype=torch.int64, device=device)
     block_r, block_g = triton.next_power_of_2(R), triton.next_power_of_2(G)
     _probe_kernel[(K,)](
-        taus.contiguous(), expert_load.contiguous(), rank_load.contiguous(),
-        rank_order.contiguous(), min_quota.reshape(1), success, main_left, rep_quota, rep_order,
-        R, E, G, num_slots, domain_size,
-        BLOCK_R=block_r, BLOCK_G=block_g, WRITE_PLAN=write_plan,
-        num_warps=num_warps(block_r, block_g))
+        taus.contiguous(),
+        expert_load.contiguous(),
+        rank_load.contiguous(),
+        rank_order.contiguous(),
+        min_quota.reshape(1),
+        success,
+        main_left,
+        rep_quota,
+        rep_order,
+        R,
+        E,
+        G,
+        num_slots,
+        domain_size,
+        BLOCK_R=block_r,
+        BLOCK_G=block_g,
+        WRITE_PLAN=write_plan,
+        num_warps=num_warps(block_r, block_g),
+    )
     if not write_plan:
         return success.bool(), None, None, None
     return success.bool(), main_left, rep_quota, rep_order

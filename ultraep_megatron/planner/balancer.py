@@ -26,8 +26,16 @@ from .plan import Plan
 from .reroute import rank_reroute
 from .solve import default_min_quota, solve
 
-__all__ = ["BalancerConfig", "ConfigProblem", "InvalidConfig", "LayerBalancer", "DEFAULT_NUM_SLOTS",
-           "DEFAULT_EPLB_WINDOW", "DEFAULT_EPLB_INTERVAL", "number_problem"]
+__all__ = [
+    "BalancerConfig",
+    "ConfigProblem",
+    "InvalidConfig",
+    "LayerBalancer",
+    "DEFAULT_NUM_SLOTS",
+    "DEFAULT_EPLB_WINDOW",
+    "DEFAULT_EPLB_INTERVAL",
+    "number_problem",
+]
 
 #: Redundant slots per EP rank. Two: the paper's Table 3 uses 1-2 per rank; the planner reaches
 #: ~1.00 max/mean with 2 on rack-scale loads (docs/planner.md); each costs one expert's weights +
@@ -37,8 +45,14 @@ DEFAULT_EPLB_WINDOW = 16
 DEFAULT_EPLB_INTERVAL = 16
 
 #: Smallest valid value of each numeric setting (``None`` is valid where it is the default).
-MINIMUMS = {"num_slots": 0, "min_quota": 1, "trigger": 1.0, "domain_size": 1, "eplb_window": 1,
-            "eplb_interval": 1}
+MINIMUMS = {
+    "num_slots": 0,
+    "min_quota": 1,
+    "trigger": 1.0,
+    "domain_size": 1,
+    "eplb_window": 1,
+    "eplb_interval": 1,
+}
 #: The settings whose ``None`` means "derived" (see :class:`BalancerConfig`).
 OPTIONAL = ("min_quota", "trigger", "domain_size")
 #: Where a problem's text puts the setting's name (a field here, a flag in the settings layer).
@@ -107,7 +121,9 @@ class BalancerConfig:
     eplb_interval: int = DEFAULT_EPLB_INTERVAL
 
     def __post_init__(self):
-        problems = self.problems(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+        problems = self.problems(
+            **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        )
         if problems:
             raise InvalidConfig(problems)
 
@@ -120,8 +136,12 @@ class BalancerConfig:
         found = []
         name = settings.pop("name", ULTRAEP)
         if name not in BALANCERS and name != IDEAL:
-            found.append(ConfigProblem("name", f"{SETTING}: unknown balancer {name!r}; choose from "
-                                               f"{', '.join(MOE_BALANCERS)}"))
+            found.append(
+                ConfigProblem(
+                    "name",
+                    f"{SETTING}: unknown balancer {name!r}; choose from {', '.join(MOE_BALANCERS)}",
+                )
+            )
         for field, minimum in MINIMUMS.items():
             if field not in settings or (settings[field] is None and field in OPTIONAL):
                 continue
@@ -204,9 +224,13 @@ class LayerBalancer:
             return None
         assert cfg.name == EPLB
         if self._placement is None or self._calls % cfg.eplb_interval == 0:
-            history = torch.stack(self._history[-cfg.eplb_window:]) if self._history else load.unsqueeze(0)
+            history = (
+                torch.stack(self._history[-cfg.eplb_window :])
+                if self._history
+                else load.unsqueeze(0)
+            )
             self._placement = fixed_layout.eplb(history, cfg.num_slots).slot_expert
         self._calls += 1
         self._history.append(load.clone())
-        del self._history[:-cfg.eplb_window]
+        del self._history[: -cfg.eplb_window]
         return fixed_layout.round_robin(load, self._placement)

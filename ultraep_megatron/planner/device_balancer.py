@@ -36,8 +36,9 @@ def identity_plan(load: torch.Tensor, num_slots: int) -> Plan:
     G = E // R
     device = load.device
     home = torch.div(torch.arange(E, device=device), G, rounding_mode="floor")
-    quota = torch.zeros(E, R, dtype=torch.int64, device=device).scatter_(1, home.view(E, 1),
-                                                                          load.sum(0).view(E, 1))
+    quota = torch.zeros(E, R, dtype=torch.int64, device=device).scatter_(
+        1, home.view(E, 1), load.sum(0).view(E, 1)
+    )
     physical = torch.zeros(R, R, G + num_slots, dtype=torch.int64, device=device)
     physical[:, :, :G] = load.view(R, R, G)
     slot_expert = torch.full((R, num_slots), -1, dtype=torch.int64, device=device)
@@ -51,10 +52,21 @@ def solve_or_identity(load: torch.Tensor, config: BalancerConfig) -> tuple[Plan,
     balanced = balances(load, config)
     # On the CPU the reference's torch calls, as a device runs them (no host read, fixed step
     # counts): the CPU backend exercises the device path as CUDA takes it.
-    solved = device_solve(load, config.num_slots, min_quota=config.min_quota, domain_size=config.domain_size,
-                          implementation="auto" if load.is_cuda else "torch")
+    solved = device_solve(
+        load,
+        config.num_slots,
+        min_quota=config.min_quota,
+        domain_size=config.domain_size,
+        implementation="auto" if load.is_cuda else "torch",
+    )
     identity = identity_plan(load, config.num_slots)
-    chosen = [torch.where(balanced, a, b) for a, b in
-              ((solved.slot_expert, identity.slot_expert), (solved.quota, identity.quota),
-               (solved.physical_split, identity.physical_split), (solved.threshold, identity.threshold))]
+    chosen = [
+        torch.where(balanced, a, b)
+        for a, b in (
+            (solved.slot_expert, identity.slot_expert),
+            (solved.quota, identity.quota),
+            (solved.physical_split, identity.physical_split),
+            (solved.threshold, identity.threshold),
+        )
+    ]
     return Plan(*chosen), balanced

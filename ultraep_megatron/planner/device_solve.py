@@ -44,8 +44,15 @@ from . import reference
 from .plan import Plan
 from .solve import DEFAULT_MIN_QUOTA_DIVISOR, validate_solve_args
 
-__all__ = ["device_solve", "device_min_quota", "lockstep_probe", "reference_probe", "search_rounds",
-           "PROBES_PER_ROUND", "triton_available"]
+__all__ = [
+    "device_solve",
+    "device_min_quota",
+    "lockstep_probe",
+    "reference_probe",
+    "search_rounds",
+    "PROBES_PER_ROUND",
+    "triton_available",
+]
 
 #: Thresholds probed side by side in one search round (one Triton program each on a GPU).
 PROBES_PER_ROUND = 32
@@ -79,9 +86,16 @@ def max_probe_steps(num_ranks: int, num_slots: int) -> int:
     return 2 * num_ranks * num_slots + num_ranks + 2
 
 
-def reference_probe(taus: torch.Tensor, expert_load: torch.Tensor, rank_load: torch.Tensor,
-                    rank_order: torch.Tensor, min_quota: torch.Tensor, num_slots: int,
-                    domain_size: int, write_plan: bool = True):
+def reference_probe(
+    taus: torch.Tensor,
+    expert_load: torch.Tensor,
+    rank_load: torch.Tensor,
+    rank_order: torch.Tensor,
+    min_quota: torch.Tensor,
+    num_slots: int,
+    domain_size: int,
+    write_plan: bool = True,
+):
     """The probe at K thresholds by the specification, ``reference.greedy_replicas``, one threshold
     after the other on the host (the tests' oracle and the self-check's reference; it reads its
     inputs on the host, so it is not the device path).
@@ -104,7 +118,9 @@ def reference_probe(taus: torch.Tensor, expert_load: torch.Tensor, rank_load: to
     rep_quota = torch.zeros((K, E, R), dtype=torch.int64)
     rep_order = torch.full((K, E, R), NO_REPLICA, dtype=torch.int64)
     for k, tau in enumerate(taus.tolist()):
-        result = reference.greedy_replicas(tau, expert, ranks, E // R, num_slots, floor, domain_size)
+        result = reference.greedy_replicas(
+            tau, expert, ranks, E // R, num_slots, floor, domain_size
+        )
         success[k] = result is not None
         if result is not None and write_plan:
             pieces, left = result
@@ -117,9 +133,16 @@ def reference_probe(taus: torch.Tensor, expert_load: torch.Tensor, rank_load: to
     return tuple(x.to(device) for x in (success, main_left, rep_quota, rep_order))
 
 
-def lockstep_probe(taus: torch.Tensor, expert_load: torch.Tensor, rank_load: torch.Tensor,
-                   rank_order: torch.Tensor, min_quota: torch.Tensor, num_slots: int,
-                   domain_size: int, write_plan: bool = True):
+def lockstep_probe(
+    taus: torch.Tensor,
+    expert_load: torch.Tensor,
+    rank_load: torch.Tensor,
+    rank_order: torch.Tensor,
+    min_quota: torch.Tensor,
+    num_slots: int,
+    domain_size: int,
+    write_plan: bool = True,
+):
     """The device's probe as torch calls, where Triton does not run (the CPU backend's device path,
     a GPU without Triton): the K probes of ``_triton_solve.probe`` side by side, each step one
     masked update of every probe's fixed-size state, a fixed number of steps
@@ -138,10 +161,10 @@ def lockstep_probe(taus: torch.Tensor, expert_load: torch.Tensor, rank_load: tor
     ar, ag, ks = arange(R), arange(G), arange(K)
     tau = taus.reshape(K, 1)
     over = rank_load.reshape(1, R) > tau
-    slack = torch.where(over, 0, tau - rank_load.reshape(1, R))             # [K, R]
+    slack = torch.where(over, 0, tau - rank_load.reshape(1, R))  # [K, R]
     free = full((K, R), S)
-    num_over = over.sum(1)                                                  # [K]
-    position = full((K,), -1)                                               # in rank_order
+    num_over = over.sum(1)  # [K]
+    position = full((K,), -1)  # in rank_order
     rank = full((K,), 0)
     need = full((K,), 0)
     failed = torch.zeros(K, dtype=torch.bool, device=device)
@@ -161,20 +184,25 @@ def lockstep_probe(taus: torch.Tensor, expert_load: torch.Tensor, rank_load: tor
         position = torch.where(advance, position + 1, position)
         rank = torch.where(advance, rank_order[torch.clamp(position, 0, R - 1)], rank)
         need = torch.where(advance, rank_load[rank] - taus, need)
-        main_left_rank = torch.where(advance.reshape(K, 1),
-                                     expert_load[rank.reshape(K, 1) * G + ag.reshape(1, G)],
-                                     main_left_rank)
+        main_left_rank = torch.where(
+            advance.reshape(K, 1),
+            expert_load[rank.reshape(K, 1) * G + ag.reshape(1, G)],
+            main_left_rank,
+        )
         mine_quota = torch.where(advance.reshape(K, 1, 1), 0, mine_quota)
         mine_order = torch.where(advance.reshape(K, 1, 1), NO_REPLICA, mine_order)
 
         # 1. Top up one of this rank's replicas: the largest room, ties by creation order.
         has = mine_quota > 0
-        room = torch.minimum(torch.minimum(need.reshape(K, 1, 1), slack.reshape(K, 1, R)),
-                             main_left_rank.reshape(K, G, 1))
+        room = torch.minimum(
+            torch.minimum(need.reshape(K, 1, 1), slack.reshape(K, 1, R)),
+            main_left_rank.reshape(K, G, 1),
+        )
         room = torch.where(has, room, 0)
         best_room = room.amax((1, 2))
-        top_order = torch.amin(torch.where(has & (room == best_room.reshape(K, 1, 1)), mine_order,
-                                           NO_REPLICA), (1, 2))
+        top_order = torch.amin(
+            torch.where(has & (room == best_room.reshape(K, 1, 1)), mine_order, NO_REPLICA), (1, 2)
+        )
         top_cell = has & (mine_order == top_order.reshape(K, 1, 1))
         top_g = torch.where(top_cell, ag.reshape(1, G, 1), 0).sum((1, 2))
         top_t = torch.where(top_cell, ar.reshape(1, 1, R), 0).sum((1, 2))
@@ -183,25 +211,33 @@ def lockstep_probe(taus: torch.Tensor, expert_load: torch.Tensor, rank_load: tor
         # 2. Else a new replica of the rank's main expert with the most load left (lowest id).
         cap = torch.amax(main_left_rank, 1)
         new_g = torch.amin(torch.where(main_left_rank == cap.reshape(K, 1), ag.reshape(1, G), G), 1)
-        row = mine_quota[ks, torch.clamp(new_g, 0, G - 1)]                  # [K, R]
-        hosts = ((ar.reshape(1, R) // N == (rank // N).reshape(K, 1))
-                 & (ar.reshape(1, R) != rank.reshape(K, 1))
-                 & (free > 0) & (slack >= min_quota) & (row == 0))
+        row = mine_quota[ks, torch.clamp(new_g, 0, G - 1)]  # [K, R]
+        hosts = (
+            (ar.reshape(1, R) // N == (rank // N).reshape(K, 1))
+            & (ar.reshape(1, R) != rank.reshape(K, 1))
+            & (free > 0)
+            & (slack >= min_quota)
+            & (row == 0)
+        )
         want = torch.maximum(torch.minimum(need, cap), min_quota)
         fitting = hosts & (slack >= want.reshape(K, 1))
         fit_slack = torch.amin(torch.where(fitting, slack, _BIG), 1)
-        fit_t = torch.amin(torch.where(fitting & (slack == fit_slack.reshape(K, 1)),
-                                       ar.reshape(1, R), R), 1)
+        fit_t = torch.amin(
+            torch.where(fitting & (slack == fit_slack.reshape(K, 1)), ar.reshape(1, R), R), 1
+        )
         big_slack = torch.amax(torch.where(hosts, slack, -1), 1)
-        big_t = torch.amin(torch.where(hosts & (slack == big_slack.reshape(K, 1)),
-                                       ar.reshape(1, R), R), 1)
+        big_t = torch.amin(
+            torch.where(hosts & (slack == big_slack.reshape(K, 1)), ar.reshape(1, R), R), 1
+        )
         new_t = torch.where(fit_t < R, fit_t, big_t)
         cannot = (cap < min_quota) | (big_t >= R)
         host_slack = slack[ks, torch.clamp(new_t, 0, R - 1)]
         host_free = free[ks, torch.clamp(new_t, 0, R - 1)]
         new_amount = torch.where(
-            host_free == 1, torch.minimum(host_slack, cap),
-            torch.minimum(torch.minimum(torch.maximum(need, min_quota), host_slack), cap))
+            host_free == 1,
+            torch.minimum(host_slack, cap),
+            torch.minimum(torch.minimum(torch.maximum(need, min_quota), host_slack), cap),
+        )
 
         creating = active & ~topping & ~cannot
         applying = active & (topping | ~cannot)
@@ -215,19 +251,22 @@ def lockstep_probe(taus: torch.Tensor, expert_load: torch.Tensor, rank_load: tor
         slack = slack - torch.where(at_t, amount.reshape(K, 1), 0)
         main_left_rank = main_left_rank - torch.where(at_g, amount.reshape(K, 1), 0)
         mine_quota = mine_quota + torch.where(cell, amount.reshape(K, 1, 1), 0)
-        mine_order = torch.where(cell & creating.reshape(K, 1, 1), created.reshape(K, 1, 1),
-                                 mine_order)
+        mine_order = torch.where(
+            cell & creating.reshape(K, 1, 1), created.reshape(K, 1, 1), mine_order
+        )
         free = free - torch.where(at_t & creating.reshape(K, 1), 1, 0)
         created = created + torch.where(creating, 1, 0)
         # Shedding more than the excess: the rank ends below tau and can host (the relay).
         overshoot = torch.where(applying & (amount >= need), amount - need, 0)
-        slack = slack + torch.where(ar.reshape(1, R) == rank.reshape(K, 1), overshoot.reshape(K, 1), 0)
+        slack = slack + torch.where(
+            ar.reshape(1, R) == rank.reshape(K, 1), overshoot.reshape(K, 1), 0
+        )
         need = torch.where(applying, torch.clamp(need - amount, 0), need)
 
         if write_plan:  # write through the current rank's state (idempotent)
             started = (position >= 0).reshape(K, 1)
             kk = ks.reshape(K, 1)
-            rows = rank.reshape(K, 1) * G + ag.reshape(1, G)                # [K, G]
+            rows = rank.reshape(K, 1) * G + ag.reshape(1, G)  # [K, G]
             main_left[kk, rows] = torch.where(started, main_left_rank, main_left[kk, rows])
             started = started.reshape(K, 1, 1)
             rep_quota[kk, rows] = torch.where(started, mine_quota, rep_quota[kk, rows])
@@ -237,20 +276,40 @@ def lockstep_probe(taus: torch.Tensor, expert_load: torch.Tensor, rank_load: tor
     return ~failed, main_left, rep_quota, rep_order
 
 
-def _probe(implementation: str, taus, expert_load, rank_load, rank_order, min_quota, num_slots,
-           domain_size, write_plan):
+def _probe(
+    implementation: str,
+    taus,
+    expert_load,
+    rank_load,
+    rank_order,
+    min_quota,
+    num_slots,
+    domain_size,
+    write_plan,
+):
     if implementation == "triton":
         from . import _triton_solve
-        return _triton_solve.probe(taus, expert_load, rank_load, rank_order, min_quota,
-                                   num_slots, domain_size, write_plan)
+
+        return _triton_solve.probe(
+            taus, expert_load, rank_load, rank_order, min_quota, num_slots, domain_size, write_plan
+        )
     probe = lockstep_probe if implementation == "torch" else reference_probe
-    return probe(taus, expert_load, rank_load, rank_order, min_quota, num_slots, domain_size, write_plan)
+    return probe(
+        taus, expert_load, rank_load, rank_order, min_quota, num_slots, domain_size, write_plan
+    )
 
 
-def search_threshold(expert_load: torch.Tensor, rank_load: torch.Tensor, rank_order: torch.Tensor,
-                     lower: torch.Tensor, min_quota: torch.Tensor, num_slots: int,
-                     domain_size: int, implementation: str,
-                     probes: int = PROBES_PER_ROUND) -> torch.Tensor:
+def search_threshold(
+    expert_load: torch.Tensor,
+    rank_load: torch.Tensor,
+    rank_order: torch.Tensor,
+    lower: torch.Tensor,
+    min_quota: torch.Tensor,
+    num_slots: int,
+    domain_size: int,
+    implementation: str,
+    probes: int = PROBES_PER_ROUND,
+) -> torch.Tensor:
     """The threshold the planner plans for (0-dim int64 tensor): the first feasible grid point of
     the last search interval (the initial max rank load when nothing is feasible below it)."""
     device = expert_load.device
@@ -269,8 +328,17 @@ def search_threshold(expert_load: torch.Tensor, rank_load: torch.Tensor, rank_or
         converged = width <= 1
         ks = bad + 1 + ((width - 1) * index) // probes
         taus = torch.where(converged, highest, torch.minimum(lower + ks * resolution, highest))
-        success = _probe(implementation, taus, expert_load, rank_load, rank_order, min_quota,
-                         num_slots, domain_size, write_plan=False)[0]
+        success = _probe(
+            implementation,
+            taus,
+            expert_load,
+            rank_load,
+            rank_order,
+            min_quota,
+            num_slots,
+            domain_size,
+            write_plan=False,
+        )[0]
         first = torch.where(success, index, probes).amin()
         found = first < probes
         # Gathers, not ks[first]: indexing with a 0-dim tensor reads it on the host.
@@ -283,8 +351,13 @@ def search_threshold(expert_load: torch.Tensor, rank_load: torch.Tensor, rank_or
     return torch.minimum(lower + good * resolution, highest)
 
 
-def build_plan(load: torch.Tensor, num_slots: int, main_left: torch.Tensor,
-               rep_quota: torch.Tensor, rep_order: torch.Tensor) -> Plan:
+def build_plan(
+    load: torch.Tensor,
+    num_slots: int,
+    main_left: torch.Tensor,
+    rep_quota: torch.Tensor,
+    rep_order: torch.Tensor,
+) -> Plan:
     """The Plan of one probe's replicas (tensor operations only).
 
     main_left [E], rep_quota [E, R], rep_order [E, R] (creation index, NO_REPLICA if none)."""
@@ -295,7 +368,7 @@ def build_plan(load: torch.Tensor, num_slots: int, main_left: torch.Tensor,
     ar = torch.arange(R, device=device)
     experts = torch.arange(E, device=device)
     home = experts // G
-    is_main = home.view(E, 1) == ar.view(1, R)                        # [E, R]
+    is_main = home.view(E, 1) == ar.view(1, R)  # [E, R]
     quota = torch.where(is_main, main_left.view(E, 1), rep_quota)
 
     # Redundant slots of a host are filled in creation order.
@@ -310,9 +383,9 @@ def build_plan(load: torch.Tensor, num_slots: int, main_left: torch.Tensor,
     # sources (rank order) fills the remaining quotas of the instances (rank order). Source s
     # sends to instance (e, t) the overlap of its demand interval with the instance's quota
     # interval on the cumulative axis, computed per physical slot: [R, R * P], not [E, R, R].
-    demand = load.t()                                                 # [E, R] by source
+    demand = load.t()  # [E, R] by source
     instance = is_main | (rep_order != NO_REPLICA)
-    local = torch.where(instance, torch.minimum(demand, quota), 0)    # [E, R]
+    local = torch.where(instance, torch.minimum(demand, quota), 0)  # [E, R]
     demand_left = demand - local
     quota_left = quota - local
     demand_hi = demand_left.cumsum(1)
@@ -320,13 +393,16 @@ def build_plan(load: torch.Tensor, num_slots: int, main_left: torch.Tensor,
     demand_lo, quota_lo = demand_hi - demand_left, quota_hi - quota_left
     mains = experts.view(R, G)
     slot_owner = torch.cat([mains, slot_expert], dim=1).reshape(R * P)  # -1: empty slot
-    holder = torch.arange(R * P, device=device) // P                  # rank of each physical slot
+    holder = torch.arange(R * P, device=device) // P  # rank of each physical slot
     e = slot_owner.clamp(min=0)
-    overlap = (torch.minimum(demand_hi[e].t(), quota_hi[e, holder].view(1, R * P))
-               - torch.maximum(demand_lo[e].t(), quota_lo[e, holder].view(1, R * P))).clamp(min=0)
-    own = ar.view(R, 1) == holder.view(1, R * P)                      # source is the holder
-    physical = torch.where(slot_owner.view(1, R * P) >= 0,
-                           overlap + own * local[e, holder].view(1, R * P), 0)
+    overlap = (
+        torch.minimum(demand_hi[e].t(), quota_hi[e, holder].view(1, R * P))
+        - torch.maximum(demand_lo[e].t(), quota_lo[e, holder].view(1, R * P))
+    ).clamp(min=0)
+    own = ar.view(R, 1) == holder.view(1, R * P)  # source is the holder
+    physical = torch.where(
+        slot_owner.view(1, R * P) >= 0, overlap + own * local[e, holder].view(1, R * P), 0
+    )
     threshold = quota.sum(0).max()
     return Plan(slot_expert, quota, physical, threshold)
 
@@ -354,9 +430,14 @@ def probe_inputs(load: torch.Tensor, min_quota: int | None, domain_size: int):
     return expert_load, rank_load, rank_order, lower, floor
 
 
-def device_solve(load: torch.Tensor, num_slots: int, *, min_quota: int | None = None,
-                 domain_size: int | None = None,
-                 implementation: Literal["auto", "triton", "reference", "torch"] = "auto") -> Plan:
+def device_solve(
+    load: torch.Tensor,
+    num_slots: int,
+    *,
+    min_quota: int | None = None,
+    domain_size: int | None = None,
+    implementation: Literal["auto", "triton", "reference", "torch"] = "auto",
+) -> Plan:
     """Replication and reroute plan for the exact load of one MoE layer, on ``load``'s device.
 
     Same arguments and plan meaning as ``solve`` (docs/planner.md); the plan is the device
@@ -379,19 +460,35 @@ def device_solve(load: torch.Tensor, num_slots: int, *, min_quota: int | None = 
     """
     R, E, num_slots, min_quota, N = validate_solve_args(load, num_slots, min_quota, domain_size)
     if implementation == "auto":
-        implementation = ("triton" if load.is_cuda and triton_available()
-                          else "reference" if load.device.type == "cpu" else "torch")
+        implementation = (
+            "triton"
+            if load.is_cuda and triton_available()
+            else "reference"
+            if load.device.type == "cpu"
+            else "torch"
+        )
     if implementation not in ("triton", "reference", "torch"):
-        raise ValueError(f"implementation must be 'auto', 'triton', 'reference' or 'torch', "
-                         f"got {implementation!r}")
+        raise ValueError(
+            f"implementation must be 'auto', 'triton', 'reference' or 'torch', "
+            f"got {implementation!r}"
+        )
     if implementation == "reference" and load.device.type == "cpu" and bool((load < 0).any()):
         raise ValueError("load has negative entries")
 
     load = load.contiguous()
     expert_load, rank_load, rank_order, lower, floor = probe_inputs(load, min_quota, N)
-    tau = search_threshold(expert_load, rank_load, rank_order, lower, floor, num_slots, N,
-                           implementation)
+    tau = search_threshold(
+        expert_load, rank_load, rank_order, lower, floor, num_slots, N, implementation
+    )
     _, main_left, rep_quota, rep_order = _probe(
-        implementation, tau.view(1), expert_load, rank_load, rank_order, floor, num_slots, N,
-        write_plan=True)
+        implementation,
+        tau.view(1),
+        expert_load,
+        rank_load,
+        rank_order,
+        floor,
+        num_slots,
+        N,
+        write_plan=True,
+    )
     return build_plan(load, num_slots, main_left[0], rep_quota[0], rep_order[0])

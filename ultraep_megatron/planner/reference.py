@@ -43,8 +43,15 @@ from __future__ import annotations
 import numpy as np
 
 
-def greedy_replicas(tau: int, expert_load: list[int], rank_load: list[int], experts_per_rank: int,
-                    num_slots: int, min_quota: int, domain_size: int):
+def greedy_replicas(
+    tau: int,
+    expert_load: list[int],
+    rank_load: list[int],
+    experts_per_rank: int,
+    num_slots: int,
+    min_quota: int,
+    domain_size: int,
+):
     """Greedy oracle: can every rank be brought to at most ``tau`` tokens (replicas inside the
     shedding rank's domain of ``domain_size`` ranks)?
 
@@ -61,6 +68,7 @@ def greedy_replicas(tau: int, expert_load: list[int], rank_load: list[int], expe
         need = rank_load[r] - tau
         mine: list[list[int]] = []  # this rank's replicas, in creation order
         while need > 0:
+
             def top_up_room(piece):
                 return min(need, slack[piece[1]], main_left[piece[0]])
 
@@ -74,10 +82,15 @@ def greedy_replicas(tau: int, expert_load: list[int], rank_load: list[int], expe
                 if cap < min_quota:
                     return None
                 want = max(min(need, cap), min_quota)
-                hosts = [t for t in range(R)
-                         if t != r and t // domain_size == r // domain_size
-                         and free_slots[t] > 0 and slack[t] >= min_quota
-                         and (e, t) not in {(p[0], p[1]) for p in mine}]
+                hosts = [
+                    t
+                    for t in range(R)
+                    if t != r
+                    and t // domain_size == r // domain_size
+                    and free_slots[t] > 0
+                    and slack[t] >= min_quota
+                    and (e, t) not in {(p[0], p[1]) for p in mine}
+                ]
                 if not hosts:
                     return None
                 fitting = [t for t in hosts if slack[t] >= want]
@@ -106,11 +119,17 @@ def greedy_replicas(tau: int, expert_load: list[int], rank_load: list[int], expe
 def domain_lower_bound(rank_load: list[int], domain_size: int) -> int:
     """``max_d ceil(total_d / N)``: no plan keeping replicas inside domains beats it."""
     N = domain_size
-    return max(-(-sum(rank_load[d:d + N]) // N) for d in range(0, len(rank_load), N))
+    return max(-(-sum(rank_load[d : d + N]) // N) for d in range(0, len(rank_load), N))
 
 
-def search_threshold(expert_load: list[int], rank_load: list[int], experts_per_rank: int,
-                     num_slots: int, min_quota: int, domain_size: int):
+def search_threshold(
+    expert_load: list[int],
+    rank_load: list[int],
+    experts_per_rank: int,
+    num_slots: int,
+    min_quota: int,
+    domain_size: int,
+):
     """Smallest threshold the oracle reaches (to ``resolution``); returns (pieces, main_left)."""
     R = len(rank_load)
     identity = ([], list(expert_load))
@@ -119,8 +138,9 @@ def search_threshold(expert_load: list[int], rank_load: list[int], experts_per_r
         return identity
 
     def oracle(tau):
-        return greedy_replicas(tau, expert_load, rank_load, experts_per_rank, num_slots, min_quota,
-                               domain_size)
+        return greedy_replicas(
+            tau, expert_load, rank_load, experts_per_rank, num_slots, min_quota, domain_size
+        )
 
     result = oracle(lower)
     if result is not None:
@@ -143,8 +163,9 @@ def search_threshold(expert_load: list[int], rank_load: list[int], experts_per_r
     return best
 
 
-def reroute(load: np.ndarray, quota: np.ndarray, instance_slot: np.ndarray,
-            num_physical: int) -> np.ndarray:
+def reroute(
+    load: np.ndarray, quota: np.ndarray, instance_slot: np.ndarray, num_physical: int
+) -> np.ndarray:
     """Source-to-physical-slot token counts realizing ``quota``.
 
     load [R, E], quota [E, R], instance_slot [E, R] (physical slot of e's instance on rank t, -1
@@ -183,9 +204,10 @@ def solve_arrays(load: np.ndarray, num_slots: int, min_quota: int, domain_size: 
     R, E = load.shape
     G = E // R
     expert_load = [int(x) for x in load.sum(0)]
-    rank_load = [sum(expert_load[r * G:(r + 1) * G]) for r in range(R)]
-    pieces, main_left = search_threshold(expert_load, rank_load, G, num_slots, min_quota,
-                                         domain_size)
+    rank_load = [sum(expert_load[r * G : (r + 1) * G]) for r in range(R)]
+    pieces, main_left = search_threshold(
+        expert_load, rank_load, G, num_slots, min_quota, domain_size
+    )
 
     slot_expert = np.full((R, num_slots), -1, np.int64)
     quota = np.zeros((E, R), np.int64)

@@ -25,8 +25,15 @@ from . import _compiled_reroute as _compiled
 from .plan import Plan
 from .solve import host_array
 
-__all__ = ["RankReroute", "rank_reroute", "device_reroute_table", "instances_of_positions",
-           "expert_major_order", "expert_major_pairs", "physical_slot_ids"]
+__all__ = [
+    "RankReroute",
+    "rank_reroute",
+    "device_reroute_table",
+    "instances_of_positions",
+    "expert_major_order",
+    "expert_major_pairs",
+    "physical_slot_ids",
+]
 
 _INT64_MAX = torch.iinfo(torch.int64).max
 
@@ -62,9 +69,14 @@ class RankReroute:
     reroute_table: np.ndarray
 
 
-def rank_reroute(plan: Plan, load: torch.Tensor, rank: int, *,
-                 rows_per_source_slot: np.ndarray | None = None,
-                 reroute_table: np.ndarray | None = None) -> RankReroute:
+def rank_reroute(
+    plan: Plan,
+    load: torch.Tensor,
+    rank: int,
+    *,
+    rows_per_source_slot: np.ndarray | None = None,
+    reroute_table: np.ndarray | None = None,
+) -> RankReroute:
     """:class:`RankReroute` of ``plan`` (host tensors) solved for ``load`` int64 [R, E], for
     ``rank``: one compiled pass, a few microseconds (it runs per layer and microbatch between the
     load's arrival on the host and the reroute, where the device waits).
@@ -78,27 +90,46 @@ def rank_reroute(plan: Plan, load: torch.Tensor, rank: int, *,
         raise ValueError(f"load has shape {tuple(load.shape)}, the plan is for {(R, E)}")
     if not 0 <= rank < R:
         raise ValueError(f"rank must be in [0, {R}), got {rank}")
-    for name, tensor in (("load", load), ("plan.physical_split", plan.physical_split),
-                         ("plan.slot_expert", plan.slot_expert)):
+    for name, tensor in (
+        ("load", load),
+        ("plan.physical_split", plan.physical_split),
+        ("plan.slot_expert", plan.slot_expert),
+    ):
         # Host int64 only: a device tensor would be a blocking read here, another dtype a fresh
         # compilation of the kernel.
         if tensor.device.type != "cpu" or tensor.dtype != torch.int64:
-            raise ValueError(f"{name} must be an int64 host tensor, got {tensor.dtype} on {tensor.device}")
+            raise ValueError(
+                f"{name} must be an int64 host tensor, got {tensor.dtype} on {tensor.device}"
+            )
 
     def output_array(given, shape):
         if given is None:
             return np.empty(shape, np.int64)
         if given.shape != shape or given.dtype != np.int64 or not given.flags.c_contiguous:
-            raise ValueError(f"expected a C-contiguous int64 array of shape {shape}, got "
-                             f"{given.dtype} {given.shape}")
+            raise ValueError(
+                f"expected a C-contiguous int64 array of shape {shape}, got "
+                f"{given.dtype} {given.shape}"
+            )
         return given
 
-    out = RankReroute(output_array(rows_per_source_slot, (R, P)), np.empty(P, np.int64),
-                      np.empty(R, np.int64), np.empty(R, np.int64),
-                      output_array(reroute_table, (4, E * R + 1)))
-    _compiled.reroute_arrays(host_array(plan.physical_split), host_array(plan.slot_expert), host_array(load),
-                             rank, out.rows_per_source_slot, out.rows_per_slot, out.input_splits,
-                             out.output_splits, out.reroute_table)
+    out = RankReroute(
+        output_array(rows_per_source_slot, (R, P)),
+        np.empty(P, np.int64),
+        np.empty(R, np.int64),
+        np.empty(R, np.int64),
+        output_array(reroute_table, (4, E * R + 1)),
+    )
+    _compiled.reroute_arrays(
+        host_array(plan.physical_split),
+        host_array(plan.slot_expert),
+        host_array(load),
+        rank,
+        out.rows_per_source_slot,
+        out.rows_per_slot,
+        out.input_splits,
+        out.output_splits,
+        out.reroute_table,
+    )
     return out
 
 
@@ -118,15 +149,26 @@ def device_reroute_table(plan: Plan, load: torch.Tensor, rank: int) -> torch.Ten
     own = load[rank]
     slot_first_row = sent.cumsum(0) - sent  # the send buffer is physical-slot-major
     tail = lambda value: torch.full((1,), value, dtype=torch.int64, device=device)  # noqa: E731
-    return torch.stack([
-        torch.cat([running, tail(_INT64_MAX)]),
-        torch.cat([slot, tail(R * P)]),
-        torch.cat([own.cumsum(0) - own - 1, torch.zeros(E * R + 1 - E, dtype=torch.int64, device=device)]),
-        torch.cat([slot_first_row.index_select(0, slot) - (running - counts), own.sum().view(1) + 1]),
-    ])
+    return torch.stack(
+        [
+            torch.cat([running, tail(_INT64_MAX)]),
+            torch.cat([slot, tail(R * P)]),
+            torch.cat(
+                [
+                    own.cumsum(0) - own - 1,
+                    torch.zeros(E * R + 1 - E, dtype=torch.int64, device=device),
+                ]
+            ),
+            torch.cat(
+                [slot_first_row.index_select(0, slot) - (running - counts), own.sum().view(1) + 1]
+            ),
+        ]
+    )
 
 
-def instances_of_positions(running: torch.Tensor, positions: torch.Tensor, *, binary_search: bool) -> torch.Tensor:
+def instances_of_positions(
+    running: torch.Tensor, positions: torch.Tensor, *, binary_search: bool
+) -> torch.Tensor:
     """The reroute table column of each expert-major position: the first whose running total
     (``running``, the table's row 0, int64 [E * R + 1] ending in a sentinel) exceeds it.
 
@@ -139,8 +181,11 @@ def instances_of_positions(running: torch.Tensor, positions: torch.Tensor, *, bi
     if binary_search:
         return torch.searchsorted(running, positions, right=True)
     counts = torch.diff(running[:-1], prepend=running.new_zeros(1))
-    return torch.repeat_interleave(torch.arange(running.numel() - 1, device=running.device), counts,
-                                   output_size=positions.numel())
+    return torch.repeat_interleave(
+        torch.arange(running.numel() - 1, device=running.device),
+        counts,
+        output_size=positions.numel(),
+    )
 
 
 def expert_major_order(topk_ids: torch.Tensor, key_dtype: torch.dtype) -> torch.Tensor:
@@ -156,8 +201,9 @@ def expert_major_order(topk_ids: torch.Tensor, key_dtype: torch.dtype) -> torch.
     return torch.sort(topk_ids.reshape(-1).to(key_dtype), stable=True).indices
 
 
-def expert_major_pairs(topk_ids: torch.Tensor, reroute_table: torch.Tensor,
-                       key_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def expert_major_pairs(
+    topk_ids: torch.Tensor, reroute_table: torch.Tensor, key_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The routed pairs ``topk_ids`` [T, k] in the expert-major order (:func:`expert_major_order`),
     and each one's instance in ``reroute_table`` [4, E * R + 1] (on the pairs' device): the first
     column whose running quota total (row 0) exceeds the pair's position. Binary search on CUDA,
@@ -173,7 +219,9 @@ def expert_major_pairs(topk_ids: torch.Tensor, reroute_table: torch.Tensor,
     return order, positions, instance
 
 
-def physical_slot_ids(reroute_table: torch.Tensor, order: torch.Tensor, instance: torch.Tensor) -> torch.Tensor:
+def physical_slot_ids(
+    reroute_table: torch.Tensor, order: torch.Tensor, instance: torch.Tensor
+) -> torch.Tensor:
     """[N] int64: the physical slot of each routed pair, in row-major pair order (view it as the
     ``[T, k]`` pairs), from :func:`expert_major_pairs`' ``order`` and ``instance``: row 1 of
     ``reroute_table`` at the pair's instance."""

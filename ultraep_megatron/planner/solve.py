@@ -18,8 +18,15 @@ import torch
 from . import _compiled_solve as _compiled, reference
 from .plan import Plan
 
-__all__ = ["solve", "validate_load", "validate_domain_size", "default_min_quota", "domain_lower_bound",
-           "host_array", "DEFAULT_MIN_QUOTA_DIVISOR"]
+__all__ = [
+    "solve",
+    "validate_load",
+    "validate_domain_size",
+    "default_min_quota",
+    "domain_lower_bound",
+    "host_array",
+    "DEFAULT_MIN_QUOTA_DIVISOR",
+]
 
 # Default quota floor: 1 % of the mean per-rank load. A replica costs a weight transfer (and a
 # gradient reduction in backward) whatever it carries; one carrying less than 1 % of a rank's
@@ -60,22 +67,31 @@ def validate_domain_size(domain_size, num_ranks: int) -> int:
     """``domain_size`` (None: one domain of all ``num_ranks``) as an int that divides R."""
     if domain_size is None:
         return num_ranks
-    if (isinstance(domain_size, bool) or not isinstance(domain_size, (int, np.integer))
-            or domain_size < 1 or num_ranks % domain_size):
-        raise ValueError(f"domain_size must be an int >= 1 dividing the number of EP ranks "
-                         f"R={num_ranks} (EP ranks per NVLink domain), got {domain_size!r}")
+    if (
+        isinstance(domain_size, bool)
+        or not isinstance(domain_size, (int, np.integer))
+        or domain_size < 1
+        or num_ranks % domain_size
+    ):
+        raise ValueError(
+            f"domain_size must be an int >= 1 dividing the number of EP ranks "
+            f"R={num_ranks} (EP ranks per NVLink domain), got {domain_size!r}"
+        )
     return int(domain_size)
 
 
-def validate_solve_args(load: torch.Tensor, num_slots, min_quota, domain_size) -> tuple[int, int, int, int | None, int]:
+def validate_solve_args(
+    load: torch.Tensor, num_slots, min_quota, domain_size
+) -> tuple[int, int, int, int | None, int]:
     """The arguments a planner (``solve``, ``device_solve``) takes, checked: (R, E, S, min_quota or
     None, N); ``domain_size`` None becomes R (one domain)."""
     R, E = validate_load(load)
     if isinstance(num_slots, bool) or not isinstance(num_slots, (int, np.integer)) or num_slots < 0:
         raise ValueError(f"num_slots must be an int >= 0, got {num_slots!r}")
     domain_size = validate_domain_size(domain_size, R)
-    if min_quota is not None and (isinstance(min_quota, bool)
-                                  or not isinstance(min_quota, (int, np.integer)) or min_quota < 1):
+    if min_quota is not None and (
+        isinstance(min_quota, bool) or not isinstance(min_quota, (int, np.integer)) or min_quota < 1
+    ):
         raise ValueError(f"min_quota must be an int >= 1 or None, got {min_quota!r}")
     return R, E, int(num_slots), None if min_quota is None else int(min_quota), domain_size
 
@@ -90,9 +106,14 @@ def domain_lower_bound(load: torch.Tensor, domain_size: int | None = None) -> in
     return int((-(-per_domain // N)).max())
 
 
-def solve(load: torch.Tensor, num_slots: int, *, min_quota: int | None = None,
-          domain_size: int | None = None,
-          implementation: Literal["compiled", "reference"] = "compiled") -> Plan:
+def solve(
+    load: torch.Tensor,
+    num_slots: int,
+    *,
+    min_quota: int | None = None,
+    domain_size: int | None = None,
+    implementation: Literal["compiled", "reference"] = "compiled",
+) -> Plan:
     """Replication and reroute plan for the exact load of one MoE layer.
 
     Args:
@@ -115,15 +136,21 @@ def solve(load: torch.Tensor, num_slots: int, *, min_quota: int | None = None,
     Returns:
         A ``Plan`` whose tensors live on ``load``'s device.
     """
-    R, E, num_slots, min_quota, domain_size = validate_solve_args(load, num_slots, min_quota, domain_size)
+    R, E, num_slots, min_quota, domain_size = validate_solve_args(
+        load, num_slots, min_quota, domain_size
+    )
     device = load.device
     array = host_array(load)
 
     if implementation == "compiled":
         # min_quota 0: the kernel derives the default from the total it computes anyway.
         status, slot_expert, quota, physical_split, threshold = _compiled.solve_arrays(
-            array, int(num_slots), 0 if min_quota is None else int(min_quota),
-            DEFAULT_MIN_QUOTA_DIVISOR, domain_size)
+            array,
+            int(num_slots),
+            0 if min_quota is None else int(min_quota),
+            DEFAULT_MIN_QUOTA_DIVISOR,
+            domain_size,
+        )
         if status == _compiled.NEGATIVE_LOAD:
             raise ValueError("load has negative entries")
     elif implementation == "reference":
@@ -132,14 +159,22 @@ def solve(load: torch.Tensor, num_slots: int, *, min_quota: int | None = None,
         if min_quota is None:
             min_quota = default_min_quota(int(array.sum()), R)
         slot_expert, quota, physical_split, threshold = reference.solve_arrays(
-            array, int(num_slots), int(min_quota), domain_size)
+            array, int(num_slots), int(min_quota), domain_size
+        )
     else:
         raise ValueError(
-            f"implementation must be 'compiled' or 'reference', got {implementation!r}")
+            f"implementation must be 'compiled' or 'reference', got {implementation!r}"
+        )
 
-    slot_expert, quota, physical_split = (torch.from_numpy(slot_expert), torch.from_numpy(quota),
-                                          torch.from_numpy(physical_split))
+    slot_expert, quota, physical_split = (
+        torch.from_numpy(slot_expert),
+        torch.from_numpy(quota),
+        torch.from_numpy(physical_split),
+    )
     if device.type != "cpu":
-        slot_expert, quota, physical_split = (slot_expert.to(device), quota.to(device),
-                                              physical_split.to(device))
+        slot_expert, quota, physical_split = (
+            slot_expert.to(device),
+            quota.to(device),
+            physical_split.to(device),
+        )
     return Plan(slot_expert, quota, physical_split, int(threshold))

@@ -14,8 +14,15 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["DEFAULT_SHAPE", "ExpertShape", "HARDWARE_PRESETS", "Hardware", "hardware_min_quota",
-           "hardware_preset", "min_quota_from_hardware"]
+__all__ = [
+    "DEFAULT_SHAPE",
+    "ExpertShape",
+    "HARDWARE_PRESETS",
+    "Hardware",
+    "hardware_min_quota",
+    "hardware_preset",
+    "min_quota_from_hardware",
+]
 
 
 @dataclass(frozen=True)
@@ -70,8 +77,11 @@ class Hardware:
             raise ValueError(f"transfer_overlap must lie in [0, 1], got {self.transfer_overlap}")
         if not self.gemm_overhead_tokens >= 0:
             raise ValueError(f"gemm_overhead_tokens must be >= 0, got {self.gemm_overhead_tokens}")
-        if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) \
-                or self.gpus_per_node < 1:
+        if (
+            isinstance(self.gpus_per_node, bool)
+            or not isinstance(self.gpus_per_node, int)
+            or self.gpus_per_node < 1
+        ):
             raise ValueError(f"gpus_per_node must be an int >= 1, got {self.gpus_per_node!r}")
         N = self.scale_up_domain
         if N is not None and (isinstance(N, bool) or not isinstance(N, int) or N < 1):
@@ -99,11 +109,15 @@ class Hardware:
         N = self.scale_up_domain
         if N is None or N >= num_ranks:
             if N is not None and N % num_ranks:
-                raise ValueError(f"an EP group of {num_ranks} ranks does not fit the scale-up domains of "
-                                 f"{N} GPUs evenly")
+                raise ValueError(
+                    f"an EP group of {num_ranks} ranks does not fit the scale-up domains of "
+                    f"{N} GPUs evenly"
+                )
             return num_ranks
         if num_ranks % N:
-            raise ValueError(f"an EP group of {num_ranks} ranks does not split into scale-up domains of {N} GPUs")
+            raise ValueError(
+                f"an EP group of {num_ranks} ranks does not split into scale-up domains of {N} GPUs"
+            )
         return N
 
 
@@ -115,13 +129,27 @@ HARDWARE_PRESETS: dict[str, Hardware] = {
     # NVIDIA H100 SXM5 in an 8-GPU HGX/DGX node: 989 TFLOP/s dense bf16, 3.35 TB/s HBM3, NVLink 4 at
     # 900 GB/s bidirectional (450 per direction), one 400 Gb/s ConnectX-7 NIC per GPU; 80 GB HBM3;
     # the NVLink domain is the node.
-    "h100-hgx": Hardware(scale_up_gbps=450.0, peak_tflops=989.0, hbm_tbps=3.35, inter_domain_gbps=50.0,
-                         scale_up_domain=8, memory_gb=80.0, gpus_per_node=8),
+    "h100-hgx": Hardware(
+        scale_up_gbps=450.0,
+        peak_tflops=989.0,
+        hbm_tbps=3.35,
+        inter_domain_gbps=50.0,
+        scale_up_domain=8,
+        memory_gb=80.0,
+        gpus_per_node=8,
+    ),
     # NVIDIA H200 SXM in an 8-GPU HGX/DGX node (NVIDIA's H200 datasheet): the H100's compute (989
     # TFLOP/s dense bf16) and NVLink 4 (900 GB/s bidirectional), 141 GB of HBM3e at 4.8 TB/s; one
     # 400 Gb/s NIC per GPU; the NVLink domain is the node.
-    "h200-hgx": Hardware(scale_up_gbps=450.0, peak_tflops=989.0, hbm_tbps=4.8, inter_domain_gbps=50.0,
-                         scale_up_domain=8, memory_gb=141.0, gpus_per_node=8),
+    "h200-hgx": Hardware(
+        scale_up_gbps=450.0,
+        peak_tflops=989.0,
+        hbm_tbps=4.8,
+        inter_domain_gbps=50.0,
+        scale_up_domain=8,
+        memory_gb=141.0,
+        gpus_per_node=8,
+    ),
 }
 
 
@@ -130,8 +158,10 @@ def hardware_preset(name: str) -> Hardware:
     try:
         return HARDWARE_PRESETS[name]
     except KeyError:
-        raise ValueError(f"--moe-balancer-hardware: unknown hardware {name!r}; choose from "
-                         f"{', '.join(HARDWARE_PRESETS)}") from None
+        raise ValueError(
+            f"--moe-balancer-hardware: unknown hardware {name!r}; choose from "
+            f"{', '.join(HARDWARE_PRESETS)}"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -154,7 +184,13 @@ class ExpertShape:
     activation_bytes: int = 2
 
     def __post_init__(self):
-        for name in ("hidden_size", "ffn_hidden_size", "param_bytes", "grad_bytes", "activation_bytes"):
+        for name in (
+            "hidden_size",
+            "ffn_hidden_size",
+            "param_bytes",
+            "grad_bytes",
+            "activation_bytes",
+        ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
@@ -178,8 +214,15 @@ class ExpertShape:
         return self.hidden_size * self.activation_bytes
 
     @classmethod
-    def from_meta(cls, meta: dict, *, hidden_size: Optional[int] = None, ffn_hidden_size: Optional[int] = None,
-                  gated: Optional[bool] = None, **widths) -> tuple["ExpertShape", str]:
+    def from_meta(
+        cls,
+        meta: dict,
+        *,
+        hidden_size: Optional[int] = None,
+        ffn_hidden_size: Optional[int] = None,
+        gated: Optional[bool] = None,
+        **widths,
+    ) -> tuple["ExpertShape", str]:
         """Shape from explicit values, else a trace header's ``meta`` (keys ``hidden_size``,
         ``moe_ffn_hidden_size`` or ``ffn_hidden_size``, ``gated_linear_unit`` or ``swiglu``), else
         :data:`DEFAULT_SHAPE`. ``widths``: byte widths (``param_bytes``...), None = default.
@@ -205,7 +248,9 @@ class ExpertShape:
 DEFAULT_SHAPE = ExpertShape(hidden_size=4096, ffn_hidden_size=1536, gated=True)
 
 
-def min_quota_from_hardware(shape: ExpertShape, hardware: Hardware, *, training: bool = True) -> int:
+def min_quota_from_hardware(
+    shape: ExpertShape, hardware: Hardware, *, training: bool = True
+) -> int:
     """Smallest replica quota (tokens) worth its weight transfer and its own GEMM.
 
     A replica taking q (token, expert) pairs off the busiest rank saves ``k * q * c`` there (c =
@@ -224,7 +269,9 @@ def min_quota_from_hardware(shape: ExpertShape, hardware: Hardware, *, training:
     weight_read = shape.weight_bytes / hardware.hbm_bytes_per_s
     overhead = hardware.gemm_overhead_tokens
     q = transfer / (k * c) + overhead
-    if (q + overhead) * c < weight_read:  # the replica's GEMM is memory-bound: it costs the weight read
+    if (
+        q + overhead
+    ) * c < weight_read:  # the replica's GEMM is memory-bound: it costs the weight read
         q = (transfer / k + weight_read) / (2 * c)
     return max(1, math.ceil(q - 1e-9))
 

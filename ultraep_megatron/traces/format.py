@@ -100,8 +100,15 @@ def find_trace_files(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> 
     return found
 
 
-def pack_record(tag: bytes, iteration: int, microbatch: int, layer: int, dtype_code: int,
-                codec: int, payload: bytes) -> bytes:
+def pack_record(
+    tag: bytes,
+    iteration: int,
+    microbatch: int,
+    layer: int,
+    dtype_code: int,
+    codec: int,
+    payload: bytes,
+) -> bytes:
     """One record: its 32-byte header (CRC filled in) and ``payload``."""
     head = RECORD.pack(tag, microbatch, iteration, layer, dtype_code, codec, 0, len(payload), 0)
     crc = zlib.crc32(payload, zlib.crc32(head[:28]))
@@ -129,8 +136,13 @@ class TraceHeader:
 
     @classmethod
     def from_dict(cls, raw: dict) -> "TraceHeader":
-        return cls(int(raw["version"]), int(raw["num_ranks"]), int(raw["num_experts"]),
-                   dict(raw.get("meta") or {}), raw)
+        return cls(
+            int(raw["version"]),
+            int(raw["num_ranks"]),
+            int(raw["num_experts"]),
+            dict(raw.get("meta") or {}),
+            raw,
+        )
 
 
 class TraceRecord(NamedTuple):

@@ -44,8 +44,15 @@ def first_stage_suggestion(num_layers: int, pp_size: int, last: Optional[int] = 
     return ""
 
 
-def pipeline_stages(num_layers: int, pp_size: int, *, first: Optional[int] = None, last: Optional[int] = None,
-                    account_for_embedding: bool = False, account_for_loss: bool = False) -> list[range]:
+def pipeline_stages(
+    num_layers: int,
+    pp_size: int,
+    *,
+    first: Optional[int] = None,
+    last: Optional[int] = None,
+    account_for_embedding: bool = False,
+    account_for_loss: bool = False,
+) -> list[range]:
     """The 1-based global decoder layer numbers each pipeline stage builds, stage by stage.
 
     Raises:
@@ -53,31 +60,48 @@ def pipeline_stages(num_layers: int, pp_size: int, *, first: Optional[int] = Non
             refusal would not).
     """
     if num_layers < 1 or pp_size < 1:
-        raise PipelineSplitError(f"--num-layers {num_layers} and --pipeline-model-parallel-size {pp_size} "
-                                 "must be at least 1")
+        raise PipelineSplitError(
+            f"--num-layers {num_layers} and --pipeline-model-parallel-size {pp_size} "
+            "must be at least 1"
+        )
     uneven = first is not None or last is not None
     if uneven and (account_for_embedding or account_for_loss):
-        raise PipelineSplitError("--decoder-first/last-pipeline-num-layers cannot be combined with "
-                                 "--account-for-embedding/loss-in-pipeline-split (Megatron refuses the pair)")
+        raise PipelineSplitError(
+            "--decoder-first/last-pipeline-num-layers cannot be combined with "
+            "--account-for-embedding/loss-in-pipeline-split (Megatron refuses the pair)"
+        )
     if uneven:
-        for flag, value in (("--decoder-first-pipeline-num-layers", first),
-                            ("--decoder-last-pipeline-num-layers", last)):
+        for flag, value in (
+            ("--decoder-first-pipeline-num-layers", first),
+            ("--decoder-last-pipeline-num-layers", last),
+        ):
             if value is not None and value < 1:
                 raise PipelineSplitError(f"{flag} {value} must be at least 1")
         middle_stages = pp_size - (first is not None) - (last is not None)
         middle_layers = num_layers - (first or 0) - (last or 0)
-        given = " and ".join(f"{flag} {value}" for flag, value in
-                             (("--decoder-first-pipeline-num-layers", first),
-                              ("--decoder-last-pipeline-num-layers", last)) if value is not None)
+        given = " and ".join(
+            f"{flag} {value}"
+            for flag, value in (
+                ("--decoder-first-pipeline-num-layers", first),
+                ("--decoder-last-pipeline-num-layers", last),
+            )
+            if value is not None
+        )
         if middle_stages < 0:
-            raise PipelineSplitError(f"{given} need 2 pipeline stages, --pipeline-model-parallel-size is {pp_size}")
+            raise PipelineSplitError(
+                f"{given} need 2 pipeline stages, --pipeline-model-parallel-size is {pp_size}"
+            )
         if middle_stages == 0 and middle_layers != 0:
-            raise PipelineSplitError(f"{given} put {num_layers - middle_layers} layers on the "
-                                     f"{pp_size} pipeline stage(s), --num-layers is {num_layers}")
+            raise PipelineSplitError(
+                f"{given} put {num_layers - middle_layers} layers on the "
+                f"{pp_size} pipeline stage(s), --num-layers is {num_layers}"
+            )
         if middle_stages and (middle_layers < middle_stages or middle_layers % middle_stages):
             raise PipelineSplitError(
                 f"{given} leave {middle_layers} of --num-layers {num_layers} to {middle_stages} middle "
-                f"pipeline stage(s): not a whole number of layers each", first_stage_suggestion(num_layers, pp_size, last))
+                f"pipeline stage(s): not a whole number of layers each",
+                first_stage_suggestion(num_layers, pp_size, last),
+            )
         per = middle_layers // middle_stages if middle_stages else 0
         counts = [per] * pp_size
         if first is not None:
@@ -87,18 +111,27 @@ def pipeline_stages(num_layers: int, pp_size: int, *, first: Optional[int] = Non
     else:
         total = num_layers + account_for_embedding + account_for_loss
         if total % pp_size:
-            counted = "".join(f" + 1 ({flag})" for flag, on in
-                              (("--account-for-embedding-in-pipeline-split", account_for_embedding),
-                               ("--account-for-loss-in-pipeline-split", account_for_loss)) if on)
+            counted = "".join(
+                f" + 1 ({flag})"
+                for flag, on in (
+                    ("--account-for-embedding-in-pipeline-split", account_for_embedding),
+                    ("--account-for-loss-in-pipeline-split", account_for_loss),
+                )
+                if on
+            )
             raise PipelineSplitError(
                 f"--num-layers {num_layers}{counted} does not split evenly over --pipeline-model-parallel-size "
-                f"{pp_size} stages", "" if counted else first_stage_suggestion(num_layers, pp_size))
+                f"{pp_size} stages",
+                "" if counted else first_stage_suggestion(num_layers, pp_size),
+            )
         counts = [total // pp_size] * pp_size
         counts[0] -= account_for_embedding
         counts[-1] -= account_for_loss
         if min(counts) < 0:
-            raise PipelineSplitError(f"--num-layers {num_layers} leaves a pipeline stage no layer to hold "
-                                     "the embedding or the loss")
+            raise PipelineSplitError(
+                f"--num-layers {num_layers} leaves a pipeline stage no layer to hold "
+                "the embedding or the loss"
+            )
     stages, start = [], 1
     for count in counts:
         stages.append(range(start, start + count))

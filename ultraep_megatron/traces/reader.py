@@ -61,10 +61,13 @@ class TraceReader:
     (all layers), ``committed_iterations`` the commits.
     """
 
-    def __init__(self, path: str | os.PathLike, *,
-                 on_truncated: Literal["warn", "error", "ignore"] = "warn"):
+    def __init__(
+        self, path: str | os.PathLike, *, on_truncated: Literal["warn", "error", "ignore"] = "warn"
+    ):
         if on_truncated not in ("warn", "error", "ignore"):
-            raise ValueError(f"on_truncated must be 'warn', 'error' or 'ignore', got {on_truncated!r}")
+            raise ValueError(
+                f"on_truncated must be 'warn', 'error' or 'ignore', got {on_truncated!r}"
+            )
         self.path = Path(path)
         self.on_truncated = on_truncated
         self.status: Optional[str] = None
@@ -78,17 +81,23 @@ class TraceReader:
         # A file torn inside its header holds no record: always an error, whatever on_truncated.
         if not head.startswith(MAGIC):
             if MAGIC.startswith(head):
-                raise TraceTruncatedError(f"{self.path} is truncated: it ends inside its magic line "
-                                          f"({len(head)} bytes)")
-            raise TraceFormatError(f"{self.path} is not an UltraEP trace (it does not start with {MAGIC!r})")
+                raise TraceTruncatedError(
+                    f"{self.path} is truncated: it ends inside its magic line ({len(head)} bytes)"
+                )
+            raise TraceFormatError(
+                f"{self.path} is not an UltraEP trace (it does not start with {MAGIC!r})"
+            )
         newline = head.find(b"\n", len(MAGIC))
         if newline < 0:
             if len(head) <= MAX_HEADER_BYTES + len(MAGIC):
-                raise TraceTruncatedError(f"{self.path} is truncated: it ends inside its JSON header "
-                                          f"({len(head)} bytes)")
-            raise TraceFormatError(f"{self.path}: JSON header line longer than {MAX_HEADER_BYTES} bytes")
+                raise TraceTruncatedError(
+                    f"{self.path} is truncated: it ends inside its JSON header ({len(head)} bytes)"
+                )
+            raise TraceFormatError(
+                f"{self.path}: JSON header line longer than {MAX_HEADER_BYTES} bytes"
+            )
         try:
-            raw = json.loads(head[len(MAGIC):newline])
+            raw = json.loads(head[len(MAGIC) : newline])
         except ValueError as exc:
             raise TraceFormatError(f"{self.path}: header is not valid JSON ({exc})") from None
         if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
@@ -97,12 +106,16 @@ class TraceReader:
         if not isinstance(version, int) or version < 1:
             raise TraceFormatError(f"{self.path}: bad format version {version!r}")
         if version > FORMAT_VERSION:
-            raise TraceFormatError(f"{self.path} has format version {version}; this reader knows "
-                                   f"versions up to {FORMAT_VERSION} (upgrade ultraep_megatron)")
+            raise TraceFormatError(
+                f"{self.path} has format version {version}; this reader knows "
+                f"versions up to {FORMAT_VERSION} (upgrade ultraep_megatron)"
+            )
         try:
             self.header = TraceHeader.from_dict(raw)
         except (KeyError, TypeError, ValueError) as exc:
-            raise TraceFormatError(f"{self.path}: header misses or mangles a field ({exc})") from None
+            raise TraceFormatError(
+                f"{self.path}: header misses or mangles a field ({exc})"
+            ) from None
         R, E = self.header.num_ranks, self.header.num_experts
         if R < 1 or E < 1 or E % R:
             raise TraceFormatError(f"{self.path}: header has R={R}, E={E}")
@@ -127,8 +140,10 @@ class TraceReader:
         self.status = "truncated"
         size = self.file_size()
         self.truncated_bytes = size - where
-        message = (f"{self.path} is truncated: {what} at byte {where} of {size} "
-                   "(a crash, or a writer still running); the records before it were read")
+        message = (
+            f"{self.path} is truncated: {what} at byte {where} of {size} "
+            "(a crash, or a writer still running); the records before it were read"
+        )
         if self.on_truncated == "error":
             raise TraceTruncatedError(message)
         if self.on_truncated == "warn":
@@ -154,7 +169,11 @@ class TraceReader:
                         self._truncated(offset, "the file ends in zero bytes")
                     return
                 tag, microbatch, iteration, layer, code, codec, _, nbytes, crc = RECORD.unpack(head)
-                if tag not in (TAG_LOAD, TAG_ITER, TAG_CLOSE) or code not in (0, *DTYPES) or codec > 1:
+                if (
+                    tag not in (TAG_LOAD, TAG_ITER, TAG_CLOSE)
+                    or code not in (0, *DTYPES)
+                    or codec > 1
+                ):
                     rest = head + f.read()
                     if not rest.strip(b"\0"):  # a torn write the file system padded with zeros
                         self._truncated(offset, "the file ends in zero bytes")
@@ -168,7 +187,9 @@ class TraceReader:
                     if not f.read(1):  # the last record: a torn write
                         self._truncated(offset, "the last record fails its checksum")
                         return
-                    raise TraceFormatError(f"{self.path}: record at byte {offset} fails its checksum")
+                    raise TraceFormatError(
+                        f"{self.path}: record at byte {offset} fails its checksum"
+                    )
                 offset += RECORD.size + nbytes
                 closed = tag == TAG_CLOSE
                 yield tag, iteration, microbatch, layer, code, codec, payload, offset
@@ -178,15 +199,20 @@ class TraceReader:
         try:
             raw = zlib.decompress(payload) if codec == CODEC_ZLIB else payload
         except zlib.error as exc:
-            raise TraceFormatError(f"{self.path}: record ending at byte {offset} does not decompress ({exc})") from None
+            raise TraceFormatError(
+                f"{self.path}: record ending at byte {offset} does not decompress ({exc})"
+            ) from None
         if code not in DTYPES or len(raw) != R * E * code:
-            raise TraceFormatError(f"{self.path}: record ending at byte {offset} holds {len(raw)} bytes, "
-                                   f"expected R*E*{code} = {R * E * code}")
+            raise TraceFormatError(
+                f"{self.path}: record ending at byte {offset} holds {len(raw)} bytes, "
+                f"expected R*E*{code} = {R * E * code}"
+            )
         array = np.frombuffer(raw, dtype=DTYPES[code]).astype(np.int64).reshape(R, E)
         return torch.from_numpy(array)
 
-    def records(self, *, layers: Optional[Iterable[int]] = None,
-                include_uncommitted: bool = False) -> Iterator[TraceRecord]:
+    def records(
+        self, *, layers: Optional[Iterable[int]] = None, include_uncommitted: bool = False
+    ) -> Iterator[TraceRecord]:
         """Yield the records in file order.
 
         Args:
@@ -202,7 +228,11 @@ class TraceReader:
             if tag == TAG_LOAD:
                 uncommitted += 1
                 if wanted is None or layer in wanted:
-                    pending.append(TraceRecord(iteration, microbatch, layer, self._decode(code, codec, payload, end)))
+                    pending.append(
+                        TraceRecord(
+                            iteration, microbatch, layer, self._decode(code, codec, payload, end)
+                        )
+                    )
             elif tag == TAG_ITER:
                 committed_records += uncommitted
                 uncommitted = 0
@@ -257,9 +287,13 @@ class Trace:
         return sorted(set(self.layer.tolist()))
 
 
-def read_trace(path: str | os.PathLike, *, layers: Optional[Iterable[int]] = None,
-               include_uncommitted: bool = False,
-               on_truncated: Literal["warn", "error", "ignore"] = "warn") -> Trace:
+def read_trace(
+    path: str | os.PathLike,
+    *,
+    layers: Optional[Iterable[int]] = None,
+    include_uncommitted: bool = False,
+    on_truncated: Literal["warn", "error", "ignore"] = "warn",
+) -> Trace:
     """Read a whole trace file into a :class:`Trace` (see :meth:`TraceReader.records` for the args)."""
     reader = TraceReader(path, on_truncated=on_truncated)
     recs = list(reader.records(layers=layers, include_uncommitted=include_uncommitted))
@@ -270,7 +304,9 @@ def read_trace(path: str | os.PathLike, *, layers: Optional[Iterable[int]] = Non
         iteration=as_long([r.iteration for r in recs]),
         microbatch=as_long([r.microbatch for r in recs]),
         layer=as_long([r.layer for r in recs]),
-        load=torch.stack([r.load for r in recs]) if recs else torch.zeros((0, R, E), dtype=torch.int64),
+        load=torch.stack([r.load for r in recs])
+        if recs
+        else torch.zeros((0, R, E), dtype=torch.int64),
         status=reader.status,
         truncated_bytes=reader.truncated_bytes,
         uncommitted_records=reader.uncommitted_records,
@@ -289,8 +325,16 @@ def trace_info(path: str | os.PathLike) -> dict:
     for rec in reader.records():
         layers[rec.layer] = layers.get(rec.layer, 0) + 1
     h = reader.header
-    return {"path": str(path), "format": f"ultraep trace v{h.version}", "num_ranks": h.num_ranks,
-            "num_experts": h.num_experts, "loads": reader.committed_records,
-            "uncommitted": reader.uncommitted_records, "iterations": reader.committed_iterations,
-            "layers": dict(sorted(layers.items())), "status": reader.status,
-            "truncated_bytes": reader.truncated_bytes, "meta": h.meta}
+    return {
+        "path": str(path),
+        "format": f"ultraep trace v{h.version}",
+        "num_ranks": h.num_ranks,
+        "num_experts": h.num_experts,
+        "loads": reader.committed_records,
+        "uncommitted": reader.uncommitted_records,
+        "iterations": reader.committed_iterations,
+        "layers": dict(sorted(layers.items())),
+        "status": reader.status,
+        "truncated_bytes": reader.truncated_bytes,
+        "meta": h.meta,
+    }

@@ -25,8 +25,13 @@ __all__ = ["Record", "TraceRecords", "merge_traces", "select_records"]
 Record = tuple[int, int, int, int, torch.Tensor]
 
 
-def select_records(records: Iterable[Record], *, layers: Optional[Iterable[int]] = None,
-                   max_records: Optional[int] = None, load_scale: float = 1.0) -> Iterator[Record]:
+def select_records(
+    records: Iterable[Record],
+    *,
+    layers: Optional[Iterable[int]] = None,
+    max_records: Optional[int] = None,
+    load_scale: float = 1.0,
+) -> Iterator[Record]:
     """The records of ``layers`` (default: all), at most ``max_records`` per EP group, each load
     multiplied by ``load_scale`` and rounded (e.g. to project a small run's routing onto a
     production microbatch size)."""
@@ -60,9 +65,15 @@ class TraceRecords:
     (for progress), counted by a scan of the files; ``describe()`` one line per file.
     """
 
-    def __init__(self, paths: Sequence[str | os.PathLike], *, layers: Optional[Iterable[int]] = None,
-                 max_records: Optional[int] = None, load_scale: float = 1.0,
-                 on_truncated: Literal["warn", "error", "ignore"] = "warn"):
+    def __init__(
+        self,
+        paths: Sequence[str | os.PathLike],
+        *,
+        layers: Optional[Iterable[int]] = None,
+        max_records: Optional[int] = None,
+        load_scale: float = 1.0,
+        on_truncated: Literal["warn", "error", "ignore"] = "warn",
+    ):
         self.readers = [TraceReader(p, on_truncated=on_truncated) for p in paths]
         if not self.readers:
             raise ValueError("no trace files")
@@ -71,7 +82,9 @@ class TraceRecords:
             raise ValueError(f"trace files disagree on [R, E]: {sorted(shapes)}")
         self.num_ranks, self.num_experts = next(iter(shapes))
         self.layers = None if layers is None else set(int(x) for x in layers)
-        self.selection = dict(layers=self.layers, max_records=max_records, load_scale=float(load_scale))
+        self.selection = dict(
+            layers=self.layers, max_records=max_records, load_scale=float(load_scale)
+        )
         next(select_records([], **self.selection), None)  # validate the selection now
         self.meta = dict(self.readers[0].meta)
         self._total: Optional[int] = None
@@ -101,12 +114,20 @@ class TraceRecords:
         lines = []
         for i, reader in enumerate(self.readers):
             scanned = TraceReader(reader.path, on_truncated="ignore").scan()
-            tail = {"closed": "closed cleanly", "open": "still open (or the writer died between records)",
-                    "truncated": f"TRUNCATED tail of {scanned.truncated_bytes} bytes ignored"}[scanned.status]
-            lines.append(f"EP group {i}: {reader.path} — R={reader.num_ranks}, E={reader.num_experts}, "
-                         f"{scanned.committed_records} loads in {scanned.committed_iterations} iterations, {tail}"
-                         + (f", {scanned.uncommitted_records} uncommitted loads skipped"
-                            if scanned.uncommitted_records else ""))
+            tail = {
+                "closed": "closed cleanly",
+                "open": "still open (or the writer died between records)",
+                "truncated": f"TRUNCATED tail of {scanned.truncated_bytes} bytes ignored",
+            }[scanned.status]
+            lines.append(
+                f"EP group {i}: {reader.path} — R={reader.num_ranks}, E={reader.num_experts}, "
+                f"{scanned.committed_records} loads in {scanned.committed_iterations} iterations, {tail}"
+                + (
+                    f", {scanned.uncommitted_records} uncommitted loads skipped"
+                    if scanned.uncommitted_records
+                    else ""
+                )
+            )
         return lines
 
     def __iter__(self) -> Iterator[Record]:
@@ -118,8 +139,9 @@ class TraceRecords:
         return select_records(raw(), **self.selection)
 
 
-def merge_traces(inputs: Sequence[str | os.PathLike], output_dir: str | os.PathLike, *,
-                 progress=None) -> list[Path]:
+def merge_traces(
+    inputs: Sequence[str | os.PathLike], output_dir: str | os.PathLike, *, progress=None
+) -> list[Path]:
     """Merge the trace files of one run written in pieces (e.g. a resumed job with a new
     ``--moe-balancer-trace-dir``) into one file per EP group, in iteration order.
 
@@ -143,11 +165,19 @@ def merge_traces(inputs: Sequence[str | os.PathLike], output_dir: str | os.PathL
     for key, readers in sorted(groups.items(), key=lambda kv: str(kv[0])):
         shapes = {(r.num_ranks, r.num_experts) for r in readers}
         if len(shapes) != 1:
-            raise ValueError(f"EP group {key}: files disagree on [R, E] {sorted(shapes)}: "
-                             + ", ".join(str(r.path) for r in readers))
-        spans = sorted(((first, r) for r in readers
-                        if (first := next((it for tag, it, *_ in r._walk() if tag == TAG_ITER), None)) is not None),
-                       key=lambda fr: fr[0])
+            raise ValueError(
+                f"EP group {key}: files disagree on [R, E] {sorted(shapes)}: "
+                + ", ".join(str(r.path) for r in readers)
+            )
+        spans = sorted(
+            (
+                (first, r)
+                for r in readers
+                if (first := next((it for tag, it, *_ in r._walk() if tag == TAG_ITER), None))
+                is not None
+            ),
+            key=lambda fr: fr[0],
+        )
         R, E = next(iter(shapes))
         group = key if isinstance(key, int) else len(written)
         path = trace_path(output_dir, group)
@@ -162,9 +192,11 @@ def merge_traces(inputs: Sequence[str | os.PathLike], output_dir: str | os.PathL
                     if current is not None and rec.iteration != current:
                         writer.flush_iteration(current)
                     if rec.iteration != current and last is not None and rec.iteration <= last:
-                        raise ValueError(f"EP group {key}: iteration {rec.iteration} of {reader.path} is not after "
-                                         f"iteration {last} of an earlier file (overlapping pieces of a run, "
-                                         "or files of different runs)")
+                        raise ValueError(
+                            f"EP group {key}: iteration {rec.iteration} of {reader.path} is not after "
+                            f"iteration {last} of an earlier file (overlapping pieces of a run, "
+                            "or files of different runs)"
+                        )
                     current = rec.iteration
                     writer.append(rec.iteration, rec.microbatch, rec.layer, rec.load)
                     done += 1

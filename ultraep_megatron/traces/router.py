@@ -67,7 +67,9 @@ def find_router_trace_files(path: str | os.PathLike) -> list[Path]:
     directory = Path(path)
     if not directory.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := FILE_PATTERN.search(p.name))]
+    found = [
+        (int(m.group(1)), p) for p in directory.iterdir() if (m := FILE_PATTERN.search(p.name))
+    ]
     return [p for _, p in sorted(found)]
 
 
@@ -102,23 +104,33 @@ class _RankFile:
             top = np.asarray(rec["top_indices"], dtype=np.int64)
             num_tokens, topk = int(rec["num_tokens"]), int(rec["topk"])
         except (ValueError, KeyError, TypeError) as exc:
-            raise TraceFormatError(f"{self.path}:{number}: not a router trace record ({exc})") from None
+            raise TraceFormatError(
+                f"{self.path}:{number}: not a router trace record ({exc})"
+            ) from None
         if rec.get("rank", self.rank) != self.rank:
-            raise TraceFormatError(f"{self.path}:{number}: a record of rank {rec['rank']} in rank {self.rank}'s "
-                                   "file (files of different runs mixed in one directory?)")
+            raise TraceFormatError(
+                f"{self.path}:{number}: a record of rank {rec['rank']} in rank {self.rank}'s "
+                "file (files of different runs mixed in one directory?)"
+            )
         if block not in ("decoder", "mtp"):
             raise TraceFormatError(f"{self.path}:{number}: unknown block {block!r}")
         if top.shape != (num_tokens, topk) and not (num_tokens == 0 and top.size == 0):
-            raise TraceFormatError(f"{self.path}:{number}: top_indices has shape {top.shape}, the record says "
-                                   f"[{num_tokens}, {topk}]")
+            raise TraceFormatError(
+                f"{self.path}:{number}: top_indices has shape {top.shape}, the record says "
+                f"[{num_tokens}, {topk}]"
+            )
         if self.topk is None:
             self.topk = topk
         elif topk != self.topk:
-            raise TraceFormatError(f"{self.path}:{number}: top-{topk} after top-{self.topk} "
-                                   "(files of different runs mixed?)")
+            raise TraceFormatError(
+                f"{self.path}:{number}: top-{topk} after top-{self.topk} "
+                "(files of different runs mixed?)"
+            )
         if top.size and (int(top.min()) < 0 or int(top.max()) >= self.num_experts):
-            raise TraceFormatError(f"{self.path}:{number}: expert id {int(top.max())} outside "
-                                   f"[0, {self.num_experts}): check --num-experts")
+            raise TraceFormatError(
+                f"{self.path}:{number}: expert id {int(top.max())} outside "
+                f"[0, {self.num_experts}): check --num-experts"
+            )
         key = (block, rec.get("mtp_idx"), layer)
         return step, key, np.bincount(top.reshape(-1), minlength=self.num_experts)
 
@@ -136,8 +148,10 @@ class _RankFile:
                 step, key, counts = self._parse(line, number)
                 if current is not None and step != current.step:
                     if step < current.step:
-                        raise TraceFormatError(f"{self.path}:{number}: step {step} after step {current.step} "
-                                               "(files of different runs mixed?)")
+                        raise TraceFormatError(
+                            f"{self.path}:{number}: step {step} after step {current.step} "
+                            "(files of different runs mixed?)"
+                        )
                     yield current
                     current = None
                 if current is None:
@@ -164,29 +178,44 @@ class RouterTraceRecords:
             belong to one run (ranks, steps, top-k or record counts disagree).
     """
 
-    def __init__(self, directory: str | os.PathLike, layout: RouterTraceLayout, *,
-                 layers: Optional[Iterable[int]] = None, max_records: Optional[int] = None,
-                 load_scale: float = 1.0, on_truncated: Literal["warn", "error", "ignore"] = "warn"):
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        layout: RouterTraceLayout,
+        *,
+        layers: Optional[Iterable[int]] = None,
+        max_records: Optional[int] = None,
+        load_scale: float = 1.0,
+        on_truncated: Literal["warn", "error", "ignore"] = "warn",
+    ):
         self.directory = Path(directory)
         self.layout = layout
         self.files = find_router_trace_files(self.directory)
         if not self.files:
-            raise TraceFormatError(f"{self.directory}: no router_trace_rank<r>.jsonl files "
-                                   "(not a --moe-routing-trace-path directory)")
+            raise TraceFormatError(
+                f"{self.directory}: no router_trace_rank<r>.jsonl files "
+                "(not a --moe-routing-trace-path directory)"
+            )
         ranks = [int(FILE_PATTERN.search(p.name).group(1)) for p in self.files]
         missing = sorted(set(range(max(ranks) + 1)) - set(ranks))
         if missing:
             raise TraceFormatError(f"{self.directory}: rank files missing for ranks {missing}")
         world = len(self.files)
         if layout.world_size is not None and world != layout.world_size:
-            raise TraceFormatError(f"{self.directory} holds {world} rank files, the run had world size "
-                                   f"{layout.world_size} (stale files of another run?)")
+            raise TraceFormatError(
+                f"{self.directory} holds {world} rank files, the run had world size "
+                f"{layout.world_size} (stale files of another run?)"
+            )
         if world % layout.ep_size:
-            raise TraceFormatError(f"{world} rank files are not a whole number of EP groups of "
-                                   f"--expert-model-parallel-size {layout.ep_size}")
+            raise TraceFormatError(
+                f"{world} rank files are not a whole number of EP groups of "
+                f"--expert-model-parallel-size {layout.ep_size}"
+            )
         if world % layout.pp_size:
-            raise TraceFormatError(f"{world} rank files do not split into "
-                                   f"--pipeline-model-parallel-size {layout.pp_size} stages")
+            raise TraceFormatError(
+                f"{world} rank files do not split into "
+                f"--pipeline-model-parallel-size {layout.pp_size} stages"
+            )
         self.stages = layout.stages()
         self.num_ranks, self.num_experts = layout.ep_size, layout.num_experts
         self.num_groups = world // layout.ep_size
@@ -201,16 +230,20 @@ class RouterTraceRecords:
         block, mtp_idx, layer = key
         if block == "mtp":
             if self.layout.num_layers is None:
-                raise ValueError("the trace has MTP records: give --num-layers (or --run-args) to number "
-                                 "MTP layers after the decoder's")
+                raise ValueError(
+                    "the trace has MTP records: give --num-layers (or --run-args) to number "
+                    "MTP layers after the decoder's"
+                )
             return self.layout.num_layers + 1 + int(mtp_idx or 0)
         if self.stages is None:
             return layer + 1
         stage = self.stages[self._stage(group)]
         if layer >= len(stage):
-            raise TraceFormatError(f"{self.directory}: decoder layer index {layer} on pipeline stage "
-                                   f"{self._stage(group)}, which builds {len(stage)} layers "
-                                   f"({stage.start}-{stage.stop - 1}): the layout given is not the run's")
+            raise TraceFormatError(
+                f"{self.directory}: decoder layer index {layer} on pipeline stage "
+                f"{self._stage(group)}, which builds {len(stage)} layers "
+                f"({stage.start}-{stage.stop - 1}): the layout given is not the run's"
+            )
         return stage[layer]
 
     def _stage(self, group: int) -> int:
@@ -231,24 +264,34 @@ class RouterTraceRecords:
         self.status = None
         while any(h is not None for h in heads):
             step = min(h.step for h in heads if h is not None)
-            behind = [rank for rank, h in enumerate(heads) if h is None or h.step != step or not h.complete]
+            behind = [
+                rank
+                for rank, h in enumerate(heads)
+                if h is None or h.step != step or not h.complete
+            ]
             if behind:
                 ended = [rank for rank in behind if heads[rank] is None or not heads[rank].complete]
                 skipped = [rank for rank in behind if rank not in ended]
                 if skipped:
-                    raise TraceFormatError(f"{self.directory}: step {step} is missing on ranks {skipped} although "
-                                           "they have later steps (files of different runs mixed?)")
-                self._truncated(f"{self.directory}: the trace ends early on ranks {ended} (torn or missing "
-                                f"step {step}: a crash, or a run still writing); steps from {step} on are "
-                                "left out")
+                    raise TraceFormatError(
+                        f"{self.directory}: step {step} is missing on ranks {skipped} although "
+                        "they have later steps (files of different runs mixed?)"
+                    )
+                self._truncated(
+                    f"{self.directory}: the trace ends early on ranks {ended} (torn or missing "
+                    f"step {step}: a crash, or a run still writing); steps from {step} on are "
+                    "left out"
+                )
                 return
             problem, torn_possible = self._check_step(step, heads)
             if problem is not None:
                 following = [next(s, None) for s in streams]
                 if not torn_possible or any(h is not None for h in following):
                     raise TraceFormatError(problem)
-                self._truncated(f"{problem}: the last step is incomplete (a crash, or a run still "
-                                f"writing); steps from {step} on are left out")
+                self._truncated(
+                    f"{problem}: the last step is incomplete (a crash, or a run still "
+                    f"writing); steps from {step} on are left out"
+                )
                 return
             yield from self._step_records(step, heads)
             heads = [next(s, None) for s in streams]
@@ -259,23 +302,34 @@ class RouterTraceRecords:
         whether a crash while writing the last step could explain it."""
         R, M = self.num_ranks, self.layout.num_microbatches
         for group in range(self.num_groups):
-            members = heads[group * R:(group + 1) * R]
+            members = heads[group * R : (group + 1) * R]
             leader = {k: len(v) for k, v in members[0].counts.items()}
             for offset, member in enumerate(members[1:], 1):
                 sizes = {k: len(v) for k, v in member.counts.items()}
                 if sizes != leader:
-                    return (f"{self.directory}: step {step}: rank {group * R + offset} recorded router calls "
-                            f"{sorted(sizes.items())} per (block, mtp_idx, layer), rank {group * R} "
-                            f"{sorted(leader.items())} (files of different runs mixed?)", True)
+                    return (
+                        f"{self.directory}: step {step}: rank {group * R + offset} recorded router calls "
+                        f"{sorted(sizes.items())} per (block, mtp_idx, layer), rank {group * R} "
+                        f"{sorted(leader.items())} (files of different runs mixed?)",
+                        True,
+                    )
             for key, calls in leader.items():
                 if M is not None and calls != M and not (self.layout.recompute and calls == 2 * M):
                     expected = f"{M} microbatches per step" + (
-                        f" (or {2 * M} calls with its recompute)" if self.layout.recompute else "")
-                    return (f"{self.directory}: step {step}, {key[0]} layer {key[2]}: {calls} router calls on "
-                            f"rank {group * R}, the run has {expected} (eval forwards recorded? trace with "
-                            "--eval-iters 0" + ("" if self.layout.recompute else
-                                                 "; a recompute of the MoE layers needs --run-args") + ")",
-                            False)
+                        f" (or {2 * M} calls with its recompute)" if self.layout.recompute else ""
+                    )
+                    return (
+                        f"{self.directory}: step {step}, {key[0]} layer {key[2]}: {calls} router calls on "
+                        f"rank {group * R}, the run has {expected} (eval forwards recorded? trace with "
+                        "--eval-iters 0"
+                        + (
+                            ""
+                            if self.layout.recompute
+                            else "; a recompute of the MoE layers needs --run-args"
+                        )
+                        + ")",
+                        False,
+                    )
         return None, False
 
     def _forwards(self, step: int, group: int, members: list[_Step]) -> dict:
@@ -300,7 +354,8 @@ class RouterTraceRecords:
                             f"{self.directory}: step {step}, {key[0]} layer {key[2]}, rank {group * self.num_ranks + offset}: "
                             f"the backward's router call of microbatch {k} routes differently from its forward, "
                             "so it is no activation recompute of it (another schedule than 1F1B, or "
-                            "files of different runs?)")
+                            "files of different runs?)"
+                        )
                 kept.append(firsts)
             out[key] = kept
         return out
@@ -308,7 +363,7 @@ class RouterTraceRecords:
     def _step_records(self, step: int, heads: list[_Step]) -> Iterator[Record]:
         R = self.num_ranks
         for group in range(self.num_groups):
-            members = heads[group * R:(group + 1) * R]
+            members = heads[group * R : (group + 1) * R]
             forwards = self._forwards(step, group, members)
             layer_of = {key: self._layer_number(group, key) for key in forwards}
             seen: dict[tuple, int] = {}
@@ -345,7 +400,11 @@ class RouterTraceRecords:
                             mtp = re.search(rb'"mtp_idx": (\d+)', line[:600])
                             if head is None:
                                 continue
-                            key = (head.group(1).decode(), int(mtp.group(1)) if mtp else None, int(head.group(2)))
+                            key = (
+                                head.group(1).decode(),
+                                int(mtp.group(1)) if mtp else None,
+                                int(head.group(2)),
+                            )
                             if self._layer_number(group, key) not in wanted:
                                 continue
                         n += 1
@@ -357,9 +416,15 @@ class RouterTraceRecords:
     def describe(self) -> list[str]:
         """What the directory holds, for a report header."""
         sizes = sum(p.stat().st_size for p in self.files)
-        return [f"Megatron routing trace {self.directory}: {len(self.files)} rank files ({sizes / 2**20:.1f} MiB), "
-                f"{self.num_groups} EP group(s) of {self.num_ranks} ranks, E={self.num_experts}"
-                + (f", {self.layout.num_microbatches} microbatches per step" if self.layout.num_microbatches else "")]
+        return [
+            f"Megatron routing trace {self.directory}: {len(self.files)} rank files ({sizes / 2**20:.1f} MiB), "
+            f"{self.num_groups} EP group(s) of {self.num_ranks} ranks, E={self.num_experts}"
+            + (
+                f", {self.layout.num_microbatches} microbatches per step"
+                if self.layout.num_microbatches
+                else ""
+            )
+        ]
 
 
 def forward_positions(num_microbatches: int, pp_size: int, stage: int) -> list[int]:
@@ -383,15 +448,24 @@ def router_trace_info(records: RouterTraceRecords) -> dict:
     for _, iteration, _, layer, _ in records:
         layers[layer] = layers.get(layer, 0) + 1
         iterations.add(iteration)
-    return {"path": str(records.directory), "format": "megatron router trace",
-            "rank_files": len(records.files), "ep_groups": records.num_groups,
-            "num_ranks": records.num_ranks, "num_experts": records.num_experts,
-            "loads": sum(layers.values()), "iterations": len(iterations),
-            "layers": dict(sorted(layers.items())), "status": records.status, "meta": records.meta}
+    return {
+        "path": str(records.directory),
+        "format": "megatron router trace",
+        "rank_files": len(records.files),
+        "ep_groups": records.num_groups,
+        "num_ranks": records.num_ranks,
+        "num_experts": records.num_experts,
+        "loads": sum(layers.values()),
+        "iterations": len(iterations),
+        "layers": dict(sorted(layers.items())),
+        "status": records.status,
+        "meta": records.meta,
+    }
 
 
-def convert_router_trace(records: RouterTraceRecords, output_dir: str | os.PathLike, *,
-                         progress=None) -> list[Path]:
+def convert_router_trace(
+    records: RouterTraceRecords, output_dir: str | os.PathLike, *, progress=None
+) -> list[Path]:
     """Write a Megatron routing trace in the project's format: one file per EP group,
     ``<output_dir>/ep_group_<first global rank>.uetrace``, committed step by step.
     ``progress(done)`` after every record. Returns the files written."""
@@ -404,9 +478,17 @@ def convert_router_trace(records: RouterTraceRecords, output_dir: str | os.PathL
             if writer is None:
                 first = group * records.num_ranks
                 writer = writers[group] = TraceWriter(
-                    trace_path(output_dir, first), num_ranks=records.num_ranks, num_experts=records.num_experts,
-                    meta={**records.meta, "first_global_rank": first, "converted_from": str(records.directory)},
-                    mode="overwrite", fsync=False)
+                    trace_path(output_dir, first),
+                    num_ranks=records.num_ranks,
+                    num_experts=records.num_experts,
+                    meta={
+                        **records.meta,
+                        "first_global_rank": first,
+                        "converted_from": str(records.directory),
+                    },
+                    mode="overwrite",
+                    fsync=False,
+                )
             if group in current and current[group] != iteration:
                 writer.flush_iteration(current[group])
             current[group] = iteration

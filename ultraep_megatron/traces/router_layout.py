@@ -40,7 +40,11 @@ def read_run_args(path: str | os.PathLike) -> dict[str, Any]:
     """
     path = Path(path)
     text = path.read_text(errors="replace")
-    found = {m.group(1): _value(m.group(2).strip()) for line in text.splitlines() if (m := _ARG_LINE.match(line))}
+    found = {
+        m.group(1): _value(m.group(2).strip())
+        for line in text.splitlines()
+        if (m := _ARG_LINE.match(line))
+    }
     if "expert_model_parallel_size" in found or "num_experts" in found:
         return found
     try:
@@ -53,8 +57,10 @@ def read_run_args(path: str | os.PathLike) -> dict[str, Any]:
         except yaml.YAMLError:
             data = None
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: neither a Megatron log with its argument dump nor a JSON/YAML mapping "
-                         "of arguments")
+        raise ValueError(
+            f"{path}: neither a Megatron log with its argument dump nor a JSON/YAML mapping "
+            "of arguments"
+        )
     return {k: (v["value"] if isinstance(v, dict) and "value" in v else v) for k, v in data.items()}
 
 
@@ -101,22 +107,38 @@ class RouterTraceLayout:
         if self.pp_size == 1 and self.first_stage_layers is None and self.last_stage_layers is None:
             return None
         if self.num_layers is None:
-            raise ValueError(f"with --pipeline-model-parallel-size {self.pp_size} the layer numbers need "
-                             "--num-layers (or --run-args with the run's log or config)")
+            raise ValueError(
+                f"with --pipeline-model-parallel-size {self.pp_size} the layer numbers need "
+                "--num-layers (or --run-args with the run's log or config)"
+            )
         try:
-            return pipeline_stages(self.num_layers, self.pp_size, first=self.first_stage_layers,
-                                   last=self.last_stage_layers, account_for_embedding=self.account_for_embedding,
-                                   account_for_loss=self.account_for_loss)
+            return pipeline_stages(
+                self.num_layers,
+                self.pp_size,
+                first=self.first_stage_layers,
+                last=self.last_stage_layers,
+                account_for_embedding=self.account_for_embedding,
+                account_for_loss=self.account_for_loss,
+            )
         except PipelineSplitError as error:
-            raise ValueError(f"{error}, so the run must have split them otherwise: give its "
-                             "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers "
-                             "(or --run-args with its log or config)") from None
+            raise ValueError(
+                f"{error}, so the run must have split them otherwise: give its "
+                "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers "
+                "(or --run-args with its log or config)"
+            ) from None
 
     @classmethod
-    def resolve(cls, *, ep_size: Optional[int] = None, num_experts: Optional[int] = None,
-                num_layers: Optional[int] = None, pp_size: Optional[int] = None,
-                first_stage_layers: Optional[int] = None, last_stage_layers: Optional[int] = None,
-                run_args: Optional[dict] = None) -> "RouterTraceLayout":
+    def resolve(
+        cls,
+        *,
+        ep_size: Optional[int] = None,
+        num_experts: Optional[int] = None,
+        num_layers: Optional[int] = None,
+        pp_size: Optional[int] = None,
+        first_stage_layers: Optional[int] = None,
+        last_stage_layers: Optional[int] = None,
+        run_args: Optional[dict] = None,
+    ) -> "RouterTraceLayout":
         """The layout from explicit values (flags) and the run's arguments, which must agree.
 
         Raises:
@@ -127,45 +149,78 @@ class RouterTraceLayout:
         def pick(flag: str, key: str, given, required: bool):
             known = args.get(key)
             if given is not None and known is not None and int(given) != int(known):
-                raise ValueError(f"{flag} {given} contradicts the run's arguments ({key} = {known})")
+                raise ValueError(
+                    f"{flag} {given} contradicts the run's arguments ({key} = {known})"
+                )
             value = given if given is not None else known
             if value is None and required:
-                raise ValueError(f"Megatron's routing trace does not say {key}: give {flag} "
-                                 "(or --run-args with the run's log or config)")
+                raise ValueError(
+                    f"Megatron's routing trace does not say {key}: give {flag} "
+                    "(or --run-args with the run's log or config)"
+                )
             return None if value is None else int(value)
 
         ep = pick("--expert-model-parallel-size", "expert_model_parallel_size", ep_size, True)
         experts = pick("--num-experts", "num_experts", num_experts, True)
         layers = pick("--num-layers", "num_layers", num_layers, False)
-        pp = pick("--pipeline-model-parallel-size", "pipeline_model_parallel_size", pp_size, False) or 1
-        first = pick("--decoder-first-pipeline-num-layers", "decoder_first_pipeline_num_layers",
-                     first_stage_layers, False)
-        last = pick("--decoder-last-pipeline-num-layers", "decoder_last_pipeline_num_layers",
-                    last_stage_layers, False)
+        pp = (
+            pick("--pipeline-model-parallel-size", "pipeline_model_parallel_size", pp_size, False)
+            or 1
+        )
+        first = pick(
+            "--decoder-first-pipeline-num-layers",
+            "decoder_first_pipeline_num_layers",
+            first_stage_layers,
+            False,
+        )
+        last = pick(
+            "--decoder-last-pipeline-num-layers",
+            "decoder_last_pipeline_num_layers",
+            last_stage_layers,
+            False,
+        )
         if args.get("pipeline_model_parallel_layout") not in (None, "None"):
-            raise ValueError("the run sets --pipeline-model-parallel-layout: layer numbers from a layout "
-                             "string are not read here")
+            raise ValueError(
+                "the run sets --pipeline-model-parallel-layout: layer numbers from a layout "
+                "string are not read here"
+            )
         if args.get("use_tp_pp_dp_mapping"):
-            raise ValueError("the run uses --use-tp-pp-dp-mapping: its pipeline stages are not blocks of "
-                             "consecutive ranks, as read here")
+            raise ValueError(
+                "the run uses --use-tp-pp-dp-mapping: its pipeline stages are not blocks of "
+                "consecutive ranks, as read here"
+            )
         if ep < 1 or experts < 1 or experts % ep:
-            raise ValueError(f"--num-experts {experts} must be a positive multiple of "
-                             f"--expert-model-parallel-size {ep}")
+            raise ValueError(
+                f"--num-experts {experts} must be a positive multiple of "
+                f"--expert-model-parallel-size {ep}"
+            )
         if (args.get("expert_tensor_parallel_size") or 1) != 1:
-            raise ValueError("the run has --expert-tensor-parallel-size "
-                             f"{args['expert_tensor_parallel_size']}: its EP groups are not consecutive "
-                             "ranks (and UltraEP balances expert-TP 1 only)")
+            raise ValueError(
+                "the run has --expert-tensor-parallel-size "
+                f"{args['expert_tensor_parallel_size']}: its EP groups are not consecutive "
+                "ranks (and UltraEP balances expert-TP 1 only)"
+            )
         if (args.get("virtual_pipeline_model_parallel_size") or 1) != 1:
-            raise ValueError("the run uses a virtual pipeline: Megatron's trace names layers by their "
-                             "index in a model chunk, so chunks of one stage cannot be told apart")
+            raise ValueError(
+                "the run uses a virtual pipeline: Megatron's trace names layers by their "
+                "index in a model chunk, so chunks of one stage cannot be told apart"
+            )
         microbatches = None
-        gbs, mbs, dp = (args.get(k) for k in ("global_batch_size", "micro_batch_size", "data_parallel_size"))
+        gbs, mbs, dp = (
+            args.get(k) for k in ("global_batch_size", "micro_batch_size", "data_parallel_size")
+        )
         if gbs and mbs and dp and not args.get("rampup_batch_size"):
             microbatches = int(gbs) // (int(mbs) * int(dp))
         meta = {"source": "megatron --moe-routing-trace-path"}
-        for key, arg in (("hidden_size", "hidden_size"), ("moe_ffn_hidden_size", "moe_ffn_hidden_size"),
-                         ("swiglu", "swiglu"), ("topk", "moe_router_topk"), ("num_layers", "num_layers"),
-                         ("hardware", "moe_balancer_hardware"), ("domain_size", "moe_balancer_domain_size")):
+        for key, arg in (
+            ("hidden_size", "hidden_size"),
+            ("moe_ffn_hidden_size", "moe_ffn_hidden_size"),
+            ("swiglu", "swiglu"),
+            ("topk", "moe_router_topk"),
+            ("num_layers", "num_layers"),
+            ("hardware", "moe_balancer_hardware"),
+            ("domain_size", "moe_balancer_domain_size"),
+        ):
             if args.get(arg) is not None:
                 meta[key] = args[arg]
         if layers is not None:
@@ -173,16 +228,28 @@ class RouterTraceLayout:
         world = args.get("world_size")
         modules = args.get("recompute_modules") or []
         recompute = args.get("recompute_granularity") == "full" or (
-            args.get("recompute_granularity") == "selective" and "moe" in modules)
-        layout = cls(ep, experts, layers, pp, microbatches, None if world is None else int(world), meta,
-                     first_stage_layers=first, last_stage_layers=last,
-                     account_for_embedding=bool(args.get("account_for_embedding_in_pipeline_split")),
-                     account_for_loss=bool(args.get("account_for_loss_in_pipeline_split")),
-                     recompute=recompute)
+            args.get("recompute_granularity") == "selective" and "moe" in modules
+        )
+        layout = cls(
+            ep,
+            experts,
+            layers,
+            pp,
+            microbatches,
+            None if world is None else int(world),
+            meta,
+            first_stage_layers=first,
+            last_stage_layers=last,
+            account_for_embedding=bool(args.get("account_for_embedding_in_pipeline_split")),
+            account_for_loss=bool(args.get("account_for_loss_in_pipeline_split")),
+            recompute=recompute,
+        )
         layout.stages()  # a split that cannot be is refused here, naming the flags
         if recompute and microbatches is None:
-            raise ValueError("the run recomputes its MoE layers in the backward (--recompute-granularity "
-                             f"{args.get('recompute_granularity')}), so each router runs twice per "
-                             "microbatch: give --run-args with the run's log, whose global batch, micro "
-                             "batch and data-parallel size say which calls are forwards")
+            raise ValueError(
+                "the run recomputes its MoE layers in the backward (--recompute-granularity "
+                f"{args.get('recompute_granularity')}), so each router runs twice per "
+                "microbatch: give --run-args with the run's log, whose global batch, micro "
+                "batch and data-parallel size say which calls are forwards"
+            )
         return layout

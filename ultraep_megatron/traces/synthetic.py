@@ -27,8 +27,16 @@ from .writer import TraceWriter
 __all__ = ["synthetic_loads", "write_synthetic_trace", "zipf_load", "zipf_topk_load"]
 
 
-def zipf_load(num_ranks: int, num_experts: int, imbalance: float, *, tokens_per_rank: int = 4096,
-              topk: int = 8, seed: int = 0, source_noise: float = 0.3) -> torch.Tensor:
+def zipf_load(
+    num_ranks: int,
+    num_experts: int,
+    imbalance: float,
+    *,
+    tokens_per_rank: int = 4096,
+    topk: int = 8,
+    seed: int = 0,
+    source_noise: float = 0.3,
+) -> torch.Tensor:
     """int64 [R, E] load whose expected max/mean rank load is about ``imbalance``.
 
     Expert popularity follows a Zipf law ``p ~ 1 / rank^alpha`` over a random permutation of the
@@ -73,8 +81,15 @@ def zipf_load(num_ranks: int, num_experts: int, imbalance: float, *, tokens_per_
     return torch.from_numpy(np.minimum(load, tokens_per_rank).astype(np.int64))
 
 
-def zipf_topk_load(num_ranks: int, num_experts: int, *, tokens_per_rank: int = 4096, top_k: int = 8,
-                   exponent: float = 1.0, seed: int = 0) -> torch.Tensor:
+def zipf_topk_load(
+    num_ranks: int,
+    num_experts: int,
+    *,
+    tokens_per_rank: int = 4096,
+    top_k: int = 8,
+    exponent: float = 1.0,
+    seed: int = 0,
+) -> torch.Tensor:
     """Per-rank token counts routed to each expert, int64 ``[R, E]``.
 
     Expert popularity follows Zipf(``exponent``) over a random expert order; each token picks ``top_k``
@@ -83,7 +98,9 @@ def zipf_topk_load(num_ranks: int, num_experts: int, *, tokens_per_rank: int = 4
     gen = torch.Generator().manual_seed(seed)
     order = torch.randperm(num_experts, generator=gen)
     popularity = torch.empty(num_experts)
-    popularity[order] = 1.0 / torch.arange(1, num_experts + 1, dtype=torch.float64).pow(exponent).float()
+    popularity[order] = (
+        1.0 / torch.arange(1, num_experts + 1, dtype=torch.float64).pow(exponent).float()
+    )
     loads = torch.zeros(num_ranks, num_experts, dtype=torch.int64)
     for r in range(num_ranks):
         p = popularity * torch.empty(num_experts).uniform_(0.8, 1.2, generator=gen)
@@ -94,10 +111,20 @@ def zipf_topk_load(num_ranks: int, num_experts: int, *, tokens_per_rank: int = 4
     return loads
 
 
-def synthetic_loads(*, num_iterations: int, num_microbatches: int, num_layers: int, num_ranks: int,
-                    num_experts: int, tokens_per_rank: int, topk: int, skew: float = 1.0,
-                    drift: float = 0.3, rank_spread: float = 0.3, seed: int = 0
-                    ) -> Iterator[tuple[int, int, int, torch.Tensor]]:
+def synthetic_loads(
+    *,
+    num_iterations: int,
+    num_microbatches: int,
+    num_layers: int,
+    num_ranks: int,
+    num_experts: int,
+    tokens_per_rank: int,
+    topk: int,
+    skew: float = 1.0,
+    drift: float = 0.3,
+    rank_spread: float = 0.3,
+    seed: int = 0,
+) -> Iterator[tuple[int, int, int, torch.Tensor]]:
     """Drifting-Zipf routing loads: yields ``(iteration, microbatch, layer, load int64 [R, E])`` in
     training order (iterations and layers 1-based, microbatches 0-based).
 
@@ -111,24 +138,51 @@ def synthetic_loads(*, num_iterations: int, num_microbatches: int, num_layers: i
     The arguments are checked on the call, before the first load (a ValueError), so that
     :func:`write_synthetic_trace` opens no file for bad ones.
     """
-    for name, v in (("num_iterations", num_iterations), ("num_microbatches", num_microbatches),
-                    ("num_layers", num_layers), ("num_ranks", num_ranks), ("num_experts", num_experts),
-                    ("tokens_per_rank", tokens_per_rank), ("topk", topk)):
+    for name, v in (
+        ("num_iterations", num_iterations),
+        ("num_microbatches", num_microbatches),
+        ("num_layers", num_layers),
+        ("num_ranks", num_ranks),
+        ("num_experts", num_experts),
+        ("tokens_per_rank", tokens_per_rank),
+        ("topk", topk),
+    ):
         check_int(name, v, 1, 1 << 40)
     if num_experts % num_ranks:
-        raise ValueError(f"num_experts ({num_experts}) must be a multiple of num_ranks ({num_ranks})")
+        raise ValueError(
+            f"num_experts ({num_experts}) must be a multiple of num_ranks ({num_ranks})"
+        )
     if topk > num_experts:
         raise ValueError(f"topk ({topk}) must be <= num_experts ({num_experts})")
     for name, v in (("skew", skew), ("drift", drift), ("rank_spread", rank_spread)):
         if not 0 <= v < float("inf"):
             raise ValueError(f"{name} must be a number >= 0, got {v}")
-    return _drifting_loads(num_iterations, num_microbatches, num_layers, num_ranks, num_experts,
-                           tokens_per_rank * topk, skew, drift, rank_spread, seed)
+    return _drifting_loads(
+        num_iterations,
+        num_microbatches,
+        num_layers,
+        num_ranks,
+        num_experts,
+        tokens_per_rank * topk,
+        skew,
+        drift,
+        rank_spread,
+        seed,
+    )
 
 
-def _drifting_loads(num_iterations: int, num_microbatches: int, num_layers: int, num_ranks: int, num_experts: int,
-                    pairs: int, skew: float, drift: float, rank_spread: float, seed: int
-                    ) -> Iterator[tuple[int, int, int, torch.Tensor]]:
+def _drifting_loads(
+    num_iterations: int,
+    num_microbatches: int,
+    num_layers: int,
+    num_ranks: int,
+    num_experts: int,
+    pairs: int,
+    skew: float,
+    drift: float,
+    rank_spread: float,
+    seed: int,
+) -> Iterator[tuple[int, int, int, torch.Tensor]]:
     """The generator of :func:`synthetic_loads` (checked arguments; ``pairs`` per source rank)."""
     rng = np.random.default_rng(seed)
     R, E = num_ranks, num_experts
@@ -147,12 +201,24 @@ def _drifting_loads(num_iterations: int, num_microbatches: int, num_layers: int,
                 yield it, mb, li + 1, torch.from_numpy(load.astype(np.int64))
 
 
-def write_synthetic_trace(path: str | os.PathLike, *, meta: Optional[dict] = None, **kwargs) -> Path:
+def write_synthetic_trace(
+    path: str | os.PathLike, *, meta: Optional[dict] = None, **kwargs
+) -> Path:
     """Write :func:`synthetic_loads` (``kwargs``) to ``path`` as a trace; returns the path."""
-    meta = {"source": "synthetic drifting Zipf", **{k: v for k, v in kwargs.items()}, **(meta or {})}
+    meta = {
+        "source": "synthetic drifting Zipf",
+        **{k: v for k, v in kwargs.items()},
+        **(meta or {}),
+    }
     loads = synthetic_loads(**kwargs)  # checks the arguments before the file is opened
-    with TraceWriter(path, num_ranks=kwargs["num_ranks"], num_experts=kwargs["num_experts"],
-                     meta=meta, fsync=False, mode="overwrite") as writer:
+    with TraceWriter(
+        path,
+        num_ranks=kwargs["num_ranks"],
+        num_experts=kwargs["num_experts"],
+        meta=meta,
+        fsync=False,
+        mode="overwrite",
+    ) as writer:
         current = None
         for it, mb, layer, load in loads:
             if current is not None and it != current:

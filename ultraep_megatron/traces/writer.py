@@ -56,9 +56,17 @@ class TraceWriter:
     iterations are read back by default); ``close`` commits what is pending and marks a clean end.
     """
 
-    def __init__(self, path: str | os.PathLike, *, num_ranks: int, num_experts: int,
-                 meta: Optional[dict] = None, compress: bool = True, fsync: bool = True,
-                 mode: Literal["append", "overwrite"] = "append"):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        num_ranks: int,
+        num_experts: int,
+        meta: Optional[dict] = None,
+        compress: bool = True,
+        fsync: bool = True,
+        mode: Literal["append", "overwrite"] = "append",
+    ):
         R = check_int("num_ranks", num_ranks, 1, 1 << 20)
         E = check_int("num_experts", num_experts, 1, 1 << 24)
         if E % R:
@@ -81,7 +89,8 @@ class TraceWriter:
             if (reader.header.num_ranks, reader.header.num_experts) != (R, E):
                 raise ValueError(
                     f"{self.path} holds a trace of R={reader.header.num_ranks}, E={reader.header.num_experts}; "
-                    f"cannot append R={R}, E={E} (use mode='overwrite' or another directory)")
+                    f"cannot append R={R}, E={E} (use mode='overwrite' or another directory)"
+                )
             end = reader.committed_end()
             self._file = open(self.path, "r+b")
             self._file.truncate(end)  # drop a torn or uncommitted tail, and a clean-close mark
@@ -98,7 +107,9 @@ class TraceWriter:
             }
             line = json.dumps(header, sort_keys=True).encode() + b"\n"
             if len(line) > MAX_HEADER_BYTES:
-                raise ValueError(f"meta is too large: header of {len(line)} bytes > {MAX_HEADER_BYTES}")
+                raise ValueError(
+                    f"meta is too large: header of {len(line)} bytes > {MAX_HEADER_BYTES}"
+                )
             self._file = open(self.path, "wb")
             self._file.write(MAGIC + line)
             self._sync()
@@ -115,7 +126,9 @@ class TraceWriter:
         if load.dtype.is_floating_point or load.dtype.is_complex or load.dtype == torch.bool:
             raise ValueError(f"load must be an integer tensor, got {load.dtype}")
         if tuple(load.shape) != (self.num_ranks, self.num_experts):
-            raise ValueError(f"load must be [R, E] = [{self.num_ranks}, {self.num_experts}], got {tuple(load.shape)}")
+            raise ValueError(
+                f"load must be [R, E] = [{self.num_ranks}, {self.num_experts}], got {tuple(load.shape)}"
+            )
         array = load.detach().to("cpu", torch.int64).numpy()
         top = int(array.max()) if array.size else 0
         if array.size and int(array.min()) < 0:
@@ -139,9 +152,13 @@ class TraceWriter:
         iteration = check_int("iteration", iteration, -(1 << 62), 1 << 62)
         others = sorted(set(self._pending) - {iteration})
         if others:
-            raise ValueError(f"flush_iteration({iteration}) but records of iteration(s) {others} are pending; "
-                             "call flush_iteration once per iteration")
-        self._file.write(pack_record(TAG_ITER, iteration, len(self._pending), -1, 0, CODEC_RAW, b""))
+            raise ValueError(
+                f"flush_iteration({iteration}) but records of iteration(s) {others} are pending; "
+                "call flush_iteration once per iteration"
+            )
+        self._file.write(
+            pack_record(TAG_ITER, iteration, len(self._pending), -1, 0, CODEC_RAW, b"")
+        )
         self._pending.clear()
         self._sync()
 

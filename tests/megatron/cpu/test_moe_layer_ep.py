@@ -22,9 +22,12 @@ REF_RTOL, REF_ATOL = 1e-5, 1e-5
 @pytest.fixture(scope="module")
 def rank_results(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("moe_layer_ep")
-    launch_gloo_ranks(WORKERS / "moe_layer_ep.py", WORLD,
-                      ["--out-dir", out_dir, "--ep-sizes", "1,2,4", "--permute-experts"],
-                      timeout_s=300)
+    launch_gloo_ranks(
+        WORKERS / "moe_layer_ep.py",
+        WORLD,
+        ["--out-dir", out_dir, "--ep-sizes", "1,2,4", "--permute-experts"],
+        timeout_s=300,
+    )
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
@@ -37,15 +40,15 @@ def reference_moe(x, weights):
         output [S, B, H].
     """
     tokens = x.reshape(-1, x.shape[-1])
-    logits = tokens @ weights["router"].T                      # [T, E]
-    top_logits, top_experts = logits.topk(TOPK, dim=-1)        # [T, K]
-    gates = top_logits.softmax(dim=-1)                         # [T, K]
+    logits = tokens @ weights["router"].T  # [T, E]
+    top_logits, top_experts = logits.topk(TOPK, dim=-1)  # [T, K]
+    gates = top_logits.softmax(dim=-1)  # [T, K]
     out = torch.zeros_like(tokens)
     for k in range(TOPK):
-        fc1 = weights["fc1"][top_experts[:, k]]                # [T, F, H]
-        fc2 = weights["fc2"][top_experts[:, k]]                # [T, H, F]
+        fc1 = weights["fc1"][top_experts[:, k]]  # [T, F, H]
+        fc2 = weights["fc2"][top_experts[:, k]]  # [T, H, F]
         hidden = F.gelu(torch.einsum("tfh,th->tf", fc1, tokens))
-        out = out + gates[:, k:k + 1] * torch.einsum("thf,tf->th", fc2, hidden)
+        out = out + gates[:, k : k + 1] * torch.einsum("thf,tf->th", fc2, hidden)
     return out.reshape(x.shape)
 
 
@@ -70,8 +73,9 @@ def test_ep1_matches_independent_reference(rank_results):
         run = result["runs"]["ep1"]
         torch.testing.assert_close(run["out"], out, rtol=REF_RTOL, atol=REF_ATOL)
         torch.testing.assert_close(run["dx"], dx, rtol=REF_RTOL, atol=REF_ATOL)
-        torch.testing.assert_close(run["router_grad"], grads["router"],
-                                   rtol=REF_RTOL, atol=REF_ATOL)
+        torch.testing.assert_close(
+            run["router_grad"], grads["router"], rtol=REF_RTOL, atol=REF_ATOL
+        )
         for expert, (fc1_grad, fc2_grad) in run["expert_grads"].items():
             torch.testing.assert_close(fc1_grad, grads["fc1"][expert], rtol=REF_RTOL, atol=REF_ATOL)
             torch.testing.assert_close(fc2_grad, grads["fc2"][expert], rtol=REF_RTOL, atol=REF_ATOL)
@@ -86,8 +90,9 @@ def test_ep_outputs_and_input_grads_equal_ep1(rank_results, ep_size):
         assert len(epn["loaded_experts"]) == 8 // ep_size
         torch.testing.assert_close(epn["out"], ep1["out"], rtol=EP_RTOL, atol=EP_ATOL)
         torch.testing.assert_close(epn["dx"], ep1["dx"], rtol=EP_RTOL, atol=EP_ATOL)
-        torch.testing.assert_close(epn["router_grad"], ep1["router_grad"],
-                                   rtol=EP_RTOL, atol=EP_ATOL)
+        torch.testing.assert_close(
+            epn["router_grad"], ep1["router_grad"], rtol=EP_RTOL, atol=EP_ATOL
+        )
 
 
 @pytest.mark.slow
@@ -99,10 +104,12 @@ def test_ep_expert_grads_sum_ep1_grads_over_the_ep_group(rank_results, ep_size):
         run = result["runs"][f"ep{ep_size}"]
         assert len(run["ep_group"]) == ep_size
         for expert, (fc1_grad, fc2_grad) in run["expert_grads"].items():
-            expected_fc1 = sum(rank_results[r]["runs"]["ep1"]["expert_grads"][expert][0]
-                               for r in run["ep_group"])
-            expected_fc2 = sum(rank_results[r]["runs"]["ep1"]["expert_grads"][expert][1]
-                               for r in run["ep_group"])
+            expected_fc1 = sum(
+                rank_results[r]["runs"]["ep1"]["expert_grads"][expert][0] for r in run["ep_group"]
+            )
+            expected_fc2 = sum(
+                rank_results[r]["runs"]["ep1"]["expert_grads"][expert][1] for r in run["ep_group"]
+            )
             # A sum over ranks vs one matmul over all tokens: rounding differs, so the bound
             # is relative to the gradient's scale.
             assert max_rel_err(fc1_grad, expected_fc1) <= EP_RTOL

@@ -22,12 +22,16 @@ from ultraep_megatron.megatron import recipe_check as rc
 RECIPES = Path(__file__).resolve().parents[3] / "recipes"
 GB200 = RECIPES / "qwen3_235b_a22b_ep64_dp4.sh"
 #: pretrain_gpt.py's refusal, as it was before the checker learnt to tell the two apart.
-REFUSAL = ("--moe-balancer ultraep: --moe-token-dispatcher-type flex with --moe-flex-dispatcher-backend "
-           "hybridep needs HybridEP (deep_ep's hybrid_ep), which is not installed (it needs CUDA); use "
-           "--moe-token-dispatcher-type alltoall")
-NOTE = ("HybridEP (deep_ep's hybrid_ep) must be installed on the GPU nodes: not importable here "
-        "(--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend hybridep; pretrain_gpt.py "
-        "refuses to start without it)")
+REFUSAL = (
+    "--moe-balancer ultraep: --moe-token-dispatcher-type flex with --moe-flex-dispatcher-backend "
+    "hybridep needs HybridEP (deep_ep's hybrid_ep), which is not installed (it needs CUDA); use "
+    "--moe-token-dispatcher-type alltoall"
+)
+NOTE = (
+    "HybridEP (deep_ep's hybrid_ep) must be installed on the GPU nodes: not importable here "
+    "(--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend hybridep; pretrain_gpt.py "
+    "refuses to start without it)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -38,14 +42,21 @@ def launch():
 def hybridep_installed(monkeypatch, installed: bool) -> None:
     from megatron.core.transformer.moe import token_dispatcher
 
-    monkeypatch.setattr(token_dispatcher, "hybrid_ep_dispatch", object() if installed else None, raising=False)
+    monkeypatch.setattr(
+        token_dispatcher, "hybrid_ep_dispatch", object() if installed else None, raising=False
+    )
 
 
 @pytest.mark.parametrize("installed", [False, True], ids=["not_installed", "installed_control"])
-def test_check_recipe_notes_a_missing_hybridep_and_startup_still_refuses(launch, monkeypatch, installed):
+def test_check_recipe_notes_a_missing_hybridep_and_startup_still_refuses(
+    launch, monkeypatch, installed
+):
     hybridep_installed(monkeypatch, installed)
     report = rc.check_launch(launch)
-    assert (report.args.moe_token_dispatcher_type, report.args.moe_flex_dispatcher_backend) == ("flex", "hybridep")
+    assert (report.args.moe_token_dispatcher_type, report.args.moe_flex_dispatcher_backend) == (
+        "flex",
+        "hybridep",
+    )
     assert report.problems() == []
     assert report.notes == ([] if installed else [NOTE])
     assert ("  NOTE: " + NOTE in rc.format_report(report).splitlines()) != installed
@@ -57,10 +68,20 @@ def test_a_backend_the_balancer_does_not_know_is_still_refused_by_the_checker(la
     """A configuration problem: one PROBLEM line, whatever this machine has installed."""
     hybridep_installed(monkeypatch, False)
     with pytest.raises(rc.RecipeError) as raised:
-        rc.check_launch(rc.Launch(4, 64, "pretrain_gpt.py", [*launch.args, "--moe-flex-dispatcher-backend", "ncclep"]))
-    refusal = ("--moe-balancer ultraep: --moe-flex-dispatcher-backend ncclep is not supported with a balancer; "
-               "use deepep or hybridep")
-    if compat.is_018():  # megatron-core 0.18 has no ncclep backend: its own parser refuses the value
-        refusal = ("Megatron's parser refused the arguments: argument --moe-flex-dispatcher-backend: invalid "
-                   "choice: 'ncclep' (choose from 'deepep', 'hybridep')")
+        rc.check_launch(
+            rc.Launch(
+                4, 64, "pretrain_gpt.py", [*launch.args, "--moe-flex-dispatcher-backend", "ncclep"]
+            )
+        )
+    refusal = (
+        "--moe-balancer ultraep: --moe-flex-dispatcher-backend ncclep is not supported with a balancer; "
+        "use deepep or hybridep"
+    )
+    if (
+        compat.is_018()
+    ):  # megatron-core 0.18 has no ncclep backend: its own parser refuses the value
+        refusal = (
+            "Megatron's parser refused the arguments: argument --moe-flex-dispatcher-backend: invalid "
+            "choice: 'ncclep' (choose from 'deepep', 'hybridep')"
+        )
     assert raised.value.problem.splitlines() == [refusal]

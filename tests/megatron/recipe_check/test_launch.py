@@ -41,7 +41,9 @@ def test_recipes_set_their_gpus_per_node_default():
 
 
 def test_bare_launch_gpus_per_node_follows_the_hardware_preset():
-    assert rc.default_gpus_per_node(["--num-layers", "2", "--moe-balancer-hardware", "h100-hgx"]) == 8
+    assert (
+        rc.default_gpus_per_node(["--num-layers", "2", "--moe-balancer-hardware", "h100-hgx"]) == 8
+    )
     assert rc.default_gpus_per_node(["--moe-balancer-hardware=h200-hgx"]) == 8
     assert rc.default_gpus_per_node(["--moe-balancer-hardware", "paper-rack"]) == 4
     # No preset (or an unknown one, which the validation names): not known, the checker assumes.
@@ -56,14 +58,22 @@ def test_bare_launch_gpus_per_node_follows_the_hardware_preset():
 REAL_PROGRAMS = ("torchrun", "python", "python3", "srun", "deepspeed", "mpirun", "sbatch")
 #: Recipes that call a launcher directly, and the launch the checker must report for each.
 DIRECT_LAUNCHES = {
-    "torchrun": ('torchrun --nproc-per-node 4 --nnodes 1 "$REPO/pretrain_gpt.py" "$@"',
-                 "torchrun --nproc-per-node 4 --nnodes 1 pretrain_gpt.py -> 1 node x 4 GPUs"),
-    "python": ('python -m torch.distributed.run --nproc-per-node 4 "$REPO/pretrain_gpt.py" "$@"',
-               "python -m torch.distributed.run --nproc-per-node 4 pretrain_gpt.py -> 1 node x 4 GPUs"),
-    "srun": ('srun --nodes 1 --ntasks-per-node 4 python3 "$REPO/pretrain_gpt.py" "$@"',
-             "srun --nodes 1 --ntasks-per-node 4 python3 pretrain_gpt.py -> 1 node x 4 GPUs"),
-    "deepspeed": ('deepspeed --num_nodes 1 --num_gpus 4 "$REPO/pretrain_gpt.py" "$@"',
-                  "deepspeed --num_nodes 1 --num_gpus 4 pretrain_gpt.py -> 1 node x 4 GPUs"),
+    "torchrun": (
+        'torchrun --nproc-per-node 4 --nnodes 1 "$REPO/pretrain_gpt.py" "$@"',
+        "torchrun --nproc-per-node 4 --nnodes 1 pretrain_gpt.py -> 1 node x 4 GPUs",
+    ),
+    "python": (
+        'python -m torch.distributed.run --nproc-per-node 4 "$REPO/pretrain_gpt.py" "$@"',
+        "python -m torch.distributed.run --nproc-per-node 4 pretrain_gpt.py -> 1 node x 4 GPUs",
+    ),
+    "srun": (
+        'srun --nodes 1 --ntasks-per-node 4 python3 "$REPO/pretrain_gpt.py" "$@"',
+        "srun --nodes 1 --ntasks-per-node 4 python3 pretrain_gpt.py -> 1 node x 4 GPUs",
+    ),
+    "deepspeed": (
+        'deepspeed --num_nodes 1 --num_gpus 4 "$REPO/pretrain_gpt.py" "$@"',
+        "deepspeed --num_nodes 1 --num_gpus 4 pretrain_gpt.py -> 1 node x 4 GPUs",
+    ),
 }
 
 
@@ -94,8 +104,9 @@ def tiny_args():
 
 
 @pytest.mark.parametrize("launcher", list(DIRECT_LAUNCHES))
-def test_a_recipe_calling_a_launcher_directly_starts_nothing(tmp_path, real_programs, tiny_args, launcher,
-                                                             capsys, monkeypatch):
+def test_a_recipe_calling_a_launcher_directly_starts_nothing(
+    tmp_path, real_programs, tiny_args, launcher, capsys, monkeypatch
+):
     """Issue 45: a recipe that calls torchrun, python -m torch.distributed.run, srun or deepspeed
     itself: check-recipe reports the launch it read and checks it, and none of the real programs
     ran (no sentinel). Controls: the same recipe run by bash starts the real program, and so does
@@ -113,7 +124,9 @@ def test_a_recipe_calling_a_launcher_directly_starts_nothing(tmp_path, real_prog
     monkeypatch.setattr(launch_module, "SHIMMED_PROGRAMS", ())
     with pytest.raises(rc.RecipeError, match="launched no training"):
         rc.capture_launch(recipe, extra_args=tiny_args)
-    assert (real_programs / launcher).exists()  # without the shims the checker would have started it
+    assert (
+        real_programs / launcher
+    ).exists()  # without the shims the checker would have started it
 
 
 def test_launchers_named_by_a_path_or_a_variable(tmp_path, real_programs, tiny_args):
@@ -121,20 +134,29 @@ def test_launchers_named_by_a_path_or_a_variable(tmp_path, real_programs, tiny_a
     of its code runs (naming the line), where running it starts the real program. A variable
     holding a launcher's path (PYTHON=/usr/bin/python3) is pointed at the shim instead."""
     real = real_programs.parent / "bin"
-    by_path = write_recipe(tmp_path, "by_path", f'echo prepared\n"{real}/python3" -m torch.distributed.run '
-                                                '--nproc-per-node 4 "$REPO/pretrain_gpt.py"')
+    by_path = write_recipe(
+        tmp_path,
+        "by_path",
+        f'echo prepared\n"{real}/python3" -m torch.distributed.run '
+        '--nproc-per-node 4 "$REPO/pretrain_gpt.py"',
+    )
     with pytest.raises(rc.RecipeError) as error:
         rc.capture_launch(by_path)
-    assert error.value.problem == (f"{by_path}:5 runs {real}/python3 by its path, which the checker's "
-                                   "recording shims (first on PATH) cannot stand in for, so the recipe was "
-                                   "not run; call python3 from PATH (or through $ULTRAEP_PYTHON)")
+    assert error.value.problem == (
+        f"{by_path}:5 runs {real}/python3 by its path, which the checker's "
+        "recording shims (first on PATH) cannot stand in for, so the recipe was "
+        "not run; call python3 from PATH (or through $ULTRAEP_PYTHON)"
+    )
     assert not (real_programs / "python3").exists()
     subprocess.run(["bash", str(by_path)], check=True, capture_output=True)
     assert (real_programs / "python3").exists()  # the control: run, it starts the real program
     (real_programs / "python3").unlink()
 
-    by_variable = write_recipe(tmp_path, "by_variable",
-                               '"$PYTHON" -m torch.distributed.run --nproc-per-node 4 "$REPO/pretrain_gpt.py" "$@"')
+    by_variable = write_recipe(
+        tmp_path,
+        "by_variable",
+        '"$PYTHON" -m torch.distributed.run --nproc-per-node 4 "$REPO/pretrain_gpt.py" "$@"',
+    )
     launch = rc.capture_launch(by_variable, {"PYTHON": str(real / "python")}, extra_args=tiny_args)
     assert (launch.nproc_per_node, launch.nnodes, launch.args) == (4, 1, tiny_args)
     assert list(real_programs.iterdir()) == []
@@ -142,28 +164,41 @@ def test_launchers_named_by_a_path_or_a_variable(tmp_path, real_programs, tiny_a
 
 def test_a_job_submission_is_recorded_not_run(tmp_path, real_programs):
     recipe = write_recipe(tmp_path, "submit", "sbatch --nodes 2 job.sh")
-    with pytest.raises(rc.RecipeError, match=r"runs `sbatch --nodes 2 job.sh`, which submits a batch job: "
-                                             r"recorded, not run"):
+    with pytest.raises(
+        rc.RecipeError,
+        match=r"runs `sbatch --nodes 2 job.sh`, which submits a batch job: "
+        r"recorded, not run",
+    ):
         rc.capture_launch(recipe)
     assert list(real_programs.iterdir()) == []
 
 
-def test_the_user_guide_s_slurm_job_is_read_and_starts_nothing(tmp_path, real_programs, monkeypatch):
+def test_the_user_guide_s_slurm_job_is_read_and_starts_nothing(
+    tmp_path, real_programs, monkeypatch
+):
     """The user guide's SLURM example as a job script (`srun --ntasks-per-node 1 bash RECIPE`, then
     its baseline): each srun's recipe runs under the same shims and both launches are read, a full
     8-GPU HGX node each (16 nodes); nothing starts."""
     guide = (REPO / "docs" / "user_guide.md").read_text()
-    block = guide[guide.index("SLURM example"):].split("```bash\n", 1)[1].split("```", 1)[0]
+    block = guide[guide.index("SLURM example") :].split("```bash\n", 1)[1].split("```", 1)[0]
     job = tmp_path / "job.sh"
     job.write_text("#!/bin/bash\n" + block)
     monkeypatch.chdir(REPO)
     run, baseline = rc.capture_launches(job)
     assert (run.nproc_per_node, run.nnodes) == (8, 32) == (baseline.nproc_per_node, baseline.nnodes)
     assert baseline.args == [*run.args, "--moe-balancer", "none"]
-    assert rc.capture_launch(RECIPES / "qwen3_235b_a22b_ep32_pp8_hgx.sh",
-                             {"DATA_PATH": "/data/corpus_text_document",
-                              "TOKENIZER_MODEL": "/models/Qwen3-235B-A22B", "CHECKPOINT_DIR": "/ckpt/qwen3",
-                              "WANDB_PROJECT": "moe"}).args == run.args
+    assert (
+        rc.capture_launch(
+            RECIPES / "qwen3_235b_a22b_ep32_pp8_hgx.sh",
+            {
+                "DATA_PATH": "/data/corpus_text_document",
+                "TOKENIZER_MODEL": "/models/Qwen3-235B-A22B",
+                "CHECKPOINT_DIR": "/ckpt/qwen3",
+                "WANDB_PROJECT": "moe",
+            },
+        ).args
+        == run.args
+    )
     assert list(real_programs.iterdir()) == []
     with pytest.raises(rc.RecipeError, match="launches 2 different trainings"):
         rc.capture_launch(job)

@@ -12,13 +12,21 @@ import pytest
 from ultraep_megatron.megatron.recipe_check import rank_layout
 
 
-def layout_args(world: int, ep: int, *, pp: int = 1, tp: int = 1, etp: int = 1, domain=None,
-                balancer="ultraep"):
+def layout_args(
+    world: int, ep: int, *, pp: int = 1, tp: int = 1, etp: int = 1, domain=None, balancer="ultraep"
+):
     return types.SimpleNamespace(
-        world_size=world, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        context_parallel_size=1, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
-        data_parallel_size=world // (tp * pp), use_tp_pp_dp_mapping=False,
-        moe_balancer_domain_size=domain, moe_balancer=balancer)
+        world_size=world,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=1,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+        data_parallel_size=world // (tp * pp),
+        use_tp_pp_dp_mapping=False,
+        moe_balancer_domain_size=domain,
+        moe_balancer=balancer,
+    )
 
 
 def domains_fit(layout, node: int) -> bool:
@@ -26,7 +34,7 @@ def domains_fit(layout, node: int) -> bool:
     for group in layout.ep_groups:
         size = layout.balancer_domain or len(group)
         for i in range(0, len(group), size):
-            if len({rank // node for rank in group[i:i + size]}) != 1:
+            if len({rank // node for rank in group[i : i + size]}) != 1:
                 return False
     return True
 
@@ -54,8 +62,10 @@ def test_a_domain_larger_than_the_node_is_refused_naming_the_flag(domain):
     assert not domains_fit(layout, 8)
     problems = layout.problems()
     assert len(problems) == 1
-    assert problems[0].startswith(f"--moe-balancer-domain-size {domain}: balancer domain [0-{domain - 1}] "
-                                  "spans scale-up domains")
+    assert problems[0].startswith(
+        f"--moe-balancer-domain-size {domain}: balancer domain [0-{domain - 1}] "
+        "spans scale-up domains"
+    )
     assert "use --moe-balancer-domain-size 8" in problems[0]
 
 

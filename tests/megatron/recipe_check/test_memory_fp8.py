@@ -24,18 +24,21 @@ RECIPE = Path(__file__).resolve().parents[3] / "recipes" / "deepseek_v2_lite_16b
 # v head 128; layer 1 dense (SwiGLU FFN 10944), 26 MoE layers of 64 experts (FFN 1408) + 2 shared
 # (2816); EP 8, PP 1, TP 1.
 H, HEADS, KV_LORA, QK, ROPE, V = 2048, 16, 512, 128, 64, 128
-ATTENTION_LINEARS = (H * HEADS * (QK + ROPE)          # q projection (no query LoRA)
-                     + H * (KV_LORA + ROPE)           # kv down-projection + RoPE key
-                     + KV_LORA * HEADS * (QK + V)     # kv up-projection
-                     + HEADS * V * H)                 # output projection
+ATTENTION_LINEARS = (
+    H * HEADS * (QK + ROPE)  # q projection (no query LoRA)
+    + H * (KV_LORA + ROPE)  # kv down-projection + RoPE key
+    + KV_LORA * HEADS * (QK + V)  # kv up-projection
+    + HEADS * V * H
+)  # output projection
 
 
 def swiglu(ffn: int) -> int:
     return 3 * H * ffn
 
 
-QUANTIZED_PER_RANK = (27 * ATTENTION_LINEARS + swiglu(10944) + 26 * swiglu(2816)
-                      + 26 * (64 // 8) * swiglu(1408))
+QUANTIZED_PER_RANK = (
+    27 * ATTENTION_LINEARS + swiglu(10944) + 26 * swiglu(2816) + 26 * (64 // 8) * swiglu(1408)
+)
 
 
 def stages(env: dict[str, str]):
@@ -47,16 +50,24 @@ def test_fp8_weights_count_two_copies(monkeypatch, mechanism):
     if mechanism.startswith("control"):  # a count that forgets the backward's copy
         monkeypatch.setattr(memory, "FP8_WEIGHT_BYTES", 1)
     (bf16,), (params,), (cast,) = (stages({"PRECISION": p}) for p in ("bf16", "fp8_cs", "fp8_sc"))
-    holds = (params.model_states == bf16.model_states
-             and params.slot_weight_bytes == bf16.slot_weight_bytes
-             and abs(cast.model_states - bf16.model_states - 2 * QUANTIZED_PER_RANK) <= 1)
-    assert holds == (mechanism == "two_copies"), (params.model_states - bf16.model_states,
-                                                  cast.model_states - bf16.model_states, QUANTIZED_PER_RANK)
+    holds = (
+        params.model_states == bf16.model_states
+        and params.slot_weight_bytes == bf16.slot_weight_bytes
+        and abs(cast.model_states - bf16.model_states - 2 * QUANTIZED_PER_RANK) <= 1
+    )
+    assert holds == (mechanism == "two_copies"), (
+        params.model_states - bf16.model_states,
+        cast.model_states - bf16.model_states,
+        QUANTIZED_PER_RANK,
+    )
     # The slots of cached casts hold bf16 weights; fp32 gradients and the parameter counts as in bf16.
     assert cast.slot_weight_bytes == bf16.slot_weight_bytes
     assert fp8_slot_grads_unchanged(bf16, params, cast)
 
 
 def fp8_slot_grads_unchanged(*runs) -> bool:
-    return all(r.slot_grad_bytes == swiglu(1408) * 4 and (r.dense_params, r.expert_params)
-               == (runs[0].dense_params, runs[0].expert_params) for r in runs)
+    return all(
+        r.slot_grad_bytes == swiglu(1408) * 4
+        and (r.dense_params, r.expert_params) == (runs[0].dense_params, runs[0].expert_params)
+        for r in runs
+    )

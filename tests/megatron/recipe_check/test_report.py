@@ -13,8 +13,11 @@ from ultraep_megatron.megatron import recipe_check as rc
 from ultraep_megatron.megatron.recipe_check import activations, memory
 
 RECIPES = Path(__file__).resolve().parents[3] / "recipes"
-HGX = {"deepseek_v2_lite_16b_a2b_ep8_hgx.sh": (8, 1, 8), "qwen3_235b_a22b_ep32_pp8_hgx.sh": (256, 32, 32)}
-GIB = 1024 ** 3
+HGX = {
+    "deepseek_v2_lite_16b_a2b_ep8_hgx.sh": (8, 1, 8),
+    "qwen3_235b_a22b_ep32_pp8_hgx.sh": (256, 32, 32),
+}
+GIB = 1024**3
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +35,11 @@ def test_hgx_recipes_pass_for_their_full_world_size_on_80_gb(reports, name):
     report = reports[name]
     world, nodes, ep = HGX[name]
     a = report.args
-    assert (report.launch.world_size, report.launch.nnodes, report.launch.nproc_per_node) == (world, nodes, 8)
+    assert (report.launch.world_size, report.launch.nnodes, report.launch.nproc_per_node) == (
+        world,
+        nodes,
+        8,
+    )
     assert a.expert_model_parallel_size == ep and a.moe_balancer_domain_size == 8
     assert a.moe_balancer_hardware == "h100-hgx" and a.moe_grouped_gemm and a.bf16
     assert a.use_distributed_optimizer and a.overlap_grad_reduce and a.overlap_param_gather
@@ -43,7 +50,7 @@ def test_hgx_recipes_pass_for_their_full_world_size_on_80_gb(reports, name):
     assert "budget 80 GiB per GPU (--gpu-memory-gb)" in text and ": fits" in text
     # Every balancer domain (8 consecutive EP ranks) on one node, checked on the global ranks.
     for group in report.layout.ep_groups:
-        assert all(len({r // 8 for r in group[i:i + 8]}) == 1 for i in range(0, ep, 8))
+        assert all(len({r // 8 for r in group[i : i + 8]}) == 1 for i in range(0, ep, 8))
 
 
 def test_hardware_preset_sets_the_domain_and_the_budget(launches):
@@ -53,22 +60,35 @@ def test_hardware_preset_sets_the_domain_and_the_budget(launches):
     report = rc.check_launch(launches["qwen3_235b_a22b_ep32_pp8_hgx.sh"])
     assert (report.layout.rack_size, report.gpu_memory_gb, report.assumed) == (8, 80, [])
     text = rc.format_report(report)
-    assert "hardware: h100-hgx (--moe-balancer-hardware): NVLink domains of 8 GPUs, 80 GiB per GPU" in text
-    assert "32 nodes x 8 GPUs in 32 scale-up domains of 8 GPUs" in text and "ASSUMED" not in text
-    assert "EP groups span scale-up domains; balancer domains of --moe-balancer-domain-size 8 inside one: yes" \
+    assert (
+        "hardware: h100-hgx (--moe-balancer-hardware): NVLink domains of 8 GPUs, 80 GiB per GPU"
         in text
+    )
+    assert "32 nodes x 8 GPUs in 32 scale-up domains of 8 GPUs" in text and "ASSUMED" not in text
+    assert (
+        "EP groups span scale-up domains; balancer domains of --moe-balancer-domain-size 8 inside one: yes"
+        in text
+    )
     launch = launches["qwen3_235b_a22b_ep32_pp8_hgx.sh"]
-    h200 = rc.check_launch(rc.Launch(8, 32, launch.script, [*launch.args, "--moe-balancer-hardware", "h200-hgx"]))
+    h200 = rc.check_launch(
+        rc.Launch(8, 32, launch.script, [*launch.args, "--moe-balancer-hardware", "h200-hgx"])
+    )
     assert (h200.layout.rack_size, h200.gpu_memory_gb, h200.problems()) == (8, 141, [])
     rack = rc.check_launch(rc.capture_launch(RECIPES / "glm45_air_106b_a12b_ep64_dp2.sh"))
     assert (rack.layout.rack_size, rack.gpu_memory_gb, rack.assumed) == (64, 186, [])
-    assert "hardware: paper-rack (--moe-balancer-hardware): NVLink domains of 64 GPUs" in rc.format_report(rack)
+    assert (
+        "hardware: paper-rack (--moe-balancer-hardware): NVLink domains of 64 GPUs"
+        in rc.format_report(rack)
+    )
 
 
 def test_a_contradicting_rack_size_or_node_size_is_a_problem(launches):
     launch = launches["qwen3_235b_a22b_ep32_pp8_hgx.sh"]
     report = rc.check_launch(launch, rack_size=64)
-    assert any("--rack-size 64 contradicts --moe-balancer-hardware h100-hgx" in p for p in report.problems())
+    assert any(
+        "--rack-size 64 contradicts --moe-balancer-hardware h100-hgx" in p
+        for p in report.problems()
+    )
     half = rc.Launch(4, 64, launch.script, launch.args)
     problems = rc.check_launch(half).problems()
     assert any("runs 4 processes per node" in p and "GPUS_PER_NODE=8" in p for p in problems)
@@ -79,12 +99,19 @@ def test_ep_across_nodes_without_a_node_sized_domain_fails_naming_the_flag(launc
     without a domain and with one of 16, each time naming --moe-balancer-domain-size."""
     args = list(launches["deepseek_v2_lite_16b_a2b_ep8_hgx.sh"].args)
     i = args.index("--moe-balancer-domain-size")
-    without = args[:i] + args[i + 2:]
+    without = args[:i] + args[i + 2 :]
     ep16 = ["--expert-model-parallel-size", "16"]
     assert rc.check_launch(rc.Launch(8, 2, "pretrain_gpt.py", [*args, *ep16])).problems() == []
-    for extra, named in (([], "--moe-balancer-domain-size 8"),
-                         (["--moe-balancer-domain-size", "16"], "--moe-balancer-domain-size 16: balancer domain [0-15]")):
-        problems = rc.check_launch(rc.Launch(8, 2, "pretrain_gpt.py", [*without, *ep16, *extra])).problems()
+    for extra, named in (
+        ([], "--moe-balancer-domain-size 8"),
+        (
+            ["--moe-balancer-domain-size", "16"],
+            "--moe-balancer-domain-size 16: balancer domain [0-15]",
+        ),
+    ):
+        problems = rc.check_launch(
+            rc.Launch(8, 2, "pretrain_gpt.py", [*without, *ep16, *extra])
+        ).problems()
         assert len(problems) == 1 and named in problems[0], problems
 
 
@@ -94,13 +121,15 @@ def test_peak_is_model_states_slots_activations_and_the_allowance(reports):
     expected = activations.estimate_activations(report.args, stages)
     for stage, acts in zip(report.memory.stages, expected):
         assert stage.activations == acts.total > 0
-        assert stage.peak == stage.model_states + stage.slots_with_reuse + acts.total \
-            + int(activations.RUNTIME_RESERVE_GIB * GIB)
+        assert stage.peak == stage.model_states + stage.slots_with_reuse + acts.total + int(
+            activations.RUNTIME_RESERVE_GIB * GIB
+        )
     # Interleaved (PP 8, VP 4), overlapped: megatron's warm-up 2 (PP - stage - 1) + (VP - 1) PP, one
     # more for the overlapped schedule, plus the model chunk running, in whole stages.
     pp, vp = 8, 4
-    assert [a.in_flight for a in report.memory.activations] == [(2 * (pp - s - 1) + (vp - 1) * pp + 2) / vp
-                                                                for s in range(pp)]
+    assert [a.in_flight for a in report.memory.activations] == [
+        (2 * (pp - s - 1) + (vp - 1) * pp + 2) / vp for s in range(pp)
+    ]
     assert report.memory.activations[-1].logits > 0 == report.memory.activations[0].logits
     assert report.margin_bytes() == 80 * GIB - max(s.peak for s in report.memory.stages)
 

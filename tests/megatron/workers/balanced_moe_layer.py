@@ -76,8 +76,8 @@ def global_weights() -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(4321)
     return {
         "router": torch.randn(NUM_EXPERTS, HIDDEN, generator=gen) * 0.5,
-        "fc1": torch.randn(NUM_EXPERTS, FFN, HIDDEN, generator=gen) * HIDDEN ** -0.5,
-        "fc2": torch.randn(NUM_EXPERTS, HIDDEN, FFN, generator=gen) * FFN ** -0.5,
+        "fc1": torch.randn(NUM_EXPERTS, FFN, HIDDEN, generator=gen) * HIDDEN**-0.5,
+        "fc2": torch.randn(NUM_EXPERTS, HIDDEN, FFN, generator=gen) * FFN**-0.5,
     }
 
 
@@ -86,10 +86,10 @@ def latent_weights() -> dict[str, torch.Tensor]:
     [E, L, F], fc1_latent [L, H], fc2_latent [H, L]."""
     gen = torch.Generator().manual_seed(8765)
     return {
-        "fc1": torch.randn(NUM_EXPERTS, FFN, LATENT, generator=gen) * LATENT ** -0.5,
-        "fc2": torch.randn(NUM_EXPERTS, LATENT, FFN, generator=gen) * FFN ** -0.5,
-        "fc1_latent": torch.randn(LATENT, HIDDEN, generator=gen) * HIDDEN ** -0.5,
-        "fc2_latent": torch.randn(HIDDEN, LATENT, generator=gen) * LATENT ** -0.5,
+        "fc1": torch.randn(NUM_EXPERTS, FFN, LATENT, generator=gen) * LATENT**-0.5,
+        "fc2": torch.randn(NUM_EXPERTS, LATENT, FFN, generator=gen) * FFN**-0.5,
+        "fc1_latent": torch.randn(LATENT, HIDDEN, generator=gen) * HIDDEN**-0.5,
+        "fc2_latent": torch.randn(HIDDEN, LATENT, generator=gen) * LATENT**-0.5,
     }
 
 
@@ -100,10 +100,21 @@ def rank_inputs(rank: int, microbatch: int) -> tuple[torch.Tensor, torch.Tensor]
     return x, torch.randn(SEQ, BATCH, HIDDEN, generator=gen)
 
 
-def build_layer(ep_size: int, balancer: str | None, num_slots: int, recompute: bool,
-                dispatcher: str = "alltoall", grouped: bool = False, balancer_config=None,
-                use_cpu_initialization: bool = True, flex_backend: str = "deepep", pad_multiple=None,
-                planner: str | None = None, latent_size: int | None = None, fp8: str | None = None):
+def build_layer(
+    ep_size: int,
+    balancer: str | None,
+    num_slots: int,
+    recompute: bool,
+    dispatcher: str = "alltoall",
+    grouped: bool = False,
+    balancer_config=None,
+    use_cpu_initialization: bool = True,
+    flex_backend: str = "deepep",
+    pad_multiple=None,
+    planner: str | None = None,
+    latent_size: int | None = None,
+    fp8: str | None = None,
+):
     """megatron's MoELayer (``balancer`` None) or a BalancedMoELayer with ``balancer_config`` (by
     default ``balancer`` with ``num_slots`` slots and a floor of 1), planning on the ``planner``
     (``--moe-balancer-planner``; ``None``: its default), with latent projections to ``latent_size``
@@ -122,21 +133,34 @@ def build_layer(ep_size: int, balancer: str | None, num_slots: int, recompute: b
     # Megatron's groups once per process, not once per layer: groups are never freed, and each
     # holds gloo threads; re-creating them for every one of the ~50 layers built here made each
     # build slower than the last (a single scenario took minutes on 2 cores).
-    if not parallel_state.model_parallel_is_initialized() or \
-            parallel_state.get_expert_model_parallel_world_size() != ep_size:
+    if (
+        not parallel_state.model_parallel_is_initialized()
+        or parallel_state.get_expert_model_parallel_world_size() != ep_size
+    ):
         parallel_state.destroy_model_parallel()
         parallel_state.initialize_model_parallel(expert_model_parallel_size=ep_size)
     model_parallel_cuda_manual_seed(123)
     extra = dict(recompute_granularity="selective", recompute_modules=["moe"]) if recompute else {}
     config = TransformerConfig(
-        num_layers=1, hidden_size=HIDDEN, ffn_hidden_size=FFN, moe_ffn_hidden_size=FFN,
-        num_attention_heads=4, num_moe_experts=NUM_EXPERTS, moe_router_topk=TOPK,
-        moe_token_dispatcher_type=dispatcher, expert_model_parallel_size=ep_size,
+        num_layers=1,
+        hidden_size=HIDDEN,
+        ffn_hidden_size=FFN,
+        moe_ffn_hidden_size=FFN,
+        num_attention_heads=4,
+        num_moe_experts=NUM_EXPERTS,
+        moe_router_topk=TOPK,
+        moe_token_dispatcher_type=dispatcher,
+        expert_model_parallel_size=ep_size,
         moe_flex_dispatcher_backend=flex_backend,
         # HybridEP takes float32 probabilities (megatron casts them with a warning otherwise).
         moe_router_dtype="fp32" if flex_backend == "hybridep" else None,
-        moe_aux_loss_coeff=0.0, add_bias_linear=False, use_cpu_initialization=use_cpu_initialization,
-        bias_dropout_fusion=False, gradient_accumulation_fusion=False, moe_latent_size=latent_size, **extra,
+        moe_aux_loss_coeff=0.0,
+        add_bias_linear=False,
+        use_cpu_initialization=use_cpu_initialization,
+        bias_dropout_fusion=False,
+        gradient_accumulation_fusion=False,
+        moe_latent_size=latent_size,
+        **extra,
     )
     if fp8 is not None:  # toy current-scaling fp8 (grouped experts only): TE's pieces stood in for
         import toy_fp8
@@ -152,15 +176,26 @@ def build_layer(ep_size: int, balancer: str | None, num_slots: int, recompute: b
         builder = get_moe_module_spec(use_te=False, num_experts=NUM_EXPERTS, moe_grouped_gemm=False)
     if balancer is not None:
         builder = functools.partial(
-            BalancedMoELayer, submodules=builder.keywords["submodules"],
-            balancing=BalancingContext(balancer_config or BalancerConfig(
-                name=balancer, num_slots=num_slots, min_quota=1, eplb_window=2, eplb_interval=2), ring_size=4,
-                planner=planner),
+            BalancedMoELayer,
+            submodules=builder.keywords["submodules"],
+            balancing=BalancingContext(
+                balancer_config
+                or BalancerConfig(
+                    name=balancer, num_slots=num_slots, min_quota=1, eplb_window=2, eplb_interval=2
+                ),
+                ring_size=4,
+                planner=planner,
+            ),
         )
-    layer = builder(config=config, pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
-                    is_mtp_layer=False)
+    layer = builder(
+        config=config,
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+        is_mtp_layer=False,
+    )
     layer.set_layer_number(1)
-    if pad_multiple is not None:  # HybridEP's padding of each expert's rows (megatron sets it under fp8)
+    if (
+        pad_multiple is not None
+    ):  # HybridEP's padding of each expert's rows (megatron sets it under fp8)
         layer.token_dispatcher._comm_manager.pad_multiple = pad_multiple
     return layer
 
@@ -191,7 +226,9 @@ def expert_weights(layer, local: int) -> tuple[torch.Tensor, torch.Tensor]:
     if hasattr(experts, "local_experts"):
         mlp = experts.local_experts[local]
         return mlp.linear_fc1.weight, mlp.linear_fc2.weight
-    return getattr(experts.linear_fc1, f"weight{local}"), getattr(experts.linear_fc2, f"weight{local}")
+    return getattr(experts.linear_fc1, f"weight{local}"), getattr(
+        experts.linear_fc2, f"weight{local}"
+    )
 
 
 def skew(x: torch.Tensor, weights, hot=HOT_EXPERTS) -> torch.Tensor:
@@ -213,8 +250,16 @@ def permuted(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])[order].view_as(x)
 
 
-def run(layer, weights, rank, microbatches: int, permute_tokens: bool = False, hot=HOT_EXPERTS,
-        input_grad: bool = True, router_grad: bool = True) -> dict:
+def run(
+    layer,
+    weights,
+    rank,
+    microbatches: int,
+    permute_tokens: bool = False,
+    hot=HOT_EXPERTS,
+    input_grad: bool = True,
+    router_grad: bool = True,
+) -> dict:
     """Forward + backward of ``microbatches`` microbatches. ``permute_tokens``: feed every
     microbatch's tokens in another order (results put back in the original order): the same
     mathematics summed in another order, for the noise floor. ``hot``: the experts the tokens are
@@ -233,13 +278,17 @@ def run(layer, weights, rank, microbatches: int, permute_tokens: bool = False, h
 
     def counting_postprocess(hidden_states, probs):
         rows, tokens_per_expert, permuted_probs = postprocess(hidden_states, probs)
-        if not torch._C._current_graph_task_id() != -1:  # count first forwards, not recompute replays
+        if (
+            not torch._C._current_graph_task_id() != -1
+        ):  # count first forwards, not recompute replays
             received_rows.append(rows.shape[0])
         return rows, tokens_per_expert, permuted_probs
 
     layer.token_dispatcher.dispatch_postprocess = counting_postprocess
     padded_layouts = []  # per split into parts: whether the dispatched rows held padding
-    if hasattr(layer.token_dispatcher, "dispatch_postprocess_parts"):  # replica hosts skip the above
+    if hasattr(
+        layer.token_dispatcher, "dispatch_postprocess_parts"
+    ):  # replica hosts skip the above
         postprocess_parts = layer.token_dispatcher.dispatch_postprocess_parts
 
         def counting_postprocess_parts(hidden_states, probs):
@@ -247,7 +296,9 @@ def run(layer, weights, rank, microbatches: int, permute_tokens: bool = False, h
             parts = postprocess_parts(hidden_states, probs)
             # Padded: the rows per local slot as dispatched are not the plan's.
             plan_rows = layer.token_dispatcher.invocation.rows_per_slot
-            padded_layouts.append([int(n) for n in parts[2].tolist()] != [int(n) for n in plan_rows.tolist()])
+            padded_layouts.append(
+                [int(n) for n in parts[2].tolist()] != [int(n) for n in plan_rows.tolist()]
+            )
             # Unless it went through megatron's postprocess (counted there).
             if torch._C._current_graph_task_id() == -1 and len(received_rows) == counted:
                 received_rows.append(parts[0].shape[0] + parts[1].shape[0])
@@ -307,8 +358,11 @@ def run(layer, weights, rank, microbatches: int, permute_tokens: bool = False, h
         for local in range(layer.num_local_experts):
             for weight in expert_weights(layer, local):
                 accumulator = weight.expand_as(weight).grad_fn.next_functions[0][0]
-                accumulator.register_hook(functools.partial(
-                    lambda local, *_: accumulation_events.append(("accumulated", local)), local))
+                accumulator.register_hook(
+                    functools.partial(
+                        lambda local, *_: accumulation_events.append(("accumulated", local)), local
+                    )
+                )
                 accumulators.append(accumulator)
         finish_reduction = layer.finish_reduction
 
@@ -324,21 +378,30 @@ def run(layer, weights, rank, microbatches: int, permute_tokens: bool = False, h
         order = token_order(mb, permute_tokens)
         x = permuted(skew(x, weights, hot), order).requires_grad_(input_grad)
         out, _ = layer(x)
-        xs.append(x), outs.append(out), ups.append(permuted(up, order)), orders.append(order.argsort())
+        (
+            xs.append(x),
+            outs.append(out),
+            ups.append(permuted(up, order)),
+            orders.append(order.argsort()),
+        )
     ring_live = balancing.ring.live if balancing is not None else 0
     for out, up in zip(outs, ups):  # backwards in forward order, as a 1F1B stage does
         (out * up).sum().backward()
     stats = balancing.pop_stats() if balancing is not None else {}
     return {
         "out": [permuted(o.detach(), back).clone() for o, back in zip(outs, orders)],
-        "dx": [permuted(x.grad.detach(), back).clone() for x, back in zip(xs, orders) if input_grad],
+        "dx": [
+            permuted(x.grad.detach(), back).clone() for x, back in zip(xs, orders) if input_grad
+        ],
         "router_grad": layer.router.weight.grad.detach().clone() if router_grad else None,
         "expert_grads": {
             int(idx): tuple(w.grad.detach().clone() for w in expert_weights(layer, local))
             for local, idx in enumerate(layer.local_expert_indices)
         },
-        "latent_grads": {key: projection.weight.grad.detach().clone()
-                         for projection, key in latent_projections(layer)},
+        "latent_grads": {
+            key: projection.weight.grad.detach().clone()
+            for projection, key in latent_projections(layer)
+        },
         "ring_live_before_backward": ring_live,
         "ring_live_after_backward": balancing.ring.live if balancing is not None else 0,
         "stats": stats,
@@ -346,7 +409,9 @@ def run(layer, weights, rank, microbatches: int, permute_tokens: bool = False, h
         "padded_layouts": padded_layouts,
         "replica_calls": replica_calls,
         "accumulation_events": accumulation_events,
-        "replica_buffer_numel": balancing.buffer.replica_weights.numel() if balancing is not None else 0,
+        "replica_buffer_numel": balancing.buffer.replica_weights.numel()
+        if balancing is not None
+        else 0,
         "relayed": relayed,
         "idle_hosted": idle_hosted,
         "tapped_routings": len(tapped),
@@ -383,24 +448,44 @@ def main():
         "eplb": dict(microbatches=3, recompute=False, balancer="eplb"),
         "eplb-exact": dict(microbatches=1, recompute=False, balancer="eplb-exact"),
         "flex": dict(microbatches=3, recompute=False, balancer="ultraep", dispatcher="flex"),
-        "flex-hybridep": dict(microbatches=3, recompute=False, balancer="ultraep", dispatcher="flex",
-                              flex_backend="hybridep"),
+        "flex-hybridep": dict(
+            microbatches=3,
+            recompute=False,
+            balancer="ultraep",
+            dispatcher="flex",
+            flex_backend="hybridep",
+        ),
         # HybridEP pads every local slot's rows to 8 (as it pads to the fp8 alignment under fp8).
-        "flex-hybridep-padded": dict(microbatches=2, recompute=False, balancer="ultraep", dispatcher="flex",
-                                     flex_backend="hybridep", pad_multiple=8),
+        "flex-hybridep-padded": dict(
+            microbatches=2,
+            recompute=False,
+            balancer="ultraep",
+            dispatcher="flex",
+            flex_backend="hybridep",
+            pad_multiple=8,
+        ),
         "grouped": dict(microbatches=3, recompute=False, balancer="ultraep", grouped=True),
         # HybridEP under fp8 with grouped experts: every local slot's rows padded to the fp8
         # alignment, which the grouped GEMM stand-in requires of main and replica experts alike.
         # Compared under the fp8 gate (fp8_equivalence.py) against fp32. blockwise: mxfp8 would
         # refuse FFN = 48 (not a multiple of 32), as TE's MXFP8 quantizer does.
-        "flex-hybridep-fp8": dict(microbatches=2, recompute=False, balancer="ultraep", dispatcher="flex",
-                                  flex_backend="hybridep", grouped=True, fp8="blockwise"),
+        "flex-hybridep-fp8": dict(
+            microbatches=2,
+            recompute=False,
+            balancer="ultraep",
+            dispatcher="flex",
+            flex_backend="hybridep",
+            grouped=True,
+            fp8="blockwise",
+        ),
     }
     # The negative control: the single scenario with replica gradients never reduced (one of the
     # faults of pretrain_grad_dump.py, which holds every way the tests break the balancer).
     from pretrain_grad_dump import FAULTS
 
-    scenarios["no_replica_grad_reduction"] = dict(scenarios["single"], fault="no_replica_grad_reduction")
+    scenarios["no_replica_grad_reduction"] = dict(
+        scenarios["single"], fault="no_replica_grad_reduction"
+    )
     scenarios["mixed"] = dict(scenarios["single"], hot=(3, 4))
     scenarios["frozen_input"] = dict(scenarios["single"], input_grad=False)
     scenarios["frozen_router"] = dict(scenarios["frozen_input"], router_grad=False)
@@ -412,17 +497,23 @@ def main():
     scenarios["device_planner_flex"] = dict(scenarios["flex"], planner="device")
     # Its self-check failing on global rank 1 alone (a kernel returning a wrong plan, while the
     # layer is built): the whole EP group plans on the host (the references: pipelined's).
-    scenarios["device_planner_fallback"] = dict(scenarios["device_planner"], references="pipelined",
-                                                build_fault="device_planner_wrong_plan_on_rank_1")
+    scenarios["device_planner_fallback"] = dict(
+        scenarios["device_planner"],
+        references="pipelined",
+        build_fault="device_planner_wrong_plan_on_rank_1",
+    )
     # Latent MoE, and its negative control (compared with the same references: they are not rerun).
     scenarios["latent"] = dict(scenarios["pipelined"], latent=True)
-    scenarios["latent_no_replica_grad_reduction"] = dict(scenarios["latent"], fault="no_replica_grad_reduction",
-                                                         references="latent")
+    scenarios["latent_no_replica_grad_reduction"] = dict(
+        scenarios["latent"], fault="no_replica_grad_reduction", references="latent"
+    )
     for name, sc in scenarios.items():
         if cli.only and name not in cli.only:
             continue
         scenario_weights = weights
-        if sc.get("idle_replica"):  # expert 7's router row against the direction tokens are pushed in
+        if sc.get(
+            "idle_replica"
+        ):  # expert 7's router row against the direction tokens are pushed in
             scenario_weights = dict(weights, router=weights["router"].clone())
             scenario_weights["router"][7] = -2.0 * weights["router"][list(HOT_EXPERTS)].sum(0)
         if sc.get("latent"):
@@ -434,9 +525,15 @@ def main():
         # The reference is always megatron's own all-to-all MoELayer, also fed permuted tokens; under
         # fp8 (no noise floor: the balanced layer rounds a replicated expert's rows otherwise) also
         # in fp32 with the same tokens, weights and routing.
-        runs = [("none", None, False), ("none_permuted", None, True), ("balanced", sc["balancer"], False)]
+        runs = [
+            ("none", None, False),
+            ("none_permuted", None, True),
+            ("balanced", sc["balancer"], False),
+        ]
         if sc.get("fp8"):
-            runs = [("reference", None, False)] + [run_ for run_ in runs if run_[0] != "none_permuted"]
+            runs = [("reference", None, False)] + [
+                run_ for run_ in runs if run_[0] != "none_permuted"
+            ]
         for key, balancer, permute in runs:
             if references is not None and balancer is None:
                 continue
@@ -444,14 +541,25 @@ def main():
             # What the balancing context prints while the layer is built (the device planner's
             # self-check: its ready line, or the warning of its hand-over to the host planner).
             printed = io.StringIO()
-            with FAULTS[sc["build_fault"]]() if balancer and "build_fault" in sc else contextlib.nullcontext(), \
-                    contextlib.redirect_stdout(printed):
-                layer = build_layer(world, balancer, cli.num_slots, sc["recompute"],
-                                    dispatcher, sc.get("grouped", False), flex_backend=sc.get("flex_backend", "deepep"),
-                                    pad_multiple=sc.get("pad_multiple") if balancer else None,
-                                    planner=sc.get("planner") if balancer else None,
-                                    latent_size=LATENT if sc.get("latent") else None,
-                                    fp8=sc.get("fp8") if key != "reference" else None)
+            with (
+                FAULTS[sc["build_fault"]]()
+                if balancer and "build_fault" in sc
+                else contextlib.nullcontext(),
+                contextlib.redirect_stdout(printed),
+            ):
+                layer = build_layer(
+                    world,
+                    balancer,
+                    cli.num_slots,
+                    sc["recompute"],
+                    dispatcher,
+                    sc.get("grouped", False),
+                    flex_backend=sc.get("flex_backend", "deepep"),
+                    pad_multiple=sc.get("pad_multiple") if balancer else None,
+                    planner=sc.get("planner") if balancer else None,
+                    latent_size=LATENT if sc.get("latent") else None,
+                    fp8=sc.get("fp8") if key != "reference" else None,
+                )
             print(printed.getvalue(), end="", flush=True)
             load_weights(layer, scenario_weights)
             if balancer and sc.get("idle_replica"):  # kept: not refreshed at this call
@@ -462,16 +570,26 @@ def main():
                 layer.balancing.buffer.relay, layer.balancing.buffer.relay_threshold = "always", 1
             key = f"{name}/{key}"
             with FAULTS[sc["fault"]]() if balancer and "fault" in sc else contextlib.nullcontext():
-                results[key] = run(layer, scenario_weights, rank, sc["microbatches"], permute,
-                                   hot=sc.get("hot", HOT_EXPERTS), input_grad=sc.get("input_grad", True),
-                                   router_grad=sc.get("router_grad", True))
-            results[key]["printed_by_balancer"] = [line for line in printed.getvalue().splitlines()
-                                                   if line.startswith("ultraep:")]
+                results[key] = run(
+                    layer,
+                    scenario_weights,
+                    rank,
+                    sc["microbatches"],
+                    permute,
+                    hot=sc.get("hot", HOT_EXPERTS),
+                    input_grad=sc.get("input_grad", True),
+                    router_grad=sc.get("router_grad", True),
+                )
+            results[key]["printed_by_balancer"] = [
+                line for line in printed.getvalue().splitlines() if line.startswith("ultraep:")
+            ]
             results[key]["dispatcher_class"] = type(layer.token_dispatcher).__name__
             manager = getattr(layer.token_dispatcher, "_comm_manager", None)
             results[key]["manager_class"] = type(manager).__name__ if manager is not None else None
             results[key]["experts_class"] = type(layer.experts).__name__
-    results["local_expert_indices"] = list(range(rank * NUM_EXPERTS // world, (rank + 1) * NUM_EXPERTS // world))
+    results["local_expert_indices"] = list(
+        range(rank * NUM_EXPERTS // world, (rank + 1) * NUM_EXPERTS // world)
+    )
     torch.save(results, os.path.join(cli.out_dir, f"rank{rank}.pt"))
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()

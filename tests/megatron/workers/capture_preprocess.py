@@ -49,13 +49,23 @@ NAME = "capture_replay_device_planner"
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="cuda: the check; cpu: its dry run on the CPU graph stand-in (the default without CUDA)")
+    p.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cuda: the check; cpu: its dry run on the CPU graph stand-in (the default without CUDA)",
+    )
     p.add_argument("--ep-size", type=int, default=None, help="R (default 8; 4 in the dry run)")
-    p.add_argument("--num-experts", type=int, default=None, help="E (default 64; 16 in the dry run)")
+    p.add_argument(
+        "--num-experts", type=int, default=None, help="E (default 64; 16 in the dry run)"
+    )
     p.add_argument("--num-slots", type=int, default=2, help="S, redundant slots per rank")
-    p.add_argument("--tokens", type=int, default=None,
-                   help="T, tokens of this rank's microbatch (default 2048; 256 in the dry run)")
+    p.add_argument(
+        "--tokens",
+        type=int,
+        default=None,
+        help="T, tokens of this rank's microbatch (default 2048; 256 in the dry run)",
+    )
     p.add_argument("--topk", type=int, default=4)
     p.add_argument("--hidden-size", type=int, default=256)
     p.add_argument("--rank", type=int, default=0, help="this rank's index in the EP group")
@@ -96,12 +106,20 @@ def preprocess_function(cfg, static, dispatcher, config):
 
     def preprocess():
         local = torch.zeros(E, dtype=torch.int64, device=topk_ids.device).scatter_add_(
-            0, topk_ids.reshape(-1), torch.ones_like(topk_ids.reshape(-1)))
-        load = torch.cat([others[:cfg.rank], local.view(1, E), others[cfg.rank + 1:]])
-        planned = device_planning.plan_on_device(load, config, cfg.rank, training=True, grad_enabled=True)
+            0, topk_ids.reshape(-1), torch.ones_like(topk_ids.reshape(-1))
+        )
+        load = torch.cat([others[: cfg.rank], local.view(1, E), others[cfg.rank + 1 :]])
+        planned = device_planning.plan_on_device(
+            load, config, cfg.rank, training=True, grad_enabled=True
+        )
         dispatcher.topk_ids, dispatcher._table = topk_ids, planned.reroute_table
         sorted_tokens, permuted_probs = dispatcher._permutation(probs)
-        return tokens.index_select(0, sorted_tokens), permuted_probs, sorted_tokens, planned.host_half
+        return (
+            tokens.index_select(0, sorted_tokens),
+            permuted_probs,
+            sorted_tokens,
+            planned.host_half,
+        )
 
     return preprocess
 
@@ -116,8 +134,9 @@ def dispatcher_stand_in(cfg, topk_ids):
     d = object.__new__(dispatchers.BalancedAlltoAllDispatcher)
     d.num_logical_experts, d.ep_size, d.slots_per_rank = E, R, E // R + S
     d.num_out_tokens = topk_ids.numel()
-    d.state = InvocationState(layer_number=1, runs_per_forward=1, training=False, grad_enabled=False,
-                              topk_ids=topk_ids)
+    d.state = InvocationState(
+        layer_number=1, runs_per_forward=1, training=False, grad_enabled=False, topk_ids=topk_ids
+    )
     d._sort_key_dtype = torch.int16 if E <= torch.iinfo(torch.int16).max else torch.int32
     d.balancing = types.SimpleNamespace(add_reroute_seconds=lambda seconds: None, check_plans=False)
     return d
@@ -197,18 +216,25 @@ def run_check(cfg, device) -> tuple[bool, str]:
         host = replayed[3].cpu()
         load, plan, balanced = device_planning.unpack_host_half(host, R, E, S)
         plans.add(tuple(host.tolist()))
-        rank_rows = plan.physical_split.view(R, R, -1).sum(dim=(0, 2)).double()  # rows each rank receives
+        rank_rows = (
+            plan.physical_split.view(R, R, -1).sum(dim=(0, 2)).double()
+        )  # rows each rank receives
         imbalance = float(rank_rows.max() / rank_rows.mean())
         before = load.sum(0).view(R, E // R).sum(1).double()
         if balanced and imbalance > 1.05:
-            return False, f"trial {trial}: the replayed plan leaves imbalance {imbalance:.3f} (before " \
-                          f"{float(before.max() / before.mean()):.3f})"
+            return (
+                False,
+                f"trial {trial}: the replayed plan leaves imbalance {imbalance:.3f} (before "
+                f"{float(before.max() / before.mean()):.3f})",
+            )
         worst_imbalance = max(worst_imbalance, imbalance)
     if len(plans) != cfg.trials:
         return False, f"{len(plans)} distinct plans in {cfg.trials} replays with different routings"
-    return True, (f"{cfg.trials} replays (R={R} E={E} S={S} T={cfg.tokens} k={cfg.topk}) equal the eager "
-                  f"runs bit for bit, {len(plans)} distinct plans, imbalance after <= {worst_imbalance:.3f}; "
-                  f"warm-up and capture {capture_seconds:.1f} s")
+    return True, (
+        f"{cfg.trials} replays (R={R} E={E} S={S} T={cfg.tokens} k={cfg.topk}) equal the eager "
+        f"runs bit for bit, {len(plans)} distinct plans, imbalance after <= {worst_imbalance:.3f}; "
+        f"warm-up and capture {capture_seconds:.1f} s"
+    )
 
 
 def _eager(function):
@@ -230,7 +256,10 @@ def main() -> int:
         ok, detail = run_check(cfg, torch.device("cpu"))
         dry = f"dry run on the CPU graph stand-in: {'pass' if ok else 'FAIL'}, {detail}"
     except Exception as error:
-        ok, dry = False, f"dry run on the CPU graph stand-in failed: {type(error).__name__}: {error}"
+        ok, dry = (
+            False,
+            f"dry run on the CPU graph stand-in failed: {type(error).__name__}: {error}",
+        )
     why = "no CUDA device" if not torch.cuda.is_available() else "--device cpu"
     print(f"{NAME}: SKIP {why} ({dry})")
     return 0 if ok else 1

@@ -37,8 +37,9 @@ def reference_draws(seed: int, count: int) -> list[float]:
     """``count`` successive draws of DRAW normals from a CPU generator seeded with ``seed``
     (drawn in the same chunks as the probe: torch draws long and short tensors differently)."""
     generator = torch.Generator().manual_seed(seed)
-    return [value for _ in range(count)
-            for value in torch.randn(DRAW, generator=generator).tolist()]
+    return [
+        value for _ in range(count) for value in torch.randn(DRAW, generator=generator).tolist()
+    ]
 
 
 def main():
@@ -73,8 +74,10 @@ def main():
     result["torch_cuda_is_available"] = torch.cuda.is_available()
     from megatron.training import initialize as mtraining_initialize
 
-    result["initialize_sees_cuda"] = [mtraining_initialize.torch.cuda.is_available(),
-                                      mtraining_initialize.torch.cuda.device_count()]
+    result["initialize_sees_cuda"] = [
+        mtraining_initialize.torch.cuda.is_available(),
+        mtraining_initialize.torch.cuda.device_count(),
+    ]
 
     # A backward pass started both ways runs Python backward functions under the mapping.
     x = torch.ones(3, requires_grad=True)
@@ -95,7 +98,9 @@ def main():
     result["native_torch"] = {"alone": modes_inside()}
     with Outer():
         result["native_torch"]["under_another_mode"] = modes_inside()
-    result["native_torch"]["after"] = [type(m).__name__ for m in torch.overrides._get_current_function_mode_stack()]
+    result["native_torch"]["after"] = [
+        type(m).__name__ for m in torch.overrides._get_current_function_mode_stack()
+    ]
 
     @native_torch
     def raises():
@@ -106,7 +111,8 @@ def main():
     except KeyError:
         pass
     result["native_torch"]["after_an_error"] = [
-        type(m).__name__ for m in torch.overrides._get_current_function_mode_stack()]
+        type(m).__name__ for m in torch.overrides._get_current_function_mode_stack()
+    ]
 
     # gloo needs list-like split sizes from the alltoall dispatcher.
     from megatron.core.transformer.moe import token_dispatcher
@@ -131,8 +137,10 @@ def main():
     with tracker.fork(mcore_random._MODEL_PARALLEL_RNG_TRACKER_NAME):
         model_parallel_continued = torch.randn(DRAW).tolist()
     result["rng"] = {
-        "default_first": default_first, "default_second": default_second,
-        "model_parallel": model_parallel, "expert_parallel": expert_parallel,
+        "default_first": default_first,
+        "default_second": default_second,
+        "model_parallel": model_parallel,
+        "expert_parallel": expert_parallel,
         "model_parallel_continued": model_parallel_continued,
     }
     # Reference: one plain generator per named state, seeded as megatron's docs define them.
@@ -161,13 +169,19 @@ def main():
     def coalesced_gathers(manager):
         outputs = [torch.zeros(4, dtype=torch.uint8), torch.zeros(4, dtype=torch.bfloat16)]
         with manager(None, async_ops=True) as handle:
-            torch.distributed.all_gather_into_tensor(outputs[0], torch.full((4,), 10, dtype=torch.uint8))
-            torch.distributed.all_gather_into_tensor(outputs[1], torch.full((4,), 1.5, dtype=torch.bfloat16))
+            torch.distributed.all_gather_into_tensor(
+                outputs[0], torch.full((4,), 10, dtype=torch.uint8)
+            )
+            torch.distributed.all_gather_into_tensor(
+                outputs[1], torch.full((4,), 1.5, dtype=torch.bfloat16)
+            )
         handle.wait()
         return [t.tolist() for t in outputs]
 
-    result["coalesced_mixed_dtypes"] = {"megatron": coalesced_gathers(param_and_grad_buffer._coalescing_manager),
-                                        "torch": coalesced_gathers(torch_coalescing)}
+    result["coalesced_mixed_dtypes"] = {
+        "megatron": coalesced_gathers(param_and_grad_buffer._coalescing_manager),
+        "torch": coalesced_gathers(torch_coalescing),
+    }
 
     from megatron.core.datasets import utils as dataset_utils
 

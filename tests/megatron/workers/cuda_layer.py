@@ -52,10 +52,14 @@ SCENARIOS = {
     "grouped": dict(microbatches=2, recompute=False, grouped=True, planner="host"),
     # --moe-balancer-planner device: the plan made on the GPU, crossing once.
     "device-planner": dict(microbatches=3, recompute=False, grouped=False, planner="device"),
-    "device-planner-recompute": dict(microbatches=2, recompute=True, grouped=False, planner="device"),
+    "device-planner-recompute": dict(
+        microbatches=2, recompute=True, grouped=False, planner="device"
+    ),
     # The negative control: the balanced layer with a deliberate ``.tolist()`` of the routing in its
     # dispatcher's forward (a sync the check must catch); no reference runs.
-    "single-tolist": dict(microbatches=1, recompute=False, grouped=False, fault="tolist", planner="host"),
+    "single-tolist": dict(
+        microbatches=1, recompute=False, grouped=False, fault="tolist", planner="host"
+    ),
 }
 _ON_CUDA = torch.cuda.is_available()
 #: The sync watch: "off", "warn" (record every synchronization) or "error" (refuse all but the
@@ -73,9 +77,13 @@ def _where(stack) -> str:
             continue
         for root in ("ultraep_megatron/", "megatron/core/", "tests/megatron/"):
             if root in path:
-                return f"{path[path.index(root):]}:{frame.lineno} ({frame.name})"
+                return f"{path[path.index(root) :]}:{frame.lineno} ({frame.name})"
     innermost = stack[-1] if stack else None
-    return f"elsewhere: {innermost.filename}:{innermost.lineno} ({innermost.name})" if innermost else "?"
+    return (
+        f"elsewhere: {innermost.filename}:{innermost.lineno} ({innermost.name})"
+        if innermost
+        else "?"
+    )
 
 
 def _designated(kind: str, function):
@@ -117,8 +125,11 @@ def install_watch() -> None:
     from ultraep_megatron.megatron.balanced_layer import physical_routing
 
     MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _designated(
-        "megatron", MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize)
-    physical_routing._wait_for_host_copy = _designated("ultraep", physical_routing._wait_for_host_copy)
+        "megatron", MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize
+    )
+    physical_routing._wait_for_host_copy = _designated(
+        "ultraep", physical_routing._wait_for_host_copy
+    )
     if _ON_CUDA:
         torch.cuda.Event.synchronize = _watched("event synchronize", torch.cuda.Event.synchronize)
         torch.cuda.synchronize = _watched("device synchronize", torch.cuda.synchronize)
@@ -128,7 +139,9 @@ def install_watch() -> None:
 def watching_syncs(mode: str, records: list, kind: str):
     """``warn``: every synchronization's place appended to ``records``; ``error``: every one but the
     designated wait of layer kind ``kind`` raises. (Without CUDA: nothing to watch.)"""
-    _watch.update(mode=mode if _ON_CUDA else "off", allowed=kind, depth=0, designated=0, records=records)
+    _watch.update(
+        mode=mode if _ON_CUDA else "off", allowed=kind, depth=0, designated=0, records=records
+    )
     if not _ON_CUDA:
         try:
             yield
@@ -163,8 +176,13 @@ def microbatches(weights, rank, count: int, device, permute_tokens: bool) -> lis
     for mb in range(count):
         x, up = rank_inputs(rank, mb)
         order = token_order(mb, permute_tokens)
-        batches.append((permuted(skew(x, weights), order).to(device).requires_grad_(True),
-                        permuted(up, order).to(device), order.argsort()))
+        batches.append(
+            (
+                permuted(skew(x, weights), order).to(device).requires_grad_(True),
+                permuted(up, order).to(device),
+                order.argsort(),
+            )
+        )
     return batches
 
 
@@ -173,9 +191,15 @@ def make_layer(world: int, balancer, sc: dict, device):
     GPU as megatron makes it, on the host for a dry run."""
     from balanced_moe_layer import build_layer
 
-    return build_layer(world, balancer, 1, sc["recompute"], grouped=sc["grouped"],
-                       use_cpu_initialization=device.type == "cpu",
-                       planner=sc["planner"] if balancer else None).to(device)
+    return build_layer(
+        world,
+        balancer,
+        1,
+        sc["recompute"],
+        grouped=sc["grouped"],
+        use_cpu_initialization=device.type == "cpu",
+        planner=sc["planner"] if balancer else None,
+    ).to(device)
 
 
 def run(layer, batches) -> list:
@@ -197,8 +221,10 @@ def collected(layer, batches, outs) -> dict:
         "out": [permuted(o.detach().cpu(), back) for o, (_, _, back) in zip(outs, batches)],
         "dx": [permuted(x.grad.detach().cpu(), back) for x, _, back in batches],
         "router_grad": layer.router.weight.grad.detach().cpu(),
-        "expert_grads": {int(idx): tuple(w.grad.detach().cpu() for w in expert_weights(layer, local))
-                         for local, idx in enumerate(layer.local_expert_indices)},
+        "expert_grads": {
+            int(idx): tuple(w.grad.detach().cpu() for w in expert_weights(layer, local))
+            for local, idx in enumerate(layer.local_expert_indices)
+        },
     }
 
 
@@ -226,11 +252,17 @@ def measure(build, weights, rank, sc, device, permute_tokens=False) -> dict:
             error = f"{failure}\n{traceback.format_exc()[-3000:]}"
         balancing = getattr(layer, "balancing", None)
         stats = balancing.pop_stats() if balancing is not None else {}
-        result[mode] = {"syncs": records, "error": error,
-                        "designated_calls": _watch["designated"] if mode == "error" else None,
-                        "replicas": sum(v["replicas"] for v in stats.values()),
-                        "staged": {k: v - staged.get(k, 0) for k, v in cuda_staging.staged_calls.items()
-                                   if v != staged.get(k, 0)}}
+        result[mode] = {
+            "syncs": records,
+            "error": error,
+            "designated_calls": _watch["designated"] if mode == "error" else None,
+            "replicas": sum(v["replicas"] for v in stats.values()),
+            "staged": {
+                k: v - staged.get(k, 0)
+                for k, v in cuda_staging.staged_calls.items()
+                if v != staged.get(k, 0)
+            },
+        }
         if mode == "error":
             result["outputs"] = collected(layer, batches, outs) if error is None else None
     return result
@@ -264,8 +296,10 @@ def main():
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     device = torch.device(cli.device)
     weights = global_weights()
-    results = {"device": torch.cuda.get_device_name(0) if cli.device == "cuda" else "cpu",
-               "torch": torch.__version__}
+    results = {
+        "device": torch.cuda.get_device_name(0) if cli.device == "cuda" else "cpu",
+        "torch": torch.__version__,
+    }
     for name, sc in SCENARIOS.items():
         # Outside the watch, once per scenario and layer kind: what a first forward and backward
         # set up (CUDA's RNG, cuBLAS handles, the pinned host pool) is not the per-layer path.
@@ -275,8 +309,13 @@ def main():
             run(layer, microbatches(weights, rank, sc["microbatches"], device, False))
             if balancer is not None:
                 layer.balancing.pop_stats()
-        runs = (("none", None, False), ("none_permuted", None, True), ("balanced", "ultraep", False))
+        runs = (
+            ("none", None, False),
+            ("none_permuted", None, True),
+            ("balanced", "ultraep", False),
+        )
         for key, balancer, permute in runs[2:] if "fault" in sc else runs:
+
             def build(balancer=balancer):
                 layer = make_layer(world, balancer, sc, device)
                 if sc.get("fault") == "tolist":
@@ -292,10 +331,12 @@ def main():
             results[f"{name}/{key}"] = measure(build, weights, rank, sc, device, permute)
             if rank == 0:
                 r = results[f"{name}/{key}"]
-                print(f"[cuda_layer] {name}/{key}: syncs {len(r['warn']['syncs'])} "
-                      f"(designated calls {r['error']['designated_calls']}), refused: "
-                      f"{'none' if r['error']['error'] is None else r['error']['error'].splitlines()[0]}",
-                      flush=True)
+                print(
+                    f"[cuda_layer] {name}/{key}: syncs {len(r['warn']['syncs'])} "
+                    f"(designated calls {r['error']['designated_calls']}), refused: "
+                    f"{'none' if r['error']['error'] is None else r['error']['error'].splitlines()[0]}",
+                    flush=True,
+                )
     results["staged_calls"] = dict(cuda_staging.staged_calls)
     torch.save(results, os.path.join(cli.out_dir, f"rank{rank}.pt"))
     parallel_state.destroy_model_parallel()

@@ -25,11 +25,21 @@ from ultraep_megatron.megatron.cpu import backend as cpu_backend
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import deepep_gloo  # noqa: E402  (tests/megatron is not a package)
+
 # The same layer, weights and skew as the balanced-layer worker (this script's folder is on sys.path).
 from balanced_moe_layer import (  # noqa: E402
-    BATCH, HIDDEN, HOT_EXPERTS, NUM_EXPERTS, SEQ, TOPK, build_layer, expert_weights, global_weights,
+    BATCH,
+    HIDDEN,
+    HOT_EXPERTS,
+    NUM_EXPERTS,
+    SEQ,
+    TOPK,
+    build_layer,
+    expert_weights,
+    global_weights,
     load_weights,
 )
+
 UNIT_TOKENS, UNIT_HIDDEN = 24, 5
 
 
@@ -38,7 +48,7 @@ def rank_inputs(rank: int, weights) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(77 + rank)
     x = torch.randn(SEQ, BATCH, HIDDEN, generator=gen)
     direction = weights["router"][list(HOT_EXPERTS)].sum(0)
-    x = x + 0.6 * direction / direction.norm() * HIDDEN ** 0.5
+    x = x + 0.6 * direction / direction.norm() * HIDDEN**0.5
     return x, torch.randn(SEQ, BATCH, HIDDEN, generator=gen)
 
 
@@ -47,23 +57,27 @@ def unit_dispatch(rank: int, group) -> dict:
     so combined[t] = x[t] * sum over destination ranks r of (r + 1); the loss adds
     10 * (rank + 1) * recv_probs, so d loss / d probs[t, k] = 10 * (host rank of slot k + 1)."""
     gen = torch.Generator().manual_seed(500 + rank)
-    indices = torch.stack([torch.randperm(NUM_EXPERTS, generator=gen)[:TOPK]
-                           for _ in range(UNIT_TOKENS)])
+    indices = torch.stack(
+        [torch.randperm(NUM_EXPERTS, generator=gen)[:TOPK] for _ in range(UNIT_TOKENS)]
+    )
     indices[torch.rand(UNIT_TOKENS, TOPK, generator=gen) < 0.15] = -1  # masked slots
-    indices[0] = -1                                                    # a token sent nowhere
+    indices[0] = -1  # a token sent nowhere
     indices[1] = torch.tensor([2 * rank % NUM_EXPERTS, 2 * rank % NUM_EXPERTS + 1])  # same rank
     x = torch.randn(UNIT_TOKENS, UNIT_HIDDEN, generator=gen, requires_grad=True)
     probs = torch.rand(UNIT_TOKENS, TOPK, generator=gen, requires_grad=True)
     upstream = torch.randn(UNIT_TOKENS, UNIT_HIDDEN, generator=gen)
     recv_x, recv_indices, recv_probs, tokens_per_expert, handle = deepep_gloo.fused_dispatch(
-        x, indices, probs, NUM_EXPERTS, group)
+        x, indices, probs, NUM_EXPERTS, group
+    )
     combined, none = deepep_gloo.fused_combine(recv_x * (rank + 1), group, handle)
     loss = (combined * upstream).sum() + (recv_probs * 10.0 * (rank + 1)).sum()
     loss.backward()
     errors = []
-    for bad in (dict(num_experts=NUM_EXPERTS - 2),  # not a multiple of the group size
-                dict(num_experts=NUM_EXPERTS, token_probs=probs[:-1]),  # shapes disagree
-                dict(num_experts=4)):  # expert id >= num_experts
+    for bad in (
+        dict(num_experts=NUM_EXPERTS - 2),  # not a multiple of the group size
+        dict(num_experts=NUM_EXPERTS, token_probs=probs[:-1]),  # shapes disagree
+        dict(num_experts=4),
+    ):  # expert id >= num_experts
         args = {**dict(x=x, token_indices=indices, token_probs=probs, group=group), **bad}
         try:
             deepep_gloo.fused_dispatch(**args)
@@ -72,10 +86,18 @@ def unit_dispatch(rank: int, group) -> dict:
             errors.append(str(error))
     return {
         "value_errors": errors,
-        "indices": indices, "x": x.detach(), "probs": probs.detach(), "upstream": upstream,
-        "recv_x": recv_x.detach(), "recv_indices": recv_indices, "recv_probs": recv_probs.detach(),
-        "tokens_per_expert": tokens_per_expert, "combined": combined.detach(),
-        "combine_second": none, "x_grad": x.grad, "probs_grad": probs.grad,
+        "indices": indices,
+        "x": x.detach(),
+        "probs": probs.detach(),
+        "upstream": upstream,
+        "recv_x": recv_x.detach(),
+        "recv_indices": recv_indices,
+        "recv_probs": recv_probs.detach(),
+        "tokens_per_expert": tokens_per_expert,
+        "combined": combined.detach(),
+        "combine_second": none,
+        "x_grad": x.grad,
+        "probs_grad": probs.grad,
     }
 
 
@@ -90,8 +112,11 @@ def run(layer, weights, rank) -> dict:
     return {
         "out": out.detach().clone(),
         "dx": x.grad.detach().clone(),
-        "router_grad": (torch.zeros_like(layer.router.weight) if router_grad is None
-                        else router_grad.detach().clone()),
+        "router_grad": (
+            torch.zeros_like(layer.router.weight)
+            if router_grad is None
+            else router_grad.detach().clone()
+        ),
         "expert_grads": {
             int(idx): tuple(w.grad.detach().clone() for w in expert_weights(layer, local))
             for local, idx in enumerate(layer.local_expert_indices)
@@ -101,10 +126,12 @@ def run(layer, weights, rank) -> dict:
 
 def recording_dispatch(log: list):
     """The stand-in's dispatch, logging (received rows, sum of tokens_per_expert) per call."""
+
     def dispatch(*args, **kwargs):
         result = deepep_gloo.fused_dispatch(*args, **kwargs)
         log.append((result[0].shape[0], int(result[3].sum())))
         return result
+
     return dispatch
 
 
@@ -128,8 +155,11 @@ def main():
 
     uninstall = deepep_gloo.install()
     weights = global_weights()
-    for name, dispatcher in (("alltoall", "alltoall"), ("flex", "flex"),
-                             ("flex-detached-probs", "flex")):
+    for name, dispatcher in (
+        ("alltoall", "alltoall"),
+        ("flex", "flex"),
+        ("flex-detached-probs", "flex"),
+    ):
         dispatch_log = []
         if name == "flex":
             token_dispatcher.fused_dispatch = recording_dispatch(dispatch_log)

@@ -50,12 +50,17 @@ TOKENS = SEQ * BATCH
 LAYERS = 2
 STEPS = 2
 MICROBATCHES = 3
-HOT = ((0, 1), (2, 3))  # per layer, all on EP rank 0 at EP2: the replicas of both layers run on rank 1
+HOT = (
+    (0, 1),
+    (2, 3),
+)  # per layer, all on EP rank 0 at EP2: the replicas of both layers run on rank 1
 RECIPES = ("tensorwise", "blockwise", "mxfp8")
 #: TE's switches of a recipe's scales (``te_grouped_fp8.POWER_2_SCALES_ENV``), measured without
 #: fp8 parameters: tensorwise with power-of-two scales, blockwise with fp32 scales.
-SCALE_VARIANTS = {"tensorwise-pow2-scales": ("tensorwise", "NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES"),
-                  "blockwise-fp32-scales": ("blockwise", "NVTE_FP8_BLOCK_SCALING_FP32_SCALES")}
+SCALE_VARIANTS = {
+    "tensorwise-pow2-scales": ("tensorwise", "NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES"),
+    "blockwise-fp32-scales": ("blockwise", "NVTE_FP8_BLOCK_SCALING_FP32_SCALES"),
+}
 
 
 def layer_weights(layer: int, step: int) -> dict[str, torch.Tensor]:
@@ -63,12 +68,18 @@ def layer_weights(layer: int, step: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(4321 + 100 * layer + step)
     return {
         "router": torch.randn(NUM_EXPERTS, HIDDEN, generator=gen) * 0.5,
-        "fc1": torch.randn(NUM_EXPERTS, FFN, HIDDEN, generator=gen) * HIDDEN ** -0.5,
-        "fc2": torch.randn(NUM_EXPERTS, HIDDEN, FFN, generator=gen) * FFN ** -0.5,
+        "fc1": torch.randn(NUM_EXPERTS, FFN, HIDDEN, generator=gen) * HIDDEN**-0.5,
+        "fc2": torch.randn(NUM_EXPERTS, HIDDEN, FFN, generator=gen) * FFN**-0.5,
     }
 
 
-def build_layers(ep_size: int, recipe: str | None, balanced: bool, stale_replica_cache: bool, fp8_param: bool = False):
+def build_layers(
+    ep_size: int,
+    recipe: str | None,
+    balanced: bool,
+    stale_replica_cache: bool,
+    fp8_param: bool = False,
+):
     """``LAYERS`` MoE layers (grouped experts, fp8 with ``recipe``, high precision without;
     quantized parameters with ``fp8_param``, megatron's ``--fp8-param-gather``); balanced ones share
     one BalancingContext."""
@@ -87,11 +98,21 @@ def build_layers(ep_size: int, recipe: str | None, balanced: bool, stale_replica
         parallel_state.initialize_model_parallel(expert_model_parallel_size=ep_size)
     model_parallel_cuda_manual_seed(123)
     config = TransformerConfig(
-        num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=FFN, moe_ffn_hidden_size=FFN,
-        num_attention_heads=4, num_moe_experts=NUM_EXPERTS, moe_router_topk=TOPK,
-        moe_token_dispatcher_type="alltoall", expert_model_parallel_size=ep_size,
-        moe_aux_loss_coeff=0.0, add_bias_linear=False, use_cpu_initialization=True,
-        bias_dropout_fusion=False, gradient_accumulation_fusion=False, moe_grouped_gemm=True,
+        num_layers=LAYERS,
+        hidden_size=HIDDEN,
+        ffn_hidden_size=FFN,
+        moe_ffn_hidden_size=FFN,
+        num_attention_heads=4,
+        num_moe_experts=NUM_EXPERTS,
+        moe_router_topk=TOPK,
+        moe_token_dispatcher_type="alltoall",
+        expert_model_parallel_size=ep_size,
+        moe_aux_loss_coeff=0.0,
+        add_bias_linear=False,
+        use_cpu_initialization=True,
+        bias_dropout_fusion=False,
+        gradient_accumulation_fusion=False,
+        moe_grouped_gemm=True,
     )
     if recipe is not None:
         toy_fp8.install_fp8_standins(recipe)
@@ -99,13 +120,24 @@ def build_layers(ep_size: int, recipe: str | None, balanced: bool, stale_replica
         config.fp8_param = fp8_param
     spec = torch_grouped_linear.grouped_moe_layer_spec()
     pgs = ProcessGroupCollection.use_mpu_process_groups()
-    balancing = BalancingContext(BalancerConfig(name="ultraep", num_slots=1, min_quota=1),
-                                 ring_size=LAYERS * MICROBATCHES) if balanced else None
+    balancing = (
+        BalancingContext(
+            BalancerConfig(name="ultraep", num_slots=1, min_quota=1),
+            ring_size=LAYERS * MICROBATCHES,
+        )
+        if balanced
+        else None
+    )
     layers = []
     for number in range(1, LAYERS + 1):
         if balanced:
-            layer = BalancedMoELayer(config=config, submodules=spec.keywords["submodules"],
-                                     pg_collection=pgs, is_mtp_layer=False, balancing=balancing)
+            layer = BalancedMoELayer(
+                config=config,
+                submodules=spec.keywords["submodules"],
+                pg_collection=pgs,
+                is_mtp_layer=False,
+                balancing=balancing,
+            )
         else:
             layer = spec(config=config, pg_collection=pgs, is_mtp_layer=False)
         layer.set_layer_number(number)
@@ -125,15 +157,19 @@ def move_stale_parts(layers) -> None:
     for layer in layers:
         layout = layer.expert_weight_layout
         keys = iter(key for parts in layout.parts for key, _, _ in parts)
-        fresh = [pad is not None or next(keys) in ("data", "rowwise_data") for pad in layout.padding]
+        fresh = [
+            pad is not None or next(keys) in ("data", "rowwise_data") for pad in layout.padding
+        ]
         moved = layer.main_expert_weights
 
         def stale(moved=moved, fresh=fresh):
             experts = moved()
             for position, keep in enumerate(fresh):
                 snapshot.setdefault(position, experts[0][position].clone())
-            return [[t if keep else snapshot[i] for i, (t, keep) in enumerate(zip(tensors, fresh))]
-                    for tensors in experts]
+            return [
+                [t if keep else snapshot[i] for i, (t, keep) in enumerate(zip(tensors, fresh))]
+                for tensors in experts
+            ]
 
         layer.main_expert_weights = stale
 
@@ -151,18 +187,33 @@ def offloading_refusal(ep_size: int) -> str:
     from ultraep_megatron.planner import BalancerConfig
 
     config = TransformerConfig(
-        num_layers=1, hidden_size=HIDDEN, ffn_hidden_size=FFN, moe_ffn_hidden_size=FFN,
-        num_attention_heads=4, num_moe_experts=NUM_EXPERTS, moe_router_topk=TOPK,
-        moe_token_dispatcher_type="alltoall", expert_model_parallel_size=ep_size,
-        moe_aux_loss_coeff=0.0, add_bias_linear=False, use_cpu_initialization=True,
-        bias_dropout_fusion=False, gradient_accumulation_fusion=False, moe_grouped_gemm=True,
-        fine_grained_activation_offloading=True, offload_modules=["expert_fc1", "moe_act"],
+        num_layers=1,
+        hidden_size=HIDDEN,
+        ffn_hidden_size=FFN,
+        moe_ffn_hidden_size=FFN,
+        num_attention_heads=4,
+        num_moe_experts=NUM_EXPERTS,
+        moe_router_topk=TOPK,
+        moe_token_dispatcher_type="alltoall",
+        expert_model_parallel_size=ep_size,
+        moe_aux_loss_coeff=0.0,
+        add_bias_linear=False,
+        use_cpu_initialization=True,
+        bias_dropout_fusion=False,
+        gradient_accumulation_fusion=False,
+        moe_grouped_gemm=True,
+        fine_grained_activation_offloading=True,
+        offload_modules=["expert_fc1", "moe_act"],
     )
     spec = torch_grouped_linear.grouped_moe_layer_spec()
     try:
-        BalancedMoELayer(config=config, submodules=spec.keywords["submodules"],
-                         pg_collection=ProcessGroupCollection.use_mpu_process_groups(), is_mtp_layer=False,
-                         balancing=BalancingContext(BalancerConfig(name="ultraep", num_slots=1, min_quota=1)))
+        BalancedMoELayer(
+            config=config,
+            submodules=spec.keywords["submodules"],
+            pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+            is_mtp_layer=False,
+            balancing=BalancingContext(BalancerConfig(name="ultraep", num_slots=1, min_quota=1)),
+        )
     except ValueError as refusal:
         return str(refusal)
     return ""
@@ -177,8 +228,13 @@ def load_weights(layer, weights):
 
 
 def expert_grads(layer) -> dict:
-    return {(int(expert), name): getattr(getattr(layer.experts, f"linear_{name}"), f"weight{local}").grad.clone()
-            for local, expert in enumerate(layer.local_expert_indices) for name in ("fc1", "fc2")}
+    return {
+        (int(expert), name): getattr(
+            getattr(layer.experts, f"linear_{name}"), f"weight{local}"
+        ).grad.clone()
+        for local, expert in enumerate(layer.local_expert_indices)
+        for name in ("fc1", "fc2")
+    }
 
 
 def replica_bytes_match(layer, weights, slot_weights, recipe: str) -> list[bool]:
@@ -190,15 +246,23 @@ def replica_bytes_match(layer, weights, slot_weights, recipe: str) -> list[bool]
     invocation = layer.token_dispatcher.invocation
     quantizer = toy_fp8.ToyQuantizer(recipe)
     matches = []
-    for expert, tensors in zip(invocation.plan.slot_expert[invocation.ep_rank].tolist(), slot_weights):
+    for expert, tensors in zip(
+        invocation.plan.slot_expert[invocation.ep_rank].tolist(), slot_weights
+    ):
         if expert < 0:
             continue
         for name, weight in zip(("fc1", "fc2"), tensors):
             metadata, want = weight.get_metadata(), quantizer.storages(weights[name][expert])
             # A cache derived from the moved parts is not moved (expert_slots.DERIVED_PARTS).
-            matches.append(all(torch.equal(metadata[key].view(torch.uint8), value.view(torch.uint8))
-                               if metadata[key] is not None else key in expert_slots.DERIVED_PARTS
-                               for key, value in want.items() if value is not None))
+            matches.append(
+                all(
+                    torch.equal(metadata[key].view(torch.uint8), value.view(torch.uint8))
+                    if metadata[key] is not None
+                    else key in expert_slots.DERIVED_PARTS
+                    for key, value in want.items()
+                    if value is not None
+                )
+            )
     return matches
 
 
@@ -212,10 +276,13 @@ def run(layers, balancing, rank: int, recipe: str | None = None) -> dict:
     current = {}
     if balancing is not None:
         for index, layer in enumerate(layers):
+
             def counting(*args, index=index, layer=layer, run_replicas=layer.run_replicas):
                 replica_calls[index] += 1
                 if recipe is not None:
-                    byte_matches.extend(replica_bytes_match(layer, current["weights"][index], args[0], recipe))
+                    byte_matches.extend(
+                        replica_bytes_match(layer, current["weights"][index], args[0], recipe)
+                    )
                 return run_replicas(*args)
 
             layer.run_replicas = counting
@@ -239,28 +306,47 @@ def run(layers, balancing, rank: int, recipe: str | None = None) -> dict:
                 out = out + layer(skew(x, w, hot))[0]
                 if balancing is not None:
                     invocation = layer.token_dispatcher.invocation
-                    replicated[index].update(e for e in invocation.plan.slot_expert.reshape(-1).tolist() if e >= 0)
-                    rows.append({"layer": index, "rows_per_slot": invocation.rows_per_slot.tolist(),
-                                 "slot_expert": invocation.plan.slot_expert.tolist()})
+                    replicated[index].update(
+                        e for e in invocation.plan.slot_expert.reshape(-1).tolist() if e >= 0
+                    )
+                    rows.append(
+                        {
+                            "layer": index,
+                            "rows_per_slot": invocation.rows_per_slot.tolist(),
+                            "slot_expert": invocation.plan.slot_expert.tolist(),
+                        }
+                    )
             xs.append(x), outs.append(out), ups.append(up)
         for out, up in zip(outs, ups):  # backwards in forward order, as a 1F1B stage does
             (out * up).sum().backward()
-        steps.append({
-            "out": [o.detach().clone() for o in outs],
-            "dx": [x.grad.clone() for x in xs],
-            "router_grads": [layer.router.weight.grad.clone() for layer in layers],
-            "expert_grads": [expert_grads(layer) for layer in layers],
-            "replicated": [sorted(r) for r in replicated],
-            "invocations": rows,
-        })
-    result = {"steps": steps, "replica_calls": replica_calls, "byte_matches": byte_matches,
-              "weight_class": type(layers[0].experts.linear_fc1.weight0).__name__}
+        steps.append(
+            {
+                "out": [o.detach().clone() for o in outs],
+                "dx": [x.grad.clone() for x in xs],
+                "router_grads": [layer.router.weight.grad.clone() for layer in layers],
+                "expert_grads": [expert_grads(layer) for layer in layers],
+                "replicated": [sorted(r) for r in replicated],
+                "invocations": rows,
+            }
+        )
+    result = {
+        "steps": steps,
+        "replica_calls": replica_calls,
+        "byte_matches": byte_matches,
+        "weight_class": type(layers[0].experts.linear_fc1.weight0).__name__,
+    }
     if balancing is not None:
         result["replica_grad_dtype"] = str(balancing.buffer.replica_grads.dtype)
     if balancing is not None and recipe is None:
-        result["replica_quantizations"] = balancing.replica_experts.module.linear_fc1.fp8_quantizations
-        result["replica_cache_disabled"] = balancing.replica_experts.module.linear_fc1.disable_parameter_transpose_cache
-        result["main_cache_disabled"] = layers[0].experts.linear_fc1.disable_parameter_transpose_cache
+        result["replica_quantizations"] = (
+            balancing.replica_experts.module.linear_fc1.fp8_quantizations
+        )
+        result["replica_cache_disabled"] = (
+            balancing.replica_experts.module.linear_fc1.disable_parameter_transpose_cache
+        )
+        result["main_cache_disabled"] = layers[
+            0
+        ].experts.linear_fc1.disable_parameter_transpose_cache
     # Casts of the main experts' fc1 weights (the first layer's): once per step, the cache between.
     result["main_quantizations"] = layers[0].experts.linear_fc1.fp8_quantizations
     return result
@@ -286,14 +372,20 @@ def main():
         layers, balancing = build_layers(world, None, balanced, False)
         results[key] = run(layers, balancing, rank)
     for recipe in RECIPES:
-        runs = [("none", False, False), ("balanced", True, False), ("stale", True, True),
-                ("no_reduction", True, False)]
+        runs = [
+            ("none", False, False),
+            ("balanced", True, False),
+            ("stale", True, True),
+            ("no_reduction", True, False),
+        ]
         for key, balanced, stale in runs:
             layers, balancing = build_layers(world, recipe, balanced, stale)
             with no_reduction() if key == "no_reduction" else contextlib.nullcontext():
                 results[f"{recipe}/{key}"] = run(layers, balancing, rank)
         # fp8 parameters (--fp8-param-gather): the replicas receive the main experts' quantized bytes.
-        runs = ["none", "balanced", "no_reduction", "stale_parts"] + (["stale_transpose"] if recipe == "tensorwise" else [])
+        runs = ["none", "balanced", "no_reduction", "stale_parts"] + (
+            ["stale_transpose"] if recipe == "tensorwise" else []
+        )
         for key in runs:
             balanced = key != "none"
             derived = expert_slots.DERIVED_PARTS
@@ -304,7 +396,9 @@ def main():
                 if key == "stale_parts":
                     move_stale_parts(layers)
                 with no_reduction() if key == "no_reduction" else contextlib.nullcontext():
-                    results[f"{recipe}/param/{key}"] = run(layers, balancing, rank, recipe if balanced else None)
+                    results[f"{recipe}/param/{key}"] = run(
+                        layers, balancing, rank, recipe if balanced else None
+                    )
             finally:
                 expert_slots.DERIVED_PARTS = derived
     for variant, (recipe, switch) in SCALE_VARIANTS.items():

@@ -83,23 +83,41 @@ SCENARIOS = {
     "router": dict(balancer="ultraep", planner="host", modules=ROUTER),
     "router_hybridep": dict(balancer="ultraep", planner="host", modules=ROUTER, dispatcher="flex"),
     "preprocess": dict(balancer="ultraep", planner="device", modules=PREPROCESS),
-    "stale_plan": dict(balancer="ultraep", planner="device", modules=PREPROCESS, fault="stale_plan"),
-    "host_planner_preprocess": dict(balancer="ultraep", planner="device", modules=PREPROCESS,
-                                    fault="host_planner"),
+    "stale_plan": dict(
+        balancer="ultraep", planner="device", modules=PREPROCESS, fault="stale_plan"
+    ),
+    "host_planner_preprocess": dict(
+        balancer="ultraep", planner="device", modules=PREPROCESS, fault="host_planner"
+    ),
     # fp8 (--fp8-format hybrid --fp8-recipe tensorwise), grouped experts over te_grouped_fp8's
     # stand-in of TE's fp8 grouped GEMM; each graphed layer against itself run eagerly.
     "none_fp8": dict(balancer=None, modules=ROUTER, fp8="tensorwise"),
     "none_fp8_eager": dict(balancer=None, modules=ROUTER, fp8="tensorwise", eager=True),
     "router_fp8": dict(balancer="ultraep", planner="host", modules=ROUTER, fp8="tensorwise"),
-    "router_fp8_eager": dict(balancer="ultraep", planner="host", modules=ROUTER, fp8="tensorwise", eager=True),
-    "stale_plan_fp8": dict(balancer="ultraep", planner="host", modules=ROUTER, fp8="tensorwise",
-                           fault="stale_host_plan"),
+    "router_fp8_eager": dict(
+        balancer="ultraep", planner="host", modules=ROUTER, fp8="tensorwise", eager=True
+    ),
+    "stale_plan_fp8": dict(
+        balancer="ultraep",
+        planner="host",
+        modules=ROUTER,
+        fp8="tensorwise",
+        fault="stale_host_plan",
+    ),
     "none_fp8_preprocess": dict(balancer=None, modules=PREPROCESS, fp8="tensorwise"),
-    "preprocess_fp8": dict(balancer="ultraep", planner="device", modules=PREPROCESS, fp8="tensorwise"),
-    "preprocess_fp8_eager": dict(balancer="ultraep", planner="device", modules=PREPROCESS, fp8="tensorwise",
-                                 eager=True),
-    "stale_preprocess_fp8": dict(balancer="ultraep", planner="device", modules=PREPROCESS, fp8="tensorwise",
-                                 fault="stale_plan"),
+    "preprocess_fp8": dict(
+        balancer="ultraep", planner="device", modules=PREPROCESS, fp8="tensorwise"
+    ),
+    "preprocess_fp8_eager": dict(
+        balancer="ultraep", planner="device", modules=PREPROCESS, fp8="tensorwise", eager=True
+    ),
+    "stale_preprocess_fp8": dict(
+        balancer="ultraep",
+        planner="device",
+        modules=PREPROCESS,
+        fp8="tensorwise",
+        fault="stale_plan",
+    ),
 }
 
 
@@ -118,8 +136,15 @@ class GraphChunk(torch.nn.Module):
         self.zero_grad(set_to_none=True)
 
 
-def build_layer(world: int, balancer, planner, modules: str, dispatcher: str = "alltoall",
-                fp8: Optional[str] = None, eager: bool = False):
+def build_layer(
+    world: int,
+    balancer,
+    planner,
+    modules: str,
+    dispatcher: str = "alltoall",
+    fp8: Optional[str] = None,
+    eager: bool = False,
+):
     """A TransformerLayer (local spec, MoE MLP with a shared expert), its MoE MLP balanced by
     ``balancer`` (``None``: megatron's MoELayer), with TE graphs of ``modules``; ``dispatcher``
     ``flex``: megatron's flex dispatcher over HybridEP. The router computes in fp32 (HybridEP takes
@@ -141,20 +166,38 @@ def build_layer(world: int, balancer, planner, modules: str, dispatcher: str = "
         parallel_state.initialize_model_parallel(expert_model_parallel_size=world)
     model_parallel_cuda_manual_seed(123)
     config = TransformerConfig(
-        num_layers=1, hidden_size=HIDDEN, ffn_hidden_size=FFN, moe_ffn_hidden_size=FFN, num_attention_heads=4,
-        num_moe_experts=NUM_EXPERTS, moe_router_topk=TOPK, moe_shared_expert_intermediate_size=SHARED_FFN,
-        moe_token_dispatcher_type=dispatcher, moe_flex_dispatcher_backend="hybridep", moe_router_dtype="fp32",
-        expert_model_parallel_size=world, moe_aux_loss_coeff=0.0,
-        add_bias_linear=False, use_cpu_initialization=True, bias_dropout_fusion=False,
-        gradient_accumulation_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,
-        bf16=True, params_dtype=torch.bfloat16, moe_grouped_gemm=fp8 is not None,
-        cuda_graph_impl="none" if eager else "transformer_engine", cuda_graph_modules=[] if eager else modules.split(),
+        num_layers=1,
+        hidden_size=HIDDEN,
+        ffn_hidden_size=FFN,
+        moe_ffn_hidden_size=FFN,
+        num_attention_heads=4,
+        num_moe_experts=NUM_EXPERTS,
+        moe_router_topk=TOPK,
+        moe_shared_expert_intermediate_size=SHARED_FFN,
+        moe_token_dispatcher_type=dispatcher,
+        moe_flex_dispatcher_backend="hybridep",
+        moe_router_dtype="fp32",
+        expert_model_parallel_size=world,
+        moe_aux_loss_coeff=0.0,
+        add_bias_linear=False,
+        use_cpu_initialization=True,
+        bias_dropout_fusion=False,
+        gradient_accumulation_fusion=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        moe_grouped_gemm=fp8 is not None,
+        cuda_graph_impl="none" if eager else "transformer_engine",
+        cuda_graph_modules=[] if eager else modules.split(),
         # One eager step runs here before the capture; the helper then warms each graph up once
         # (megatron asks TE for max(1, 10 - warm-up steps) warm-up iterations).
         cuda_graph_warmup_steps=10,
     )
     spec = get_gpt_layer_local_spec(num_experts=NUM_EXPERTS, moe_grouped_gemm=False)
-    if fp8 is not None:  # as overlapped_schedule.py: --fp8-format hybrid --fp8-recipe RECIPE without TE
+    if (
+        fp8 is not None
+    ):  # as overlapped_schedule.py: --fp8-format hybrid --fp8-recipe RECIPE without TE
         import toy_fp8
         import torch_grouped_linear
 
@@ -162,8 +205,14 @@ def build_layer(world: int, balancer, planner, modules: str, dispatcher: str = "
         toy_fp8.enable_fp8(config, fp8)
         spec.submodules.mlp = torch_grouped_linear.grouped_moe_layer_spec()
     if balancer is not None:
-        spec = apply_moe_balancer(spec, BalancingContext(
-            BalancerConfig(name=balancer, num_slots=1, min_quota=1), ring_size=4, planner=planner))
+        spec = apply_moe_balancer(
+            spec,
+            BalancingContext(
+                BalancerConfig(name=balancer, num_slots=1, min_quota=1),
+                ring_size=4,
+                planner=planner,
+            ),
+        )
     layer = build_module(spec, config=config, layer_number=1)
     layer.train()
     return layer
@@ -172,7 +221,9 @@ def build_layer(world: int, balancer, planner, modules: str, dispatcher: str = "
 def reference_state(layer) -> dict:
     """The weights every scenario loads: the first layer's, with the router rows spread out so a
     push towards two experts' rows makes them the top-k of most tokens."""
-    state = {k: v.detach().clone() for k, v in layer.state_dict().items() if isinstance(v, torch.Tensor)}
+    state = {
+        k: v.detach().clone() for k, v in layer.state_dict().items() if isinstance(v, torch.Tensor)
+    }
     gen = torch.Generator().manual_seed(4321)
     router = [k for k in state if k.endswith("mlp.router.weight")][0]
     state[router] = (torch.randn(NUM_EXPERTS, HIDDEN, generator=gen) * 0.5).to(state[router].dtype)
@@ -184,12 +235,18 @@ def step_inputs(rank: int, step: int, router_weight: torch.Tensor):
     gen = torch.Generator().manual_seed(1000 * step + rank)
     x = torch.randn(SEQ, BATCH, HIDDEN, generator=gen)
     direction = router_weight.float()[list(HOT[step])].sum(0)
-    x = x + 1.5 * direction / direction.norm() * HIDDEN ** 0.5
+    x = x + 1.5 * direction / direction.norm() * HIDDEN**0.5
     return x.to(torch.bfloat16), torch.randn(SEQ, BATCH, HIDDEN, generator=gen).to(torch.bfloat16)
 
 
 def causal_mask(batch: int):
-    return ~torch.tril(torch.ones(SEQ, SEQ)).bool().view(1, 1, SEQ, SEQ).expand(batch, 1, SEQ, SEQ).contiguous()
+    return (
+        ~torch.tril(torch.ones(SEQ, SEQ))
+        .bool()
+        .view(1, 1, SEQ, SEQ)
+        .expand(batch, 1, SEQ, SEQ)
+        .contiguous()
+    )
 
 
 def layer_fp8_context(layer):
@@ -202,13 +259,17 @@ def layer_fp8_context(layer):
 
     if layer.config.fp8 is None:
         return contextlib.nullcontext()
-    group = parallel_state.get_amax_reduction_group(with_context_parallel=True,
-                                                    tp_only_amax_red=layer.config.tp_only_amax_red)
-    return te_graph_standin.fp8_autocast(enabled=True, fp8_recipe=te_graph_standin.get_fp8_recipe(layer.config),
-                                         fp8_group=group)
+    group = parallel_state.get_amax_reduction_group(
+        with_context_parallel=True, tp_only_amax_red=layer.config.tp_only_amax_red
+    )
+    return te_graph_standin.fp8_autocast(
+        enabled=True, fp8_recipe=te_graph_standin.get_fp8_recipe(layer.config), fp8_group=group
+    )
 
 
-def train_step(layer, rank: int, step: int, router_weight, permute: bool = False, split: bool = False):
+def train_step(
+    layer, rank: int, step: int, router_weight, permute: bool = False, split: bool = False
+):
     """One training step as a TransformerBlock runs the layer: (out, dx, grads by name), in the
     original batch order. ``permute``: the sequences in the other batch order; ``split``: one
     sequence per microbatch, forward and backward each. Each microbatch's gradients are taken out
@@ -217,7 +278,7 @@ def train_step(layer, rank: int, step: int, router_weight, permute: bool = False
     replay overwrites."""
     x, up = step_inputs(rank, step, router_weight)
     order = torch.tensor([1, 0]) if permute else torch.arange(BATCH)
-    microbatches = [order[i:i + 1] for i in range(BATCH)] if split else [order]
+    microbatches = [order[i : i + 1] for i in range(BATCH)] if split else [order]
     layer.zero_grad(set_to_none=True)
     layer.set_is_first_microbatch()  # megatron's schedule, at a step's first microbatch (fp8 casts anew)
     outs, dxs, grads = [], [], {}
@@ -240,7 +301,9 @@ def state_for(layer, state: dict) -> dict:
     """``state`` (the SequentialMLP experts' weights, ``experts.local_experts.{i}.linear_fc{1,2}.weight``)
     in ``layer``'s layout: grouped experts hold expert i's as ``experts.linear_fc{1,2}.weight{i}``."""
     names = set(layer.state_dict())
-    if not any(".local_experts." in key for key in state) or any(".local_experts." in key for key in names):
+    if not any(".local_experts." in key for key in state) or any(
+        ".local_experts." in key for key in names
+    ):
         return state
     mapped = {}
     for key, value in state.items():
@@ -255,19 +318,31 @@ def state_for(layer, state: dict) -> dict:
 def run_scenario(name: str, sc: dict, world: int, rank: int, state: dict, standin) -> dict:
     from megatron.core.transformer import cuda_graphs
 
-    layer = build_layer(world, sc["balancer"], sc.get("planner"), sc["modules"], sc.get("dispatcher", "alltoall"),
-                        fp8=sc.get("fp8"), eager=sc.get("eager", False))
+    layer = build_layer(
+        world,
+        sc["balancer"],
+        sc.get("planner"),
+        sc["modules"],
+        sc.get("dispatcher", "alltoall"),
+        fp8=sc.get("fp8"),
+        eager=sc.get("eager", False),
+    )
     layer.load_state_dict(state_for(layer, state), strict=True)
     router_weight = layer.mlp.router.weight.detach().clone()
     moe = layer.mlp
     manager = getattr(moe.token_dispatcher, "_comm_manager", None)
-    result = {"moe_class": type(moe).__name__, "dispatcher_class": type(moe.token_dispatcher).__name__,
-              "manager_class": type(manager).__name__ if manager is not None else None}
+    result = {
+        "moe_class": type(moe).__name__,
+        "dispatcher_class": type(moe.token_dispatcher).__name__,
+        "manager_class": type(manager).__name__ if manager is not None else None,
+    }
     balancing = getattr(moe, "balancing", None)
     feed = dict(permute=sc.get("permute", False), split=sc.get("split", False))
     train_step(layer, rank, 0, router_weight, **feed)  # the eager warm-up step
 
-    if sc.get("fault") == "host_planner":  # what the startup check refuses: plan on the host in the graph
+    if (
+        sc.get("fault") == "host_planner"
+    ):  # what the startup check refuses: plan on the host in the graph
         balancing.planner, balancing.plans_on_device = "host", False
     if sc.get("fault") == "stale_plan":  # every step completes the first plan's host half
         complete, first = balancing.complete_device_plan, []
@@ -297,7 +372,9 @@ def run_scenario(name: str, sc: dict, world: int, rank: int, state: dict, standi
     def counting_router(*args, **kwargs):
         calls["router"] += 1
         manager = standin.FP8GlobalStateManager
-        fp8_seen.append((manager.FP8_ENABLED, type(manager.FP8_RECIPE).__name__, manager.FP8_GRAPH_CAPTURING))
+        fp8_seen.append(
+            (manager.FP8_ENABLED, type(manager.FP8_RECIPE).__name__, manager.FP8_GRAPH_CAPTURING)
+        )
         return router_forward(*args, **kwargs)
 
     moe.router.forward = counting_router
@@ -311,15 +388,22 @@ def run_scenario(name: str, sc: dict, world: int, rank: int, state: dict, standi
         moe.token_dispatcher.begin_invocation = counting_plan
     forward_graph = backward_graph = None
     if not sc.get("eager"):
-        helper = cuda_graphs.TECudaGraphHelper(model=[GraphChunk(layer)], config=layer.config, seq_length=SEQ,
-                                               micro_batch_size=1 if feed["split"] else BATCH)
+        helper = cuda_graphs.TECudaGraphHelper(
+            model=[GraphChunk(layer)],
+            config=layer.config,
+            seq_length=SEQ,
+            micro_batch_size=1 if feed["split"] else BATCH,
+        )
         captured = standin.make_graphed_callables
         graphed_with = {}
 
         def recording(*args, **kwargs):  # what megatron hands TE's make_graphed_callables under fp8
-            graphed_with.update({k: kwargs.get(k) for k in ("fp8_enabled", "fp8_recipe", "fp8_weight_caching")})
-            graphed_with["fp8_group_size"] = (kwargs["fp8_group"].size() if kwargs.get("fp8_group") is not None
-                                              else None)
+            graphed_with.update(
+                {k: kwargs.get(k) for k in ("fp8_enabled", "fp8_recipe", "fp8_weight_caching")}
+            )
+            graphed_with["fp8_group_size"] = (
+                kwargs["fp8_group"].size() if kwargs.get("fp8_group") is not None else None
+            )
             return captured(*args, **kwargs)
 
         cuda_graphs.make_graphed_callables = recording
@@ -332,7 +416,9 @@ def run_scenario(name: str, sc: dict, world: int, rank: int, state: dict, standi
             return result
         finally:
             cuda_graphs.make_graphed_callables = captured
-        result["graphed_with"] = {k: (v if k != "fp8_recipe" else repr(v)) for k, v in graphed_with.items()}
+        result["graphed_with"] = {
+            k: (v if k != "fp8_recipe" else repr(v)) for k, v in graphed_with.items()
+        }
         result["capture_calls"] = dict(calls)
         result["fp8_at_capture"] = list(fp8_seen)
         forward_graph, backward_graph = layer.cuda_graphs[0].graphs
@@ -366,14 +452,20 @@ def run_scenario(name: str, sc: dict, world: int, rank: int, state: dict, standi
         flag = standin.FP8GlobalStateManager.skip_fp8_weight_update_tensor
         skips.append(None if flag is None else float(flag[0]))
     result.update(
-        steps=steps, received_rows=received, replay_calls=dict(calls),
-        replays=(forward_graph.replays, backward_graph.replays) if forward_graph is not None else (0, 0),
-        fp8_at_replay=list(fp8_seen), skip_flags=skips,
+        steps=steps,
+        received_rows=received,
+        replay_calls=dict(calls),
+        replays=(forward_graph.replays, backward_graph.replays)
+        if forward_graph is not None
+        else (0, 0),
+        fp8_at_replay=list(fp8_seen),
+        skip_flags=skips,
         backward_reductions=standin.FP8GlobalStateManager.reductions[False] - reductions,
         fp8_casts=sum(getattr(m, "fp8_quantizations", 0) for m in layer.modules()),
         ring_live=balancing.ring.live if balancing is not None else 0,
         stats=balancing.pop_stats() if balancing is not None else {},
-        planner=balancing.planner if balancing is not None else None)
+        planner=balancing.planner if balancing is not None else None,
+    )
     return result
 
 
@@ -395,8 +487,13 @@ def main():
 
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     # One microbatch per step on every data-parallel rank (TECudaGraphHelper reads the count).
-    init_num_microbatches_calculator(rank, None, global_batch_size=BATCH * world, micro_batch_size=BATCH,
-                                     data_parallel_size=world)
+    init_num_microbatches_calculator(
+        rank,
+        None,
+        global_batch_size=BATCH * world,
+        micro_batch_size=BATCH,
+        data_parallel_size=world,
+    )
     state = reference_state(build_layer(world, None, None, ROUTER))
     te_graph_standin.install()  # after megatron decided what TE provides (at import), before any capture
     results = {}

@@ -46,13 +46,20 @@ SCENARIOS = {
     # The flex dispatcher over deepep_gloo's stand-ins, which report the real libraries' host waits.
     "ep4-hybridep": dict(ep=4, recompute=False, dispatcher="flex", flex_backend="hybridep"),
     "ep4-deepep": dict(ep=4, recompute=False, dispatcher="flex", flex_backend="deepep"),
-    "ep4-hybridep-unmodified": dict(ep=4, recompute=False, dispatcher="flex", flex_backend="hybridep",
-                                    fault="megatron-flex-dispatch"),
+    "ep4-hybridep-unmodified": dict(
+        ep=4,
+        recompute=False,
+        dispatcher="flex",
+        flex_backend="hybridep",
+        fault="megatron-flex-dispatch",
+    ),
     # --moe-balancer-planner device: the plan made on the device, crossing once after the permutation.
     "ep2-device": dict(ep=2, recompute=False, planner="device"),
     "ep4-device": dict(ep=4, recompute=False, planner="device"),
     "ep4-recompute-device": dict(ep=4, recompute=True, planner="device"),
-    "ep4-device-item-in-plan": dict(ep=4, recompute=False, planner="device", fault="item-in-device-plan"),
+    "ep4-device-item-in-plan": dict(
+        ep=4, recompute=False, planner="device", fault="item-in-device-plan"
+    ),
 }
 
 _COUNTER = None
@@ -80,8 +87,11 @@ def measure(layer, weights, rank, counter, microbatches: int = 2) -> dict:
         finally:
             _COUNTER = None
     stats = balancing.pop_stats() if balancing is not None else {}
-    return {"counts": dict(counter.counts), "events": counter.events,
-            "replicas": sum(v["replicas"] for v in stats.values())}
+    return {
+        "counts": dict(counter.counts),
+        "events": counter.events,
+        "replicas": sum(v["replicas"] for v in stats.values()),
+    }
 
 
 @contextlib.contextmanager
@@ -130,9 +140,15 @@ def main():
     for name, sc in SCENARIOS.items():
         results[name] = {}
         for which in ("none", "balanced"):
-            layer = build_layer(sc["ep"], None if which == "none" else "ultraep", 2, sc["recompute"],
-                                sc.get("dispatcher", "alltoall"), flex_backend=sc.get("flex_backend", "deepep"),
-                                planner=sc.get("planner") if which == "balanced" else None)
+            layer = build_layer(
+                sc["ep"],
+                None if which == "none" else "ultraep",
+                2,
+                sc["recompute"],
+                sc.get("dispatcher", "alltoall"),
+                flex_backend=sc.get("flex_backend", "deepep"),
+                planner=sc.get("planner") if which == "balanced" else None,
+            )
             load_weights(layer, weights)
             if which == "balanced" and sc.get("check_plans"):
                 layer.balancing.check_plans = True
@@ -147,8 +163,9 @@ def main():
             if which == "balanced" and sc.get("fault") == "megatron-flex-dispatch":
                 # megatron's own fused dispatch, without the plan's counts handed to HybridEP
                 dispatcher = layer.token_dispatcher
-                dispatcher.token_dispatch = lambda *a, _d=dispatcher, **k: MoEFlexTokenDispatcher.token_dispatch(
-                    _d, *a, **k)
+                dispatcher.token_dispatch = lambda *a, _d=dispatcher, **k: (
+                    MoEFlexTokenDispatcher.token_dispatch(_d, *a, **k)
+                )
             if which == "balanced" and sc.get("fault") == "item":
                 start = layer.start_reduction
 

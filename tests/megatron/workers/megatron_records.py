@@ -22,15 +22,16 @@ def global_parameter_names(model_chunks) -> dict[tuple[int, str], str]:
             if isinstance(module, TransformerLayer) and not module.is_mtp_layer:
                 layer_renames.append((f"{name}.", f"decoder.layers.{module.layer_number - 1}."))
             if isinstance(module, BaseMoELayer):
-                expert_renames += [(f"{name}.experts.local_experts.{j}.",
-                                    f"{name}.experts.local_experts.{e}.")
-                                   for j, e in enumerate(module.local_expert_indices)]
+                expert_renames += [
+                    (f"{name}.experts.local_experts.{j}.", f"{name}.experts.local_experts.{e}.")
+                    for j, e in enumerate(module.local_expert_indices)
+                ]
         for name, _ in chunk.named_parameters():
             new = name
             for renames in (expert_renames, layer_renames):  # expert index, then layer prefix
                 for prefix, replacement in renames:
                     if new.startswith(prefix):
-                        new = replacement + new[len(prefix):]
+                        new = replacement + new[len(prefix) :]
                         break
             names[(c, name)] = re.sub(r"^(module\.)+", "", new)
     return names
@@ -44,12 +45,21 @@ def reduced_gradients(model_chunks, names) -> dict[str, tuple[torch.Tensor, torc
     out = {}
     for c, chunk in enumerate(model_chunks):
         param_names = {id(p): names[(c, name)] for name, p in chunk.named_parameters()}
-        groups = [*getattr(chunk, "bucket_groups", []), *getattr(chunk, "expert_parallel_bucket_groups", [])]
+        groups = [
+            *getattr(chunk, "bucket_groups", []),
+            *getattr(chunk, "expert_parallel_bucket_groups", []),
+        ]
         sharded = bool(groups) and groups[0].ddp_config.use_distributed_optimizer
         for group in groups:
             # Without the distributed optimizer every rank holds whole reduced buckets.
-            shards, rank = ((group.intra_distributed_optimizer_instance_size,
-                             group.intra_distributed_optimizer_instance_rank) if sharded else (1, 0))
+            shards, rank = (
+                (
+                    group.intra_distributed_optimizer_instance_size,
+                    group.intra_distributed_optimizer_instance_rank,
+                )
+                if sharded
+                else (1, 0)
+            )
             for bucket in group.buckets:
                 shard = bucket.grad_data.numel() // shards
                 for param in bucket.params_list:
@@ -66,7 +76,9 @@ def set_expert_bias(model_chunks, values) -> None:
     from megatron.core.transformer.moe.router import TopKRouter
 
     routers = [m for chunk in model_chunks for m in chunk.modules() if isinstance(m, TopKRouter)]
-    assert routers and all(r.expert_bias is not None for r in routers), "--moe-router-enable-expert-bias"
+    assert routers and all(r.expert_bias is not None for r in routers), (
+        "--moe-router-enable-expert-bias"
+    )
     with torch.no_grad():
         for router in routers:
             router.expert_bias.copy_(torch.tensor(values))
@@ -80,7 +92,9 @@ def expert_biases(model_chunks, names) -> dict:
     for c, chunk in enumerate(model_chunks):
         for name, module in chunk.named_modules():
             if isinstance(module, TopKRouter) and module.expert_bias is not None:
-                out[names[(c, f"{name}.weight")].rsplit(".", 1)[0]] = module.expert_bias.detach().clone()
+                out[names[(c, f"{name}.weight")].rsplit(".", 1)[0]] = (
+                    module.expert_bias.detach().clone()
+                )
     return out
 
 
@@ -102,7 +116,7 @@ class GradReadyOrder:
     """
 
     def __init__(self):
-        self.names = {}   # id(parameter) -> name
+        self.names = {}  # id(parameter) -> name
         self.groups = {}  # id(bucket group) -> (family, index)
         self.buckets = []
         self.events = {}
@@ -120,7 +134,9 @@ class GradReadyOrder:
             result = original(group, param, force_all_reduce)
             events = recorder.events.setdefault(recorder.iteration, [])
             family, index = recorder.groups[id(group)]
-            events.append(("ready", family, index, recorder.names[id(param)], bool(group.is_last_microbatch)))
+            events.append(
+                ("ready", family, index, recorder.names[id(param)], bool(group.is_last_microbatch))
+            )
             if not started and group.grad_reduce_handle is not None:
                 events.append(("sync", family, index))
             return result
@@ -135,13 +151,28 @@ class GradReadyOrder:
 
         for c, chunk in enumerate(model_chunks):
             self.names.update({id(p): f"{c}/{name}" for name, p in chunk.named_parameters()})
-            for family, groups in (("dense", chunk.bucket_groups), ("expert", chunk.expert_parallel_bucket_groups)):
+            for family, groups in (
+                ("dense", chunk.bucket_groups),
+                ("expert", chunk.expert_parallel_bucket_groups),
+            ):
                 for group in groups:
-                    self.groups[id(group)] = (family, len([b for b in self.buckets if b["family"] == family]))
-                    self.buckets.append({
-                        "family": family, "index": self.groups[id(group)][1],
-                        "ranks": dist.get_process_group_ranks(group.intra_distributed_optimizer_instance_group),
-                        "buckets": [[self.names[id(p)] for p in bucket.params_list] for bucket in group.buckets]})
+                    self.groups[id(group)] = (
+                        family,
+                        len([b for b in self.buckets if b["family"] == family]),
+                    )
+                    self.buckets.append(
+                        {
+                            "family": family,
+                            "index": self.groups[id(group)][1],
+                            "ranks": dist.get_process_group_ranks(
+                                group.intra_distributed_optimizer_instance_group
+                            ),
+                            "buckets": [
+                                [self.names[id(p)] for p in bucket.params_list]
+                                for bucket in group.buckets
+                            ],
+                        }
+                    )
 
     def on_plan(self, invocation) -> None:
         experts = sorted(int(e) for e in invocation.plan.slot_expert.reshape(-1).tolist() if e >= 0)

@@ -30,16 +30,18 @@ def global_weights() -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(1234)
     return {
         "router": torch.randn(NUM_EXPERTS, HIDDEN, generator=gen) * 0.5,
-        "fc1": torch.randn(NUM_EXPERTS, FFN, HIDDEN, generator=gen) * HIDDEN ** -0.5,
-        "fc2": torch.randn(NUM_EXPERTS, HIDDEN, FFN, generator=gen) * FFN ** -0.5,
+        "fc1": torch.randn(NUM_EXPERTS, FFN, HIDDEN, generator=gen) * HIDDEN**-0.5,
+        "fc2": torch.randn(NUM_EXPERTS, HIDDEN, FFN, generator=gen) * FFN**-0.5,
     }
 
 
 def rank_inputs(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's tokens and upstream gradient, both [SEQ, BATCH, H]; different per rank."""
     gen = torch.Generator().manual_seed(100 + rank)
-    return (torch.randn(SEQ, BATCH, HIDDEN, generator=gen),
-            torch.randn(SEQ, BATCH, HIDDEN, generator=gen))
+    return (
+        torch.randn(SEQ, BATCH, HIDDEN, generator=gen),
+        torch.randn(SEQ, BATCH, HIDDEN, generator=gen),
+    )
 
 
 def build_layer(ep_size: int):
@@ -53,16 +55,28 @@ def build_layer(ep_size: int):
     parallel_state.initialize_model_parallel(expert_model_parallel_size=ep_size)
     model_parallel_cuda_manual_seed(123)
     config = TransformerConfig(
-        num_layers=1, hidden_size=HIDDEN, ffn_hidden_size=FFN, moe_ffn_hidden_size=FFN,
-        num_attention_heads=4, num_moe_experts=NUM_EXPERTS, moe_router_topk=TOPK,
-        moe_token_dispatcher_type="alltoall", expert_model_parallel_size=ep_size,
-        moe_aux_loss_coeff=0.0, add_bias_linear=False, use_cpu_initialization=True,
-        bias_dropout_fusion=False, gradient_accumulation_fusion=False,
+        num_layers=1,
+        hidden_size=HIDDEN,
+        ffn_hidden_size=FFN,
+        moe_ffn_hidden_size=FFN,
+        num_attention_heads=4,
+        num_moe_experts=NUM_EXPERTS,
+        moe_router_topk=TOPK,
+        moe_token_dispatcher_type="alltoall",
+        expert_model_parallel_size=ep_size,
+        moe_aux_loss_coeff=0.0,
+        add_bias_linear=False,
+        use_cpu_initialization=True,
+        bias_dropout_fusion=False,
+        gradient_accumulation_fusion=False,
     )
     # In 0.19 the MoE "spec" is an MlpBuilder: a partial of MoELayer with its submodules.
     builder = get_moe_module_spec(use_te=False, num_experts=NUM_EXPERTS, moe_grouped_gemm=False)
-    layer = builder(config=config, pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
-                    is_mtp_layer=False)
+    layer = builder(
+        config=config,
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+        is_mtp_layer=False,
+    )
     layer.set_layer_number(1)
     return layer
 
@@ -92,8 +106,10 @@ def run(layer, x: torch.Tensor, upstream: torch.Tensor) -> dict:
         "dx": x.grad.detach().clone(),
         "router_grad": layer.router.weight.grad.detach().clone(),
         "expert_grads": {
-            int(idx): (mlp.linear_fc1.weight.grad.detach().clone(),
-                       mlp.linear_fc2.weight.grad.detach().clone())
+            int(idx): (
+                mlp.linear_fc1.weight.grad.detach().clone(),
+                mlp.linear_fc2.weight.grad.detach().clone(),
+            )
             for idx, mlp in zip(layer.local_expert_indices, layer.experts.local_experts)
         },
     }
@@ -127,7 +143,8 @@ def main():
             record = run(layer, x, upstream)
             record["loaded_experts"] = loaded
             record["ep_group"] = torch.distributed.get_process_group_ranks(
-                parallel_state.get_expert_model_parallel_group())
+                parallel_state.get_expert_model_parallel_group()
+            )
             results["runs"][f"ep{ep_size}{suffix}"] = record
     torch.save(results, os.path.join(cli.out_dir, f"rank{rank}.pt"))
     parallel_state.destroy_model_parallel()

@@ -78,14 +78,19 @@ SCENARIOS = {
     "overlap_hybridep": dict(dispatcher="flex"),
     "delay": dict(delay=True),
     "delay_hybridep": dict(delay=True, dispatcher="flex"),
-    "delay_reduced_before_dw": dict(delay=True, fault="reduced_before_backward_dw", references="delay"),
-    "delay_hooks_in_plan_order": dict(delay=True, fault="dw_hooks_in_plan_order", references="delay"),
+    "delay_reduced_before_dw": dict(
+        delay=True, fault="reduced_before_backward_dw", references="delay"
+    ),
+    "delay_hooks_in_plan_order": dict(
+        delay=True, fault="dw_hooks_in_plan_order", references="delay"
+    ),
     # fp8 (tensorwise current scaling) over te_grouped_fp8's stand-in of TE's fp8 grouped GEMM: the
     # undelayed twin first, then the delayed run, then the delayed run with the fault
     "overlap_fp8": dict(grouped=True, fp8="tensorwise"),
     "delay_fp8": dict(delay=True, fp8="tensorwise"),
-    "delay_fp8_reduced_before_dw": dict(delay=True, fp8="tensorwise", fault="reduced_before_backward_dw",
-                                        references="delay_fp8"),
+    "delay_fp8_reduced_before_dw": dict(
+        delay=True, fp8="tensorwise", fault="reduced_before_backward_dw", references="delay_fp8"
+    ),
 }
 
 
@@ -95,22 +100,43 @@ def model_config(sc, balancer, ep):
 
     flex = sc.get("dispatcher") == "flex"
     config = TransformerConfig(
-        num_layers=2, hidden_size=HIDDEN, ffn_hidden_size=2 * HIDDEN, num_attention_heads=4,
-        num_moe_experts=EXPERTS, moe_router_topk=TOPK, moe_ffn_hidden_size=FFN,
-        moe_token_dispatcher_type="flex" if flex else "alltoall", moe_flex_dispatcher_backend="hybridep",
+        num_layers=2,
+        hidden_size=HIDDEN,
+        ffn_hidden_size=2 * HIDDEN,
+        num_attention_heads=4,
+        num_moe_experts=EXPERTS,
+        moe_router_topk=TOPK,
+        moe_ffn_hidden_size=FFN,
+        moe_token_dispatcher_type="flex" if flex else "alltoall",
+        moe_flex_dispatcher_backend="hybridep",
         moe_router_dtype="fp32" if flex else None,
-        expert_model_parallel_size=ep, moe_grouped_gemm=bool(sc.get("delay") or sc.get("grouped")),
-        add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
-        activation_func=F.silu, gated_linear_unit=True, normalization="RMSNorm",
-        overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=bool(sc.get("delay")),
-        moe_aux_loss_coeff=0.0, use_cpu_initialization=True, bias_dropout_fusion=False,
-        gradient_accumulation_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,
+        expert_model_parallel_size=ep,
+        moe_grouped_gemm=bool(sc.get("delay") or sc.get("grouped")),
+        add_bias_linear=False,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        pipeline_dtype=torch.bfloat16,
+        activation_func=F.silu,
+        gated_linear_unit=True,
+        normalization="RMSNorm",
+        overlap_moe_expert_parallel_comm=True,
+        delay_wgrad_compute=bool(sc.get("delay")),
+        moe_aux_loss_coeff=0.0,
+        use_cpu_initialization=True,
+        bias_dropout_fusion=False,
+        gradient_accumulation_fusion=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
         # DeepSeek-V3's routing with a fixed expert bias (set after the build, never updated here):
         # skewed towards EP rank 0's experts, the same way on every rank and run, so balancing must
         # replicate, and the floor's batch swap routes each batch as the reference does
-        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0,
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_bias_update_rate=0.0,
     )
-    if sc.get("fp8"):  # megatron's --fp8-format hybrid --fp8-recipe RECIPE, without TE (as fp8_moe_layer.py)
+    if sc.get(
+        "fp8"
+    ):  # megatron's --fp8-format hybrid --fp8-recipe RECIPE, without TE (as fp8_moe_layer.py)
         import toy_fp8
 
         toy_fp8.install_fp8_standins(sc["fp8"])
@@ -143,14 +169,25 @@ def build_model(sc, balancer):
     if balancer is not None:
         # A replica takes at least MIN_QUOTA rows: a GEMM of one or two rows runs another kernel on
         # some CPUs (its rows round otherwise), which no layout of ``none`` reproduces.
-        balancing = BalancingContext(BalancerConfig(name=balancer, num_slots=2, min_quota=MIN_QUOTA),
-                                     planner=sc.get("planner"))
+        balancing = BalancingContext(
+            BalancerConfig(name=balancer, num_slots=2, min_quota=MIN_QUOTA),
+            planner=sc.get("planner"),
+        )
         spec = apply_moe_balancer(spec, balancing)
-    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
-                     position_embedding_type="rope")
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True,
-                                               use_distributed_optimizer=True, bucket_size=2000,
-                                               delay_wgrad_compute=bool(sc.get("delay")))
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        position_embedding_type="rope",
+    )
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=True,
+        use_distributed_optimizer=True,
+        bucket_size=2000,
+        delay_wgrad_compute=bool(sc.get("delay")),
+    )
     ddp = DistributedDataParallel(config, ddp_config, model)
     set_expert_bias([ddp], EXPERT_BIAS)
     return ddp, balancing
@@ -160,8 +197,10 @@ def batches(rank: int, step: int):
     """The step's ``MICROBATCHES`` microbatches of (tokens, labels) [MICRO_BATCH, SEQ] on ``rank``."""
     gen = torch.Generator().manual_seed(10_000 * step + rank)
     sequences = torch.randint(0, VOCAB, (MICROBATCHES * MICRO_BATCH, SEQ + 1), generator=gen)
-    return [(chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous())
-            for chunk in sequences.split(MICRO_BATCH)]
+    return [
+        (chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous())
+        for chunk in sequences.split(MICRO_BATCH)
+    ]
 
 
 def initialize_by_global_name(ddp, names: dict) -> None:
@@ -193,9 +232,12 @@ def forward_step(data_iterator, model, return_schedule_plan=False):
         return loss, num_tokens, {"lm loss": torch.stack([loss.detach(), num_tokens.float()])}
 
     if return_schedule_plan:
-        return model.build_schedule_plan(tokens, position_ids, attention_mask, labels=labels,
-                                         loss_mask=loss_mask), loss_func
-    return model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask), loss_func
+        return model.build_schedule_plan(
+            tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask
+        ), loss_func
+    return model(
+        tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask
+    ), loss_func
 
 
 class NodeCalls:
@@ -319,8 +361,10 @@ def _dw_hooks_in_plan_order():
 
 _CURRENT_DW_LAYER: list = []
 
-FAULTS = {"reduced_before_backward_dw": contextlib.contextmanager(_reduced_before_backward_dw),
-          "dw_hooks_in_plan_order": contextlib.contextmanager(_dw_hooks_in_plan_order)}
+FAULTS = {
+    "reduced_before_backward_dw": contextlib.contextmanager(_reduced_before_backward_dw),
+    "dw_hooks_in_plan_order": contextlib.contextmanager(_dw_hooks_in_plan_order),
+}
 
 
 def grouped_expert_names(ddp, names: dict) -> dict:
@@ -337,8 +381,11 @@ def grouped_expert_names(ddp, names: dict) -> dict:
         match = re.match(r"^(.*\.experts\.linear_fc\d\.(?:weight|bias))(\d+)$", key[1])
         prefix = next((p for p in local_to_global if match and key[1].startswith(p)), None)
         if prefix is not None:
-            global_name = re.sub(r"(weight|bias)\d+$", rf"\g<1>{local_to_global[prefix][int(match.group(2))]}",
-                                 global_name)
+            global_name = re.sub(
+                r"(weight|bias)\d+$",
+                rf"\g<1>{local_to_global[prefix][int(match.group(2))]}",
+                global_name,
+            )
         out[key] = global_name
     return out
 
@@ -361,9 +408,17 @@ def train(ddp, balancing, rank: int, order_recorder) -> dict:
         def recording(state, *args, **kwargs):
             invocation = plan(state, *args, **kwargs)
             if state.training:
-                plans.append((state.layer_number,
-                              sorted(int(e) for e in invocation.plan.slot_expert.reshape(-1).tolist() if e >= 0),
-                              [int(n) for n in invocation.replica_rows]))
+                plans.append(
+                    (
+                        state.layer_number,
+                        sorted(
+                            int(e)
+                            for e in invocation.plan.slot_expert.reshape(-1).tolist()
+                            if e >= 0
+                        ),
+                        [int(n) for n in invocation.replica_rows],
+                    )
+                )
             return invocation
 
         balancing._invocation = recording
@@ -376,9 +431,15 @@ def train(ddp, balancing, rank: int, order_recorder) -> dict:
         order_recorder.begin(step, [ddp])
         plans.clear()
         data = iter(batches(rank, step))
-        reports = forward_backward(forward_step_func=forward_step, data_iterator=data, model=[ddp],
-                                   num_microbatches=MICROBATCHES, seq_length=SEQ, micro_batch_size=MICRO_BATCH,
-                                   forward_only=False)
+        reports = forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=data,
+            model=[ddp],
+            num_microbatches=MICROBATCHES,
+            seq_length=SEQ,
+            micro_batch_size=MICRO_BATCH,
+            forward_only=False,
+        )
         ddp.finish_grad_sync()
         out["grads"][step] = reduced_gradients([ddp], names)  # {global name: (gradient, owned)}
         out["losses"][step] = [float(r["lm loss"][0]) for r in reports]
@@ -411,7 +472,10 @@ def main():
     scenarios = {name: sc for name, sc in SCENARIOS.items() if not cli.only or name in cli.only}
     results = {}
     # The floors first, at EP 4, then the compared runs at EP 2: megatron's groups are made twice.
-    for ep, runs in ((FLOOR_EP, [("none_floor", None)]), (EP, [("none", None), ("ultraep", "ultraep")])):
+    for ep, runs in (
+        (FLOOR_EP, [("none_floor", None)]),
+        (EP, [("none", None), ("ultraep", "ultraep")]),
+    ):
         parallel_state.destroy_model_parallel()
         parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)
         for name, sc in scenarios.items():
@@ -420,7 +484,11 @@ def main():
                     results[f"{name}/{key}"] = results[f"{sc['references']}/{key}"]
                     continue
                 order.__init__()  # a fresh record for this run (its hook stays installed)
-                fault = FAULTS[sc["fault"]]() if "fault" in sc and balancer else contextlib.nullcontext()
+                fault = (
+                    FAULTS[sc["fault"]]()
+                    if "fault" in sc and balancer
+                    else contextlib.nullcontext()
+                )
                 nodes = NodeCalls()
                 with fault, nodes.installed():
                     ddp, balancing = build_model(sc, balancer)

@@ -61,6 +61,7 @@ REPO = Path(__file__).resolve().parents[3]
 # patches the narrowest point of the mechanism it breaks and restores it on exit.
 # ---------------------------------------------------------------------------------------------
 
+
 @contextlib.contextmanager
 def _patched(owner, name, replacement):
     original = getattr(owner, name)
@@ -80,6 +81,7 @@ def _no_replica_grad_reduction():
         def reduce_gradients(self, schedule, main_grads, **kwargs):
             dropped = [[torch.zeros_like(g) for g in expert] for expert in main_grads]
             return original(self, schedule, dropped, **kwargs)
+
         return reduce_gradients
 
     return _patched(ReplicaBuffer, "reduce_gradients", replacement)
@@ -96,6 +98,7 @@ def _skip_rematerialization():
             if not _in_backward_pass():
                 return original(self, schedule, main_weights, **kwargs)
             return None
+
         return distribute_weights
 
     return _patched(ReplicaBuffer, "distribute_weights", replacement)
@@ -110,9 +113,16 @@ def _replica_gets_other_layer_weights():
 
     def replacement(original):
         def main_expert_weights(self):
-            layers = sorted((o for o in gc.get_objects() if isinstance(o, BalancedMoELayer)
-                             and o.balancing is self.balancing), key=lambda layer: layer.layer_number)
+            layers = sorted(
+                (
+                    o
+                    for o in gc.get_objects()
+                    if isinstance(o, BalancedMoELayer) and o.balancing is self.balancing
+                ),
+                key=lambda layer: layer.layer_number,
+            )
             return original(layers[(layers.index(self) + 1) % len(layers)])
+
         return main_expert_weights
 
     return _patched(BalancedMoELayer, "main_expert_weights", replacement)
@@ -127,11 +137,16 @@ def _rematerialized_from_another_microbatch():
     def replacement(original):
         def start_rematerialization(self, invocation, main_weights):
             other = self.holder
-            if other is None or other is invocation or other.schedule_builder is None \
-                    or invocation.schedule_builder is None:
+            if (
+                other is None
+                or other is invocation
+                or other.schedule_builder is None
+                or invocation.schedule_builder is None
+            ):
                 return original(self, invocation, main_weights)
             self.start_weights(other, main_weights)
             self.holder = invocation
+
         return start_rematerialization
 
     return _patched(BalancingContext, "start_rematerialization", replacement)
@@ -141,8 +156,11 @@ def _unbalanced_mtp_layer():
     """The MTP block keeps Megatron's own MoELayer (its spec is not balanced)."""
     from ultraep_megatron.megatron.run import layer_spec
 
-    return _patched(layer_spec, "_balanced_mtp_block_spec",
-                    lambda original: lambda megatron_mtp_block_spec: megatron_mtp_block_spec)
+    return _patched(
+        layer_spec,
+        "_balanced_mtp_block_spec",
+        lambda original: lambda megatron_mtp_block_spec: megatron_mtp_block_spec,
+    )
 
 
 def _replays_in_forward_order():
@@ -154,6 +172,7 @@ def _replays_in_forward_order():
     def replacement(original):
         def park_for_recompute(self, layer, vid, runs_per_forward=1):
             return original(self, layer, vid, 1)
+
         return park_for_recompute
 
     return _patched(VirtualLayerRing, "park_for_recompute", replacement)
@@ -170,6 +189,7 @@ def _grads_ready_in_plan_order():
             main = layer.main_expert_param_lists()
             replicated = {id(p) for g in state.invocation.replicated_local_experts for p in main[g]}
             return original(layer, state, received, *(p for p in params if id(p) in replicated))
+
         return apply
 
     return _patched(replica_autograd.ReduceReplicaGrads, "apply", replacement)
@@ -203,9 +223,14 @@ def _plan_dependent_node_before_dispatch():
             if not torch.is_grad_enabled():
                 return hidden_states, probs
             main = self.main_expert_param_lists()
-            replicated = [p for g in self.token_dispatcher.invocation.replicated_local_experts for p in main[g]
-                          if p.requires_grad]
+            replicated = [
+                p
+                for g in self.token_dispatcher.invocation.replicated_local_experts
+                for p in main[g]
+                if p.requires_grad
+            ]
             return _PlanDependentIdentity.apply(hidden_states, *replicated), probs
+
         return preprocess
 
     return _patched(BalancedMoELayer, "preprocess", replacement)
@@ -240,10 +265,13 @@ def _device_planner_kernel(broken, only_rank=None):
     def replacement(original):
         def probe(implementation, *args, **kwargs):
             if implementation == "reference" or (
-                    only_rank is not None and torch.distributed.is_initialized()
-                    and torch.distributed.get_rank() != only_rank):
+                only_rank is not None
+                and torch.distributed.is_initialized()
+                and torch.distributed.get_rank() != only_rank
+            ):
                 return original(implementation, *args, **kwargs)
             return broken(original, implementation, *args, **kwargs)
+
         return probe
 
     return _patched(device_solve, "_probe", replacement)
@@ -317,15 +345,22 @@ def record_quantized_weights(out: dict, current_iteration) -> None:
     from ultraep_megatron.megatron.balanced_layer import expert_slots
     from ultraep_megatron.megatron.balanced_layer.balanced_moe import BalancedMoELayer
 
-    record = out["fp8_params"] = {"replicas": [], "homes": {}, "weight_classes": set(),
-                                  "calls": fp8_param_standin.CALLS}
+    record = out["fp8_params"] = {
+        "replicas": [],
+        "homes": {},
+        "weight_classes": set(),
+        "calls": fp8_param_standin.CALLS,
+    }
 
     def digest(tensors) -> str:
         sha = hashlib.sha1()
         for tensor in tensors:
             for key, part in sorted(tensor.get_metadata().items()):
                 if isinstance(part, torch.Tensor) and key not in expert_slots.DERIVED_PARTS:
-                    sha.update(key.encode() + part.detach().contiguous().view(torch.uint8).numpy().tobytes())
+                    sha.update(
+                        key.encode()
+                        + part.detach().contiguous().view(torch.uint8).numpy().tobytes()
+                    )
         return sha.hexdigest()
 
     def ep_ranks(layer) -> tuple:
@@ -345,11 +380,16 @@ def record_quantized_weights(out: dict, current_iteration) -> None:
 
     def run(self, slot_weights, tokens, probs, rows_per_slot):
         invocation = self.token_dispatcher.invocation
-        for expert, weights, rows in zip(invocation.plan.slot_expert[invocation.ep_rank].tolist(),
-                                         slot_weights, rows_per_slot):
+        for expert, weights, rows in zip(
+            invocation.plan.slot_expert[invocation.ep_rank].tolist(), slot_weights, rows_per_slot
+        ):
             if expert >= 0 and rows > 0:
-                record["replicas"].append(((current_iteration(), self.layer_number, int(expert), ep_ranks(self)),
-                                           digest(weights)))
+                record["replicas"].append(
+                    (
+                        (current_iteration(), self.layer_number, int(expert), ep_ranks(self)),
+                        digest(weights),
+                    )
+                )
         return run_replicas(self, slot_weights, tokens, probs, rows_per_slot)
 
     BalancedMoELayer.routed_experts_compute = routed_experts_compute
@@ -360,7 +400,11 @@ def main():
     # What it reads of megatron's model and DDP: from this script's folder, on sys.path as a
     # script's is (imported here: the tests load this module for its FAULTS alone).
     from megatron_records import (
-        GradReadyOrder, expert_biases, global_parameter_names, reduced_gradients, set_expert_bias,
+        GradReadyOrder,
+        expert_biases,
+        global_parameter_names,
+        reduced_gradients,
+        set_expert_bias,
     )
 
     dump_dir = Path(os.environ["ULTRAEP_GRAD_DUMP_DIR"])
@@ -455,10 +499,15 @@ def main():
         eval_plans.clear()
         result = original_evaluate(*args, **kwargs)
         rings = [c.ring for c in contexts if c.ring is not None]
-        out["eval"].append({"iteration": iteration, "during_training": not training_done,
-                            "losses": {key: float(value) for key, value in result[0].items()},
-                            "imbalance_after": list(eval_plans),
-                            "ring_live": sum(ring.live for ring in rings)})
+        out["eval"].append(
+            {
+                "iteration": iteration,
+                "during_training": not training_done,
+                "losses": {key: float(value) for key, value in result[0].items()},
+                "imbalance_after": list(eval_plans),
+                "ring_live": sum(ring.live for ring in rings),
+            }
+        )
         return result
 
     megatron_training.evaluate = evaluate

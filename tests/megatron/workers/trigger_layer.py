@@ -59,13 +59,21 @@ def main():
         forward = calls[0] - before
         (out * up).sum().backward()
         invocation = layer.token_dispatcher.invocation
-        microbatches.append({"load": invocation.load.clone(), "slot_expert": invocation.plan.slot_expert.clone(),
-                             "quota": invocation.plan.quota.clone(), "p2p_forward": forward,
-                             "p2p_backward": calls[0] - before - forward,
-                             "replica_rows": list(invocation.replica_rows)})
+        microbatches.append(
+            {
+                "load": invocation.load.clone(),
+                "slot_expert": invocation.plan.slot_expert.clone(),
+                "quota": invocation.plan.quota.clone(),
+                "p2p_forward": forward,
+                "p2p_backward": calls[0] - before - forward,
+                "replica_rows": list(invocation.replica_rows),
+            }
+        )
     torch.distributed.batch_isend_irecv = batch_isend_irecv
-    torch.save({"microbatches": microbatches, "stats": layer.balancing.pop_stats()},
-               os.path.join(cli.out_dir, f"rank{rank}.pt"))
+    torch.save(
+        {"microbatches": microbatches, "stats": layer.balancing.pop_stats()},
+        os.path.join(cli.out_dir, f"rank{rank}.pt"),
+    )
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()
 

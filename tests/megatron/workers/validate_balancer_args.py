@@ -41,13 +41,19 @@ def main():
                     errors += problems
                 if errors:
                     raise ValueError(errors[0])
-                parse_and_validate_args(extra_args_provider=add_ultraep_args,
-                                        args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+                parse_and_validate_args(
+                    extra_args_provider=add_ultraep_args,
+                    args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
+                )
         except (ValueError, AssertionError, SystemExit) as exc:
             error = f"{type(exc).__name__}: {exc} {usage.getvalue().strip().splitlines()[-1:]}"
-        print("RESULT " + json.dumps({"name": case["name"], "error": error, "errors": errors,
-                                          "warnings": warnings}),
-              flush=True)
+        print(
+            "RESULT "
+            + json.dumps(
+                {"name": case["name"], "error": error, "errors": errors, "warnings": warnings}
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -11,7 +11,11 @@ from hypothesis import given, settings
 
 from planner_helpers import copy_counts, domain_problems, holdings, SETTINGS
 from ultraep_megatron.planner.baselines import deepseek_eplb, placement_metrics
-from ultraep_megatron.planner.baselines.placement import cross_domain_copies, main_moves, weight_copies
+from ultraep_megatron.planner.baselines.placement import (
+    cross_domain_copies,
+    main_moves,
+    weight_copies,
+)
 
 
 def minimax_per_copy(lam: np.ndarray, num_physical: int) -> float:
@@ -57,8 +61,11 @@ def test_deepseek_eplb_places_all_physical_experts_and_computes_the_load(problem
     assert max(lam / counts) == pytest.approx(minimax_per_copy(lam, R * (G + S)))
     # the copy counters agree with plain loops
     copies, moves, cross = copy_counts(layout, E, N)
-    assert (weight_copies(placement), main_moves(placement),
-            cross_domain_copies(placement, N)) == (copies, moves, cross)
+    assert (weight_copies(placement), main_moves(placement), cross_domain_copies(placement, N)) == (
+        copies,
+        moves,
+        cross,
+    )
 
 
 def test_deepseek_eplb_by_hand():
@@ -89,5 +96,7 @@ def test_deepseek_hierarchical_keeps_groups_inside_nodes():
         assert {t // 2 for t in ranks} == {node_of_group[e // 2]}
     assert cross_domain_copies(placement, 2) == copy_counts(layout, 8, 2)[2] > 0  # groups moved
     # num_groups not a multiple of num_nodes: EPLB falls back to the global policy
-    assert torch.equal(deepseek_eplb(load, 2, num_groups=3, num_nodes=2).physical_expert,
-                       deepseek_eplb(load, 2).physical_expert)
+    assert torch.equal(
+        deepseek_eplb(load, 2, num_groups=3, num_nodes=2).physical_expert,
+        deepseek_eplb(load, 2).physical_expert,
+    )

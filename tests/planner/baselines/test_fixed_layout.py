@@ -37,8 +37,9 @@ def test_eplb_exact_plan_is_valid_round_robin_and_minimax(problem):
     R, E = load.shape
     G = E // R
     plan = eplb_exact(load, S)
-    split = check_plan(load, plan, S, check_min_quota=False, check_locality=False,
-                       check_no_worse=False)
+    split = check_plan(
+        load, plan, S, check_min_quota=False, check_locality=False, check_no_worse=False
+    )
     slot_expert = plan.slot_expert.numpy()
     instances = [[e // G] + [t for t in range(R) if e in slot_expert[t]] for e in range(E)]
     # Round-robin: a source's tokens of an expert differ by at most one between instances.
@@ -76,10 +77,17 @@ def test_eplb_history_forms_and_rerouting_another_load():
     from_sum = eplb(history.sum(0), 2, load=current)
     assert torch.equal(from_stack.slot_expert, from_sum.slot_expert)
     assert torch.equal(from_stack.slot_expert, eplb_slots(history.sum((0, 1)), 4, 2))
-    check_plan(current, from_stack, 2, check_min_quota=False, check_locality=False,
-               check_no_worse=False)
-    check_plan(history.sum(0), eplb(history, 2), 2, check_min_quota=False, check_locality=False,
-               check_no_worse=False)
+    check_plan(
+        current, from_stack, 2, check_min_quota=False, check_locality=False, check_no_worse=False
+    )
+    check_plan(
+        history.sum(0),
+        eplb(history, 2),
+        2,
+        check_min_quota=False,
+        check_locality=False,
+        check_no_worse=False,
+    )
     exact = eplb_exact(current, 2)
     assert torch.equal(exact.slot_expert, eplb_slots(current.sum(0), 4, 2))
 
@@ -105,9 +113,17 @@ def test_round_robin_spreads_remainders_over_instances():
     assert plan.split[:, 0].tolist() == [[3, 2], [2, 3]]
 
 
-@pytest.mark.parametrize("fn", [lambda l: identity_plan(l, -1), lambda l: identity_plan(l - 1), lambda l: eplb(l, -1),
-                                lambda l: eplb(l.float(), 1), lambda l: eplb_exact(l - 1, 1),
-                                lambda l: eplb(l, 1, load=l - 1)])
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda l: identity_plan(l, -1),
+        lambda l: identity_plan(l - 1),
+        lambda l: eplb(l, -1),
+        lambda l: eplb(l.float(), 1),
+        lambda l: eplb_exact(l - 1, 1),
+        lambda l: eplb(l, 1, load=l - 1),
+    ],
+)
 def test_baselines_reject_bad_input(fn):
     with pytest.raises(ValueError):
         fn(torch.zeros(2, 4, dtype=torch.int64))

@@ -53,8 +53,14 @@ def test_llep_conserves_load_keeps_mains_and_respects_its_limits(problem, alpha,
     R, E = load.shape
     plan = llep(load, capacity_factor=alpha, min_tokens_per_gemm=m, trigger=None)
     # conservation, tokens only to instances, one instance per rank, mains at home
-    check_plan(load, plan, plan.num_slots, check_min_quota=False, check_locality=False,
-               check_no_worse=False)
+    check_plan(
+        load,
+        plan,
+        plan.num_slots,
+        check_min_quota=False,
+        check_locality=False,
+        check_no_worse=False,
+    )
     assert main_moves(Placement.from_plan(plan)) == 0
     total = int(load.sum())
     capacity = max(int(alpha * (total // R)) if total // R else total, 1)

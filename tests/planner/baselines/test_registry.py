@@ -18,8 +18,13 @@ R, E, S = 4, 16, 2
 
 def plans_after(name: str, history: list[torch.Tensor], load: torch.Tensor):
     """Balancer ``name``'s plan of ``load`` after it planned ``history`` (one MoE layer's loop)."""
-    balancer = BalancerConfig(name, num_slots=S, trigger=1.0 if name == registry.ULTRAEP else None,
-                              eplb_window=2, eplb_interval=1).build()
+    balancer = BalancerConfig(
+        name,
+        num_slots=S,
+        trigger=1.0 if name == registry.ULTRAEP else None,
+        eplb_window=2,
+        eplb_interval=1,
+    ).build()
     for earlier in history:
         balancer.plan(earlier)
     return balancer.plan(load)
@@ -27,10 +32,17 @@ def plans_after(name: str, history: list[torch.Tensor], load: torch.Tensor):
 
 def exact_load_balancers(loads: list[torch.Tensor], load: torch.Tensor) -> set[str]:
     """The balancers whose plan of ``load`` is the same whatever loads they planned before."""
-    return {name for name in registry.MOE_BALANCERS
-            if all(torch.equal(getattr(plans_after(name, [], load), field),
-                               getattr(plans_after(name, loads, load), field))
-                   for field in ("slot_expert", "quota", "physical_split"))}
+    return {
+        name
+        for name in registry.MOE_BALANCERS
+        if all(
+            torch.equal(
+                getattr(plans_after(name, [], load), field),
+                getattr(plans_after(name, loads, load), field),
+            )
+            for field in ("slot_expert", "quota", "physical_split")
+        )
+    }
 
 
 def test_names_and_what_is_compared():
@@ -42,12 +54,22 @@ def test_names_and_what_is_compared():
     load = zipf_load(R, E, 3.0, seed=0)
     for name in registry.MOE_BALANCERS:
         plan = plans_after(name, [], load)
-        exact = name == registry.ULTRAEP  # the quota floor, locality and no-worse are ultraep's promises
-        check_plan(load, plan, plan.slot_expert.shape[1], check_min_quota=exact, check_locality=exact,
-                   check_no_worse=exact)
+        exact = (
+            name == registry.ULTRAEP
+        )  # the quota floor, locality and no-worse are ultraep's promises
+        check_plan(
+            load,
+            plan,
+            plan.slot_expert.shape[1],
+            check_min_quota=exact,
+            check_locality=exact,
+            check_no_worse=exact,
+        )
         assert bool((plan.slot_expert >= 0).any()) == (name != registry.NONE), name
         assert registry.describe(name)
-    assert BalancerConfig(registry.IDEAL).build().plan(load) is None and registry.describe(registry.IDEAL)
+    assert BalancerConfig(registry.IDEAL).build().plan(load) is None and registry.describe(
+        registry.IDEAL
+    )
     assert set(registry.COMPARED) == set(registry.MOE_BALANCERS) | {registry.IDEAL}
     others = [zipf_load(R, E, 3.0, seed=s).flip(1) for s in (1, 2)]  # other hot experts
     assert exact_load_balancers(others, load) == registry.EXACT_LOAD | {registry.NONE}

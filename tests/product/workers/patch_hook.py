@@ -46,7 +46,9 @@ def one_rank() -> None:
     from megatron.core import parallel_state
 
     init_file = Path(tempfile.mkdtemp(prefix="patch_hook_")) / "init"
-    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=0, world_size=1
+    )
     parallel_state.initialize_model_parallel()
 
 
@@ -55,16 +57,21 @@ def parse(namespace: dict, provider_arg: str, argv: list[str]):
 
     expression = textwrap.dedent(provider_arg).strip()
     assert expression.startswith("extra_args_provider=") and expression.endswith(","), expression
-    provider = eval(expression[len("extra_args_provider="):-1], namespace)
+    provider = eval(expression[len("extra_args_provider=") : -1], namespace)
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     sys.argv = ["pretrain_gpt.py", *argv]
-    return parse_and_validate_args(extra_args_provider=provider,
-                                   args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+    return parse_and_validate_args(
+        extra_args_provider=provider, args_defaults={"tokenizer_type": "GPT2BPETokenizer"}
+    )
 
 
 def run_019(blocks: list[str], argv: list[str]) -> dict:
     imports, provider_arg, setup = blocks
-    namespace = {"partial": functools.partial, "has_nvidia_modelopt": False, "add_modelopt_args": None}
+    namespace = {
+        "partial": functools.partial,
+        "has_nvidia_modelopt": False,
+        "add_modelopt_args": None,
+    }
     exec(textwrap.dedent(imports), namespace)
     args = parse(namespace, provider_arg, argv)
     from megatron.training.argument_utils import gpt_config_from_args
@@ -90,7 +97,10 @@ def run_019(blocks: list[str], argv: list[str]) -> dict:
         "mlp_classes": [getattr(m, "func", getattr(m, "module", m)).__name__ for m in mlps],
         "balancer_configs": [
             [m.keywords["balancing"].config.name, m.keywords["balancing"].config.num_slots]
-            if "balancing" in getattr(m, "keywords", {}) else None for m in mlps],
+            if "balancing" in getattr(m, "keywords", {})
+            else None
+            for m in mlps
+        ],
         "mtp_spec_balanced": getattr(gpt.mtp_block_spec, "ultraep_balanced", False),
         "post_wrap_hooks": [h.__name__ for h in model_cfg.post_wrap_hooks],
     }
@@ -102,21 +112,42 @@ def run_018(blocks: list[str], argv: list[str]) -> dict:
 
     checkout_builds = []
 
-    def gpt_builder(args, pre_process, post_process, vp_stage=None, config=None, pg_collection=None):
+    def gpt_builder(
+        args, pre_process, post_process, vp_stage=None, config=None, pg_collection=None
+    ):
         """The checkout's builder: Megatron's default GPT model (recorded)."""
         checkout_builds.append(vp_stage)
-        return legacy_model.GPTModelProvider(args)._build(pre_process, post_process, vp_stage, config, pg_collection)
+        return legacy_model.GPTModelProvider(args)._build(
+            pre_process, post_process, vp_stage, config, pg_collection
+        )
 
-    def model_provider(model_builder, pre_process=True, post_process=True, vp_stage=None, config=None,
-                       pg_collection=None):
+    def model_provider(
+        model_builder,
+        pre_process=True,
+        post_process=True,
+        vp_stage=None,
+        config=None,
+        pg_collection=None,
+    ):
         """The checkout's model_provider: the builder, called with Megatron's arguments."""
         from megatron.training import get_args
 
-        return model_builder(get_args(), pre_process, post_process, vp_stage, config=config,
-                             pg_collection=pg_collection)
+        return model_builder(
+            get_args(),
+            pre_process,
+            post_process,
+            vp_stage,
+            config=config,
+            pg_collection=pg_collection,
+        )
 
-    namespace = {"partial": functools.partial, "has_nvidia_modelopt": False, "add_modelopt_args": None,
-                 "gpt_builder": gpt_builder, "model_provider": model_provider}
+    namespace = {
+        "partial": functools.partial,
+        "has_nvidia_modelopt": False,
+        "add_modelopt_args": None,
+        "gpt_builder": gpt_builder,
+        "model_provider": model_provider,
+    }
     exec(textwrap.dedent(imports), namespace)
     args = parse(namespace, provider_arg, argv)
     namespace["args"] = args
@@ -129,7 +160,9 @@ def run_018(blocks: list[str], argv: list[str]) -> dict:
 
     set_args(args)
     model_parallel_cuda_manual_seed(args.seed)
-    model = provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None)
+    model = provider(
+        pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None
+    )
     ultraep_model = namespace["ultraep_model"]
     mlps = [layer.mlp for layer in model.decoder.layers]
     return {
@@ -137,8 +170,12 @@ def run_018(blocks: list[str], argv: list[str]) -> dict:
         "spec_replaced": ultraep_model.transformer_layer_spec is not None,
         "checkout_builder_used": bool(checkout_builds),
         "mlp_classes": [type(m).__name__ for m in mlps],
-        "balancer_configs": [[m.balancer_config.name, m.balancer_config.num_slots]
-                             if hasattr(m, "balancer_config") else None for m in mlps],
+        "balancer_configs": [
+            [m.balancer_config.name, m.balancer_config.num_slots]
+            if hasattr(m, "balancer_config")
+            else None
+            for m in mlps
+        ],
         "mtp_spec_balanced": getattr(legacy_model.mtp_block_spec, "ultraep_balanced", False),
         "post_wrap_hooks": [h.__name__ for h in ultraep_model.post_wrap_hooks],
     }
@@ -151,7 +188,9 @@ def main() -> None:
     from megatron.training import training
 
     hook = training.training_log
-    report.update(training_log=type(hook).__name__, dashboard=type(getattr(hook, "dashboard", None)).__name__)
+    report.update(
+        training_log=type(hook).__name__, dashboard=type(getattr(hook, "dashboard", None)).__name__
+    )
     print("PATCH_HOOK " + json.dumps(report), flush=True)
     torch.distributed.destroy_process_group()
 

@@ -82,7 +82,10 @@ from megatron.core.transformer.cuda_graphs import is_graph_capturing
 from megatron.core.transformer.enums import CudaGraphModule
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
-from ultraep_megatron.megatron.balanced_layer.capabilities import preprocess_graphed, unsupported_moe_settings
+from ultraep_megatron.megatron.balanced_layer.capabilities import (
+    preprocess_graphed,
+    unsupported_moe_settings,
+)
 from ultraep_megatron.megatron.balanced_layer.context import BalancingContext, LayerRegistration
 from ultraep_megatron.megatron.balanced_layer.dispatchers import balanced_dispatcher_class
 from ultraep_megatron.megatron.balanced_layer.expert_slots import (
@@ -101,7 +104,10 @@ from ultraep_megatron.megatron.balanced_layer.replica_autograd import (
     reduced_grads,
     run_replicas_in_graph,
 )
-from ultraep_megatron.megatron.balanced_layer.ring import invocations_per_forward, overlapped_schedule
+from ultraep_megatron.megatron.balanced_layer.ring import (
+    invocations_per_forward,
+    overlapped_schedule,
+)
 from ultraep_megatron.megatron.balanced_layer.router_topk import install_topk_tap, topk_indices
 
 
@@ -112,8 +118,16 @@ class BalancedMoELayer(MoELayer):
     layer spec's ``params``.
     """
 
-    def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, *,
-                 balancing: BalancingContext, **kwargs):
+    def __init__(
+        self,
+        config,
+        submodules=None,
+        layer_number=None,
+        pg_collection=None,
+        *,
+        balancing: BalancingContext,
+        **kwargs,
+    ):
         problems = unsupported_moe_settings(config, planner=balancing.planner)
         if problems:
             raise ValueError(f"--moe-balancer {balancing.config.name}: " + "; ".join(problems))
@@ -121,15 +135,24 @@ class BalancedMoELayer(MoELayer):
             from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
             pg_collection = get_default_pg_collection()
-        super().__init__(config, submodules=submodules, layer_number=layer_number,
-                         pg_collection=pg_collection, **kwargs)
+        super().__init__(
+            config,
+            submodules=submodules,
+            layer_number=layer_number,
+            pg_collection=pg_collection,
+            **kwargs,
+        )
         self.balancing = balancing
         self.balancer_config = balancing.config
         self.balancer_pg_collection = pg_collection
         self.balancer = balancing.config.build()
         self.token_dispatcher = balanced_dispatcher_class(config)(
-            self.num_local_experts, self.local_expert_indices, config, pg_collection,
-            balancing=balancing, balancer=self.balancer,
+            self.num_local_experts,
+            self.local_expert_indices,
+            config,
+            pg_collection,
+            balancing=balancing,
+            balancer=self.balancer,
         )
         # The router's [T, k] top-k indices: the reroute and permutation work on the routed pairs.
         self._topk_tap = install_topk_tap(self.router)
@@ -139,13 +162,16 @@ class BalancedMoELayer(MoELayer):
         first = self._lookup_main_params()[0]
         # The high-precision shapes: the replica gradients' layout, and the weights' unless the
         # parameters are quantized (--fp8-param-gather), whose bytes move instead (the layout).
-        self.expert_param_shapes = [(n, tuple(p.shape)) for n, p in zip(self.expert_param_names[0], first)]
+        self.expert_param_shapes = [
+            (n, tuple(p.shape)) for n, p in zip(self.expert_param_names[0], first)
+        ]
         self.expert_weight_layout = ExpertWeightLayout(first)
         self._main_params: Optional[List[List[torch.Tensor]]] = None
         # The modules holding the main experts' parameters (their forward pre-hooks, see
         # _prepare_main_params).
-        self._main_param_owners = [m for m in self.experts.modules()
-                                   if next(m.parameters(recurse=False), None) is not None]
+        self._main_param_owners = [
+            m for m in self.experts.modules() if next(m.parameters(recurse=False), None) is not None
+        ]
         # True inside forward(); megatron's overlapped schedule (--overlap-moe-expert-parallel-comm)
         # calls the layer's parts from its nodes instead (see "Overlapped schedule" above).
         self._whole_forward = False
@@ -157,14 +183,22 @@ class BalancedMoELayer(MoELayer):
         self._awaiting_dw: Deque[InvocationState] = deque()
         self._runs_per_forward = invocations_per_forward(self)
         dispatcher = self.token_dispatcher
-        balancing.register(LayerRegistration(
-            expert_shapes=[shape for _, shape in self.expert_param_shapes],
-            weight_layout=self.expert_weight_layout, device=first[0].device,
-            ep_group=dispatcher.ep_group, ep_rank=dispatcher.ep_rank, ep_size=dispatcher.ep_size,
-            num_experts=config.num_moe_experts, model_config=config,
-            runs_per_forward=self._runs_per_forward, overlapped=overlapped_schedule(config),
-            preprocess_graphed=preprocess_graphed(config),
-            build_replica_experts=functools.partial(build_replica_experts, self)))
+        balancing.register(
+            LayerRegistration(
+                expert_shapes=[shape for _, shape in self.expert_param_shapes],
+                weight_layout=self.expert_weight_layout,
+                device=first[0].device,
+                ep_group=dispatcher.ep_group,
+                ep_rank=dispatcher.ep_rank,
+                ep_size=dispatcher.ep_size,
+                num_experts=config.num_moe_experts,
+                model_config=config,
+                runs_per_forward=self._runs_per_forward,
+                overlapped=overlapped_schedule(config),
+                preprocess_graphed=preprocess_graphed(config),
+                build_replica_experts=functools.partial(build_replica_experts, self),
+            )
+        )
 
     def set_layer_number(self, layer_number: int) -> None:
         """Megatron's numbering for the router; ``layer_number`` here is the balancer's layer id
@@ -196,10 +230,14 @@ class BalancedMoELayer(MoELayer):
         quantized parameters rebuilt over the bytes the slot holds."""
         balancing, layout = self.balancing, self.expert_weight_layout
         like = self.main_expert_param_lists()[0] if layout.quantized else None
-        return [layout.replica_weights(balancing.replica_weight_views(s), like)
-                for s in range(self.balancer_config.num_slots)]
+        return [
+            layout.replica_weights(balancing.replica_weight_views(s), like)
+            for s in range(self.balancer_config.num_slots)
+        ]
 
-    def run_replicas(self, slot_weights, tokens, probs, rows_per_slot: Sequence[int]) -> torch.Tensor:
+    def run_replicas(
+        self, slot_weights, tokens, probs, rows_per_slot: Sequence[int]
+    ) -> torch.Tensor:
         """Redundant slots' expert compute: [N, H] tokens sorted by slot -> [N, H] outputs."""
         return self.balancing.run_replicas(slot_weights, tokens, rows_per_slot, probs)
 
@@ -226,11 +264,16 @@ class BalancedMoELayer(MoELayer):
         if invocation.schedule_builder is None or state.reduction is not None:
             return
         targets, has_replica, fold_on_stream = gradient_targets(
-            self.main_expert_param_lists(), invocation,
-            gradient_accumulation_fusion=self.config.gradient_accumulation_fusion)
+            self.main_expert_param_lists(),
+            invocation,
+            gradient_accumulation_fusion=self.config.gradient_accumulation_fusion,
+        )
         handle = self.balancing.start_reduction(
-            invocation, targets, hosted_grads(invocation, weight_grads, len(self.expert_param_shapes)),
-            fold_on_stream=fold_on_stream)
+            invocation,
+            targets,
+            hosted_grads(invocation, weight_grads, len(self.expert_param_shapes)),
+            fold_on_stream=fold_on_stream,
+        )
         state.reduction = Reduction(handle, targets, has_replica)
 
     def finish_reduction(self, state: InvocationState):
@@ -285,9 +328,12 @@ class BalancedMoELayer(MoELayer):
                 dispatcher.complete_plan_after_graph(self._new_state(None))
         else:
             topk_ids = topk_indices(self._topk_tap, routing_map, self.config.moe_router_topk)
-            dispatcher.begin_invocation(self._new_state(topk_ids), routing_map,
-                                        defer=in_nodes and dispatcher.can_defer(),
-                                        captured=self.preprocess_captured_in_cuda_graph())
+            dispatcher.begin_invocation(
+                self._new_state(topk_ids),
+                routing_map,
+                defer=in_nodes and dispatcher.can_defer(),
+                captured=self.preprocess_captured_in_cuda_graph(),
+            )
             # Reroute and permutation first: with the host planner the device waits for them after
             # the plan's host wait; with the device planner the host waits once, after they are
             # queued. While megatron captures the preprocessing, its signal leaves from here: the
@@ -301,8 +347,13 @@ class BalancedMoELayer(MoELayer):
 
     def _new_state(self, topk_ids) -> InvocationState:
         """The record of a new invocation of this layer, in its current mode."""
-        return InvocationState(layer_number=self.layer_number, runs_per_forward=self._runs_per_forward,
-                               training=self.training, grad_enabled=torch.is_grad_enabled(), topk_ids=topk_ids)
+        return InvocationState(
+            layer_number=self.layer_number,
+            runs_per_forward=self._runs_per_forward,
+            training=self.training,
+            grad_enabled=torch.is_grad_enabled(),
+            topk_ids=topk_ids,
+        )
 
     def dispatch(self, hidden_states, probs):
         """megatron's dispatch; in its overlapped schedule's dispatch node, first the plan's one
@@ -325,15 +376,22 @@ class BalancedMoELayer(MoELayer):
         warm-up and capture of ``--cuda-graph-modules moe_preprocess``): then its plan's host half
         crosses after each replay of the graph, not here."""
         config = self.config
-        return (config.cuda_graph_impl == "transformer_engine" and self.training and is_graph_capturing()
-                and CudaGraphModule.moe_preprocess in config.cuda_graph_modules)
+        return (
+            config.cuda_graph_impl == "transformer_engine"
+            and self.training
+            and is_graph_capturing()
+            and CudaGraphModule.moe_preprocess in config.cuda_graph_modules
+        )
 
     def _preprocess_replayed(self) -> bool:
         """Whether a replayed graph already ran the preprocessing: megatron's tensor store holds its
         outputs (the same condition under which its ``preprocess`` returns them)."""
         store = self.cudagraph_tensor_store
-        return self.config.cuda_graph_impl == "transformer_engine" and not store.is_empty() \
+        return (
+            self.config.cuda_graph_impl == "transformer_engine"
+            and not store.is_empty()
             and store.routing_map is None
+        )
 
     def routed_experts_compute(self, hidden_states, probs):
         dispatcher = self.token_dispatcher
@@ -341,37 +399,48 @@ class BalancedMoELayer(MoELayer):
         invocation = state.invocation
         track = torch.is_grad_enabled()  # a backward will follow: re-materialize and reduce in it
         if track:  # on the received tokens: its backward follows every expert's
-            hidden_states = ReduceReplicaGrads.apply(self, state, hidden_states,
-                                                     *ReduceReplicaGrads.inputs(self))
+            hidden_states = ReduceReplicaGrads.apply(
+                self, state, hidden_states, *ReduceReplicaGrads.inputs(self)
+            )
         if sum(invocation.replica_rows) == 0:
             # Nothing for this rank's redundant slots (host metadata): megatron's postprocess, no
             # parts. The backward's transfers wait for this weight distribution first; without a
             # backward, wait here.
-            dispatched, rows_per_slot, permuted_probs = dispatcher.dispatch_postprocess(hidden_states, probs)
-            main_out, mlp_bias = self.experts(dispatched, rows_per_slot[: self.num_local_experts], permuted_probs)
+            dispatched, rows_per_slot, permuted_probs = dispatcher.dispatch_postprocess(
+                hidden_states, probs
+            )
+            main_out, mlp_bias = self.experts(
+                dispatched, rows_per_slot[: self.num_local_experts], permuted_probs
+            )
             if track and not self.reduces_after_dw:  # (else backward_dw starts it)
                 main_out = StartInBackward.apply(self, state, self.start_reduction, main_out)
             else:
                 self.balancing.wait_weights(invocation)
             return dispatcher.combine_preprocess(main_out), mlp_bias
-        main_tokens, replica_tokens, rows_per_slot, main_probs, replica_probs = \
+        main_tokens, replica_tokens, rows_per_slot, main_probs, replica_probs = (
             dispatcher.dispatch_postprocess_parts(hidden_states, probs)
-        main_out, mlp_bias = self.experts(main_tokens, rows_per_slot[: self.num_local_experts], main_probs)
+        )
+        main_out, mlp_bias = self.experts(
+            main_tokens, rows_per_slot[: self.num_local_experts], main_probs
+        )
         if track:
-            replica_out = run_replicas_in_graph(self, state, replica_tokens, replica_probs,
-                                                dispatcher.replica_rows)
+            replica_out = run_replicas_in_graph(
+                self, state, replica_tokens, replica_probs, dispatcher.replica_rows
+            )
         else:  # eval, or the no-grad first pass of activation recompute
             self.balancing.wait_weights(invocation)
-            replica_out = self.run_replicas(self.replica_weight_views(), replica_tokens, replica_probs,
-                                            dispatcher.replica_rows)
+            replica_out = self.run_replicas(
+                self.replica_weight_views(), replica_tokens, replica_probs, dispatcher.replica_rows
+            )
         return dispatcher.combine_preprocess_parts(main_out, replica_out), mlp_bias
 
     def postprocess(self, output, shared_expert_output):
         output = super().postprocess(output, shared_expert_output)
         if not self._whole_forward:  # megatron's combine node: the layer's last part
             if torch.is_grad_enabled():  # the first of the layer's backward (its combine node's)
-                output = StartInBackward.apply(self, self.token_dispatcher.state,
-                                               self.start_rematerialization, output)
+                output = StartInBackward.apply(
+                    self, self.token_dispatcher.state, self.start_rematerialization, output
+                )
             self.balancing.observe()
         return output
 
@@ -389,8 +458,9 @@ class BalancedMoELayer(MoELayer):
             return outputs
         output, mlp_bias = outputs
         if torch.is_grad_enabled():
-            output = StartInBackward.apply(self, self.token_dispatcher.state,
-                                           self.start_rematerialization, output)
+            output = StartInBackward.apply(
+                self, self.token_dispatcher.state, self.start_rematerialization, output
+            )
         self.balancing.observe()  # the layer's work is queued: host time is off the critical path
         return output, mlp_bias
 
@@ -417,9 +487,13 @@ class BalancedMoELayer(MoELayer):
         state = self._awaiting_dw.popleft()
         balancing = self.balancing
         weight_grads = None
-        if sum(state.invocation.replica_rows) > 0:  # the replica experts ran: their delayed computation
+        if (
+            sum(state.invocation.replica_rows) > 0
+        ):  # the replica experts ran: their delayed computation
             weight_grads = balancing.replica_delayed_weight_grads()
-        if not self.reduces_after_dw:  # reduced in the backward already (a negative control's fault)
+        if (
+            not self.reduces_after_dw
+        ):  # reduced in the backward already (a negative control's fault)
             return super().backward_dw(routed_experts, shared_experts)
         self.start_reduction(state, weight_grads)
         with _deferred_wgrad_hooks(self.experts.modules()) as fired:
@@ -444,7 +518,9 @@ def _deferred_wgrad_hooks(modules):
     fired, held = [], []
     for module in modules:
         if callable(getattr(module, "_trigger_wgrad_accumulation_and_reduce_hooks", None)):
-            module._trigger_wgrad_accumulation_and_reduce_hooks = functools.partial(fired.append, module)
+            module._trigger_wgrad_accumulation_and_reduce_hooks = functools.partial(
+                fired.append, module
+            )
             held.append(module)
     try:
         yield fired

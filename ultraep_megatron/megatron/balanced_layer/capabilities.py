@@ -31,15 +31,21 @@ def moe_model_problems(args, domain_size: Optional[int]) -> list[str]:
     problems = []
     ep = args.expert_model_parallel_size
     if args.num_experts % ep:
-        problems.append(f"--num-experts {args.num_experts} is not divisible by "
-                        f"--expert-model-parallel-size {ep}")
+        problems.append(
+            f"--num-experts {args.num_experts} is not divisible by "
+            f"--expert-model-parallel-size {ep}"
+        )
     if domain_size is not None and ep % domain_size:
-        problems.append(f"--moe-balancer-domain-size {domain_size} must divide --expert-model-parallel-size "
-                        f"{ep} (it counts the EP ranks of one NVLink domain)")
+        problems.append(
+            f"--moe-balancer-domain-size {domain_size} must divide --expert-model-parallel-size "
+            f"{ep} (it counts the EP ranks of one NVLink domain)"
+        )
     return problems
 
 
-def unsupported_moe_settings(config, environment: bool = True, planner: Optional[str] = None) -> list[str]:
+def unsupported_moe_settings(
+    config, environment: bool = True, planner: Optional[str] = None
+) -> list[str]:
     """What a balanced MoE layer cannot run, named by flag. ``config``: Megatron's args or a
     TransformerConfig (the attribute names are the same). ``environment``: also what this machine
     lacks (:func:`missing_packages`); ``False`` judges the configuration alone, for the
@@ -49,39 +55,57 @@ def unsupported_moe_settings(config, environment: bool = True, planner: Optional
     release cannot run (``compat.release_problems``)."""
     problems = compat.release_problems(config)
     get = lambda name, default=None: getattr(config, name, default)  # noqa: E731
-    planner = planner or get('moe_balancer_planner') or default_planner(get('moe_balancer'), preprocess_graphed(config))
+    planner = (
+        planner
+        or get('moe_balancer_planner')
+        or default_planner(get('moe_balancer'), preprocess_graphed(config))
+    )
     dispatcher = get('moe_token_dispatcher_type')
     if dispatcher == 'flex':
         # GPU-only (DeepEP / HybridEP); the check is whether megatron's bindings import.
-        problem = flex_backend_problem(config) if environment else _flex_backend_name_problem(config)
+        problem = (
+            flex_backend_problem(config) if environment else _flex_backend_name_problem(config)
+        )
         if problem:
             problems.append(problem)
     elif dispatcher != 'alltoall':
-        problems.append(f"--moe-token-dispatcher-type {dispatcher} is not supported: the balanced "
-                        "dispatchers are megatron's all-to-all and flex ones over physical slots; use "
-                        "alltoall (or flex with DeepEP/HybridEP on GPUs)")
+        problems.append(
+            f"--moe-token-dispatcher-type {dispatcher} is not supported: the balanced "
+            "dispatchers are megatron's all-to-all and flex ones over physical slots; use "
+            "alltoall (or flex with DeepEP/HybridEP on GPUs)"
+        )
     if get('moe_expert_capacity_factor') is not None or get('moe_pad_expert_input_to_capacity'):
-        problems.append("token dropping (--moe-expert-capacity-factor / "
-                        "--moe-pad-expert-input-to-capacity) is not supported: balancing "
-                        "needs dropless routing")
+        problems.append(
+            "token dropping (--moe-expert-capacity-factor / "
+            "--moe-pad-expert-input-to-capacity) is not supported: balancing "
+            "needs dropless routing"
+        )
     # Megatron's default expert-TP size is the TP size (set by its validation).
     if (get('expert_tensor_parallel_size') or get('tensor_model_parallel_size') or 1) > 1:
-        problems.append("--expert-tensor-parallel-size > 1 is not supported: a replica is a whole expert "
-                        "copied between EP ranks, and expert TP shards every expert over other ranks")
+        problems.append(
+            "--expert-tensor-parallel-size > 1 is not supported: a replica is a whole expert "
+            "copied between EP ranks, and expert TP shards every expert over other ranks"
+        )
     if get('use_transformer_engine_op_fuser'):
-        problems.append("--use-transformer-engine-op-fuser is not supported (its fused grouped MLP "
-                        "has no per-expert weights to replicate)")
+        problems.append(
+            "--use-transformer-engine-op-fuser is not supported (its fused grouped MLP "
+            "has no per-expert weights to replicate)"
+        )
     if get('moe_router_padding_for_quantization'):
-        problems.append("--moe-router-padding-for-quantization is not supported: it adds padding rows to "
-                        "the routing that the plan's exact per-slot row counts do not hold")
+        problems.append(
+            "--moe-router-padding-for-quantization is not supported: it adds padding rows to "
+            "the routing that the plan's exact per-slot row counts do not hold"
+        )
     if get('overlap_dispatch_backward_with_experts_wgrad'):
         # megatron's overlapped 1F1B schedule (--overlap-moe-expert-parallel-comm) and its delayed
         # weight gradients (--delay-wgrad-compute) run: the balanced layer's plan, transfers and
         # replica-gradient reduction sit in that schedule's nodes (docs/integration.md).
-        problems.append("--overlap-dispatch-backward-with-experts-wgrad is not supported: it computes the "
-                        "experts' delayed weight gradients inside the dispatch's backward, where the "
-                        "replicas' would have to be computed and reduced too, which has not been checked; use "
-                        "--overlap-moe-expert-parallel-comm with --delay-wgrad-compute")
+        problems.append(
+            "--overlap-dispatch-backward-with-experts-wgrad is not supported: it computes the "
+            "experts' delayed weight gradients inside the dispatch's backward, where the "
+            "replicas' would have to be computed and reduced too, which has not been checked; use "
+            "--overlap-moe-expert-parallel-comm with --delay-wgrad-compute"
+        )
     problems += _low_precision_problems(get)
     for flag in ('use_megatron_fsdp', 'use_torch_fsdp2'):
         if get(flag):
@@ -89,27 +113,35 @@ def unsupported_moe_settings(config, environment: bool = True, planner: Optional
             # the expert's own forward and backward; the replica transfers read whole main-expert
             # weights before the experts' forward and in the layer's backward before the experts',
             # and reduce replica gradients into the DDP main_grad buffers FSDP does not have.
-            problems.append(f"--{flag.replace('_', '-')} is not supported: the replica transfers read and "
-                            "write whole main-expert weights and gradients outside the experts' FSDP hooks; "
-                            "use --use-distributed-optimizer")
+            problems.append(
+                f"--{flag.replace('_', '-')} is not supported: the replica transfers read and "
+                "write whole main-expert weights and gradients outside the experts' FSDP hooks; "
+                "use --use-distributed-optimizer"
+            )
     if get('fine_grained_activation_offloading'):
         # Megatron offloads only CUDA tensors, so on the CPU backend its offloading path leaves every
         # activation in place: no test here runs it with a balanced layer.
-        problems.append("--fine-grained-activation-offloading is not supported with a balancer: megatron's "
-                        "offloading of the experts' activations has not run with a balanced layer (it "
-                        "offloads CUDA tensors only, so no CPU test exercises it); leave it out")
+        problems.append(
+            "--fine-grained-activation-offloading is not supported with a balancer: megatron's "
+            "offloading of the experts' activations has not run with a balanced layer (it "
+            "offloads CUDA tensors only, so no CPU test exercises it); leave it out"
+        )
     if get('moe_expert_rank_capacity_factor') is not None:
-        problems.append("--moe-expert-rank-capacity-factor is not supported: HybridEP drops the tokens over a "
-                        "rank's budget, and balancing needs dropless routing (the plan gives HybridEP each "
-                        "rank's exact row count instead)")
+        problems.append(
+            "--moe-expert-rank-capacity-factor is not supported: HybridEP drops the tokens over a "
+            "rank's budget, and balancing needs dropless routing (the plan gives HybridEP each "
+            "rank's exact row count instead)"
+        )
     problem = _cuda_graph_problem(get, planner)
     if problem:
         problems.append(problem)
     elif get('overlap_moe_expert_parallel_comm') and (get('cuda_graph_impl') or 'none') != 'none':
-        problems.append(f"--overlap-moe-expert-parallel-comm with --cuda-graph-impl {get('cuda_graph_impl')} is not "
-                        "supported with a balancer: megatron's graph replay then runs the MoE layer's routing and "
-                        "preprocessing from inside the replayed layer, which has not been checked with the balanced "
-                        "layer; leave out one of them")
+        problems.append(
+            f"--overlap-moe-expert-parallel-comm with --cuda-graph-impl {get('cuda_graph_impl')} is not "
+            "supported with a balancer: megatron's graph replay then runs the MoE layer's routing and "
+            "preprocessing from inside the replayed layer, which has not been checked with the balanced "
+            "layer; leave out one of them"
+        )
     return problems
 
 
@@ -118,10 +150,10 @@ def unsupported_moe_settings(config, environment: bool = True, planner: Optional
 FP8_RECIPES = ("tensorwise", "blockwise", "mxfp8")
 _FP8_REFUSED = {
     "delayed": "delayed scaling keeps an amax history per module: the one replica module all layers share "
-               "would mix every layer's history and register amaxes only on ranks whose slots got rows, so "
-               "the amax reduction could hang or misalign",
+    "would mix every layer's history and register amaxes only on ranks whose slots got rows, so "
+    "the amax reduction could hang or misalign",
     "custom": "a custom recipe's quantizers are not known to be pure functions of the weight, which a "
-              "replica quantizing its main expert's weight at every call relies on",
+    "replica quantizing its main expert's weight at every call relies on",
 }
 #: CUDA-graph modules (megatron's ``--cuda-graph-modules``) whose graphs end before a balanced MoE
 #: layer's own part (its plan, then transfers sized by the plan) begins.
@@ -135,18 +167,20 @@ _CUDA_GRAPH_REFUSED = {
     "full_iteration": "it captures the whole iteration",
     "full_iteration_inference": "it captures whole inference iterations",
 }
-_CUDA_GRAPH_WHY = ("a graph cannot capture the balanced layer's transfers, whose sizes the plan sets; capture "
-                   "only " + ", ".join(CUDA_GRAPH_MODULES) + f", and {DEVICE_PLANNER_GRAPH_MODULE} with "
-                   "--cuda-graph-impl transformer_engine and --moe-balancer-planner device")
+_CUDA_GRAPH_WHY = (
+    "a graph cannot capture the balanced layer's transfers, whose sizes the plan sets; capture "
+    "only " + ", ".join(CUDA_GRAPH_MODULES) + f", and {DEVICE_PLANNER_GRAPH_MODULE} with "
+    "--cuda-graph-impl transformer_engine and --moe-balancer-planner device"
+)
 _PREPROCESS_GRAPH_WHY = {
     "planner": "the host planner copies the exact load to the host and plans there, inside the captured "
-               "preprocessing, which a CUDA graph cannot capture (a host read of device data); leave "
-               "--moe-balancer-planner out or pass device, whose plan, reroute and permutation stay on the "
-               "device and whose host half crosses after the graph",
+    "preprocessing, which a CUDA graph cannot capture (a host read of device data); leave "
+    "--moe-balancer-planner out or pass device, whose plan, reroute and permutation stay on the "
+    "device and whose host half crosses after the graph",
     "flex": "the flex dispatcher's (DeepEP / HybridEP) preprocessing has not been checked under capture yet; "
-            "use --moe-token-dispatcher-type alltoall, or leave moe_preprocess out",
+    "use --moe-token-dispatcher-type alltoall, or leave moe_preprocess out",
     "fusion": "the fused permutation (Transformer Engine's kernel over the physical routing map) has not been "
-              "checked under capture yet; leave --moe-permute-fusion off, or leave moe_preprocess out",
+    "checked under capture yet; leave --moe-permute-fusion off, or leave moe_preprocess out",
 }
 
 
@@ -165,18 +199,24 @@ def _low_precision_problems(get) -> list[str]:
         if recipe not in FP8_RECIPES:
             why = _FP8_REFUSED.get(recipe, "only current-scaling recipes are supported")
             # Megatron's default recipe is delayed: say so when the user gave only --fp8-format.
-            problems.append(f"--fp8-recipe {recipe} (with --fp8-format {get('fp8')}) is not supported: "
-                            f"{why}; {working}")
+            problems.append(
+                f"--fp8-recipe {recipe} (with --fp8-format {get('fp8')}) is not supported: "
+                f"{why}; {working}"
+            )
     problems += _mxfp8_parameter_problems(get)
     if get('fp8') and get('fp8_param_gather') and get('first_last_layers_bf16'):
-        problems.append("--first-last-layers-bf16 with --fp8-param-gather is not supported: the bf16 layers' "
-                        "experts hold plain weights and the others quantized ones, and the replica slots all "
-                        "MoE layers share have one layout; leave the first and last layers in fp8")
+        problems.append(
+            "--first-last-layers-bf16 with --fp8-param-gather is not supported: the bf16 layers' "
+            "experts hold plain weights and the others quantized ones, and the replica slots all "
+            "MoE layers share have one layout; leave the first and last layers in fp8"
+        )
     if get('fp4'):
         recipe = _name(getattr(get('fp4_recipe'), "value", get('fp4_recipe')))
-        problems.append(f"--fp4-format {get('fp4')} (--fp4-recipe {recipe}) is not supported: the replica "
-                        "experts' fp4 path (re-quantization, scales, the replica weight transfer) has not "
-                        f"been checked yet; use --fp8-format with {working[4:]}")
+        problems.append(
+            f"--fp4-format {get('fp4')} (--fp4-recipe {recipe}) is not supported: the replica "
+            "experts' fp4 path (re-quantization, scales, the replica weight transfer) has not "
+            f"been checked yet; use --fp8-format with {working[4:]}"
+        )
     return problems
 
 
@@ -205,14 +245,18 @@ def _mxfp8_parameter_problems(get) -> list[str]:
     mxfp8_params = bool(get('fp8')) and recipe == "mxfp8" and bool(get('fp8_param_gather'))
     reuse = bool(get('reuse_grad_buf_for_mxfp8_param_ag'))
     if mxfp8_params and not reuse:
-        return [f"--fp8-recipe mxfp8 with --fp8-param-gather needs {REUSE_GRAD_BUF_FLAG}: without it megatron "
-                "maps each MXFP8 parameter into its parameter buffer with Transformer Engine's replace_raw_data, "
-                f"which does not support MXFP8 (the run fails building its buffers); add {REUSE_GRAD_BUF_FLAG}, "
-                "as NVIDIA recommends for MXFP8"]
+        return [
+            f"--fp8-recipe mxfp8 with --fp8-param-gather needs {REUSE_GRAD_BUF_FLAG}: without it megatron "
+            "maps each MXFP8 parameter into its parameter buffer with Transformer Engine's replace_raw_data, "
+            f"which does not support MXFP8 (the run fails building its buffers); add {REUSE_GRAD_BUF_FLAG}, "
+            "as NVIDIA recommends for MXFP8"
+        ]
     if reuse and not mxfp8_params:
-        return [f"{REUSE_GRAD_BUF_FLAG} is only for MXFP8 parameters (--fp8-format with --fp8-recipe mxfp8 "
-                "--fp8-param-gather): with other parameters megatron would stage the main parameters in a "
-                f"buffer of another type, or refuse it; leave {REUSE_GRAD_BUF_FLAG} off"]
+        return [
+            f"{REUSE_GRAD_BUF_FLAG} is only for MXFP8 parameters (--fp8-format with --fp8-recipe mxfp8 "
+            "--fp8-param-gather): with other parameters megatron would stage the main parameters in a "
+            f"buffer of another type, or refuse it; leave {REUSE_GRAD_BUF_FLAG} off"
+        ]
     return []
 
 
@@ -221,8 +265,9 @@ def preprocess_graphed(config) -> bool:
     (``--cuda-graph-impl transformer_engine --cuda-graph-modules ... moe_preprocess``)."""
     modules = getattr(config, "cuda_graph_modules", None) or []
     modules = modules.split(",") if isinstance(modules, str) else modules
-    return getattr(config, "cuda_graph_impl", None) == "transformer_engine" and \
-        DEVICE_PLANNER_GRAPH_MODULE in [_name(m) for m in modules]
+    return getattr(
+        config, "cuda_graph_impl", None
+    ) == "transformer_engine" and DEVICE_PLANNER_GRAPH_MODULE in [_name(m) for m in modules]
 
 
 def default_planner(balancer: Optional[str], graphed: bool) -> str:
@@ -245,7 +290,12 @@ def _cuda_graph_problem(get, planner: Optional[str]) -> Optional[str]:
     elif impl == 'none' and get('external_cuda_graph'):
         impl, flag = 'transformer_engine', '--external-cuda-graph'
     flag = flag or f"--cuda-graph-impl {impl}"
-    modules = get('cuda_graph_modules') or get('cuda_graph_scope_deprecated') or get('cuda_graph_scope') or []
+    modules = (
+        get('cuda_graph_modules')
+        or get('cuda_graph_scope_deprecated')
+        or get('cuda_graph_scope')
+        or []
+    )
     if isinstance(modules, str):  # a TransformerConfig built by hand: "full" or comma-separated
         modules = modules.split(',') if modules else []
     elif not isinstance(modules, (list, tuple)):
@@ -256,33 +306,45 @@ def _cuda_graph_problem(get, planner: Optional[str]) -> Optional[str]:
     if impl == 'none':
         return None
     if impl == 'full_iteration':
-        return (f"{flag} is not supported with a balancer: {_CUDA_GRAPH_REFUSED['full_iteration']}; "
-                f"{_CUDA_GRAPH_WHY}")
+        return (
+            f"{flag} is not supported with a balancer: {_CUDA_GRAPH_REFUSED['full_iteration']}; "
+            f"{_CUDA_GRAPH_WHY}"
+        )
     accepted = CUDA_GRAPH_MODULES + (DEVICE_PLANNER_GRAPH_MODULE, 'full')
     refused = [n for n in names if n not in accepted]
     if refused:
         name = refused[0]
-        why = _CUDA_GRAPH_REFUSED.get(name, "it is not known to end before the balanced layer's part")
-        return (f"--cuda-graph-modules {' '.join(refused)} (with {flag}) is not supported with a balancer: "
-                f"{why}; {_CUDA_GRAPH_WHY}")
+        why = _CUDA_GRAPH_REFUSED.get(
+            name, "it is not known to end before the balanced layer's part"
+        )
+        return (
+            f"--cuda-graph-modules {' '.join(refused)} (with {flag}) is not supported with a balancer: "
+            f"{why}; {_CUDA_GRAPH_WHY}"
+        )
     if not [n for n in names if n != 'full']:
-        return (f"{flag} without --cuda-graph-modules (whole-layer capture) is not supported with a "
-                f"balancer: it captures every MoE layer whole; {_CUDA_GRAPH_WHY}")
+        return (
+            f"{flag} without --cuda-graph-modules (whole-layer capture) is not supported with a "
+            f"balancer: it captures every MoE layer whole; {_CUDA_GRAPH_WHY}"
+        )
     if impl == 'local' and not ('moe_router' in names or DEVICE_PLANNER_GRAPH_MODULE in names):
         # megatron's local graphs (its CudaGraphManager over torch.cuda.CUDAGraph) have no stand-in
         # here, so no test runs them with a balanced layer; Transformer Engine's do.
-        return (f"{flag} (--cuda-graph-modules {' '.join(names)}) is not supported with a balancer: megatron's "
-                "local CUDA graphs have not run with a balanced layer; use --cuda-graph-impl transformer_engine "
-                "(its graphs of attn, moe_router and moe_preprocess run with one: tests/megatron/test_graph_capture.py)")
+        return (
+            f"{flag} (--cuda-graph-modules {' '.join(names)}) is not supported with a balancer: megatron's "
+            "local CUDA graphs have not run with a balanced layer; use --cuda-graph-impl transformer_engine "
+            "(its graphs of attn, moe_router and moe_preprocess run with one: tests/megatron/test_graph_capture.py)"
+        )
     if impl == 'local' and ('moe_router' in names or DEVICE_PLANNER_GRAPH_MODULE in names):
         # megatron's local partial capture graphs _forward_mlp_router, which runs the MoE layer's
         # route *and* preprocess through its own graph runner (it adds moe_preprocess to
         # moe_router); Transformer Engine's capture ends where megatron's early-return signal says.
         graphed = ' '.join(n for n in names if n in ('moe_router', DEVICE_PLANNER_GRAPH_MODULE))
-        return (f"--cuda-graph-modules {graphed} with {flag} is not supported with a balancer: megatron's "
-                "local graph of the router also captures the MoE preprocessing, through megatron's own "
-                "graph runner, which has not been checked with the balanced layer; use --cuda-graph-impl "
-                "transformer_engine")
+        return (
+            f"--cuda-graph-modules {graphed} with {flag} is not supported with a balancer: megatron's "
+            "local graph of the router also captures the MoE preprocessing, through megatron's own "
+            "graph runner, which has not been checked with the balanced layer; use --cuda-graph-impl "
+            "transformer_engine"
+        )
     if DEVICE_PLANNER_GRAPH_MODULE in names:
         if planner != "device":
             why = _PREPROCESS_GRAPH_WHY["planner"]
@@ -292,9 +354,13 @@ def _cuda_graph_problem(get, planner: Optional[str]) -> Optional[str]:
             why = _PREPROCESS_GRAPH_WHY["fusion"]
         else:
             return None
-        planner_flag = f"--moe-balancer-planner {planner}" if planner else "no --moe-balancer-planner"
-        return (f"--cuda-graph-modules {DEVICE_PLANNER_GRAPH_MODULE} (with {flag}, {planner_flag}) is not "
-                f"supported with a balancer: {why}")
+        planner_flag = (
+            f"--moe-balancer-planner {planner}" if planner else "no --moe-balancer-planner"
+        )
+        return (
+            f"--cuda-graph-modules {DEVICE_PLANNER_GRAPH_MODULE} (with {flag}, {planner_flag}) is not "
+            f"supported with a balancer: {why}"
+        )
     return None
 
 
@@ -310,8 +376,10 @@ def _flex_backend_name_problem(config) -> Optional[str]:
     backend = getattr(config, "moe_flex_dispatcher_backend", None)
     if backend in FLEX_BACKENDS:
         return None
-    return (f"--moe-flex-dispatcher-backend {backend} is not supported with a balancer; "
-            "use deepep or hybridep")
+    return (
+        f"--moe-flex-dispatcher-backend {backend} is not supported with a balancer; "
+        "use deepep or hybridep"
+    )
 
 
 def missing_flex_backend(config) -> Optional[str]:
@@ -335,8 +403,11 @@ def missing_packages(config) -> list[tuple[str, str]]:
         return []
     package = missing_flex_backend(config)
     backend = getattr(config, "moe_flex_dispatcher_backend", None)
-    return [(package, f"--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend {backend}")] \
-        if package else []
+    return (
+        [(package, f"--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend {backend}")]
+        if package
+        else []
+    )
 
 
 def flex_backend_problem(config) -> Optional[str]:
@@ -347,9 +418,11 @@ def flex_backend_problem(config) -> Optional[str]:
         return problem
     package = missing_flex_backend(config)
     if package:
-        return (f"--moe-token-dispatcher-type flex with --moe-flex-dispatcher-backend "
-                f"{config.moe_flex_dispatcher_backend} needs {package}, which is not installed (it "
-                "needs CUDA); use --moe-token-dispatcher-type alltoall")
+        return (
+            f"--moe-token-dispatcher-type flex with --moe-flex-dispatcher-backend "
+            f"{config.moe_flex_dispatcher_backend} needs {package}, which is not installed (it "
+            "needs CUDA); use --moe-token-dispatcher-type alltoall"
+        )
     return None
 
 
@@ -357,6 +430,8 @@ def nothing_to_balance(args) -> Optional[str]:
     """The warning for a balancer at ``--expert-model-parallel-size 1`` (``None`` otherwise)."""
     if args.expert_model_parallel_size != 1:
         return None
-    return (f"--moe-balancer {args.moe_balancer} with --expert-model-parallel-size 1: "
-            "one EP rank holds every expert, there is nothing to balance (the "
-            "balancer still plans every layer and allocates its slots)")
+    return (
+        f"--moe-balancer {args.moe_balancer} with --expert-model-parallel-size 1: "
+        "one EP rank holds every expert, there is nothing to balance (the "
+        "balancer still plans every layer and allocates its slots)"
+    )

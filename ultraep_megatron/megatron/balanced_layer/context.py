@@ -42,10 +42,17 @@ from ultraep_megatron.dataplane import ReplicaBuffer, TransferHandle
 from ultraep_megatron.megatron.balanced_layer import device_planning
 from ultraep_megatron.megatron.balanced_layer.device_planning import PLANNERS, DevicePlanned
 from ultraep_megatron.megatron.balanced_layer.expert_slots import ExpertWeightLayout, ReplicaExperts
-from ultraep_megatron.megatron.balanced_layer.invocation import Invocation, InvocationState, plan_invocation
+from ultraep_megatron.megatron.balanced_layer.invocation import (
+    Invocation,
+    InvocationState,
+    plan_invocation,
+)
 from ultraep_megatron.megatron.balanced_layer.native_torch import native_torch
 from ultraep_megatron.megatron.balanced_layer.observers import BalancerStats, TraceRecorder
-from ultraep_megatron.megatron.balanced_layer.ring import VirtualLayerRing, schedule_inflight_microbatches
+from ultraep_megatron.megatron.balanced_layer.ring import (
+    VirtualLayerRing,
+    schedule_inflight_microbatches,
+)
 from ultraep_megatron.planner import BalancerConfig, LayerBalancer
 from ultraep_megatron.planner.baselines.registry import ULTRAEP
 
@@ -138,9 +145,17 @@ class BalancingContext:
             planner if it fails (:meth:`_check_device_planner`).
     """
 
-    def __init__(self, config: BalancerConfig, *, hardware: Optional[str] = None,
-                 ring_size: Optional[int] = None, trace_dir: Optional[str] = None, overlap: bool = True,
-                 check_plans: bool = False, planner: Optional[str] = None):
+    def __init__(
+        self,
+        config: BalancerConfig,
+        *,
+        hardware: Optional[str] = None,
+        ring_size: Optional[int] = None,
+        trace_dir: Optional[str] = None,
+        overlap: bool = True,
+        check_plans: bool = False,
+        planner: Optional[str] = None,
+    ):
         # The planner's kernels now, not in the first layer of the first iteration, whose plan time
         # (ultraep/plan_ms) they would be.
         config.build().warm_up()
@@ -161,7 +176,9 @@ class BalancingContext:
         self.trace = TraceRecorder(trace_dir, config, hardware) if trace_dir else None
         self.observers = [self.stats] + ([self.trace] if self.trace else [])
         self.overheads = Overheads()
-        self.holder: Optional[Invocation] = None  # whose replicas the weight buffer holds (or receives)
+        self.holder: Optional[Invocation] = (
+            None  # whose replicas the weight buffer holds (or receives)
+        )
         self._transfer: Optional[TransferHandle] = None  # the latest transfer issued
         self._unobserved: List[tuple] = []  # (invocation, training) not yet seen by the observers
         self._host_copy_streams: Dict[torch.device, object] = {}
@@ -173,18 +190,29 @@ class BalancingContext:
         if self.buffer is None:
             # Replica gradients in the parameters' high-precision shapes; weights in the layout
             # of what the main experts hold (bytes of quantized parameters).
-            self.buffer = ReplicaBuffer(self.config.num_slots, shapes, layout.dtype, device=registration.device,
-                                        group=_data_plane_group(registration.ep_group), weight_shapes=layout.shapes)
+            self.buffer = ReplicaBuffer(
+                self.config.num_slots,
+                shapes,
+                layout.dtype,
+                device=registration.device,
+                group=_data_plane_group(registration.ep_group),
+                weight_shapes=layout.shapes,
+            )
             if self.config.num_slots > 0:
                 # Built now, not at the first forward: by then the training loop has hung
                 # process-group handles on the config, which the experts' constructor cannot copy.
                 self.replica_experts = registration.build_replica_experts(self.config.num_slots)
             if self.trace is not None:
                 self.trace.describe(registration.ep_group, registration.model_config)
-        elif self.buffer.expert_shapes != [torch.Size(s) for s in shapes] or \
-                self.buffer.weight_shapes != layout.shapes or self.buffer.replica_weights.dtype != layout.dtype:
-            raise ValueError("UltraEP shares replica slots across the MoE layers of a model: all must "
-                             "have the same expert shapes and dtype")
+        elif (
+            self.buffer.expert_shapes != [torch.Size(s) for s in shapes]
+            or self.buffer.weight_shapes != layout.shapes
+            or self.buffer.replica_weights.dtype != layout.dtype
+        ):
+            raise ValueError(
+                "UltraEP shares replica slots across the MoE layers of a model: all must "
+                "have the same expert shapes and dtype"
+            )
         if self.plans_on_device and len(self.registrations) == 0:
             self._check_device_planner(registration)
         self.registrations.append(registration)
@@ -199,47 +227,66 @@ class BalancingContext:
         at startup); on any rank's failure the whole group plans on the host for this model, and
         global rank 0 prints one warning line saying why. Otherwise rank 0 prints the time the
         compilation and the check took, once."""
-        check = device_planning.self_check(self.config, registration.ep_size, registration.num_experts, registration.device,
-                                           registration.ep_rank)
+        check = device_planning.self_check(
+            self.config,
+            registration.ep_size,
+            registration.num_experts,
+            registration.device,
+            registration.ep_rank,
+        )
         outcomes = _gather_on(registration.ep_group, check.failure)
         failures = [(rank, failure) for rank, failure in enumerate(outcomes) if failure is not None]
         self.device_planner_check = check
         if failures:
             rank, failure = failures[0]
-            where = "" if len(failures) == len(outcomes) else \
-                f" on EP rank{'s' if len(failures) > 1 else ''} {', '.join(str(r) for r, _ in failures)}"
+            where = (
+                ""
+                if len(failures) == len(outcomes)
+                else f" on EP rank{'s' if len(failures) > 1 else ''} {', '.join(str(r) for r, _ in failures)}"
+            )
             if registration.preprocess_graphed:  # the host planner cannot run inside that graph
-                raise RuntimeError(f"the device planner failed its self-check{where} ({check.implementation}): "
-                                   f"{failure}; --cuda-graph-modules moe_preprocess needs it: leave moe_preprocess "
-                                   "out of --cuda-graph-modules to plan on the host")
+                raise RuntimeError(
+                    f"the device planner failed its self-check{where} ({check.implementation}): "
+                    f"{failure}; --cuda-graph-modules moe_preprocess needs it: leave moe_preprocess "
+                    "out of --cuda-graph-modules to plan on the host"
+                )
             self.planner, self.plans_on_device = "host", False
-            _print_on_rank_zero(f"ultraep: warning: the device planner failed its self-check{where} "
-                                f"({check.implementation}): {failure}; planning on the host for this model "
-                                f"(--moe-balancer-planner host skips the check and this warning)")
+            _print_on_rank_zero(
+                f"ultraep: warning: the device planner failed its self-check{where} "
+                f"({check.implementation}): {failure}; planning on the host for this model "
+                f"(--moe-balancer-planner host skips the check and this warning)"
+            )
         else:
-            _print_on_rank_zero(f"ultraep: device planner ready in {check.seconds:.2f} s ({check.implementation}; "
-                                f"its plans of probe loads at R={registration.ep_size}, "
-                                f"E={registration.num_experts}, S={self.config.num_slots} "
-                                f"({check.replicas} replicas) equal the host's references)")
+            _print_on_rank_zero(
+                f"ultraep: device planner ready in {check.seconds:.2f} s ({check.implementation}; "
+                f"its plans of probe loads at R={registration.ep_size}, "
+                f"E={registration.num_experts}, S={self.config.num_slots} "
+                f"({check.replicas} replicas) equal the host's references)"
+            )
 
     def _ensure_ring(self) -> VirtualLayerRing:
         if self.ring is None:
             per_forward = sum(registered.runs_per_forward for registered in self.registrations)
             overlapped = any(registered.overlapped for registered in self.registrations)
-            self.ring = VirtualLayerRing(self.ring_size or per_forward * schedule_inflight_microbatches(overlapped))
+            self.ring = VirtualLayerRing(
+                self.ring_size or per_forward * schedule_inflight_microbatches(overlapped)
+            )
         return self.ring
 
     # -- planning ----------------------------------------------------------------------------------
     @native_torch
-    def plan_on_host(self, state: InvocationState, balancer: LayerBalancer, load: torch.Tensor,
-                     ep_rank: int) -> Invocation:
+    def plan_on_host(
+        self, state: InvocationState, balancer: LayerBalancer, load: torch.Tensor, ep_rank: int
+    ) -> Invocation:
         """Plan one invocation with the layer's ``balancer`` on the exact load (host ``[R, E]``)
         into ``state`` and, in training, park it in the ring for its backward."""
         t0 = time.perf_counter()
         balanced = balancer.balances(load)
         plan = balancer.plan(load, balances=balanced)
         plan_seconds = time.perf_counter() - t0
-        return self._invocation(state, load, plan, ep_rank, balanced=balanced, plan_seconds=plan_seconds, t0=t0)
+        return self._invocation(
+            state, load, plan, ep_rank, balanced=balanced, plan_seconds=plan_seconds, t0=t0
+        )
 
     def host_copy_stream(self, device: torch.device):
         """The CUDA stream the device plans' host halves cross on (``None`` off CUDA)."""
@@ -250,38 +297,71 @@ class BalancingContext:
         return self._host_copy_streams[device]
 
     @native_torch
-    def plan_on_device(self, state: InvocationState, load: torch.Tensor, ep_rank: int) -> DevicePlanned:
+    def plan_on_device(
+        self, state: InvocationState, load: torch.Tensor, ep_rank: int
+    ) -> DevicePlanned:
         """Queue one invocation's plan on the device (``--moe-balancer-planner device``): the load
         ``[R, E]`` on the device, nothing read on the host. :meth:`complete_device_plan` makes the
         invocation once its host half has crossed."""
         t0 = time.perf_counter()
-        planned = device_planning.plan_on_device(load, self.config, ep_rank, training=state.training,
-                                                 grad_enabled=state.grad_enabled)
+        planned = device_planning.plan_on_device(
+            load, self.config, ep_rank, training=state.training, grad_enabled=state.grad_enabled
+        )
         seconds = time.perf_counter() - t0
         self.overheads.host_seconds += seconds
         return dataclasses.replace(planned, plan_seconds=seconds)
 
     @native_torch
-    def complete_device_plan(self, state: InvocationState, host_half: torch.Tensor, *, ep_rank: int,
-                             ep_size: int, num_experts: int, plan_seconds: float) -> Invocation:
+    def complete_device_plan(
+        self,
+        state: InvocationState,
+        host_half: torch.Tensor,
+        *,
+        ep_rank: int,
+        ep_size: int,
+        num_experts: int,
+        plan_seconds: float,
+    ) -> Invocation:
         """The invocation of a plan made on the device (:class:`DevicePlanned`), from the host copy
         of its host half, into ``state`` (planned in ``state``'s mode)."""
         t0 = time.perf_counter()
-        load, plan, balanced = device_planning.unpack_host_half(host_half, ep_size, num_experts,
-                                                                self.config.num_slots)
-        return self._invocation(state, load, plan, ep_rank, balanced=balanced, plan_seconds=plan_seconds, t0=t0)
+        load, plan, balanced = device_planning.unpack_host_half(
+            host_half, ep_size, num_experts, self.config.num_slots
+        )
+        return self._invocation(
+            state, load, plan, ep_rank, balanced=balanced, plan_seconds=plan_seconds, t0=t0
+        )
 
-    def _invocation(self, state: InvocationState, load: torch.Tensor, plan, ep_rank: int, *, balanced: bool,
-                    plan_seconds: float, t0: float) -> Invocation:
+    def _invocation(
+        self,
+        state: InvocationState,
+        load: torch.Tensor,
+        plan,
+        ep_rank: int,
+        *,
+        balanced: bool,
+        plan_seconds: float,
+        t0: float,
+    ) -> Invocation:
         """The invocation of a host plan, into ``state``; in training ``state`` is parked in the
         ring for its backward."""
         replicated = self.config.num_slots > 0 and bool((plan.slot_expert.numpy() >= 0).any())
-        schedule_builder = (functools.partial(self.buffer.schedule, plan.slot_expert, plan.num_experts)
-                            if replicated else None)
+        schedule_builder = (
+            functools.partial(self.buffer.schedule, plan.slot_expert, plan.num_experts)
+            if replicated
+            else None
+        )
         vid = self._ensure_ring().acquire(state.layer_number) if state.training else None
-        invocation = plan_invocation(plan, load, ep_rank, layer_number=state.layer_number, vid=vid,
-                                     schedule_builder=schedule_builder, balanced=balanced,
-                                     plan_seconds=plan_seconds)
+        invocation = plan_invocation(
+            plan,
+            load,
+            ep_rank,
+            layer_number=state.layer_number,
+            vid=vid,
+            schedule_builder=schedule_builder,
+            balanced=balanced,
+            plan_seconds=plan_seconds,
+        )
         state.invocation = invocation
         if state.training:
             self.ring.store(vid, state)
@@ -355,7 +435,9 @@ class BalancingContext:
         self.holder = invocation
         self._issued(handle)
 
-    def start_rematerialization(self, invocation: Invocation, main_weights: List[List[torch.Tensor]]) -> None:
+    def start_rematerialization(
+        self, invocation: Invocation, main_weights: List[List[torch.Tensor]]
+    ) -> None:
         """The backward's copy of the invocation's replicas back into the shared weight buffer
         (later layers, or under the overlapped schedule another microbatch's forward, overwrote
         them); nothing to do when the buffer still holds them."""
@@ -367,13 +449,21 @@ class BalancingContext:
         if invocation.schedule_builder is None:
             return
         if self.holder is not invocation:
-            raise RuntimeError(f"UltraEP: MoE layer {invocation.layer_number} uses the replica weights "
-                               "of another invocation (the weight buffer was not re-materialized)")
+            raise RuntimeError(
+                f"UltraEP: MoE layer {invocation.layer_number} uses the replica weights "
+                "of another invocation (the weight buffer was not re-materialized)"
+            )
         self.wait(self._transfer)
 
     @native_torch
-    def start_reduction(self, invocation: Invocation, targets: List[List[torch.Tensor]],
-                        hosted_grads: Dict[int, Optional[list]], *, fold_on_stream: bool) -> TransferHandle:
+    def start_reduction(
+        self,
+        invocation: Invocation,
+        targets: List[List[torch.Tensor]],
+        hosted_grads: Dict[int, Optional[list]],
+        *,
+        fold_on_stream: bool,
+    ) -> TransferHandle:
         """Start reducing the replica gradients into the main experts' (collective on the EP group),
         as soon as the replicas' backward is done; :meth:`wait` on the handle folds them in.
 
@@ -385,8 +475,13 @@ class BalancingContext:
             fold_on_stream: fold into ``targets`` on the transfer's stream (else at :meth:`wait`).
         """
         self.wait(self._transfer)  # a previous reduction's fold left to wait() reads the slots
-        handle = self.buffer.reduce_gradients(invocation.schedule, targets, async_op=True,
-                                              hosted_grads=hosted_grads, fold_on_stream=fold_on_stream)
+        handle = self.buffer.reduce_gradients(
+            invocation.schedule,
+            targets,
+            async_op=True,
+            hosted_grads=hosted_grads,
+            fold_on_stream=fold_on_stream,
+        )
         self._issued(handle)
         return handle
 
@@ -407,8 +502,9 @@ class BalancingContext:
         """The replica experts' delayed weight gradients (``--delay-wgrad-compute``), flat."""
         return self.replica_experts.delayed_weight_grads()
 
-    def run_replicas(self, slot_weights, tokens: torch.Tensor, rows_per_slot: Sequence[int],
-                     probs: torch.Tensor) -> torch.Tensor:
+    def run_replicas(
+        self, slot_weights, tokens: torch.Tensor, rows_per_slot: Sequence[int], probs: torch.Tensor
+    ) -> torch.Tensor:
         """The redundant slots' experts on ``tokens`` (sorted by slot) with ``slot_weights``."""
         return self.replica_experts(slot_weights, tokens, rows_per_slot, probs)
 
@@ -420,7 +516,9 @@ class BalancingContext:
         if self.trace is not None:
             self.trace.end_iteration(iteration)
 
-    def ending_iterations(self, finalize_model_grads: Callable, current_iteration: Callable[[], int]) -> Callable:
+    def ending_iterations(
+        self, finalize_model_grads: Callable, current_iteration: Callable[[], int]
+    ) -> Callable:
         """The model's ``finalize_model_grads_func`` followed by the end of this context's iteration.
 
         Megatron's schedules call a model config's ``finalize_model_grads_func`` once per training
@@ -431,6 +529,7 @@ class BalancingContext:
             finalize_model_grads: the function megatron (or a model builder) installed.
             current_iteration: the number of the iteration that ends, as megatron's log gives it.
         """
+
         @functools.wraps(finalize_model_grads)
         def finalize_then_end_iteration(*args, **kwargs):
             result = finalize_model_grads(*args, **kwargs)
@@ -492,5 +591,8 @@ def _data_plane_group(ep_group):
 
     if not dist.is_initialized() or dist.get_world_size(ep_group) == 1:
         return ep_group
-    return dist.new_group(ranks=dist.get_process_group_ranks(ep_group), backend=dist.get_backend(ep_group),
-                          use_local_synchronization=True)
+    return dist.new_group(
+        ranks=dist.get_process_group_ranks(ep_group),
+        backend=dist.get_backend(ep_group),
+        use_local_synchronization=True,
+    )

@@ -52,34 +52,61 @@ class DevicePlanned:
     plan_seconds: float
 
 
-def plan_on_device(load: torch.Tensor, config: BalancerConfig, rank: int, *, training: bool,
-                   grad_enabled: bool, plan_seconds: float = 0.0) -> DevicePlanned:
+def plan_on_device(
+    load: torch.Tensor,
+    config: BalancerConfig,
+    rank: int,
+    *,
+    training: bool,
+    grad_enabled: bool,
+    plan_seconds: float = 0.0,
+) -> DevicePlanned:
     """Plan ``load`` (int64 [R, E] on the device) for ``rank``: the plan, its reroute table and the
     host half, all queued on the device."""
     R, E = load.shape
     plan_, balanced = solve_or_identity(load, config)
     P = plan_.physical_slots_per_rank
-    host_half = torch.cat([load.reshape(-1), plan_.slot_expert.reshape(-1), plan_.quota.reshape(-1),
-                           plan_.physical_split.reshape(-1), plan_.threshold.reshape(1).to(torch.int64),
-                           balanced.reshape(1).to(torch.int64)])
-    return DevicePlanned(plan_, device_reroute_table(plan_, load, rank),
-                         plan_.physical_split[:, rank * P:(rank + 1) * P].contiguous(), host_half,
-                         training, grad_enabled, plan_seconds)
+    host_half = torch.cat(
+        [
+            load.reshape(-1),
+            plan_.slot_expert.reshape(-1),
+            plan_.quota.reshape(-1),
+            plan_.physical_split.reshape(-1),
+            plan_.threshold.reshape(1).to(torch.int64),
+            balanced.reshape(1).to(torch.int64),
+        ]
+    )
+    return DevicePlanned(
+        plan_,
+        device_reroute_table(plan_, load, rank),
+        plan_.physical_split[:, rank * P : (rank + 1) * P].contiguous(),
+        host_half,
+        training,
+        grad_enabled,
+        plan_seconds,
+    )
 
 
-def unpack_host_half(host: torch.Tensor, num_ranks: int, num_experts: int,
-                     num_slots: int) -> tuple[torch.Tensor, Plan, bool]:
+def unpack_host_half(
+    host: torch.Tensor, num_ranks: int, num_experts: int, num_slots: int
+) -> tuple[torch.Tensor, Plan, bool]:
     """(load [R, E], the plan, balanced) from the host copy of a :class:`DevicePlanned`'s
     ``host_half`` (views of it; ``threshold`` an int)."""
     R, E, S = num_ranks, num_experts, num_slots
     P = E // R + S
-    load, slot_expert, quota, physical_split, tail = torch.split(host, [R * E, R * S, E * R, R * R * P, 2])
+    load, slot_expert, quota, physical_split, tail = torch.split(
+        host, [R * E, R * S, E * R, R * R * P, 2]
+    )
     threshold, balanced = tail.tolist()  # host data
-    return (load.view(R, E), Plan(slot_expert.view(R, S), quota.view(E, R), physical_split.view(R, R * P),
-                                  threshold), bool(balanced))
+    return (
+        load.view(R, E),
+        Plan(slot_expert.view(R, S), quota.view(E, R), physical_split.view(R, R * P), threshold),
+        bool(balanced),
+    )
 
 
 # ---- the self-check ----------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class SelfCheck:
@@ -138,7 +165,9 @@ def _same(name: str, device_tensor: torch.Tensor, reference: torch.Tensor) -> Op
     return None
 
 
-def _compare(load: torch.Tensor, config: BalancerConfig, rank: int, device: torch.device) -> tuple[list, int]:
+def _compare(
+    load: torch.Tensor, config: BalancerConfig, rank: int, device: torch.device
+) -> tuple[list, int]:
     """(what the device planner got wrong on ``load``, replicas in the reference plan)."""
     R, E = load.shape
     S = config.num_slots
@@ -147,34 +176,55 @@ def _compare(load: torch.Tensor, config: BalancerConfig, rank: int, device: torc
     balanced = host.balances(load)
     # The reference: the device planner's search with the greedy's specification (the same plan
     # bit for bit), or the unbalanced plan below the trigger.
-    reference = (planner.device_solve(load, S, min_quota=config.min_quota, domain_size=config.domain_size,
-                                      implementation="reference")
-                 if balanced else baselines.identity_plan(load, S))
+    reference = (
+        planner.device_solve(
+            load,
+            S,
+            min_quota=config.min_quota,
+            domain_size=config.domain_size,
+            implementation="reference",
+        )
+        if balanced
+        else baselines.identity_plan(load, S)
+    )
     P = reference.physical_slots_per_rank
     half_load, half_plan, half_balanced = unpack_host_half(planned.host_half.cpu(), R, E, S)
     differing = [
         None if half_balanced == balanced else "whether it balances",
-        *(_same(field, getattr(planned.plan, field), getattr(reference, field))
-          for field in ("slot_expert", "quota", "physical_split")),
+        *(
+            _same(field, getattr(planned.plan, field), getattr(reference, field))
+            for field in ("slot_expert", "quota", "physical_split")
+        ),
         None if int(planned.plan.threshold) == int(reference.threshold) else "threshold",
-        _same("reroute table", planned.reroute_table,
-              torch.from_numpy(planner.rank_reroute(reference, load, rank).reroute_table)),
-        _same("rows per source slot", planned.rows_per_source_slot,
-              reference.physical_split[:, rank * P:(rank + 1) * P].contiguous()),
+        _same(
+            "reroute table",
+            planned.reroute_table,
+            torch.from_numpy(planner.rank_reroute(reference, load, rank).reroute_table),
+        ),
+        _same(
+            "rows per source slot",
+            planned.rows_per_source_slot,
+            reference.physical_split[:, rank * P : (rank + 1) * P].contiguous(),
+        ),
         _same("host half (load)", half_load, load),
-        *(_same(f"host half ({field})", getattr(half_plan, field), getattr(reference, field))
-          for field in ("slot_expert", "quota", "physical_split")),
+        *(
+            _same(f"host half ({field})", getattr(half_plan, field), getattr(reference, field))
+            for field in ("slot_expert", "quota", "physical_split")
+        ),
     ]
     if balanced:  # and as good as the host planner's, to its threshold search's resolution
         host_max = int(host.plan(load, balances=True).threshold)
         resolution = max(1, planner.domain_lower_bound(load, config.domain_size) >> 10)
         if int(reference.threshold) > host_max + resolution:
-            differing.append(f"max rank load {int(reference.threshold)} where the host planner's is {host_max}")
+            differing.append(
+                f"max rank load {int(reference.threshold)} where the host planner's is {host_max}"
+            )
     return [d for d in differing if d], int((reference.slot_expert >= 0).sum())
 
 
-def self_check(config: BalancerConfig, num_ranks: int, num_experts: int, device: torch.device,
-               rank: int) -> SelfCheck:
+def self_check(
+    config: BalancerConfig, num_ranks: int, num_experts: int, device: torch.device, rank: int
+) -> SelfCheck:
     """Compile the device planner for this model and check it against the references on the host.
 
     Plans each :func:`probe_loads` load as a balanced layer does (:func:`plan_on_device`: the
@@ -188,8 +238,7 @@ def self_check(config: BalancerConfig, num_ranks: int, num_experts: int, device:
 
     Any exception (a compilation error, a launch failure) is a failure too: its type and message.
     """
-    implementation = ("triton" if device.type == "cuda" and triton_available()
-                      else "torch")
+    implementation = "triton" if device.type == "cuda" and triton_available() else "torch"
     t0 = time.perf_counter()
     replicas, failure = 0, None
     try:
@@ -197,9 +246,11 @@ def self_check(config: BalancerConfig, num_ranks: int, num_experts: int, device:
             differing, replicated = _compare(load, config, rank, device)
             replicas += replicated
             if differing:
-                failure = (f"its plan of a probe load (R={num_ranks}, E={num_experts}, S={config.num_slots}"
-                           f"{f', NVLink domains of {config.domain_size}' if config.domain_size else ''}) "
-                           f"differs from the reference in: {', '.join(differing)}")
+                failure = (
+                    f"its plan of a probe load (R={num_ranks}, E={num_experts}, S={config.num_slots}"
+                    f"{f', NVLink domains of {config.domain_size}' if config.domain_size else ''}) "
+                    f"differs from the reference in: {', '.join(differing)}"
+                )
                 break
         if device.type == "cuda":
             torch.cuda.synchronize(device)

@@ -29,7 +29,10 @@ from megatron.core.transformer.moe.token_dispatcher import (
 from ultraep_megatron.megatron.balanced_layer.capabilities import flex_backend_problem
 from ultraep_megatron.megatron.balanced_layer.invocation import Invocation
 from ultraep_megatron.megatron.balanced_layer.native_torch import native_torch
-from ultraep_megatron.megatron.balanced_layer.physical_routing import PhysicalSlotRouting, instances_of_positions
+from ultraep_megatron.megatron.balanced_layer.physical_routing import (
+    PhysicalSlotRouting,
+    instances_of_positions,
+)
 
 
 class BalancedAlltoAllDispatcher(PhysicalSlotRouting, MoEAlltoAllTokenDispatcher):
@@ -45,7 +48,10 @@ class BalancedAlltoAllDispatcher(PhysicalSlotRouting, MoEAlltoAllTokenDispatcher
         if self.invocation is None:
             self.input_splits = self.output_splits = self.output_splits_tp = None
             self.num_global_tokens_per_local_expert = (
-                self.state.device_plan.rows_per_source_slot if self.config.moe_permute_fusion else None)
+                self.state.device_plan.rows_per_source_slot
+                if self.config.moe_permute_fusion
+                else None
+            )
             return None
         self._take_splits(self.invocation, upload=True)
         return self.invocation.rows_per_slot
@@ -76,8 +82,12 @@ class BalancedAlltoAllDispatcher(PhysicalSlotRouting, MoEAlltoAllTokenDispatcher
         """Whether :meth:`dispatch_preprocess` permutes the tokens straight from the plan: megatron's
         unfused permutation, which it replaces (the fused one, TE's kernels on the physical map,
         stays megatron's)."""
-        return not (self.config.moe_permute_fusion or self.drop_and_pad or self.tp_size > 1
-                    or self.config.moe_router_padding_for_quantization)
+        return not (
+            self.config.moe_permute_fusion
+            or self.drop_and_pad
+            or self.tp_size > 1
+            or self.config.moe_router_padding_for_quantization
+        )
 
     def dispatch_preprocess(self, hidden_states, routing_map, probs):
         """megatron's ``dispatch_preprocess`` (the same dispatcher state, its shared-expert and sync
@@ -108,7 +118,9 @@ class BalancedAlltoAllDispatcher(PhysicalSlotRouting, MoEAlltoAllTokenDispatcher
         self.tokens_per_expert = self.preprocess(routing_map)
         if self.shared_experts is not None:
             self.shared_experts.pre_forward_comm(hidden_states.view(self.hidden_shape))
-        self.tokens_per_expert = self._maybe_dtoh_and_synchronize("before_permutation_1", self.tokens_per_expert)
+        self.tokens_per_expert = self._maybe_dtoh_and_synchronize(
+            "before_permutation_1", self.tokens_per_expert
+        )
         self.hidden_shape_before_permute = hidden_states.shape
         sorted_tokens, permuted_probs = self._permutation(probs)
         self.reversed_local_input_permutation_mapping = sorted_tokens
@@ -156,7 +168,9 @@ class BalancedAlltoAllDispatcher(PhysicalSlotRouting, MoEAlltoAllTokenDispatcher
         # position of each send row: a permutation, so the gathers' backward scatters exactly
         source = torch.empty_like(row).scatter_(0, row, positions)
         topk = self.topk_ids.size(1)
-        self.reversed_local_input_permutation_mapping = torch.div(order, topk, rounding_mode="floor").index_select(0, source)
+        self.reversed_local_input_permutation_mapping = torch.div(
+            order, topk, rounding_mode="floor"
+        ).index_select(0, source)
         return hidden_states.index_select(0, source), probs.index_select(0, source)
 
     @native_torch
@@ -183,7 +197,9 @@ class BalancedAlltoAllDispatcher(PhysicalSlotRouting, MoEAlltoAllTokenDispatcher
         row = self._table[3].index_select(0, instance) + positions
         # Every row is written once; -1 would fail the token gather loudly if the routing ever
         # left one unwritten (a routing other than the plan's load).
-        sorted_tokens = torch.full_like(order, -1).scatter_(0, row, torch.div(order, topk, rounding_mode="floor"))
+        sorted_tokens = torch.full_like(order, -1).scatter_(
+            0, row, torch.div(order, topk, rounding_mode="floor")
+        )
         pair_probs = probs.gather(1, self.topk_ids).reshape(-1).index_select(0, order)
         permuted_probs = pair_probs.new_zeros(pair_probs.shape).scatter(0, row, pair_probs)
         self.balancing.add_reroute_seconds(time.perf_counter() - t0)
@@ -195,8 +211,12 @@ class BalancedAlltoAllDispatcher(PhysicalSlotRouting, MoEAlltoAllTokenDispatcher
         (fused sort, expert TP, capacity padding, one slot per rank) go through megatron's."""
         # Capacity padding and expert TP are refused at startup (unsupported_moe_settings); tested
         # here as well, so that lifting a refusal cannot silently take the wrong chunk order.
-        return not (self.config.moe_permute_fusion or self.drop_and_pad or self.tp_size > 1
-                    or self.num_local_experts == 1)
+        return not (
+            self.config.moe_permute_fusion
+            or self.drop_and_pad
+            or self.tp_size > 1
+            or self.num_local_experts == 1
+        )
 
     def dispatch_postprocess_parts(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """``dispatch_postprocess`` split into main and replica parts, concatenating each part's
@@ -216,13 +236,19 @@ class BalancedAlltoAllDispatcher(PhysicalSlotRouting, MoEAlltoAllTokenDispatcher
         parts = []
         for tensor in (hidden_states, probs):
             chunks = tensor.split(sizes)
-            parts.append([torch.cat([chunks[r * P + p] for p in slots for r in range(R)])
-                          for slots in (range(G), range(G, P))])
+            parts.append(
+                [
+                    torch.cat([chunks[r * P + p] for p in slots for r in range(R)])
+                    for slots in (range(G), range(G, P))
+                ]
+            )
         (main_tokens, replica_tokens), (main_probs, replica_probs) = parts
         self.tokens_per_expert = None  # as megatron's postprocess leaves it
         return main_tokens, replica_tokens, self.invocation.rows_per_slot, main_probs, replica_probs
 
-    def combine_preprocess_parts(self, main_out: torch.Tensor, replica_out: torch.Tensor) -> torch.Tensor:
+    def combine_preprocess_parts(
+        self, main_out: torch.Tensor, replica_out: torch.Tensor
+    ) -> torch.Tensor:
         """``combine_preprocess`` of the main experts' and the redundant slots' outputs stacked
         (``[main rows + replica rows, H]``), without stacking them first (unfused sort).
 
@@ -235,8 +261,10 @@ class BalancedAlltoAllDispatcher(PhysicalSlotRouting, MoEAlltoAllTokenDispatcher
         rows = self.invocation.rows_per_source_slot.numpy()  # [R_src, P], host
         R, P = rows.shape
         G = P - self.num_slots
-        chunks = [*main_out.split(rows[:, :G].T.ravel().tolist()),  # slot-major: slot p, source r
-                  *replica_out.split(rows[:, G:].T.ravel().tolist())]
+        chunks = [
+            *main_out.split(rows[:, :G].T.ravel().tolist()),  # slot-major: slot p, source r
+            *replica_out.split(rows[:, G:].T.ravel().tolist()),
+        ]
         return torch.cat([chunks[p * R + r] for r in range(R) for p in range(P)])
 
 
@@ -256,14 +284,22 @@ class BalancedFlexDispatcher(PhysicalSlotRouting, MoEFlexTokenDispatcher):
     padded rows alike, as megatron's experts do.
     """
 
-    def __init__(self, num_local_experts, local_expert_indices, config, pg_collection, *, balancing, balancer):
+    def __init__(
+        self, num_local_experts, local_expert_indices, config, pg_collection, *, balancing, balancer
+    ):
         problem = flex_backend_problem(config)
         if problem:
             raise ValueError(f"--moe-balancer {balancer.config.name}: {problem}")
-        super().__init__(num_local_experts, local_expert_indices, config, pg_collection, balancing=balancing,
-                         balancer=balancer)
+        super().__init__(
+            num_local_experts,
+            local_expert_indices,
+            config,
+            pg_collection,
+            balancing=balancing,
+            balancer=balancer,
+        )
         self._replica_rows: tuple = ()  # per redundant slot, as dispatched (padding included)
-        self._rows_past_slots = 0       # dispatched rows past the last local slot
+        self._rows_past_slots = 0  # dispatched rows past the last local slot
 
     def can_defer(self) -> bool:
         """The fused dispatch permutes: a plan can always wait for the dispatch node."""
@@ -282,7 +318,8 @@ class BalancedFlexDispatcher(PhysicalSlotRouting, MoEFlexTokenDispatcher):
         rerouted (physical) routing map and probabilities, in the dispatch node."""
         physical_map, physical_probs = self._reroute(routing_map, probs)
         hidden_states, token_probs = super(PhysicalSlotRouting, self).dispatch_preprocess(
-            hidden_states, physical_map, physical_probs)
+            hidden_states, physical_map, physical_probs
+        )
         self.hidden_shape = self._deferred_hidden_shape  # the layer's [S, B, H], for the combine
         return hidden_states, token_probs
 
@@ -293,19 +330,25 @@ class BalancedFlexDispatcher(PhysicalSlotRouting, MoEFlexTokenDispatcher):
             return get_align_size_for_quantization(self.config)
         return self._comm_manager.pad_multiple or 1
 
-    def token_dispatch(self, hidden_states, probs=None, async_finish=True, allocate_on_comm_stream=True):
+    def token_dispatch(
+        self, hidden_states, probs=None, async_finish=True, allocate_on_comm_stream=True
+    ):
         """megatron's fused dispatch; HybridEP is told the permuted size and per-slot counts from
         the plan (host integers), so it neither waits for the GPU nor returns device counts."""
         manager = self._comm_manager
         if not isinstance(manager, _HybridEPManager):
-            return super().token_dispatch(hidden_states, probs, async_finish, allocate_on_comm_stream)
+            return super().token_dispatch(
+                hidden_states, probs, async_finish, allocate_on_comm_stream
+            )
         align = self._hybridep_alignment()
         rows = self.invocation.rows_per_slot  # [P] int64, host
         padded = (rows + align - 1) // align * align
         # megatron's manager reads the size from the GPU only when it is None (and then sets the
         # counts from the device); it is reset after every combine.
         manager.num_permuted_tokens = int(padded.sum())
-        dispatched = super().token_dispatch(hidden_states, probs, async_finish, allocate_on_comm_stream)
+        dispatched = super().token_dispatch(
+            hidden_states, probs, async_finish, allocate_on_comm_stream
+        )
         manager.tokens_per_expert = padded
         return dispatched
 
@@ -326,7 +369,9 @@ class BalancedFlexDispatcher(PhysicalSlotRouting, MoEFlexTokenDispatcher):
         self._rows_past_slots = tokens.shape[0] - main_rows - replica_rows
         sizes = [main_rows, replica_rows, self._rows_past_slots]
         (main_tokens, replica_tokens, _), (main_probs, replica_probs, _) = (
-            torch.split(tokens, sizes), torch.split(permuted_probs, sizes))
+            torch.split(tokens, sizes),
+            torch.split(permuted_probs, sizes),
+        )
         return main_tokens, replica_tokens, rows_per_slot, main_probs, replica_probs
 
     @property
@@ -335,7 +380,9 @@ class BalancedFlexDispatcher(PhysicalSlotRouting, MoEFlexTokenDispatcher):
         :meth:`dispatch_postprocess_parts`."""
         return self._replica_rows
 
-    def combine_preprocess_parts(self, main_out: torch.Tensor, replica_out: torch.Tensor) -> torch.Tensor:
+    def combine_preprocess_parts(
+        self, main_out: torch.Tensor, replica_out: torch.Tensor
+    ) -> torch.Tensor:
         """``combine_preprocess`` of the main experts' and the redundant slots' outputs in the
         dispatched layout (zero rows past the last slot)."""
         pieces = [main_out, replica_out]

@@ -75,7 +75,9 @@ def is_quantized(tensor) -> bool:
     its ``QuantizedTensor`` classes), duck-typed: ``get_metadata()`` returns its constructor's keyword
     arguments, storage tensors included, and ``type(t)(shape=, dtype=, requires_grad=, **metadata)``
     rebuilds it."""
-    return callable(getattr(tensor, "get_metadata", None)) and callable(getattr(tensor, "dequantize", None))
+    return callable(getattr(tensor, "get_metadata", None)) and callable(
+        getattr(tensor, "dequantize", None)
+    )
 
 
 #: Byte alignment of each part of a quantized expert in a replica weight slot: a part's bytes can be
@@ -138,14 +140,20 @@ class ExpertWeightLayout:
         for p, layout in zip(params, self.parts):
             parts = _parts(p)
             if [(k, t.dtype, torch.Size(t.shape)) for k, t in parts] != layout:
-                raise ValueError(f"UltraEP: a quantized expert weight's parts {[(k, t.dtype, tuple(t.shape)) for k, t in parts]} "
-                                 f"differ from the replica slots' layout {layout}")
+                raise ValueError(
+                    f"UltraEP: a quantized expert weight's parts {[(k, t.dtype, tuple(t.shape)) for k, t in parts]} "
+                    f"differ from the replica slots' layout {layout}"
+                )
             out += [t.reshape(-1).view(torch.uint8) for _, t in parts]
         device = out[0].device
         parts = iter(out)
-        return [next(parts) if pad is None else self._zero_bytes(pad, device) for pad in self.padding]
+        return [
+            next(parts) if pad is None else self._zero_bytes(pad, device) for pad in self.padding
+        ]
 
-    def replica_weights(self, views: Sequence[torch.Tensor], like: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    def replica_weights(
+        self, views: Sequence[torch.Tensor], like: Sequence[torch.Tensor]
+    ) -> List[torch.Tensor]:
         """One redundant slot's weights for the replica experts, over the slot's ``views`` (the
         weight buffer's, shaped as ``shapes``): the views (detached) for high-precision weights;
         else each quantized parameter rebuilt as ``like``'s class (a main expert's parameter: its
@@ -188,8 +196,11 @@ def _parts(param: torch.Tensor) -> List[Tuple[Optional[str], torch.Tensor]]:
     if not is_quantized(param):
         return [(None, param.detach())]
     metadata = param.get_metadata()
-    return [(key, metadata[key]) for key in sorted(metadata)
-            if isinstance(metadata[key], torch.Tensor) and key not in DERIVED_PARTS]
+    return [
+        (key, metadata[key])
+        for key in sorted(metadata)
+        if isinstance(metadata[key], torch.Tensor) and key not in DERIVED_PARTS
+    ]
 
 
 def build_replica_experts(layer, num_slots: int) -> "ReplicaExperts":
@@ -202,7 +213,9 @@ def build_replica_experts(layer, num_slots: int) -> "ReplicaExperts":
     config = replica_experts_config(layer.config)
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
-        module = layer.submodules.experts(num_slots, config, pg_collection=layer.balancer_pg_collection)
+        module = layer.submodules.experts(
+            num_slots, config, pg_collection=layer.balancer_pg_collection
+        )
     return ReplicaExperts(module, expert_param_names(module, num_slots))
 
 
@@ -252,19 +265,30 @@ class ReplicaExperts:
         self.module, self.names = module, [list(slot) for slot in names]
         self._owners = [_owner(module, name) for slot in self.names for name in slot]
         # shape, dtype and device of each parameter, before its storage is released
-        self._shapes = [(table[attr].shape, table[attr].dtype, table[attr].device, table[attr].requires_grad)
-                        for table, attr in self._owners]
+        self._shapes = [
+            (table[attr].shape, table[attr].dtype, table[attr].device, table[attr].requires_grad)
+            for table, attr in self._owners
+        ]
         self._grad_holders: Optional[List[torch.Tensor]] = None  # delayed_weight_grads's stand-ins
         for table, attr in self._owners:  # storage comes from the replica buffer at every call
             param = table[attr]
-            if is_quantized(param):  # built as quantized parameters (TE's fp8_model_init): an empty stand-in
-                table[attr] = torch.nn.Parameter(torch.empty(0, dtype=param.dtype, device=param.device),
-                                                 requires_grad=param.requires_grad)
+            if is_quantized(
+                param
+            ):  # built as quantized parameters (TE's fp8_model_init): an empty stand-in
+                table[attr] = torch.nn.Parameter(
+                    torch.empty(0, dtype=param.dtype, device=param.device),
+                    requires_grad=param.requires_grad,
+                )
             else:
                 param.data = param.data.new_empty(0)
 
-    def __call__(self, slot_weights: Sequence[Sequence[torch.Tensor]], tokens: torch.Tensor,
-                 tokens_per_slot: Sequence[int], probs: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self,
+        slot_weights: Sequence[Sequence[torch.Tensor]],
+        tokens: torch.Tensor,
+        tokens_per_slot: Sequence[int],
+        probs: torch.Tensor,
+    ) -> torch.Tensor:
         """Apply each redundant slot's expert to its chunk of tokens.
 
         Args:
@@ -288,10 +312,13 @@ class ReplicaExperts:
         finally:
             for (table, attr), param in zip(self._owners, released):
                 table[attr] = param
-        if bias is not None:  # megatron's experts add their biases inside; keep that invariant explicit
-            raise ValueError("replica experts returned a separate bias; expected it folded into the output")
+        if (
+            bias is not None
+        ):  # megatron's experts add their biases inside; keep that invariant explicit
+            raise ValueError(
+                "replica experts returned a separate bias; expected it folded into the output"
+            )
         return output
-
 
     def delayed_weight_grads(self) -> List[Optional[torch.Tensor]]:
         """The replica weights' gradients of the latest call whose weight gradients the experts
@@ -304,9 +331,12 @@ class ReplicaExperts:
         Returns:
             flat, slot-major in ``names`` order: each gradient, ``None`` where none was set."""
         if self._grad_holders is None:
-            self._grad_holders = [torch.empty_strided(shape, (0,) * len(shape), dtype=dtype,
-                                                      device=device).requires_grad_(requires_grad)
-                                  for shape, dtype, device, requires_grad in self._shapes]
+            self._grad_holders = [
+                torch.empty_strided(
+                    shape, (0,) * len(shape), dtype=dtype, device=device
+                ).requires_grad_(requires_grad)
+                for shape, dtype, device, requires_grad in self._shapes
+            ]
         released = [table[attr] for table, attr in self._owners]
         for (table, attr), holder in zip(self._owners, self._grad_holders):
             table[attr] = holder

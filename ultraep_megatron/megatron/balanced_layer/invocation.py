@@ -90,9 +90,17 @@ class Invocation:
         return self.schedule_builder() if self.schedule_builder is not None else None
 
 
-def plan_invocation(plan: planner.Plan, load: torch.Tensor, ep_rank: int, *, layer_number: int,
-                    vid: Optional[int], schedule_builder: Optional[Callable[[], TransferSchedule]],
-                    balanced: bool, plan_seconds: float) -> Invocation:
+def plan_invocation(
+    plan: planner.Plan,
+    load: torch.Tensor,
+    ep_rank: int,
+    *,
+    layer_number: int,
+    vid: Optional[int],
+    schedule_builder: Optional[Callable[[], TransferSchedule]],
+    balanced: bool,
+    plan_seconds: float,
+) -> Invocation:
     """Derive everything one rank needs from a plan, on the host (``planner.rank_reroute``: one
     compiled pass, into pinned memory on CUDA, from which its two device tables upload).
 
@@ -106,16 +114,31 @@ def plan_invocation(plan: planner.Plan, load: torch.Tensor, ep_rank: int, *, lay
     pinned = torch.cuda.is_available()  # what is uploaded is pinned: a non-blocking upload
     rows_per_source_slot = torch.empty(R, P, dtype=torch.int64, pin_memory=pinned)
     table = torch.empty(4, E * R + 1, dtype=torch.int64, pin_memory=pinned)
-    reroute = planner.rank_reroute(plan, load, ep_rank, rows_per_source_slot=rows_per_source_slot.numpy(),
-                                   reroute_table=table.numpy())
+    reroute = planner.rank_reroute(
+        plan,
+        load,
+        ep_rank,
+        rows_per_source_slot=rows_per_source_slot.numpy(),
+        reroute_table=table.numpy(),
+    )
     rows_per_slot = reroute.rows_per_slot
     return Invocation(
-        layer_number=layer_number, vid=vid, ep_rank=ep_rank, load=load, plan=plan,
+        layer_number=layer_number,
+        vid=vid,
+        ep_rank=ep_rank,
+        load=load,
+        plan=plan,
         schedule_builder=schedule_builder,
-        input_splits=reroute.input_splits, output_splits=reroute.output_splits,
-        rows_per_source_slot=rows_per_source_slot, rows_per_slot=torch.from_numpy(rows_per_slot),
-        main_rows=int(rows_per_slot[:G].sum()), replica_rows=tuple(rows_per_slot[G:].tolist()),
-        balanced=balanced, reroute_table=table, plan_seconds=plan_seconds)
+        input_splits=reroute.input_splits,
+        output_splits=reroute.output_splits,
+        rows_per_source_slot=rows_per_source_slot,
+        rows_per_slot=torch.from_numpy(rows_per_slot),
+        main_rows=int(rows_per_slot[:G].sum()),
+        replica_rows=tuple(rows_per_slot[G:].tolist()),
+        balanced=balanced,
+        reroute_table=table,
+        plan_seconds=plan_seconds,
+    )
 
 
 @dataclass(eq=False)

@@ -25,13 +25,23 @@ class BalancerStats:
     invocations, averaged over the microbatches since the last :meth:`pop`. Evaluation is balanced
     too, but does not mix into the training iteration's figures."""
 
-    METRICS = ("imbalance_before", "imbalance_after", "replicas", "max_fanout", "inflight_ratio",
-               "cross_domain_replicas", "memory_spread_before", "memory_spread_after")
+    METRICS = (
+        "imbalance_before",
+        "imbalance_after",
+        "replicas",
+        "max_fanout",
+        "inflight_ratio",
+        "cross_domain_replicas",
+        "memory_spread_before",
+        "memory_spread_after",
+    )
     #: Every figure :meth:`pop` returns: ``planner.metrics``' above, plus the balancer's own.
     RECORDED = METRICS + ("balanced_fraction", "plan_ms")
 
     def __init__(self, domain_size: Optional[int] = None):
-        self.domain_size = domain_size  # the model's NVLink domains (``--moe-balancer-domain-size``)
+        self.domain_size = (
+            domain_size  # the model's NVLink domains (``--moe-balancer-domain-size``)
+        )
         self._sums: Dict[int, Dict[str, float]] = {}
 
     def on_invocation(self, invocation: Invocation, training: bool) -> None:
@@ -43,13 +53,17 @@ class BalancerStats:
         for key in self.METRICS:
             entry[key] = entry.get(key, 0.0) + float(m[key])
         # Share of the microbatches balanced at all (ultraep's trigger skips the others).
-        entry["balanced_fraction"] = entry.get("balanced_fraction", 0.0) + float(invocation.balanced)
+        entry["balanced_fraction"] = entry.get("balanced_fraction", 0.0) + float(
+            invocation.balanced
+        )
         entry["plan_ms"] = entry.get("plan_ms", 0.0) + invocation.plan_seconds * 1e3
 
     def pop(self) -> Dict[int, Dict[str, float]]:
         """{layer: {metric: mean}} since the last call."""
-        out = {layer: {k: v / s["count"] for k, v in s.items() if k != "count"}
-               for layer, s in sorted(self._sums.items())}
+        out = {
+            layer: {k: v / s["count"] for k, v in s.items() if k != "count"}
+            for layer, s in sorted(self._sums.items())
+        }
         self._sums = {}
         return out
 
@@ -116,7 +130,9 @@ class TraceRecorder:
 
     def end_iteration(self, iteration: int) -> None:
         if self._writer is not None:
-            self._writer.flush_iteration(self.iteration if self.iteration is not None else iteration)
+            self._writer.flush_iteration(
+                self.iteration if self.iteration is not None else iteration
+            )
         self.iteration = iteration + 1
         self._microbatch.clear()
 

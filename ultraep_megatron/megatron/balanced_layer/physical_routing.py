@@ -73,7 +73,9 @@ def _start_copy_to_host(tensor: torch.Tensor, stream=None):
     return host, copied
 
 
-def instances_of_positions(running: torch.Tensor, positions: torch.Tensor, *, binary_search: bool) -> torch.Tensor:
+def instances_of_positions(
+    running: torch.Tensor, positions: torch.Tensor, *, binary_search: bool
+) -> torch.Tensor:
     """The reroute table column of each expert-major position (``planner.reroute.instances_of_positions``)."""
     return reroute.instances_of_positions(running, positions, binary_search=binary_search)
 
@@ -88,8 +90,16 @@ class PhysicalSlotRouting:
     over ``R * P`` "experts", ``P`` of them local, so its permutation and communication run unchanged.
     """
 
-    def __init__(self, num_local_experts, local_expert_indices, config, pg_collection, *,
-                 balancing: BalancingContext, balancer: LayerBalancer):
+    def __init__(
+        self,
+        num_local_experts,
+        local_expert_indices,
+        config,
+        pg_collection,
+        *,
+        balancing: BalancingContext,
+        balancer: LayerBalancer,
+    ):
         """Args: as megatron's dispatcher (logical ``num_local_experts = G`` and expert ids, the
         model's config), plus the model's context (``balancing``: planning, the host copy stream)
         and the layer's ``balancer`` (its plans; its settings give ``S``)."""
@@ -111,8 +121,12 @@ class PhysicalSlotRouting:
         self.plan_host_half: Optional[torch.Tensor] = None
         # Sorting the pairs by expert on the narrowest integer that holds an expert id: the radix
         # sort's passes are over the key's bytes (CPU and CUDA).
-        self._sort_key_dtype = torch.int16 if config.num_moe_experts <= torch.iinfo(torch.int16).max else torch.int32
-        super().__init__(self.slots_per_rank, local, config=physical_config, pg_collection=pg_collection)
+        self._sort_key_dtype = (
+            torch.int16 if config.num_moe_experts <= torch.iinfo(torch.int16).max else torch.int32
+        )
+        super().__init__(
+            self.slots_per_rank, local, config=physical_config, pg_collection=pg_collection
+        )
         self.cudagraph_attrs = [*self.cudagraph_attrs, "plan_host_half"]
 
     # The record's fields the stages read, under the names megatron's dispatcher code and the
@@ -149,8 +163,14 @@ class PhysicalSlotRouting:
         """What the dispatch node completes (:attr:`InvocationState.deferred`), or ``None``."""
         return self.state.deferred if self.state is not None else None
 
-    def begin_invocation(self, state: InvocationState, routing_map: torch.Tensor, *, defer: bool = False,
-                         captured: bool = False) -> InvocationState:
+    def begin_invocation(
+        self,
+        state: InvocationState,
+        routing_map: torch.Tensor,
+        *,
+        defer: bool = False,
+        captured: bool = False,
+    ) -> InvocationState:
         """Begin planning the invocation ``state`` describes (its routed pairs in
         ``state.topk_ids``) from the exact load of the EP group, or, in an activation-recompute
         replay, take the record its checkpointed forward stored. Returns the current record.
@@ -186,7 +206,9 @@ class PhysicalSlotRouting:
             self.state = state = replayed
         elif balancing.plans_on_device:
             self.state = state
-            state.device_plan = balancing.plan_on_device(state, self._gather_load(routing_map), self.ep_rank)
+            state.device_plan = balancing.plan_on_device(
+                state, self._gather_load(routing_map), self.ep_rank
+            )
             self.plan_host_half = state.device_plan.host_half
             state.reroute_table = state.device_plan.reroute_table
             if captured:
@@ -194,16 +216,18 @@ class PhysicalSlotRouting:
                 # (device reads) does not check a plan made inside one.
                 return state
             # The host half starts crossing now, beside the reroute and permutation queued next.
-            state.crossing = _start_copy_to_host(state.device_plan.host_half,
-                                                 balancing.host_copy_stream(routing_map.device))
+            state.crossing = _start_copy_to_host(
+                state.device_plan.host_half, balancing.host_copy_stream(routing_map.device)
+            )
             state.deferred = "device" if defer else None
             self._check_plan(routing_map)
             return state
         elif defer:
             # The load starts crossing now; the plan is made in the dispatch node, after the wait.
             self.state = state
-            state.crossing = _start_copy_to_host(self._gather_load(routing_map),
-                                                 balancing.host_copy_stream(routing_map.device))
+            state.crossing = _start_copy_to_host(
+                self._gather_load(routing_map), balancing.host_copy_stream(routing_map.device)
+            )
             state.routing_map = routing_map
             state.deferred = "host"
             return state
@@ -211,7 +235,9 @@ class PhysicalSlotRouting:
             self.state = state
             load = _copy_to_host(self._gather_load(routing_map))
             balancing.plan_on_host(state, self.balancer, load, self.ep_rank)
-        state.reroute_table = state.invocation.reroute_table.to(routing_map.device, non_blocking=True)
+        state.reroute_table = state.invocation.reroute_table.to(
+            routing_map.device, non_blocking=True
+        )
         self._check_plan(routing_map)
         return state
 
@@ -229,8 +255,14 @@ class PhysicalSlotRouting:
         self._complete_device_plan(host_half, device_plan.plan_seconds)
 
     def _complete_device_plan(self, host_half: torch.Tensor, plan_seconds: float) -> None:
-        self.balancing.complete_device_plan(self.state, host_half, ep_rank=self.ep_rank, ep_size=self.ep_size,
-                                            num_experts=self.num_logical_experts, plan_seconds=plan_seconds)
+        self.balancing.complete_device_plan(
+            self.state,
+            host_half,
+            ep_rank=self.ep_rank,
+            ep_size=self.ep_size,
+            num_experts=self.num_logical_experts,
+            plan_seconds=plan_seconds,
+        )
         self._take_invocation(self.state.invocation)
 
     def complete_plan_after_graph(self, state: Optional[InvocationState] = None) -> None:
@@ -243,12 +275,15 @@ class PhysicalSlotRouting:
         if state is not None:
             self.state = state
         if self.plan_host_half is None:
-            raise RuntimeError(f"MoE layer {self.state.layer_number}: a graph of the preprocessing was "
-                               "replayed without the device plan's host half among its outputs (the "
-                               "preprocessing graph needs --moe-balancer-planner device)")
+            raise RuntimeError(
+                f"MoE layer {self.state.layer_number}: a graph of the preprocessing was "
+                "replayed without the device plan's host half among its outputs (the "
+                "preprocessing graph needs --moe-balancer-planner device)"
+            )
         self.state.device_plan = None
-        host_half, copied = _start_copy_to_host(self.plan_host_half,
-                                                self.balancing.host_copy_stream(self.plan_host_half.device))
+        host_half, copied = _start_copy_to_host(
+            self.plan_host_half, self.balancing.host_copy_stream(self.plan_host_half.device)
+        )
         _wait_for_host_copy(copied)
         self._complete_device_plan(host_half, 0.0)
 
@@ -287,7 +322,9 @@ class PhysicalSlotRouting:
             state.crossing = None
             _wait_for_host_copy(copied)
             self.balancing.plan_on_host(state, self.balancer, host_load, self.ep_rank)
-            state.reroute_table = state.invocation.reroute_table.to(routing_map.device, non_blocking=True)
+            state.reroute_table = state.invocation.reroute_table.to(
+                routing_map.device, non_blocking=True
+            )
             self._check_plan(routing_map)
             return self._dispatch_inputs_of_plan(hidden_states, probs, routing_map)
         return hidden_states, probs
@@ -345,7 +382,9 @@ class PhysicalSlotRouting:
         """Rows each redundant slot's experts compute in this invocation (host ints): the plan's."""
         return self.invocation.replica_rows
 
-    def combine_preprocess_parts(self, main_out: torch.Tensor, replica_out: torch.Tensor) -> torch.Tensor:
+    def combine_preprocess_parts(
+        self, main_out: torch.Tensor, replica_out: torch.Tensor
+    ) -> torch.Tensor:
         """``combine_preprocess`` of the main experts' and the redundant slots' outputs, stacked."""
         return self.combine_preprocess(torch.cat([main_out, replica_out]))
 
@@ -357,13 +396,18 @@ class PhysicalSlotRouting:
             return
         pairs = torch.zeros_like(routing_map).scatter_(1, self.topk_ids, True)
         if not torch.equal(pairs, routing_map):
-            raise RuntimeError(f"MoE layer {self.state.layer_number}: the router's top-k indices are not "
-                               "its routing map's (not exactly top-k distinct experts per token)")
+            raise RuntimeError(
+                f"MoE layer {self.state.layer_number}: the router's top-k indices are not "
+                "its routing map's (not exactly top-k distinct experts per token)"
+            )
         if self.invocation is not None and not torch.equal(
-                routing_map.sum(dim=0).cpu(), self.invocation.load[self.ep_rank]):
-            raise RuntimeError(f"MoE layer {self.state.layer_number}: the routing differs from the load "
-                               "its plan was solved for (not exactly top-k per token, or a recompute "
-                               "replay that is not deterministic)")
+            routing_map.sum(dim=0).cpu(), self.invocation.load[self.ep_rank]
+        ):
+            raise RuntimeError(
+                f"MoE layer {self.state.layer_number}: the routing differs from the load "
+                "its plan was solved for (not exactly top-k per token, or a recompute "
+                "replay that is not deterministic)"
+            )
 
     def _pairs(self):
         """The invocation's routed pairs in the expert-major order, and each one's instance in the
@@ -412,11 +456,12 @@ class PhysicalSlotRouting:
         num_physical = self.ep_size * self.slots_per_rank
         physical_ids = self.physical_topk_ids()
         # A token's pairs land in distinct slots: the scatters are exact.
-        physical_map = torch.zeros(num_tokens, num_physical, dtype=torch.bool, device=routing_map.device)
+        physical_map = torch.zeros(
+            num_tokens, num_physical, dtype=torch.bool, device=routing_map.device
+        )
         physical_map.scatter_(1, physical_ids, True)
         physical_probs = probs.new_zeros(num_tokens, num_physical).scatter(
-            1, physical_ids, probs.gather(1, self.topk_ids))
+            1, physical_ids, probs.gather(1, self.topk_ids)
+        )
         self.balancing.add_reroute_seconds(time.perf_counter() - t0)
         return physical_map, physical_probs
-
-

@@ -37,8 +37,12 @@ def _state(ctx) -> InvocationState:
     return ctx.layer.balancing.record(ctx.vid) if ctx.vid is not None else ctx.state
 
 
-def gradient_targets(main_params: List[List[torch.Tensor]], invocation: Invocation, *,
-                     gradient_accumulation_fusion: bool) -> Tuple[List[List[torch.Tensor]], Optional[List[bool]], bool]:
+def gradient_targets(
+    main_params: List[List[torch.Tensor]],
+    invocation: Invocation,
+    *,
+    gradient_accumulation_fusion: bool,
+) -> Tuple[List[List[torch.Tensor]], Optional[List[bool]], bool]:
     """Where the replica gradients of ``invocation`` are reduced into, per ``[local expert][k]``
     main parameter: ``(targets, has_replica, fold_on_stream)``.
 
@@ -50,18 +54,31 @@ def gradient_targets(main_params: List[List[torch.Tensor]], invocation: Invocati
     it: fresh fp32 gradients for the experts with a replica, a zero view (never written) for the
     others."""
     if all(getattr(p, "main_grad", None) is not None for ps in main_params for p in ps):
-        return [[p.main_grad for p in ps] for ps in main_params], None, not gradient_accumulation_fusion
+        return (
+            [[p.main_grad for p in ps] for ps in main_params],
+            None,
+            not gradient_accumulation_fusion,
+        )
     replicated = set(invocation.replicated_local_experts)
     has_replica = [g in replicated for g in range(len(main_params))]
     zero = torch.zeros((), dtype=torch.float32, device=main_params[0][0].device)
-    targets = [[torch.zeros(p.shape, dtype=torch.float32, device=p.device) if has else zero.expand(p.shape)
-                for p in ps]
-               for ps, has in zip(main_params, has_replica)]
+    targets = [
+        [
+            torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            if has
+            else zero.expand(p.shape)
+            for p in ps
+        ]
+        for ps, has in zip(main_params, has_replica)
+    ]
     return targets, has_replica, True
 
 
-def hosted_grads(invocation: Invocation, weight_grads: Optional[Sequence[Optional[torch.Tensor]]],
-                 params_per_expert: int) -> Dict[int, Optional[list]]:
+def hosted_grads(
+    invocation: Invocation,
+    weight_grads: Optional[Sequence[Optional[torch.Tensor]]],
+    params_per_expert: int,
+) -> Dict[int, Optional[list]]:
     """What each redundant slot this rank hosts reduces: its replica's weight gradients (from
     ``weight_grads``, flat, slot-major, ``params_per_expert`` per slot; ``None`` where no replica
     backward ran), or zeros (``None``) where it received no rows; an unset gradient is zeros too (an
@@ -69,13 +86,17 @@ def hosted_grads(invocation: Invocation, weight_grads: Optional[Sequence[Optiona
     shared fp32 buffer on its own stream."""
     hosted = {}
     for s in invocation.schedule.rank_transfers(invocation.ep_rank).hosted_slots:
-        hosted[s] = (weight_grads[s * params_per_expert : (s + 1) * params_per_expert]
-                     if weight_grads is not None and invocation.replica_rows[s] > 0 else None)
+        hosted[s] = (
+            weight_grads[s * params_per_expert : (s + 1) * params_per_expert]
+            if weight_grads is not None and invocation.replica_rows[s] > 0
+            else None
+        )
     return hosted
 
 
-def reduced_grads(main_params: List[List[torch.Tensor]], state: InvocationState,
-                  balancing: BalancingContext) -> List[List[Optional[torch.Tensor]]]:
+def reduced_grads(
+    main_params: List[List[torch.Tensor]], state: InvocationState, balancing: BalancingContext
+) -> List[List[Optional[torch.Tensor]]]:
     """Complete ``state``'s reduction (started by the layer's ``start_reduction``); return
     ``[local expert][k]`` the gradient each main parameter gains from its replicas: ``None`` for an
     expert without a replica, and for every expert where the reduction went into ``main_grad``."""
@@ -83,8 +104,10 @@ def reduced_grads(main_params: List[List[torch.Tensor]], state: InvocationState,
     balancing.wait(reduction.handle)
     if reduction.has_replica is None:
         return [[None] * len(expert) for expert in main_params]
-    return [[g.to(p.dtype) for p, g in zip(expert, grads)] if has else [None] * len(expert)
-            for expert, grads, has in zip(main_params, reduction.targets, reduction.has_replica)]
+    return [
+        [g.to(p.dtype) for p, g in zip(expert, grads)] if has else [None] * len(expert)
+        for expert, grads, has in zip(main_params, reduction.targets, reduction.has_replica)
+    ]
 
 
 class StartInBackward(torch.autograd.Function):
@@ -157,8 +180,11 @@ class ReduceReplicaGrads(torch.autograd.Function):
             return (None, None, grad_received, *(None for _ in ctx.params))
         reduced = layer.finish_reduction(state)  # [local expert][k]
         layer.balancing.release(state.invocation)
-        by_param = {id(p): g for expert, grads in zip(layer.main_expert_param_lists(), reduced)
-                    for p, g in zip(expert, grads)}
+        by_param = {
+            id(p): g
+            for expert, grads in zip(layer.main_expert_param_lists(), reduced)
+            for p, g in zip(expert, grads)
+        }
         return (None, None, grad_received, *(by_param[id(p)] for p in ctx.params))
 
 
@@ -194,7 +220,9 @@ class ReplicaWeights(torch.autograd.Function):
     @staticmethod
     def forward(ctx, layer, state, tokens, probs):
         _keep(ctx, layer, state)
-        ctx.set_materialize_grads(False)  # an unused weight's gradient stays None, not a zero tensor
+        ctx.set_materialize_grads(
+            False
+        )  # an unused weight's gradient stays None, not a zero tensor
         layer.balancing.wait_weights(state.invocation)
         return tuple(w for slot in layer.replica_weight_views() for w in slot)
 
@@ -208,8 +236,9 @@ class ReplicaWeights(torch.autograd.Function):
         return None, None, None, None
 
 
-def run_replicas_in_graph(layer, state: InvocationState, tokens: torch.Tensor, probs: torch.Tensor,
-                          rows_per_slot):
+def run_replicas_in_graph(
+    layer, state: InvocationState, tokens: torch.Tensor, probs: torch.Tensor, rows_per_slot
+):
     """Expert compute of this rank's redundant slots, differentiable: ``tokens [N, H]`` (sorted by
     slot, ``rows_per_slot`` host ints: the plan's rows, or as the dispatcher padded them) and their
     ``probs [N]`` -> ``[N, H]``, with the replica weight gradients reduced into the main experts' in
@@ -251,11 +280,19 @@ def _buffer_packer(buffer: torch.Tensor):
     @native_torch  # our code, several times per layer and microbatch: no device mapping needed
     def pack(tensor):
         if is_quantized(tensor):  # before untyped_storage(): a wrapper subclass has none
-            return _SavedQuantized(type(tensor), tuple(tensor.shape), tensor.dtype,
-                                   {key: pack(value) if isinstance(value, torch.Tensor) else value
-                                    for key, value in tensor.get_metadata().items()})
+            return _SavedQuantized(
+                type(tensor),
+                tuple(tensor.shape),
+                tensor.dtype,
+                {
+                    key: pack(value) if isinstance(value, torch.Tensor) else value
+                    for key, value in tensor.get_metadata().items()
+                },
+            )
         if tensor.untyped_storage().data_ptr() == storage:
-            return _BufferView(tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+            return _BufferView(
+                tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype
+            )
         return tensor
 
     return pack
@@ -271,8 +308,12 @@ def _buffer_unpacker(buffer: torch.Tensor, balancing: BalancingContext, invocati
     @native_torch
     def unpack(saved):
         if isinstance(saved, _SavedQuantized):
-            return saved.cls(shape=saved.shape, dtype=saved.dtype, requires_grad=False,
-                             **{key: unpack(value) for key, value in saved.metadata.items()})
+            return saved.cls(
+                shape=saved.shape,
+                dtype=saved.dtype,
+                requires_grad=False,
+                **{key: unpack(value) for key, value in saved.metadata.items()},
+            )
         if isinstance(saved, _BufferView):
             if not waited or not balancing.holds(invocation):
                 balancing.wait_weights(invocation)

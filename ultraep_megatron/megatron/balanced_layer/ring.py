@@ -148,7 +148,10 @@ class VirtualLayerRing:
 
 
 def max_inflight_microbatches(
-    pp_size: int, pp_rank: int, num_microbatches: int, vpp_size: Optional[int] = None,
+    pp_size: int,
+    pp_rank: int,
+    num_microbatches: int,
+    vpp_size: Optional[int] = None,
     overlapped: bool = False,
 ) -> int:
     """Most forward passes of one model chunk whose backward has not run yet, per pipeline schedule.

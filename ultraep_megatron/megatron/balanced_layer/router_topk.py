@@ -42,13 +42,22 @@ class TopKIndicesTap:
             self.replay.layer_number = value
         self._layer_number = value
 
-    def get_replay_topk(self, scores: torch.Tensor, topk: int, num_groups: Optional[int] = None,
-                        group_topk: Optional[int] = None, default_compute_topk: Callable = None):
+    def get_replay_topk(
+        self,
+        scores: torch.Tensor,
+        topk: int,
+        num_groups: Optional[int] = None,
+        group_topk: Optional[int] = None,
+        default_compute_topk: Callable = None,
+    ):
         if self.replay is not None:
-            values, indices = self.replay.get_replay_topk(scores, topk, num_groups, group_topk,
-                                                          default_compute_topk)
+            values, indices = self.replay.get_replay_topk(
+                scores, topk, num_groups, group_topk, default_compute_topk
+            )
         else:
-            values, indices = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+            values, indices = default_compute_topk(
+                scores, topk, num_groups=num_groups, group_topk=group_topk
+            )
         self.indices = indices
         return values, indices
 
@@ -63,7 +72,9 @@ def install_topk_tap(router) -> Optional[TopKIndicesTap]:
     return tap
 
 
-def topk_indices(tap: Optional[TopKIndicesTap], routing_map: torch.Tensor, topk: int) -> torch.Tensor:
+def topk_indices(
+    tap: Optional[TopKIndicesTap], routing_map: torch.Tensor, topk: int
+) -> torch.Tensor:
     """The ``[T, k]`` int64 expert indices of ``routing_map`` ([T, E] bool, exactly ``topk`` per
     token): the tap's, when it saw this routing, else a top-k over the map (order within a token
     is irrelevant to the dispatchers). Device work only: no host read."""

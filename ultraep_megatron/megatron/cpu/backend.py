@@ -19,7 +19,10 @@ from ultraep_megatron.megatron.balanced_layer import native_torch
 from ultraep_megatron.megatron.cpu import megatron_patches
 from ultraep_megatron.megatron.cpu.device_mapping import CudaAsCpuMode
 from ultraep_megatron.megatron.cpu.torch_cuda import (
-    TORCH_CUDA_PATCHES, cpu_get_rng_state, noop, record_stream_patch,
+    TORCH_CUDA_PATCHES,
+    cpu_get_rng_state,
+    noop,
+    record_stream_patch,
 )
 
 logger = logging.getLogger(__name__)
@@ -79,21 +82,37 @@ def activate() -> bool:
     # Torch level: the CUDA device is an alias of the CPU.
     for name, (replacement, reason) in TORCH_CUDA_PATCHES.items():
         _patch(torch.cuda, name, replacement, reason)
-    _patch(torch.cuda.random, "get_rng_state", cpu_get_rng_state,
-           "megatron reads torch.cuda.random.get_rng_state directly; the CPU generator")
-    _patch(torch.Tensor, "record_stream", record_stream_patch(torch.Tensor.record_stream),
-           "an allocator hint for tensors used on another stream; CPU work is complete when issued")
+    _patch(
+        torch.cuda.random,
+        "get_rng_state",
+        cpu_get_rng_state,
+        "megatron reads torch.cuda.random.get_rng_state directly; the CPU generator",
+    )
+    _patch(
+        torch.Tensor,
+        "record_stream",
+        record_stream_patch(torch.Tensor.record_stream),
+        "an allocator hint for tensors used on another stream; CPU work is complete when issued",
+    )
     mode = CudaAsCpuMode()
     # Pushed for good (never popped): the whole process runs with CUDA arguments mapped.
     torch._C._push_on_torch_function_stack(mode)
     native_torch.register_device_mapping(mode)
-    PATCHES.append(("TorchFunctionMode CudaAsCpuMode",
-                    "device='cuda'/N, .cuda(), .to('cuda'), pin_memory and tensor.type() mean the CPU"))
+    PATCHES.append(
+        (
+            "TorchFunctionMode CudaAsCpuMode",
+            "device='cuda'/N, .cuda(), .to('cuda'), pin_memory and tensor.type() mean the CPU",
+        )
+    )
 
     # megatron's jit_fuser is torch.compile, applied at import time.
     torch.compiler.set_stance("force_eager")
-    PATCHES.append(("torch.compiler.set_stance('force_eager')",
-                    "compiled fusions probe CUDA and compile for minutes on small CPUs; eager is exact"))
+    PATCHES.append(
+        (
+            "torch.compiler.set_stance('force_eager')",
+            "compiled fusions probe CUDA and compile for minutes on small CPUs; eager is exact",
+        )
+    )
 
     # Megatron level.
     from megatron.core.pipeline_parallel.utils import ScheduleNode
@@ -102,49 +121,93 @@ def activate() -> bool:
     from megatron.training import initialize as mtraining_initialize
     from megatron.training import training as mtraining
 
-    _patch(mtraining_initialize, "torch", megatron_patches.TorchViewForInitialize(),
-           "initialize_megatron asserts CUDA and skips model-parallel/RNG set-up at 0 devices")
-    _patch(mtraining_initialize, "_warmup_jit_function", noop,
-           "the warm-up only pre-compiles GPU fusions (and would draw from the RNG)")
-    _patch(token_dispatcher, "maybe_move_tensor_to_cpu", megatron_patches.maybe_move_tensor_to_cpu,
-           "gloo all_to_all_single needs list split sizes; megatron converts only CUDA tensors")
-    _patch(mcore_random, "CudaRNGStatesTracker", megatron_patches.make_cpu_rng_tracker_class(),
-           "tracker states must live in the CPU generator that CPU dropout draws from")
-    _patch(mcore_random, "_get_cuda_rng_state", megatron_patches.get_cpu_rng_state,
-           "recompute/rerun RNG snapshots read the CUDA generator, here the CPU one")
-    _patch(mcore_random, "_set_cuda_rng_state", megatron_patches.set_cpu_rng_state,
-           "recompute/rerun RNG snapshots write the CUDA generator, here the CPU one")
-    _patch(ScheduleNode, "default_backward_func",
-           megatron_patches.backward_under_device_mapping(ScheduleNode.default_backward_func, mode),
-           "the overlapped schedule's nodes start autograd's engine directly, where the device mapping "
-           "would be off for megatron's Python backward functions (they allocate on 'cuda')")
-    _patch(mtraining, "build_train_valid_test_data_iterators",
-           megatron_patches.rng_neutral(mtraining.build_train_valid_test_data_iterators),
-           "DataLoader iterators draw a seed from the generator CPU dropout uses (breaks resume)")
+    _patch(
+        mtraining_initialize,
+        "torch",
+        megatron_patches.TorchViewForInitialize(),
+        "initialize_megatron asserts CUDA and skips model-parallel/RNG set-up at 0 devices",
+    )
+    _patch(
+        mtraining_initialize,
+        "_warmup_jit_function",
+        noop,
+        "the warm-up only pre-compiles GPU fusions (and would draw from the RNG)",
+    )
+    _patch(
+        token_dispatcher,
+        "maybe_move_tensor_to_cpu",
+        megatron_patches.maybe_move_tensor_to_cpu,
+        "gloo all_to_all_single needs list split sizes; megatron converts only CUDA tensors",
+    )
+    _patch(
+        mcore_random,
+        "CudaRNGStatesTracker",
+        megatron_patches.make_cpu_rng_tracker_class(),
+        "tracker states must live in the CPU generator that CPU dropout draws from",
+    )
+    _patch(
+        mcore_random,
+        "_get_cuda_rng_state",
+        megatron_patches.get_cpu_rng_state,
+        "recompute/rerun RNG snapshots read the CUDA generator, here the CPU one",
+    )
+    _patch(
+        mcore_random,
+        "_set_cuda_rng_state",
+        megatron_patches.set_cpu_rng_state,
+        "recompute/rerun RNG snapshots write the CUDA generator, here the CPU one",
+    )
+    _patch(
+        ScheduleNode,
+        "default_backward_func",
+        megatron_patches.backward_under_device_mapping(ScheduleNode.default_backward_func, mode),
+        "the overlapped schedule's nodes start autograd's engine directly, where the device mapping "
+        "would be off for megatron's Python backward functions (they allocate on 'cuda')",
+    )
+    _patch(
+        mtraining,
+        "build_train_valid_test_data_iterators",
+        megatron_patches.rng_neutral(mtraining.build_train_valid_test_data_iterators),
+        "DataLoader iterators draw a seed from the generator CPU dropout uses (breaks resume)",
+    )
     from megatron.core.distributed import param_and_grad_buffer
 
-    _patch(param_and_grad_buffer, "_coalescing_manager", megatron_patches.coalescing_per_dtype,
-           "gloo's coalesced all-gather/reduce-scatter run all tensors as one dtype; fp8 parameters "
-           "put a uint8 bucket beside bf16 ones: one coalesced call per dtype")
+    _patch(
+        param_and_grad_buffer,
+        "_coalescing_manager",
+        megatron_patches.coalescing_per_dtype,
+        "gloo's coalesced all-gather/reduce-scatter run all tensors as one dtype; fp8 parameters "
+        "put a uint8 bucket beside bf16 ones: one coalesced call per dtype",
+    )
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    _patch(filesystem_async, "get_write_results_queue",
-           megatron_patches.forked_write_results_queue(filesystem_async.get_write_results_queue),
-           "torch_dist saves start a spawned multiprocessing manager (a fresh interpreter re-importing "
-           "the script, ~5 s per saving rank); forked on the CPU")
+    _patch(
+        filesystem_async,
+        "get_write_results_queue",
+        megatron_patches.forked_write_results_queue(filesystem_async.get_write_results_queue),
+        "torch_dist saves start a spawned multiprocessing manager (a fresh interpreter re-importing "
+        "the script, ~5 s per saving rank); forked on the CPU",
+    )
     from megatron.core.optimizer import distrib_optimizer
 
     if not distrib_optimizer.HAVE_APEX_OR_TE:
         optimizer_cls = distrib_optimizer.DistributedOptimizer
-        for attribute, replacement, reason in megatron_patches.torch_adam_resume_patches(optimizer_cls):
+        for attribute, replacement, reason in megatron_patches.torch_adam_resume_patches(
+            optimizer_cls
+        ):
             _patch(optimizer_cls, attribute, replacement, reason)
     if megatron_patches.skip_dataset_helper_build():
-        PATCHES.append(("megatron.core.datasets.utils.compile_helpers",
-                        "the wheel ships helpers_cpp prebuilt but no Makefile"))
+        PATCHES.append(
+            (
+                "megatron.core.datasets.utils.compile_helpers",
+                "the wheel ships helpers_cpp prebuilt but no Makefile",
+            )
+        )
 
     _ACTIVE = True
     if is_log_rank():
         lines = "\n".join(f"  - {target}: {reason}" for target, reason in PATCHES)
-        logger.warning("ultraep CPU backend active (no CUDA device): %d patches\n%s",
-                       len(PATCHES), lines)
+        logger.warning(
+            "ultraep CPU backend active (no CUDA device): %d patches\n%s", len(PATCHES), lines
+        )
     return True

@@ -61,8 +61,9 @@ class CudaAsCpuMode(TorchFunctionMode):
             return self._TENSOR_TYPE_AS_CUDA.get(name, name)
         return func(*args, **kwargs)
 
-    def _backward(self, tensors, grad_tensors=None, retain_graph=None, create_graph=False,
-                  inputs=None):
+    def _backward(
+        self, tensors, grad_tensors=None, retain_graph=None, create_graph=False, inputs=None
+    ):
         """``torch.autograd.backward`` with this mode active inside the backward pass.
 
         A mode is off while its handler runs, and autograd captures the mode stack when a
@@ -79,19 +80,28 @@ class CudaAsCpuMode(TorchFunctionMode):
             inputs = (inputs,)
         else:
             inputs = tuple(inputs)
-        grads = _make_grads(tensors, _tensor_or_tensors_to_tuple(grad_tensors, len(tensors)),
-                            is_grads_batched=False)
+        grads = _make_grads(
+            tensors, _tensor_or_tensors_to_tuple(grad_tensors, len(tensors)), is_grads_batched=False
+        )
         if retain_graph is None:
             retain_graph = create_graph
         torch._C._push_on_torch_function_stack(self)
         try:
-            _engine_run_backward(tensors, grads, retain_graph, create_graph, inputs,
-                                 allow_unreachable=True, accumulate_grad=True)
+            _engine_run_backward(
+                tensors,
+                grads,
+                retain_graph,
+                create_graph,
+                inputs,
+                allow_unreachable=True,
+                accumulate_grad=True,
+            )
         finally:
             torch._C._pop_torch_function_stack()
 
 
-def _tensor_backward_to_autograd(tensor, gradient=None, retain_graph=None, create_graph=False,
-                                 inputs=None):
+def _tensor_backward_to_autograd(
+    tensor, gradient=None, retain_graph=None, create_graph=False, inputs=None
+):
     """Tensor.backward's arguments as torch.autograd.backward's."""
     return tensor, gradient, retain_graph, create_graph, inputs

@@ -10,7 +10,10 @@ from __future__ import annotations
 CPU_FLAGS: dict[str, tuple[str | None, str]] = {
     "--distributed-backend": ("gloo", "NCCL needs GPUs"),
     "--transformer-impl": ("local", "Transformer Engine needs GPUs"),
-    "--no-gradient-accumulation-fusion": (None, "fused wgrad accumulation is an Apex/TE CUDA kernel"),
+    "--no-gradient-accumulation-fusion": (
+        None,
+        "fused wgrad accumulation is an Apex/TE CUDA kernel",
+    ),
     "--no-persist-layer-norm": (None, "persistent LayerNorm is an Apex CUDA kernel"),
     "--no-bias-gelu-fusion": (None, "torch.compile'd fusion; eager is the CPU reference"),
     "--no-bias-dropout-fusion": (None, "torch.compile'd fusion; eager is the CPU reference"),
@@ -20,7 +23,8 @@ CPU_FLAGS: dict[str, tuple[str | None, str]] = {
 
 #: :data:`CPU_FLAGS` as command-line arguments.
 REQUIRED_ARGS: tuple[str, ...] = tuple(
-    token for flag, (value, _) in CPU_FLAGS.items() for token in (flag, value) if token is not None)
+    token for flag, (value, _) in CPU_FLAGS.items() for token in (flag, value) if token is not None
+)
 
 
 def apply_required_args(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -46,8 +50,10 @@ def apply_required_args(argv: list[str]) -> tuple[list[str], list[str]]:
             argv += [flag] if value is None else [flag, value]
             applied.append(f"{flag}{'' if value is None else ' ' + value} ({why})")
         elif value is not None and given[flag] != value:
-            conflicts.append(f"{flag} {given[flag]} cannot run without a CUDA device ({why}); "
-                             f"pass {flag} {value} or run on a GPU machine")
+            conflicts.append(
+                f"{flag} {given[flag]} cannot run without a CUDA device ({why}); "
+                f"pass {flag} {value} or run on a GPU machine"
+            )
     if conflicts:
         raise ValueError("\n".join(conflicts))
     return argv, applied

@@ -71,8 +71,9 @@ def make_cpu_rng_tracker_class():
         def __init__(self, use_cudagraphable_rng=False, is_inference_rng_tracker=False):
             if use_cudagraphable_rng:
                 raise ValueError("CUDA-graph-safe RNG states need a GPU")
-            super().__init__(use_cudagraphable_rng=False,
-                             is_inference_rng_tracker=is_inference_rng_tracker)
+            super().__init__(
+                use_cudagraphable_rng=False, is_inference_rng_tracker=is_inference_rng_tracker
+            )
 
         def add(self, name, seed):
             self._is_initialized = True
@@ -177,11 +178,17 @@ def torch_adam_resume_patches(distrib_optimizer_cls) -> list[tuple[str, Callable
                     state["step"] = torch.tensor(float(group["step"]))
 
     return [
-        ("sharded_state_dict", sharded_state_dict,
-         "loading builds a state dict from torch Adam's per-param 'step', absent in a fresh optimizer"),
-        ("load_state_dict", load_state_dict,
-         "torch Adam's per-param step is lost/shared on load, and fp32 main params are views of leaf "
-         "params"),
+        (
+            "sharded_state_dict",
+            sharded_state_dict,
+            "loading builds a state dict from torch Adam's per-param 'step', absent in a fresh optimizer",
+        ),
+        (
+            "load_state_dict",
+            load_state_dict,
+            "torch Adam's per-param step is lost/shared on load, and fp32 main params are views of leaf "
+            "params",
+        ),
     ]
 
 
@@ -295,4 +302,3 @@ def skip_dataset_helper_build() -> bool:
     compile_helpers._ultraep_skip = True
     dataset_utils.compile_helpers = compile_helpers
     return True
-

@@ -18,7 +18,9 @@ from typing import Any
 
 import torch
 
-_CAPTURES = 0  # stream captures open in this process (a stand-in graph's capture; nested ones count)
+_CAPTURES = (
+    0  # stream captures open in this process (a stand-in graph's capture; nested ones count)
+)
 
 
 @contextlib.contextmanager
@@ -40,8 +42,10 @@ def is_capturing() -> bool:
 def refuse_in_capture(what: str) -> None:
     """Raise as CUDA does for a host wait or poll on a capturing stream."""
     if _CAPTURES:
-        raise RuntimeError(f"{what}: operation not permitted when stream is capturing (a CUDA graph "
-                           "cannot capture a host wait for the device)")
+        raise RuntimeError(
+            f"{what}: operation not permitted when stream is capturing (a CUDA graph "
+            "cannot capture a host wait for the device)"
+        )
 
 
 class CpuEvent:
@@ -157,26 +161,56 @@ def _cpu_manual_seed(seed: int) -> None:
 
 #: torch.cuda attribute -> (replacement, reason).
 TORCH_CUDA_PATCHES: dict[str, tuple[Any, str]] = {
-    "current_device": (lambda: 0, "Megatron allocates on device=current_device(); ordinal 0 maps to the CPU"),
+    "current_device": (
+        lambda: 0,
+        "Megatron allocates on device=current_device(); ordinal 0 maps to the CPU",
+    ),
     "set_device": (noop, "rank-to-GPU binding has no CPU meaning"),
-    "Stream": (CpuStream, "the alltoall dispatcher, DDP and shared experts build side streams; CPU ops run in order"),
+    "Stream": (
+        CpuStream,
+        "the alltoall dispatcher, DDP and shared experts build side streams; CPU ops run in order",
+    ),
     "Event": (CpuEvent, "stream events order work that the CPU already runs in order"),
     "current_stream": (_current_stream, "callers compare and wait on streams; one CPU stream"),
     "default_stream": (_current_stream, "callers compare and wait on streams; one CPU stream"),
     "stream": (_StreamContext, "side-stream scopes are no-ops on the CPU"),
     "set_stream": (noop, "side-stream selection is a no-op on the CPU"),
-    "synchronize": (_synchronize, "CPU work is complete when the host reaches the call (refused inside a "
-                                  "stand-in graph's capture, as on CUDA)"),
+    "synchronize": (
+        _synchronize,
+        "CPU work is complete when the host reaches the call (refused inside a "
+        "stand-in graph's capture, as on CUDA)",
+    ),
     "empty_cache": (noop, "no caching allocator to release on the CPU"),
-    "get_rng_state": (cpu_get_rng_state, "the CUDA generator is the CPU generator (dropout on CPU draws from it)"),
-    "set_rng_state": (_cpu_set_rng_state, "the CUDA generator is the CPU generator (checkpoint resume restores it)"),
-    "manual_seed": (_cpu_manual_seed, "the CUDA generator is the CPU generator (seeded by Megatron's RNG set-up)"),
+    "get_rng_state": (
+        cpu_get_rng_state,
+        "the CUDA generator is the CPU generator (dropout on CPU draws from it)",
+    ),
+    "set_rng_state": (
+        _cpu_set_rng_state,
+        "the CUDA generator is the CPU generator (checkpoint resume restores it)",
+    ),
+    "manual_seed": (
+        _cpu_manual_seed,
+        "the CUDA generator is the CPU generator (seeded by Megatron's RNG set-up)",
+    ),
     "memory_allocated": (_zero, "memory reports read CUDA allocator counters; the CPU has none"),
-    "max_memory_allocated": (_zero, "memory reports read CUDA allocator counters; the CPU has none"),
+    "max_memory_allocated": (
+        _zero,
+        "memory reports read CUDA allocator counters; the CPU has none",
+    ),
     "memory_reserved": (_zero, "memory reports read CUDA allocator counters; the CPU has none"),
     "max_memory_reserved": (_zero, "memory reports read CUDA allocator counters; the CPU has none"),
-    "reset_peak_memory_stats": (noop, "memory reports read CUDA allocator counters; the CPU has none"),
-    "memory_stats": (lambda *a, **k: {}, "memory reports read CUDA allocator counters; the CPU has none"),
-    "is_current_stream_capturing": (is_capturing, "megatron's router tracer (--moe-routing-trace-path) skips "
-                                    "CUDA-graph capture; True only inside a stand-in graph's capture"),
+    "reset_peak_memory_stats": (
+        noop,
+        "memory reports read CUDA allocator counters; the CPU has none",
+    ),
+    "memory_stats": (
+        lambda *a, **k: {},
+        "memory reports read CUDA allocator counters; the CPU has none",
+    ),
+    "is_current_stream_capturing": (
+        is_capturing,
+        "megatron's router tracer (--moe-routing-trace-path) skips "
+        "CUDA-graph capture; True only inside a stand-in graph's capture",
+    ),
 }

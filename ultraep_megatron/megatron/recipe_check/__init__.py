@@ -21,7 +21,12 @@ a training run.
 """
 
 from .launch import (
-    Launch, NotARecipe, RecipeError, capture_launch, capture_launches, default_gpus_per_node,
+    Launch,
+    NotARecipe,
+    RecipeError,
+    capture_launch,
+    capture_launches,
+    default_gpus_per_node,
 )
 from .layout import rank_layout
 from .memory import estimate_memory
@@ -29,7 +34,17 @@ from .report import RecipeReport, check_launch, format_report
 from .validate import startup_problems, validate_arguments
 
 __all__ = [
-    "Launch", "NotARecipe", "RecipeError", "capture_launch", "capture_launches", "default_gpus_per_node",
-    "validate_arguments", "startup_problems", "rank_layout", "estimate_memory",
-    "RecipeReport", "check_launch", "format_report",
+    "Launch",
+    "NotARecipe",
+    "RecipeError",
+    "capture_launch",
+    "capture_launches",
+    "default_gpus_per_node",
+    "validate_arguments",
+    "startup_problems",
+    "rank_layout",
+    "estimate_memory",
+    "RecipeReport",
+    "check_launch",
+    "format_report",
 ]

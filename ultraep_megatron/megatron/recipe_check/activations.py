@@ -54,7 +54,11 @@ import argparse
 import math
 from dataclasses import dataclass
 
-from ultraep_megatron.megatron.recipe_check.model import built_mtp_layers, moe_latent_size, moe_layer_pattern
+from ultraep_megatron.megatron.recipe_check.model import (
+    built_mtp_layers,
+    moe_latent_size,
+    moe_layer_pattern,
+)
 
 BF16 = 2
 #: GiB per GPU not modeled (CUDA context, NCCL and communication buffers, allocator
@@ -67,11 +71,11 @@ class StageActivations:
     """Activation bytes of one rank of a pipeline stage."""
 
     stage: int
-    per_microbatch: int     # all layers of the stage, one microbatch
-    in_flight: float        # microbatches whose activations are alive at once (in units of a whole
-                            # stage's layers: an interleaved chunk counts 1/VPP)
+    per_microbatch: int  # all layers of the stage, one microbatch
+    in_flight: float  # microbatches whose activations are alive at once (in units of a whole
+    # stage's layers: an interleaved chunk counts 1/VPP)
     recompute_working: int  # one recompute chunk rematerialized in the backward
-    logits: int             # last stage: one microbatch's logits (+ MTP)
+    logits: int  # last stage: one microbatch's logits (+ MTP)
 
     @property
     def total(self) -> int:
@@ -90,7 +94,9 @@ def layer_activation_bytes(args: argparse.Namespace, is_moe: bool) -> int:
     tokens, seq_tokens = _tokens(args)
     t = args.tensor_model_parallel_size
     h = args.hidden_size
-    modules = set(args.recompute_modules or []) if args.recompute_granularity == "selective" else set()
+    modules = (
+        set(args.recompute_modules or []) if args.recompute_granularity == "selective" else set()
+    )
     mask = 1 if args.hidden_dropout > 0 else 0
 
     # Attention block.
@@ -117,7 +123,9 @@ def layer_activation_bytes(args: argparse.Namespace, is_moe: bool) -> int:
         return int(per_token + pre_mlp * seq_tokens + mlp)
     if "moe" in modules:
         return int(per_token + BF16 * h * seq_tokens + mask * h * seq_tokens)
-    router_bytes = 4 if args.moe_router_dtype == "fp32" else (8 if args.moe_router_dtype == "fp64" else BF16)
+    router_bytes = (
+        4 if args.moe_router_dtype == "fp32" else (8 if args.moe_router_dtype == "fp64" else BF16)
+    )
     router = router_bytes * 2 * args.num_experts
     ffn = args.moe_ffn_hidden_size
     act = 0 if "moe_act" in modules else ffn
@@ -160,7 +168,9 @@ def logits_bytes(args: argparse.Namespace) -> int:
     return int(tokens * vocab * (BF16 + 4 + 4 * (args.mtp_num_layers or 0)))
 
 
-def estimate_activations(args: argparse.Namespace, stages: list[list[int]]) -> list[StageActivations]:
+def estimate_activations(
+    args: argparse.Namespace, stages: list[list[int]]
+) -> list[StageActivations]:
     """Activation bytes per rank of each pipeline stage (``stages``: 1-based decoder layers per
     stage, from :func:`.memory.stage_layers`)."""
     pattern = moe_layer_pattern(args)
@@ -182,14 +192,22 @@ def estimate_activations(args: argparse.Namespace, stages: list[list[int]]) -> l
             per_chunk = math.ceil(len(sizes) / vpp)
             per_mb, working = 0, max(sizes, default=0)
             for start in range(0, len(sizes), per_chunk):
-                part = sizes[start:start + per_chunk]
+                part = sizes[start : start + per_chunk]
                 n = min(chunk, len(part))
                 per_mb += n * checkpoint + sum(part[n:])
         else:  # uniform: one checkpoint input per chunk of `chunk` layers
             per_mb = math.ceil(len(sizes) / chunk) * checkpoint
-            working = max((sum(sizes[i:i + chunk]) for i in range(0, len(sizes), chunk)), default=0)
+            working = max(
+                (sum(sizes[i : i + chunk]) for i in range(0, len(sizes), chunk)), default=0
+            )
         logits = logits_bytes(args) if stage == len(stages) - 1 else 0
-        out.append(StageActivations(stage=stage, per_microbatch=per_mb,
-                                    in_flight=in_flight_microbatches(args, stage),
-                                    recompute_working=working, logits=logits))
+        out.append(
+            StageActivations(
+                stage=stage,
+                per_microbatch=per_mb,
+                in_flight=in_flight_microbatches(args, stage),
+                recompute_working=working,
+                logits=logits,
+            )
+        )
     return out

@@ -72,9 +72,13 @@ PYTHONS = ("python", "python3", *(f"python3.{minor}" for minor in range(8, 16)))
 READ_LAUNCHERS = ("torchrun", "srun", "deepspeed", "mpirun", "mpiexec")
 #: Programs that start work elsewhere: recorded, never run, and refused.
 REFUSED_PROGRAMS = {
-    "sbatch": "submits a batch job", "salloc": "allocates nodes", "ssh": "starts a remote shell",
-    "pdsh": "starts remote shells", "accelerate": "launches through Hugging Face accelerate",
-    "jsrun": "launches through LSF's jsrun", "aprun": "launches through Cray's aprun",
+    "sbatch": "submits a batch job",
+    "salloc": "allocates nodes",
+    "ssh": "starts a remote shell",
+    "pdsh": "starts remote shells",
+    "accelerate": "launches through Hugging Face accelerate",
+    "jsrun": "launches through LSF's jsrun",
+    "aprun": "launches through Cray's aprun",
     "flux": "launches through Flux",
 }
 #: Every program a recording shim stands in for while a recipe's shell code runs.
@@ -132,8 +136,14 @@ def _quiet_parse(parser: argparse.ArgumentParser, argv: Sequence[str], what: str
         with contextlib.redirect_stderr(message):
             return parser.parse_args(list(argv))
     except SystemExit:
-        error = next((line.split(": error: ", 1)[1] for line in message.getvalue().splitlines()
-                      if ": error: " in line), message.getvalue().strip())
+        error = next(
+            (
+                line.split(": error: ", 1)[1]
+                for line in message.getvalue().splitlines()
+                if ": error: " in line
+            ),
+            message.getvalue().strip(),
+        )
         raise RecipeError(f"{source}: cannot read the {what} command line: {error}") from None
 
 
@@ -143,16 +153,22 @@ def _command_text(words: Sequence[str], limit: int = 12) -> str:
     return shown + (" ..." if len(words) > limit else "")
 
 
-def parse_torchrun_command(argv: Sequence[str], source: str = "<arguments>", prefix: str = "",
-                           python: str = "python") -> Launch:
+def parse_torchrun_command(
+    argv: Sequence[str], source: str = "<arguments>", prefix: str = "", python: str = "python"
+) -> Launch:
     """A :class:`Launch` from ``python``'s argv, which must be ``-m torch.distributed.run ...``
     (or ``torch.distributed.launch``).
 
     torchrun's own parser reads its options, so every spelling it accepts works.
     """
     argv = list(argv)
-    if argv[:1] != ["-m"] or argv[1:2] not in (["torch.distributed.run"], ["torch.distributed.launch"]):
-        raise RecipeError(f"{source}: expected `python -m torch.distributed.run ...`, got {argv[:4]}")
+    if argv[:1] != ["-m"] or argv[1:2] not in (
+        ["torch.distributed.run"],
+        ["torch.distributed.launch"],
+    ):
+        raise RecipeError(
+            f"{source}: expected `python -m torch.distributed.run ...`, got {argv[:4]}"
+        )
     return _torchrun_launch(argv[2:], source, f"{prefix}{python} {' '.join(argv[:2])}")
 
 
@@ -169,14 +185,20 @@ def _torchrun_launch(argv: Sequence[str], source: str, launcher: str) -> Launch:
     try:
         nproc = int(options.nproc_per_node)
     except ValueError:
-        raise RecipeError(f"{source}: --nproc-per-node {options.nproc_per_node!r} is not a number "
-                          "of processes") from None
+        raise RecipeError(
+            f"{source}: --nproc-per-node {options.nproc_per_node!r} is not a number of processes"
+        ) from None
     if not nnodes.isdigit():
         raise RecipeError(f"{source}: --nnodes {nnodes!r} is not a number of nodes")
     script_at = len(argv) - len(options.training_script_args) - 1
-    return Launch(nproc_per_node=nproc, nnodes=int(nnodes), script=options.training_script,
-                  args=list(options.training_script_args), source=source,
-                  launcher=_command_text([*launcher.split(), *argv[:script_at]]))
+    return Launch(
+        nproc_per_node=nproc,
+        nnodes=int(nnodes),
+        script=options.training_script,
+        args=list(options.training_script_args),
+        source=source,
+        launcher=_command_text([*launcher.split(), *argv[:script_at]]),
+    )
 
 
 def _deepspeed_parser() -> argparse.ArgumentParser:
@@ -184,15 +206,36 @@ def _deepspeed_parser() -> argparse.ArgumentParser:
     a value and the switches, so the user script and its arguments are found where deepspeed finds
     them."""
     parser = argparse.ArgumentParser(prog="deepspeed", add_help=False)
-    for names in (("-H", "--hostfile"), ("-i", "--include"), ("-e", "--exclude"), ("--master_addr",),
-                  ("--launcher",), ("--launcher_args",), ("--enable_each_rank_log",), ("--autotuning",),
-                  ("--bind_core_list",)):
+    for names in (
+        ("-H", "--hostfile"),
+        ("-i", "--include"),
+        ("-e", "--exclude"),
+        ("--master_addr",),
+        ("--launcher",),
+        ("--launcher_args",),
+        ("--enable_each_rank_log",),
+        ("--autotuning",),
+        ("--bind_core_list",),
+    ):
         parser.add_argument(*names)
-    for names in (("--num_nodes",), ("--min_elastic_nodes",), ("--max_elastic_nodes",),
-                  ("--num_gpus", "--num_accelerators"), ("--master_port",)):
+    for names in (
+        ("--num_nodes",),
+        ("--min_elastic_nodes",),
+        ("--max_elastic_nodes",),
+        ("--num_gpus", "--num_accelerators"),
+        ("--master_port",),
+    ):
         parser.add_argument(*names, type=int, default=-1)
-    for name in ("--module", "--no_python", "--no_local_rank", "--no_ssh_check", "--force_multi",
-                 "--save_pid", "--elastic_training", "--bind_cores_to_rank"):
+    for name in (
+        "--module",
+        "--no_python",
+        "--no_local_rank",
+        "--no_ssh_check",
+        "--force_multi",
+        "--save_pid",
+        "--elastic_training",
+        "--bind_cores_to_rank",
+    ):
         parser.add_argument(name, action="store_true")
     parser.add_argument("user_script")
     parser.add_argument("user_args", nargs=argparse.REMAINDER)
@@ -202,26 +245,80 @@ def _deepspeed_parser() -> argparse.ArgumentParser:
 def _deepspeed_launch(argv: Sequence[str], source: str, prefix: str = "") -> Launch:
     options = _quiet_parse(_deepspeed_parser(), argv, "deepspeed", source)
     if options.num_nodes < 1 or options.num_gpus < 1:
-        raise RecipeError(f"{source}: deepspeed without --num_nodes and --num_gpus takes its world size "
-                          "from a hostfile, which the checker does not read; give both")
+        raise RecipeError(
+            f"{source}: deepspeed without --num_nodes and --num_gpus takes its world size "
+            "from a hostfile, which the checker does not read; give both"
+        )
     script_at = len(argv) - len(options.user_args) - 1
-    return Launch(nproc_per_node=options.num_gpus, nnodes=options.num_nodes, script=options.user_script,
-                  args=list(options.user_args), source=source,
-                  launcher=_command_text([*prefix.split(), "deepspeed", *argv[:script_at]]))
+    return Launch(
+        nproc_per_node=options.num_gpus,
+        nnodes=options.num_nodes,
+        script=options.user_script,
+        args=list(options.user_args),
+        source=source,
+        launcher=_command_text([*prefix.split(), "deepspeed", *argv[:script_at]]),
+    )
 
 
 #: srun / mpirun options that take no value (so the word after one is not skipped as its value).
-_SRUN_SWITCHES = {"--exclusive", "--overlap", "-l", "--label", "-u", "--unbuffered", "--pty", "-v",
-                  "--verbose", "-Q", "--quiet", "-k", "--no-kill", "-K", "--kill-on-bad-exit", "-O",
-                  "--overcommit", "--contiguous", "--multi-prog", "-Z", "--no-allocate", "--test-only",
-                  "--spread-job", "--use-min-nodes", "-X", "--disable-status", "-E", "--preserve-env",
-                  "-s", "--oversubscribe", "-H", "--hold", "--whole", "--exact"}
-_MPI_SWITCHES = {"--oversubscribe", "--allow-run-as-root", "-v", "--verbose", "-q", "--quiet",
-                 "--tag-output", "--timestamp-output", "--report-bindings", "--display-map",
-                 "--bind-to-core", "--bind-to-socket", "--nooversubscribe", "-l", "--prefix-output"}
+_SRUN_SWITCHES = {
+    "--exclusive",
+    "--overlap",
+    "-l",
+    "--label",
+    "-u",
+    "--unbuffered",
+    "--pty",
+    "-v",
+    "--verbose",
+    "-Q",
+    "--quiet",
+    "-k",
+    "--no-kill",
+    "-K",
+    "--kill-on-bad-exit",
+    "-O",
+    "--overcommit",
+    "--contiguous",
+    "--multi-prog",
+    "-Z",
+    "--no-allocate",
+    "--test-only",
+    "--spread-job",
+    "--use-min-nodes",
+    "-X",
+    "--disable-status",
+    "-E",
+    "--preserve-env",
+    "-s",
+    "--oversubscribe",
+    "-H",
+    "--hold",
+    "--whole",
+    "--exact",
+}
+_MPI_SWITCHES = {
+    "--oversubscribe",
+    "--allow-run-as-root",
+    "-v",
+    "--verbose",
+    "-q",
+    "--quiet",
+    "--tag-output",
+    "--timestamp-output",
+    "--report-bindings",
+    "--display-map",
+    "--bind-to-core",
+    "--bind-to-socket",
+    "--nooversubscribe",
+    "-l",
+    "--prefix-output",
+}
 
 
-def _split_command(program: str, argv: Sequence[str], switches: set[str]) -> tuple[dict[str, str], list[str]]:
+def _split_command(
+    program: str, argv: Sequence[str], switches: set[str]
+) -> tuple[dict[str, str], list[str]]:
     """(options with their values, the command it runs) of an ``srun`` / ``mpirun`` command line."""
     options, i, argv = {}, 0, list(argv)
     while i < len(argv) and argv[i].startswith("-"):
@@ -231,7 +328,12 @@ def _split_command(program: str, argv: Sequence[str], switches: set[str]) -> tup
             options[key] = value
         elif word in switches or i + 1 == len(argv):
             options[word] = ""
-        elif len(word) > 2 and not word.startswith("--") and word[1:2].isalpha() and program == "srun":
+        elif (
+            len(word) > 2
+            and not word.startswith("--")
+            and word[1:2].isalpha()
+            and program == "srun"
+        ):
             options[word[:2]] = word[2:]  # -N2
         else:
             options[word] = argv[i + 1]
@@ -240,7 +342,9 @@ def _split_command(program: str, argv: Sequence[str], switches: set[str]) -> tup
     return options, argv[i:]
 
 
-def _count(options: dict[str, str], names: Sequence[str], source: str, program: str) -> Optional[int]:
+def _count(
+    options: dict[str, str], names: Sequence[str], source: str, program: str
+) -> Optional[int]:
     for name in names:
         if name in options:
             value = options[name].split("-")[-1]  # srun's -N MIN-MAX: the most it may use
@@ -255,7 +359,7 @@ def _wrapped_launch(program: str, argv: Sequence[str], source: str) -> Launch:
     (nodes x tasks per node) running the training script."""
     is_srun = program == "srun"
     options, command = _split_command(program, argv, _SRUN_SWITCHES if is_srun else _MPI_SWITCHES)
-    prefix = _command_text([program, *argv[:len(argv) - len(command)]], limit=8)
+    prefix = _command_text([program, *argv[: len(argv) - len(command)]], limit=8)
     if not command:
         raise RecipeError(f"{source}: {program} without a command")
     name = os.path.basename(command[0])
@@ -263,7 +367,10 @@ def _wrapped_launch(program: str, argv: Sequence[str], source: str) -> Launch:
         return _torchrun_launch(command[1:], source, f"{prefix} torchrun")
     if name == "deepspeed":
         return _deepspeed_launch(command[1:], source, prefix)
-    if name in PYTHONS and command[1:3] in (["-m", "torch.distributed.run"], ["-m", "torch.distributed.launch"]):
+    if name in PYTHONS and command[1:3] in (
+        ["-m", "torch.distributed.run"],
+        ["-m", "torch.distributed.launch"],
+    ):
         return parse_torchrun_command(command[1:], source, prefix=f"{prefix} ", python=name)
     if is_srun:
         nodes = _count(options, ("-N", "--nodes"), source, program)
@@ -279,11 +386,23 @@ def _wrapped_launch(program: str, argv: Sequence[str], source: str) -> Launch:
     if nodes is None and tasks is not None and per_node:
         nodes = tasks // per_node if tasks % per_node == 0 else None
     if nodes is None or per_node is None:
-        raise RecipeError(f"{source}: {program} starts {shlex.join(command[:2])} without a fixed number of "
-                          f"nodes and processes per node the checker can read; {how}")
-    script, args = (command[1], command[2:]) if name in PYTHONS and len(command) > 1 else (command[0], command[1:])
-    return Launch(nproc_per_node=per_node, nnodes=nodes, script=script, args=list(args), source=source,
-                  launcher=_command_text([*prefix.split(), *command[:len(command) - len(args) - 1]]))
+        raise RecipeError(
+            f"{source}: {program} starts {shlex.join(command[:2])} without a fixed number of "
+            f"nodes and processes per node the checker can read; {how}"
+        )
+    script, args = (
+        (command[1], command[2:])
+        if name in PYTHONS and len(command) > 1
+        else (command[0], command[1:])
+    )
+    return Launch(
+        nproc_per_node=per_node,
+        nnodes=nodes,
+        script=script,
+        args=list(args),
+        source=source,
+        launcher=_command_text([*prefix.split(), *command[: len(command) - len(args) - 1]]),
+    )
 
 
 def srun_shell_command(argv: Sequence[str]) -> list[str]:
@@ -302,9 +421,11 @@ def read_launch(program: str, argv: Sequence[str], source: str) -> Optional[Laun
             layout cannot be read.
     """
     if program in REFUSED_PROGRAMS:
-        raise RecipeError(f"{source}: the recipe runs `{_command_text([program, *argv], 6)}`, which "
-                          f"{REFUSED_PROGRAMS[program]}: recorded, not run; check the script that job "
-                          "runs (ultraep check-recipe SCRIPT)")
+        raise RecipeError(
+            f"{source}: the recipe runs `{_command_text([program, *argv], 6)}`, which "
+            f"{REFUSED_PROGRAMS[program]}: recorded, not run; check the script that job "
+            "runs (ultraep check-recipe SCRIPT)"
+        )
     if program in PYTHONS:
         if argv[:2] in (["-m", "torch.distributed.run"], ["-m", "torch.distributed.launch"]):
             return parse_torchrun_command(argv, source, python=program)
@@ -343,7 +464,9 @@ def hardware_name(script_args: Sequence[str]) -> Optional[str]:
 
 _LAUNCHER_NAMES = "|".join(re.escape(p) for p in sorted(SHIMMED_PROGRAMS, key=len, reverse=True))
 #: A word that runs a launcher by a path (``/usr/bin/python3``, ``$VENV/bin/torchrun``, ``./python``).
-_PATH_LAUNCH = re.compile(rf"""(?:^|[\s;|&(`"'=])([^\s;|&()`"'<>=]*/({_LAUNCHER_NAMES}))(?=$|[\s;|&)`"'<>])""")
+_PATH_LAUNCH = re.compile(
+    rf"""(?:^|[\s;|&(`"'=])([^\s;|&()`"'<>=]*/({_LAUNCHER_NAMES}))(?=$|[\s;|&)`"'<>])"""
+)
 
 
 def path_launches(text: str) -> list[tuple[int, str]]:
@@ -363,7 +486,11 @@ def _shim_environment(env: dict[str, str], shims: Path) -> dict[str, str]:
     (``ULTRAEP_PYTHON``, a ``PYTHON=/usr/bin/python3``) pointed at its shim."""
     out = dict(env)
     for key, value in env.items():
-        if key != "PATH" and value.startswith(("/", "./", "~")) and os.path.basename(value) in SHIMMED_PROGRAMS:
+        if (
+            key != "PATH"
+            and value.startswith(("/", "./", "~"))
+            and os.path.basename(value) in SHIMMED_PROGRAMS
+        ):
             out[key] = str(shims / os.path.basename(value))
     out["PATH"] = str(shims) + (os.pathsep + env["PATH"] if env.get("PATH") else "")
     out["ULTRAEP_PYTHON"] = str(shims / "python")
@@ -379,8 +506,12 @@ def write_shims(directory: Path, programs: Sequence[str] = SHIMMED_PROGRAMS) -> 
         shim.chmod(0o755)
 
 
-def capture_launch(recipe: str | Path, env: dict[str, str] | None = None,
-                   timeout_s: float = 60.0, extra_args: Sequence[str] = ()) -> Launch:
+def capture_launch(
+    recipe: str | Path,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 60.0,
+    extra_args: Sequence[str] = (),
+) -> Launch:
     """The one training launch of ``recipe`` (:func:`capture_launches`).
 
     Raises:
@@ -389,13 +520,19 @@ def capture_launch(recipe: str | Path, env: dict[str, str] | None = None,
     """
     launches = capture_launches(recipe, env, timeout_s, extra_args)
     if len(launches) > 1:
-        raise RecipeError(f"{recipe}: the recipe launches {len(launches)} different trainings "
-                          f"({'; '.join(lc.launcher for lc in launches)}); check one launch per recipe")
+        raise RecipeError(
+            f"{recipe}: the recipe launches {len(launches)} different trainings "
+            f"({'; '.join(lc.launcher for lc in launches)}); check one launch per recipe"
+        )
     return launches[0]
 
 
-def capture_launches(recipe: str | Path, env: dict[str, str] | None = None,
-                     timeout_s: float = 60.0, extra_args: Sequence[str] = ()) -> list[Launch]:
+def capture_launches(
+    recipe: str | Path,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 60.0,
+    extra_args: Sequence[str] = (),
+) -> list[Launch]:
     """Run ``recipe``'s shell code with recording shims in place of its launchers and read the
     launches it would start, in order, the same launch once (a job script may start a run and its
     baseline); nothing is launched (the module docstring says what the shims cannot catch).
@@ -422,33 +559,61 @@ def capture_launches(recipe: str | Path, env: dict[str, str] | None = None,
     by_path = path_launches(text)
     if by_path:
         number, path = by_path[0]
-        raise RecipeError(f"{recipe}:{number} runs {path} by its path, which the checker's recording shims "
-                          "(first on PATH) cannot stand in for, so the recipe was not run; call "
-                          f"{os.path.basename(path)} from PATH (or through $ULTRAEP_PYTHON)")
+        raise RecipeError(
+            f"{recipe}:{number} runs {path} by its path, which the checker's recording shims "
+            "(first on PATH) cannot stand in for, so the recipe was not run; call "
+            f"{os.path.basename(path)} from PATH (or through $ULTRAEP_PYTHON)"
+        )
     with tempfile.TemporaryDirectory(prefix="check_recipe_") as tmp:
         shims = Path(tmp) / "shims"
         shims.mkdir()
-        write_shims(shims, SHIMMED_PROGRAMS)  # read here: a test disables them (its negative control)
+        write_shims(
+            shims, SHIMMED_PROGRAMS
+        )  # read here: a test disables them (its negative control)
         capture = Path(tmp) / "calls.jsonl"
-        run_env = _shim_environment({**os.environ, "RUN_DIR": str(Path(tmp) / "run"), **(env or {})}, shims)
+        run_env = _shim_environment(
+            {**os.environ, "RUN_DIR": str(Path(tmp) / "run"), **(env or {})}, shims
+        )
         run_env["ULTRAEP_CAPTURE_FILE"] = str(capture)
-        completed = subprocess.run(["bash", str(recipe), *extra_args], env=run_env, capture_output=True,
-                                   text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
-        calls = [json.loads(line) for line in capture.read_text().splitlines()] if capture.exists() else []
-    launches = [launch for call in calls
-                if (launch := read_launch(call["program"], call["argv"], str(recipe))) is not None]
+        completed = subprocess.run(
+            ["bash", str(recipe), *extra_args],
+            env=run_env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            stdin=subprocess.DEVNULL,
+        )
+        calls = (
+            [json.loads(line) for line in capture.read_text().splitlines()]
+            if capture.exists()
+            else []
+        )
+    launches = [
+        launch
+        for call in calls
+        if (launch := read_launch(call["program"], call["argv"], str(recipe))) is not None
+    ]
     if completed.returncode != 0:
         said = completed.stderr.strip().splitlines()[-1:]
-        if said and said[0].startswith(f"{recipe.name}: "):  # the recipes' one line naming a variable
+        if said and said[0].startswith(
+            f"{recipe.name}: "
+        ):  # the recipes' one line naming a variable
             raise RecipeError(said[0])
-        raise RecipeError(f"{recipe}: the recipe exited with {completed.returncode}",
-                          (completed.stdout + completed.stderr)[-3000:])
+        raise RecipeError(
+            f"{recipe}: the recipe exited with {completed.returncode}",
+            (completed.stdout + completed.stderr)[-3000:],
+        )
     if not launches:
         if not calls and not text.startswith("#!"):
-            raise NotARecipe(f"{recipe}: no #! line and no launch: a file the recipes source, not a recipe")
+            raise NotARecipe(
+                f"{recipe}: no #! line and no launch: a file the recipes source, not a recipe"
+            )
         ran = "; ".join(_command_text([c["program"], *c["argv"]], 4) for c in calls)
-        raise RecipeError(f"{recipe}: the recipe launched no training (no torchrun, python -m "
-                          f"torch.distributed.run, srun, deepspeed or mpirun)" + (f"; it ran {ran}" if ran else ""))
+        raise RecipeError(
+            f"{recipe}: the recipe launched no training (no torchrun, python -m "
+            f"torch.distributed.run, srun, deepspeed or mpirun)"
+            + (f"; it ran {ran}" if ran else "")
+        )
     distinct = {}
     for lc in launches:
         distinct.setdefault((lc.nproc_per_node, lc.nnodes, lc.script, tuple(lc.args)), lc)

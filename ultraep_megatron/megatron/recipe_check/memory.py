@@ -18,11 +18,17 @@ import types
 from dataclasses import dataclass, field
 
 from ultraep_megatron.megatron.recipe_check.activations import (
-    RUNTIME_RESERVE_GIB, StageActivations, estimate_activations,
+    RUNTIME_RESERVE_GIB,
+    StageActivations,
+    estimate_activations,
 )
 from ultraep_megatron.megatron.recipe_check.launch import RecipeError
 from ultraep_megatron.megatron.recipe_check.model import (
-    built_mtp_layers, layer_params, linear_weight_params, moe_layer_pattern, norm_params,
+    built_mtp_layers,
+    layer_params,
+    linear_weight_params,
+    moe_layer_pattern,
+    norm_params,
 )
 from ultraep_megatron.planner.baselines import registry
 
@@ -34,8 +40,10 @@ def stage_layers(args: argparse.Namespace) -> list[list[int]]:
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     if args.pipeline_model_parallel_layout is not None:
-        raise RecipeError("--pipeline-model-parallel-layout: the memory estimate splits layers by "
-                          "--decoder-first/last-pipeline-num-layers or evenly; not by a layout")
+        raise RecipeError(
+            "--pipeline-model-parallel-layout: the memory estimate splits layers by "
+            "--decoder-first/last-pipeline-num-layers or evenly; not by a layout"
+        )
     # The fields these two functions read, from the validated arguments (a TransformerConfig
     # would refuse the GPU-only fusions of a GPU recipe on this machine).
     config = types.SimpleNamespace(
@@ -71,15 +79,15 @@ class StageMemory:
 
     stage: int
     layers: list[int]
-    moe_layers: int                  # MoE layers on the rank (decoder + MTP)
-    dense_params: int                # this rank's share of non-expert parameters
-    expert_params: int               # this rank's share of routed-expert parameters
-    model_states: int                # weights + main grads + optimizer states
-    slot_weight_bytes: int           # one redundant slot's weight buffer
-    slot_grad_bytes: int             # one redundant slot's fp32 gradient buffer
+    moe_layers: int  # MoE layers on the rank (decoder + MTP)
+    dense_params: int  # this rank's share of non-expert parameters
+    expert_params: int  # this rank's share of routed-expert parameters
+    model_states: int  # weights + main grads + optimizer states
+    slot_weight_bytes: int  # one redundant slot's weight buffer
+    slot_grad_bytes: int  # one redundant slot's fp32 gradient buffer
     num_slots: int
-    activations: int = 0             # activations at the stage's peak (.activations)
-    runtime_reserve: int = int(RUNTIME_RESERVE_GIB * 1024 ** 3)
+    activations: int = 0  # activations at the stage's peak (.activations)
+    runtime_reserve: int = int(RUNTIME_RESERVE_GIB * 1024**3)
 
     @property
     def slots_with_reuse(self) -> int:
@@ -151,7 +159,9 @@ def estimate_memory(args: argparse.Namespace) -> MemoryEstimate:
     final_norm = norm_params(args) * h
     mtp_layers = built_mtp_layers(args)
     mtp_is_moe = pattern[-1]
-    mtp_extra = 2 * norm_params(args) * h + 2 * h * h + norm_params(args) * h  # enorm, hnorm, eh_proj, norm
+    mtp_extra = (
+        2 * norm_params(args) * h + 2 * h * h + norm_params(args) * h
+    )  # enorm, hnorm, eh_proj, norm
 
     def main_model_params(active: bool) -> int:
         # Published totals leave MTP out (DeepSeek-V3's 671B), and so does this count.
@@ -162,15 +172,21 @@ def estimate_memory(args: argparse.Namespace) -> MemoryEstimate:
             count += p.attention + p.mlp + experts
         return count
 
-    estimate = MemoryEstimate(total_params=main_model_params(False),
-                              active_params=main_model_params(True))
+    estimate = MemoryEstimate(
+        total_params=main_model_params(False), active_params=main_model_params(True)
+    )
     weight_b, grad_b, optim_b = _bytes_per_param(args)
     # Under fp8 a linear layer's weight weighs FP8_WEIGHT_BYTES instead of weight_b (fp8
     # parameters) or on top of it (TE's cached cast of high-precision ones); main gradients and the
     # fp32 master shards stay as they are. A negative saving is a cost.
     fp8_params = bool(getattr(args, "fp8", None)) and getattr(args, "fp8_param_gather", False)
-    fp8_saving = (weight_b - FP8_WEIGHT_BYTES if fp8_params
-                  else -FP8_WEIGHT_BYTES if getattr(args, "fp8", None) else 0)
+    fp8_saving = (
+        weight_b - FP8_WEIGHT_BYTES
+        if fp8_params
+        else -FP8_WEIGHT_BYTES
+        if getattr(args, "fp8", None)
+        else 0
+    )
     slot_fp8_saving = fp8_saving if fp8_params else 0  # the replica experts cache no cast
     linear = {is_moe: linear_weight_params(args, is_moe) for is_moe in per_layer}
     dense_shard = args.data_parallel_size * args.context_parallel_size
@@ -183,11 +199,14 @@ def estimate_memory(args: argparse.Namespace) -> MemoryEstimate:
     activations = estimate_activations(args, stages)
     estimate.activations = activations
     for stage, layers in enumerate(stages):
-        dense = sum(per_layer[pattern[l - 1]].attention + per_layer[pattern[l - 1]].mlp
-                    for l in layers) / tp
+        dense = (
+            sum(per_layer[pattern[l - 1]].attention + per_layer[pattern[l - 1]].mlp for l in layers)
+            / tp
+        )
         experts = sum(per_layer[pattern[l - 1]].experts for l in layers) / (ep * etp)
-        quantized = (sum(linear[pattern[l - 1]][0] for l in layers) / tp
-                     + sum(linear[True][1] * args.num_experts for l in layers if pattern[l - 1]) / (ep * etp))
+        quantized = sum(linear[pattern[l - 1]][0] for l in layers) / tp + sum(
+            linear[True][1] * args.num_experts for l in layers if pattern[l - 1]
+        ) / (ep * etp)
         moe_layers = sum(pattern[l - 1] for l in layers)
         if stage == 0:
             dense += embedding / tp
@@ -197,7 +216,9 @@ def estimate_memory(args: argparse.Namespace) -> MemoryEstimate:
                 p = per_layer[mtp_is_moe]
                 dense += mtp_layers * (p.attention + p.mlp + mtp_extra) / tp
                 experts += mtp_layers * p.experts / (ep * etp)
-                quantized += mtp_layers * linear[mtp_is_moe][0] / tp  # eh_proj counted high precision
+                quantized += (
+                    mtp_layers * linear[mtp_is_moe][0] / tp
+                )  # eh_proj counted high precision
                 if mtp_is_moe:
                     quantized += mtp_layers * linear[True][1] * args.num_experts / (ep * etp)
                 moe_layers += mtp_layers * mtp_is_moe
@@ -205,15 +226,26 @@ def estimate_memory(args: argparse.Namespace) -> MemoryEstimate:
                     dense += embedding / tp  # MTP embeds the shifted tokens itself
             if pp > 1 and not args.untie_embeddings_and_output_weights:
                 dense += embedding / tp
-        model_states = (dense * (weight_b + grad_b + optim_b / dense_shard)
-                        + experts * (weight_b + grad_b + optim_b / expert_shard)
-                        - quantized * fp8_saving)
+        model_states = (
+            dense * (weight_b + grad_b + optim_b / dense_shard)
+            + experts * (weight_b + grad_b + optim_b / expert_shard)
+            - quantized * fp8_saving
+        )
         # A redundant slot holds what its main expert holds: fp8 weights where those are.
         expert_linear = linear[True][1] if True in linear else 0
-        estimate.stages.append(StageMemory(
-            stage=stage, layers=layers, moe_layers=int(moe_layers), dense_params=int(dense),
-            expert_params=int(experts), model_states=int(model_states),
-            slot_weight_bytes=(expert_numel * weight_b - expert_linear * slot_fp8_saving) // etp,
-            slot_grad_bytes=expert_numel // etp * 4, num_slots=num_slots,
-            activations=activations[stage].total))
+        estimate.stages.append(
+            StageMemory(
+                stage=stage,
+                layers=layers,
+                moe_layers=int(moe_layers),
+                dense_params=int(dense),
+                expert_params=int(experts),
+                model_states=int(model_states),
+                slot_weight_bytes=(expert_numel * weight_b - expert_linear * slot_fp8_saving)
+                // etp,
+                slot_grad_bytes=expert_numel // etp * 4,
+                num_slots=num_slots,
+                activations=activations[stage].total,
+            )
+        )
     return estimate

@@ -38,17 +38,19 @@ def balanced_moe_layer_ids(args: argparse.Namespace) -> list[int]:
         return []
     pattern = moe_layer_pattern(args)
     mtp = range(args.num_layers + 1, args.num_layers + 1 + built_mtp_layers(args))
-    return [i + 1 for i, is_moe in enumerate(pattern) if is_moe] + (list(mtp) if pattern[-1] else [])
+    return [i + 1 for i, is_moe in enumerate(pattern) if is_moe] + (
+        list(mtp) if pattern[-1] else []
+    )
 
 
 @dataclass
 class LayerParams:
     """Parameters of one transformer layer, split by how Megatron shards them."""
 
-    attention: int          # sharded by TP, replicated over DP
-    mlp: int                # dense MLP or shared expert + router + norms: TP / replicated
-    experts: int            # routed experts of the layer, all of them: sharded by EP x ETP
-    expert_numel: int       # one routed expert (the unit a redundant slot holds)
+    attention: int  # sharded by TP, replicated over DP
+    mlp: int  # dense MLP or shared expert + router + norms: TP / replicated
+    experts: int  # routed experts of the layer, all of them: sharded by EP x ETP
+    expert_numel: int  # one routed expert (the unit a redundant slot holds)
 
 
 def norm_params(args) -> int:
@@ -65,8 +67,11 @@ def attention_params(args: argparse.Namespace) -> int:
             q = h * heads * qk
         else:  # down-projection, latent norm, up-projection
             q = h * args.q_lora_rank + norm * args.q_lora_rank + args.q_lora_rank * heads * qk
-        kv = (h * (args.kv_lora_rank + args.qk_pos_emb_head_dim) + norm * args.kv_lora_rank
-              + args.kv_lora_rank * heads * (args.qk_head_dim + args.v_head_dim))
+        kv = (
+            h * (args.kv_lora_rank + args.qk_pos_emb_head_dim)
+            + norm * args.kv_lora_rank
+            + args.kv_lora_rank * heads * (args.qk_head_dim + args.v_head_dim)
+        )
         out = heads * args.v_head_dim * h
         return q + kv + out + norm * h
     kv_channels = args.kv_channels or h // args.num_attention_heads
@@ -92,10 +97,14 @@ def linear_weight_params(args: argparse.Namespace, is_moe: bool) -> tuple[int, i
     if args.multi_latent_attention:
         heads = args.num_attention_heads
         qk = args.qk_head_dim + args.qk_pos_emb_head_dim
-        q = h * heads * qk if args.q_lora_rank is None else \
-            h * args.q_lora_rank + args.q_lora_rank * heads * qk
-        kv = h * (args.kv_lora_rank + args.qk_pos_emb_head_dim) + \
-            args.kv_lora_rank * heads * (args.qk_head_dim + args.v_head_dim)
+        q = (
+            h * heads * qk
+            if args.q_lora_rank is None
+            else h * args.q_lora_rank + args.q_lora_rank * heads * qk
+        )
+        kv = h * (args.kv_lora_rank + args.qk_pos_emb_head_dim) + args.kv_lora_rank * heads * (
+            args.qk_head_dim + args.v_head_dim
+        )
         attention = q + kv + heads * args.v_head_dim * h
     else:
         kv_channels = args.kv_channels or h // args.num_attention_heads
@@ -111,8 +120,9 @@ def linear_weight_params(args: argparse.Namespace, is_moe: bool) -> tuple[int, i
     shared = args.moe_shared_expert_intermediate_size
     latent = moe_latent_size(args)
     projections = 2 * h * latent if latent else 0
-    return attention + (weights(shared) if shared else 0) + projections, \
-        weights(args.moe_ffn_hidden_size, latent or h)
+    return attention + (weights(shared) if shared else 0) + projections, weights(
+        args.moe_ffn_hidden_size, latent or h
+    )
 
 
 def moe_latent_size(args: argparse.Namespace):
@@ -136,15 +146,22 @@ def layer_params(args: argparse.Namespace, is_moe: bool) -> LayerParams:
     if not is_moe:
         return LayerParams(attention, _mlp_params(args, args.ffn_hidden_size) + norm * h, 0, 0)
     latent = moe_latent_size(args)
-    expert = _mlp_params(args, args.moe_ffn_hidden_size, latent)  # routed experts at the latent size
-    shared = (_mlp_params(args, args.moe_shared_expert_intermediate_size)
-              if args.moe_shared_expert_intermediate_size else 0)
+    expert = _mlp_params(
+        args, args.moe_ffn_hidden_size, latent
+    )  # routed experts at the latent size
+    shared = (
+        _mlp_params(args, args.moe_shared_expert_intermediate_size)
+        if args.moe_shared_expert_intermediate_size
+        else 0
+    )
     if shared and args.moe_shared_expert_gate:
         shared += h
     router = h * args.num_experts + (args.num_experts if args.add_bias_linear else 0)
     # fc1_latent_proj [latent, h] and fc2_latent_proj [h, latent], duplicated over TP.
     projections = 2 * h * latent + ((latent + h) if args.add_bias_linear else 0) if latent else 0
-    return LayerParams(attention, shared + router + projections + norm * h, expert * args.num_experts, expert)
+    return LayerParams(
+        attention, shared + router + projections + norm * h, expert * args.num_experts, expert
+    )
 
 
 def flops_per_iteration(args: argparse.Namespace) -> float:

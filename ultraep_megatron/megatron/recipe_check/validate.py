@@ -68,7 +68,9 @@ def _rank0_of(world_size: int, argv: Sequence[str]):
                 os.environ[key] = value
 
 
-def validate_arguments(script_args: Sequence[str], world_size: int) -> tuple[argparse.Namespace, str]:
+def validate_arguments(
+    script_args: Sequence[str], world_size: int
+) -> tuple[argparse.Namespace, str]:
     """``pretrain_gpt.py``'s checks in its order on rank 0 of a ``world_size`` job: Megatron's parse
     (one line per refused flag or value, with a "did you mean"), UltraEP's startup checks
     (``arguments.startup_problems`` for the target machines: Megatron's settings it would refuse with
@@ -90,7 +92,9 @@ def validate_arguments(script_args: Sequence[str], world_size: int) -> tuple[arg
         from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
         from megatron.training.arguments import validate_args
 
-        from ultraep_megatron.megatron.run.arguments import startup_problems as ultraep_startup_problems
+        from ultraep_megatron.megatron.run.arguments import (
+            startup_problems as ultraep_startup_problems,
+        )
         from ultraep_megatron.megatron.run.arguments import validate_ultraep_args
         from ultraep_megatron.megatron.run.megatron_checks import assertion_problem
         from ultraep_megatron.megatron.run.startup import parse_megatron_args
@@ -102,22 +106,44 @@ def validate_arguments(script_args: Sequence[str], world_size: int) -> tuple[arg
     printed = io.StringIO()
     no_gpu = contextlib.ExitStack()
     if not torch.cuda.is_available():
-        no_gpu.enter_context(mock.patch("torch.cuda.get_device_capability", return_value=TARGET_CAPABILITY))
-        no_gpu.enter_context(mock.patch("megatron.training.arguments.get_device_arch_version",
-                                        return_value=TARGET_CAPABILITY[0]))
+        no_gpu.enter_context(
+            mock.patch("torch.cuda.get_device_capability", return_value=TARGET_CAPABILITY)
+        )
+        no_gpu.enter_context(
+            mock.patch(
+                "megatron.training.arguments.get_device_arch_version",
+                return_value=TARGET_CAPABILITY[0],
+            )
+        )
     if importlib.util.find_spec("transformer_engine") is None:
-        no_gpu.enter_context(mock.patch("megatron.training.arguments.is_te_min_version", _target_te_min_version))
+        no_gpu.enter_context(
+            mock.patch("megatron.training.arguments.is_te_min_version", _target_te_min_version)
+        )
     try:
-        with _rank0_of(world_size, ["pretrain_gpt.py", *script_args]), quiet_megatron(), no_gpu, \
-                contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+        with (
+            _rank0_of(world_size, ["pretrain_gpt.py", *script_args]),
+            quiet_megatron(),
+            no_gpu,
+            contextlib.redirect_stdout(printed),
+            contextlib.redirect_stderr(printed),
+        ):
             args, parser_errors = parse_megatron_args()
             if parser_errors:
-                raise RecipeError("\n".join(f"Megatron's parser refused the arguments: {e}" for e in parser_errors))
-            problems, noop = ultraep_startup_problems(args, environment=False)  # noop: warnings there
+                raise RecipeError(
+                    "\n".join(
+                        f"Megatron's parser refused the arguments: {e}" for e in parser_errors
+                    )
+                )
+            problems, noop = ultraep_startup_problems(
+                args, environment=False
+            )  # noop: warnings there
             problems = problems or noop
             if problems:
                 raise RecipeError("\n".join(problems))
-            eval_batch_given = (args.eval_global_batch_size, args.eval_micro_batch_size) != (None, None)
+            eval_batch_given = (args.eval_global_batch_size, args.eval_micro_batch_size) != (
+                None,
+                None,
+            )
             if args.eval_iters == 0:
                 args.eval_global_batch_size = args.eval_micro_batch_size = None
                 eval_batch_given = False
@@ -125,8 +151,12 @@ def validate_arguments(script_args: Sequence[str], world_size: int) -> tuple[arg
             validate_ultraep_args(args, environment=False)  # this machine's: environment_notes
     except SystemExit:  # argparse beyond the one-line parser (a --help or a config file's error)
         lines = printed.getvalue().strip().splitlines()
-        error = next((line for line in reversed(lines) if ": error: " in line), lines[-1] if lines else "")
-        raise RecipeError(f"Megatron's parser refused the arguments: {error.split(': error: ', 1)[-1]}") from None
+        error = next(
+            (line for line in reversed(lines) if ": error: " in line), lines[-1] if lines else ""
+        )
+        raise RecipeError(
+            f"Megatron's parser refused the arguments: {error.split(': error: ', 1)[-1]}"
+        ) from None
     except AssertionError as error:
         if str(error).startswith("eval_global_batch_size") and not eval_batch_given:
             raise RecipeError(batch_problem(args)) from None
@@ -134,10 +164,14 @@ def validate_arguments(script_args: Sequence[str], world_size: int) -> tuple[arg
     except UltraEPArgumentError as error:  # every problem, one line each, naming its flag
         raise RecipeError("\n".join(error.problems)) from None
     except (ValueError, RuntimeError, TypeError) as error:
-        raise RecipeError(f"Megatron's argument check failed: {' '.join(str(error).split())}") from None
+        raise RecipeError(
+            f"Megatron's argument check failed: {' '.join(str(error).split())}"
+        ) from None
     if args.vocab_size is None:
-        raise RecipeError("--vocab-size is needed to size the embeddings (a HuggingFace "
-                          "tokenizer ignores it; recipes pass the model's vocabulary size)")
+        raise RecipeError(
+            "--vocab-size is needed to size the embeddings (a HuggingFace "
+            "tokenizer ignores it; recipes pass the model's vocabulary size)"
+        )
     args.padded_vocab_size = vocab_size_with_padding(args.vocab_size, args, logging_enabled=False)
     return args, printed.getvalue()
 
@@ -151,10 +185,12 @@ def _target_te_min_version(version: str, check_equality: bool = True) -> bool:
 
 
 def batch_problem(args: argparse.Namespace) -> str:
-    return (f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
-            f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size} (world size "
-            f"{args.world_size} / (TP x PP x CP)): Megatron's microbatch calculator refuses it at "
-            "start-up")
+    return (
+        f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
+        f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size} (world size "
+        f"{args.world_size} / (TP x PP x CP)): Megatron's microbatch calculator refuses it at "
+        "start-up"
+    )
 
 
 def startup_problems(args: argparse.Namespace) -> list[str]:
@@ -174,9 +210,11 @@ def startup_problems(args: argparse.Namespace) -> list[str]:
         problems.append(
             f"world size {args.world_size} is not divisible by expert-TP {etp} x EP {ep} x PP {pp} = "
             f"{grid}: Megatron's initialize_model_parallel refuses it (every rank must belong to a "
-            f"whole EP group); use a multiple of {grid} GPUs or another --expert-model-parallel-size")
-    if not (args.rampup_batch_size or getattr(args, "decrease_batch_size_if_needed", False)) and \
-            args.global_batch_size % (args.micro_batch_size * args.data_parallel_size):
+            f"whole EP group); use a multiple of {grid} GPUs or another --expert-model-parallel-size"
+        )
+    if not (
+        args.rampup_batch_size or getattr(args, "decrease_batch_size_if_needed", False)
+    ) and args.global_batch_size % (args.micro_batch_size * args.data_parallel_size):
         problems.append(batch_problem(args))
     return problems
 
@@ -188,7 +226,8 @@ def environment_notes(args: argparse.Namespace) -> list[str]:
 
     with quiet_megatron():
         missing = capabilities.missing_packages(args)
-    return [f"{package} must be installed on the GPU nodes: not importable here ({flags}; "
-            "pretrain_gpt.py refuses to start without it)" for package, flags in missing]
-
-
+    return [
+        f"{package} must be installed on the GPU nodes: not importable here ({flags}; "
+        "pretrain_gpt.py refuses to start without it)"
+        for package, flags in missing
+    ]

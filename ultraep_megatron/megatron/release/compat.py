@@ -41,12 +41,20 @@ def mcore_version() -> tuple[int, int, int]:
     (a wheel's or a Megatron-LM checkout's, whichever ``import megatron.core`` would take)."""
     spec = importlib.util.find_spec("megatron.core")
     if spec is None or not spec.submodule_search_locations:
-        raise ImportError("megatron-core is not installed (pip install 'megatron-core>=0.18,<0.20')")
+        raise ImportError(
+            "megatron-core is not installed (pip install 'megatron-core>=0.18,<0.20')"
+        )
     info = Path(next(iter(spec.submodule_search_locations))) / "package_info.py"
     fields = {}
     for node in ast.parse(info.read_text()).body:
-        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
-            if node.targets[0].id in ("MAJOR", "MINOR", "PATCH") and isinstance(node.value, ast.Constant):
+        if (
+            isinstance(node, ast.Assign)
+            and len(node.targets) == 1
+            and isinstance(node.targets[0], ast.Name)
+        ):
+            if node.targets[0].id in ("MAJOR", "MINOR", "PATCH") and isinstance(
+                node.value, ast.Constant
+            ):
                 fields[node.targets[0].id] = int(node.value.value)
     return fields["MAJOR"], fields["MINOR"], fields["PATCH"]
 
@@ -71,20 +79,24 @@ def unsupported_release_problem() -> Optional[str]:
     if mcore_version()[:2] in SUPPORTED:
         return None
     supported = " and ".join(f"{a}.{b}.x" for a, b in SUPPORTED)
-    return (f"megatron-core {version_string()} is not supported: ultraep-megatron subclasses its MoE "
-            f"layer and dispatchers as of {supported}; install one of those "
-            "(pip install 'megatron-core>=0.18,<0.20')")
+    return (
+        f"megatron-core {version_string()} is not supported: ultraep-megatron subclasses its MoE "
+        f"layer and dispatchers as of {supported}; install one of those "
+        "(pip install 'megatron-core>=0.18,<0.20')"
+    )
 
 
 #: Settings that run on 0.19 but fail on 0.18, each (test on a getter of Megatron's args or a
 #: TransformerConfig: the attribute names are the same, the flags, why). The flags 0.18 lacks (e.g.
 #: --moe-hybridep-pad-uneven-dispatch-inputs, --moe-routing-trace-path) its own parser refuses.
 REFUSED_ON_018: tuple[tuple[Callable[[Callable], bool], str, str], ...] = (
-    (lambda get: bool(get("mtp_num_layers")) and get("recompute_granularity") == "full",
-     "--mtp-num-layers with --recompute-granularity full",
-     "megatron-core 0.18's multi-token-prediction layer fails in its first recomputed forward (its "
-     "forward passes padding_mask to _checkpointed_forward, which does not take it; with or without a "
-     "balancer); use --recompute-granularity selective, or megatron-core 0.19"),
+    (
+        lambda get: bool(get("mtp_num_layers")) and get("recompute_granularity") == "full",
+        "--mtp-num-layers with --recompute-granularity full",
+        "megatron-core 0.18's multi-token-prediction layer fails in its first recomputed forward (its "
+        "forward passes padding_mask to _checkpointed_forward, which does not take it; with or without a "
+        "balancer); use --recompute-granularity selective, or megatron-core 0.19",
+    ),
 )
 
 
@@ -97,11 +109,15 @@ def release_problems(config: Any) -> list[str]:
     if not is_018():
         return []
     get = lambda name: getattr(config, name, None)  # noqa: E731
-    return [f"{flags} is not supported on megatron-core {version_string()}: {why}"
-            for refused, flags, why in REFUSED_ON_018 if refused(get)]
+    return [
+        f"{flags} is not supported on megatron-core {version_string()}: {why}"
+        for refused, flags, why in REFUSED_ON_018
+        if refused(get)
+    ]
 
 
 # The training API ----------------------------------------------------------------------------------
+
 
 def default_layer_spec(model_cfg: Any, vp_stage: Optional[int]):
     """Megatron's default layer spec for ``model_cfg`` (the object :func:`gpt_model_from_args`
@@ -142,7 +158,9 @@ def wrap_mtp_block_spec(wrap: Callable[[Callable], Callable]) -> None:
         module.mtp_block_spec = wrap(module.mtp_block_spec)
 
 
-def pretrain(args: Any, model: Any, datasets_provider: Callable, forward_step: Callable, **kwargs) -> None:
+def pretrain(
+    args: Any, model: Any, datasets_provider: Callable, forward_step: Callable, **kwargs
+) -> None:
     """megatron's ``pretrain`` of the GPT ``model`` (from :func:`gpt_model_from_args`)."""
     from megatron.core.enums import ModelType
     from megatron.training import pretrain as megatron_pretrain
@@ -155,8 +173,19 @@ def pretrain(args: Any, model: Any, datasets_provider: Callable, forward_step: C
             # 0.18 recommends a ModelConfig, which it has for hybrid models only.
             warnings.filterwarnings("ignore", message=".*recommended to use a ModelConfig")
             container = pretrain_cfg_container_from_args(args)
-        megatron_pretrain(container, datasets_provider, model, ModelType.encoder_or_decoder, forward_step,
-                          **kwargs)
+        megatron_pretrain(
+            container,
+            datasets_provider,
+            model,
+            ModelType.encoder_or_decoder,
+            forward_step,
+            **kwargs,
+        )
         return
-    megatron_pretrain(pretrain_cfg_container_from_args(args, model), datasets_provider,
-                      ModelType.encoder_or_decoder, forward_step, **kwargs)
+    megatron_pretrain(
+        pretrain_cfg_container_from_args(args, model),
+        datasets_provider,
+        ModelType.encoder_or_decoder,
+        forward_step,
+        **kwargs,
+    )

@@ -26,28 +26,41 @@ from typing import Any, Callable, Optional
 def _te_or_local_layer_spec(config: Any):
     """One transformer layer's spec (gpt_builders._get_transformer_layer_spec of 0.18)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_local_spec, get_gpt_layer_with_inference_spec, get_gpt_layer_with_transformer_engine_spec,
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_inference_spec,
+        get_gpt_layer_with_transformer_engine_spec,
     )
 
     if config.transformer_impl == "transformer_engine":
         return get_gpt_layer_with_transformer_engine_spec(
-            config.num_moe_experts, config.moe_grouped_gemm, config.qk_layernorm,
-            config.multi_latent_attention, config.experimental_attention_variant,
-            qk_l2_norm=config.qk_l2_norm, use_kitchen=config.use_kitchen,
+            config.num_moe_experts,
+            config.moe_grouped_gemm,
+            config.qk_layernorm,
+            config.multi_latent_attention,
+            config.experimental_attention_variant,
+            qk_l2_norm=config.qk_l2_norm,
+            use_kitchen=config.use_kitchen,
             use_te_activation_func=config.use_te_activation_func,
             use_kitchen_attention=config.use_kitchen_attention,
             kitchen_attention_backend=config.kitchen_attention_backend,
             mla_down_proj_fusion=getattr(config, "mla_down_proj_fusion", False),
-            use_grouped_gemm_for_dense_mlp=config.use_grouped_gemm_for_dense_mlp)
+            use_grouped_gemm_for_dense_mlp=config.use_grouped_gemm_for_dense_mlp,
+        )
     if config.transformer_impl == "inference_optimized":
-        return get_gpt_layer_with_inference_spec(config.qk_layernorm, config.multi_latent_attention,
-                                                 qk_l2_norm=config.qk_l2_norm)
+        return get_gpt_layer_with_inference_spec(
+            config.qk_layernorm, config.multi_latent_attention, qk_l2_norm=config.qk_l2_norm
+        )
     return get_gpt_layer_local_spec(
-        config.num_moe_experts, config.moe_grouped_gemm, config.qk_layernorm,
-        config.multi_latent_attention, config.experimental_attention_variant,
-        normalization=config.normalization, use_kitchen=config.use_kitchen,
+        config.num_moe_experts,
+        config.moe_grouped_gemm,
+        config.qk_layernorm,
+        config.multi_latent_attention,
+        config.experimental_attention_variant,
+        normalization=config.normalization,
+        use_kitchen=config.use_kitchen,
         use_kitchen_attention=config.use_kitchen_attention,
-        kitchen_attention_backend=config.kitchen_attention_backend)
+        kitchen_attention_backend=config.kitchen_attention_backend,
+    )
 
 
 def default_layer_spec(provider: "GPTModelProvider", vp_stage: Optional[int]):
@@ -57,36 +70,60 @@ def default_layer_spec(provider: "GPTModelProvider", vp_stage: Optional[int]):
         get_transformer_block_with_experimental_attention_variant_spec,
     )
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from megatron.core.models.gpt.heterogeneous.heterogeneous_layer_specs import get_gpt_heterogeneous_layer_spec
+    from megatron.core.models.gpt.heterogeneous.heterogeneous_layer_specs import (
+        get_gpt_heterogeneous_layer_spec,
+    )
 
     args, config = provider.args, provider.transformer
     use_te = args.transformer_impl == "transformer_engine"
     if args.experimental_attention_variant is not None:
-        return get_transformer_block_with_experimental_attention_variant_spec(config=config, vp_stage=vp_stage)
+        return get_transformer_block_with_experimental_attention_variant_spec(
+            config=config, vp_stage=vp_stage
+        )
     if args.num_experts:
-        return get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization=args.normalization,
-                                          qk_l2_norm=args.qk_l2_norm, vp_stage=vp_stage)
+        return get_gpt_decoder_block_spec(
+            config,
+            use_transformer_engine=use_te,
+            normalization=args.normalization,
+            qk_l2_norm=args.qk_l2_norm,
+            vp_stage=vp_stage,
+        )
     if args.heterogeneous_layers_config_path is not None:
         return get_gpt_heterogeneous_layer_spec(config, use_te)
     return _te_or_local_layer_spec(config)
 
 
-def mtp_block_spec(provider: "GPTModelProvider", transformer_layer_spec: Any, vp_stage: Optional[int] = None):
+def mtp_block_spec(
+    provider: "GPTModelProvider", transformer_layer_spec: Any, vp_stage: Optional[int] = None
+):
     """The multi-token-prediction block's spec (``None`` without ``--mtp-num-layers``), as 0.18's
     gpt_builder makes it: from the last decoder layer's spec of Megatron's default specs."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs, get_gpt_mtp_block_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_layer_specs,
+        get_gpt_mtp_block_spec,
+    )
 
     args, config = provider.args, provider.transformer
     if args.mtp_num_layers is None:
         return None
     use_te = args.transformer_impl == "transformer_engine"
-    if hasattr(transformer_layer_spec, "layer_specs") and len(transformer_layer_spec.layer_specs) == 0:
+    if (
+        hasattr(transformer_layer_spec, "layer_specs")
+        and len(transformer_layer_spec.layer_specs) == 0
+    ):
         # A last pipeline stage without decoder layers (a block spec): one layer's spec.
         layer_spec = _te_or_local_layer_spec(config)
     else:
-        layer_spec = get_gpt_decoder_layer_specs(config, use_transformer_engine=use_te, normalization=args.normalization,
-                                                 qk_l2_norm=args.qk_l2_norm, vp_stage=vp_stage)[-1]
-    return get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=use_te, vp_stage=vp_stage)
+        layer_spec = get_gpt_decoder_layer_specs(
+            config,
+            use_transformer_engine=use_te,
+            normalization=args.normalization,
+            qk_l2_norm=args.qk_l2_norm,
+            vp_stage=vp_stage,
+        )[-1]
+    return get_gpt_mtp_block_spec(
+        config, layer_spec, use_transformer_engine=use_te, vp_stage=vp_stage
+    )
 
 
 class GPTModelProvider:
@@ -108,20 +145,46 @@ class GPTModelProvider:
         self.post_wrap_hooks: list[Callable] = []
         self.transformer = None  # the TransformerConfig of the latest stage built
 
-    def __call__(self, pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None,
-                 config: Any = None, pg_collection: Any = None):
+    def __call__(
+        self,
+        pre_process: bool = True,
+        post_process: bool = True,
+        vp_stage: Optional[int] = None,
+        config: Any = None,
+        pg_collection: Any = None,
+    ):
         from megatron.training import get_args
 
-        return self.gpt_builder(get_args(), pre_process, post_process, vp_stage, config=config,
-                                pg_collection=pg_collection)
+        return self.gpt_builder(
+            get_args(),
+            pre_process,
+            post_process,
+            vp_stage,
+            config=config,
+            pg_collection=pg_collection,
+        )
 
-    def gpt_builder(self, args: Any, pre_process: bool = True, post_process: bool = True,
-                    vp_stage: Optional[int] = None, config: Any = None, pg_collection: Any = None):
+    def gpt_builder(
+        self,
+        args: Any,
+        pre_process: bool = True,
+        post_process: bool = True,
+        vp_stage: Optional[int] = None,
+        config: Any = None,
+        pg_collection: Any = None,
+    ):
         """One (virtual) pipeline stage of the model, with ``gpt_builders.gpt_builder``'s signature;
         the ``post_wrap_hooks`` run on it."""
         self.args = args  # after Megatron's initialization: the arguments it validated
         if self.builder is not None and self.transformer_layer_spec is None:
-            model = self.builder(args, pre_process, post_process, vp_stage, config=config, pg_collection=pg_collection)
+            model = self.builder(
+                args,
+                pre_process,
+                post_process,
+                vp_stage,
+                config=config,
+                pg_collection=pg_collection,
+            )
         else:
             model = self._build(pre_process, post_process, vp_stage, config, pg_collection)
         chunks = [model]

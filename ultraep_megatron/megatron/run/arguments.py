@@ -27,7 +27,12 @@ from ultraep_megatron.planner import BalancerConfig
 from ultraep_megatron.planner.baselines import registry
 from ultraep_megatron.planner.device_solve import triton_available
 from ultraep_megatron.settings.knobs import (
-    RUN_SETTINGS, UltraEPArgumentError, add_balancer_arguments, knob_problems, knob_values, planner_config,
+    RUN_SETTINGS,
+    UltraEPArgumentError,
+    add_balancer_arguments,
+    knob_problems,
+    knob_values,
+    planner_config,
 )
 
 
@@ -39,15 +44,22 @@ def _add_moe_balancer_args(parser: argparse.ArgumentParser) -> argparse.Argument
 
 def _add_telemetry_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group(title='ultraep telemetry')
-    group.add_argument('--metrics-jsonl', type=str, default=None,
-                       help='One JSON record per training iteration (losses, learning rate, grad '
-                       'norm, per-layer expert-load imbalance) in this file, from the last rank. '
-                       'A resumed run keeps the records before its first iteration; a run from '
-                       'iteration 1 starts the file anew. The console/wandb logs are unchanged.')
-    group.add_argument('--no-moe-load-telemetry', action='store_false',
-                       dest='moe_load_telemetry',
-                       help='Do not compute the per-layer expert-load imbalance '
-                       '(one small reduction per iteration).')
+    group.add_argument(
+        '--metrics-jsonl',
+        type=str,
+        default=None,
+        help='One JSON record per training iteration (losses, learning rate, grad '
+        'norm, per-layer expert-load imbalance) in this file, from the last rank. '
+        'A resumed run keeps the records before its first iteration; a run from '
+        'iteration 1 starts the file anew. The console/wandb logs are unchanged.',
+    )
+    group.add_argument(
+        '--no-moe-load-telemetry',
+        action='store_false',
+        dest='moe_load_telemetry',
+        help='Do not compute the per-layer expert-load imbalance '
+        '(one small reduction per iteration).',
+    )
     return parser
 
 
@@ -97,8 +109,11 @@ def balancing_context_from_args(args: argparse.Namespace):
 
     settings = {field: values[field] for field in RUN_SETTINGS}
     settings["planner"] = settings["planner"] or capabilities.default_planner(
-        args.moe_balancer, capabilities.preprocess_graphed(args))
-    return BalancingContext(planner_config(args.moe_balancer, values), hardware=values["hardware"], **settings)
+        args.moe_balancer, capabilities.preprocess_graphed(args)
+    )
+    return BalancingContext(
+        planner_config(args.moe_balancer, values), hardware=values["hardware"], **settings
+    )
 
 
 def ultraep_arg_problems(args: argparse.Namespace, environment: bool = True) -> list[str]:
@@ -113,13 +128,17 @@ def ultraep_arg_problems(args: argparse.Namespace, environment: bool = True) -> 
     if name == registry.NONE or name not in registry.BALANCERS:
         return problems
     domain_size = values["domain_size"]
-    if not (isinstance(domain_size, int) and not isinstance(domain_size, bool) and domain_size >= 1):
+    if not (
+        isinstance(domain_size, int) and not isinstance(domain_size, bool) and domain_size >= 1
+    ):
         domain_size = None  # already reported by its knob
     model = capabilities.moe_model_problems(args, domain_size)
     problems += [f"--moe-balancer {name}: {problem}" for problem in model]
     if args.num_experts is not None:  # a dense model: the MoE settings do not apply
-        problems += [f"--moe-balancer {name}: {problem}"
-                     for problem in capabilities.unsupported_moe_settings(args, environment)]
+        problems += [
+            f"--moe-balancer {name}: {problem}"
+            for problem in capabilities.unsupported_moe_settings(args, environment)
+        ]
     return problems
 
 
@@ -174,12 +193,17 @@ def trace_dir_problem(args: argparse.Namespace, create: bool = True) -> str | No
     traces = sorted(p.name for p in path.glob(f"*{TRACE_SUFFIX}"))
     from megatron.training.checkpointing import checkpoint_exists
 
-    resuming = args.load is not None and not args.finetune and (
-        args.ckpt_step is not None or checkpoint_exists(args.load))
+    resuming = (
+        args.load is not None
+        and not args.finetune
+        and (args.ckpt_step is not None or checkpoint_exists(args.load))
+    )
     if traces and not resuming:
-        return (f"{flag} already holds a trace ({', '.join(traces)}) and this run resumes no "
-                "checkpoint, so its records would be appended to another run's; use an empty "
-                "directory (a run resuming with --load continues its trace there)")
+        return (
+            f"{flag} already holds a trace ({', '.join(traces)}) and this run resumes no "
+            "checkpoint, so its records would be appended to another run's; use an empty "
+            "directory (a run resuming with --load continues its trace there)"
+        )
     return None
 
 
@@ -192,13 +216,17 @@ def balancing_noop_problems(args: argparse.Namespace) -> list[str]:
     if nothing:
         out.append(nothing)
     if getattr(args, "moe_balancer_num_slots", None) == 0:
-        out.append(f"--moe-balancer-num-slots 0 with --moe-balancer {args.moe_balancer}: no redundant slot, so "
-                   "no replica: balancing does nothing (every layer is still planned); use "
-                   "--moe-balancer-num-slots 2 or more (the slot rule: docs/recipes.md) or --moe-balancer none")
+        out.append(
+            f"--moe-balancer-num-slots 0 with --moe-balancer {args.moe_balancer}: no redundant slot, so "
+            "no replica: balancing does nothing (every layer is still planned); use "
+            "--moe-balancer-num-slots 2 or more (the slot rule: docs/recipes.md) or --moe-balancer none"
+        )
     return out
 
 
-def startup_problems(args: argparse.Namespace, environment: bool = True) -> tuple[list[str], list[str]]:
+def startup_problems(
+    args: argparse.Namespace, environment: bool = True
+) -> tuple[list[str], list[str]]:
     """(errors, warnings) about a training command line, on Megatron's parsed, not yet validated
     ``args``: what Megatron would refuse with a bare assertion or only after starting
     (``megatron_checks.megatron_arg_problems``), every problem of UltraEP's arguments
@@ -212,7 +240,9 @@ def startup_problems(args: argparse.Namespace, environment: bool = True) -> tupl
     errors, warnings = megatron_arg_problems(args), []
     balancer = ultraep_arg_problems(args, environment)
     if any(p.startswith("--num-experts ") for p in errors):  # said once, with the fix
-        balancer = [p for p in balancer if "is not divisible by --expert-model-parallel-size" not in p]
+        balancer = [
+            p for p in balancer if "is not divisible by --expert-model-parallel-size" not in p
+        ]
     errors += balancer
     name = getattr(args, "moe_balancer", registry.NONE)
     if name == registry.NONE or name not in registry.BALANCERS:
@@ -220,11 +250,14 @@ def startup_problems(args: argparse.Namespace, environment: bool = True) -> tupl
     if not errors:
         warnings += balancing_noop_problems(args)
     planner = getattr(args, "moe_balancer_planner", None) or capabilities.default_planner(
-        name, capabilities.preprocess_graphed(args))
+        name, capabilities.preprocess_graphed(args)
+    )
     if environment and planner == "device" and not triton_available():
-        warnings.append("the device planner (--moe-balancer-planner device, or the default with "
-                        "--cuda-graph-modules moe_preprocess) without triton installed runs its torch "
-                        "reference step by step (hundreds of small kernels per layer); install triton")
+        warnings.append(
+            "the device planner (--moe-balancer-planner device, or the default with "
+            "--cuda-graph-modules moe_preprocess) without triton installed runs its torch "
+            "reference step by step (hundreds of small kernels per layer); install triton"
+        )
     if isinstance(args.moe_balancer_trace_dir, str) and args.moe_balancer_trace_dir:
         problem = trace_dir_problem(args, create=environment)
         if problem:

@@ -34,7 +34,11 @@ def checkpoint_args(checkpoint: Path, step: int):
             import torch
 
             # mmap: the arguments without reading the weights.
-            return torch.load(torch_format[0], map_location="cpu", mmap=True, weights_only=False)["args"]
+            return torch.load(torch_format[0], map_location="cpu", mmap=True, weights_only=False)[
+                "args"
+            ]
     except Exception as error:
-        raise ValueError(f"{directory}: cannot read the checkpoint's arguments ({error!r})") from None
+        raise ValueError(
+            f"{directory}: cannot read the checkpoint's arguments ({error!r})"
+        ) from None
     return None

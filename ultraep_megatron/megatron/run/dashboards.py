@@ -53,13 +53,19 @@ class ImbalanceHistory:
             raise ValueError(f"max_iterations must be >= 1, got {max_iterations}")
         self.max_iterations = max_iterations
         # iteration -> (before {layer: value}, after {layer: value} or None)
-        self._rows: "OrderedDict[int, tuple[dict[int, float], Optional[dict[int, float]]]]" = OrderedDict()
+        self._rows: "OrderedDict[int, tuple[dict[int, float], Optional[dict[int, float]]]]" = (
+            OrderedDict()
+        )
 
     def __len__(self) -> int:
         return len(self._rows)
 
-    def add(self, iteration: int, before: Mapping[int, float],
-            after: Optional[Mapping[int, float]] = None) -> None:
+    def add(
+        self,
+        iteration: int,
+        before: Mapping[int, float],
+        after: Optional[Mapping[int, float]] = None,
+    ) -> None:
         """Record one iteration: {1-based layer: max/mean rank load} before (router) and after
         balancing (``None`` for an unbalanced run)."""
         self._rows[int(iteration)] = (dict(before), None if after is None else dict(after))
@@ -77,8 +83,13 @@ class ImbalanceHistory:
         import numpy as np
 
         iterations = np.array(list(self._rows), dtype=np.int64)
-        layers = sorted({layer for before, after in self._rows.values()
-                         for layer in list(before) + list(after or {})})
+        layers = sorted(
+            {
+                layer
+                for before, after in self._rows.values()
+                for layer in list(before) + list(after or {})
+            }
+        )
         row = {layer: i for i, layer in enumerate(layers)}
         before = np.full((len(layers), len(iterations)), np.nan)
         balanced = any(after is not None for _, after in self._rows.values())
@@ -91,8 +102,9 @@ class ImbalanceHistory:
         return iterations, np.array(layers, dtype=np.int64), before, after_m
 
 
-def log_scalars(scalars: Mapping[str, float], iteration: int, writer: Any = None,
-                wandb_writer: Any = None) -> None:
+def log_scalars(
+    scalars: Mapping[str, float], iteration: int, writer: Any = None, wandb_writer: Any = None
+) -> None:
     """Write ``scalars`` to Megatron's tensorboard writer and, as one step, its wandb writer
     (either may be ``None`` when that logger is off)."""
     if not scalars:
@@ -130,9 +142,14 @@ class Dashboard:
 
     # -- what telemetry calls ------------------------------------------------------------------
 
-    def after_iteration(self, iteration: int, imbalance: Mapping[int, float],
-                        balancer_stats: Optional[Mapping[int, Mapping[str, float]]],
-                        writer: Any = None, wandb_writer: Any = None) -> dict:
+    def after_iteration(
+        self,
+        iteration: int,
+        imbalance: Mapping[int, float],
+        balancer_stats: Optional[Mapping[int, Mapping[str, float]]],
+        writer: Any = None,
+        wandb_writer: Any = None,
+    ) -> dict:
         """Log the summaries (and, when due, the heatmap) for ``iteration``.
 
         Args:
@@ -156,29 +173,40 @@ class Dashboard:
         if before:
             self.history.add(iteration, before, after)
             scalars = {}
-            scalars[f"{SUMMARY_PREFIX}/imbalance_before_mean"], \
-                scalars[f"{SUMMARY_PREFIX}/imbalance_before_max"] = layer_summary(before)
+            (
+                scalars[f"{SUMMARY_PREFIX}/imbalance_before_mean"],
+                scalars[f"{SUMMARY_PREFIX}/imbalance_before_max"],
+            ) = layer_summary(before)
             if after is not None:
-                scalars[f"{SUMMARY_PREFIX}/imbalance_after_mean"], \
-                    scalars[f"{SUMMARY_PREFIX}/imbalance_after_max"] = layer_summary(after)
+                (
+                    scalars[f"{SUMMARY_PREFIX}/imbalance_after_mean"],
+                    scalars[f"{SUMMARY_PREFIX}/imbalance_after_max"],
+                ) = layer_summary(after)
                 scalars[f"{SUMMARY_PREFIX}/balanced_fraction_mean"] = layer_summary(
-                    {layer: float(v["balanced_fraction"]) for layer, v in balancer_stats.items()})[0]
+                    {layer: float(v["balanced_fraction"]) for layer, v in balancer_stats.items()}
+                )[0]
             log_scalars(scalars, iteration, writer, wandb_writer)
         if len(self.history) and self.heatmap_due(iteration):
             self._guarded(self.write_heatmap, iteration, wandb_writer)
-        return {"flops_per_iteration": self.flops_per_iteration(),
-                "world_size": int(self.args.world_size)}
+        return {
+            "flops_per_iteration": self.flops_per_iteration(),
+            "world_size": int(self.args.world_size),
+        }
 
     # -- pieces --------------------------------------------------------------------------------
 
     def heatmap_due(self, iteration: int) -> bool:
         """At every checkpoint save and at the run's last iteration."""
         a = self.args
-        saving = bool(getattr(a, "save", None)) and bool(getattr(a, "save_interval", None)) \
+        saving = (
+            bool(getattr(a, "save", None))
+            and bool(getattr(a, "save_interval", None))
             and iteration % a.save_interval == 0
+        )
         exit_interval = getattr(a, "exit_interval", None)
         last = iteration == getattr(a, "train_iters", None) or bool(
-            exit_interval and iteration % exit_interval == 0)
+            exit_interval and iteration % exit_interval == 0
+        )
         return saving or last
 
     def heatmap_dir(self) -> Optional[Path]:
@@ -197,14 +225,19 @@ class Dashboard:
         directory = self.heatmap_dir()
         if directory is None and not wandb_writer:
             return None
-        title = (f"expert-load imbalance per MoE layer, iterations {iterations[0]}-{iterations[-1]}\n"
-                 f"--moe-balancer {getattr(self.args, 'moe_balancer', 'none')}")
+        title = (
+            f"expert-load imbalance per MoE layer, iterations {iterations[0]}-{iterations[-1]}\n"
+            f"--moe-balancer {getattr(self.args, 'moe_balancer', 'none')}"
+        )
         if directory is not None:
             path = directory / f"{HEATMAP_STEM}{iteration:07d}.png"
         else:
             import tempfile
 
-            path = Path(tempfile.mkdtemp(prefix="ultraep_heatmap_")) / f"{HEATMAP_STEM}{iteration:07d}.png"
+            path = (
+                Path(tempfile.mkdtemp(prefix="ultraep_heatmap_"))
+                / f"{HEATMAP_STEM}{iteration:07d}.png"
+            )
         panels = [("before balancing (router)", before)]
         if after is not None:
             panels.append(("after balancing", after))

@@ -33,9 +33,12 @@ def _balanced_mlp(mlp: Any, balancing: BalancingContext) -> Any:
 
     from ultraep_megatron.megatron.balanced_layer.balanced_moe import BalancedMoELayer
 
-    if isinstance(mlp, functools.partial) and isinstance(mlp.func, type) and issubclass(mlp.func, MoELayer):
-        return functools.partial(BalancedMoELayer, *mlp.args, **mlp.keywords,
-                                 balancing=balancing)
+    if (
+        isinstance(mlp, functools.partial)
+        and isinstance(mlp.func, type)
+        and issubclass(mlp.func, MoELayer)
+    ):
+        return functools.partial(BalancedMoELayer, *mlp.args, **mlp.keywords, balancing=balancing)
     module = getattr(mlp, "module", None)  # a ModuleSpec(module=MoELayer, ...)
     if isinstance(module, type) and issubclass(module, MoELayer):
         spec = copy.copy(mlp)
@@ -78,12 +81,14 @@ def apply_moe_balancer(spec: Any, balancing: Optional[BalancingContext]) -> Any:
         return spec
     if hasattr(spec, "layer_specs"):
         return dataclasses.replace(
-            spec, layer_specs=[_balanced_layer(s, balancing) for s in spec.layer_specs])
+            spec, layer_specs=[_balanced_layer(s, balancing) for s in spec.layer_specs]
+        )
     return _balanced_layer(spec, balancing)
 
 
-def moe_balanced_layer_spec(config: Any, vp_stage: int | None = None, *,
-                            balancing: Optional[BalancingContext] = None):
+def moe_balanced_layer_spec(
+    config: Any, vp_stage: int | None = None, *, balancing: Optional[BalancingContext] = None
+):
     """``GPTModelConfig.transformer_layer_spec`` callable: Megatron's default spec for
     ``config`` (a GPTModelConfig; on 0.18 the model provider) and ``vp_stage``, with the MoE layers
     balanced by ``balancing`` (``None``: unchanged)."""
@@ -126,7 +131,7 @@ def unbalanced_moe_layers(model_chunks: Sequence[Any]) -> list[str]:
         for name, module in chunk.named_modules():
             if isinstance(module, BaseMoELayer) and not isinstance(module, BalancedMoELayer):
                 while name.startswith("module."):
-                    name = name[len("module."):]
+                    name = name[len("module.") :]
                 found.append(f"{name} ({type(module).__name__})")
     return found
 
@@ -147,7 +152,9 @@ def balance_moe_layers(model_cfg: Any, balancing: Optional[BalancingContext]) ->
         return
     from ultraep_megatron.megatron.release import compat
 
-    model_cfg.transformer_layer_spec = functools.partial(moe_balanced_layer_spec, balancing=balancing)
+    model_cfg.transformer_layer_spec = functools.partial(
+        moe_balanced_layer_spec, balancing=balancing
+    )
     # The builder calls a module-level mtp_block_spec, which rebuilds the MTP layer from Megatron's
     # decoder specs; the wrapper leaves models without a balancer alone.
     compat.wrap_mtp_block_spec(_balanced_mtp_block_spec)
@@ -158,7 +165,8 @@ def balance_moe_layers(model_cfg: Any, balancing: Optional[BalancingContext]) ->
             raise RuntimeError(
                 f"--moe-balancer {balancing.config.name}: these MoE layers were built without "
                 f"the balancer: {', '.join(unbalanced)}. Megatron built them outside the layer "
-                "spec UltraEP selects; refusing to train them unbalanced")
+                "spec UltraEP selects; refusing to train them unbalanced"
+            )
         return model_chunks
 
     model_cfg.post_wrap_hooks.append(refuse_unbalanced_moe_layers)
@@ -191,13 +199,16 @@ def end_model_iterations(model_chunks: Sequence[Any], balancing: BalancingContex
     def ensure_wrapped(config) -> None:
         finalize = config.finalize_model_grads_func or finalize_model_grads
         if getattr(finalize, "ends_iterations_of", None) is not balancing:
-            config.finalize_model_grads_func = balancing.ending_iterations(finalize, current_iteration)
+            config.finalize_model_grads_func = balancing.ending_iterations(
+                finalize, current_iteration
+            )
 
     def first_forward(config, handles):
         def pre_hook(*_):
             ensure_wrapped(config)
             for handle in handles:
                 handle.remove()
+
         return pre_hook
 
     for chunk in model_chunks:

@@ -70,15 +70,25 @@ def parse_megatron_args(log_rank: bool = True) -> tuple[argparse.Namespace | Non
     proxy.__dict__.update(vars(argparse))
     proxy.ArgumentParser = type("ArgumentParser", (_OneLineErrorParser,), {"unrecognized": []})
     try:
-        with mock.patch.object(megatron_arguments, "argparse", proxy), \
-                contextlib.redirect_stderr(sys.stderr if log_rank else io.StringIO()):
-            args = megatron_arguments.parse_args(extra_args_provider=add_ultraep_args,
-                                                 ignore_unknown_args=True)
+        with (
+            mock.patch.object(megatron_arguments, "argparse", proxy),
+            contextlib.redirect_stderr(sys.stderr if log_rank else io.StringIO()),
+        ):
+            args = megatron_arguments.parse_args(
+                extra_args_provider=add_ultraep_args, ignore_unknown_args=True
+            )
     except _ParserError as error:
         return None, [str(error)]
     unknown = proxy.ArgumentParser.unrecognized
-    return args, ([parser_error_hint(f"unrecognized arguments: {' '.join(unknown)}", proxy.ArgumentParser.options)]
-                  if unknown else [])
+    return args, (
+        [
+            parser_error_hint(
+                f"unrecognized arguments: {' '.join(unknown)}", proxy.ArgumentParser.options
+            )
+        ]
+        if unknown
+        else []
+    )
 
 
 def startup_checks_or_exit(argv: Sequence[str], *, prog: str = "pretrain_gpt.py") -> list[str]:
@@ -103,8 +113,11 @@ def startup_checks_or_exit(argv: Sequence[str], *, prog: str = "pretrain_gpt.py"
 
     def report(kind: str, message: str) -> None:
         if log_rank:
-            print(f"{prog}: {kind}: {message}", file=sys.stderr if kind == "error" else sys.stdout,
-                  flush=True)
+            print(
+                f"{prog}: {kind}: {message}",
+                file=sys.stderr if kind == "error" else sys.stdout,
+                flush=True,
+            )
 
     argv, errors = list(argv), []
     if cpu_backend.is_active():

@@ -70,8 +70,9 @@ class ExpertLoadTracker:
             (tensor-parallel ranks > 0 without sequence parallelism).
     """
 
-    def __init__(self, num_layers: int, num_experts: int, ep_size: int,
-                 count_this_rank: bool = True):
+    def __init__(
+        self, num_layers: int, num_experts: int, ep_size: int, count_this_rank: bool = True
+    ):
         if num_layers < 1 or num_experts < 1:
             raise ValueError(f"need num_layers, num_experts >= 1, got {num_layers}, {num_experts}")
         if num_experts % ep_size:
@@ -104,9 +105,12 @@ class ExpertLoadTracker:
         """Add [E] routed-token counts of the 1-based ``layer_number`` (MTP layers after the
         decoder's, see ``layer_ids.moe_layer_id``)."""
         if self.tokens_per_expert is None:
-            self.tokens_per_expert = torch.zeros(self.num_layers, self.num_experts,
-                                                 dtype=torch.float64,
-                                                 device=tokens_per_expert.device)
+            self.tokens_per_expert = torch.zeros(
+                self.num_layers,
+                self.num_experts,
+                dtype=torch.float64,
+                device=tokens_per_expert.device,
+            )
         self.tokens_per_expert[layer_number - 1] += tokens_per_expert.to(torch.float64)
 
     def reduce_and_reset(self, dst_rank: int) -> torch.Tensor | None:
@@ -116,8 +120,11 @@ class ExpertLoadTracker:
             [L, E] global token counts on ``dst_rank`` (rows of dense layers are zero), None
             on the other ranks.
         """
-        device = (self.tokens_per_expert.device if self.tokens_per_expert is not None
-                  else _collective_device())
+        device = (
+            self.tokens_per_expert.device
+            if self.tokens_per_expert is not None
+            else _collective_device()
+        )
         counts = torch.zeros(self.num_layers, self.num_experts, dtype=torch.float64, device=device)
         if self.tokens_per_expert is not None and self.count_this_rank:
             counts += self.tokens_per_expert
@@ -129,7 +136,9 @@ class ExpertLoadTracker:
         """{1-based layer number: max/mean per-EP-rank load} for the layers that routed tokens."""
         routed = counts.sum(dim=-1) > 0
         imbalance = load_imbalance(per_rank_load(counts, self.ep_size))
-        return {layer + 1: float(imbalance[layer]) for layer in torch.nonzero(routed).flatten().tolist()}
+        return {
+            layer + 1: float(imbalance[layer]) for layer in torch.nonzero(routed).flatten().tolist()
+        }
 
 
 #: Per-layer balancing figures the balanced MoE layers record.
@@ -140,8 +149,11 @@ BALANCER_METRICS = BalancerStats.RECORDED
 #: of its expert activations, paper Fig. 14) is the imbalance itself, before and after, since a rank
 #: computes exactly the rows it receives: it stays in ``--metrics-jsonl`` and the replay reports,
 #: not as two more charts of the same numbers.
-LOGGED_BALANCER_METRICS = tuple(m for m in BALANCER_METRICS if m not in (
-    "imbalance_before", "memory_spread_before", "memory_spread_after"))
+LOGGED_BALANCER_METRICS = tuple(
+    m
+    for m in BALANCER_METRICS
+    if m not in ("imbalance_before", "memory_spread_before", "memory_spread_after")
+)
 
 
 def megatron_owned_scalars(args, writer) -> frozenset[str]:
@@ -157,8 +169,15 @@ def megatron_owned_scalars(args, writer) -> frozenset[str]:
     return frozenset(owned)
 
 
-def megatron_scalars(loss_dict, learning_rate, grad_norm, iteration_time: float | None,
-                     flops: float | None, world_size: int, owned: frozenset[str]) -> dict[str, float]:
+def megatron_scalars(
+    loss_dict,
+    learning_rate,
+    grad_norm,
+    iteration_time: float | None,
+    flops: float | None,
+    world_size: int,
+    owned: frozenset[str],
+) -> dict[str, float]:
     """Megatron's own training figures, under Megatron's names, except those Megatron writes
     itself (``owned``, see :func:`megatron_owned_scalars`).
 
@@ -195,12 +214,16 @@ def keep_earlier_records(path: str, first_iteration: int) -> None:
             lines = handle.read().splitlines()
     except FileNotFoundError:
         return
-    kept = [line for line in lines if line.strip() and json.loads(line)["iteration"] < first_iteration]
+    kept = [
+        line for line in lines if line.strip() and json.loads(line)["iteration"] < first_iteration
+    ]
     with open(path, "w") as handle:
         handle.write("".join(line + "\n" for line in kept))
 
 
-def reduce_balancer_stats(balancing: BalancingContext, num_layers: int, dst_rank: int) -> dict[int, dict[str, float]] | None:
+def reduce_balancer_stats(
+    balancing: BalancingContext, num_layers: int, dst_rank: int
+) -> dict[int, dict[str, float]] | None:
     """This iteration's per-layer balancing figures of every rank, averaged on ``dst_rank``.
 
     A collective (every rank calls it). Each rank holds the figures of its own MoE layers in its
@@ -211,11 +234,13 @@ def reduce_balancer_stats(balancing: BalancingContext, num_layers: int, dst_rank
         {1-based layer: {metric: value}} on ``dst_rank``, None elsewhere.
     """
     stats = balancing.pop_stats()
-    table = torch.zeros(num_layers, len(BALANCER_METRICS) + 1, dtype=torch.float64,
-                        device=_collective_device())
+    table = torch.zeros(
+        num_layers, len(BALANCER_METRICS) + 1, dtype=torch.float64, device=_collective_device()
+    )
     for layer, values in stats.items():
-        table[layer - 1, :-1] = torch.tensor([values[m] for m in BALANCER_METRICS],
-                                             dtype=torch.float64)
+        table[layer - 1, :-1] = torch.tensor(
+            [values[m] for m in BALANCER_METRICS], dtype=torch.float64
+        )
         table[layer - 1, -1] = 1.0
     torch.distributed.reduce(table, dst=dst_rank)
     if torch.distributed.get_rank() != dst_rank:
@@ -231,43 +256,75 @@ def _format_balancer_console(iteration: int, stats: dict[int, dict[str, float]])
     layers = " | ".join(
         f"layer {layer}: {v['imbalance_before']:.3f} -> {v['imbalance_after']:.3f} "
         f"({v['replicas']:.1f} replicas, plan {v['plan_ms']:.2f} ms)"
-        for layer, v in stats.items())
+        for layer, v in stats.items()
+    )
     return f" [iteration {iteration}] balanced rank imbalance (before -> after) | {layers}"
 
 
 def _collective_device() -> torch.device:
     backend = torch.distributed.get_backend()
-    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if backend == "nccl"
+        else torch.device("cpu")
+    )
 
 
 def _format_console(iteration: int, imbalance: dict[int, float]) -> str:
     layers = " | ".join(f"layer {layer}: {value:.3f}" for layer, value in imbalance.items())
-    return f" [iteration {iteration}] expert-load imbalance (max/mean tokens per EP rank) | {layers}"
+    return (
+        f" [iteration {iteration}] expert-load imbalance (max/mean tokens per EP rank) | {layers}"
+    )
 
 
 class _TrainingLogHook:
     """Wraps megatron.training.training.training_log: after Megatron's own log line, reduce the
     iteration's expert counts, write them to Megatron's writers, and append the JSONL record."""
 
-    def __init__(self, original, tracker: ExpertLoadTracker | None, metrics_path: str | None,
-                 balancing=None):
+    def __init__(
+        self, original, tracker: ExpertLoadTracker | None, metrics_path: str | None, balancing=None
+    ):
         self.original, self.tracker, self.metrics_path = original, tracker, metrics_path
         self.balancing = balancing
         self.dashboard = None  # dashboards.Dashboard, set by install()
         self._last_time = time.perf_counter()
         self._first_logged: int | None = None  # the run's first iteration (it holds the start-up)
 
-    def __call__(self, loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
-                 report_memory_flag, skipped_iter, grad_norm, *args, **kwargs):
-        result = self.original(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
-                               report_memory_flag, skipped_iter, grad_norm, *args, **kwargs)
+    def __call__(
+        self,
+        loss_dict,
+        total_loss_dict,
+        learning_rate,
+        iteration,
+        loss_scale,
+        report_memory_flag,
+        skipped_iter,
+        grad_norm,
+        *args,
+        **kwargs,
+    ):
+        result = self.original(
+            loss_dict,
+            total_loss_dict,
+            learning_rate,
+            iteration,
+            loss_scale,
+            report_memory_flag,
+            skipped_iter,
+            grad_norm,
+            *args,
+            **kwargs,
+        )
         self.after_iteration(iteration, loss_dict, grad_norm, skipped_iter, learning_rate)
         return result
 
-    def after_iteration(self, iteration, loss_dict, grad_norm, skipped_iter,
-                        learning_rate=None) -> None:
+    def after_iteration(
+        self, iteration, loss_dict, grad_norm, skipped_iter, learning_rate=None
+    ) -> None:
         from megatron.training.global_vars import (
-            get_args, get_tensorboard_writer, get_wandb_writer,
+            get_args,
+            get_tensorboard_writer,
+            get_wandb_writer,
         )
 
         now = time.perf_counter()
@@ -284,9 +341,9 @@ class _TrainingLogHook:
         args = get_args()
         balancer_stats = None
         if self.balancing is not None:  # its iteration ended in finalize_model_grads (layer_spec)
-            balancer_stats = reduce_balancer_stats(self.balancing,
-                                                   args.num_layers + (args.mtp_num_layers or 0),
-                                                   dst_rank=last_rank)
+            balancer_stats = reduce_balancer_stats(
+                self.balancing, args.num_layers + (args.mtp_num_layers or 0), dst_rank=last_rank
+            )
         if torch.distributed.get_rank() != last_rank:
             return
         from ultraep_megatron.megatron.run.dashboards import log_scalars
@@ -294,22 +351,44 @@ class _TrainingLogHook:
         writer, wandb_writer = get_tensorboard_writer(), get_wandb_writer()
         before = {layer: v["imbalance_before"] for layer, v in (balancer_stats or {}).items()}
         before.update(imbalance)
-        scalars = {f"{METRIC_PREFIX}/layer_{layer:02d}": value for layer, value in sorted(before.items())}
-        scalars.update({f"ultraep/{metric}/layer_{layer:02d}": values[metric]
-                        for layer, values in (balancer_stats or {}).items() for metric in LOGGED_BALANCER_METRICS})
+        scalars = {
+            f"{METRIC_PREFIX}/layer_{layer:02d}": value for layer, value in sorted(before.items())
+        }
+        scalars.update(
+            {
+                f"ultraep/{metric}/layer_{layer:02d}": values[metric]
+                for layer, values in (balancer_stats or {}).items()
+                for metric in LOGGED_BALANCER_METRICS
+            }
+        )
         log_scalars(scalars, iteration, writer, wandb_writer)
         if imbalance and iteration % args.log_interval == 0:
             print(_format_console(iteration, imbalance), flush=True)
         if balancer_stats and iteration % args.log_interval == 0:
             print(_format_balancer_console(iteration, balancer_stats), flush=True)
         # Dashboards (dashboards.py): all-layer summaries, heatmap image, model FLOPs.
-        extra = (self.dashboard.after_iteration(iteration, imbalance, balancer_stats, writer,
-                                                wandb_writer) if self.dashboard else {})
+        extra = (
+            self.dashboard.after_iteration(
+                iteration, imbalance, balancer_stats, writer, wandb_writer
+            )
+            if self.dashboard
+            else {}
+        )
         losses = {key: float(value) for key, value in loss_dict.items()}  # read once
-        log_scalars(megatron_scalars(losses, learning_rate, grad_norm, None if first else iteration_time,
-                                     extra.get("flops_per_iteration"), args.world_size,
-                                     megatron_owned_scalars(args, writer)),
-                    iteration, writer, wandb_writer)
+        log_scalars(
+            megatron_scalars(
+                losses,
+                learning_rate,
+                grad_norm,
+                None if first else iteration_time,
+                extra.get("flops_per_iteration"),
+                args.world_size,
+                megatron_owned_scalars(args, writer),
+            ),
+            iteration,
+            writer,
+            wandb_writer,
+        )
         if self.metrics_path:
             if first:
                 keep_earlier_records(self.metrics_path, iteration)
@@ -352,8 +431,9 @@ def install(model_cfg: Any, args: Any, balancing: Optional[BalancingContext] = N
         )
 
         def attach_routers(model_chunks):
-            tracker.count_this_rank = (args.sequence_parallel
-                                       or parallel_state.get_tensor_model_parallel_rank() == 0)
+            tracker.count_this_rank = (
+                args.sequence_parallel or parallel_state.get_tensor_model_parallel_rank() == 0
+            )
             tracker.attach(model_chunks)
             return model_chunks
 
@@ -361,8 +441,9 @@ def install(model_cfg: Any, args: Any, balancing: Optional[BalancingContext] = N
     if tracker is None and args.metrics_jsonl is None and balancing is None:
         return
     if not isinstance(training.training_log, _TrainingLogHook):
-        training.training_log = _TrainingLogHook(training.training_log, tracker, args.metrics_jsonl,
-                                                 balancing)
+        training.training_log = _TrainingLogHook(
+            training.training_log, tracker, args.metrics_jsonl, balancing
+        )
         from ultraep_megatron.megatron.run.dashboards import Dashboard
 
         training.training_log.dashboard = Dashboard(args)

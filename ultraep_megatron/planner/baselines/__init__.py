@@ -14,5 +14,14 @@ from .fixed_layout import eplb, eplb_exact, identity_plan, round_robin
 from .least_loaded import llep
 from .placement import Placement, placement_metrics
 
-__all__ = ["registry", "identity_plan", "eplb", "eplb_exact", "round_robin", "deepseek_eplb", "llep",
-           "Placement", "placement_metrics"]
+__all__ = [
+    "registry",
+    "identity_plan",
+    "eplb",
+    "eplb_exact",
+    "round_robin",
+    "deepseek_eplb",
+    "llep",
+    "Placement",
+    "placement_metrics",
+]

@@ -37,8 +37,9 @@ def _balanced_packing(weight: np.ndarray, num_packs: int) -> tuple[np.ndarray, n
     return pack, position
 
 
-def deepseek_eplb(load: torch.Tensor, num_slots: int, *, num_groups: int | None = None,
-                  num_nodes: int = 1) -> Placement:
+def deepseek_eplb(
+    load: torch.Tensor, num_slots: int, *, num_groups: int | None = None, num_nodes: int = 1
+) -> Placement:
     """DeepSeek's EPLB on the exact load: every expert re-placed, mains included.
 
     Args:
@@ -68,24 +69,29 @@ def deepseek_eplb(load: torch.Tensor, num_slots: int, *, num_groups: int | None 
         raise ValueError("load has negative entries")
     P = E // R + num_slots
     for name, value in (("num_groups", num_groups), ("num_nodes", num_nodes)):
-        if value is not None and (isinstance(value, bool)
-                                  or not isinstance(value, (int, np.integer)) or value < 1):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1
+        ):
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     if num_groups is None or num_groups % num_nodes:
         num_groups, num_nodes = 1, 1  # EPLB's global policy
     if E % num_groups or R % num_nodes:
-        raise ValueError(f"num_groups must divide E={E} and num_nodes must divide R={R}, got "
-                         f"num_groups={num_groups}, num_nodes={num_nodes}")
+        raise ValueError(
+            f"num_groups must divide E={E} and num_nodes must divide R={R}, got "
+            f"num_groups={num_groups}, num_nodes={num_nodes}"
+        )
     lam = load.sum(0).cpu().numpy().astype(np.float64)  # [E]
 
     # Groups to nodes: node k gets the experts node_experts[k] (in EPLB's node-major order).
     group_size, groups_per_node = E // num_groups, num_groups // num_nodes
-    group_pack, group_position = _balanced_packing(lam.reshape(num_groups, group_size).sum(1),
-                                                   num_nodes)
+    group_pack, group_position = _balanced_packing(
+        lam.reshape(num_groups, group_size).sum(1), num_nodes
+    )
     slot_of_group = group_pack * groups_per_node + group_position  # [num_groups]
     node_experts = np.empty(E, np.int64)
-    node_experts[(slot_of_group.repeat(group_size) * group_size
-                  + np.tile(np.arange(group_size), num_groups))] = np.arange(E)
+    node_experts[
+        (slot_of_group.repeat(group_size) * group_size + np.tile(np.arange(group_size), num_groups))
+    ] = np.arange(E)
     node_experts = node_experts.reshape(num_nodes, E // num_nodes)
 
     ranks_per_node = R // num_nodes
@@ -102,6 +108,7 @@ def deepseek_eplb(load: torch.Tensor, num_slots: int, *, num_groups: int | None 
     copies = np.bincount(flat, minlength=E)
     host_rank = np.full((E, int(copies.max())), R, np.int64)
     host_rank[flat[order], np.arange(R * P) - np.repeat(np.cumsum(copies) - copies, copies)] = (
-        order // P)
+        order // P
+    )
     split = round_robin_split(load, torch.from_numpy(host_rank))
     return Placement(torch.from_numpy(physical_expert).to(load.device), split)

@@ -22,8 +22,16 @@ import torch
 from ..plan import Plan, plan_from_split
 from ..solve import validate_load
 
-__all__ = ["identity_plan", "eplb", "eplb_exact", "eplb_slots", "replicate", "round_robin",
-           "round_robin_split", "check_num_slots"]
+__all__ = [
+    "identity_plan",
+    "eplb",
+    "eplb_exact",
+    "eplb_slots",
+    "replicate",
+    "round_robin",
+    "round_robin_split",
+    "check_num_slots",
+]
 
 
 def identity_plan(load: torch.Tensor, num_slots: int = 0) -> Plan:
@@ -35,7 +43,9 @@ def identity_plan(load: torch.Tensor, num_slots: int = 0) -> Plan:
     """
     R, E = validate_load(load)
     check_num_slots(num_slots)
-    array = load.detach().cpu().numpy()  # numpy: the runtime's skip path (trigger) runs it per layer
+    array = (
+        load.detach().cpu().numpy()
+    )  # numpy: the runtime's skip path (trigger) runs it per layer
     if (array < 0).any():
         raise ValueError("load has negative entries")
     G, P = E // R, E // R + num_slots
@@ -50,8 +60,9 @@ def identity_plan(load: torch.Tensor, num_slots: int = 0) -> Plan:
     return Plan(*plan, int(quota.sum(0).max()))
 
 
-def replicate(weight: np.ndarray, num_physical: int, *,
-              max_copies: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def replicate(
+    weight: np.ndarray, num_physical: int, *, max_copies: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """EPLB's replication rule: ``num_physical - n`` times, give one more copy to the expert with
     the largest load per copy (ties: lowest id), never beyond ``max_copies`` copies of one expert
     (``None``: no cap, as DeepSeek's EPLB; stops early when every expert is at the cap).
@@ -101,8 +112,9 @@ def eplb_slots(expert_load: torch.Tensor, num_ranks: int, num_slots: int) -> tor
     holds = np.zeros((E, R), bool)
     holds[np.arange(E), np.arange(E) // G] = True
     slot_expert = np.full((R, S), -1, np.int64)
-    replicas = sorted((e for e in range(E) for _ in range(counts[e] - 1)),
-                      key=lambda e: (-per_instance[e], e))
+    replicas = sorted(
+        (e for e in range(E) for _ in range(counts[e] - 1)), key=lambda e: (-per_instance[e], e)
+    )
     for e in replicas:
         allowed = (free > 0) & ~holds[e]
         if not allowed.any():
@@ -136,7 +148,7 @@ def round_robin(load: torch.Tensor, slot_expert: torch.Tensor) -> Plan:
     M = max(len(h) for h in hosts)
     host_rank = torch.full((E, M), R, dtype=torch.int64)  # R: padding
     for e, h in enumerate(hosts):
-        host_rank[e, :len(h)] = torch.tensor([h[0]] + sorted(h[1:]))
+        host_rank[e, : len(h)] = torch.tensor([h[0]] + sorted(h[1:]))
     return plan_from_split(slot_expert.to(load.device), round_robin_split(load, host_rank))
 
 

@@ -23,8 +23,13 @@ __all__ = ["llep", "LLEP_CAPACITY_FACTOR", "LLEP_MIN_TOKENS_PER_GEMM", "LLEP_TRI
 LLEP_CAPACITY_FACTOR, LLEP_MIN_TOKENS_PER_GEMM, LLEP_TRIGGER = 1.1, 1024, 1.3
 
 
-def llep(load: torch.Tensor, *, capacity_factor: float = LLEP_CAPACITY_FACTOR,
-         min_tokens_per_gemm: int = LLEP_MIN_TOKENS_PER_GEMM, trigger: float | None = LLEP_TRIGGER) -> Plan:
+def llep(
+    load: torch.Tensor,
+    *,
+    capacity_factor: float = LLEP_CAPACITY_FACTOR,
+    min_tokens_per_gemm: int = LLEP_MIN_TOKENS_PER_GEMM,
+    trigger: float | None = LLEP_TRIGGER,
+) -> Plan:
     """Least-Loaded Expert Parallelism's plan (LPT with weight spilling) on the exact load.
 
     Args:
@@ -56,12 +61,15 @@ def llep(load: torch.Tensor, *, capacity_factor: float = LLEP_CAPACITY_FACTOR,
         raise ValueError("load has negative entries")
     if not capacity_factor > 0:
         raise ValueError(f"capacity_factor must be > 0, got {capacity_factor!r}")
-    if (isinstance(min_tokens_per_gemm, bool)
-            or not isinstance(min_tokens_per_gemm, (int, np.integer)) or min_tokens_per_gemm < 0):
+    if (
+        isinstance(min_tokens_per_gemm, bool)
+        or not isinstance(min_tokens_per_gemm, (int, np.integer))
+        or min_tokens_per_gemm < 0
+    ):
         raise ValueError(f"min_tokens_per_gemm must be an int >= 0, got {min_tokens_per_gemm!r}")
     G = E // R
     lam = load.sum(0).tolist()
-    rank_load = [sum(lam[r * G:(r + 1) * G]) for r in range(R)]
+    rank_load = [sum(lam[r * G : (r + 1) * G]) for r in range(R)]
     if trigger is not None and trigger > 0 and rank_imbalance(load) < trigger:
         return identity_plan(load, 0)
     total = sum(lam)
@@ -90,8 +98,11 @@ def llep(load: torch.Tensor, *, capacity_factor: float = LLEP_CAPACITY_FACTOR,
             while remaining > 0:
                 helpers = by_effective_load(home)
                 # a chunk is min(remaining, room); one below m only when it is the last
-                fits = [(g, min(remaining, r)) for g, r in helpers
-                        if r > 0 and (r >= remaining or r >= m)]
+                fits = [
+                    (g, min(remaining, r))
+                    for g, r in helpers
+                    if r > 0 and (r >= remaining or r >= m)
+                ]
                 g, c = fits[0] if fits else (helpers[0][0] if helpers else home, remaining)
                 mine.append((g, c))
                 assigned[g] += c
@@ -120,7 +131,7 @@ def llep(load: torch.Tensor, *, capacity_factor: float = LLEP_CAPACITY_FACTOR,
         cum = np.concatenate([[0], np.cumsum(load_np[:, e])])
         ends = np.cumsum([c for _, c in mine])
         starts = ends - np.array([c for _, c in mine])
-        overlap = (np.minimum(cum[1:, None], ends[None]) - np.maximum(cum[:-1, None], starts[None]))
+        overlap = np.minimum(cum[1:, None], ends[None]) - np.maximum(cum[:-1, None], starts[None])
         np.add.at(split[:, e], (slice(None), [g for g, _ in mine]), np.maximum(overlap, 0))
         for g, _ in mine:
             if g != e // G and e not in slots[g]:
@@ -128,5 +139,5 @@ def llep(load: torch.Tensor, *, capacity_factor: float = LLEP_CAPACITY_FACTOR,
     width = max(len(s) for s in slots)
     slot_expert = torch.full((R, width), -1, dtype=torch.int64)
     for g, s in enumerate(slots):
-        slot_expert[g, :len(s)] = torch.tensor(s, dtype=torch.int64)
+        slot_expert[g, : len(s)] = torch.tensor(s, dtype=torch.int64)
     return plan_from_split(slot_expert.to(load.device), torch.from_numpy(split).to(load.device))

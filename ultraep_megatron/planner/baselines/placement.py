@@ -83,8 +83,9 @@ def cross_domain_copies(placement: Placement, domain_size: int | None) -> int:
     return int((inst & (home_domain.view(E, 1) != rank_domain.view(1, R))).sum())
 
 
-def placement_metrics(load: torch.Tensor, placement: Placement, *,
-                      domain_size: int | None = None) -> dict:
+def placement_metrics(
+    load: torch.Tensor, placement: Placement, *, domain_size: int | None = None
+) -> dict:
     """Comparison metrics of any balancer's ``placement`` on ``load`` [R, E] (Python scalars).
 
     imbalance_before / imbalance_after (max / mean rank load without balancing / computed under

@@ -7,8 +7,19 @@ spells them. How they look in comparisons (labels, colours): ``analysis/plotting
 from __future__ import annotations
 
 __all__ = [
-    "NONE", "ULTRAEP", "EPLB", "EPLB_EXACT", "IDEAL", "DEEPSEEK_EPLB", "LLEP",
-    "BALANCERS", "MOE_BALANCERS", "PEERS", "COMPARED", "EXACT_LOAD", "describe",
+    "NONE",
+    "ULTRAEP",
+    "EPLB",
+    "EPLB_EXACT",
+    "IDEAL",
+    "DEEPSEEK_EPLB",
+    "LLEP",
+    "BALANCERS",
+    "MOE_BALANCERS",
+    "PEERS",
+    "COMPARED",
+    "EXACT_LOAD",
+    "describe",
 ]
 
 NONE, ULTRAEP, EPLB, EPLB_EXACT = "none", "ultraep", "eplb", "eplb-exact"
@@ -22,14 +33,16 @@ DEEPSEEK_EPLB, LLEP = "deepseek-eplb", "llep"
 BALANCERS: dict[str, str] = {
     NONE: "megatron-core's MoELayer unchanged: every token goes to its expert's home rank",
     ULTRAEP: "replicates hot experts into redundant slots and reroutes tokens, planned on the exact "
-             "load of every microbatch and MoE layer",
+    "load of every microbatch and MoE layer",
     EPLB: "DeepSeek EPLB's replication rule on the load history (--moe-balancer-eplb-window, "
-          "re-planned every --moe-balancer-eplb-interval microbatches); main experts stay home",
+    "re-planned every --moe-balancer-eplb-interval microbatches); main experts stay home",
     EPLB_EXACT: "EPLB's replication rule on the exact load of every microbatch (the paper's EPLB++)",
 }
 MOE_BALANCERS: tuple[str, ...] = tuple(BALANCERS)
-_IDEAL_DESCRIPTION = ("force-balanced routing (--moe-balancer none --moe-router-force-load-balancing): "
-                      "every expert gets the same share of tokens; the upper bound of balancing")
+_IDEAL_DESCRIPTION = (
+    "force-balanced routing (--moe-balancer none --moe-router-force-load-balancing): "
+    "every expert gets the same share of tokens; the upper bound of balancing"
+)
 PEERS: tuple[str, ...] = (DEEPSEEK_EPLB, LLEP)
 #: What replay and the resume experiment compare: the balancers and the ideal.
 COMPARED: tuple[str, ...] = (NONE, EPLB, EPLB_EXACT, ULTRAEP, IDEAL)
