@@ -1,57 +1,47 @@
 """The architecture, checked on the source (docs/architecture.md): data, not the layer.
 
-The per-model context (``megatron/balanced_layer/context.py``), its observers (``megatron/balanced_layer/observers.py``) and the
-data plane (``dataplane/``) are callees of the balanced MoE layer that get data (a registration's
-shapes, groups and layout; tensors; the invocation's record), never the layer object: no parameter
-named ``layer`` in their signatures, and nothing there matches ``\\blayer\\.`` (an attribute read of
-a layer; prose too, so that the grep stays empty). With its negative control, as the rules of
-``tests/test_architecture.py``.
+The balanced layer's callees (the per-model context, the invocation, the dispatchers, the replica
+autograd, the observers, the data plane) get data (a registration's shapes and groups, tensors, the
+invocation), never the layer object: none of them imports the layer's module (``balanced_moe``),
+even lazily or for type checking, so none can name the class or reach into one. A structural rule,
+with its negative control, as the rules of ``tests/test_architecture.py``.
 """
 
 from __future__ import annotations
 
 import ast
-import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "ultraep_megatron"
+LAYER_MODULE = "ultraep_megatron.megatron.balanced_layer.balanced_moe"
 
-#: The per-model context, its observers and the data plane: callees of the balanced layer that get
-#: data (shapes, groups, tensors, the invocation's record), never the layer object.
+#: The balanced layer's callees: they get data, never the layer object.
 DATA_ONLY_MODULES = [
-    PACKAGE / "megatron" / "balanced_layer" / "context.py",
-    PACKAGE / "megatron" / "balanced_layer" / "observers.py",
+    *(
+        PACKAGE / "megatron" / "balanced_layer" / f"{name}.py"
+        for name in ("context", "invocation", "dispatchers", "replica_autograd", "observers")
+    ),
     *sorted((PACKAGE / "dataplane").rglob("*.py")),
 ]
-REACHES_INTO_A_LAYER = re.compile(r"\blayer\.")
 
 
-def layer_references(paths, root: Path = REPO) -> list[str]:
-    """Parameters named ``layer`` (functions and lambdas, any kind of parameter) and text matching
-    ``\\blayer\\.`` (attribute reads; prose too, so the grep of the issue stays empty) in ``paths``."""
+def layer_references(paths, root: Path = REPO, layer_module: str = LAYER_MODULE) -> list[str]:
+    """Imports of ``layer_module`` (or of a name from it; inside functions and ``TYPE_CHECKING``
+    blocks too) in ``paths``, one line each."""
+    package, _, module = layer_module.rpartition(".")
     found = []
     for path in paths:
         name = path.relative_to(root).as_posix()
-        text = path.read_text()
-        for node in ast.walk(ast.parse(text, str(path))):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-                args = node.args
-                for arg in (
-                    *args.posonlyargs,
-                    *args.args,
-                    *args.kwonlyargs,
-                    args.vararg,
-                    args.kwarg,
-                ):
-                    if arg is not None and arg.arg == "layer":
-                        function = getattr(node, "name", "lambda")
-                        found.append(
-                            f"{name}:{node.lineno}: {function} takes a parameter named layer"
-                        )
-        for number, line in enumerate(text.splitlines(), 1):
-            if REACHES_INTO_A_LAYER.search(line):
-                found.append(f"{name}:{number}: reaches into a layer: {line.strip()[:60]!r}")
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            if any(t == layer_module or t.startswith(layer_module + ".") for t in targets):
+                found.append(f"{name}:{node.lineno}: imports the layer's module ({module})")
     return found
 
 
@@ -60,39 +50,31 @@ def test_the_context_and_the_data_plane_take_data_not_the_layer():
 
 
 def test_the_layer_rule_catches_each_kind_of_violation(tmp_path):
-    """Negative control: a made-up context whose method takes the layer (positional, keyword-only,
-    in a lambda) and reads its attributes is caught, line by line; its data-only twin (a
-    registration, a layer number) is clean."""
+    """Negative control: made-up callees importing the layer's module (at the top, inside a
+    function, for type checking only, a name from it) are caught, line by line; a twin importing
+    its siblings is clean."""
     hub = tmp_path / "hub.py"
     hub.write_text(
-        "class Context:\n"
-        "    def register(self, layer):\n"
-        "        return layer.config\n"
-        "    def plan(self, load, *, layer=None):\n"
-        "        key = lambda layer: 0\n"
-        "        return self.layer.balancer\n"
+        "from typing import TYPE_CHECKING\n"
+        "import pkg.layer.balanced_moe\n"
+        "if TYPE_CHECKING:\n"
+        "    from pkg.layer.balanced_moe import BalancedMoELayer\n"
+        "def plan(load):\n"
+        "    from pkg.layer import balanced_moe\n"
     )
-    assert layer_references([hub], tmp_path) == [
-        "hub.py:2: register takes a parameter named layer",
-        "hub.py:4: plan takes a parameter named layer",
-        "hub.py:5: lambda takes a parameter named layer",
-        "hub.py:3: reaches into a layer: 'return layer.config'",
-        "hub.py:6: reaches into a layer: 'return self.layer.balancer'",
+    assert layer_references([hub], tmp_path, "pkg.layer.balanced_moe") == [
+        "hub.py:2: imports the layer's module (balanced_moe)",
+        "hub.py:4: imports the layer's module (balanced_moe)",
+        "hub.py:6: imports the layer's module (balanced_moe)",
     ]
     clean = tmp_path / "clean.py"
-    clean.write_text(
-        "class Context:\n"
-        "    def register(self, registration):\n"
-        "        return registration.layer_number, registration.layers\n"
-        "    def plan(self, load, *, layer_number=None):\n"
-        "        return self.player.balancer\n"
-    )
-    assert layer_references([clean], tmp_path) == []
+    clean.write_text("from pkg.layer import invocation\nimport pkg.layer.balanced_moe_helpers\n")
+    assert layer_references([clean], tmp_path, "pkg.layer.balanced_moe") == []
 
 
 #: megatron/'s subpackages, bottom first: a subpackage imports nothing of those after it (the CPU
-#: backend ``cpu/`` sits beside them: the layer's ``native_torch`` and the backend use each other).
-MEGATRON_SUBPACKAGES = ("release", "balanced_layer", "run", "recipe_check")
+#: backend ``cpu/`` lifts its device mapping around the layer's host code: above the layer).
+MEGATRON_SUBPACKAGES = ("release", "balanced_layer", "cpu", "run", "recipe_check")
 
 
 def upward_subpackage_imports(root: Path = PACKAGE) -> list[str]:

@@ -114,38 +114,31 @@ def routing(cfg, device, generator, num_experts=None):
     return routing_map, probs, top.indices
 
 
-def permutation_stand_in(dispatchers, num_experts, num_slots, ep_size, topk_ids, overheads):
-    """The balanced all-to-all dispatcher's state its permutation reads (no process group here):
-    ``_permutation`` and ``_pairs`` bound to it; ``invocation`` / ``_table`` set per plan."""
-    from ultraep_megatron.megatron.balanced_layer.invocation import InvocationState
+def sort_key(num_experts: int) -> torch.dtype:
+    return torch.int16 if num_experts <= torch.iinfo(torch.int16).max else torch.int32
 
-    d = object.__new__(dispatchers.BalancedAlltoAllDispatcher)
-    d.num_logical_experts, d.ep_size, d.slots_per_rank = (
-        num_experts,
-        ep_size,
-        num_experts // ep_size + num_slots,
-    )
-    d.num_out_tokens = topk_ids.numel()
-    d.state = InvocationState(
-        layer_number=1, runs_per_forward=1, training=False, grad_enabled=False, topk_ids=topk_ids
-    )
-    d._sort_key_dtype = torch.int16 if num_experts <= torch.iinfo(torch.int16).max else torch.int32
 
-    def add_reroute_seconds(seconds):
-        overheads.reroute_seconds += seconds
+def copy_to_host(tensor, stream=None):
+    """The plan's crossing as the balanced layer makes it (``invocation.PlanHandle``): ``tensor``
+    copied to pinned host memory behind an event, waited for."""
+    from ultraep_megatron.megatron.balanced_layer.invocation import PlanHandle
 
-    d.balancing = types.SimpleNamespace(
-        add_reroute_seconds=add_reroute_seconds, check_plans=False, plans_on_device=False
+    return PlanHandle(tensor, lambda host: host, stream).wait()
+
+
+def rank_plan(plan, load, rank, balanced=True):
+    """The host's part of a plan on ``rank`` (what ``invocation.wait`` makes of it)."""
+    from ultraep_megatron.megatron.balanced_layer.invocation import host_plan
+
+    return host_plan(
+        plan,
+        load,
+        rank,
+        balanced=balanced,
+        plan_seconds=0.0,
+        schedule_builder=None,
+        with_table=True,
     )
-    # What the deferred plan's two halves read (the overlapped schedule's pre-dispatch and dispatch
-    # nodes: _deferred_dispatch_preprocess, _dispatch_inputs_of_plan)
-    d.config = types.SimpleNamespace(
-        moe_permute_fusion=False,
-        moe_router_padding_for_quantization=False,
-        moe_router_topk=topk_ids.size(1),
-    )
-    d.drop_and_pad, d.tp_size, d.num_slots = False, 1, num_slots
-    return d
 
 
 def timed(fn, cfg, sync) -> float:
@@ -182,8 +175,6 @@ def sweep_experts(cfg, device, sync):
     from megatron.core.transformer.moe.moe_utils import permute
 
     from ultraep_megatron.megatron.balanced_layer import dispatchers
-    from ultraep_megatron.megatron.balanced_layer.context import Overheads
-    from ultraep_megatron.megatron.balanced_layer.invocation import plan_invocation
     from ultraep_megatron.planner import BalancerConfig
     from ultraep_megatron.planner.baselines import registry
     from ultraep_megatron.traces.synthetic import zipf_topk_load
@@ -205,22 +196,10 @@ def sweep_experts(cfg, device, sync):
         load[0] = routing_map.sum(dim=0).cpu()
         balancer = BalancerConfig(name=registry.ULTRAEP, num_slots=S).build()
         plan = balancer.plan(load)
-        d = permutation_stand_in(dispatchers, E, S, R, topk_ids, Overheads())
-        d.invocation = plan_invocation(
-            plan,
-            load,
-            0,
-            layer_number=1,
-            vid=None,
-            schedule_builder=None,
-            balanced=True,
-            plan_seconds=0.0,
-        )
-        d._table = d.invocation.reroute_table.to(device)
+        table = rank_plan(plan, load, 0).reroute_table.to(device)
 
         def ours():
-            sorted_tokens, _ = d._permutation(probs)
-            return tokens.index_select(0, sorted_tokens)
+            return dispatchers.permute_pairs(tokens, probs, topk_ids, table, sort_key(E))[0]
 
         def theirs():
             return permute(tokens, routing_map, probs=probs, num_out_tokens=T * k)[0]
@@ -242,15 +221,11 @@ def graphed_device_planner(cfg, device, others, routing_map, config, rank):
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up off the capture (Triton compiles, allocator pools)
             for _ in range(3):
-                device_planning.plan_on_device(
-                    static_load, config, rank, training=False, grad_enabled=False
-                )
+                device_planning.plan_on_device(static_load, config, rank)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            planned = device_planning.plan_on_device(
-                static_load, config, rank, training=False, grad_enabled=False
-            )
+            planned = device_planning.plan_on_device(static_load, config, rank)
         return static_load, graph, planned
     except Exception as error:  # noqa: BLE001  (reported in the table, the other paths still run)
         return f"capture failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
@@ -282,26 +257,16 @@ def experts_backward(cfg, device, generator):
 def overlapped(cfg, device, sync, paths_inputs):
     """The paths as megatron's overlapped schedule runs them (module docstring, ``--overlapped``):
     pre-dispatch node, the other microbatch's experts backward queued, dispatch node."""
-    (
-        dispatchers,
-        device_planning,
-        plan_invocation,
-        permute,
-        balancer,
-        config,
-        others,
-        routing_map,
-        probs,
-        topk_ids,
-        tokens,
-        dispatcher,
-        rank,
-    ) = paths_inputs
-    from ultraep_megatron.megatron.balanced_layer import physical_routing
+    (dispatchers, device_planning, permute, balancer, config, others, routing_map, probs) = (
+        paths_inputs[:8]
+    )
+    topk_ids, tokens, rank = paths_inputs[8:]
+    from ultraep_megatron.planner import reroute
 
     R, E, S, T, k = cfg.ep_size, cfg.num_experts, cfg.num_slots, cfg.tokens, cfg.topk
     backward = experts_backward(cfg, device, torch.Generator().manual_seed(1))
     side = torch.cuda.Stream() if cfg.device == "cuda" else None
+    key = sort_key(E)
 
     def load_on_device():
         load = others.clone()
@@ -309,58 +274,43 @@ def overlapped(cfg, device, sync, paths_inputs):
         return load
 
     def megatron_path():
-        copied = physical_routing._start_copy_to_host(
-            routing_map.sum(dim=0), side
-        )  # its dtoh point
+        from ultraep_megatron.megatron.balanced_layer.invocation import PlanHandle
+
+        counts = PlanHandle(routing_map.sum(dim=0), lambda host: host, side)  # its dtoh point
         permuted = permute(tokens, routing_map, probs=probs, num_out_tokens=int(T * k))[0]
         backward()  # the other microbatch
-        physical_routing._wait_for_host_copy(copied[1])  # its sync point
+        counts.wait()  # its sync point
         return permuted
 
     def host_planner_path():
-        copied = physical_routing._start_copy_to_host(load_on_device(), side)  # pre-dispatch node
-        logical, logical_probs = dispatcher._deferred_dispatch_preprocess(
-            tokens, routing_map, probs
-        )
+        from ultraep_megatron.megatron.balanced_layer.invocation import PlanHandle
+
+        crossing = PlanHandle(load_on_device(), lambda host: host, side)  # pre-dispatch node
+        order = reroute.expert_major_order(topk_ids, key)
+        logical = tokens.index_select(0, torch.div(order, k, rounding_mode="floor"))
+        logical_probs = probs.gather(1, topk_ids).reshape(-1).index_select(0, order)
         backward()  # the other microbatch
-        host_load, event = copied  # dispatch node
-        physical_routing._wait_for_host_copy(event)
+        host_load = crossing.wait()  # dispatch node
         balanced = balancer.balances(host_load)
         plan = balancer.plan(host_load, balances=balanced)
-        dispatcher.invocation = plan_invocation(
-            plan,
-            host_load,
-            rank,
-            layer_number=1,
-            vid=None,
-            schedule_builder=None,
-            balanced=balanced,
-            plan_seconds=0.0,
+        table = rank_plan(plan, host_load, rank, balanced).reroute_table.to(device)
+        stand_in = types.SimpleNamespace(
+            invocation=types.SimpleNamespace(topk_ids=topk_ids, reroute_table=table),
+            expert_major=order,
         )
-        dispatcher._table = dispatcher.invocation.reroute_table.to(device, non_blocking=True)
-        return dispatcher._dispatch_inputs_of_plan(logical, logical_probs, routing_map)[0]
+        planned = dispatchers.BalancedAlltoAllDispatcher.planned_inputs
+        return planned(stand_in, logical, logical_probs)[0]
 
     def device_planner_path():
-        planned = device_planning.plan_on_device(
-            load_on_device(), config, rank, training=False, grad_enabled=False
-        )
-        dispatcher._table = planned.reroute_table
-        sorted_tokens, _ = dispatcher._permutation(probs)
-        permuted = tokens.index_select(0, sorted_tokens)
-        copied = physical_routing._start_copy_to_host(planned.host_half, side)
+        planned = device_planning.plan_on_device(load_on_device(), config, rank)
+        permuted = dispatchers.permute_pairs(tokens, probs, topk_ids, planned.reroute_table, key)[0]
+        from ultraep_megatron.megatron.balanced_layer.invocation import PlanHandle
+
+        crossing = PlanHandle(planned.host_half, lambda host: host, side)
         backward()  # the other microbatch
-        physical_routing._wait_for_host_copy(copied[1])  # dispatch node
-        host_load, plan, balanced = device_planning.unpack_host_half(copied[0], R, E, S)
-        dispatcher.invocation = plan_invocation(
-            plan,
-            host_load,
-            rank,
-            layer_number=1,
-            vid=None,
-            schedule_builder=None,
-            balanced=balanced,
-            plan_seconds=0.0,
-        )
+        host_half = crossing.wait()  # dispatch node
+        host_load, plan, balanced = device_planning.unpack_host_half(host_half, R, E, S)
+        rank_plan(plan, host_load, rank, balanced)
         return permuted
 
     def backward_alone():
@@ -405,13 +355,7 @@ def main():
         cpu_backend.activate()
     from megatron.core.transformer.moe.moe_utils import permute
 
-    from ultraep_megatron.megatron.balanced_layer import (
-        device_planning,
-        dispatchers,
-        physical_routing,
-    )
-    from ultraep_megatron.megatron.balanced_layer.context import Overheads
-    from ultraep_megatron.megatron.balanced_layer.invocation import plan_invocation
+    from ultraep_megatron.megatron.balanced_layer import device_planning, dispatchers
     from ultraep_megatron.planner import BalancerConfig
     from ultraep_megatron.planner.baselines import registry
     from ultraep_megatron.traces.synthetic import zipf_topk_load
@@ -431,7 +375,8 @@ def main():
     config = BalancerConfig(name=registry.ULTRAEP, num_slots=S)
     balancer = config.build()
     balancer.warm_up()
-    dispatcher = permutation_stand_in(dispatchers, E, S, R, topk_ids, Overheads())
+    key = sort_key(E)
+    last = {}  # the last host plan
 
     def megatron_path():
         counts = routing_map.sum(dim=0)
@@ -446,53 +391,30 @@ def main():
     def host_planner_path():
         load = others.clone()
         load[rank] = routing_map.sum(dim=0)
-        host_load = physical_routing._copy_to_host(load)
+        host_load = copy_to_host(load)
         h0 = time.perf_counter()
         balanced = balancer.balances(host_load)
         plan = balancer.plan(host_load, balances=balanced)
-        dispatcher.invocation = plan_invocation(
-            plan,
-            host_load,
-            rank,
-            layer_number=1,
-            vid=None,
-            schedule_builder=None,
-            balanced=balanced,
-            plan_seconds=0.0,
-        )
+        last["plan"] = rank_plan(plan, host_load, rank, balanced)
         host_stretch["host"].append(time.perf_counter() - h0)
-        dispatcher._table = dispatcher.invocation.reroute_table.to(device, non_blocking=True)
-        sorted_tokens, _ = dispatcher._permutation(probs)
-        return tokens.index_select(0, sorted_tokens)
+        table = last["plan"].reroute_table.to(device, non_blocking=True)
+        return dispatchers.permute_pairs(tokens, probs, topk_ids, table, key)[0]
 
     def permute_then_cross(planned, stretch: str):
         """A device plan's rest: the permutation from its reroute table, then its host half across
         (the one wait) and the host metadata derived from it."""
-        dispatcher._table = planned.reroute_table
-        sorted_tokens, _ = dispatcher._permutation(probs)
-        permuted = tokens.index_select(0, sorted_tokens)
-        host_half = physical_routing._copy_to_host(planned.host_half)
+        permuted = dispatchers.permute_pairs(tokens, probs, topk_ids, planned.reroute_table, key)[0]
+        host_half = copy_to_host(planned.host_half)
         h0 = time.perf_counter()
         host_load, plan, balanced = device_planning.unpack_host_half(host_half, R, E, S)
-        dispatcher.invocation = plan_invocation(
-            plan,
-            host_load,
-            rank,
-            layer_number=1,
-            vid=None,
-            schedule_builder=None,
-            balanced=balanced,
-            plan_seconds=0.0,
-        )
+        last["plan"] = rank_plan(plan, host_load, rank, balanced)
         host_stretch[stretch].append(time.perf_counter() - h0)
         return permuted
 
     def device_planner_path():
         load = others.clone()
         load[rank] = routing_map.sum(dim=0)
-        planned = device_planning.plan_on_device(
-            load, config, rank, training=False, grad_enabled=False
-        )
+        planned = device_planning.plan_on_device(load, config, rank)
         return permute_then_cross(planned, "device")
 
     paths = {
@@ -517,7 +439,7 @@ def main():
 
         paths["ultraep device graphed"] = graphed_device_planner_path
     times = interleaved_times(paths, cfg, sync)
-    plan = dispatcher.invocation.plan
+    plan = last["plan"].plan
     replicas = int((plan.slot_expert >= 0).sum())
     median_us = {key: statistics.median(v) * 1e6 for key, v in times.items()}
     stretch_us = {key: statistics.median(v[cfg.warmup :]) * 1e6 for key, v in host_stretch.items()}
@@ -557,7 +479,6 @@ def main():
             (
                 dispatchers,
                 device_planning,
-                plan_invocation,
                 permute,
                 balancer,
                 config,
@@ -566,7 +487,6 @@ def main():
                 probs,
                 topk_ids,
                 tokens,
-                dispatcher,
                 rank,
             ),
         )

@@ -184,18 +184,14 @@ def skip_transfers(layer) -> None:
     too): numerically wrong; everything else (plan, reroute, the replica compute) runs as in the
     ultraep layer."""
 
-    balancing = layer.balancing
+    slots = layer.balancing.slots
 
-    def start_weights(state):
-        balancing.holder = state.invocation
+    def fill(invocation, main_weights):
+        slots.holder = invocation
 
-    def finish_reduction(state):
-        return [[None] * len(expert) for expert in layer.main_expert_param_lists()]
-
-    layer.start_weights = layer.start_rematerialization = start_weights
-    balancing.wait_weights = lambda invocation: None
-    layer.start_reduction = lambda state, weight_grads=None: None
-    layer.finish_reduction = finish_reduction
+    slots.fill = fill
+    slots.wait_filled = lambda invocation: None
+    slots.reduce = lambda invocation, targets, hosted_grads, fold_on_stream: None
 
 
 class Measurement:
@@ -234,7 +230,7 @@ class Measurement:
         def counting(h, p):
             self.rows = h.shape[0]
             invocation = getattr(layer.token_dispatcher, "invocation", None)
-            self.replica_rows = invocation.replica_rows if invocation is not None else ()
+            self.replica_rows = invocation.plan.replica_rows if invocation is not None else ()
             return compute(h, p)
 
         layer.routed_experts_compute = counting
@@ -356,12 +352,13 @@ class ExpertsOnly(Measurement):
         out, _ = layer.experts(tokens[:main], torch.tensor(rows), probs[:main])
         loss = out.sum()
         if total > main:  # the redundant slots' module on (leaves over) the replica buffer's views
-            leaves = [
-                [w.detach().requires_grad_() for w in slot] for slot in layer.replica_weight_views()
+            slots, layout = layer.balancing.slots.buffer, layer.layer_experts.layout
+            views = [
+                layout.replica_weights(slots.weight_views(s), None) for s in range(slots.num_slots)
             ]
-            loss = (
-                loss + layer.run_replicas(leaves, tokens[main:], probs[main:], replica_rows).sum()
-            )
+            leaves = [[w.detach().requires_grad_() for w in slot] for slot in views]
+            replicas = layer.balancing.replica_experts
+            loss = loss + replicas(leaves, tokens[main:], replica_rows, probs[main:]).sum()
         loss.backward()
 
 

@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ultraep_megatron.megatron.cpu.device_mapping import is_cuda_device
-from ultraep_megatron.megatron.balanced_layer.native_torch import device_mapping
+from ultraep_megatron.megatron.cpu.native_torch import device_mapping
 
 _SYNC_READS = {
     torch.Tensor.item,

@@ -32,7 +32,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ultraep_megatron.megatron.balanced_layer.native_torch import device_mapping
+from ultraep_megatron.megatron.cpu.native_torch import device_mapping
 from ultraep_megatron.megatron.cpu import torch_cuda
 
 

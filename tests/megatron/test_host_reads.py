@@ -37,7 +37,7 @@ NEGATIVE_CONTROLS = (
     "ep4-hybridep-unmodified",
     "ep4-device-item-in-plan",
 )
-PLAN_WAIT = "Event.synchronize"  # the plan's one wait (physical_routing._wait_for_host_copy)
+PLAN_WAIT = "Event.synchronize"  # the plan's one wait (invocation.PlanHandle.wait)
 
 pytestmark = pytest.mark.slow
 

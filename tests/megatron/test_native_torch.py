@@ -1,11 +1,11 @@
-"""``megatron/balanced_layer/native_torch.py``: the balancer's host code runs without the CPU backend's device
+"""``megatron/cpu/native_torch.py``: the balanced layer's host code runs without the CPU backend's device
 mapping, and only that mode is lifted (observed in the backend's probe process, ``probe`` in
 tests/megatron/conftest.py)."""
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ultraep_megatron.megatron.balanced_layer import native_torch
+from ultraep_megatron.megatron.cpu import native_torch
 
 
 class Seen(TorchFunctionMode):
@@ -49,3 +49,24 @@ def test_native_torch_lifts_only_the_innermost_device_mapping(probe):
         "after": ["CudaAsCpuMode"],
         "after_an_error": ["CudaAsCpuMode"],  # an exception inside does not lose the mapping
     }
+
+
+def test_the_hot_path_list_names_the_balanced_layer_s_functions():
+    """Every function the backend lifts exists where the list says (a rename fails here, not
+    silently at activation), and the probe process wrapped them all."""
+    for owner, names in native_torch.hot_path():
+        for name in names:
+            assert callable(vars(owner)[name.lstrip("*")]), (owner, name)
+
+
+def test_negative_control_a_missing_hot_path_function_raises(monkeypatch):
+    class Owner:
+        pass
+
+    monkeypatch.setattr(native_torch, "hot_path", lambda: [(Owner, ("renamed",))])
+    try:
+        native_torch.lift_hot_path()
+    except KeyError as error:
+        assert "renamed" in str(error)
+    else:
+        raise AssertionError("a missing hot-path function was not refused")

@@ -1,6 +1,6 @@
 """The balanced dispatchers' reroute and permutation over the routed (token, expert) pairs.
 
-``PhysicalSlotRouting._reroute`` and ``BalancedAlltoAllDispatcher._permutation`` work on the
+``_PhysicalSlots.physical_routing`` and ``BalancedAlltoAllDispatcher.permute`` work on the
 ``[T, k]`` top-k pairs (a stable sort by expert and a search into the plan's reroute table). The
 reference is the implementation they replaced, kept here: dense over the ``[T, E]`` routing map (a
 running count per expert over the tokens, a search per map entry). Both must give bit-identical
@@ -24,32 +24,40 @@ from planner_helpers import (
     routing_cases,
 )
 from ultraep_megatron.megatron.balanced_layer import device_planning
-from ultraep_megatron.megatron.balanced_layer.dispatchers import BalancedAlltoAllDispatcher
-from ultraep_megatron.megatron.balanced_layer.invocation import InvocationState, plan_invocation
-from ultraep_megatron.planner import BalancerConfig
+from ultraep_megatron.megatron.balanced_layer.context import Overheads
+from ultraep_megatron.megatron.balanced_layer.dispatchers import (
+    BalancedAlltoAllDispatcher,
+    _PhysicalSlots,
+)
+from ultraep_megatron.megatron.balanced_layer.invocation import host_plan
+from ultraep_megatron.planner import BalancerConfig, reroute
 
 
-def stand_in(R, E, S, invocation, topk_ids):
-    """The balanced all-to-all dispatcher's state that the reroute and permutation read."""
+def stand_in(R, E, S, plan, load, rank, topk_ids):
+    """The balanced all-to-all dispatcher's state its reroute and permutation read, with the
+    invocation of ``plan`` on ``rank``: ``(dispatcher, invocation)``."""
+    planned = host_plan(
+        plan, load, rank, balanced=True, plan_seconds=0.0, schedule_builder=None, with_table=True
+    )
+    slots = object.__new__(_PhysicalSlots)
+    slots.ep_size, slots.slots_per_rank, slots.sort_key = R, E // R + S, torch.int16
     d = object.__new__(BalancedAlltoAllDispatcher)
-    d.num_logical_experts, d.ep_size, d.slots_per_rank, d.num_out_tokens = (
-        E,
-        R,
-        E // R + S,
-        topk_ids.numel(),
-    )
-    d.state = InvocationState(
-        layer_number=1,
-        runs_per_forward=1,
-        training=False,
-        grad_enabled=False,
+    d.slots, d.num_out_tokens = slots, topk_ids.numel()
+    d.invocation = types.SimpleNamespace(
         topk_ids=topk_ids,
-        invocation=invocation,
-        reroute_table=invocation.reroute_table,
+        reroute_table=planned.reroute_table,
+        plan=planned,
+        context=types.SimpleNamespace(overheads=Overheads()),
     )
-    d._sort_key_dtype = torch.int16
-    d.balancing = types.SimpleNamespace(add_reroute_seconds=lambda seconds: None, check_plans=False)
-    return d
+    return d, d.invocation
+
+
+def permuted(d, probs):
+    """``d.permute`` of the tokens ``arange(T)``: (sorted tokens [N], permuted probs [N])."""
+    T = d.invocation.topk_ids.size(0)
+    rows, permuted_probs = d.permute(torch.arange(T).view(T, 1), probs)
+    assert torch.equal(rows.view(-1), d.reversed_local_input_permutation_mapping)
+    return d.reversed_local_input_permutation_mapping, permuted_probs
 
 
 def dense_reference(d, routing_map, probs):
@@ -59,7 +67,7 @@ def dense_reference(d, routing_map, probs):
     counts = routing_map.t().contiguous().cumsum(dim=1)
     position = (counts + table[2, :num_experts].unsqueeze(1)).t().reshape(-1)
     instance = torch.searchsorted(table[0], position, right=True)
-    num_physical = d.ep_size * d.slots_per_rank
+    num_physical = d.slots.ep_size * d.slots.slots_per_rank
     instance_slot = table[1].index_select(0, instance).view(num_tokens, num_experts)
     slot = torch.where(routing_map, instance_slot, num_physical)
     physical_map = torch.zeros(num_tokens, num_physical + 1, dtype=torch.bool)
@@ -83,16 +91,6 @@ def test_pairs_match_the_dense_implementation_bit_for_bit(R, E, S, k, T, seed):
     for plan in plans:
         replicated += int((plan.slot_expert >= 0).sum())
         for rank, (ids, routing_map, probs) in enumerate(routings):
-            invocation = plan_invocation(
-                plan,
-                load,
-                rank,
-                layer_number=1,
-                vid=None,
-                schedule_builder=None,
-                balanced=True,
-                plan_seconds=0.0,
-            )
             # The router's indices come in any order within a token.
             shuffled = ids.gather(
                 1,
@@ -100,10 +98,10 @@ def test_pairs_match_the_dense_implementation_bit_for_bit(R, E, S, k, T, seed):
                     torch.rand(ids.shape, generator=torch.Generator().manual_seed(rank)), 1
                 ),
             )
-            d = stand_in(R, E, S, invocation, shuffled)
+            d, invocation = stand_in(R, E, S, plan, load, rank, shuffled)
             probs = probs.clone().requires_grad_(True)
-            physical_map, physical_probs = d._reroute(routing_map, probs)
-            sorted_tokens, permuted_probs = d._permutation(probs)
+            physical_map, physical_probs = d.slots.physical_routing(invocation, probs)
+            sorted_tokens, permuted_probs = permuted(d, probs)
             reference = dense_reference(d, routing_map, probs)
             for name, got, want in zip(
                 ("physical map", "physical probs", "sorted tokens", "permuted probs"),
@@ -122,40 +120,31 @@ def test_pairs_match_the_dense_implementation_bit_for_bit(R, E, S, k, T, seed):
                     torch.autograd.grad(want, probs, upstream)[0],
                 )
             assert torch.equal(
-                d.physical_topk_ids().sort(1).values, assign_tokens(plan, rank, ids).sort(1).values
+                d.slots.physical_ids(invocation).sort(1).values,
+                assign_tokens(plan, rank, ids).sort(1).values,
             )
     if S > 0 and E > 4:
         assert replicated > 0, "the routings must make some plan replicate"
 
 
-def test_negative_control_token_descending_order_differs():
+def test_negative_control_token_descending_order_differs(monkeypatch):
     """Pairs of an expert taken in token-descending order (an unstable order) must fail the
     comparison: it depends on the order the plan hands quotas out in."""
     routings, load, plans = planned_routings(4, 16, 2, 3, 33, 0)
     ids, routing_map, probs = routings[0]
-    invocation = plan_invocation(
-        plans[0],
-        load,
-        0,
-        layer_number=1,
-        vid=None,
-        schedule_builder=None,
-        balanced=True,
-        plan_seconds=0.0,
-    )
-    d = stand_in(4, 16, 2, invocation, ids)
-    pairs = d._pairs
+    d, _ = stand_in(4, 16, 2, plans[0], load, 0, ids)
+    pairs = reroute.expert_major_pairs
 
-    def descending_pairs():
-        order, positions, instance = pairs()
-        flat = ids.reshape(-1)
+    def descending_pairs(topk_ids, table, key_dtype):
+        order, positions, instance = pairs(topk_ids, table, key_dtype)
+        flat = topk_ids.reshape(-1)
         descending = torch.sort(
             flat * flat.numel() + (flat.numel() - 1 - torch.arange(flat.numel()))
         ).indices
         return descending, positions, instance
 
-    d._pairs = descending_pairs
-    sorted_tokens, _ = d._permutation(probs)
+    monkeypatch.setattr(reroute, "expert_major_pairs", descending_pairs)
+    sorted_tokens, _ = permuted(d, probs)
     assert not torch.equal(sorted_tokens, dense_reference(d, routing_map, probs)[2])
 
 
@@ -167,9 +156,7 @@ def test_device_plan_crosses_to_the_host_intact():
     seen = set()
     for candidate, balanced, expected in host_balancer_cases(config):
         seen.add(balanced)
-        planned_ = device_planning.plan_on_device(
-            candidate, config, 1, training=True, grad_enabled=True
-        )
+        planned_ = device_planning.plan_on_device(candidate, config, 1)
         load_back, plan_back, balanced_back = device_planning.unpack_host_half(
             planned_.host_half.clone(), 4, 16, 2
         )

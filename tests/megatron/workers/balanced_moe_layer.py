@@ -250,6 +250,48 @@ def permuted(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])[order].view_as(x)
 
 
+class CountingReplicas:
+    """The context's replica experts, counting their calls in first forwards and in backwards (a
+    replica backward that recomputed its forward, or a recompute replay, would show there)."""
+
+    def __init__(self, replicas, calls):
+        self.replicas, self.calls = replicas, calls
+
+    def __call__(self, *args):
+        self.calls["backward" if torch._C._current_graph_task_id() != -1 else "forward"] += 1
+        return self.replicas(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.replicas, name)
+
+
+class FoldRecorder(list):
+    """Records ``("folded", replicated local experts)`` when an invocation of ``layer`` completes
+    its replica-gradient reduction (between ``__init__`` and :meth:`close`), beside the
+    accumulation events already in the list."""
+
+    def __init__(self, layer, events):
+        from pretrain_grad_dump import replicated_local_experts
+
+        from ultraep_megatron.megatron.balanced_layer.invocation import BalancedInvocation
+
+        super().__init__(events)
+        self._cls, self._original = BalancedInvocation, BalancedInvocation.finish_reduction
+        recorder = self
+
+        def finish_reduction(invocation):
+            grads = recorder._original(invocation)
+            if invocation.experts is layer.layer_experts:
+                recorder.append(("folded", replicated_local_experts(invocation)))
+            return grads
+
+        BalancedInvocation.finish_reduction = finish_reduction
+
+    def close(self) -> list:
+        self._cls.finish_reduction = self._original
+        return list(self)
+
+
 def run(
     layer,
     weights,
@@ -295,7 +337,7 @@ def run(
             counted = len(received_rows)
             parts = postprocess_parts(hidden_states, probs)
             # Padded: the rows per local slot as dispatched are not the plan's.
-            plan_rows = layer.token_dispatcher.invocation.rows_per_slot
+            plan_rows = layer.token_dispatcher.invocation.plan.rows_per_slot
             padded_layouts.append(
                 [int(n) for n in parts[2].tolist()] != [int(n) for n in plan_rows.tolist()]
             )
@@ -320,13 +362,7 @@ def run(
 
         tap.get_replay_topk = counting_tap
     if balancing is not None:
-        run_replicas = layer.run_replicas
-
-        def counting_replicas(*args):
-            replica_calls["backward" if torch._C._current_graph_task_id() != -1 else "forward"] += 1
-            return run_replicas(*args)
-
-        layer.run_replicas = counting_replicas
+        balancing.replica_experts = CountingReplicas(balancing.replica_experts, replica_calls)
     # When each local main expert's gradient is accumulated (the hook Megatron DDP puts on a
     # parameter's grad accumulator to hand main_grad to its bucket reduction) against when the
     # replica-gradient reduction is folded in, with the local experts that had a replica.
@@ -338,23 +374,25 @@ def run(
     if balancing is not None:
         # Every redundant slot this rank hosts must be written before each reduction (the buffer is
         # not cleared between uses): a slot read without being written poisons a main gradient.
-        balancing.buffer.replica_grads.fill_(float("nan"))
-        schedule = balancing.buffer.schedule
+        buffer = balancing.slots.buffer
+        buffer.replica_grads.fill_(float("nan"))
+        schedule = buffer.schedule
 
         def recording_schedule(*args, **kwargs):
             built = schedule(*args, **kwargs)
             relayed.append(built.uses_relay)
             return built
 
-        balancing.buffer.schedule = recording_schedule
-        start_reduction = balancing.start_reduction
+        buffer.schedule = recording_schedule
+        reduce = balancing.slots.reduce
 
-        def recording_start_reduction(invocation, targets, hosted_grads, **kwargs):
-            mine = invocation.schedule.rank_transfers(invocation.ep_rank)
-            idle_hosted.extend(s for s in mine.hosted_slots if invocation.replica_rows[s] == 0)
-            return start_reduction(invocation, targets, hosted_grads, **kwargs)
+        def recording_reduce(invocation, targets, hosted_grads, fold_on_stream):
+            plan = invocation.plan
+            mine = plan.schedule.rank_transfers(balancing.ep_rank)
+            idle_hosted.extend(s for s in mine.hosted_slots if plan.replica_rows[s] == 0)
+            return reduce(invocation, targets, hosted_grads, fold_on_stream)
 
-        balancing.start_reduction = recording_start_reduction
+        balancing.slots.reduce = recording_reduce
         for local in range(layer.num_local_experts):
             for weight in expert_weights(layer, local):
                 accumulator = weight.expand_as(weight).grad_fn.next_functions[0][0]
@@ -364,14 +402,7 @@ def run(
                     )
                 )
                 accumulators.append(accumulator)
-        finish_reduction = layer.finish_reduction
-
-        def recording_finish_reduction(state):
-            grads = finish_reduction(state)
-            accumulation_events.append(("folded", state.invocation.replicated_local_experts))
-            return grads
-
-        layer.finish_reduction = recording_finish_reduction
+        accumulation_events = FoldRecorder(layer, accumulation_events)
     xs, outs, ups, orders = [], [], [], []
     for mb in range(microbatches):
         x, up = rank_inputs(rank, mb)
@@ -387,6 +418,8 @@ def run(
     ring_live = balancing.ring.live if balancing is not None else 0
     for out, up in zip(outs, ups):  # backwards in forward order, as a 1F1B stage does
         (out * up).sum().backward()
+    if isinstance(accumulation_events, FoldRecorder):
+        accumulation_events = accumulation_events.close()
     stats = balancing.pop_stats() if balancing is not None else {}
     return {
         "out": [permuted(o.detach(), back).clone() for o, back in zip(outs, orders)],
@@ -409,7 +442,7 @@ def run(
         "padded_layouts": padded_layouts,
         "replica_calls": replica_calls,
         "accumulation_events": accumulation_events,
-        "replica_buffer_numel": balancing.buffer.replica_weights.numel()
+        "replica_buffer_numel": balancing.slots.buffer.replica_weights.numel()
         if balancing is not None
         else 0,
         "relayed": relayed,
@@ -567,7 +600,8 @@ def main():
                 slots[: world - 1, 0] = NUM_EXPERTS - 1  # every rank but its home hosts expert 7
                 layer.balancer._placement, layer.balancer._calls = slots, 1
             if balancer and sc.get("relay"):  # every expert with two or more remote replicas
-                layer.balancing.buffer.relay, layer.balancing.buffer.relay_threshold = "always", 1
+                layer.balancing.slots.buffer.relay = "always"
+                layer.balancing.slots.buffer.relay_threshold = 1
             key = f"{name}/{key}"
             with FAULTS[sc["fault"]]() if balancer and "fault" in sc else contextlib.nullcontext():
                 results[key] = run(

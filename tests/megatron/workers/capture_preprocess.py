@@ -10,7 +10,7 @@ load are a static input standing in for it, as in ``bench_critical_path.py``):
   this rank's per-expert counts from its ``[T, k]`` routed pairs, the ``[R, E]`` load, the device
   plan, the plan's reroute table and host half (``device_planning.plan_on_device``: the trigger,
   ``planner.device_solve`` with Triton where installed, ``reroute.device_reroute_table``), the
-  balanced all-to-all dispatcher's permutation over the routed pairs (``_permutation``) and the
+  balanced all-to-all dispatcher's permutation over the routed pairs (``permute_pairs``) and the
   tokens gathered into its send order.
 
 After a warm-up (Triton compiles there) the work is captured once; then for each of ``--trials``
@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-import types
 from pathlib import Path
 
 import torch
@@ -97,49 +96,26 @@ def routing_inputs(cfg, trial: int, device):
     return [t.to(device) for t in (others, top.indices, probs, tokens)]
 
 
-def preprocess_function(cfg, static, dispatcher, config):
+def preprocess_function(cfg, static, config):
     """The captured work, on the static input buffers; returns its outputs."""
-    from ultraep_megatron.megatron.balanced_layer import device_planning
+    from ultraep_megatron.megatron.balanced_layer import device_planning, dispatchers
 
     others, topk_ids, probs, tokens = static
     E = cfg.num_experts
+    sort_key = torch.int16 if E <= torch.iinfo(torch.int16).max else torch.int32
 
     def preprocess():
         local = torch.zeros(E, dtype=torch.int64, device=topk_ids.device).scatter_add_(
             0, topk_ids.reshape(-1), torch.ones_like(topk_ids.reshape(-1))
         )
         load = torch.cat([others[: cfg.rank], local.view(1, E), others[cfg.rank + 1 :]])
-        planned = device_planning.plan_on_device(
-            load, config, cfg.rank, training=True, grad_enabled=True
+        planned = device_planning.plan_on_device(load, config, cfg.rank)
+        permuted, permuted_probs, sorted_tokens = dispatchers.permute_pairs(
+            tokens, probs, topk_ids, planned.reroute_table, sort_key
         )
-        dispatcher.topk_ids, dispatcher._table = topk_ids, planned.reroute_table
-        sorted_tokens, permuted_probs = dispatcher._permutation(probs)
-        return (
-            tokens.index_select(0, sorted_tokens),
-            permuted_probs,
-            sorted_tokens,
-            planned.host_half,
-        )
+        return permuted, permuted_probs, sorted_tokens, planned.host_half
 
     return preprocess
-
-
-def dispatcher_stand_in(cfg, topk_ids):
-    """The balanced all-to-all dispatcher's state its permutation reads (no process group):
-    ``_permutation`` and ``_pairs`` bound to it, as ``tools/bench_critical_path.py`` builds it."""
-    from ultraep_megatron.megatron.balanced_layer import dispatchers
-    from ultraep_megatron.megatron.balanced_layer.invocation import InvocationState
-
-    E, S, R = cfg.num_experts, cfg.num_slots, cfg.ep_size
-    d = object.__new__(dispatchers.BalancedAlltoAllDispatcher)
-    d.num_logical_experts, d.ep_size, d.slots_per_rank = E, R, E // R + S
-    d.num_out_tokens = topk_ids.numel()
-    d.state = InvocationState(
-        layer_number=1, runs_per_forward=1, training=False, grad_enabled=False, topk_ids=topk_ids
-    )
-    d._sort_key_dtype = torch.int16 if E <= torch.iinfo(torch.int16).max else torch.int32
-    d.balancing = types.SimpleNamespace(add_reroute_seconds=lambda seconds: None, check_plans=False)
-    return d
 
 
 class _CudaGraph:
@@ -192,8 +168,7 @@ def run_check(cfg, device) -> tuple[bool, str]:
     R, E, S = cfg.ep_size, cfg.num_experts, cfg.num_slots
     config = BalancerConfig(name=registry.ULTRAEP, num_slots=S)
     static = routing_inputs(cfg, trial=0, device=device)
-    dispatcher = dispatcher_stand_in(cfg, static[1])
-    preprocess = preprocess_function(cfg, static, dispatcher, config)
+    preprocess = preprocess_function(cfg, static, config)
     graph = _CudaGraph() if device.type == "cuda" else _StandinGraph()
     t0 = time.perf_counter()
     graph.warm_up(preprocess)

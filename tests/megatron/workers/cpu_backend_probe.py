@@ -15,7 +15,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ultraep_megatron.megatron.cpu import backend as cpu_backend
-from ultraep_megatron.megatron.balanced_layer.native_torch import native_torch
+from ultraep_megatron.megatron.cpu.native_torch import native_torch
 
 SEED = 4321
 DRAW = 8

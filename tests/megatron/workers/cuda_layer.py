@@ -122,14 +122,12 @@ def _watched(what: str, synchronize):
 def install_watch() -> None:
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-    from ultraep_megatron.megatron.balanced_layer import physical_routing
+    from ultraep_megatron.megatron.balanced_layer.invocation import PlanHandle
 
     MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _designated(
         "megatron", MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize
     )
-    physical_routing._wait_for_host_copy = _designated(
-        "ultraep", physical_routing._wait_for_host_copy
-    )
+    PlanHandle.wait = _designated("ultraep", PlanHandle.wait)
     if _ON_CUDA:
         torch.cuda.Event.synchronize = _watched("event synchronize", torch.cuda.Event.synchronize)
         torch.cuda.synchronize = _watched("device synchronize", torch.cuda.synchronize)
@@ -319,13 +317,13 @@ def main():
             def build(balancer=balancer):
                 layer = make_layer(world, balancer, sc, device)
                 if sc.get("fault") == "tolist":
-                    plan = layer.token_dispatcher.begin_invocation
+                    begin = layer._begin
 
-                    def plan_reading_the_routing(state, routing_map, *args, _plan=plan, **kwargs):
+                    def plan_reading_the_routing(routing_map, _begin=begin):
                         routing_map.tolist()
-                        return _plan(state, routing_map, *args, **kwargs)
+                        return _begin(routing_map)
 
-                    layer.token_dispatcher.begin_invocation = plan_reading_the_routing
+                    layer._begin = plan_reading_the_routing
                 return layer
 
             results[f"{name}/{key}"] = measure(build, weights, rank, sc, device, permute)

@@ -155,15 +155,15 @@ def move_stale_parts(layers) -> None:
     the first call moved (layer 1, step 1), as if the replica slots kept stale ones."""
     snapshot = {}
     for layer in layers:
-        layout = layer.expert_weight_layout
+        layout = layer.layer_experts.layout
         keys = iter(key for parts in layout.parts for key, _, _ in parts)
         fresh = [
             pad is not None or next(keys) in ("data", "rowwise_data") for pad in layout.padding
         ]
-        moved = layer.main_expert_weights
+        moved = layer.layer_experts.main_weights
 
-        def stale(moved=moved, fresh=fresh):
-            experts = moved()
+        def stale(main_params, moved=moved, fresh=fresh):
+            experts = moved(main_params)
             for position, keep in enumerate(fresh):
                 snapshot.setdefault(position, experts[0][position].clone())
             return [
@@ -171,7 +171,7 @@ def move_stale_parts(layers) -> None:
                 for tensors in experts
             ]
 
-        layer.main_expert_weights = stale
+        layer.layer_experts.main_weights = stale
 
 
 def offloading_refusal(ep_size: int) -> str:
@@ -237,6 +237,19 @@ def expert_grads(layer) -> dict:
     }
 
 
+class _Calling:
+    """``call`` in the replica experts' place, their other attributes theirs."""
+
+    def __init__(self, call, replicas):
+        self._call, self._replicas = call, replicas
+
+    def __call__(self, *args):
+        return self._call(*args)
+
+    def __getattr__(self, name):
+        return getattr(self._replicas, name)
+
+
 def replica_bytes_match(layer, weights, slot_weights, recipe: str) -> list[bool]:
     """Per quantized replica weight: whether every storage tensor equals, bit for bit, its main
     expert's (the toy quantizer's storages of the high-precision weight the main expert was loaded
@@ -247,7 +260,7 @@ def replica_bytes_match(layer, weights, slot_weights, recipe: str) -> list[bool]
     quantizer = toy_fp8.ToyQuantizer(recipe)
     matches = []
     for expert, tensors in zip(
-        invocation.plan.slot_expert[invocation.ep_rank].tolist(), slot_weights
+        invocation.plan.slot_expert[invocation.context.ep_rank].tolist(), slot_weights
     ):
         if expert < 0:
             continue
@@ -275,17 +288,27 @@ def run(layers, balancing, rank: int, recipe: str | None = None) -> dict:
     byte_matches = []  # per quantized replica weight a replica call ran with
     current = {}
     if balancing is not None:
+        replicas = balancing.replica_experts
+
+        def counting(slot_weights, *args):
+            index = current["layer"]
+            replica_calls[index] += 1
+            if recipe is not None:
+                byte_matches.extend(
+                    replica_bytes_match(
+                        layers[index], current["weights"][index], slot_weights, recipe
+                    )
+                )
+            return replicas(slot_weights, *args)
+
+        balancing.replica_experts = _Calling(counting, replicas)
         for index, layer in enumerate(layers):
 
-            def counting(*args, index=index, layer=layer, run_replicas=layer.run_replicas):
-                replica_calls[index] += 1
-                if recipe is not None:
-                    byte_matches.extend(
-                        replica_bytes_match(layer, current["weights"][index], args[0], recipe)
-                    )
-                return run_replicas(*args)
+            def compute(*args, index=index, original=layer.routed_experts_compute):
+                current["layer"] = index
+                return original(*args)
 
-            layer.run_replicas = counting
+            layer.routed_experts_compute = compute
     steps = []
     for step in range(STEPS):
         weights = current["weights"] = [layer_weights(index, step) for index in range(LAYERS)]
@@ -312,7 +335,7 @@ def run(layers, balancing, rank: int, recipe: str | None = None) -> dict:
                     rows.append(
                         {
                             "layer": index,
-                            "rows_per_slot": invocation.rows_per_slot.tolist(),
+                            "rows_per_slot": invocation.plan.rows_per_slot.tolist(),
                             "slot_expert": invocation.plan.slot_expert.tolist(),
                         }
                     )
@@ -336,7 +359,7 @@ def run(layers, balancing, rank: int, recipe: str | None = None) -> dict:
         "weight_class": type(layers[0].experts.linear_fc1.weight0).__name__,
     }
     if balancing is not None:
-        result["replica_grad_dtype"] = str(balancing.buffer.replica_grads.dtype)
+        result["replica_grad_dtype"] = str(balancing.slots.buffer.replica_grads.dtype)
     if balancing is not None and recipe is None:
         result["replica_quantizations"] = (
             balancing.replica_experts.module.linear_fc1.fp8_quantizations

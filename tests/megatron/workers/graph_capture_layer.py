@@ -343,25 +343,25 @@ def run_scenario(name: str, sc: dict, world: int, rank: int, state: dict, standi
     if (
         sc.get("fault") == "host_planner"
     ):  # what the startup check refuses: plan on the host in the graph
-        balancing.planner, balancing.plans_on_device = "host", False
-    if sc.get("fault") == "stale_plan":  # every step completes the first plan's host half
-        complete, first = balancing.complete_device_plan, []
+        balancing.planner = "host"
+    if sc.get("fault") == "stale_plan":  # every replay completes the first plan's host half
+        unpack, first = balancing.unpack_graphed_plan, []
 
-        def stale_complete(state, host_half, **kwargs):
+        def stale_unpack(host_half):
             if not first:
                 first.append(host_half.clone())
-            return complete(state, first[0], **kwargs)
+            return unpack(first[0])
 
-        balancing.complete_device_plan = stale_complete
+        balancing.unpack_graphed_plan = stale_unpack
     if sc.get("fault") == "stale_host_plan":  # every step plans on the first step's load
-        plan_on_host, first_load = balancing.plan_on_host, []
+        start_plan, first_load = balancing.start_plan, []
 
-        def stale_plan_on_host(state, balancer, load, ep_rank):
+        def stale_start_plan(load, balancer, **kwargs):
             if not first_load:
                 first_load.append(load.clone())
-            return plan_on_host(state, balancer, first_load[0], ep_rank)
+            return start_plan(first_load[0], balancer, **kwargs)
 
-        balancing.plan_on_host = stale_plan_on_host
+        balancing.start_plan = stale_start_plan
 
     # What runs on the host during capture and replays: the router's forward, the dispatcher's plan.
     calls = {"router": 0, "plan": 0}
@@ -379,13 +379,13 @@ def run_scenario(name: str, sc: dict, world: int, rank: int, state: dict, standi
 
     moe.router.forward = counting_router
     if balancing is not None:
-        plan = moe.token_dispatcher.begin_invocation
+        begin = moe._begin
 
         def counting_plan(*args, **kwargs):
             calls["plan"] += 1
-            return plan(*args, **kwargs)
+            return begin(*args, **kwargs)
 
-        moe.token_dispatcher.begin_invocation = counting_plan
+        moe._begin = counting_plan
     forward_graph = backward_graph = None
     if not sc.get("eager"):
         helper = cuda_graphs.TECudaGraphHelper(

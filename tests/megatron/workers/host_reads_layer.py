@@ -73,8 +73,8 @@ def measure(layer, weights, rank, counter, microbatches: int = 2) -> dict:
     balancing = getattr(layer, "balancing", None)
     counter.tag(*layer.parameters(), *layer.buffers())
     if balancing is not None:
-        counter.tag(balancing.buffer.replica_weights, balancing.buffer.replica_grads)
-        balancing.buffer.comm_stream = None  # see the module docstring
+        counter.tag(balancing.slots.buffer.replica_weights, balancing.slots.buffer.replica_grads)
+        balancing.slots.buffer.comm_stream = None  # see the module docstring
     for mb in range(microbatches):
         x, up = rank_inputs(rank, mb)
         x = skew(x, weights).requires_grad_(True)
@@ -153,13 +153,13 @@ def main():
             if which == "balanced" and sc.get("check_plans"):
                 layer.balancing.check_plans = True
             if which == "balanced" and sc.get("fault") == "tolist":
-                plan = layer.token_dispatcher.begin_invocation
+                begin = layer._begin
 
-                def plan_reading_the_routing(state, routing_map, *args, _plan=plan, **kwargs):
+                def plan_reading_the_routing(routing_map, _begin=begin):
                     routing_map.tolist()
-                    return _plan(state, routing_map, *args, **kwargs)
+                    return _begin(routing_map)
 
-                layer.token_dispatcher.begin_invocation = plan_reading_the_routing
+                layer._begin = plan_reading_the_routing
             if which == "balanced" and sc.get("fault") == "megatron-flex-dispatch":
                 # megatron's own fused dispatch, without the plan's counts handed to HybridEP
                 dispatcher = layer.token_dispatcher
@@ -167,22 +167,22 @@ def main():
                     MoEFlexTokenDispatcher.token_dispatch(_d, *a, **k)
                 )
             if which == "balanced" and sc.get("fault") == "item":
-                start = layer.start_reduction
+                reduce = layer.balancing.slots.reduce
 
-                def start_reading_a_weight(state, *args, _start=start, _layer=layer):
-                    _layer.main_expert_param_lists()[0][0].sum().item()
-                    return _start(state, *args)
+                def start_reading_a_weight(invocation, *args, _reduce=reduce):
+                    invocation.take_main_params()[0][0].sum().item()
+                    return _reduce(invocation, *args)
 
-                layer.start_reduction = start_reading_a_weight
+                layer.balancing.slots.reduce = start_reading_a_weight
             if which == "balanced" and sc.get("fault") == "item-in-device-plan":
-                plan_on_device = layer.balancing.plan_on_device
+                start_plan = layer.balancing.start_plan
 
-                def plan_reading_the_threshold(*args, _plan=plan_on_device, **kwargs):
-                    planned = _plan(*args, **kwargs)
+                def plan_reading_the_threshold(*args, _start=start_plan, **kwargs):
+                    handle, planned = _start(*args, **kwargs)
                     planned.plan.threshold.item()
-                    return planned
+                    return handle, planned
 
-                layer.balancing.plan_on_device = plan_reading_the_threshold
+                layer.balancing.start_plan = plan_reading_the_threshold
             if which == "balanced" and sc.get("fault") == "item-in-transfer":
                 with reading_inside_the_distribution() as deliberate:
                     results[name][which] = measure(layer, weights, rank, DeviceReadCounter())

@@ -174,9 +174,9 @@ class GradReadyOrder:
                         }
                     )
 
-    def on_plan(self, invocation) -> None:
-        experts = sorted(int(e) for e in invocation.plan.slot_expert.reshape(-1).tolist() if e >= 0)
-        self.plans.setdefault(self.iteration, []).append((invocation.layer_number, experts))
+    def on_plan(self, layer_number: int, slot_expert) -> None:
+        experts = sorted(int(e) for e in slot_expert.reshape(-1).tolist() if e >= 0)
+        self.plans.setdefault(self.iteration, []).append((layer_number, experts))
 
     def result(self) -> dict:
         return {"events": self.events, "buckets": self.buckets, "plans": self.plans}

@@ -256,7 +256,7 @@ class NodeCalls:
             from megatron.core.models.gpt.fine_grained_callables import TransformerLayerNode
 
         from ultraep_megatron.megatron.balanced_layer.balanced_moe import BalancedMoELayer
-        from ultraep_megatron.megatron.balanced_layer import physical_routing
+        from ultraep_megatron.megatron.balanced_layer.invocation import PlanHandle
 
         node_stack = []
         forward_impl = TransformerLayerNode.forward_impl
@@ -268,12 +268,13 @@ class NodeCalls:
             finally:
                 node_stack.pop()
 
-        wait = physical_routing._wait_for_host_copy
+        wait = PlanHandle.wait
         calls = self.calls
 
-        def recording_wait(copied):
-            calls.add(("host wait", node_stack[-1] if node_stack else None))
-            return wait(copied)
+        def recording_wait(handle):
+            if handle._plan is None:  # the host waits (later calls return the plan)
+                calls.add(("host wait", node_stack[-1] if node_stack else None))
+            return wait(handle)
 
         wrapped = {}
         for method in ("preprocess", "dispatch", "routed_experts_compute", "postprocess"):
@@ -295,13 +296,13 @@ class NodeCalls:
 
         ReplicaExperts.delayed_weight_grads = counting_delayed
         TransformerLayerNode.forward_impl = recording_forward_impl
-        physical_routing._wait_for_host_copy = recording_wait
+        PlanHandle.wait = recording_wait
         try:
             yield self
         finally:
             ReplicaExperts.delayed_weight_grads = delayed
             TransformerLayerNode.forward_impl = forward_impl
-            physical_routing._wait_for_host_copy = wait
+            PlanHandle.wait = wait
             for method, original in wrapped.items():
                 setattr(BalancedMoELayer, method, original)
 
@@ -310,24 +311,53 @@ def _reduced_before_backward_dw():
     """The negative control's fault: every balanced layer reduces its replica gradients in the
     experts' backward, as without --delay-wgrad-compute, i.e. before backward_dw() computed them
     (the replica experts' linears then hand autograd gradients not computed yet)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from ultraep_megatron.megatron.balanced_layer import replica_autograd
     from ultraep_megatron.megatron.balanced_layer.balanced_moe import BalancedMoELayer
 
-    original = BalancedMoELayer.__init__
+    weights, reduce = replica_autograd.ReplicaWeights, replica_autograd.ReduceReplicaGrads
+    originals = weights.backward, reduce.backward, BalancedMoELayer.backward_dw
 
-    def init(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        self.reduces_after_dw = False
+    def weights_backward(ctx, *weight_grads):
+        ctx.invocation.start_reduction(weight_grads)
+        return None, None, None
 
-    BalancedMoELayer.__init__ = init
+    def reduce_backward(ctx, grad_received):
+        invocation = ctx.invocation
+        invocation.experts.awaiting_dw.append(invocation)
+        reduced = invocation.finish_reduction()
+        by_param = {
+            id(p): g
+            for expert, grads in zip(invocation.take_main_params(), reduced)
+            for p, g in zip(expert, grads)
+        }
+        return (None, grad_received, *(by_param[id(p)] for p in ctx.params))
+
+    def backward_dw(self, routed_experts=True, shared_experts=False):
+        if routed_experts and self.layer_experts.delays_wgrad:
+            invocation = self.layer_experts.awaiting_dw.popleft()
+            if sum(invocation.plan.replica_rows) > 0:  # the replicas' own delayed computation
+                self.balancing.replica_experts.delayed_weight_grads()
+        return MoELayer.backward_dw(self, routed_experts, shared_experts)
+
+    weights.backward, reduce.backward = (
+        staticmethod(weights_backward),
+        staticmethod(reduce_backward),
+    )
+    BalancedMoELayer.backward_dw = backward_dw
     try:
         yield
     finally:
-        BalancedMoELayer.__init__ = original
+        weights.backward, reduce.backward = (staticmethod(f) for f in originals[:2])
+        BalancedMoELayer.backward_dw = originals[2]
 
 
 def _dw_hooks_in_plan_order():
     """The order fault: a balanced layer whose invocation replicated one of its local experts runs
     the held-back DDP hooks of its experts' linears in reverse (the order then depends on the plan)."""
+    from pretrain_grad_dump import replicated_local_experts
+
     from ultraep_megatron.megatron.balanced_layer import balanced_moe
 
     original = balanced_moe._deferred_wgrad_hooks
@@ -337,13 +367,14 @@ def _dw_hooks_in_plan_order():
         with original(modules) as fired:
             yield fired
             layer = _CURRENT_DW_LAYER[-1] if _CURRENT_DW_LAYER else None
-            if layer is not None and layer._dw_invocation.replicated_local_experts:
+            if layer is not None and replicated_local_experts(layer._dw_invocation):
                 fired.reverse()
 
     backward_dw = balanced_moe.BalancedMoELayer.backward_dw
 
     def recording_backward_dw(self, *args, **kwargs):
-        self._dw_invocation = self._awaiting_dw[0].invocation if self._awaiting_dw else None
+        awaiting = self.layer_experts.awaiting_dw
+        self._dw_invocation = awaiting[0] if awaiting else None
         _CURRENT_DW_LAYER.append(self)
         try:
             return backward_dw(self, *args, **kwargs)
@@ -403,25 +434,16 @@ def train(ddp, balancing, rank: int, order_recorder) -> dict:
     config.grad_scale_func = None
     plans = []
     if balancing is not None:
-        plan = balancing._invocation
+        planned = balancing.planned
 
-        def recording(state, *args, **kwargs):
-            invocation = plan(state, *args, **kwargs)
-            if state.training:
-                plans.append(
-                    (
-                        state.layer_number,
-                        sorted(
-                            int(e)
-                            for e in invocation.plan.slot_expert.reshape(-1).tolist()
-                            if e >= 0
-                        ),
-                        [int(n) for n in invocation.replica_rows],
-                    )
-                )
-            return invocation
+        def recording(invocation, *args):
+            planned(invocation, *args)
+            if invocation.training:
+                plan = invocation.plan
+                replicated = sorted(int(e) for e in plan.slot_expert.reshape(-1).tolist() if e >= 0)
+                plans.append((invocation.layer_number, replicated, list(plan.replica_rows)))
 
-        balancing._invocation = recording
+        balancing.planned = recording
     names = grouped_expert_names(ddp, global_parameter_names([ddp]))
     initialize_by_global_name(ddp, names)
     out = {"grads": {}, "losses": {}, "ring_live": {}, "plans": {}}

@@ -62,6 +62,15 @@ REPO = Path(__file__).resolve().parents[3]
 # ---------------------------------------------------------------------------------------------
 
 
+def replicated_local_experts(invocation) -> tuple:
+    """Local indices of this rank's main experts with a replica in the invocation's plan."""
+    plan = invocation.plan.plan
+    G = plan.num_experts // plan.num_ranks
+    first = invocation.context.ep_rank * G
+    replicated = set(plan.slot_expert.reshape(-1).tolist())
+    return tuple(g for g in range(G) if first + g in replicated)
+
+
 @contextlib.contextmanager
 def _patched(owner, name, replacement):
     original = getattr(owner, name)
@@ -91,11 +100,11 @@ def _skip_rematerialization():
     """The backward's re-materialization copies nothing (the buffer is still marked as holding
     the invocation's replicas), so replica backwards use what a later layer left there."""
     from ultraep_megatron.dataplane import ReplicaBuffer
-    from ultraep_megatron.megatron.balanced_layer.physical_routing import _in_backward_pass
+    from ultraep_megatron.megatron.balanced_layer.dispatchers import in_backward_pass
 
     def replacement(original):
         def distribute_weights(self, schedule, main_weights, **kwargs):
-            if not _in_backward_pass():
+            if not in_backward_pass():
                 return original(self, schedule, main_weights, **kwargs)
             return None
 
@@ -110,46 +119,51 @@ def _replica_gets_other_layer_weights():
     import gc
 
     from ultraep_megatron.megatron.balanced_layer.balanced_moe import BalancedMoELayer
+    from ultraep_megatron.megatron.balanced_layer.invocation import BalancedInvocation
 
     def replacement(original):
-        def main_expert_weights(self):
+        def start_weights(self):
             layers = sorted(
                 (
                     o
                     for o in gc.get_objects()
-                    if isinstance(o, BalancedMoELayer) and o.balancing is self.balancing
+                    if isinstance(o, BalancedMoELayer) and o.balancing is self.context
                 ),
                 key=lambda layer: layer.layer_number,
             )
-            return original(layers[(layers.index(self) + 1) % len(layers)])
+            mine = next(layer for layer in layers if layer.layer_experts is self.experts)
+            other = layers[(layers.index(mine) + 1) % len(layers)].layer_experts
+            self.context.slots.fill(self, other.main_weights(other.lookup()))
 
-        return main_expert_weights
+        return start_weights
 
-    return _patched(BalancedMoELayer, "main_expert_weights", replacement)
+    return _patched(BalancedInvocation, "start_weights", replacement)
 
 
 def _rematerialized_from_another_microbatch():
     """The backward re-materializes a layer's replicas per the plan whose replicas the buffer holds
     when it starts (under megatron's overlapped schedule: the other microbatch's latest forward),
     not per its own invocation's, and then counts the buffer as holding its own."""
-    from ultraep_megatron.megatron.balanced_layer.context import BalancingContext
+    from ultraep_megatron.megatron.balanced_layer.dispatchers import in_backward_pass
+    from ultraep_megatron.megatron.balanced_layer.invocation import BalancedInvocation
 
     def replacement(original):
-        def start_rematerialization(self, invocation, main_weights):
-            other = self.holder
+        def start_weights(self):
+            slots = self.context.slots
+            other = slots.holder
             if (
-                other is None
-                or other is invocation
-                or other.schedule_builder is None
-                or invocation.schedule_builder is None
+                not in_backward_pass()
+                or other is None
+                or other is self
+                or other.plan.schedule_builder is None
+                or self.plan.schedule_builder is None
             ):
-                return original(self, invocation, main_weights)
-            self.start_weights(other, main_weights)
-            self.holder = invocation
+                return original(self)
+            slots.holder = self  # the buffer keeps the other invocation's replicas
 
-        return start_rematerialization
+        return start_weights
 
-    return _patched(BalancingContext, "start_rematerialization", replacement)
+    return _patched(BalancedInvocation, "start_weights", replacement)
 
 
 def _unbalanced_mtp_layer():
@@ -185,10 +199,10 @@ def _grads_ready_in_plan_order():
     from ultraep_megatron.megatron.balanced_layer import replica_autograd
 
     def replacement(original):
-        def apply(layer, state, received, *params):
-            main = layer.main_expert_param_lists()
-            replicated = {id(p) for g in state.invocation.replicated_local_experts for p in main[g]}
-            return original(layer, state, received, *(p for p in params if id(p) in replicated))
+        def apply(invocation, received, *params):
+            main = invocation.take_main_params()
+            replicated = {id(p) for g in replicated_local_experts(invocation) for p in main[g]}
+            return original(invocation, received, *(p for p in params if id(p) in replicated))
 
         return apply
 
@@ -222,12 +236,10 @@ def _plan_dependent_node_before_dispatch():
             hidden_states, probs = original(self, hidden_states, probs, routing_map)
             if not torch.is_grad_enabled():
                 return hidden_states, probs
-            main = self.main_expert_param_lists()
+            invocation = self.token_dispatcher.invocation
+            main = invocation.take_main_params()
             replicated = [
-                p
-                for g in self.token_dispatcher.invocation.replicated_local_experts
-                for p in main[g]
-                if p.requires_grad
+                p for g in replicated_local_experts(invocation) for p in main[g] if p.requires_grad
             ]
             return _PlanDependentIdentity.apply(hidden_states, *replicated), probs
 
@@ -260,6 +272,8 @@ def _device_planner_kernel(broken, only_rank=None):
     alone if given."""
     import importlib
 
+    from ultraep_megatron.megatron.balanced_layer import device_planning
+
     device_solve = importlib.import_module("ultraep_megatron.planner.device_solve")  # the module
 
     def replacement(original):
@@ -274,7 +288,18 @@ def _device_planner_kernel(broken, only_rank=None):
 
         return probe
 
-    return _patched(device_solve, "_probe", replacement)
+    @contextlib.contextmanager
+    def patched_and_checked_afresh():
+        # The self-check runs once per process: forget its outcomes, with the broken kernel and
+        # after it.
+        device_planning._CHECKED.clear()
+        try:
+            with _patched(device_solve, "_probe", replacement):
+                yield
+        finally:
+            device_planning._CHECKED.clear()
+
+    return patched_and_checked_afresh()
 
 
 def _says_nothing_is_feasible(original, *args, **kwargs):
@@ -342,7 +367,7 @@ def record_quantized_weights(out: dict, current_iteration) -> None:
     import hashlib
 
     import fp8_param_standin
-    from ultraep_megatron.megatron.balanced_layer import expert_slots
+    from ultraep_megatron.megatron.balanced_layer import balanced_moe, expert_slots
     from ultraep_megatron.megatron.balanced_layer.balanced_moe import BalancedMoELayer
 
     record = out["fp8_params"] = {
@@ -363,37 +388,47 @@ def record_quantized_weights(out: dict, current_iteration) -> None:
                     )
         return sha.hexdigest()
 
-    def ep_ranks(layer) -> tuple:
-        return tuple(torch.distributed.get_process_group_ranks(layer.balancer_pg_collection.ep))
+    def ep_ranks(group) -> tuple:
+        return tuple(torch.distributed.get_process_group_ranks(group))
 
     compute = BalancedMoELayer.routed_experts_compute
 
     def routed_experts_compute(self, hidden_states, probs):
         result = compute(self, hidden_states, probs)  # the experts' forward completed their gather
-        for expert, params in zip(self.local_expert_indices, self.main_expert_param_lists()):
+        group = ep_ranks(self.token_dispatcher.ep_group)
+        for expert, params in zip(self.local_expert_indices, self.layer_experts.lookup()):
             record["weight_classes"].update(type(p).__name__ for p in params)
-            key = (current_iteration(), self.layer_number, int(expert), ep_ranks(self))
+            key = (current_iteration(), self.layer_number, int(expert), group)
             record["homes"].setdefault(key, set()).add(digest(params))
         return result
 
-    run_replicas = BalancedMoELayer.run_replicas
+    replicas_of = {}  # the invocation whose replicas run (in the layer's graph)
+    run_in_graph = balanced_moe.run_replicas_in_graph
 
-    def run(self, slot_weights, tokens, probs, rows_per_slot):
-        invocation = self.token_dispatcher.invocation
-        for expert, weights, rows in zip(
-            invocation.plan.slot_expert[invocation.ep_rank].tolist(), slot_weights, rows_per_slot
-        ):
-            if expert >= 0 and rows > 0:
-                record["replicas"].append(
-                    (
-                        (current_iteration(), self.layer_number, int(expert), ep_ranks(self)),
-                        digest(weights),
-                    )
-                )
-        return run_replicas(self, slot_weights, tokens, probs, rows_per_slot)
+    def run_replicas_in_graph(invocation, tokens, probs, rows_per_slot):
+        replicas_of["invocation"] = invocation
+        try:
+            return run_in_graph(invocation, tokens, probs, rows_per_slot)
+        finally:
+            del replicas_of["invocation"]
+
+    call = expert_slots.ReplicaExperts.__call__
+
+    def replica_call(self, slot_weights, tokens, rows_per_slot, probs):
+        invocation = replicas_of.get("invocation")
+        if invocation is not None:
+            context = invocation.context
+            group = ep_ranks(context.registrations[0].ep_group)
+            slot_expert = invocation.plan.plan.slot_expert[context.ep_rank].tolist()
+            for expert, weights, rows in zip(slot_expert, slot_weights, rows_per_slot):
+                if expert >= 0 and rows > 0:
+                    key = (current_iteration(), invocation.layer_number, int(expert), group)
+                    record["replicas"].append((key, digest(weights)))
+        return call(self, slot_weights, tokens, rows_per_slot, probs)
 
     BalancedMoELayer.routed_experts_compute = routed_experts_compute
-    BalancedMoELayer.run_replicas = run
+    balanced_moe.run_replicas_in_graph = run_replicas_in_graph
+    expert_slots.ReplicaExperts.__call__ = replica_call
 
 
 def main():
@@ -479,26 +514,26 @@ def main():
 
     eval_plans = []
     contexts = []  # the model's balancing context (one per process here)
-    original_plan = BalancingContext.plan_on_host
+    original_planned = BalancingContext.planned
 
-    def plan(self, state, balancer, load, ep_rank):
+    def planned(self, invocation, host_seconds):
         if self not in contexts:
             contexts.append(self)
-        invocation = original_plan(self, state, balancer, load, ep_rank)
-        if not state.training:
-            eval_plans.append(planner.metrics(load, invocation.plan)["imbalance_after"])
+        original_planned(self, invocation, host_seconds)
+        plan = invocation.plan
+        if not invocation.training:
+            eval_plans.append(planner.metrics(plan.load, plan.plan)["imbalance_after"])
         elif grad_order is not None:
-            grad_order.on_plan(invocation)
-        return invocation
+            grad_order.on_plan(invocation.layer_number, plan.plan.slot_expert)
 
-    BalancingContext.plan_on_host = plan
+    BalancingContext.planned = planned
 
     original_evaluate = megatron_training.evaluate
 
     def evaluate(*args, **kwargs):
         eval_plans.clear()
         result = original_evaluate(*args, **kwargs)
-        rings = [c.ring for c in contexts if c.ring is not None]
+        rings = [c.ring for c in contexts]
         out["eval"].append(
             {
                 "iteration": iteration,

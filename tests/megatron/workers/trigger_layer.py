@@ -61,12 +61,12 @@ def main():
         invocation = layer.token_dispatcher.invocation
         microbatches.append(
             {
-                "load": invocation.load.clone(),
+                "load": invocation.plan.load.clone(),
                 "slot_expert": invocation.plan.slot_expert.clone(),
-                "quota": invocation.plan.quota.clone(),
+                "quota": invocation.plan.plan.quota.clone(),
                 "p2p_forward": forward,
                 "p2p_backward": calls[0] - before - forward,
-                "replica_rows": list(invocation.replica_rows),
+                "replica_rows": list(invocation.plan.replica_rows),
             }
         )
     torch.distributed.batch_isend_irecv = batch_isend_irecv

@@ -14,6 +14,7 @@ slots per rank, P = G + S physical slots per rank.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import List, Optional
@@ -26,7 +27,6 @@ from ultraep_megatron.planner import baselines
 from ultraep_megatron.planner.device_balancer import solve_or_identity
 from ultraep_megatron.planner.device_solve import triton_available
 from ultraep_megatron.planner.reroute import device_reroute_table
-from ultraep_megatron.settings.knobs import PLANNERS  # noqa: F401 (context.py imports it from here)
 
 
 @dataclass(frozen=True, eq=False)
@@ -39,33 +39,18 @@ class DevicePlanned:
         rows_per_source_slot: int64 [R, P] on the device (megatron's fused chunk sort reads it).
         host_half: int64 [R * E + R * S + E * R + R * R * P + 2] on the device: what crosses to the
             host (:func:`unpack_host_half`).
-        training / grad_enabled: the layer's mode when it was planned.
-        plan_seconds: host time spent queuing the plan.
     """
 
     plan: Plan
     reroute_table: torch.Tensor
     rows_per_source_slot: torch.Tensor
     host_half: torch.Tensor
-    training: bool
-    grad_enabled: bool
-    plan_seconds: float
 
 
-def plan_on_device(
-    load: torch.Tensor,
-    config: BalancerConfig,
-    rank: int,
-    *,
-    training: bool,
-    grad_enabled: bool,
-    plan_seconds: float = 0.0,
-) -> DevicePlanned:
+def plan_on_device(load: torch.Tensor, config: BalancerConfig, rank: int) -> DevicePlanned:
     """Plan ``load`` (int64 [R, E] on the device) for ``rank``: the plan, its reroute table and the
     host half, all queued on the device."""
-    R, E = load.shape
     plan_, balanced = solve_or_identity(load, config)
-    P = plan_.physical_slots_per_rank
     host_half = torch.cat(
         [
             load.reshape(-1),
@@ -76,15 +61,9 @@ def plan_on_device(
             balanced.reshape(1).to(torch.int64),
         ]
     )
-    return DevicePlanned(
-        plan_,
-        device_reroute_table(plan_, load, rank),
-        plan_.physical_split[:, rank * P : (rank + 1) * P].contiguous(),
-        host_half,
-        training,
-        grad_enabled,
-        plan_seconds,
-    )
+    P = plan_.physical_slots_per_rank
+    rows = plan_.physical_split[:, rank * P : (rank + 1) * P].contiguous()
+    return DevicePlanned(plan_, device_reroute_table(plan_, load, rank), rows, host_half)
 
 
 def unpack_host_half(
@@ -119,12 +98,14 @@ class SelfCheck:
             domains leave nothing to replicate).
         implementation: what planned on the device: ``triton`` (CUDA with Triton), ``torch`` (the
             lockstep torch calls: the CPU, or CUDA without Triton).
+        fresh: run by this call of :func:`checked` (not its earlier outcome).
     """
 
     failure: Optional[str]
     seconds: float
     replicas: int
     implementation: str
+    fresh: bool = True
 
 
 def probe_loads(num_ranks: int, num_experts: int, config: BalancerConfig) -> List[torch.Tensor]:
@@ -171,7 +152,7 @@ def _compare(
     """(what the device planner got wrong on ``load``, replicas in the reference plan)."""
     R, E = load.shape
     S = config.num_slots
-    planned = plan_on_device(load.to(device), config, rank, training=True, grad_enabled=True)
+    planned = plan_on_device(load.to(device), config, rank)
     host = config.build()
     balanced = host.balances(load)
     # The reference: the device planner's search with the greedy's specification (the same plan
@@ -187,7 +168,6 @@ def _compare(
         if balanced
         else baselines.identity_plan(load, S)
     )
-    P = reference.physical_slots_per_rank
     half_load, half_plan, half_balanced = unpack_host_half(planned.host_half.cpu(), R, E, S)
     differing = [
         None if half_balanced == balanced else "whether it balances",
@@ -200,11 +180,6 @@ def _compare(
             "reroute table",
             planned.reroute_table,
             torch.from_numpy(planner.rank_reroute(reference, load, rank).reroute_table),
-        ),
-        _same(
-            "rows per source slot",
-            planned.rows_per_source_slot,
-            reference.physical_split[:, rank * P : (rank + 1) * P].contiguous(),
         ),
         _same("host half (load)", half_load, load),
         *(
@@ -258,3 +233,18 @@ def self_check(
         message = str(error).strip().splitlines()
         failure = f"{type(error).__name__}{': ' + message[0][:300] if message else ''}"
     return SelfCheck(failure, time.perf_counter() - t0, replicas, implementation)
+
+
+_CHECKED: dict = {}
+
+
+def checked(
+    config: BalancerConfig, num_ranks: int, num_experts: int, device: torch.device, rank: int
+) -> SelfCheck:
+    """:func:`self_check`, once per process for each model shape and planner setting: later
+    models of the same shape get its outcome (``fresh`` False) at no cost."""
+    key = (config, num_ranks, num_experts, device.type, rank)
+    if key in _CHECKED:
+        return dataclasses.replace(_CHECKED[key], fresh=False)
+    _CHECKED[key] = check = self_check(config, num_ranks, num_experts, device, rank)
+    return check

@@ -1,22 +1,25 @@
-"""The balanced token dispatchers: megatron's own, working in *physical-slot space*.
+"""The balanced token dispatchers: megatron's own, over physical slots, driven by an invocation's plan.
 
-Both add to megatron's what :class:`~.physical_routing.PhysicalSlotRouting` holds (the exact load,
-the invocation's record and plan, the reroute of the routed pairs to physical slots):
+Every EP rank owns ``P = G + S`` physical slots (its G main experts, then its S redundant slots),
+so megatron's permutation, all-to-all and chunk sort run unchanged on ``R * P`` "experts"; physical
+slot ``r * P + j`` is rank r's main expert ``j`` for ``j < G``, its redundant slot ``j - G`` else.
+What a plan adds: the all-to-all's splits and per-slot counts (host integers, no exchange, no sync
+point of megatron's), and the reroute of the routed (token, expert) pairs to physical slots.
 
-* :class:`BalancedAlltoAllDispatcher`: megatron's all-to-all dispatcher; splits and per-slot counts
-  come from the host plan, and its unfused permutation and chunk sort are computed from the plan;
+* :class:`BalancedAlltoAllDispatcher`: megatron's all-to-all dispatcher; its unfused permutation is
+  computed from the plan, its fused one (TE's kernels) runs on the rerouted routing map;
 * :class:`BalancedFlexDispatcher`: megatron's flex dispatcher (DeepEP / HybridEP), GPU-only.
 
-Vocabulary (docs/glossary.md): R EP ranks, E experts, G = E // R main experts per rank, S redundant
-slots per rank, P = G + S physical slots per rank.
+Each holds the invocation it dispatches (``invocation``: the layer sets it in ``preprocess``), as
+megatron's dispatchers hold their per-call metadata.
 """
 
 from __future__ import annotations
 
+import copy
 import time
-from typing import Optional
+from typing import List, Optional, Tuple
 
-import numpy as np
 import torch
 
 from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
@@ -27,324 +30,355 @@ from megatron.core.transformer.moe.token_dispatcher import (
 )
 
 from ultraep_megatron.megatron.balanced_layer.capabilities import flex_backend_problem
-from ultraep_megatron.megatron.balanced_layer.invocation import Invocation
-from ultraep_megatron.megatron.balanced_layer.native_torch import native_torch
-from ultraep_megatron.megatron.balanced_layer.physical_routing import (
-    PhysicalSlotRouting,
-    instances_of_positions,
-)
+from ultraep_megatron.megatron.balanced_layer.invocation import BalancedInvocation, upload
+from ultraep_megatron.planner import reroute
 
 
-class BalancedAlltoAllDispatcher(PhysicalSlotRouting, MoEAlltoAllTokenDispatcher):
-    """megatron's all-to-all dispatcher over physical slots, driven by a per-microbatch plan.
-    Its ``preprocess`` takes every split from the invocation's host metadata: no communication, no
-    device-to-host copy, no host wait (megatron's own sync point stays unset)."""
+def in_backward_pass() -> bool:
+    """True while autograd's engine runs a backward (an activation-recompute replay)."""
+    return torch._C._current_graph_task_id() != -1
 
-    def preprocess(self, routing_map: torch.Tensor) -> Optional[torch.Tensor]:
-        """All-to-all metadata from the plan: splits and per-slot row counts, on the host. A plan
-        still on the device (device planner) leaves them to :meth:`_take_invocation`; only the fused
-        chunk sort's device counts are there already."""
-        self.num_out_tokens = routing_map.size(0) * self.config.moe_router_topk
-        if self.invocation is None:
-            self.input_splits = self.output_splits = self.output_splits_tp = None
-            self.num_global_tokens_per_local_expert = (
-                self.state.device_plan.rows_per_source_slot
-                if self.config.moe_permute_fusion
-                else None
-            )
-            return None
-        self._take_splits(self.invocation, upload=True)
-        return self.invocation.rows_per_slot
 
-    def _take_splits(self, invocation: Invocation, *, upload: bool) -> None:
-        if self.ep_size > 1:
-            self.input_splits = invocation.input_splits
-            self.output_splits = invocation.output_splits
-            self.output_splits_tp = np.array([invocation.output_splits.sum()])
-        # [R_src, P]; megatron's fused chunk sort reads it on the device.
-        rows = invocation.rows_per_source_slot
-        if not self.config.moe_permute_fusion:
-            self.num_global_tokens_per_local_expert = rows
-        elif upload:
-            self.num_global_tokens_per_local_expert = rows.to(self._table.device, non_blocking=True)
+class _PhysicalSlots:
+    """What both dispatchers add to megatron's: the physical geometry, the exact load of the EP
+    group and the reroute of the routing. Not a dispatcher: each dispatcher builds megatron's over
+    ``R * P`` physical experts and calls these with its invocation."""
 
-    def _take_invocation(self, invocation: Invocation) -> None:
-        self._take_splits(invocation, upload=False)
-        self.tokens_per_expert = invocation.rows_per_slot
-
-    def can_defer(self) -> bool:
-        """A host plan can wait for the dispatch node where the permutation is computed from the
-        plan (:meth:`_deferred_dispatch_preprocess`), not by megatron's fused kernel; a device plan
-        always can."""
-        return self._permutes_from_plan() or self.balancing.plans_on_device
-
-    def _permutes_from_plan(self) -> bool:
-        """Whether :meth:`dispatch_preprocess` permutes the tokens straight from the plan: megatron's
-        unfused permutation, which it replaces (the fused one, TE's kernels on the physical map,
-        stays megatron's)."""
-        return not (
-            self.config.moe_permute_fusion
-            or self.drop_and_pad
-            or self.tp_size > 1
-            or self.config.moe_router_padding_for_quantization
+    def __init__(self, num_local_experts: int, config, pg_collection, num_slots: int):
+        self.ep_size, self.ep_rank = pg_collection.ep.size(), pg_collection.ep.rank()
+        self.num_experts, self.num_slots = config.num_moe_experts, num_slots
+        self.slots_per_rank = num_local_experts + num_slots  # P
+        self.physical_config = copy.copy(config)
+        self.physical_config.num_moe_experts = self.ep_size * self.slots_per_rank
+        first = self.ep_rank * self.slots_per_rank
+        self.local_slots = list(range(first, first + self.slots_per_rank))
+        # The pairs are sorted by expert on the narrowest integer that holds an expert id.
+        self.sort_key = (
+            torch.int16 if self.num_experts <= torch.iinfo(torch.int16).max else torch.int32
         )
 
+    def gather_load(self, routing_map: torch.Tensor, tp_ep_group) -> torch.Tensor:
+        """[T, E] bool -> [R, E] int64 on the device: the exact load of the EP group (the exchange
+        megatron's dispatcher makes for its splits; counts need no autograd)."""
+        local = routing_map.sum(dim=0)
+        if self.ep_size == 1:
+            return local.unsqueeze(0)
+        gathered = local.new_empty(self.ep_size * self.num_experts)
+        torch.distributed.all_gather_into_tensor(gathered, local, group=tp_ep_group)
+        return gathered.view(self.ep_size, self.num_experts)
+
+    def physical_ids(self, invocation: BalancedInvocation) -> torch.Tensor:
+        """[T, k] int64: the physical slot of each routed pair, exactly per the plan."""
+        topk_ids = invocation.topk_ids
+        order, _, instance = reroute.expert_major_pairs(
+            topk_ids, invocation.reroute_table, self.sort_key
+        )
+        return reroute.physical_slot_ids(invocation.reroute_table, order, instance).view_as(
+            topk_ids
+        )
+
+    def physical_routing(self, invocation, probs: torch.Tensor):
+        """The routing rewritten from logical experts to physical slots: ``(map [T, R * P] bool,
+        probs [T, R * P])``, differentiable in ``probs`` [T, E]. A token's pairs land in distinct
+        slots, so the scatters are exact."""
+        ids = self.physical_ids(invocation)
+        T, num_physical = ids.size(0), self.ep_size * self.slots_per_rank
+        physical_map = torch.zeros(T, num_physical, dtype=torch.bool, device=ids.device)
+        physical_map.scatter_(1, ids, True)
+        physical_probs = probs.new_zeros(T, num_physical).scatter(
+            1, ids, probs.gather(1, invocation.topk_ids)
+        )
+        return physical_map, physical_probs
+
+    def check_plan(self, invocation: BalancedInvocation, routing_map: torch.Tensor) -> None:
+        """``--moe-balancer-check-plans`` (device reads): the pairs are the routing map's, and the
+        routing is the load the plan was solved for."""
+        pairs = torch.zeros_like(routing_map).scatter_(1, invocation.topk_ids, True)
+        if not torch.equal(pairs, routing_map):
+            raise RuntimeError(
+                f"MoE layer {invocation.layer_number}: the router's top-k indices are not its "
+                "routing map's (not exactly top-k distinct experts per token)"
+            )
+        plan = invocation.plan
+        if plan is not None and not torch.equal(routing_map.sum(0).cpu(), plan.load[self.ep_rank]):
+            raise RuntimeError(
+                f"MoE layer {invocation.layer_number}: the routing differs from the load its plan "
+                "was solved for (not exactly top-k per token, or a recompute replay that is not "
+                "deterministic)"
+            )
+
+    def parts(self, tokens: torch.Tensor, probs: torch.Tensor, main_rows: int, past_rows: int = 0):
+        """Dispatched rows split into the main experts', the redundant slots' and (a kernel's
+        over-allocation) the rest: one split, whose backward concatenates once. Returns
+        ``(main, replica, main_probs, replica_probs)``."""
+        sizes = [main_rows, tokens.shape[0] - main_rows - past_rows, past_rows]
+        main, replica, _ = torch.split(tokens, sizes)
+        main_probs, replica_probs, _ = torch.split(probs, sizes)
+        return main, replica, main_probs, replica_probs
+
+
+def permute_pairs(hidden_states, probs, topk_ids, reroute_table, sort_key):
+    """The routed pairs in the all-to-all's send order, exactly per a plan: the pair at expert-major
+    position ``i`` goes to send row ``table[3][instance] + i`` (``planner.RankReroute``).
+
+    Args:
+        hidden_states: [T, H]; probs: [T, E] (differentiable); topk_ids: int64 [T, k];
+        reroute_table: int64 [4, E * R + 1] on their device; sort_key: the expert ids' sort dtype.
+
+    Returns:
+        (tokens [N, H], probs [N], the token of each send row [N]), ``N = T * k``, physical-slot-
+        major and token-ascending within a slot, as megatron's permutation of the physical map.
+    """
+    topk = topk_ids.size(1)
+    order, positions, instance = reroute.expert_major_pairs(topk_ids, reroute_table, sort_key)
+    row = reroute_table[3].index_select(0, instance) + positions
+    # Every row is written once; -1 fails the gather loudly if the routing left one unwritten.
+    tokens = torch.full_like(order, -1).scatter_(
+        0, row, torch.div(order, topk, rounding_mode="floor")
+    )
+    ordered = probs.gather(1, topk_ids).reshape(-1).index_select(0, order)
+    permuted_probs = ordered.new_zeros(ordered.shape).scatter(0, row, ordered)
+    return hidden_states.index_select(0, tokens), permuted_probs, tokens
+
+
+class BalancedAlltoAllDispatcher(MoEAlltoAllTokenDispatcher):
+    """megatron's all-to-all dispatcher over ``R * P`` physical slots. Splits and per-slot counts
+    come from the plan, at the all-to-all (:meth:`token_dispatch`): no exchange, no host wait
+    beyond the plan's."""
+
+    def __init__(
+        self, num_local_experts, local_expert_indices, config, pg_collection, *, num_slots
+    ):
+        self.slots = slots = _PhysicalSlots(num_local_experts, config, pg_collection, num_slots)
+        super().__init__(
+            slots.slots_per_rank, slots.local_slots, slots.physical_config, pg_collection
+        )
+        self.invocation: Optional[BalancedInvocation] = None
+        # The device plan's host half: a graph output when megatron captures the preprocessing
+        # (--cuda-graph-modules moe_preprocess sets it from the graph's outputs at each replay).
+        self.plan_host_half: Optional[torch.Tensor] = None
+        self.cudagraph_attrs = [*self.cudagraph_attrs, "plan_host_half"]
+        # The unfused permutation and chunk sort are computed from the plan; megatron's fused
+        # kernels (and its expert-TP, capacity and quantization-padding paths, refused at startup)
+        # run on the rerouted map.
+        self.expert_major: Optional[torch.Tensor] = None  # a host plan's pairs before it arrived
+        self.permutes_from_plan = not (
+            config.moe_permute_fusion
+            or self.drop_and_pad
+            or self.tp_size > 1
+            or config.moe_router_padding_for_quantization
+        )
+        # A host plan can wait for megatron's dispatch node where the plan permutes (the
+        # pre-dispatch node then sorts by logical expert); megatron's fused permutation needs it.
+        self.defers_host_plans = self.permutes_from_plan
+
+    def preprocess(self, routing_map: torch.Tensor) -> Optional[torch.Tensor]:
+        """megatron's metadata step, from the plan: the rows this rank sends; splits and counts
+        follow at the all-to-all. megatron's fused chunk sort reads the per-slot counts on the
+        device: a device plan has them there; a host plan's start uploading (pinned)."""
+        self.num_out_tokens = routing_map.size(0) * self.config.moe_router_topk
+        self.input_splits = self.output_splits = self.output_splits_tp = None
+        invocation = self.invocation
+        if self.config.moe_permute_fusion:
+            if invocation.plan is None:  # a device plan: its counts are on the device
+                self.num_global_tokens_per_local_expert = invocation.device_rows
+            else:
+                rows = invocation.plan.rows_per_source_slot
+                device = invocation.topk_ids.device
+                self.num_global_tokens_per_local_expert = upload(rows, device)
+        return None
+
     def dispatch_preprocess(self, hidden_states, routing_map, probs):
-        """megatron's ``dispatch_preprocess`` (the same dispatcher state, its shared-expert and sync
-        hooks), with the permutation computed from the plan instead of from a physical routing map.
+        """megatron's, on the rerouted map where its kernels permute; from the plan otherwise.
 
-        megatron's unfused permutation argsorts the whole ``[T, R * P]`` physical map to sort the
-        (token, slot) pairs slot-major; the plan already says where each pair goes
-        (:meth:`_permutation`), so neither the physical map nor that sort is built.
-
-        Args:
-            routing_map: [T, E] bool, logical experts, exactly ``topk`` per token.
-            probs: [T, E] router probabilities.
+        The unfused permutation from the plan: the pair at expert-major position ``i`` goes to
+        send row ``table[3][instance] + i`` (``planner.RankReroute``), with neither the
+        ``[T, R * P]`` physical map nor megatron's argsort over it. Before a host plan arrived
+        (megatron's overlapped schedule: its pre-dispatch node) only what needs no plan: the pairs
+        sorted by *logical* expert; :meth:`planned_inputs` moves them in the dispatch node.
 
         Returns:
-            (permuted tokens [N, H], their probabilities [N]), ``N = T * topk``, physical-slot-major
-            and token-ascending within a slot, as megatron's permutation of the physical map.
+            (tokens [N, H], probs [N]) in send order (physical-slot-major, token-ascending within a
+            slot, as megatron's permutation of the physical map), ``N = T * topk``.
         """
-        if self.deferred == "host":
-            return self._deferred_dispatch_preprocess(hidden_states, routing_map, probs)
-        if not self._permutes_from_plan():
-            return super().dispatch_preprocess(hidden_states, routing_map, probs)
+        invocation = self.invocation
+        if not self.permutes_from_plan:
+            physical_map, physical_probs = self.slots.physical_routing(invocation, probs)
+            return super().dispatch_preprocess(hidden_states, physical_map, physical_probs)
         self.hidden_shape = hidden_states.shape
         self.probs = probs
-        # Read only by megatron's fused or drop-and-pad unpermute, neither of which runs here; None
-        # so that nothing can mistake the logical map for the physical one.
-        self.routing_map = None
+        self.routing_map = None  # never the logical map in the physical one's place
         hidden_states = hidden_states.view(-1, self.hidden_shape[-1])
+        self.hidden_shape_before_permute = hidden_states.shape
         self.tokens_per_expert = self.preprocess(routing_map)
         if self.shared_experts is not None:
             self.shared_experts.pre_forward_comm(hidden_states.view(self.hidden_shape))
-        self.tokens_per_expert = self._maybe_dtoh_and_synchronize(
-            "before_permutation_1", self.tokens_per_expert
+        return self.permute(hidden_states, probs)
+
+    def permute(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        """The tokens ``[T, H]`` and their probabilities (``[T, E]``, differentiable) in send order
+        per the invocation's plan (:func:`permute_pairs`), or expert-major before a host plan
+        arrived."""
+        invocation = self.invocation
+        t0 = time.perf_counter()
+        topk_ids, topk = invocation.topk_ids, invocation.topk_ids.size(1)
+        if invocation.reroute_table is None:
+            self.expert_major = order = reroute.expert_major_order(topk_ids, self.slots.sort_key)
+            tokens = torch.div(order, topk, rounding_mode="floor")
+            pair_probs = probs.gather(1, topk_ids).reshape(-1)
+            return hidden_states.index_select(0, tokens), pair_probs.index_select(0, order)
+        permuted, permuted_probs, tokens = permute_pairs(
+            hidden_states, probs, topk_ids, invocation.reroute_table, self.slots.sort_key
         )
-        self.hidden_shape_before_permute = hidden_states.shape
-        sorted_tokens, permuted_probs = self._permutation(probs)
-        self.reversed_local_input_permutation_mapping = sorted_tokens
-        permuted = hidden_states.index_select(0, sorted_tokens)
-        if self.deferred is None:
-            self._complete_plan()
+        self.reversed_local_input_permutation_mapping = tokens
+        invocation.context.overheads.reroute_seconds += time.perf_counter() - t0
         return permuted, permuted_probs
 
-    def _deferred_dispatch_preprocess(self, hidden_states, routing_map, probs):
-        """A deferred host plan's pre-dispatch part (overlapped schedule): the routed pairs sorted
-        expert-major by *logical* expert, which needs no plan (megatron's permutation of the
-        logical routing, computed as :meth:`_permutation` computes the physical one), so megatron
-        can free this node's outputs after the dispatch as it frees its own permuted tokens. The
-        dispatch node then moves each expert's run of pairs to its instances' rows
-        (:meth:`_dispatch_inputs_of_plan`).
-
-        Returns:
-            (tokens [N, H] and their probabilities [N], expert-major), ``N = T * topk``.
-        """
-        if not self._permutes_from_plan():
-            raise RuntimeError("a deferred plan needs the permutation from the plan (can_defer)")
-        self.hidden_shape = hidden_states.shape
-        self.probs = probs
-        self.routing_map = None  # as in dispatch_preprocess: never the logical map for the physical
-        hidden_states = hidden_states.view(-1, self.hidden_shape[-1])
-        self.hidden_shape_before_permute = hidden_states.shape
-        self.num_out_tokens = routing_map.size(0) * self.config.moe_router_topk
-        self.input_splits = self.output_splits = self.output_splits_tp = None
-        self.state.expert_major = order = self._expert_major_order()
-        topk = self.topk_ids.size(1)
-        tokens = hidden_states.index_select(0, torch.div(order, topk, rounding_mode="floor"))
-        pair_probs = probs.gather(1, self.topk_ids).reshape(-1).index_select(0, order)
-        return tokens, pair_probs
-
-    @native_torch
-    def _dispatch_inputs_of_plan(self, hidden_states, probs, routing_map):
-        """The all-to-all's send buffer from the expert-major pairs, exactly per the plan: the same
-        rows :meth:`dispatch_preprocess` builds without deferral (the send row of expert-major
-        position ``i`` is row 3 of the reroute table at its instance, plus ``i``)."""
-        self._take_invocation(self.invocation)
-        order, self.state.expert_major = self.state.expert_major, None
+    def planned_inputs(self, hidden_states, probs):
+        """In the dispatch node, once a host plan arrived: the pre-dispatch node's expert-major rows
+        moved to their instances' send rows (the send row of position ``i`` is ``table[3]`` at its
+        instance plus ``i``); a permutation, so the gathers' backward scatters exactly."""
+        invocation, order = self.invocation, self.expert_major
+        if order is None:  # nothing waited for the plan
+            return hidden_states, probs
+        self.expert_major = None
+        table = invocation.reroute_table
         positions = torch.arange(order.numel(), device=order.device)
-        instance = instances_of_positions(self._table[0], positions, binary_search=order.is_cuda)
-        row = self._table[3].index_select(0, instance) + positions
-        # position of each send row: a permutation, so the gathers' backward scatters exactly
-        source = torch.empty_like(row).scatter_(0, row, positions)
-        topk = self.topk_ids.size(1)
-        self.reversed_local_input_permutation_mapping = torch.div(
-            order, topk, rounding_mode="floor"
-        ).index_select(0, source)
+        instance = reroute.instances_of_positions(table[0], positions, binary_search=order.is_cuda)
+        source = torch.empty_like(positions).scatter_(
+            0, table[3].index_select(0, instance) + positions, positions
+        )
+        tokens = torch.div(order, invocation.topk_ids.size(1), rounding_mode="floor")
+        self.reversed_local_input_permutation_mapping = tokens.index_select(0, source)
         return hidden_states.index_select(0, source), probs.index_select(0, source)
 
-    @native_torch
-    def _permutation(self, probs: torch.Tensor):
-        """Where each routed (token, expert) pair goes in the all-to-all's send buffer, exactly per
-        the plan. Device work only: no host read, fixed shapes, nothing over ``[T, E]`` but the
-        gather of the pairs' probabilities.
+    def token_dispatch(self, permutated_local_input_tokens, permuted_probs):
+        """megatron's all-to-all with the plan's splits and per-slot counts (host integers)."""
+        plan = self.invocation.wait()  # waited already: the one wait comes before the dispatch
+        if self.ep_size > 1:
+            self.input_splits, self.output_splits = plan.input_splits, plan.output_splits
+            self.output_splits_tp = plan.output_splits.sum(keepdims=True)
+        if not self.config.moe_permute_fusion:
+            self.num_global_tokens_per_local_expert = plan.rows_per_source_slot
+        self.tokens_per_expert = plan.rows_per_slot
+        return super().token_dispatch(permutated_local_input_tokens, permuted_probs)
 
-        A pair's expert-major position picks its instance (:meth:`_pairs`); row 3 of the plan's
-        reroute table turns the position into its send-buffer row (the instance's slot's first
-        row, plus the pair's rank among the instance's pairs, which the plan hands out in token
-        order).
-
-        Args:
-            probs: [T, E] router probabilities (differentiable).
-
-        Returns:
-            (sorted_tokens [N] int64: the token of each send-buffer row, permuted_probs [N],
-            differentiable in ``probs``), ``N = T * topk``.
-        """
-        t0 = time.perf_counter()
-        topk = self.topk_ids.size(1)
-        order, positions, instance = self._pairs()
-        row = self._table[3].index_select(0, instance) + positions
-        # Every row is written once; -1 would fail the token gather loudly if the routing ever
-        # left one unwritten (a routing other than the plan's load).
-        sorted_tokens = torch.full_like(order, -1).scatter_(
-            0, row, torch.div(order, topk, rounding_mode="floor")
-        )
-        pair_probs = probs.gather(1, self.topk_ids).reshape(-1).index_select(0, order)
-        permuted_probs = pair_probs.new_zeros(pair_probs.shape).scatter(0, row, pair_probs)
-        self.balancing.add_reroute_seconds(time.perf_counter() - t0)
-        return sorted_tokens, permuted_probs
-
-    def _sorts_chunks_on_host(self) -> bool:
-        """Whether megatron's chunk sort here is the unfused split-and-concatenate over (physical
-        slot, source rank) chunks, which the two ``*_parts`` methods reproduce directly. Other paths
-        (fused sort, expert TP, capacity padding, one slot per rank) go through megatron's."""
-        # Capacity padding and expert TP are refused at startup (unsupported_moe_settings); tested
-        # here as well, so that lifting a refusal cannot silently take the wrong chunk order.
-        return not (
-            self.config.moe_permute_fusion
-            or self.drop_and_pad
-            or self.tp_size > 1
-            or self.num_local_experts == 1
-        )
-
-    def dispatch_postprocess_parts(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        """``dispatch_postprocess`` split into main and replica parts, concatenating each part's
-        chunks directly (unfused sort).
-
-        megatron's unfused sort splits the all-to-all output into (source rank, physical slot)
-        chunks and concatenates them slot-major; concatenating the main slots' and the redundant
-        slots' chunks separately gives the two parts with the same copy, and no split whose backward
-        copies the whole gradient once more. Chunk sizes and order come from the host plan.
-        """
-        if not self._sorts_chunks_on_host():
-            return super().dispatch_postprocess_parts(hidden_states, probs)
-        rows = self.invocation.rows_per_source_slot.numpy()  # [R_src, P], host
+    def _chunk_sizes(self) -> Optional[Tuple[List[int], int, int, int]]:
+        """``(rows [R * P] source-major, R, G, P)`` of the unfused chunk sort, which the parts
+        methods run directly; ``None`` where megatron's sort runs (fused, one slot per rank)."""
+        if not self.permutes_from_plan or self.num_local_experts == 1:
+            return None
+        rows = self.invocation.plan.rows_per_source_slot
         R, P = rows.shape
-        G = P - self.num_slots
-        sizes = rows.ravel().tolist()  # source-major: source r, slot p
+        return rows.reshape(-1).tolist(), R, P - self.slots.num_slots, P
+
+    def dispatch_postprocess_parts(self, hidden_states, probs):
+        """``dispatch_postprocess`` split into the main experts' and the redundant slots' rows:
+        ``(main [M, H], replica [N, H], rows_per_slot [P], main_probs [M], replica_probs [N])``.
+
+        megatron's unfused sort concatenates the (source rank, slot) chunks slot-major;
+        concatenating the main and the redundant slots' chunks separately gives the two parts with
+        the same copy."""
+        plan = self.invocation.plan
+        sizes = self._chunk_sizes()
+        if sizes is None:
+            tokens, rows_per_slot, permuted_probs = self.dispatch_postprocess(hidden_states, probs)
+            main, replica, main_probs, replica_probs = self.slots.parts(
+                tokens, permuted_probs, plan.main_rows
+            )
+            return main, replica, rows_per_slot, main_probs, replica_probs
+        rows, R, G, P = sizes
         parts = []
         for tensor in (hidden_states, probs):
-            chunks = tensor.split(sizes)
-            parts.append(
-                [
-                    torch.cat([chunks[r * P + p] for p in slots for r in range(R)])
-                    for slots in (range(G), range(G, P))
-                ]
-            )
-        (main_tokens, replica_tokens), (main_probs, replica_probs) = parts
+            chunks = tensor.split(rows)
+            for slots in (range(G), range(G, P)):
+                parts.append(torch.cat([chunks[r * P + p] for p in slots for r in range(R)]))
         self.tokens_per_expert = None  # as megatron's postprocess leaves it
-        return main_tokens, replica_tokens, self.invocation.rows_per_slot, main_probs, replica_probs
+        main, replica, main_probs, replica_probs = parts
+        return main, replica, plan.rows_per_slot, main_probs, replica_probs
 
-    def combine_preprocess_parts(
-        self, main_out: torch.Tensor, replica_out: torch.Tensor
-    ) -> torch.Tensor:
-        """``combine_preprocess`` of the main experts' and the redundant slots' outputs stacked
-        (``[main rows + replica rows, H]``), without stacking them first (unfused sort).
-
-        megatron's unfused chunk sort splits its input into (physical slot, source rank) chunks and
-        concatenates them source-major; taking the chunks from the two parts directly makes one
-        copy of the expert outputs instead of two. Chunk sizes and order come from the host plan.
-        """
-        if not self._sorts_chunks_on_host():
-            return super().combine_preprocess_parts(main_out, replica_out)
-        rows = self.invocation.rows_per_source_slot.numpy()  # [R_src, P], host
-        R, P = rows.shape
-        G = P - self.num_slots
-        chunks = [
-            *main_out.split(rows[:, :G].T.ravel().tolist()),  # slot-major: slot p, source r
-            *replica_out.split(rows[:, G:].T.ravel().tolist()),
-        ]
+    def combine_preprocess_parts(self, main_out, replica_out):
+        """``combine_preprocess`` of the main and the redundant slots' outputs, without stacking
+        them first (the unfused sort takes its chunks from the two parts)."""
+        sizes = self._chunk_sizes()
+        if sizes is None:
+            return self.combine_preprocess(torch.cat([main_out, replica_out]))
+        rows, R, G, P = sizes
+        by_slot = [rows[r * P + p] for p in range(P) for r in range(R)]  # slot-major
+        chunks = [*main_out.split(by_slot[: G * R]), *replica_out.split(by_slot[G * R :])]
         return torch.cat([chunks[p * R + r] for r in range(R) for p in range(P)])
 
+    def replica_rows(self) -> Tuple[int, ...]:
+        """Rows each redundant slot's experts compute (the plan's)."""
+        return self.invocation.plan.replica_rows
 
-class BalancedFlexDispatcher(PhysicalSlotRouting, MoEFlexTokenDispatcher):
-    """megatron's flex dispatcher (DeepEP / HybridEP fused all-to-all) over physical slots.
 
-    The fused kernels route on the physical routing as they would on the logical one; what is added
-    is what the plan already knows. HybridEP gets every local slot's row count from the host plan
-    (``num_permuted_tokens`` and the per-slot counts), so its dispatch does not wait for the GPU and
-    the experts get host counts: the layer's one host wait is the plan's. DeepEP's dispatch (megatron's
-    ``fused_dispatch``, DeepEP's normal kernels) polls for its received counts on the host itself,
-    whatever it is told: one wait more. GPU-only: :func:`flex_backend_problem` says why it cannot run
-    where it cannot.
-
-    When the fused kernels pad each local slot's rows (HybridEP under fp8 / fp4, to the quantization
-    alignment; DeepEP's fused permute-and-pad), the main experts and the redundant slots take their
-    padded rows alike, as megatron's experts do.
-    """
+class BalancedFlexDispatcher(MoEFlexTokenDispatcher):
+    """megatron's flex dispatcher (DeepEP / HybridEP fused all-to-all) over physical slots: the
+    fused kernels route on the rerouted map. HybridEP is told every local slot's row count from
+    the plan, so its dispatch does not wait for the GPU; DeepEP's polls for its received counts
+    on the host itself (one wait more). Where the kernels pad each local slot's rows (HybridEP
+    under fp8 / fp4), main and redundant slots take their padded rows alike. GPU-only
+    (:func:`flex_backend_problem` says why not elsewhere)."""
 
     def __init__(
-        self, num_local_experts, local_expert_indices, config, pg_collection, *, balancing, balancer
+        self, num_local_experts, local_expert_indices, config, pg_collection, *, num_slots
     ):
         problem = flex_backend_problem(config)
         if problem:
-            raise ValueError(f"--moe-balancer {balancer.config.name}: {problem}")
+            raise ValueError(f"--moe-balancer: {problem}")
+        self.slots = slots = _PhysicalSlots(num_local_experts, config, pg_collection, num_slots)
         super().__init__(
-            num_local_experts,
-            local_expert_indices,
-            config,
-            pg_collection,
-            balancing=balancing,
-            balancer=balancer,
+            slots.slots_per_rank, slots.local_slots, slots.physical_config, pg_collection
         )
-        self._replica_rows: tuple = ()  # per redundant slot, as dispatched (padding included)
+        self.invocation: Optional[BalancedInvocation] = None
+        self.plan_host_half: Optional[torch.Tensor] = None
+        self.cudagraph_attrs = [*self.cudagraph_attrs, "plan_host_half"]
+        self.permutes_from_plan = False
+        self.defers_host_plans = True  # the fused dispatch permutes, in the dispatch node
+        self._replica_rows: Tuple[int, ...] = ()  # per redundant slot, as dispatched
         self._rows_past_slots = 0  # dispatched rows past the last local slot
+        self._deferred = None  # the layer's [S, B, H] while a host plan is on its way
 
-    def can_defer(self) -> bool:
-        """The fused dispatch permutes: a plan can always wait for the dispatch node."""
-        return True
+    def dispatch_preprocess(self, hidden_states, routing_map, probs):
+        """megatron's on the rerouted map; before a host plan arrived (the overlapped schedule's
+        pre-dispatch node) the tokens go on as they are and :meth:`planned_inputs` reroutes."""
+        if self.invocation.reroute_table is None:
+            self._deferred = hidden_states.shape
+            return hidden_states.view(-1, hidden_states.shape[-1]), probs
+        physical_map, physical_probs = self.slots.physical_routing(self.invocation, probs)
+        return super().dispatch_preprocess(hidden_states, physical_map, physical_probs)
 
-    def _deferred_dispatch_preprocess(self, hidden_states, routing_map, probs):
-        """A deferred host plan's pre-dispatch part (overlapped schedule): nothing that needs the
-        plan. The fused dispatch permutes, so the tokens go on as they are (megatron keeps the
-        flex dispatcher's dispatch inputs for the backward) and the router's probabilities are
-        rerouted in the dispatch node (:meth:`_dispatch_inputs_of_plan`)."""
-        self._deferred_hidden_shape = hidden_states.shape
-        return hidden_states.view(-1, hidden_states.shape[-1]), probs
-
-    def _dispatch_inputs_of_plan(self, hidden_states, probs, routing_map):
-        """The fused dispatch's inputs per the plan: megatron's ``dispatch_preprocess`` on the
-        rerouted (physical) routing map and probabilities, in the dispatch node."""
-        physical_map, physical_probs = self._reroute(routing_map, probs)
-        hidden_states, token_probs = super(PhysicalSlotRouting, self).dispatch_preprocess(
+    def planned_inputs(self, hidden_states, probs):
+        """In the dispatch node, once a host plan arrived: megatron's ``dispatch_preprocess`` on the
+        rerouted map (the layer's ``[S, B, H]`` shape kept for the combine)."""
+        if self._deferred is None:  # nothing waited for the plan
+            return hidden_states, probs
+        shape, self._deferred = self._deferred, None
+        physical_map, physical_probs = self.slots.physical_routing(self.invocation, probs)
+        hidden_states, token_probs = super().dispatch_preprocess(
             hidden_states, physical_map, physical_probs
         )
-        self.hidden_shape = self._deferred_hidden_shape  # the layer's [S, B, H], for the combine
+        self.hidden_shape = shape
         return hidden_states, token_probs
-
-    def _hybridep_alignment(self) -> int:
-        """The multiple HybridEP pads each local slot's rows to: megatron's ``pad_multiple`` rule (the
-        quantization alignment under fp8 / fp4), 1 for none."""
-        if self.config.fp8 or self.config.fp4:
-            return get_align_size_for_quantization(self.config)
-        return self._comm_manager.pad_multiple or 1
 
     def token_dispatch(
         self, hidden_states, probs=None, async_finish=True, allocate_on_comm_stream=True
     ):
-        """megatron's fused dispatch; HybridEP is told the permuted size and per-slot counts from
-        the plan (host integers), so it neither waits for the GPU nor returns device counts."""
+        """megatron's fused dispatch; HybridEP gets the permuted size and per-slot counts from the
+        plan (host integers: megatron's manager reads the GPU only where they are None)."""
         manager = self._comm_manager
         if not isinstance(manager, _HybridEPManager):
             return super().token_dispatch(
                 hidden_states, probs, async_finish, allocate_on_comm_stream
             )
-        align = self._hybridep_alignment()
-        rows = self.invocation.rows_per_slot  # [P] int64, host
+        align = (
+            get_align_size_for_quantization(self.config)
+            if self.config.fp8 or self.config.fp4
+            else manager.pad_multiple or 1
+        )
+        rows = self.invocation.wait().rows_per_slot
         padded = (rows + align - 1) // align * align
-        # megatron's manager reads the size from the GPU only when it is None (and then sets the
-        # counts from the device); it is reset after every combine.
         manager.num_permuted_tokens = int(padded.sum())
         dispatched = super().token_dispatch(
             hidden_states, probs, async_finish, allocate_on_comm_stream
@@ -352,43 +386,30 @@ class BalancedFlexDispatcher(PhysicalSlotRouting, MoEFlexTokenDispatcher):
         manager.tokens_per_expert = padded
         return dispatched
 
-    def dispatch_postprocess_parts(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        """``dispatch_postprocess`` split into the main experts' rows and the redundant slots' rows,
-        each as dispatched: where the kernels pad every local slot's rows (HybridEP under fp8 /
-        fp4, to the GEMM alignment), the replica experts take their slots' padded rows as the main
-        experts take theirs (built from the layer's config, they skip their own padding as the main
-        experts do, and fp8 GEMMs need aligned row counts); padding rows are zero and carry
-        probability 0. Rows past the last slot (a kernel's over-allocation) are kept aside and get
-        zero outputs in :meth:`combine_preprocess_parts`. Sizes from host counts only (HybridEP: the
-        plan's, handed over in :meth:`token_dispatch`; DeepEP: its own host list)."""
+    def dispatch_postprocess_parts(self, hidden_states, probs):
+        """``dispatch_postprocess`` split into the main experts' and the redundant slots' rows as
+        dispatched (padding rows are zero and carry probability 0); rows past the last slot (a
+        kernel's over-allocation) are kept aside and get zero outputs. Host counts only."""
         tokens, rows_per_slot, permuted_probs = self.dispatch_postprocess(hidden_states, probs)
         dispatched = [int(n) for n in rows_per_slot.tolist()]  # host tensor
-        G = self.slots_per_rank - self.num_slots
-        main_rows, replica_rows = sum(dispatched[:G]), sum(dispatched[G:])
+        G = self.slots.slots_per_rank - self.slots.num_slots
         self._replica_rows = tuple(dispatched[G:])
-        self._rows_past_slots = tokens.shape[0] - main_rows - replica_rows
-        sizes = [main_rows, replica_rows, self._rows_past_slots]
-        (main_tokens, replica_tokens, _), (main_probs, replica_probs, _) = (
-            torch.split(tokens, sizes),
-            torch.split(permuted_probs, sizes),
+        main_rows = sum(dispatched[:G])
+        self._rows_past_slots = tokens.shape[0] - main_rows - sum(self._replica_rows)
+        main, replica, main_probs, replica_probs = self.slots.parts(
+            tokens, permuted_probs, main_rows, self._rows_past_slots
         )
-        return main_tokens, replica_tokens, rows_per_slot, main_probs, replica_probs
+        return main, replica, rows_per_slot, main_probs, replica_probs
 
-    @property
-    def replica_rows(self):
-        """Rows of each redundant slot as dispatched (padding included), from the latest
-        :meth:`dispatch_postprocess_parts`."""
-        return self._replica_rows
-
-    def combine_preprocess_parts(
-        self, main_out: torch.Tensor, replica_out: torch.Tensor
-    ) -> torch.Tensor:
-        """``combine_preprocess`` of the main experts' and the redundant slots' outputs in the
-        dispatched layout (zero rows past the last slot)."""
+    def combine_preprocess_parts(self, main_out, replica_out):
         pieces = [main_out, replica_out]
         if self._rows_past_slots:
             pieces.append(main_out.new_zeros((self._rows_past_slots, main_out.shape[1])))
         return self.combine_preprocess(torch.cat(pieces))
+
+    def replica_rows(self) -> Tuple[int, ...]:
+        """Rows of each redundant slot as dispatched (padding included)."""
+        return self._replica_rows
 
 
 def balanced_dispatcher_class(config):

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import copy
 import re
-from typing import Dict, List, Optional, Sequence, Tuple
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -68,6 +70,30 @@ class ExpertParamLookup:
     def __call__(self) -> List[List[torch.Tensor]]:
         """``[local expert][k]`` parameters, nested as the names."""
         return [[table[attr] for table, attr in per_expert] for per_expert in self._owners]
+
+
+@dataclass(eq=False)
+class LayerExperts:
+    """What a balanced layer's invocations use of it: data, not the layer.
+
+    Attributes:
+        lookup: ``[local expert][k]`` its main experts' parameters.
+        layout: how one expert's weights lie in a redundant slot.
+        gradient_accumulation_fusion: the experts' weight-gradient kernels write ``main_grad``.
+        delays_wgrad: ``--delay-wgrad-compute``: weight gradients in ``backward_dw``.
+        awaiting_dw: the invocations whose experts' backward ran and whose ``backward_dw`` has not,
+            oldest first.
+    """
+
+    lookup: ExpertParamLookup
+    layout: "ExpertWeightLayout"
+    gradient_accumulation_fusion: bool
+    delays_wgrad: bool
+    awaiting_dw: Deque = field(default_factory=deque)
+
+    def main_weights(self, main_params: List[List[torch.Tensor]]) -> List[List[torch.Tensor]]:
+        """``[local expert][part]`` what the weight distribution moves of ``main_params``."""
+        return [self.layout.main_weights(params) for params in main_params]
 
 
 def is_quantized(tensor) -> bool:
@@ -203,19 +229,16 @@ def _parts(param: torch.Tensor) -> List[Tuple[Optional[str], torch.Tensor]]:
     ]
 
 
-def build_replica_experts(layer, num_slots: int) -> "ReplicaExperts":
-    """The redundant slots' experts: a module of ``layer``'s experts class with ``num_slots``
-    experts and no parameter storage.
+def build_replica_experts(experts, config, pg_collection, num_slots: int) -> "ReplicaExperts":
+    """The redundant slots' experts: a module of the layer's experts class (``experts``, its spec's
+    builder) for ``num_slots`` experts and no parameter storage.
 
     Built with initialization off and the RNG state restored, so building it never changes the
     model's own initialization (``--moe-balancer none`` and ``ultraep`` start from the same weights).
     """
-    config = replica_experts_config(layer.config)
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
-        module = layer.submodules.experts(
-            num_slots, config, pg_collection=layer.balancer_pg_collection
-        )
+        module = experts(num_slots, replica_experts_config(config), pg_collection=pg_collection)
     return ReplicaExperts(module, expert_param_names(module, num_slots))
 
 

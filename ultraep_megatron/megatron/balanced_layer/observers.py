@@ -5,8 +5,9 @@ is queued (off the stretch between the wait for the load and the reroute):
 * :class:`TraceRecorder`: the exact load of every training invocation, to a trace file
   (``--moe-balancer-trace-dir``).
 
-An observer has ``on_invocation(invocation, training)``; what it needs of the model it is given
-when it is built (or, the trace, at the first layer's registration: :meth:`TraceRecorder.describe`).
+Each takes ``on_invocation(layer_number, plan, training, ...)`` with the invocation's
+:class:`~.invocation.HostPlan`; what it needs of the model it is given when it is built (the
+trace: at the first layer's registration, :meth:`TraceRecorder.describe`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import weakref
 from typing import Dict, Optional
 
 from ultraep_megatron import planner
-from ultraep_megatron.megatron.balanced_layer.invocation import Invocation
+from ultraep_megatron.megatron.balanced_layer.invocation import HostPlan
 from ultraep_megatron.planner import BalancerConfig
 
 
@@ -44,19 +45,17 @@ class BalancerStats:
         )
         self._sums: Dict[int, Dict[str, float]] = {}
 
-    def on_invocation(self, invocation: Invocation, training: bool) -> None:
+    def on_invocation(self, layer_number: int, plan: HostPlan, training: bool) -> None:
         if not training:
             return
-        m = planner.metrics(invocation.load, invocation.plan, domain_size=self.domain_size)
-        entry = self._sums.setdefault(invocation.layer_number, {"count": 0})
+        m = planner.metrics(plan.load, plan.plan, domain_size=self.domain_size)
+        entry = self._sums.setdefault(layer_number, {"count": 0})
         entry["count"] += 1
         for key in self.METRICS:
             entry[key] = entry.get(key, 0.0) + float(m[key])
         # Share of the microbatches balanced at all (ultraep's trigger skips the others).
-        entry["balanced_fraction"] = entry.get("balanced_fraction", 0.0) + float(
-            invocation.balanced
-        )
-        entry["plan_ms"] = entry.get("plan_ms", 0.0) + invocation.plan_seconds * 1e3
+        entry["balanced_fraction"] = entry.get("balanced_fraction", 0.0) + float(plan.balanced)
+        entry["plan_ms"] = entry.get("plan_ms", 0.0) + plan.plan_seconds * 1e3
 
     def pop(self) -> Dict[int, Dict[str, float]]:
         """{layer: {metric: mean}} since the last call."""
@@ -84,18 +83,20 @@ class TraceRecorder:
         ``TransformerConfig`` (the trace's metadata)."""
         self._ep_group, self._model_config = ep_group, model_config
 
-    def on_invocation(self, invocation: Invocation, training: bool) -> None:
+    def on_invocation(
+        self, layer_number: int, plan: HostPlan, training: bool, ep_rank: int
+    ) -> None:
         if not training:
             return
         if self.iteration is None:
             self.iteration = _megatron_iteration() + 1
-        microbatch = self._microbatch.get(invocation.layer_number, 0)
-        self._microbatch[invocation.layer_number] = microbatch + 1
-        if invocation.ep_rank != 0:
+        microbatch = self._microbatch.get(layer_number, 0)
+        self._microbatch[layer_number] = microbatch + 1
+        if ep_rank != 0:
             return
         if self._writer is None:
-            self._writer = self._open(invocation.load.shape)
-        self._writer.append(self.iteration, microbatch, invocation.layer_number, invocation.load)
+            self._writer = self._open(plan.load.shape)
+        self._writer.append(self.iteration, microbatch, layer_number, plan.load)
 
     def _open(self, shape):
         import torch.distributed as dist

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ultraep_megatron.megatron.balanced_layer import native_torch
+from ultraep_megatron.megatron.cpu import native_torch
 from ultraep_megatron.megatron.cpu import megatron_patches
 from ultraep_megatron.megatron.cpu.device_mapping import CudaAsCpuMode
 from ultraep_megatron.megatron.cpu.torch_cuda import (
@@ -203,6 +203,14 @@ def activate() -> bool:
                 "the wheel ships helpers_cpp prebuilt but no Makefile",
             )
         )
+    lifted = native_torch.lift_hot_path()
+    PATCHES.append(
+        (
+            f"the balanced layer's host code ({len(lifted)} functions)",
+            "runs without the device mapping: it names no device, and the mapping's per-call "
+            "dispatch would be most of its cost (native_torch.hot_path)",
+        )
+    )
 
     _ACTIVE = True
     if is_log_rank():
