@@ -191,11 +191,21 @@ def server_socket() -> str:
         start_new_session=True,
         text=True,
     )
-    ready = _server.stdout.readline().strip()
-    if ready != "ready":
+    # Lines an import printed before the server's answer are skipped, not taken for the answer
+    # (seen once: the launcher then waited for a server that was serving).
+    printed, answer = [], ""
+    for line in _server.stdout:
+        answer = line.strip()
+        if answer == "ready" or answer.startswith("refused"):
+            break
+        printed.append(answer)
+    if answer != "ready":
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(_server.pid, signal.SIGKILL)
         _server.wait()
         _server = None
-        raise RuntimeError(f"the warm rank launcher did not start: {ready or 'no answer'}")
+        said = "; ".join(printed[-3:] + ([answer] if answer else [])) or "no answer"
+        raise RuntimeError(f"the warm rank launcher did not start: {said}")
     os.environ[SOCKET_ENV], os.environ[STATS_ENV] = path, stats
     os.environ[REAL_PYTHON_ENV] = sys.executable
     return path

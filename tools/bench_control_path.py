@@ -108,7 +108,7 @@ class Counter(TorchDispatchMode):
             for t in pytree.tree_leaves(out):
                 if isinstance(t, torch.Tensor):
                     self.device[t] = True
-        if func.namespace == "ultraep":
+        if func.namespace not in ("aten", "prims"):  # a custom op: its own launch count
             launches = CUSTOM_OP_LAUNCHES.get(name, 1)
         elif not on_device or func.is_view or name in NO_KERNEL:
             launches = 0
@@ -183,6 +183,7 @@ def build(cfg, planner: str, device):
     from ultraep_megatron.megatron.balanced_layer.balanced_moe import BalancedMoELayer
     from ultraep_megatron.megatron.balanced_layer.context import BalancingContext
     from ultraep_megatron.planner import BalancerConfig
+    from ultraep_megatron.planner.baselines import registry
 
     model_parallel_cuda_manual_seed(1234)
     config = TransformerConfig(
@@ -205,7 +206,7 @@ def build(cfg, planner: str, device):
     builder = get_moe_module_spec(use_te=False, num_experts=cfg.num_experts, moe_grouped_gemm=False)
     if planner != "none":
         balancing = BalancingContext(
-            BalancerConfig(name="ultraep", num_slots=cfg.num_slots), planner=planner
+            BalancerConfig(name=registry.ULTRAEP, num_slots=cfg.num_slots), planner=planner
         )
         builder = functools.partial(
             BalancedMoELayer, submodules=builder.keywords["submodules"], balancing=balancing
@@ -236,9 +237,9 @@ def synthetic_loads(cfg):
 @contextlib.contextmanager
 def other_ranks(others: torch.Tensor):
     """The balanced layer's load gather returns the synthetic rows with this rank's own."""
-    from ultraep_megatron.megatron.balanced_layer.dispatchers import _PhysicalSlots
+    from ultraep_megatron.megatron.balanced_layer.dispatchers import PhysicalSlots
 
-    gather = _PhysicalSlots.gather_load
+    gather = PhysicalSlots.gather_load
 
     def gather_load(slots, routing_map, group):
         load = gather(slots, routing_map, group)
@@ -246,11 +247,11 @@ def other_ranks(others: torch.Tensor):
         rows[slots.ep_rank] = load[slots.ep_rank]
         return rows
 
-    _PhysicalSlots.gather_load = gather_load
+    PhysicalSlots.gather_load = gather_load
     try:
         yield
     finally:
-        _PhysicalSlots.gather_load = gather
+        PhysicalSlots.gather_load = gather
 
 
 def staged(layer, counter: Counter, stage_seconds: dict):

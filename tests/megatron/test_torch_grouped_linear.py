@@ -55,30 +55,22 @@ ATTRIBUTES = ("allreduce", "tensor_model_parallel", "partition_dim", "sequence_p
 
 def make_config(glu: bool, activation: str, bias: bool, grouped: bool, ep_size: int = 1):
     import torch.nn.functional as F
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron_setup import moe_config
 
-    return TransformerConfig(
-        num_layers=1,
-        hidden_size=HIDDEN,
-        ffn_hidden_size=FFN,
-        moe_ffn_hidden_size=FFN,
-        num_attention_heads=4,
-        num_moe_experts=NUM_EXPERTS,
-        moe_router_topk=TOPK,
-        moe_token_dispatcher_type="alltoall",
-        moe_aux_loss_coeff=0.0,
-        expert_model_parallel_size=ep_size,
+    return moe_config(
+        hidden=HIDDEN,
+        ffn=FFN,
+        experts=NUM_EXPERTS,
+        topk=TOPK,
+        ep=ep_size,
         moe_grouped_gemm=grouped,
         gated_linear_unit=glu,
         activation_func=getattr(F, activation),
         add_bias_linear=bias,
-        use_cpu_initialization=True,
         params_dtype=torch.float32,
-        # CPU workarounds: the fused kernels are CUDA/compile paths, and TEGroupedMLP refuses
-        # bias_dropout_fusion together with add_bias_linear.
-        bias_dropout_fusion=False,
+        # TEGroupedMLP refuses bias_dropout_fusion together with add_bias_linear; the fused
+        # bias-activation is a CUDA/compile path.
         bias_activation_fusion=False,
-        gradient_accumulation_fusion=False,
     )
 
 
@@ -387,11 +379,9 @@ def worker(out_file: Path) -> None:
 
     cpu_backend.activate()
     torch.distributed.init_process_group("gloo")
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron_setup import model_parallel
 
-    parallel_state.initialize_model_parallel()
-    model_parallel_cuda_manual_seed(123)
+    model_parallel()
     results = {}
     for seed, (name, (glu, activation, bias)) in enumerate(SCENARIOS.items()):
         weights = global_weights(glu, bias, seed)
@@ -432,6 +422,8 @@ def worker(out_file: Path) -> None:
     }
     results["init"] = init_statistics()
     torch.save(results, out_file)
+    from megatron.core import parallel_state
+
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()
 

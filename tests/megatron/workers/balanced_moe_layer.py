@@ -60,6 +60,9 @@ import sys
 
 import torch
 
+# tests/megatron, where the modules the workers share live (also for the workers importing this one)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
 from ultraep_megatron.megatron.cpu import backend as cpu_backend
 
 NUM_EXPERTS = 8
@@ -120,45 +123,27 @@ def build_layer(
     (``--moe-balancer-planner``; ``None``: its default), with latent projections to ``latent_size``
     (``--moe-latent-size``) if given. Parameters are made on the CPU, or with
     ``use_cpu_initialization=False`` on the current CUDA device (megatron's default)."""
-    from megatron.core import parallel_state
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron_setup import model_parallel, moe_config
 
     from ultraep_megatron.megatron.balanced_layer.balanced_moe import BalancedMoELayer
     from ultraep_megatron.megatron.balanced_layer.context import BalancingContext
     from ultraep_megatron.planner import BalancerConfig
 
-    # Megatron's groups once per process, not once per layer: groups are never freed, and each
-    # holds gloo threads; re-creating them for every one of the ~50 layers built here made each
-    # build slower than the last (a single scenario took minutes on 2 cores).
-    if (
-        not parallel_state.model_parallel_is_initialized()
-        or parallel_state.get_expert_model_parallel_world_size() != ep_size
-    ):
-        parallel_state.destroy_model_parallel()
-        parallel_state.initialize_model_parallel(expert_model_parallel_size=ep_size)
-    model_parallel_cuda_manual_seed(123)
+    model_parallel(ep_size)
     extra = dict(recompute_granularity="selective", recompute_modules=["moe"]) if recompute else {}
-    config = TransformerConfig(
-        num_layers=1,
-        hidden_size=HIDDEN,
-        ffn_hidden_size=FFN,
-        moe_ffn_hidden_size=FFN,
-        num_attention_heads=4,
-        num_moe_experts=NUM_EXPERTS,
-        moe_router_topk=TOPK,
-        moe_token_dispatcher_type=dispatcher,
-        expert_model_parallel_size=ep_size,
+    config = moe_config(
+        hidden=HIDDEN,
+        ffn=FFN,
+        experts=NUM_EXPERTS,
+        topk=TOPK,
+        ep=ep_size,
+        dispatcher=dispatcher,
         moe_flex_dispatcher_backend=flex_backend,
         # HybridEP takes float32 probabilities (megatron casts them with a warning otherwise).
         moe_router_dtype="fp32" if flex_backend == "hybridep" else None,
-        moe_aux_loss_coeff=0.0,
-        add_bias_linear=False,
         use_cpu_initialization=use_cpu_initialization,
-        bias_dropout_fusion=False,
-        gradient_accumulation_fusion=False,
         moe_latent_size=latent_size,
         **extra,
     )
@@ -463,7 +448,6 @@ def main():
     torch.distributed.init_process_group("gloo")
     # DeepEP's fused kernels are CUDA-only; its gloo stand-in lets megatron's flex path run here
     # (and torch_grouped_linear stands in for Transformer Engine's grouped GEMM).
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     import deepep_gloo
     import te_linear_standin
 

@@ -83,35 +83,23 @@ def build_layers(
     """``LAYERS`` MoE layers (grouped experts, fp8 with ``recipe``, high precision without;
     quantized parameters with ``fp8_param``, megatron's ``--fp8-param-gather``); balanced ones share
     one BalancingContext."""
-    from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     import toy_fp8
     import torch_grouped_linear
+    from megatron_setup import model_parallel, moe_config
     from ultraep_megatron.megatron.balanced_layer.balanced_moe import BalancedMoELayer
     from ultraep_megatron.megatron.balanced_layer.context import BalancingContext
     from ultraep_megatron.planner import BalancerConfig
 
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(expert_model_parallel_size=ep_size)
-    model_parallel_cuda_manual_seed(123)
-    config = TransformerConfig(
+    model_parallel(ep_size)
+    config = moe_config(
+        hidden=HIDDEN,
+        ffn=FFN,
+        experts=NUM_EXPERTS,
+        topk=TOPK,
+        ep=ep_size,
         num_layers=LAYERS,
-        hidden_size=HIDDEN,
-        ffn_hidden_size=FFN,
-        moe_ffn_hidden_size=FFN,
-        num_attention_heads=4,
-        num_moe_experts=NUM_EXPERTS,
-        moe_router_topk=TOPK,
-        moe_token_dispatcher_type="alltoall",
-        expert_model_parallel_size=ep_size,
-        moe_aux_loss_coeff=0.0,
-        add_bias_linear=False,
-        use_cpu_initialization=True,
-        bias_dropout_fusion=False,
-        gradient_accumulation_fusion=False,
         moe_grouped_gemm=True,
     )
     if recipe is not None:
@@ -179,28 +167,19 @@ def offloading_refusal(ep_size: int) -> str:
     expert_fc1 moe_act`` (no fp8): the layer's own check refuses it (as the startup check does);
     its message, or an empty string if it was built."""
     from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     import torch_grouped_linear
+    from megatron_setup import moe_config
     from ultraep_megatron.megatron.balanced_layer.balanced_moe import BalancedMoELayer
     from ultraep_megatron.megatron.balanced_layer.context import BalancingContext
     from ultraep_megatron.planner import BalancerConfig
 
-    config = TransformerConfig(
-        num_layers=1,
-        hidden_size=HIDDEN,
-        ffn_hidden_size=FFN,
-        moe_ffn_hidden_size=FFN,
-        num_attention_heads=4,
-        num_moe_experts=NUM_EXPERTS,
-        moe_router_topk=TOPK,
-        moe_token_dispatcher_type="alltoall",
-        expert_model_parallel_size=ep_size,
-        moe_aux_loss_coeff=0.0,
-        add_bias_linear=False,
-        use_cpu_initialization=True,
-        bias_dropout_fusion=False,
-        gradient_accumulation_fusion=False,
+    config = moe_config(
+        hidden=HIDDEN,
+        ffn=FFN,
+        experts=NUM_EXPERTS,
+        topk=TOPK,
+        ep=ep_size,
         moe_grouped_gemm=True,
         fine_grained_activation_offloading=True,
         offload_modules=["expert_fc1", "moe_act"],

@@ -152,37 +152,25 @@ def build_layer(
     experts ``TEGroupedMLP`` over ``torch_grouped_linear`` (their GEMMs ``te_grouped_fp8``'s, the
     rest of the layer in bf16: without TE megatron's local linears have no fp8); ``eager``: no
     graphs (``--cuda-graph-impl none``)."""
-    from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.spec_utils import build_module
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron_setup import model_parallel, moe_config
 
     from ultraep_megatron.megatron.balanced_layer.context import BalancingContext
     from ultraep_megatron.megatron.run.layer_spec import apply_moe_balancer
     from ultraep_megatron.planner import BalancerConfig
 
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(expert_model_parallel_size=world)
-    model_parallel_cuda_manual_seed(123)
-    config = TransformerConfig(
-        num_layers=1,
-        hidden_size=HIDDEN,
-        ffn_hidden_size=FFN,
-        moe_ffn_hidden_size=FFN,
-        num_attention_heads=4,
-        num_moe_experts=NUM_EXPERTS,
-        moe_router_topk=TOPK,
+    model_parallel(world)
+    config = moe_config(
+        hidden=HIDDEN,
+        ffn=FFN,
+        experts=NUM_EXPERTS,
+        topk=TOPK,
+        ep=world,
+        dispatcher=dispatcher,
         moe_shared_expert_intermediate_size=SHARED_FFN,
-        moe_token_dispatcher_type=dispatcher,
         moe_flex_dispatcher_backend="hybridep",
         moe_router_dtype="fp32",
-        expert_model_parallel_size=world,
-        moe_aux_loss_coeff=0.0,
-        add_bias_linear=False,
-        use_cpu_initialization=True,
-        bias_dropout_fusion=False,
-        gradient_accumulation_fusion=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bf16=True,

@@ -12,8 +12,12 @@ Run:  torchrun --standalone --nproc-per-node 4 moe_layer_ep.py --out-dir DIR
 
 import argparse
 import os
+import sys
 
 import torch
+
+# tests/megatron, where the modules the workers share live (also for the workers importing this one)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from ultraep_megatron.megatron.cpu import backend as cpu_backend
 
@@ -45,31 +49,12 @@ def rank_inputs(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def build_layer(ep_size: int):
-    from megatron.core import parallel_state
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron_setup import model_parallel, moe_config
 
-    parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(expert_model_parallel_size=ep_size)
-    model_parallel_cuda_manual_seed(123)
-    config = TransformerConfig(
-        num_layers=1,
-        hidden_size=HIDDEN,
-        ffn_hidden_size=FFN,
-        moe_ffn_hidden_size=FFN,
-        num_attention_heads=4,
-        num_moe_experts=NUM_EXPERTS,
-        moe_router_topk=TOPK,
-        moe_token_dispatcher_type="alltoall",
-        expert_model_parallel_size=ep_size,
-        moe_aux_loss_coeff=0.0,
-        add_bias_linear=False,
-        use_cpu_initialization=True,
-        bias_dropout_fusion=False,
-        gradient_accumulation_fusion=False,
-    )
+    model_parallel(ep_size)
+    config = moe_config(hidden=HIDDEN, ffn=FFN, experts=NUM_EXPERTS, topk=TOPK, ep=ep_size)
     # In 0.19 the MoE "spec" is an MlpBuilder: a partial of MoELayer with its submodules.
     builder = get_moe_module_spec(use_te=False, num_experts=NUM_EXPERTS, moe_grouped_gemm=False)
     layer = builder(

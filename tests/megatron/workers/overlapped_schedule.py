@@ -96,23 +96,21 @@ SCENARIOS = {
 
 def model_config(sc, balancer, ep):
     import torch.nn.functional as F
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron_setup import moe_config
 
     flex = sc.get("dispatcher") == "flex"
-    config = TransformerConfig(
+    config = moe_config(
+        hidden=HIDDEN,
+        ffn=FFN,
+        experts=EXPERTS,
+        topk=TOPK,
+        ep=ep,
         num_layers=2,
-        hidden_size=HIDDEN,
+        dispatcher="flex" if flex else "alltoall",
         ffn_hidden_size=2 * HIDDEN,
-        num_attention_heads=4,
-        num_moe_experts=EXPERTS,
-        moe_router_topk=TOPK,
-        moe_ffn_hidden_size=FFN,
-        moe_token_dispatcher_type="flex" if flex else "alltoall",
         moe_flex_dispatcher_backend="hybridep",
         moe_router_dtype="fp32" if flex else None,
-        expert_model_parallel_size=ep,
         moe_grouped_gemm=bool(sc.get("delay") or sc.get("grouped")),
-        add_bias_linear=False,
         bf16=True,
         params_dtype=torch.bfloat16,
         pipeline_dtype=torch.bfloat16,
@@ -121,10 +119,6 @@ def model_config(sc, balancer, ep):
         normalization="RMSNorm",
         overlap_moe_expert_parallel_comm=True,
         delay_wgrad_compute=bool(sc.get("delay")),
-        moe_aux_loss_coeff=0.0,
-        use_cpu_initialization=True,
-        bias_dropout_fusion=False,
-        gradient_accumulation_fusion=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         # DeepSeek-V3's routing with a fixed expert bias (set after the build, never updated here):
@@ -487,6 +481,7 @@ def main():
     from megatron.core import parallel_state
 
     from megatron_records import GradReadyOrder
+    from megatron_setup import model_parallel
 
     rank = torch.distributed.get_rank()
     order = GradReadyOrder()
@@ -498,8 +493,7 @@ def main():
         (FLOOR_EP, [("none_floor", None)]),
         (EP, [("none", None), ("ultraep", "ultraep")]),
     ):
-        parallel_state.destroy_model_parallel()
-        parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)
+        model_parallel(ep)
         for name, sc in scenarios.items():
             for key, balancer in runs:
                 if sc.get("references") and balancer is None:

@@ -1,0 +1,64 @@
+"""megatron's config and parallel state for the layer-level tests and their workers, built one way.
+
+``moe_config`` makes the ``TransformerConfig`` of a small MoE layer on the CPU (megatron's fused
+CUDA paths off); ``model_parallel`` makes megatron's groups for an EP size, once per process.
+"""
+
+#: What every CPU layer test sets: no aux loss (it would change gradients between layouts), no bias,
+#: parameters made on the CPU, and megatron's fused CUDA paths (bias-dropout fusion, gradient
+#: accumulation into main_grad by the fused wgrad kernel) off.
+CPU_FIELDS = dict(
+    num_attention_heads=4,
+    moe_aux_loss_coeff=0.0,
+    add_bias_linear=False,
+    use_cpu_initialization=True,
+    bias_dropout_fusion=False,
+    gradient_accumulation_fusion=False,
+)
+
+
+def moe_config(
+    *,
+    hidden: int,
+    ffn: int,
+    experts: int,
+    topk: int,
+    ep: int = 1,
+    num_layers: int = 1,
+    dispatcher: str = "alltoall",
+    **fields,
+):
+    """A ``TransformerConfig`` for ``num_layers`` MoE layers of ``experts`` experts of hidden size
+    ``hidden`` and expert FFN size ``ffn`` (also the dense FFN size unless ``ffn_hidden_size`` is
+    given), top-``topk`` routing, EP size ``ep``, megatron's ``dispatcher``; ``fields`` override
+    :data:`CPU_FIELDS` or set any other field."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    fields = {**CPU_FIELDS, "ffn_hidden_size": ffn, **fields}
+    return TransformerConfig(
+        num_layers=num_layers,
+        hidden_size=hidden,
+        moe_ffn_hidden_size=ffn,
+        num_moe_experts=experts,
+        moe_router_topk=topk,
+        moe_token_dispatcher_type=dispatcher,
+        expert_model_parallel_size=ep,
+        **fields,
+    )
+
+
+def model_parallel(ep: int = 1, seed: int = 123) -> None:
+    """megatron's groups for EP size ``ep`` (tensor and pipeline 1), made again only when the EP
+    size changes: groups are never freed and each holds gloo threads, so re-creating them for each
+    of a worker's layers made every build slower than the last. Seeds megatron's RNG tracker with
+    ``seed`` on every call."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if (
+        not parallel_state.model_parallel_is_initialized()
+        or parallel_state.get_expert_model_parallel_world_size() != ep
+    ):
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)
+    model_parallel_cuda_manual_seed(seed)
