@@ -18,7 +18,9 @@ over one forward and backward counts, per stage (megatron's ``route``, ``preproc
   (their bodies), median of ``--repeats`` forwards: what the host needs to issue the stage.
 
 The backward's launches are counted without the matrix multiplications (the expert GEMMs and their
-gradients, identical work in every layer).
+gradients, identical work in every layer). Ops whose outputs are all empty count no launch (CUDA's
+kernels return before launching). Only the main thread's ops are counted: on the CPU the data plane's
+copies and reductions run on its communication thread (a GPU's side stream), not counted here.
 
     python tools/bench_control_path.py                 # EP64, E=256, T=4096, top-8, S=2
     python tools/bench_control_path.py --json out.json
@@ -65,7 +67,7 @@ NO_KERNEL = {
 GEMMS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "_grouped_mm", "linear"}
 
 
-def parse_args():
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ep-size", type=int, default=64, help="R")
     p.add_argument("--num-experts", type=int, default=256, help="E")
@@ -77,7 +79,7 @@ def parse_args():
     p.add_argument("--zipf", type=float, default=1.0, help="the other ranks' loads' Zipf exponent")
     p.add_argument("--repeats", type=int, default=5, help="forwards timed for the issue time")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 class Counter(TorchDispatchMode):
@@ -110,7 +112,7 @@ class Counter(TorchDispatchMode):
                     self.device[t] = True
         if func.namespace not in ("aten", "prims"):  # a custom op: its own launch count
             launches = CUSTOM_OP_LAUNCHES.get(name, 1)
-        elif not on_device or func.is_view or name in NO_KERNEL:
+        elif not on_device or func.is_view or name in NO_KERNEL or _empty(out):
             launches = 0
         else:
             launches = 1
@@ -120,6 +122,13 @@ class Counter(TorchDispatchMode):
         else:
             self.launches[self.stage] = self.launches.get(self.stage, 0) + launches
         return out
+
+
+def _empty(out) -> bool:
+    """Whether every tensor ``out`` holds has no element: CUDA's kernels return without a launch
+    (autograd's backward of a concatenation makes such tensors for the empty chunks)."""
+    tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+    return bool(tensors) and all(t.numel() == 0 for t in tensors)
 
 
 @contextlib.contextmanager
