@@ -1,4 +1,4 @@
-"""What a balanced MoE layer cannot run (``megatron/balanced_layer/capabilities.py``) fails at startup with a
+"""What a balanced MoE layer cannot run (``megatron/release/capabilities.py``) fails at startup with a
 message naming the flag, as in pretrain_gpt.py: UltraEP's startup checks on Megatron's parse of the
 command line, then Megatron's own parser and validation (one subprocess for all command lines, no
 distributed setup). What production runs is accepted.
@@ -360,7 +360,7 @@ def test_preprocess_graph_needs_the_device_planner():
     import enum
     from types import SimpleNamespace
 
-    from ultraep_megatron.megatron.balanced_layer.capabilities import (
+    from ultraep_megatron.megatron.release.capabilities import (
         default_planner,
         preprocess_graphed,
         unsupported_moe_settings,

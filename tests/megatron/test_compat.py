@@ -76,7 +76,7 @@ def test_the_startup_check_names_an_unsupported_release(monkeypatch):
     """What ``pretrain_gpt.py`` and ``ultraep check-recipe`` report (arguments.ultraep_arg_problems)."""
     from types import SimpleNamespace
 
-    from ultraep_megatron.megatron.balanced_layer import capabilities
+    from ultraep_megatron.megatron.release import capabilities
 
     config = SimpleNamespace(moe_token_dispatcher_type="alltoall")
     assert capabilities.unsupported_moe_settings(config) == []
@@ -93,7 +93,7 @@ MTP_FULL_RECOMPUTE = (
 def test_the_018_refusals_apply_on_018_only(monkeypatch):
     from types import SimpleNamespace
 
-    from ultraep_megatron.megatron.balanced_layer import capabilities
+    from ultraep_megatron.megatron.release import capabilities
 
     config = SimpleNamespace(
         moe_token_dispatcher_type="alltoall", mtp_num_layers=1, recompute_granularity="full"

@@ -17,7 +17,7 @@ Selecting the balancer (startup):
   layer's table, :data:`~ultraep_megatron.settings.knobs.KNOBS`, shared with the ``ultraep``
   command) added to Megatron's parser and checked against Megatron's arguments; builds the model's
   balancing context from them;
-* :mod:`~ultraep_megatron.megatron.balanced_layer.capabilities` -- what a balanced layer cannot run: the Megatron
+* :mod:`~ultraep_megatron.megatron.release.capabilities` -- what a balanced layer cannot run: the Megatron
   settings refused at startup and by the layer, each named by its flag;
 * :mod:`~ultraep_megatron.megatron.run.startup` -- ``pretrain_gpt.py``'s checks of its command line
   before Megatron starts (CPU flags, one line per problem on rank 0, exit status 2);

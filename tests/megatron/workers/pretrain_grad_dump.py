@@ -260,7 +260,7 @@ def _replicas_before_param_gather():
 def _mxfp8_parameters_without_reuse_accepted():
     """The startup check accepts MXFP8 parameters without --reuse-grad-buf-for-mxfp8-param-ag (to
     show what megatron then does with them)."""
-    from ultraep_megatron.megatron.balanced_layer import capabilities
+    from ultraep_megatron.megatron.release import capabilities
 
     return _patched(capabilities, "_mxfp8_parameter_problems", lambda original: lambda get: [])
 

@@ -34,7 +34,7 @@ from megatron.core.transformer.cuda_graphs import is_graph_capturing
 from megatron.core.transformer.enums import CudaGraphModule
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
-from ultraep_megatron.megatron.balanced_layer.capabilities import (
+from ultraep_megatron.megatron.release.capabilities import (
     preprocess_graphed,
     unsupported_moe_settings,
 )

@@ -29,7 +29,7 @@ from megatron.core.transformer.moe.token_dispatcher import (
     _HybridEPManager,
 )
 
-from ultraep_megatron.megatron.balanced_layer.capabilities import flex_backend_problem
+from ultraep_megatron.megatron.release.capabilities import flex_backend_problem
 from ultraep_megatron.megatron.balanced_layer.invocation import BalancedInvocation, upload
 from ultraep_megatron.planner import reroute
 

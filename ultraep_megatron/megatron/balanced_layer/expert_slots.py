@@ -50,7 +50,8 @@ def expert_param_names(experts: torch.nn.Module, num_experts: int) -> List[List[
     if not flat or sorted(flat) != sorted(all_names):
         raise ValueError(
             f"UltraEP cannot find per-expert parameters in {type(experts).__name__} "
-            f"(parameters: {all_names[:6]}{' ...' if len(all_names) > 6 else ''}); supported expert "
+            f"(parameters: {all_names[:6]}{' ...' if len(all_names) > 6 else ''}); "
+            "supported expert "
             "modules are megatron-core's SequentialMLP and TEGroupedMLP without the TE op fuser"
         )
     return names
@@ -97,10 +98,10 @@ class LayerExperts:
 
 
 def is_quantized(tensor) -> bool:
-    """Whether ``tensor`` is a quantized parameter of Transformer Engine's contract (``--fp8-param-gather``:
-    its ``QuantizedTensor`` classes), duck-typed: ``get_metadata()`` returns its constructor's keyword
-    arguments, storage tensors included, and ``type(t)(shape=, dtype=, requires_grad=, **metadata)``
-    rebuilds it."""
+    """Whether ``tensor`` is a quantized parameter of Transformer Engine's contract
+    (``--fp8-param-gather``: its ``QuantizedTensor`` classes), duck-typed: ``get_metadata()``
+    returns its constructor's keyword arguments, storage tensors included, and
+    ``type(t)(shape=, dtype=, requires_grad=, **metadata)`` rebuilds it."""
     return callable(getattr(tensor, "get_metadata", None)) and callable(
         getattr(tensor, "dequantize", None)
     )
@@ -128,8 +129,8 @@ class ExpertWeightLayout:
         dtype: the weight buffer's dtype.
         shapes: ``[part]`` shapes of one slot's tensors, padding included (the data plane's
             ``weight_shapes``).
-        parts: ``[parameter][part]`` ``(metadata key or None, dtype, shape)``; ``None`` per parameter
-            without quantization.
+        parts: ``[parameter][part]`` ``(metadata key or None, dtype, shape)``; ``None`` per
+            parameter without quantization.
         padding: per entry of ``shapes``: ``None`` for a part, the byte count of a padding entry.
     """
 
@@ -167,7 +168,8 @@ class ExpertWeightLayout:
             parts = _parts(p)
             if [(k, t.dtype, torch.Size(t.shape)) for k, t in parts] != layout:
                 raise ValueError(
-                    f"UltraEP: a quantized expert weight's parts {[(k, t.dtype, tuple(t.shape)) for k, t in parts]} "
+                    "UltraEP: a quantized expert weight's parts "
+                    f"{[(k, t.dtype, tuple(t.shape)) for k, t in parts]} "
                     f"differ from the replica slots' layout {layout}"
                 )
             out += [t.reshape(-1).view(torch.uint8) for _, t in parts]
@@ -210,8 +212,9 @@ class ExpertWeightLayout:
 #: Storage tensors of a quantized weight that are a cache derived from the others, not moved: TE's
 #: ``Float8Tensor`` transpose (``data_transpose``) is a byte transpose of ``data``, which TE marks
 #: stale (``_transpose_invalid``) without clearing it when the parameter is re-quantized, and which
-#: ``get_metadata()`` returns either way. A replica is rebuilt without it; TE makes it from the moved
-#: ``data`` when the replica's backward needs it (``update_usage``), bit for bit the main expert's.
+#: ``get_metadata()`` returns either way. A replica is rebuilt without it; TE makes it from the
+#: moved ``data`` when the replica's backward needs it (``update_usage``), bit for bit the main
+#: expert's.
 DERIVED_PARTS = ("data_transpose",)
 
 
@@ -234,7 +237,8 @@ def build_replica_experts(experts, config, pg_collection, num_slots: int) -> "Re
     builder) for ``num_slots`` experts and no parameter storage.
 
     Built with initialization off and the RNG state restored, so building it never changes the
-    model's own initialization (``--moe-balancer none`` and ``ultraep`` start from the same weights).
+    model's own initialization (``--moe-balancer none`` and ``ultraep`` start from the same
+    weights).
     """
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
@@ -375,7 +379,8 @@ class ReplicaExperts:
 
 
 def _owner(module: torch.nn.Module, name: str) -> Tuple[Dict[str, torch.nn.Parameter], str]:
-    """(parameter table of the submodule owning ``name``, attribute) for a parameter of ``module``."""
+    """(parameter table of the submodule owning ``name``, attribute) for a parameter of
+    ``module``."""
     path, _, attr = name.rpartition(".")
     owner = module.get_submodule(path)
     if owner._parameters.get(attr) is None:  # absent, or registered as None (no bias)

@@ -1,5 +1,5 @@
-"""Virtual-layer-ID ring buffer: carries each MoE invocation's balancing plan from its forward to its
-backward (paper §7).
+"""Virtual-layer-ID ring buffer: carries each MoE invocation from its forward to its backward
+(paper §7).
 
 Every in-flight MoE invocation, i.e. one run of an MoE layer in one microbatch's forward (one per
 layer, one per depth for the MTP block's shared layer) whose backward has not run yet,
@@ -96,9 +96,9 @@ class VirtualLayerRing:
                 return slot * (1 << 32) + self._generations[slot]
         layers = sorted({e.layer for e in self._entries if e is not None})
         raise RingFullError(
-            f"UltraEP virtual-layer ring is full ({self.capacity} in-flight MoE invocations, layers "
-            f"{layers}): more microbatches are in flight than the pipeline schedule allows, or forward "
-            "passes ran in training mode without a backward. Raise the ring size with "
+            f"UltraEP virtual-layer ring is full ({self.capacity} in-flight MoE invocations, "
+            f"layers {layers}): more microbatches are in flight than the pipeline schedule allows, "
+            "or forward passes ran in training mode without a backward. Raise the ring size with "
             "--moe-balancer-ring-size, or run forward-only passes with model.eval()."
         )
 
@@ -139,7 +139,8 @@ class VirtualLayerRing:
         forwards = self._parked_forwards.get(layer)
         if not forwards:
             raise RuntimeError(
-                f"MoE layer {layer} is being recomputed but no checkpointed forward of it is pending"
+                f"MoE layer {layer} is being recomputed but no checkpointed forward of it is "
+                "pending"
             )
         vid = forwards[0].ids.pop()
         if not forwards[0].ids:

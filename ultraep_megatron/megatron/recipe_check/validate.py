@@ -222,7 +222,7 @@ def startup_problems(args: argparse.Namespace) -> list[str]:
 def environment_notes(args: argparse.Namespace) -> list[str]:
     """What the recipe's GPU nodes need installed that this machine cannot import, one line each
     (``capabilities.missing_packages``): no problem of the recipe, which this machine does not run."""
-    from ultraep_megatron.megatron.balanced_layer import capabilities
+    from ultraep_megatron.megatron.release import capabilities
 
     with quiet_megatron():
         missing = capabilities.missing_packages(args)

@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-from ultraep_megatron.megatron.balanced_layer import capabilities
+from ultraep_megatron.megatron.release import capabilities
 from ultraep_megatron.planner import BalancerConfig
 from ultraep_megatron.planner.baselines import registry
 from ultraep_megatron.planner.device_solve import triton_available
