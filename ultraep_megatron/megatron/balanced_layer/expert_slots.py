@@ -1,20 +1,9 @@
-"""Where one expert's parameters live inside megatron-core's experts modules, and the module that
-runs the redundant slots.
-
-Two expert classes are supported, with the same code path:
-
-* ``SequentialMLP`` (the local spec; what runs on CPU): expert ``j``'s parameters are
-  ``local_experts.{j}.linear_fc1.weight``, ``local_experts.{j}.linear_fc2.weight`` (and biases);
-* ``TEGroupedMLP`` (``--moe-grouped-gemm`` with Transformer Engine): one grouped GEMM over all local
-  experts, expert ``j``'s parameters are ``linear_fc1.weight{j}``, ``linear_fc2.weight{j}`` (and
-  ``bias{j}``).
-
-The redundant slots run an instance of the *same* experts class built for ``num_slots`` experts
-(:func:`build_replica_experts`, :class:`ReplicaExperts`): with TE present its grouped GEMM runs the
-replicas, on CPU the SequentialMLP loop does. Its own parameters are released right after
-construction; every call substitutes views of the shared replica buffer in their place, so it owns
-no memory and is never part of the model (not a submodule: no DDP bucket, optimizer state or
-checkpoint key).
+"""Where one expert's parameters live in megatron-core's experts modules (``SequentialMLP``:
+``local_experts.{j}.linear_fc1.weight``; ``TEGroupedMLP``: ``linear_fc1.weight{j}``), and the module
+that runs the redundant slots: the layer's own experts class built for S experts
+(:func:`build_replica_experts`), whose parameters are released at construction and replaced by views
+of the shared replica buffer at every call (no memory of its own, no submodule of the model: no DDP
+bucket, optimizer state or checkpoint key).
 """
 
 from __future__ import annotations
@@ -274,13 +263,10 @@ def replica_experts_config(config):
 
 
 class ReplicaExperts:
-    """The module that runs the redundant slots, called with the slots' weights.
-
-    Its own parameters are released at construction; each call puts the given tensors (views of
-    the shared replica buffer, or tensors derived from them) in their place in the owning
-    submodules' parameter tables, runs the module, and puts the empty parameters back. That is what
-    ``torch.func.functional_call`` does, without its per-call walk over the module tree (a few
-    hundred Python calls per layer and microbatch): the owners are resolved once, here.
+    """The module that runs the redundant slots, called with the slots' weights: each call puts them
+    in the owning submodules' parameter tables, runs the module and puts the released parameters
+    back (``torch.func.functional_call`` without its per-call walk of the module tree: the owners
+    are resolved once, here).
 
     Attributes:
         module: the experts module (``layer``'s class, ``S`` experts).

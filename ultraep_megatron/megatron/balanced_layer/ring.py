@@ -1,26 +1,12 @@
-"""Virtual-layer-ID ring buffer: carries each MoE invocation from its forward to its backward
-(paper §7).
+"""The virtual-layer-ID ring (paper §7): each in-flight MoE invocation, from its forward to its
+backward, in a *ring slot* whose id autograd contexts keep, so the backward finds its forward's
+invocation whatever the pipeline schedule. Sized from the schedule (:func:`invocations_per_forward`
+summed over the rank's MoE layers × :func:`max_inflight_microbatches`); full is an error, never a
+reuse (a live slot overwritten would give a backward another plan).
 
-Every in-flight MoE invocation, i.e. one run of an MoE layer in one microbatch's forward (one per
-layer, one per depth for the MTP block's shared layer) whose backward has not run yet,
-holds one slot of the ring (a *ring slot*, not to be confused with a redundant or a physical slot).
-Its id (the *virtual layer id*) is saved in the autograd contexts of the layer's backward functions,
-so the backward finds the forward's plan without knowing the pipeline schedule. With pipeline
-parallelism several microbatches of the same layer are in flight at once, so the ring is sized from
-the schedule: the MoE invocations of one model forward on this rank (:func:`invocations_per_forward`
-summed over its MoE layers) times :func:`max_inflight_microbatches`.
-
-A full ring is an error, never a silent reuse: a live slot overwritten would make a backward use the
-wrong plan and silently corrupt gradients.
-
-Activation recompute replays the forward of a layer inside the backward. The first (checkpointed,
-no-grad) forward parks its id; the replay pops it and reuses the stored plan instead of solving
-again. Per layer, the model forwards' replays happen in the order the forwards ran (pipeline
-schedules run backward passes of a stage's microbatches in forward order): a FIFO of forwards. A
-layer that one model forward runs several times (the MTP block's shared layer, once per depth, each
-depth feeding the next) is replayed in reverse within that forward, so each forward's ids are
-popped last-in first-out. The replay can check that the recomputed routing equals the stored one
-(``--moe-balancer-check-plans``).
+Activation recompute: the checkpointed forward parks its id and the replay pops it. Per layer the
+replays come in the order the forwards ran (a FIFO of model forwards); a layer one forward runs
+several times (the MTP block's shared layer) is replayed in reverse within it (LIFO).
 """
 
 from __future__ import annotations
@@ -36,13 +22,8 @@ class RingFullError(RuntimeError):
 
 @dataclass
 class RingEntry:
-    """The state one in-flight MoE invocation carries to its backward.
-
-    Attributes:
-        layer: the MoE layer's global layer number.
-        generation: bumped on every reuse of the slot, so a stale id is detected.
-        payload: whatever the balancer stored (plan, load, slot contents).
-    """
+    """One ring slot: the MoE layer's number, the slot's ``generation`` (bumped at every reuse, so
+    a stale id is detected) and the ``payload`` (the invocation)."""
 
     layer: int
     generation: int
