@@ -62,3 +62,28 @@ def model_parallel(ep: int = 1, seed: int = 123) -> None:
         parallel_state.destroy_model_parallel()
         parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)
     model_parallel_cuda_manual_seed(seed)
+
+
+def moe_weights(experts: int, hidden: int, ffn: int, seed: int) -> dict:
+    """A small MoE layer's weights from ``seed``, identical on every rank. Shapes: router [E, H],
+    fc1 [E, F, H], fc2 [E, H, F] (scaled as a linear's initialization)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "router": torch.randn(experts, hidden, generator=gen) * 0.5,
+        "fc1": torch.randn(experts, ffn, hidden, generator=gen) * hidden**-0.5,
+        "fc2": torch.randn(experts, hidden, ffn, generator=gen) * ffn**-0.5,
+    }
+
+
+def expert_linears(layer, local: int) -> tuple:
+    """(fc1, fc2) weights of ``layer``'s local expert ``local``, for ``SequentialMLP`` or
+    ``TEGroupedMLP`` experts."""
+    experts = layer.experts
+    if hasattr(experts, "local_experts"):
+        mlp = experts.local_experts[local]
+        return mlp.linear_fc1.weight, mlp.linear_fc2.weight
+    return getattr(experts.linear_fc1, f"weight{local}"), getattr(
+        experts.linear_fc2, f"weight{local}"
+    )

@@ -63,6 +63,8 @@ import torch
 # tests/megatron, where the modules the workers share live (also for the workers importing this one)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from megatron_setup import expert_linears
+from megatron_setup import moe_weights
 from ultraep_megatron.megatron.cpu import backend as cpu_backend
 
 NUM_EXPERTS = 8
@@ -75,13 +77,7 @@ LATENT = 16  # --moe-latent-size of the latent scenarios
 
 
 def global_weights() -> dict[str, torch.Tensor]:
-    """Shapes: router [E, H], fc1 [E, F, H], fc2 [E, H, F]."""
-    gen = torch.Generator().manual_seed(4321)
-    return {
-        "router": torch.randn(NUM_EXPERTS, HIDDEN, generator=gen) * 0.5,
-        "fc1": torch.randn(NUM_EXPERTS, FFN, HIDDEN, generator=gen) * HIDDEN**-0.5,
-        "fc2": torch.randn(NUM_EXPERTS, HIDDEN, FFN, generator=gen) * FFN**-0.5,
-    }
+    return moe_weights(NUM_EXPERTS, HIDDEN, FFN, seed=4321)
 
 
 def latent_weights() -> dict[str, torch.Tensor]:
@@ -190,7 +186,7 @@ def load_weights(layer, weights):
         router = weights["router"].clone()
         layer.router.weight.copy_(router)
         for local, expert_index in enumerate(layer.local_expert_indices):
-            fc1, fc2 = expert_weights(layer, local)
+            fc1, fc2 = expert_linears(layer, local)
             fc1.copy_(weights["fc1"][expert_index])
             fc2.copy_(weights["fc2"][expert_index])
         for projection, key in latent_projections(layer):
@@ -203,17 +199,6 @@ def latent_projections(layer) -> list:
     if not layer.config.moe_latent_size:
         return []
     return [(layer.fc1_latent_proj, "fc1_latent"), (layer.fc2_latent_proj, "fc2_latent")]
-
-
-def expert_weights(layer, local: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fc1, fc2) weights of local expert ``local``, for SequentialMLP or TEGroupedMLP experts."""
-    experts = layer.experts
-    if hasattr(experts, "local_experts"):
-        mlp = experts.local_experts[local]
-        return mlp.linear_fc1.weight, mlp.linear_fc2.weight
-    return getattr(experts.linear_fc1, f"weight{local}"), getattr(
-        experts.linear_fc2, f"weight{local}"
-    )
 
 
 def skew(x: torch.Tensor, weights, hot=HOT_EXPERTS) -> torch.Tensor:
@@ -379,7 +364,7 @@ def run(
 
         balancing.slots.reduce = recording_reduce
         for local in range(layer.num_local_experts):
-            for weight in expert_weights(layer, local):
+            for weight in expert_linears(layer, local):
                 accumulator = weight.expand_as(weight).grad_fn.next_functions[0][0]
                 accumulator.register_hook(
                     functools.partial(
@@ -413,7 +398,7 @@ def run(
         ],
         "router_grad": layer.router.weight.grad.detach().clone() if router_grad else None,
         "expert_grads": {
-            int(idx): tuple(w.grad.detach().clone() for w in expert_weights(layer, local))
+            int(idx): tuple(w.grad.detach().clone() for w in expert_linears(layer, local))
             for local, idx in enumerate(layer.local_expert_indices)
         },
         "latent_grads": {

@@ -213,14 +213,15 @@ def run(layer, batches) -> list:
 
 def collected(layer, batches, outs) -> dict:
     """The results, on the host (after the measurement: these copies synchronize)."""
-    from balanced_moe_layer import expert_weights, permuted
+    from balanced_moe_layer import permuted
+    from megatron_setup import expert_linears
 
     return {
         "out": [permuted(o.detach().cpu(), back) for o, (_, _, back) in zip(outs, batches)],
         "dx": [permuted(x.grad.detach().cpu(), back) for x, _, back in batches],
         "router_grad": layer.router.weight.grad.detach().cpu(),
         "expert_grads": {
-            int(idx): tuple(w.grad.detach().cpu() for w in expert_weights(layer, local))
+            int(idx): tuple(w.grad.detach().cpu() for w in expert_linears(layer, local))
             for local, idx in enumerate(layer.local_expert_indices)
         },
     }

@@ -35,10 +35,10 @@ from balanced_moe_layer import (  # noqa: E402
     SEQ,
     TOPK,
     build_layer,
-    expert_weights,
     global_weights,
     load_weights,
 )
+from megatron_setup import expert_linears  # noqa: E402
 
 UNIT_TOKENS, UNIT_HIDDEN = 24, 5
 
@@ -118,7 +118,7 @@ def run(layer, weights, rank) -> dict:
             else router_grad.detach().clone()
         ),
         "expert_grads": {
-            int(idx): tuple(w.grad.detach().clone() for w in expert_weights(layer, local))
+            int(idx): tuple(w.grad.detach().clone() for w in expert_linears(layer, local))
             for local, idx in enumerate(layer.local_expert_indices)
         },
     }

@@ -65,12 +65,9 @@ SCALE_VARIANTS = {
 
 def layer_weights(layer: int, step: int) -> dict[str, torch.Tensor]:
     """Shapes: router [E, H], fc1 [E, F, H], fc2 [E, H, F]; new for every layer and step."""
-    gen = torch.Generator().manual_seed(4321 + 100 * layer + step)
-    return {
-        "router": torch.randn(NUM_EXPERTS, HIDDEN, generator=gen) * 0.5,
-        "fc1": torch.randn(NUM_EXPERTS, FFN, HIDDEN, generator=gen) * HIDDEN**-0.5,
-        "fc2": torch.randn(NUM_EXPERTS, HIDDEN, FFN, generator=gen) * FFN**-0.5,
-    }
+    from megatron_setup import moe_weights
+
+    return moe_weights(NUM_EXPERTS, HIDDEN, FFN, seed=4321 + 100 * layer + step)
 
 
 def build_layers(

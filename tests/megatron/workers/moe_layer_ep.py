@@ -19,6 +19,7 @@ import torch
 # tests/megatron, where the modules the workers share live (also for the workers importing this one)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from megatron_setup import moe_weights
 from ultraep_megatron.megatron.cpu import backend as cpu_backend
 
 NUM_EXPERTS = 8
@@ -29,14 +30,7 @@ SEQ, BATCH = 16, 2
 
 
 def global_weights() -> dict[str, torch.Tensor]:
-    """The whole model, identical on every rank. Shapes: router [E, H], fc1 [E, F, H],
-    fc2 [E, H, F]."""
-    gen = torch.Generator().manual_seed(1234)
-    return {
-        "router": torch.randn(NUM_EXPERTS, HIDDEN, generator=gen) * 0.5,
-        "fc1": torch.randn(NUM_EXPERTS, FFN, HIDDEN, generator=gen) * HIDDEN**-0.5,
-        "fc2": torch.randn(NUM_EXPERTS, HIDDEN, FFN, generator=gen) * FFN**-0.5,
-    }
+    return moe_weights(NUM_EXPERTS, HIDDEN, FFN, seed=1234)
 
 
 def rank_inputs(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
