@@ -2,7 +2,9 @@
 # Megatron-LM's examples/: one bash array per argument group, torchrun on every node.
 #
 # Environment (all optional; MASTER_ADDR is needed as soon as there is more than one node):
-#   MASTER_ADDR, MASTER_PORT   rendezvous host/port (default localhost:6000)
+#   MASTER_ADDR, MASTER_PORT   rendezvous host/port (default port 6000; host: localhost on one
+#                              node; on several, node 0 of Slurm's SLURM_JOB_NODELIST, else the
+#                              recipe stops naming MASTER_ADDR rather than guess localhost)
 #   NNODES, NODE_RANK          nodes in the job and this node's index (defaults: the recipe's
 #                              layout; $SLURM_NODEID or 0)
 #   GPUS_PER_NODE              processes per node (default: the recipe's DEFAULT_GPUS_PER_NODE,
@@ -76,6 +78,8 @@ ultraep_launch() {
     ultraep_env_int NODE_RANK "$node_rank" 0 "this node's index"
     (( 10#$node_rank < 10#$nnodes )) || ultraep_env_error "NODE_RANK=$node_rank: expected less than NNODES=$nnodes"
     ultraep_env_int MASTER_PORT "${MASTER_PORT:-6000}" 1 "the rendezvous port"
+    local master_addr
+    ultraep_master_addr "$nnodes"
 
     export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
     export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
@@ -84,7 +88,7 @@ ultraep_launch() {
         --nproc-per-node "$gpus_per_node"
         --nnodes "$nnodes"
         --node-rank "$node_rank"
-        --master-addr "${MASTER_ADDR:-localhost}"
+        --master-addr "$master_addr"
         --master-port "${MASTER_PORT:-6000}"
     )
 
@@ -176,6 +180,26 @@ ultraep_launch() {
         "${MODEL_ARGS[@]}" "${MOE_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${system_args[@]}" \
         "${precision_args[@]}" "${cuda_graph_args[@]}" "${dispatcher_args[@]}" \
         "${data_args[@]}" "${checkpoint_args[@]}" "${logging_args[@]}" "${balancer_args[@]}" "$@"
+}
+
+# NNODES -> master_addr (the caller's variable): MASTER_ADDR; one node: localhost; several nodes
+# without it: node 0 of Slurm's SLURM_JOB_NODELIST (scontrol show hostnames), else one line naming
+# MASTER_ADDR, exit status 2. Every node must name the same host: localhost on four nodes is four
+# rendezvous that never meet, a hang rather than an error.
+ultraep_master_addr() {
+    master_addr=${MASTER_ADDR:-}
+    [[ -n "$master_addr" ]] && return
+    if (( 10#$1 == 1 )); then
+        master_addr=localhost
+        return
+    fi
+    if [[ -n "${SLURM_JOB_NODELIST:-}" ]] && command -v scontrol >/dev/null 2>&1; then
+        master_addr=$(scontrol show hostnames "$SLURM_JOB_NODELIST" 2>/dev/null | head -n1 || true)
+        [[ -n "$master_addr" ]] && return
+    fi
+    ultraep_env_error "MASTER_ADDR is not set and NNODES=$1: set it to node 0's address, the same" \
+        "on every node (under Slurm: export MASTER_ADDR=\$(scontrol show hostnames" \
+        "\"\$SLURM_JOB_NODELIST\" | head -n1); see recipes/slurm_qwen3_30b_a3b_hgx.sbatch)"
 }
 
 # PRECISION -> precision_args (the caller's array): Megatron-Bridge's presets (training/

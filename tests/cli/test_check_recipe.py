@@ -201,6 +201,7 @@ def test_a_gb200_recipe_passes_with_a_note_where_hybridep_is_not_installed(capsy
 
     monkeypatch.setattr(token_dispatcher, "hybrid_ep_dispatch", None, raising=False)
     monkeypatch.delenv("DISPATCHER", raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "node0")  # as on the nodes (without it: a NOTE of its own)
     gb200 = str(RECIPES / "qwen3_235b_a22b_ep64_dp4.sh")
     assert main(["check-recipe", gb200]) == EXIT_OK
     out = capsys.readouterr().out

@@ -74,7 +74,7 @@ class RecipeReport:
         layout = self.layout.problems()
         if not self.domain_known and self.hardware_problems:  # EP across nodes of unknown hardware:
             layout = [p for p in layout if "spans scale-up domains" not in p]  # said once, above
-        return self.hardware_problems + layout + self.memory_problems()
+        return self.launch.problems + self.hardware_problems + layout + self.memory_problems()
 
 
 #: Memory per GPU assumed when no hardware is named: an H100's, the smallest GPU the recipes target.
@@ -175,7 +175,7 @@ def check_launch(
             memory_source=memory_source,
             domain_source=domain_source,
             hardware_problems=hardware_problems,
-            notes=environment_notes(args),
+            notes=[*launch.notes, *environment_notes(args)],
             assumed=assumed,
             hardware_named=name,
             domain_known=domain_known,
