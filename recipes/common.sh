@@ -176,7 +176,7 @@ ultraep_launch() {
     local dispatcher_args
     ultraep_dispatcher_args "${DISPATCHER:-${DEFAULT_DISPATCHER:-alltoall}}"
 
-    exec "$python" -m torch.distributed.run "${distributed_args[@]}" "$script" \
+    exec "$python" -m ultraep_megatron.megatron.run.torchrun "${distributed_args[@]}" "$script" \
         "${MODEL_ARGS[@]}" "${MOE_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${system_args[@]}" \
         "${precision_args[@]}" "${cuda_graph_args[@]}" "${dispatcher_args[@]}" \
         "${data_args[@]}" "${checkpoint_args[@]}" "${logging_args[@]}" "${balancer_args[@]}" "$@"

@@ -68,6 +68,13 @@ class NotARecipe(RecipeError):
 
 
 PYTHONS = ("python", "python3", *(f"python3.{minor}" for minor in range(8, 16)))
+#: ``python -m`` modules that are torchrun (the recipes': torchrun ending a refusal in one line).
+TORCHRUN_MODULES = (
+    "torch.distributed.run",
+    "torch.distributed.launch",
+    "ultraep_megatron.megatron.run.torchrun",
+)
+_TORCHRUN_ARGV = [[m] for m in TORCHRUN_MODULES]
 #: Launchers of a training job whose command line the checker reads.
 READ_LAUNCHERS = ("torchrun", "srun", "deepspeed", "mpirun", "mpiexec")
 #: Programs that start work elsewhere: recorded, never run, and refused.
@@ -165,15 +172,12 @@ def parse_torchrun_command(
     argv: Sequence[str], source: str = "<arguments>", prefix: str = "", python: str = "python"
 ) -> Launch:
     """A :class:`Launch` from ``python``'s argv, which must be ``-m torch.distributed.run ...``
-    (or ``torch.distributed.launch``).
+    (or another of :data:`TORCHRUN_MODULES`).
 
     torchrun's own parser reads its options, so every spelling it accepts works.
     """
     argv = list(argv)
-    if argv[:1] != ["-m"] or argv[1:2] not in (
-        ["torch.distributed.run"],
-        ["torch.distributed.launch"],
-    ):
+    if not argv[1:] or argv[0] != "-m" or argv[1] not in TORCHRUN_MODULES:
         raise RecipeError(
             f"{source}: expected `python -m torch.distributed.run ...`, got {argv[:4]}"
         )
@@ -378,10 +382,7 @@ def _wrapped_launch(program: str, argv: Sequence[str], source: str) -> Launch:
         return _torchrun_launch(command[1:], source, f"{prefix} torchrun")
     if name == "deepspeed":
         return _deepspeed_launch(command[1:], source, prefix)
-    if name in PYTHONS and command[1:3] in (
-        ["-m", "torch.distributed.run"],
-        ["-m", "torch.distributed.launch"],
-    ):
+    if name in PYTHONS and command[1:2] == ["-m"] and command[2:3] in _TORCHRUN_ARGV:
         return parse_torchrun_command(command[1:], source, prefix=f"{prefix} ", python=name)
     if is_srun:
         nodes = _count(options, ("-N", "--nodes"), source, program)
@@ -440,7 +441,7 @@ def read_launch(program: str, argv: Sequence[str], source: str) -> Optional[Laun
     if program in ANSWERED_PROGRAMS:
         return None
     if program in PYTHONS:
-        if argv[:2] in (["-m", "torch.distributed.run"], ["-m", "torch.distributed.launch"]):
+        if argv[:1] == ["-m"] and argv[1:2] in _TORCHRUN_ARGV:
             return parse_torchrun_command(argv, source, python=program)
         return None
     if program == "torchrun":
