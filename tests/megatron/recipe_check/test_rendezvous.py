@@ -119,3 +119,36 @@ def test_a_torchrun_line_of_several_nodes_at_localhost_is_a_problem(tmp_path):
     assert rc.capture_launch(job).problems == []
     job.write_text("#!/bin/bash\n" + line.format("--rdzv-backend c10d --rdzv-endpoint node0:29400"))
     assert rc.capture_launch(job).problems == []
+
+
+def test_the_235b_hgx_recipe_s_minimum_in_the_docs_is_the_one_check_recipe_accepts(monkeypatch):
+    """docs/first_gpu_run.md's multiple for recipes/qwen3_235b_a22b_ep32_pp8_hgx.sh, against the
+    recipe's own layout (expert-TP x EP x PP of its launch) and the checker: the minimum passes,
+    half of it and one and a half of it are refused for the world size."""
+    monkeypatch.setenv("MASTER_ADDR", "node0")
+    text = (REPO / "docs" / "first_gpu_run.md").read_text()
+    found = re.search(
+        r"multiple of expert-TP x EP x PP = (\d+) x (\d+) x (\d+) = (\d+) GPUs \(`NNODES` a "
+        r"multiple of (\d+)\)",
+        text.replace("\n", " "),
+    )
+    assert found, "the docs' minimum for the 235B HGX recipe"
+    etp, ep, pp, gpus, nodes = map(int, found.groups())
+    recipe = REPO / "recipes" / "qwen3_235b_a22b_ep32_pp8_hgx.sh"
+    launch = rc.capture_launch(recipe, {"NNODES": str(nodes)})
+    args = launch.args
+
+    def value(flag: str) -> int:
+        return int(args[len(args) - 1 - args[::-1].index(flag) + 1])
+
+    assert (etp, ep, pp) == (
+        value("--expert-tensor-parallel-size"),
+        value("--expert-model-parallel-size"),
+        value("--pipeline-model-parallel-size"),
+    )
+    assert etp * ep * pp == gpus == nodes * launch.nproc_per_node
+    assert rc.check_launch(launch).problems() == []
+    for other in (nodes // 2, nodes * 3 // 2):  # a batch that divides: the world size is refused
+        env = {"NNODES": str(other), "GLOBAL_BATCH_SIZE": "6144"}
+        with pytest.raises(rc.RecipeError, match=f"world size {other * 8} is not divisible"):
+            rc.check_launch(rc.capture_launch(recipe, env)).problems()
