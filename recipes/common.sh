@@ -33,7 +33,8 @@
 #                              Blackwell: fp8_cs fp8_mx). nvfp4 is refused: --moe-balancer
 #                              ultraep refuses fp4 (docs/integration.md)
 #   CUDA_GRAPH_MODULES         per-layer CUDA graphs (--cuda-graph-impl transformer_engine
-#                              --cuda-graph-modules ...) within attn moe_router mlp mamba; none: no
+#                              --cuda-graph-modules ...) within attn moe_router mlp mamba, and
+#                              moe_preprocess with DISPATCHER=alltoall (the device planner); none: no
 #                              graphs (default: the recipe's DEFAULT_CUDA_GRAPH_MODULES, else none)
 #   DISPATCHER                 alltoall, hybridep or deepep: --moe-token-dispatcher-type alltoall, or
 #                              flex with that backend (needs DeepEP / HybridEP installed on the GPU
@@ -172,7 +173,8 @@ ultraep_launch() {
     local precision_args
     ultraep_precision_args "${PRECISION:-bf16}"
     local cuda_graph_args
-    ultraep_cuda_graph_args "${CUDA_GRAPH_MODULES:-${DEFAULT_CUDA_GRAPH_MODULES:-none}}"
+    ultraep_cuda_graph_args "${CUDA_GRAPH_MODULES:-${DEFAULT_CUDA_GRAPH_MODULES:-none}}" \
+        "${DISPATCHER:-${DEFAULT_DISPATCHER:-alltoall}}"
     local dispatcher_args
     ultraep_dispatcher_args "${DISPATCHER:-${DEFAULT_DISPATCHER:-alltoall}}"
 
@@ -227,9 +229,11 @@ ultraep_precision_args() {
     esac
 }
 
-# CUDA_GRAPH_MODULES -> cuda_graph_args: per-layer graphs only of modules that end before the
-# balanced part of a MoE layer (moe and full_iteration capture the transfers the plan sizes;
-# moe_preprocess runs with the device planner and the alltoall dispatcher only).
+# CUDA_GRAPH_MODULES DISPATCHER -> cuda_graph_args: per-layer graphs only of modules that end
+# before the balanced part of a MoE layer (moe and full_iteration capture the transfers the plan
+# sizes); moe_preprocess with the alltoall dispatcher only, where the balanced layer plans on the
+# device (its default under that graph: no host read to capture), as pretrain_gpt.py and
+# ultraep check-recipe decide (balanced_layer/capabilities.py); refused with the flex dispatcher.
 ultraep_cuda_graph_args() {
     cuda_graph_args=()
     [[ "$1" == none ]] && return
@@ -237,11 +241,14 @@ ultraep_cuda_graph_args() {
     for module in $1; do
         case "$module" in
             attn|moe_router|mlp|mamba) continue ;;
-            moe|moe_preprocess) why="its graph would capture the balanced MoE layer's host wait for its plan and the transfers the plan sizes, which a replayed graph cannot redo" ;;
-            full_iteration) why="its graph would capture the whole iteration, the balanced layers' plan waits included" ;;
+            moe_preprocess)
+                [[ "$2" == alltoall ]] && continue
+                why="with DISPATCHER=$2 (the flex dispatcher) its preprocessing has not been checked under capture yet; use DISPATCHER=alltoall, or leave moe_preprocess out" ;;
+            moe) why="its graph would capture the balanced MoE layer's transfers, whose sizes the plan sets, which a replayed graph cannot redo" ;;
+            full_iteration) why="its graph would capture the whole iteration, the balanced layers' transfers included" ;;
             *) why="not one of megatron's per-layer CUDA-graph modules" ;;
         esac
-        ultraep_env_error "CUDA_GRAPH_MODULES=$1: $module is refused: $why; use modules within attn moe_router mlp mamba, or none"
+        ultraep_env_error "CUDA_GRAPH_MODULES=$1: $module is refused: $why; use modules within attn moe_router mlp mamba (moe_preprocess with DISPATCHER=alltoall), or none"
     done
     cuda_graph_args=(--cuda-graph-impl transformer_engine --cuda-graph-modules $1)
 }
