@@ -2,6 +2,7 @@
 # Megatron-LM's examples/: one bash array per argument group, torchrun on every node.
 #
 # Environment (all optional; MASTER_ADDR is needed as soon as there is more than one node):
+#   (A Slurm job running a recipe on every node: recipes/slurm_qwen3_30b_a3b_hgx.sbatch.)
 #   MASTER_ADDR, MASTER_PORT   rendezvous host/port (default port 6000; host: localhost on one
 #                              node; on several, node 0 of Slurm's SLURM_JOB_NODELIST, else the
 #                              recipe stops naming MASTER_ADDR rather than guess localhost)
@@ -14,7 +15,11 @@
 #                              checkout patched with patches/ works the same)
 #   ULTRAEP_PYTHON             python with torch + megatron-core + ultraep_megatron
 #   DATA_PATH                  Megatron --data-path (a blend "w1 p1 w2 p2" or one prefix); unset:
-#                              --mock-data with a NullTokenizer of the model's vocabulary size
+#                              --mock-data with a NullTokenizer of the model's vocabulary size.
+#                              Build a prefix with Megatron-LM's tools/preprocess_data.py (--input
+#                              JSONL --output-prefix P --tokenizer-type HuggingFaceTokenizer
+#                              --tokenizer-model TOKENIZER_MODEL --append-eod): DATA_PATH=P_text_document
+#   SAVE_INTERVAL              --save-interval with CHECKPOINT_DIR (default 500 iterations)
 #   TOKENIZER_MODEL            HuggingFace tokenizer DATA_PATH was made with: a local directory
 #                              (a cluster without internet) or a hub id (needs the hub from every
 #                              node). Required with DATA_PATH: the recipe refuses to start without
