@@ -7,7 +7,8 @@ name shared by its ranks), ``ranks`` (its global ranks), ``op`` (the operation's
 (a global rank), ``numel``, ``dtype`` and ``id`` (per rank, what a ``wait`` names). Rules, each
 failing with a message naming the operation and the ranks (:class:`NcclRuleError`):
 
-* collectives: the same sequence (operation, element count, dtype) on every rank of a communicator;
+* collectives: the same sequence (operation, element count, dtype; the count free where it may
+  differ: :data:`VARIABLE_SIZE`) on every rank of a communicator;
 * point-to-point: per pair of ranks and communicator, the k-th send matches the k-th receive in
   issue order, whatever the tag, with the same element count and dtype; a batched send is matched
   by a batched receive, and two sends in one batch by two receives in one batch;
@@ -22,6 +23,14 @@ from __future__ import annotations
 
 from collections import defaultdict
 from typing import Sequence
+
+
+#: Collectives whose element count may differ across ranks (uneven all-to-all splits, objects).
+VARIABLE_SIZE = {"all_to_all_single", "all_gather_object", "broadcast_object_list"}
+
+
+def _coll_key(e: dict) -> tuple:
+    return (e["op"], e["dtype"]) if e["op"] in VARIABLE_SIZE else (e["op"], e["numel"], e["dtype"])
 
 
 class NcclRuleError(AssertionError):
@@ -51,9 +60,7 @@ def check_collectives(logs: dict[int, list[dict]]) -> None:
         longest = max(len(per_rank.get(r, [])) for r in ranks)
         for k in range(longest):
             seen = {r: per_rank[r][k] if k < len(per_rank.get(r, [])) else None for r in ranks}
-            keys = {
-                r: None if e is None else (e["op"], e["numel"], e["dtype"]) for r, e in seen.items()
-            }
+            keys = {r: None if e is None else _coll_key(e) for r, e in seen.items()}
             if len(set(keys.values())) > 1:
                 ref = next(r for r in ranks if seen[r] is not None)
                 odd = [r for r in ranks if keys[r] != keys[ref]]
@@ -158,12 +165,21 @@ def check_wait_cycles(logs: dict[int, list[dict]], matches) -> None:
                 count[e["comm"]] += 1
                 coll_index[(r, i)] = key
                 colls[key].append((r, i))
-    issued = {r: 0 for r in logs}  # units issued so far per rank
-    pos = {r: 0 for r in logs}  # host position in the log
+    # One host program per thread that issued: a wait holds its own thread only (the CPU's
+    # stand-in for a communication stream is a thread; a wait there holds that stream, not the
+    # caller's, as a wait on NCCL's stream does).
+    hosts: dict[tuple, list[tuple[dict, int | None]]] = defaultdict(list)
+    for r, log in logs.items():
+        unit = 0
+        for e in log:
+            hosts[(r, e.get("thread", "main"))].append((e, None if e["kind"] == "wait" else unit))
+            unit += e["kind"] != "wait"
+    issued: dict[int, set] = {r: set() for r in logs}
+    pos = {h: 0 for h in hosts}
     done: set = set()
 
     def started(r, i):
-        if i >= issued[r]:
+        if i not in issued[r]:
             return False
         comm = units[r][i]["comm"]
         return all((r, j) in done for j in range(i) if units[r][j]["comm"] == comm)
@@ -176,19 +192,20 @@ def check_wait_cycles(logs: dict[int, list[dict]], matches) -> None:
     progress = True
     while progress:
         progress = False
-        for r, log in logs.items():
-            while pos[r] < len(log):
-                e = log[pos[r]]
+        for (r, _), program in hosts.items():
+            h = (r, _)
+            while pos[h] < len(program):
+                e, unit = program[pos[h]]
                 if e["kind"] == "wait":
                     i = unit_of_id[r].get(e["id"])
                     if i is not None and (r, i) not in done:
                         break
                 else:
-                    issued[r] += 1
-                pos[r] += 1
+                    issued[r].add(unit)
+                pos[h] += 1
                 progress = True
         for r in logs:
-            for i in range(issued[r]):
+            for i in issued[r]:
                 if (
                     (r, i) not in done
                     and started(r, i)
@@ -196,11 +213,12 @@ def check_wait_cycles(logs: dict[int, list[dict]], matches) -> None:
                 ):
                     done.add((r, i))
                     progress = True
-    stuck = [r for r, log in logs.items() if pos[r] < len(log)]
-    if stuck:
+    stuck_hosts = [h for h, program in hosts.items() if pos[h] < len(program)]
+    if stuck_hosts:
         lines = []
-        for r in stuck:
-            e = logs[r][pos[r]]
+        for h in stuck_hosts:
+            r = h[0]
+            e = hosts[h][pos[h]][0]
             i = unit_of_id[r][e["id"]]
             waiting = [
                 f"rank {p}'s {_desc(units[p][j]) if units[p][j]['kind'] != 'batch' else 'batch'}"

@@ -19,12 +19,22 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from typing import Any
 
 import torch.distributed as dist
 
 ENV = "ULTRAEP_NCCL_RULES_DIR"
-_events: list[dict] = []
+
+
+class _Events(list):
+    """The rank's events; each notes the thread that issued it (a wait holds that thread only)."""
+
+    def append(self, event: dict) -> None:
+        super().append({**event, "thread": threading.current_thread().name})
+
+
+_events: list[dict] = _Events()
 _state: dict[str, Any] = {"in_batch": False, "next_id": 0, "groups": {}}
 _COLLECTIVES = (
     "all_reduce",

@@ -302,6 +302,14 @@ class _Supervisor:
             os.environ.update(env)
             os.chdir(self.message["cwd"])
             self._fresh_interpreter_state(env)
+            rules_dir = env.get("ULTRAEP_NCCL_RULES_DIR")
+            if rules_dir:  # tests/nccl_rules.py: every distributed operation recorded, then written
+                import atexit
+
+                import nccl_rules
+
+                nccl_rules.install()
+                atexit.register(nccl_rules.dump, rules_dir, rank)
         except BaseException:
             import traceback
 
