@@ -27,6 +27,11 @@ if os.environ.get("RANK", "0") != "0" or HELP_ONLY:
     warnings.filterwarnings("ignore")
 if HELP_ONLY:
     logging.disable(logging.WARNING)
+# torch's note that it found CUDA_HOME but no CUDA runtime, once per rank: on a CPU run (the only
+# place it appears) that is the point, and the CPU backend's own line says so.
+logging.getLogger("torch.utils.cpp_extension").addFilter(
+    lambda record: "No CUDA runtime is found" not in str(record.msg)
+)
 
 import torch
 

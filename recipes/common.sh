@@ -2,7 +2,10 @@
 # Megatron-LM's examples/: one bash array per argument group, torchrun on every node.
 #
 # Environment (all optional; MASTER_ADDR is needed as soon as there is more than one node):
-#   MASTER_ADDR, MASTER_PORT   rendezvous host/port (default localhost:6000)
+#   (A Slurm job running a recipe on every node: recipes/slurm_qwen3_30b_a3b_hgx.sbatch.)
+#   MASTER_ADDR, MASTER_PORT   rendezvous host/port (default port 6000; host: localhost on one
+#                              node; on several, node 0 of Slurm's SLURM_JOB_NODELIST, else the
+#                              recipe stops naming MASTER_ADDR rather than guess localhost)
 #   NNODES, NODE_RANK          nodes in the job and this node's index (defaults: the recipe's
 #                              layout; $SLURM_NODEID or 0)
 #   GPUS_PER_NODE              processes per node (default: the recipe's DEFAULT_GPUS_PER_NODE,
@@ -12,7 +15,11 @@
 #                              checkout patched with patches/ works the same)
 #   ULTRAEP_PYTHON             python with torch + megatron-core + ultraep_megatron
 #   DATA_PATH                  Megatron --data-path (a blend "w1 p1 w2 p2" or one prefix); unset:
-#                              --mock-data with a NullTokenizer of the model's vocabulary size
+#                              --mock-data with a NullTokenizer of the model's vocabulary size.
+#                              Build a prefix with Megatron-LM's tools/preprocess_data.py (--input
+#                              JSONL --output-prefix P --tokenizer-type HuggingFaceTokenizer
+#                              --tokenizer-model TOKENIZER_MODEL --append-eod): DATA_PATH=P_text_document
+#   SAVE_INTERVAL              --save-interval with CHECKPOINT_DIR (default 500 iterations)
 #   TOKENIZER_MODEL            HuggingFace tokenizer DATA_PATH was made with: a local directory
 #                              (a cluster without internet) or a hub id (needs the hub from every
 #                              node). Required with DATA_PATH: the recipe refuses to start without
@@ -31,7 +38,8 @@
 #                              Blackwell: fp8_cs fp8_mx). nvfp4 is refused: --moe-balancer
 #                              ultraep refuses fp4 (docs/integration.md)
 #   CUDA_GRAPH_MODULES         per-layer CUDA graphs (--cuda-graph-impl transformer_engine
-#                              --cuda-graph-modules ...) within attn moe_router mlp mamba; none: no
+#                              --cuda-graph-modules ...) within attn moe_router mlp mamba, and
+#                              moe_preprocess with DISPATCHER=alltoall (the device planner); none: no
 #                              graphs (default: the recipe's DEFAULT_CUDA_GRAPH_MODULES, else none)
 #   DISPATCHER                 alltoall, hybridep or deepep: --moe-token-dispatcher-type alltoall, or
 #                              flex with that backend (needs DeepEP / HybridEP installed on the GPU
@@ -76,6 +84,8 @@ ultraep_launch() {
     ultraep_env_int NODE_RANK "$node_rank" 0 "this node's index"
     (( 10#$node_rank < 10#$nnodes )) || ultraep_env_error "NODE_RANK=$node_rank: expected less than NNODES=$nnodes"
     ultraep_env_int MASTER_PORT "${MASTER_PORT:-6000}" 1 "the rendezvous port"
+    local master_addr
+    ultraep_master_addr "$nnodes"
 
     export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
     export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
@@ -84,7 +94,7 @@ ultraep_launch() {
         --nproc-per-node "$gpus_per_node"
         --nnodes "$nnodes"
         --node-rank "$node_rank"
-        --master-addr "${MASTER_ADDR:-localhost}"
+        --master-addr "$master_addr"
         --master-port "${MASTER_PORT:-6000}"
     )
 
@@ -168,14 +178,35 @@ ultraep_launch() {
     local precision_args
     ultraep_precision_args "${PRECISION:-bf16}"
     local cuda_graph_args
-    ultraep_cuda_graph_args "${CUDA_GRAPH_MODULES:-${DEFAULT_CUDA_GRAPH_MODULES:-none}}"
+    ultraep_cuda_graph_args "${CUDA_GRAPH_MODULES:-${DEFAULT_CUDA_GRAPH_MODULES:-none}}" \
+        "${DISPATCHER:-${DEFAULT_DISPATCHER:-alltoall}}"
     local dispatcher_args
     ultraep_dispatcher_args "${DISPATCHER:-${DEFAULT_DISPATCHER:-alltoall}}"
 
-    exec "$python" -m torch.distributed.run "${distributed_args[@]}" "$script" \
+    exec "$python" -m ultraep_megatron.megatron.run.torchrun "${distributed_args[@]}" "$script" \
         "${MODEL_ARGS[@]}" "${MOE_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${system_args[@]}" \
         "${precision_args[@]}" "${cuda_graph_args[@]}" "${dispatcher_args[@]}" \
         "${data_args[@]}" "${checkpoint_args[@]}" "${logging_args[@]}" "${balancer_args[@]}" "$@"
+}
+
+# NNODES -> master_addr (the caller's variable): MASTER_ADDR; one node: localhost; several nodes
+# without it: node 0 of Slurm's SLURM_JOB_NODELIST (scontrol show hostnames), else one line naming
+# MASTER_ADDR, exit status 2. Every node must name the same host: localhost on four nodes is four
+# rendezvous that never meet, a hang rather than an error.
+ultraep_master_addr() {
+    master_addr=${MASTER_ADDR:-}
+    [[ -n "$master_addr" ]] && return
+    if (( 10#$1 == 1 )); then
+        master_addr=localhost
+        return
+    fi
+    if [[ -n "${SLURM_JOB_NODELIST:-}" ]] && command -v scontrol >/dev/null 2>&1; then
+        master_addr=$(scontrol show hostnames "$SLURM_JOB_NODELIST" 2>/dev/null | head -n1 || true)
+        [[ -n "$master_addr" ]] && return
+    fi
+    ultraep_env_error "MASTER_ADDR is not set and NNODES=$1: set it to node 0's address, the same" \
+        "on every node (under Slurm: export MASTER_ADDR=\$(scontrol show hostnames" \
+        "\"\$SLURM_JOB_NODELIST\" | head -n1); see recipes/slurm_qwen3_30b_a3b_hgx.sbatch)"
 }
 
 # PRECISION -> precision_args (the caller's array): Megatron-Bridge's presets (training/
@@ -203,9 +234,11 @@ ultraep_precision_args() {
     esac
 }
 
-# CUDA_GRAPH_MODULES -> cuda_graph_args: per-layer graphs only of modules that end before the
-# balanced part of a MoE layer (moe and full_iteration capture the transfers the plan sizes;
-# moe_preprocess runs with the device planner and the alltoall dispatcher only).
+# CUDA_GRAPH_MODULES DISPATCHER -> cuda_graph_args: per-layer graphs only of modules that end
+# before the balanced part of a MoE layer (moe and full_iteration capture the transfers the plan
+# sizes); moe_preprocess with the alltoall dispatcher only, where the balanced layer plans on the
+# device (its default under that graph: no host read to capture), as pretrain_gpt.py and
+# ultraep check-recipe decide (balanced_layer/capabilities.py); refused with the flex dispatcher.
 ultraep_cuda_graph_args() {
     cuda_graph_args=()
     [[ "$1" == none ]] && return
@@ -213,11 +246,14 @@ ultraep_cuda_graph_args() {
     for module in $1; do
         case "$module" in
             attn|moe_router|mlp|mamba) continue ;;
-            moe|moe_preprocess) why="its graph would capture the balanced MoE layer's host wait for its plan and the transfers the plan sizes, which a replayed graph cannot redo" ;;
-            full_iteration) why="its graph would capture the whole iteration, the balanced layers' plan waits included" ;;
+            moe_preprocess)
+                [[ "$2" == alltoall ]] && continue
+                why="with DISPATCHER=$2 (the flex dispatcher) its preprocessing has not been checked under capture yet; use DISPATCHER=alltoall, or leave moe_preprocess out" ;;
+            moe) why="its graph would capture the balanced MoE layer's transfers, whose sizes the plan sets, which a replayed graph cannot redo" ;;
+            full_iteration) why="its graph would capture the whole iteration, the balanced layers' transfers included" ;;
             *) why="not one of megatron's per-layer CUDA-graph modules" ;;
         esac
-        ultraep_env_error "CUDA_GRAPH_MODULES=$1: $module is refused: $why; use modules within attn moe_router mlp mamba, or none"
+        ultraep_env_error "CUDA_GRAPH_MODULES=$1: $module is refused: $why; use modules within attn moe_router mlp mamba (moe_preprocess with DISPATCHER=alltoall), or none"
     done
     cuda_graph_args=(--cuda-graph-impl transformer_engine --cuda-graph-modules $1)
 }

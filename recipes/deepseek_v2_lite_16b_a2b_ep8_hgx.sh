@@ -34,8 +34,8 @@ DEFAULT_GPUS_PER_NODE=8            # one HGX node = 8 GPUs = one NVLink domain
 # none (DeepSeek-V3, Qwen3-30B FP8_CS) or TE moe_router + moe_preprocess (Qwen3-30B BF16).
 # Adopted: the precisions (PRECISION=bf16, the perf scripts' default; fp8_cs: hybrid tensorwise
 # with --fp8-param-gather; fp8_sc: hybrid blockwise, the DeepSeek-V3 H100 FP8_SC preset), no
-# CUDA graphs by default (CUDA_GRAPH_MODULES=moe_router is Qwen3-30B BF16's, less the refused
-# moe_preprocess).
+# CUDA graphs by default (CUDA_GRAPH_MODULES="moe_router moe_preprocess" is Qwen3-30B BF16's:
+# moe_preprocess runs with the device planner on this recipe's alltoall dispatcher).
 # Left out: HybridEP as the default, which Bridge's DeepSeek-V3 and Qwen3-30B-A3B H100 recipes
 # use (DEEPSEEK_V3_PRETRAIN_CONFIG_H100_V1, QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_*_V1:
 # moe_flex_dispatcher_backend="hybridep") but their Qwen3-235B H100 one does not

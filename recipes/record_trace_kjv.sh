@@ -123,6 +123,6 @@ LOGGING_ARGS=(
     --metrics-jsonl "$RUN_DIR/metrics.jsonl"
 )
 
-exec "$PYTHON" -m torch.distributed.run "${DISTRIBUTED_ARGS[@]}" "$REPO/pretrain_gpt.py" \
+exec "$PYTHON" -m ultraep_megatron.megatron.run.torchrun "${DISTRIBUTED_ARGS[@]}" "$REPO/pretrain_gpt.py" \
     "${CPU_ARGS[@]}" "${MODEL_ARGS[@]}" "${MOE_ARGS[@]}" "${PARALLEL_ARGS[@]}" \
     "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" "${BALANCER_ARGS[@]}" "${LOGGING_ARGS[@]}" "$@"

@@ -363,10 +363,20 @@ def read_stats(path: Optional[str] = None) -> list[dict]:
 # -- the shim ---------------------------------------------------------------------------------------
 
 
+#: The recipes' torchrun (``ultraep_megatron/megatron/run/torchrun.py``): a first failure with exit
+#: status 2 (a refusal, its one line already printed) ends the launch with status 2 and no summary;
+#: any other with that rank's status and torchrun's summary.
+ONE_LINE_TORCHRUN = "ultraep_megatron.megatron.run.torchrun"
+
+
 def parse_torchrun(argv: Sequence[str]) -> Optional[dict]:
-    """``-m torch.distributed.run OPTIONS SCRIPT ARGS`` -> {nproc, master_port, script, args}, or
+    """``-m torch.distributed.run OPTIONS SCRIPT ARGS`` (or :data:`ONE_LINE_TORCHRUN`) ->
+    {nproc, master_port, script, args, one_line_refusal}, or
     None for anything the launcher does not serve (another module, several nodes, other options)."""
-    if list(argv[:2]) != ["-m", "torch.distributed.run"]:
+    if list(argv[:1]) != ["-m"] or argv[1:2] not in (
+        ["torch.distributed.run"],
+        [ONE_LINE_TORCHRUN],
+    ):
         return None
     rest, nproc, port = list(argv[2:]), 1, None
     while rest and rest[0].startswith("--"):
@@ -394,7 +404,13 @@ def parse_torchrun(argv: Sequence[str]) -> Optional[dict]:
             return None
     if not rest or rest[0].startswith("-"):
         return None
-    return {"nproc": nproc, "master_port": port, "script": rest[0], "args": rest[1:]}
+    return {
+        "nproc": nproc,
+        "master_port": port,
+        "script": rest[0],
+        "args": rest[1:],
+        "one_line_refusal": argv[1] == ONE_LINE_TORCHRUN,
+    }
 
 
 def parse_script(argv: Sequence[str]) -> Optional[dict]:
@@ -431,6 +447,7 @@ def shim_main(argv: Sequence[str]) -> None:
         "cwd": os.getcwd(),
         "master_port": launch_request["master_port"],
         "torchrun": launch_request.get("torchrun", True),
+        "one_line_refusal": launch_request.get("one_line_refusal", False),
     }
     sys.stdout.flush()
     sys.stderr.flush()

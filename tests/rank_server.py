@@ -195,7 +195,11 @@ class _Supervisor:
         if not torchrun:  # the process's own status, as subprocess.run returns it
             status = -signal.SIGKILL if killed else (first_failure[1] if first_failure else 0)
         elif first_failure is not None and not killed:
-            self._print_failure(*first_failure)
+            code = first_failure[1]
+            if self.message.get("one_line_refusal"):  # the recipes' torchrun (rank_launcher)
+                status = code if code > 0 else 1
+            if status != 2 or not self.message.get("one_line_refusal"):
+                self._print_failure(*first_failure)
         self._record(seconds, status, killed)
         with contextlib.suppress(OSError):
             self.connection.sendall(
@@ -298,6 +302,14 @@ class _Supervisor:
             os.environ.update(env)
             os.chdir(self.message["cwd"])
             self._fresh_interpreter_state(env)
+            rules_dir = env.get("ULTRAEP_NCCL_RULES_DIR")
+            if rules_dir:  # tests/nccl_rules.py: every distributed operation recorded, then written
+                import atexit
+
+                import nccl_rules
+
+                nccl_rules.install()
+                atexit.register(nccl_rules.dump, rules_dir, rank)
         except BaseException:
             import traceback
 

@@ -277,7 +277,9 @@ def check_command(tokens: list[str]) -> list[str]:
                 return check_command([*env, *rest[i:]])
         return []
     if word == "torchrun" or (
-        word.startswith("python") and rest[:2] == ["-m", "torch.distributed.run"]
+        word.startswith("python")
+        and rest[:1] == ["-m"]
+        and rest[1:2] in (["torch.distributed.run"], ["ultraep_megatron.megatron.run.torchrun"])
     ):
         rest = rest if word == "torchrun" else rest[2:]
         script = next((i for i, t in enumerate(rest) if t.endswith(".py")), len(rest))

@@ -3,16 +3,38 @@
 #
 #   bash tools/gpu_check.sh              # on a machine with a CUDA GPU (about 5 minutes on one H200)
 #   bash tools/gpu_check.sh --list       # what it runs, anywhere (also what it prints without CUDA)
+#   bash tools/gpu_check.sh --help       # this text
 #
 # Whoever is lent a GPU runs it in one call. Without CUDA it says what it would run and exits 0.
-# The interpreter is $ULTRAEP_PYTHON, else python3; it needs torch with CUDA, Triton, megatron-core
-# and the project's test dependencies (pytest, hypothesis, numba). Logs go to $GPU_CHECK_LOGS
+# The interpreter is the project's, found as the README's commands find it: $ULTRAEP_PYTHON, else
+# the environment tools/ensure_env.sh creates or reuses ($ULTRAEP_VENV, default
+# ~/.cache/ultraep-megatron/venv); never a bare python3 off PATH. An interpreter without torch stops
+# it with one line, exit status 2. It needs torch with CUDA, Triton, megatron-core and the project's
+# test dependencies (pytest, hypothesis, numba). Logs go to $GPU_CHECK_LOGS
 # (default: a new temporary folder), one file per check; the exit status is 1 if any check failed.
 # GPU_CHECK_ONLY=1,3 runs only those checks (numbered as --list shows them).
 set -uo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
-PY=${ULTRAEP_PYTHON:-python3}
+case "${1:-}" in
+  -h|--help) sed -n '2,/^set -uo/{/^set -uo/d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"; exit 0 ;;
+  ''|--list) ;;
+  *) echo "gpu_check: unknown argument $1 (usage: bash tools/gpu_check.sh [--list | --help])" >&2; exit 2 ;;
+esac
+if [ "${1:-}" = --list ]; then  # names the interpreter only: runs anywhere, installs nothing
+  PY=${ULTRAEP_PYTHON:-${ULTRAEP_VENV:-$HOME/.cache/ultraep-megatron/venv}/bin/python}
+elif [ -n "${ULTRAEP_PYTHON:-}" ]; then
+  PY=$ULTRAEP_PYTHON
+else
+  PY=$(bash "$repo/tools/ensure_env.sh") || {
+    echo "gpu_check: tools/ensure_env.sh found no project environment (see above); set ULTRAEP_VENV or ULTRAEP_PYTHON" >&2
+    exit 2
+  }
+fi
+if [ "${1:-}" != --list ] && ! "$PY" -c 'import torch' 2>/dev/null; then
+  echo "gpu_check: $PY has no torch: not the project's environment; set ULTRAEP_PYTHON to it, or ULTRAEP_VENV (bash tools/ensure_env.sh creates it)" >&2
+  exit 2
+fi
 logs=${GPU_CHECK_LOGS:-$(mktemp -d -t gpu_check.XXXXXX)}
 mkdir -p "$logs"
 export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}

@@ -201,6 +201,7 @@ def test_a_gb200_recipe_passes_with_a_note_where_hybridep_is_not_installed(capsy
 
     monkeypatch.setattr(token_dispatcher, "hybrid_ep_dispatch", None, raising=False)
     monkeypatch.delenv("DISPATCHER", raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "node0")  # as on the nodes (without it: a NOTE of its own)
     gb200 = str(RECIPES / "qwen3_235b_a22b_ep64_dp4.sh")
     assert main(["check-recipe", gb200]) == EXIT_OK
     out = capsys.readouterr().out
@@ -246,7 +247,7 @@ MISTAKES = {
         ["--num-experts", "60"],
         "--num-experts 60 is not a multiple of --expert-model-parallel-size 8: every EP "
         "rank holds the same number of experts (Megatron asserts it); use 56 or 64 "
-        "experts, or --expert-model-parallel-size 6",
+        "experts, or --expert-model-parallel-size 4",
     ),
     "pp2_over_27_layers": (
         ["--pipeline-model-parallel-size", "2"],
@@ -295,8 +296,8 @@ def test_a_refused_recipe_variable_gives_its_reason(capsys):
     assert main(["check-recipe", "--env", "CUDA_GRAPH_MODULES=moe", HGX]) == EXIT_FAILED
     assert problem_lines(capsys.readouterr().out) == [
         "deepseek_v2_lite_16b_a2b_ep8_hgx.sh: CUDA_GRAPH_MODULES=moe: moe is refused: its graph would capture the "
-        "balanced MoE layer's host wait for its plan and the transfers the plan sizes, which a replayed graph "
-        "cannot redo; use modules within attn moe_router mlp mamba, or none"
+        "balanced MoE layer's transfers, whose sizes the plan sets, which a replayed graph cannot redo; use "
+        "modules within attn moe_router mlp mamba (moe_preprocess with DISPATCHER=alltoall), or none"
     ]
 
 

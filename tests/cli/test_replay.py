@@ -346,3 +346,37 @@ def test_the_traced_runs_hgx_hardware_is_the_default(tmp_path, capsys):
     assert report["hardware"]["hbm_tbps"] == 4.8 and report["hardware"]["named"].startswith(
         "h200-hgx (--moe"
     )
+
+
+def test_a_gpu_estimate_never_charges_the_plan_time_measured_here(trace_dir, capsys):
+    """Issue 52: without --plan-time-us the estimate leaves the plan term out and says so (header
+    and figure title); the quality tables keep the time measured on this CPU. With it, exactly that
+    time is charged to the exact-load balancers."""
+    from ultraep_megatron.analysis.replay_plots import _plan_term
+
+    base = [trace_dir, "--no-staleness", "--no-peers", "--json"]
+    left_out = json.loads(run_replay(capsys, *base))
+    charged = json.loads(run_replay(capsys, *base, "--plan-time-us", "250"))
+    for label in (registry.ULTRAEP, registry.EPLB_EXACT):
+        assert left_out["estimated_cost"][label]["plan_ms"] == 0.0
+        assert charged["estimated_cost"][label]["plan_ms"] == pytest.approx(0.25)
+        assert charged["estimated_cost"][label]["total_ms"] == pytest.approx(
+            left_out["estimated_cost"][label]["total_ms"] + 0.25
+        )
+        # Negative control of the default: this host did take time to plan.
+        assert left_out["quality"][label]["plan_ms_mean"] > 0
+    text = run_replay(capsys, trace_dir, "--no-staleness", "--no-peers")
+    assert "Plan time: left out (measured here, on this CPU" in text
+    assert "--plan-time-us US" in text
+    from ultraep_megatron.settings import hardware as settings_hw
+
+    records = traces.TraceRecords(traces.find_trace_files(trace_dir))
+    for plan_s, said in ((0.0, "plan time left out"), (250e-6, "plan time 250 us charged")):
+        result = rp.replay(
+            records,
+            {registry.ULTRAEP: BalancerConfig(registry.ULTRAEP, 1)},
+            shape=settings_hw.ExpertShape(256, 128),
+            hardware=settings_hw.HARDWARE_PRESETS["h100-hgx"],
+            plan_seconds=plan_s,
+        )
+        assert _plan_term(result) == said

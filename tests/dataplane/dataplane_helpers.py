@@ -63,6 +63,18 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn, args) -> Non
     dist.destroy_process_group()
 
 
+def under_nccl_rules(rank: int, world_size: int, rules_dir: str, fn, *args):
+    """``fn(rank, world_size, *args)`` with every distributed operation recorded
+    (tests/nccl_rules.py), the rank's log written to ``rules_dir`` for tests/nccl_check.py."""
+    import nccl_rules
+
+    nccl_rules.install()
+    try:
+        return fn(rank, world_size, *args)
+    finally:
+        nccl_rules.dump(rules_dir, rank)
+
+
 def run_world(world_size: int, fn, *args, timeout_s: float = 150.0) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the per-rank results.
 

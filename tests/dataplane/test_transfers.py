@@ -443,3 +443,50 @@ def test_distribution_and_reduction(world_size):
         assert set(results) == expected_cases
         failures = {name: f for name, f in results.items() if f}
         assert not failures, f"rank {rank}: {failures}"
+
+
+def test_distribution_and_reduction_keep_nccl_s_rules(tmp_path):
+    """The same plans (relay trees, several transfers in flight waited in any order, the replica-
+    gradient reduction) with every operation recorded (tests/nccl_rules.py) and checked against
+    NCCL's rules (tests/nccl_check.py); the recorder's logs are real: a skipped collective and a
+    reordered round in them fail the check (its negative controls on hand-written logs:
+    tests/test_nccl_check.py)."""
+    import copy
+
+    from dataplane_helpers import under_nccl_rules
+    from nccl_check import NcclRuleError, check_logs
+    from nccl_rules import read_logs
+
+    per_rank = run_world(4, under_nccl_rules, str(tmp_path), run_all)
+    assert all(not any(r.values()) for r in per_rank), per_rank
+    logs = read_logs(str(tmp_path))
+    assert sorted(logs) == [0, 1, 2, 3]
+    batches = [e for e in logs[0] if e["kind"] == "batch"]
+    assert len(batches) > 5 and any(e["kind"] == "coll" for e in logs[0])
+    check_logs(logs)
+    # Negative controls on the recorded logs: rank 1 skips its last collective ...
+    skipped = copy.deepcopy(logs)
+    last = max(i for i, e in enumerate(skipped[1]) if e["kind"] == "coll")
+    del skipped[1][last]
+    with pytest.raises(NcclRuleError, match="rank 1: nothing \\(skipped\\)"):
+        check_logs(skipped)
+    # ... and one rank issues a pair's two batches with sends to the same peer in swapped order.
+    swapped = copy.deepcopy(logs)
+    for rank, log in swapped.items():
+        idx = [i for i, e in enumerate(log) if e["kind"] == "batch" and e["ops"]]
+        pairs = [
+            (a, b)
+            for a, b in zip(idx, idx[1:])
+            if {(o["kind"], o["peer"], o["numel"]) for o in log[a]["ops"]}
+            != {(o["kind"], o["peer"], o["numel"]) for o in log[b]["ops"]}
+            and {(o["kind"], o["peer"]) for o in log[a]["ops"]}
+            & {(o["kind"], o["peer"]) for o in log[b]["ops"]}
+        ]
+        if pairs:
+            a, b = pairs[0]
+            log[a], log[b] = log[b], log[a]
+            break
+    else:
+        pytest.fail("no two batches of one rank to the same peer with different sizes")
+    with pytest.raises(NcclRuleError, match=f"rank {rank}"):
+        check_logs(swapped)

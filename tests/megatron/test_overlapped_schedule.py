@@ -435,3 +435,35 @@ def test_negative_control_rematerialized_from_another_microbatch(training_runs):
         f"worst {worst.ratio:.3g}x the tolerance ({worst.what}: error {worst.error:.3g})"
     )
     assert failed and worst.ratio > 10, summary(comparisons)
+
+
+def test_the_overlapped_schedule_keeps_nccl_s_rules(tmp_path):
+    """workers/overlapped_schedule.py (every scenario: megatron's overlapped 1F1B schedule with
+    the balanced layer, delayed weight gradients, both planners) with every rank's collectives,
+    batched rounds and waits recorded (tests/nccl_rules.py) and checked against NCCL's rules
+    (tests/nccl_check.py); a collective skipped by one rank in those logs fails the check."""
+    import copy
+
+    from nccl_check import NcclRuleError, check_logs
+    from nccl_rules import read_logs
+
+    logs_dir = tmp_path / "nccl"
+    logs_dir.mkdir()
+    out = tmp_path / "out"
+    out.mkdir()
+    launch_gloo_ranks(
+        WORKERS / "overlapped_schedule.py",
+        WORLD,
+        ["--out-dir", str(out)],
+        env={"ULTRAEP_NCCL_RULES_DIR": str(logs_dir)},
+        log_path=out / "log",
+    )
+    logs = read_logs(str(logs_dir))
+    assert sorted(logs) == list(range(WORLD))
+    assert sum(e["kind"] == "batch" for e in logs[0]) > 0
+    check_logs(logs)
+    skipped = copy.deepcopy(logs)
+    first = next(i for i, e in enumerate(skipped[2]) if e["kind"] == "coll")
+    del skipped[2][first]
+    with pytest.raises(NcclRuleError, match=r"rank 2: nothing \(skipped\)|rank 2: "):
+        check_logs(skipped)

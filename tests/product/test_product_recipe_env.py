@@ -208,12 +208,26 @@ def test_cuda_graphs_and_dispatcher_switches(recipe):
         "--cuda-graph-impl" in default
     ):  # a GB200 recipe: NVIDIA's per-layer graphs, less moe_preprocess
         assert default == graphs
-    for module in ("moe_preprocess", "moe", "full_iteration"):
+    for module in ("moe", "full_iteration"):
         lines = refusal_lines(recipe, CUDA_GRAPH_MODULES=f"attn {module}")
         assert len(lines) == 1 and lines[0].startswith(
             f"{recipe}: CUDA_GRAPH_MODULES=attn {module}: {module} "
             "is refused: its graph would capture "
         ), lines
+    # moe_preprocess: one answer with pretrain_gpt.py and the checker (balanced_layer/
+    # capabilities.py): with the alltoall dispatcher (the device planner), never with flex.
+    preprocess = launch_args(
+        recipe, CUDA_GRAPH_MODULES="moe_router moe_preprocess", DISPATCHER="alltoall"
+    )
+    i = preprocess.index("--cuda-graph-modules")
+    assert preprocess[i + 1 : i + 3] == ["moe_router", "moe_preprocess"]
+    lines = refusal_lines(
+        recipe, CUDA_GRAPH_MODULES="moe_router moe_preprocess", DISPATCHER="hybridep"
+    )
+    assert len(lines) == 1 and lines[0].startswith(
+        f"{recipe}: CUDA_GRAPH_MODULES=moe_router moe_preprocess: moe_preprocess is refused: with "
+        "DISPATCHER=hybridep (the flex dispatcher)"
+    ), lines
     # Megatron-Bridge's GB200 recipes run HybridEP, and so do ours; the HGX ones keep alltoall.
     gb200 = recipe in GB200
     assert gb200 != recipe.endswith("_hgx.sh")
@@ -228,3 +242,29 @@ def test_cuda_graphs_and_dispatcher_switches(recipe):
     assert "--moe-flex-dispatcher-backend" not in alltoall
     lines = refusal_lines(recipe, DISPATCHER="ncclep")
     assert len(lines) == 1 and "DISPATCHER=ncclep:" in lines[0], lines
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "hybridep"])
+def test_moe_preprocess_graphs_get_the_same_answer_from_the_checker(dispatcher):
+    """The HGX recipe's own launch with moe_preprocess captured (built with the alltoall
+    dispatcher, which the recipe accepts), then with the flex dispatcher appended: the checker
+    (pretrain_gpt.py's startup checks) passes the first and refuses the second, as the recipe does."""
+    args = launch_args(
+        "deepseek_v2_lite_16b_a2b_ep8_hgx.sh",
+        CUDA_GRAPH_MODULES="moe_router moe_preprocess",
+        GLOBAL_BATCH_SIZE="64",
+    )
+    if dispatcher != "alltoall":
+        args += ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", dispatcher]
+    launch = recipe_check.Launch(8, 1, "pretrain_gpt.py", args)
+    if dispatcher == "alltoall":
+        report = recipe_check.check_launch(launch)
+        assert report.problems() == [] and report.args.moe_balancer_planner in (
+            None,
+            "device",
+        )  # unset: device there
+    else:
+        with pytest.raises(recipe_check.RecipeError) as refused:
+            recipe_check.check_launch(launch)
+        (problem,) = refused.value.problem.splitlines()
+        assert "--cuda-graph-modules moe_preprocess" in problem and "the flex dispatcher" in problem

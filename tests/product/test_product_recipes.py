@@ -43,6 +43,7 @@ LAYOUT = {
     # HGX H100/H200 nodes of 8 GPUs (docs/recipes.md): one node; EP32 across 4 nodes, TP2 x PP8.
     "deepseek_v2_lite_16b_a2b_ep8_hgx.sh": (8, 8, 1, 1, 4),  # the slot rule (8 experts per rank)
     "qwen3_235b_a22b_ep32_pp8_hgx.sh": (256, 32, 8, 1, 2),
+    "qwen3_30b_a3b_ep8_hgx.sh": (32, 8, 1, 4, 8),  # 4 nodes, EP8 in each; the slot rule: 8
 }
 HGX = {name for name in LAYOUT if name.endswith("_hgx.sh")}
 

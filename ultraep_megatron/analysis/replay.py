@@ -5,8 +5,10 @@ The balancers are the registry's (``ultraep_megatron.planner.baselines.registry`
 ``eplb``, ``eplb-exact``, ``ultraep``, each run by the same
 :class:`~ultraep_megatron.planner.LayerBalancer` a training run uses (one per EP group and layer,
 so EPLB's history is per layer as in training), and ``ideal`` (force-balanced dispatch). Plan time
-is measured on this host and, by default, each balancer is charged its median; exact-load
-balancers plan on the critical path, ``eplb`` off it. Next to them, the peers (:mod:`.peers`).
+is measured on this host (a metric) and, unless ``plan_seconds`` fixes it, each balancer's estimate
+is charged its median; exact-load balancers plan on the critical path, ``eplb`` off it. The command
+line (``ultraep replay``, ``ultraep advise``) passes ``plan_seconds``: the hardware's plan time,
+else 0, so a GPU estimate never carries this CPU's. Next to them, the peers (:mod:`.peers`).
 
 The tables over a :class:`ReplayResult` are in :mod:`.summary`. No Megatron import; pure
 functions on load tensors plus the replay driver.

@@ -42,6 +42,14 @@ def layer_iteration_means(
         return iterations, layers, sums / counts
 
 
+def _plan_term(result) -> str:
+    """How the estimate's plan term was charged: a fixed time given for the hardware estimated
+    (``--plan-time-us``), or left out (never this machine's measured plan time)."""
+    charged = [float(np.max(c["plan"])) for c in result.costs.values() if len(c["plan"])]
+    top = max(charged, default=0.0)
+    return f"plan time {top * 1e6:g} us charged" if top > 0 else "plan time left out"
+
+
 def plot_replay(
     result: ReplayResult,
     labels: Sequence[str],
@@ -237,7 +245,7 @@ def plot_replay(
         ax.set_xlabel("layer")
         ax.set_ylabel("ms per invocation (fwd+bwd)")
         ax.set_title(
-            f"{ESTIMATE}: MoE layer time per balancer (cost model + plan time on this CPU)",
+            f"{ESTIMATE}: MoE layer time per balancer (cost model, {_plan_term(result)})",
             fontsize=10,
         )
         ax.legend(

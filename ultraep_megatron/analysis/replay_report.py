@@ -329,6 +329,13 @@ def staleness_table(report: dict, labels: Sequence[str]) -> str:
     )
 
 
+#: What the estimate says of its plan term without ``--plan-time-us``.
+PLAN_LEFT_OUT = (
+    "left out (measured here, on this CPU, it is not the estimated hardware's; "
+    "--plan-time-us US charges the hardware's)"
+)
+
+
 def cost_tables(report: dict, labels: Sequence[str]) -> str:
     shape, hw = report["shape"], report["hardware"]
     plan = report["plan_time_us"]
@@ -340,7 +347,7 @@ def cost_tables(report: dict, labels: Sequence[str]) -> str:
         + f"{hw['scale_up_gbps']:g} GB/s scale-up, "
         f"{hw['peak_tflops']:g} TFLOP/s, {hw['hbm_tbps']:g} TB/s HBM (efficiency "
         f"{hw['compute_efficiency']:g}/{hw['comm_efficiency']:g}). Plan time: "
-        f"{'fixed ' + format(plan, 'g') + ' us' if plan is not None else 'median of the times measured on this host (CPU)'}; "
+        f"{'fixed ' + format(plan, 'g') + ' us (--plan-time-us)' if plan is not None else PLAN_LEFT_OUT}; "
         f"weight distribution {'with' if report['relay'] else 'without'} relay in the totals; replica "
         f"transfers overlapped as the runtime schedules them, hiding {hw['transfer_overlap']:.0%} of their "
         "windows (--transfer-overlap). MoE layers only "

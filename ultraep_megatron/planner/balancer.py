@@ -53,6 +53,16 @@ MINIMUMS = {
     "eplb_window": 1,
     "eplb_interval": 1,
 }
+#: What to use instead, per setting, after a value below its minimum.
+FIXES = {
+    "num_slots": f"use {DEFAULT_NUM_SLOTS} (the default) or the slot rule's "
+    "max(2, ceil(experts / (2 x EP))) (docs/recipes.md)",
+    "min_quota": "use 1 or more tokens, or leave it out (1 % of the mean rank load)",
+    "trigger": "use 1.0 (balance every load) or more, or leave it out (derived from the quota)",
+    "domain_size": "use the EP ranks of one NVLink domain (8 on an HGX node), or leave it out",
+    "eplb_window": f"use {DEFAULT_EPLB_WINDOW} (the default) or another count of microbatches",
+    "eplb_interval": f"use {DEFAULT_EPLB_INTERVAL} (the default) or another count of microbatches",
+}
 #: The settings whose ``None`` means "derived" (see :class:`BalancerConfig`).
 OPTIONAL = ("min_quota", "trigger", "domain_size")
 #: Where a problem's text puts the setting's name (a field here, a flag in the settings layer).
@@ -82,15 +92,16 @@ class InvalidConfig(ValueError):
         self.problems = list(problems)
 
 
-def number_problem(value, *, minimum, integer: bool) -> Optional[str]:
+def number_problem(value, *, minimum, integer: bool, fix: str = "") -> Optional[str]:
     """Why ``value`` is not a valid number of at least ``minimum`` (an integer if ``integer``), as a
     text naming the setting at :data:`SETTING`; ``None`` if it is valid. The rule every numeric
-    setting follows, the planner's and the run's (``settings/knobs.py``)."""
+    setting follows, the planner's and the run's (``settings/knobs.py``); ``fix`` (what to use
+    instead) follows a value below the minimum."""
     kinds = (int, np.integer) if integer else (int, float, np.integer, np.floating)
     if isinstance(value, bool) or not isinstance(value, kinds):
         return f"{SETTING} must be {'an integer' if integer else 'a number'}, got {value!r}"
     if not value >= minimum:
-        return f"{SETTING} must be >= {minimum}, got {value}"
+        return f"{SETTING} must be >= {minimum}, got {value}" + (f": {fix}" if fix else "")
     return None
 
 
@@ -145,7 +156,9 @@ class BalancerConfig:
         for field, minimum in MINIMUMS.items():
             if field not in settings or (settings[field] is None and field in OPTIONAL):
                 continue
-            problem = number_problem(settings[field], minimum=minimum, integer=field != "trigger")
+            problem = number_problem(
+                settings[field], minimum=minimum, integer=field != "trigger", fix=FIXES[field]
+            )
             if problem:
                 found.append(ConfigProblem(field, problem))
         unknown = set(settings) - set(MINIMUMS)

@@ -158,9 +158,13 @@ def hardware_preset(name: str) -> Hardware:
     try:
         return HARDWARE_PRESETS[name]
     except KeyError:
+        import difflib
+
+        close = difflib.get_close_matches(str(name), list(HARDWARE_PRESETS), n=2, cutoff=0.6)
         raise ValueError(
-            f"--moe-balancer-hardware: unknown hardware {name!r}; choose from "
-            f"{', '.join(HARDWARE_PRESETS)}"
+            f"--moe-balancer-hardware: unknown hardware {name!r}"
+            + (f" (did you mean {' or '.join(close)}?)" if close else "")
+            + f"; choose from {', '.join(HARDWARE_PRESETS)}"
         ) from None
 
 

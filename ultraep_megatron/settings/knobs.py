@@ -23,6 +23,7 @@ from ultraep_megatron.planner.balancer import (
     DEFAULT_EPLB_INTERVAL,
     DEFAULT_EPLB_WINDOW,
     DEFAULT_NUM_SLOTS,
+    FIXES,
     SETTING,
     number_problem,
 )
@@ -332,7 +333,8 @@ def run_setting_problem(knob: Knob, value) -> Optional[str]:
         )
     if knob.type in (int, float):
         minimum = -math.inf if knob.minimum is None else knob.minimum
-        problem = number_problem(value, minimum=minimum, integer=knob.type is int)
+        fix = FIXES.get(knob.field, "")
+        problem = number_problem(value, minimum=minimum, integer=knob.type is int, fix=fix)
         return problem.replace(SETTING, knob.flag) if problem else None
     if not isinstance(value, knob.type):
         return f"{knob.flag} must be a {knob.type.__name__}, got {value!r}"

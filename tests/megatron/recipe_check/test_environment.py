@@ -36,7 +36,8 @@ NOTE = (
 
 @pytest.fixture(scope="module")
 def launch():
-    return rc.capture_launch(GB200, {"DISPATCHER": ""})  # the recipe's default
+    # the recipe's default dispatcher; MASTER_ADDR as on the nodes (without it: a NOTE of its own)
+    return rc.capture_launch(GB200, {"DISPATCHER": "", "MASTER_ADDR": "node0"})
 
 
 def hybridep_installed(monkeypatch, installed: bool) -> None:

@@ -213,9 +213,12 @@ def activate() -> bool:
     )
 
     _ACTIVE = True
-    if is_log_rank():
-        lines = "\n".join(f"  - {target}: {reason}" for target, reason in PATCHES)
+    if is_log_rank():  # one line; the list of patches when asked for (ULTRAEP_CPU_PATCHES=1)
+        listed = os.environ.get("ULTRAEP_CPU_PATCHES", "0") not in ("", "0")
+        lines = "".join(f"\n  - {target}: {reason}" for target, reason in PATCHES) if listed else ""
         logger.warning(
-            "ultraep CPU backend active (no CUDA device): %d patches\n%s", len(PATCHES), lines
+            "ultraep CPU backend active (no CUDA device): %d patches%s",
+            len(PATCHES),
+            lines or " (ULTRAEP_CPU_PATCHES=1 lists them)",
         )
     return True

@@ -45,7 +45,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -68,6 +68,13 @@ class NotARecipe(RecipeError):
 
 
 PYTHONS = ("python", "python3", *(f"python3.{minor}" for minor in range(8, 16)))
+#: ``python -m`` modules that are torchrun (the recipes': torchrun ending a refusal in one line).
+TORCHRUN_MODULES = (
+    "torch.distributed.run",
+    "torch.distributed.launch",
+    "ultraep_megatron.megatron.run.torchrun",
+)
+_TORCHRUN_ARGV = [[m] for m in TORCHRUN_MODULES]
 #: Launchers of a training job whose command line the checker reads.
 READ_LAUNCHERS = ("torchrun", "srun", "deepspeed", "mpirun", "mpiexec")
 #: Programs that start work elsewhere: recorded, never run, and refused.
@@ -81,8 +88,10 @@ REFUSED_PROGRAMS = {
     "aprun": "launches through Cray's aprun",
     "flux": "launches through Flux",
 }
+#: Programs a job script asks for a value, answered by their shim (:mod:`.rendezvous`).
+ANSWERED_PROGRAMS = ("scontrol",)
 #: Every program a recording shim stands in for while a recipe's shell code runs.
-SHIMMED_PROGRAMS = (*PYTHONS, *READ_LAUNCHERS, *REFUSED_PROGRAMS)
+SHIMMED_PROGRAMS = (*PYTHONS, *READ_LAUNCHERS, *REFUSED_PROGRAMS, *ANSWERED_PROGRAMS)
 #: Shells an ``srun`` shim runs (their launchers are shimmed too), e.g. ``srun bash recipe.sh``.
 SHELLS = ("bash", "sh")
 
@@ -114,6 +123,10 @@ class Launch:
             report), e.g. ``torchrun --nproc-per-node 8 --nnodes 2 ...``; empty for bare arguments.
         gpus_per_node_assumed: the processes per node were not given but assumed (bare arguments
             without ``--gpus-per-node`` or a hardware preset).
+        problems: what is wrong with the launch line itself (a multi-node rendezvous on
+            localhost, :mod:`.rendezvous`): PROBLEM lines of the report.
+        notes: what the launch needs from the nodes' environment (a recipe checked on its own
+            without ``MASTER_ADDR``): note lines.
     """
 
     nproc_per_node: int
@@ -123,6 +136,8 @@ class Launch:
     source: str = "<arguments>"
     launcher: str = ""
     gpus_per_node_assumed: bool = False
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def world_size(self) -> int:
@@ -157,15 +172,12 @@ def parse_torchrun_command(
     argv: Sequence[str], source: str = "<arguments>", prefix: str = "", python: str = "python"
 ) -> Launch:
     """A :class:`Launch` from ``python``'s argv, which must be ``-m torch.distributed.run ...``
-    (or ``torch.distributed.launch``).
+    (or another of :data:`TORCHRUN_MODULES`).
 
     torchrun's own parser reads its options, so every spelling it accepts works.
     """
     argv = list(argv)
-    if argv[:1] != ["-m"] or argv[1:2] not in (
-        ["torch.distributed.run"],
-        ["torch.distributed.launch"],
-    ):
+    if not argv[1:] or argv[0] != "-m" or argv[1] not in TORCHRUN_MODULES:
         raise RecipeError(
             f"{source}: expected `python -m torch.distributed.run ...`, got {argv[:4]}"
         )
@@ -190,6 +202,8 @@ def _torchrun_launch(argv: Sequence[str], source: str, launcher: str) -> Launch:
         ) from None
     if not nnodes.isdigit():
         raise RecipeError(f"{source}: --nnodes {nnodes!r} is not a number of nodes")
+    from .rendezvous import torchrun_problems  # here: the srun shim loads this file alone
+
     script_at = len(argv) - len(options.training_script_args) - 1
     return Launch(
         nproc_per_node=nproc,
@@ -198,6 +212,7 @@ def _torchrun_launch(argv: Sequence[str], source: str, launcher: str) -> Launch:
         args=list(options.training_script_args),
         source=source,
         launcher=_command_text([*launcher.split(), *argv[:script_at]]),
+        problems=torchrun_problems(int(nnodes), options),
     )
 
 
@@ -367,10 +382,7 @@ def _wrapped_launch(program: str, argv: Sequence[str], source: str) -> Launch:
         return _torchrun_launch(command[1:], source, f"{prefix} torchrun")
     if name == "deepspeed":
         return _deepspeed_launch(command[1:], source, prefix)
-    if name in PYTHONS and command[1:3] in (
-        ["-m", "torch.distributed.run"],
-        ["-m", "torch.distributed.launch"],
-    ):
+    if name in PYTHONS and command[1:2] == ["-m"] and command[2:3] in _TORCHRUN_ARGV:
         return parse_torchrun_command(command[1:], source, prefix=f"{prefix} ", python=name)
     if is_srun:
         nodes = _count(options, ("-N", "--nodes"), source, program)
@@ -426,8 +438,10 @@ def read_launch(program: str, argv: Sequence[str], source: str) -> Optional[Laun
             f"{REFUSED_PROGRAMS[program]}: recorded, not run; check the script that job "
             "runs (ultraep check-recipe SCRIPT)"
         )
+    if program in ANSWERED_PROGRAMS:
+        return None
     if program in PYTHONS:
-        if argv[:2] in (["-m", "torch.distributed.run"], ["-m", "torch.distributed.launch"]):
+        if argv[:1] == ["-m"] and argv[1:2] in _TORCHRUN_ARGV:
             return parse_torchrun_command(argv, source, python=program)
         return None
     if program == "torchrun":
@@ -499,8 +513,10 @@ def _shim_environment(env: dict[str, str], shims: Path) -> dict[str, str]:
 
 def write_shims(directory: Path, programs: Sequence[str] = SHIMMED_PROGRAMS) -> None:
     """One executable recording shim per name of ``programs`` in ``directory``."""
+    from .rendezvous import SCONTROL
+
     for name in programs:
-        after = _SRUN_SHELL.format(module=__file__) if name == "srun" else ""
+        after = {"srun": _SRUN_SHELL.format(module=__file__), "scontrol": SCONTROL}.get(name, "")
         shim = directory / name
         shim.write_text(_SHIM.format(python=sys.executable, name=name, after=after))
         shim.chmod(0o755)
@@ -567,9 +583,8 @@ def capture_launches(
     with tempfile.TemporaryDirectory(prefix="check_recipe_") as tmp:
         shims = Path(tmp) / "shims"
         shims.mkdir()
-        write_shims(
-            shims, SHIMMED_PROGRAMS
-        )  # read here: a test disables them (its negative control)
+        # SHIMMED_PROGRAMS read here: a test disables them (its negative control)
+        write_shims(shims, SHIMMED_PROGRAMS)
         capture = Path(tmp) / "calls.jsonl"
         run_env = _shim_environment(
             {**os.environ, "RUN_DIR": str(Path(tmp) / "run"), **(env or {})}, shims
@@ -593,6 +608,21 @@ def capture_launches(
         for call in calls
         if (launch := read_launch(call["program"], call["argv"], str(recipe))) is not None
     ]
+    from .rendezvous import PLACEHOLDER, refusal
+
+    no_host = refusal(completed.stderr) if completed.returncode != 0 else None
+    if no_host and not (env or {}).get("MASTER_ADDR"):
+        # The recipe refused to guess the rendezvous host: a PROBLEM, and the rest of the launch
+        # checked with a placeholder host so the report still shows its layout and memory.
+        found = capture_launches(
+            recipe, {**(env or {}), "MASTER_ADDR": PLACEHOLDER}, timeout_s, extra_args
+        )
+        for launch in found:
+            if no_host.startswith(f"{recipe.name}: "):  # the recipe itself: its user gives it
+                launch.notes.insert(0, f"needs MASTER_ADDR on several nodes ({no_host})")
+            else:  # a job script's environment is what every node gets: it hangs or stops
+                launch.problems.insert(0, no_host)
+        return found
     if completed.returncode != 0:
         said = completed.stderr.strip().splitlines()[-1:]
         if said and said[0].startswith(

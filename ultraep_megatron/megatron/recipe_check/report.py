@@ -74,7 +74,7 @@ class RecipeReport:
         layout = self.layout.problems()
         if not self.domain_known and self.hardware_problems:  # EP across nodes of unknown hardware:
             layout = [p for p in layout if "spans scale-up domains" not in p]  # said once, above
-        return self.hardware_problems + layout + self.memory_problems()
+        return self.launch.problems + self.hardware_problems + layout + self.memory_problems()
 
 
 #: Memory per GPU assumed when no hardware is named: an H100's, the smallest GPU the recipes target.
@@ -175,7 +175,7 @@ def check_launch(
             memory_source=memory_source,
             domain_source=domain_source,
             hardware_problems=hardware_problems,
-            notes=environment_notes(args),
+            notes=[*launch.notes, *environment_notes(args)],
             assumed=assumed,
             hardware_named=name,
             domain_known=domain_known,
@@ -293,7 +293,7 @@ def format_report(report: RecipeReport) -> str:
     for s in mem.stages:
         mtp_here = mtp_moe if s.stage == len(mem.stages) - 1 else 0
         lines.append(
-            f"  stage {s.stage}: layers {s.layers[0]}-{s.layers[-1]} ({s.moe_layers - mtp_here} MoE"
+            f"  stage {s.stage}: layers {layer_ranges(s.layers)} ({s.moe_layers - mtp_here} MoE"
             f"{f' + {mtp_here} MTP' if mtp_here else ''}), {_count(s.dense_params)} dense + "
             f"{_count(s.expert_params)} expert params: model states {_gib(s.model_states)}; "
             f"{s.num_slots} slots {_gib(s.slots_with_reuse)} (without cross-layer reuse "
@@ -335,6 +335,18 @@ def format_report(report: RecipeReport) -> str:
     for problem in problems:
         lines.append(f"  PROBLEM: {problem}")
     return "\n".join(lines)
+
+
+def layer_ranges(layers) -> str:
+    """The layers a stage holds as runs: ``1-3`` for one chunk, ``1-2, 25-27, 49-51`` for the
+    chunks of virtual pipeline stages (a first-last span would read as every layer between)."""
+    runs: list[list[int]] = []
+    for layer in sorted(layers):
+        if runs and layer == runs[-1][1] + 1:
+            runs[-1][1] = layer
+        else:
+            runs.append([layer, layer])
+    return ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in runs)
 
 
 def _domains_spanned(low: int, high: int) -> str:

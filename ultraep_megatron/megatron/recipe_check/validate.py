@@ -185,11 +185,14 @@ def _target_te_min_version(version: str, check_equality: bool = True) -> bool:
 
 
 def batch_problem(args: argparse.Namespace) -> str:
+    step = args.micro_batch_size * args.data_parallel_size
+    below = args.global_batch_size - args.global_batch_size % step
+    valid = " or ".join(str(n) for n in (below, below + step) if n > 0)
     return (
         f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
         f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size} (world size "
         f"{args.world_size} / (TP x PP x CP)): Megatron's microbatch calculator refuses it at "
-        "start-up"
+        f"start-up; use a multiple of {step}: {valid} (GLOBAL_BATCH_SIZE in the recipes)"
     )
 
 

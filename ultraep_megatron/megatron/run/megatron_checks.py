@@ -36,7 +36,16 @@ def _experts_problem(args) -> Optional[str]:
         return None
     below = experts - experts % ep
     nearby = [n for n in (below, below + ep) if n > 0]
-    divisors = [d for d in range(min(ep, experts), 0, -1) if experts % d == 0][:1]
+    # An EP that divides the experts and also the ranks of a pipeline stage's expert grid (world /
+    # (expert-TP x PP)), so that the layout it suggests can start on these GPUs.
+    world = getattr(args, "world_size", None) or ep
+    grid = world // (
+        (getattr(args, "expert_tensor_parallel_size", 1) or 1)
+        * (getattr(args, "pipeline_model_parallel_size", 1) or 1)
+    )
+    divisors = [
+        d for d in range(min(ep, experts), 0, -1) if experts % d == 0 and grid % max(d, 1) == 0
+    ][:1] or [1]
     return (
         f"--num-experts {experts} is not a multiple of --expert-model-parallel-size {ep}: every EP rank "
         f"holds the same number of experts (Megatron asserts it); use {' or '.join(map(str, nearby))} "
