@@ -222,3 +222,23 @@ def test_triton_kernel_matches_the_host_planner_bit_for_bit():
     assert 10 <= summary["replicas"] <= summary["balanced"]
     assert summary["stale_caught"] >= summary["replicas"] - 2
     assert summary["floor_caught"] >= 1
+
+
+def test_self_check_on_the_host_and_a_broken_device(monkeypatch):
+    """The self-check passes where the op is the host planner itself, and reports a device whose
+    record differs (a control: the op's record off by one in the threshold)."""
+    from ultraep_megatron.planner import fused_plan, self_check
+
+    config = BalancerConfig("ultraep", num_slots=2, domain_size=2)
+    assert self_check.self_check(torch.device("cpu"), config) == []
+    real = fused_plan.plan_invocation
+
+    def broken(load, config, rank):
+        fused = real(load, config, rank)
+        record = fused.record.clone()
+        record[1] += 1
+        return fused_plan.FusedPlan(record, fused.table)
+
+    monkeypatch.setattr(self_check, "plan_invocation", broken)
+    other = config.replace(min_quota=3)  # not cached yet
+    assert any("plan record" in p for p in self_check.self_check(torch.device("cpu"), other))
