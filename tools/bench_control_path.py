@@ -44,10 +44,13 @@ from torch.utils.weak import WeakIdKeyDictionary
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from ultraep_megatron.planner.baselines.registry import ULTRAEP  # noqa: E402
+from ultraep_megatron.planner.fused_plan import OP_NAMESPACE  # noqa: E402
+
 STAGES = ("route", "preprocess", "dispatch", "routed_experts_compute", "combine", "postprocess")
 PLANNERS = ("none", "host", "device")
 #: Kernels each custom op of the planner launches on CUDA (its Triton kernels).
-CUSTOM_OP_LAUNCHES: dict = {}
+CUSTOM_OP_LAUNCHES = {"plan_invocation": 1, "reroute_permute": 2, "unpermute_add": 1}
 #: Ops that launch no kernel besides views: allocations and metadata.
 NO_KERNEL = {
     "empty",
@@ -108,7 +111,7 @@ class Counter(TorchDispatchMode):
             for t in pytree.tree_leaves(out):
                 if isinstance(t, torch.Tensor):
                     self.device[t] = True
-        if func.namespace == "ultraep":
+        if func.namespace == OP_NAMESPACE:
             launches = CUSTOM_OP_LAUNCHES.get(name, 1)
         elif not on_device or func.is_view or name in NO_KERNEL:
             launches = 0
@@ -205,7 +208,7 @@ def build(cfg, planner: str, device):
     builder = get_moe_module_spec(use_te=False, num_experts=cfg.num_experts, moe_grouped_gemm=False)
     if planner != "none":
         balancing = BalancingContext(
-            BalancerConfig(name="ultraep", num_slots=cfg.num_slots), planner=planner
+            BalancerConfig(name=ULTRAEP, num_slots=cfg.num_slots), planner=planner
         )
         builder = functools.partial(
             BalancedMoELayer, submodules=builder.keywords["submodules"], balancing=balancing
@@ -236,9 +239,9 @@ def synthetic_loads(cfg):
 @contextlib.contextmanager
 def other_ranks(others: torch.Tensor):
     """The balanced layer's load gather returns the synthetic rows with this rank's own."""
-    from ultraep_megatron.megatron.balanced_layer.dispatchers import _PhysicalSlots
+    from ultraep_megatron.megatron.balanced_layer.dispatchers import PhysicalSlots
 
-    gather = _PhysicalSlots.gather_load
+    gather = PhysicalSlots.gather_load
 
     def gather_load(slots, routing_map, group):
         load = gather(slots, routing_map, group)
@@ -246,11 +249,11 @@ def other_ranks(others: torch.Tensor):
         rows[slots.ep_rank] = load[slots.ep_rank]
         return rows
 
-    _PhysicalSlots.gather_load = gather_load
+    PhysicalSlots.gather_load = gather_load
     try:
         yield
     finally:
-        _PhysicalSlots.gather_load = gather
+        PhysicalSlots.gather_load = gather
 
 
 def staged(layer, counter: Counter, stage_seconds: dict):

@@ -27,8 +27,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ultraep_megatron.planner import BalancerConfig  # noqa: E402
+from ultraep_megatron.planner.baselines.registry import ULTRAEP  # noqa: E402
 from ultraep_megatron.planner.fused_plan import host_plan, plan_invocation  # noqa: E402
-from ultraep_megatron.planner.fused_reroute import _host_reroute, reroute_permute  # noqa: E402
+from ultraep_megatron.planner.fused_reroute import host_reroute, reroute_permute  # noqa: E402
 from ultraep_megatron.traces.synthetic import zipf_load  # noqa: E402
 
 
@@ -89,7 +90,7 @@ def bench(R, E, S, T, k, H, device, iters, check):
     ids = routing(T, E, k, seed=R + E)
     load = zipf_load(R, E, 1.5, seed=R) * max(1, T * k // max(1, E))
     load[rank] = torch.bincount(ids.reshape(-1), minlength=E)
-    config = BalancerConfig("ultraep", num_slots=S)
+    config = BalancerConfig(ULTRAEP, num_slots=S)
     dload = load.to(device)
     fused = plan_invocation(dload, config, rank)
     row = {"R": R, "E": E, "S": S, "T": T, "k": k, "H": H, "device": device.type}
@@ -114,7 +115,7 @@ def bench(R, E, S, T, k, H, device, iters, check):
         record, table = host_plan(load, config, rank)
         same = torch.equal(fused.record.cpu(), torch.from_numpy(record))
         same &= torch.equal(fused.table.cpu(), torch.from_numpy(table))
-        expected = _host_reroute(
+        expected = host_reroute(
             ids, hidden.detach().cpu(), probs.detach().cpu(), fused.table.cpu(), E
         )
         got = (out.permuted, out.permuted_probs, out.send_token, out.pair_slot, out.pair_row)

@@ -1,6 +1,6 @@
 """The balanced dispatchers' reroute and permutation over the routed (token, expert) pairs.
 
-``_PhysicalSlots.physical_routing`` and ``BalancedAlltoAllDispatcher.permute`` work on the
+``PhysicalSlots.physical_routing`` and ``BalancedAlltoAllDispatcher.permute`` work on the
 ``[T, k]`` top-k pairs (a stable sort by expert and a search into the plan's reroute table). The
 reference is the implementation they replaced, kept here: dense over the ``[T, E]`` routing map (a
 running count per expert over the tokens, a search per map entry). Both must give bit-identical
@@ -27,7 +27,7 @@ from ultraep_megatron.megatron.balanced_layer import device_planning
 from ultraep_megatron.megatron.balanced_layer.context import Overheads
 from ultraep_megatron.megatron.balanced_layer.dispatchers import (
     BalancedAlltoAllDispatcher,
-    _PhysicalSlots,
+    PhysicalSlots,
 )
 from ultraep_megatron.megatron.balanced_layer.invocation import host_plan
 from ultraep_megatron.planner import BalancerConfig, reroute
@@ -39,7 +39,7 @@ def stand_in(R, E, S, plan, load, rank, topk_ids):
     planned = host_plan(
         plan, load, rank, balanced=True, plan_seconds=0.0, schedule_builder=None, with_table=True
     )
-    slots = object.__new__(_PhysicalSlots)
+    slots = object.__new__(PhysicalSlots)
     slots.ep_size, slots.slots_per_rank, slots.sort_key = R, E // R + S, torch.int16
     d = object.__new__(BalancedAlltoAllDispatcher)
     d.slots, d.num_out_tokens = slots, topk_ids.numel()

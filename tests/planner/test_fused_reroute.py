@@ -112,9 +112,9 @@ for R, E, S, k, T, seed in [(2, 8, 1, 2, 16, 0), (4, 16, 2, 3, 33, 1), (8, 64, 2
             hidden = torch.randn(T, 130, generator=torch.Generator().manual_seed(seed))
             pair_probs = probs.gather(1, ids)
             results = []
-            for run in (fused_reroute._reroute_op, fused_reroute._host_reroute):
+            for run in (fused_reroute._reroute_op, fused_reroute.host_reroute):
                 h, p = hidden.clone().requires_grad_(), pair_probs.clone().requires_grad_()
-                if run is fused_reroute._host_reroute:
+                if run is fused_reroute.host_reroute:
                     fused_reroute.interpreting = lambda: False  # the op's host path
                 o = fused_reroute.reroute_permute(ids, h, p, table, num_experts=E)
                 w = torch.randn(o.permuted.shape, generator=torch.Generator().manual_seed(1))

@@ -37,6 +37,7 @@ from .record_layout import (
 from .solve import DEFAULT_MIN_QUOTA_DIVISOR, default_min_quota, host_array, validate_load
 
 __all__ = [
+    "OP_NAMESPACE",
     "FusedPlan",
     "plan_invocation",
     "host_plan",
@@ -44,6 +45,10 @@ __all__ = [
     "op_arguments",
     "interpreting",
 ]
+
+
+#: The fused ops' ``torch.library`` namespace (``torch.ops.ultraep``): the balancer's name.
+OP_NAMESPACE = ULTRAEP
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import torch
 
 from .fused_plan import interpreting
 
-__all__ = ["Rerouted", "reroute_permute"]
+__all__ = ["Rerouted", "reroute_permute", "host_reroute"]
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class Rerouted:
     pair_row: torch.Tensor
 
 
-def _host_reroute(topk_ids, hidden, probs, table, num_experts):
+def host_reroute(topk_ids, hidden, probs, table, num_experts):
     T, K = topk_ids.shape
     N = T * K
     flat = topk_ids.reshape(-1)
@@ -94,7 +94,7 @@ def _reroute_op(
         from .triton_reroute import reroute_permute_kernels
 
         return reroute_permute_kernels(topk_ids, hidden, probs, table, num_experts)
-    return _host_reroute(topk_ids, hidden, probs, table, num_experts)
+    return host_reroute(topk_ids, hidden, probs, table, num_experts)
 
 
 @_reroute_op.register_fake

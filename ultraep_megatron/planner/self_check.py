@@ -14,7 +14,7 @@ import torch
 
 from .balancer import BalancerConfig
 from .fused_plan import host_plan, plan_invocation
-from .fused_reroute import _host_reroute, reroute_permute
+from .fused_reroute import host_reroute, reroute_permute
 
 __all__ = ["self_check", "probe_loads"]
 
@@ -76,7 +76,7 @@ def _check_reroute(device, config, problems):
         out = reroute_permute(
             ids[rank].to(device), hidden.to(device), probs.to(device), fused.table, num_experts=E
         )
-        expected = _host_reroute(ids[rank], hidden, probs, torch.from_numpy(table), E)
+        expected = host_reroute(ids[rank], hidden, probs, torch.from_numpy(table), E)
         got = (out.permuted, out.permuted_probs, out.send_token, out.pair_slot, out.pair_row)
         if not all(torch.equal(a.cpu(), b) for a, b in zip(got, expected)):
             problems.append(f"routed load, rank {rank}: the fused reroute differs from the host's")

@@ -39,7 +39,7 @@ def in_backward_pass() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-class _PhysicalSlots:
+class PhysicalSlots:
     """What both dispatchers add to megatron's: the physical geometry, the exact load of the EP
     group and the reroute of the routing. Not a dispatcher: each dispatcher builds megatron's over
     ``R * P`` physical experts and calls these with its invocation."""
@@ -149,7 +149,7 @@ class BalancedAlltoAllDispatcher(MoEAlltoAllTokenDispatcher):
     def __init__(
         self, num_local_experts, local_expert_indices, config, pg_collection, *, num_slots
     ):
-        self.slots = slots = _PhysicalSlots(num_local_experts, config, pg_collection, num_slots)
+        self.slots = slots = PhysicalSlots(num_local_experts, config, pg_collection, num_slots)
         super().__init__(
             slots.slots_per_rank, slots.local_slots, slots.physical_config, pg_collection
         )
@@ -327,7 +327,7 @@ class BalancedFlexDispatcher(MoEFlexTokenDispatcher):
         problem = flex_backend_problem(config)
         if problem:
             raise ValueError(f"--moe-balancer: {problem}")
-        self.slots = slots = _PhysicalSlots(num_local_experts, config, pg_collection, num_slots)
+        self.slots = slots = PhysicalSlots(num_local_experts, config, pg_collection, num_slots)
         super().__init__(
             slots.slots_per_rank, slots.local_slots, slots.physical_config, pg_collection
         )

@@ -73,7 +73,7 @@ def hot_path() -> list:
         (invocation.BalancedInvocation, ("finish_reduction",)),
         (context.ReplicaSlots, ("fill", "wait_filled", "reduce", "wait")),
         (context.BalancingContext, ("observe",)),
-        (dispatchers._PhysicalSlots, ("gather_load", "physical_routing")),
+        (dispatchers.PhysicalSlots, ("gather_load", "physical_routing")),
         (dispatchers.BalancedAlltoAllDispatcher, ("permute", "planned_inputs")),
         (replica_autograd, ("*_buffer_packer", "*_buffer_unpacker")),
     ]
