@@ -62,13 +62,16 @@ def host_reroute(topk_ids, hidden, probs, table, num_experts):
     pair_row = torch.empty(N, dtype=torch.int32, device=flat.device).scatter_(
         0, order, row.to(torch.int32)
     )
-    send_token = torch.empty(N, dtype=torch.int64, device=flat.device).scatter_(
-        0, row, torch.div(order, K, rounding_mode="floor")
-    )
+    # A stale table can name rows outside the buffer: they go to a spare row N, dropped (the
+    # kernel masks them); unwritten rows then hold token 0.
+    spare = torch.where((row >= 0) & (row < N), row, N)
+    send_token = torch.zeros(N + 1, dtype=torch.int64, device=flat.device).scatter_(
+        0, spare, torch.div(order, K, rounding_mode="floor")
+    )[:N]
     permuted = hidden.index_select(0, send_token)
-    permuted_probs = torch.empty(N, dtype=probs.dtype, device=flat.device).scatter_(
-        0, row, probs.reshape(-1).index_select(0, order)
-    )
+    permuted_probs = torch.zeros(N + 1, dtype=probs.dtype, device=flat.device).scatter_(
+        0, spare, probs.reshape(-1).index_select(0, order)
+    )[:N]
     return (
         permuted,
         permuted_probs,
