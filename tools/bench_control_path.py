@@ -46,10 +46,13 @@ from torch.utils.weak import WeakIdKeyDictionary
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from ultraep_megatron.planner.baselines.registry import ULTRAEP  # noqa: E402
+from ultraep_megatron.planner.fused_plan import OP_NAMESPACE  # noqa: E402
+
 STAGES = ("route", "preprocess", "dispatch", "routed_experts_compute", "combine", "postprocess")
 PLANNERS = ("none", "host", "device")
 #: Kernels each custom op of the planner launches on CUDA (its Triton kernels).
-CUSTOM_OP_LAUNCHES: dict = {}
+CUSTOM_OP_LAUNCHES = {"plan_invocation": 1, "reroute_permute": 2, "unpermute_add": 1}
 #: Ops that launch no kernel besides views: allocations and metadata.
 NO_KERNEL = {
     "empty",
@@ -110,7 +113,7 @@ class Counter(TorchDispatchMode):
             for t in pytree.tree_leaves(out):
                 if isinstance(t, torch.Tensor):
                     self.device[t] = True
-        if func.namespace not in ("aten", "prims"):  # a custom op: its own launch count
+        if func.namespace == OP_NAMESPACE:
             launches = CUSTOM_OP_LAUNCHES.get(name, 1)
         elif not on_device or func.is_view or name in NO_KERNEL or _empty(out):
             launches = 0
@@ -192,7 +195,6 @@ def build(cfg, planner: str, device):
     from ultraep_megatron.megatron.balanced_layer.balanced_moe import BalancedMoELayer
     from ultraep_megatron.megatron.balanced_layer.context import BalancingContext
     from ultraep_megatron.planner import BalancerConfig
-    from ultraep_megatron.planner.baselines import registry
 
     model_parallel_cuda_manual_seed(1234)
     config = TransformerConfig(
@@ -215,7 +217,7 @@ def build(cfg, planner: str, device):
     builder = get_moe_module_spec(use_te=False, num_experts=cfg.num_experts, moe_grouped_gemm=False)
     if planner != "none":
         balancing = BalancingContext(
-            BalancerConfig(name=registry.ULTRAEP, num_slots=cfg.num_slots), planner=planner
+            BalancerConfig(name=ULTRAEP, num_slots=cfg.num_slots), planner=planner
         )
         builder = functools.partial(
             BalancedMoELayer, submodules=builder.keywords["submodules"], balancing=balancing

@@ -65,7 +65,8 @@ def dense_reference(d, routing_map, probs):
     num_tokens, num_experts = routing_map.shape
     table = d.invocation.reroute_table
     counts = routing_map.t().contiguous().cumsum(dim=1)
-    position = (counts + table[2, :num_experts].unsqueeze(1)).t().reshape(-1)
+    # Row 2 of the compact table (planner.record_layout): each expert's first position.
+    position = (counts - 1 + table[2, :num_experts].unsqueeze(1)).t().reshape(-1)
     instance = torch.searchsorted(table[0], position, right=True)
     num_physical = d.slots.ep_size * d.slots.slots_per_rank
     instance_slot = table[1].index_select(0, instance).view(num_tokens, num_experts)

@@ -178,8 +178,8 @@ def instances_of_positions(
     positions, O(N + E * R); its output size makes it a device op (without one it reads the
     counts' sum). The same columns either way.
     """
-    if binary_search:
-        return torch.searchsorted(running, positions, right=True)
+    if binary_search:  # the table may be the compact int32 one (``record_layout``)
+        return torch.searchsorted(running, positions.to(running.dtype), right=True)
     counts = torch.diff(running[:-1], prepend=running.new_zeros(1))
     return torch.repeat_interleave(
         torch.arange(running.numel() - 1, device=running.device),
@@ -225,5 +225,5 @@ def physical_slot_ids(
     """[N] int64: the physical slot of each routed pair, in row-major pair order (view it as the
     ``[T, k]`` pairs), from :func:`expert_major_pairs`' ``order`` and ``instance``: row 1 of
     ``reroute_table`` at the pair's instance."""
-    slot = reroute_table[1].index_select(0, instance)
+    slot = reroute_table[1].index_select(0, instance).to(order.dtype)
     return torch.empty_like(order).scatter_(0, order, slot)

@@ -9,6 +9,7 @@ P = G + S physical slots per rank; T tokens, k experts per token.
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -19,6 +20,9 @@ import torch
 from ultraep_megatron import planner
 from ultraep_megatron.dataplane import TransferHandle, TransferSchedule
 from ultraep_megatron.megatron.balanced_layer.expert_slots import LayerExperts
+from ultraep_megatron.planner.fused_plan import host_parts
+from ultraep_megatron.planner.record_layout import record_length, table_columns, unpack_record
+from ultraep_megatron.planner.solve import host_array
 
 
 @dataclass(frozen=True, eq=False)
@@ -33,8 +37,9 @@ class HostPlan:
         rows_per_source_slot: int64 [R, P], rows each source sends to each of this rank's
             physical slots (megatron's ``num_global_tokens_per_local_expert``; pinned on CUDA).
         rows_per_slot: int64 [P], rows each of this rank's physical slots receives.
-        reroute_table: int64 [4, E * R + 1] (``planner.RankReroute``; pinned on CUDA, uploaded
-            without blocking), or ``None`` where the plan was made on the device, which has it.
+        reroute_table: int32 [4, E + R * S + 1], the compact table of ``planner.record_layout``
+            (pinned on CUDA, uploaded without blocking), or ``None`` where the plan was made on the
+            device, which has it (there the int64 [4, E * R + 1] of ``planner.RankReroute``).
         schedule_builder: the data plane's transfer schedule of the replicas, or ``None``: the
             plan has none (no transfer runs, identically on every rank).
         plan_seconds: host time of the planner.
@@ -85,19 +90,31 @@ def host_plan(
     with_table: bool,
 ) -> HostPlan:
     """``ep_rank``'s :class:`HostPlan` of ``plan`` (host tensors) solved for ``load`` (host int64
-    [R, E]): one compiled pass (``planner.rank_reroute``), into pinned memory on CUDA.
+    [R, E]): one compiled pass (``planner.fused_plan.host_parts``), into pinned memory on CUDA.
     ``with_table``: keep the reroute table (the host planner uploads it)."""
     R, E = load.shape
-    P = plan.physical_slots_per_rank
+    S = plan.num_slots
     pinned = torch.cuda.is_available()
-    rows_per_source_slot = torch.empty(R, P, dtype=torch.int64, pin_memory=pinned)
-    table = torch.empty(4, E * R + 1, dtype=torch.int64, pin_memory=pinned)
-    reroute = planner.rank_reroute(
+    # One compiled pass packs this rank's record (splits, rows per source slot) and the compact
+    # int32 reroute table (6 KB at EP64, E=256, S=2: what the host planner uploads).
+    record = torch.empty(record_length(R, E, S), dtype=torch.int64, pin_memory=pinned)
+    table = torch.empty(4, table_columns(R, E, S), dtype=torch.int32, pin_memory=pinned)
+    host_parts(
+        host_array(load),
         plan,
-        load,
         ep_rank,
-        rows_per_source_slot=rows_per_source_slot.numpy(),
-        reroute_table=table.numpy(),
+        balanced=balanced,
+        min_quota=0,
+        domain_size=R,
+        record=record.numpy(),
+        table=table.numpy(),
+    )
+    view = unpack_record(record.numpy(), R, E, S)
+    rows_per_source_slot = torch.from_numpy(view.rows_per_source_slot)
+    reroute = SimpleNamespace(
+        input_splits=view.input_splits,
+        output_splits=view.output_splits,
+        rows_per_slot=view.rows_per_source_slot.sum(0),
     )
     return HostPlan(
         load=load,
