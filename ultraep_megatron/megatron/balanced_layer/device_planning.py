@@ -2,14 +2,10 @@
 
 The gathered load ``[R, E]`` stays on the device: ultraep's trigger and plan
 (``planner.device_balancer.solve_or_identity``) and this rank's reroute table
-(``planner.reroute.device_reroute_table``) are queued there, the reroute
-and permutation read them there, and the host half of the plan (the load, the plan, whether it was
-balanced) crosses in one copy, started on a side stream once the plan is queued and waited for where
-megatron's dispatcher waits for its splits anyway (``physical_routing.PhysicalSlotRouting._complete_plan``). Every function here is device work only:
-no host read, fixed shapes.
-
-Vocabulary (docs/glossary.md): R EP ranks, E experts, G = E // R main experts per rank, S redundant
-slots per rank, P = G + S physical slots per rank.
+(``planner.reroute.device_reroute_table``) are queued there, the reroute and permutation read them
+there, and the host half of the plan (the load, the plan, whether it was balanced) crosses in one
+copy, started on a side stream once the plan is queued and read at the invocation's one wait
+(``PlanHandle.wait``). Every function here is device work only: no host read, fixed shapes.
 """
 
 from __future__ import annotations
@@ -205,8 +201,8 @@ def self_check(
     Plans each :func:`probe_loads` load as a balanced layer does (:func:`plan_on_device`: the
     trigger, the solve, the reroute table of ``rank``, the host half, on ``device``; on CUDA the
     Triton kernels compile here) and compares, bit for bit: the plan with the device planner's
-    algorithm run by the greedy's specification (``device_solve(..., implementation="reference")``), or the
-    unbalanced plan below the trigger; whether it balances with the host trigger
+    algorithm run by the greedy's specification (``device_solve(..., implementation="reference")``),
+    or the unbalanced plan below the trigger; whether it balances with the host trigger
     (``LayerBalancer.balances``); the reroute table with the host's ``rank_reroute``; the host half
     with what it packs. And the plan's max rank load must be the host planner's (``solve``) to its
     search resolution. Reads device memory: for startup only.
@@ -222,7 +218,8 @@ def self_check(
             replicas += replicated
             if differing:
                 failure = (
-                    f"its plan of a probe load (R={num_ranks}, E={num_experts}, S={config.num_slots}"
+                    f"its plan of a probe load (R={num_ranks}, E={num_experts}, "
+                    f"S={config.num_slots}"
                     f"{f', NVLink domains of {config.domain_size}' if config.domain_size else ''}) "
                     f"differs from the reference in: {', '.join(differing)}"
                 )

@@ -1,4 +1,5 @@
-"""The balanced token dispatchers: megatron's own, over physical slots, driven by an invocation's plan.
+"""The balanced token dispatchers: megatron's own, over physical slots, driven by an invocation's
+plan.
 
 Every EP rank owns ``P = G + S`` physical slots (its G main experts, then its S redundant slots),
 so megatron's permutation, all-to-all and chunk sort run unchanged on ``R * P`` "experts"; physical
