@@ -171,8 +171,8 @@ def run_018(blocks: list[str], argv: list[str]) -> dict:
         "checkout_builder_used": bool(checkout_builds),
         "mlp_classes": [type(m).__name__ for m in mlps],
         "balancer_configs": [
-            [m.balancer_config.name, m.balancer_config.num_slots]
-            if hasattr(m, "balancer_config")
+            [m.balancing.config.name, m.balancing.config.num_slots]
+            if hasattr(m, "balancing")
             else None
             for m in mlps
         ],
