@@ -111,6 +111,11 @@ TRAJECTORY = {  # run: (reference, noise-floor pair), over the Adam iterations
 }
 
 
+#: Runs whose collectives, batched rounds and waits are checked against NCCL's rules: PP 2 with
+#: virtual pipeline stages (two communicators' point-to-point traffic beside the EP group's).
+NCCL_RULES = {"ultraep_vpp"}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, initial_checkpoint):
     """name -> DumpRun, each launched once, on first use."""
@@ -141,6 +146,9 @@ def runs(tmp_path_factory, initial_checkpoint):
                 "ULTRAEP_LR0_ITERS": str(lr0),
                 "ULTRAEP_FAULTS": ",".join(f"{f}@{it}" for it, f in faults.items()),
             }
+            if name in NCCL_RULES:  # every rank's collectives and rounds recorded (nccl_rules.py)
+                (run_dir / "nccl").mkdir()
+                env["ULTRAEP_NCCL_RULES_DIR"] = str(run_dir / "nccl")
             done[name] = launch_dump_run(run_dir, WORLD, args, env)
         return done[name]
 
@@ -320,3 +328,24 @@ def test_evaluation_is_balanced_and_leaves_no_ring_slot(runs, name):
     )
     print(f"\n{name} evaluation losses: {summary(comparisons)}")
     assert comparisons and not failures(comparisons), failures(comparisons)
+
+
+def test_pipeline_stages_keep_nccl_s_rules(runs):
+    """The balanced run at EP 2 x PP 2 with virtual pipeline stages, every rank's collectives,
+    batched rounds (megatron's pipeline sends and receives among them) and waits recorded
+    (tests/nccl_rules.py) and checked against NCCL's rules (tests/nccl_check.py); a collective
+    skipped by one rank in those logs fails the check."""
+    import copy
+
+    from nccl_check import NcclRuleError, check_logs
+    from nccl_rules import read_logs
+
+    run = runs("ultraep_vpp")
+    logs = read_logs(str(run.run_dir / "nccl"))
+    assert sorted(logs) == list(range(WORLD))
+    check_logs(logs)
+    skipped = copy.deepcopy(logs)
+    first = next(i for i, e in enumerate(skipped[1]) if e["kind"] == "coll")
+    del skipped[1][first]
+    with pytest.raises(NcclRuleError, match=r"rank 1"):
+        check_logs(skipped)

@@ -137,6 +137,8 @@ RUNS = {  # name: (EP size, extra flags, lr-0 iterations, Adam iterations, fault
     "ultraep_gather_fault": (EP, BALANCED, LR0, ADAM, "replicas_before_param_gather"),
 }
 WORLD = 4
+#: Runs whose collectives, batched rounds and waits are checked against NCCL's rules.
+NCCL_RULES = {"ultraep"}
 #: Runs with --gradient-accumulation-fusion (its kernel's CPU stand-in).
 WGRAD_FUSION = {"ultraep_wgrad_fusion"}
 # Iteration 1 is megatron's first batch: DDP then learns how often each parameter's hook fires and
@@ -163,6 +165,9 @@ def runs(tmp_path_factory):
             if "--moe-balancer" in extra:
                 args += ["--moe-balancer-trace-dir", str(run_dir / "trace")]
             env = {"ULTRAEP_LR0_ITERS": str(lr0), "ULTRAEP_FAULTS": faults}
+            if name in NCCL_RULES:  # every rank's collectives and rounds recorded (nccl_rules.py)
+                (run_dir / "nccl").mkdir(parents=True, exist_ok=True)
+                env["ULTRAEP_NCCL_RULES_DIR"] = str(run_dir / "nccl")
             if name in WGRAD_FUSION:
                 args.remove("--no-gradient-accumulation-fusion")
                 env["ULTRAEP_WGRAD_FUSION_STANDIN"] = "1"
@@ -466,3 +471,26 @@ def test_negative_control_a_plan_dependent_node_before_the_dispatch_breaks_the_o
     assert any(re.search(r"\(([1-9]\d*) of \d+ collective starts\)", m) for m in mismatches), (
         mismatches
     )
+
+
+def test_the_production_layout_keeps_nccl_s_rules(runs, tmp_path):
+    """The balanced run in the production layout (expert-DP 2, overlapped reduce and gather,
+    buckets smaller than an expert, two microbatches) with every rank's collectives, batched
+    rounds and waits recorded (tests/nccl_rules.py), megatron's DDP collectives among them, and
+    checked against NCCL's rules (tests/nccl_check.py); a collective skipped by one rank in those
+    logs fails the check."""
+    import copy
+
+    from nccl_check import NcclRuleError, check_logs
+    from nccl_rules import read_logs
+
+    run = runs("ultraep")
+    logs = read_logs(str(run.run_dir / "nccl"))
+    assert sorted(logs) == list(range(WORLD))
+    assert sum(e["kind"] == "batch" for e in logs[0]) > 0  # the replica transfers' rounds
+    check_logs(logs)
+    skipped = copy.deepcopy(logs)
+    first = next(i for i, e in enumerate(skipped[1]) if e["kind"] == "coll")
+    del skipped[1][first]
+    with pytest.raises(NcclRuleError, match=r"rank 1"):
+        check_logs(skipped)
