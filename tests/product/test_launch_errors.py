@@ -102,3 +102,20 @@ def test_the_cpu_backend_banner_is_one_line_unless_asked_for():
     assert (
         count > 10 and len(listed) == 1 + count and all(ln.startswith("  - ") for ln in listed[1:])
     )
+
+
+def test_a_python_without_torch_gets_one_line_naming_ultraep_python():
+    """The recipes' launcher under a python that lacks the project's environment (``python3`` on
+    ``PATH``, where ULTRAEP_PYTHON is unset): one line naming ULTRAEP_PYTHON, exit 2, no
+    traceback. torch is made unimportable in the child (``sys.modules["torch"] = None``)."""
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "from ultraep_megatron.megatron.run import torchrun\n"
+        "sys.exit(torchrun.main(['--nproc-per-node', '1', 'x.py']))\n"
+    )
+    completed = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert completed.returncode == 2, completed.stderr
+    lines = completed.stderr.strip().splitlines()
+    assert len(lines) == 1 and "has no torch" in lines[0] and "ULTRAEP_PYTHON" in lines[0], lines

@@ -46,9 +46,16 @@ class _HoldEchoes(logging.Filter):
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run torchrun on ``argv`` (default ``sys.argv[1:]``); return the exit status: 0, 2 when
     the first failed worker refused (exit status 2), else that worker's status (1 for a signal)."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
-
+    try:
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.run import parse_args, run
+    except ModuleNotFoundError as missing:  # a python without the project's environment
+        print(
+            f"{sys.executable} has no {(missing.name or 'torch').split('.')[0]}: set ULTRAEP_PYTHON to the project's python "
+            "(ULTRAEP_PYTHON=$(bash tools/ensure_env.sh)), or run tools/main_job.sh",
+            file=sys.stderr,
+        )
+        return 2
     hold = _HoldEchoes()
     loggers = [logging.getLogger(name) for name in _AGENT_LOGGERS]
     for logger in loggers:
