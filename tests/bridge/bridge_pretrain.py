@@ -1,7 +1,7 @@
 """One rank of Megatron-Bridge's own ``pretrain()`` on a tiny MoE GPT, on the CPU over gloo.
 
 Run under the rank launchers of tests/ (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set):
-``python bridge_pretrain.py OUT_DIR [--ep N] [--iters N]``. Writes ``OUT_DIR/losses_rank{R}.json``.
+``python bridge_pretrain.py OUT_DIR [--ep N] [--iters N] [--overlap]``. Writes ``OUT_DIR/losses_rank{R}.json``.
 """
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument(
+        "--overlap", action="store_true", help="overlapped grad reduce, param gather"
+    )
     args = parser.parse_args()
 
     from ultraep_megatron.megatron.cpu import backend
@@ -83,7 +86,12 @@ def main() -> None:
             fp16=False,
             use_distributed_optimizer=True,
         ),
-        ddp=DistributedDataParallelConfig(use_distributed_optimizer=True),
+        ddp=DistributedDataParallelConfig(
+            use_distributed_optimizer=True,
+            overlap_grad_reduce=args.overlap,
+            overlap_param_gather=args.overlap,
+            bucket_size=4096 if args.overlap else None,
+        ),
         scheduler=SchedulerConfig(
             lr_decay_style="constant",
             lr_warmup_iters=0,
