@@ -17,6 +17,7 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--ultraep", action="store_true", help="enable_ultraep(cfg, num_slots=2)")
     parser.add_argument(
         "--overlap", action="store_true", help="overlapped grad reduce, param gather"
     )
@@ -115,16 +116,37 @@ def main() -> None:
         dist=DistributedInitConfig(distributed_backend="gloo", use_gloo_process_groups=True),
         rng=RNGConfig(seed=1234),
     )
-    losses = []
+    losses, ended, moe_layers = [], [], []
 
     class Record(Callback):
+        def on_train_start(self, context):
+            for chunk in context.model:
+                for name, module in chunk.named_modules():
+                    if name.endswith(".mlp") and "experts" in dict(module.named_children()):
+                        moe_layers.append(type(module).__name__)
+
         def on_train_step_end(self, context):
             losses.append({k: float(v) for k, v in (context.loss_dict or {}).items()})
 
-    pretrain(cfg, forward_step, callbacks=[Record()])
+    callbacks = [Record()]
+    if args.ultraep:
+        from ultraep_megatron.megatron.bridge.enable import enable_ultraep
+
+        callbacks += enable_ultraep(cfg, num_slots=2)
+        balancing = callbacks[-1].balancing
+        end_iteration = balancing.end_iteration
+
+        def counted_end(iteration):
+            ended.append(iteration)
+            return end_iteration(iteration)
+
+        balancing.end_iteration = counted_end
+    pretrain(cfg, forward_step, callbacks=callbacks)
     rank = int(os.environ.get("RANK", "0"))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"losses_rank{rank}.json").write_text(json.dumps(losses))
+    record = {"ended_iterations": ended, "moe_layers": moe_layers}
+    (args.out / f"record_rank{rank}.json").write_text(json.dumps(record))
 
 
 if __name__ == "__main__":
