@@ -19,6 +19,8 @@ import functools
 import inspect
 from typing import Any
 
+from ultraep_megatron.planner.baselines import registry
+
 
 def _flags_namespace(balancer: str, knobs: dict[str, Any]) -> argparse.Namespace:
     from ultraep_megatron.megatron.run.arguments import add_ultraep_args
@@ -41,7 +43,9 @@ def _provider_spec(provider: Any, config: Any, vp_stage: int | None):
     return spec
 
 
-def enable_ultraep(cfg: Any, num_slots: int = 2, balancer: str = "ultraep", **knobs: Any) -> list:
+def enable_ultraep(
+    cfg: Any, num_slots: int = 2, balancer: str = registry.ULTRAEP, **knobs: Any
+) -> list:
     """Balance every MoE layer of ``cfg.model`` (a Bridge GPT provider) with UltraEP; return the
     callbacks to pass to Bridge's ``pretrain``."""
     from megatron.bridge.training.callbacks import Callback
