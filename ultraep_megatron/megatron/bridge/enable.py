@@ -5,11 +5,11 @@ Swaps the MoE layer inside the provider's own layer spec (a ``ModuleSpec`` or a 
 way (a post-wrap hook), and returns the callbacks for ``pretrain(..., callbacks=)``: the iteration
 boundary installed at ``on_train_start`` on ``get_model_config(model[0])`` (Bridge's
 ``training/setup.py`` sets ``finalize_model_grads_func`` after the post-wrap hooks run), numbered
-by Bridge's ``train_state.step``.
+by Bridge's ``train_state.step``; and the per-layer imbalance before and after balancing to
+Bridge's own tensorboard and wandb writers and the console (``UltraEPImbalanceLog``).
 
 Work in progress (issue 51): the knobs are the ``--moe-balancer*`` flags' (same names without the
-prefix, same defaults); the startup checks against the ConfigContainer and the imbalance to
-Bridge's loggers are not wired yet.
+prefix, same defaults); the startup checks against the ConfigContainer are not wired yet.
 """
 
 from __future__ import annotations
@@ -85,4 +85,63 @@ def enable_ultraep(
 
     iterations = UltraEPIterations()
     iterations.balancing = balancing  # the model's balancing context, for callers that read it
-    return [iterations]
+    return [iterations, UltraEPImbalanceLog(balancing)]
+
+
+def _imbalance_log_class():
+    from megatron.bridge.training.callbacks import Callback
+
+    class UltraEPImbalanceLog(Callback):
+        """Every ``cfg.logger.log_interval`` steps: each balanced layer's imbalance before and
+        after balancing, averaged over the microbatches since the last log, to Bridge's own
+        tensorboard and wandb writers (``state.tensorboard_logger`` / ``state.wandb_logger``, set
+        on the last rank when ``cfg.logger`` names them) as ``ultraep/layer_N/imbalance_before``
+        and ``.../imbalance_after``, and one console line. The figures are the host plan's (no
+        device read); ``last_stats`` keeps the latest ``{layer: {metric: mean}}``."""
+
+        def __init__(self, balancing):
+            self.balancing = balancing
+            self.last_stats: dict[int, dict[str, float]] = {}
+
+        def on_train_step_end(self, context):
+            state = context.state
+            step = state.train_state.step + 1  # the iteration ending (Bridge counts it after)
+            interval = state.cfg.logger.log_interval or 1
+            if step % interval:
+                return
+            stats = self.balancing.pop_stats()
+            self.last_stats = stats
+            if not stats:
+                return
+            scalars = {
+                f"ultraep/layer_{layer}/{key}": figures[key]
+                for layer, figures in stats.items()
+                for key in IMBALANCE_KEYS
+            }
+            writer = state.tensorboard_logger
+            if writer is not None:
+                for tag, value in scalars.items():
+                    writer.add_scalar(tag, value, step)
+            wandb_writer = state.wandb_logger
+            if wandb_writer is not None:
+                wandb_writer.log(scalars, step)
+            from megatron.bridge.utils.common_utils import print_rank_last
+
+            print_rank_last(
+                f" [ultraep] iteration {step}: imbalance before -> after "
+                + " | ".join(
+                    f"layer {layer} {f['imbalance_before']:.3f} -> {f['imbalance_after']:.3f}"
+                    for layer, f in stats.items()
+                )
+            )
+
+    return UltraEPImbalanceLog
+
+
+#: The per-layer figures :class:`UltraEPImbalanceLog` writes (``BalancerStats`` names).
+IMBALANCE_KEYS = ("imbalance_before", "imbalance_after")
+
+
+def UltraEPImbalanceLog(balancing):  # noqa: N802 (a class, built once Bridge is importable)
+    """The imbalance-logging callback for ``balancing`` (see ``_imbalance_log_class``)."""
+    return _imbalance_log_class()(balancing)
