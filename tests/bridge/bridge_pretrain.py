@@ -16,44 +16,12 @@ import os
 from pathlib import Path
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("out", type=Path)
-    parser.add_argument("--ep", type=int, default=1)
-    parser.add_argument("--iters", type=int, default=3)
-    parser.add_argument("--ultraep", action="store_true", help="enable_ultraep(cfg, num_slots=2)")
-    parser.add_argument(
-        "--overlap", action="store_true", help="overlapped grad reduce, param gather"
-    )
-    parser.add_argument("--microbatches", type=int, default=1, help="per rank and iteration")
-    parser.add_argument("--lr0-iters", type=int, default=0, help="iterations 1..K at lr 0, dumped")
-    parser.add_argument(
-        "--reverse-microbatches",
-        action="store_true",
-        help="each iteration's microbatches in reverse order (the noise-floor run)",
-    )
-    parser.add_argument(
-        "--expert-bias", help="comma-separated router expert bias set before iteration 1 (skew)"
-    )
-    parser.add_argument("--fault", help="a fault of pretrain_grad_dump.FAULTS, the whole run")
-    parser.add_argument(
-        "--fake-writer",
-        action="store_true",
-        help="Bridge's tensorboard writer on the last rank is a recording stand-in",
-    )
-    args = parser.parse_args()
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "megatron" / "workers"))
+def tiny_config(args, world: int, **model_overrides):
+    """The tiny MoE GPT's ConfigContainer (CPU, gloo) for ``args`` (``ep``, ``iters``,
+    ``microbatches``, ``overlap``, ``expert_bias``: the options of :func:`main`), ``world`` ranks;
+    ``model_overrides``: provider fields."""
     import torch
-    from megatron_records import global_parameter_names, reduced_gradients, set_expert_bias
-    from pretrain_grad_dump import FAULTS
-
-    from ultraep_megatron.megatron.cpu import backend
-
-    backend.activate()
     from megatron.bridge.models.gpt_provider import GPTModelProvider
-    from megatron.bridge.training.callbacks import Callback
     from megatron.bridge.training.config import (
         CheckpointConfig,
         ConfigContainer,
@@ -66,8 +34,6 @@ def main() -> None:
         TrainingConfig,
         ValidationConfig,
     )
-    from megatron.bridge.training.gpt_step import forward_step
-    from megatron.bridge.training.pretrain import pretrain
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig
@@ -106,7 +72,8 @@ def main() -> None:
             else {}
         ),
     )
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    for name, value in model_overrides.items():  # as Bridge recipes set them
+        setattr(model, name, value)
     cfg = ConfigContainer(
         model=model,
         train=TrainingConfig(
@@ -151,6 +118,51 @@ def main() -> None:
         dist=DistributedInitConfig(distributed_backend="gloo", use_gloo_process_groups=True),
         rng=RNGConfig(seed=1234),
     )
+    return cfg
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--ultraep", action="store_true", help="enable_ultraep(cfg, num_slots=2)")
+    parser.add_argument(
+        "--overlap", action="store_true", help="overlapped grad reduce, param gather"
+    )
+    parser.add_argument("--microbatches", type=int, default=1, help="per rank and iteration")
+    parser.add_argument("--lr0-iters", type=int, default=0, help="iterations 1..K at lr 0, dumped")
+    parser.add_argument(
+        "--reverse-microbatches",
+        action="store_true",
+        help="each iteration's microbatches in reverse order (the noise-floor run)",
+    )
+    parser.add_argument(
+        "--expert-bias", help="comma-separated router expert bias set before iteration 1 (skew)"
+    )
+    parser.add_argument("--fault", help="a fault of pretrain_grad_dump.FAULTS, the whole run")
+    parser.add_argument(
+        "--fake-writer",
+        action="store_true",
+        help="Bridge's tensorboard writer on the last rank is a recording stand-in",
+    )
+    args = parser.parse_args()
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "megatron" / "workers"))
+    import torch
+    from megatron_records import global_parameter_names, reduced_gradients, set_expert_bias
+    from pretrain_grad_dump import FAULTS
+
+    from ultraep_megatron.megatron.cpu import backend
+
+    backend.activate()
+    from megatron.bridge.training.callbacks import Callback
+    from megatron.bridge.training.gpt_step import forward_step
+    from megatron.bridge.training.pretrain import pretrain
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg = tiny_config(args, world)
     if args.lr0_iters:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 

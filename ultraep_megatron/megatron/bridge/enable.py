@@ -8,8 +8,12 @@ boundary installed at ``on_train_start`` on ``get_model_config(model[0])`` (Brid
 by Bridge's ``train_state.step``; and the per-layer imbalance before and after balancing to
 Bridge's own tensorboard and wandb writers and the console (``UltraEPImbalanceLog``).
 
-Work in progress (issue 51): the knobs are the ``--moe-balancer*`` flags' (same names without the
-prefix, same defaults); the startup checks against the ConfigContainer are not wired yet.
+The knobs are the ``--moe-balancer*`` flags' (same names without the prefix, same defaults). Before
+anything is changed, the startup checks ``pretrain_gpt.py`` runs on UltraEP's arguments
+(``run.arguments.ultraep_arg_problems``: every knob, the MoE model, the settings a balanced layer
+cannot run) run on a namespace read from the ``ConfigContainer``'s fields; a refusal is a
+``ValueError`` naming the config field (``cfg.model.moe_expert_capacity_factor``) or
+``enable_ultraep``'s argument instead of the flag.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import functools
 import inspect
+import re
 from typing import Any
 
 from ultraep_megatron.planner.baselines import registry
@@ -33,6 +38,68 @@ def _flags_namespace(balancer: str, knobs: dict[str, Any]) -> argparse.Namespace
             raise TypeError(f"enable_ultraep: no knob {name!r} (the --moe-balancer-* flags' names)")
         setattr(namespace, dest, value)
     return namespace
+
+
+#: The ConfigContainer sections the checks read, in lookup order (a name in two, such as
+#: ``use_distributed_optimizer``, is read from the first).
+SECTIONS = ("model", "ddp", "dist", "optimizer", "train", "checkpoint", "mixed_precision")
+#: Megatron's argument names that Bridge's model provider spells otherwise.
+MODEL_RENAMES = {"num_experts": "num_moe_experts"}
+
+
+class ConfigNamespace:
+    """Megatron's args namespace as the startup checks read it, from a ``ConfigContainer``: the
+    balancer's flags from ``knobs`` (an ``argparse.Namespace`` of the ``--moe-balancer*`` flags),
+    every other name from the first section of :data:`SECTIONS` that has it (``num_experts`` is
+    ``cfg.model.num_moe_experts``). A name no section has is missing (``getattr``'s default)."""
+
+    def __init__(self, cfg: Any, knobs: argparse.Namespace):
+        self._cfg, self._knobs = cfg, knobs
+
+    def field(self, name: str) -> str | None:
+        """Where ``name`` is read: ``cfg.<section>.<field>``, or ``None``."""
+        name = MODEL_RENAMES.get(name, name)
+        for section in SECTIONS:
+            holder = getattr(self._cfg, section, None)
+            if holder is not None and hasattr(holder, name):
+                return f"cfg.{section}.{name}"
+        return None
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if hasattr(self._knobs, name):
+            return getattr(self._knobs, name)
+        where = self.field(name)
+        if where is None:
+            raise AttributeError(name)
+        section, field = where.split(".")[1:]
+        return getattr(getattr(self._cfg, section), field)
+
+
+def _named_by_field(problem: str, namespace: ConfigNamespace) -> str:
+    """``problem`` with each flag named as what sets it here: ``--moe-balancer-X`` as
+    ``enable_ultraep(X=)``, ``--moe-balancer`` as ``enable_ultraep(balancer=)``, any other flag as
+    its ConfigContainer field (left as it is where no section has it)."""
+
+    def name(match: re.Match) -> str:
+        flag = match.group(0)
+        if flag == "--moe-balancer":
+            return "enable_ultraep(balancer=)"
+        if flag.startswith("--moe-balancer-"):
+            return f"enable_ultraep({flag[len('--moe-balancer-') :].replace('-', '_')}=)"
+        return namespace.field(flag[2:].replace("-", "_")) or flag
+
+    return re.sub(r"--[a-z][a-z0-9-]*[a-z0-9]", name, problem)
+
+
+def config_problems(cfg: Any, knobs: argparse.Namespace) -> list[str]:
+    """``pretrain_gpt.py``'s startup checks of UltraEP's arguments on ``cfg``'s fields, one line
+    each naming the config field (or ``enable_ultraep``'s argument)."""
+    from ultraep_megatron.megatron.run.arguments import ultraep_arg_problems
+
+    namespace = ConfigNamespace(cfg, knobs)
+    return [_named_by_field(p, namespace) for p in ultraep_arg_problems(namespace)]
 
 
 def _provider_spec(provider: Any, config: Any, vp_stage: int | None):
@@ -54,6 +121,9 @@ def enable_ultraep(
     from ultraep_megatron.megatron.run.arguments import balancing_context_from_args
 
     namespace = _flags_namespace(balancer, {"num_slots": num_slots, **knobs})
+    problems = config_problems(cfg, namespace)
+    if problems:
+        raise ValueError("enable_ultraep refuses this ConfigContainer:\n  " + "\n  ".join(problems))
     balancing = balancing_context_from_args(namespace)
     provider = cfg.model
     provider._ultraep_own_spec = provider.transformer_layer_spec
