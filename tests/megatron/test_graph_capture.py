@@ -130,7 +130,7 @@ def test_capture_preprocess_graph_runs_the_device_plan_on_replay(ranks):
         assert preprocess["capture_calls"] == {"router": 2, "plan": 2}, preprocess["capture_calls"]
         assert preprocess["replay_calls"] == {"router": 0, "plan": 0}, preprocess["replay_calls"]
         assert "c10d._allgather_base_.default" in preprocess["graph_ops"], preprocess["graph_ops"]
-        assert "plan_host_half" in preprocess["valid_cudagraph_attrs"], preprocess[
+        assert "plan_record" in preprocess["valid_cudagraph_attrs"], preprocess[
             "valid_cudagraph_attrs"
         ]
         assert "reversed_local_input_permutation_mapping" in preprocess["valid_cudagraph_attrs"]

@@ -18,8 +18,8 @@ backward               ``replica_autograd``: re-materialize, replicas' backward,
 
 Under megatron's overlapped 1F1B schedule the stages are its nodes and the wait moves to the
 dispatch node. Under Transformer Engine's graphs of ``moe_preprocess`` (device planner) the graph
-holds the load gather, the plan, reroute and permutation; after each replay the plan's host half
-(a graph output) crosses. In an activation-recompute replay the ring gives back the checkpointed
+holds the load gather, the plan, reroute and permutation; after each replay the plan's record (a
+graph output) crosses. In an activation-recompute replay the ring gives back the checkpointed
 forward's invocation.
 """
 
@@ -156,17 +156,17 @@ class BalancedMoELayer(MoELayer):
         dispatcher = self.token_dispatcher
         if self._preprocess_replayed():
             # A graph of the preprocessing ran it: its outputs are in megatron's tensor store, the
-            # plan's host half in the dispatcher (its cudagraph_attrs).
+            # plan's record in the dispatcher (its cudagraph_attrs).
             hidden_states, probs = super().preprocess(hidden_states, probs, routing_map)
-            host_half = dispatcher.plan_host_half
-            if host_half is None:
+            record = dispatcher.plan_record
+            if record is None:
                 raise RuntimeError(
                     f"MoE layer {self.layer_number}: a graph of the preprocessing was replayed "
-                    "without the device plan's host half among its outputs (the preprocessing "
+                    "without the device plan's record among its outputs (the preprocessing "
                     "graph needs --moe-balancer-planner device)"
                 )
             dispatcher.invocation = self._invocation(
-                None, self.balancing.unpack_graphed_plan(host_half)
+                None, self.balancing.unpack_graphed_plan(record)
             )
         else:
             dispatcher.invocation = invocation = self._begin(routing_map)
@@ -200,15 +200,12 @@ class BalancedMoELayer(MoELayer):
         dispatcher = self.token_dispatcher
         load = dispatcher.slots.gather_load(routing_map, dispatcher.tp_ep_group)
         captured = self.preprocess_captured_in_cuda_graph()
-        handle, on_device = self.balancing.start_plan(load, self.balancer, captured=captured)
-        if on_device is None:
-            return self._invocation(topk_ids, handle)
-        dispatcher.plan_host_half = on_device.host_half  # a graph output when captured
-        return self._invocation(
-            topk_ids, handle, on_device.reroute_table, on_device.rows_per_source_slot
-        )
+        handle = self.balancing.start_plan(load, self.balancer, captured=captured)
+        if handle.table is not None:  # a device plan: its record is a graph output when captured
+            dispatcher.plan_record = handle.crossing
+        return self._invocation(topk_ids, handle)
 
-    def _invocation(self, topk_ids, handle, reroute_table=None, device_rows=None):
+    def _invocation(self, topk_ids, handle):
         return BalancedInvocation(
             layer_number=self.layer_number,
             context=self.balancing,
@@ -218,8 +215,6 @@ class BalancedMoELayer(MoELayer):
             grad_enabled=torch.is_grad_enabled(),
             runs_per_forward=self._runs_per_forward,
             handle=handle,
-            reroute_table=reroute_table,
-            device_rows=device_rows,
         )
 
     def _prepare_main_params(self) -> None:

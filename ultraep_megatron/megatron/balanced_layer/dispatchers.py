@@ -33,6 +33,7 @@ from megatron.core.transformer.moe.token_dispatcher import (
 from ultraep_megatron.megatron.release.capabilities import flex_backend_problem
 from ultraep_megatron.megatron.balanced_layer.invocation import BalancedInvocation, upload
 from ultraep_megatron.planner import reroute
+from ultraep_megatron.planner.fused_reroute import reroute_permute
 
 
 def in_backward_pass() -> bool:
@@ -118,30 +119,6 @@ class PhysicalSlots:
         return main, replica, main_probs, replica_probs
 
 
-def permute_pairs(hidden_states, probs, topk_ids, reroute_table, sort_key):
-    """The routed pairs in the all-to-all's send order, exactly per a plan: the pair at expert-major
-    position ``i`` goes to send row ``table[3][instance] + i`` (``planner.RankReroute``).
-
-    Args:
-        hidden_states: [T, H]; probs: [T, E] (differentiable); topk_ids: int64 [T, k];
-        reroute_table: int64 [4, E * R + 1] on their device; sort_key: the expert ids' sort dtype.
-
-    Returns:
-        (tokens [N, H], probs [N], the token of each send row [N]), ``N = T * k``, physical-slot-
-        major and token-ascending within a slot, as megatron's permutation of the physical map.
-    """
-    topk = topk_ids.size(1)
-    order, positions, instance = reroute.expert_major_pairs(topk_ids, reroute_table, sort_key)
-    row = reroute_table[3].index_select(0, instance) + positions
-    # Every row is written once; -1 fails the gather loudly if the routing left one unwritten.
-    tokens = torch.full_like(order, -1).scatter_(
-        0, row, torch.div(order, topk, rounding_mode="floor")
-    )
-    ordered = probs.gather(1, topk_ids).reshape(-1).index_select(0, order)
-    permuted_probs = ordered.new_zeros(ordered.shape).scatter(0, row, ordered)
-    return hidden_states.index_select(0, tokens), permuted_probs, tokens
-
-
 class BalancedAlltoAllDispatcher(MoEAlltoAllTokenDispatcher):
     """megatron's all-to-all dispatcher over ``R * P`` physical slots. Splits and per-slot counts
     come from the plan, at the all-to-all (:meth:`token_dispatch`): no exchange, no host wait
@@ -155,10 +132,10 @@ class BalancedAlltoAllDispatcher(MoEAlltoAllTokenDispatcher):
             slots.slots_per_rank, slots.local_slots, slots.physical_config, pg_collection
         )
         self.invocation: Optional[BalancedInvocation] = None
-        # The device plan's host half: a graph output when megatron captures the preprocessing
+        # The device plan's record: a graph output when megatron captures the preprocessing
         # (--cuda-graph-modules moe_preprocess sets it from the graph's outputs at each replay).
-        self.plan_host_half: Optional[torch.Tensor] = None
-        self.cudagraph_attrs = [*self.cudagraph_attrs, "plan_host_half"]
+        self.plan_record: Optional[torch.Tensor] = None
+        self.cudagraph_attrs = [*self.cudagraph_attrs, "plan_record"]
         # The unfused permutation and chunk sort are computed from the plan; megatron's fused
         # kernels (and its expert-TP, capacity and quantization-padding paths, refused at startup)
         # run on the rerouted map.
@@ -192,8 +169,7 @@ class BalancedAlltoAllDispatcher(MoEAlltoAllTokenDispatcher):
     def dispatch_preprocess(self, hidden_states, routing_map, probs):
         """megatron's, on the rerouted map where its kernels permute; from the plan otherwise.
 
-        The unfused permutation from the plan: the pair at expert-major position ``i`` goes to
-        send row ``table[3][instance] + i`` (``planner.RankReroute``), with neither the
+        The unfused permutation from the plan (``planner.fused_reroute``), with neither the
         ``[T, R * P]`` physical map nor megatron's argsort over it. Before a host plan arrived
         (megatron's overlapped schedule: its pre-dispatch node) only what needs no plan: the pairs
         sorted by *logical* expert; :meth:`planned_inputs` moves them in the dispatch node.
@@ -218,8 +194,8 @@ class BalancedAlltoAllDispatcher(MoEAlltoAllTokenDispatcher):
 
     def permute(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """The tokens ``[T, H]`` and their probabilities (``[T, E]``, differentiable) in send order
-        per the invocation's plan (:func:`permute_pairs`), or expert-major before a host plan
-        arrived."""
+        per the invocation's plan (one op, ``torch.ops.ultraep.reroute_permute``), or expert-major
+        before a host plan arrived."""
         invocation = self.invocation
         t0 = time.perf_counter()
         topk_ids, topk = invocation.topk_ids, invocation.topk_ids.size(1)
@@ -228,12 +204,17 @@ class BalancedAlltoAllDispatcher(MoEAlltoAllTokenDispatcher):
             tokens = torch.div(order, topk, rounding_mode="floor")
             pair_probs = probs.gather(1, topk_ids).reshape(-1)
             return hidden_states.index_select(0, tokens), pair_probs.index_select(0, order)
-        permuted, permuted_probs, tokens = permute_pairs(
-            hidden_states, probs, topk_ids, invocation.reroute_table, self.slots.sort_key
+        rerouted = reroute_permute(
+            topk_ids,
+            hidden_states,
+            probs.gather(1, topk_ids),
+            invocation.reroute_table,
+            num_experts=self.slots.num_experts,
         )
-        self.reversed_local_input_permutation_mapping = tokens
+        # megatron's unpermute scatters with it: int64.
+        self.reversed_local_input_permutation_mapping = rerouted.send_token.long()
         invocation.context.overheads.reroute_seconds += time.perf_counter() - t0
-        return permuted, permuted_probs
+        return rerouted.permuted, rerouted.permuted_probs
 
     def planned_inputs(self, hidden_states, probs):
         """In the dispatch node, once a host plan arrived: the pre-dispatch node's expert-major rows
@@ -333,8 +314,8 @@ class BalancedFlexDispatcher(MoEFlexTokenDispatcher):
             slots.slots_per_rank, slots.local_slots, slots.physical_config, pg_collection
         )
         self.invocation: Optional[BalancedInvocation] = None
-        self.plan_host_half: Optional[torch.Tensor] = None
-        self.cudagraph_attrs = [*self.cudagraph_attrs, "plan_host_half"]
+        self.plan_record: Optional[torch.Tensor] = None
+        self.cudagraph_attrs = [*self.cudagraph_attrs, "plan_record"]
         self.permutes_from_plan = False
         self.defers_host_plans = True  # the fused dispatch permutes, in the dispatch node
         self._replica_rows: Tuple[int, ...] = ()  # per redundant slot, as dispatched

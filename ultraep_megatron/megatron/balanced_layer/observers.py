@@ -15,7 +15,6 @@ from __future__ import annotations
 import weakref
 from typing import Dict, Optional
 
-from ultraep_megatron import planner
 from ultraep_megatron.megatron.balanced_layer.invocation import HostPlan
 from ultraep_megatron.planner import BalancerConfig
 
@@ -48,7 +47,7 @@ class BalancerStats:
     def on_invocation(self, layer_number: int, plan: HostPlan, training: bool) -> None:
         if not training:
             return
-        m = planner.metrics(plan.load, plan.plan, domain_size=self.domain_size)
+        m = plan.metrics()  # the plan record's figures: planner.metrics with the model's domains
         entry = self._sums.setdefault(layer_number, {"count": 0})
         entry["count"] += 1
         for key in self.METRICS:
