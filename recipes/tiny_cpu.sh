@@ -26,7 +26,7 @@ mkdir -p "$RUN_DIR"
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 export WANDB_MODE=${WANDB_MODE:-offline}
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore::UserWarning}
+# No blanket warning filter: the CPU backend filters only what a CPU machine alone causes
 
 DISTRIBUTED_ARGS=(
     --standalone
