@@ -94,6 +94,7 @@ DATA_ARGS=(
     --mock-data
     --tokenizer-type NullTokenizer
     --vocab-size 1024
+    --data-cache-path "$RUN_DIR/data_cache"  # the mock dataset's indices (megatron warns without)
 )
 
 LOGGING_ARGS=(
