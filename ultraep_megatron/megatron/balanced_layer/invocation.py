@@ -113,7 +113,10 @@ class PinnedPool:
             if event is None or event.query():
                 del free[index]
                 return tensor
-        return torch.empty(shape, dtype=dtype, pin_memory=torch.cuda.is_available())
+        try:
+            return torch.empty(shape, dtype=dtype, pin_memory=True)
+        except RuntimeError:  # no CUDA driver in this process: pageable memory is all there is
+            return torch.empty(shape, dtype=dtype)
 
     def give(self, tensor: torch.Tensor, event=None) -> None:
         free = self._free.setdefault((tuple(tensor.shape), tensor.dtype), [])
