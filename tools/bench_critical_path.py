@@ -437,6 +437,9 @@ def print_phase_table(table, cfg) -> None:
         cpu = sum(v[0] for v in phases.values())
         dev = sum(v[1] for v in phases.values())
         print(f"| {name} | " + " | ".join(cells) + f" | {cpu:.1f} / {dev:.1f} |")
+    for name, phases in table.items():  # the same, one line a path (gpu_check.sh's figure)
+        parts = ", ".join(f"{ph} {cpu:.1f}/{dev:.1f}" for ph, (cpu, dev) in phases.items())
+        print(f"  phases of {name} (CPU issue/device us): {parts}")
 
 
 def device_name(cfg) -> str:
