@@ -65,8 +65,9 @@ def test_the_self_check_passes_at_the_models_shape_once(R, E, S, N, min_quota, t
 @pytest.mark.parametrize("fault", ["device_planner_wrong_plan", "device_planner_raises"])
 def test_negative_control_a_broken_op_fails_the_self_check(fault):
     config = config_of(2, None, None, None)
-    with FAULTS[fault](), pytest.raises(RuntimeError) if "raises" in fault else (
-        contextlib.nullcontext()
+    with (
+        FAULTS[fault](),
+        pytest.raises(RuntimeError) if "raises" in fault else (contextlib.nullcontext()),
     ):
         problems = self_check.self_check(CPU, config, shape=(8, 64))
         assert problems and all("differs from the host planner's" in p for p in problems)

@@ -122,7 +122,7 @@ def test_capture_router_graph_leaves_the_balanced_part_to_the_replay(ranks, scen
 def test_capture_preprocess_graph_runs_the_device_plan_on_replay(ranks):
     """Under the ``moe_preprocess`` graph nothing of the router or the plan runs in Python on
     replay: the graph holds the load gather (a collective), the device plan, the reroute and the
-    permutation, and hands the plan's host half over through the dispatcher's
+    permutation, and hands the plan's record over through the dispatcher's
     ``cudagraph_attrs`` (megatron sets it from the graph's outputs)."""
     for result in ranks:
         preprocess = result["preprocess"]

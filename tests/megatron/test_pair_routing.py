@@ -28,7 +28,7 @@ from ultraep_megatron.megatron.balanced_layer.dispatchers import (
     PhysicalSlots,
 )
 from ultraep_megatron.megatron.balanced_layer.invocation import HostPlan
-from ultraep_megatron.planner import BalancerConfig, fused_reroute, reroute
+from ultraep_megatron.planner import BalancerConfig, fused_reroute
 from ultraep_megatron.planner.fused_plan import host_parts
 from ultraep_megatron.planner.record_layout import unpack_record
 from ultraep_megatron.planner.solve import host_array

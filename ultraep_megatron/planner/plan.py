@@ -34,7 +34,7 @@ class Plan:
     slot_expert: torch.Tensor
     quota: torch.Tensor
     physical_split: torch.Tensor
-    threshold: int | torch.Tensor
+    threshold: int
 
     @property
     def num_ranks(self) -> int:

@@ -1,13 +1,13 @@
-"""One rank's reroute of a plan: the reroute table, on the host and on the device, and the
-routed (token, expert) pairs mapped through it to their instances and physical slots.
+"""One rank's reroute of a plan: its host int64 reroute table (``rank_reroute``: the planner's and
+the tests' oracle; the layers use the compact int32 table of ``record_layout``), and the routed
+(token, expert) pairs mapped through either table to their instances and physical slots.
 
     reroute = rank_reroute(plan, load, rank)          # host: splits, rows per slot, reroute table
     order, positions, instance = expert_major_pairs(topk_ids, table, key_dtype)
     slots = physical_slot_ids(table, order, instance)  # [N] physical slot of each pair, row-major
 
-One fast path per device: the host's is one compiled pass (``_compiled_reroute``), the device's a
-few torch calls with fixed shapes (tested equal). The pairs' functions are torch calls on the
-pairs' device: no host read, fixed shapes, nothing over ``[T, k]`` but a sort.
+``rank_reroute`` is one compiled pass (``_compiled_reroute``). The pairs' functions are torch calls
+on the pairs' device: no host read, fixed shapes, nothing over ``[T, k]`` but a sort.
 
 Shapes (docs/glossary.md): R ranks, E experts, G = E // R, S redundant slots per rank, P = G + S
 physical slots per rank; T tokens, k experts per token, N = T * k routed pairs.
@@ -32,6 +32,7 @@ __all__ = [
     "expert_major_pairs",
     "physical_slot_ids",
 ]
+
 
 @dataclass(frozen=True)
 class RankReroute:

@@ -467,7 +467,6 @@ def main():
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.training.global_vars import get_args
 
-    from ultraep_megatron import planner
     from ultraep_megatron.megatron.balanced_layer.context import BalancingContext
 
     out = {"grads": {}, "expert_bias": {}, "eval": []}
