@@ -1,10 +1,5 @@
-"""What the balanced MoE layers of one model share: :class:`BalancingContext`.
-
-One per model (all its pipeline chunks), built from the flags (``run/arguments.py``) and handed to
-every ``BalancedMoELayer`` through the layer spec. It owns the redundant slots and the transfers
-that fill and drain them (:class:`ReplicaSlots`, paper §4.1), the virtual-layer ring (§7), the
-module that runs the replicas, where plans are made (host or device), and the observers.
-A layer registers with its data (:class:`LayerRegistration`), never itself.
+"""What the balanced MoE layers of one model share: :class:`BalancingContext` (the redundant
+slots and their transfers, the ring, the replica experts, the planner, the observers).
 """
 
 from __future__ import annotations
@@ -48,25 +43,15 @@ from ultraep_megatron.settings.knobs import PLANNERS
 
 @dataclass
 class Overheads:
-    """Cumulative host time of the balancing work (benchmarks and the training log).
+    """Cumulative host time of the balancing work (benchmarks and the training log)."""
 
-    Attributes:
-        plan_seconds: planner time.
-        host_seconds: host work from the plan's wait to the invocation's metadata.
-        observe_seconds: the observers' host time, off the critical stretch.
-        transfer_seconds: host time issuing and waiting for transfers; transfer_blocked_seconds
-            the part of it the host was blocked (not computing).
-        reroute_seconds: host time issuing the reroute and permutation.
-        invocations: invocations planned.
-    """
-
-    plan_seconds: float = 0.0
-    host_seconds: float = 0.0
-    observe_seconds: float = 0.0
-    transfer_seconds: float = 0.0
-    transfer_blocked_seconds: float = 0.0
-    reroute_seconds: float = 0.0
-    invocations: int = 0
+    plan_seconds: float = 0.0  # planner
+    host_seconds: float = 0.0  # from the plan's wait to the invocation's metadata
+    observe_seconds: float = 0.0  # the observers
+    transfer_seconds: float = 0.0  # issuing and waiting for transfers
+    transfer_blocked_seconds: float = 0.0  # the part of it the host was blocked
+    reroute_seconds: float = 0.0  # issuing the reroute and permutation
+    invocations: int = 0  # planned
 
     def reset(self) -> None:
         self.__init__()
@@ -74,43 +59,26 @@ class Overheads:
 
 @dataclass(frozen=True, eq=False)
 class LayerRegistration:
-    """What a balanced MoE layer tells its model's context: data, not the layer.
+    """What a balanced MoE layer tells its model's context: data, not the layer."""
 
-    Attributes:
-        expert_shapes: ``[k]`` one expert's parameter shapes, high precision (the gradients').
-        weight_layout: how one expert's weights lie in a redundant slot.
-        device: where the experts' parameters are.
-        ep_group / ep_rank / ep_size: the expert-parallel group and this rank in it.
-        num_experts: E.
-        model_config: megatron's ``TransformerConfig`` (the trace's metadata).
-        runs_per_forward: how many times one model forward runs the layer
-            (:func:`~.ring.invocations_per_forward`).
-        overlapped: megatron runs the layer in its overlapped 1F1B schedule.
-        preprocess_graphed: ``--cuda-graph-modules moe_preprocess`` (needs the device planner).
-        build_replica_experts: builds the redundant slots' experts module for ``S`` slots.
-    """
-
-    expert_shapes: Sequence[tuple]
+    expert_shapes: Sequence[tuple]  # [k] one expert's parameter shapes, high precision
     weight_layout: ExpertWeightLayout
-    device: torch.device
+    device: torch.device  # the experts' parameters'
     ep_group: Any
     ep_rank: int
     ep_size: int
     num_experts: int
-    model_config: Any
-    runs_per_forward: int
-    overlapped: bool
-    preprocess_graphed: bool
-    build_replica_experts: Callable[[int], ReplicaExperts]
+    model_config: Any  # megatron's TransformerConfig (the trace's metadata)
+    runs_per_forward: int  # ring.invocations_per_forward
+    overlapped: bool  # megatron's overlapped 1F1B schedule
+    preprocess_graphed: bool  # --cuda-graph-modules moe_preprocess
+    build_replica_experts: Callable[[int], ReplicaExperts]  # for S slots
 
 
 class ReplicaSlots:
-    """The redundant slots every MoE layer of the model shares, and the transfers through them.
-
-    Every transfer reads or writes the shared buffers, and every EP rank issues them in the same
-    order: one is in flight at a time, the next waits for it. ``holder`` is the invocation whose
-    replicas the weight buffer holds or receives.
-    """
+    """The redundant slots every MoE layer of the model shares, and the transfers through them:
+    issued in the same order on every EP rank, one in flight at a time. ``holder``: the invocation
+    whose replicas the weight buffer holds or receives."""
 
     def __init__(self, buffer: ReplicaBuffer, overlap: bool, overheads: Overheads):
         self.buffer = buffer
@@ -172,26 +140,15 @@ class ReplicaSlots:
 
 
 class BalancingContext:
-    """UltraEP's state of one model (module docstring).
+    """UltraEP's state of one model, built from the ``--moe-balancer*`` flags.
 
     Args:
-        config: the planner's numbers ``--moe-balancer*`` selected.
-        hardware: the ``--moe-balancer-hardware`` preset (trace metadata).
-        ring_size: ring slots (``None``: MoE invocations per model forward on this rank x the
-            schedule's in-flight microbatches).
+        ring_size: ring slots (``None``: sized from the schedule at the first forward).
         trace_dir: where to record every training invocation's load (``None``: not recorded).
         overlap: transfers asynchronous (``--moe-balancer-no-overlap``: each waited where issued).
-        check_plans: compare every plan with the routing it is applied to (device reads in every
-            layer, for debugging).
-        planner: ``"host"`` or ``"device"`` (ultraep only; ``None``: host). The device planner
-            checks itself once per process; if it fails anywhere in the EP group, the model plans on
-            the host and global rank 0 prints one line saying why.
-
-    Attributes:
-        slots: :class:`ReplicaSlots`, once the first layer registered.
-        ring: the :class:`~.ring.VirtualLayerRing`, sized at the first forward.
-        replica_experts: the module that runs the redundant slots.
-        ep_rank: this rank in the model's EP group.
+        check_plans: compare every plan with the routing it is applied to (device reads).
+        planner: ``"host"`` or ``"device"`` (``None``: host); a device planner that fails its
+            self-check anywhere in the EP group falls back to the host, with one line on rank 0.
     """
 
     def __init__(
@@ -213,7 +170,7 @@ class BalancingContext:
         self.planner = resolve_planner(planner, config.name)
         self.pinned = PinnedPool()  # the host buffers of the plans' crossings
         self.registrations: List[LayerRegistration] = []
-        self.slots: Optional[ReplicaSlots] = None
+        self.slots: Optional[ReplicaSlots] = None  # once the first layer registered
         self.replica_experts: Optional[ReplicaExperts] = None
         self.ep_rank = 0
         self.stats = BalancerStats(config.domain_size)
@@ -279,9 +236,8 @@ class BalancingContext:
         self._ring = None
 
     def _check_device_planner(self, registration: LayerRegistration) -> None:
-        """The device planner's self-check (``planner.self_check``, once per process for each
-        device, setting and model shape); the EP group agrees on the outcome (they must plan
-        alike) and plans on the host for this model if any rank failed."""
+        """The device planner's self-check (once per device, setting and shape); the EP group
+        agrees on the outcome and plans on the host for this model if any rank failed."""
         t0 = time.perf_counter()
         shape = (registration.ep_size, registration.num_experts)
         fresh = not self_check_done(registration.device, self.config, shape=shape)
@@ -323,11 +279,9 @@ class BalancingContext:
         self, load: torch.Tensor, balancer: LayerBalancer, *, captured: bool = False
     ) -> PlanHandle:
         """Start planning on the gathered load (int64 [R, E] on the device); the handle's
-        ``wait()`` gives the :class:`HostPlan`. Host planner: the load crosses, the balancer plans
-        it after the wait. Device planner: one op (``torch.ops.ultraep.plan_invocation``) queues
-        the plan's record and this rank's reroute table on the device, and the record crosses
-        (~5 KB at EP64, E=256, S=2), except while the preprocessing is ``captured`` into a CUDA
-        graph: the handle is not started, a fresh one takes the record after each replay."""
+        ``wait()`` gives the :class:`HostPlan`. Host planner: the load crosses and is planned at
+        the wait. Device planner: the record and reroute table are queued on the device and the
+        record crosses, unless ``captured`` into a CUDA graph (then the handle is not started)."""
         if not self.plans_on_device:
 
             def plan_on_host(host_load: torch.Tensor) -> HostPlan:
@@ -452,10 +406,9 @@ class BalancingContext:
     def ending_iterations(
         self, finalize_model_grads: Callable, current_iteration: Callable[[], int]
     ) -> Callable:
-        """The model's ``finalize_model_grads_func`` followed by the end of this context's iteration
-        (megatron's schedules call it once per training iteration, after the last backward, never
-        in evaluation: the boundary is the model's own). ``current_iteration``: the number of the
-        iteration that ends, as megatron's log gives it."""
+        """The model's ``finalize_model_grads_func`` followed by :meth:`end_iteration` (once per
+        training iteration, after the last backward, never in evaluation); ``current_iteration``
+        gives the ending iteration's number as megatron's log does."""
 
         @functools.wraps(finalize_model_grads)
         def finalize_then_end_iteration(*args, **kwargs):

@@ -1,18 +1,6 @@
-"""The balanced token dispatchers: megatron's own, over physical slots, driven by an invocation's
-plan.
-
-Every EP rank owns ``P = G + S`` physical slots (its G main experts, then its S redundant slots),
-so megatron's permutation, all-to-all and chunk sort run unchanged on ``R * P`` "experts"; physical
-slot ``r * P + j`` is rank r's main expert ``j`` for ``j < G``, its redundant slot ``j - G`` else.
-What a plan adds: the all-to-all's splits and per-slot counts (host integers, no exchange, no sync
-point of megatron's), and the reroute of the routed (token, expert) pairs to physical slots.
-
-* :class:`BalancedAlltoAllDispatcher`: megatron's all-to-all dispatcher; its unfused permutation is
-  computed from the plan, its fused one (TE's kernels) runs on the rerouted routing map;
-* :class:`BalancedFlexDispatcher`: megatron's flex dispatcher (DeepEP / HybridEP), GPU-only.
-
-Each holds the invocation it dispatches (``invocation``: the layer sets it in ``preprocess``), as
-megatron's dispatchers hold their per-call metadata.
+"""The balanced token dispatchers: megatron's all-to-all and flex dispatchers run unchanged over
+``R * P`` physical slots, with the splits, per-slot counts and reroute taken from the invocation's
+plan (``invocation``, set by the layer in ``preprocess``).
 """
 
 from __future__ import annotations
@@ -42,9 +30,8 @@ def in_backward_pass() -> bool:
 
 
 class PhysicalSlots:
-    """What both dispatchers add to megatron's: the physical geometry, the exact load of the EP
-    group and the reroute of the routing. Not a dispatcher: each dispatcher builds megatron's over
-    ``R * P`` physical experts and calls these with its invocation."""
+    """What both dispatchers add to megatron's: the physical geometry, the EP group's exact load
+    and the reroute of the routing."""
 
     def __init__(self, num_local_experts: int, config, pg_collection, num_slots: int):
         self.ep_size, self.ep_rank = pg_collection.ep.size(), pg_collection.ep.rank()
@@ -136,9 +123,7 @@ class BalancedAlltoAllDispatcher(MoEAlltoAllTokenDispatcher):
         # (--cuda-graph-modules moe_preprocess sets it from the graph's outputs at each replay).
         self.plan_record: Optional[torch.Tensor] = None
         self.cudagraph_attrs = [*self.cudagraph_attrs, "plan_record"]
-        # The unfused permutation and chunk sort are computed from the plan; megatron's fused
-        # kernels (and its expert-TP, capacity and quantization-padding paths, refused at startup)
-        # run on the rerouted map.
+        # Permutation and chunk sort from the plan, or megatron's on the rerouted map (fused).
         self.expert_major: Optional[torch.Tensor] = None  # a host plan's pairs before it arrived
         self.permutes_from_plan = not (
             config.moe_permute_fusion
@@ -146,8 +131,7 @@ class BalancedAlltoAllDispatcher(MoEAlltoAllTokenDispatcher):
             or self.tp_size > 1
             or config.moe_router_padding_for_quantization
         )
-        # A host plan can wait for megatron's dispatch node where the plan permutes (the
-        # pre-dispatch node then sorts by logical expert); megatron's fused permutation needs it.
+        # A host plan may wait for the dispatch node where the plan permutes.
         self.defers_host_plans = self.permutes_from_plan
 
     def preprocess(self, routing_map: torch.Tensor) -> Optional[torch.Tensor]:
@@ -167,17 +151,9 @@ class BalancedAlltoAllDispatcher(MoEAlltoAllTokenDispatcher):
         return None
 
     def dispatch_preprocess(self, hidden_states, routing_map, probs):
-        """megatron's, on the rerouted map where its kernels permute; from the plan otherwise.
-
-        The unfused permutation from the plan (``planner.fused_reroute``), with neither the
-        ``[T, R * P]`` physical map nor megatron's argsort over it. Before a host plan arrived
-        (megatron's overlapped schedule: its pre-dispatch node) only what needs no plan: the pairs
-        sorted by *logical* expert; :meth:`planned_inputs` moves them in the dispatch node.
-
-        Returns:
-            (tokens [N, H], probs [N]) in send order (physical-slot-major, token-ascending within a
-            slot, as megatron's permutation of the physical map), ``N = T * topk``.
-        """
+        """megatron's on the rerouted map where its kernels permute; else from the plan (no
+        physical map), or before a host plan arrived expert-major (:meth:`planned_inputs`).
+        Returns (tokens [N, H], probs [N]) in send order, ``N = T * topk``."""
         invocation = self.invocation
         if not self.permutes_from_plan:
             physical_map, physical_probs = self.slots.physical_routing(invocation, probs)
@@ -256,11 +232,7 @@ class BalancedAlltoAllDispatcher(MoEAlltoAllTokenDispatcher):
 
     def dispatch_postprocess_parts(self, hidden_states, probs):
         """``dispatch_postprocess`` split into the main experts' and the redundant slots' rows:
-        ``(main [M, H], replica [N, H], rows_per_slot [P], main_probs [M], replica_probs [N])``.
-
-        megatron's unfused sort concatenates the (source rank, slot) chunks slot-major;
-        concatenating the main and the redundant slots' chunks separately gives the two parts with
-        the same copy."""
+        ``(main [M, H], replica [N, H], rows_per_slot [P], main_probs [M], replica_probs [N])``."""
         plan = self.invocation.plan
         sizes = self._chunk_sizes()
         if sizes is None:
@@ -296,12 +268,8 @@ class BalancedAlltoAllDispatcher(MoEAlltoAllTokenDispatcher):
 
 
 class BalancedFlexDispatcher(MoEFlexTokenDispatcher):
-    """megatron's flex dispatcher (DeepEP / HybridEP fused all-to-all) over physical slots: the
-    fused kernels route on the rerouted map. HybridEP is told every local slot's row count from
-    the plan, so its dispatch does not wait for the GPU; DeepEP's polls for its received counts
-    on the host itself (one wait more). Where the kernels pad each local slot's rows (HybridEP
-    under fp8 / fp4), main and redundant slots take their padded rows alike. GPU-only
-    (:func:`flex_backend_problem` says why not elsewhere)."""
+    """megatron's flex dispatcher (DeepEP / HybridEP) on the rerouted map; HybridEP gets the
+    plan's row counts (no GPU wait), DeepEP polls. GPU-only: :func:`flex_backend_problem`."""
 
     def __init__(
         self, num_local_experts, local_expert_indices, config, pg_collection, *, num_slots
@@ -369,9 +337,8 @@ class BalancedFlexDispatcher(MoEFlexTokenDispatcher):
         return dispatched
 
     def dispatch_postprocess_parts(self, hidden_states, probs):
-        """``dispatch_postprocess`` split into the main experts' and the redundant slots' rows as
-        dispatched (padding rows are zero and carry probability 0); rows past the last slot (a
-        kernel's over-allocation) are kept aside and get zero outputs. Host counts only."""
+        """``dispatch_postprocess`` split into main and redundant slots' rows as dispatched (with
+        padding); rows past the last slot are kept aside and get zero outputs."""
         tokens, rows_per_slot, permuted_probs = self.dispatch_postprocess(hidden_states, probs)
         dispatched = [int(n) for n in rows_per_slot.tolist()]  # host tensor
         G = self.slots.slots_per_rank - self.slots.num_slots

@@ -1,9 +1,6 @@
-"""One balanced MoE invocation (a layer on a microbatch) from its routing to the end of its
-backward: :class:`BalancedInvocation`; its plan on the way to the host, :class:`PlanHandle`; the
-plan as the host reads it, :class:`HostPlan`.
-
-Shapes (docs/glossary.md): R EP ranks, E experts, G = E // R, S redundant slots per rank,
-P = G + S physical slots per rank; T tokens, k experts per token.
+"""One balanced MoE invocation from its routing to the end of its backward
+(:class:`BalancedInvocation`), its plan on the way to the host (:class:`PlanHandle`) and as the
+host reads it (:class:`HostPlan`). Shapes as in docs/glossary.md.
 """
 
 from __future__ import annotations
@@ -24,26 +21,13 @@ from ultraep_megatron.planner.record_layout import PlanRecord
 
 @dataclass(frozen=True, eq=False)
 class HostPlan:
-    """An invocation's plan as this rank's host reads it (host tensors and arrays only).
+    """An invocation's plan as this rank's host reads it (host tensors and arrays only)."""
 
-    Attributes:
-        record: this rank's plan record (``planner.record_layout.PlanRecord``, a private copy):
-            slot layout, splits, rows per (source, physical slot), the plan's figures.
-        load: int64 [R, E], the exact load, where it crossed (the host planner; the device planner
-            only for the trace and ``--moe-balancer-check-plans``); else ``None``.
-        plan: the host planner's full plan (quotas, splits); ``None`` for a device plan.
-        table: the host planner's int32 [4, E + R * S + 1] reroute table, pinned, to upload;
-            ``None`` for a device plan (the device has it).
-        schedule_builder: the data plane's transfer schedule of the replicas, or ``None``: the
-            plan has none (no transfer runs, identically on every rank).
-        plan_seconds: host time of the planner.
-    """
-
-    record: PlanRecord
-    load: Optional[torch.Tensor]
-    plan: Optional[planner.Plan]
-    table: Optional[torch.Tensor]
-    schedule_builder: Optional[Callable[[], TransferSchedule]]
+    record: PlanRecord  # this rank's (a private copy)
+    load: Optional[torch.Tensor]  # int64 [R, E] where it crossed, else None
+    plan: Optional[planner.Plan]  # the host planner's; None for a device plan
+    table: Optional[torch.Tensor]  # the host plan's int32 [4, E + R * S + 1] reroute table, pinned
+    schedule_builder: Optional[Callable[[], TransferSchedule]]  # None: no replica transfer
     plan_seconds: float
 
     @property
@@ -131,22 +115,10 @@ def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 class PlanHandle:
-    """An invocation's plan on its way to the host, in DeepEP's manner: a device tensor copied to
-    pinned host memory behind an event, and what the host makes of it.
-
-    Args:
-        crossing: int64 on the device, queued: the host planner's gathered load [R, E], or a
-            device plan's record (with the load after it where the observers need it).
-        finish: host copy of ``crossing`` -> :class:`HostPlan`, run once the copy arrived.
-        table: a device plan's int32 reroute table on the device (``None``: the host planner's
-            arrives with its plan); device_rows: a device plan's int64 [R, P] rows per (source,
-            physical slot) on the device (megatron's fused chunk sort reads them).
-
-    :meth:`start` copies ``crossing`` (on CUDA on ``stream``, after what the current stream queued
-    so far, so the wait ends when ``crossing`` is ready, not when work queued after it is done, as
-    megatron copies its token counts); a plan captured into a CUDA graph is not started: its graph
-    outputs ``crossing``, which a fresh handle takes after each replay.
-    """
+    """An invocation's plan on its way to the host: ``crossing`` (int64 on the device: the host
+    planner's load [R, E], or a device plan's record) copied to pinned memory behind an event, and
+    ``finish`` (host copy -> :class:`HostPlan`). A device plan's ``table`` (int32 reroute table)
+    and ``device_rows`` (int64 [R, P]) stay on the device. Not started while graph-captured."""
 
     def __init__(
         self,
@@ -206,39 +178,17 @@ def _recorded_event():
 
 @dataclass(eq=False)
 class Reduction:
-    """The replica-gradient reduction in flight.
-
-    Attributes:
-        handle: the data plane's handle.
-        targets: ``[local expert][k]`` fp32 tensors the replica gradients are folded into: the
-            ``main_grad`` buffers (Megatron DDP), or fresh ones (a zero view where the expert has
-            no replica, never written).
-        has_replica: per local expert whether it has a replica; ``None`` for ``main_grad`` targets.
-    """
+    """The replica-gradient reduction in flight."""
 
     handle: TransferHandle
-    targets: List[List[torch.Tensor]]
-    has_replica: Optional[List[bool]]
+    targets: List[List[torch.Tensor]]  # [local expert][k] fp32: main_grad, or fresh ones
+    has_replica: Optional[List[bool]]  # per local expert; None for main_grad targets
 
 
 class BalancedInvocation:
     """One MoE layer on one microbatch: plan, reroute, replica weights and replica gradients.
-
-    Made by the layer in ``preprocess`` (``BalancedMoELayer._begin``), handed to its dispatcher
-    and to the autograd functions of its forward; the ring keeps it from a checkpointed forward to
-    its recompute replay. Set at construction: ``layer_number``, ``context``, ``experts`` (the
-    layer's :class:`LayerExperts`), ``topk_ids``, ``training``, ``grad_enabled``,
-    ``runs_per_forward``, ``handle`` and, for a plan made on the device, its ``reroute_table`` and
-    ``device_rows`` (``topk_ids`` again by an activation-recompute replay: its own routing). Set by
-    one stage each: ``plan`` (:meth:`wait`; and the host plan's ``reroute_table``), ``main_params``
-    (the forward, :meth:`take_main_params`), ``vid`` (:meth:`wait`, in training), ``reduction``
-    (:meth:`start_reduction`).
-
-    Args:
-        topk_ids: int64 [T, k], the routed pairs' logical experts.
-        handle: the plan on its way (:class:`PlanHandle`; not started for a plan captured into
-            a CUDA graph, completed after each replay by another invocation).
-    """
+    ``topk_ids``: int64 [T, k] (reset by a recompute replay); ``plan``, ``reroute_table`` (a host
+    plan's) and ``vid`` are set by :meth:`wait`, ``reduction`` by :meth:`start_reduction`."""
 
     def __init__(
         self,
