@@ -74,7 +74,7 @@ def test_the_layer_rule_catches_each_kind_of_violation(tmp_path):
 
 #: megatron/'s subpackages, bottom first: a subpackage imports nothing of those after it (the CPU
 #: backend ``cpu/`` lifts its device mapping around the layer's host code: above the layer).
-MEGATRON_SUBPACKAGES = ("release", "balanced_layer", "cpu", "run", "recipe_check")
+MEGATRON_SUBPACKAGES = ("release", "balanced_layer", "cpu", "run", "bridge", "recipe_check")
 
 
 def upward_subpackage_imports(root: Path = PACKAGE) -> list[str]:

@@ -15,6 +15,11 @@
 # ULTRAEP_VENV_MCORE018): it sees the main environment's packages (torch, the editable install of
 # this checkout) and installs only the lines of its lock that differ from lock.txt (megatron-core);
 # it is remade when either lock or pyproject.toml changes.
+#
+# ULTRAEP_BRIDGE=1: Megatron-Bridge 0.6.2's environment (requirements/lock-bridge.txt), layered the
+# same way (default <main venv>-bridge, override with ULTRAEP_VENV_BRIDGE): megatron-bridge without
+# its declared dependencies and the prebuilt packages its imports need, plus a .pth file that
+# installs ultraep_megatron.megatron.bridge.imports (the import hook for Bridge's CUDA-only imports).
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${ULTRAEP_VENV:-$HOME/.cache/ultraep-megatron/venv}
@@ -24,6 +29,15 @@ case "$mcore" in
   0.19|0.18) ;;
   *) log "ULTRAEP_MCORE=$mcore: the megatron-core releases supported are 0.19 (the default) and 0.18"; exit 1 ;;
 esac
+bridge=${ULTRAEP_BRIDGE:-0}
+case "$bridge" in
+  0|1) ;;
+  *) log "ULTRAEP_BRIDGE=$bridge: 1 adds Megatron-Bridge 0.6.2, 0 (the default) does not"; exit 1 ;;
+esac
+if [ "$bridge" = 1 ] && [ "$mcore" != 0.19 ]; then
+  log "ULTRAEP_BRIDGE=1 runs on megatron-core 0.19 only (Bridge 0.6.2's release); unset ULTRAEP_MCORE"
+  exit 1
+fi
 
 find_python312() {
   local c
@@ -62,19 +76,26 @@ if [ "$(cat "$venv/.ultraep-src" 2>/dev/null)" != "$repo" ]; then
   "$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$repo" >&2
   echo "$repo" > "$venv/.ultraep-src"
 fi
-if [ "$mcore" = 0.19 ]; then
+if [ "$mcore" = 0.19 ] && [ "$bridge" = 0 ]; then
   echo "$venv/bin/python"
   exit 0
 fi
 
-# megatron-core 0.18: a venv layered on the main one.
-layer=${ULTRAEP_VENV_MCORE018:-$venv-mcore018}
-layer_lock="$repo/requirements/lock-mcore018.txt"
+# megatron-core 0.18 or Megatron-Bridge: a venv layered on the main one.
+if [ "$bridge" = 1 ]; then
+  layer=${ULTRAEP_VENV_BRIDGE:-$venv-bridge}
+  layer_lock="$repo/requirements/lock-bridge.txt"
+  what="Megatron-Bridge 0.6.2"
+else
+  layer=${ULTRAEP_VENV_MCORE018:-$venv-mcore018}
+  layer_lock="$repo/requirements/lock-mcore018.txt"
+  what="megatron-core 0.18"
+fi
 base_site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 layer_stamp=$(cat "$repo/pyproject.toml" "$lock" "$layer_lock" <(echo "$base_site") | sha256sum | cut -c1-16)
 if [ ! -x "$layer/bin/python" ] || [ "$(cat "$layer/.ultraep-deps" 2>/dev/null)" != "$layer_stamp" ]; then
   base=$(find_python312) || { log "Python 3.12 not found"; exit 1; }
-  log "creating $layer (megatron-core 0.18: $layer_lock), layered on $venv"
+  log "creating $layer ($what: $layer_lock), layered on $venv"
   rm -rf "$layer"
   "$base" -m venv "$layer"
   layer_site=$("$layer/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
@@ -105,8 +126,15 @@ if missing:
 sys.stdout.write("".join(lines for name, lines in layer.items() if main.get(name) != lines))
 PY
   log "installing what differs from $lock: $(grep -o '^[^ ]*==[^ ]*' "$differing" | tr '\n' ' ')"
-  "$layer/bin/python" -m pip install -q --progress-bar off --require-hashes --no-deps -r "$differing" >&2
-  "$layer/bin/python" -m pip check >&2 || { log "$layer_lock does not satisfy pyproject.toml's ranges: run tools/update_lock.py"; exit 1; }
+  "$layer/bin/python" -m pip install -q --progress-bar off --only-binary=:all: --require-hashes --no-deps -r "$differing" >&2
+  if [ "$bridge" = 1 ]; then
+    # Bridge declares CUDA-only dependencies (transformer-engine, ...) it is installed without:
+    # pip check would name them. The import hook is what makes `import megatron.bridge` work here.
+    echo "import ultraep_megatron.megatron.bridge.imports as m; m.install()" > "$layer_site/zzz_ultraep_bridge_imports.pth"
+    "$layer/bin/python" -c 'import megatron.bridge' >&2 || { log "megatron.bridge does not import in $layer"; exit 1; }
+  else
+    "$layer/bin/python" -m pip check >&2 || { log "$layer_lock does not satisfy pyproject.toml's ranges: run tools/update_lock.py"; exit 1; }
+  fi
   echo "$layer_stamp" > "$layer/.ultraep-deps"
 fi
 echo "$layer/bin/python"

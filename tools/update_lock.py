@@ -6,6 +6,12 @@ the same set with megatron-core 0.18 (`ULTRAEP_MCORE=0.18 bash tools/ensure_env.
     python tools/update_lock.py                  # both: newest versions allowed by pyproject.toml
     python tools/update_lock.py -c freeze.txt    # or pinned by a constraints file (e.g. a `pip freeze`)
     python tools/update_lock.py --only mcore018  # only the 0.18 lock, from the current lock.txt
+    python tools/update_lock.py --only bridge    # Megatron-Bridge's layer, re-hashed
+
+requirements/lock-bridge.txt is lock.txt's lines, then, below its marker line, megatron-bridge and
+the packages its imports need, pinned by hand (Bridge is installed without its declared
+dependencies, which pull CUDA-only packages); `--only bridge` re-hashes those pins (prebuilt wheels,
+no dependencies) after lock.txt's current lines.
 
 The 0.18 lock keeps every version of lock.txt that megatron-core 0.18 allows (torch included), so
 its environment can be layered on the main one and install only the lines that differ.
@@ -29,7 +35,10 @@ REPO = Path(__file__).resolve().parents[1]
 LOCKS = {
     "main": REPO / "requirements" / "lock.txt",
     "mcore018": REPO / "requirements" / "lock-mcore018.txt",
+    "bridge": REPO / "requirements" / "lock-bridge.txt",
 }
+#: The line of lock-bridge.txt after which its own pins start.
+BRIDGE_MARKER = "# --- megatron-bridge's layer"
 #: The megatron-core releases of each lock (a pip requirement on top of pyproject.toml's range).
 MCORE = {"main": None, "mcore018": "megatron-core>=0.18,<0.19"}
 HEADERS = {
@@ -54,6 +63,37 @@ PIN = re.compile(r"^([A-Za-z0-9_.-]+)==(\S+)")
 def pins(lock: Path) -> dict[str, str]:
     """name (as written) -> version of each requirement of a lock file."""
     return {m[1]: m[2] for m in map(PIN.match, lock.read_text().splitlines()) if m}
+
+
+def hash_pins(pinned: list[str]) -> list[dict]:
+    """pip's report of exactly ``pinned`` (prebuilt wheels, no dependencies) for CPython 3.12."""
+    with tempfile.TemporaryDirectory() as tmp:
+        target = Path(tmp) / "venv"
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(target)], check=True)
+        report, requirements = Path(tmp) / "report.json", Path(tmp) / "pins.txt"
+        requirements.write_text("\n".join(pinned) + "\n")
+        python = str(target / "bin" / "python")
+        command = [sys.executable, "-m", "pip", "--python", python, "install", "--dry-run"]
+        command += ["--ignore-installed", "--no-deps", "--only-binary=:all:", "--quiet"]
+        subprocess.run([*command, "--report", str(report), "-r", str(requirements)], check=True)
+        return json.loads(report.read_text())["install"]
+
+
+def write_bridge_lock() -> None:
+    """lock-bridge.txt: lock.txt's lines, the marker, Bridge's own pins re-hashed."""
+    header, _, own = LOCKS["bridge"].read_text().partition(BRIDGE_MARKER)
+    marker_rest, _, own = own.partition("\n")
+    pinned = [f"{m[1]}=={m[2]}" for m in map(PIN.match, own.splitlines()) if m]
+    head = [line for line in header.splitlines() if line.startswith("#")]
+    main = LOCKS["main"].read_text().split("\n\n", 1)[1].rstrip("\n")
+    lines = []
+    for item in sorted(hash_pins(pinned), key=lambda i: i["metadata"]["name"].lower()):
+        sha = item["download_info"]["archive_info"]["hashes"]["sha256"]
+        name, version = item["metadata"]["name"], item["metadata"]["version"]
+        lines.append(f"{name}=={version} \\\n    --hash=sha256:{sha}")
+    body = "\n".join(head) + "\n\n" + main + "\n\n" + BRIDGE_MARKER + marker_rest + "\n"
+    LOCKS["bridge"].write_text(body + "\n".join(lines) + "\n")
+    print(f"wrote {LOCKS['bridge']} ({len(lines)} packages over lock.txt)")
 
 
 def resolve(constraints: list[str]) -> list[dict]:
@@ -123,6 +163,8 @@ def main() -> int:
             if name.lower() != "megatron-core"
         ]
         write_lock("mcore018", resolve([*kept, MCORE["mcore018"]]))
+    if args.only in (None, "bridge"):
+        write_bridge_lock()
     return 0
 
 

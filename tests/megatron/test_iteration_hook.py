@@ -97,3 +97,18 @@ def test_negative_control_one_hook_for_the_process_ends_the_other_models_iterati
     end_model_iterations([model_b], a)  # the second model's context is ignored
     run_iteration(model_b, 9, megatron_args, calls)
     assert ended_iterations([a, b]) != [None, 11]
+
+
+def test_the_callers_iteration_without_megatron_training_globals(tmp_path):
+    """Megatron-Bridge's loop sets none of megatron.training's globals: the caller's iteration
+    (its ``train_state.step``) numbers the iteration that ends."""
+    calls = []
+    finalize = lambda model, num_tokens: calls.append(model[0])  # noqa: E731
+    a = context(tmp_path, "a")
+    step = {"value": 7}
+    model_a = Chunk(finalize)
+    end_model_iterations([model_a], a, current_iteration=lambda: step["value"])
+    model_a(torch.zeros(1))
+    model_a.config.finalize_model_grads_func([model_a], num_tokens=None)
+    assert calls[-1] is model_a
+    assert ended_iterations([a]) == [8]  # iteration 7 ended

@@ -9,6 +9,7 @@ Usage::
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import warnings
@@ -16,8 +17,7 @@ from typing import Any
 
 import torch
 
-from ultraep_megatron.megatron.cpu import native_torch
-from ultraep_megatron.megatron.cpu import megatron_patches
+from ultraep_megatron.megatron.cpu import megatron_patches, native_torch
 from ultraep_megatron.megatron.cpu.device_mapping import CudaAsCpuMode
 from ultraep_megatron.megatron.cpu.torch_cuda import (
     TORCH_CUDA_PATCHES,
@@ -234,6 +234,8 @@ def activate() -> bool:
     )
 
     _ACTIVE = True
+    if importlib.util.find_spec("megatron.bridge") is not None:
+        cover_bridge()
     if is_log_rank():  # one line; the list of patches when asked for (ULTRAEP_CPU_PATCHES=1)
         listed = os.environ.get("ULTRAEP_CPU_PATCHES", "0") not in ("", "0")
         lines = "".join(f"\n  - {target}: {reason}" for target, reason in PATCHES) if listed else ""
@@ -243,3 +245,31 @@ def activate() -> bool:
             lines or " (ULTRAEP_CPU_PATCHES=1 lists them)",
         )
     return True
+
+
+_BRIDGE_COVERED = False
+
+
+def cover_bridge() -> None:
+    """Megatron-Bridge's own copy of megatron's initialize (``megatron.bridge.training.initialize``)
+    on the CPU: it asserts CUDA (unless ``allow_no_cuda``), sets the device and seeds the model
+    parallel RNG only at a nonzero device count, and warms up GPU fusions. Applied by
+    :func:`activate` when megatron-bridge is installed; idempotent; nothing with CUDA present."""
+    global _BRIDGE_COVERED
+    if _BRIDGE_COVERED or not _ACTIVE:
+        return
+    from megatron.bridge.training import initialize as bridge_initialize
+
+    _patch(
+        bridge_initialize,
+        "torch",
+        megatron_patches.TorchViewForInitialize(),
+        "Bridge's initialize_megatron asserts CUDA and skips device/RNG set-up at 0 devices",
+    )
+    _patch(
+        bridge_initialize,
+        "_warmup_jit_function",
+        noop,
+        "Bridge's warm-up only pre-compiles GPU fusions (and would draw from the RNG)",
+    )
+    _BRIDGE_COVERED = True

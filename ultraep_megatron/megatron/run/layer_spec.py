@@ -21,7 +21,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 if TYPE_CHECKING:
     from ultraep_megatron.megatron.balanced_layer.context import BalancingContext
@@ -177,7 +177,11 @@ def balance_moe_layers(model_cfg: Any, balancing: Optional[BalancingContext]) ->
     model_cfg.post_wrap_hooks.append(end_iterations_with_model_grads)
 
 
-def end_model_iterations(model_chunks: Sequence[Any], balancing: BalancingContext) -> Sequence[Any]:
+def end_model_iterations(
+    model_chunks: Sequence[Any],
+    balancing: BalancingContext,
+    current_iteration: Optional[Callable[[], int]] = None,
+) -> Sequence[Any]:
     """A post-wrap hook: ``balancing`` ends its iterations where the model's gradients are final.
 
     Megatron's schedules call the model config's ``finalize_model_grads_func`` once per training
@@ -186,22 +190,24 @@ def end_model_iterations(model_chunks: Sequence[Any], balancing: BalancingContex
     (:meth:`BalancingContext.ending_iterations`): the boundary belongs to the model, so two models in
     one process each end theirs. megatron-core 0.19 keeps a function a builder set; 0.18 replaces it
     when training starts, so there each chunk's first forward wraps what is set then. The iteration
-    number is megatron's ``args.curr_iteration + 1``, the one its ``training_log`` gets.
+    number is ``current_iteration()`` where the caller gives it (Megatron-Bridge's loop, whose
+    ``train_state.step`` megatron.training's globals do not follow), else megatron's
+    ``args.curr_iteration + 1``, the one its ``training_log`` gets (``pretrain_gpt.py``).
     """
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.utils import get_model_config
 
-    def current_iteration() -> int:
+    def megatron_iteration() -> int:
         from megatron.training.global_vars import get_args
 
         return get_args().curr_iteration + 1
 
+    iteration = current_iteration or megatron_iteration
+
     def ensure_wrapped(config) -> None:
         finalize = config.finalize_model_grads_func or finalize_model_grads
         if getattr(finalize, "ends_iterations_of", None) is not balancing:
-            config.finalize_model_grads_func = balancing.ending_iterations(
-                finalize, current_iteration
-            )
+            config.finalize_model_grads_func = balancing.ending_iterations(finalize, iteration)
 
     def first_forward(config, handles):
         def pre_hook(*_):
