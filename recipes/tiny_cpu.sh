@@ -26,7 +26,7 @@ mkdir -p "$RUN_DIR"
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 export WANDB_MODE=${WANDB_MODE:-offline}
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore::UserWarning}
+# No blanket warning filter: the CPU backend filters only what a CPU machine alone causes
 
 DISTRIBUTED_ARGS=(
     --standalone
@@ -94,6 +94,7 @@ DATA_ARGS=(
     --mock-data
     --tokenizer-type NullTokenizer
     --vocab-size 1024
+    --data-cache-path "$RUN_DIR/data_cache"  # the mock dataset's indices (megatron warns without)
 )
 
 LOGGING_ARGS=(

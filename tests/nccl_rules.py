@@ -9,10 +9,20 @@ parent checks every rank's logs after the run (``nccl_check.check_logs``). Gloo 
 data: the recorder changes no result, only what gloo tolerates (tags, order across pairs) is
 checked against NCCL's rules afterwards.
 
-Not a torch.distributed backend registered by name: operations megatron issues inside its own
-modules (``torch.distributed.distributed_c10d``'s internal calls, its coalescing manager) are not
-seen; the runs under it are the data plane's own worlds (``dataplane_helpers.run_world`` honours
-``ULTRAEP_NCCL_RULES_DIR``).
+Not a torch.distributed backend registered by name, because such a backend cannot carry batch
+boundaries in the installed torch (2.14; tests/test_nccl_rules_backend.py asserts it, and fails once
+torch can): a Python ``Backend`` registered with ``torch.distributed.Backend.register_backend(...,
+devices=["cpu"])`` over a ``ProcessGroupGloo`` does see every collective and point-to-point call,
+megatron's groups included; but ``batch_isend_irecv`` groups a batch only for a backend whose
+``supports_coalescing`` is true, and then calls ``startCoalescing``, which pybind does not let a
+Python subclass override ("does not implement startCoalescing"); with it false the batch arrives
+as separate sends and receives, its boundary lost. A Python ``ProcessGroup`` returned by the creator
+instead has no per-device backend (``batch_isend_irecv`` raises "No backend type associated with
+device type cpu"). Batches are what NCCL matches batch by batch, so the recorder stays a wrapper:
+operations megatron issues inside ``torch.distributed.distributed_c10d`` itself (its internal calls,
+its coalescing manager) are not seen; the runs under it are the data plane's own worlds
+(``dataplane_helpers.run_world`` honours ``ULTRAEP_NCCL_RULES_DIR``) and the megatron runs that
+``tests/rank_server.py`` starts with that variable set.
 """
 
 from __future__ import annotations

@@ -141,8 +141,9 @@ def crossings(figures: dict):
 
     from ultraep_megatron.megatron.balanced_layer import invocation
 
-    to_host, upload, move = (
-        invocation.to_host,
+    start, wait, upload, move = (
+        invocation.PlanHandle.start,
+        invocation.PlanHandle.wait,
         invocation.upload,
         token_dispatcher.maybe_move_tensor_to_cpu,
     )
@@ -153,9 +154,14 @@ def crossings(figures: dict):
     def nbytes(tensor):
         return tensor.numel() * tensor.element_size() if torch.is_tensor(tensor) else 0
 
-    def counting_to_host(tensor, *args, **kwargs):
-        figures["d2h_bytes"] += nbytes(tensor)
-        return to_host(tensor, *args, **kwargs)
+    def counting_wait(handle):  # without CUDA the crossing has no event to count: its first wait
+        if handle._plan is None and handle._event is None:
+            figures["host_waits"] += 1
+        return wait(handle)
+
+    def counting_start(handle, *args, **kwargs):  # the plan's one crossing to the host
+        figures["d2h_bytes"] += nbytes(handle.crossing)
+        return start(handle, *args, **kwargs)
 
     def counting_upload(tensor, *args, **kwargs):
         figures["h2d_bytes"] += nbytes(tensor)
@@ -174,14 +180,16 @@ def crossings(figures: dict):
         figures["host_waits"] += 1
         return device_synchronize(*args)
 
-    invocation.to_host, invocation.upload = counting_to_host, counting_upload
+    invocation.PlanHandle.start, invocation.upload = counting_start, counting_upload
+    invocation.PlanHandle.wait = counting_wait
     token_dispatcher.maybe_move_tensor_to_cpu = counting_move
     event_cls.synchronize = counting_synchronize
     torch.cuda.synchronize = counting_device_synchronize
     try:
         yield
     finally:
-        invocation.to_host, invocation.upload = to_host, upload
+        invocation.PlanHandle.start, invocation.upload = start, upload
+        invocation.PlanHandle.wait = wait
         token_dispatcher.maybe_move_tensor_to_cpu = move
         event_cls.synchronize, torch.cuda.synchronize = synchronize, device_synchronize
 

@@ -3,7 +3,7 @@
     python tools/bench_planner.py              # three tables (markdown) + solve-time summary
     python tools/bench_planner.py --quick      # one seed, fewer settings
     python tools/bench_planner.py --only domains   # one part: main, domains, peers, timing, device
-    python tools/bench_planner.py --only self-check   # the device planner's compile + self-check time
+    python tools/bench_planner.py --only self-check   # the fused ops' self-check, fresh and cached
 
 For every setting (R ranks, E experts, S slots per rank, target initial rank imbalance) and seed it
 draws a Zipf load (``traces.synthetic.zipf_load``: top-8, 4096 tokens per rank) and plans it with
@@ -17,10 +17,11 @@ fails on small remainders and averages 1.25). Columns (means over seeds):
     rep        replicas (filled redundant slots; EPLB fills all R*S it can)
     fan        max instances of one expert;  infl: in-flight token ratio
     us         median solve time per call in microseconds (wall clock, this process, one thread)
-    dev imb, dev rep, dev ms
-               the device planner (``planner.device_solve``) run by its reference on this CPU:
-               imbalance after, replicas, median solve time in milliseconds (the reference steps
-               K = 32 probes in lockstep with numpy calls; on a GPU the Triton probe runs)
+
+The device planner has no columns: its plan (``planner.fused_plan.plan_invocation``, one op) is
+bit-identical to the host planner's (``host_plan``: the same record and reroute table), which
+``tests/planner/test_fused_plan.py`` checks, so its quality is the ultraep columns'. Its speed on a
+GPU: ``--only device`` here (one op per call, synchronized) and ``tools/bench_fused_kernels.py``.
 
 Timing runs one thread (torch/numba single-threaded, OMP_NUM_THREADS=1). On a shared machine wall
 times are noisy: the summary also gives CPU time (thread_time) for the R=64, E=256, S=2 case, with
@@ -28,12 +29,12 @@ one NVLink domain and with domains of 8 ranks, and the host stretch of one invoc
 the trigger, the solve and the rank's reroute (``rank_reroute``), the host work between
 the load reaching the host and the reroute tables being ready, while a GPU waits.
 
-``--only self-check`` times what a balanced model's first MoE layer runs when it registers with
-the device planner (``device_planning.self_check``: the Triton kernels compiled and the plans of the
-probe loads checked against the host references), for the recipes' EP groups (R=8 E=64, R=32
-E=128 in domains of 8, R=64 E=256; S=2), in a fresh Triton cache (as on a new node; set
-``TRITON_CACHE_DIR`` to time a warm one) and again warm. On a machine without CUDA it times the CPU
-path (the reference's torch calls).
+``--only self-check`` times the fused ops' self-check (``planner.self_check.self_check``: the
+plan op and the fused reroute on the device against the host planner on the probe loads and a load
+of the model's shape), at R=64 E=256 S=2 with one domain and with domains of 8: the first call in
+the process (on CUDA in a fresh Triton cache, as on a new node: the kernels compile; set
+``TRITON_CACHE_DIR`` to time a warm one) and the cached one (``self_check.OUTCOMES``: what every
+later layer pays). On a machine without CUDA it times the CPU path (the op's host planner).
 
 A second table plans the R = 32/64 loads with NVLink domains of N = 8 and 16 ranks
 (``solve(..., domain_size=N)``: replicas only inside their home's domain):
@@ -67,7 +68,6 @@ import torch  # noqa: E402
 
 from ultraep_megatron.planner import (  # noqa: E402
     BalancerConfig,
-    device_solve,
     domain_lower_bound,
     metrics,
     rank_reroute,
@@ -91,7 +91,6 @@ DOMAIN_SHAPES = [(32, 128), (32, 256), (64, 128), (64, 256)]
 DOMAIN_SIZES = [8, 16]
 PEER_SLOTS = 2
 PEER_DOMAIN = 8
-DEVICE_REPEATS = 3  # timed device_solve calls per load (its CPU reference takes ~0.1 s)
 
 
 def algorithm1_threshold(load: torch.Tensor, num_slots: int, min_quota: int) -> int:
@@ -163,7 +162,6 @@ def run_setting(R: int, E: int, S: int, imbalance: float, seeds: list[int], repe
         mu, me, mn = metrics(load, ultra), metrics(load, eplbpp), metrics(load, identity)
         alg1 = algorithm1_threshold(load, S, 1)
         exact_floor = metrics(load, solve(load, S, min_quota=1))
-        md = metrics(load, device_solve(load, S))
         rows.append(
             {
                 "init": mu["imbalance_before"],
@@ -182,9 +180,6 @@ def run_setting(R: int, E: int, S: int, imbalance: float, seeds: list[int], repe
                 "e_infl": me["inflight_ratio"],
                 "e_us": median_time_us(lambda: eplb_exact(load, S), max(3, repeats // 50)),
                 "n_infl": mn["inflight_ratio"],
-                "d_imb": md["imbalance_after"],
-                "d_rep": md["replicas"],
-                "d_us": median_time_us(lambda: device_solve(load, S), DEVICE_REPEATS),
             }
         )
     return {k: statistics.fmean(r[k] for r in rows) for k in rows[0]}
@@ -200,8 +195,7 @@ def run_domain_setting(
         bound = domain_lower_bound(load, N)
         plan = solve(load, S, domain_size=N)
         m = metrics(load, plan, domain_size=N)
-        md = metrics(load, device_solve(load, S, domain_size=N), domain_size=N)
-        assert m["cross_domain_replicas"] == 0 and md["cross_domain_replicas"] == 0
+        assert m["cross_domain_replicas"] == 0
         rows.append(
             {
                 "init": m["imbalance_before"],
@@ -210,8 +204,6 @@ def run_domain_setting(
                 "gap": plan.threshold / bound,
                 "rep": m["replicas"],
                 "us": median_time_us(lambda: solve(load, S, domain_size=N), repeats),
-                "d_imb": md["imbalance_after"],
-                "d_rep": md["replicas"],
             }
         )
     return {k: statistics.fmean(r[k] for r in rows) for k in rows[0]}
@@ -294,20 +286,26 @@ def host_stretch_summary(repeats: int) -> str:
 
 
 def device_timing_summary(repeats: int) -> str:
-    """Median time of ``device_solve`` on the GPU (its Triton probe), R=64, E=256, S=2, over the
-    loads of cpu_time_summary, one and 8-rank domains: per call, synchronized (the latency a
-    layer waits when nothing overlaps it), and the Triton plan checked against the reference."""
+    """Median time of the device plan (``plan_invocation``, one op) on the GPU, R=64, E=256, S=2,
+    over the loads of cpu_time_summary, one and 8-rank domains: per call, synchronized (the
+    latency a layer waits when nothing overlaps it), each load's record and table checked equal to
+    the host planner's (``host_plan``) first."""
     if not torch.cuda.is_available():
-        return "device_solve on a GPU: no CUDA device here"
+        return "plan_invocation on a GPU: no CUDA device here"
+    from ultraep_megatron.planner.fused_plan import host_plan, plan_invocation
+
     lines = []
     for domain_size in (None, 8):
+        config = BalancerConfig(registry.ULTRAEP, num_slots=2, domain_size=domain_size)
         samples = []
         for imbalance in IMBALANCES:
             for seed in range(3):
-                load = zipf_load(64, 256, imbalance, seed=100 + seed).cuda()
-                plan = device_solve(load, 2, domain_size=domain_size)  # compiles on first use
-                reference = device_solve(load.cpu(), 2, domain_size=domain_size)
-                assert torch.equal(plan.physical_split.cpu(), reference.physical_split)
+                host_load = zipf_load(64, 256, imbalance, seed=100 + seed)
+                load = host_load.cuda()
+                fused = plan_invocation(load, config, 0)  # compiles on first use
+                record, table = host_plan(host_load, config, 0)
+                assert torch.equal(fused.record.cpu(), torch.from_numpy(record))
+                assert torch.equal(fused.table.cpu(), torch.from_numpy(table))
                 start, end = (
                     torch.cuda.Event(enable_timing=True),
                     torch.cuda.Event(enable_timing=True),
@@ -315,27 +313,28 @@ def device_timing_summary(repeats: int) -> str:
                 for _ in range(max(3, repeats // 10)):
                     torch.cuda.synchronize()
                     start.record()
-                    device_solve(load, 2, domain_size=domain_size)
+                    plan_invocation(load, config, 0)
                     end.record()
                     end.synchronize()
                     samples.append(start.elapsed_time(end) * 1e3)
         domains = "" if domain_size is None else f" domain {domain_size}"
         lines.append(
-            f"device_solve on {torch.cuda.get_device_name()} R=64 E=256 S=2{domains} over "
+            f"plan_invocation on {torch.cuda.get_device_name()} R=64 E=256 S=2{domains} over "
             f"{len(samples)} calls: median {statistics.median(samples):.0f} us, "
-            f"p90 {sorted(samples)[len(samples) * 9 // 10]:.0f} us (Triton = reference)"
+            f"p90 {sorted(samples)[len(samples) * 9 // 10]:.0f} us (record and table = host_plan's)"
         )
     return "\n".join(lines)
 
 
-SELF_CHECK_SHAPES = [(8, 64, None), (32, 128, 8), (64, 256, None)]  # R, E, NVLink domain size
+SELF_CHECK_SHAPE = (64, 256)  # R, E of the self-check's model-shaped probe
+SELF_CHECK_DOMAINS = [None, 8]  # NVLink domain sizes
 
 
 def self_check_summary() -> str:
-    """The device planner's compile + self-check time, per SELF_CHECK_SHAPES (module docstring)."""
+    """The fused ops' self-check, fresh and cached, per SELF_CHECK_DOMAINS (module docstring)."""
     import tempfile
 
-    from ultraep_megatron.megatron.balanced_layer import device_planning
+    from ultraep_megatron.planner import self_check
 
     fresh_cache = "TRITON_CACHE_DIR" not in os.environ
     if fresh_cache:  # read when a kernel compiles: a new node's first run compiles everything
@@ -344,25 +343,33 @@ def self_check_summary() -> str:
     if device.type == "cuda":
         torch.zeros(1, device=device)  # the CUDA context exists before a layer registers
         where = torch.cuda.get_device_name(device)
+        sync = torch.cuda.synchronize
     else:
         where = "CPU (no CUDA device)"
+
+        def sync():
+            return None
+
+    R, E = SELF_CHECK_SHAPE
     lines = []
-    for R, E, N in SELF_CHECK_SHAPES:
+    for N in SELF_CHECK_DOMAINS:
         config = BalancerConfig(registry.ULTRAEP, num_slots=2, domain_size=N)
         config.build().warm_up()  # the host planner's kernels: loaded before any layer registers
-        first = device_planning.self_check(config, R, E, device, rank=0)
-        again = device_planning.self_check(config, R, E, device, rank=0)
+        seconds, outcomes = [], []
+        for _ in range(2):  # fresh, then cached (self_check.OUTCOMES)
+            sync()
+            t0 = time.perf_counter()
+            outcomes.append(self_check.self_check(device, config, shape=(R, E)))
+            sync()
+            seconds.append(time.perf_counter() - t0)
+        problems = outcomes[0] or outcomes[1]
+        verdict = "passed" if not problems else f"FAILED: {len(problems)} problems: {problems[:3]}"
         domains = f" domains of {N}" if N else ""
-        verdict = (
-            "passed"
-            if first.failure is None and again.failure is None
-            else f"FAILED: {first.failure or again.failure}"
-        )
+        fresh = ", fresh Triton cache" if fresh_cache and device.type == "cuda" else ""
         lines.append(
-            f"device planner self-check ({first.implementation} on {where}"
-            f"{', fresh Triton cache' if fresh_cache and device.type == 'cuda' else ''}) "
-            f"R={R} E={E} S=2{domains}: ready in {first.seconds:.2f} s (again: {again.seconds:.3f} s), "
-            f"{first.replicas} replicas in the probe plans, {verdict}"
+            f"fused ops self-check (plan_invocation + reroute_permute vs the host planner, on "
+            f"{where}{fresh}) R={R} E={E} S=2{domains}: fresh {seconds[0]:.2f} s, cached "
+            f"{seconds[1] * 1e6:.1f} us, {verdict}"
         )
     return "\n".join(lines)
 
@@ -371,8 +378,7 @@ def main_table(shapes, slots, seeds, repeats) -> None:
     """The first table: ultraep, Algorithm 1 and eplb++ with one domain."""
     header = (
         "| R | E | S | init | ultraep imb | tau/LB | rep | fan | infl | us "
-        "| alg1 imb | eplb++ imb | rep | fan | infl | us | none infl | dev imb | dev rep "
-        "| dev ms |"
+        "| alg1 imb | eplb++ imb | rep | fan | infl | us | none infl |"
     )
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
@@ -386,8 +392,7 @@ def main_table(shapes, slots, seeds, repeats) -> None:
                     f"| {R} | {E} | {S} | {m['init']:.2f} | {m['u_imb']:.4f} | {m['u_gap']:.4f} "
                     f"| {m['u_rep']:.1f} | {m['u_fan']:.1f} | {m['u_infl']:.3f} | {m['u_us']:.0f} "
                     f"| {m['a_imb']:.3f} | {m['e_imb']:.3f} | {m['e_rep']:.1f} | {m['e_fan']:.1f} "
-                    f"| {m['e_infl']:.3f} | {m['e_us']:.0f} | {m['n_infl']:.3f} "
-                    f"| {m['d_imb']:.4f} | {m['d_rep']:.1f} | {m['d_us'] / 1e3:.0f} |",
+                    f"| {m['e_infl']:.3f} | {m['e_us']:.0f} | {m['n_infl']:.3f} |",
                     flush=True,
                 )
     ms = [m for _, m in totals]
@@ -427,19 +432,12 @@ def main_table(shapes, slots, seeds, repeats) -> None:
         f"  solve time (median us): ultraep {avg('u_us'):.0f}, "
         f"eplb++ {avg('e_us'):.0f} (Python baseline)"
     )
-    print(
-        f"  device planner (reference on CPU) vs ultraep: imbalance {avg('d_imb'):.4f} "
-        f"(worst {worst('d_imb'):.4f}) vs {avg('u_imb'):.4f} (worst {worst('u_imb'):.4f}); "
-        f"replicas {avg('d_rep'):.1f} vs {avg('u_rep'):.1f}; "
-        f"solve {statistics.median(m['d_us'] for m in ms) / 1e3:.0f} ms vs "
-        f"{statistics.median(m['u_us'] for m in ms):.0f} us (medians of rows)"
-    )
 
 
 def domain_table(shapes, slots, seeds, repeats) -> None:
     """The second table: ultraep with NVLink domains of DOMAIN_SIZES ranks."""
     print()
-    header = "| R | E | S | N | init | LB_N | imb | tau/LB_N | rep | us | dev imb | dev rep |"
+    header = "| R | E | S | N | init | LB_N | imb | tau/LB_N | rep | us |"
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     rows = []
@@ -451,8 +449,7 @@ def domain_table(shapes, slots, seeds, repeats) -> None:
                     rows.append((R, N, m))
                     print(
                         f"| {R} | {E} | {S} | {N} | {m['init']:.2f} | {m['lb']:.4f} "
-                        f"| {m['imb']:.4f} | {m['gap']:.4f} | {m['rep']:.1f} | {m['us']:.0f} "
-                        f"| {m['d_imb']:.4f} | {m['d_rep']:.1f} |",
+                        f"| {m['imb']:.4f} | {m['gap']:.4f} | {m['rep']:.1f} | {m['us']:.0f} |",
                         flush=True,
                     )
     print()
@@ -468,10 +465,7 @@ def domain_table(shapes, slots, seeds, repeats) -> None:
                     f"{statistics.fmean(m['gap'] for m in ms):.4f} worst "
                     f"{max(m['gap'] for m in ms):.4f}, replicas "
                     f"{statistics.fmean(m['rep'] for m in ms):.1f}, solve "
-                    f"{statistics.median(m['us'] for m in ms):.0f} us (median of rows); device "
-                    f"planner imbalance {statistics.fmean(m['d_imb'] for m in ms):.4f} (worst "
-                    f"{max(m['d_imb'] for m in ms):.4f}), replicas "
-                    f"{statistics.fmean(m['d_rep'] for m in ms):.1f}"
+                    f"{statistics.median(m['us'] for m in ms):.0f} us (median of rows)"
                 )
 
 

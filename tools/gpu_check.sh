@@ -44,12 +44,13 @@ export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore::UserWarning} PYTHONUNBUFFERED=1
 CHECKS=(
   "balanced layer on CUDA, host and device planners (sync check, vs megatron)|300|$PY -m pytest -q -p no:cacheprovider tests/megatron/test_cuda_layer.py|[0-9]+ passed[^\n]*"
   "capture + replay of the balanced preprocess (device planner)|180|$PY tests/megatron/workers/capture_preprocess.py --device cuda|capture_replay_device_planner: [^\n]*"
-  "device planner: compile + self-check (fresh Triton cache)|150|$PY tools/bench_planner.py --only self-check|R=64 E=256[^\n]*"
+  "fused ops: self-check fresh (new Triton cache) and cached, R=64 E=256|150|$PY tools/bench_planner.py --only self-check|R=64 E=256 S=2: [^\n]*|R=64 E=256 S=2 domains of 8: [^\n]*"
   "critical path, T=4096, both planners (device: eager and graphed)|180|$PY tools/bench_critical_path.py --tokens 4096 --iters 100|added by balancing:[^\n]*|CUDA graph[^\n]*"
+  "critical path, T=4096, per-phase profile (torch.profiler: CPU issue / device per phase)|180|$PY tools/bench_critical_path.py --tokens 4096 --iters 20 --profile|phases of ultraep host [^\n]*|phases of ultraep device \([^\n]*|phases of ultraep device graphed[^\n]*"
   "critical path, T=16384, both planners (device: eager and graphed)|180|$PY tools/bench_critical_path.py --tokens 16384 --iters 100|added by balancing:[^\n]*|CUDA graph[^\n]*"
   "fused plan kernel alone EP8..64, E 256/512, + fused reroute, vs the host planner bit for bit|240|$PY tools/bench_fused_kernels.py --device cuda --check --iters 50|fused R=64 E=256[^\n]*|fused R=64 E=512[^\n]*"
   "fused ops self-check on CUDA (plan record, table, reroute vs host)|120|$PY -c 'import sys, torch; from ultraep_megatron.planner import BalancerConfig; from ultraep_megatron.planner.self_check import self_check; p = [x for N in (None, 8) for x in self_check(torch.device(\"cuda\"), BalancerConfig(\"ultraep\", domain_size=N))]; print(\"self-check problems:\", len(p), p[:3]); sys.exit(1 if p else 0)'|self-check problems:[^\n]*"
-  "triton planner vs reference, property set|240|$PY -m pytest -q -p no:cacheprovider tests/planner/test_device_solve.py -k cuda -s|[0-9]+ passed[^\n]*|\{\"loads\"[^}]*\}"
+  "fused plan and reroute tests (their Triton kernels under TRITON_INTERPRET vs the host, bit for bit; no CUDA case in them)|300|$PY -m pytest -q -p no:cacheprovider tests/planner/test_fused_plan.py tests/planner/test_fused_reroute.py -s|[0-9]+ passed[^\n]*|\{.cases.[^}]*\}"
 )
 
 if [ "${1:-}" = "--list" ] || ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then

@@ -112,8 +112,10 @@ TRAJECTORY = {  # run: (reference, noise-floor pair), over the Adam iterations
 
 
 #: Runs whose collectives, batched rounds and waits are checked against NCCL's rules: PP 2 with
-#: virtual pipeline stages (two communicators' point-to-point traffic beside the EP group's).
-NCCL_RULES = {"ultraep_vpp"}
+#: virtual pipeline stages (two communicators' point-to-point traffic beside the EP group's), MoE
+#: activation recompute (each balanced forward replayed in the backward) and full recompute with
+#: PP 2; all three with an MTP layer (recipe_moe_args: --mtp-num-layers 1).
+NCCL_RULES = {"ultraep_vpp", "ultraep_ep4", "ultraep_pp2"}
 
 
 @pytest.fixture(scope="module")
@@ -328,6 +330,22 @@ def test_evaluation_is_balanced_and_leaves_no_ring_slot(runs, name):
     )
     print(f"\n{name} evaluation losses: {summary(comparisons)}")
     assert comparisons and not failures(comparisons), failures(comparisons)
+
+
+@pytest.mark.parametrize("name", ["ultraep_ep4", "ultraep_pp2"])
+def test_recompute_and_mtp_keep_nccl_s_rules(runs, name):
+    """The balanced runs with MoE activation recompute (EP 4) and full recompute (EP 2 x PP 2),
+    both with an MTP layer: every rank's collectives, batched rounds and waits recorded
+    (tests/nccl_rules.py, the recomputed forwards' rounds among them) pass NCCL's rules
+    (tests/nccl_check.py)."""
+    from nccl_check import check_logs
+    from nccl_rules import read_logs
+
+    run = runs(name)
+    logs = read_logs(str(run.run_dir / "nccl"))
+    assert sorted(logs) == list(range(WORLD))
+    assert all(any(e["kind"] == "batch" for e in log) for log in logs.values())
+    check_logs(logs)
 
 
 def test_pipeline_stages_keep_nccl_s_rules(runs):

@@ -83,8 +83,8 @@ def places_in(places: collections.Counter, function: str) -> int:
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_no_synchronization_beyond_megatrons(cuda_ranks, scenario):
     """megatron's layer waits only at its dispatcher's sync point, at least once per microbatch; the
-    balanced layer only at its one host wait (``_wait_for_host_copy``: the load, or with the device
-    planner the plan's host half), exactly once per microbatch (a recompute replay reuses the plan),
+    balanced layer only at its one host wait (``PlanHandle.wait``: the load, or with the device
+    planner the plan's record), exactly once per microbatch (a recompute replay reuses the plan),
     and under ``error`` each passes with its own designated wait alone."""
     for rank, result in enumerate(cuda_ranks):
         none, balanced = result[f"{scenario}/none"], result[f"{scenario}/balanced"]
@@ -102,9 +102,9 @@ def test_no_synchronization_beyond_megatrons(cuda_ranks, scenario):
         assert balanced["error"]["error"] is None, (
             f"rank {rank} {scenario}: the balanced layer synchronizes: {balanced['error']['error']}"
         )
-        assert (
-            places_in(ours, "_wait_for_host_copy") == sum(ours.values()) == MICROBATCHES[scenario]
-        ), f"rank {rank} {scenario}: balanced {dict(ours)} vs megatron {dict(theirs)}"
+        assert places_in(ours, "wait") == sum(ours.values()) == MICROBATCHES[scenario], (
+            f"rank {rank} {scenario}: balanced {dict(ours)} vs megatron {dict(theirs)}"
+        )
 
 
 @needs_cuda

@@ -5,10 +5,9 @@
 reference is the implementation they replaced, kept here: dense over the ``[T, E]`` routing map (a
 running count per expert over the tokens, a search per map entry). Both must give bit-identical
 dispatched tokens, probabilities and physical maps, over random routings and plans of several
-R / E / S / k. The device plan's host half (``device_planning``) must unpack to the host balancer's
-plan. The reroute table and the pairs' instances themselves are tested in
-``tests/planner/test_reroute.py``, the device planner's trigger and plan in
-``tests/planner/test_device_balancer.py``.
+R / E / S / k. A device plan's record must cross to the host as the host planner makes it. The
+reroute table and the pairs' instances themselves are tested in ``tests/planner/test_reroute.py``
+and ``tests/planner/test_fused_plan.py``.
 """
 
 import types
@@ -23,29 +22,35 @@ from planner_helpers import (
     random_routing,
     routing_cases,
 )
-from ultraep_megatron.megatron.balanced_layer import device_planning
-from ultraep_megatron.megatron.balanced_layer.context import Overheads
+from ultraep_megatron.megatron.balanced_layer.context import BalancingContext, Overheads
 from ultraep_megatron.megatron.balanced_layer.dispatchers import (
     BalancedAlltoAllDispatcher,
     PhysicalSlots,
 )
-from ultraep_megatron.megatron.balanced_layer.invocation import host_plan
-from ultraep_megatron.planner import BalancerConfig, reroute
+from ultraep_megatron.megatron.balanced_layer.invocation import HostPlan
+from ultraep_megatron.planner import BalancerConfig, fused_reroute
+from ultraep_megatron.planner.fused_plan import host_parts
+from ultraep_megatron.planner.record_layout import unpack_record
+from ultraep_megatron.planner.solve import host_array
 
 
 def stand_in(R, E, S, plan, load, rank, topk_ids):
     """The balanced all-to-all dispatcher's state its reroute and permutation read, with the
     invocation of ``plan`` on ``rank``: ``(dispatcher, invocation)``."""
-    planned = host_plan(
-        plan, load, rank, balanced=True, plan_seconds=0.0, schedule_builder=None, with_table=True
+    record, table = host_parts(
+        host_array(load), plan, rank, balanced=True, min_quota=0, domain_size=R
+    )
+    planned = HostPlan(
+        unpack_record(record, R, E, S), load, plan, torch.from_numpy(table), None, 0.0
     )
     slots = object.__new__(PhysicalSlots)
     slots.ep_size, slots.slots_per_rank, slots.sort_key = R, E // R + S, torch.int16
+    slots.num_experts = E
     d = object.__new__(BalancedAlltoAllDispatcher)
     d.slots, d.num_out_tokens = slots, topk_ids.numel()
     d.invocation = types.SimpleNamespace(
         topk_ids=topk_ids,
-        reroute_table=planned.reroute_table,
+        reroute_table=planned.table,
         plan=planned,
         context=types.SimpleNamespace(overheads=Overheads()),
     )
@@ -134,37 +139,46 @@ def test_negative_control_token_descending_order_differs(monkeypatch):
     routings, load, plans = planned_routings(4, 16, 2, 3, 33, 0)
     ids, routing_map, probs = routings[0]
     d, _ = stand_in(4, 16, 2, plans[0], load, 0, ids)
-    pairs = reroute.expert_major_pairs
+    ascending = fused_reroute.host_reroute
 
-    def descending_pairs(topk_ids, table, key_dtype):
-        order, positions, instance = pairs(topk_ids, table, key_dtype)
-        flat = topk_ids.reshape(-1)
-        descending = torch.sort(
-            flat * flat.numel() + (flat.numel() - 1 - torch.arange(flat.numel()))
-        ).indices
-        return descending, positions, instance
+    def token_descending(topk_ids, hidden, probs, table, num_experts):
+        # The pairs taken with the tokens reversed, then named by their own index again.
+        T = topk_ids.shape[0]
+        permuted_, permuted_probs, send_token, slot, row = ascending(
+            topk_ids.flip(0), hidden.flip(0), probs.flip(0), table, num_experts
+        )
+        return permuted_, permuted_probs, (T - 1 - send_token).int(), slot.flip(0), row.flip(0)
 
-    monkeypatch.setattr(reroute, "expert_major_pairs", descending_pairs)
+    monkeypatch.setattr(fused_reroute, "host_reroute", token_descending)
     sorted_tokens, _ = permuted(d, probs)
     assert not torch.equal(sorted_tokens, dense_reference(d, routing_map, probs)[2])
 
 
 def test_device_plan_crosses_to_the_host_intact():
-    """``device_planning.plan_on_device``'s host half unpacks to the load, the host balancer's plan
-    and its trigger's answer, on both sides of the trigger (the plan itself against the host
-    balancer under every trigger setting: ``tests/planner/test_device_balancer.py``)."""
+    """A device plan's record (and, where the observers need it, the load) crosses to the host
+    intact: at the wait its :class:`HostPlan` holds the host planner's record for the same load
+    bit for bit (figures included), on both sides of the trigger; its negative control, another
+    rank's record, differs."""
     config = BalancerConfig("ultraep", num_slots=2)
-    seen = set()
+    schedule = types.SimpleNamespace(buffer=types.SimpleNamespace(schedule=print))
+    contexts = {}
+    for planner in ("device", "host"):
+        contexts[planner] = context = BalancingContext(config, planner=planner, check_plans=True)
+        context.ep_rank, context.slots = 1, schedule
+    balancer, seen = config.build(), set()
     for candidate, balanced, expected in host_balancer_cases(config):
         seen.add(balanced)
-        planned_ = device_planning.plan_on_device(candidate, config, 1)
-        load_back, plan_back, balanced_back = device_planning.unpack_host_half(
-            planned_.host_half.clone(), 4, 16, 2
-        )
-        assert torch.equal(load_back, candidate) and balanced_back == balanced
-        assert plan_back.threshold == expected.threshold
-        for field in ("slot_expert", "quota", "physical_split"):
-            assert torch.equal(getattr(plan_back, field), getattr(expected, field)), field
+        got = contexts["device"].start_plan(candidate, balancer).wait()
+        want = contexts["host"].start_plan(candidate, balancer).wait()
+        assert torch.equal(got.load, candidate) and got.balanced == balanced
+        assert got.plan is None and got.table is None  # the device keeps its table
+        assert (got.record.record == want.record.record).all()
+        assert got.metrics() == want.metrics() and got.record.threshold == expected.threshold
+        assert torch.equal(got.slot_expert, expected.slot_expert)
+        contexts["host"].ep_rank = 2
+        other = contexts["host"].start_plan(candidate, balancer).wait()
+        contexts["host"].ep_rank = 1
+        assert not (other.record.record == got.record.record).all()
     assert seen == {True, False}, "the loads must fall on both sides of the trigger"
 
 

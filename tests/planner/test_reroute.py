@@ -1,5 +1,5 @@
-"""One rank's reroute (``planner/reroute.py``): its host tables (``rank_reroute``), the device's
-reroute table equal to the host's, the two instance searches of the routed pairs agreeing, and the
+"""One rank's reroute (``planner/reroute.py``): its host tables (``rank_reroute``), the two
+instance searches of the routed pairs agreeing, and the
 tests' oracle of the token reroute (``planner_helpers.assign_tokens``) that the dispatchers are
 checked against."""
 
@@ -22,7 +22,7 @@ from planner_helpers import (
     tokens_sent_per_physical_slot,
 )
 from ultraep_megatron.planner import baselines, rank_reroute, solve
-from ultraep_megatron.planner.reroute import device_reroute_table, instances_of_positions
+from ultraep_megatron.planner.reroute import instances_of_positions
 
 
 def routed_tokens(R: int, E: int, T: int, k: int, skew: float, seed: int) -> list[torch.Tensor]:
@@ -210,15 +210,4 @@ def test_both_instance_searches_agree(R, E, S, k, T, seed):
             assert torch.equal(
                 instances_of_positions(running, positions, binary_search=True),
                 instances_of_positions(running, positions, binary_search=False),
-            )
-
-
-@pytest.mark.parametrize("R,E,S,k,T,seed", list(routing_cases()))
-def test_device_reroute_table_equals_rank_reroute(R, E, S, k, T, seed):
-    _, load, plans = planned_routings(R, E, S, k, T, seed)
-    for plan in plans:
-        for rank in range(R):
-            host = rank_reroute(plan, load, rank)
-            assert torch.equal(
-                device_reroute_table(plan, load, rank), torch.from_numpy(host.reroute_table)
             )

@@ -1,7 +1,9 @@
-"""``tools/bench_critical_path.py`` keeps running: it drives the balanced dispatcher's permutation on a
-stand-in for the dispatcher's state, with the host and the device planner, and (``--overlapped``)
-the two halves of a plan deferred to megatron's dispatch node, so a change to what those methods
-read must show here, not on the next GPU machine. A dry run on the CPU, small shapes."""
+"""``tools/bench_critical_path.py`` keeps running: it drives the fused ops (``plan_invocation``,
+``host_plan``, ``reroute_permute``), the plan's crossing (``PlanHandle``) and the balanced
+dispatcher's ``planned_inputs`` on a stand-in for its state, with the host and the device planner,
+(``--overlapped``) the plan deferred to megatron's dispatch node, and (``--profile``) the per-phase
+table from ``torch.profiler``, so a change to what those read must show here, not on the next GPU
+machine. A dry run on the CPU, small shapes."""
 
 import re
 
@@ -31,6 +33,9 @@ def test_critical_path_benchmark_runs_on_the_cpu():
             "--overlapped",
             "--moe-ffn-hidden-size",
             "32",
+            "--profile",
+            "--profile-iters",
+            "1",
         ],
         env=gloo_env(),
     )
@@ -58,3 +63,24 @@ def test_critical_path_benchmark_runs_on_the_cpu():
         r"device planner +-?\d+\.\d us",
         out,
     ), out
+    # --profile: one row per path, a "CPU / device" cell per phase it has (record_function ranges)
+    assert "Per-phase breakdown (torch.profiler record_function ranges" in out, out
+    header = re.search(r"^\| path \| (.+) \| total \|$", out, re.M)
+    assert header, out
+    phases = header.group(1).split(" | ")
+    assert phases[:4] == ["load gather", "plan", "crossing", "table upload"], phases
+    cell = r"\d+\.\d / \d+\.\d"
+    rows = {}
+    for path in ("megatron", "ultraep host", "ultraep device"):
+        row = re.search(rf"^\| {path} \| (.+) \| ({cell}) \|$", out, re.M)
+        assert row, (path, out)
+        rows[path] = dict(zip(phases, row.group(1).split(" | ")))
+    for path, present in [
+        ("megatron", ("load gather", "crossing", "permute")),
+        ("ultraep host", ("load gather", "crossing", "plan", "table upload", "reroute + permute")),
+        ("ultraep device", ("load gather", "plan", "crossing", "reroute + permute")),
+    ]:
+        for name, value in rows[path].items():
+            assert re.fullmatch(cell, value) if name in present else value == "-", (path, name)
+        # the profiled ranges saw host work: a phase missing its range would read "-" or 0
+        assert float(rows[path]["load gather"].split(" / ")[0]) > 0, rows[path]

@@ -6,7 +6,7 @@ bit, with no communication.
 
     plan = solve(load, num_slots)                        # load int64 [R, E]  (solve.py)
     plan = solve(load, num_slots, domain_size=8)         # replicas inside 8-rank NVLink domains
-    plan = device_solve(load, num_slots)                 # on load's device, no host read
+    fused = plan_invocation(load, config, rank)          # one op on load's device (fused_plan.py)
     reroute = rank_reroute(plan, load, rank)             # one rank's splits, reroute table (reroute.py)
     balancer = BalancerConfig("ultraep").build()         # one MoE layer's loop (balancer.py)
 
@@ -16,7 +16,6 @@ See ``docs/planner.md`` for the algorithm, ``min_quota`` and the benchmark.
 
 from .balancer import BalancerConfig, LayerBalancer
 from .baselines import registry
-from .device_solve import device_solve
 from .metrics import load_imbalance, metrics, rank_imbalance
 from .plan import Plan
 from .reroute import RankReroute, rank_reroute
@@ -25,7 +24,6 @@ from .solve import domain_lower_bound, solve, validate_load
 __all__ = [
     "Plan",
     "solve",
-    "device_solve",
     "domain_lower_bound",
     "validate_load",
     "RankReroute",

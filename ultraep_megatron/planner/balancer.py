@@ -21,9 +21,8 @@ import torch
 
 from .baselines import fixed_layout
 from .baselines.registry import BALANCERS, EPLB, EPLB_EXACT, IDEAL, MOE_BALANCERS, NONE, ULTRAEP
-from .metrics import host_imbalance, host_rank_load, metrics
+from .metrics import host_imbalance, host_rank_load
 from .plan import Plan
-from .reroute import rank_reroute
 from .solve import default_min_quota, solve
 
 __all__ = [
@@ -211,15 +210,16 @@ class LayerBalancer:
     def warm_up(self) -> None:
         """Load the compiled kernels this balancer's plans run (numba: 0.2-0.5 s even from its
         cache) on a small skewed load, past the trigger, in this balancer's NVLink domains, and the
-        per-rank reroute and metrics kernels every planned invocation runs; no state of this
-        balancer changes."""
+        packing of the plan record and reroute table every planned invocation runs; no state of
+        this balancer changes."""
+        from .fused_plan import host_parts  # it builds on this module
+
         R = 2 * (self.config.domain_size or 1)
         load = torch.ones(R, 2 * R, dtype=torch.int64)
         load[:, 0] += 64  # all on rank 0's first expert: a replica to place
         plan = LayerBalancer(dataclasses.replace(self.config, trigger=1.0)).plan(load)
         if plan is not None:
-            rank_reroute(plan, load, 0)
-            metrics(load, plan, domain_size=self.config.domain_size)
+            host_parts(load.numpy(), plan, 0, balanced=True, min_quota=1, domain_size=R)
 
     def plan(self, load: torch.Tensor, *, balances: Optional[bool] = None) -> Optional[Plan]:
         """load: int64 [R, E] host tensor -> Plan; ``None`` for the ideal (the router spreads the

@@ -15,6 +15,7 @@ equal bit for bit and equal to ``solve``.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass
 
@@ -44,6 +45,7 @@ __all__ = [
     "host_parts",
     "op_arguments",
     "interpreting",
+    "triton_available",
 ]
 
 
@@ -64,6 +66,11 @@ class FusedPlan:
 
     record: torch.Tensor
     table: torch.Tensor
+
+
+def triton_available() -> bool:
+    """Whether ``triton`` is installed (the fused kernel's CUDA path)."""
+    return importlib.util.find_spec("triton") is not None
 
 
 def interpreting() -> bool:
@@ -193,11 +200,12 @@ def host_plan(
 # ---- the op -------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("ultraep::plan_invocation", mutates_args=())
-def _plan_op(
-    load: torch.Tensor, rank: int, num_slots: int, min_quota: int, trigger: float, domain_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """load int64 [R, E] -> (record int64 [L], table int32 [4, C]) on load's device."""
+def _plan_on_load_device(load, rank, num_slots, min_quota, trigger, domain_size):
+    """The op's body: the fused Triton kernel on CUDA (or interpreted), the host planner on CPU."""
+    if load.is_cuda or interpreting():
+        from .triton_plan import launch
+
+        return launch(load, rank, num_slots, min_quota, trigger, domain_size)
     config = BalancerConfig(
         ULTRAEP,
         num_slots=num_slots,
@@ -205,12 +213,16 @@ def _plan_op(
         trigger=None if trigger < 0 else trigger,
         domain_size=domain_size or None,
     )
-    if load.is_cuda or interpreting():
-        from .triton_plan import launch
-
-        return launch(load, rank, num_slots, min_quota, trigger, domain_size)
     record, table = host_plan(load, config, rank)
     return torch.from_numpy(record), torch.from_numpy(table)
+
+
+@torch.library.custom_op("ultraep::plan_invocation", mutates_args=())
+def _plan_op(
+    load: torch.Tensor, rank: int, num_slots: int, min_quota: int, trigger: float, domain_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """load int64 [R, E] -> (record int64 [L], table int32 [4, C]) on load's device."""
+    return _plan_on_load_device(load, rank, num_slots, min_quota, trigger, domain_size)
 
 
 @_plan_op.register_fake

@@ -127,9 +127,15 @@ def _unpermute_op(
 
         return unpermute_kernel(grad, grad_probs, pair_row, hidden_dtype)
     T, K = pair_row.shape
+    N = grad_probs.shape[0]
     grad_hidden = grad.new_zeros((T, grad.shape[1]), dtype=hidden_dtype)
     grad_hidden.index_add_(0, send_token.long(), grad.to(hidden_dtype))
-    return grad_hidden, grad_probs.index_select(0, pair_row.reshape(-1).long()).view(T, K)
+    # A stale table's pairs past the buffer were dropped in the forward: no gradient (the kernel
+    # masks them alike).
+    rows = pair_row.reshape(-1).long()
+    inside = (rows >= 0) & (rows < N)
+    pair_grad = grad_probs.index_select(0, rows.clamp(0, max(N - 1, 0))) * inside
+    return grad_hidden, pair_grad.view(T, K)
 
 
 @_unpermute_op.register_fake

@@ -28,16 +28,13 @@ class Plan:
         physical_split: [R, R * P] tokens of source rank s routed to physical slot p. The compact
             form of ``split``; row s is what rank s sends, columns ``t*P:(t+1)*P`` what rank t
             receives (``rank_reroute``).
-        threshold: the max per-rank load after reroute, ``quota.sum(0).max()``: an int from the
-            host planner (``solve``), a 0-dim int64 tensor on the load's device from the device
-            planner (``device_solve``, which never reads device data on the host; ``int()`` it
-            where a host number is needed).
+        threshold: the max per-rank load after reroute, ``quota.sum(0).max()`` (an int).
     """
 
     slot_expert: torch.Tensor
     quota: torch.Tensor
     physical_split: torch.Tensor
-    threshold: int | torch.Tensor
+    threshold: int
 
     @property
     def num_ranks(self) -> int:

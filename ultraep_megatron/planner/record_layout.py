@@ -56,6 +56,7 @@ __all__ = [
     "STATUS_OK",
     "STATUS_NEGATIVE_LOAD",
     "STATUS_INT32_OVERFLOW",
+    "STATUS_MEANING",
     "INT32_MAX",
     "record_length",
     "table_columns",
@@ -84,6 +85,10 @@ H_RESERVED = 15  # 0; room for one more field
 STATUS_OK = 0
 STATUS_NEGATIVE_LOAD = 1
 STATUS_INT32_OVERFLOW = 2  # the total load does not fit the planner's int32 state
+STATUS_MEANING = {
+    STATUS_NEGATIVE_LOAD: "a negative entry in the load",
+    STATUS_INT32_OVERFLOW: "the load's total exceeds int32",
+}
 
 INT32_MAX = 2**31 - 1
 

@@ -1,11 +1,9 @@
 """Readable reference implementation of the quota-driven planner (plain Python, no numba).
 
-The one specification of the greedy: ``solve(..., implementation="reference")`` runs it whole, and
-``device_solve`` runs its oracle (:func:`greedy_replicas`) on a CPU load and as the device planner's
-test oracle and self-check reference. Each device's fast path answers it bit for bit: the compiled
-pass of ``_compiled_solve.py`` on the host, the Triton kernel of ``_triton_solve.py`` on CUDA (and
-its torch form, ``device_solve.lockstep_probe``, where Triton does not run); the tests check every
-one against it. About 1000x slower than the compiled pass: use it for small loads.
+The one specification of the greedy: ``solve(..., implementation="reference")`` runs it whole.
+Each device's fast path answers it bit for bit: the compiled pass of ``_compiled_solve.py`` on the
+host, the fused Triton kernel of ``triton_plan.py`` on CUDA (``fused_plan.plan_invocation``); the
+tests check both against it. About 1000x slower than the compiled pass: use it for small loads.
 
 The algorithm (details and rationale in ``docs/planner.md``):
 

@@ -1,14 +1,13 @@
-"""One rank's reroute of a plan: the reroute table, on the host and on the device, and the
-routed (token, expert) pairs mapped through it to their instances and physical slots.
+"""One rank's reroute of a plan: its host int64 reroute table (``rank_reroute``: the planner's and
+the tests' oracle; the layers use the compact int32 table of ``record_layout``), and the routed
+(token, expert) pairs mapped through either table to their instances and physical slots.
 
     reroute = rank_reroute(plan, load, rank)          # host: splits, rows per slot, reroute table
-    table = device_reroute_table(plan, load, rank)    # the same table on load's device, no host read
     order, positions, instance = expert_major_pairs(topk_ids, table, key_dtype)
     slots = physical_slot_ids(table, order, instance)  # [N] physical slot of each pair, row-major
 
-One fast path per device: the host's is one compiled pass (``_compiled_reroute``), the device's a
-few torch calls with fixed shapes (tested equal). The pairs' functions are torch calls on the
-pairs' device: no host read, fixed shapes, nothing over ``[T, k]`` but a sort.
+``rank_reroute`` is one compiled pass (``_compiled_reroute``). The pairs' functions are torch calls
+on the pairs' device: no host read, fixed shapes, nothing over ``[T, k]`` but a sort.
 
 Shapes (docs/glossary.md): R ranks, E experts, G = E // R, S redundant slots per rank, P = G + S
 physical slots per rank; T tokens, k experts per token, N = T * k routed pairs.
@@ -28,14 +27,11 @@ from .solve import host_array
 __all__ = [
     "RankReroute",
     "rank_reroute",
-    "device_reroute_table",
     "instances_of_positions",
     "expert_major_order",
     "expert_major_pairs",
     "physical_slot_ids",
 ]
-
-_INT64_MAX = torch.iinfo(torch.int64).max
 
 
 @dataclass(frozen=True)
@@ -131,39 +127,6 @@ def rank_reroute(
         out.reroute_table,
     )
     return out
-
-
-def device_reroute_table(plan: Plan, load: torch.Tensor, rank: int) -> torch.Tensor:
-    """``rank_reroute(plan, load, rank).reroute_table`` on ``load``'s device, with no host read: int64
-    [4, E * R + 1] (the rows are documented at :class:`RankReroute`). ``plan`` and ``load`` int64
-    [R, E] on one device."""
-    R, E = load.shape
-    P = plan.physical_slots_per_rank
-    device = load.device
-    instance_slot = plan.instance_slot  # [E, R], -1 where none
-    present = instance_slot >= 0
-    slot = torch.where(present, instance_slot, 0).view(-1)  # row 1 (0 where there is no instance)
-    sent = plan.physical_split[rank]  # [R * P] rows this rank sends to each physical slot
-    counts = torch.where(present.view(-1), sent.index_select(0, slot), 0)
-    running = counts.cumsum(0)
-    own = load[rank]
-    slot_first_row = sent.cumsum(0) - sent  # the send buffer is physical-slot-major
-    tail = lambda value: torch.full((1,), value, dtype=torch.int64, device=device)  # noqa: E731
-    return torch.stack(
-        [
-            torch.cat([running, tail(_INT64_MAX)]),
-            torch.cat([slot, tail(R * P)]),
-            torch.cat(
-                [
-                    own.cumsum(0) - own - 1,
-                    torch.zeros(E * R + 1 - E, dtype=torch.int64, device=device),
-                ]
-            ),
-            torch.cat(
-                [slot_first_row.index_select(0, slot) - (running - counts), own.sum().view(1) + 1]
-            ),
-        ]
-    )
 
 
 def instances_of_positions(

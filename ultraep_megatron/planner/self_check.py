@@ -8,42 +8,47 @@ result is cached per (device, settings), so a process pays for it once.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from .balancer import BalancerConfig
 from .fused_plan import host_plan, plan_invocation
 from .fused_reroute import host_reroute, reroute_permute
 
-__all__ = ["self_check", "probe_loads"]
+__all__ = ["self_check", "checked", "probe_loads"]
 
 
-def probe_loads(config: BalancerConfig) -> list[torch.Tensor]:
+def _skewed(R: int, E: int, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    skew = torch.randint(0, 40, (R, E), generator=generator)
+    skew[:, : E // R] += 300  # rank 0's experts hot
+    return skew.long()
+
+
+def probe_loads(config: BalancerConfig, shape: tuple[int, int] | None = None) -> list[torch.Tensor]:
     """Host int64 [R, E] loads that exercise the search, the floor, the domains and the trigger:
-    a hot expert, a skew over ranks, an even load (below the trigger) and an all-zero one."""
+    a hot expert, a skew over ranks, an even load (below the trigger) and an all-zero one; and a
+    skewed load of ``shape`` (a model's R, E: the kernel's sizes there) if given."""
     N = config.domain_size or 4
     R = max(4, 2 * N)
     E = 4 * R
-    generator = torch.Generator().manual_seed(0)
-    skew = torch.randint(0, 40, (R, E), generator=generator)
-    skew[:, : E // R] += 300  # rank 0's experts hot
     hot = torch.ones(R, E, dtype=torch.int64)
     hot[:, 1] += 500
-    return [skew.long(), hot, torch.full((R, E), 7, dtype=torch.int64), torch.zeros(R, E).long()]
+    loads = [_skewed(R, E), hot, torch.full((R, E), 7, dtype=torch.int64), torch.zeros(R, E).long()]
+    return loads + ([_skewed(*shape, seed=1)] if shape is not None else [])
 
 
-@functools.cache
-def _check(device: torch.device, config: BalancerConfig) -> tuple[str, ...]:
+def _check(
+    device: torch.device, config: BalancerConfig, shape: tuple[int, int] | None
+) -> tuple[str, ...]:
     problems = []
-    for index, load in enumerate(probe_loads(config)):
+    for index, load in enumerate(probe_loads(config, shape)):
         R, E = load.shape
         for rank in (0, R - 1):
             fused = plan_invocation(load.to(device), config, rank)
             record, table = host_plan(load, config, rank)
             if not torch.equal(fused.record.cpu(), torch.from_numpy(record)):
                 problems.append(
-                    f"load {index} rank {rank}: the plan record differs from the host's"
+                    f"load {index} rank {rank}: the plan record differs from the host planner's"
                 )
             if not torch.equal(fused.table.cpu(), torch.from_numpy(table)):
                 problems.append(f"load {index} rank {rank}: the reroute table differs")
@@ -82,7 +87,26 @@ def _check_reroute(device, config, problems):
             problems.append(f"routed load, rank {rank}: the fused reroute differs from the host's")
 
 
-def self_check(device: torch.device, config: BalancerConfig) -> list[str]:
+def self_check(
+    device: torch.device, config: BalancerConfig, *, shape: tuple[int, int] | None = None
+) -> list[str]:
     """Problems found running the fused plan and reroute on ``device`` against the host planner
-    for ``config`` (empty: they agree); computed once per process per (device, config)."""
-    return list(_check(torch.device(device), config))
+    for ``config`` (empty: they agree), a model's ``(R, E)`` among the probes if given; computed
+    once per process per (device, config, shape). Reads device memory: for start-up only."""
+    key = _key(device, config, shape)
+    if key not in OUTCOMES:
+        OUTCOMES[key] = _check(*key)
+    return list(OUTCOMES[key])
+
+
+def checked(device: torch.device, config: BalancerConfig, *, shape=None) -> bool:
+    """Whether this process ran :func:`self_check` for these already (then it costs nothing)."""
+    return _key(device, config, shape) in OUTCOMES
+
+
+def _key(device, config, shape):
+    return (torch.device(device), config, None if shape is None else tuple(shape))
+
+
+#: The outcomes so far in this process, by (device, config, shape).
+OUTCOMES: dict = {}

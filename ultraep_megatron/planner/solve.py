@@ -83,7 +83,7 @@ def validate_domain_size(domain_size, num_ranks: int) -> int:
 def validate_solve_args(
     load: torch.Tensor, num_slots, min_quota, domain_size
 ) -> tuple[int, int, int, int | None, int]:
-    """The arguments a planner (``solve``, ``device_solve``) takes, checked: (R, E, S, min_quota or
+    """The arguments a planner (``solve``, ``plan_invocation``) takes, checked: (R, E, S, min_quota or
     None, N); ``domain_size`` None becomes R (one domain)."""
     R, E = validate_load(load)
     if isinstance(num_slots, bool) or not isinstance(num_slots, (int, np.integer)) or num_slots < 0:

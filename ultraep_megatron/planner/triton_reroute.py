@@ -141,10 +141,11 @@ def _unpermute_kernel(
     pair_mask = in_t[:, None] & (ak < K)[None, :]
     pairs = at[:, None] * K + ak[None, :]
     rows = tl.load(pair_row_ptr + pairs, mask=pair_mask, other=2147483647)
+    in_pairs = pair_mask
     pair_mask = pair_mask & (rows >= 0) & (rows < N)
-    tl.store(
-        grad_pair_probs_ptr + pairs, tl.load(grad_probs_ptr + rows, mask=pair_mask), mask=pair_mask
-    )
+    # A stale table's pairs past the buffer (dropped in the forward) get a zero gradient.
+    pair_grad = tl.load(grad_probs_ptr + rows, mask=pair_mask, other=0)
+    tl.store(grad_pair_probs_ptr + pairs, pair_grad, mask=in_pairs)
     # A token's K rows summed one by one in ascending row order, in the gradient's dtype: the
     # additions (and roundings) of autograd's index_add over the send rows on the host.
     order = tl.sum((rows[:, None, :] < rows[:, :, None]).to(tl.int32), axis=2)  # rank of each row

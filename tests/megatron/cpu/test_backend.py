@@ -75,3 +75,34 @@ def test_dataset_helper_build_is_skipped(probe):
 def test_pytest_process_is_not_patched():
     assert not cpu_backend.is_active()
     assert cpu_backend.PATCHES == []
+
+
+def test_only_the_cpu_machine_s_warnings_are_filtered():
+    """TE/Apex absent and pin_memory without an accelerator are filtered on CPU; any other
+    warning (the negative control) still shows."""
+    import warnings
+
+    shown = [
+        "Transformer Engine and Apex are not installed. Falling back to Torch optimizers.",
+        "Apex is not installed. Falling back to Torch Norm",
+        "Only transformer-engine>=1.7.0 supports MoE experts, but your version is 0.0.0.",
+        "'pin_memory' argument is set as true but no accelerator is found, then ...",
+        "Transformer Engine is slow here",  # near a filtered message, not one of them
+    ]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cpu_backend._filter_cpu_only_warnings()
+        for message in shown:
+            warnings.warn(message, UserWarning, stacklevel=1)
+    assert [str(w.message) for w in caught] == ["Transformer Engine is slow here"]
+
+
+def test_a_cuda_machine_keeps_every_warning(monkeypatch):
+    import warnings
+
+    monkeypatch.setattr(cpu_backend, "cuda_present", lambda: True)
+    monkeypatch.setattr(cpu_backend, "_ACTIVE", False)
+    with warnings.catch_warnings():
+        before = list(warnings.filters)
+        assert cpu_backend.activate() is False
+        assert warnings.filters == before

@@ -8,15 +8,14 @@ balanced MoE layer, less the load all-gather (a collective: the other ranks' row
 load are a static input standing in for it, as in ``bench_critical_path.py``):
 
   this rank's per-expert counts from its ``[T, k]`` routed pairs, the ``[R, E]`` load, the device
-  plan, the plan's reroute table and host half (``device_planning.plan_on_device``: the trigger,
-  ``planner.device_solve`` with Triton where installed, ``reroute.device_reroute_table``), the
-  balanced all-to-all dispatcher's permutation over the routed pairs (``permute_pairs``) and the
-  tokens gathered into its send order.
+  plan's record and reroute table (one op, ``planner.fused_plan.plan_invocation``: the fused Triton
+  kernel on CUDA), the balanced all-to-all dispatcher's permutation over the routed pairs (one op,
+  ``planner.fused_reroute.reroute_permute``) into its send order.
 
 After a warm-up (Triton compiles there) the work is captured once; then for each of ``--trials``
 routings, each skewed towards other experts, the inputs are copied into the graph's static buffers,
 the graph is replayed, and every output (permuted tokens, their probabilities, the send order, the
-plan's host half) must equal the eager run's on the same inputs, bit for bit. The trials must
+plan's record) must equal the eager run's on the same inputs, bit for bit. The trials must
 produce different plans (a replay that reproduced the capture's plan would show), and the plan must
 balance the load it was solved for (``imbalance after <= 1.05``). Prints one line::
 
@@ -98,22 +97,22 @@ def routing_inputs(cfg, trial: int, device):
 
 def preprocess_function(cfg, static, config):
     """The captured work, on the static input buffers; returns its outputs."""
-    from ultraep_megatron.megatron.balanced_layer import device_planning, dispatchers
+    from ultraep_megatron.planner.fused_plan import plan_invocation
+    from ultraep_megatron.planner.fused_reroute import reroute_permute
 
     others, topk_ids, probs, tokens = static
     E = cfg.num_experts
-    sort_key = torch.int16 if E <= torch.iinfo(torch.int16).max else torch.int32
 
     def preprocess():
         local = torch.zeros(E, dtype=torch.int64, device=topk_ids.device).scatter_add_(
             0, topk_ids.reshape(-1), torch.ones_like(topk_ids.reshape(-1))
         )
         load = torch.cat([others[: cfg.rank], local.view(1, E), others[cfg.rank + 1 :]])
-        planned = device_planning.plan_on_device(load, config, cfg.rank)
-        permuted, permuted_probs, sorted_tokens = dispatchers.permute_pairs(
-            tokens, probs, topk_ids, planned.reroute_table, sort_key
+        fused = plan_invocation(load, config, cfg.rank)
+        out = reroute_permute(
+            topk_ids, tokens, probs.gather(1, topk_ids), fused.table, num_experts=E
         )
-        return permuted, permuted_probs, sorted_tokens, planned.host_half
+        return out.permuted, out.permuted_probs, out.send_token, fused.record
 
     return preprocess
 
@@ -161,8 +160,8 @@ class _StandinGraph:
 
 
 def run_check(cfg, device) -> tuple[bool, str]:
-    from ultraep_megatron.megatron.balanced_layer import device_planning
     from ultraep_megatron.planner import BalancerConfig
+    from ultraep_megatron.planner.record_layout import unpack_record
     from ultraep_megatron.planner.baselines import registry
 
     R, E, S = cfg.ep_size, cfg.num_experts, cfg.num_slots
@@ -184,23 +183,20 @@ def run_check(cfg, device) -> tuple[bool, str]:
         graph.replay()
         replayed = [t.clone() for t in captured]
         eager = preprocess() if device.type != "cuda" else _eager(preprocess)
-        names = ("permuted tokens", "permuted probs", "send order", "plan host half")
+        names = ("permuted tokens", "permuted probs", "send order", "plan record")
         for name, a, b in zip(names, replayed, eager):
             if a.shape != b.shape or not torch.equal(a, b):
                 return False, f"trial {trial}: the replayed {name} differs from the eager run's"
         host = replayed[3].cpu()
-        load, plan, balanced = device_planning.unpack_host_half(host, R, E, S)
+        record = unpack_record(host, R, E, S)
         plans.add(tuple(host.tolist()))
-        rank_rows = (
-            plan.physical_split.view(R, R, -1).sum(dim=(0, 2)).double()
-        )  # rows each rank receives
-        imbalance = float(rank_rows.max() / rank_rows.mean())
-        before = load.sum(0).view(R, E // R).sum(1).double()
-        if balanced and imbalance > 1.05:
+        figures = record.metrics()
+        imbalance = figures["imbalance_after"]
+        if record.balanced and imbalance > 1.05:
             return (
                 False,
                 f"trial {trial}: the replayed plan leaves imbalance {imbalance:.3f} (before "
-                f"{float(before.max() / before.mean()):.3f})",
+                f"{figures['imbalance_before']:.3f})",
             )
         worst_imbalance = max(worst_imbalance, imbalance)
     if len(plans) != cfg.trials:

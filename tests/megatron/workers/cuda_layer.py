@@ -10,7 +10,7 @@ its microbatches' forwards, then their backwards:
    which that mode does not report (torch 2.11), are recorded the same way.
 2. ``error``: under ``set_sync_debug_mode("error")``, with the measured layer's own designated
    wait allowed (megatron's layer: its ``_maybe_dtoh_and_synchronize``; the balanced layer: its
-   dispatcher's ``_wait_for_host_copy``, for the load or the device plan's host half; calls counted): any other synchronization raises, also one inside
+   ``PlanHandle.wait``, for the load or the device plan's record; calls counted): any other synchronization raises, also one inside
    a C++ autograd node, whose warning in (1) autograd replays after the backward without the place.
 
 A first forward and backward of each scenario's two layer kinds runs before any of this, unwatched:

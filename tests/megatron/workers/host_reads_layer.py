@@ -178,9 +178,9 @@ def main():
                 start_plan = layer.balancing.start_plan
 
                 def plan_reading_the_threshold(*args, _start=start_plan, **kwargs):
-                    handle, planned = _start(*args, **kwargs)
-                    planned.plan.threshold.item()
-                    return handle, planned
+                    handle = _start(*args, **kwargs)
+                    handle.crossing[1].item()  # the record's threshold (record_layout.H_THRESHOLD)
+                    return handle
 
                 layer.balancing.start_plan = plan_reading_the_threshold
             if which == "balanced" and sc.get("fault") == "item-in-transfer":

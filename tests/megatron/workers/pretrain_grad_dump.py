@@ -64,10 +64,10 @@ REPO = Path(__file__).resolve().parents[3]
 
 def replicated_local_experts(invocation) -> tuple:
     """Local indices of this rank's main experts with a replica in the invocation's plan."""
-    plan = invocation.plan.plan
-    G = plan.num_experts // plan.num_ranks
+    record = invocation.plan.record
+    G = record.num_experts // record.num_ranks
     first = invocation.context.ep_rank * G
-    replicated = set(plan.slot_expert.reshape(-1).tolist())
+    replicated = set(record.slot_expert.reshape(-1).tolist())
     return tuple(g for g in range(G) if first + g in replicated)
 
 
@@ -266,46 +266,44 @@ def _mxfp8_parameters_without_reuse_accepted():
 
 
 def _device_planner_kernel(broken, only_rank=None):
-    """The device planner's probe kernel (``device_solve._probe``: Triton on CUDA, the lockstep torch
-    calls on the CPU) replaced by ``broken(original, *args)`` wherever the device planner runs it
-    (not where the self-check's reference, the specification, does), on global rank ``only_rank``
-    alone if given."""
-    import importlib
-
-    from ultraep_megatron.megatron.balanced_layer import device_planning
-
-    device_solve = importlib.import_module("ultraep_megatron.planner.device_solve")  # the module
+    """The device planner's op body (``fused_plan._plan_on_load_device``: the Triton kernel on
+    CUDA, the host code on the CPU) replaced by ``broken(original, *args)`` wherever the device
+    planner runs it (not the self-check's reference, the host planner), on global rank
+    ``only_rank`` alone if given; the process's self-check outcomes are forgotten around it."""
+    from ultraep_megatron.planner import fused_plan, self_check
 
     def replacement(original):
-        def probe(implementation, *args, **kwargs):
-            if implementation == "reference" or (
+        def plan(*args, **kwargs):
+            if (
                 only_rank is not None
                 and torch.distributed.is_initialized()
                 and torch.distributed.get_rank() != only_rank
             ):
-                return original(implementation, *args, **kwargs)
-            return broken(original, implementation, *args, **kwargs)
+                return original(*args, **kwargs)
+            return broken(original, *args, **kwargs)
 
-        return probe
+        return plan
 
     @contextlib.contextmanager
     def patched_and_checked_afresh():
-        # The self-check runs once per process: forget its outcomes, with the broken kernel and
-        # after it.
-        device_planning._CHECKED.clear()
+        self_check.OUTCOMES.clear()
         try:
-            with _patched(device_solve, "_probe", replacement):
+            with _patched(fused_plan, "_plan_on_load_device", replacement):
                 yield
         finally:
-            device_planning._CHECKED.clear()
+            self_check.OUTCOMES.clear()
 
     return patched_and_checked_afresh()
 
 
 def _says_nothing_is_feasible(original, *args, **kwargs):
-    """A wrong plan: the kernel reports every threshold infeasible (no replica is placed)."""
-    success, *rest = original(*args, **kwargs)
-    return (torch.zeros_like(success), *rest)
+    """A wrong plan: the record says no replica is placed (its slot layout emptied)."""
+    record, table = original(*args, **kwargs)
+    record = record.clone()
+    R, E = args[0].shape
+    S = args[2]
+    record[16 : 16 + R * S] = -1
+    return record, table
 
 
 def _raises(original, *args, **kwargs):
@@ -313,7 +311,7 @@ def _raises(original, *args, **kwargs):
 
 
 def _device_planner_wrong_plan():
-    """The device planner's kernel returns a wrong plan (every threshold infeasible)."""
+    """The device planner's kernel returns a wrong plan (no replica placed)."""
     return _device_planner_kernel(_says_nothing_is_feasible)
 
 
@@ -419,7 +417,7 @@ def record_quantized_weights(out: dict, current_iteration) -> None:
         if invocation is not None:
             context = invocation.context
             group = ep_ranks(context.registrations[0].ep_group)
-            slot_expert = invocation.plan.plan.slot_expert[context.ep_rank].tolist()
+            slot_expert = invocation.plan.slot_expert[context.ep_rank].tolist()
             for expert, weights, rows in zip(slot_expert, slot_weights, rows_per_slot):
                 if expert >= 0 and rows > 0:
                     key = (current_iteration(), invocation.layer_number, int(expert), group)
@@ -469,7 +467,6 @@ def main():
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.training.global_vars import get_args
 
-    from ultraep_megatron import planner
     from ultraep_megatron.megatron.balanced_layer.context import BalancingContext
 
     out = {"grads": {}, "expert_bias": {}, "eval": []}
@@ -522,9 +519,9 @@ def main():
         original_planned(self, invocation, host_seconds)
         plan = invocation.plan
         if not invocation.training:
-            eval_plans.append(planner.metrics(plan.load, plan.plan)["imbalance_after"])
+            eval_plans.append(plan.metrics()["imbalance_after"])
         elif grad_order is not None:
-            grad_order.on_plan(invocation.layer_number, plan.plan.slot_expert)
+            grad_order.on_plan(invocation.layer_number, plan.slot_expert)
 
     BalancingContext.planned = planned
 

@@ -1,4 +1,4 @@
-"""The balanced layer, the training hot path: ``BalancedMoELayer`` and its dispatchers, the record
-of one invocation, the per-model context (buffer, ring, observers), the replica autograd, the
-redundant slots' module, the device planner's caller, and the settings the layer refuses
-(``capabilities``, which its constructor runs). Imports nothing of ``run/``."""
+"""The balanced layer, the training hot path: ``BalancedMoELayer``, its dispatchers, one
+invocation's object (plan handle, host plan, replica transfers), the per-model context (buffer,
+ring, observers, planner), the replica autograd and the redundant slots' module. Imports nothing
+of ``run/``."""

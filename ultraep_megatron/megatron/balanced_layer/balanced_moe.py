@@ -1,26 +1,7 @@
-"""UltraEP inside megatron-core's MoE layer (paper §4, §7): :class:`BalancedMoELayer`.
-
-Each invocation (the layer on a microbatch) is one :class:`~.invocation.BalancedInvocation`, made
-in ``preprocess`` and handed down megatron's stages; its plan has one host wait,
-``invocation.wait()``, where megatron's dispatcher waits for its splits:
-
-=====================  ====================================================================
-route                  megatron's router; the top-k indices are tapped (``router_topk``)
-preprocess             the exact ``[R, E]`` load gathered, the plan started (``start_plan``);
-                       host planner: the wait, then the reroute and permutation; device
-                       planner: reroute and permutation queued, then the wait; the weight
-                       distribution into the redundant slots starts
-dispatch               megatron's all-to-all with the plan's splits
-routed_experts_compute main experts (megatron's), redundant slots (``replica_autograd``)
-combine, postprocess   megatron's; the observers see the invocation
-backward               ``replica_autograd``: re-materialize, replicas' backward, reduce
-=====================  ====================================================================
-
-Under megatron's overlapped 1F1B schedule the stages are its nodes and the wait moves to the
-dispatch node. Under Transformer Engine's graphs of ``moe_preprocess`` (device planner) the graph
-holds the load gather, the plan, reroute and permutation; after each replay the plan's host half
-(a graph output) crosses. In an activation-recompute replay the ring gives back the checkpointed
-forward's invocation.
+"""UltraEP inside megatron-core's MoE layer (paper §4, §7): :class:`BalancedMoELayer`, which
+makes one :class:`~.invocation.BalancedInvocation` per microbatch in ``preprocess`` and runs it
+through megatron's stages (docs/architecture.md); its one host wait is where megatron's dispatcher
+waits for its splits.
 """
 
 from __future__ import annotations
@@ -65,10 +46,8 @@ from ultraep_megatron.megatron.balanced_layer.router_topk import install_topk_ta
 
 
 class BalancedMoELayer(MoELayer):
-    """megatron-core's ``MoELayer``, balanced on every microbatch's exact post-gating load.
-
-    Args: as ``MoELayer``, plus ``balancing``, the model's context (the layer spec's ``params``).
-    """
+    """megatron-core's ``MoELayer``, balanced on every microbatch's exact post-gating load;
+    ``balancing``: the model's context (the layer spec's ``params``)."""
 
     def __init__(
         self,
@@ -156,17 +135,17 @@ class BalancedMoELayer(MoELayer):
         dispatcher = self.token_dispatcher
         if self._preprocess_replayed():
             # A graph of the preprocessing ran it: its outputs are in megatron's tensor store, the
-            # plan's host half in the dispatcher (its cudagraph_attrs).
+            # plan's record in the dispatcher (its cudagraph_attrs).
             hidden_states, probs = super().preprocess(hidden_states, probs, routing_map)
-            host_half = dispatcher.plan_host_half
-            if host_half is None:
+            record = dispatcher.plan_record
+            if record is None:
                 raise RuntimeError(
                     f"MoE layer {self.layer_number}: a graph of the preprocessing was replayed "
-                    "without the device plan's host half among its outputs (the preprocessing "
+                    "without the device plan's record among its outputs (the preprocessing "
                     "graph needs --moe-balancer-planner device)"
                 )
             dispatcher.invocation = self._invocation(
-                None, self.balancing.unpack_graphed_plan(host_half)
+                None, self.balancing.unpack_graphed_plan(record)
             )
         else:
             dispatcher.invocation = invocation = self._begin(routing_map)
@@ -200,15 +179,12 @@ class BalancedMoELayer(MoELayer):
         dispatcher = self.token_dispatcher
         load = dispatcher.slots.gather_load(routing_map, dispatcher.tp_ep_group)
         captured = self.preprocess_captured_in_cuda_graph()
-        handle, on_device = self.balancing.start_plan(load, self.balancer, captured=captured)
-        if on_device is None:
-            return self._invocation(topk_ids, handle)
-        dispatcher.plan_host_half = on_device.host_half  # a graph output when captured
-        return self._invocation(
-            topk_ids, handle, on_device.reroute_table, on_device.rows_per_source_slot
-        )
+        handle = self.balancing.start_plan(load, self.balancer, captured=captured)
+        if handle.table is not None:  # a device plan: its record is a graph output when captured
+            dispatcher.plan_record = handle.crossing
+        return self._invocation(topk_ids, handle)
 
-    def _invocation(self, topk_ids, handle, reroute_table=None, device_rows=None):
+    def _invocation(self, topk_ids, handle):
         return BalancedInvocation(
             layer_number=self.layer_number,
             context=self.balancing,
@@ -218,20 +194,12 @@ class BalancedMoELayer(MoELayer):
             grad_enabled=torch.is_grad_enabled(),
             runs_per_forward=self._runs_per_forward,
             handle=handle,
-            reroute_table=reroute_table,
-            device_rows=device_rows,
         )
 
     def _prepare_main_params(self) -> None:
-        """Run the forward pre-hooks of the modules holding the main experts' parameters, as their
-        own forward will right after, before the weight distribution reads those parameters.
-
-        Under ``--overlap-param-gather`` Megatron DDP's pre-hook is where a module waits for the
-        all-gather of its parameters after the optimizer step; without it the replicas would be
-        copied from the previous step's weights in the shards other ranks own. The hook is
-        idempotent, and also starts the next bucket's all-gather, which every rank of the
-        expert-data-parallel group must issue alike: it runs in every forward, whatever the plan.
-        """
+        """Run the main experts' modules' forward pre-hooks before the weight distribution reads
+        their parameters (``--overlap-param-gather``: DDP's wait for their all-gather). Idempotent;
+        run in every forward whatever the plan, as it also starts the next bucket's all-gather."""
         for module in self._main_param_owners:
             for hook_id, hook in tuple(module._forward_pre_hooks.items()):
                 if hook_id in module._forward_pre_hooks_with_kwargs:
@@ -240,11 +208,9 @@ class BalancedMoELayer(MoELayer):
                     hook(module, ())
 
     def dispatch(self, hidden_states, probs):
-        """megatron's dispatch; in its overlapped schedule's dispatch node first the one host wait
-        (where megatron's dispatcher waits for its splits, after the other microbatch's experts
-        backward is queued), the rows a host plan moves, and the weight distribution (here, not in
-        the pre-dispatch node: that backward reads its re-materialized replicas from the same
-        buffer)."""
+        """megatron's dispatch; in its overlapped schedule's dispatch node first the host wait, the
+        rows a host plan moves and the weight distribution (not in the pre-dispatch node: the other
+        microbatch's backward reads its re-materialized replicas from the same buffer)."""
         if not self._whole_forward:
             invocation = self.token_dispatcher.invocation
             invocation.wait()
@@ -337,14 +303,9 @@ class BalancedMoELayer(MoELayer):
         return StartInBackward.apply(self.token_dispatcher.invocation.start_weights, output)
 
     def backward_dw(self, routed_experts: bool = True, shared_experts: bool = False):
-        """megatron's delayed weight gradients (``--delay-wgrad-compute``, called by its
-        overlapped schedule after the experts' backward), and the replicas' with them.
-
-        For the invocation whose experts' backward ran last: the replicas' weight gradients,
-        the start of their reduction, megatron's main experts' weight gradients (which it
-        overlaps), its completion into the main experts' gradients, and only then Megatron DDP's
-        hooks of the experts' linears, in the order the linears ran them (a parameter is marked
-        ready with its replicas' gradients in it, in a plan-independent order)."""
+        """megatron's delayed weight gradients (``--delay-wgrad-compute``) and the replicas', for
+        the oldest invocation awaiting them: replica wgrads, reduction started, main wgrads, the
+        reduction completed, then DDP's hooks of the linears in their order (plan-independent)."""
         experts = self.layer_experts
         if not (routed_experts and experts.delays_wgrad):
             return super().backward_dw(routed_experts, shared_experts)
@@ -366,10 +327,8 @@ class BalancedMoELayer(MoELayer):
 
 @contextlib.contextmanager
 def _deferred_wgrad_hooks(modules):
-    """Hold back the hooks Transformer Engine's linears run at the end of their ``backward_dw``
-    (``_trigger_wgrad_accumulation_and_reduce_hooks``: where Megatron DDP adds the gradient to
-    ``main_grad`` and marks the parameter ready); yields the linears that would have run them, in
-    order, for the caller to run them later."""
+    """Hold back TE linears' ``_trigger_wgrad_accumulation_and_reduce_hooks`` (DDP's gradient
+    add and ready mark) during ``backward_dw``; yields the linears that fired them, in order."""
     fired, held = [], []
     for module in modules:
         if callable(getattr(module, "_trigger_wgrad_accumulation_and_reduce_hooks", None)):

@@ -1,10 +1,5 @@
-"""What the balanced MoE layers of one model share: :class:`BalancingContext`.
-
-One per model (all its pipeline chunks), built from the flags (``run/arguments.py``) and handed to
-every ``BalancedMoELayer`` through the layer spec. It owns the redundant slots and the transfers
-that fill and drain them (:class:`ReplicaSlots`, paper §4.1), the virtual-layer ring (§7), the
-module that runs the replicas, where plans are made (host or device), and the observers.
-A layer registers with its data (:class:`LayerRegistration`), never itself.
+"""What the balanced MoE layers of one model share: :class:`BalancingContext` (the redundant
+slots and their transfers, the ring, the replica experts, the planner, the observers).
 """
 
 from __future__ import annotations
@@ -12,18 +7,18 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
+import numpy as np
 import torch
 
 from ultraep_megatron.dataplane import ReplicaBuffer, TransferHandle
-from ultraep_megatron.megatron.balanced_layer import device_planning
 from ultraep_megatron.megatron.balanced_layer.expert_slots import ExpertWeightLayout, ReplicaExperts
 from ultraep_megatron.megatron.balanced_layer.invocation import (
     BalancedInvocation,
     HostPlan,
+    PinnedPool,
     PlanHandle,
-    host_plan,
 )
 from ultraep_megatron.megatron.balanced_layer.observers import BalancerStats, TraceRecorder
 from ultraep_megatron.megatron.balanced_layer.ring import (
@@ -31,31 +26,32 @@ from ultraep_megatron.megatron.balanced_layer.ring import (
     schedule_inflight_microbatches,
 )
 from ultraep_megatron.planner import BalancerConfig, LayerBalancer
+from ultraep_megatron.planner.fused_plan import host_parts, plan_invocation
+from ultraep_megatron.planner.record_layout import (
+    STATUS_MEANING,
+    STATUS_OK,
+    record_length,
+    table_columns,
+    unpack_record,
+)
+from ultraep_megatron.planner.self_check import checked as self_check_done
+from ultraep_megatron.planner.self_check import self_check
+from ultraep_megatron.planner.solve import default_min_quota, host_array
 from ultraep_megatron.planner.baselines.registry import ULTRAEP
 from ultraep_megatron.settings.knobs import PLANNERS
 
 
 @dataclass
 class Overheads:
-    """Cumulative host time of the balancing work (benchmarks and the training log).
+    """Cumulative host time of the balancing work (benchmarks and the training log)."""
 
-    Attributes:
-        plan_seconds: planner time.
-        host_seconds: host work from the plan's wait to the invocation's metadata.
-        observe_seconds: the observers' host time, off the critical stretch.
-        transfer_seconds: host time issuing and waiting for transfers; transfer_blocked_seconds
-            the part of it the host was blocked (not computing).
-        reroute_seconds: host time issuing the reroute and permutation.
-        invocations: invocations planned.
-    """
-
-    plan_seconds: float = 0.0
-    host_seconds: float = 0.0
-    observe_seconds: float = 0.0
-    transfer_seconds: float = 0.0
-    transfer_blocked_seconds: float = 0.0
-    reroute_seconds: float = 0.0
-    invocations: int = 0
+    plan_seconds: float = 0.0  # planner
+    host_seconds: float = 0.0  # from the plan's wait to the invocation's metadata
+    observe_seconds: float = 0.0  # the observers
+    transfer_seconds: float = 0.0  # issuing and waiting for transfers
+    transfer_blocked_seconds: float = 0.0  # the part of it the host was blocked
+    reroute_seconds: float = 0.0  # issuing the reroute and permutation
+    invocations: int = 0  # planned
 
     def reset(self) -> None:
         self.__init__()
@@ -63,43 +59,26 @@ class Overheads:
 
 @dataclass(frozen=True, eq=False)
 class LayerRegistration:
-    """What a balanced MoE layer tells its model's context: data, not the layer.
+    """What a balanced MoE layer tells its model's context: data, not the layer."""
 
-    Attributes:
-        expert_shapes: ``[k]`` one expert's parameter shapes, high precision (the gradients').
-        weight_layout: how one expert's weights lie in a redundant slot.
-        device: where the experts' parameters are.
-        ep_group / ep_rank / ep_size: the expert-parallel group and this rank in it.
-        num_experts: E.
-        model_config: megatron's ``TransformerConfig`` (the trace's metadata).
-        runs_per_forward: how many times one model forward runs the layer
-            (:func:`~.ring.invocations_per_forward`).
-        overlapped: megatron runs the layer in its overlapped 1F1B schedule.
-        preprocess_graphed: ``--cuda-graph-modules moe_preprocess`` (needs the device planner).
-        build_replica_experts: builds the redundant slots' experts module for ``S`` slots.
-    """
-
-    expert_shapes: Sequence[tuple]
+    expert_shapes: Sequence[tuple]  # [k] one expert's parameter shapes, high precision
     weight_layout: ExpertWeightLayout
-    device: torch.device
+    device: torch.device  # the experts' parameters'
     ep_group: Any
     ep_rank: int
     ep_size: int
     num_experts: int
-    model_config: Any
-    runs_per_forward: int
-    overlapped: bool
-    preprocess_graphed: bool
-    build_replica_experts: Callable[[int], ReplicaExperts]
+    model_config: Any  # megatron's TransformerConfig (the trace's metadata)
+    runs_per_forward: int  # ring.invocations_per_forward
+    overlapped: bool  # megatron's overlapped 1F1B schedule
+    preprocess_graphed: bool  # --cuda-graph-modules moe_preprocess
+    build_replica_experts: Callable[[int], ReplicaExperts]  # for S slots
 
 
 class ReplicaSlots:
-    """The redundant slots every MoE layer of the model shares, and the transfers through them.
-
-    Every transfer reads or writes the shared buffers, and every EP rank issues them in the same
-    order: one is in flight at a time, the next waits for it. ``holder`` is the invocation whose
-    replicas the weight buffer holds or receives.
-    """
+    """The redundant slots every MoE layer of the model shares, and the transfers through them:
+    issued in the same order on every EP rank, one in flight at a time. ``holder``: the invocation
+    whose replicas the weight buffer holds or receives."""
 
     def __init__(self, buffer: ReplicaBuffer, overlap: bool, overheads: Overheads):
         self.buffer = buffer
@@ -161,26 +140,15 @@ class ReplicaSlots:
 
 
 class BalancingContext:
-    """UltraEP's state of one model (module docstring).
+    """UltraEP's state of one model, built from the ``--moe-balancer*`` flags.
 
     Args:
-        config: the planner's numbers ``--moe-balancer*`` selected.
-        hardware: the ``--moe-balancer-hardware`` preset (trace metadata).
-        ring_size: ring slots (``None``: MoE invocations per model forward on this rank x the
-            schedule's in-flight microbatches).
+        ring_size: ring slots (``None``: sized from the schedule at the first forward).
         trace_dir: where to record every training invocation's load (``None``: not recorded).
         overlap: transfers asynchronous (``--moe-balancer-no-overlap``: each waited where issued).
-        check_plans: compare every plan with the routing it is applied to (device reads in every
-            layer, for debugging).
-        planner: ``"host"`` or ``"device"`` (ultraep only; ``None``: host). The device planner
-            checks itself once per process; if it fails anywhere in the EP group, the model plans on
-            the host and global rank 0 prints one line saying why.
-
-    Attributes:
-        slots: :class:`ReplicaSlots`, once the first layer registered.
-        ring: the :class:`~.ring.VirtualLayerRing`, sized at the first forward.
-        replica_experts: the module that runs the redundant slots.
-        ep_rank: this rank in the model's EP group.
+        check_plans: compare every plan with the routing it is applied to (device reads).
+        planner: ``"host"`` or ``"device"`` (``None``: host); a device planner that fails its
+            self-check anywhere in the EP group falls back to the host, with one line on rank 0.
     """
 
     def __init__(
@@ -200,9 +168,9 @@ class BalancingContext:
         self.overlap = overlap
         self.check_plans = check_plans
         self.planner = resolve_planner(planner, config.name)
-        self.device_planner_check: Optional[device_planning.SelfCheck] = None
+        self.pinned = PinnedPool()  # the host buffers of the plans' crossings
         self.registrations: List[LayerRegistration] = []
-        self.slots: Optional[ReplicaSlots] = None
+        self.slots: Optional[ReplicaSlots] = None  # once the first layer registered
         self.replica_experts: Optional[ReplicaExperts] = None
         self.ep_rank = 0
         self.stats = BalancerStats(config.domain_size)
@@ -268,28 +236,25 @@ class BalancingContext:
         self._ring = None
 
     def _check_device_planner(self, registration: LayerRegistration) -> None:
-        """The device planner's self-check (once per process and model shape,
-        :func:`device_planning.checked`); the EP group agrees on the outcome (they must plan alike)
-        and plans on the host for this model if any rank failed."""
-        check = device_planning.checked(
-            self.config,
-            registration.ep_size,
-            registration.num_experts,
-            registration.device,
-            registration.ep_rank,
-        )
-        self.device_planner_check = check
-        outcomes = _gather_on(registration.ep_group, check.failure)
+        """The device planner's self-check (once per device, setting and shape); the EP group
+        agrees on the outcome and plans on the host for this model if any rank failed."""
+        t0 = time.perf_counter()
+        shape = (registration.ep_size, registration.num_experts)
+        fresh = not self_check_done(registration.device, self.config, shape=shape)
+        try:
+            problems = self_check(registration.device, self.config, shape=shape)
+        except Exception as error:  # noqa: BLE001 - a compilation or launch failure: plan on host
+            lines = str(error).strip().splitlines()
+            problems = [f"{type(error).__name__}{': ' + lines[0][:300] if lines else ''}"]
+        outcomes = _gather_on(registration.ep_group, problems[0] if problems else None)
         failures = [(rank, failure) for rank, failure in enumerate(outcomes) if failure]
         if not failures:
-            if check.fresh:
-                _print_on_rank_zero(
-                    f"ultraep: device planner ready in {check.seconds:.2f} s "
-                    f"({check.implementation}; its plans of probe loads at "
-                    f"R={registration.ep_size}, E={registration.num_experts}, "
-                    f"S={self.config.num_slots} ({check.replicas} replicas) equal the host's "
-                    "references)"
-                )
+            if not fresh:  # a model of the same shape printed it
+                return
+            _print_on_rank_zero(
+                f"ultraep: device planner ready in {time.perf_counter() - t0:.2f} s (its plans "
+                f"of probe loads, R={shape[0]} E={shape[1]} among them, equal the host's)"
+            )
             return
         where = (
             ""
@@ -297,8 +262,7 @@ class BalancingContext:
             else f" on EP rank{'s' if len(failures) > 1 else ''} "
             + ", ".join(str(rank) for rank, _ in failures)
         )
-        why = f"the device planner failed its self-check{where} ({check.implementation}): "
-        why += failures[0][1]
+        why = f"the device planner failed its self-check{where}: {failures[0][1]}"
         if registration.preprocess_graphed:  # the host planner cannot run inside that graph
             raise RuntimeError(
                 f"{why}; --cuda-graph-modules moe_preprocess needs it: leave moe_preprocess out "
@@ -313,65 +277,93 @@ class BalancingContext:
     # -- planning --------------------------------------------------------------------------------
     def start_plan(
         self, load: torch.Tensor, balancer: LayerBalancer, *, captured: bool = False
-    ) -> Tuple[Optional[PlanHandle], Optional[device_planning.DevicePlanned]]:
-        """Start planning on the gathered load (int64 [R, E] on the device): ``(the plan's
-        handle, the device plan or None)``. Host planner: the load crosses and the balancer plans
-        it after the wait. Device planner: the plan, its reroute table and per-slot counts are
-        queued on the device; the plan's host half crosses, except while the preprocessing is
-        ``captured`` into a CUDA graph (no handle: it crosses after each replay)."""
-        stream = self._copy_stream(load.device)
-        rank, S = self.ep_rank, self.config.num_slots
+    ) -> PlanHandle:
+        """Start planning on the gathered load (int64 [R, E] on the device); the handle's
+        ``wait()`` gives the :class:`HostPlan`. Host planner: the load crosses and is planned at
+        the wait. Device planner: the record and reroute table are queued on the device and the
+        record crosses, unless ``captured`` into a CUDA graph (then the handle is not started)."""
         if not self.plans_on_device:
 
             def plan_on_host(host_load: torch.Tensor) -> HostPlan:
                 t0 = time.perf_counter()
                 balanced = balancer.balances(host_load)
                 plan = balancer.plan(host_load, balances=balanced)
-                seconds = time.perf_counter() - t0
-                return self._host_plan(plan, host_load, balanced, seconds, with_table=True)
+                return self._host_plan(plan, host_load, balanced, time.perf_counter() - t0)
 
-            return PlanHandle(load, plan_on_host, stream), None
+            return PlanHandle(load, plan_on_host).start(self._copy_stream(load), self.pinned)
         t0 = time.perf_counter()
-        planned = device_planning.plan_on_device(load, self.config, rank)
-        seconds = time.perf_counter() - t0
-        if captured:
-            return None, planned
+        fused = plan_invocation(load, self.config, self.ep_rank)
+        R, E = load.shape
+        P = E // R + self.config.num_slots
+        # Where the observers need the exact load (the trace, the plan checks) it crosses too.
+        crossing = torch.cat([fused.record, load.reshape(-1)]) if self.needs_load else fused.record
+        handle = PlanHandle(
+            crossing,
+            functools.partial(self._unpack_record, R, E, time.perf_counter() - t0),
+            table=fused.table,
+            device_rows=fused.record[-R * P :].view(R, P),
+        )
+        return handle if captured else handle.start(self._copy_stream(load), self.pinned)
 
-        def unpack(host_half: torch.Tensor) -> HostPlan:
-            R, E = load.shape
-            host_load, plan, balanced = device_planning.unpack_host_half(host_half, R, E, S)
-            return self._host_plan(plan, host_load, balanced, seconds, with_table=False)
+    def unpack_graphed_plan(self, crossing: torch.Tensor) -> PlanHandle:
+        """The handle of a plan a replayed CUDA graph of the preprocessing made (its record, a
+        graph output on the device)."""
+        R, E = self.registrations[0].ep_size, self.registrations[0].num_experts
+        finish = functools.partial(self._unpack_record, R, E, 0.0)
+        return PlanHandle(crossing, finish).start(self._copy_stream(crossing), self.pinned)
 
-        return PlanHandle(planned.host_half, unpack, stream), planned
+    @property
+    def needs_load(self) -> bool:
+        """Whether every plan's exact load must reach the host (the trace, the plan checks)."""
+        return self.trace is not None or self.check_plans
 
-    def unpack_graphed_plan(self, host_half: torch.Tensor) -> PlanHandle:
-        """The handle of a plan a replayed CUDA graph of the preprocessing made (its host half,
-        a graph output on the device)."""
-        R, S = self.registrations[0].ep_size, self.config.num_slots
-        E = self.registrations[0].num_experts
+    def _unpack_record(self, R: int, E: int, plan_seconds: float, host: torch.Tensor) -> HostPlan:
+        S = self.config.num_slots
+        L = record_length(R, E, S)
+        record = unpack_record(host[:L].numpy(), R, E, S)
+        if record.status != STATUS_OK:
+            raise RuntimeError(
+                f"UltraEP: the device planner could not plan a load (record status "
+                f"{record.status}: {STATUS_MEANING.get(record.status, 'unknown')})"
+            )
+        load = host[L:].view(R, E) if host.numel() > L else None
+        return self._finish_plan(record, load, None, None, plan_seconds)
 
-        def unpack(host: torch.Tensor) -> HostPlan:
-            host_load, plan, balanced = device_planning.unpack_host_half(host, R, E, S)
-            return self._host_plan(plan, host_load, balanced, 0.0, with_table=False)
+    def _host_plan(self, plan, load, balanced, plan_seconds) -> HostPlan:
+        """The host planner's :class:`HostPlan`: ``plan`` packed into this rank's record and its
+        reroute table (pinned, from the pool) by one compiled pass."""
+        R, E = load.shape
+        S = plan.num_slots
+        record = np.empty(record_length(R, E, S), np.int64)
+        table = self.pinned.take((4, table_columns(R, E, S)), torch.int32)
+        array = host_array(load)
+        # The header as the device planner writes it (the floor ultraep solved with).
+        floor = self.config.min_quota or default_min_quota(int(array.sum()), R)
+        host_parts(
+            array,
+            plan,
+            self.ep_rank,
+            balanced=balanced,
+            min_quota=floor if self.config.name == ULTRAEP else 0,
+            domain_size=self.config.domain_size or R,
+            record=record,
+            table=table.numpy(),
+        )
+        record = unpack_record(record, R, E, S)  # the same record as a device plan's
+        return self._finish_plan(record, load, plan, table, plan_seconds)
 
-        return PlanHandle(host_half, unpack, self._copy_stream(host_half.device))
-
-    def _host_plan(self, plan, load, balanced, plan_seconds, *, with_table) -> HostPlan:
-        replicated = self.config.num_slots > 0 and bool((plan.slot_expert.numpy() >= 0).any())
+    def _finish_plan(self, record, load, plan, table, plan_seconds) -> HostPlan:
+        replicated = self.config.num_slots > 0 and bool((record.slot_expert >= 0).any())
         builder = (
-            functools.partial(self.slots.buffer.schedule, plan.slot_expert, plan.num_experts)
+            functools.partial(
+                self.slots.buffer.schedule,
+                torch.from_numpy(record.slot_expert),
+                record.num_experts,
+            )
             if replicated
             else None
         )
-        return host_plan(
-            plan,
-            load,
-            self.ep_rank,
-            balanced=balanced,
-            plan_seconds=plan_seconds,
-            schedule_builder=builder,
-            with_table=with_table,
-        )
+        return HostPlan(record, load, plan, table, builder, plan_seconds)
 
     def planned(self, invocation: BalancedInvocation, host_seconds: float) -> None:
         """``invocation``'s plan arrived (its wait): counted, and queued for the observers."""
@@ -381,8 +373,9 @@ class BalancingContext:
         overheads.host_seconds += host_seconds
         overheads.invocations += 1
 
-    def _copy_stream(self, device: torch.device):
+    def _copy_stream(self, tensor: torch.Tensor):
         """The CUDA stream plans cross to the host on (``None`` off CUDA)."""
+        device = tensor.device
         if device.type != "cuda":
             return None
         if device not in self._copy_streams:
@@ -413,10 +406,9 @@ class BalancingContext:
     def ending_iterations(
         self, finalize_model_grads: Callable, current_iteration: Callable[[], int]
     ) -> Callable:
-        """The model's ``finalize_model_grads_func`` followed by the end of this context's iteration
-        (megatron's schedules call it once per training iteration, after the last backward, never
-        in evaluation: the boundary is the model's own). ``current_iteration``: the number of the
-        iteration that ends, as megatron's log gives it."""
+        """The model's ``finalize_model_grads_func`` followed by :meth:`end_iteration` (once per
+        training iteration, after the last backward, never in evaluation); ``current_iteration``
+        gives the ending iteration's number as megatron's log does."""
 
         @functools.wraps(finalize_model_grads)
         def finalize_then_end_iteration(*args, **kwargs):

@@ -1,18 +1,6 @@
-"""The balanced token dispatchers: megatron's own, over physical slots, driven by an invocation's
-plan.
-
-Every EP rank owns ``P = G + S`` physical slots (its G main experts, then its S redundant slots),
-so megatron's permutation, all-to-all and chunk sort run unchanged on ``R * P`` "experts"; physical
-slot ``r * P + j`` is rank r's main expert ``j`` for ``j < G``, its redundant slot ``j - G`` else.
-What a plan adds: the all-to-all's splits and per-slot counts (host integers, no exchange, no sync
-point of megatron's), and the reroute of the routed (token, expert) pairs to physical slots.
-
-* :class:`BalancedAlltoAllDispatcher`: megatron's all-to-all dispatcher; its unfused permutation is
-  computed from the plan, its fused one (TE's kernels) runs on the rerouted routing map;
-* :class:`BalancedFlexDispatcher`: megatron's flex dispatcher (DeepEP / HybridEP), GPU-only.
-
-Each holds the invocation it dispatches (``invocation``: the layer sets it in ``preprocess``), as
-megatron's dispatchers hold their per-call metadata.
+"""The balanced token dispatchers: megatron's all-to-all and flex dispatchers run unchanged over
+``R * P`` physical slots, with the splits, per-slot counts and reroute taken from the invocation's
+plan (``invocation``, set by the layer in ``preprocess``).
 """
 
 from __future__ import annotations
@@ -33,6 +21,7 @@ from megatron.core.transformer.moe.token_dispatcher import (
 from ultraep_megatron.megatron.release.capabilities import flex_backend_problem
 from ultraep_megatron.megatron.balanced_layer.invocation import BalancedInvocation, upload
 from ultraep_megatron.planner import reroute
+from ultraep_megatron.planner.fused_reroute import reroute_permute
 
 
 def in_backward_pass() -> bool:
@@ -41,9 +30,8 @@ def in_backward_pass() -> bool:
 
 
 class PhysicalSlots:
-    """What both dispatchers add to megatron's: the physical geometry, the exact load of the EP
-    group and the reroute of the routing. Not a dispatcher: each dispatcher builds megatron's over
-    ``R * P`` physical experts and calls these with its invocation."""
+    """What both dispatchers add to megatron's: the physical geometry, the EP group's exact load
+    and the reroute of the routing."""
 
     def __init__(self, num_local_experts: int, config, pg_collection, num_slots: int):
         self.ep_size, self.ep_rank = pg_collection.ep.size(), pg_collection.ep.rank()
@@ -118,30 +106,6 @@ class PhysicalSlots:
         return main, replica, main_probs, replica_probs
 
 
-def permute_pairs(hidden_states, probs, topk_ids, reroute_table, sort_key):
-    """The routed pairs in the all-to-all's send order, exactly per a plan: the pair at expert-major
-    position ``i`` goes to send row ``table[3][instance] + i`` (``planner.RankReroute``).
-
-    Args:
-        hidden_states: [T, H]; probs: [T, E] (differentiable); topk_ids: int64 [T, k];
-        reroute_table: int64 [4, E * R + 1] on their device; sort_key: the expert ids' sort dtype.
-
-    Returns:
-        (tokens [N, H], probs [N], the token of each send row [N]), ``N = T * k``, physical-slot-
-        major and token-ascending within a slot, as megatron's permutation of the physical map.
-    """
-    topk = topk_ids.size(1)
-    order, positions, instance = reroute.expert_major_pairs(topk_ids, reroute_table, sort_key)
-    row = reroute_table[3].index_select(0, instance) + positions
-    # Every row is written once; -1 fails the gather loudly if the routing left one unwritten.
-    tokens = torch.full_like(order, -1).scatter_(
-        0, row, torch.div(order, topk, rounding_mode="floor")
-    )
-    ordered = probs.gather(1, topk_ids).reshape(-1).index_select(0, order)
-    permuted_probs = ordered.new_zeros(ordered.shape).scatter(0, row, ordered)
-    return hidden_states.index_select(0, tokens), permuted_probs, tokens
-
-
 class BalancedAlltoAllDispatcher(MoEAlltoAllTokenDispatcher):
     """megatron's all-to-all dispatcher over ``R * P`` physical slots. Splits and per-slot counts
     come from the plan, at the all-to-all (:meth:`token_dispatch`): no exchange, no host wait
@@ -155,13 +119,11 @@ class BalancedAlltoAllDispatcher(MoEAlltoAllTokenDispatcher):
             slots.slots_per_rank, slots.local_slots, slots.physical_config, pg_collection
         )
         self.invocation: Optional[BalancedInvocation] = None
-        # The device plan's host half: a graph output when megatron captures the preprocessing
+        # The device plan's record: a graph output when megatron captures the preprocessing
         # (--cuda-graph-modules moe_preprocess sets it from the graph's outputs at each replay).
-        self.plan_host_half: Optional[torch.Tensor] = None
-        self.cudagraph_attrs = [*self.cudagraph_attrs, "plan_host_half"]
-        # The unfused permutation and chunk sort are computed from the plan; megatron's fused
-        # kernels (and its expert-TP, capacity and quantization-padding paths, refused at startup)
-        # run on the rerouted map.
+        self.plan_record: Optional[torch.Tensor] = None
+        self.cudagraph_attrs = [*self.cudagraph_attrs, "plan_record"]
+        # Permutation and chunk sort from the plan, or megatron's on the rerouted map (fused).
         self.expert_major: Optional[torch.Tensor] = None  # a host plan's pairs before it arrived
         self.permutes_from_plan = not (
             config.moe_permute_fusion
@@ -169,8 +131,7 @@ class BalancedAlltoAllDispatcher(MoEAlltoAllTokenDispatcher):
             or self.tp_size > 1
             or config.moe_router_padding_for_quantization
         )
-        # A host plan can wait for megatron's dispatch node where the plan permutes (the
-        # pre-dispatch node then sorts by logical expert); megatron's fused permutation needs it.
+        # A host plan may wait for the dispatch node where the plan permutes.
         self.defers_host_plans = self.permutes_from_plan
 
     def preprocess(self, routing_map: torch.Tensor) -> Optional[torch.Tensor]:
@@ -190,18 +151,9 @@ class BalancedAlltoAllDispatcher(MoEAlltoAllTokenDispatcher):
         return None
 
     def dispatch_preprocess(self, hidden_states, routing_map, probs):
-        """megatron's, on the rerouted map where its kernels permute; from the plan otherwise.
-
-        The unfused permutation from the plan: the pair at expert-major position ``i`` goes to
-        send row ``table[3][instance] + i`` (``planner.RankReroute``), with neither the
-        ``[T, R * P]`` physical map nor megatron's argsort over it. Before a host plan arrived
-        (megatron's overlapped schedule: its pre-dispatch node) only what needs no plan: the pairs
-        sorted by *logical* expert; :meth:`planned_inputs` moves them in the dispatch node.
-
-        Returns:
-            (tokens [N, H], probs [N]) in send order (physical-slot-major, token-ascending within a
-            slot, as megatron's permutation of the physical map), ``N = T * topk``.
-        """
+        """megatron's on the rerouted map where its kernels permute; else from the plan (no
+        physical map), or before a host plan arrived expert-major (:meth:`planned_inputs`).
+        Returns (tokens [N, H], probs [N]) in send order, ``N = T * topk``."""
         invocation = self.invocation
         if not self.permutes_from_plan:
             physical_map, physical_probs = self.slots.physical_routing(invocation, probs)
@@ -218,8 +170,8 @@ class BalancedAlltoAllDispatcher(MoEAlltoAllTokenDispatcher):
 
     def permute(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """The tokens ``[T, H]`` and their probabilities (``[T, E]``, differentiable) in send order
-        per the invocation's plan (:func:`permute_pairs`), or expert-major before a host plan
-        arrived."""
+        per the invocation's plan (one op, ``torch.ops.ultraep.reroute_permute``), or expert-major
+        before a host plan arrived."""
         invocation = self.invocation
         t0 = time.perf_counter()
         topk_ids, topk = invocation.topk_ids, invocation.topk_ids.size(1)
@@ -228,12 +180,17 @@ class BalancedAlltoAllDispatcher(MoEAlltoAllTokenDispatcher):
             tokens = torch.div(order, topk, rounding_mode="floor")
             pair_probs = probs.gather(1, topk_ids).reshape(-1)
             return hidden_states.index_select(0, tokens), pair_probs.index_select(0, order)
-        permuted, permuted_probs, tokens = permute_pairs(
-            hidden_states, probs, topk_ids, invocation.reroute_table, self.slots.sort_key
+        rerouted = reroute_permute(
+            topk_ids,
+            hidden_states,
+            probs.gather(1, topk_ids),
+            invocation.reroute_table,
+            num_experts=self.slots.num_experts,
         )
-        self.reversed_local_input_permutation_mapping = tokens
+        # megatron's unpermute scatters with it: int64.
+        self.reversed_local_input_permutation_mapping = rerouted.send_token.long()
         invocation.context.overheads.reroute_seconds += time.perf_counter() - t0
-        return permuted, permuted_probs
+        return rerouted.permuted, rerouted.permuted_probs
 
     def planned_inputs(self, hidden_states, probs):
         """In the dispatch node, once a host plan arrived: the pre-dispatch node's expert-major rows
@@ -275,11 +232,7 @@ class BalancedAlltoAllDispatcher(MoEAlltoAllTokenDispatcher):
 
     def dispatch_postprocess_parts(self, hidden_states, probs):
         """``dispatch_postprocess`` split into the main experts' and the redundant slots' rows:
-        ``(main [M, H], replica [N, H], rows_per_slot [P], main_probs [M], replica_probs [N])``.
-
-        megatron's unfused sort concatenates the (source rank, slot) chunks slot-major;
-        concatenating the main and the redundant slots' chunks separately gives the two parts with
-        the same copy."""
+        ``(main [M, H], replica [N, H], rows_per_slot [P], main_probs [M], replica_probs [N])``."""
         plan = self.invocation.plan
         sizes = self._chunk_sizes()
         if sizes is None:
@@ -315,12 +268,8 @@ class BalancedAlltoAllDispatcher(MoEAlltoAllTokenDispatcher):
 
 
 class BalancedFlexDispatcher(MoEFlexTokenDispatcher):
-    """megatron's flex dispatcher (DeepEP / HybridEP fused all-to-all) over physical slots: the
-    fused kernels route on the rerouted map. HybridEP is told every local slot's row count from
-    the plan, so its dispatch does not wait for the GPU; DeepEP's polls for its received counts
-    on the host itself (one wait more). Where the kernels pad each local slot's rows (HybridEP
-    under fp8 / fp4), main and redundant slots take their padded rows alike. GPU-only
-    (:func:`flex_backend_problem` says why not elsewhere)."""
+    """megatron's flex dispatcher (DeepEP / HybridEP) on the rerouted map; HybridEP gets the
+    plan's row counts (no GPU wait), DeepEP polls. GPU-only: :func:`flex_backend_problem`."""
 
     def __init__(
         self, num_local_experts, local_expert_indices, config, pg_collection, *, num_slots
@@ -333,8 +282,8 @@ class BalancedFlexDispatcher(MoEFlexTokenDispatcher):
             slots.slots_per_rank, slots.local_slots, slots.physical_config, pg_collection
         )
         self.invocation: Optional[BalancedInvocation] = None
-        self.plan_host_half: Optional[torch.Tensor] = None
-        self.cudagraph_attrs = [*self.cudagraph_attrs, "plan_host_half"]
+        self.plan_record: Optional[torch.Tensor] = None
+        self.cudagraph_attrs = [*self.cudagraph_attrs, "plan_record"]
         self.permutes_from_plan = False
         self.defers_host_plans = True  # the fused dispatch permutes, in the dispatch node
         self._replica_rows: Tuple[int, ...] = ()  # per redundant slot, as dispatched
@@ -388,9 +337,8 @@ class BalancedFlexDispatcher(MoEFlexTokenDispatcher):
         return dispatched
 
     def dispatch_postprocess_parts(self, hidden_states, probs):
-        """``dispatch_postprocess`` split into the main experts' and the redundant slots' rows as
-        dispatched (padding rows are zero and carry probability 0); rows past the last slot (a
-        kernel's over-allocation) are kept aside and get zero outputs. Host counts only."""
+        """``dispatch_postprocess`` split into main and redundant slots' rows as dispatched (with
+        padding); rows past the last slot are kept aside and get zero outputs."""
         tokens, rows_per_slot, permuted_probs = self.dispatch_postprocess(hidden_states, probs)
         dispatched = [int(n) for n in rows_per_slot.tolist()]  # host tensor
         G = self.slots.slots_per_rank - self.slots.num_slots

@@ -1,9 +1,6 @@
-"""Where one expert's parameters live in megatron-core's experts modules (``SequentialMLP``:
-``local_experts.{j}.linear_fc1.weight``; ``TEGroupedMLP``: ``linear_fc1.weight{j}``), and the module
-that runs the redundant slots: the layer's own experts class built for S experts
-(:func:`build_replica_experts`), whose parameters are released at construction and replaced by views
-of the shared replica buffer at every call (no memory of its own, no submodule of the model: no DDP
-bucket, optimizer state or checkpoint key).
+"""Where one expert's parameters live in megatron-core's experts modules, how they lie in a
+redundant slot, and the module that runs the redundant slots (:class:`ReplicaExperts`: the layer's
+experts class for S experts over views of the shared buffer, no submodule of the model).
 """
 
 from __future__ import annotations
@@ -18,15 +15,8 @@ import torch
 
 
 def expert_param_names(experts: torch.nn.Module, num_experts: int) -> List[List[str]]:
-    """Parameter names of each local expert, ``[num_experts][params_per_expert]``.
-
-    Every expert lists its parameters in the same order, and every parameter of ``experts`` belongs
-    to exactly one expert.
-
-    Raises:
-        ValueError: for an experts module whose parameters are not per-expert tensors (e.g. TE's
-            fused op-fuser layout), naming the class.
-    """
+    """Parameter names of each local expert, ``[num_experts][params_per_expert]``, in the same
+    order for every expert; ValueError where the parameters are not per-expert tensors."""
     all_names = [name for name, _ in experts.named_parameters()]
     if hasattr(experts, "local_experts"):  # SequentialMLP
         first = [name for name, _ in experts.local_experts[0].named_parameters()]
@@ -47,12 +37,8 @@ def expert_param_names(experts: torch.nn.Module, num_experts: int) -> List[List[
 
 
 class ExpertParamLookup:
-    """The parameter tensors named by :func:`expert_param_names`, for every forward: each name
-    resolved once to the submodule that owns the parameter, so a lookup is one dict read per
-    parameter, not a walk of the module tree (``experts.get_parameter``: a few hundred Python calls
-    per layer and microbatch). It reads the owner's parameter table at every call, so a parameter
-    replaced between iterations (a checkpoint load) is seen; replacing a whole submodule is not.
-    """
+    """The parameters named by :func:`expert_param_names`, one dict read each (owners resolved
+    once): a parameter replaced between iterations is seen, a replaced submodule is not."""
 
     def __init__(self, experts: torch.nn.Module, names: Sequence[Sequence[str]]):
         self._owners = [[_owner(experts, n) for n in per_expert] for per_expert in names]
@@ -64,22 +50,13 @@ class ExpertParamLookup:
 
 @dataclass(eq=False)
 class LayerExperts:
-    """What a balanced layer's invocations use of it: data, not the layer.
+    """What a balanced layer's invocations use of it: data, not the layer."""
 
-    Attributes:
-        lookup: ``[local expert][k]`` its main experts' parameters.
-        layout: how one expert's weights lie in a redundant slot.
-        gradient_accumulation_fusion: the experts' weight-gradient kernels write ``main_grad``.
-        delays_wgrad: ``--delay-wgrad-compute``: weight gradients in ``backward_dw``.
-        awaiting_dw: the invocations whose experts' backward ran and whose ``backward_dw`` has not,
-            oldest first.
-    """
-
-    lookup: ExpertParamLookup
+    lookup: ExpertParamLookup  # [local expert][k] the main experts' parameters
     layout: "ExpertWeightLayout"
-    gradient_accumulation_fusion: bool
-    delays_wgrad: bool
-    awaiting_dw: Deque = field(default_factory=deque)
+    gradient_accumulation_fusion: bool  # the wgrad kernels write main_grad
+    delays_wgrad: bool  # --delay-wgrad-compute
+    awaiting_dw: Deque = field(default_factory=deque)  # backward ran, backward_dw not: oldest first
 
     def main_weights(self, main_params: List[List[torch.Tensor]]) -> List[List[torch.Tensor]]:
         """``[local expert][part]`` what the weight distribution moves of ``main_params``."""
@@ -87,10 +64,8 @@ class LayerExperts:
 
 
 def is_quantized(tensor) -> bool:
-    """Whether ``tensor`` is a quantized parameter of Transformer Engine's contract
-    (``--fp8-param-gather``: its ``QuantizedTensor`` classes), duck-typed: ``get_metadata()``
-    returns its constructor's keyword arguments, storage tensors included, and
-    ``type(t)(shape=, dtype=, requires_grad=, **metadata)`` rebuilds it."""
+    """Whether ``tensor`` is a TE quantized parameter, duck-typed: ``get_metadata()`` gives the
+    keyword arguments of ``type(t)(shape=, dtype=, requires_grad=, **metadata)`` (rebuilds it)."""
     return callable(getattr(tensor, "get_metadata", None)) and callable(
         getattr(tensor, "dequantize", None)
     )
@@ -102,26 +77,13 @@ PART_ALIGNMENT = 16
 
 
 class ExpertWeightLayout:
-    """How one expert's weights lie in a redundant slot of the shared weight buffer, and how the
-    replica experts get them back.
+    """How one expert's weights lie in a redundant slot of the shared weight buffer: the
+    parameters themselves, or for quantized ones (``--fp8-param-gather``) the bytes of their
+    storage tensors (:func:`_parts`), each starting at a multiple of :data:`PART_ALIGNMENT`.
 
-    High-precision parameters: the parameters themselves (``shapes``, their dtype); the gradient
-    layout is the same. Quantized parameters (``--fp8-param-gather``): bytes (``dtype`` uint8),
-    per parameter the tensor-valued entries of its ``get_metadata()`` (fp8 data, scales, row- and
-    column-wise where the recipe keeps both), in key order, each as its flat bytes starting at a
-    multiple of :data:`PART_ALIGNMENT` (padding parts between them; a plain parameter beside
-    quantized ones is one part). The replica weight transfer then moves exactly what the main
-    expert holds; the replica is rebuilt over the views (:meth:`replica_weights`).
-
-    Attributes:
-        quantized: whether the weights move as bytes.
-        dtype: the weight buffer's dtype.
-        shapes: ``[part]`` shapes of one slot's tensors, padding included (the data plane's
-            ``weight_shapes``).
-        parts: ``[parameter][part]`` ``(metadata key or None, dtype, shape)``; ``None`` per
-            parameter without quantization.
-        padding: per entry of ``shapes``: ``None`` for a part, the byte count of a padding entry.
-    """
+    ``shapes``: ``[part]`` one slot's tensors, padding included; ``parts``: ``[parameter][part]``
+    ``(metadata key or None, dtype, shape)``, ``None`` unquantized; ``padding``: per entry of
+    ``shapes``, ``None`` for a part, else its byte count."""
 
     def __init__(self, params: Sequence[torch.Tensor]):
         self.quantized = any(is_quantized(p) for p in params)
@@ -198,12 +160,8 @@ class ExpertWeightLayout:
         return self._zeros[key]
 
 
-#: Storage tensors of a quantized weight that are a cache derived from the others, not moved: TE's
-#: ``Float8Tensor`` transpose (``data_transpose``) is a byte transpose of ``data``, which TE marks
-#: stale (``_transpose_invalid``) without clearing it when the parameter is re-quantized, and which
-#: ``get_metadata()`` returns either way. A replica is rebuilt without it; TE makes it from the
-#: moved ``data`` when the replica's backward needs it (``update_usage``), bit for bit the main
-#: expert's.
+#: Storage tensors of a quantized weight derived from the others, not moved: TE's ``Float8Tensor``
+#: ``data_transpose`` (possibly stale); TE rebuilds it from the moved ``data`` when needed.
 DERIVED_PARTS = ("data_transpose",)
 
 
@@ -222,13 +180,8 @@ def _parts(param: torch.Tensor) -> List[Tuple[Optional[str], torch.Tensor]]:
 
 
 def build_replica_experts(experts, config, pg_collection, num_slots: int) -> "ReplicaExperts":
-    """The redundant slots' experts: a module of the layer's experts class (``experts``, its spec's
-    builder) for ``num_slots`` experts and no parameter storage.
-
-    Built with initialization off and the RNG state restored, so building it never changes the
-    model's own initialization (``--moe-balancer none`` and ``ultraep`` start from the same
-    weights).
-    """
+    """The redundant slots' experts: the layer's experts class (``experts``, its spec's builder)
+    for ``num_slots`` experts, no parameter storage; the RNG state is restored (same init)."""
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
         module = experts(num_slots, replica_experts_config(config), pg_collection=pg_collection)
@@ -236,25 +189,10 @@ def build_replica_experts(experts, config, pg_collection, num_slots: int) -> "Re
 
 
 def replica_experts_config(config):
-    """The copy of a layer's ``TransformerConfig`` the replica experts are built with.
-
-    What differs from the main experts', and why:
-
-    * ``perform_initialization`` off: its parameters are released at once (no storage of its own).
-    * ``gradient_accumulation_fusion`` off: replica weight gradients come back through autograd
-      into the shared fp32 gradient buffer; they must not be fused into a ``main_grad`` the views
-      do not have.
-    * ``disable_parameter_transpose_cache`` on (fp8/fp4): megatron's TE linears then pass
-      ``is_first_microbatch=None`` to Transformer Engine, which quantizes the weights at every call
-      and caches no cast. The module is shared by every MoE layer and every microbatch and is no
-      submodule of the model, so megatron's ``set_is_first_microbatch`` never resets it: with the
-      cache on it would quantize once, at its first call, and from then on compute with that cast
-      of another layer's (or an earlier step's) weights. With current scaling (``tensorwise``,
-      ``blockwise``, ``mxfp8``) a weight's quantization is a function of that weight alone, so
-      re-quantizing the replica's copy gives exactly the main expert's quantized weight. The cost:
-      one cast of the S replica weights per layer and microbatch (the main experts cast theirs
-      once per step).
-    """
+    """The copy of a layer's ``TransformerConfig`` the replica experts are built with: no
+    initialization (parameters released at once); no gradient-accumulation fusion (no ``main_grad``
+    on the views); no transpose cache (fp8/fp4: TE re-quantizes at every call; a cached cast would
+    be another layer's, as ``set_is_first_microbatch`` never reaches this module)."""
     config = copy.copy(config)
     config.perform_initialization = False
     config.gradient_accumulation_fusion = False
@@ -263,16 +201,8 @@ def replica_experts_config(config):
 
 
 class ReplicaExperts:
-    """The module that runs the redundant slots, called with the slots' weights: each call puts them
-    in the owning submodules' parameter tables, runs the module and puts the released parameters
-    back (``torch.func.functional_call`` without its per-call walk of the module tree: the owners
-    are resolved once, here).
-
-    Attributes:
-        module: the experts module (``layer``'s class, ``S`` experts).
-        names: ``names[s][k]``, slot ``s``'s ``k``-th parameter name in ``module``, in the order of
-            :func:`expert_param_names` of the main experts.
-    """
+    """The module that runs the redundant slots (``module``, S experts), called with the slots'
+    weights put in its parameter tables for the call. ``names[s][k]``: slot ``s``'s parameters."""
 
     def __init__(self, module: torch.nn.Module, names: Sequence[Sequence[str]]):
         self.module, self.names = module, [list(slot) for slot in names]
@@ -285,9 +215,8 @@ class ReplicaExperts:
         self._grad_holders: Optional[List[torch.Tensor]] = None  # delayed_weight_grads's stand-ins
         for table, attr in self._owners:  # storage comes from the replica buffer at every call
             param = table[attr]
-            if is_quantized(
-                param
-            ):  # built as quantized parameters (TE's fp8_model_init): an empty stand-in
+            # built as quantized parameters (TE's fp8_model_init): an empty stand-in
+            if is_quantized(param):
                 table[attr] = torch.nn.Parameter(
                     torch.empty(0, dtype=param.dtype, device=param.device),
                     requires_grad=param.requires_grad,
@@ -302,17 +231,9 @@ class ReplicaExperts:
         tokens_per_slot: Sequence[int],
         probs: torch.Tensor,
     ) -> torch.Tensor:
-        """Apply each redundant slot's expert to its chunk of tokens.
-
-        Args:
-            slot_weights: ``[num_slots][params_per_expert]`` tensors, ordered as ``names``.
-            tokens: [N, H], sorted by slot; ``N == sum(tokens_per_slot)``.
-            tokens_per_slot: length ``num_slots`` (host integers).
-            probs: [N], the router probabilities of those (token, expert) pairs.
-
-        Returns:
-            [N, H] expert outputs (probability-weighted, as megatron's experts return them).
-        """
+        """Each slot's expert (``slot_weights [S][k]``, as ``names``) on its chunk of ``tokens
+        [N, H]`` (sorted by slot, ``tokens_per_slot`` host ints) with ``probs [N]`` -> ``[N, H]``,
+        probability-weighted as megatron's experts."""
         weights = [w for slot in slot_weights for w in slot]
         if len(weights) != len(self._owners):
             raise ValueError(f"expected {len(self._owners)} replica weights, got {len(weights)}")
@@ -325,24 +246,16 @@ class ReplicaExperts:
         finally:
             for (table, attr), param in zip(self._owners, released):
                 table[attr] = param
-        if (
-            bias is not None
-        ):  # megatron's experts add their biases inside; keep that invariant explicit
+        if bias is not None:  # megatron's experts add their biases inside
             raise ValueError(
                 "replica experts returned a separate bias; expected it folded into the output"
             )
         return output
 
     def delayed_weight_grads(self) -> List[Optional[torch.Tensor]]:
-        """The replica weights' gradients of the latest call whose weight gradients the experts
-        delayed (``--delay-wgrad-compute``): the module's own ``backward_dw`` computes them
-        (Transformer Engine's linears: the oldest computation they stashed in the backward, a
-        queue per linear). Transformer Engine sets each gradient as ``.grad`` of the parameter the
-        linear holds at that moment, so the call puts stand-ins of the parameters' shapes and
-        dtypes in their place (no storage), and reads their ``.grad``.
-
-        Returns:
-            flat, slot-major in ``names`` order: each gradient, ``None`` where none was set."""
+        """The replica weights' delayed gradients (``--delay-wgrad-compute``) of the oldest stashed
+        call, from the module's ``backward_dw`` run on storage-less stand-ins whose ``.grad`` TE
+        sets. Flat, slot-major in ``names`` order; ``None`` where none was set."""
         if self._grad_holders is None:
             self._grad_holders = [
                 torch.empty_strided(

@@ -1,15 +1,11 @@
-"""One balanced MoE invocation (a layer on a microbatch) from its routing to the end of its
-backward: :class:`BalancedInvocation`; its plan on the way to the host, :class:`PlanHandle`; the
-plan as the host reads it, :class:`HostPlan`.
-
-Shapes (docs/glossary.md): R EP ranks, E experts, G = E // R, S redundant slots per rank,
-P = G + S physical slots per rank; T tokens, k experts per token.
+"""One balanced MoE invocation from its routing to the end of its backward
+(:class:`BalancedInvocation`), its plan on the way to the host (:class:`PlanHandle`) and as the
+host reads it (:class:`HostPlan`). Shapes as in docs/glossary.md.
 """
 
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -20,58 +16,65 @@ import torch
 from ultraep_megatron import planner
 from ultraep_megatron.dataplane import TransferHandle, TransferSchedule
 from ultraep_megatron.megatron.balanced_layer.expert_slots import LayerExperts
-from ultraep_megatron.planner.fused_plan import host_parts
-from ultraep_megatron.planner.record_layout import record_length, table_columns, unpack_record
-from ultraep_megatron.planner.solve import host_array
+from ultraep_megatron.planner.record_layout import PlanRecord
 
 
 @dataclass(frozen=True, eq=False)
 class HostPlan:
-    """An invocation's plan as this rank's host reads it. Every tensor is a host tensor.
+    """An invocation's plan as this rank's host reads it (host tensors and arrays only)."""
 
-    Attributes:
-        load: int64 [R, E], the exact load it was planned on.
-        plan: the balancer's plan of ``load``.
-        balanced: whether the load reached the balancer's trigger (below it: no replica).
-        input_splits / output_splits: int64 [R], rows this rank sends to / receives from each rank.
-        rows_per_source_slot: int64 [R, P], rows each source sends to each of this rank's
-            physical slots (megatron's ``num_global_tokens_per_local_expert``; pinned on CUDA).
-        rows_per_slot: int64 [P], rows each of this rank's physical slots receives.
-        reroute_table: int32 [4, E + R * S + 1], the compact table of ``planner.record_layout``
-            (pinned on CUDA, uploaded without blocking), or ``None`` where the plan was made on the
-            device, which has it (there the int64 [4, E * R + 1] of ``planner.RankReroute``).
-        schedule_builder: the data plane's transfer schedule of the replicas, or ``None``: the
-            plan has none (no transfer runs, identically on every rank).
-        plan_seconds: host time of the planner.
-    """
-
-    load: torch.Tensor
-    plan: planner.Plan
-    balanced: bool
-    input_splits: np.ndarray
-    output_splits: np.ndarray
-    rows_per_source_slot: torch.Tensor
-    rows_per_slot: torch.Tensor
-    reroute_table: Optional[torch.Tensor]
-    schedule_builder: Optional[Callable[[], TransferSchedule]]
+    record: PlanRecord  # this rank's (a private copy)
+    load: Optional[torch.Tensor]  # int64 [R, E] where it crossed, else None
+    plan: Optional[planner.Plan]  # the host planner's; None for a device plan
+    table: Optional[torch.Tensor]  # the host plan's int32 [4, E + R * S + 1] reroute table, pinned
+    schedule_builder: Optional[Callable[[], TransferSchedule]]  # None: no replica transfer
     plan_seconds: float
 
     @property
+    def balanced(self) -> bool:
+        """Whether the load reached the balancer's trigger (below it: no replica)."""
+        return self.record.balanced
+
+    @cached_property
     def slot_expert(self) -> torch.Tensor:
         """int64 [R, S], the expert each redundant slot holds (-1: none)."""
-        return self.plan.slot_expert
+        return torch.from_numpy(self.record.slot_expert)
+
+    @property
+    def input_splits(self) -> np.ndarray:
+        """int64 [R], rows this rank sends to each rank."""
+        return self.record.input_splits
+
+    @property
+    def output_splits(self) -> np.ndarray:
+        """int64 [R], rows this rank receives from each rank."""
+        return self.record.output_splits
+
+    @cached_property
+    def rows_per_source_slot(self) -> torch.Tensor:
+        """int64 [R, P], rows each source sends to each of this rank's physical slots (megatron's
+        ``num_global_tokens_per_local_expert``)."""
+        return torch.from_numpy(self.record.rows_per_source_slot)
+
+    @cached_property
+    def rows_per_slot(self) -> torch.Tensor:
+        """int64 [P], rows each of this rank's physical slots receives."""
+        return self.rows_per_source_slot.sum(0)
 
     @property
     def main_rows(self) -> int:
         """Rows of this rank's G main experts (the first ``main_rows`` dispatched rows)."""
-        G = self.load.shape[1] // self.load.shape[0]
-        return int(self.rows_per_slot[:G].sum())
+        return int(self.rows_per_slot[: -self.record.num_slots or None].sum())
 
     @cached_property
     def replica_rows(self) -> Tuple[int, ...]:
         """Rows of each of this rank's S redundant slots."""
-        G = self.load.shape[1] // self.load.shape[0]
-        return tuple(self.rows_per_slot[G:].tolist())
+        S = self.record.num_slots
+        return tuple(self.rows_per_slot[-S:].tolist()) if S else ()
+
+    def metrics(self) -> dict:
+        """``planner.metrics`` of the plan (its record's figures)."""
+        return self.record.metrics()
 
     @cached_property
     def schedule(self) -> Optional[TransferSchedule]:
@@ -79,147 +82,113 @@ class HostPlan:
         return self.schedule_builder() if self.schedule_builder is not None else None
 
 
-def host_plan(
-    plan: planner.Plan,
-    load: torch.Tensor,
-    ep_rank: int,
-    *,
-    balanced: bool,
-    plan_seconds: float,
-    schedule_builder: Optional[Callable[[], TransferSchedule]],
-    with_table: bool,
-) -> HostPlan:
-    """``ep_rank``'s :class:`HostPlan` of ``plan`` (host tensors) solved for ``load`` (host int64
-    [R, E]): one compiled pass (``planner.fused_plan.host_parts``), into pinned memory on CUDA.
-    ``with_table``: keep the reroute table (the host planner uploads it)."""
-    R, E = load.shape
-    S = plan.num_slots
-    pinned = torch.cuda.is_available()
-    # One compiled pass packs this rank's record (splits, rows per source slot) and the compact
-    # int32 reroute table (6 KB at EP64, E=256, S=2: what the host planner uploads).
-    record = torch.empty(record_length(R, E, S), dtype=torch.int64, pin_memory=pinned)
-    table = torch.empty(4, table_columns(R, E, S), dtype=torch.int32, pin_memory=pinned)
-    host_parts(
-        host_array(load),
-        plan,
-        ep_rank,
-        balanced=balanced,
-        min_quota=0,
-        domain_size=R,
-        record=record.numpy(),
-        table=table.numpy(),
-    )
-    view = unpack_record(record.numpy(), R, E, S)
-    rows_per_source_slot = torch.from_numpy(view.rows_per_source_slot)
-    reroute = SimpleNamespace(
-        input_splits=view.input_splits,
-        output_splits=view.output_splits,
-        rows_per_slot=view.rows_per_source_slot.sum(0),
-    )
-    return HostPlan(
-        load=load,
-        plan=plan,
-        balanced=balanced,
-        input_splits=reroute.input_splits,
-        output_splits=reroute.output_splits,
-        rows_per_source_slot=rows_per_source_slot,
-        rows_per_slot=torch.from_numpy(reroute.rows_per_slot),
-        reroute_table=table if with_table else None,
-        schedule_builder=schedule_builder,
-        plan_seconds=plan_seconds,
-    )
+class PinnedPool:
+    """Pinned host buffers reused across invocations (pinning is a driver call costing more than
+    the copies). A buffer comes back with :meth:`give` and the event of the last copy using it;
+    :meth:`take` hands out one whose event has completed, or a new one: it never waits."""
 
+    def __init__(self, per_shape: int = 8):
+        self._free: dict = {}
+        self._per_shape = per_shape
 
-def to_host(tensor: torch.Tensor, stream) -> Tuple[torch.Tensor, torch.cuda.Event]:
-    """Start copying ``tensor`` to pinned host memory (on CUDA on ``stream``, after what the
-    current stream queued): ``(host tensor, event to wait on)``. The layer's one crossing to the
-    host."""
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
-    event = torch.cuda.Event()
-    if stream is None:
-        host.copy_(tensor, non_blocking=True)
-        event.record()
-        return host, event
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        host.copy_(tensor, non_blocking=True)
-        tensor.record_stream(stream)  # the current stream may free it before the copy ran
-        event.record(stream)
-    return host, event
+    def take(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        free = self._free.get((tuple(shape), dtype), [])
+        for index, (tensor, event) in enumerate(free):
+            if event is None or event.query():
+                del free[index]
+                return tensor
+        try:
+            return torch.empty(shape, dtype=dtype, pin_memory=True)
+        except RuntimeError:  # no CUDA driver in this process: pageable memory is all there is
+            return torch.empty(shape, dtype=dtype)
+
+    def give(self, tensor: torch.Tensor, event=None) -> None:
+        free = self._free.setdefault((tuple(tensor.shape), tensor.dtype), [])
+        if len(free) < self._per_shape:
+            free.append((tensor, event))
 
 
 def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``host`` (pinned on CUDA) on ``device``, without blocking: the layer's one crossing from
-    the host."""
-    return host.to(device, non_blocking=True)
+    """A copy of ``host`` (pinned on CUDA) on ``device``, without blocking: the layer's one
+    crossing from the host (a copy on the CPU too: ``host`` goes back to its pool)."""
+    return host.to(device, non_blocking=True, copy=True)
 
 
 class PlanHandle:
-    """An invocation's plan on its way to the host, in DeepEP's manner: a device tensor copied to
-    pinned host memory behind an event, and what the host makes of it.
+    """An invocation's plan on its way to the host: ``crossing`` (int64 on the device: the host
+    planner's load [R, E], or a device plan's record) copied to pinned memory behind an event, and
+    ``finish`` (host copy -> :class:`HostPlan`). A device plan's ``table`` (int32 reroute table)
+    and ``device_rows`` (int64 [R, P]) stay on the device. Not started while graph-captured."""
 
-    ``crossing``: int64 on the device, queued (the gathered load of a host plan, or a device plan's
-    host half). ``finish(host_copy)`` turns the copy into the :class:`HostPlan` once it has
-    arrived. On CUDA the copy runs on ``stream`` after what the current stream queued so far, so
-    the wait ends when ``crossing`` is ready, not when work queued after it is done (megatron
-    copies its token counts on a side stream the same way).
-    """
-
-    def __init__(self, crossing: torch.Tensor, finish: Callable[[torch.Tensor], HostPlan], stream):
-        self._host, self._event = to_host(crossing, stream)
+    def __init__(
+        self,
+        crossing: torch.Tensor,
+        finish: Callable[[torch.Tensor], HostPlan],
+        *,
+        table: Optional[torch.Tensor] = None,
+        device_rows: Optional[torch.Tensor] = None,
+    ):
+        self.crossing, self.table, self.device_rows = crossing, table, device_rows
         self._finish = finish
+        self._host = self._event = self._pool = None
         self._plan: Optional[HostPlan] = None
         self.host_seconds = 0.0  # the host's part once the copy arrived (``finish``)
+
+    def start(self, stream, pool: PinnedPool) -> "PlanHandle":
+        """Start the crossing into a buffer of ``pool`` (``stream``: ``None`` off CUDA)."""
+        crossing = self.crossing
+        self._pool = pool
+        self._host = host = pool.take(crossing.shape, crossing.dtype)
+        if stream is None:
+            host.copy_(crossing, non_blocking=True)
+            self._event = _recorded_event()
+            return self
+        self._event = event = torch.cuda.Event()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            host.copy_(crossing, non_blocking=True)
+            crossing.record_stream(stream)  # the current stream may free it before the copy ran
+            event.record(stream)
+        return self
 
     def wait(self) -> HostPlan:
         """The invocation's one host wait, where megatron's dispatcher waits for its splits; then
         the host's part of the plan. Idempotent."""
         if self._plan is None:
-            self._event.synchronize()
+            if self._event is not None:
+                self._event.synchronize()
             t0 = time.perf_counter()
-            self._plan = self._finish(self._host)
+            host = self._host.clone()  # the pinned buffer goes back to the pool
+            self._pool.give(self._host)
+            self._plan = self._finish(host)
             self.host_seconds = time.perf_counter() - t0
         return self._plan
 
 
+def _recorded_event():
+    """An event after the work queued so far on the current stream; ``None`` without CUDA (the
+    host ran that work already)."""
+    event = torch.cuda.Event()
+    try:
+        event.record()
+    except RuntimeError:  # no CUDA driver in this process (and no CPU backend standing in)
+        return None
+    return event
+
+
 @dataclass(eq=False)
 class Reduction:
-    """The replica-gradient reduction in flight.
-
-    Attributes:
-        handle: the data plane's handle.
-        targets: ``[local expert][k]`` fp32 tensors the replica gradients are folded into: the
-            ``main_grad`` buffers (Megatron DDP), or fresh ones (a zero view where the expert has
-            no replica, never written).
-        has_replica: per local expert whether it has a replica; ``None`` for ``main_grad`` targets.
-    """
+    """The replica-gradient reduction in flight."""
 
     handle: TransferHandle
-    targets: List[List[torch.Tensor]]
-    has_replica: Optional[List[bool]]
+    targets: List[List[torch.Tensor]]  # [local expert][k] fp32: main_grad, or fresh ones
+    has_replica: Optional[List[bool]]  # per local expert; None for main_grad targets
 
 
 class BalancedInvocation:
     """One MoE layer on one microbatch: plan, reroute, replica weights and replica gradients.
-
-    Made by the layer in ``preprocess`` (``BalancedMoELayer._begin``), handed to its dispatcher
-    and to the autograd functions of its forward; the ring keeps it from a checkpointed forward to
-    its recompute replay. Set at construction: ``layer_number``, ``context``, ``experts`` (the
-    layer's :class:`LayerExperts`), ``topk_ids``, ``training``, ``grad_enabled``,
-    ``runs_per_forward``, ``handle`` and, for a plan made on the device, ``reroute_table`` and
-    ``device_rows`` (``topk_ids`` again by an activation-recompute replay: its own routing). Set by
-    one stage each: ``plan`` (:meth:`wait`; and the host plan's ``reroute_table``), ``main_params``
-    (the forward, :meth:`take_main_params`), ``vid`` (:meth:`wait`, in training), ``reduction``
-    (:meth:`start_reduction`).
-
-    Args:
-        topk_ids: int64 [T, k], the routed pairs' logical experts.
-        handle: the plan on its way (``None``: a plan captured into a CUDA graph, completed after
-            each replay by another invocation).
-        reroute_table: int64 [4, E * R + 1] on the device, for a plan made there.
-        device_rows: int64 [R, P] rows each source sends to each of this rank's physical slots, on
-            the device, for a plan made there (megatron's fused chunk sort reads them).
-    """
+    ``topk_ids``: int64 [T, k] (reset by a recompute replay); ``plan``, ``reroute_table`` (a host
+    plan's) and ``vid`` are set by :meth:`wait`, ``reduction`` by :meth:`start_reduction`."""
 
     def __init__(
         self,
@@ -231,9 +200,7 @@ class BalancedInvocation:
         training: bool,
         grad_enabled: bool,
         runs_per_forward: int,
-        handle: Optional[PlanHandle],
-        reroute_table: Optional[torch.Tensor] = None,
-        device_rows: Optional[torch.Tensor] = None,
+        handle: PlanHandle,
     ):
         self.layer_number = layer_number
         self.context = context
@@ -243,8 +210,10 @@ class BalancedInvocation:
         self.grad_enabled = grad_enabled
         self.runs_per_forward = runs_per_forward
         self.handle = handle
-        self.reroute_table = reroute_table
-        self.device_rows = device_rows
+        # int32 [4, E + R * S + 1] on the device (``planner.record_layout``): a device plan's now,
+        # a host plan's once uploaded at the wait.
+        self.reroute_table = handle.table
+        self.device_rows = handle.device_rows
         self.plan: Optional[HostPlan] = None
         self.main_params: Optional[List[List[torch.Tensor]]] = None
         self.vid: Optional[int] = None
@@ -257,9 +226,10 @@ class BalancedInvocation:
         if self.plan is not None:
             return self.plan
         self.plan = plan = self.handle.wait()
-        if plan.reroute_table is not None:  # a host plan's (a graph's has done its reroute)
-            self.reroute_table = upload(plan.reroute_table, self.topk_ids.device)
         context = self.context
+        if plan.table is not None:  # a host plan's (a graph's has done its reroute)
+            self.reroute_table = upload(plan.table, self.topk_ids.device)
+            context.pinned.give(plan.table, _recorded_event())
         if self.training:
             self.vid = context.ring.acquire(self.layer_number)
             context.ring.store(self.vid, self)

@@ -1,13 +1,6 @@
-"""Observers of every balanced invocation, fed by ``BalancingContext.observe`` once the layer's work
-is queued (off the stretch between the wait for the load and the reroute):
-
-* :class:`BalancerStats`: per-layer balancing figures for the training log and the dashboards;
-* :class:`TraceRecorder`: the exact load of every training invocation, to a trace file
-  (``--moe-balancer-trace-dir``).
-
-Each takes ``on_invocation(layer_number, plan, training, ...)`` with the invocation's
-:class:`~.invocation.HostPlan`; what it needs of the model it is given when it is built (the
-trace: at the first layer's registration, :meth:`TraceRecorder.describe`).
+"""Observers of every balanced invocation's :class:`~.invocation.HostPlan`, fed by
+``BalancingContext.observe``: :class:`BalancerStats` (per-layer figures for the log and dashboards)
+and :class:`TraceRecorder` (every training invocation's load, ``--moe-balancer-trace-dir``).
 """
 
 from __future__ import annotations
@@ -15,7 +8,6 @@ from __future__ import annotations
 import weakref
 from typing import Dict, Optional
 
-from ultraep_megatron import planner
 from ultraep_megatron.megatron.balanced_layer.invocation import HostPlan
 from ultraep_megatron.planner import BalancerConfig
 
@@ -48,7 +40,7 @@ class BalancerStats:
     def on_invocation(self, layer_number: int, plan: HostPlan, training: bool) -> None:
         if not training:
             return
-        m = planner.metrics(plan.load, plan.plan, domain_size=self.domain_size)
+        m = plan.metrics()  # the plan record's figures: planner.metrics with the model's domains
         entry = self._sums.setdefault(layer_number, {"count": 0})
         entry["count"] += 1
         for key in self.METRICS:

@@ -1,17 +1,5 @@
-"""The autograd functions of a balanced MoE layer: where its backward moves the invocation's
-replica weights and gradients. Each holds the :class:`~.invocation.BalancedInvocation`.
-
-Backward order, as autograd runs it (``StartInBackward`` at the layer's output first):
-
-    StartInBackward     re-materializes the replicas in the shared weight buffer (later layers
-                        overwrote it), overlapping the combine's backward
-    replica experts' backward (their saved weights resolved against the re-materialized buffer)
-    ReplicaWeights      starts the reduction of the replica weight gradients to the home ranks
-                        (a rank whose slots received no rows starts it at a StartInBackward on its
-                        main experts' output instead)
-    main experts' backward                          (overlaps the reduction)
-    ReduceReplicaGrads  completes it into the main experts' gradients, before megatron's DDP sees
-                        any expert gradient, in a plan-independent order
+"""The autograd functions of a balanced MoE layer, where its backward re-materializes the
+invocation's replica weights and reduces their gradients (order: docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -42,19 +30,10 @@ class StartInBackward(torch.autograd.Function):
 
 
 class ReduceReplicaGrads(torch.autograd.Function):
-    """Identity on the tokens the all-to-all received ``[N, H]`` (before megatron's chunk sort);
-    its backward, after the experts' and the sort's, completes the replica-gradient reduction into
-    the main experts' gradients.
-
-    The trainable parameters of *every* local main expert are inputs, whatever the plan: their
-    gradient accumulation, and so Megatron DDP's hook that marks a parameter ready for its
-    (possibly overlapped) bucket reduction, runs after this backward in the same order on every
-    rank. The ranks of one expert-data-parallel group belong to different EP groups with different
-    plans; holding back only the replicated experts would make each rank complete its buckets in
-    an order of its own plan and issue the bucket collectives out of step (wrong sums where sizes
-    agree, a hang where not). The cost: the local experts' weight gradients live until this
-    backward (none with gradient-accumulation fusion, which writes ``main_grad`` directly).
-    """
+    """Identity on the received tokens ``[N, H]``; its backward, after the experts', completes the
+    replica-gradient reduction into the main experts' gradients. Every local main expert's
+    trainable parameters are inputs, whatever the plan, so DDP marks them ready in the same order
+    on every rank of the expert-data-parallel group (else its bucket collectives go out of step)."""
 
     @staticmethod
     def inputs(main_params: List[List[torch.Tensor]]) -> List[torch.Tensor]:
@@ -83,15 +62,9 @@ class ReduceReplicaGrads(torch.autograd.Function):
 
 
 class ReplicaWeights(torch.autograd.Function):
-    """The redundant slots' weights in the layer's autograd graph, flat (slot-major, the experts'
-    parameter order): the forward waits for their distribution, the backward starts their
-    gradients' reduction (collective: every rank runs it, with replica rows or not; under
-    ``--delay-wgrad-compute`` the layer's ``backward_dw`` does, once they are computed).
-
-    ``tokens`` and ``probs`` get no gradient here: they make the weights need one whenever the
-    replica output does. The weights are aliases of the buffer autograd does not track as views
-    (later layers write the buffer in place, which autograd would refuse for a tracked view).
-    """
+    """The redundant slots' weights in the autograd graph, flat (slot-major): the forward waits
+    for their distribution, the backward starts their gradients' reduction (unless the layer's
+    ``backward_dw`` does). ``tokens``/``probs`` (no gradient) make the weights need one."""
 
     @staticmethod
     def forward(ctx, invocation: BalancedInvocation, tokens, probs):
@@ -110,12 +83,8 @@ def run_replicas_in_graph(
     invocation: BalancedInvocation, tokens: torch.Tensor, probs: torch.Tensor, rows_per_slot
 ) -> torch.Tensor:
     """The redundant slots' experts on ``tokens [N, H]`` (sorted by slot, ``rows_per_slot`` host
-    ints) with their ``probs [N]`` -> ``[N, H]``, differentiable; the replica gradients are reduced
-    into the main experts' in the backward (:class:`ReplicaWeights`).
-
-    Their saved weights are stored as geometry of the shared buffer, not kept alive (later layers
-    overwrite it); unpacking one waits for the buffer's re-materialization, so no replica activation
-    is recomputed."""
+    ints) with ``probs [N]`` -> ``[N, H]``, differentiable; saved weights are kept as geometry of
+    the shared buffer, resolved once it is re-materialized in the backward."""
     flat = ReplicaWeights.apply(invocation, tokens, probs)
     per_slot = len(flat) // invocation.context.config.num_slots
     weights = [flat[s * per_slot : (s + 1) * per_slot] for s in range(len(flat) // per_slot)]

@@ -1,12 +1,6 @@
-"""The virtual-layer-ID ring (paper §7): each in-flight MoE invocation, from its forward to its
-backward, in a *ring slot* whose id autograd contexts keep, so the backward finds its forward's
-invocation whatever the pipeline schedule. Sized from the schedule (:func:`invocations_per_forward`
-summed over the rank's MoE layers × :func:`max_inflight_microbatches`); full is an error, never a
-reuse (a live slot overwritten would give a backward another plan).
-
-Activation recompute: the checkpointed forward parks its id and the replay pops it. Per layer the
-replays come in the order the forwards ran (a FIFO of model forwards); a layer one forward runs
-several times (the MTP block's shared layer) is replayed in reverse within it (LIFO).
+"""The virtual-layer-ID ring (paper §7): each in-flight MoE invocation in a ring slot from its
+forward to its backward, sized from the pipeline schedule; full is an error, never a reuse.
+Recompute replays pop parked ids per layer FIFO across model forwards, LIFO within one.
 """
 
 from __future__ import annotations
@@ -41,11 +35,7 @@ class _ParkedForward:
 
 @dataclass
 class VirtualLayerRing:
-    """Fixed-capacity table of in-flight MoE invocations, indexed by virtual layer id.
-
-    Args:
-        capacity: number of ring slots (sized as the module docstring says).
-    """
+    """Table of ``capacity`` slots of in-flight MoE invocations, indexed by virtual layer id."""
 
     capacity: int
     _entries: List[Optional[RingEntry]] = field(init=False)
@@ -136,17 +126,9 @@ def max_inflight_microbatches(
     vpp_size: Optional[int] = None,
     overlapped: bool = False,
 ) -> int:
-    """Most forward passes of one model chunk whose backward has not run yet, per pipeline schedule.
-
-    1F1B: stage ``pp_rank`` runs ``pp_size - pp_rank - 1`` warm-up forwards plus one steady-state
-    forward before its first backward, so ``pp_size - pp_rank`` microbatches are in flight.
-    Interleaved (``vpp_size`` chunks per stage): Megatron's warm-up is
-    ``(pp_size - pp_rank - 1) * 2 + (vpp_size - 1) * pp_size`` forwards over all chunks; one chunk
-    sees at most that many plus one of them, bounded by ``num_microbatches``. We bound per chunk by
-    the whole count, which over-provisions by at most a factor ``vpp_size`` (slots are small).
-    ``overlapped`` (megatron's combined 1F1B schedule, ``--overlap-moe-expert-parallel-comm``): each
-    step runs one microbatch's forward before another's backward ends, one more in flight (without
-    a pipeline: two; interleaved: megatron adds one warm-up forward for it).
+    """Most forward passes of one model chunk whose backward has not run yet, per pipeline schedule:
+    1F1B ``pp_size - pp_rank``; interleaved, megatron's warm-up over all chunks plus one (at most
+    ``vpp_size`` times too many); ``overlapped`` (combined 1F1B) one more; at most the microbatches.
     """
     extra = 1 if overlapped else 0
     if pp_size <= 1:

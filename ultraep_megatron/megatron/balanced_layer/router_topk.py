@@ -1,16 +1,6 @@
-"""The router's top-k expert indices ``[T, k]``, for the balanced dispatchers' reroute and
-permutation over the routed (token, expert) pairs.
-
-megatron-core's ``TopKRouter`` hands its layer only the dense ``[T, E]`` routing map and probs; the
-top-k indices it selected them from exist inside ``topk_routing_with_score_function``, which asks
-the router's ``router_replay`` hook (when set) for them. :class:`TopKIndicesTap` sits in that hook
-of one balanced layer's router (:func:`install_topk_tap`) and keeps the indices of the latest
-routing, delegating to megatron's own ``RouterReplay`` where ``--moe-enable-routing-replay`` set
-one.
-
-Routing that selects its experts elsewhere (TE's fused top-k, ``--moe-router-fusion``; sinkhorn;
-quantile balancing's precomputed indices) never asks the hook: :func:`topk_indices` then takes the
-indices from the routing map (one top-k over ``[T, E]``).
+"""The router's top-k expert indices ``[T, k]`` for the balanced dispatchers: tapped in the
+router's ``router_replay`` hook (:class:`TopKIndicesTap`), else a top-k over the routing map
+(:func:`topk_indices`) where the routing never asks the hook.
 """
 
 from __future__ import annotations

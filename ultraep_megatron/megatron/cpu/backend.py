@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -58,6 +59,25 @@ def _patch(owner: Any, attribute: str, replacement: Any, reason: str) -> None:
     PATCHES.append((f"{getattr(owner, '__name__', type(owner).__name__)}.{attribute}", reason))
 
 
+#: Warnings megatron-core and torch print on a CPU machine only because it lacks the GPU stack the
+#: CPU backend stands in for; filtered while the backend is active (never with a CUDA device, where
+#: each would mean a slower or different path than intended). Message prefixes (regexes).
+CPU_ONLY_WARNINGS = (
+    # No Transformer Engine / Apex on CPU: megatron's local kernels and torch's norm and optimizers
+    # are the CPU path (TE's fused kernels are CUDA only). On GPU this says a run lost its fusions.
+    r"Transformer Engine and Apex are not installed",
+    r"Apex is not installed\. Falling back to Torch Norm",
+    r"Only transformer-engine>=1\.7\.0 supports MoE experts",
+    # The data loader's pin_memory without an accelerator: nothing to pin to on CPU.
+    r"'pin_memory' argument is set as true but no accelerator is found",
+)
+
+
+def _filter_cpu_only_warnings() -> None:
+    for message in CPU_ONLY_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
+
+
 def activate() -> bool:
     """Make megatron-core's MoE layer and training loop run on the CPU over gloo.
 
@@ -72,6 +92,7 @@ def activate() -> bool:
     if cuda_present():
         logger.info("ultraep CPU backend: CUDA device present, backend not applied")
         return False
+    _filter_cpu_only_warnings()  # before megatron's modules are imported (they warn at import)
 
     # Before torch.cuda is patched: dynamo indexes torch's functions (torch.cuda's included)
     # once, lazily; indexing the stand-ins instead would break it.

@@ -160,7 +160,7 @@ _FP8_REFUSED = {
 CUDA_GRAPH_MODULES = ("attn", "moe_router", "mlp", "mamba")
 #: The module whose Transformer Engine graph captures the balanced layer's preprocessing (load
 #: gather, plan, reroute, permutation): with the device planner only, whose plan needs no host read;
-#: the plan's host half crosses after the graph, where megatron's dispatcher waits for its splits.
+#: the plan's record crosses after the graph, where megatron's dispatcher waits for its splits.
 DEVICE_PLANNER_GRAPH_MODULE = "moe_preprocess"
 _CUDA_GRAPH_REFUSED = {
     "moe": "it captures the whole MoE layer",
@@ -176,7 +176,7 @@ _PREPROCESS_GRAPH_WHY = {
     "planner": "the host planner copies the exact load to the host and plans there, inside the captured "
     "preprocessing, which a CUDA graph cannot capture (a host read of device data); leave "
     "--moe-balancer-planner out or pass device, whose plan, reroute and permutation stay on the "
-    "device and whose host half crosses after the graph",
+    "device and whose record crosses after the graph",
     "flex": "the flex dispatcher's (DeepEP / HybridEP) preprocessing has not been checked under capture yet; "
     "use --moe-token-dispatcher-type alltoall, or leave moe_preprocess out",
     "fusion": "the fused permutation (Transformer Engine's kernel over the physical routing map) has not been "

@@ -25,7 +25,7 @@ from typing import Optional
 from ultraep_megatron.megatron.release import capabilities
 from ultraep_megatron.planner import BalancerConfig
 from ultraep_megatron.planner.baselines import registry
-from ultraep_megatron.planner.device_solve import triton_available
+from ultraep_megatron.planner.fused_plan import triton_available
 from ultraep_megatron.settings.knobs import (
     RUN_SETTINGS,
     UltraEPArgumentError,
@@ -255,8 +255,8 @@ def startup_problems(
     if environment and planner == "device" and not triton_available():
         warnings.append(
             "the device planner (--moe-balancer-planner device, or the default with "
-            "--cuda-graph-modules moe_preprocess) without triton installed runs its torch "
-            "reference step by step (hundreds of small kernels per layer); install triton"
+            "--cuda-graph-modules moe_preprocess) needs triton for its kernel: without it the "
+            "self-check fails and the model plans on the host; install triton"
         )
     if isinstance(args.moe_balancer_trace_dir, str) and args.moe_balancer_trace_dir:
         problem = trace_dir_problem(args, create=environment)
