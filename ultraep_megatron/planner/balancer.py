@@ -19,11 +19,13 @@ from typing import Optional
 import numpy as np
 import torch
 
+from . import _compiled_record
 from .baselines import fixed_layout
 from .baselines.registry import BALANCERS, EPLB, EPLB_EXACT, IDEAL, MOE_BALANCERS, NONE, ULTRAEP
 from .metrics import host_imbalance, host_rank_load
 from .plan import Plan
-from .solve import default_min_quota, solve
+from .record_layout import record_length, table_columns
+from .solve import default_min_quota, host_array, solve
 
 __all__ = [
     "BalancerConfig",
@@ -212,14 +214,23 @@ class LayerBalancer:
         cache) on a small skewed load, past the trigger, in this balancer's NVLink domains, and the
         packing of the plan record and reroute table every planned invocation runs; no state of
         this balancer changes."""
-        from .fused_plan import host_parts  # it builds on this module
 
         R = 2 * (self.config.domain_size or 1)
         load = torch.ones(R, 2 * R, dtype=torch.int64)
         load[:, 0] += 64  # all on rank 0's first expert: a replica to place
         plan = LayerBalancer(dataclasses.replace(self.config, trigger=1.0)).plan(load)
         if plan is not None:
-            host_parts(load.numpy(), plan, 0, balanced=True, min_quota=1, domain_size=R)
+            S, E = plan.num_slots, load.shape[1]
+            _compiled_record.pack(
+                load.numpy(),
+                *(host_array(t) for t in (plan.slot_expert, plan.quota, plan.physical_split)),
+                1,
+                1,
+                R,
+                0,
+                np.empty(record_length(R, E, S), np.int64),
+                np.empty((4, table_columns(R, E, S)), np.int32),
+            )
 
     def plan(self, load: torch.Tensor, *, balances: Optional[bool] = None) -> Optional[Plan]:
         """load: int64 [R, E] host tensor -> Plan; ``None`` for the ideal (the router spreads the
