@@ -13,25 +13,18 @@ Skipped (one reason line) where megatron-bridge is not installed: run with ``ULT
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import re
 from pathlib import Path
 
 import pytest
+from bridge_helpers import needs_bridge
 import torch
 from equivalence import compare_gradients, compare_series, failures, gradient_floors, summary
 from megatron_runs import merge_reduced_gradients
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("megatron") is None
-    or not any(
-        Path(p, "bridge", "training", "pretrain.py").exists()
-        for p in importlib.util.find_spec("megatron").submodule_search_locations
-    ),
-    reason="megatron-bridge is not installed (run with ULTRAEP_BRIDGE=1)",
-)
+pytestmark = needs_bridge
 
 SCRIPT = Path(__file__).resolve().parent / "bridge_pretrain.py"
 ITERS = 3

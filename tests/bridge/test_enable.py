@@ -8,19 +8,11 @@ Skipped (one reason line) where megatron-bridge is not installed: run with ``ULT
 from __future__ import annotations
 
 import argparse
-import importlib.util
-from pathlib import Path
 
 import pytest
+from bridge_helpers import needs_bridge
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("megatron") is None
-    or not any(
-        Path(p, "bridge", "training", "pretrain.py").exists()
-        for p in importlib.util.find_spec("megatron").submodule_search_locations
-    ),
-    reason="megatron-bridge is not installed (run with ULTRAEP_BRIDGE=1)",
-)
+pytestmark = needs_bridge
 
 
 def _cfg(**model_overrides):
