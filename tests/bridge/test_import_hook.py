@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from bridge_helpers import needs_bridge
 
 from ultraep_megatron.megatron.bridge import imports
 
@@ -51,12 +52,6 @@ def _bridge_file(module: str) -> Path | None:
         if path.exists():
             return path
     return None
-
-
-needs_bridge = pytest.mark.skipif(
-    _bridge_file("megatron.bridge.training.pretrain") is None,
-    reason="megatron-bridge is not installed (run with ULTRAEP_BRIDGE=1)",
-)
 
 
 @needs_bridge
