@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from .plan import Plan
 from .record_layout import (
     H_BALANCED,
     H_CROSS_DOMAIN,
@@ -26,7 +27,10 @@ from .record_layout import (
     H_TOTAL,
     HEADER,
     INT32_MAX,
+    record_length,
+    table_columns,
 )
+from .solve import host_array
 
 
 @njit(cache=True, nogil=True)
@@ -166,3 +170,42 @@ def pack(
         position += load[rank, e]
     for i in range(E, C):
         table[2, i] = 0
+
+
+# ---- the host planner's packing (the layers call it once per invocation) -----------------
+
+
+def host_parts(
+    load: np.ndarray,
+    plan: Plan,
+    rank: int,
+    *,
+    balanced: bool,
+    min_quota: int,
+    domain_size: int,
+    record: np.ndarray | None = None,
+    table: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Pack a host ``plan`` (int64 host tensors) of ``load`` int64 [R, E] into ``rank``'s record
+    int64 [L] and table int32 [4, C] (given arrays are filled: e.g. pinned host buffers). Any
+    balancer's plan packs; ``balanced``, ``min_quota``, ``domain_size`` go into the header."""
+    R, E = load.shape
+    S = plan.num_slots
+    L, C = record_length(R, E, S), table_columns(R, E, S)
+    record = np.empty(L, np.int64) if record is None else record
+    table = np.empty((4, C), np.int32) if table is None else table
+    if record.shape != (L,) or table.shape != (4, C) or table.dtype != np.int32:
+        raise ValueError(f"record must be int64 [{L}] and table int32 [4, {C}]")
+    pack(
+        load,
+        host_array(plan.slot_expert),
+        host_array(plan.quota),
+        host_array(plan.physical_split),
+        int(balanced),
+        int(min_quota),
+        int(domain_size),
+        int(rank),
+        record,
+        table,
+    )
+    return record, table

@@ -24,8 +24,7 @@ from .baselines import fixed_layout
 from .baselines.registry import BALANCERS, EPLB, EPLB_EXACT, IDEAL, MOE_BALANCERS, NONE, ULTRAEP
 from .metrics import host_imbalance, host_rank_load
 from .plan import Plan
-from .record_layout import record_length, table_columns
-from .solve import default_min_quota, host_array, solve
+from .solve import default_min_quota, solve
 
 __all__ = [
     "BalancerConfig",
@@ -220,16 +219,8 @@ class LayerBalancer:
         load[:, 0] += 64  # all on rank 0's first expert: a replica to place
         plan = LayerBalancer(dataclasses.replace(self.config, trigger=1.0)).plan(load)
         if plan is not None:
-            S, E = plan.num_slots, load.shape[1]
-            _compiled_record.pack(
-                load.numpy(),
-                *(host_array(t) for t in (plan.slot_expert, plan.quota, plan.physical_split)),
-                1,
-                1,
-                R,
-                0,
-                np.empty(record_length(R, E, S), np.int64),
-                np.empty((4, table_columns(R, E, S)), np.int32),
+            _compiled_record.host_parts(
+                load.numpy(), plan, 0, balanced=True, min_quota=1, domain_size=R
             )
 
     def plan(self, load: torch.Tensor, *, balances: Optional[bool] = None) -> Optional[Plan]:

@@ -49,6 +49,10 @@ __all__ = [
 ]
 
 
+#: Pack a host plan into one rank's record and table (``_compiled_record.host_parts``; it lives
+#: there so that ``balancer.warm_up`` can load it without importing this module).
+host_parts = _compiled_record.host_parts
+
 #: The fused ops' ``torch.library`` namespace (``torch.ops.ultraep``): the balancer's name.
 OP_NAMESPACE = ULTRAEP
 
@@ -99,42 +103,6 @@ def _balances(rank_load: np.ndarray, total: int, min_quota: int, trigger: float)
         imbalance = int(rank_load.max()) / (total / R) if total > 0 else 1.0
         return imbalance >= trigger
     return total > 0 and R * int(rank_load.max()) - total >= R * min_quota
-
-
-def host_parts(
-    load: np.ndarray,
-    plan: Plan,
-    rank: int,
-    *,
-    balanced: bool,
-    min_quota: int,
-    domain_size: int,
-    record: np.ndarray | None = None,
-    table: np.ndarray | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Pack a host ``plan`` (int64 host tensors) of ``load`` int64 [R, E] into ``rank``'s record
-    int64 [L] and table int32 [4, C] (given arrays are filled: e.g. pinned host buffers). Any
-    balancer's plan packs; ``balanced``, ``min_quota``, ``domain_size`` go into the header."""
-    R, E = load.shape
-    S = plan.num_slots
-    L, C = record_length(R, E, S), table_columns(R, E, S)
-    record = np.empty(L, np.int64) if record is None else record
-    table = np.empty((4, C), np.int32) if table is None else table
-    if record.shape != (L,) or table.shape != (4, C) or table.dtype != np.int32:
-        raise ValueError(f"record must be int64 [{L}] and table int32 [4, {C}]")
-    _compiled_record.pack(
-        load,
-        host_array(plan.slot_expert),
-        host_array(plan.quota),
-        host_array(plan.physical_split),
-        int(balanced),
-        int(min_quota),
-        int(domain_size),
-        int(rank),
-        record,
-        table,
-    )
-    return record, table
 
 
 def _failed(record: np.ndarray, table: np.ndarray, status: int):

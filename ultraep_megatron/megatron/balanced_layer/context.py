@@ -338,13 +338,15 @@ class BalancingContext:
         table = self.pinned.take((4, table_columns(R, E, S)), torch.int32)
         array = host_array(load)
         # The header as the device planner writes it (the floor ultraep solved with).
-        floor = self.config.min_quota or default_min_quota(int(array.sum()), R)
+        floor = 0
+        if self.config.name == ULTRAEP:
+            floor = self.config.min_quota or default_min_quota(int(array.sum()), R)
         host_parts(
             array,
             plan,
             self.ep_rank,
             balanced=balanced,
-            min_quota=floor if self.config.name == ULTRAEP else 0,
+            min_quota=floor,
             domain_size=self.config.domain_size or R,
             record=record,
             table=table.numpy(),
