@@ -18,9 +18,11 @@ over one forward and backward counts, per stage (megatron's ``route``, ``preproc
   (their bodies), median of ``--repeats`` forwards: what the host needs to issue the stage.
 
 The backward's launches are counted without the matrix multiplications (the expert GEMMs and their
-gradients, identical work in every layer). Ops whose outputs are all empty count no launch (CUDA's
-kernels return before launching). Only the main thread's ops are counted: on the CPU the data plane's
-copies and reductions run on its communication thread (a GPU's side stream), not counted here.
+gradients, identical work in every layer); ``backward_ops`` lists them per op. Ops whose outputs
+are all empty count no launch (CUDA's kernels return before launching). The data plane's transfers
+(the replica weights' distribution and re-materialization, the replica gradients' reduction) run on
+the CPU on its communication thread, on a GPU on a side stream issued from the main thread: counted
+apart, as ``transfer_launches`` per pass (each point-to-point operation, copy and fold one launch).
 
     python tools/bench_control_path.py                 # EP64, E=256, T=4096, top-8, S=2
     python tools/bench_control_path.py --json out.json
@@ -98,6 +100,7 @@ class Counter(TorchDispatchMode):
         self.stage = "other"
         self.launches: dict = {}
         self.backward_non_gemm = 0
+        self.backward_ops: dict = {}
         self.in_backward = False
         self.inside_seconds = 0.0
         self.device = WeakIdKeyDictionary({t: True for t in device_tensors})
@@ -120,8 +123,9 @@ class Counter(TorchDispatchMode):
         else:
             launches = 1
         if self.in_backward:
-            if name not in GEMMS:
+            if name not in GEMMS and launches:
                 self.backward_non_gemm += launches
+                self.backward_ops[name] = self.backward_ops.get(name, 0) + launches
         else:
             self.launches[self.stage] = self.launches.get(self.stage, 0) + launches
         return out
@@ -239,6 +243,36 @@ def build(cfg, planner: str, device):
     return layer.to(device)
 
 
+@contextlib.contextmanager
+def transfers_counted(counter: Counter, figures: dict):
+    """Count the launches of the transfers handed to the data plane's communication thread into
+    ``figures["transfer_launches"][pass]``, ``pass`` the main thread's when handed over."""
+    from ultraep_megatron.dataplane.host_stream import HostCommStream
+
+    submit = HostCommStream.submit
+    totals = figures.setdefault("transfer_launches", {"forward": 0, "backward": 0})
+
+    def counted(stream, issue):
+        where = "backward" if counter.in_backward else "forward"
+
+        def issue_counted():
+            comm = Counter([])
+            comm.device = counter.device  # the same device tensors, seen from this thread
+            with comm:
+                try:
+                    return issue()
+                finally:
+                    totals[where] += sum(comm.launches.values())
+
+        return submit(stream, issue_counted)
+
+    HostCommStream.submit = counted
+    try:
+        yield
+    finally:
+        HostCommStream.submit = submit
+
+
 def synthetic_loads(cfg):
     """The other ranks' rows of the gathered load (Zipf-skewed, seeded)."""
     from ultraep_megatron.traces.synthetic import zipf_topk_load
@@ -293,6 +327,14 @@ def staged(layer, counter: Counter, stage_seconds: dict):
         setattr(layer, stage, wrapped)
 
 
+def shared(layer) -> list:
+    """The replica buffer's tensors (weights and gradients): device memory the layers share."""
+    slots = getattr(getattr(layer, "balancing", None), "slots", None)
+    if slots is None:
+        return []
+    return [slots.buffer.replica_weights, slots.buffer.replica_grads]
+
+
 def measure(cfg, planner: str, device, x: torch.Tensor, others: torch.Tensor) -> dict:
     layer = build(cfg, planner, device)
     layer.train()
@@ -301,12 +343,13 @@ def measure(cfg, planner: str, device, x: torch.Tensor, others: torch.Tensor) ->
             out, _ = layer(x)
             out.sum().backward()
     figures = {"d2h_bytes": 0, "h2d_bytes": 0, "host_waits": 0, "cpu_counts_moves": True}
-    counter, stage_seconds = Counter([x, *layer.parameters(), *layer.buffers()]), {}
+    counter, stage_seconds = Counter([x, *layer.parameters(), *layer.buffers(), *shared(layer)]), {}
     staged(layer, counter, stage_seconds)
-    with other_ranks(others), crossings(figures), counter:
+    with other_ranks(others), crossings(figures), transfers_counted(counter, figures), counter:
         out, _ = layer(x)
         counter.in_backward = True
         out.sum().backward()
+        torch.cuda.synchronize() if device.type == "cuda" else None
     counts = dict(figures)
     launches = {stage: counter.launches.get(stage, 0) for stage in STAGES}
     backward_non_gemm = counter.backward_non_gemm
@@ -324,6 +367,8 @@ def measure(cfg, planner: str, device, x: torch.Tensor, others: torch.Tensor) ->
         "forward_launches": sum(launches.values()),
         "launches_per_stage": launches,
         "backward_launches_non_gemm": backward_non_gemm,
+        "backward_ops": dict(sorted(counter.backward_ops.items())),
+        "transfer_launches": counts.get("transfer_launches", {"forward": 0, "backward": 0}),
         "h2d_bytes": counts["h2d_bytes"],
         "d2h_bytes": counts["d2h_bytes"],
         "host_waits": counts["host_waits"],
@@ -362,6 +407,8 @@ def main():
         ("preprocess launches", "preprocess_launches", "{}"),
         ("forward launches, all stages", "forward_launches", "{}"),
         ("backward launches (non-GEMM)", "backward_launches_non_gemm", "{}"),
+        ("transfer launches, forward", ("transfer_launches", "forward"), "{}"),
+        ("transfer launches, backward", ("transfer_launches", "backward"), "{}"),
         ("bytes host -> device", "h2d_bytes", "{}"),
         ("bytes device -> host", "d2h_bytes", "{}"),
         ("host waits", "host_waits", "{}"),
@@ -369,13 +416,28 @@ def main():
     ]
     print("| " + " | ".join(header) + " |")
     print("|" + " --- |" * len(header))
+
+    def figure(planner, key):
+        value = results[planner]
+        for part in key if isinstance(key, tuple) else (key,):
+            value = value[part]
+        return value
+
     for label, key, fmt in rows:
-        print(f"| {label} | " + " | ".join(fmt.format(results[p][key]) for p in PLANNERS) + " |")
+        print(f"| {label} | " + " | ".join(fmt.format(figure(p, key)) for p in PLANNERS) + " |")
     for planner in PLANNERS:
         per_stage = results[planner]["launches_per_stage"]
         print(
             f"  {planner}: launches per stage "
             + ", ".join(f"{k} {v}" for k, v in per_stage.items())
+        )
+    baseline = results["none"]["backward_ops"]
+    for planner in PLANNERS[1:]:
+        ops = results[planner]["backward_ops"]
+        change = {op: ops.get(op, 0) - baseline.get(op, 0) for op in sorted({*ops, *baseline})}
+        print(
+            f"  {planner}: backward launches beyond none's, per op: "
+            + ", ".join(f"{op} {n:+d}" for op, n in change.items() if n)
         )
     if cfg.json is not None:
         cfg.json.write_text(

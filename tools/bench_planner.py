@@ -26,8 +26,9 @@ GPU: ``--only device`` here (one op per call, synchronized) and ``tools/bench_fu
 Timing runs one thread (torch/numba single-threaded, OMP_NUM_THREADS=1). On a shared machine wall
 times are noisy: the summary also gives CPU time (thread_time) for the R=64, E=256, S=2 case, with
 one NVLink domain and with domains of 8 ranks, and the host stretch of one invocation in that case:
-the trigger, the solve and the rank's reroute (``rank_reroute``), the host work between
-the load reaching the host and the reroute tables being ready, while a GPU waits.
+the trigger, the solve and the rank's record and reroute table (``fused_plan.host_parts``, what
+the host planner runs), the host work between the load reaching the host and the table being ready,
+while a GPU waits.
 
 ``--only self-check`` times the fused ops' self-check (``planner.self_check.self_check``: the
 plan op and the fused reroute on the device against the host planner on the probe loads and a load
@@ -70,7 +71,6 @@ from ultraep_megatron.planner import (  # noqa: E402
     BalancerConfig,
     domain_lower_bound,
     metrics,
-    rank_reroute,
     solve,
 )
 from ultraep_megatron.planner.baselines import (  # noqa: E402
@@ -257,21 +257,31 @@ def cpu_time_summary(repeats: int, domain_size: int | None = None) -> str:
 
 def host_stretch_summary(repeats: int) -> str:
     """Median CPU time of the host work between a layer's load reaching the host and its reroute
-    tables being ready (what a GPU waits for): the trigger, solve and one rank's reroute
-    (splits, per-slot rows, reroute table), R=64, E=256, S=2, over the loads of cpu_time_summary."""
+    table being ready (what a GPU waits for): the trigger, solve and one rank's record and int32
+    reroute table (``host_parts``, as the host planner packs them), R=64, E=256, S=2, over the loads
+    of cpu_time_summary."""
+    from ultraep_megatron.planner.fused_plan import host_parts
+    from ultraep_megatron.planner.solve import default_min_quota
+
     balancer = BalancerConfig(name=registry.ULTRAEP, num_slots=2).build()
-    parts: dict[str, list[int]] = {"trigger": [], "solve": [], "rank reroute": [], "total": []}
+    parts: dict[str, list[int]] = {"trigger": [], "solve": [], "record and table": [], "total": []}
     for imbalance in IMBALANCES:
         for seed in range(3):
             load = zipf_load(64, 256, imbalance, seed=100 + seed)
-            rank_reroute(solve(load, 2), load, 0)
+            array = load.numpy()
+            floor = default_min_quota(int(array.sum()), 64)
+
+            def pack(plan, balanced):
+                host_parts(array, plan, 0, balanced=balanced, min_quota=floor, domain_size=64)
+
+            pack(solve(load, 2), True)  # compiled once
             for _ in range(repeats):
                 c0 = time.thread_time_ns()
                 balanced = balancer.balances(load)
                 c1 = time.thread_time_ns()
                 plan = balancer.plan(load, balances=balanced)
                 c2 = time.thread_time_ns()
-                rank_reroute(plan, load, 0)
+                pack(plan, balanced)
                 c3 = time.thread_time_ns()
                 for name, ns in zip(parts, (c1 - c0, c2 - c1, c3 - c2, c3 - c0)):
                     parts[name].append(ns)
@@ -279,7 +289,7 @@ def host_stretch_summary(repeats: int) -> str:
     return (
         "host stretch per invocation (load on the host -> reroute tables), R=64 E=256 S=2, median CPU: "
         + " + ".join(
-            f"{name} {median_us[name]:.1f} us" for name in ("trigger", "solve", "rank reroute")
+            f"{name} {median_us[name]:.1f} us" for name in ("trigger", "solve", "record and table")
         )
         + f"; total {median_us['total']:.1f} us"
     )

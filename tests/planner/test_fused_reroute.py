@@ -151,3 +151,34 @@ def test_triton_kernels_match_the_host_path_bit_for_bit():
     print(summary)
     assert summary["cases"] == 16 and summary["mismatches"] == 0
     assert summary["stale_mismatches"] >= 12
+
+
+def test_the_backward_launches_only_the_unpermute():
+    """The backward of ``reroute_permute`` is one ``unpermute_add``: autograd zero-fills no gradient
+    for its three integer outputs (one launch each; without ``set_materialize_grads(False)`` this
+    test sees three ``zeros``)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    R, E, S, k, T, seed = 4, 8, 2, 2, 16, 0
+    routings, load, plans = planned_routings(R, E, S, k, T, seed)
+    ids, _, probs = routings[0]
+    hidden = torch.randn(T, 5, requires_grad=True)
+    out = reroute_permute(
+        ids, hidden, probs.gather(1, ids), table_of(plans[0], load, 0), num_experts=E
+    )
+    loss = (out.permuted * out.permuted_probs[:, None]).sum()
+    ops = Ops()
+    with ops:
+        loss.backward()
+    names = [name.split(".")[0] for name in ops.names]
+    assert "unpermute_add" in names and "zeros" not in names, names
+    assert hidden.grad is not None and hidden.grad.abs().sum() > 0

@@ -1,7 +1,9 @@
 """``tools/bench_control_path.py`` and ``tools/invocation_footprint.py`` keep measuring what they say,
 on the CPU at small shapes: every planner's figures are in the JSON, the host planner's bytes to the
 host are at least the ``[R, E]`` int64 load it plans on (which the crossing counter must see), and
-megatron's own wait for its splits is counted for every planner."""
+megatron's own wait for its splits is counted for every planner, the backward's launches per op add
+up to its count, and the data plane's transfers (on the CPU on its own thread) are counted in both
+passes of the balanced layer, none for megatron's."""
 
 import json
 
@@ -34,7 +36,12 @@ def test_the_benchmark_reports_every_planner(tmp_path):
         assert keys <= set(row), planner
         assert row["host_waits"] >= 1, planner  # megatron's own wait for its splits
         assert row["forward_launches"] >= row["preprocess_launches"] > 0, planner
+        assert sum(row["backward_ops"].values()) == row["backward_launches_non_gemm"], planner
     assert figures["host"]["d2h_bytes"] >= R * E * 8  # the load the host plans on
+    assert figures["none"]["transfer_launches"] == {"forward": 0, "backward": 0}
+    for planner in ("host", "device"):  # distribution; re-materialization and reduction
+        transfers = figures[planner]["transfer_launches"]
+        assert transfers["forward"] > 0 and transfers["backward"] > 0, (planner, transfers)
     assert "| preprocess launches |" in completed.stdout
 
 

@@ -149,6 +149,9 @@ def _setup_context(ctx, inputs, output):
     _, _, send_token, _, pair_row = output
     ctx.save_for_backward(send_token, pair_row)
     ctx.hidden_dtype, ctx.hidden_size = hidden.dtype, hidden.shape[1]
+    # The integer outputs have no gradient: without this autograd would zero-fill one for each (a
+    # launch apiece) before calling the backward.
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, grad, grad_probs, *_):

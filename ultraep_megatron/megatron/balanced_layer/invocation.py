@@ -316,14 +316,13 @@ class BalancedInvocation:
         first = self.context.ep_rank * len(main_params)
         replicated = set(self.plan.slot_expert.reshape(-1).tolist())
         has_replica = [first + g in replicated for g in range(len(main_params))]
-        zero = torch.zeros((), dtype=torch.float32, device=main_params[0][0].device)
+        # One allocation (one launch) for all: the replicated experts' gradients, then one zero
+        # element that the others' read-only targets expand.
+        sizes = [p.numel() for ps, has in zip(main_params, has_replica) if has for p in ps]
+        flat = torch.zeros(sum(sizes) + 1, dtype=torch.float32, device=main_params[0][0].device)
+        pieces, zero = iter(flat[:-1].split(sizes)), flat[-1]
         targets = [
-            [
-                torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-                if has
-                else zero.expand(p.shape)
-                for p in ps
-            ]
+            [next(pieces).view(p.shape) if has else zero.expand(p.shape) for p in ps]
             for ps, has in zip(main_params, has_replica)
         ]
         return targets, has_replica, True
