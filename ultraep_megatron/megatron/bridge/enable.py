@@ -19,6 +19,8 @@ cannot run) run on a namespace read from the ``ConfigContainer``'s fields; a ref
 from __future__ import annotations
 
 import argparse
+import contextlib
+import contextvars
 import functools
 import inspect
 import re
@@ -93,13 +95,30 @@ def _named_by_field(problem: str, namespace: ConfigNamespace) -> str:
     return re.sub(r"--[a-z][a-z0-9-]*[a-z0-9]", name, problem)
 
 
-def config_problems(cfg: Any, knobs: argparse.Namespace) -> list[str]:
+def config_problems(cfg: Any, knobs: argparse.Namespace, environment: bool = True) -> list[str]:
     """``pretrain_gpt.py``'s startup checks of UltraEP's arguments on ``cfg``'s fields, one line
-    each naming the config field (or ``enable_ultraep``'s argument)."""
+    each naming the config field (or ``enable_ultraep``'s argument). ``environment``: also what
+    this machine lacks to run them (``False`` inside :func:`for_other_machines`)."""
     from ultraep_megatron.megatron.run.arguments import ultraep_arg_problems
 
     namespace = ConfigNamespace(cfg, knobs)
-    return [_named_by_field(p, namespace) for p in ultraep_arg_problems(namespace)]
+    environment = environment and _CHECK_ENVIRONMENT.get()
+    return [_named_by_field(p, namespace) for p in ultraep_arg_problems(namespace, environment)]
+
+
+_CHECK_ENVIRONMENT = contextvars.ContextVar("ultraep_check_environment", default=True)
+
+
+@contextlib.contextmanager
+def for_other_machines():
+    """Inside it, ``enable_ultraep`` checks the config for the machines it targets, not this one
+    (``ultraep check-recipe`` building a recipe: a flex backend this machine cannot import is no
+    refusal; the recipe's report notes it)."""
+    token = _CHECK_ENVIRONMENT.set(False)
+    try:
+        yield
+    finally:
+        _CHECK_ENVIRONMENT.reset(token)
 
 
 def _provider_spec(provider: Any, config: Any, vp_stage: int | None):
@@ -132,6 +151,7 @@ def enable_ultraep(
         return layer_spec.apply_moe_balancer(_provider_spec(provider, config, vp_stage), balancing)
 
     provider.transformer_layer_spec = balanced_spec
+    provider._ultraep_knobs = namespace  # the --moe-balancer* flags, for ultraep check-recipe
 
     def refuse_unbalanced(model_chunks):
         unbalanced = layer_spec.unbalanced_moe_layers(model_chunks)

@@ -48,6 +48,8 @@ class RecipeReport:
     )  # hardware the checker was not told and assumed
     hardware_named: Optional[str] = None  # --moe-balancer-hardware, if given
     domain_known: bool = True  # the scale-up domain was named, not assumed
+    checks: str = "Megatron validate_args + validate_ultraep_args"  # what checked the arguments
+    header: list[str] = field(default_factory=list)  # lines after the source (a Bridge recipe's)
 
     @property
     def budget_bytes(self) -> int:
@@ -105,12 +107,24 @@ def check_launch(
         RecipeError: when Megatron or UltraEP rejects the arguments or the layout (one problem
             per line).
     """
-    from ultraep_megatron.settings.hardware import hardware_preset
-
     args, _ = validate_arguments(launch.args, launch.world_size)
     problems = startup_problems(args)
     if problems:
         raise RecipeError("\n".join(problems))
+    return report_for_args(launch, args, rack_size, gpu_memory_gb)
+
+
+def report_for_args(
+    launch: Launch,
+    args: argparse.Namespace,
+    rack_size: Optional[int] = None,
+    gpu_memory_gb: Optional[float] = None,
+) -> RecipeReport:
+    """Steps 3-4 of :func:`check_launch` (hardware, rank layout, memory) on arguments already
+    checked: Megatron's validated namespace, or one read from a Megatron-Bridge
+    ``ConfigContainer`` (``ultraep_megatron.megatron.bridge.recipe_check``)."""
+    from ultraep_megatron.settings.hardware import hardware_preset
+
     name = getattr(args, "moe_balancer_hardware", None)
     hardware = hardware_preset(name) if name else None
     hardware_problems, assumed = [], []
@@ -207,7 +221,7 @@ def format_report(report: RecipeReport) -> str:
     racks = -(-a.world_size // layout.rack_size)
     launch = report.launch
     nodes = f"{_plural(launch.nnodes, 'node')} x {_plural(launch.nproc_per_node, 'GPU')}"
-    lines = [f"== {launch.source}"]
+    lines = [f"== {launch.source}", *report.header]
     if launch.launcher:
         lines.append(
             f"launch (read from the recipe, not run): {launch.launcher} {Path(launch.script).name} "
@@ -220,7 +234,7 @@ def format_report(report: RecipeReport) -> str:
         f"TP{a.tensor_model_parallel_size} PP{pp} EP{ep} expert-DP{edp} "
         f"(attention DP{a.data_parallel_size})",
         f"precision: {precision_text(a)}",
-        "Megatron validate_args + validate_ultraep_args: passed (--moe-balancer "
+        f"{report.checks}: passed (--moe-balancer "
         f"{a.moe_balancer}"
         + (
             f", {a.moe_balancer_num_slots} redundant slots per rank)"
