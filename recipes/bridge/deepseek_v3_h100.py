@@ -1,16 +1,17 @@
-"""DeepSeek-V3 (671B, 37B active) on 1024 H100s (128 HGX nodes of 8), BF16: NVIDIA's perf recipe from
+"""DeepSeek-V3 (671B, 37B active) on 1024 H100s, BF16: NVIDIA's perf recipe from
 Megatron-Bridge 0.6.2 with real routing and UltraEP.
 
-``deepseek_v3_pretrain_1024gpu_h100_bf16_config`` (``megatron.bridge.perf_recipes.deepseek.h100.deepseek_v3``) is taken unchanged, except
+NVIDIA's ``deepseek_v3_pretrain_1024gpu_h100_bf16_config``
+(``megatron.bridge.perf_recipes.deepseek.h100.deepseek_v3``), unchanged except
 ``cfg.model.moe_router_force_load_balancing = False`` (the perf recipe force-balances its routing
-to publish its numbers) and ``enable_ultraep(cfg, num_slots=2, hardware="h100-hgx", domain_size=8)``.
-TP2 PP8 VPP4 EP64: an EP group spans 8 nodes, so replicas stay inside a node's NVLink
-(domain_size=8: every 8 consecutive EP ranks are one node), expert-DP 2.
-The Hugging Face config the recipe reads comes from ``hf_configs/`` beside this file (its published
+to publish its numbers) and ``enable_ultraep(cfg, **KNOBS)``.
+TP2 PP8 VPP4 EP64 on 128 HGX nodes of 8: an EP group spans 8 nodes, so replicas stay inside a
+node's NVLink (``domain_size=8``: every 8 consecutive EP ranks are one node), expert-DP 2. The
+Hugging Face config the recipe reads comes from ``hf_configs/`` beside this file (published
 values), offline.
 
-Check it here (no GPU):   ULTRAEP_BRIDGE=1 ... ultraep check-recipe recipes/bridge/deepseek_v3_h100.py
-Run it on the cluster:    torchrun --nnodes 128 --nproc-per-node 8 ... recipes/bridge/deepseek_v3_h100.py
+Check it here (no GPU): ULTRAEP_BRIDGE=1: ultraep check-recipe recipes/bridge/deepseek_v3_h100.py
+Run it on the cluster:  torchrun --nnodes 128 --nproc-per-node 8 ... recipes/bridge/deepseek_v3_h100.py
 """
 
 from pathlib import Path

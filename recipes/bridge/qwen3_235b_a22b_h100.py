@@ -1,16 +1,16 @@
-"""Qwen3-235B-A22B on 256 H100s (32 HGX nodes of 8), BF16: NVIDIA's perf recipe from
-Megatron-Bridge 0.6.2 with real routing and UltraEP.
+"""Qwen3-235B-A22B on 256 H100s, BF16: NVIDIA's perf recipe from Megatron-Bridge 0.6.2 with
+real routing and UltraEP.
 
-``qwen3_235b_a22b_pretrain_256gpu_h100_bf16_config`` (``megatron.bridge.perf_recipes.qwen.h100.qwen3_moe``) is taken unchanged, except
+NVIDIA's ``qwen3_235b_a22b_pretrain_256gpu_h100_bf16_config``
+(``megatron.bridge.perf_recipes.qwen.h100.qwen3_moe``), unchanged except
 ``cfg.model.moe_router_force_load_balancing = False`` (the perf recipe force-balances its routing
-to publish its numbers) and ``enable_ultraep(cfg, num_slots=2, hardware="h100-hgx", domain_size=8)``.
-TP2 PP8 VPP4 EP32: an EP group spans 4 nodes, so replicas stay inside a node's NVLink
-(domain_size=8), expert-DP 1.
-The Hugging Face config the recipe reads comes from ``hf_configs/`` beside this file (its published
-values), offline.
+to publish its numbers) and ``enable_ultraep(cfg, **KNOBS)``.
+TP2 PP8 VPP4 EP32 on 32 HGX nodes of 8: an EP group spans 4 nodes, so replicas stay inside a
+node's NVLink (``domain_size=8``), expert-DP 1. The Hugging Face config the recipe reads comes
+from ``hf_configs/`` beside this file (published values), offline.
 
-Check it here (no GPU):   ULTRAEP_BRIDGE=1 ... ultraep check-recipe recipes/bridge/qwen3_235b_a22b_h100.py
-Run it on the cluster:    torchrun --nnodes 32 --nproc-per-node 8 ... recipes/bridge/qwen3_235b_a22b_h100.py
+Check it here (no GPU): ULTRAEP_BRIDGE=1: ultraep check-recipe recipes/bridge/qwen3_235b_a22b_h100.py
+Run it on the cluster:  torchrun --nnodes 32 --nproc-per-node 8 ... recipes/bridge/qwen3_235b_a22b_h100.py
 """
 
 from pathlib import Path

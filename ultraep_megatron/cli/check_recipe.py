@@ -238,7 +238,7 @@ def run(args) -> int:
                 else:
                     report = rc.check_launch(launch, args.rack_size, args.gpu_memory_gb)
                 result = {
-                    "source": launch.source,
+                    "source": source,
                     "passed": not report.problems(),
                     "problems": report.problems(),
                     "notes": report.notes,

@@ -47,6 +47,9 @@ def _flags_namespace(balancer: str, knobs: dict[str, Any]) -> argparse.Namespace
 SECTIONS = ("model", "ddp", "dist", "optimizer", "train", "checkpoint", "mixed_precision")
 #: Megatron's argument names that Bridge's model provider spells otherwise.
 MODEL_RENAMES = {"num_experts": "num_moe_experts"}
+#: Megatron's names whose deprecated spelling a Bridge recipe sets on the provider (NVIDIA's perf
+#: recipes: ``cuda_graph_scope``), migrated when the provider is finalized: read where it is set.
+DEPRECATED_MODEL_FIELDS = {"cuda_graph_modules": "cuda_graph_scope"}
 
 
 class ConfigNamespace:
@@ -60,6 +63,14 @@ class ConfigNamespace:
 
     def field(self, name: str) -> str | None:
         """Where ``name`` is read: ``cfg.<section>.<field>``, or ``None``."""
+        model = getattr(self._cfg, "model", None)
+        deprecated = DEPRECATED_MODEL_FIELDS.get(name)
+        if deprecated and getattr(model, deprecated, None) is not None:
+            return f"cfg.model.{deprecated}"
+        # Bridge's CommOverlapConfig: a value it sets is copied onto the provider and DDP config
+        # when training starts (its setup), over theirs.
+        if getattr(getattr(self._cfg, "comm_overlap", None), name, None) is not None:
+            return f"cfg.comm_overlap.{name}"
         name = MODEL_RENAMES.get(name, name)
         for section in SECTIONS:
             holder = getattr(self._cfg, section, None)

@@ -224,6 +224,7 @@ def megatron_args(cfg: Any, knobs: argparse.Namespace, world_size: int) -> argpa
         model.context_parallel_size,
     )
     args.world_size = world_size
+    args.virtual_pipeline_model_parallel_size = model.virtual_pipeline_model_parallel_size
     args.data_parallel_size = world_size // (tp * pp * cp)
     args.expert_tensor_parallel_size = model.expert_tensor_parallel_size or tp
     args.num_query_groups = model.num_query_groups or model.num_attention_heads

@@ -98,14 +98,22 @@ def show(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def real_routing(cfg: Any, num_slots: int = 2, **knobs: Any) -> tuple[list, list[str]]:
+def real_routing(
+    cfg: Any, num_slots: int = 2, model_overrides: dict[str, Any] | None = None, **knobs: Any
+) -> tuple[list, list[str]]:
     """Real routing and UltraEP on NVIDIA's perf recipe ``cfg``, in place: returns
     ``(callbacks, changes)``, ``changes`` one ``cfg.section.field: old -> new`` line per field
-    changed (and the post-wrap hook registered). ``knobs``: ``enable_ultraep``'s."""
+    changed (and the post-wrap hook registered). ``model_overrides``: provider fields a balancer
+    cannot run as the perf recipe sets them (``enable_ultraep`` would refuse them), set first;
+    ``knobs``: ``enable_ultraep``'s."""
     from ultraep_megatron.megatron.bridge.enable import enable_ultraep
 
     before = _fields(cfg)
     hooks = list(getattr(cfg.model, "_post_wrap_hooks", []))
+    for name, value in (model_overrides or {}).items():
+        if not hasattr(cfg.model, name):
+            raise AttributeError(f"{type(cfg.model).__name__} has no field {name!r}")
+        setattr(cfg.model, name, value)
     cfg.model.moe_router_force_load_balancing = False
     callbacks = enable_ultraep(cfg, num_slots=num_slots, **knobs)
     changes = [
