@@ -21,7 +21,10 @@ from ultraep_megatron.megatron.bridge import recipes
 recipes.use_local_hf_configs(Path(__file__).resolve().parent / "hf_configs")
 
 #: NVIDIA's perf recipe function: (module, name).
-PERF_RECIPE = ("megatron.bridge.perf_recipes.deepseek.gb200.deepseek_v3", "deepseek_v3_pretrain_256gpu_gb200_bf16_config")
+PERF_RECIPE = (
+    "megatron.bridge.perf_recipes.deepseek.gb200.deepseek_v3",
+    "deepseek_v3_pretrain_256gpu_gb200_bf16_config",
+)
 #: The cluster the perf recipe is sized for: its GPUs and GPUs per node (ultraep check-recipe).
 NUM_GPUS, GPUS_PER_NODE = 256, 4
 #: enable_ultraep's knobs (the --moe-balancer-* flags' names).

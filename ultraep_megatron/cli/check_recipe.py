@@ -152,7 +152,9 @@ def run(args) -> int:
             "arguments after -- go to launch scripts; a Bridge recipe's settings are its "
             f"ConfigContainer's ({', '.join(bridge_recipes)})"
         )
-    missing = [r for r in args.recipes if bridge.recipe_file(r) and not bridge.recipe_file(r).is_file()]
+    missing = [
+        r for r in args.recipes if bridge.recipe_file(r) and not bridge.recipe_file(r).is_file()
+    ]
     if missing:
         raise common.CliError(
             "; ".join(

@@ -238,9 +238,7 @@ def megatron_args(cfg: Any, knobs: argparse.Namespace, world_size: int) -> argpa
     args.multi_latent_attention = hasattr(model, "kv_lora_rank")
     args.moe_layer_freq = model.moe_layer_freq
     args.vocab_size = model.vocab_size
-    args.padded_vocab_size = vocab_size_with_padding(
-        model.vocab_size, args, logging_enabled=False
-    )
+    args.padded_vocab_size = vocab_size_with_padding(model.vocab_size, args, logging_enabled=False)
     return args
 
 
@@ -290,7 +288,7 @@ def check_bridge_recipe(
         f"EP{m.expert_model_parallel_size} ETP{etp} CP{m.context_parallel_size} "
         f"DP{args.data_parallel_size}; expert-DP {edp}"
         + (
-            f"; pipeline layout {m.pipeline_model_parallel_layout}"
+            f"; pipeline layout {layout_text(m.pipeline_model_parallel_layout)}"
             if m.pipeline_model_parallel_layout is not None
             else ""
         ),
@@ -299,3 +297,20 @@ def check_bridge_recipe(
         report.header.append("the recipe printed (what it changed):")
         report.header += [f"  | {line}" for line in recipe.printed]
     return report
+
+
+#: megatron-core's letters of a pipeline layout's layer types (``Et|tt|...|mL``).
+LAYER_LETTERS = {"embedding": "E", "decoder": "t", "mtp": "m", "loss": "L", "encoder": "e"}
+
+
+def layout_text(layout: Any) -> str:
+    """A pipeline layout as megatron-core's string: as given, or a list of chunks in letters."""
+    if isinstance(layout, str):
+        return layout
+    chunks = getattr(layout, "input_data", layout)
+    if isinstance(chunks, str):
+        return chunks
+    return "|".join(
+        "".join(LAYER_LETTERS.get(getattr(x, "name", str(x)), str(x)) for x in chunk)
+        for chunk in chunks
+    )
