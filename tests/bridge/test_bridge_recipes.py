@@ -139,10 +139,13 @@ def test_a_refused_setting_fails_naming_its_config_field(checked, variant):
 
 @needs_bridge
 def test_nvidias_recipe_unchanged_is_reported_force_balanced_and_unbalanced(checked):
+    """No enable_ultraep, so no hardware named: the report says the routing is force-balanced and
+    unbalanced, and (as for a launch script) refuses EP across nodes of unnamed hardware."""
     report = checked[0][f"{VARIANTS}:qwen3_nvidia_unchanged"]
-    assert report["passed"] and report["moe_balancer"] == "none"
+    assert report["moe_balancer"] == "none" and report["hardware"] is None
     notes = " ".join(report["notes"])
     assert "enable_ultraep was not called" in notes and "force-balanced" in notes
+    assert len(report["problems"]) == 1 and "no hardware is named" in report["problems"][0]
 
 
 def test_without_bridge_check_recipe_says_so():
