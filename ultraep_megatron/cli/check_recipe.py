@@ -35,6 +35,7 @@ NOTE line, not a problem; pretrain_gpt.py refuses to start without it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -139,6 +140,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
+    if not args.json:
+        return _run(args, sys.stdout)
+    out = sys.stdout  # the JSON document alone: what imports print (transformers' wandb line) aside
+    with contextlib.redirect_stdout(sys.stderr):
+        return _run(args, out)
+
+
+def _run(args, out) -> int:
     from ultraep_megatron.megatron import recipe_check as rc
     from ultraep_megatron.megatron.bridge import recipe_check as bridge
 
@@ -261,7 +270,7 @@ def run(args) -> int:
                 "failed": failed,
                 "skipped": skipped,
             },
-            stream=sys.stdout,
+            stream=out,
         )
     else:
         print(
