@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib
 import importlib.util
 import io
@@ -250,7 +251,7 @@ def check_bridge_recipe(
     Raises:
         RecipeError: a check refused the config (one problem per line, naming config fields).
     """
-    from ultraep_megatron.megatron.bridge.enable import config_problems
+    from ultraep_megatron.megatron.bridge.enable import ConfigNamespace, config_problems
     from ultraep_megatron.megatron.recipe_check.report import report_for_args
     from ultraep_megatron.megatron.recipe_check.validate import quiet_megatron, startup_problems
 
@@ -272,6 +273,8 @@ def check_bridge_recipe(
         notes=list(recipe.notes),
     )
     report = report_for_args(launch, args, rack_size, gpu_memory_gb)
+    report.rename = functools.partial(named_for_bridge, ConfigNamespace(recipe.cfg, recipe.knobs))
+    report.notes = [report.rename(note) for note in report.notes]
     m = recipe.cfg.model
     etp = args.expert_tensor_parallel_size
     edp = recipe.world_size // (etp * m.expert_model_parallel_size * m.pipeline_model_parallel_size)
@@ -314,3 +317,20 @@ def layout_text(layout: Any) -> str:
         "".join(LAYER_LETTERS.get(getattr(x, "name", str(x)), str(x)) for x in chunk)
         for chunk in chunks
     )
+
+
+#: What the launch scripts' report lines say that a Bridge recipe says otherwise.
+BRIDGE_WORDING = (
+    ("pretrain_gpt.py refuses to start without it", "enable_ultraep refuses it there"),
+    ("GLOBAL_BATCH_SIZE=... (recipes) or ", ""),
+)
+
+
+def named_for_bridge(namespace, line: str) -> str:
+    """A report line of the launch scripts' checker in a Bridge recipe's terms: each flag as its
+    config field or ``enable_ultraep``'s argument (``enable._named_by_field``)."""
+    from ultraep_megatron.megatron.bridge.enable import _named_by_field
+
+    for old, new in BRIDGE_WORDING:
+        line = line.replace(old, new)
+    return _named_by_field(line, namespace)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from ultraep_megatron.megatron.recipe_check.activations import RUNTIME_RESERVE_GIB
 from ultraep_megatron.megatron.recipe_check.launch import Launch, RecipeError
@@ -50,6 +50,8 @@ class RecipeReport:
     domain_known: bool = True  # the scale-up domain was named, not assumed
     checks: str = "Megatron validate_args + validate_ultraep_args"  # what checked the arguments
     header: list[str] = field(default_factory=list)  # lines after the source (a Bridge recipe's)
+    #: names each flag in a problem or note line as what sets it (a Bridge recipe's config field)
+    rename: Optional[Callable[[str], str]] = None
 
     @property
     def budget_bytes(self) -> int:
@@ -76,7 +78,8 @@ class RecipeReport:
         layout = self.layout.problems()
         if not self.domain_known and self.hardware_problems:  # EP across nodes of unknown hardware:
             layout = [p for p in layout if "spans scale-up domains" not in p]  # said once, above
-        return self.launch.problems + self.hardware_problems + layout + self.memory_problems()
+        out = self.launch.problems + self.hardware_problems + layout + self.memory_problems()
+        return [self.rename(p) for p in out] if self.rename else out
 
 
 #: Memory per GPU assumed when no hardware is named: an H100's, the smallest GPU the recipes target.
@@ -345,7 +348,7 @@ def format_report(report: RecipeReport) -> str:
         + ("fits" if margin >= 0 else "DOES NOT FIT")
     )
     for note in [*report.notes, *batch_notes(report)]:
-        lines.append(f"  NOTE: {note}")
+        lines.append(f"  NOTE: {report.rename(note) if report.rename else note}")
     for problem in problems:
         lines.append(f"  PROBLEM: {problem}")
     return "\n".join(lines)
