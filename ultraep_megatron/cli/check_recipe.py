@@ -149,7 +149,7 @@ def run(args) -> int:
 
 def _run(args, out) -> int:
     from ultraep_megatron.megatron import recipe_check as rc
-    from ultraep_megatron.megatron.bridge import recipe_check as bridge
+    from ultraep_megatron.megatron.recipe_check import bridge_recipe as bridge
 
     bad_env = [item for item in args.env if "=" not in item]
     if bad_env:

@@ -125,7 +125,7 @@ def report_for_args(
 ) -> RecipeReport:
     """Steps 3-4 of :func:`check_launch` (hardware, rank layout, memory) on arguments already
     checked: Megatron's validated namespace, or one read from a Megatron-Bridge
-    ``ConfigContainer`` (``ultraep_megatron.megatron.bridge.recipe_check``)."""
+    ``ConfigContainer`` (:mod:`.bridge_recipe`)."""
     from ultraep_megatron.settings.hardware import hardware_preset
 
     name = getattr(args, "moe_balancer_hardware", None)
