@@ -90,7 +90,7 @@ class ConfigNamespace:
         return getattr(getattr(self._cfg, section), field)
 
 
-def _named_by_field(problem: str, namespace: ConfigNamespace) -> str:
+def named_by_field(problem: str, namespace: ConfigNamespace) -> str:
     """``problem`` with each flag named as what sets it here: ``--moe-balancer-X`` as
     ``enable_ultraep(X=)``, ``--moe-balancer`` as ``enable_ultraep(balancer=)``, any other flag as
     its ConfigContainer field (left as it is where no section has it)."""
@@ -114,7 +114,7 @@ def config_problems(cfg: Any, knobs: argparse.Namespace, environment: bool = Tru
 
     namespace = ConfigNamespace(cfg, knobs)
     environment = environment and _CHECK_ENVIRONMENT.get()
-    return [_named_by_field(p, namespace) for p in ultraep_arg_problems(namespace, environment)]
+    return [named_by_field(p, namespace) for p in ultraep_arg_problems(namespace, environment)]
 
 
 _CHECK_ENVIRONMENT = contextvars.ContextVar("ultraep_check_environment", default=True)

@@ -24,10 +24,12 @@ import functools
 import importlib
 import importlib.util
 import io
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
+from unittest import mock
 
 from ultraep_megatron.megatron.recipe_check.launch import Launch, RecipeError
 
@@ -146,9 +148,9 @@ def load_recipe(
     notes = []
     knobs = getattr(cfg.model, "_ultraep_knobs", None)
     if knobs is None:
-        from ultraep_megatron.megatron.bridge.enable import _flags_namespace
+        from ultraep_megatron.megatron.run.arguments import add_ultraep_args
 
-        knobs = _flags_namespace("none", {})
+        knobs = add_ultraep_args(argparse.ArgumentParser(add_help=False)).parse_args([])
         notes.append("enable_ultraep was not called on this config: no balancer (routing as it is)")
     if cfg.model.moe_router_force_load_balancing:
         notes.append(
@@ -201,11 +203,16 @@ def megatron_args(cfg: Any, knobs: argparse.Namespace, world_size: int) -> argpa
     from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
 
     from ultraep_megatron.megatron.bridge.enable import ConfigNamespace
-    from ultraep_megatron.megatron.recipe_check.validate import _rank0_of, quiet_megatron
+    from ultraep_megatron.megatron.recipe_check.validate import quiet_megatron
     from ultraep_megatron.megatron.run.startup import parse_megatron_args
 
-    with _rank0_of(world_size, ["pretrain_gpt.py"]), quiet_megatron():
-        args, errors = parse_megatron_args(log_rank=False)
+    rank0 = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world_size)}
+    with (
+        mock.patch.object(sys, "argv", ["pretrain_gpt.py"]),
+        mock.patch.dict(os.environ, rank0),
+        quiet_megatron(),
+    ):
+        args, errors = parse_megatron_args(log_rank=False)  # Megatron's defaults, rank 0 of the job
     if errors:
         raise RecipeError("; ".join(errors))
     fields = ConfigNamespace(cfg, knobs)
@@ -328,9 +335,9 @@ BRIDGE_WORDING = (
 
 def named_for_bridge(namespace, line: str) -> str:
     """A report line of the launch scripts' checker in a Bridge recipe's terms: each flag as its
-    config field or ``enable_ultraep``'s argument (``enable._named_by_field``)."""
-    from ultraep_megatron.megatron.bridge.enable import _named_by_field
+    config field or ``enable_ultraep``'s argument (``enable.named_by_field``)."""
+    from ultraep_megatron.megatron.bridge.enable import named_by_field
 
     for old, new in BRIDGE_WORDING:
         line = line.replace(old, new)
-    return _named_by_field(line, namespace)
+    return named_by_field(line, namespace)
