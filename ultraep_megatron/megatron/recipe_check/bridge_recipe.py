@@ -80,6 +80,7 @@ class BridgeRecipe:
     cluster_source: str
     printed: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    gpus_per_node_assumed: bool = False
 
 
 def _load_function(target: str):
@@ -165,11 +166,12 @@ def load_recipe(
             f"{target}: no cluster size: the recipe's module sets NUM_GPUS (and GPUS_PER_NODE), "
             "or give check-recipe --world-size N"
         )
-    if per_node is None:
+    assumed = False
+    if per_node is None:  # the hardware preset's node, else an HGX node's 8 (the report says so)
         from ultraep_megatron.settings.hardware import hardware_preset
 
         name = getattr(knobs, "moe_balancer_hardware", None)
-        per_node = hardware_preset(name).gpus_per_node if name else 8
+        per_node, assumed = (hardware_preset(name).gpus_per_node, False) if name else (8, True)
     if world % per_node:
         raise RecipeError(f"{world} GPUs is not a whole number of {per_node}-GPU nodes")
     return BridgeRecipe(
@@ -181,6 +183,7 @@ def load_recipe(
         cluster_source="--world-size" if given else "the recipe's NUM_GPUS, GPUS_PER_NODE",
         printed=[line for line in printed.getvalue().splitlines() if line.strip()],
         notes=notes,
+        gpus_per_node_assumed=assumed,
     )
 
 
@@ -277,6 +280,7 @@ def check_bridge_recipe(
         script=recipe.source,
         args=[],
         source=recipe.source,
+        gpus_per_node_assumed=recipe.gpus_per_node_assumed,
         notes=list(recipe.notes),
     )
     report = report_for_args(launch, args, rack_size, gpu_memory_gb)
