@@ -332,7 +332,7 @@ def layout_text(layout: Any) -> str:
 
 #: What the launch scripts' report lines say that a Bridge recipe says otherwise.
 BRIDGE_WORDING = (
-    ("pretrain_gpt.py refuses to start without it", "enable_ultraep refuses it there"),
+    ("pretrain_gpt.py refuses to start without it", "enable_ultraep refuses the config without it"),
     ("GLOBAL_BATCH_SIZE=... (recipes) or ", ""),
 )
 
