@@ -21,6 +21,12 @@ scale-up domain, or span domains with --moe-balancer-domain-size D such that eve
 ranks (a balancer domain, where an expert's replicas live) sit inside one: EP16-64 across HGX nodes
 needs --moe-balancer-domain-size 8.
 
+A Megatron-Bridge recipe (recipes/bridge/*.py: a .py file whose config() returns a ConfigContainer,
+FILE.py:FUNCTION, or module:function) is built here, not run, in the environment with Bridge
+(ULTRAEP_BRIDGE=1): enable_ultraep's checks run on its fields (a refusal names the field,
+cfg.model.moe_expert_capacity_factor), then the same layout and memory report, for the cluster its
+module names (NUM_GPUS, GPUS_PER_NODE) or --world-size / --gpus-per-node.
+
 The recipe is checked for the cluster it targets: what the GPU nodes need installed and this
 machine cannot import (DeepEP / HybridEP for the flex dispatcher, the GB200 recipes' default) is a
 NOTE line, not a problem; pretrain_gpt.py refuses to start without it.
@@ -29,6 +35,7 @@ NOTE line, not a problem; pretrain_gpt.py refuses to start without it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -46,6 +53,8 @@ EXAMPLES = """examples:
                                                                   # the recipe with your overrides
   ultraep check-recipe recipes/qwen3_235b_a22b_ep32_pp8_hgx.sh -- --moe-balancer-hardware h200-hgx  # H200 nodes
   ultraep check-recipe --world-size 16 -- --moe-balancer-hardware h100-hgx --num-layers 27 ...  # bare arguments
+  ultraep check-recipe recipes/bridge/deepseek_v3_h100.py        # a Megatron-Bridge recipe (ULTRAEP_BRIDGE=1)
+  ultraep check-recipe mypkg.recipes:my_config --world-size 512  # module:function -> ConfigContainer
 
 exit status: 0 when every recipe passes, 1 when one fails (a PROBLEM line each), 2 on bad usage
 (one error line).
@@ -78,7 +87,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "recipes",
         nargs="*",
         metavar="RECIPE",
-        help="recipe scripts to check; arguments after -- are appended to each",
+        help="recipe scripts to check (arguments after -- are appended to each), or Megatron-Bridge "
+        "recipes: a .py file (its config(), or FILE.py:FUNCTION) or module:function returning a "
+        "ConfigContainer",
     )
     parser.add_argument(
         "--rack-size",
@@ -129,13 +140,30 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
+    if not args.json:
+        return _run(args, sys.stdout)
+    out = sys.stdout  # the JSON document alone: what imports print (transformers' wandb line) aside
+    with contextlib.redirect_stdout(sys.stderr):
+        return _run(args, out)
+
+
+def _run(args, out) -> int:
     from ultraep_megatron.megatron import recipe_check as rc
+    from ultraep_megatron.megatron.recipe_check import bridge_recipe as bridge
 
     bad_env = [item for item in args.env if "=" not in item]
     if bad_env:
         raise common.CliError(f"--env takes KEY=VALUE, got {bad_env}")
     env = dict(item.split("=", 1) for item in args.env)
-    missing = [r for r in args.recipes if not Path(r).is_file()]
+    bridge_recipes = [r for r in args.recipes if bridge.is_bridge_recipe(r)]
+    if bridge_recipes and args.passthrough:
+        raise common.CliError(
+            "arguments after -- go to launch scripts; a Bridge recipe's settings are its "
+            f"ConfigContainer's ({', '.join(bridge_recipes)})"
+        )
+    missing = [
+        r for r in args.recipes if bridge.recipe_file(r) and not bridge.recipe_file(r).is_file()
+    ]
     if missing:
         raise common.CliError(
             "; ".join(
@@ -148,13 +176,13 @@ def run(args) -> int:
             "arguments after -- go to the recipes, or with --world-size to a bare launch; "
             "not both (check a recipe at another size with --env NNODES=N)"
         )
-    if args.gpus_per_node is not None and args.world_size is None:
+    if args.gpus_per_node is not None and args.world_size is None and not bridge_recipes:
         raise common.CliError(
             "--gpus-per-node applies to --world-size; a recipe's comes from its launch "
             "(--env GPUS_PER_NODE=N)"
         )
     launches, skipped = [], []
-    if args.world_size is not None:
+    if args.world_size is not None and not (bridge_recipes and not args.passthrough):
         if not args.passthrough:
             raise common.CliError(
                 "--world-size checks bare pretrain_gpt.py arguments: give them after --"
@@ -187,6 +215,9 @@ def run(args) -> int:
         )
     extra = args.passthrough if args.world_size is None else []
     for recipe in args.recipes:
+        if recipe in bridge_recipes:
+            launches.append(("bridge", recipe))
+            continue
         try:
             found = rc.capture_launches(recipe, env, extra_args=extra)
             for k, launch in enumerate(found, 1):
@@ -207,13 +238,18 @@ def run(args) -> int:
         )
     results = []
     for launch in launches:
-        if isinstance(launch, tuple):
+        if isinstance(launch, tuple) and launch[0] != "bridge":
             result = failure(str(launch[0]), launch[1])
         else:
+            source = launch[1] if isinstance(launch, tuple) else launch.source
             try:
-                report = rc.check_launch(launch, args.rack_size, args.gpu_memory_gb)
+                if isinstance(launch, tuple):  # a Bridge recipe: its ConfigContainer built here
+                    recipe = bridge.load_recipe(source, args.world_size, args.gpus_per_node)
+                    report = bridge.check_bridge_recipe(recipe, args.rack_size, args.gpu_memory_gb)
+                else:
+                    report = rc.check_launch(launch, args.rack_size, args.gpu_memory_gb)
                 result = {
-                    "source": launch.source,
+                    "source": source,
                     "passed": not report.problems(),
                     "problems": report.problems(),
                     "notes": report.notes,
@@ -221,7 +257,7 @@ def run(args) -> int:
                     **summary(report),
                 }
             except rc.RecipeError as error:
-                result = failure(launch.source, error)
+                result = failure(source, error)
         results.append(result)
         if not args.json:
             print(result["text"] + "\n", flush=True)
@@ -234,7 +270,7 @@ def run(args) -> int:
                 "failed": failed,
                 "skipped": skipped,
             },
-            stream=sys.stdout,
+            stream=out,
         )
     else:
         print(

@@ -19,6 +19,8 @@ cannot run) run on a namespace read from the ``ConfigContainer``'s fields; a ref
 from __future__ import annotations
 
 import argparse
+import contextlib
+import contextvars
 import functools
 import inspect
 import re
@@ -45,6 +47,9 @@ def _flags_namespace(balancer: str, knobs: dict[str, Any]) -> argparse.Namespace
 SECTIONS = ("model", "ddp", "dist", "optimizer", "train", "checkpoint", "mixed_precision")
 #: Megatron's argument names that Bridge's model provider spells otherwise.
 MODEL_RENAMES = {"num_experts": "num_moe_experts"}
+#: Megatron's names whose deprecated spelling a Bridge recipe sets on the provider (NVIDIA's perf
+#: recipes: ``cuda_graph_scope``), migrated when the provider is finalized: read where it is set.
+DEPRECATED_MODEL_FIELDS = {"cuda_graph_modules": "cuda_graph_scope"}
 
 
 class ConfigNamespace:
@@ -58,6 +63,14 @@ class ConfigNamespace:
 
     def field(self, name: str) -> str | None:
         """Where ``name`` is read: ``cfg.<section>.<field>``, or ``None``."""
+        model = getattr(self._cfg, "model", None)
+        deprecated = DEPRECATED_MODEL_FIELDS.get(name)
+        if deprecated and getattr(model, deprecated, None) is not None:
+            return f"cfg.model.{deprecated}"
+        # Bridge's CommOverlapConfig: a value it sets is copied onto the provider and DDP config
+        # when training starts (its setup), over theirs.
+        if getattr(getattr(self._cfg, "comm_overlap", None), name, None) is not None:
+            return f"cfg.comm_overlap.{name}"
         name = MODEL_RENAMES.get(name, name)
         for section in SECTIONS:
             holder = getattr(self._cfg, section, None)
@@ -77,7 +90,7 @@ class ConfigNamespace:
         return getattr(getattr(self._cfg, section), field)
 
 
-def _named_by_field(problem: str, namespace: ConfigNamespace) -> str:
+def named_by_field(problem: str, namespace: ConfigNamespace) -> str:
     """``problem`` with each flag named as what sets it here: ``--moe-balancer-X`` as
     ``enable_ultraep(X=)``, ``--moe-balancer`` as ``enable_ultraep(balancer=)``, any other flag as
     its ConfigContainer field (left as it is where no section has it)."""
@@ -93,13 +106,30 @@ def _named_by_field(problem: str, namespace: ConfigNamespace) -> str:
     return re.sub(r"--[a-z][a-z0-9-]*[a-z0-9]", name, problem)
 
 
-def config_problems(cfg: Any, knobs: argparse.Namespace) -> list[str]:
+def config_problems(cfg: Any, knobs: argparse.Namespace, environment: bool = True) -> list[str]:
     """``pretrain_gpt.py``'s startup checks of UltraEP's arguments on ``cfg``'s fields, one line
-    each naming the config field (or ``enable_ultraep``'s argument)."""
+    each naming the config field (or ``enable_ultraep``'s argument). ``environment``: also what
+    this machine lacks to run them (``False`` inside :func:`for_other_machines`)."""
     from ultraep_megatron.megatron.run.arguments import ultraep_arg_problems
 
     namespace = ConfigNamespace(cfg, knobs)
-    return [_named_by_field(p, namespace) for p in ultraep_arg_problems(namespace)]
+    environment = environment and _CHECK_ENVIRONMENT.get()
+    return [named_by_field(p, namespace) for p in ultraep_arg_problems(namespace, environment)]
+
+
+_CHECK_ENVIRONMENT = contextvars.ContextVar("ultraep_check_environment", default=True)
+
+
+@contextlib.contextmanager
+def for_other_machines():
+    """Inside it, ``enable_ultraep`` checks the config for the machines it targets, not this one
+    (``ultraep check-recipe`` building a recipe: a flex backend this machine cannot import is no
+    refusal; the recipe's report notes it)."""
+    token = _CHECK_ENVIRONMENT.set(False)
+    try:
+        yield
+    finally:
+        _CHECK_ENVIRONMENT.reset(token)
 
 
 def _provider_spec(provider: Any, config: Any, vp_stage: int | None):
@@ -132,6 +162,7 @@ def enable_ultraep(
         return layer_spec.apply_moe_balancer(_provider_spec(provider, config, vp_stage), balancing)
 
     provider.transformer_layer_spec = balanced_spec
+    provider._ultraep_knobs = namespace  # the --moe-balancer* flags, for ultraep check-recipe
 
     def refuse_unbalanced(model_chunks):
         unbalanced = layer_spec.unbalanced_moe_layers(model_chunks)

@@ -12,6 +12,10 @@ For each recipe (a bash script under ``recipes/`` that ends in ``python -m torch
    per layer, :mod:`.model`), with UltraEP's redundant slots with and without cross-layer reuse,
    and activations (:mod:`.activations`), against the GPU's memory.
 
+A Megatron-Bridge recipe (a ``.py`` file or ``module:function`` returning a ``ConfigContainer``)
+is built and checked by :mod:`.bridge_recipe`: ``enable_ultraep``'s checks on its fields, then the
+same steps 3-4 on a Megatron namespace read from it.
+
 :func:`check_launch` runs steps 2-4 and :func:`format_report` prints them (:mod:`.report`). The
 command line is ``ultraep check-recipe``
 (``ultraep_megatron/cli/check_recipe.py``). The package re-exports those steps; the pieces they are

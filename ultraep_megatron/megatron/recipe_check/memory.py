@@ -40,10 +40,7 @@ def stage_layers(args: argparse.Namespace) -> list[list[int]]:
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     if args.pipeline_model_parallel_layout is not None:
-        raise RecipeError(
-            "--pipeline-model-parallel-layout: the memory estimate splits layers by "
-            "--decoder-first/last-pipeline-num-layers or evenly; not by a layout"
-        )
+        return layout_stage_layers(args)
     # The fields these two functions read, from the validated arguments (a TransformerConfig
     # would refuse the GPU-only fusions of a GPU recipe on this machine).
     config = types.SimpleNamespace(
@@ -70,6 +67,38 @@ def stage_layers(args: argparse.Namespace) -> list[list[int]]:
     built = sorted(layer for stage in stages for layer in stage)
     if built != list(range(1, args.num_layers + 1)):
         raise RecipeError(f"pipeline stages build layers {built}, not 1..{args.num_layers}")
+    return stages
+
+
+def layout_stage_layers(args: argparse.Namespace) -> list[list[int]]:
+    """:func:`stage_layers` of a ``--pipeline-model-parallel-layout`` (a string such as
+    ``Et|(tt|)*30mL``, a list of lists, or megatron-core's ``PipelineParallelLayerLayout``): the
+    decoder layers (``t``) of every stage's virtual stages, numbered in megatron-core's order
+    (virtual stage by virtual stage, pipeline rank by rank)."""
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.pipeline_parallel_layer_layout import (
+        PipelineParallelLayerLayout,
+    )
+
+    layout = args.pipeline_model_parallel_layout
+    pp = args.pipeline_model_parallel_size
+    if not isinstance(layout, PipelineParallelLayerLayout):
+        try:
+            layout = PipelineParallelLayerLayout(layout, pp)
+        except AssertionError as error:
+            raise RecipeError(f"--pipeline-model-parallel-layout {layout}: {error}") from None
+    stages: list[list[int]] = [[] for _ in range(pp)]
+    built = 0
+    for vp in range(layout.virtual_pipeline_model_parallel_size):
+        for pp_rank in range(pp):
+            count = layout.layout[pp_rank][vp].count(LayerType.decoder)
+            stages[pp_rank] += range(built + 1, built + count + 1)
+            built += count
+    if built != args.num_layers:
+        raise RecipeError(
+            f"--pipeline-model-parallel-layout {layout} places {built} decoder layers, not "
+            f"{args.num_layers}"
+        )
     return stages
 
 

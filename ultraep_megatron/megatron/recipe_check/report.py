@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from ultraep_megatron.megatron.recipe_check.activations import RUNTIME_RESERVE_GIB
 from ultraep_megatron.megatron.recipe_check.launch import Launch, RecipeError
@@ -48,6 +48,10 @@ class RecipeReport:
     )  # hardware the checker was not told and assumed
     hardware_named: Optional[str] = None  # --moe-balancer-hardware, if given
     domain_known: bool = True  # the scale-up domain was named, not assumed
+    checks: str = "Megatron validate_args + validate_ultraep_args"  # what checked the arguments
+    header: list[str] = field(default_factory=list)  # lines after the source (a Bridge recipe's)
+    #: names each flag in a problem or note line as what sets it (a Bridge recipe's config field)
+    rename: Optional[Callable[[str], str]] = None
 
     @property
     def budget_bytes(self) -> int:
@@ -74,7 +78,8 @@ class RecipeReport:
         layout = self.layout.problems()
         if not self.domain_known and self.hardware_problems:  # EP across nodes of unknown hardware:
             layout = [p for p in layout if "spans scale-up domains" not in p]  # said once, above
-        return self.launch.problems + self.hardware_problems + layout + self.memory_problems()
+        out = self.launch.problems + self.hardware_problems + layout + self.memory_problems()
+        return [self.rename(p) for p in out] if self.rename else out
 
 
 #: Memory per GPU assumed when no hardware is named: an H100's, the smallest GPU the recipes target.
@@ -105,12 +110,24 @@ def check_launch(
         RecipeError: when Megatron or UltraEP rejects the arguments or the layout (one problem
             per line).
     """
-    from ultraep_megatron.settings.hardware import hardware_preset
-
     args, _ = validate_arguments(launch.args, launch.world_size)
     problems = startup_problems(args)
     if problems:
         raise RecipeError("\n".join(problems))
+    return report_for_args(launch, args, rack_size, gpu_memory_gb)
+
+
+def report_for_args(
+    launch: Launch,
+    args: argparse.Namespace,
+    rack_size: Optional[int] = None,
+    gpu_memory_gb: Optional[float] = None,
+) -> RecipeReport:
+    """Steps 3-4 of :func:`check_launch` (hardware, rank layout, memory) on arguments already
+    checked: Megatron's validated namespace, or one read from a Megatron-Bridge
+    ``ConfigContainer`` (:mod:`.bridge_recipe`)."""
+    from ultraep_megatron.settings.hardware import hardware_preset
+
     name = getattr(args, "moe_balancer_hardware", None)
     hardware = hardware_preset(name) if name else None
     hardware_problems, assumed = [], []
@@ -207,7 +224,7 @@ def format_report(report: RecipeReport) -> str:
     racks = -(-a.world_size // layout.rack_size)
     launch = report.launch
     nodes = f"{_plural(launch.nnodes, 'node')} x {_plural(launch.nproc_per_node, 'GPU')}"
-    lines = [f"== {launch.source}"]
+    lines = [f"== {launch.source}", *report.header]
     if launch.launcher:
         lines.append(
             f"launch (read from the recipe, not run): {launch.launcher} {Path(launch.script).name} "
@@ -220,7 +237,7 @@ def format_report(report: RecipeReport) -> str:
         f"TP{a.tensor_model_parallel_size} PP{pp} EP{ep} expert-DP{edp} "
         f"(attention DP{a.data_parallel_size})",
         f"precision: {precision_text(a)}",
-        "Megatron validate_args + validate_ultraep_args: passed (--moe-balancer "
+        f"{report.checks}: passed (--moe-balancer "
         f"{a.moe_balancer}"
         + (
             f", {a.moe_balancer_num_slots} redundant slots per rank)"
@@ -331,7 +348,7 @@ def format_report(report: RecipeReport) -> str:
         + ("fits" if margin >= 0 else "DOES NOT FIT")
     )
     for note in [*report.notes, *batch_notes(report)]:
-        lines.append(f"  NOTE: {note}")
+        lines.append(f"  NOTE: {report.rename(note) if report.rename else note}")
     for problem in problems:
         lines.append(f"  PROBLEM: {problem}")
     return "\n".join(lines)
