@@ -98,6 +98,9 @@ def test_each_shipped_recipe_passes_with_layout_and_memory(checked, recipe):
         want["memory"],
     )
     assert report["margin_bytes"] > 0 and "fits" in text
+    # In a Bridge user's terms: enable_ultraep's arguments and config fields, no pretrain_gpt flag.
+    assert "--" not in text, [line for line in text.splitlines() if "--" in line]
+    assert "enable_ultraep(balancer=ultraep)" in text and "enable_ultraep(hardware=" in text
     # Every EP group is ep consecutive ranks; the layout line names TP/PP/VPP/EP/ETP/CP/DP.
     assert all(len(g) == want["ep"] for g in report["ep_groups"])
     assert f"TP{want['tp']} PP{want['pp']} VPP4 EP{want['ep']} ETP1 CP1 DP{want['dp']}" in text

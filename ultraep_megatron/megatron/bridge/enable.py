@@ -95,15 +95,27 @@ def named_by_field(problem: str, namespace: ConfigNamespace) -> str:
     ``enable_ultraep(X=)``, ``--moe-balancer`` as ``enable_ultraep(balancer=)``, any other flag as
     its ConfigContainer field (left as it is where no section has it)."""
 
-    def name(match: re.Match) -> str:
-        flag = match.group(0)
-        if flag == "--moe-balancer":
-            return "enable_ultraep(balancer=)"
-        if flag.startswith("--moe-balancer-"):
-            return f"enable_ultraep({flag[len('--moe-balancer-') :].replace('-', '_')}=)"
-        return namespace.field(flag[2:].replace("-", "_")) or flag
+    from ultraep_megatron.planner.baselines.registry import BALANCERS
+    from ultraep_megatron.settings.hardware import HARDWARE_PRESETS
 
-    return re.sub(r"--[a-z][a-z0-9-]*[a-z0-9]", name, problem)
+    values = {*BALANCERS, *HARDWARE_PRESETS}
+
+    def name(match: re.Match) -> str:
+        flag, value = match.group(1), match.group(2)
+        if not flag.startswith("--moe-balancer"):
+            return (namespace.field(flag[2:].replace("-", "_")) or flag) + (value or "")
+        argument = "balancer" if flag == "--moe-balancer" else flag[len("--moe-balancer-") :]
+        argument = argument.replace("-", "_")
+        # A flag's value follows it ("--moe-balancer-hardware h100-hgx"): the argument's, where it
+        # is one (a number or a choice), not the next word of the sentence.
+        given = (value or "").strip()
+        if given and (given in values or re.fullmatch(r"\d+(\.\d+)?", given)):
+            return f"enable_ultraep({argument}={given})"
+        return f"enable_ultraep({argument}=)" + (value or "")
+
+    return re.sub(
+        r"(--[a-z][a-z0-9-]*[a-z0-9])( [A-Za-z0-9][A-Za-z0-9_.-]*[A-Za-z0-9]|( \d))?", name, problem
+    )
 
 
 def config_problems(cfg: Any, knobs: argparse.Namespace, environment: bool = True) -> list[str]:

@@ -351,6 +351,8 @@ def format_report(report: RecipeReport) -> str:
         lines.append(f"  NOTE: {report.rename(note) if report.rename else note}")
     for problem in problems:
         lines.append(f"  PROBLEM: {problem}")
+    if report.rename:  # a Bridge recipe: its fields and enable_ultraep's arguments, not flags
+        lines = [report.rename(line) for line in lines]
     return "\n".join(lines)
 
 
