@@ -67,6 +67,11 @@ def tiny_config(args, world: int, **model_overrides):
         expert_model_parallel_size=args.ep,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
+        # Over gloo, a batched isend/irecv matches messages between two ranks by posting order:
+        # with PP 2 both neighbours are the same rank, and the interleaved schedule's combined
+        # forward-and-backward exchange would hand an activation to a gradient's receive (same
+        # shape, no error). Megatron's unbatched path orders them by rank parity.
+        batch_p2p_comm=pp != 2,
         bf16=False,
         params_dtype=torch.float32,
         transformer_layer_spec=own_spec,

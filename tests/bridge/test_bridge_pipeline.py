@@ -37,6 +37,8 @@ COMMON = (
     "--microbatches", str(MICROBATCHES), "--lr0-iters", str(LR0_ITERS),
     "--expert-bias", SKEWED_EXPERT_BIAS, "--fake-writer",
 )  # fmt: skip
+#: Above any rounding difference of the floor pair's fp32 gradients (theirs: about 1e-7).
+FLOOR_LIMIT = 1e-4
 LAST = WORLD - 1  # the last pipeline stage's last rank: the losses and Bridge's writers
 #: Megatron's rank order (tp-cp-ep-dp-pp): ranks 0, 1 are PP rank 0, ranks 2, 3 PP rank 1.
 PP_RANK = {rank: rank // (WORLD // PP) for rank in range(WORLD)}
@@ -109,9 +111,12 @@ def test_pp2_vpp2_enable_ultraep_matches_none_and_balances_every_chunk(runs):
                 assert f["imbalance_before"] > f["imbalance_after"], (rank, step, layer, f)
     reference, floor_pair = _grads(runs["none"][0]), _grads(runs["none_reversed"][0])
     iterations = list(range(1, LR0_ITERS + 1))
-    comparisons = compare_gradients(
-        _grads(out), reference, gradient_floors(reference, floor_pair, iterations), iterations
-    )
+    floors = gradient_floors(reference, floor_pair, iterations)
+    # The floor pair differs by rounding alone: a pipeline whose microbatches leak into each other
+    # (PP 2's batched exchange over gloo handing activations to gradient receives) parts them by
+    # O(1) and would make every tolerance vacuous.
+    assert max(floors.values()) < FLOOR_LIMIT, sorted(floors.items(), key=lambda kv: -kv[1])[:5]
+    comparisons = compare_gradients(_grads(out), reference, floors, iterations)
     # A reversed microbatch order changes the sums, or the floor measures nothing.
     assert any(
         not torch.equal(reference[it][n], floor_pair[it][n])
