@@ -3,8 +3,9 @@ Bridge's provider, on the CPU over gloo: 4 ranks, PP 2 x EP 2 (DP 2, expert-DP 1
 layer per pipeline chunk (4 layers: chunks 0 and 1 of PP rank 0 hold layers 1 and 3, PP rank 1's
 layers 2 and 4), the distributed optimizer with overlapped grad reduce and param gather.
 
-Three runs of the same model, state and batches: ``none``; ``none`` with each iteration's
-microbatches in reverse order (the noise floor); ``enable_ultraep`` with a load trace. The routing is
+Four runs of the same model, state and batches: ``none``; ``none`` with each iteration's
+microbatches in reverse order (the noise floor); ``enable_ultraep`` with a load trace; and
+``enable_ultraep`` with the fault ``no_replica_grad_reduction`` (the negative control). The routing is
 skewed (tests/bridge/test_bridge_pretrain.py's router expert bias) so that every plan replicates
 experts; iterations 1 and 2 run at learning rate 0, so every parameter's gradient compares per step.
 Also checked: the spec swap keeps the provider's ``vp_stage`` (each chunk's balanced layers have
@@ -17,6 +18,7 @@ Skipped (one reason line) where megatron-bridge is not installed: run with ``ULT
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -51,7 +53,7 @@ def expected_layers(pp_rank: int) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """{name: (out dir, output)} of the three runs."""
+    """{name: (out dir, output)} of the four runs."""
     from gloo_launch import launch_gloo_ranks
 
     root = tmp_path_factory.mktemp("bridge_pp")
@@ -59,6 +61,7 @@ def runs(tmp_path_factory):
         "none": (),
         "none_reversed": ("--reverse-microbatches",),
         "ultraep": ("--ultraep", "--trace-dir", str(root / "trace")),
+        "ultraep_fault": ("--ultraep", "--fault", "no_replica_grad_reduction"),
     }
     return {
         name: (
@@ -92,6 +95,28 @@ def _grads(out: Path) -> dict[int, dict[str, torch.Tensor]]:
     }
 
 
+def _comparisons(actual: Path, runs) -> list:
+    """Every parameter's gradient at the lr-0 iterations and the loss of every iteration of
+    ``actual`` against ``none``, the floors from ``none`` against ``none_reversed``."""
+    reference, floor_pair = _grads(runs["none"][0]), _grads(runs["none_reversed"][0])
+    iterations = list(range(1, LR0_ITERS + 1))
+    floors = gradient_floors(reference, floor_pair, iterations)
+    # The floor pair differs by rounding alone: a pipeline whose microbatches leak into each other
+    # (PP 2's batched exchange over gloo handing activations to gradient receives) parts them by
+    # O(1) and would make every tolerance vacuous.
+    assert max(floors.values()) < FLOOR_LIMIT, sorted(floors.items(), key=lambda kv: -kv[1])[:5]
+    # A reversed microbatch order changes the sums, or the floor measures nothing.
+    assert any(
+        not torch.equal(reference[it][name], floor_pair[it][name])
+        for it in iterations
+        for name in reference[it]
+    )
+    series = {name: _losses(runs[name][0]) for name in ("none", "none_reversed")}
+    return compare_gradients(_grads(actual), reference, floors, iterations) + compare_series(
+        "lm loss", _losses(actual), series["none"], series["none"], series["none_reversed"]
+    )
+
+
 def test_pp2_vpp2_enable_ultraep_matches_none_and_balances_every_chunk(runs):
     out = runs["ultraep"][0]
     for rank in range(WORLD):
@@ -109,24 +134,8 @@ def test_pp2_vpp2_enable_ultraep_matches_none_and_balances_every_chunk(runs):
             for layer, f in stats.items():
                 assert f["replicas"] > 0, (rank, step, layer, f)
                 assert f["imbalance_before"] > f["imbalance_after"], (rank, step, layer, f)
-    reference, floor_pair = _grads(runs["none"][0]), _grads(runs["none_reversed"][0])
-    iterations = list(range(1, LR0_ITERS + 1))
-    floors = gradient_floors(reference, floor_pair, iterations)
-    # The floor pair differs by rounding alone: a pipeline whose microbatches leak into each other
-    # (PP 2's batched exchange over gloo handing activations to gradient receives) parts them by
-    # O(1) and would make every tolerance vacuous.
-    assert max(floors.values()) < FLOOR_LIMIT, sorted(floors.items(), key=lambda kv: -kv[1])[:5]
-    comparisons = compare_gradients(_grads(out), reference, floors, iterations)
-    # A reversed microbatch order changes the sums, or the floor measures nothing.
-    assert any(
-        not torch.equal(reference[it][n], floor_pair[it][n])
-        for it in iterations
-        for n in reference[it]
-    )
-    series = {name: _losses(runs[name][0]) for name in runs}
-    comparisons += compare_series(
-        "lm loss", series["ultraep"], series["none"], series["none"], series["none_reversed"]
-    )
+    comparisons = _comparisons(out, runs)
+    series = {name: _losses(runs[name][0]) for name in ("none", "none_reversed", "ultraep")}
     table = [f"{name}: losses {list(series[name].values())}" for name in series]
     table += [
         f"rank {rank} iteration {step} layer {layer}: imbalance {f['imbalance_before']:.3f} -> "
@@ -194,3 +203,12 @@ def test_pp2_vpp2_every_stages_imbalance_reaches_bridges_loggers(runs):
     assert not any(
         tag.startswith("ultraep/") for tag, _, _ in _record(runs["none"][0], LAST)["scalars"]
     )
+
+
+def test_pp2_vpp2_negative_control_unreduced_replica_gradients_fail(runs):
+    comparisons = _comparisons(runs["ultraep_fault"][0], runs)
+    failed = [c for c in comparisons if not c.passed]
+    print("PP2 VPP2 no_replica_grad_reduction against none: " + summary(comparisons))
+    assert failed, "the comparison does not see replica gradients left out"
+    assert all(re.search(r"local_experts|lm loss", c.what) for c in failed), failed[:5]
+    assert max(c.ratio for c in failed) > 100, summary(comparisons)
