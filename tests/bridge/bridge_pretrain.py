@@ -11,15 +11,27 @@ iterations run at learning rate 0 (each computes gradients from the same paramet
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 from pathlib import Path
 
 
+def _local_spec(stages, config, vp_stage=None):
+    """The provider's own layer spec (megatron-core's local spec); ``stages``: a list that records
+    the ``vp_stage`` of each call (``None``: not recorded)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    if stages is not None:
+        stages.append(vp_stage)
+    return get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
+
+
 def tiny_config(args, world: int, **model_overrides):
     """The tiny MoE GPT's ConfigContainer (CPU, gloo) for ``args`` (``ep``, ``iters``,
-    ``microbatches``, ``overlap``, ``expert_bias``: the options of :func:`main`), ``world`` ranks;
-    ``model_overrides``: provider fields."""
+    ``microbatches``, ``overlap``, ``expert_bias``, optionally ``pp``, ``vpp`` and ``spec_stages``:
+    the options of :func:`main`), ``world`` ranks; ``model_overrides``: provider fields. With
+    pipeline parallelism the model has one decoder layer per (virtual) pipeline chunk."""
     import torch
     from megatron.bridge.models.gpt_provider import GPTModelProvider
     from megatron.bridge.training.config import (
@@ -35,12 +47,13 @@ def tiny_config(args, world: int, **model_overrides):
         ValidationConfig,
     )
     from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig
 
     seq, vocab = 32, 128
+    pp, vpp = getattr(args, "pp", 1), getattr(args, "vpp", None)
+    own_spec = functools.partial(_local_spec, getattr(args, "spec_stages", None))
     model = GPTModelProvider(
-        num_layers=2,
+        num_layers=max(2, pp * (vpp or 1)),  # one layer per pipeline chunk
         hidden_size=32,
         ffn_hidden_size=64,
         num_attention_heads=4,
@@ -52,11 +65,16 @@ def tiny_config(args, world: int, **model_overrides):
         moe_token_dispatcher_type="alltoall",
         moe_grouped_gemm=False,
         expert_model_parallel_size=args.ep,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        # Over gloo, a batched isend/irecv matches messages between two ranks by posting order:
+        # with PP 2 both neighbours are the same rank, and the interleaved schedule's combined
+        # forward-and-backward exchange would hand an activation to a gradient's receive (same
+        # shape, no error). Megatron's unbatched path orders them by rank parity.
+        batch_p2p_comm=pp != 2,
         bf16=False,
         params_dtype=torch.float32,
-        transformer_layer_spec=lambda config, vp_stage=None: get_gpt_layer_local_spec(
-            num_experts=config.num_moe_experts, moe_grouped_gemm=False
-        ),
+        transformer_layer_spec=own_spec,
         gradient_accumulation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
@@ -78,7 +96,7 @@ def tiny_config(args, world: int, **model_overrides):
         model=model,
         train=TrainingConfig(
             micro_batch_size=2,
-            global_batch_size=2 * world * args.microbatches,
+            global_batch_size=2 * (world // pp) * args.microbatches,  # per data-parallel rank
             train_iters=args.iters,
         ),
         optimizer=OptimizerConfig(
@@ -126,6 +144,9 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--pp", type=int, default=1, help="pipeline_model_parallel_size")
+    parser.add_argument("--vpp", type=int, help="virtual_pipeline_model_parallel_size")
+    parser.add_argument("--trace-dir", help="enable_ultraep(trace_dir=): the load trace")
     parser.add_argument("--ultraep", action="store_true", help="enable_ultraep(cfg, num_slots=2)")
     parser.add_argument(
         "--overlap", action="store_true", help="overlapped grad reduce, param gather"
@@ -144,7 +165,7 @@ def main() -> None:
     parser.add_argument(
         "--fake-writer",
         action="store_true",
-        help="Bridge's tensorboard writer on the last rank is a recording stand-in",
+        help="Bridge's tensorboard and wandb writers on the last rank are recording stand-ins",
     )
     args = parser.parse_args()
     import sys
@@ -161,7 +182,10 @@ def main() -> None:
     from megatron.bridge.training.gpt_step import forward_step
     from megatron.bridge.training.pretrain import pretrain
 
+    from megatron.training import global_vars
+
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    args.spec_stages = []  # the vp_stage of each call of the provider's own layer spec
     cfg = tiny_config(args, world)
     if args.lr0_iters:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -175,6 +199,7 @@ def main() -> None:
 
         OptimizerParamScheduler.get_lr = get_lr
     losses, ended, moe_layers, stats, scalars = [], [], [], {}, []
+    layer_numbers, training_args, wandb_logs = [], [], []  # per chunk; each step; each log
     dump, names = {"grads": {}}, {}
     rank = int(os.environ.get("RANK", "0"))
 
@@ -187,18 +212,33 @@ def main() -> None:
         def __getattr__(self, name):  # the writer's other methods Bridge may call: no-ops
             return lambda *args, **kwargs: None
 
+    class FakeWandb:
+        """Bridge's wandb logger interface (the ``wandb`` module: ``log(data, step=None,
+        commit=None)``, which Bridge calls as ``log(dict, iteration)``), recorded."""
+
+        def log(self, data, step=None, commit=None):
+            numbers = {k: float(v) for k, v in data.items() if isinstance(v, (int, float))}
+            wandb_logs.append([numbers, step])
+
+        def __getattr__(self, name):
+            return lambda *args, **kwargs: None
+
     class Record(Callback):
         def on_train_start(self, context):
             if args.expert_bias:
                 set_expert_bias(context.model, [float(b) for b in args.expert_bias.split(",")])
             if args.fake_writer and rank == world - 1:
                 context.state._tensorboard_logger = FakeWriter()
+                context.state._wandb_logger = FakeWandb()
             for chunk in context.model:
+                layer_numbers.append([])
                 for name, module in chunk.named_modules():
                     if name.endswith(".mlp") and "experts" in dict(module.named_children()):
                         moe_layers.append(type(module).__name__)
+                        layer_numbers[-1].append(module.layer_number)
 
         def on_train_step_end(self, context):
+            training_args.append(global_vars._GLOBAL_ARGS is not None)
             losses.append({k: float(v) for k, v in (context.loss_dict or {}).items()})
             step = context.state.train_state.step + 1  # the iteration ending
             if step <= args.lr0_iters:
@@ -234,7 +274,8 @@ def main() -> None:
     if args.ultraep:
         from ultraep_megatron.megatron.bridge.enable import enable_ultraep
 
-        callbacks += enable_ultraep(cfg, num_slots=2)
+        knobs = {"trace_dir": args.trace_dir} if args.trace_dir else {}
+        callbacks += enable_ultraep(cfg, num_slots=2, **knobs)
         balancing = callbacks[-1].balancing
         end_iteration = balancing.end_iteration
 
@@ -262,8 +303,12 @@ def main() -> None:
     record = {
         "ended_iterations": ended,
         "moe_layers": moe_layers,
+        "moe_layer_numbers": layer_numbers,  # [chunk][MoE layer]: each layer's layer_number
+        "spec_vp_stages": args.spec_stages,
+        "megatron_training_args_set": training_args,
         "stats": {step: stats[step] for step in sorted(stats)},
         "scalars": scalars,
+        "wandb": wandb_logs,
     }
     (args.out / f"record_rank{rank}.json").write_text(json.dumps(record))
 

@@ -136,13 +136,18 @@ def test_negative_control_unreduced_replica_gradients_fail(runs):
 
 
 def test_imbalance_reaches_bridges_logger(runs):
+    """On the last rank (Bridge's writers), each layer's figures averaged over the ranks (the two
+    EP groups' data differ), to tensorboard and to wandb (``log(dict, step=)``)."""
     out, output = runs["ultraep"]
-    record = _record(out, 3)  # Bridge's writers live on the last rank
-    logged = {(tag, step): value for tag, value, step in record["scalars"]}
-    for step, layers in record["stats"].items():
-        for layer, figures in layers.items():
+    records = [_record(out, rank) for rank in range(4)]
+    logged = {(tag, step): value for tag, value, step in records[3]["scalars"]}
+    wandb = {(k, step): v for data, step in records[3]["wandb"] for k, v in data.items()}
+    for step, layers in records[3]["stats"].items():
+        for layer in layers:
             for key in ("imbalance_before", "imbalance_after"):
-                assert logged[(f"ultraep/layer_{layer}/{key}", int(step))] == figures[key]
+                mean = sum(r["stats"][step][layer][key] for r in records) / len(records)
+                tag = (f"ultraep/layer_{layer}/{key}", int(step))
+                assert logged[tag] == pytest.approx(mean, rel=1e-12) == wandb[tag]
     assert output.count("[ultraep] iteration") == ITERS, output[-3000:]
     assert not any(
         tag.startswith("ultraep/") for tag, _, _ in _record(runs["none"][0], 3)["scalars"]

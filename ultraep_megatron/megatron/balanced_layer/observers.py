@@ -6,7 +6,7 @@ and :class:`TraceRecorder` (every training invocation's load, ``--moe-balancer-t
 from __future__ import annotations
 
 import weakref
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 from ultraep_megatron.megatron.balanced_layer.invocation import HostPlan
 from ultraep_megatron.planner import BalancerConfig
@@ -61,14 +61,26 @@ class BalancerStats:
 
 class TraceRecorder:
     """Observer: appends the exact ``[R, E]`` load of every training invocation to the trace file of
-    its EP group (written by EP rank 0 of each group; ``--moe-balancer-trace-dir``)."""
+    its EP group (written by EP rank 0 of each group; ``--moe-balancer-trace-dir``).
+
+    Records are numbered by the training loop's iterations: the model's iteration hook tells the
+    recorder how its loop numbers the running iteration (:meth:`follow`: megatron's
+    ``curr_iteration + 1`` under ``pretrain_gpt.py``, Bridge's ``train_state.step + 1``), which
+    numbers the first iteration recorded (a resumed run's too); each :meth:`end_iteration` numbers
+    the next. Without a hook (a caller driving the layers itself) the first iteration is 1."""
 
     def __init__(self, trace_dir: str, balancer_config: BalancerConfig, hardware: Optional[str]):
         self.trace_dir, self.balancer_config, self.hardware = trace_dir, balancer_config, hardware
         self.iteration: Optional[int] = None
+        self._current_iteration: Optional[Callable[[], int]] = None
         self._microbatch: Dict[int, int] = {}
         self._writer = None
         self._ep_group = self._model_config = None
+
+    def follow(self, current_iteration: Callable[[], int]) -> None:
+        """Number the iterations as the training loop does: ``current_iteration()`` is the number
+        of the iteration running (read at the first invocation recorded)."""
+        self._current_iteration = current_iteration
 
     def describe(self, ep_group, model_config) -> None:
         """The model the trace records: its EP group (whose rank 0 writes) and megatron's
@@ -81,7 +93,9 @@ class TraceRecorder:
         if not training:
             return
         if self.iteration is None:
-            self.iteration = _megatron_iteration() + 1
+            self.iteration = (
+                int(self._current_iteration()) if self._current_iteration is not None else 1
+            )
         microbatch = self._microbatch.get(layer_number, 0)
         self._microbatch[layer_number] = microbatch + 1
         if ep_rank != 0:
@@ -133,13 +147,3 @@ class TraceRecorder:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
-
-
-def _megatron_iteration() -> int:
-    """The iteration Megatron's training loop starts from (0, or the resumed checkpoint's)."""
-    try:
-        from megatron.training.global_vars import get_args
-
-        return int(get_args().iteration)
-    except Exception:
-        return 0

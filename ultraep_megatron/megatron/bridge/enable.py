@@ -206,15 +206,20 @@ def _imbalance_log_class():
 
     class UltraEPImbalanceLog(Callback):
         """Every ``cfg.logger.log_interval`` steps: each balanced layer's imbalance before and
-        after balancing, averaged over the microbatches since the last log, to Bridge's own
-        tensorboard and wandb writers (``state.tensorboard_logger`` / ``state.wandb_logger``, set
-        on the last rank when ``cfg.logger`` names them) as ``ultraep/layer_N/imbalance_before``
-        and ``.../imbalance_after``, and one console line. The figures are the host plan's (no
-        device read); ``last_stats`` keeps the latest ``{layer: {metric: mean}}``."""
+        after balancing, averaged over the microbatches since the last log and over the ranks that
+        hold the layer (every pipeline stage's layers; data-parallel replicas averaged), to
+        Bridge's own tensorboard and wandb writers (``state.tensorboard_logger`` /
+        ``state.wandb_logger``, set on the last rank when ``cfg.logger`` names them) as
+        ``ultraep/layer_N/imbalance_before`` and ``.../imbalance_after``, and one console line.
+
+        The figures are the host plans' (no device read in the layers); the average is one small
+        reduce to the last rank per log (every rank runs the callback). ``last_stats`` keeps this
+        rank's latest ``{layer: {metric: mean}}``, ``last_logged`` the last rank's average."""
 
         def __init__(self, balancing):
             self.balancing = balancing
             self.last_stats: dict[int, dict[str, float]] = {}
+            self.last_logged: dict[int, dict[str, float]] = {}
 
         def on_train_step_end(self, context):
             state = context.state
@@ -222,10 +227,11 @@ def _imbalance_log_class():
             interval = state.cfg.logger.log_interval or 1
             if step % interval:
                 return
-            stats = self.balancing.pop_stats()
-            self.last_stats = stats
+            self.last_stats = self.balancing.pop_stats()
+            stats = _ranks_average(self.last_stats, state.cfg.model)
             if not stats:
                 return
+            self.last_logged = stats
             scalars = {
                 f"ultraep/layer_{layer}/{key}": figures[key]
                 for layer, figures in stats.items()
@@ -237,7 +243,7 @@ def _imbalance_log_class():
                     writer.add_scalar(tag, value, step)
             wandb_writer = state.wandb_logger
             if wandb_writer is not None:
-                wandb_writer.log(scalars, step)
+                wandb_writer.log(scalars, step=step)
             from megatron.bridge.utils.common_utils import print_rank_last
 
             print_rank_last(
@@ -249,6 +255,19 @@ def _imbalance_log_class():
             )
 
     return UltraEPImbalanceLog
+
+
+def _ranks_average(stats: dict, model: Any) -> dict | None:
+    """``stats`` of every rank averaged on the last (``None`` on the others); one process alone:
+    ``stats``."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return stats
+    from ultraep_megatron.megatron.run.telemetry import reduce_layer_stats
+
+    num_layers = model.num_layers + (getattr(model, "mtp_num_layers", None) or 0)
+    return reduce_layer_stats(stats, num_layers, dst_rank=dist.get_world_size() - 1)
 
 
 #: The per-layer figures :class:`UltraEPImbalanceLog` writes (``BalancerStats`` names).

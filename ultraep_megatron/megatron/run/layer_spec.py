@@ -136,7 +136,21 @@ def unbalanced_moe_layers(model_chunks: Sequence[Any]) -> list[str]:
     return found
 
 
-def balance_moe_layers(model_cfg: Any, balancing: Optional[BalancingContext]) -> None:
+def megatron_training_iteration() -> int:
+    """The iteration megatron.training's loop is running (``pretrain_gpt.py``'s entry): its
+    ``args.curr_iteration + 1``, the number its ``training_log`` gets. Megatron-Bridge's loop sets
+    none of megatron.training's globals; its entry (``bridge/enable.py``) numbers by its own
+    ``train_state.step``."""
+    from megatron.training.global_vars import get_args
+
+    return get_args().curr_iteration + 1
+
+
+def balance_moe_layers(
+    model_cfg: Any,
+    balancing: Optional[BalancingContext],
+    current_iteration: Callable[[], int] = megatron_training_iteration,
+) -> None:
     """Build every MoE layer of ``model_cfg``'s GPT model balanced in ``balancing``.
 
     Sets ``model_cfg.transformer_layer_spec`` (the decoder), has Megatron's MTP block spec
@@ -147,6 +161,9 @@ def balance_moe_layers(model_cfg: Any, balancing: Optional[BalancingContext]) ->
         model_cfg: the ``GPTModelConfig`` handed to ``pretrain`` (0.18: the model provider,
             ``compat.gpt_model_from_args``).
         balancing: the model's balancing context, or ``None``.
+        current_iteration: the number of the iteration the training loop is running (see
+            :func:`end_model_iterations`); by default megatron.training's, whose loop
+            ``pretrain_gpt.py`` runs.
     """
     if balancing is None:
         return
@@ -172,7 +189,7 @@ def balance_moe_layers(model_cfg: Any, balancing: Optional[BalancingContext]) ->
     model_cfg.post_wrap_hooks.append(refuse_unbalanced_moe_layers)
 
     def end_iterations_with_model_grads(model_chunks):
-        return end_model_iterations(model_chunks, balancing)
+        return end_model_iterations(model_chunks, balancing, current_iteration)
 
     model_cfg.post_wrap_hooks.append(end_iterations_with_model_grads)
 
@@ -180,7 +197,7 @@ def balance_moe_layers(model_cfg: Any, balancing: Optional[BalancingContext]) ->
 def end_model_iterations(
     model_chunks: Sequence[Any],
     balancing: BalancingContext,
-    current_iteration: Optional[Callable[[], int]] = None,
+    current_iteration: Callable[[], int],
 ) -> Sequence[Any]:
     """A post-wrap hook: ``balancing`` ends its iterations where the model's gradients are final.
 
@@ -189,20 +206,20 @@ def end_model_iterations(
     ``finalize_model_grads`` followed by the context's end of iteration
     (:meth:`BalancingContext.ending_iterations`): the boundary belongs to the model, so two models in
     one process each end theirs. megatron-core 0.19 keeps a function a builder set; 0.18 replaces it
-    when training starts, so there each chunk's first forward wraps what is set then. The iteration
-    number is ``current_iteration()`` where the caller gives it (Megatron-Bridge's loop, whose
-    ``train_state.step`` megatron.training's globals do not follow), else megatron's
-    ``args.curr_iteration + 1``, the one its ``training_log`` gets (``pretrain_gpt.py``).
+    when training starts, so there each chunk's first forward wraps what is set then.
+
+    ``current_iteration()``, from the caller, is the number of the iteration the training loop is
+    running, as its log numbers it (:func:`megatron_training_iteration` under ``pretrain_gpt.py``;
+    Bridge's ``train_state.step + 1``): it numbers the iteration that ends, and the context's trace
+    recorder follows it (a resumed run's first iteration too). Nothing here reads
+    megatron.training's globals.
     """
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.utils import get_model_config
 
-    def megatron_iteration() -> int:
-        from megatron.training.global_vars import get_args
-
-        return get_args().curr_iteration + 1
-
-    iteration = current_iteration or megatron_iteration
+    iteration = current_iteration
+    if balancing.trace is not None:
+        balancing.trace.follow(iteration)
 
     def ensure_wrapped(config) -> None:
         finalize = config.finalize_model_grads_func or finalize_model_grads

@@ -224,16 +224,22 @@ def keep_earlier_records(path: str, first_iteration: int) -> None:
 def reduce_balancer_stats(
     balancing: BalancingContext, num_layers: int, dst_rank: int
 ) -> dict[int, dict[str, float]] | None:
-    """This iteration's per-layer balancing figures of every rank, averaged on ``dst_rank``.
+    """This iteration's per-layer balancing figures of every rank, averaged on ``dst_rank``
+    (:func:`reduce_layer_stats` of what ``balancing`` recorded since the last call)."""
+    return reduce_layer_stats(balancing.pop_stats(), num_layers, dst_rank)
 
-    A collective (every rank calls it). Each rank holds the figures of its own MoE layers in its
-    model's ``balancing`` context (pipeline stages differ; EP peers agree; data-parallel replicas
-    are averaged).
+
+def reduce_layer_stats(
+    stats: dict[int, dict[str, float]], num_layers: int, dst_rank: int
+) -> dict[int, dict[str, float]] | None:
+    """Every rank's per-layer balancing figures (``BalancerStats.pop``), averaged on ``dst_rank``.
+
+    A collective over the default group (every rank calls it). Each rank holds the figures of its
+    own MoE layers (pipeline stages differ; EP peers agree; data-parallel replicas are averaged).
 
     Returns:
         {1-based layer: {metric: value}} on ``dst_rank``, None elsewhere.
     """
-    stats = balancing.pop_stats()
     table = torch.zeros(
         num_layers, len(BALANCER_METRICS) + 1, dtype=torch.float64, device=_collective_device()
     )
@@ -278,14 +284,23 @@ def _format_console(iteration: int, imbalance: dict[int, float]) -> str:
 
 
 class _TrainingLogHook:
-    """Wraps megatron.training.training.training_log: after Megatron's own log line, reduce the
-    iteration's expert counts, write them to Megatron's writers, and append the JSONL record."""
+    """Wraps megatron.training.training.training_log (``pretrain_gpt.py``'s entry alone): after
+    Megatron's own log line, reduce the iteration's expert counts, write them to Megatron's writers,
+    and append the JSONL record. Megatron's writers are read where its ``training_log`` is called
+    (:meth:`__call__`); :meth:`after_iteration` gets them, the arguments and the iteration from its
+    caller, and reads none of megatron.training's globals."""
 
     def __init__(
-        self, original, tracker: ExpertLoadTracker | None, metrics_path: str | None, balancing=None
+        self,
+        original,
+        tracker: ExpertLoadTracker | None,
+        metrics_path: str | None,
+        balancing=None,
+        args=None,
     ):
         self.original, self.tracker, self.metrics_path = original, tracker, metrics_path
         self.balancing = balancing
+        self.args = args  # Megatron's parsed arguments (install's)
         self.dashboard = None  # dashboards.Dashboard, set by install()
         self._last_time = time.perf_counter()
         self._first_logged: int | None = None  # the run's first iteration (it holds the start-up)
@@ -315,18 +330,32 @@ class _TrainingLogHook:
             *args,
             **kwargs,
         )
-        self.after_iteration(iteration, loss_dict, grad_norm, skipped_iter, learning_rate)
+        from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
+
+        self.after_iteration(
+            iteration,
+            loss_dict,
+            grad_norm,
+            skipped_iter,
+            learning_rate,
+            writer=get_tensorboard_writer(),
+            wandb_writer=get_wandb_writer(),
+        )
         return result
 
     def after_iteration(
-        self, iteration, loss_dict, grad_norm, skipped_iter, learning_rate=None
+        self,
+        iteration,
+        loss_dict,
+        grad_norm,
+        skipped_iter,
+        learning_rate=None,
+        *,
+        writer=None,
+        wandb_writer=None,
     ) -> None:
-        from megatron.training.global_vars import (
-            get_args,
-            get_tensorboard_writer,
-            get_wandb_writer,
-        )
-
+        """The iteration's telemetry; ``writer``, ``wandb_writer``: the tensorboard and wandb
+        writers (on the last rank; ``None``: none)."""
         now = time.perf_counter()
         iteration_time, self._last_time = now - self._last_time, now
         first = self._first_logged is None
@@ -338,7 +367,7 @@ class _TrainingLogHook:
             counts = self.tracker.reduce_and_reset(dst_rank=last_rank)
             if counts is not None:
                 imbalance = self.tracker.imbalance_by_layer(counts)
-        args = get_args()
+        args = self.args
         balancer_stats = None
         if self.balancing is not None:  # its iteration ended in finalize_model_grads (layer_spec)
             balancer_stats = reduce_balancer_stats(
@@ -348,7 +377,6 @@ class _TrainingLogHook:
             return
         from ultraep_megatron.megatron.run.dashboards import log_scalars
 
-        writer, wandb_writer = get_tensorboard_writer(), get_wandb_writer()
         before = {layer: v["imbalance_before"] for layer, v in (balancer_stats or {}).items()}
         before.update(imbalance)
         scalars = {
@@ -442,7 +470,7 @@ def install(model_cfg: Any, args: Any, balancing: Optional[BalancingContext] = N
         return
     if not isinstance(training.training_log, _TrainingLogHook):
         training.training_log = _TrainingLogHook(
-            training.training_log, tracker, args.metrics_jsonl, balancing
+            training.training_log, tracker, args.metrics_jsonl, balancing, args
         )
         from ultraep_megatron.megatron.run.dashboards import Dashboard
 
