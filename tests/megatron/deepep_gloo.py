@@ -331,28 +331,15 @@ def _targets() -> dict:
     }
 
 
-def install(monkeypatch=None) -> Callable[[], None]:
+def install() -> Callable[[], None]:
     """Make megatron's ``_DeepepManager`` and ``_HybridEPManager`` use this module's dispatch/combine
-    and :mod:`hybridep_gloo`'s.
-
-    Patches ``fused_dispatch``, ``fused_combine``, ``set_deepep_num_sms``, ``hybrid_ep_dispatch``
-    and ``hybrid_ep_combine`` in ``megatron.core.transformer.moe.token_dispatcher`` (where the
-    managers look them up).
-
-    Args:
-        monkeypatch: a pytest ``MonkeyPatch`` (undone by pytest), or None to patch the module
-            directly (for worker processes).
-
-    Returns:
-        A function that restores the previous values (a no-op with a monkeypatch).
-    """
+    and :mod:`hybridep_gloo`'s: ``fused_dispatch``, ``fused_combine``, ``set_deepep_num_sms``,
+    ``hybrid_ep_dispatch`` and ``hybrid_ep_combine`` in
+    ``megatron.core.transformer.moe.token_dispatcher``, where the managers look them up
+    (process-wide). Returns the function that restores the previous values."""
     from megatron.core.transformer.moe import token_dispatcher
 
     targets = _targets()
-    if monkeypatch is not None:
-        for name, value in targets.items():
-            monkeypatch.setattr(token_dispatcher, name, value, raising=False)
-        return lambda: None
     previous = {name: getattr(token_dispatcher, name, None) for name in targets}
     for name, value in targets.items():
         setattr(token_dispatcher, name, value)

@@ -264,21 +264,6 @@ def quantize_blockwise(
     return Quantized(data, scale_inv, values)
 
 
-def blockwise_scale_shape(
-    shape: tuple[int, int], *, columnwise: bool, two_d: bool = False
-) -> tuple[int, int]:
-    """TE's ``Float8BlockQuantizer.get_scale_shape`` for a [M, K] tensor."""
-    m, k = shape
-    blocks = lambda n: (n + BLOCK_LEN - 1) // BLOCK_LEN  # noqa: E731
-    if two_d:
-        return (
-            (blocks(k), round_up(blocks(m), 4))
-            if columnwise
-            else (blocks(m), round_up(blocks(k), 4))
-        )
-    return (blocks(m), round_up(k, 4)) if columnwise else (blocks(k), round_up(m, 4))
-
-
 def quantize_mxfp8(x: torch.Tensor, fmt: str, *, columnwise: bool) -> Quantized:
     """``MXFP8Quantizer`` of ``x`` [M, K]: row-wise 1 x 32 blocks, column-wise 32 x 1; E8M0 scales
     stored [roundup(M, 128), roundup(K / 32, 4)] row-wise, [roundup(M / 32, 4), roundup(K, 128)]

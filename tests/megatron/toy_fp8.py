@@ -41,10 +41,6 @@ BLOCK = 16
 MX_BLOCK = 32
 
 
-def _round_e4m3(scaled: torch.Tensor) -> torch.Tensor:
-    return scaled.to(torch.float8_e4m3fn).to(scaled.dtype)
-
-
 def _row_quantization(weight: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight`` [out, in] quantized along its rows: (e4m3 values ``float8_e4m3fn`` [out, in], fp32
     dequantization scales: [1] per tensor, [out / BLOCK, in / BLOCK] per block, or powers of two
@@ -178,19 +174,8 @@ class ToyQuantizedTensor(torch.Tensor):
             "quantizer": self._quantizer,
         }
 
-    @classmethod
-    def storages_of(cls, weight: torch.Tensor, quantizer: ToyQuantizer) -> dict[str, torch.Tensor]:
-        raise NotImplementedError
-
     def dequantize(self, *, dtype: torch.dtype | None = None) -> torch.Tensor:
         return self._rowwise_values().to(dtype or self.dtype)
-
-    def columnwise_values(self) -> torch.Tensor:
-        """[out, in] values of the column-wise copy (the row-wise ones where none is kept)."""
-        return self._rowwise_values()
-
-    def _rowwise_values(self) -> torch.Tensor:
-        raise NotImplementedError
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):

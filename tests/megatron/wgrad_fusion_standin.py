@@ -30,21 +30,12 @@ def wgrad_gemm_accum_fp32(
     d_weight.add_(d_output.t().matmul(input).to(torch.float32))
 
 
-def wgrad_gemm_accum_fp16(
-    input: torch.Tensor, d_output: torch.Tensor, d_weight: torch.Tensor
-) -> None:
-    if d_weight.dtype not in (torch.float16, torch.bfloat16):
-        raise TypeError(f"wgrad_gemm_accum_fp16 needs a 16-bit d_weight, got {d_weight.dtype}")
-    d_weight.add_(d_output.t().matmul(input).to(d_weight.dtype))
-
-
 def install() -> None:
     """Make ``import fused_weight_gradient_mlp_cuda`` find this stand-in. Where megatron's linear
     layers are imported already (the tests' warm launcher preloads megatron), redo their one
     import-time lookup of the kernel, as a fresh import would have found it."""
     module = types.ModuleType(MODULE, __doc__)
     module.wgrad_gemm_accum_fp32 = wgrad_gemm_accum_fp32
-    module.wgrad_gemm_accum_fp16 = wgrad_gemm_accum_fp16
     sys.modules[MODULE] = module
     layers = sys.modules.get("megatron.core.tensor_parallel.layers")
     if layers is not None:
