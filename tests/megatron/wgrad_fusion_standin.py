@@ -3,13 +3,14 @@ layers call under ``--gradient-accumulation-fusion`` (megatron's GPU default) to
 gradient into ``weight.main_grad`` instead of returning it.
 
 Follows Apex's ``csrc/megatron/fused_weight_gradient_dense.cpp`` (and its ``*_cuda.cu``) as
-megatron-core 0.19.2's ``tensor_parallel/layers.py`` calls it: ``wgrad_gemm_accum_fp32(input [N,
-in], d_output [N, out], d_weight [out, in] fp32)`` does ``d_weight += d_output^T @ input``;
-``wgrad_gemm_accum_fp16`` the same into a 16-bit ``d_weight``. :func:`install` (the worker's
-``ULTRAEP_WGRAD_FUSION_STANDIN=1``) also redoes megatron's import-time lookup of the module.
+megatron-core 0.19.2's ``tensor_parallel/layers.py`` calls it with an fp32 ``main_grad``:
+``wgrad_gemm_accum_fp32(input [N, in], d_output [N, out], d_weight [out, in])`` does ``d_weight +=
+d_output^T @ input``. :func:`install` (the worker's ``ULTRAEP_WGRAD_FUSION_STANDIN=1``) also redoes
+megatron's import-time lookup of the module.
 
-Fails (``TypeError``) on a ``d_weight`` of the other kernel's dtype. Leaves out: the kernel's cuBLAS
-GEMM (here the unfused backward's matmul, so fp32 gradients are the unfused ones).
+Fails (``TypeError``) on a ``d_weight`` that is not fp32. Leaves out: ``wgrad_gemm_accum_fp16`` (a
+16-bit ``main_grad``: megatron then finds no such attribute), the kernel's cuBLAS GEMM (here the
+unfused backward's matmul, so fp32 gradients are the unfused ones).
 """
 
 from __future__ import annotations
