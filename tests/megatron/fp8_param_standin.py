@@ -37,6 +37,10 @@ source (``transformer_engine/pytorch/tensor/utils.py``, ``float8_tensor.py``,
 ``float8_blockwise_tensor.py``, ``mxfp8_tensor.py``, ``storage/*.py``, ``module/base.py``;
 release 2.18), on ``toy_fp8``'s quantized tensors.
 
+Fails as TE does: ``replace_raw_data`` of an MXFP8 tensor (``NotImplementedError``), another
+quantized class (``ValueError``); and refuses (``NotImplementedError``) what it leaves out: FSDP
+shards, a cast without ``manual_post_all_gather_processing``.
+
 Left out: TE's kernels and their numerics (``toy_fp8``'s quantizers: scale formulas, block sizes,
 no MXFP8 scale padding), delayed scaling (refused by the balancer), NVFP4, FSDP's sharded model
 weights, TE's grouped weights (``--moe-grouped-gemm`` with a single grouped parameter), every

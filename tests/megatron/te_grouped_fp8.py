@@ -3,7 +3,8 @@ CPU: every GEMM group's input, weight and output gradient quantized as TE quanti
 e4m3 / e5m2 rounding (``torch.float8_e4m3fn`` / ``torch.float8_e5m2``), for equivalence tests
 that must see what fp8 does to a replicated expert's rows.
 
-What it follows (TransformerEngine, ``transformer_engine/``):
+What it follows (TransformerEngine 2.x, ``transformer_engine/``; megatron-core 0.19.2 builds the
+recipes):
 
 * ``pytorch/module/grouped_linear.py`` (``_GroupedLinear.forward`` / ``backward``, the split-quantize
   path): the input is split by ``m_splits`` and each group quantized with *that group's* input
@@ -50,6 +51,10 @@ What it follows (TransformerEngine, ``transformer_engine/``):
   [128, 4] row-wise and [4, 128] column-wise multiples (``get_scale_shape``); the padding holds
   zeros here (TE leaves it unset and the GEMM never reads it).
 * ``is_first_microbatch`` and the weight cache: the caller's (``torch_grouped_linear``).
+
+Fails (``ValueError``) where TE refuses an MXFP8 operand or group whose rows or columns are not
+multiples of 32; refuses what it leaves out (recipes without current scaling, formats other than
+``e4m3`` / ``hybrid``).
 
 What it leaves out: TE's kernels and cuBLAS. The GEMMs run in fp32 on the dequantized operands,
 with no model of cuBLAS's fp8 accumulation: Hopper accumulates fp8 products in reduced precision,
