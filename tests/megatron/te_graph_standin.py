@@ -32,6 +32,10 @@ refuses (:class:`CaptureViolation`).
 
 Under fp8 it follows TE as ``te_fp8_standin``'s docstring says.
 
+Fails as TE 2.7's does, with its exceptions and messages, on the checks above; a capture fails
+where CUDA's does (``CaptureViolation``, ``standin_graph``); under fp8 it refuses delayed scaling
+(``NotImplementedError``).
+
 Left out: under fp8, delayed scaling (``DelayedScaling``: amax histories saved and restored around
 the capture, ``save_fp8_tensors``, and reduced per step; refused with ``NotImplementedError``, and
 ``--fp8-recipe delayed`` is refused at startup for a balanced layer) and TE's fp8 meta of the TE
