@@ -19,6 +19,14 @@ a replica's rows; here it is left out on purpose: an fp8 rounding turns a last-b
 two summation orders (the noise floor of the equivalence tests) into a whole fp8 step with some
 probability, which no floor measured from a few samples bounds.
 
+The quantized tensors follow TE 2.x's ``QuantizedTensor`` contract
+(``transformer_engine/pytorch/tensor/quantized_tensor.py``: ``get_metadata``, ``dequantize``,
+``detach`` sharing the storages, ``copy_`` re-quantizing in place) with ``Float8Tensor``'s,
+``Float8BlockwiseQTensor``'s and ``MXFP8Tensor``'s storage attributes; their scales and block sizes
+are the toy's (left out: TE's scale formulas, which ``te_grouped_fp8`` follows). Fails
+(``ValueError``) on a recipe without current scaling and on a weight whose shape is not a multiple
+of the recipe's blocks.
+
 :func:`install_fp8_standins` gives megatron's ``TEGroupedMLP`` the two TE pieces it asserts under
 fp8 (``HAVE_TE`` and ``Fp8Padding`` / ``Fp8Unpadding``, which pad each expert's rows to the GEMM
 alignment with zero rows); :func:`enable_fp8` turns fp8 on in a built ``TransformerConfig`` (its
