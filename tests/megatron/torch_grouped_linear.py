@@ -1,12 +1,12 @@
 """Pure-torch grouped linears for megatron-core's ``TEGroupedMLP`` (tests without TE).
 
 ``TEGroupedMLP`` is megatron-core's grouped-GEMM expert class; its ``linear_fc1`` / ``linear_fc2``
-are normally Transformer Engine's ``GroupedLinear`` (TE 2.x, ``transformer_engine/pytorch/module/
-grouped_linear.py``) through megatron's ``TEColumnParallelGroupedLinear`` /
-``TERowParallelGroupedLinear`` (megatron-core 0.19.2 and 0.18, ``extensions/transformer_engine.py``),
-which needs a CUDA build of TE. The classes here are drop-in replacements that follow the ``GroupedLinearFc1Builder`` /
-``GroupedLinearFc2Builder`` protocols of ``megatron/core/transformer/moe/experts.py`` and keep TE's
-parameter layout, so code that reads or swaps expert weights sees what it would see with TE:
+are normally Transformer Engine's ``GroupedLinear`` (TE 2.x, in ``transformer_engine/pytorch/``:
+``module/grouped_linear.py``) through megatron's ``TEColumnParallelGroupedLinear`` /
+``TERowParallelGroupedLinear`` (megatron-core 0.19.2 and 0.18,
+``extensions/transformer_engine.py``), which needs a CUDA build of TE. The classes here are drop-in
+replacements that follow the ``GroupedLinearFc1Builder`` / ``GroupedLinearFc2Builder`` protocols of
+``megatron/core/transformer/moe/experts.py`` and keep TE's parameter layout, so code that reads or swaps expert weights sees what it would see with TE:
 
 * one parameter per local expert, ``weight{i}`` of shape [out, in] (the TP partition), and
   ``bias{i}`` of shape [out] when ``bias=True``; no ``_extra_state`` (no FP8 metadata);
