@@ -114,18 +114,6 @@ class FP8GlobalStateManager:
         cls.reductions = {True: 0, False: 0}
 
     @classmethod
-    def is_fp8_enabled(cls) -> bool:
-        return cls.FP8_ENABLED
-
-    @classmethod
-    def get_fp8_recipe(cls):
-        return cls.FP8_RECIPE
-
-    @classmethod
-    def get_fp8_group(cls):
-        return cls.FP8_DISTRIBUTED_GROUP
-
-    @classmethod
     def is_first_fp8_module(cls) -> bool:
         """``True`` once per outermost autocast: for the first module that asks."""
         first, cls.IS_FIRST_FP8_MODULE = cls.IS_FIRST_FP8_MODULE, False

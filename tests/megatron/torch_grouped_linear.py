@@ -419,12 +419,6 @@ class TorchGroupedLinear(torch.nn.Module):
             tensor.replica_id = (*tensor.replica_id[:2], edp_rank)
         return sharded
 
-    def extra_repr(self) -> str:
-        return (
-            f"{self.parallel_mode}: {self.num_gemms} x [in={self.in_features}, "
-            f"out={self.out_features}], bias={self.use_bias}"
-        )
-
 
 class TorchColumnGroupedLinear(TorchGroupedLinear):
     """``linear_fc1`` builder: column-parallel (out split over expert-TP); TorchGroupedLinear."""
