@@ -1,24 +1,27 @@
-"""Several ranks on one GPU: CUDA tensors, their communication staged through gloo on the host.
+"""A stand-in for NCCL where several ranks share one GPU: CUDA tensors, their communication staged
+through gloo on the host.
 
 NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), so on a single-GPU machine the
-balanced layer's multi-rank paths cannot run over it. After :func:`install`, every rank computes
-on the GPU, and each torch.distributed operation of the MoE layer's path (megatron's token
-all-to-all and count gather, the balancer's load gather, the replica transfers' batched
-point-to-point calls and the data plane's first collective) copies its tensors to the host, runs
-there over gloo, and copies the results back on the current stream. Its handle's ``wait()`` makes
-the waiting stream wait for an event recorded after that copy, as NCCL's does; the data plane takes
-its NCCL path (transfers issued on its own CUDA stream, ordered by events), not its gloo one.
+balanced layer's multi-rank paths cannot run over it. After :func:`install`, every rank computes on
+the GPU, and each torch.distributed operation of the MoE layer's path (megatron's token all-to-all
+and count gather, the balancer's load gather, the replica transfers' batched point-to-point calls
+and the data plane's first collective) copies its tensors to the host, runs there over gloo, and
+copies the results back on the current stream.
 
-The staging's copies wait for the device; those waits stand in for NCCL, which needs none, so they
-run with CUDA's sync debug mode off: the mode reports the code under test only. With CPU tensors (a
-dry run of a GPU check) the operations are staged the same way, through host copies, with no
-events. A batch of point-to-point operations on CUDA tensors returns one handle, as NCCL's
-coalesced batch does.
+Follows the handles of torch 2.14's NCCL process group (``ProcessGroupNCCL``): ``wait()`` makes the
+waiting stream wait for an event recorded after the copy back, and blocks no host; a batch of
+point-to-point operations on CUDA tensors returns one handle, as NCCL's coalesced batch does. The
+data plane takes its NCCL path (transfers on its own CUDA stream, ordered by events). The staging's
+own waits for the device run with CUDA's sync debug mode off, so the mode reports the code under
+test only. With CPU tensors (a dry run of a GPU check) the operations are staged the same way,
+without events.
 
-Limit: a staged operation has all but finished when it returns (its results are being copied to
-the device in the issuing stream's order), where NCCL's kernel may not have started. A consumer
-that skips a ``wait()`` will most likely read the right data here anyway: a missing wait is not
-reliably caught.
+Fails as gloo does on a device tensor passed where NCCL takes one and gloo does not (split sizes,
+for instance): only the positional tensors are staged.
+
+Leaves out: the asynchrony. A staged operation has all but finished when it returns, where NCCL's
+kernel may not have started, so a consumer that skips a ``wait()`` most likely reads the right data
+anyway: a missing wait is not reliably caught.
 
 Usage::
 

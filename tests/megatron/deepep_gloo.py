@@ -1,41 +1,25 @@
-"""A CPU/gloo stand-in for DeepEP's fused dispatch/combine (intranode semantics), for tests.
+"""A gloo stand-in for DeepEP's intranode dispatch and combine, so that megatron-core's flex token
+dispatcher (``_DeepepManager``) runs on CPU ranks.
 
-megatron-core's flex token dispatcher with ``moe_flex_dispatcher_backend="deepep"``
-(``_DeepepManager`` in ``megatron.core.transformer.moe.token_dispatcher``) calls three names it
-imports from ``fused_a2a``: ``fused_dispatch``, ``fused_combine`` and ``set_deepep_num_sms``. They
-are None without DeepEP (a CUDA-only library), so the dispatcher cannot be built on a CPU.
-:func:`install` puts the gloo implementations below in their place, so the *real* flex dispatcher
-(its top-k metadata, multihot conversion, permute/unpermute) runs on gloo CPU ranks.
+Follows DeepEP's ``deep_ep/buffer.py`` (``Buffer.dispatch`` / ``Buffer.combine``, intranode) as
+megatron-core 0.19.2 wraps it in ``transformer/moe/fused_a2a.py`` (``fused_dispatch``,
+``fused_combine``, ``set_deepep_num_sms``; :func:`install` puts these in their place, and
+:mod:`hybridep_gloo`'s for HybridEP): a token is sent once to every rank hosting one of its top-k
+experts (-1: a masked slot); received rows are ordered by source rank, then token; ``recv_indices``
+holds the local expert id or -1, ``recv_probs`` the probability or 0; combine sums the rows each
+token sent; each operation's backward is the other (megatron's ``FusedDispatch`` /
+``FusedCombine``). DeepEP's dispatch makes the host poll for the received counts: reported to
+:data:`on_host_wait`, and the tensors the kernels leave on the GPU to :data:`on_device_outputs`
+(``device_reads`` counts them); the gloo bookkeeping is hidden from torch function modes
+(:func:`transport`).
 
-Semantics follow DeepEP's ``Buffer.dispatch`` / ``Buffer.combine`` (intranode):
+Fails (``ValueError``) on inputs the kernels cannot take: shapes that disagree, an expert count not
+a multiple of the group size, an expert id out of range, a combine over another group or with
+another row count than its dispatch's.
 
-* a token is sent once to every rank hosting at least one of its top-k experts (not once per
-  expert);
-* received rows are ordered by source rank, then by source token index;
-* ``recv_indices[i, k]`` is the top-k expert id minus ``rank * num_local_experts`` when that expert
-  lives on this rank, else -1; ``recv_probs[i, k]`` is its probability there, else 0;
-* ``token_indices`` may hold -1 (masked slot: sent nowhere);
-* combine sums, for every source token, the rows it sent to each rank.
-
-The transport is ``torch.distributed.all_to_all_single`` over the given (gloo) group: the row
-counts are exchanged first, then the rows. Both operations are autograd Functions whose backward
-is the other operation, as in megatron's ``FusedDispatch`` / ``FusedCombine``.
-
-HybridEP (``moe_flex_dispatcher_backend="hybridep"``, ``_HybridEPManager``) calls
-``hybrid_ep_dispatch`` / ``hybrid_ep_combine`` instead: their stand-ins are :mod:`hybridep_gloo`'s,
-over this module's transport; :func:`install` puts both in place.
-
-Host waits. A GPU run's host waits for DeepEP's dispatch (the CPU polls for the received counts,
-which it returns as a host list) and for a HybridEP dispatch without ``num_permuted_tokens``; the
-stand-ins report each at :data:`on_host_wait`, and the tensors the real kernels leave on the GPU
-to :data:`on_device_outputs`, so ``device_reads.DeviceReadCounter`` can count them. The stand-ins'
-own bookkeeping (gloo needs its split sizes on the host) is transport, hidden from torch function
-modes.
-
-Usage (on every rank, before the MoE layer is built)::
-
-    import deepep_gloo
-    deepep_gloo.install()             # or install(monkeypatch) inside a pytest test
+Leaves out: internode (RDMA) and low-latency kernels, dispatch with a cached layout, fp8 dispatch,
+``async_finish`` and communication-stream allocation (the exchange is synchronous), the SM budget
+(recorded, :data:`NUM_SMS`).
 """
 
 from __future__ import annotations
@@ -347,28 +331,15 @@ def _targets() -> dict:
     }
 
 
-def install(monkeypatch=None) -> Callable[[], None]:
+def install() -> Callable[[], None]:
     """Make megatron's ``_DeepepManager`` and ``_HybridEPManager`` use this module's dispatch/combine
-    and :mod:`hybridep_gloo`'s.
-
-    Patches ``fused_dispatch``, ``fused_combine``, ``set_deepep_num_sms``, ``hybrid_ep_dispatch``
-    and ``hybrid_ep_combine`` in ``megatron.core.transformer.moe.token_dispatcher`` (where the
-    managers look them up).
-
-    Args:
-        monkeypatch: a pytest ``MonkeyPatch`` (undone by pytest), or None to patch the module
-            directly (for worker processes).
-
-    Returns:
-        A function that restores the previous values (a no-op with a monkeypatch).
-    """
+    and :mod:`hybridep_gloo`'s: ``fused_dispatch``, ``fused_combine``, ``set_deepep_num_sms``,
+    ``hybrid_ep_dispatch`` and ``hybrid_ep_combine`` in
+    ``megatron.core.transformer.moe.token_dispatcher``, where the managers look them up
+    (process-wide). Returns the function that restores the previous values."""
     from megatron.core.transformer.moe import token_dispatcher
 
     targets = _targets()
-    if monkeypatch is not None:
-        for name, value in targets.items():
-            monkeypatch.setattr(token_dispatcher, name, value, raising=False)
-        return lambda: None
     previous = {name: getattr(token_dispatcher, name, None) for name in targets}
     for name, value in targets.items():
         setattr(token_dispatcher, name, value)

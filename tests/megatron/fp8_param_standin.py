@@ -37,6 +37,10 @@ source (``transformer_engine/pytorch/tensor/utils.py``, ``float8_tensor.py``,
 ``float8_blockwise_tensor.py``, ``mxfp8_tensor.py``, ``storage/*.py``, ``module/base.py``;
 release 2.18), on ``toy_fp8``'s quantized tensors.
 
+Fails as TE does: ``replace_raw_data`` of an MXFP8 tensor (``NotImplementedError``), another
+quantized class (``ValueError``); and refuses (``NotImplementedError``) what it leaves out: FSDP
+shards, a cast without ``manual_post_all_gather_processing``.
+
 Left out: TE's kernels and their numerics (``toy_fp8``'s quantizers: scale formulas, block sizes,
 no MXFP8 scale padding), delayed scaling (refused by the balancer), NVFP4, FSDP's sharded model
 weights, TE's grouped weights (``--moe-grouped-gemm`` with a single grouped parameter), every
@@ -124,11 +128,6 @@ def create_transpose(tensor: "toy_fp8.ToyFloat8Tensor") -> None:
     else:
         tensor._transpose.copy_(transposed)
     tensor._caches_invalid["data_transpose"] = False
-
-
-def reset_caches(tensor: "toy_fp8.ToyFloat8Tensor") -> None:
-    """TE's ``Float8Tensor._reset_caches``: the transpose marked stale (kept)."""
-    tensor._caches_invalid["data_transpose"] = True
 
 
 def create_columnwise(tensor: "toy_fp8.ToyBlockwiseTensor") -> None:
@@ -226,11 +225,13 @@ def cast_master_weights_to_fp8(
     block of the row- and column-wise copies) are reduced with MAX over ``group``, so every rank
     gets the whole weight's scales, written into the weight in place; each shard is cast to the
     model weight's dtype and then quantized into its fragment of the weight's bytes (megatron's
-    parameter buffer once mapped there). Without ``manual_post_all_gather_processing`` the caches
-    are dropped (transpose marked stale, blockwise column-wise copy freed) for the next use to
-    rebuild; with it (megatron's choice) they are left for :func:`post_all_gather_processing`."""
+    parameter buffer once mapped there). The caches are left for
+    :func:`post_all_gather_processing`: megatron passes ``manual_post_all_gather_processing=True``
+    (without it TE drops them; not modelled)."""
     if fsdp_shard_model_weights is not None:
         raise NotImplementedError("the fp8 parameter stand-in has no FSDP shard model weights")
+    if not manual_post_all_gather_processing:
+        raise NotImplementedError("the fp8 parameter stand-in leaves the caches to the gather")
     CALLS["cast_master_weights_to_fp8"] += len(model_weights)
     by_recipe: dict[str, list] = {}
     for weight, master, start in zip(model_weights, master_weights, start_offsets):
@@ -240,7 +241,7 @@ def cast_master_weights_to_fp8(
             master = master.to(weight.dtype)
         by_recipe.setdefault(recipe_of(weight), []).append((weight, master, start))
     for recipe, params in by_recipe.items():
-        _cast_current_scaling(recipe, params, group, manual_post_all_gather_processing)
+        _cast_current_scaling(recipe, params, group)
 
 
 def _copies(recipe: str) -> list[tuple[str, str, Optional[tuple[int, int]]]]:
@@ -271,7 +272,7 @@ def shard_amaxes(recipe: str, params) -> torch.Tensor:
     )
 
 
-def cast_shards(recipe: str, params, amaxes: torch.Tensor, manual: bool) -> None:
+def cast_shards(recipe: str, params, amaxes: torch.Tensor) -> None:
     """Steps 3 and 4 of TE's cast, with the amaxes reduced over the group: every weight's scales
     written in place, this rank's shards quantized into their fragments of the weights' bytes."""
     offset = 0
@@ -293,21 +294,14 @@ def cast_shards(recipe: str, params, amaxes: torch.Tensor, manual: bool) -> None
             if master is not None:
                 fragment = getattr(weight, data_attr).reshape(-1)[start : start + master.numel()]
                 fragment.copy_(_cast_fragment(weight.shape, start, master, scale_inv, block))
-        if not manual:
-            if recipe == "tensorwise":
-                reset_caches(weight)
-            elif (
-                recipe == "blockwise"
-            ):  # TE: update_usage(rowwise_usage=True, columnwise_usage=False)
-                weight._columnwise_data = weight._columnwise_scale_inv = None
 
 
-def _cast_current_scaling(recipe: str, params, group, manual: bool) -> None:
+def _cast_current_scaling(recipe: str, params, group) -> None:
     """One recipe's weights: TE's ``_cast_master_weights_to_fp8_{current,blockwise,mxfp8}_scaling``
     (step 2: the amaxes reduced with MAX over ``group``, so every rank gets every weight's)."""
     amaxes = shard_amaxes(recipe, params)
     torch.distributed.all_reduce(amaxes, op=torch.distributed.ReduceOp.MAX, group=group)
-    cast_shards(recipe, params, amaxes, manual)
+    cast_shards(recipe, params, amaxes)
 
 
 # -- TE's fp8_model_init for megatron's experts ---------------------------------------------------

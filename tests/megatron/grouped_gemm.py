@@ -1,12 +1,12 @@
-"""The grouped GEMMs of the tests' grouped linears (:mod:`torch_grouped_linear`), without TE.
+"""The grouped GEMMs of the tests' grouped linears (:mod:`torch_grouped_linear`) in high precision,
+without TE: :func:`grouped_matmul` (a loop of per-expert matmuls over contiguous token chunks) and
+the delayed weight gradients.
 
-:func:`grouped_matmul` is a loop of per-expert matmuls over contiguous token chunks (high precision,
-or quantized weights as given: :class:`QuantizedWeightLinear`).
-
-Delayed weight gradients (``config.delay_wgrad_compute``, megatron's ``--delay-wgrad-compute`` in its
-overlapped 1F1B schedule) follow Transformer Engine's contract (``module/grouped_linear.py``,
-``module/base.py``, ``module/_common.py``'s ``WeightGradStore``; megatron's ``TEGroupedLinear`` passes
-``delay_wgrad_compute`` to TE and calls TE's ``backward_dw`` from its own):
+Delayed weight gradients (``config.delay_wgrad_compute``, megatron's ``--delay-wgrad-compute``
+in its overlapped 1F1B schedule) follow TE 2.x's contract (in ``transformer_engine/pytorch/``:
+``module/grouped_linear.py``, ``module/base.py``, ``module/_common.py``'s ``WeightGradStore``;
+megatron-core 0.19.2's ``TEGroupedLinear`` passes ``delay_wgrad_compute`` to TE and calls TE's
+``backward_dw`` from its own):
 
 * the module keeps a ``wgrad_store``, a FIFO of stashed weight-gradient computations; its
   parameters are marked ``skip_backward_post_hook`` (so megatron's DDP registers its gradient hook
@@ -16,16 +16,17 @@ overlapped 1F1B schedule) follow Transformer Engine's contract (``module/grouped
   with their operands and the output tensors they will write, and those output tensors are what
   the backward returns for the weights (TE: not computed yet; here zeros, so a reader before
   ``backward_dw`` sees a definite wrong value rather than uninitialized memory); bias gradients are
-  ``None`` (bf16);
-* the module's ``backward_dw()`` (nothing when the store is empty) pops the oldest computation, runs it into
-  those tensors, sets each weight's ``.grad`` to its gradient (and a bias's where it has none),
-  and runs the hooks registered with ``register_wgrad_accumulation_and_reduce_hooks``
+  ``None``;
+* the module's ``backward_dw()`` (nothing when the store is empty) pops the oldest computation,
+  runs it into those tensors, sets each weight's ``.grad`` to its gradient (and a bias's where it
+  has none), and runs the hooks registered with ``register_wgrad_accumulation_and_reduce_hooks``
   (``_trigger_wgrad_accumulation_and_reduce_hooks``), where megatron's DDP adds ``.grad`` to
   ``main_grad`` and marks the parameter ready for its bucket reduction.
 
+Fails as TE does on a pop of an empty store and on a store used without delayed weight gradients.
 Under fp8 the stashed GEMMs are ``te_grouped_fp8``'s (quantized operands; the same store and
-``backward_dw``). Left out: TE's fused gradient accumulation under delay (``main_grad``
-written by ``backward_dw``'s GEMMs; fusion is refused here, as above), ``ub_bulk_wgrad``, the
+``backward_dw``). Leaves out: TE's fused gradient accumulation under delay (``main_grad`` written
+by ``backward_dw``'s GEMMs; fusion is refused by the grouped linear), ``ub_bulk_wgrad``, the
 grouped-tensor path. The products are the undelayed path's (``grad_i^T @ rows_i`` per group),
 computed later.
 """
@@ -37,30 +38,7 @@ from typing import Optional, Sequence
 
 import torch
 
-import toy_fp8
-
-__all__ = [
-    "grouped_matmul",
-    "QuantizedWeightLinear",
-    "WeightGradStore",
-    "DelayedWgradGroupedLinear",
-]
-
-
-class QuantizedWeightLinear(torch.autograd.Function):
-    """``rows [T, in] @ weight.T`` for a quantized ``weight`` [out, in]: row-wise values forward,
-    column-wise values for the input gradient, a high-precision weight gradient. Saves the
-    quantized weight itself for the backward."""
-
-    @staticmethod
-    def forward(ctx, rows, weight):
-        ctx.save_for_backward(rows, weight)
-        return rows @ weight.dequantize(dtype=rows.dtype).t()
-
-    @staticmethod
-    def backward(ctx, grad):
-        rows, weight = ctx.saved_tensors
-        return grad @ weight.columnwise_values().to(grad.dtype), (grad.t() @ rows).to(weight.dtype)
+__all__ = ["grouped_matmul", "WeightGradStore", "DelayedWgradGroupedLinear"]
 
 
 def grouped_matmul(
@@ -93,13 +71,7 @@ def grouped_matmul(
             f"but there are {rows.shape[0]} rows"
         )
     chunks = torch.split(rows, list(tokens_per_expert))
-    if isinstance(weights[0], toy_fp8.ToyQuantizedTensor):
-        outs = [
-            QuantizedWeightLinear.apply(chunk, weight) for chunk, weight in zip(chunks, weights)
-        ]
-        if biases is not None:
-            outs = [out + bias for out, bias in zip(outs, biases)]
-    elif biases is None:
+    if biases is None:
         outs = [chunk @ weight.t() for chunk, weight in zip(chunks, weights)]
     else:
         outs = [

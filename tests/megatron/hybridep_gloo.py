@@ -1,14 +1,22 @@
-"""A CPU/gloo stand-in for HybridEP's fused dispatch and combine, for tests; installed with
-DeepEP's by :func:`deepep_gloo.install`, over its transport and host-wait hooks.
+"""A gloo stand-in for HybridEP's fused dispatch and combine (``moe_flex_dispatcher_backend=
+"hybridep"``, megatron's ``_HybridEPManager``), over :mod:`deepep_gloo`'s transport and host-wait
+hooks; :func:`deepep_gloo.install` installs it.
 
-megatron-core's flex token dispatcher with ``moe_flex_dispatcher_backend="hybridep"``
-(``_HybridEPManager``) calls ``hybrid_ep_dispatch`` / ``hybrid_ep_combine``, which it imports from
-``fused_a2a`` (None without HybridEP, a CUDA-only library). :func:`hybrid_ep_dispatch` below follows
-their documented contract (megatron's ``fused_a2a``): a ``[N, W * L]`` bool routing map and float32
-probabilities; the received rows come out permuted, local-expert-major (within an expert: source
-rank, then token), each expert's rows padded with zero rows up to ``pad_multiple``; the output has
-``num_permuted_tokens`` rows when that is given (then the dispatch is non-blocking), else HybridEP
-reads the permuted size from a GPU tensor: a host wait. ``tokens_per_expert`` stays on the device.
+Follows the contract of megatron-core 0.19.2's ``transformer/moe/fused_a2a.py``
+(``hybrid_ep_dispatch`` / ``hybrid_ep_combine``, over DeepEP's ``HybridEPBuffer``
+``dispatch_with_permute`` / ``combine_with_unpermute``): a ``[N, W * L]`` bool routing map and
+float32 probabilities in; the received rows out permuted, local-expert-major (within an expert:
+source rank, then token), each expert's rows padded with zero rows to ``pad_multiple``;
+``num_permuted_tokens`` rows when given, else HybridEP reads the permuted size from the GPU, a host
+wait (reported to ``deepep_gloo.on_host_wait``); ``tokens_per_expert`` stays on the device. Combine
+sums each token's rows back at its source; each operation's backward is the other.
+
+Fails (``ValueError``) on what HybridEP cannot take: a routing map or probabilities of another
+shape, non-float32 probabilities, ``num_permuted_tokens`` below the permuted rows, a combine whose
+rows are not its dispatch's.
+
+Leaves out: the SM and block counts and ``fused`` (tuning of the real kernels: ignored), more than
+one node.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """megatron's config and parallel state for the layer-level tests and their workers, built one way.
 
 ``moe_config`` makes the ``TransformerConfig`` of a small MoE layer on the CPU (megatron's fused
-CUDA paths off); ``model_parallel`` makes megatron's groups for an EP size, once per process.
+CUDA paths off); ``model_parallel`` makes megatron's groups for an EP size, once per process. The
+workers' shared helpers: the weights (``moe_weights``) and tokens (``moe_inputs``) of a seed, and
+loading weights into a layer (``load_moe_weights``).
 """
 
 #: What every CPU layer test sets: no aux loss (it would change gradients between layouts), no bias,
@@ -75,6 +77,33 @@ def moe_weights(experts: int, hidden: int, ffn: int, seed: int) -> dict:
         "fc1": torch.randn(experts, ffn, hidden, generator=gen) * hidden**-0.5,
         "fc2": torch.randn(experts, hidden, ffn, generator=gen) * ffn**-0.5,
     }
+
+
+def moe_inputs(seed: int, seq: int, batch: int, hidden: int) -> tuple:
+    """Tokens and their upstream gradient, both [seq, batch, hidden], from ``seed``."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(seq, batch, hidden, generator=gen)
+    return x, torch.randn(seq, batch, hidden, generator=gen)
+
+
+def load_moe_weights(layer, weights: dict, expert_order=None) -> list:
+    """Copy :func:`moe_weights`' ``weights`` into ``layer`` (router and local experts): local expert
+    i gets global expert ``expert_order[local_expert_indices[i]]`` (by default its own). Returns
+    those global expert ids."""
+    import torch
+
+    loaded = []
+    with torch.no_grad():
+        layer.router.weight.copy_(weights["router"])
+        for local, expert_index in enumerate(layer.local_expert_indices):
+            source = expert_index if expert_order is None else expert_order[expert_index]
+            fc1, fc2 = expert_linears(layer, local)
+            fc1.copy_(weights["fc1"][source])
+            fc2.copy_(weights["fc2"][source])
+            loaded.append(source)
+    return loaded
 
 
 def expert_linears(layer, local: int) -> tuple:

@@ -1,24 +1,25 @@
-"""``torch.cuda.CUDAGraph`` as Transformer Engine's ``make_graphed_callables`` uses it, on the CPU
-(for ``te_graph_standin``).
+"""A CPU stand-in for ``torch.cuda.CUDAGraph`` (torch 2.14, ``torch/cuda/graphs.py``) as Transformer
+Engine's ``make_graphed_callables`` uses it (for ``te_graph_standin``): ``with graph.capture():``
+and ``graph.replay()``.
 
-:class:`StandinGraph` behaves as a graph does: its capture runs the Python of the captured region
-once and records every aten operation it issues (a ``TorchDispatchMode``), and a replay re-executes
-those *tensor operations* on the recorded tensors, writing each result into the tensor the capture
-produced (the static buffers, whose storage stays fixed), and runs no Python of the captured region:
-host state the region set at capture (an attribute, an object) is what the capture left, not what a
-replay would compute. Parameters, static inputs and other tensors made before the capture are read
-where they are at replay, as a graph reads fixed addresses; Python numbers in the region are baked
-in, as kernel arguments are. A collective in the region (gloo here, NCCL on a GPU) is re-issued at
-replay and waited for at once.
+Follows CUDA stream capture: a capture runs the region's Python once and records every aten
+operation it issues (a ``TorchDispatchMode``); a replay re-executes those tensor operations on the
+recorded tensors, writing each result into the tensor the capture produced (the static buffers), and
+runs none of the region's Python: host state the region set is what the capture left. Parameters,
+static inputs and tensors made before the capture are read where they are at replay, as fixed
+addresses are; Python numbers are baked in, as kernel arguments are. A collective in the region
+(gloo here, NCCL on a GPU) is re-issued at replay and waited for at once.
 
-What a capture refuses, as CUDA's stream capture does (:class:`CaptureViolation`): a host read of
-tensor data (``item``, ``int``/``float``/``bool`` of a tensor, ``tolist``, ``numpy``, ``__array__``,
-``cpu()`` / ``to('cpu')``, a copy into a host tensor made with ``pin_memory`` or on ``'cpu'``,
-``torch.equal``), an operation whose output shape depends on the data (aten's
-``dynamic_output_shape`` operations: ``nonzero``, ``unique``, ``masked_select``, boolean-mask
-indexing, ``repeat_interleave`` without ``output_size``, ``bincount``), and a host wait or poll on
-a stream, an event or the device (the CPU backend's stand-ins refuse those inside
-``torch_cuda.stream_capture``). A violation raises where it happens, as CUDA's capture fails there.
+Fails (:class:`CaptureViolation`, where it happens) on what stream capture refuses: a host read of
+tensor data (``item``, ``int`` / ``float`` / ``bool`` of a tensor, ``tolist``, ``numpy``,
+``__array__``, ``cpu()`` / ``to('cpu')``, a copy into a host tensor made with ``pin_memory`` or on
+``'cpu'``, ``torch.equal``, ``repr``), an operation whose output shape depends on the data (aten's
+``dynamic_output_shape``: ``nonzero``, ``unique``, boolean-mask indexing, ``repeat_interleave``
+without ``output_size``, ...), a host wait on a stream, an event or the device (refused by the CPU
+backend's ``torch_cuda.stream_capture``).
+
+Leaves out: graph memory pools, graph-safe RNG (a random operation draws anew at each replay),
+captures from other threads, ``reset``.
 """
 
 from __future__ import annotations

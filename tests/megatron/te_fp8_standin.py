@@ -25,6 +25,10 @@ recipes, whose global amax buffer is empty: nothing to reduce (it counts the cal
 decides at import that TE is absent here, and its TE-less version returns ``None``), so
 ``TECudaGraphHelper`` hands the stand-in the recipe object it would hand TE.
 
+The TE release followed is ``te_graph_standin.TE_VERSION`` (2.7). Fails as megatron's
+``get_fp8_recipe`` does on an fp8 format other than ``e4m3`` / ``hybrid`` (``ValueError``), and
+refuses the recipes it leaves out (``NotImplementedError``).
+
 Left out (``te_graph_standin``'s module docstring has the whole list): delayed scaling, TE's fp8
 meta of the TE modules a graph visits, the device's fp8 availability checks.
 """
@@ -108,18 +112,6 @@ class FP8GlobalStateManager:
         cls.FP8_RECIPE = cls.FP8_DISTRIBUTED_GROUP = cls.skip_fp8_weight_update_tensor = None
         cls.FP8_AUTOCAST_DEPTH = 0
         cls.reductions = {True: 0, False: 0}
-
-    @classmethod
-    def is_fp8_enabled(cls) -> bool:
-        return cls.FP8_ENABLED
-
-    @classmethod
-    def get_fp8_recipe(cls):
-        return cls.FP8_RECIPE
-
-    @classmethod
-    def get_fp8_group(cls):
-        return cls.FP8_DISTRIBUTED_GROUP
 
     @classmethod
     def is_first_fp8_module(cls) -> bool:

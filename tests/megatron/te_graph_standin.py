@@ -1,56 +1,34 @@
-"""A CPU stand-in for Transformer Engine's CUDA graphs: ``make_graphed_callables``
-(``transformer_engine/pytorch/graph.py``), what megatron-core's ``TECudaGraphHelper`` captures
-per-layer graphs with (``--cuda-graph-impl transformer_engine``), over :class:`StandinGraph` in
-``torch.cuda.CUDAGraph``'s place.
+"""A CPU stand-in for Transformer Engine's CUDA graphs: ``make_graphed_callables`` (TE 2.7,
+``transformer_engine/pytorch/graph.py``), what megatron-core 0.19.2's ``TECudaGraphHelper`` captures
+per-layer graphs with (``--cuda-graph-impl transformer_engine``), over
+``standin_graph.StandinGraph`` in ``torch.cuda.CUDAGraph``'s place; :func:`install` puts it there
+(after the CPU backend is active and the model is built).
 
-What it follows of TE's ``_make_graphed_callables`` (the ``_order`` path megatron takes):
+Follows TE's ``_make_graphed_callables`` on the ``_order`` path megatron takes: its checks
+(callables all in training or all in eval mode, without hooks, buffers without gradients,
+tensor-only sample arguments, as many sample sets as ``_order`` and ``_num_layers_per_chunk`` ask
+for); the warm-up in the order's forward sequence (``num_warmup_iters`` eager forwards, each
+followed by the gradient of its outputs with respect to the sample inputs and the parameters,
+between megatron's ``pre_warmup_hook`` and ``post_warmup_hook``; the RNG state restored); the
+capture (a forward graph per callable and microbatch for ``+chunk`` entries, a backward graph for
+``-chunk`` ones, a chunk's layers in reverse, with static incoming-gradient buffers); the graphed
+callable (``Graphed``: the user's tensors copied into the static inputs, the forward graph replayed,
+its static outputs returned detached; its backward replays the backward graph and returns the static
+input and parameter gradients), which runs the graph while the module's training mode is the
+captured one and its own forward otherwise. Under fp8 it follows TE as ``te_fp8_standin``'s
+docstring says.
 
-* the checks: callables all in training mode (or all in eval), no hooks on them, buffers without
-  gradients, tensor-only sample arguments, as many sample argument sets as ``_order`` and
-  ``_num_layers_per_chunk`` ask for;
-* warm-up: each callable, in the order's forward sequence, runs ``num_warmup_iters`` times
-  eagerly, each forward followed by the gradient of its outputs (``empty_like`` incoming gradients,
-  as TE passes) with respect to its static input surface (sample arguments that need a gradient,
-  then the module's parameters), between megatron's ``pre_warmup_hook`` and ``post_warmup_hook``;
-  the CUDA RNG state is restored afterwards;
-* capture in the order's sequence: a forward graph per (callable, microbatch) for ``+chunk``
-  entries, a backward graph for ``-chunk`` entries (layers of a chunk in reverse), each backward
-  graph the gradient of the forward graph's outputs that need one, with static incoming-gradient
-  buffers;
-* the graphed callable: ``Graphed.forward`` copies the user's tensors into the static input
-  buffers (where they are not those buffers), replays the forward graph and returns its static
-  outputs detached; ``Graphed.backward`` (once differentiable) copies the incoming gradients into
-  the static gradient buffers, replays the backward graph and returns the static input gradients
-  (``None`` for inputs without one), the module's parameters among them, so autograd accumulates
-  them; with ``_order`` the result per (callable, microbatch) is a forward function that runs the
-  graph while the module's training mode is the captured one, its own forward otherwise; keyword
-  arguments of the sample must be given at replay.
+Fails as TE does, with its exceptions and messages, on the checks above and on a replay without a
+keyword argument of the sample; a capture fails where CUDA's does (``CaptureViolation``); under fp8
+it refuses delayed scaling (``NotImplementedError``; megatron's ``--fp8-recipe delayed`` is refused
+at startup for a balanced layer).
 
-:class:`StandinGraph` (``standin_graph``) stands in for ``torch.cuda.CUDAGraph``: a replay re-executes
-the captured tensor operations and runs no Python; a capture refuses what CUDA's stream capture
-refuses (:class:`CaptureViolation`).
-
-Under fp8 it follows TE as ``te_fp8_standin``'s docstring says.
-
-Left out: under fp8, delayed scaling (``DelayedScaling``: amax histories saved and restored around
-the capture, ``save_fp8_tensors``, and reduced per step; refused with ``NotImplementedError``, and
-``--fp8-recipe delayed`` is refused at startup for a balanced layer) and TE's fp8 meta of the TE
-modules a graph visits (``visited_te_modules``: no TE module runs here; fp8 GEMMs are
-``te_grouped_fp8``'s, in the experts, outside the ``attn`` / ``moe_router`` / ``moe_preprocess``
-graphs); the fp8 availability checks of the device (``is_fp8_available``); the
-graph memory pool and buffer reuse between graphs (``pool``, ``_reuse_graph_input_output_buffers``:
-each graph keeps its own buffers, which changes memory, never values); graph-safe RNG state
-registration (a random operation draws anew at each replay, as with registered generators);
-``fp8_calibrating`` beyond passing it to the autocast;
-``retain_graph_in_backward`` (the backward graph is replayed from its recording in any case);
-TE's filtering of the TE modules a graph visits (for fp8 meta); CUDA graphs' own limits beyond the ones above
-(a kernel launch from another thread, an allocation that TE's pool would refuse); the captured
-operations themselves run on the CPU, through the CPU backend (``ultraep_megatron.megatron.cpu``).
-
-Usage (after the CPU backend is active and the model is built)::
-
-    import te_graph_standin
-    te_graph_standin.install()    # megatron's TECudaGraphHelper now captures with this
+Leaves out: delayed scaling's amax histories, the fp8 meta of the TE modules a graph visits (no TE
+module runs inside the graphs; the experts' fp8 GEMMs are ``te_grouped_fp8``'s), the device's fp8
+checks, ``fp8_calibrating`` beyond the autocast, the graph memory pool and buffer reuse between
+graphs (memory, never values), graph-safe RNG registration, ``retain_graph_in_backward`` (a backward
+graph replays from its recording in any case), CUDA graphs' limits beyond ``standin_graph``'s; the
+captured operations run through the CPU backend (``ultraep_megatron.megatron.cpu``).
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """Transformer Engine's fp8 grouped GEMM (``GroupedLinear`` under current scaling), stood in on the
 CPU: every GEMM group's input, weight and output gradient quantized as TE quantizes them, with real
-e4m3 / e5m2 rounding (``torch.float8_e4m3fn`` / ``torch.float8_e5m2``), for equivalence tests
-that must see what fp8 does to a replicated expert's rows.
+e4m3 / e5m2 rounding (``torch.float8_e4m3fn`` / ``torch.float8_e5m2``), for equivalence tests that
+must see what fp8 does to a replicated expert's rows.
 
-What it follows (TransformerEngine, ``transformer_engine/``):
+What it follows (TransformerEngine 2.x, ``transformer_engine/``; megatron-core 0.19.2 builds the
+recipes):
 
 * ``pytorch/module/grouped_linear.py`` (``_GroupedLinear.forward`` / ``backward``, the split-quantize
   path): the input is split by ``m_splits`` and each group quantized with *that group's* input
@@ -51,21 +52,26 @@ What it follows (TransformerEngine, ``transformer_engine/``):
   zeros here (TE leaves it unset and the GEMM never reads it).
 * ``is_first_microbatch`` and the weight cache: the caller's (``torch_grouped_linear``).
 
-What it leaves out: TE's kernels and cuBLAS. The GEMMs run in fp32 on the dequantized operands,
-with no model of cuBLAS's fp8 accumulation: Hopper accumulates fp8 products in reduced precision,
+Fails (``ValueError``) where TE refuses an MXFP8 operand or group whose rows or columns are not
+multiples of 32; refuses what it leaves out (recipes without current scaling, formats other than
+``e4m3`` / ``hybrid``).
+
+What it leaves out: TE's kernels and cuBLAS. The GEMMs run in fp32 on the dequantized operands, with
+no model of cuBLAS's fp8 accumulation: Hopper accumulates fp8 products in reduced precision,
 promoted to fp32 at intervals with split accumulation, less often with fast accumulation (TE's
-tensorwise forward GEMM, ``use_split_accumulator=False``). Measured on an H200 (``torch._scaled_mm``,
-per-tensor scales, fp32 output): cuBLAS lies 4e-5 to 1.3e-4 (relative) from the exact product of
-the dequantized operands with split accumulation and 1.1e-3 to 1.3e-3 with fast accumulation at
-K = 4096, where fp8's own rounding errs by 3.7e-2 to 5.9e-2 and these fp32 GEMMs by 1e-7 to 4e-7.
-(torch's CPU and CUDA conversions to e4m3 / e5m2 gave the same code for 4.2 million values and
-every midpoint of the grids.) No check of cuBLAS's own shape limits for block-scaled GEMMs. Delayed scaling, NVFP4, custom recipes, amax reduction groups (TE
-refuses them for ``GroupedLinear``: TP > 1 with current scaling raises), ``amax_epsilon`` (0 in
-every recipe megatron builds), ``backward_override`` and
-``save_original_input`` (the latter re-quantizes the same input in the backward: the same values
-under current scaling), bias epilogues (biases are added in high precision) and the grouped-tensor
-path of recent TE on Blackwell / cuBLASLt 13.x (``group_quantize``: per-group scales as here; on
-Blackwell TE runs ``blockwise`` as MXFP8 with its power-of-two scales broadcast, the same values).
+tensorwise forward GEMM, ``use_split_accumulator=False``). Measured on an H200
+(``torch._scaled_mm``, per-tensor scales, fp32 output): cuBLAS lies 4e-5 to 1.3e-4 (relative) from
+the exact product of the dequantized operands with split accumulation and 1.1e-3 to 1.3e-3 with fast
+accumulation at K = 4096, where fp8's own rounding errs by 3.7e-2 to 5.9e-2 and these fp32 GEMMs by
+1e-7 to 4e-7. (torch's CPU and CUDA conversions to e4m3 / e5m2 gave the same code for 4.2 million
+values and every midpoint of the grids.) No check of cuBLAS's own shape limits for block-scaled
+GEMMs. Delayed scaling, NVFP4, custom recipes, amax reduction groups (TE refuses them for
+``GroupedLinear``: TP > 1 with current scaling raises), ``amax_epsilon`` (0 in every recipe megatron
+builds), ``backward_override`` and ``save_original_input`` (the latter re-quantizes the same input
+in the backward: the same values under current scaling), bias epilogues (biases are added in high
+precision) and the grouped-tensor path of recent TE on Blackwell / cuBLASLt 13.x
+(``group_quantize``: per-group scales as here; on Blackwell TE runs ``blockwise`` as MXFP8 with its
+power-of-two scales broadcast, the same values).
 """
 
 from __future__ import annotations
@@ -262,21 +268,6 @@ def quantize_blockwise(
     scale_inv = stored.new_zeros(stored.shape[0], round_up(stored.shape[1], 4))
     scale_inv[:, : stored.shape[1]] = stored
     return Quantized(data, scale_inv, values)
-
-
-def blockwise_scale_shape(
-    shape: tuple[int, int], *, columnwise: bool, two_d: bool = False
-) -> tuple[int, int]:
-    """TE's ``Float8BlockQuantizer.get_scale_shape`` for a [M, K] tensor."""
-    m, k = shape
-    blocks = lambda n: (n + BLOCK_LEN - 1) // BLOCK_LEN  # noqa: E731
-    if two_d:
-        return (
-            (blocks(k), round_up(blocks(m), 4))
-            if columnwise
-            else (blocks(m), round_up(blocks(k), 4))
-        )
-    return (blocks(m), round_up(k, 4)) if columnwise else (blocks(k), round_up(m, 4))
 
 
 def quantize_mxfp8(x: torch.Tensor, fmt: str, *, columnwise: bool) -> Quantized:

@@ -1,30 +1,21 @@
-"""A CPU stand-in for megatron-core's ``TELinear`` (its wrapper around Transformer Engine's
-``te.pytorch.Linear``), for tests without TE: what megatron's MoE layer builds its latent
-projections with (``--moe-latent-size``: ``fc1_latent_proj`` hidden -> latent before the dispatch,
-``fc2_latent_proj`` latent -> hidden after the combine).
+"""A CPU stand-in for megatron-core's ``TELinear``, the linear megatron's MoE layer builds its
+latent projections with (``--moe-latent-size``: ``fc1_latent_proj`` hidden -> latent before the
+dispatch, ``fc2_latent_proj`` latent -> hidden after the combine), for tests without TE.
 
-The contract followed, the two layers together, as megatron's ``MoELayer`` uses them
-(``parallel_mode="duplicated"``, ``is_expert=False``):
+Follows megatron-core 0.19.2's ``extensions/transformer_engine.py`` (``TELinear`` with
+``parallel_mode="duplicated"``, ``is_expert=False``, as ``MoELayer`` builds it) over TE 2.x's
+``transformer_engine/pytorch/module/linear.py`` (``Linear``), in high precision: ``weight`` [out,
+in] and a zero ``bias`` [out] of ``config.params_dtype``; ``init_method(weight)`` under the
+data-parallel RNG tracker, skipped without ``config.perform_initialization``; ``forward(x)`` returns
+``(x @ weight^T + bias, None)``, or ``(x @ weight^T, bias)`` under ``skip_bias_add``;
+``is_first_microbatch`` passed as megatron's wrapper passes it (``None`` under
+``config.disable_parameter_transpose_cache``; it only selects TE's cached fp8 weight); the
+parameters marked ``allreduce=True``, ``tensor_model_parallel=False``,
+``sequence_parallel=config.sequence_parallel``.
 
-* TE's ``Linear(in_features, out_features, bias, init_method, return_bias, params_dtype, ...)``:
-  ``weight`` [out, in] and ``bias`` [out] (zeros) as parameters of ``params_dtype`` (megatron
-  passes ``config.params_dtype``); ``init_method(weight)`` under the RNG tracker megatron names
-  (the data-parallel one for a duplicated, non-expert linear), skipped when
-  ``config.perform_initialization`` is off (megatron's ``condition_init_method``);
-  ``forward(inp, is_first_microbatch=None)`` computes ``inp @ weight^T (+ bias)``, the bias left
-  out and returned beside the output when ``return_bias``. ``is_first_microbatch`` only selects
-  TE's cached fp8 cast of the weight; in high precision (all this stand-in does) it changes
-  nothing;
-* megatron's wrapper: ``return_bias = skip_bias_add and bias``; ``forward(x)`` passes
-  ``is_first_microbatch=None`` under ``config.disable_parameter_transpose_cache``, else its own
-  attribute, which it then sets False; always returns ``(output, bias or None)``; a duplicated
-  linear's parameters get ``allreduce=True``, ``tensor_model_parallel=False`` and
-  ``sequence_parallel=config.sequence_parallel`` (reduced over data parallelism, not split over
-  TP).
-
-Not covered, refused at construction: fp8 / fp4 (the latent projections' quantization), TE's fused
-weight-gradient accumulation (``config.gradient_accumulation_fusion``), delayed weight gradients,
-``skip_weight_param_allocation`` (TE refuses it too) and the TP modes (``column`` / ``row``).
+Fails at construction as TE does on ``skip_weight_param_allocation`` (``ValueError``), and with
+``NotImplementedError`` on what it leaves out: fp8 / fp4, fused weight-gradient accumulation,
+delayed weight gradients, the ``column`` / ``row`` TP modes and expert linears.
 """
 
 from __future__ import annotations

@@ -42,19 +42,13 @@ def destination_ranks(index_row) -> set[int]:
     return {int(e) // LOCAL for e in index_row if int(e) >= 0}
 
 
-def test_dispatch_sends_each_token_once_per_destination_rank(ranks):
+def test_dispatch_rows_indices_probs_and_counts(ranks):
+    """Each token once per destination rank, rows ordered by source rank then token."""
     units = [r["unit"] for r in ranks]
-    for dest in range(WORLD):
-        expected = sum(dest in destination_ranks(row) for u in units for row in u["indices"])
-        assert units[dest]["recv_x"].shape[0] == expected, f"rank {dest} received row count"
     # The inputs exercise what distinguishes per-rank from per-expert dispatch.
     rows = [row for u in units for row in u["indices"]]
     assert any(len(destination_ranks(r)) == 1 and min(r) >= 0 for r in rows), "no same-rank pair"
     assert any(len(destination_ranks(r)) == 0 for r in rows), "no fully masked token"
-
-
-def test_dispatch_rows_indices_probs_and_counts(ranks):
-    units = [r["unit"] for r in ranks]
     for dest in range(WORLD):
         got = units[dest]
         row = 0

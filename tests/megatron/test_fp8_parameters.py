@@ -82,7 +82,7 @@ def test_cast_of_main_parameter_shards_gathered_is_the_whole_weights_quantizatio
         *(fp8_param_standin.shard_amaxes(recipe, p) for p in params)
     )  # the all-reduce
     for p in params:
-        fp8_param_standin.cast_shards(recipe, p, amaxes, manual=True)
+        fp8_param_standin.cast_shards(recipe, p, amaxes)
     gathered = ranks[0]
     data_attrs = ["_data"] if recipe == "tensorwise" else ["_rowwise_data"]
     data_attrs += ["_columnwise_data"] if recipe == "mxfp8" else []

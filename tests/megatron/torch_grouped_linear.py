@@ -1,11 +1,12 @@
 """Pure-torch grouped linears for megatron-core's ``TEGroupedMLP`` (tests without TE).
 
 ``TEGroupedMLP`` is megatron-core's grouped-GEMM expert class; its ``linear_fc1`` / ``linear_fc2``
-are normally Transformer Engine's ``GroupedLinear`` (through megatron's
-``TEColumnParallelGroupedLinear`` / ``TERowParallelGroupedLinear``), which needs a CUDA build of TE.
-The classes here are drop-in replacements that follow the ``GroupedLinearFc1Builder`` /
-``GroupedLinearFc2Builder`` protocols of ``megatron/core/transformer/moe/experts.py`` and keep TE's
-parameter layout, so code that reads or swaps expert weights sees what it would see with TE:
+are normally Transformer Engine's ``GroupedLinear`` (TE 2.x, in ``transformer_engine/pytorch/``:
+``module/grouped_linear.py``) through megatron's ``TEColumnParallelGroupedLinear`` /
+``TERowParallelGroupedLinear`` (megatron-core 0.19.2 and 0.18,
+``extensions/transformer_engine.py``), which needs a CUDA build of TE. The classes here are drop-in
+replacements that follow the ``GroupedLinearFc1Builder`` / ``GroupedLinearFc2Builder`` protocols of
+``megatron/core/transformer/moe/experts.py`` and keep TE's parameter layout, so code that reads or swaps expert weights sees what it would see with TE:
 
 * one parameter per local expert, ``weight{i}`` of shape [out, in] (the TP partition), and
   ``bias{i}`` of shape [out] when ``bias=True``; no ``_extra_state`` (no FP8 metadata);
@@ -60,6 +61,12 @@ column-wise copies, and the GEMMs compute with them as given, cast nowhere: the 
 row-wise values, the input gradient with the column-wise ones, the weight gradient in high
 precision (returned as a plain tensor of the weight's shape and dtype, as TE's). Their block
 layout is ``toy_fp8``'s (smaller blocks than TE's for blockwise weights).
+
+Fails (``ValueError``) where TE refuses fp8 rows per expert that are not padded to the GEMM's
+alignment, and on what it leaves out: non-expert use, FP4, fp8 recipes without current scaling,
+fused gradient accumulation, a single grouped weight or bias, overlapping the dispatch's backward
+with the weight gradients. Leaves out besides: TE's CUDA grouped GEMM kernels (a loop of matmuls),
+its fp8 metadata (``_extra_state``), communication overlap (userbuffers).
 
 Usage (megatron's MoELayer with grouped experts)::
 
@@ -411,12 +418,6 @@ class TorchGroupedLinear(torch.nn.Module):
         for tensor in sharded.values():
             tensor.replica_id = (*tensor.replica_id[:2], edp_rank)
         return sharded
-
-    def extra_repr(self) -> str:
-        return (
-            f"{self.parallel_mode}: {self.num_gemms} x [in={self.in_features}, "
-            f"out={self.out_features}], bias={self.use_bias}"
-        )
 
 
 class TorchColumnGroupedLinear(TorchGroupedLinear):

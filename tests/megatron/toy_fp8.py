@@ -19,6 +19,14 @@ a replica's rows; here it is left out on purpose: an fp8 rounding turns a last-b
 two summation orders (the noise floor of the equivalence tests) into a whole fp8 step with some
 probability, which no floor measured from a few samples bounds.
 
+The quantized tensors follow TE 2.x's ``QuantizedTensor`` contract
+(``transformer_engine/pytorch/tensor/quantized_tensor.py``: ``get_metadata``, ``dequantize``,
+``detach`` sharing the storages, ``copy_`` re-quantizing in place) with ``Float8Tensor``'s,
+``Float8BlockwiseQTensor``'s and ``MXFP8Tensor``'s storage attributes; their scales and block sizes
+are the toy's (left out: TE's scale formulas, which ``te_grouped_fp8`` follows). Fails
+(``ValueError``) on a recipe without current scaling and on a weight whose shape is not a multiple
+of the recipe's blocks.
+
 :func:`install_fp8_standins` gives megatron's ``TEGroupedMLP`` the two TE pieces it asserts under
 fp8 (``HAVE_TE`` and ``Fp8Padding`` / ``Fp8Unpadding``, which pad each expert's rows to the GEMM
 alignment with zero rows); :func:`enable_fp8` turns fp8 on in a built ``TransformerConfig`` (its
@@ -39,10 +47,6 @@ CURRENT_SCALING_RECIPES = ("tensorwise", "blockwise", "mxfp8")
 BLOCK = 16
 #: Block length of ``mxfp8`` (along the input dimension, as TE's rowwise MXFP8 weight).
 MX_BLOCK = 32
-
-
-def _round_e4m3(scaled: torch.Tensor) -> torch.Tensor:
-    return scaled.to(torch.float8_e4m3fn).to(scaled.dtype)
 
 
 def _row_quantization(weight: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,19 +182,8 @@ class ToyQuantizedTensor(torch.Tensor):
             "quantizer": self._quantizer,
         }
 
-    @classmethod
-    def storages_of(cls, weight: torch.Tensor, quantizer: ToyQuantizer) -> dict[str, torch.Tensor]:
-        raise NotImplementedError
-
     def dequantize(self, *, dtype: torch.dtype | None = None) -> torch.Tensor:
         return self._rowwise_values().to(dtype or self.dtype)
-
-    def columnwise_values(self) -> torch.Tensor:
-        """[out, in] values of the column-wise copy (the row-wise ones where none is kept)."""
-        return self._rowwise_values()
-
-    def _rowwise_values(self) -> torch.Tensor:
-        raise NotImplementedError
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):

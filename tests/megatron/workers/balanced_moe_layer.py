@@ -63,8 +63,7 @@ import torch
 # tests/megatron, where the modules the workers share live (also for the workers importing this one)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from megatron_setup import expert_linears
-from megatron_setup import moe_weights
+from megatron_setup import expert_linears, load_moe_weights, moe_inputs, moe_weights
 from ultraep_megatron.megatron.cpu import backend as cpu_backend
 
 NUM_EXPERTS = 8
@@ -93,10 +92,8 @@ def latent_weights() -> dict[str, torch.Tensor]:
 
 
 def rank_inputs(rank: int, microbatch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens [SEQ, BATCH, H] (shifted towards the hot experts' router rows) and upstream grad."""
-    gen = torch.Generator().manual_seed(1000 * microbatch + rank)
-    x = torch.randn(SEQ, BATCH, HIDDEN, generator=gen)
-    return x, torch.randn(SEQ, BATCH, HIDDEN, generator=gen)
+    """Tokens [SEQ, BATCH, H] and upstream grad of a rank's microbatch."""
+    return moe_inputs(1000 * microbatch + rank, SEQ, BATCH, HIDDEN)
 
 
 def build_layer(
@@ -182,13 +179,10 @@ def build_layer(
 
 
 def load_weights(layer, weights):
+    """The router's and the local experts' weights (``load_moe_weights``), and the latent
+    projections' of a latent layer."""
+    load_moe_weights(layer, weights)
     with torch.no_grad():
-        router = weights["router"].clone()
-        layer.router.weight.copy_(router)
-        for local, expert_index in enumerate(layer.local_expert_indices):
-            fc1, fc2 = expert_linears(layer, local)
-            fc1.copy_(weights["fc1"][expert_index])
-            fc2.copy_(weights["fc2"][expert_index])
         for projection, key in latent_projections(layer):
             projection.weight.copy_(weights[key])
 

@@ -38,18 +38,16 @@ from balanced_moe_layer import (  # noqa: E402
     global_weights,
     load_weights,
 )
-from megatron_setup import expert_linears  # noqa: E402
+from megatron_setup import expert_linears, moe_inputs  # noqa: E402
 
 UNIT_TOKENS, UNIT_HIDDEN = 24, 5
 
 
 def rank_inputs(rank: int, weights) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens [SEQ, BATCH, H], pushed towards the hot experts' router rows, and upstream grad."""
-    gen = torch.Generator().manual_seed(77 + rank)
-    x = torch.randn(SEQ, BATCH, HIDDEN, generator=gen)
+    x, upstream = moe_inputs(77 + rank, SEQ, BATCH, HIDDEN)
     direction = weights["router"][list(HOT_EXPERTS)].sum(0)
-    x = x + 0.6 * direction / direction.norm() * HIDDEN**0.5
-    return x, torch.randn(SEQ, BATCH, HIDDEN, generator=gen)
+    return x + 0.6 * direction / direction.norm() * HIDDEN**0.5, upstream
 
 
 def unit_dispatch(rank: int, group) -> dict:

@@ -43,6 +43,7 @@ from ultraep_megatron.megatron.balanced_layer import expert_slots
 from ultraep_megatron.megatron.cpu import backend as cpu_backend
 
 from balanced_moe_layer import HIDDEN, NUM_EXPERTS, TOPK, skew
+from megatron_setup import load_moe_weights
 
 FFN = 64  # mxfp8 blocks are 1 x 32 along each weight's input dimension (H = 32, F = 64)
 SEQ, BATCH = 128, 2  # TOKENS = 256 per rank: a hot expert spans several 128-row blocks
@@ -195,14 +196,6 @@ def offloading_refusal(ep_size: int) -> str:
     return ""
 
 
-def load_weights(layer, weights):
-    with torch.no_grad():
-        layer.router.weight.copy_(weights["router"])
-        for local, expert in enumerate(layer.local_expert_indices):
-            getattr(layer.experts.linear_fc1, f"weight{local}").copy_(weights["fc1"][expert])
-            getattr(layer.experts.linear_fc2, f"weight{local}").copy_(weights["fc2"][expert])
-
-
 def expert_grads(layer) -> dict:
     return {
         (int(expert), name): getattr(
@@ -289,7 +282,7 @@ def run(layers, balancing, rank: int, recipe: str | None = None) -> dict:
     for step in range(STEPS):
         weights = current["weights"] = [layer_weights(index, step) for index in range(LAYERS)]
         for layer, w in zip(layers, weights):
-            load_weights(layer, w)
+            load_moe_weights(layer, w)
             layer.zero_grad(set_to_none=True)
             layer.train()
             layer.set_is_first_microbatch()  # megatron's schedule, at a step's first microbatch

@@ -19,7 +19,7 @@ import torch
 # tests/megatron, where the modules the workers share live (also for the workers importing this one)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from megatron_setup import moe_weights
+from megatron_setup import load_moe_weights, moe_inputs, moe_weights
 from ultraep_megatron.megatron.cpu import backend as cpu_backend
 
 NUM_EXPERTS = 8
@@ -35,11 +35,7 @@ def global_weights() -> dict[str, torch.Tensor]:
 
 def rank_inputs(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's tokens and upstream gradient, both [SEQ, BATCH, H]; different per rank."""
-    gen = torch.Generator().manual_seed(100 + rank)
-    return (
-        torch.randn(SEQ, BATCH, HIDDEN, generator=gen),
-        torch.randn(SEQ, BATCH, HIDDEN, generator=gen),
-    )
+    return moe_inputs(100 + rank, SEQ, BATCH, HIDDEN)
 
 
 def build_layer(ep_size: int):
@@ -58,21 +54,6 @@ def build_layer(ep_size: int):
     )
     layer.set_layer_number(1)
     return layer
-
-
-def load_weights(layer, weights: dict[str, torch.Tensor], expert_order: list[int]) -> list[int]:
-    """Copy the global weights into ``layer``; local expert i gets global expert
-    ``expert_order[local_expert_indices[i]]``. Returns those global expert ids."""
-    with torch.no_grad():
-        layer.router.weight.copy_(weights["router"])
-        loaded = []
-        for local, expert_index in enumerate(layer.local_expert_indices):
-            source = expert_order[expert_index]
-            mlp = layer.experts.local_experts[local]
-            mlp.linear_fc1.weight.copy_(weights["fc1"][source])
-            mlp.linear_fc2.weight.copy_(weights["fc2"][source])
-            loaded.append(source)
-    return loaded
 
 
 def run(layer, x: torch.Tensor, upstream: torch.Tensor) -> dict:
@@ -118,7 +99,7 @@ def main():
             orders["-permuted"] = identity[1:] + identity[:1]
         for suffix, order in orders.items():
             layer = build_layer(ep_size)
-            loaded = load_weights(layer, weights, order)
+            loaded = load_moe_weights(layer, weights, order)
             record = run(layer, x, upstream)
             record["loaded_experts"] = loaded
             record["ep_group"] = torch.distributed.get_process_group_ranks(
