@@ -3,9 +3,11 @@ Bridge's provider, on the CPU over gloo: 4 ranks, PP 2 x EP 2 (DP 2, expert-DP 1
 layer per pipeline chunk (4 layers: chunks 0 and 1 of PP rank 0 hold layers 1 and 3, PP rank 1's
 layers 2 and 4), the distributed optimizer with overlapped grad reduce and param gather.
 
-Four runs of the same model, state and batches: ``none``; ``none`` with each iteration's
-microbatches in reverse order (the noise floor); ``enable_ultraep`` with a load trace; and
-``enable_ultraep`` with the fault ``no_replica_grad_reduction`` (the negative control). The routing is
+Three runs of the same model, state and batches: ``none``; ``none`` with each iteration's
+microbatches in reverse order (the noise floor); ``enable_ultraep`` with a load trace. The negative
+control (replica gradients not reduced, 1.7e6 times the tolerance here when it ran) is
+test_bridge_pretrain.py's, on the same comparison code; here the floor itself is checked to be at
+rounding level and to measure something, so no tolerance is vacuous. The routing is
 skewed (tests/bridge/test_bridge_pretrain.py's router expert bias) so that every plan replicates
 experts; iterations 1 and 2 run at learning rate 0, so every parameter's gradient compares per step.
 Also checked: the spec swap keeps the provider's ``vp_stage`` (each chunk's balanced layers have
@@ -18,7 +20,6 @@ Skipped (one reason line) where megatron-bridge is not installed: run with ``ULT
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pytest
@@ -53,7 +54,7 @@ def expected_layers(pp_rank: int) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """{name: (out dir, output)} of the four runs."""
+    """{name: (out dir, output)} of the three runs."""
     from gloo_launch import launch_gloo_ranks
 
     root = tmp_path_factory.mktemp("bridge_pp")
@@ -61,7 +62,6 @@ def runs(tmp_path_factory):
         "none": (),
         "none_reversed": ("--reverse-microbatches",),
         "ultraep": ("--ultraep", "--trace-dir", str(root / "trace")),
-        "ultraep_fault": ("--ultraep", "--fault", "no_replica_grad_reduction"),
     }
     return {
         name: (
@@ -203,12 +203,3 @@ def test_pp2_vpp2_every_stages_imbalance_reaches_bridges_loggers(runs):
     assert not any(
         tag.startswith("ultraep/") for tag, _, _ in _record(runs["none"][0], LAST)["scalars"]
     )
-
-
-def test_pp2_vpp2_negative_control_unreduced_replica_gradients_fail(runs):
-    comparisons = _comparisons(runs["ultraep_fault"][0], runs)
-    failed = [c for c in comparisons if not c.passed]
-    print("PP2 VPP2 no_replica_grad_reduction against none: " + summary(comparisons))
-    assert failed, "the comparison does not see replica gradients left out"
-    assert all(re.search(r"local_experts|lm loss", c.what) for c in failed), failed[:5]
-    assert max(c.ratio for c in failed) > 100, summary(comparisons)
