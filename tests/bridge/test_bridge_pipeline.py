@@ -23,10 +23,9 @@ import json
 from pathlib import Path
 
 import pytest
-from bridge_helpers import needs_bridge
+from bridge_helpers import needs_bridge, run_gradients, run_record
 import torch
 from equivalence import compare_gradients, compare_series, failures, gradient_floors, summary
-from megatron_runs import merge_reduced_gradients
 
 pytestmark = needs_bridge
 
@@ -78,27 +77,18 @@ def runs(tmp_path_factory):
     }
 
 
-def _record(out: Path, rank: int) -> dict:
-    return json.loads((out / f"record_rank{rank}.json").read_text())
-
-
 def _losses(out: Path) -> dict[int, float]:
     steps = json.loads((out / f"losses_rank{LAST}.json").read_text())
     return {it: step["lm loss"] for it, step in enumerate(steps, 1)}
 
 
-def _grads(out: Path) -> dict[int, dict[str, torch.Tensor]]:
-    dumps = [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
-    return {
-        it: merge_reduced_gradients([dump["grads"][it] for dump in dumps])
-        for it in dumps[0]["grads"]
-    }
-
-
 def _comparisons(actual: Path, runs) -> list:
     """Every parameter's gradient at the lr-0 iterations and the loss of every iteration of
     ``actual`` against ``none``, the floors from ``none`` against ``none_reversed``."""
-    reference, floor_pair = _grads(runs["none"][0]), _grads(runs["none_reversed"][0])
+    reference, floor_pair = (
+        run_gradients(runs["none"][0], WORLD),
+        run_gradients(runs["none_reversed"][0], WORLD),
+    )
     iterations = list(range(1, LR0_ITERS + 1))
     floors = gradient_floors(reference, floor_pair, iterations)
     # The floor pair differs by rounding alone: a pipeline whose microbatches leak into each other
@@ -112,7 +102,9 @@ def _comparisons(actual: Path, runs) -> list:
         for name in reference[it]
     )
     series = {name: _losses(runs[name][0]) for name in ("none", "none_reversed")}
-    return compare_gradients(_grads(actual), reference, floors, iterations) + compare_series(
+    return compare_gradients(
+        run_gradients(actual, WORLD), reference, floors, iterations
+    ) + compare_series(
         "lm loss", _losses(actual), series["none"], series["none"], series["none_reversed"]
     )
 
@@ -120,7 +112,7 @@ def _comparisons(actual: Path, runs) -> list:
 def test_pp2_vpp2_enable_ultraep_matches_none_and_balances_every_chunk(runs):
     out = runs["ultraep"][0]
     for rank in range(WORLD):
-        record = _record(out, rank)
+        record = run_record(out, rank)
         layers = expected_layers(PP_RANK[rank])
         # Every chunk's MoE layer balanced, with its own chunk's layer number: the spec swap passed
         # each chunk's vp_stage to the provider's own spec.
@@ -141,7 +133,7 @@ def test_pp2_vpp2_enable_ultraep_matches_none_and_balances_every_chunk(runs):
         f"rank {rank} iteration {step} layer {layer}: imbalance {f['imbalance_before']:.3f} -> "
         f"{f['imbalance_after']:.3f}, replicas {f['replicas']:.2f}"
         for rank in (0, LAST)
-        for step, stats in _record(out, rank)["stats"].items()
+        for step, stats in run_record(out, rank)["stats"].items()
         for layer, f in stats.items()
     ]
     print("\n".join(table) + "\nPP2 VPP2 ultraep against none: " + summary(comparisons))
@@ -153,7 +145,7 @@ def test_pp2_vpp2_trace_numbered_by_bridges_steps_without_megatron_training_glob
 
     out = runs["ultraep"][0]
     for rank in range(WORLD):  # Bridge's loop never set megatron.training's args
-        assert _record(out, rank)["megatron_training_args_set"] == [False] * ITERS
+        assert run_record(out, rank)["megatron_training_args_set"] == [False] * ITERS
     files = find_trace_files(out.parent / "trace")
     assert len(files) == PP  # one EP group per pipeline stage
     seen = set()
@@ -179,7 +171,7 @@ def test_pp2_vpp2_every_stages_imbalance_reaches_bridges_loggers(runs):
     """The last rank logs every layer, those of PP rank 0's chunks too, averaged over the ranks
     that hold it, to tensorboard and to wandb (``log(dict, step=)``), each step."""
     out, output = runs["ultraep"]
-    records = [_record(out, rank) for rank in range(WORLD)]
+    records = [run_record(out, rank) for rank in range(WORLD)]
     logged = {(tag, step): value for tag, value, step in records[LAST]["scalars"]}
     wandb = {}
     for data, step in records[LAST]["wandb"]:
@@ -201,5 +193,5 @@ def test_pp2_vpp2_every_stages_imbalance_reaches_bridges_loggers(runs):
     assert wandb == pytest.approx(expected, rel=1e-12)
     assert output.count("[ultraep] iteration") == ITERS, output[-3000:]
     assert not any(
-        tag.startswith("ultraep/") for tag, _, _ in _record(runs["none"][0], LAST)["scalars"]
+        tag.startswith("ultraep/") for tag, _, _ in run_record(runs["none"][0], LAST)["scalars"]
     )

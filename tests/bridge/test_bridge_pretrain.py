@@ -19,10 +19,8 @@ import re
 from pathlib import Path
 
 import pytest
-from bridge_helpers import needs_bridge
-import torch
+from bridge_helpers import needs_bridge, run_gradients, run_record
 from equivalence import compare_gradients, compare_series, failures, gradient_floors, summary
-from megatron_runs import merge_reduced_gradients
 
 pytestmark = needs_bridge
 
@@ -69,25 +67,16 @@ def _losses(out: Path) -> list[list[float]]:
     ]
 
 
-def _record(out: Path, rank: int) -> dict:
-    return json.loads((out / f"record_rank{rank}.json").read_text())
-
-
-def _grads(out: Path) -> dict[int, dict[str, torch.Tensor]]:
-    dumps = [torch.load(out / f"rank{r}.pt") for r in range(4)]
-    return {
-        it: merge_reduced_gradients([dump["grads"][it] for dump in dumps])
-        for it in dumps[0]["grads"]
-    }
-
-
 def _comparisons(actual: Path, runs) -> list:
     """Every parameter's gradient at the lr-0 iterations and the loss of every iteration of
     ``actual`` against ``none``, the floors from ``none`` against ``none_reversed``."""
-    reference, floor_pair = _grads(runs["none"][0]), _grads(runs["none_reversed"][0])
+    reference, floor_pair = (
+        run_gradients(runs["none"][0], 4),
+        run_gradients(runs["none_reversed"][0], 4),
+    )
     iterations = list(range(1, LR0_ITERS + 1))
     floors = gradient_floors(reference, floor_pair, iterations)
-    comparisons = compare_gradients(_grads(actual), reference, floors, iterations)
+    comparisons = compare_gradients(run_gradients(actual, 4), reference, floors, iterations)
     series = {name: dict(enumerate(_losses(runs[name][0])[0], 1)) for name in runs}
     series["actual"] = dict(enumerate(_losses(actual)[0], 1))
     return comparisons + compare_series(
@@ -98,7 +87,7 @@ def _comparisons(actual: Path, runs) -> list:
 def test_enable_ultraep_balances_every_moe_layer_and_matches_none(runs):
     out, _ = runs["ultraep"]
     for rank in range(4):
-        record = _record(out, rank)
+        record = run_record(out, rank)
         assert record["moe_layers"] == ["BalancedMoELayer"] * 2
         # The iteration hook (installed at on_train_start) fired once per iteration, numbered by
         # Bridge's train_state.step.
@@ -114,7 +103,7 @@ def test_enable_ultraep_balances_every_moe_layer_and_matches_none(runs):
         f"{name}: losses {_losses(runs[name][0])[0]}"
         for name in ("none", "none_reversed", out.name)
     ]
-    stats = _record(out, 0)["stats"]
+    stats = run_record(out, 0)["stats"]
     table += [
         f"iteration {step} layer {layer}: imbalance {f['imbalance_before']:.3f} -> "
         f"{f['imbalance_after']:.3f}, replicas {f['replicas']:.2f}"
@@ -139,7 +128,7 @@ def test_imbalance_reaches_bridges_logger(runs):
     """On the last rank (Bridge's writers), each layer's figures averaged over the ranks (the two
     EP groups' data differ), to tensorboard and to wandb (``log(dict, step=)``)."""
     out, output = runs["ultraep"]
-    records = [_record(out, rank) for rank in range(4)]
+    records = [run_record(out, rank) for rank in range(4)]
     logged = {(tag, step): value for tag, value, step in records[3]["scalars"]}
     wandb = {(k, step): v for data, step in records[3]["wandb"] for k, v in data.items()}
     for step, layers in records[3]["stats"].items():
@@ -150,7 +139,7 @@ def test_imbalance_reaches_bridges_logger(runs):
                 assert logged[tag] == pytest.approx(mean, rel=1e-12) == wandb[tag]
     assert output.count("[ultraep] iteration") == ITERS, output[-3000:]
     assert not any(
-        tag.startswith("ultraep/") for tag, _, _ in _record(runs["none"][0], 3)["scalars"]
+        tag.startswith("ultraep/") for tag, _, _ in run_record(runs["none"][0], 3)["scalars"]
     )
 
 
