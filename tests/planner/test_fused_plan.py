@@ -224,6 +224,54 @@ def test_triton_kernel_matches_the_host_planner_bit_for_bit():
     assert summary["floor_caught"] >= 1
 
 
+_TRITON_GRID_SCRIPT = r"""
+import json, sys
+import numpy as np, torch
+torch.set_num_threads(1)
+from ultraep_megatron.planner import BalancerConfig
+from ultraep_megatron.planner.fused_plan import host_plan, plan_invocation
+from ultraep_megatron.planner.record_layout import H_REPLICAS
+from ultraep_megatron.traces.synthetic import zipf_load
+
+out = []
+for R, E, S, N, floor, rank in json.loads(sys.argv[1]):
+    load = torch.as_tensor(zipf_load(R, E, 1.5, seed=R + E + S))
+    config = BalancerConfig("ultraep", num_slots=S, domain_size=N, min_quota=floor)
+    fused = plan_invocation(load, config, rank)  # the op: the Triton kernel, interpreted
+    record, table = host_plan(load, config, rank)
+    stale = load.clone(); stale[rank, 0] += 1; stale[-1, -1] = max(int(stale[-1, -1]) - 1, 0)
+    srec, stab = host_plan(stale, config, rank)
+    same = lambda r, t: np.array_equal(fused.record.numpy(), r) and np.array_equal(fused.table.numpy(), t)
+    out.append({"same": same(record, table), "stale_same": same(srec, stab),
+                "replicas": int(record[H_REPLICAS])})
+print(json.dumps(out))
+"""
+
+# The issue's largest grids (R 64, E up to 512, S up to 4), with and without domains and the floor.
+_GRIDS = [(64, 256, 2, None, None, 5), (64, 512, 4, 8, None, 63), (64, 512, 4, None, 300, 0)]
+
+
+def test_triton_kernel_matches_the_host_planner_on_ep64_grids():
+    """The interpreted kernel at EP64 (a few seconds a case): record and table equal
+    ``host_plan``'s bit for bit on every grid; the control, the host plan of the load with one of
+    this rank's pairs moved, differs from the kernel's on every grid."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
+    result = subprocess.run(
+        [sys.executable, "-c", _TRITON_GRID_SCRIPT, json.dumps(_GRIDS)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    cases = json.loads(result.stdout.strip().splitlines()[-1])
+    print(cases)
+    assert len(cases) == len(_GRIDS)
+    assert all(case["same"] and not case["stale_same"] and case["replicas"] > 0 for case in cases)
+
+
 def test_self_check_on_the_host_and_a_broken_device(monkeypatch):
     """The self-check passes where the op is the host planner itself, and reports a device whose
     record differs (a control: the op's record off by one in the threshold)."""
