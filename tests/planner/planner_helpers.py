@@ -5,6 +5,12 @@ the dispatchers' in ``tests/megatron/test_pair_routing.py``)."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -13,6 +19,29 @@ from hypothesis import strategies as st
 
 from ultraep_megatron.planner import solve
 from ultraep_megatron.planner.baselines import fixed_layout
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_interpreted(script: str, *args: str) -> object:
+    """Runs ``script`` in a fresh process with ``TRITON_INTERPRET=1`` (Triton reads it at import,
+    so the Triton kernels run in the interpreter on CPU tensors), one thread, this checkout first
+    on the path; returns the JSON its last stdout line prints (it prints it, and fails the test
+    with its stderr's tail when the process fails)."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
+    result = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    print(summary)
+    return summary
 
 
 def expected_min_quota(load: np.ndarray, min_quota: int | None) -> int:

@@ -6,9 +6,6 @@ same record and table bit for bit; the op is one op to dispatch modes and fake t
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +13,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from planner_helpers import SETTINGS, domain_problems
+from planner_helpers import SETTINGS, domain_problems, run_interpreted
 from ultraep_megatron.planner import BalancerConfig, metrics, rank_reroute
 from ultraep_megatron.planner.fused_plan import host_plan, plan_invocation
 from ultraep_megatron.planner.record_layout import (
@@ -205,19 +202,7 @@ def test_triton_kernel_matches_the_host_planner_bit_for_bit():
     default / 1.05 / 1.5, a random rank): record and table equal ``host_plan``'s bit for bit.
     Controls: the host plan of a stale load (one pair moved) and of a floor one higher differ
     from the kernel's on most loads with replicas."""
-    pytest.importorskip("triton")
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
-    result = subprocess.run(
-        [sys.executable, "-c", _TRITON_SCRIPT, str(REPO / "tests" / "planner"), "11", "60"],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env=env,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    summary = json.loads(result.stdout.strip().splitlines()[-1])
-    print(summary)
+    summary = run_interpreted(_TRITON_SCRIPT, str(REPO / "tests" / "planner"), "11", "60")
     assert summary["cases"] == 60 and summary["mismatches"] == 0
     assert 10 <= summary["replicas"] <= summary["balanced"]
     assert summary["stale_caught"] >= summary["replicas"] - 2
@@ -247,27 +232,16 @@ for R, E, S, N, floor, rank in json.loads(sys.argv[1]):
 print(json.dumps(out))
 """
 
-# The issue's largest grids (R 64, E up to 512, S up to 4), with and without domains and the floor.
-_GRIDS = [(64, 256, 2, None, None, 5), (64, 512, 4, 8, None, 63), (64, 512, 4, None, 300, 0)]
+# EP64 at the defaults (no domains, the default floor) and at the issue's largest grid (E 512, S 4)
+# with domains of 8 and a floor of 300.
+_GRIDS = [(64, 256, 2, None, None, 5), (64, 512, 4, 8, 300, 63)]
 
 
 def test_triton_kernel_matches_the_host_planner_on_ep64_grids():
     """The interpreted kernel at EP64 (a few seconds a case): record and table equal
     ``host_plan``'s bit for bit on every grid; the control, the host plan of the load with one of
     this rank's pairs moved, differs from the kernel's on every grid."""
-    pytest.importorskip("triton")
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
-    result = subprocess.run(
-        [sys.executable, "-c", _TRITON_GRID_SCRIPT, json.dumps(_GRIDS)],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env=env,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    cases = json.loads(result.stdout.strip().splitlines()[-1])
-    print(cases)
+    cases = run_interpreted(_TRITON_GRID_SCRIPT, json.dumps(_GRIDS))
     assert len(cases) == len(_GRIDS)
     assert all(case["same"] and not case["stale_same"] and case["replicas"] > 0 for case in cases)
 

@@ -6,16 +6,12 @@ stale table and a mis-sized quota are caught."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from planner_helpers import assign_tokens, planned_routings, routing_cases
+from planner_helpers import assign_tokens, planned_routings, routing_cases, run_interpreted
 from ultraep_megatron.planner.fused_plan import host_parts
 from ultraep_megatron.planner.fused_reroute import reroute_permute
 
@@ -136,19 +132,7 @@ def test_triton_kernels_match_the_host_path_bit_for_bit():
     its autograd) against the op's host path: rows, probs, tokens, slots, send rows and both
     gradients equal bit for bit on 16 routings (R 2-8, E <= 256, k <= 8, H = 130: two column
     blocks). Control: a table whose running totals are shifted moves pairs."""
-    pytest.importorskip("triton")
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
-    result = subprocess.run(
-        [sys.executable, "-c", _TRITON_SCRIPT, str(REPO / "tests" / "planner")],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env=env,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    summary = json.loads(result.stdout.strip().splitlines()[-1])
-    print(summary)
+    summary = run_interpreted(_TRITON_SCRIPT, str(REPO / "tests" / "planner"))
     assert summary["cases"] == 16 and summary["mismatches"] == 0
     assert summary["stale_mismatches"] >= 12
 
