@@ -6,14 +6,13 @@ same record and table bit for bit; the op is one op to dispatch modes and fake t
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 
-from planner_helpers import SETTINGS, domain_problems, run_interpreted
+from planner_helpers import REPO, SETTINGS, domain_problems, run_interpreted
 from ultraep_megatron.planner import BalancerConfig, metrics, rank_reroute
 from ultraep_megatron.planner.fused_plan import host_plan, plan_invocation
 from ultraep_megatron.planner.record_layout import (
@@ -26,8 +25,6 @@ from ultraep_megatron.planner.record_layout import (
     unpack_record,
 )
 from ultraep_megatron.traces.synthetic import zipf_load
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def compact_table(plan, load, rank) -> np.ndarray:

@@ -6,16 +6,13 @@ stale table and a mis-sized quota are caught."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
 
-from planner_helpers import assign_tokens, planned_routings, routing_cases, run_interpreted
+from planner_helpers import REPO, assign_tokens, planned_routings, routing_cases, run_interpreted
 from ultraep_megatron.planner.fused_plan import host_parts
 from ultraep_megatron.planner.fused_reroute import reroute_permute
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def table_of(plan, load, rank):
